@@ -1,0 +1,86 @@
+"""The `mmpipe` command. `mmpipe train` checks the run, then starts the deepspeed launcher with
+stages x dp local processes, each running `python -m mmpipe.train` with the same flags."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+from .config import ConfigError, list_presets
+from .run_config import add_train_args, resolve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fail(e: ConfigError) -> int:
+    for line in str(e).splitlines():
+        print(f"mmpipe: error: {line}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
+    if args.dp < 1:
+        return _fail(ConfigError(f"--dp: {args.dp} must be >= 1"))
+    world = args.dp * (args.stages or 0)
+    try:
+        if not world:  # stages from the DeepSpeed config: resolve once to learn them
+            world = args.dp * resolve(args, world_size=args.dp * 2 if args.stages is None else 1).stages
+        run = resolve(args, world_size=world)
+        if args.resume and not os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest")):
+            raise ConfigError(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'checkpoints')}")
+    except ConfigError as e:
+        return _fail(e)
+    launcher = shutil.which("deepspeed")
+    if launcher is None:
+        return _fail(ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)"))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
+    cmd = [launcher, "--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",
+           "--master_port", str(args.master_port or _free_port()),
+           "--module", "mmpipe.train", *rank_argv]
+    print("mmpipe: " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="mmpipe", description="Train vision-language models as DeepSpeed pipelines.")
+    sub = p.add_subparsers(dest="command")
+    t = sub.add_parser("train", help="train on this machine through the deepspeed launcher")
+    add_train_args(t)
+    t.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (default: 1)")
+    t.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    sub.add_parser("presets", help="list the model presets")
+    args = p.parse_args(argv)
+    if args.command == "presets":
+        print("\n".join(list_presets()))
+        return 0
+    if args.command == "train":
+        rank_argv = _strip(argv[1:], {"--dp", "--master-port"})
+        return cmd_train(args, rank_argv)
+    p.print_help()
+    return 2
+
+
+def _strip(argv: list[str], flags: set[str]) -> list[str]:
+    """argv without the front-door-only flags (and their values)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif a.split("=", 1)[0] not in flags:
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

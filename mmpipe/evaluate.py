@@ -1,0 +1,82 @@
+"""Held-out accuracy: exact match of the greedily generated answer, per question type.
+
+Runs the single-device reference model (the pipeline's own layers, loaded from a checkpoint) in
+one process. Generation recomputes the whole (short) sequence per new token; answers are 1-2 words.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .config import ModelConfig
+from .data.batches import Encoder
+from .data.shapes import QUESTION_TYPES, ShapesVQA
+
+
+@torch.no_grad()
+def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]], eos_id: int, pad_id: int,
+                    max_new_tokens: int, text_len: int) -> list[list[int]]:
+    """Batched greedy decoding with right padding: causal attention after the image prefix means
+    the pads to the right of a prompt never influence it, so prompts of any length share a batch."""
+    n_img = model.cfg.vision.n_tokens
+    B = len(prompts)
+    ids = torch.full((B, text_len), pad_id, dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts])
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+    out = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    rows = torch.arange(B)
+    for _ in range(max_new_tokens):
+        if done.all() or lengths.max() >= text_len:
+            break
+        logits = model(pixel_values, ids)  # [B, N_img + text_len, V]
+        nxt = logits[rows, n_img + lengths - 1].argmax(-1)  # text token j sits at decoder position n_img + j
+        for b in range(B):
+            if not done[b]:
+                if nxt[b].item() == eos_id:
+                    done[b] = True
+                else:
+                    out[b].append(nxt[b].item())
+        ids[rows, lengths] = torch.where(done, pad_id, nxt)
+        lengths = lengths + 1
+    return out
+
+
+def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank_images: bool = False,
+             batch_size: int = 250, max_new_tokens: int = 4) -> dict:
+    """Accuracy overall and per question type on the held-out 'eval' split (n_samples / 5 per type)."""
+    model.eval()
+    data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, "eval", seed)
+    enc = Encoder(cfg)
+    dtype = next(model.parameters()).dtype
+    correct, total = defaultdict(int), defaultdict(int)
+    for start in range(0, n_samples, batch_size):
+        samples = [data.sample(i) for i in range(start, min(start + batch_size, n_samples))]
+        images = [data.blank() if blank_images else data.render(s) for s in samples]
+        pixels = torch.stack([enc.pixels(im) for im in images]).to(dtype)
+        answers = greedy_generate(model, pixels, [enc.prompt_ids(s.question) for s in samples],
+                                  enc.tok.eos_token_id, enc.tok.pad_token_id, max_new_tokens, enc.text_len)
+        for s, a in zip(samples, answers):
+            total[s.qtype] += 1
+            correct[s.qtype] += int(enc.tok.decode(a, skip_special_tokens=True).strip() == s.answer)
+    per_type = {q: correct[q] / total[q] for q in QUESTION_TYPES if total[q]}
+    return {"accuracy": sum(correct.values()) / max(1, sum(total.values())), "per_type": per_type,
+            "n": sum(total.values())}
+
+
+def blind_baseline(cfg: ModelConfig, *, seed: int, n_samples: int = 50000) -> dict:
+    """The best score without looking at the image: per question text, always give its most common answer."""
+    data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, "eval", seed)
+    by_question: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    qtypes: dict[str, str] = {}
+    for i in range(n_samples):
+        s = data.sample(i)
+        by_question[s.question][s.answer] += 1
+        qtypes[s.question] = s.qtype
+    hits, totals = defaultdict(int), defaultdict(int)
+    for q, answers in by_question.items():
+        hits[qtypes[q]] += max(answers.values())
+        totals[qtypes[q]] += sum(answers.values())
+    return {"accuracy": sum(hits.values()) / n_samples, "per_type": {q: hits[q] / totals[q] for q in totals}}

@@ -1,0 +1,65 @@
+"""Attention shared by the vision and text towers: fused qkv, SDPA, partial rotary, prefix-LM mask."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.lru_cache(maxsize=16)
+def prefix_lm_mask(seq_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:
+    """bool [T, T], True = may attend. Causal, except that the first prefix_len positions
+    (BOS + image tokens) see each other both ways, as moondream's prefix_attn does."""
+    i = torch.arange(seq_len, device=device)
+    causal = i[None, :] <= i[:, None]
+    prefix = (i[:, None] < prefix_len) & (i[None, :] < prefix_len)
+    return causal | prefix
+
+
+@functools.lru_cache(maxsize=16)
+def rotary_cos_sin(seq_len: int, rot_dim: int, theta: float, device: torch.device):
+    """cos, sin [T, rot_dim] for NeoX-style (rotate-half) rotary embeddings, in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float32) / rot_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, Dh]; rotate the first rot_dim features of each head, pass the rest through (Phi)."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    x_rot = (x_rot.float() * cos + rotated.float() * sin).to(x.dtype)
+    return torch.cat([x_rot, x_pass], dim=-1)
+
+
+class FusedAttention(nn.Module):
+    """Multi-head self-attention with one qkv projection, as in SigLIP (split) and Phi (fused)."""
+
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, rotary=None) -> torch.Tensor:
+        B, T, D = x.shape  # [B, T, D]
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, Dh]
+        if rotary is not None:
+            q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, Dh]
+        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, dim: int, ff_dim: int, out_dim: int | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, ff_dim)
+        self.fc2 = nn.Linear(ff_dim, out_dim or dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))

@@ -1,0 +1,70 @@
+"""One model definition, two ways to run it.
+
+`layer_specs(cfg)` is the model: a flat list of DeepSpeed LayerSpecs
+
+    PatchEmbed, VisionBlock x n_vision, VisionNorm, Projector, TextEmbed, DecoderBlock x n_text, LMHead
+
+(moondream2: 1 + 27 + 1 + 1 + 1 + 24 + 1 = 56 layers). The same list feeds
+deepspeed.pipe.PipelineModule (mmpipe.pipeline) and, built in one process, the single-device
+reference (`build_reference`). Layer i is always initialised under torch.manual_seed(seed + i),
+so both get identical weights whatever the stage count.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import DecoderBlock, LMHead, PatchEmbed, Projector, TextEmbed, VisionBlock, VisionNorm
+
+IGNORE_INDEX = -100
+FREEZE_GROUPS = ("vision", "projector", "text")
+
+
+def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    return ([LayerSpec(PatchEmbed, cfg)]
+            + [LayerSpec(VisionBlock, cfg) for _ in range(cfg.vision.n_layers)]
+            + [LayerSpec(VisionNorm, cfg), LayerSpec(Projector, cfg), LayerSpec(TextEmbed, cfg)]
+            + [LayerSpec(DecoderBlock, cfg) for _ in range(cfg.text.n_layers)]
+            + [LayerSpec(LMHead, cfg)])
+
+
+def layer_group(spec: LayerSpec) -> str:
+    return spec.typename.group
+
+
+def build_layer(spec: LayerSpec, idx: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed + idx)  # the same seed_fn(base_seed + idx) PipelineModule(seed_layers=True) uses
+    return spec.build()
+
+
+def apply_freeze(layers, freeze: tuple[str, ...]) -> None:
+    for layer in layers:
+        if getattr(layer, "group", None) in freeze:
+            layer.requires_grad_(False)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over labelled positions. logits [B, T, V]; labels [B, T], the token each
+    position should predict next, IGNORE_INDEX everywhere but answer tokens."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class ReferenceModel(nn.Sequential):
+    """The single-device model: the pipeline's layer list run in order in one process."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 1234, freeze: tuple[str, ...] = ()):
+        super().__init__(*[build_layer(s, i, seed) for i, s in enumerate(layer_specs(cfg))])
+        self.cfg = cfg
+        apply_freeze(self, freeze)
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward((pixel_values, input_ids))  # logits [B, N_img + T_text, V]
+
+
+def layer_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters per layer, built on the meta device: no memory is allocated even for moondream-2b."""
+    with torch.device("meta"):
+        return [sum(p.numel() for p in s.build().parameters()) for s in layer_specs(cfg)]

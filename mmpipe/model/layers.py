@@ -1,0 +1,133 @@
+"""The moondream-shaped layers, one class per pipeline layer.
+
+Every layer takes and returns the stage tuple (mmpipe.model.stage), except the first
+(takes the batch inputs) and the last (returns logits). `group` names what --freeze acts on.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import FusedAttention, GeluMLP, prefix_lm_mask, rotary_cos_sin
+from .stage import StageTuple
+
+
+class PatchEmbed(nn.Module):
+    """pixels [B, C, H, W] -> linear patch embedding + learned positions, no CLS token (SigLIP)."""
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.patch_size = v.patch_size
+        self.linear = nn.Linear(v.patch_dim, v.dim)
+        self.pos_emb = nn.Parameter(torch.randn(1, v.n_tokens, v.dim) * 0.02)
+
+    def forward(self, inputs):
+        pixel_values, input_ids = inputs
+        x = pixel_values.to(self.linear.weight.dtype)  # DeepSpeed casts the model, never the inputs
+        B, C, H, W = x.shape
+        p = self.patch_size
+        # [B, C, H, W] -> [B, (H/p)(W/p), C p p]: one row per patch, row-major over the grid
+        x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
+        return StageTuple(self.linear(x) + self.pos_emb, input_ids).pack()
+
+
+class VisionBlock(nn.Module):
+    """Pre-LN ViT block, bidirectional attention over the image tokens."""
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.ln1 = nn.LayerNorm(v.dim, eps=v.ln_eps)
+        self.attn = FusedAttention(v.dim, v.n_heads)
+        self.ln2 = nn.LayerNorm(v.dim, eps=v.ln_eps)
+        self.mlp = GeluMLP(v.dim, v.ff_dim)
+
+    def forward(self, args):
+        x, input_ids = StageTuple.unpack(args)  # x [B, N_img, D_vision]
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return StageTuple(x, input_ids).pack()
+
+
+class VisionNorm(nn.Module):
+    """The ViT's final LayerNorm (SigLIP post_layernorm)."""
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.vision.dim, eps=cfg.vision.ln_eps)
+
+    def forward(self, args):
+        x, input_ids = StageTuple.unpack(args)
+        return StageTuple(self.ln(x), input_ids).pack()
+
+
+class Projector(nn.Module):
+    """2-layer MLP, vision width -> text width. PyTorch's default Linear init on purpose: with
+    std 0.02 the projected image starts ~50x smaller than the text embeddings and the decoder
+    learns to ignore it for minutes (measured on the shapes task)."""
+    group = "projector"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.mlp = GeluMLP(cfg.vision.dim, cfg.proj_inner_dim, cfg.text.dim)
+
+    def forward(self, args):
+        x, input_ids = StageTuple.unpack(args)
+        return StageTuple(self.mlp(x), input_ids).pack()  # [B, N_img, D_text]
+
+
+class TextEmbed(nn.Module):
+    """Token embedding with the image spliced in right after BOS: [BOS, img_1..img_N, text...]."""
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.text.vocab_size, cfg.text.dim)
+
+    def forward(self, args):
+        img, input_ids = StageTuple.unpack(args)  # img [B, N_img, D], input_ids [B, T_text]
+        emb = self.wte(input_ids)  # [B, T_text, D]
+        x = torch.cat([emb[:, :1], img.to(emb.dtype), emb[:, 1:]], dim=1)  # [B, N_img + T_text, D]
+        return StageTuple(x, input_ids).pack()
+
+
+class DecoderBlock(nn.Module):
+    """Phi block: one LayerNorm feeds attention and MLP in parallel; x + attn(ln x) + mlp(ln x)."""
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = cfg.text
+        self.prefix_len = cfg.prefix_len
+        self.rotary_dim, self.theta = t.rotary_dim, t.rope_theta
+        self.ln = nn.LayerNorm(t.dim, eps=t.ln_eps)
+        self.attn = FusedAttention(t.dim, t.n_heads)
+        self.mlp = GeluMLP(t.dim, t.ff_dim)
+
+    def forward(self, args):
+        x, input_ids = StageTuple.unpack(args)  # x [B, T, D], T = N_img + T_text
+        T = x.shape[1]
+        mask = prefix_lm_mask(T, self.prefix_len, x.device)
+        rotary = rotary_cos_sin(T, self.rotary_dim, self.theta, x.device)
+        h = self.ln(x)
+        x = x + self.attn(h, mask=mask, rotary=rotary) + self.mlp(h)
+        return StageTuple(x, input_ids).pack()
+
+
+class LMHead(nn.Module):
+    """Final LayerNorm + untied linear head -> logits [B, T, V]."""
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.text.dim, eps=cfg.text.ln_eps)
+        self.linear = nn.Linear(cfg.text.dim, cfg.text.vocab_size)
+
+    def forward(self, args):
+        x, _ = StageTuple.unpack(args)
+        return self.linear(self.ln(x))

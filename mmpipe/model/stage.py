@@ -1,0 +1,38 @@
+"""The stage contract: the one tuple that travels between pipeline stages.
+
+DeepSpeed sends a tuple of tensors from stage to stage. Rules it imposes (see docs/pipeline.md):
+every float tensor must be on the autograd graph at both ends, received float tensors get
+requires_grad=True, integer tensors carry no gradient, and with 3+ stages floats must come
+before ints. So the tuple is exactly two fields, floats first:
+
+    hidden     float [B, S, D]  what the previous layer produced:
+                                  after PatchEmbed / VisionBlock: vision tokens   [B, N_img, D_vision]
+                                  after Projector:                image embeddings [B, N_img, D_text]
+                                  after TextEmbed / DecoderBlock: merged sequence  [B, 1 + N_img + T_text, D_text]
+    input_ids  long  [B, T_text] the text tokens (BOS first, right-padded); TextEmbed embeds them and
+                                  the decoder rebuilds its attention mask from the model config
+                                  (bidirectional over BOS + image, causal after) - no T x T mask travels.
+
+The pipeline's first input is (pixel_values float [B, C, H, W], input_ids long [B, T_text]);
+labels go to the last stage through DeepSpeed's (inputs, labels) data contract, never through here.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class StageTuple(NamedTuple):
+    hidden: torch.Tensor
+    input_ids: torch.Tensor
+
+    @classmethod
+    def unpack(cls, args: tuple) -> "StageTuple":
+        if len(args) != 2:
+            raise ValueError(f"stage tuple must be (hidden, input_ids), got {len(args)} tensors")
+        return cls(*args)
+
+    def pack(self) -> tuple:
+        # DeepSpeed's p2p needs plain tuples of contiguous tensors.
+        return (self.hidden.contiguous(), self.input_ids.contiguous())

@@ -1,0 +1,36 @@
+"""The model as a DeepSpeed PipelineModule, cut at boundaries mmpipe computed (mmpipe.partition)."""
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import PipelineModule
+
+from .model.builder import apply_freeze, layer_specs, lm_loss
+from .run_config import RunConfig
+
+CHECKPOINTABLE = ["VisionBlock", "DecoderBlock"]
+
+
+class VLMPipeline(PipelineModule):
+    """PipelineModule with explicit stage bounds: DeepSpeed's 'profile' is unimplemented and its
+    'parameters' ignores frozen layers, so `_partition_layers` (the hook DeepSpeed calls during
+    __init__) takes the boundaries computed beforehand."""
+
+    def __init__(self, run: RunConfig, seed: int):
+        self.__dict__["_mmpipe_parts"] = list(run.parts)  # read by _partition_layers inside super().__init__
+        super().__init__(
+            layers=layer_specs(run.model),
+            num_stages=run.stages,
+            loss_fn=lm_loss,
+            partition_method="mmpipe",
+            # layer i is built under torch.manual_seed(seed + i), exactly as ReferenceModel builds it
+            seed_layers=True, base_seed=seed, seed_fn=torch.manual_seed,
+            activation_checkpoint_interval=int(run.ds_config.get("pipeline", {}).get(
+                "activation_checkpoint_interval", 0)),
+            checkpointable_layers=CHECKPOINTABLE,
+        )
+        apply_freeze(self.forward_funcs, run.freeze)
+
+    def _partition_layers(self, method="mmpipe"):
+        self.parts = self._mmpipe_parts
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])

@@ -1,0 +1,197 @@
+"""Everything one run needs, resolved and checked before any process group exists.
+
+`resolve(args, world_size)` reads the DeepSpeed JSON, the preset and the flags, and either
+returns a RunConfig or raises ConfigError listing every problem, one line each, naming the field
+and what would be valid. The front door (`mmpipe train`) and every rank (`python -m mmpipe.train`)
+call it, so a bad run is refused with exit status 2 before anything is launched.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ConfigError, ModelConfig, load_preset
+from .data.batches import TEXT_LEN
+from .data.tokenizer import builtin_tokenizer
+from .model.builder import FREEZE_GROUPS
+from .partition import LayerInfo, check_trainable, compute_parts, layer_table
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
+DEFAULT_DS_CONFIG = "cpu_fp32.json"
+DATASETS = ("shapes",)
+
+
+def default_ds_config() -> str:
+    """ds_configs/cpu_fp32.json from a source checkout, else the copy installed with the package."""
+    for base in (REPO_CONFIGS, Path(__file__).resolve().parent / "ds_configs"):
+        if (base / DEFAULT_DS_CONFIG).exists():
+            return str(base / DEFAULT_DS_CONFIG)
+    return str(REPO_CONFIGS / DEFAULT_DS_CONFIG)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="small", help="model preset name or path to a model JSON (default: small)")
+    p.add_argument("--data", default="shapes", help="dataset: 'shapes', the built-in synthetic VQA set (default)")
+    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (default: ds_configs/cpu_fp32.json)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="pipeline stages (default: the config's pipeline.stages, else 2)")
+    p.add_argument("--partition", default=None,
+                   help="balanced | uniform | parameters | explicit first-layer indices of stages 1..P-1 "
+                        "(default: the config's pipeline.partition, 'best' = balanced)")
+    p.add_argument("--steps", type=int, default=1400, help="optimizer steps (default: 1400)")
+    p.add_argument("--output-dir", default="runs/default", help="log, checkpoints and summary.json go here")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    p.add_argument("--freeze", default="", help=f"comma-separated groups to freeze: {', '.join(FREEZE_GROUPS)}")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--eval-samples", type=int, default=1000,
+                   help="held-out samples scored after training, split evenly over the 5 question types (0: skip)")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    ds_config: dict  # as handed to deepspeed.initialize, batch sizes filled in
+    ds_config_path: str
+    stages: int
+    dp: int
+    micro: int
+    gas: int
+    parts: list[int]
+    layers: list[LayerInfo]
+    freeze: tuple[str, ...]
+    precision: str
+    zero_stage: int
+    text_len: int = TEXT_LEN
+
+    @property
+    def train_batch(self) -> int:
+        return self.micro * self.gas * self.dp
+
+
+def _load_json(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--ds-config: file not found: {path}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--ds-config: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--ds-config: {path} must hold a JSON object")
+    return data
+
+
+def _batch_sizes(ds: dict, dp: int) -> tuple[int, int]:
+    """DeepSpeed's rule: train_batch_size = micro x GAS x DP; any two of the three fix the third."""
+    tb, micro, gas = ds.get("train_batch_size"), ds.get("train_micro_batch_size_per_gpu"), ds.get(
+        "gradient_accumulation_steps")
+    for key, val in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", micro),
+                     ("gradient_accumulation_steps", gas)):
+        if val is not None and (not isinstance(val, int) or val < 1):
+            raise ConfigError(f"{key}: {val!r} must be a positive integer")
+    if micro is None and tb is None:
+        raise ConfigError("train_micro_batch_size_per_gpu: missing (set it, or train_batch_size)")
+    if micro is None:
+        gas = gas or 1
+        if tb % (gas * dp):
+            raise ConfigError(f"train_batch_size: {tb} is not divisible by gradient_accumulation_steps {gas} x dp {dp}")
+        micro = tb // (gas * dp)
+    if gas is None:
+        if tb is None:
+            gas = 1
+        elif tb % (micro * dp):
+            raise ConfigError(f"train_batch_size: {tb} is not divisible by micro {micro} x dp {dp}")
+        else:
+            gas = tb // (micro * dp)
+    if tb is not None and tb != micro * gas * dp:
+        raise ConfigError(f"train_batch_size: {tb} != train_micro_batch_size_per_gpu {micro} x "
+                          f"gradient_accumulation_steps {gas} x dp {dp} = {micro * gas * dp}")
+    return micro, gas
+
+
+def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
+    problems: list[str] = []
+
+    def attempt(fn, *a):
+        try:
+            return fn(*a)
+        except ConfigError as e:
+            problems.append(str(e))
+            return None
+
+    ds_path = args.ds_config or default_ds_config()
+    ds = attempt(_load_json, ds_path)
+    model = attempt(load_preset, args.preset)
+    if args.data not in DATASETS:
+        problems.append(f"--data: '{args.data}' is not available (valid: {', '.join(DATASETS)})")
+    if args.steps < 1:
+        problems.append(f"--steps: {args.steps} must be >= 1")
+    if args.save_every < 0:
+        problems.append(f"--save-every: {args.save_every} must be >= 0")
+    freeze = tuple(g for g in args.freeze.split(",") if g)
+    bad = [g for g in freeze if g not in FREEZE_GROUPS]
+    if bad:
+        problems.append(f"--freeze: unknown group(s) {bad} (valid: {', '.join(FREEZE_GROUPS)})")
+        freeze = ()
+    if ds is None:
+        raise ConfigError("\n".join(problems))
+
+    pipe_cfg = ds.get("pipeline", {})
+    stages = args.stages if args.stages is not None else pipe_cfg.get("stages", "auto")
+    stages = 2 if stages == "auto" else stages
+    if not isinstance(stages, int) or stages < 1:
+        problems.append(f"--stages: {stages!r} must be a positive integer")
+        stages = 1
+    if world_size % stages:
+        problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
+                        f"(data-parallel degree = world size / stages)")
+    dp = max(1, world_size // stages)
+
+    zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    fp16 = bool(ds.get("fp16", {}).get("enabled", False))
+    bf16 = bool(ds.get("bf16", {}).get("enabled", False))
+    if zero_stage >= 2:
+        problems.append(f"zero_optimization.stage: {zero_stage} cannot run with a pipeline in DeepSpeed 0.19.8, "
+                        f"which rejects ZeRO-2/3 for any PipelineModule (valid: 0 or 1)")
+    if fp16 and bf16:
+        problems.append("fp16.enabled / bf16.enabled: both are on; choose one")
+    if fp16 and zero_stage != 1:
+        problems.append("fp16.enabled: fp16 needs zero_optimization.stage 1: without ZeRO, DeepSpeed 0.19.8 never "
+                        "multiplies the loss by the loss scale (wrong updates, no overflow detection); "
+                        "use stage 1, bf16, or fp32")
+    if "optimizer" not in ds:
+        problems.append("optimizer: missing; set e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3, "
+                        "\"torch_adam\": true}}")
+    micro = gas = 1
+    try:
+        micro, gas = _batch_sizes(ds, dp)
+    except ConfigError as e:
+        problems.append(str(e))
+
+    parts, table = [], []
+    if model is not None:
+        table = layer_table(model, freeze, TEXT_LEN)
+        method = str(args.partition or pipe_cfg.get("partition", "best"))
+        parts = attempt(compute_parts, table, stages, method) or []
+        if parts:
+            attempt(check_trainable, table, parts)
+        n_vocab = len(builtin_tokenizer())
+        if model.text.vocab_size < n_vocab:
+            problems.append(f"text.vocab_size: {model.text.vocab_size} is smaller than the tokenizer's {n_vocab} tokens")
+        if model.prefix_len + TEXT_LEN - 1 > model.text.max_context:
+            problems.append(f"text.max_context: {model.text.max_context} < {model.prefix_len + TEXT_LEN - 1} "
+                            f"positions needed (image prefix + text)")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+    ds = json.loads(json.dumps(ds))  # a deep copy: the file's dict stays as read
+    sched = ds.get("scheduler", {}).get("params", {})
+    if sched.get("total_num_steps") == "auto":  # as in DeepSpeed's HF integration: the run's length
+        sched["total_num_steps"] = args.steps
+    ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
+              gradient_accumulation_steps=gas)
+    precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts, table, freeze, precision, zero_stage)

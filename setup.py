@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mmpipe",
+    version="0.1.0",
+    description="Train vision-language models (ViT + projector + decoder LM) as DeepSpeed pipelines",
+    packages=find_packages(include=["mmpipe", "mmpipe.*"]),
+    package_data={"mmpipe": ["presets/*.json"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "torchvision>=0.19,<0.30",
+        "deepspeed>=0.19.8,<0.20",
+        "transformers>=4.46,<6",
+        "datasets>=3.0,<6",
+        "pillow>=10",
+        "safetensors>=0.4",
+        "tqdm>=4.66",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["mmpipe=mmpipe.cli:main"]},
+)
