@@ -29,6 +29,13 @@ class VLMPipeline(PipelineModule):
             checkpointable_layers=CHECKPOINTABLE,
         )
         apply_freeze(self.forward_funcs, run.freeze)
+        # DeepSpeed 0.19.8 computes the global gradient norm (clipping, ZeRO-1, bf16) by summing
+        # over its "model parallel" group - here, the stages of one pipeline - but counts a
+        # parameter only on group rank 0 (stage 0) unless it is marked model_parallel. Unmarked,
+        # every stage clips with stage 0's norm and PP=2 drifts from PP=1 once clipping engages.
+        # Each parameter lives on exactly one stage, so marking all of them counts each once.
+        for p in self.parameters():
+            p.model_parallel = True
 
     def _partition_layers(self, method="mmpipe"):
         self.parts = self._mmpipe_parts

@@ -97,7 +97,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
         step_times.append(dt)
         losses.append(loss)
         if log:
-            log.writerow({"step": step, "loss": f"{loss:.6f}", "lr": f"{engine.get_lr()[0]:.6g}",
+            log.writerow({"step": step, "loss": repr(loss), "lr": f"{engine.get_lr()[0]:.6g}",
                           "samples_per_s": f"{run.train_batch / dt:.1f}", "tokens_per_s": f"{run.train_batch * seq / dt:.0f}",
                           "elapsed_s": f"{time.perf_counter() - t_start:.2f}"})
             log_file.flush()

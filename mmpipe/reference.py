@@ -1,0 +1,52 @@
+"""Single-device reference training: the pipeline's layers, its batches and its optimizer recipe,
+in one process with plain PyTorch. "Pipeline == single device" is tested against this.
+
+It follows the DeepSpeed JSON: AdamW (torch_adam) with the same params, the same LR scheduler
+class from deepspeed.runtime.lr_schedules, gradient clipping on the global norm, and DeepSpeed's
+gradient accumulation (each micro-batch loss scaled by 1 / GAS).
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime import lr_schedules
+
+from .data.batches import pipeline_batches
+from .model.builder import ReferenceModel, lm_loss
+from .run_config import RunConfig
+
+
+def train_reference(run: RunConfig, *, seed: int, steps: int) -> tuple[ReferenceModel, list[float]]:
+    if run.dp != 1 or run.precision != "fp32":
+        raise ValueError("the reference loop covers dp = 1, fp32")
+    model = ReferenceModel(run.model, seed=seed, freeze=run.freeze)
+    opt_cfg = run.ds_config["optimizer"]
+    if opt_cfg["type"].lower() not in ("adamw", "adam"):
+        raise ValueError(f"reference loop supports Adam/AdamW, not {opt_cfg['type']}")
+    params = {k: v for k, v in opt_cfg.get("params", {}).items() if k not in ("torch_adam", "adam_w_mode")}
+    params["betas"] = tuple(params.get("betas", (0.9, 0.999)))
+    adamw = opt_cfg["type"].lower() == "adamw" or opt_cfg.get("params", {}).get("adam_w_mode", True)
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([p for p in model.parameters() if p.requires_grad],
+                                                             **params)
+    sched = None
+    if "scheduler" in run.ds_config:
+        s = run.ds_config["scheduler"]
+        sched = getattr(lr_schedules, s["type"])(opt, **s.get("params", {}))
+    clip = run.ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
+    batches = pipeline_batches(run.model, seed=seed, start_step=0, micro=run.micro, gas=run.gas)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(run.gas):
+            (pixels, input_ids), labels = next(batches)
+            loss = lm_loss(model(pixels, input_ids), labels)
+            (loss / run.gas).backward()
+            total += loss.item() / run.gas  # DeepSpeed reports the mean over micro-batches
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        losses.append(total)
+    return model, losses

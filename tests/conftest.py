@@ -1,0 +1,72 @@
+"""Shared helpers: launch real multi-rank runs through `mmpipe train` and read what they wrote."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_ds_config(path: Path, **overrides) -> Path:
+    """ds_configs/cpu_fp32.json with overrides (a value of None deletes the key)."""
+    cfg = json.loads((ROOT / "ds_configs" / "cpu_fp32.json").read_text())
+    for k, v in overrides.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def mmpipe_train(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class Run:
+    def __init__(self, out: Path, proc: subprocess.CompletedProcess):
+        self.out, self.proc = out, proc
+
+    def check(self) -> "Run":
+        # the success marker, not only the exit code: DeepSpeed can abort at exit after a good run
+        assert (self.out / "summary.json").is_file(), self.proc.stdout[-3000:] + self.proc.stderr[-3000:]
+        return self
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    @property
+    def losses(self) -> dict[int, float]:
+        with open(self.out / "train_log.csv") as f:
+            return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+    @property
+    def rows(self) -> list[dict]:
+        with open(self.out / "train_log.csv") as f:
+            return list(csv.DictReader(f))
+
+
+def train_run(out: Path, *args: str) -> Run:
+    return Run(out, mmpipe_train(["--output-dir", str(out), *args]))
+
+
+@pytest.fixture(scope="session")
+def equivalence_config(tmp_path_factory) -> Path:
+    """Tiny batches, a real schedule: warm-up then cosine decay over the run, clipping on."""
+    d = tmp_path_factory.mktemp("cfg")
+    return write_ds_config(
+        d / "equiv.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3,
+        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 2,
+                                                       "warmup_type": "linear", "warmup_min_ratio": 0.1}})
+
+
+EQUIV_STEPS = 6
