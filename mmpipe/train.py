@@ -69,6 +69,11 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
             raise SystemExit(f"mmpipe: error: --resume: no checkpoint in {ckpt_dir}")
         start_step = engine.global_steps
         assert client["samples"] == start_step * run.train_batch, "checkpoint's data position disagrees with its step"
+        auto = run.ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps") == args.steps
+        if rank == 0 and auto and client.get("total_steps") != args.steps:
+            print(f"mmpipe: warning: the LR schedule was laid out for {client.get('total_steps')} steps and now runs "
+                  f"to {args.steps}; from step {start_step + 1} it follows the {args.steps}-step curve "
+                  f"(fix scheduler.params.total_num_steps in the config to keep one schedule)", flush=True)
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(run.precision, torch.float32)
     batches = pipeline_batches(
@@ -105,7 +110,8 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
         bar.update(1)
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}",
-                                   client_state={"samples": step * run.train_batch, "seed": args.seed})
+                                   client_state={"samples": step * run.train_batch, "seed": args.seed,
+                                                 "total_steps": args.steps})
     bar.close()
     dist.barrier()  # every stage's layer files are on disk before rank 0 reads them
     train_time = time.perf_counter() - t_start
