@@ -1,0 +1,75 @@
+"""The built-in shapes VQA set: deterministic, unambiguous, held out, answerable only from the image."""
+from __future__ import annotations
+
+import torch
+
+from mmpipe.config import load_preset
+from mmpipe.data.batches import Encoder, micro_batch_indices, pipeline_batches
+from mmpipe.data.shapes import QUESTION_TYPES, ShapesVQA
+from mmpipe.evaluate import blind_baseline
+from mmpipe.model import IGNORE_INDEX
+
+
+def test_samples_are_deterministic_by_seed_and_index():
+    a, b, c = ShapesVQA(48, 12, seed=1), ShapesVQA(48, 12, seed=1), ShapesVQA(48, 12, seed=2)
+    assert [a.sample(i) for i in range(50)] == [b.sample(i) for i in range(50)]
+    assert a.render(a.sample(7)).tobytes() == b.render(b.sample(7)).tobytes()
+    assert [a.sample(i) for i in range(50)] != [c.sample(i) for i in range(50)]
+
+
+def test_eval_split_is_a_different_stream():
+    train, held = ShapesVQA(48, 12, "train", 0), ShapesVQA(48, 12, "eval", 0)
+    assert sum(train.sample(i) == held.sample(i) for i in range(500)) == 0
+
+
+def test_questions_are_unambiguous_and_balanced():
+    data = ShapesVQA(48, 12)
+    counts = {q: 0 for q in QUESTION_TYPES}
+    for i in range(1000):
+        s = data.sample(i)
+        counts[s.qtype] += 1
+        kinds, colours, quarters = zip(*[(x.kind, x.colour, x.quarter) for x in s.shapes])
+        assert len(set(kinds)) == len(set(colours)) == len(set(quarters)) == len(s.shapes)
+        for x in s.shapes:  # inside the image, inside one patch cell
+            x0, y0, x1, y1 = x.box
+            assert 0 <= x0 <= x1 < 48 and 0 <= y0 <= y1 < 48
+            assert x0 // 12 == x1 // 12 and y0 // 12 == y1 // 12
+    assert set(counts.values()) == {200}
+
+
+def test_blind_guessing_scores_at_most_25_percent():
+    res = blind_baseline(load_preset("small"), seed=0, n_samples=50000)
+    assert res["accuracy"] <= 0.25
+    assert max(res["per_type"].values()) < 0.28  # the best single type: 4-way answers, ~25%
+
+
+def test_labels_cover_answer_and_eos_only():
+    cfg = load_preset("small")
+    enc = Encoder(cfg)
+    s = ShapesVQA(48, 12).sample(3)  # a where_is_shape question: a two-word answer
+    ids, labels = enc.text(s)
+    n_img = cfg.vision.n_tokens
+    answer = enc.tok(s.answer, add_special_tokens=False).input_ids + [enc.tok.eos_token_id]
+    assert labels[labels != IGNORE_INDEX].tolist() == answer
+    # the first labelled position is the last prompt token ("answer:"), seen at decoder position n_img + j
+    j = len(enc.prompt_ids(s.question)) - 1
+    assert labels[n_img + j].item() == answer[0] and ids[j].item() == enc.tok.convert_tokens_to_ids("answer:")
+
+
+def test_first_and_last_stage_streams_agree_and_last_skips_images():
+    cfg = load_preset("tiny")
+    first = pipeline_batches(cfg, seed=0, start_step=2, micro=4, gas=3, need_labels=False)
+    last = pipeline_batches(cfg, seed=0, start_step=2, micro=4, gas=3, need_inputs=False)
+    both = pipeline_batches(cfg, seed=0, start_step=2, micro=4, gas=3)
+    for _ in range(7):
+        (pix, ids), no_labels = next(first)
+        no_inputs, labels = next(last)
+        (pix2, ids2), labels2 = next(both)
+        assert no_labels is None and no_inputs is None
+        assert torch.equal(ids, ids2) and torch.equal(labels, labels2) and torch.equal(pix, pix2)
+
+
+def test_data_parallel_ranks_see_disjoint_samples():
+    # 4 micro x 3 GAS x 2 DP = 24 samples per step
+    seen = [i for d in range(2) for mb in micro_batch_indices(5, 4, 3, d, 2) for i in mb]
+    assert sorted(seen) == list(range(5 * 24, 6 * 24))
