@@ -46,14 +46,15 @@ def test_blind_guessing_scores_at_most_25_percent():
 def test_labels_cover_answer_and_eos_only():
     cfg = load_preset("small")
     enc = Encoder(cfg)
-    s = ShapesVQA(48, 12).sample(3)  # a where_is_shape question: a two-word answer
+    s = ShapesVQA(48, 12).sample(3)  # a where_is_shape question
     ids, labels = enc.text(s)
     n_img = cfg.vision.n_tokens
     answer = enc.tok(s.answer, add_special_tokens=False).input_ids + [enc.tok.eos_token_id]
     assert labels[labels != IGNORE_INDEX].tolist() == answer
-    # the first labelled position is the last prompt token ("answer:"), seen at decoder position n_img + j
+    # the first labelled position is the question's last word (its key word), at decoder position n_img + j
     j = len(enc.prompt_ids(s.question)) - 1
-    assert labels[n_img + j].item() == answer[0] and ids[j].item() == enc.tok.convert_tokens_to_ids("answer:")
+    assert labels[n_img + j].item() == answer[0]
+    assert ids[j].item() == enc.tok.convert_tokens_to_ids(s.question.split()[-1])
 
 
 def test_first_and_last_stage_streams_agree_and_last_skips_images():

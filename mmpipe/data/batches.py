@@ -2,8 +2,8 @@
 
 Sequence layout for one sample (text_len = 16, 16 image tokens, so T = 32 decoder positions):
 
-    text tokens    [BOS] question: what shape is red ? answer: circle [EOS] [PAD] ...
-    decoder input  [BOS] img_1 .. img_N question: ... answer: circle [EOS] [PAD] ...
+    text tokens    [BOS] question: what shape is red circle [EOS] [PAD] ...
+    decoder input  [BOS] img_1 .. img_N question: what shape is red circle [EOS] [PAD] ...
     labels         position p holds the token p should predict (p + 1's token) for the answer
                    words and EOS, IGNORE_INDEX elsewhere: loss on answer tokens only.
 """
@@ -20,7 +20,7 @@ from ..model.builder import IGNORE_INDEX
 from .shapes import Sample, ShapesVQA
 from .tokenizer import builtin_tokenizer, prompt_text
 
-TEXT_LEN = 16  # longest shapes prompt + answer + BOS/EOS is 13 tokens
+TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in the top-left + cyan + EOS, is 10 tokens
 
 
 class Encoder:

@@ -6,11 +6,15 @@ quarter of the image. Every shape sits inside one cell of the patch grid (48 px 
 colour" is then local to a token, and "where" is carried by the learned position embedding.
 Five question types, drawn in turn (index % 5), so an eval split of 5k samples has k of each:
 
-    count              how many shapes are there ?        -> one | two | three | four   (chance 1/4)
-    colour_of_shape    what colour is the <shape> ?        -> <colour>                   (chance 1/6)
-    shape_of_colour    what shape is <colour> ?            -> <shape>                    (chance 1/5)
-    where_is_shape     where is the <shape> ?              -> top left | ... (2 words)   (chance 1/4)
-    colour_at_quarter  what colour is in the <quarter> ?   -> <colour>                   (chance 1/6)
+    count              how many shapes are there         -> one | two | three | four         (chance 1/4)
+    colour_of_shape    what colour is the <shape>        -> <colour>                         (chance 1/6)
+    shape_of_colour    what shape is <colour>            -> <shape>                          (chance 1/5)
+    where_is_shape     where is the <shape>              -> top-left | top-right | ...       (chance 1/4)
+    colour_at_quarter  what colour is in the <quarter>   -> <colour>                         (chance 1/6)
+
+Each question ends on the word that names what to look up, and the answer follows it directly
+(prompt format in mmpipe.data.tokenizer): see docs/shapes.md for why there is no "answer:"
+separator between them.
 
 Blind guessing (the best answer per question without the image) scores ~21% overall.
 Sample (split, index) is a pure function of (seed, split, index): deterministic, any order,
@@ -23,15 +27,18 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-COLOURS = {"red": (230, 40, 40), "green": (40, 190, 60), "blue": (50, 90, 240),
-           "yellow": (235, 215, 40), "magenta": (210, 60, 210), "cyan": (40, 210, 220)}
+# Every colour has the same channel sum (R + G + B = 420): a shape's outline is then the same
+# brightness pattern whatever its colour, so "which shape" and "which colour" are separate
+# features of a patch, and the model's work is binding them, not untangling them.
+COLOURS = {"red": (250, 85, 85), "green": (70, 250, 100), "blue": (80, 100, 240),
+           "yellow": (210, 210, 0), "magenta": (210, 0, 210), "cyan": (0, 200, 220)}
 SHAPES = ["circle", "square", "triangle", "cross", "diamond"]
-QUARTERS = ["top left", "top right", "bottom left", "bottom right"]
+QUARTERS = ["top-left", "top-right", "bottom-left", "bottom-right"]
 COUNTS = ["one", "two", "three", "four"]
 QUESTION_TYPES = ["count", "colour_of_shape", "shape_of_colour", "where_is_shape", "colour_at_quarter"]
 BACKGROUND = (25, 25, 25)
 VOCABULARY = sorted({w for phrase in (
-    "how many shapes are there ?", "what colour is the", "what shape is", "where is the", "in the",
+    "how many shapes are there", "what colour is the", "what shape is", "where is the", "in the",
     *COLOURS, *SHAPES, *QUARTERS, *COUNTS) for w in phrase.split()})
 
 
@@ -69,11 +76,11 @@ class ShapesVQA:
         qtype = QUESTION_TYPES[index % len(QUESTION_TYPES)]
         s = rng.choice(shapes)
         question, answer = {
-            "count": ("how many shapes are there ?", COUNTS[n - 1]),
-            "colour_of_shape": (f"what colour is the {s.kind} ?", s.colour),
-            "shape_of_colour": (f"what shape is {s.colour} ?", s.kind),
-            "where_is_shape": (f"where is the {s.kind} ?", QUARTERS[s.quarter]),
-            "colour_at_quarter": (f"what colour is in the {QUARTERS[s.quarter]} ?", s.colour),
+            "count": ("how many shapes are there", COUNTS[n - 1]),
+            "colour_of_shape": (f"what colour is the {s.kind}", s.colour),
+            "shape_of_colour": (f"what shape is {s.colour}", s.kind),
+            "where_is_shape": (f"where is the {s.kind}", QUARTERS[s.quarter]),
+            "colour_at_quarter": (f"what colour is in the {QUARTERS[s.quarter]}", s.colour),
         }[qtype]
         return Sample(shapes, qtype, question, answer)
 
@@ -93,18 +100,21 @@ class ShapesVQA:
         for s in sample.shapes:
             x0, y0, x1, y1 = s.box
             cx, cy, fill = (x0 + x1) / 2, (y0 + y1) / 2, COLOURS[s.colour]
+            w = max(1, (x1 - x0 + 1) // 6)  # outline width: 2 px for a 12-14 px shape
+            # Outlines, not filled areas: a filled circle, square and diamond share most of their
+            # pixels, their outlines almost none, so each shape is a distinct pattern in a patch.
             if s.kind == "circle":
-                draw.ellipse(s.box, fill=fill)
+                draw.ellipse(s.box, outline=fill, width=w)
             elif s.kind == "square":
-                draw.rectangle(s.box, fill=fill)
+                draw.rectangle(s.box, outline=fill, width=w)
             elif s.kind == "triangle":
-                draw.polygon([(cx, y0), (x1, y1), (x0, y1)], fill=fill)
+                draw.polygon([(cx, y0), (x1, y1), (x0, y1)], outline=fill, width=w)
             elif s.kind == "diamond":
-                draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=fill)
+                draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], outline=fill, width=w)
             else:  # cross: two bars a third of the size wide
-                w = max(1, (x1 - x0 + 1) // 3)
-                draw.rectangle((cx - w / 2, y0, cx + w / 2, y1), fill=fill)
-                draw.rectangle((x0, cy - w / 2, x1, cy + w / 2), fill=fill)
+                b = max(1, (x1 - x0 + 1) // 3)
+                draw.rectangle((cx - b / 2, y0, cx + b / 2, y1), fill=fill)
+                draw.rectangle((x0, cy - b / 2, x1, cy + b / 2), fill=fill)
         return img
 
     def blank(self) -> Image.Image:

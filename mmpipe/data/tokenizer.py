@@ -1,8 +1,12 @@
 """The built-in tokenizer: a word-level `transformers` tokenizer built in memory, no download.
 
 It is a real PreTrainedTokenizerFast (save_pretrained / AutoTokenizer.from_pretrained work), with
-the vocabulary of the synthetic shapes task. Prompt format, moondream's query template in words:
-    [BOS] question: <question words> answer: <answer words> [EOS]
+the vocabulary of the synthetic shapes task. Prompt format:
+    [BOS] question: <question words> <answer words> [EOS]
+The answer follows the question's last word directly. A separator such as moondream's
+"Answer:" makes the answer position look up the question's key word first and the image
+second; the 1M-parameter demo model does not learn that two-hop lookup in its 10-minute CPU
+budget (measured in docs/shapes.md), while one hop from the key word itself is learned in ~2.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
-PROMPT_WORDS = ["question:", "answer:", "?"]
+PROMPT_WORDS = ["question:"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,4 +30,4 @@ def builtin_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def prompt_text(question: str) -> str:
-    return f"question: {question} answer:"
+    return f"question: {question}"
