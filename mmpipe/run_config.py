@@ -40,14 +40,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=None,
                    help="balanced | uniform | parameters | explicit first-layer indices of stages 1..P-1 "
                         "(default: the config's pipeline.partition, 'best' = balanced)")
-    p.add_argument("--steps", type=int, default=1400, help="optimizer steps (default: 1400)")
+    p.add_argument("--steps", type=int, default=3000, help="optimizer steps (default: 3000)")
     p.add_argument("--output-dir", default="runs/default", help="log, checkpoints and summary.json go here")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     p.add_argument("--freeze", default="", help=f"comma-separated groups to freeze: {', '.join(FREEZE_GROUPS)}")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--eval-samples", type=int, default=1000,
-                   help="held-out samples scored after training, split evenly over the 5 question types (0: skip)")
+                   help="held-out samples scored after training, split evenly over the question types (0: skip)")
 
 
 @dataclass(frozen=True)

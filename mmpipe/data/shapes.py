@@ -1,9 +1,9 @@
 """The built-in synthetic VQA set: coloured shapes on a grid, questions only the image can answer.
 
 Each image holds 1-4 shapes, each of a different kind, a different colour and in a different
-quarter of the image. Every shape sits inside one cell of the patch grid (48 px / patch 12 ->
-4 x 4 cells, shapes 8-10 px, centred +-1 px), so one image token sees one whole shape: "which shape has which
-colour" is then local to a token, and "where" is carried by the learned position embedding.
+quarter of the image. Every shape is centred in one cell of the patch grid (64 px / patch 16 ->
+4 x 4 cells, 12 px shapes), so one image token sees one whole shape: "which shape has which
+colour" is local to a token, and "where" is carried by the learned position embedding.
 Five question types, drawn in turn (index % 5), so an eval split of 5k samples has k of each:
 
     count              how many shapes are there         -> one | two | three | four         (chance 1/4)
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-# Every colour has the same channel sum (R + G + B = 420): a shape's outline is then the same
+# Every colour has the same channel sum (R + G + B = 420): a shape is then the same
 # brightness pattern whatever its colour, so "which shape" and "which colour" are separate
 # features of a patch, and the model's work is binding them, not untangling them.
 COLOURS = {"red": (250, 85, 85), "green": (70, 250, 100), "blue": (80, 100, 240),
@@ -37,6 +37,7 @@ QUARTERS = ["top-left", "top-right", "bottom-left", "bottom-right"]
 COUNTS = ["one", "two", "three", "four"]
 QUESTION_TYPES = ["count", "colour_of_shape", "shape_of_colour", "where_is_shape", "colour_at_quarter"]
 BACKGROUND = (25, 25, 25)
+OUTLINE = (255, 255, 255)
 VOCABULARY = sorted({w for phrase in (
     "how many shapes are there", "what colour is the", "what shape is", "where is the", "in the",
     *COLOURS, *SHAPES, *QUARTERS, *COUNTS) for w in phrase.split()})
@@ -88,34 +89,40 @@ class ShapesVQA:
         half, p = self.grid // 2, self.patch
         row = rng.randrange(half) + (half if quarter >= 2 else 0)
         col = rng.randrange(half) + (half if quarter % 2 else 0)
-        size = rng.randint(max(4, int(0.7 * p)), max(4, p - 2))  # patch 12 -> 8..10 px
-        slack = p - size  # centred in the cell, +-1 px of jitter
-        x0 = col * p + slack // 2 + rng.randint(-1, 1) * (slack >= 2)
-        y0 = row * p + slack // 2 + rng.randint(-1, 1) * (slack >= 2)
+        # One size, centred in its cell: each (shape, colour) is one pixel pattern per cell
+        # (patch 16 -> 14 px shapes with a 1 px margin).
+        size = max(4, p - 2)
+        x0, y0 = col * p + (p - size) // 2, row * p + (p - size) // 2
         return (x0, y0, x0 + size - 1, y0 + size - 1)
 
     def render(self, sample: Sample) -> Image.Image:
         img = Image.new("RGB", (self.image_size, self.image_size), BACKGROUND)
         draw = ImageDraw.Draw(img)
         for s in sample.shapes:
+            # A white outline (the same pixels for every colour) around a coloured fill: the
+            # outline makes the shape a colour-independent pattern that a linear patch
+            # embedding reads directly; the fill carries the colour.
+            self._draw(draw, s.kind, s.box, OUTLINE)
             x0, y0, x1, y1 = s.box
-            cx, cy, fill = (x0 + x1) / 2, (y0 + y1) / 2, COLOURS[s.colour]
-            w = max(1, (x1 - x0 + 1) // 6)  # outline width: 2 px for a 12-14 px shape
-            # Outlines, not filled areas: a filled circle, square and diamond share most of their
-            # pixels, their outlines almost none, so each shape is a distinct pattern in a patch.
-            if s.kind == "circle":
-                draw.ellipse(s.box, outline=fill, width=w)
-            elif s.kind == "square":
-                draw.rectangle(s.box, outline=fill, width=w)
-            elif s.kind == "triangle":
-                draw.polygon([(cx, y0), (x1, y1), (x0, y1)], outline=fill, width=w)
-            elif s.kind == "diamond":
-                draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], outline=fill, width=w)
-            else:  # cross: two bars a third of the size wide
-                b = max(1, (x1 - x0 + 1) // 3)
-                draw.rectangle((cx - b / 2, y0, cx + b / 2, y1), fill=fill)
-                draw.rectangle((x0, cy - b / 2, x1, cy + b / 2), fill=fill)
+            self._draw(draw, s.kind, (x0 + 1, y0 + 1, x1 - 1, y1 - 1), COLOURS[s.colour])
         return img
+
+    @staticmethod
+    def _draw(draw: ImageDraw.ImageDraw, kind: str, box, fill) -> None:
+        x0, y0, x1, y1 = box
+        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+        if kind == "circle":
+            draw.ellipse(box, fill=fill)
+        elif kind == "square":
+            draw.rectangle(box, fill=fill)
+        elif kind == "triangle":
+            draw.polygon([(cx, y0), (x1, y1), (x0, y1)], fill=fill)
+        elif kind == "diamond":
+            draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=fill)
+        else:  # cross: two bars a third of the size wide
+            w = max(1, (x1 - x0 + 1) / 3)
+            draw.rectangle((cx - w / 2, y0, cx + w / 2, y1), fill=fill)
+            draw.rectangle((x0, cy - w / 2, x1, cy + w / 2), fill=fill)
 
     def blank(self) -> Image.Image:
         return Image.new("RGB", (self.image_size, self.image_size), BACKGROUND)

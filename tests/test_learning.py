@@ -1,0 +1,20 @@
+"""The short version of the learning run (scripts/learning_curve.py holds the long one): the
+default model, trained as a 2-stage pipeline for a minute and a half, reads the image - it
+counts shapes, and its answers fall back to chance when the image is blanked out."""
+from __future__ import annotations
+
+from conftest import train_run
+
+
+def test_two_stage_pipeline_learns_to_look_at_the_image(tmp_path):
+    run = train_run(tmp_path, "--steps", "700", "--eval-samples", "500").check()
+    s = run.summary
+    assert s["stages"] == 2 and s["preset"] == "small"
+    chance = s["chance_accuracy"]
+    assert chance <= 0.25
+    # counting needs the image and is the first thing learned (measured: ~100% by step 700)
+    assert s["eval_per_type"]["count"] >= 0.9
+    assert s["eval_accuracy"] >= chance + 0.2
+    # the same model with every image blanked is back near chance: the text alone does not answer
+    assert s["blank_image_accuracy"] <= chance + 0.1
+    assert s["final_loss"] < run.losses[1] / 5
