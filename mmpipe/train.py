@@ -107,7 +107,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
                           "samples_per_s": f"{run.train_batch / dt:.1f}", "tokens_per_s": f"{run.train_batch * seq / dt:.0f}",
                           "elapsed_s": f"{time.perf_counter() - t_start:.2f}"})
             log_file.flush()
-        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         bar.update(1)
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}",

@@ -12,9 +12,9 @@ def test_two_stage_pipeline_learns_to_look_at_the_image(tmp_path):
     assert s["stages"] == 2 and s["preset"] == "small"
     chance = s["chance_accuracy"]
     assert chance <= 0.25
-    # counting needs the image and is the first thing learned (measured: ~100% by step 700)
-    assert s["eval_per_type"]["count"] >= 0.9
-    assert s["eval_accuracy"] >= chance + 0.2
+    # measured at step 750 of the default run (docs/shapes.md): 79% overall, counting 95%
+    assert s["eval_per_type"]["count"] >= 0.85
+    assert s["eval_accuracy"] >= 0.6
     # the same model with every image blanked is back near chance: the text alone does not answer
     assert s["blank_image_accuracy"] <= chance + 0.1
     assert s["final_loss"] < run.losses[1] / 5

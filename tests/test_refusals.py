@@ -32,10 +32,10 @@ def test_fp16_without_zero1(tmp_path, capsys):
 
 
 def test_train_batch_size_mismatch(tmp_path, capsys):
-    # 32 micro x 2 GAS x 2 DP = 128, not 100
+    # 16 micro x 4 GAS x 2 DP = 128, not 100
     cfg = write_ds_config(tmp_path / "tb.json", train_batch_size=100)
     err = refuse(capsys, "--ds-config", str(cfg), "--dp", "2")
-    assert "train_batch_size: 100 != train_micro_batch_size_per_gpu 32 x gradient_accumulation_steps 2 x dp 2 = 128" in err
+    assert "train_batch_size: 100 != train_micro_batch_size_per_gpu 16 x gradient_accumulation_steps 4 x dp 2 = 128" in err
 
 
 def test_more_stages_than_layers(capsys):
