@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from .config import ConfigError, list_presets
-from .run_config import add_train_args, resolve
+from .run_config import add_train_args, requested_stages, resolve
 
 
 def _free_port() -> int:
@@ -28,11 +28,8 @@ def _fail(e: ConfigError) -> int:
 def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
     if args.dp < 1:
         return _fail(ConfigError(f"--dp: {args.dp} must be >= 1"))
-    world = args.dp * (args.stages or 0)
     try:
-        if not world:  # stages from the DeepSpeed config: resolve once to learn them
-            world = args.dp * resolve(args, world_size=args.dp * 2 if args.stages is None else 1).stages
-        run = resolve(args, world_size=world)
+        run = resolve(args, world_size=args.dp * requested_stages(args))
         if args.resume and not os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest")):
             raise ConfigError(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'checkpoints')}")
     except ConfigError as e:

@@ -112,6 +112,20 @@ def _batch_sizes(ds: dict, dp: int) -> tuple[int, int]:
     return micro, gas
 
 
+def _stages(args: argparse.Namespace, ds: dict):
+    """--stages, else the config's pipeline.stages, where "auto" (DeepSpeed's default) means 2."""
+    stages = args.stages if args.stages is not None else ds.get("pipeline", {}).get("stages", "auto")
+    return 2 if stages == "auto" else stages
+
+
+def requested_stages(args: argparse.Namespace) -> int:
+    """The stage count a launch needs processes for (stages x dp), before the full check."""
+    stages = _stages(args, _load_json(args.ds_config or default_ds_config()))
+    if not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"--stages: {stages!r} must be a positive integer")
+    return stages
+
+
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     problems: list[str] = []
 
@@ -140,8 +154,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         raise ConfigError("\n".join(problems))
 
     pipe_cfg = ds.get("pipeline", {})
-    stages = args.stages if args.stages is not None else pipe_cfg.get("stages", "auto")
-    stages = 2 if stages == "auto" else stages
+    stages = _stages(args, ds)
     if not isinstance(stages, int) or stages < 1:
         problems.append(f"--stages: {stages!r} must be a positive integer")
         stages = 1

@@ -1,5 +1,5 @@
 """Pipeline == single device: same seed and data give the same losses and weights for the
-reference loop, PP=1 and PP=2; the gradient crosses the stage boundary; --freeze holds."""
+reference loop, PP=1, PP=2 and PP=4; the gradient crosses the stage boundary; --freeze holds."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +41,12 @@ def pp2(tmp_path_factory, equivalence_config):
     return train_run(tmp_path_factory.mktemp("pp2"), *_run_args(equivalence_config, "--stages", "2")).check()
 
 
+@pytest.fixture(scope="module")
+def pp4(tmp_path_factory, equivalence_config):
+    """4 stages: middle stages receive (float, int) tuples and pass them on."""
+    return train_run(tmp_path_factory.mktemp("pp4"), *_run_args(equivalence_config, "--stages", "4")).check()
+
+
 def _max_weight_diff(a: torch.nn.Module, b: torch.nn.Module, skip_key_bias: bool = False) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -57,10 +63,11 @@ def _max_weight_diff(a: torch.nn.Module, b: torch.nn.Module, skip_key_bias: bool
     return max(diffs)
 
 
-def test_losses_match_reference(reference, pp1, pp2):
+def test_losses_match_reference(reference, pp1, pp2, pp4):
     _, ref_losses = reference
     assert len(ref_losses) == EQUIV_STEPS
-    for run in (pp1, pp2):
+    assert pp4.summary["stages"] == 4 and len(pp4.summary["parts"]) == 5
+    for run in (pp1, pp2, pp4):
         losses = run.losses
         assert sorted(losses) == list(range(1, EQUIV_STEPS + 1))
         for step, ref in enumerate(ref_losses, start=1):
@@ -69,10 +76,10 @@ def test_losses_match_reference(reference, pp1, pp2):
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3
 
 
-def test_weights_match_reference(reference, pp1, pp2):
+def test_weights_match_reference(reference, pp1, pp2, pp4):
     ref_model, _ = reference
     cfg = load_preset("tiny")
-    for run in (pp1, pp2):
+    for run in (pp1, pp2, pp4):
         model = load_reference(run.out / "checkpoints", cfg)
         assert _max_weight_diff(model, ref_model, skip_key_bias=True) < TOL
 
