@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from .config import ConfigError, list_presets
-from .run_config import add_train_args, requested_stages, resolve
+from .run_config import add_train_args, fail, requested_stages, resolve
 
 
 def _free_port() -> int:
@@ -19,24 +19,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fail(e: ConfigError) -> int:
-    for line in str(e).splitlines():
-        print(f"mmpipe: error: {line}", file=sys.stderr)
-    return 2
-
-
 def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
     if args.dp < 1:
-        return _fail(ConfigError(f"--dp: {args.dp} must be >= 1"))
+        return fail(ConfigError(f"--dp: {args.dp} must be >= 1"))
     try:
         run = resolve(args, world_size=args.dp * requested_stages(args))
-        if args.resume and not os.path.isfile(os.path.join(args.output_dir, "checkpoints", "latest")):
-            raise ConfigError(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'checkpoints')}")
     except ConfigError as e:
-        return _fail(e)
+        return fail(e)
     launcher = shutil.which("deepspeed")
     if launcher is None:
-        return _fail(ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)"))
+        return fail(ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)"))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
     cmd = [launcher, "--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,13 @@ def default_ds_config() -> str:
         if (base / DEFAULT_DS_CONFIG).exists():
             return str(base / DEFAULT_DS_CONFIG)
     return str(REPO_CONFIGS / DEFAULT_DS_CONFIG)
+
+
+def fail(e: ConfigError) -> int:
+    """Print each problem as one `mmpipe: error:` line; exit status 2, no traceback."""
+    for line in str(e).splitlines():
+        print(f"mmpipe: error: {line}", file=sys.stderr)
+    return 2
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -141,6 +149,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     model = attempt(load_preset, args.preset)
     if args.data not in DATASETS:
         problems.append(f"--data: '{args.data}' is not available (valid: {', '.join(DATASETS)})")
+    if getattr(args, "resume", False) and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
+        problems.append(f"--resume: no checkpoint in {Path(args.output_dir) / 'checkpoints'}")
     if args.steps < 1:
         problems.append(f"--steps: {args.steps} must be >= 1")
     if args.save_every < 0:

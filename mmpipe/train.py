@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
-from .run_config import RunConfig, add_train_args, resolve
+from .run_config import RunConfig, add_train_args, fail, resolve
 
 CSV_FIELDS = ["step", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s"]
 
@@ -155,12 +155,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        if args.resume and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
-            raise ConfigError(f"--resume: no checkpoint in {Path(args.output_dir) / 'checkpoints'}")
     except ConfigError as e:
-        for line in str(e).splitlines():
-            print(f"mmpipe: error: {line}", file=sys.stderr)
-        return 2
+        return fail(e)
     return train(args, run)
 
 

@@ -13,7 +13,6 @@ from typing import Iterator
 
 import torch
 from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as TF
 
 from ..config import ModelConfig
 from ..model.builder import IGNORE_INDEX
