@@ -3,14 +3,19 @@ stages x dp local processes, each running `python -m mmpipe.train` with the same
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import socket
 import subprocess
 import sys
 
-from .config import ConfigError, list_presets
-from .run_config import add_train_args, fail, requested_stages, resolve
+# The front door only checks and launches; keep its refusals to the one line each. DeepSpeed
+# announces its CPU fallback at import, and the ranks it starts still say so in their logs.
+logging.getLogger("DeepSpeed").addFilter(lambda r: "Setting accelerator to CPU" not in r.getMessage())
+
+from .config import ConfigError, list_presets  # noqa: E402
+from .run_config import add_train_args, fail, requested_stages, resolve  # noqa: E402
 
 
 def _free_port() -> int:
