@@ -72,6 +72,7 @@ class RunConfig:
     freeze: tuple[str, ...]
     precision: str
     zero_stage: int
+    auto_schedule: bool = False  # the scheduler's total_num_steps was "auto", i.e. --steps
     text_len: int = TEXT_LEN
 
     @property
@@ -212,9 +213,11 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
 
     ds = json.loads(json.dumps(ds))  # a deep copy: the file's dict stays as read
     sched = ds.get("scheduler", {}).get("params", {})
-    if sched.get("total_num_steps") == "auto":  # as in DeepSpeed's HF integration: the run's length
+    auto_schedule = sched.get("total_num_steps") == "auto"
+    if auto_schedule:  # as in DeepSpeed's HF integration: the run's length
         sched["total_num_steps"] = args.steps
     ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
               gradient_accumulation_steps=gas)
     precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
-    return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts, table, freeze, precision, zero_stage)
+    return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts, table, freeze, precision, zero_stage,
+                     auto_schedule)

@@ -69,8 +69,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
             raise SystemExit(f"mmpipe: error: --resume: no checkpoint in {ckpt_dir}")
         start_step = engine.global_steps
         assert client["samples"] == start_step * run.train_batch, "checkpoint's data position disagrees with its step"
-        auto = run.ds_config.get("scheduler", {}).get("params", {}).get("total_num_steps") == args.steps
-        if rank == 0 and auto and client.get("total_steps") != args.steps:
+        if rank == 0 and run.auto_schedule and client.get("total_steps") != args.steps:
             print(f"mmpipe: warning: the LR schedule was laid out for {client.get('total_steps')} steps and now runs "
                   f"to {args.steps}; from step {start_step + 1} it follows the {args.steps}-step curve "
                   f"(fix scheduler.params.total_num_steps in the config to keep one schedule)", flush=True)
@@ -81,7 +80,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
         dp_rank=engine.grid.data_parallel_id, dp_size=run.dp,
         need_inputs=engine.is_first_stage(), need_labels=engine.is_last_stage(), dtype=dtype)
 
-    seq = run.model.vision.n_tokens + run.text_len  # decoder positions per sample, e.g. 16 + 16 = 32
+    seq = run.model.vision.n_tokens + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28
     if rank == 0:
         # micro x GAS x DP samples per optimizer step
         print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}; {run.micro} micro x {run.gas} GAS x "
