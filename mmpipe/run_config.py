@@ -174,7 +174,10 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
                         f"(data-parallel degree = world size / stages)")
     dp = max(1, world_size // stages)
 
-    zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if zero_stage not in (0, 1, 2, 3):
+        problems.append(f"zero_optimization.stage: {zero_stage!r} is not a ZeRO stage (valid: 0 or 1 with a pipeline)")
+        zero_stage = 0
     fp16 = bool(ds.get("fp16", {}).get("enabled", False))
     bf16 = bool(ds.get("bf16", {}).get("enabled", False))
     if zero_stage >= 2:
@@ -211,7 +214,6 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     if problems:
         raise ConfigError("\n".join(problems))
 
-    ds = json.loads(json.dumps(ds))  # a deep copy: the file's dict stays as read
     sched = ds.get("scheduler", {}).get("params", {})
     auto_schedule = sched.get("total_num_steps") == "auto"
     if auto_schedule:  # as in DeepSpeed's HF integration: the run's length

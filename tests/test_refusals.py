@@ -26,6 +26,11 @@ def test_zero3_with_one_stage_pipeline(tmp_path, capsys):
     assert "zero_optimization.stage: 3" in refuse(capsys, "--ds-config", str(cfg), "--stages", "1")
 
 
+def test_zero_stage_not_a_number(tmp_path, capsys):
+    cfg = write_ds_config(tmp_path / "zx.json", zero_optimization={"stage": "one"})
+    assert "zero_optimization.stage: 'one' is not a ZeRO stage" in refuse(capsys, "--ds-config", str(cfg))
+
+
 def test_fp16_without_zero1(tmp_path, capsys):
     cfg = write_ds_config(tmp_path / "fp16.json", fp16={"enabled": True})
     assert "fp16.enabled: fp16 needs zero_optimization.stage 1" in refuse(capsys, "--ds-config", str(cfg))
