@@ -1,3 +1,5 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
@@ -6,6 +8,8 @@ setup(
     description="Train vision-language models (ViT + projector + decoder LM) as DeepSpeed pipelines",
     packages=find_packages(include=["mmpipe", "mmpipe.*"]),
     package_data={"mmpipe": ["presets/*.json"]},
+    # the shipped DeepSpeed configs, for installs that are not a source checkout
+    data_files=[("share/mmpipe/ds_configs", sorted(str(p) for p in Path("ds_configs").glob("*.json")))],
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.15",

@@ -25,9 +25,10 @@ DATASETS = ("shapes",)
 
 
 def default_ds_config() -> str:
-    """ds_configs/cpu_fp32.json from a source checkout, else the copy installed with the package."""
-    for base in (REPO_CONFIGS, Path(__file__).resolve().parent / "ds_configs"):
-        if (base / DEFAULT_DS_CONFIG).exists():
+    """ds_configs/cpu_fp32.json of a source checkout, else the copy `pip install .` put under
+    <prefix>/share/mmpipe/ds_configs."""
+    for base in (REPO_CONFIGS, Path(sys.prefix) / "share" / "mmpipe" / "ds_configs"):
+        if (base / DEFAULT_DS_CONFIG).is_file():
             return str(base / DEFAULT_DS_CONFIG)
     return str(REPO_CONFIGS / DEFAULT_DS_CONFIG)
 
