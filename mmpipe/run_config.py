@@ -122,18 +122,18 @@ def _batch_sizes(ds: dict, dp: int) -> tuple[int, int]:
     return micro, gas
 
 
-def _stages(args: argparse.Namespace, ds: dict):
+def _stages(args: argparse.Namespace, ds: dict) -> int:
     """--stages, else the config's pipeline.stages, where "auto" (DeepSpeed's default) means 2."""
     stages = args.stages if args.stages is not None else ds.get("pipeline", {}).get("stages", "auto")
-    return 2 if stages == "auto" else stages
+    stages = 2 if stages == "auto" else stages
+    if not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"--stages: {stages!r} must be a positive integer")
+    return stages
 
 
 def requested_stages(args: argparse.Namespace) -> int:
     """The stage count a launch needs processes for (stages x dp), before the full check."""
-    stages = _stages(args, _load_json(args.ds_config or default_ds_config()))
-    if not isinstance(stages, int) or stages < 1:
-        raise ConfigError(f"--stages: {stages!r} must be a positive integer")
-    return stages
+    return _stages(args, _load_json(args.ds_config or default_ds_config()))
 
 
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
@@ -166,10 +166,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         raise ConfigError("\n".join(problems))
 
     pipe_cfg = ds.get("pipeline", {})
-    stages = _stages(args, ds)
-    if not isinstance(stages, int) or stages < 1:
-        problems.append(f"--stages: {stages!r} must be a positive integer")
-        stages = 1
+    stages = attempt(_stages, args, ds) or 1
     if world_size % stages:
         problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
                         f"(data-parallel degree = world size / stages)")

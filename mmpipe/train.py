@@ -94,7 +94,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     step_times, losses = [], []
     t_start = time.perf_counter()
     bar = tqdm(total=args.steps, initial=start_step, disable=rank != 0, desc="train", dynamic_ncols=True,
-               mininterval=0.5 if sys.stderr.isatty() else 30)  # a log file gets a line every 30 s
+               mininterval=0.5 if sys.stderr.isatty() else 30)  # a log file: occasional lines, not one per step
     for step in range(start_step + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=batches).item()

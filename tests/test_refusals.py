@@ -47,6 +47,10 @@ def test_more_stages_than_layers(capsys):
     assert "--stages: 20 stages but the model has only 9 layers" in refuse(capsys, "--stages", "20")
 
 
+def test_zero_stages(capsys):
+    assert "--stages: 0 must be a positive integer" in refuse(capsys, "--stages", "0")
+
+
 def test_stage_without_trainable_parameter(capsys):
     # layers 0..2 are PatchEmbed + 2 vision blocks: frozen, and cut off as stage 0
     err = refuse(capsys, "--freeze", "vision", "--partition", "3")

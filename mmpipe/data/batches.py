@@ -1,6 +1,6 @@
 """Samples -> tensors, and the per-rank micro-batch stream DeepSpeed's pipeline pulls from.
 
-Sequence layout for one sample (text_len = 16, 16 image tokens, so T = 32 decoder positions):
+Sequence layout for one sample (text_len = 12, 16 image tokens, so T = 28 decoder positions):
 
     text tokens    [BOS] question: what shape is red circle [EOS] [PAD] ...
     decoder input  [BOS] img_1 .. img_N question: what shape is red circle [EOS] [PAD] ...

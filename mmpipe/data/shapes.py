@@ -2,7 +2,7 @@
 
 Each image holds 1-4 shapes, each of a different kind, a different colour and in a different
 quarter of the image. Every shape is centred in one cell of the patch grid (64 px / patch 16 ->
-4 x 4 cells, 12 px shapes), so one image token sees one whole shape: "which shape has which
+4 x 4 cells, 14 px shapes), so one image token sees one whole shape: "which shape has which
 colour" is local to a token, and "where" is carried by the learned position embedding.
 Five question types, drawn in turn (index % 5), so an eval split of 5k samples has k of each:
 
