@@ -31,6 +31,13 @@ def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
         run = resolve(args, world_size=args.dp * requested_stages(args))
     except ConfigError as e:
         return fail(e)
+    if not run.data.builtin:
+        # read and check every record once, before any rank starts; the ranks reuse the index
+        from .data.dataset import prepare
+        try:
+            prepare(run.data, run.model, args.output_dir, args.seed)
+        except ConfigError as e:
+            return fail(e)
     launcher = shutil.which("deepspeed")
     if launcher is None:
         return fail(ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)"))

@@ -74,6 +74,15 @@ class ModelConfig:
         """BOS + image tokens: the bidirectional prefix (moondream2: 1 + 729 = 730)."""
         return 1 + self.vision.n_tokens
 
+    def with_vocab(self, vocab_size: int) -> "ModelConfig":
+        return dataclasses.replace(self, text=dataclasses.replace(self.text, vocab_size=vocab_size))
+
+    def to_dict(self) -> dict:
+        """The JSON shape load_preset reads back."""
+        d = dataclasses.asdict(self)
+        d.pop("name")
+        return d
+
     def validate(self) -> None:
         v, t = self.vision, self.text
         checks = [

@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 
 from .config import ModelConfig
-from .data.batches import Encoder
+from .data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from .data.shapes import QUESTION_TYPES, ShapesVQA
 
 
@@ -48,19 +48,20 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
              batch_size: int = 250, max_new_tokens: int = 4) -> dict:
     """Accuracy overall and per question type on the held-out 'eval' split (n_samples / 5 per type)."""
     model.eval()
-    data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, "eval", seed)
-    enc = Encoder(cfg)
+    held_out = ShapesSamples(cfg, seed, "eval")
+    data, tok = held_out.data, held_out.tok
     dtype = next(model.parameters()).dtype
     correct, total = defaultdict(int), defaultdict(int)
     for start in range(0, n_samples, batch_size):
         samples = [data.sample(i) for i in range(start, min(start + batch_size, n_samples))]
         images = [data.blank() if blank_images else data.render(s) for s in samples]
-        pixels = torch.stack([enc.pixels(im) for im in images]).to(dtype)
-        answers = greedy_generate(model, pixels, [enc.prompt_ids(s.question) for s in samples],
-                                  enc.tok.eos_token_id, enc.tok.pad_token_id, max_new_tokens, enc.text_len)
+        pixels = torch.stack([held_out.transform(im) for im in images]).to(dtype)
+        prompts = [held_out.encoder.prompt_ids([("user", s.question)]) for s in samples]
+        answers = greedy_generate(model, pixels, prompts, tok.eos_token_id, tok.pad_token_id, max_new_tokens,
+                                  SHAPES_TEXT_LEN)
         for s, a in zip(samples, answers):
             total[s.qtype] += 1
-            correct[s.qtype] += int(enc.tok.decode(a, skip_special_tokens=True).strip() == s.answer)
+            correct[s.qtype] += int(tok.decode(a, skip_special_tokens=True).strip() == s.answer)
     per_type = {q: correct[q] / total[q] for q in QUESTION_TYPES if total[q]}
     return {"accuracy": sum(correct.values()) / max(1, sum(total.values())), "per_type": per_type,
             "n": sum(total.values())}

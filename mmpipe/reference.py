@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime import lr_schedules
 
-from .data.batches import pipeline_batches
+from .data.batches import StepBatches, TrainSet, rank_batches
+from .data.dataset import prepare
 from .model.builder import ReferenceModel, lm_loss
 from .run_config import RunConfig
 
 
-def train_reference(run: RunConfig, *, seed: int, steps: int) -> tuple[ReferenceModel, list[float]]:
+def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "") -> tuple[ReferenceModel, list[float]]:
+    """out_dir: where user data's index is read or written (mmpipe.data.dataset.prepare)."""
     if run.dp != 1 or run.precision != "fp32":
         raise ValueError("the reference loop covers dp = 1, fp32")
     model = ReferenceModel(run.model, seed=seed, freeze=run.freeze)
@@ -32,14 +34,17 @@ def train_reference(run: RunConfig, *, seed: int, steps: int) -> tuple[Reference
         s = run.ds_config["scheduler"]
         sched = getattr(lr_schedules, s["type"])(opt, **s.get("params", {}))
     clip = run.ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
-    batches = pipeline_batches(run.model, seed=seed, start_step=0, micro=run.micro, gas=run.gas)
+    v = run.model.vision
+    data = TrainSet(prepare(run.data, run.model, out_dir, seed, verbose=False), text_len=run.text_len,
+                    n_img=v.n_tokens, image_size=v.image_size, augment_seed=seed if run.data.augment else None)
+    batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
     losses = []
     model.train()
     for _ in range(steps):
         total = 0.0
         for _ in range(run.gas):
-            (pixels, input_ids), labels = next(batches)
-            loss = lm_loss(model(pixels, input_ids), labels)
+            (pixels, input_ids, has_image), labels = next(batches)
+            loss = lm_loss(model(pixels, input_ids, has_image), labels)
             (loss / run.gas).backward()
             total += loss.item() / run.gas  # DeepSpeed reports the mean over micro-batches
         if clip > 0:

@@ -14,14 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, ModelConfig, load_preset
-from .data.batches import TEXT_LEN
-from .data.tokenizer import builtin_tokenizer
+from .data.dataset import DataOptions, add_data_args, resolve_data
 from .model.builder import FREEZE_GROUPS
 from .partition import LayerInfo, check_trainable, compute_parts, layer_table
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_DS_CONFIG = "cpu_fp32.json"
-DATASETS = ("shapes",)
 
 
 def default_ds_config() -> str:
@@ -42,7 +40,6 @@ def fail(e: ConfigError) -> int:
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small", help="model preset name or path to a model JSON (default: small)")
-    p.add_argument("--data", default="shapes", help="dataset: 'shapes', the built-in synthetic VQA set (default)")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (default: ds_configs/cpu_fp32.json)")
     p.add_argument("--stages", type=int, default=None,
                    help="pipeline stages (default: the config's pipeline.stages, else 2)")
@@ -56,7 +53,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--eval-samples", type=int, default=1000,
-                   help="held-out samples scored after training, split evenly over the question types (0: skip)")
+                   help="held-out shapes samples scored after training, split evenly over the question types "
+                        "(0: skip; user data is not scored)")
+    add_data_args(p)
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,12 @@ class RunConfig:
     freeze: tuple[str, ...]
     precision: str
     zero_stage: int
+    data: DataOptions
     auto_schedule: bool = False  # the scheduler's total_num_steps was "auto", i.e. --steps
-    text_len: int = TEXT_LEN
+
+    @property
+    def text_len(self) -> int:
+        return self.data.text_len
 
     @property
     def train_batch(self) -> int:
@@ -149,8 +152,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     ds_path = args.ds_config or default_ds_config()
     ds = attempt(_load_json, ds_path)
     model = attempt(load_preset, args.preset)
-    if args.data not in DATASETS:
-        problems.append(f"--data: '{args.data}' is not available (valid: {', '.join(DATASETS)})")
+    data = attempt(resolve_data, args, model)
     if getattr(args, "resume", False) and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
         problems.append(f"--resume: no checkpoint in {Path(args.output_dir) / 'checkpoints'}")
     if args.steps < 1:
@@ -197,18 +199,18 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         problems.append(str(e))
 
     parts, table = [], []
-    if model is not None:
-        table = layer_table(model, freeze, TEXT_LEN)
+    if model is not None and data is not None:
+        n_vocab = len(data.tokenizer)
+        if model.text.vocab_size < n_vocab:
+            if data.builtin:
+                problems.append(f"text.vocab_size: {model.text.vocab_size} is smaller than the tokenizer's {n_vocab} tokens")
+            else:  # fresh weights: size the embedding and head to the tokenizer, a multiple of 64
+                model = model.with_vocab(-(-n_vocab // 64) * 64)
+        table = layer_table(model, freeze, data.text_len)
         method = str(args.partition or pipe_cfg.get("partition", "best"))
         parts = attempt(compute_parts, table, stages, method) or []
         if parts:
             attempt(check_trainable, table, parts)
-        n_vocab = len(builtin_tokenizer())
-        if model.text.vocab_size < n_vocab:
-            problems.append(f"text.vocab_size: {model.text.vocab_size} is smaller than the tokenizer's {n_vocab} tokens")
-        if model.prefix_len + TEXT_LEN - 1 > model.text.max_context:
-            problems.append(f"text.max_context: {model.text.max_context} < {model.prefix_len + TEXT_LEN - 1} "
-                            f"positions needed (image prefix + text)")
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -220,4 +222,4 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
               gradient_accumulation_steps=gas)
     precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
     return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts, table, freeze, precision, zero_stage,
-                     auto_schedule)
+                     data, auto_schedule)

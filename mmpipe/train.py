@@ -47,7 +47,8 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from .data.batches import pipeline_batches
+    from .data.batches import StepBatches, TrainSet, rank_batches
+    from .data.dataset import prepare
     from .pipeline import VLMPipeline
 
     deepspeed.init_distributed()
@@ -56,7 +57,11 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     ckpt_dir = out / "checkpoints"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        (out / "model.json").write_text(json.dumps(run.model.to_dict(), indent=2) + "\n")
     dist.barrier()
+    # the front door built the data index; ranks started without it build it themselves
+    samples = prepare(run.data, run.model, out, args.seed, verbose=rank == 0)
+    fingerprint = getattr(samples, "index", None) and samples.index.stats["fingerprint"]
 
     pipe = VLMPipeline(run, seed=args.seed)
     engine, _, _, _ = deepspeed.initialize(
@@ -68,19 +73,38 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
         if load_path is None:
             raise SystemExit(f"mmpipe: error: --resume: no checkpoint in {ckpt_dir}")
         start_step = engine.global_steps
-        assert client["samples"] == start_step * run.train_batch, "checkpoint's data position disagrees with its step"
+        if client["samples"] != start_step * run.train_batch:
+            raise SystemExit(f"mmpipe: error: --resume: the checkpoint's data position ({client['samples']} samples) "
+                             f"is not step {start_step} x {run.train_batch} samples per step: resume with the same "
+                             f"batch sizes (micro x GAS x DP) it was written with")
+        if client.get("data_fingerprint") != fingerprint:
+            raise SystemExit("mmpipe: error: --resume: the data, tokenizer or --text-len differ from the run that wrote "
+                             "the checkpoint, so its data position means other samples; resume with the same data")
         if rank == 0 and run.auto_schedule and client.get("total_steps") != args.steps:
             print(f"mmpipe: warning: the LR schedule was laid out for {client.get('total_steps')} steps and now runs "
                   f"to {args.steps}; from step {start_step + 1} it follows the {args.steps}-step curve "
                   f"(fix scheduler.params.total_num_steps in the config to keep one schedule)", flush=True)
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(run.precision, torch.float32)
-    batches = pipeline_batches(
-        run.model, seed=args.seed, start_step=start_step, micro=run.micro, gas=run.gas,
-        dp_rank=engine.grid.data_parallel_id, dp_size=run.dp,
-        need_inputs=engine.is_first_stage(), need_labels=engine.is_last_stage(), dtype=dtype)
+    dp_rank = engine.grid.data_parallel_id
+    first, last = engine.is_first_stage(), engine.is_last_stage()
+    v = run.model.vision
+    dataset = TrainSet(samples, text_len=run.text_len, n_img=v.n_tokens, image_size=v.image_size,
+                       need_images=first, need_labels=last, augment_seed=args.seed if run.data.augment else None)
+    seen_log = None
+    if run.data.log_samples and first:
+        seen_log = open(out / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")
+        if not args.resume:
+            seen_log.write("position,row\n")
 
-    seq = run.model.vision.n_tokens + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28
+    def log_seen(positions):
+        seen_log.write("".join(f"{p},{samples.row(p)}\n" for p in positions.tolist()))
+
+    batches = rank_batches(dataset, StepBatches(start_step, run.micro, run.gas, dp_rank, run.dp),
+                           workers=run.data.workers if first else 0, dtype=dtype,
+                           on_batch=log_seen if seen_log else None)
+
+    seq = run.model.vision.n_tokens + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28 (pads included)
     if rank == 0:
         # micro x GAS x DP samples per optimizer step
         print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}; {run.micro} micro x {run.gas} GAS x "
@@ -109,10 +133,14 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         bar.update(1)
         if step == args.steps or (args.save_every and step % args.save_every == 0):
+            if seen_log:
+                seen_log.flush()
             engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}",
                                    client_state={"samples": step * run.train_batch, "seed": args.seed,
-                                                 "total_steps": args.steps})
+                                                 "total_steps": args.steps, "data_fingerprint": fingerprint})
     bar.close()
+    if seen_log:
+        seen_log.close()
     dist.barrier()  # every stage's layer files are on disk before rank 0 reads them
     train_time = time.perf_counter() - t_start
     if rank != 0:
@@ -132,7 +160,17 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     }
     from .partition import describe
     summary["partition"] = describe(run.layers, run.parts)
-    if args.eval_samples > 0:
+    summary["data"] = {"name": run.data.name, "text_len": run.text_len, "samples_seen": args.steps * run.train_batch}
+    if not run.data.builtin:
+        from .data.index import describe as describe_data
+        stats = samples.index.stats
+        summary["data"].update({k: stats[k] for k in ("records", "good", "bad", "bad_by_kind", "truncated",
+                                                      "with_image", "first_bad")},
+                               epochs=args.steps * run.train_batch / len(samples.index),
+                               bad_records_file=str(out / "data" / "bad_records.jsonl"))
+        for line in describe_data(stats)[:1]:
+            print(f"mmpipe: {line}", flush=True)
+    if args.eval_samples > 0 and run.data.builtin:
         from .checkpoint import load_reference
         from .evaluate import blind_baseline, evaluate
         torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done

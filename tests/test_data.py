@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from mmpipe.config import load_preset
-from mmpipe.data.batches import Encoder, micro_batch_indices, pipeline_batches
+from mmpipe.data.batches import StepBatches, TrainSet, micro_batch_indices, rank_batches
+from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from mmpipe.data.shapes import QUESTION_TYPES, ShapesVQA
 from mmpipe.evaluate import blind_baseline
 from mmpipe.model import IGNORE_INDEX
@@ -46,29 +47,36 @@ def test_blind_guessing_scores_at_most_25_percent():
 
 def test_labels_cover_answer_and_eos_only():
     cfg = load_preset("small")
-    enc = Encoder(cfg)
-    s = ShapesVQA(64, 16).sample(3)  # a where_is_shape question
-    ids, labels = enc.text(s)
+    shapes = ShapesSamples(cfg, 0)
+    tok = shapes.tok
+    s = shapes.data.sample(3)  # a where_is_shape question
+    item = TrainSet(shapes, text_len=SHAPES_TEXT_LEN, n_img=cfg.vision.n_tokens, image_size=64)[3]
+    ids, labels = item["input_ids"], item["labels"]
     n_img = cfg.vision.n_tokens
-    answer = enc.tok(s.answer, add_special_tokens=False).input_ids + [enc.tok.eos_token_id]
+    answer = tok(s.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
     assert labels[labels != IGNORE_INDEX].tolist() == answer
     # the first labelled position is the question's last word (its key word), at decoder position n_img + j
-    j = len(enc.prompt_ids(s.question)) - 1
-    assert labels[n_img + j].item() == answer[0]
-    assert ids[j].item() == enc.tok.convert_tokens_to_ids(s.question.split()[-1])
+    prompt = shapes.encoder.prompt_ids([("user", s.question)])
+    j = len(prompt) - 1
+    assert labels[n_img + j] == answer[0]
+    assert ids[j] == tok.convert_tokens_to_ids(s.question.split()[-1])
+    assert ids[:len(prompt)].tolist() == prompt  # training text = the generation prompt + the answer
 
 
 def test_first_and_last_stage_streams_agree_and_last_skips_images():
     cfg = load_preset("tiny")
-    first = pipeline_batches(cfg, seed=0, start_step=2, micro=4, gas=3, need_labels=False)
-    last = pipeline_batches(cfg, seed=0, start_step=2, micro=4, gas=3, need_inputs=False)
-    both = pipeline_batches(cfg, seed=0, start_step=2, micro=4, gas=3)
+
+    def stream(**kw):
+        data = TrainSet(ShapesSamples(cfg, 0), text_len=SHAPES_TEXT_LEN, n_img=cfg.vision.n_tokens, image_size=32, **kw)
+        return rank_batches(data, StepBatches(2, 4, 3, 0, 1))
+    first, last, both = stream(need_labels=False), stream(need_images=False), stream()
     for _ in range(7):
-        (pix, ids), no_labels = next(first)
+        (pix, ids, has_image), no_labels = next(first)
         no_inputs, labels = next(last)
-        (pix2, ids2), labels2 = next(both)
+        (pix2, ids2, _), labels2 = next(both)
         assert no_labels is None and no_inputs is None
         assert torch.equal(ids, ids2) and torch.equal(labels, labels2) and torch.equal(pix, pix2)
+        assert has_image.tolist() == [1] * 4
 
 
 def test_data_parallel_ranks_see_disjoint_samples():

@@ -5,7 +5,7 @@ import torch
 
 from mmpipe.config import load_preset
 from mmpipe.data.shapes import ShapesVQA
-from mmpipe.data.batches import Encoder
+from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from mmpipe.evaluate import greedy_generate
 from mmpipe.model import ReferenceModel, StageTuple, layer_param_counts, layer_specs
 from mmpipe.model.attention import prefix_lm_mask
@@ -34,10 +34,10 @@ def test_prefix_mask_is_bidirectional_over_bos_and_image_then_causal():
 def test_stage_tuple_floats_first_and_no_mask_on_the_wire():
     cfg = load_preset("tiny")
     model = ReferenceModel(cfg)
-    x = model[0]((torch.randn(2, 3, 32, 32), torch.randint(0, 40, (2, 16))))
+    x = model[0]((torch.randn(2, 3, 32, 32), torch.randint(0, 40, (2, 16)), torch.ones(2, dtype=torch.long)))
     for layer in list(model)[1:-1]:
-        assert len(x) == 2 and x[0].is_floating_point() and x[1].dtype == torch.long
-        assert x[0].dim() == 3 and x[1].shape == (2, 16)
+        assert len(x) == 3 and x[0].is_floating_point() and x[1].dtype == x[2].dtype == torch.long
+        assert x[0].dim() == 3 and x[1].shape == (2, 16) and x[2].shape == (2,)
         x = layer(x)
     assert StageTuple(*x).hidden.shape == (2, cfg.vision.n_tokens + 16, cfg.text.dim)
 
@@ -64,11 +64,38 @@ def test_image_tokens_change_the_logits():
 def test_batched_generation_equals_one_at_a_time():
     cfg = load_preset("tiny")
     model = ReferenceModel(cfg, seed=5).eval()
-    data, enc = ShapesVQA(32, 8, "eval"), Encoder(cfg)
+    held_out = ShapesSamples(cfg, 0, "eval")
+    data, tok = held_out.data, held_out.tok
     samples = [data.sample(i) for i in range(10)]  # prompts of different lengths
-    pix = torch.stack([enc.pixels(data.render(s)) for s in samples])
-    prompts = [enc.prompt_ids(s.question) for s in samples]
-    args = (enc.tok.eos_token_id, enc.tok.pad_token_id, 3, enc.text_len)
+    pix = torch.stack([held_out.transform(data.render(s)) for s in samples])
+    prompts = [held_out.encoder.prompt_ids([("user", s.question)]) for s in samples]
+    args = (tok.eos_token_id, tok.pad_token_id, 3, SHAPES_TEXT_LEN)
     batched = greedy_generate(model, pix, prompts, *args)
     single = [greedy_generate(model, pix[i:i + 1], [p], *args)[0] for i, p in enumerate(prompts)]
     assert batched == single and any(batched)
+
+
+def test_text_only_samples_ignore_the_image_and_leave_others_alone():
+    """has_image = 0 hides the image positions: any pixels give the same text logits, equal to a
+    model that never saw an image there; samples with images in the same batch are unchanged."""
+    cfg = load_preset("tiny")
+    model = ReferenceModel(cfg, seed=2).eval()
+    ids = torch.randint(4, 40, (2, 12))
+    n = cfg.vision.n_tokens
+    mixed = torch.tensor([1, 0])
+    a = model(torch.randn(2, 3, 32, 32), ids, mixed)
+    b = model(torch.randn(2, 3, 32, 32), ids, mixed)
+    assert torch.allclose(a[1, 1 + n:], b[1, 1 + n:], atol=1e-6)  # text positions of the text-only sample
+    assert not torch.allclose(a[0, 1 + n:], b[0, 1 + n:], atol=1e-3)  # the other one still sees its image
+    pix = torch.randn(2, 3, 32, 32)
+    both = model(pix, ids, torch.ones(2, dtype=torch.long))
+    assert torch.allclose(model(pix, ids, mixed)[0], both[0], atol=1e-6)
+
+
+def test_text_only_samples_send_no_gradient_to_the_vision_tower():
+    cfg = load_preset("tiny")
+    model = ReferenceModel(cfg, seed=2)
+    logits = model(torch.randn(2, 3, 32, 32), torch.randint(4, 40, (2, 12)), torch.zeros(2, dtype=torch.long))
+    logits[:, 1 + cfg.vision.n_tokens:].sum().backward()
+    vision = [p.grad for layer in model if layer.group == "vision" for p in layer.parameters()]
+    assert all(g is None or g.abs().max() == 0 for g in vision)

@@ -1,84 +1,109 @@
-"""Samples -> tensors, and the per-rank micro-batch stream DeepSpeed's pipeline pulls from.
+"""Samples -> micro-batches: the per-rank stream DeepSpeed's pipeline pulls from.
+
+The stream is a sequence of positions 0, 1, 2, ...; optimizer step s consumes positions
+[s * B, (s + 1) * B) with B = micro x GAS x DP (e.g. 16 x 4 x 2 = 128), and micro-batch m of
+data-parallel rank d takes the `micro` positions starting at s * B + (m * DP + d) * micro. So
+replicas see disjoint positions, every position is used once, and the first and last stage of a
+pipeline (same d) pull the same micro-batches in the same order. Position -> sample is fixed by
+the data (mmpipe.data.samples): the built-in set's sample p, or a user dataset's good record
+order_e[p mod N] in epoch e = p div N, order_e a permutation drawn from (seed, e). The position
+after step s is s x B; checkpoints save it, and --resume starts there: nothing repeated or skipped.
 
 Sequence layout for one sample (text_len = 12, 16 image tokens, so T = 28 decoder positions):
 
     text tokens    [BOS] question: what shape is red circle [EOS] [PAD] ...
     decoder input  [BOS] img_1 .. img_N question: what shape is red circle [EOS] [PAD] ...
     labels         position p holds the token p should predict (p + 1's token) for the answer
-                   words and EOS, IGNORE_INDEX elsewhere: loss on answer tokens only.
+                   tokens, IGNORE_INDEX elsewhere: loss on answer tokens only (mmpipe.data.text).
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
-from torchvision.transforms import v2
+from torch.utils.data import DataLoader, Dataset
 
-from ..config import ModelConfig
 from ..model.builder import IGNORE_INDEX
-from .shapes import Sample, ShapesVQA
-from .tokenizer import builtin_tokenizer, prompt_text
-
-TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in the top-left + cyan + EOS, is 10 tokens
-
-
-class Encoder:
-    def __init__(self, cfg: ModelConfig, text_len: int = TEXT_LEN, tokenizer=None):
-        self.cfg, self.text_len = cfg, text_len
-        self.tok = tokenizer or builtin_tokenizer()
-        v = cfg.vision
-        self.transform = v2.Compose([v2.ToImage(), v2.Resize((v.image_size, v.image_size)),
-                                     v2.ToDtype(torch.float32, scale=True), v2.Normalize(v.mean, v.std)])
-
-    def pixels(self, image) -> torch.Tensor:
-        return self.transform(image.convert("RGB"))  # [C, H, W], normalised
-
-    def prompt_ids(self, question: str) -> list[int]:
-        return [self.tok.bos_token_id] + self.tok(prompt_text(question), add_special_tokens=False).input_ids
-
-    def text(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [text_len], labels [N_img + text_len]."""
-        prompt = self.prompt_ids(sample.question)
-        answer = self.tok(sample.answer, add_special_tokens=False).input_ids + [self.tok.eos_token_id]
-        ids = prompt + answer
-        if len(ids) > self.text_len:
-            raise ValueError(f"sample needs {len(ids)} text tokens, more than text_len {self.text_len}")
-        input_ids = torch.full((self.text_len,), self.tok.pad_token_id, dtype=torch.long)
-        input_ids[:len(ids)] = torch.tensor(ids)
-        n_img = self.cfg.vision.n_tokens
-        labels = torch.full((n_img + self.text_len,), IGNORE_INDEX, dtype=torch.long)
-        # text token j sits at decoder position n_img + j (j >= 1), and is predicted from position n_img + j - 1
-        for j in range(len(prompt), len(ids)):
-            labels[n_img + j - 1] = ids[j]
-        return input_ids, labels
+from .text import pad_sample
 
 
 def micro_batch_indices(step: int, micro: int, gas: int, dp_rank: int, dp_size: int) -> list[list[int]]:
-    """Sample indices of one optimizer step for one data-parallel rank, as gas micro-batches.
-    A step consumes micro x gas x dp samples (e.g. 32 x 2 x 1 = 64), at [step * 64, (step + 1) * 64):
+    """Stream positions of one optimizer step for one data-parallel rank, as gas micro-batches.
+    A step consumes micro x gas x dp positions (e.g. 32 x 2 x 1 = 64), at [step * 64, (step + 1) * 64):
     micro-batch m of rank d takes the slice starting at (m * dp + d) * micro."""
     base = step * micro * gas * dp_size
     return [[base + (m * dp_size + dp_rank) * micro + i for i in range(micro)] for m in range(gas)]
 
 
-def pipeline_batches(cfg: ModelConfig, *, seed: int, start_step: int, micro: int, gas: int,
-                     dp_rank: int = 0, dp_size: int = 1, need_inputs: bool = True, need_labels: bool = True,
-                     dtype: torch.dtype = torch.float32) -> Iterator[tuple]:
-    """Endless ((pixel_values, input_ids), labels) micro-batches for one rank, starting at start_step.
-    The first and last stages of a pipeline run this with the same arguments and so see the same
-    micro-batches in the same order; the last stage passes need_inputs=False and renders no image."""
-    data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, "train", seed)
-    enc = Encoder(cfg)
-    step = start_step
-    while True:
-        for idxs in micro_batch_indices(step, micro, gas, dp_rank, dp_size):
-            samples = [data.sample(i) for i in idxs]
-            texts = [enc.text(s) for s in samples]
-            input_ids = torch.stack([t[0] for t in texts])
-            labels = torch.stack([t[1] for t in texts]) if need_labels else None
-            inputs = None
-            if need_inputs:
-                pixels = torch.stack([enc.pixels(data.render(s)) for s in samples]).to(dtype)
-                inputs = (pixels, input_ids)
-            yield inputs, labels
-        step += 1
+class StepBatches:
+    """An endless batch sampler: the micro-batches of positions for one rank from start_step on."""
+
+    def __init__(self, start_step: int, micro: int, gas: int, dp_rank: int, dp_size: int):
+        self.start, self.micro, self.gas, self.dp_rank, self.dp_size = start_step, micro, gas, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start
+        while True:
+            yield from micro_batch_indices(step, self.micro, self.gas, self.dp_rank, self.dp_size)
+            step += 1
+
+
+class TrainSet(Dataset):
+    """Stream position -> tensors. need_images=False (the last stage) decodes no image;
+    need_labels=False (the first stage of a multi-stage pipeline) builds no labels."""
+
+    def __init__(self, samples, *, text_len: int, n_img: int, image_size: int, need_images: bool = True,
+                 need_labels: bool = True, augment_seed: int | None = None):
+        self.samples, self.text_len, self.n_img, self.image_size = samples, text_len, n_img, image_size
+        self.need_images, self.need_labels, self.augment_seed = need_images, need_labels, augment_seed
+
+    def __len__(self):  # positions are endless; the batch sampler decides which are read
+        return 2 ** 62
+
+    def __getitem__(self, pos: int) -> dict:
+        enc, has_image = self.samples.tokens(pos)
+        input_ids, labels = pad_sample(enc, self.text_len, self.n_img, self.samples.pad_id, IGNORE_INDEX)
+        item = {"pos": pos, "input_ids": input_ids, "has_image": int(has_image)}
+        if self.need_labels:
+            item["labels"] = labels
+        if self.need_images:
+            if has_image:
+                if self.augment_seed is not None:  # per position: augmentation repeats exactly on resume
+                    torch.manual_seed(self.augment_seed * 1_000_003 + pos)
+                item["pixels"] = self.samples.pixels(pos)
+            else:  # text-only record: a zero image the decoder masks out (mmpipe.model.attention)
+                item["pixels"] = torch.zeros(3, self.image_size, self.image_size)
+        return item
+
+
+def collate(items: list[dict]) -> dict:
+    out = {"pos": torch.tensor([it["pos"] for it in items]),
+           "input_ids": torch.from_numpy(np.stack([it["input_ids"] for it in items])),
+           "has_image": torch.tensor([it["has_image"] for it in items], dtype=torch.long)}
+    if "labels" in items[0]:
+        out["labels"] = torch.from_numpy(np.stack([it["labels"] for it in items]))
+    if "pixels" in items[0]:
+        out["pixels"] = torch.stack([it["pixels"] for it in items])
+    return out
+
+
+def _one_thread(_):
+    torch.set_num_threads(1)
+
+
+def rank_batches(dataset: TrainSet, sampler: StepBatches, *, workers: int = 0, prefetch: int = 4,
+                 dtype: torch.dtype = torch.float32, on_batch: Callable[[torch.Tensor], None] | None = None
+                 ) -> Iterator[tuple]:
+    """Endless ((pixel_values, input_ids, has_image), labels) micro-batches in DeepSpeed's (inputs,
+    labels) form; inputs is None without images, labels None without labels. Worker processes decode
+    ahead (`prefetch` micro-batches each) and the DataLoader hands batches back in sampler order.
+    on_batch(positions) sees what is consumed, for --log-samples."""
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                        prefetch_factor=prefetch if workers else None, worker_init_fn=_one_thread if workers else None,
+                        persistent_workers=False)
+    for b in loader:
+        if on_batch is not None:
+            on_batch(b["pos"])
+        inputs = (b["pixels"].to(dtype), b["input_ids"], b["has_image"]) if "pixels" in b else None
+        yield inputs, b.get("labels")

@@ -18,6 +18,19 @@ def prefix_lm_mask(seq_len: int, prefix_len: int, device: torch.device) -> torch
     return causal | prefix
 
 
+def decoder_mask(seq_len: int, prefix_len: int, has_image: torch.Tensor) -> torch.Tensor:
+    """The prefix-LM mask, [T, T] when every sample has an image, else [B, 1, T, T] with the image
+    positions 1..prefix_len-1 hidden as keys from text-only samples: they see BOS and their text,
+    and nothing from the zero image stands in for the missing one (nor trains the vision side)."""
+    base = prefix_lm_mask(seq_len, prefix_len, has_image.device)
+    if bool(has_image.all()):
+        return base
+    pos = torch.arange(seq_len, device=has_image.device)
+    image_pos = (pos >= 1) & (pos < prefix_len)  # [T]
+    keep = ~image_pos[None, :] | has_image.bool()[:, None]  # [B, T] keys a sample may attend to
+    return base[None, None] & keep[:, None, None, :]
+
+
 @functools.lru_cache(maxsize=16)
 def rotary_cos_sin(seq_len: int, rot_dim: int, theta: float, device: torch.device):
     """cos, sin [T, rot_dim] for NeoX-style (rotate-half) rotary embeddings, in fp32."""

@@ -60,8 +60,11 @@ class ReferenceModel(nn.Sequential):
         self.cfg = cfg
         apply_freeze(self, freeze)
 
-    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().forward((pixel_values, input_ids))  # logits [B, N_img + T_text, V]
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
+                has_image: torch.Tensor | None = None) -> torch.Tensor:
+        if has_image is None:
+            has_image = torch.ones(input_ids.shape[0], dtype=torch.long)
+        return super().forward((pixel_values, input_ids, has_image))  # logits [B, N_img + T_text, V]
 
 
 def layer_param_counts(cfg: ModelConfig) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import FusedAttention, GeluMLP, prefix_lm_mask, rotary_cos_sin
+from .attention import FusedAttention, GeluMLP, decoder_mask, rotary_cos_sin
 from .stage import StageTuple
 
 
@@ -25,13 +25,13 @@ class PatchEmbed(nn.Module):
         self.pos_emb = nn.Parameter(torch.randn(1, v.n_tokens, v.dim) * 0.02)
 
     def forward(self, inputs):
-        pixel_values, input_ids = inputs
+        pixel_values, input_ids, has_image = inputs
         x = pixel_values.to(self.linear.weight.dtype)  # DeepSpeed casts the model, never the inputs
         B, C, H, W = x.shape
         p = self.patch_size
         # [B, C, H, W] -> [B, (H/p)(W/p), C p p]: one row per patch, row-major over the grid
         x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
-        return StageTuple(self.linear(x) + self.pos_emb, input_ids).pack()
+        return StageTuple(self.linear(x) + self.pos_emb, input_ids, has_image).pack()
 
 
 class VisionBlock(nn.Module):
@@ -47,10 +47,11 @@ class VisionBlock(nn.Module):
         self.mlp = GeluMLP(v.dim, v.ff_dim)
 
     def forward(self, args):
-        x, input_ids = StageTuple.unpack(args)  # x [B, N_img, D_vision]
+        t = StageTuple.unpack(args)
+        x = t.hidden  # [B, N_img, D_vision]
         x = x + self.attn(self.ln1(x))
         x = x + self.mlp(self.ln2(x))
-        return StageTuple(x, input_ids).pack()
+        return t._replace(hidden=x).pack()
 
 
 class VisionNorm(nn.Module):
@@ -62,8 +63,8 @@ class VisionNorm(nn.Module):
         self.ln = nn.LayerNorm(cfg.vision.dim, eps=cfg.vision.ln_eps)
 
     def forward(self, args):
-        x, input_ids = StageTuple.unpack(args)
-        return StageTuple(self.ln(x), input_ids).pack()
+        t = StageTuple.unpack(args)
+        return t._replace(hidden=self.ln(t.hidden)).pack()
 
 
 class Projector(nn.Module):
@@ -78,8 +79,8 @@ class Projector(nn.Module):
         self.mlp = GeluMLP(cfg.vision.dim, cfg.proj_inner_dim, cfg.text.dim)
 
     def forward(self, args):
-        x, input_ids = StageTuple.unpack(args)
-        return StageTuple(self.mlp(x), input_ids).pack()  # [B, N_img, D_text]
+        t = StageTuple.unpack(args)
+        return t._replace(hidden=self.mlp(t.hidden)).pack()  # [B, N_img, D_text]
 
 
 class TextEmbed(nn.Module):
@@ -91,10 +92,10 @@ class TextEmbed(nn.Module):
         self.wte = nn.Embedding(cfg.text.vocab_size, cfg.text.dim)
 
     def forward(self, args):
-        img, input_ids = StageTuple.unpack(args)  # img [B, N_img, D], input_ids [B, T_text]
-        emb = self.wte(input_ids)  # [B, T_text, D]
-        x = torch.cat([emb[:, :1], img.to(emb.dtype), emb[:, 1:]], dim=1)  # [B, N_img + T_text, D]
-        return StageTuple(x, input_ids).pack()
+        t = StageTuple.unpack(args)  # hidden: the image [B, N_img, D], input_ids [B, T_text]
+        emb = self.wte(t.input_ids)  # [B, T_text, D]
+        x = torch.cat([emb[:, :1], t.hidden.to(emb.dtype), emb[:, 1:]], dim=1)  # [B, N_img + T_text, D]
+        return t._replace(hidden=x).pack()
 
 
 class DecoderBlock(nn.Module):
@@ -111,13 +112,14 @@ class DecoderBlock(nn.Module):
         self.mlp = GeluMLP(t.dim, t.ff_dim)
 
     def forward(self, args):
-        x, input_ids = StageTuple.unpack(args)  # x [B, T, D], T = N_img + T_text
+        t = StageTuple.unpack(args)
+        x = t.hidden  # [B, T, D], T = N_img + T_text
         T = x.shape[1]
-        mask = prefix_lm_mask(T, self.prefix_len, x.device)
+        mask = decoder_mask(T, self.prefix_len, t.has_image)
         rotary = rotary_cos_sin(T, self.rotary_dim, self.theta, x.device)
         h = self.ln(x)
         x = x + self.attn(h, mask=mask, rotary=rotary) + self.mlp(h)
-        return StageTuple(x, input_ids).pack()
+        return t._replace(hidden=x).pack()
 
 
 class LMHead(nn.Module):
@@ -130,5 +132,5 @@ class LMHead(nn.Module):
         self.linear = nn.Linear(cfg.text.dim, cfg.text.vocab_size)
 
     def forward(self, args):
-        x, _ = StageTuple.unpack(args)
+        x = StageTuple.unpack(args).hidden
         return self.linear(self.ln(x))

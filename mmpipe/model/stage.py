@@ -3,7 +3,7 @@
 DeepSpeed sends a tuple of tensors from stage to stage. Rules it imposes (see docs/pipeline.md):
 every float tensor must be on the autograd graph at both ends, received float tensors get
 requires_grad=True, integer tensors carry no gradient, and with 3+ stages floats must come
-before ints. So the tuple is exactly two fields, floats first:
+before ints. So the tuple is exactly three fields, floats first:
 
     hidden     float [B, S, D]  what the previous layer produced:
                                   after PatchEmbed / VisionBlock: vision tokens   [B, N_img, D_vision]
@@ -12,8 +12,10 @@ before ints. So the tuple is exactly two fields, floats first:
     input_ids  long  [B, T_text] the text tokens (BOS first, right-padded); TextEmbed embeds them and
                                   the decoder rebuilds its attention mask from the model config
                                   (bidirectional over BOS + image, causal after) - no T x T mask travels.
+    has_image  long  [B]         1 where the sample has an image; 0 for a text-only record, whose
+                                  image positions (a zero image) the decoder masks out of attention.
 
-The pipeline's first input is (pixel_values float [B, C, H, W], input_ids long [B, T_text]);
+The pipeline's first input is (pixel_values float [B, C, H, W], input_ids long [B, T_text], has_image long [B]);
 labels go to the last stage through DeepSpeed's (inputs, labels) data contract, never through here.
 """
 from __future__ import annotations
@@ -26,13 +28,14 @@ import torch
 class StageTuple(NamedTuple):
     hidden: torch.Tensor
     input_ids: torch.Tensor
+    has_image: torch.Tensor
 
     @classmethod
     def unpack(cls, args: tuple) -> "StageTuple":
-        if len(args) != 2:
-            raise ValueError(f"stage tuple must be (hidden, input_ids), got {len(args)} tensors")
+        if len(args) != 3:
+            raise ValueError(f"stage tuple must be (hidden, input_ids, has_image), got {len(args)} tensors")
         return cls(*args)
 
     def pack(self) -> tuple:
         # DeepSpeed's p2p needs plain tuples of contiguous tensors.
-        return (self.hidden.contiguous(), self.input_ids.contiguous())
+        return (self.hidden.contiguous(), self.input_ids.contiguous(), self.has_image.contiguous())

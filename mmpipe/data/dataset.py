@@ -1,0 +1,132 @@
+"""The data side of a run: flags -> DataOptions (checked), then the sample source each rank reads.
+
+    resolve_data(args, cfg)  checks the flags and the data's shape (format, columns, tokenizer);
+                             no record is read. Called with the rest of the run's checks.
+    prepare(opts, cfg, out_dir, seed)  reads and checks every record once (mmpipe.data.index),
+                             prints the report, applies --bad-records; returns the samples.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError, ModelConfig
+from .images import DEFAULT_MAX_PIXELS
+from .samples import SHAPES_TEXT_LEN, IndexedSamples, ShapesSamples
+from .sources import DataSpec, data_spec
+from .text import OVERLONG, ConversationEncoder
+from .tokenizer import builtin_tokenizer, load_tokenizer
+
+POLICIES = ("skip", "strict")
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data (see docs/data.md)")
+    g.add_argument("--data", default="shapes",
+                   help="'shapes' (built-in synthetic VQA, the default), a LLaVA .json/.jsonl, a pairs .csv/.jsonl, "
+                        "a .parquet, a saved HF dataset or image folder, or a data config JSON")
+    g.add_argument("--image-root", default=None, help="folder relative image paths start from (default: the data file's)")
+    g.add_argument("--tokenizer", default=None,
+                   help="local tokenizer directory for AutoTokenizer (default: the built-in word-level tokenizer)")
+    g.add_argument("--text-len", type=int, default=None,
+                   help="text tokens per sample, padded (default: shapes 12; else what the model's context "
+                        "leaves after BOS + image)")
+    g.add_argument("--bad-records", default="skip", choices=POLICIES,
+                   help="skip: count, list and leave out bad records (default); strict: stop before training")
+    g.add_argument("--overlong", default="skip", choices=OVERLONG,
+                   help="text over --text-len: skip it as a bad record (default) or truncate it if its first "
+                        "answer token fits")
+    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                   help=f"refuse larger images, a decompression-bomb guard (default: {DEFAULT_MAX_PIXELS})")
+    g.add_argument("--resize", default="pad", choices=("pad", "squash"),
+                   help="pad to square with the mean colour, then resize (default), or squash to square")
+    g.add_argument("--augment", action="store_true", help="light crop / colour jitter (off by default; no flips)")
+    g.add_argument("--data-workers", type=int, default=2, help="loader worker processes on the first stage (default: 2)")
+    g.add_argument("--log-samples", action="store_true",
+                   help="write OUTPUT_DIR/samples_dpD.csv: the stream position and record of every sample trained on")
+
+
+@dataclass
+class DataOptions:
+    name: str                   # "shapes" or the --data argument
+    spec: DataSpec | None       # None for the built-in set
+    tokenizer: object
+    text_len: int
+    bad_records: str
+    overlong: str
+    max_pixels: int
+    resize: str
+    augment: bool
+    workers: int
+    log_samples: bool
+
+    @property
+    def builtin(self) -> bool:
+        return self.spec is None
+
+
+def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None) -> DataOptions:
+    """Raises ConfigError with every problem, one line each."""
+    problems = []
+    spec = None
+    if args.data != "shapes":
+        try:
+            spec = data_spec(args.data, args.image_root)
+        except ConfigError as e:
+            problems.append(str(e))
+    tok = None
+    try:
+        tok = load_tokenizer(args.tokenizer) if args.tokenizer else builtin_tokenizer()
+    except ConfigError as e:
+        problems.append(str(e))
+    if args.data == "shapes" and args.tokenizer:
+        problems.append("--tokenizer: the built-in shapes set uses the built-in tokenizer; drop --tokenizer")
+    text_len = args.text_len
+    if cfg is not None:
+        room = cfg.text.max_context - cfg.prefix_len + 1  # BOS + image + text - 1 predicted positions
+        if text_len is None:
+            text_len = SHAPES_TEXT_LEN if args.data == "shapes" else room
+        if text_len < 2 or text_len > room:
+            problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
+                            f"{cfg.text.max_context} - {cfg.vision.n_tokens} image tokens)")
+    if args.max_image_pixels < 1:
+        problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
+    if args.data_workers < 0:
+        problems.append(f"--data-workers: {args.data_workers} must be >= 0")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
+                       args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples)
+
+
+def index_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "data"
+
+
+def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, *, verbose: bool = True):
+    """The samples of this run. For user data, reads the index OUTPUT_DIR/data/ written by an
+    earlier call with the same fingerprint (the front door's, or the run being resumed), or
+    builds it. Raises ConfigError for --bad-records strict with bad records, or no good record."""
+    if opts.builtin:
+        return ShapesSamples(cfg, seed)
+    from .index import build_index, describe, fingerprint, load_index
+    from .sources import open_source
+    fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels)
+    d = index_dir(out_dir)
+    source = open_source(opts.spec)
+    index = load_index(d, fp)
+    if index is None:
+        encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong)
+        index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
+                            workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp)
+    else:
+        from .index import check_policy
+        check_policy(index, opts.spec, opts.bad_records)
+    if verbose:
+        for line in describe(index.stats):
+            print(f"mmpipe: {line}", flush=True)
+    return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
+                          image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
+                          augment=opts.augment)

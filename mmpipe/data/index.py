@@ -1,0 +1,170 @@
+"""The data index: every record read, checked and tokenised once, before training starts.
+
+Why up front: within a pipeline the first stage decodes images and the last stage only reads
+labels, so a record whose image turned out corrupt mid-run could not be dropped by both ends
+alike. Checking everything first (images fully decoded, in worker processes) means the training
+stream holds good records only, bad ones are counted and listed before step 1, and `strict`
+can stop the run before any process group exists.
+
+Stored in OUTPUT_DIR/data/: index.npz (token ids, answer-token masks, source rows) and
+index.json (fingerprint, counts); bad_records.jsonl lists every refused record with its reason.
+The fingerprint covers the data files (size, mtime), tokenizer, text length and policies; a
+matching index is reused (ranks reuse the front door's, a resume reuses the first run's).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError
+from .records import BAD_KINDS, BadRecord
+from .sources import DataSpec, Source
+from .text import ConversationEncoder
+
+INDEX_VERSION = 1
+SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
+
+
+@dataclass
+class DataIndex:
+    rows: np.ndarray       # int64 [N]: source row of good record n
+    offsets: np.ndarray    # int64 [N + 1]: its tokens are tokens[offsets[n]:offsets[n + 1]]
+    tokens: np.ndarray     # int64 [sum of lengths]
+    target: np.ndarray     # bool, like tokens: answer tokens
+    has_image: np.ndarray  # bool [N]
+    stats: dict
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pixels: int) -> str:
+    files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in spec.files() if os.path.isfile(f)]
+    tok = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template)
+    blob = json.dumps([INDEX_VERSION, asdict(spec), files, tok, text_len, overlong, max_pixels], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---- the scan, in worker processes --------------------------------------------------------------
+
+_W: dict = {}
+
+
+def _init_worker(source, encoder, image_root, max_pixels):
+    _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels)
+
+
+def _check(i: int):
+    """-> (i, ids, target, truncated, has_image) for a good record, (i, where, kind, reason) for a bad one."""
+    from .images import check_image
+    where = f"record {i}"
+    try:
+        rec = _W["source"].record(i)
+        where = rec.where
+        enc = _W["encoder"].encode(rec.messages)
+        if rec.image is not None:
+            check_image(rec.image, _W["image_root"], _W["max_pixels"])
+        return i, enc.ids, enc.target, enc.truncated, rec.image is not None
+    except BadRecord as e:
+        return i, getattr(e, "where", where), e.kind, e.reason
+
+
+def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int, workers: int) -> tuple[list, list]:
+    args = (source, encoder, image_root, max_pixels)
+    if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
+        _init_worker(*args)
+        results = [_check(i) for i in range(len(source))]
+    else:
+        with mp.get_context("fork").Pool(workers, _init_worker, args) as pool:
+            results = list(pool.imap(_check, range(len(source)), chunksize=64))
+    good = [r for r in results if len(r) == 5]
+    bad = [r for r in results if len(r) == 4]
+    return good, bad
+
+
+def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *, max_pixels: int, policy: str,
+                out_dir: Path, workers: int, fp: str) -> DataIndex:
+    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers)
+    counts = Counter(kind for _, _, kind, _ in bad)
+    stats = {"fingerprint": fp, "records": len(source), "good": len(good), "bad": len(bad),
+             "bad_by_kind": {k: counts[k] for k in BAD_KINDS if counts[k]},
+             "truncated": sum(1 for g in good if g[3]), "with_image": sum(1 for g in good if g[4]),
+             "first_bad": [{"where": w, "kind": k, "reason": r} for _, w, k, r in bad[:SHOW_BAD]]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f"bad_records.jsonl.{os.getpid()}"
+    with open(tmp, "w") as f:
+        for _, w, k, r in bad:
+            f.write(json.dumps({"where": w, "kind": k, "reason": r}) + "\n")
+    os.replace(tmp, out_dir / "bad_records.jsonl")
+    lengths = np.array([len(g[1]) for g in good], dtype=np.int64)
+    index = DataIndex(
+        rows=np.array([g[0] for g in good], dtype=np.int64),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        tokens=np.concatenate([g[1] for g in good]) if good else np.zeros(0, np.int64),
+        target=np.concatenate([g[2] for g in good]) if good else np.zeros(0, bool),
+        has_image=np.array([g[4] for g in good], dtype=bool), stats=stats)
+    check_policy(index, spec, policy)
+    _save(index, out_dir)
+    return index
+
+
+def check_policy(index: DataIndex, spec: DataSpec, policy: str) -> None:
+    s = index.stats
+    name = spec.path or ", ".join(spec.data_files)
+    if s["good"] == 0:
+        raise ConfigError(f"--data: every one of the {s['records']} records of {name} is bad "
+                          f"({_kinds(s)}); first: {_first(s)}" if s["records"] else f"--data: {name} holds no records")
+    if policy == "strict" and s["bad"]:
+        lines = [f"--bad-records strict: {b['where']}: {b['kind']}: {b['reason']}" for b in s["first_bad"]]
+        more = s["bad"] - len(lines)
+        raise ConfigError("\n".join(lines + ([f"--bad-records strict: ... and {more} more ({_kinds(s)})"] if more else [])))
+
+
+def _kinds(s: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in s["bad_by_kind"].items())
+
+
+def _first(s: dict) -> str:
+    b = s["first_bad"][0]
+    return f"{b['where']}: {b['kind']}: {b['reason']}"
+
+
+def describe(stats: dict) -> list[str]:
+    """The data report printed before training: counts, then the first bad records one per line."""
+    lines = [f"data: {stats['good']} of {stats['records']} records usable ({stats['with_image']} with an image)"
+             + (f", {stats['truncated']} truncated" if stats["truncated"] else "")
+             + (f"; {stats['bad']} skipped: {_kinds(stats)}" if stats["bad"] else "")]
+    lines += [f"data: skipped {b['where']}: {b['kind']}: {b['reason']}" for b in stats["first_bad"]]
+    if stats["bad"] > len(stats["first_bad"]):
+        lines.append(f"data: ... {stats['bad'] - len(stats['first_bad'])} more in bad_records.jsonl")
+    return lines
+
+
+def _save(index: DataIndex, out_dir: Path) -> None:
+    # written under temporary names and renamed: ranks that build the same index at once never
+    # read a half-written file
+    tmp = out_dir / f"index.{os.getpid()}.npz"
+    np.savez(tmp, rows=index.rows, offsets=index.offsets, tokens=index.tokens, target=index.target,
+             has_image=index.has_image)
+    os.replace(tmp, out_dir / "index.npz")
+    tmp = out_dir / f"index.json.{os.getpid()}"
+    tmp.write_text(json.dumps(index.stats, indent=2) + "\n")
+    os.replace(tmp, out_dir / "index.json")
+
+
+def load_index(out_dir: Path, fp: str) -> DataIndex | None:
+    try:
+        stats = json.loads((out_dir / "index.json").read_text())
+        if stats.get("fingerprint") != fp:
+            return None
+        with np.load(out_dir / "index.npz", allow_pickle=False) as z:
+            return DataIndex(z["rows"], z["offsets"], z["tokens"], z["target"], z["has_image"], stats)
+    except (OSError, ValueError, KeyError):
+        return None

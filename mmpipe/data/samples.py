@@ -1,0 +1,80 @@
+"""Position -> sample, for the built-in shapes set and for an indexed user dataset.
+
+Both answer tokens(pos) -> (Encoded, has_image) without touching an image (what the last stage
+needs) and pixels(pos) -> normalised [3, S, S] (what the first stage adds), plus row(pos), the
+sample's stable id (the shapes index, or the record's number in its source file).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from .images import ImageTransform, open_image
+from .index import DataIndex
+from .records import BadRecord
+from .shapes import ShapesVQA
+from .sources import Source
+from .text import ConversationEncoder, Encoded
+from .tokenizer import builtin_tokenizer
+
+SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in the top-left + cyan + EOS, is 10 tokens
+
+
+class ShapesSamples:
+    """The built-in set as an endless ordered stream: position p is ShapesVQA sample p."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, split: str = "train"):
+        self.data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, split, seed)
+        self.tok = builtin_tokenizer()
+        self.encoder = ConversationEncoder(self.tok, SHAPES_TEXT_LEN)
+        self.transform = ImageTransform(cfg.vision, resize="squash")
+        self.pad_id = self.tok.pad_token_id
+
+    def tokens(self, pos: int) -> tuple[Encoded, bool]:
+        s = self.data.sample(pos)
+        return self.encoder.encode([("user", s.question), ("assistant", s.answer)]), True
+
+    def pixels(self, pos: int) -> torch.Tensor:
+        return self.transform(self.data.render(self.data.sample(pos)))
+
+    def row(self, pos: int) -> int:
+        return pos
+
+
+class IndexedSamples:
+    """A user dataset's good records, reshuffled every epoch by (seed, epoch)."""
+
+    def __init__(self, index: DataIndex, source: Source, cfg: ModelConfig, *, seed: int, pad_id: int,
+                 image_root: str, max_pixels: int, resize: str = "pad", augment: bool = False):
+        self.index, self.source, self.seed, self.pad_id = index, source, seed, pad_id
+        self.image_root, self.max_pixels = image_root, max_pixels
+        self.transform = ImageTransform(cfg.vision, resize=resize, augment=augment)
+
+    @functools.lru_cache(maxsize=2)
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.index))
+
+    def entry(self, pos: int) -> int:
+        epoch, k = divmod(pos, len(self.index))
+        return int(self._order(epoch)[k])
+
+    def tokens(self, pos: int) -> tuple[Encoded, bool]:
+        n, ix = self.entry(pos), self.index
+        sl = slice(ix.offsets[n], ix.offsets[n + 1])
+        return Encoded(ix.tokens[sl], ix.target[sl]), bool(ix.has_image[n])
+
+    def pixels(self, pos: int) -> torch.Tensor:
+        row = self.row(pos)
+        try:
+            rec = self.source.record(row)
+            return self.transform(open_image(rec.image, self.image_root, self.max_pixels))
+        except BadRecord as e:
+            # checked before training; failing now means the files changed under the run
+            raise RuntimeError(f"{getattr(e, 'where', row)}: {e.reason}: the data changed after it was checked "
+                               f"at start-up; restore it, or start a new run") from None
+
+    def row(self, pos: int) -> int:
+        return int(self.index.rows[self.entry(pos)])
