@@ -35,7 +35,7 @@ def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
         # read and check every record once, before any rank starts; the ranks reuse the index
         from .data.dataset import prepare
         try:
-            prepare(run.data, run.model, args.output_dir, args.seed)
+            prepare(run.data, run.model, args.output_dir, args.seed, verbose="always")
         except ConfigError as e:
             return fail(e)
     launcher = shutil.which("deepspeed")
@@ -59,9 +59,16 @@ def main(argv=None) -> int:
     t.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (default: 1)")
     t.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     sub.add_parser("presets", help="list the model presets")
+    from .data.export import add_export_args
+    add_export_args(sub.add_parser("export-shapes", help="write the built-in shapes set as LLaVA / pairs / HF data"))
     args = p.parse_args(argv)
     if args.command == "presets":
         print("\n".join(list_presets()))
+        return 0
+    if args.command == "export-shapes":
+        from .data.export import export_shapes
+        print(export_shapes(args.out, args.format, args.n, seed=args.seed, image_size=args.image_size,
+                            patch=args.patch))
         return 0
     if args.command == "train":
         rank_argv = _strip(argv[1:], {"--dp", "--master-port"})

@@ -106,7 +106,8 @@ def index_dir(out_dir: str | Path) -> Path:
 
 
 def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, *, verbose: bool = True):
-    """The samples of this run. For user data, reads the index OUTPUT_DIR/data/ written by an
+    """The samples of this run. verbose: print the data report (when the index is built, or always
+    if verbose == "always"). For user data, reads the index OUTPUT_DIR/data/ written by an
     earlier call with the same fingerprint (the front door's, or the run being resumed), or
     builds it. Raises ConfigError for --bad-records strict with bad records, or no good record."""
     if opts.builtin:
@@ -117,14 +118,15 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     d = index_dir(out_dir)
     source = open_source(opts.spec)
     index = load_index(d, fp)
-    if index is None:
+    built = index is None
+    if built:
         encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong)
         index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp)
     else:
         from .index import check_policy
         check_policy(index, opts.spec, opts.bad_records)
-    if verbose:
+    if verbose == "always" or (verbose and built):
         for line in describe(index.stats):
             print(f"mmpipe: {line}", flush=True)
     return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,

@@ -96,6 +96,7 @@ def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *,
     stats = {"fingerprint": fp, "records": len(source), "good": len(good), "bad": len(bad),
              "bad_by_kind": {k: counts[k] for k in BAD_KINDS if counts[k]},
              "truncated": sum(1 for g in good if g[3]), "with_image": sum(1 for g in good if g[4]),
+             "unknown_token_share": _unknown_share(good, encoder.tok),
              "first_bad": [{"where": w, "kind": k, "reason": r} for _, w, k, r in bad[:SHOW_BAD]]}
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f"bad_records.jsonl.{os.getpid()}"
@@ -113,6 +114,15 @@ def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *,
     check_policy(index, spec, policy)
     _save(index, out_dir)
     return index
+
+
+def _unknown_share(good: list, tok) -> float:
+    """Share of text tokens the tokenizer does not know: high when user text meets the built-in
+    word-level tokenizer, which only knows the shapes vocabulary."""
+    if tok.unk_token_id is None or not good:
+        return 0.0
+    n = sum(len(g[1]) for g in good)
+    return float(sum(int((g[1] == tok.unk_token_id).sum()) for g in good) / n)
 
 
 def check_policy(index: DataIndex, spec: DataSpec, policy: str) -> None:
@@ -141,6 +151,9 @@ def describe(stats: dict) -> list[str]:
     lines = [f"data: {stats['good']} of {stats['records']} records usable ({stats['with_image']} with an image)"
              + (f", {stats['truncated']} truncated" if stats["truncated"] else "")
              + (f"; {stats['bad']} skipped: {_kinds(stats)}" if stats["bad"] else "")]
+    if stats.get("unknown_token_share", 0) > 0.05:
+        lines.append(f"data: warning: {stats['unknown_token_share']:.0%} of text tokens are unknown to the tokenizer "
+                     f"(the built-in one knows only the shapes words); give --tokenizer DIR")
     lines += [f"data: skipped {b['where']}: {b['kind']}: {b['reason']}" for b in stats["first_bad"]]
     if stats["bad"] > len(stats["first_bad"]):
         lines.append(f"data: ... {stats['bad'] - len(stats['first_bad'])} more in bad_records.jsonl")
