@@ -134,7 +134,8 @@ def check_policy(index: DataIndex, spec: DataSpec, policy: str) -> None:
     if policy == "strict" and s["bad"]:
         lines = [f"--bad-records strict: {b['where']}: {b['kind']}: {b['reason']}" for b in s["first_bad"]]
         more = s["bad"] - len(lines)
-        raise ConfigError("\n".join(lines + ([f"--bad-records strict: ... and {more} more ({_kinds(s)})"] if more else [])))
+        total = f"{s['bad']} bad records in all: {_kinds(s)}"
+        raise ConfigError("\n".join(lines + [f"--bad-records strict: " + (f"... and {more} more; " if more else "") + total]))
 
 
 def _kinds(s: dict) -> str:

@@ -1,0 +1,102 @@
+"""User data end to end: a LLaVA-format set trains in a 2-stage pipeline, bad records are counted
+and left out (never fatal, never silent), and --resume continues with exactly the next sample."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import mmpipe_train, train_run, write_ds_config
+from fixtures_data import HUGE_LIMIT, write_fuzz_set
+from mmpipe.data.export import export_shapes
+from mmpipe.data.records import BAD_KINDS
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def small_batches(tmp_path_factory):
+    """4 micro x 2 GAS = 8 samples per step; a fixed 6-step schedule, so a resumed run follows the same one."""
+    d = tmp_path_factory.mktemp("cfg")
+    return write_ds_config(
+        d / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": STEPS, "warmup_num_steps": 2,
+                                                       "warmup_type": "linear", "warmup_min_ratio": 0.1}})
+
+
+def _seen(out) -> list[tuple[int, int]]:
+    with open(out / "samples_dp0.csv") as f:
+        return [(int(r["position"]), int(r["row"])) for r in csv.DictReader(f)]
+
+
+def _args(cfg, data, *extra):
+    return ["--preset", "tiny", "--ds-config", str(cfg), "--data", str(data), "--eval-samples", "0", "--seed", "1",
+            "--stages", "2", "--text-len", "24", "--log-samples", *extra]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return export_shapes(tmp_path_factory.mktemp("llava"), "llava-jsonl", 20)  # 20 records: 2.5 steps an epoch
+
+
+def test_llava_jsonl_trains_in_a_2_stage_pipeline_and_resumes_at_the_next_sample(tmp_path, llava, small_batches):
+    full = train_run(tmp_path / "full", *_args(small_batches, llava, "--steps", str(STEPS))).check()
+    s = full.summary
+    assert s["stages"] == 2 and s["data"]["good"] == 20 and s["data"]["bad"] == 0
+    assert s["data"]["epochs"] == pytest.approx(STEPS * 8 / 20)
+    # 6 steps x 8 = 48 positions in order; every epoch (20 positions) visits each record once
+    seen = _seen(full.out)
+    assert [p for p, _ in seen] == list(range(STEPS * 8))
+    for e in range(2):
+        assert sorted(r for _, r in seen[20 * e:20 * (e + 1)]) == list(range(20))
+    assert [r for _, r in seen[:20]] != list(range(20))  # shuffled, deterministically by (seed, epoch)
+
+    half = STEPS // 2
+    train_run(tmp_path / "resumed", *_args(small_batches, llava, "--steps", str(half), "--save-every", "1")).check()
+    resumed = train_run(tmp_path / "resumed", *_args(small_batches, llava, "--steps", str(STEPS), "--resume")).check()
+    assert resumed.summary["start_step"] == half
+    assert _seen(resumed.out) == seen  # nothing repeated, nothing skipped
+    for step, loss in full.losses.items():
+        assert resumed.losses[step] == pytest.approx(loss, abs=1e-6), step
+
+
+def test_bad_records_are_counted_and_every_good_record_is_trained_on(tmp_path, small_batches):
+    data, injected, good_rows = write_fuzz_set(tmp_path / "data")
+    steps = len(good_rows) // 8  # 40 good records / 8 per step = exactly one epoch
+    run = train_run(tmp_path / "run", *_args(small_batches, data, "--steps", str(steps),
+                                             "--max-image-pixels", str(HUGE_LIMIT))).check()
+    d = run.summary["data"]
+    assert d["bad_by_kind"] == injected
+    assert d["good"] == len(good_rows) and d["records"] == len(good_rows) + sum(injected.values())
+    assert d["with_image"] == len(good_rows) - 2
+    assert sorted(r for _, r in _seen(run.out)) == good_rows
+    listed = [json.loads(line) for line in (run.out / "data" / "bad_records.jsonl").read_text().splitlines()]
+    assert len(listed) == sum(injected.values()) and all(b["where"].startswith(str(data) + ":") for b in listed)
+    assert "15 skipped" in run.proc.stdout
+
+
+def test_strict_policy_stops_before_training_naming_file_line_and_reason(tmp_path):
+    data, injected, _ = write_fuzz_set(tmp_path / "data")
+    proc = mmpipe_train(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "run"),
+                         "--text-len", "24", "--bad-records", "strict", "--steps", "2",
+                         "--max-image-pixels", str(HUGE_LIMIT)])
+    assert proc.returncode == 2
+    errors = proc.stderr.strip().splitlines()
+    assert errors[0] == (f"mmpipe: error: --bad-records strict: {data}:2: corrupt_image: "
+                         f"{tmp_path / 'data' / 'images' / 'corrupt.png'}: not a recognised image format")
+    assert len(errors) == 11  # the first 10 bad records, then the counts by kind
+    n = sum(injected.values())
+    kinds = ", ".join(f"{injected[k]} {k}" for k in BAD_KINDS if k in injected)
+    assert errors[-1] == f"mmpipe: error: --bad-records strict: ... and {n - 10} more; {n} bad records in all: {kinds}"
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_dataset_of_only_bad_records_is_a_clear_error(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"conversations": []}\nnot json\n')
+    proc = mmpipe_train(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "run")])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"mmpipe: error: --data: every one of the 2 records of {data} is bad (1 bad_json, 1 missing_field); "
+        f"first: {data}:1: missing_field: 'conversations' is missing or not a non-empty list"]
