@@ -83,3 +83,45 @@ def test_data_parallel_ranks_see_disjoint_samples():
     # 4 micro x 3 GAS x 2 DP = 24 samples per step
     seen = [i for d in range(2) for mb in micro_batch_indices(5, 4, 3, d, 2) for i in mb]
     assert sorted(seen) == list(range(5 * 24, 6 * 24))
+
+
+def _indexed(tmp_path, n=30):
+    import argparse
+
+    from mmpipe.data.dataset import prepare
+    from mmpipe.data.export import export_shapes
+    from mmpipe.run_config import add_train_args, resolve
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    data = export_shapes(tmp_path / "d", "llava-jsonl", n)
+    run = resolve(p.parse_args(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "o"),
+                                "--text-len", "24"]), world_size=2)
+    return run, prepare(run.data, run.model, tmp_path / "o", seed=4, verbose=False)
+
+
+def test_user_data_dp_shards_are_disjoint_and_complete_per_epoch(tmp_path):
+    run, samples = _indexed(tmp_path)  # 30 records; 3 micro x 1 GAS x 2 DP = 6 per step: 5 steps an epoch
+    for epoch in range(2):
+        rows = {d: [samples.row(p) for s in range(5 * epoch, 5 * epoch + 5) for mb in micro_batch_indices(s, 3, 1, d, 2)
+                    for p in mb] for d in range(2)}
+        assert not set(rows[0]) & set(rows[1])
+        assert sorted(rows[0] + rows[1]) == list(range(30))
+    # a new order each epoch, the same order for the same seed
+    assert [samples.row(p) for p in range(30)] != [samples.row(p) for p in range(30, 60)]
+    assert [samples.row(p) for p in range(60)] == [_indexed(tmp_path / "again")[1].row(p) for p in range(60)]
+
+
+def test_user_data_first_and_last_stage_agree_per_micro_batch(tmp_path):
+    run, samples = _indexed(tmp_path)
+    kw = dict(text_len=run.text_len, n_img=run.model.vision.n_tokens, image_size=run.model.vision.image_size)
+    first = rank_batches(TrainSet(samples, need_labels=False, **kw), StepBatches(3, 4, 2, 1, 2), workers=2)
+    last = rank_batches(TrainSet(samples, need_images=False, **kw), StepBatches(3, 4, 2, 1, 2))
+    for _ in range(6):
+        (pixels, ids, has_image), no_labels = next(first)
+        no_inputs, labels = next(last)
+        assert no_labels is None and no_inputs is None and pixels.shape == (4, 3, 32, 32)
+        # the labels are the next tokens of the same texts the first stage embeds
+        n_img = run.model.vision.n_tokens
+        target = labels[:, n_img:n_img + run.text_len - 1]
+        keep = target != IGNORE_INDEX
+        assert keep.any() and torch.equal(target[keep], ids[:, 1:][keep])
