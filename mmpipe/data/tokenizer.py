@@ -29,8 +29,10 @@ PROMPT_WORDS = ["question:"]
 # pre-tokenizer splits on it.
 BUILTIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}question: {{ m['content'] }} "
                     "{% else %}{{ m['content'] }} {{ eos_token }} {% endif %}{% endfor %}")
+# The leading newlines are a Jinja string: transformers renders with trim_blocks, which drops the
+# first newline right after a block tag such as {% if %} ("\n\nQuestion" would become "\nQuestion").
 MOONDREAM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
-                      "\n\nQuestion: {{ m['content'] }}\n\nAnswer:{% else %} {{ m['content'] }}{{ eos_token }}"
+                      "{{ '\\n\\n' }}Question: {{ m['content'] }}\n\nAnswer:{% else %} {{ m['content'] }}{{ eos_token }}"
                       "{% endif %}{% endfor %}")
 
 
