@@ -278,10 +278,12 @@ def main(argv=None) -> int:
         training = training_rate(Path(args.train_summary)) if args.train_summary else run_training(train_argv, out_dir)
 
         print("bench: loader alone (nothing else running in this benchmark)", flush=True)
-        samples = load_samples(bargs, run)
-        first = make_dataset(samples, run, bargs, first=True, last=run.stages == 1)
+        # Fresh samples for every stream, as each rank has: the source of a .jsonl file keeps one open file
+        # whose offset forked DataLoader workers would share had this process read a record before forking
+        # them (see docs/loader_benchmark.md); a rank never reads one before its workers start.
         results = []
         for w in args.worker_counts:
+            first = make_dataset(load_samples(bargs, run), run, bargs, first=True, last=run.stages == 1)
             r = time_stream(first, run, workers=w, prefetch=args.prefetch, warmup=args.warmup, batches=args.batches,
                             windows=args.windows)
             r["ratio"] = r["samples_per_s"] / training["per_rank_samples_per_s"]
@@ -290,11 +292,15 @@ def main(argv=None) -> int:
             results.append(r)
         last_r = None
         if run.stages > 1:
-            last = make_dataset(samples, run, bargs, first=False, last=True)
+            last = make_dataset(load_samples(bargs, run), run, bargs, first=False, last=True)
             last_r = time_stream(last, run, workers=0, prefetch=args.prefetch, warmup=args.warmup,
                                  batches=args.batches, windows=args.windows)
             last_r["ratio"] = last_r["samples_per_s"] / training["per_rank_samples_per_s"]
-        bd = breakdown(samples, first, run, args.breakdown_samples) if args.breakdown_samples >= run.micro else None
+        bd = None
+        if args.breakdown_samples >= run.micro:
+            samples = load_samples(bargs, run)
+            bd = breakdown(samples, make_dataset(samples, run, bargs, first=True, last=run.stages == 1), run,
+                           args.breakdown_samples)
 
         train_w = run.data.workers
         used = next((r for r in results if r["workers"] == train_w), None)

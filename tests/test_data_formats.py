@@ -252,8 +252,9 @@ def test_multi_turn_labels_subword_chatml_tokenizer(tmp_path, multi_turn_jsonl):
         return tok(text, add_special_tokens=False).input_ids
 
     # text.py: a reply's span runs from after the generation prompt (`<|im_start|>assistant\n`) to
-    # the end of the conversation rendered up to and including that reply, i.e. the reply, its
-    # <|im_end|> and the template's "\n" after it. No BOS: the sequence starts with EOS.
+    # the end of the conversation rendered up to and including that reply, trailing whitespace
+    # excluded, i.e. the reply and its <|im_end|>; the template's "\n" after it is context.
+    # No BOS: the sequence starts with EOS.
     want_ids, want_target, spans = [tok.eos_token_id], [False], []
     for t in MULTI_TURN:
         content = t["value"].replace("<image>", "").strip()
@@ -262,10 +263,10 @@ def test_multi_turn_labels_subword_chatml_tokenizer(tmp_path, multi_turn_jsonl):
             want_ids += p
             want_target += [False] * len(p)
         else:
-            header, reply = pieces("<|im_start|>assistant\n"), pieces(f"{content}{end}\n")
-            want_ids += header + reply
-            want_target += [False] * len(header) + [True] * len(reply)
-            spans.append(f"{content}{end}\n")
+            header, reply, newline = pieces("<|im_start|>assistant\n"), pieces(f"{content}{end}"), pieces("\n")
+            want_ids += header + reply + newline
+            want_target += [False] * len(header) + [True] * len(reply) + [False] * len(newline)
+            spans.append(f"{content}{end}")
     assert tok.convert_ids_to_tokens([tok.eos_token_id]) == [end]
 
     # the encoder itself, on the conversation as a Record holds it

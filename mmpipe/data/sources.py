@@ -341,7 +341,7 @@ class HFSource(Source):
         return len(self.ds)
 
     def raw(self, i):
-        return f"{Path(self.name).name}[{i}]", self.ds[i]
+        return f"{self.name.removesuffix('/**')}[{i}]", self.ds[i]
 
 
 def open_source(spec: DataSpec) -> Source:

@@ -3,7 +3,8 @@
 Labels come from character spans, so any chat template works without per-template code:
 the conversation is rendered once in full and once per assistant turn up to that turn (with the
 generation prompt), which gives each assistant reply's character span [start, end) including its
-end-of-turn tokens; a token is a target when its characters overlap a reply span. Worked example
+end-of-turn tokens but not the whitespace a template puts after them (as HF's assistant masks);
+a token is a target when its characters overlap a reply span. Worked example
 with the built-in template (word-level, one token per word):
 
     text    [BOS] question: what shape is red circle [EOS]
@@ -54,7 +55,7 @@ class ConversationEncoder:
             if m["role"] != "assistant":
                 continue
             start = len(self._render(messages[:i], generation_prompt=True))
-            end = len(self._render(messages[:i + 1]))
+            end = len(self._render(messages[:i + 1]).rstrip())  # a template's newline after the turn is not taught
             if not text.startswith(self._render(messages[:i + 1])):
                 raise ValueError("the chat template renders a conversation's prefix differently from the whole; "
                                  "reply spans cannot be located (give a prefix-stable --chat-template)")
