@@ -81,7 +81,7 @@ def parse_args(argv=None):
         p.error(f"--workers: {args.workers!r} is not a comma-separated list of integers")
     if any(w < 0 for w in args.worker_counts) or not args.worker_counts:
         p.error("--workers: give one or more counts >= 0")
-    for name in ("steps", "batches", "windows", "records"):
+    for name in ("steps", "batches", "windows", "records", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: must be >= 1")
     if args.steps < 3 and not args.train_summary:
@@ -206,9 +206,11 @@ def breakdown(samples, dataset, run, n: int) -> dict:
         parts[name] = (time.perf_counter() - t) / n
         return out
 
-    clock("tokens + pad (index lookup)", lambda p: pad_sample(samples.tokens(p)[0], run.text_len,
-                                                              run.model.vision.n_tokens, samples.pad_id, IGNORE_INDEX))
-    if hasattr(samples, "source"):  # a user dataset: what IndexedSamples.pixels() does, piece by piece
+    indexed = hasattr(samples, "source")  # a user dataset, tokenised once in the index; the built-in set tokenises here
+    clock("tokens + pad" + (" (index lookup)" if indexed else " (chat template + tokenise)"),
+          lambda p: pad_sample(samples.tokens(p)[0], run.text_len, run.model.vision.n_tokens, samples.pad_id,
+                               IGNORE_INDEX))
+    if indexed:  # a user dataset: what IndexedSamples.pixels() does, piece by piece
         from mmpipe.data.images import open_image
         rows = [samples.row(p) for p in positions]
         recs = clock("record re-read (JSON parse + checks)", lambda p: samples.source.record(rows[p]))

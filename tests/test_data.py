@@ -125,3 +125,16 @@ def test_user_data_first_and_last_stage_agree_per_micro_batch(tmp_path):
         target = labels[:, n_img:n_img + run.text_len - 1]
         keep = target != IGNORE_INDEX
         assert keep.any() and torch.equal(target[keep], ids[:, 1:][keep])
+
+
+def test_forked_loader_workers_read_the_right_records(tmp_path):
+    """The rank reads the JSONL (index build, a first image) before its DataLoader forks workers:
+    they share its file descriptor, and must still each read exactly their record."""
+    run, samples = _indexed(tmp_path, n=120)
+    kw = dict(text_len=run.text_len, n_img=run.model.vision.n_tokens, image_size=run.model.vision.image_size)
+    ref = TrainSet(samples, **kw)
+    ref[0]  # the parent opens the file first
+    stream = rank_batches(TrainSet(samples, **kw), StepBatches(0, 8, 1, 0, 1), workers=2)
+    for k in range(30):
+        (pixels, _, _), _ = next(stream)
+        assert torch.equal(pixels, torch.stack([ref[p]["pixels"] for p in range(8 * k, 8 * k + 8)])), k

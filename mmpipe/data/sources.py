@@ -221,7 +221,9 @@ class Source:
 
 
 class JsonLinesSource(Source):
-    """One record per line; only (byte offset, line number) pairs are kept, lines are parsed on demand."""
+    """One record per line; only (byte offset, length, line number) are kept, lines are read on
+    demand with os.pread: no shared file offset, so forked DataLoader workers that inherit the
+    descriptor cannot move each other's reads (seek + readline there read wrong records)."""
 
     def __init__(self, spec: DataSpec):
         self.spec, self.lines = spec, []
@@ -229,22 +231,21 @@ class JsonLinesSource(Source):
             pos = 0
             for n, line in enumerate(f, 1):
                 if line.strip():
-                    self.lines.append((pos, n))
+                    self.lines.append((pos, len(line), n))
                 pos += len(line)
-        self._f = None
+        self._fd = None
 
     def __len__(self):
         return len(self.lines)
 
-    def __getstate__(self):  # DataLoader and scan workers reopen the file
-        return {**self.__dict__, "_f": None}
+    def __getstate__(self):  # workers started by pickling open their own descriptor
+        return {**self.__dict__, "_fd": None}
 
     def raw(self, i):
-        if self._f is None:
-            self._f = open(self.spec.path, "rb")
-        offset, n = self.lines[i]
-        self._f.seek(offset)
-        line = self._f.readline()
+        if self._fd is None:
+            self._fd = os.open(self.spec.path, os.O_RDONLY)
+        offset, length, n = self.lines[i]
+        line = os.pread(self._fd, length, offset)
         where = f"{self.spec.path}:{n}"
         try:
             text = line.decode("utf-8")
