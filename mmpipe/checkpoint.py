@@ -8,6 +8,10 @@ depend on the stage count that wrote them.
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
 from pathlib import Path
 
 import torch
@@ -33,3 +37,177 @@ def load_reference(ckpt_dir: str | Path, cfg: ModelConfig, tag: str | None = Non
             raise FileNotFoundError(f"checkpoint {tag} lacks layer {idx} ({type(layer).__name__}): {path}")
         layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model
+
+
+# ---- writing: atomic, fsynced, pruned -----------------------------------------------------------
+#
+# DeepSpeed writes <dir>/<tag>/ from every stage and then has global rank 0 write `latest`
+# without waiting for the others and without flushing anything to disk. mmpipe instead saves
+# under a temporary tag, fsyncs every file, waits for every rank, renames the directory to its
+# final tag and only then replaces `latest` (a write to a temporary file + os.replace). A crash at
+# any point leaves `latest` naming the previous complete checkpoint.
+
+TMP_PREFIX = ".tmp-"
+STATE_FILE = "mmpipe_state.json"   # run state every rank can read (step, samples, layout, schedule)
+RANK_DIR = "rank_state"            # rank_state/rank<R>.json: that rank's RNG states
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def step_tags(ckpt_dir: Path) -> list[str]:
+    """Complete checkpoints (step<N> directories), oldest first."""
+    tags = [p.name for p in Path(ckpt_dir).glob("step*") if p.is_dir() and p.name[4:].isdigit()]
+    return sorted(tags, key=lambda t: int(t[4:]))
+
+
+def remove_partial(ckpt_dir: Path) -> list[str]:
+    """Delete what a crash during a save left behind (temporary tags); returns their names."""
+    gone = []
+    for p in Path(ckpt_dir).glob(TMP_PREFIX + "*"):
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p.name)
+    return gone
+
+
+def prune(ckpt_dir: Path, keep: int) -> list[str]:
+    """Keep the newest `keep` checkpoints (0 = all); never the one `latest` names."""
+    if keep <= 0:
+        return []
+    latest = latest_tag(ckpt_dir)
+    tags = step_tags(ckpt_dir)
+    doomed = [t for t in tags[:-keep] if t != latest]
+    for t in doomed:
+        shutil.rmtree(Path(ckpt_dir) / t, ignore_errors=True)
+    return doomed
+
+
+def save(engine, ckpt_dir: str | Path, step: int, state: dict, *, keep: int, rank_state: dict) -> str:
+    """Every rank calls this at the same step. Returns the committed tag."""
+    import torch.distributed as dist
+    ckpt_dir = Path(ckpt_dir)
+    tag, tmp_tag = f"step{step}", f"{TMP_PREFIX}step{step}"
+    rank = dist.get_rank()
+    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=state, save_latest=False)  # ends in a barrier
+    tmp = ckpt_dir / tmp_tag
+    (tmp / RANK_DIR).mkdir(exist_ok=True)
+    _write_json_atomic(tmp / RANK_DIR / f"rank{rank}.json", rank_state)
+    if rank == 0:
+        _write_json_atomic(tmp / STATE_FILE, state)
+    _fault("kill-in-save", step)
+    _fsync_tree(tmp)  # each rank flushes; on a shared file system that covers its own files too
+    dist.barrier()
+    if rank == 0:
+        final = ckpt_dir / tag
+        if final.exists():  # a step saved again after a resume from an older checkpoint
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+        tmp_latest = ckpt_dir / f"latest.{os.getpid()}.tmp"
+        tmp_latest.write_text(tag)
+        with open(tmp_latest) as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_latest, ckpt_dir / "latest")
+        _fsync_dir(ckpt_dir)
+        prune(ckpt_dir, keep)
+    dist.barrier()
+    return tag
+
+
+def read_state(ckpt_dir: str | Path, tag: str | None = None) -> dict | None:
+    tag = tag or latest_tag(ckpt_dir)
+    f = Path(ckpt_dir) / str(tag) / STATE_FILE
+    return json.loads(f.read_text()) if tag and f.is_file() else None
+
+
+def read_rank_state(ckpt_dir: str | Path, tag: str, rank: int) -> dict | None:
+    f = Path(ckpt_dir) / tag / RANK_DIR / f"rank{rank}.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def _fault(name: str, step: int) -> None:
+    """Test hook: MMPIPE_FAULT=kill-in-save:STEP:RANK SIGKILLs that rank at that point, so the tests
+    can crash a run exactly mid-save. Unset in normal runs."""
+    spec = os.environ.get("MMPIPE_FAULT", "")
+    if not spec:
+        return
+    import torch.distributed as dist
+    what, at_step, at_rank = spec.split(":")
+    if what == name and int(at_step) == step and int(at_rank) == dist.get_rank():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- resuming, also under another stage count ---------------------------------------------------
+
+def run_state(engine, run, args, step: int, samples: int, fingerprint, counters: dict) -> dict:
+    """What mmpipe_state.json holds: enough to continue on any layout."""
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    return {"step": step, "samples": samples, "seed": args.seed, "total_steps": args.steps,
+            "data_fingerprint": fingerprint, "stages": run.stages, "parts": run.parts, "dp": run.dp,
+            "zero_stage": run.zero_stage, "precision": run.precision, "train_batch": run.train_batch,
+            "lr_scheduler": sched, **counters}
+
+
+def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tuple[dict, list[str]]:
+    """Load the latest checkpoint into the engine. Returns (its run state, notes to print).
+    Same stages, partition (and, under ZeRO-1, the same DP): everything is restored, optimizer
+    moments included. Another layout: the weights (from the per-layer files, which do not depend
+    on the layout), step and sample counters and the LR schedule are restored; the optimizer's
+    moments, kept per stage (and per DP shard), start again from zero, with a warning."""
+    from . import rng
+    ckpt_dir = Path(ckpt_dir)
+    tag = latest_tag(ckpt_dir)
+    state = read_state(ckpt_dir, tag)
+    if tag is None or state is None:
+        raise SystemExit(f"mmpipe: error: --resume: no complete checkpoint in {ckpt_dir}")
+    if state["data_fingerprint"] != fingerprint:
+        raise SystemExit("mmpipe: error: --resume: the data, tokenizer or --text-len differ from the run that wrote "
+                         f"{ckpt_dir / tag}, so its data position means other samples; resume with the same data")
+    same = state["stages"] == run.stages and state["parts"] == run.parts and (
+        run.zero_stage == 0 or state["dp"] == run.dp) and state["precision"] == run.precision
+    notes = []
+    if same:
+        load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=True,
+                                              load_optimizer_states=False, load_lr_scheduler_states=False)
+        engine.global_steps, engine.global_samples = state["step"], state["samples"]
+        if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        notes.append(f"warning: {tag} was written by {state['stages']} stages x dp {state['dp']} (parts "
+                     f"{state['parts']}, {state['precision']}), this run is {run.stages} x dp {run.dp} (parts "
+                     f"{run.parts}, {run.precision}): weights, step {state['step']}, data position and LR schedule "
+                     f"carried over; the optimizer state (AdamW moments) starts again from zero")
+    if load_path is None:
+        raise SystemExit(f"mmpipe: error: --resume: DeepSpeed could not load {ckpt_dir / tag}")
+    mine = read_rank_state(ckpt_dir, tag, rank) if same and state["dp"] == run.dp else None
+    if mine is not None:
+        rng.set_state(mine["rng"])
+    elif same:
+        notes.append(f"note: {tag} has no RNG state for rank {rank}; random streams start afresh")
+    return state, notes

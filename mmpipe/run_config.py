@@ -52,6 +52,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze", default="", help=f"comma-separated groups to freeze: {', '.join(FREEZE_GROUPS)}")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--nonfinite", default="stop", choices=("stop", "skip"),
+                   help="a NaN/inf loss: stop the run, keeping the last good checkpoint (default), or skip that "
+                        "batch's update and count it (fp32 with ZeRO-0)")
+    p.add_argument("--keep-checkpoints", type=int, default=3,
+                   help="keep the newest K checkpoints (default: 3; 0: all); the one `latest` names is never deleted")
     p.add_argument("--eval-samples", type=int, default=1000,
                    help="held-out shapes samples scored after training, split evenly over the question types "
                         "(0: skip; user data is not scored)")
@@ -159,6 +164,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         problems.append(f"--steps: {args.steps} must be >= 1")
     if args.save_every < 0:
         problems.append(f"--save-every: {args.save_every} must be >= 0")
+    if args.keep_checkpoints < 0:
+        problems.append(f"--keep-checkpoints: {args.keep_checkpoints} must be >= 0 (0 keeps all)")
     freeze = tuple(g for g in args.freeze.split(",") if g)
     bad = [g for g in freeze if g not in FREEZE_GROUPS]
     if bad:
@@ -192,6 +199,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     if "optimizer" not in ds:
         problems.append("optimizer: missing; set e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3, "
                         "\"torch_adam\": true}}")
+    if getattr(args, "nonfinite", "stop") == "skip" and (fp16 or bf16 or zero_stage != 0):
+        problems.append("--nonfinite: skip works with fp32 and ZeRO stage 0 (bf16 and ZeRO-1 optimizers hold their "
+                        "own gradient buffers); fp16 skips overflowing steps by itself; use --nonfinite stop")
     micro = gas = 1
     try:
         micro, gas = _batch_sizes(ds, dp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import statistics
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 from .config import ConfigError
 from .run_config import RunConfig, add_train_args, fail, resolve
 
-CSV_FIELDS = ["step", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s"]
+CSV_FIELDS = ["step", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "skipped"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,23 +68,25 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
 
-    start_step = 0
+    from . import checkpoint, rng
+    from .guard import install_skip
+    if rank == 0:
+        for name in checkpoint.remove_partial(ckpt_dir) if ckpt_dir.is_dir() else []:
+            print(f"mmpipe: removed {ckpt_dir / name}, a checkpoint whose save did not finish", flush=True)
+    start_step, start_pos, counters = 0, 0, {"skipped_steps": 0, "nonfinite_steps": 0}
     if args.resume:
-        load_path, client = engine.load_checkpoint(str(ckpt_dir))
-        if load_path is None:
-            raise SystemExit(f"mmpipe: error: --resume: no checkpoint in {ckpt_dir}")
-        start_step = engine.global_steps
-        if client["samples"] != start_step * run.train_batch:
-            raise SystemExit(f"mmpipe: error: --resume: the checkpoint's data position ({client['samples']} samples) "
-                             f"is not step {start_step} x {run.train_batch} samples per step: resume with the same "
-                             f"batch sizes (micro x GAS x DP) it was written with")
-        if client.get("data_fingerprint") != fingerprint:
-            raise SystemExit("mmpipe: error: --resume: the data, tokenizer or --text-len differ from the run that wrote "
-                             "the checkpoint, so its data position means other samples; resume with the same data")
-        if rank == 0 and run.auto_schedule and client.get("total_steps") != args.steps:
-            print(f"mmpipe: warning: the LR schedule was laid out for {client.get('total_steps')} steps and now runs "
-                  f"to {args.steps}; from step {start_step + 1} it follows the {args.steps}-step curve "
-                  f"(fix scheduler.params.total_num_steps in the config to keep one schedule)", flush=True)
+        state, notes = checkpoint.resume(engine, ckpt_dir, run, fingerprint=fingerprint, rank=rank)
+        start_step, start_pos = state["step"], state["samples"]
+        counters = {k: state.get(k, 0) for k in counters}
+        if rank == 0:
+            for note in notes:
+                print(f"mmpipe: {note}", flush=True)
+            if run.auto_schedule and state["total_steps"] != args.steps:
+                print(f"mmpipe: warning: the LR schedule was laid out for {state['total_steps']} steps and now runs "
+                      f"to {args.steps}; from step {start_step + 1} it follows the {args.steps}-step curve "
+                      f"(fix scheduler.params.total_num_steps in the config to keep one schedule)", flush=True)
+            _truncate_logs(out, start_step, start_pos)
+        dist.barrier()  # logs trimmed before anyone appends
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(run.precision, torch.float32)
     dp_rank = engine.grid.data_parallel_id
@@ -94,15 +97,17 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     seen_log = None
     if run.data.log_samples and first:
         seen_log = open(out / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")
-        if not args.resume:
+        if seen_log.tell() == 0:
             seen_log.write("position,row\n")
 
     def log_seen(positions):
         seen_log.write("".join(f"{p},{samples.row(p)}\n" for p in positions.tolist()))
 
-    batches = rank_batches(dataset, StepBatches(start_step, run.micro, run.gas, dp_rank, run.dp),
+    batches = rank_batches(dataset, StepBatches(start_pos, run.micro, run.gas, dp_rank, run.dp),
                            workers=run.data.workers if first else 0, dtype=dtype,
                            on_batch=log_seen if seen_log else None)
+    batches = _nan_fault(batches, start_step, run.gas)
+    guard = install_skip(engine) if args.nonfinite == "skip" else None
 
     seq = run.model.vision.n_tokens + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28 (pads included)
     if rank == 0:
@@ -112,7 +117,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
               f"parts {run.parts}", flush=True)
     log_file = open(out / "train_log.csv", "a" if args.resume else "w", newline="") if rank == 0 else None
     log = csv.DictWriter(log_file, CSV_FIELDS) if log_file else None
-    if log and not args.resume:
+    if log and log_file.tell() == 0:
         log.writeheader()
 
     step_times, losses = [], []
@@ -121,23 +126,38 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
                mininterval=0.5 if sys.stderr.isatty() else 30)  # a log file: occasional lines, not one per step
     for step in range(start_step + 1, args.steps + 1):
         t0 = time.perf_counter()
+        overflows, dropped = engine.skipped_steps, guard["nonfinite_steps"] if guard else 0
         loss = engine.train_batch(data_iter=batches).item()
         dt = time.perf_counter() - t0
+        overflows = engine.skipped_steps - overflows  # fp16: the loss scaler skipped this step
+        dropped = (guard["nonfinite_steps"] if guard else 0) - dropped  # --nonfinite skip dropped it
+        counters["skipped_steps"] += overflows
+        counters["nonfinite_steps"] += dropped
         step_times.append(dt)
         losses.append(loss)
         if log:
             log.writerow({"step": step, "loss": repr(loss), "lr": f"{engine.get_lr()[0]:.6g}",
                           "samples_per_s": f"{run.train_batch / dt:.1f}", "tokens_per_s": f"{run.train_batch * seq / dt:.0f}",
-                          "elapsed_s": f"{time.perf_counter() - t_start:.2f}"})
+                          "elapsed_s": f"{time.perf_counter() - t_start:.2f}",
+                          "skipped": "fp16_overflow" if overflows else "nonfinite" if dropped else ""})
             log_file.flush()
+        if not math.isfinite(loss) and not dropped and run.precision != "fp16":
+            # --nonfinite stop; fp16 overflows are the loss scaler's business (it skipped the step)
+            if rank == 0:
+                print(f"mmpipe: error: step {step}: the loss is {loss} ({run.precision}); stopping before any further "
+                      f"checkpoint, so `latest` ({checkpoint.latest_tag(ckpt_dir) or 'none'}) is the last good state. "
+                      f"Lower the LR, check the data at positions {start_pos + (step - start_step - 1) * run.train_batch}.."
+                      f"{start_pos + (step - start_step) * run.train_batch - 1} (--log-samples), or use --nonfinite skip",
+                      file=sys.stderr, flush=True)
+            return 3
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         bar.update(1)
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             if seen_log:
                 seen_log.flush()
-            engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}",
-                                   client_state={"samples": step * run.train_batch, "seed": args.seed,
-                                                 "total_steps": args.steps, "data_fingerprint": fingerprint})
+            pos = start_pos + (step - start_step) * run.train_batch
+            state = checkpoint.run_state(engine, run, args, step, pos, fingerprint, counters)
+            checkpoint.save(engine, ckpt_dir, step, state, keep=args.keep_checkpoints, rank_state={"rng": rng.get_state()})
     bar.close()
     if seen_log:
         seen_log.close()
@@ -156,7 +176,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
         "stages": run.stages, "dp": run.dp, "micro_batch": run.micro, "gradient_accumulation": run.gas,
         "train_batch": run.train_batch, "precision": run.precision, "zero_stage": run.zero_stage,
         "preset": run.model.name, "freeze": list(run.freeze), "parts": run.parts, "seed": args.seed,
-        "ds_config": run.ds_config_path,
+        "ds_config": run.ds_config_path, **counters,
     }
     from .partition import describe
     summary["partition"] = describe(run.layers, run.parts)
@@ -186,6 +206,35 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"mmpipe: done, summary in {out / 'summary.json'}", flush=True)
     return 0
+
+
+def _nan_fault(batches, start_step: int, gas: int):
+    """Test hook: MMPIPE_FAULT=nan-batch:STEP turns the pixels of step STEP's micro-batches into
+    NaN on the first stage, the way a corrupt batch would poison the loss. Unset in normal runs."""
+    spec = os.environ.get("MMPIPE_FAULT", "")
+    bad_step = int(spec.split(":")[1]) if spec.startswith("nan-batch:") else None
+    for k, (inputs, labels) in enumerate(batches):
+        if inputs is not None and bad_step is not None and start_step + k // gas + 1 == bad_step:
+            inputs = (inputs[0] * float("nan"), *inputs[1:])
+        yield inputs, labels
+
+
+def _truncate_logs(out: Path, step: int, position: int) -> None:
+    """A run that died after its last checkpoint logged steps (and samples) that the resumed run
+    does again: drop them, so each step and position appears once."""
+    for path, keep in [(out / "train_log.csv", lambda r: int(r["step"]) <= step)] + [
+            (p, lambda r: int(r["position"]) < position) for p in sorted(out.glob("samples_dp*.csv"))]:
+        if not path.is_file():
+            continue
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows, fields = [r for r in reader if keep(r)], reader.fieldnames
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fields)
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, path)
 
 
 def main(argv=None) -> int:

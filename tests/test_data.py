@@ -68,7 +68,7 @@ def test_first_and_last_stage_streams_agree_and_last_skips_images():
 
     def stream(**kw):
         data = TrainSet(ShapesSamples(cfg, 0), text_len=SHAPES_TEXT_LEN, n_img=cfg.vision.n_tokens, image_size=32, **kw)
-        return rank_batches(data, StepBatches(2, 4, 3, 0, 1))
+        return rank_batches(data, StepBatches(2 * 12, 4, 3, 0, 1))
     first, last, both = stream(need_labels=False), stream(need_images=False), stream()
     for _ in range(7):
         (pix, ids, has_image), no_labels = next(first)
@@ -114,8 +114,8 @@ def test_user_data_dp_shards_are_disjoint_and_complete_per_epoch(tmp_path):
 def test_user_data_first_and_last_stage_agree_per_micro_batch(tmp_path):
     run, samples = _indexed(tmp_path)
     kw = dict(text_len=run.text_len, n_img=run.model.vision.n_tokens, image_size=run.model.vision.image_size)
-    first = rank_batches(TrainSet(samples, need_labels=False, **kw), StepBatches(3, 4, 2, 1, 2), workers=2)
-    last = rank_batches(TrainSet(samples, need_images=False, **kw), StepBatches(3, 4, 2, 1, 2))
+    first = rank_batches(TrainSet(samples, need_labels=False, **kw), StepBatches(3 * 16, 4, 2, 1, 2), workers=2)
+    last = rank_batches(TrainSet(samples, need_images=False, **kw), StepBatches(3 * 16, 4, 2, 1, 2))
     for _ in range(6):
         (pixels, ids, has_image), no_labels = next(first)
         no_inputs, labels = next(last)

@@ -28,24 +28,25 @@ from ..model.builder import IGNORE_INDEX
 from .text import pad_sample
 
 
-def micro_batch_indices(step: int, micro: int, gas: int, dp_rank: int, dp_size: int) -> list[list[int]]:
+def micro_batch_indices(step: int, micro: int, gas: int, dp_rank: int, dp_size: int, start: int = 0) -> list[list[int]]:
     """Stream positions of one optimizer step for one data-parallel rank, as gas micro-batches.
-    A step consumes micro x gas x dp positions (e.g. 32 x 2 x 1 = 64), at [step * 64, (step + 1) * 64):
+    A step consumes micro x gas x dp positions (e.g. 32 x 2 x 1 = 64), at start + [step * 64, (step + 1) * 64):
     micro-batch m of rank d takes the slice starting at (m * dp + d) * micro."""
-    base = step * micro * gas * dp_size
+    base = start + step * micro * gas * dp_size
     return [[base + (m * dp_size + dp_rank) * micro + i for i in range(micro)] for m in range(gas)]
 
 
 class StepBatches:
-    """An endless batch sampler: the micro-batches of positions for one rank from start_step on."""
+    """An endless batch sampler: one rank's micro-batches of positions, from stream position
+    `start` (0, or the samples a resumed checkpoint had consumed) on."""
 
-    def __init__(self, start_step: int, micro: int, gas: int, dp_rank: int, dp_size: int):
-        self.start, self.micro, self.gas, self.dp_rank, self.dp_size = start_step, micro, gas, dp_rank, dp_size
+    def __init__(self, start: int, micro: int, gas: int, dp_rank: int, dp_size: int):
+        self.start, self.micro, self.gas, self.dp_rank, self.dp_size = start, micro, gas, dp_rank, dp_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        step = self.start
+        step = 0
         while True:
-            yield from micro_batch_indices(step, self.micro, self.gas, self.dp_rank, self.dp_size)
+            yield from micro_batch_indices(step, self.micro, self.gas, self.dp_rank, self.dp_size, self.start)
             step += 1
 
 
