@@ -154,11 +154,11 @@ def _fault(name: str, step: int) -> None:
     """Test hook: MMPIPE_FAULT=kill-in-save:STEP:RANK SIGKILLs that rank at that point, so the tests
     can crash a run exactly mid-save. Unset in normal runs."""
     spec = os.environ.get("MMPIPE_FAULT", "")
-    if not spec:
+    if not spec.startswith(name + ":"):
         return
     import torch.distributed as dist
-    what, at_step, at_rank = spec.split(":")
-    if what == name and int(at_step) == step and int(at_rank) == dist.get_rank():
+    _, at_step, at_rank = spec.split(":")
+    if int(at_step) == step and int(at_rank) == dist.get_rank():
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,144 @@
+"""A job dies — SIGKILL between checkpoints, a crash mid-save, a NaN batch — and loses at most the
+work since its last checkpoint, never a checkpoint; a checkpoint resumes under another stage count."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, Run, train_run, write_ds_config
+from mmpipe.checkpoint import latest_tag, load_reference
+from mmpipe.config import load_preset
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    """4 micro x 2 GAS; a schedule fixed at STEPS steps, so a relaunched job follows the same one."""
+    return write_ds_config(
+        tmp_path_factory.mktemp("cfg") / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": STEPS, "warmup_num_steps": 3,
+                                                       "warmup_type": "linear", "warmup_min_ratio": 0.1}})
+
+
+def _args(cfg, *extra):
+    return ["--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--seed", "2", "--stages", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cfg):
+    return train_run(tmp_path_factory.mktemp("full"), *_args(cfg, "--steps", str(STEPS))).check()
+
+
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def _tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def test_sigkill_between_checkpoints_then_resume_equals_the_uninterrupted_run(tmp_path, cfg, uninterrupted):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
+           *_args(cfg, "--steps", str(STEPS), "--save-every", "3")]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = out / "train_log.csv"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.is_file() or len(log.read_text().splitlines()) < 1 + 4):
+        time.sleep(0.01)  # wait for step 4: past the step-3 checkpoint
+    # SIGKILL the last stage's rank, as the OOM killer would
+    rank1 = subprocess.run(["pgrep", "-f", f"mmpipe.train --local_rank=1 .*{out}"], capture_output=True, text=True)
+    os.kill(int(rank1.stdout.split()[0]), signal.SIGKILL)
+    job.communicate(timeout=120)
+    assert job.returncode != 0 and not (out / "summary.json").exists()
+    killed_at = len(log.read_text().splitlines()) - 1
+    assert killed_at < STEPS, "the run finished before the kill"
+    last_good = int(latest_tag(out / "checkpoints")[4:])
+    assert 3 <= last_good <= killed_at and last_good % 3 == 0
+    resumed = train_run(out, *_args(cfg, "--steps", str(STEPS), "--resume")).check()
+    assert resumed.summary["start_step"] == last_good
+    # one row per step, and every loss exactly the uninterrupted run's (fp32, CPU: bit for bit)
+    assert [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
+    assert resumed.losses == uninterrupted.losses
+
+
+def test_killed_during_a_save_keeps_the_previous_checkpoint_latest(tmp_path, cfg, uninterrupted):
+    out = tmp_path / "run"
+    crashed = Run(out, subprocess.run(
+        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
+         *_args(cfg, "--steps", str(STEPS), "--save-every", "2")],
+        cwd=ROOT, env=_env(MMPIPE_FAULT="kill-in-save:4:1"), capture_output=True, text=True, timeout=300))
+    assert crashed.proc.returncode != 0
+    ckpt = out / "checkpoints"
+    assert latest_tag(ckpt) == "step2" and (ckpt / ".tmp-step4").is_dir()
+    model = load_reference(ckpt, load_preset("tiny"))  # the previous checkpoint loads, whole
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    resumed = train_run(out, *_args(cfg, "--steps", str(STEPS), "--save-every", "2", "--resume")).check()
+    assert "removed" in resumed.proc.stdout and not (ckpt / ".tmp-step4").exists()
+    assert resumed.summary["start_step"] == 2 and resumed.losses == uninterrupted.losses
+
+
+@pytest.mark.parametrize("stages", [1, 4])
+def test_resume_under_another_stage_count(tmp_path, cfg, uninterrupted, stages):
+    out = tmp_path / "run"
+    train_run(out, *_args(cfg, "--steps", "4")).check()  # 2 stages
+    moved = train_run(out, *_args(cfg, "--steps", "5", "--resume", "--stages", str(stages))).check()
+    assert f"this run is {stages} x dp 1" in moved.proc.stdout and "starts again from zero" in moved.proc.stdout
+    assert moved.summary["start_step"] == 4 and moved.summary["stages"] == stages
+    # same weights, data position and LR: the first loss after loading is the 2-stage run's
+    assert moved.losses[5] == uninterrupted.losses[5]
+    assert moved.rows[-1]["lr"] == uninterrupted.rows[4]["lr"]
+
+
+def test_nan_batch_stops_the_run_and_leaves_the_last_checkpoint_untouched(tmp_path, cfg):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
+                           *_args(cfg, "--steps", str(STEPS), "--save-every", "2")],
+                          cwd=ROOT, env=_env(MMPIPE_FAULT="nan-batch:5"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert ("mmpipe: error: step 5: the loss is nan (fp32); stopping before any further checkpoint, so `latest` "
+            "(step4) is the last good state.") in proc.stderr
+    ckpt = out / "checkpoints"
+    assert latest_tag(ckpt) == "step4" and sorted(p.name for p in ckpt.iterdir()) == ["latest", "step2", "step4"]
+    digest = _tree_digest(ckpt / "step4")
+    # what was written at step 4 is what a fresh load reads: nothing after it touched the files
+    resumed = train_run(out, *_args(cfg, "--steps", "5", "--resume")).check()
+    assert resumed.summary["start_step"] == 4 and _tree_digest(ckpt / "step4") == digest
+
+
+def test_nan_batch_skipped_and_counted_when_configured(tmp_path, cfg, uninterrupted):
+    run = Run(tmp_path / "run", subprocess.run(
+        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(tmp_path / "run"),
+         *_args(cfg, "--steps", "6", "--nonfinite", "skip")],
+        cwd=ROOT, env=_env(MMPIPE_FAULT="nan-batch:5"), capture_output=True, text=True, timeout=300)).check()
+    assert run.summary["nonfinite_steps"] == 1 and run.summary["skipped_steps"] == 0
+    rows = run.rows
+    assert [r["skipped"] for r in rows] == ["", "", "", "", "nonfinite", ""]
+    assert rows[4]["lr"] == rows[3]["lr"] != rows[5]["lr"]  # the skipped step did not advance the schedule
+    # no update at step 5: step 6 sees step 4's weights, as the uninterrupted run's step 5 did
+    assert run.losses[6] != uninterrupted.losses[6]
+    assert all(run.losses[s] == uninterrupted.losses[s] for s in range(1, 5))
+
+
+def test_fp16_overflow_steps_are_counted(tmp_path):
+    cfg = write_ds_config(tmp_path / "fp16.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                          zero_optimization={"stage": 1},
+                          fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1})
+    run = Run(tmp_path / "run", subprocess.run(
+        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(tmp_path / "run"),
+         "--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--steps", "4"],
+        cwd=ROOT, env=_env(MMPIPE_FAULT="nan-batch:3"), capture_output=True, text=True, timeout=300)).check()
+    assert run.summary["skipped_steps"] == 1
+    assert [r["skipped"] for r in run.rows] == ["", "", "fp16_overflow", ""]
