@@ -106,3 +106,87 @@ def test_shipped_configs_resolve(name):
                   world_size=4 if name == "pp4_fp32" else 2)
     assert run.train_batch == run.micro * run.gas * run.dp
     assert run.stages == (4 if name == "pp4_fp32" else 2)
+
+
+def test_missing_optimizer(tmp_path, capsys):
+    cfg = write_ds_config(tmp_path / "noopt.json", optimizer=None)
+    assert "optimizer: missing; set e.g." in refuse(capsys, "--ds-config", str(cfg))
+
+
+def test_fp16_and_bf16_together(tmp_path, capsys):
+    cfg = write_ds_config(tmp_path / "both.json", fp16={"enabled": True}, bf16={"enabled": True},
+                          zero_optimization={"stage": 1})
+    assert "fp16.enabled / bf16.enabled: both are on; choose one" in refuse(capsys, "--ds-config", str(cfg))
+
+
+def test_non_positive_micro_batch(tmp_path, capsys):
+    cfg = write_ds_config(tmp_path / "mb.json", train_micro_batch_size_per_gpu=0)
+    assert "train_micro_batch_size_per_gpu: 0 must be a positive integer" in refuse(capsys, "--ds-config", str(cfg))
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--steps", "0", "--steps: 0 must be >= 1"),
+    ("--save-every", "-1", "--save-every: -1 must be >= 0"),
+    ("--keep-checkpoints", "-2", "--keep-checkpoints: -2 must be >= 0 (0 keeps all)"),
+    ("--max-image-pixels", "0", "--max-image-pixels: 0 must be >= 1"),
+    ("--data-workers", "-1", "--data-workers: -1 must be >= 0"),
+    ("--text-len", "1", "--text-len: 1 must be between 2 and"),
+    ("--text-len", "999", "--text-len: 999 must be between 2 and"),
+])
+def test_out_of_range_flags(capsys, flag, value, message):
+    assert message in refuse(capsys, flag, value)
+
+
+@pytest.mark.parametrize("config", ["cpu_bf16", "zero1_bf16"])
+def test_nonfinite_skip_needs_fp32_without_zero(capsys, config):
+    from conftest import ROOT
+    err = refuse(capsys, "--nonfinite", "skip", "--ds-config", str(ROOT / "ds_configs" / f"{config}.json"))
+    assert "--nonfinite: skip works with fp32 and ZeRO stage 0" in err
+
+
+def test_world_size_not_a_multiple_of_stages(capsys):
+    import argparse
+
+    from mmpipe.config import ConfigError
+    from mmpipe.run_config import add_train_args, resolve
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    with pytest.raises(ConfigError, match=r"--stages: world size 3 is not a multiple of 2 stages"):
+        resolve(p.parse_args(["--preset", "tiny"]), world_size=3)
+
+
+def test_data_that_does_not_exist(tmp_path, capsys):
+    assert f"--data: '{tmp_path}/x.jsonl' is neither 'shapes' nor an existing file" in refuse(
+        capsys, "--data", str(tmp_path / "x.jsonl"))
+
+
+def test_data_of_unknown_format(tmp_path, capsys):
+    (tmp_path / "x.txt").write_text("hello")
+    assert "--data: cannot tell the format of" in refuse(capsys, "--data", str(tmp_path / "x.txt"))
+
+
+def test_data_config_with_unknown_key(tmp_path, capsys):
+    (tmp_path / "d.json").write_text('{"format": "pairs", "path": "d.json", "colums": {}}')
+    assert "unknown key(s) ['colums']" in refuse(capsys, "--data", str(tmp_path / "d.json"))
+
+
+def test_tokenizer_with_the_builtin_set(tmp_path, capsys):
+    assert "--tokenizer: the built-in shapes set uses the built-in tokenizer" in refuse(
+        capsys, "--tokenizer", str(tmp_path))
+
+
+def test_tokenizer_directory_missing(tmp_path, capsys):
+    from mmpipe.data.export import export_shapes
+    data = export_shapes(tmp_path / "d", "llava-jsonl", 2)
+    assert f"--tokenizer: {tmp_path}/none is not a directory" in refuse(
+        capsys, "--data", str(data), "--tokenizer", str(tmp_path / "none"))
+
+
+def test_vocabulary_smaller_than_the_builtin_tokenizer(tmp_path, capsys):
+    import json
+
+    from mmpipe.config import PRESET_DIR
+    preset = json.loads((PRESET_DIR / "tiny.json").read_text())
+    preset["text"]["vocab_size"] = 16
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    assert "text.vocab_size: 16 is smaller than the tokenizer's" in refuse(capsys, "--preset", str(tmp_path / "p.json"))
