@@ -162,6 +162,35 @@ def _fault(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# ---- loading DeepSpeed's files without unpickling code ----------------------------------------
+
+def _safe_globals() -> list:
+    """The non-tensor classes DeepSpeed 0.19.8 pickles into its checkpoints (fp16 loss scalers,
+    ZeRO-1's stage enum and fragment addresses): data holders, allowed by name."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address]
+
+
+def make_loads_safe(engine) -> None:
+    """DeepSpeed reads checkpoints with torch.load(weights_only=False), which runs whatever a
+    pickle says. Route every engine read (layers, optimizer, ZeRO shards) through weights_only=True
+    with only DeepSpeed's own data classes allowed: a tampered checkpoint is refused, not run."""
+    import pickle
+    allowed = _safe_globals()
+
+    def load(path, map_location=None):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise SystemExit(f"mmpipe: error: {path}: refused to load: it holds objects other than tensors and "
+                             f"plain data ({str(e).split('WeightsUnpickler error: ')[-1].splitlines()[0]})") from None
+
+    engine.checkpoint_engine.load = load
+
+
 # ---- resuming, also under another stage count ---------------------------------------------------
 
 def run_state(engine, run, args, step: int, samples: int, fingerprint, counters: dict) -> dict:

@@ -70,6 +70,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
 
     from . import checkpoint, rng
     from .guard import install_skip
+    checkpoint.make_loads_safe(engine)
     if rank == 0:
         for name in checkpoint.remove_partial(ckpt_dir) if ckpt_dir.is_dir() else []:
             print(f"mmpipe: removed {ckpt_dir / name}, a checkpoint whose save did not finish", flush=True)

@@ -142,3 +142,27 @@ def test_fp16_overflow_steps_are_counted(tmp_path):
         cwd=ROOT, env=_env(MMPIPE_FAULT="nan-batch:3"), capture_output=True, text=True, timeout=300)).check()
     assert run.summary["skipped_steps"] == 1
     assert [r["skipped"] for r in run.rows] == ["", "", "fp16_overflow", ""]
+
+
+class _RunsCode:
+    """What a tampered checkpoint could hold: unpickling it would run a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_tampered_checkpoint_is_refused_not_run(tmp_path, cfg):
+    out = tmp_path / "run"
+    train_run(out, *_args(cfg, "--steps", "2")).check()
+    victim = out / "checkpoints" / "step2" / "mp_rank_01_model_states.pt"
+    state = torch.load(victim, weights_only=True)
+    marker = tmp_path / "pwned"
+    state["client_state"] = _RunsCode(marker)
+    torch.save(state, victim)
+    proc = train_run(out, *_args(cfg, "--steps", "3", "--resume")).proc
+    assert proc.returncode != 0 and not marker.exists()
+    assert f"mmpipe: error: {victim}: refused to load: it holds objects other than tensors and plain data" in (
+        proc.stdout + proc.stderr)
