@@ -59,12 +59,17 @@ def main(argv=None) -> int:
     t.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (default: 1)")
     t.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     sub.add_parser("presets", help="list the model presets")
+    from .plan import add_plan_args
+    add_plan_args(sub.add_parser("plan", help="predict step time, memory and throughput of each PP x DP x micro layout"))
     from .data.export import add_export_args
     add_export_args(sub.add_parser("export-shapes", help="write the built-in shapes set as LLaVA / pairs / HF data"))
     args = p.parse_args(argv)
     if args.command == "presets":
         print("\n".join(list_presets()))
         return 0
+    if args.command == "plan":
+        from .plan import main_plan
+        return main_plan(args)
     if args.command == "export-shapes":
         from .data.export import export_shapes
         print(export_shapes(args.out, args.format, args.n, seed=args.seed, image_size=args.image_size,

@@ -5,10 +5,11 @@ frozen ViT weighs nothing; 'uniform' ignores that decoder blocks see image + tex
 mmpipe computes the stage boundaries itself and hands them to PipelineModule (mmpipe.pipeline).
 Methods (DeepSpeed JSON "pipeline": {"partition": ...}, or --partition):
 
-    balanced    (default; DeepSpeed's "best" means this) min-max split of a per-layer cost:
-                forward FLOPs from the tokens each layer sees, x3 for a trainable layer
-                (forward + input and weight gradients), x2 for a frozen layer behind a trainable
-                one (input gradients only), x1 for a frozen prefix (no backward at all).
+    balanced    (default; DeepSpeed's "best" means this) the exact min-max contiguous split of
+                each layer's forward + backward (+ recompute) FLOPs (mmpipe.costmodel: the tokens
+                each layer sees, x3 for a trainable layer, x2 for a frozen layer behind a
+                trainable one, x1 for a frozen prefix that runs no backward), optionally also
+                subject to a memory limit per stage.
     uniform     the same number of layers per stage (DeepSpeed's partition_uniform).
     parameters  balanced on all parameters, frozen ones included.
     a,b,...     explicit: the first layer index of stages 1, 2, ... (P - 1 numbers).
@@ -18,43 +19,17 @@ balanced and parameters never cut a frozen run of layers off the trainable layer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 from deepspeed.runtime import utils as ds_utils
 
 from .config import ConfigError, ModelConfig
-from .model.builder import layer_param_counts, layer_specs
+from .costmodel import LayerCost, layer_costs
 
 
-@dataclass(frozen=True)
-class LayerInfo:
-    name: str
-    group: str
-    params: int
-    trainable: bool
-    tokens: int  # sequence positions this layer processes per sample
-    cost: float  # relative time per sample (see module docstring)
-
-
-def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int) -> list[LayerInfo]:
-    specs, counts = layer_specs(cfg), layer_param_counts(cfg)
-    n_img, seq = cfg.vision.n_tokens, cfg.vision.n_tokens + text_len  # e.g. 16 + 16 = 32 decoder positions
-    rows, seen_trainable = [], False
-    for spec, params in zip(specs, counts):
-        group = spec.typename.group
-        trainable = group not in freeze and params > 0
-        seen_trainable |= trainable
-        name = spec.typename.__name__
-        tokens = seq if group == "text" else n_img
-        flops = 2 * params * tokens  # a matmul costs 2 FLOPs per weight per token
-        if name == "TextEmbed":
-            flops = cfg.text.dim * tokens  # a lookup, not a matmul
-        if name in ("VisionBlock", "DecoderBlock"):
-            dim = cfg.vision.dim if group == "vision" else cfg.text.dim
-            flops += 4 * tokens * tokens * dim  # q k^T and attn v
-        mult = 3 if trainable else (2 if seen_trainable else 1)
-        rows.append(LayerInfo(name, group, params, trainable, tokens, float(flops * mult)))
-    return rows
+def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False
+                ) -> list[LayerCost]:
+    return layer_costs(cfg, freeze, text_len, checkpointing)
 
 
 def _units(table: list[LayerInfo]) -> list[list[int]]:
@@ -73,8 +48,41 @@ def _units(table: list[LayerInfo]) -> list[list[int]]:
     return units
 
 
-def compute_parts(table: list[LayerInfo], stages: int, method: str) -> list[int]:
-    """Stage boundaries [0, b1, ..., n_layers] (DeepSpeed's `parts`)."""
+def min_max_split(weights: list[float], parts: int, fits: Callable[[int, int, int], bool] | None = None
+                  ) -> list[int] | None:
+    """Exact min-max contiguous split by dynamic programming: boundaries [0, b1, ..., len(weights)]
+    minimising the largest part's sum, over the splits where fits(stage, first, end) holds for every
+    part (e.g. its memory fits the device). None when no split fits. O(parts x n^2)."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[s][j]: the smallest possible largest sum when the first s parts cover items [0, j)
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[-1] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for s in range(1, parts + 1):
+        for j in range(s, n - (parts - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf or (fits is not None and not fits(s - 1, i, j)):
+                    continue
+                cost = max(best[s - 1][i], prefix[j] - prefix[i])
+                if cost < best[s][j]:
+                    best[s][j], cut[s][j] = cost, i
+    if best[parts][n] == inf:
+        return None
+    bounds, j = [n], n
+    for s in range(parts, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    return bounds[::-1]
+
+
+def compute_parts(table: list[LayerCost], stages: int, method: str,
+                  fits: Callable[[int, int, int], bool] | None = None) -> list[int]:
+    """Stage boundaries [0, b1, ..., n_layers] (DeepSpeed's `parts`). `fits(stage, first_unit,
+    end_unit)` may restrict balanced/parameters splits (a memory limit, see mmpipe.plan)."""
     n = len(table)
     if stages > n:
         raise ConfigError(f"--stages: {stages} stages but the model has only {n} layers (valid: 1..{n})")
@@ -86,10 +94,13 @@ def compute_parts(table: list[LayerInfo], stages: int, method: str) -> list[int]
         if stages > len(units):
             raise ConfigError(f"--stages: {stages} stages but only {len(units)} groups of layers hold a trainable "
                               f"parameter (valid: 1..{len(units)}, or freeze less)")
-        key = (lambda r: r.cost) if method == "balanced" else (lambda r: r.params)
+        key = (lambda r: r.flops) if method == "balanced" else (lambda r: r.params)
         weights = [sum(key(table[i]) for i in u) for u in units]
-        unit_parts = ds_utils.partition_balanced(weights=weights, num_parts=stages)
-        parts = [units[int(p)][0] if int(p) < len(units) else n for p in unit_parts]
+        unit_parts = min_max_split(weights, stages, fits)
+        if unit_parts is None:
+            raise ConfigError(f"partition: no split of the model into {stages} stages fits the memory limit "
+                              f"(more stages, a smaller micro-batch, activation checkpointing, or ZeRO-1)")
+        parts = [units[p][0] if p < len(units) else n for p in unit_parts]
     else:
         try:
             inner = [int(x) for x in method.split(",")]
@@ -103,7 +114,7 @@ def compute_parts(table: list[LayerInfo], stages: int, method: str) -> list[int]
     return parts
 
 
-def check_trainable(table: list[LayerInfo], parts: list[int]) -> None:
+def check_trainable(table: list[LayerCost], parts: list[int]) -> None:
     for s, (a, b) in enumerate(zip(parts, parts[1:])):
         if not any(r.trainable for r in table[a:b]):
             raise ConfigError(f"partition: stage {s} (layers {a}..{b - 1}: {table[a].name}..{table[b - 1].name}) "
@@ -111,14 +122,14 @@ def check_trainable(table: list[LayerInfo], parts: list[int]) -> None:
                               f"use fewer stages, or move the boundary)")
 
 
-def describe(table: list[LayerInfo], parts: list[int]) -> list[dict]:
+def describe(table: list[LayerCost], parts: list[int]) -> list[dict]:
     """Per-stage summary for the log and summary.json."""
-    total = sum(r.cost for r in table) or 1.0
+    total = sum(r.flops for r in table) or 1.0
     out = []
     for s, (a, b) in enumerate(zip(parts, parts[1:])):
         rows = table[a:b]
         out.append({"stage": s, "layers": [a, b - 1], "first": rows[0].name, "last": rows[-1].name,
                     "params": sum(r.params for r in rows),
                     "trainable_params": sum(r.params for r in rows if r.trainable),
-                    "cost_share": round(sum(r.cost for r in rows) / total, 4)})
+                    "cost_share": round(sum(r.flops for r in rows) / total, 4)})
     return out

@@ -16,7 +16,8 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig, load_preset
 from .data.dataset import DataOptions, add_data_args, resolve_data
 from .model.builder import FREEZE_GROUPS
-from .partition import LayerInfo, check_trainable, compute_parts, layer_table
+from .costmodel import LayerCost
+from .partition import check_trainable, compute_parts, layer_table
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_DS_CONFIG = "cpu_fp32.json"
@@ -73,7 +74,7 @@ class RunConfig:
     micro: int
     gas: int
     parts: list[int]
-    layers: list[LayerInfo]
+    layers: list[LayerCost]
     freeze: tuple[str, ...]
     precision: str
     zero_stage: int
@@ -216,7 +217,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
                 problems.append(f"text.vocab_size: {model.text.vocab_size} is smaller than the tokenizer's {n_vocab} tokens")
             else:  # fresh weights: size the embedding and head to the tokenizer, a multiple of 64
                 model = model.with_vocab(-(-n_vocab // 64) * 64)
-        table = layer_table(model, freeze, data.text_len)
+        checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
+        table = layer_table(model, freeze, data.text_len, checkpointing)
         method = str(args.partition or pipe_cfg.get("partition", "best"))
         parts = attempt(compute_parts, table, stages, method) or []
         if parts:

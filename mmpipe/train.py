@@ -70,6 +70,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
 
     from . import checkpoint, rng
     from .guard import install_skip
+    from .timing import gather_stage_report, instrument, pipeline_summary
     checkpoint.make_loads_safe(engine)
     if rank == 0:
         for name in checkpoint.remove_partial(ckpt_dir) if ckpt_dir.is_dir() else []:
@@ -109,6 +110,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
                            on_batch=log_seen if seen_log else None)
     batches = _nan_fault(batches, start_step, run.gas)
     guard = install_skip(engine) if args.nonfinite == "skip" else None
+    timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
 
     seq = run.model.vision.n_tokens + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28 (pads included)
     if rank == 0:
@@ -162,7 +164,7 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     bar.close()
     if seen_log:
         seen_log.close()
-    dist.barrier()  # every stage's layer files are on disk before rank 0 reads them
+    stage_rows = gather_stage_report(engine, timer)  # collective; also every stage's layer files are on disk now
     train_time = time.perf_counter() - t_start
     if rank != 0:
         return 0
@@ -181,6 +183,14 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
     }
     from .partition import describe
     summary["partition"] = describe(run.layers, run.parts)
+    if stage_rows and stage_rows[0].get("steps"):
+        timing = pipeline_summary(stage_rows, run.gas, run.stages)
+        summary["stage_timing"] = timing
+        print(f"mmpipe: per stage (ms per micro-batch) forward "
+              f"{[round(r['forward_ms_per_micro'], 2) for r in stage_rows]}, backward "
+              f"{[round(r['backward_ms_per_micro'], 2) for r in stage_rows]}; slowest/mean compute "
+              f"{timing['max_over_mean']:.2f}; idle (bubble) {timing['measured_bubble']:.1%} measured, "
+              f"{timing['theory_bubble']:.1%} in 1F1B theory", flush=True)
     summary["data"] = {"name": run.data.name, "text_len": run.text_len, "samples_seen": args.steps * run.train_batch}
     if not run.data.builtin:
         from .data.index import describe as describe_data

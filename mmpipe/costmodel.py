@@ -1,0 +1,205 @@
+"""What each layer costs, in FLOPs, seconds and bytes, from the shapes it really sees.
+
+Per layer and per sample (tokens: image tokens N for the ViT side, N + text for the decoder):
+
+    forward FLOPs   2 per weight per token for matmuls, + 4 * tokens^2 * width for attention
+                    (q k^T and attn v), a lookup for the embedding
+    backward FLOPs  2x forward for a trainable layer (input and weight gradients); 1x for a frozen
+                    layer behind a trainable one (input gradients only: they must reach the
+                    trainable layers before it); 0 for a frozen prefix, e.g. a frozen ViT in front
+                    of the first trainable layer, which runs no backward at all. The embeddings
+                    (pixels, token ids in) have no input gradient: 1x if trainable, else 0
+    recompute       + forward again for a checkpointed block (activation checkpointing)
+
+Activation bytes per sample: what autograd keeps for the backward, counted tensor by tensor
+for mmpipe's own layers (tests compare it with torch's saved-tensor hooks on the CPU):
+
+    PatchEmbed    N * patch_dim                        (the patch matrix the linear saw)
+    VisionBlock   (9 d + 2 f) N + (4 + h) N floats      x, ln1 out, q k v, attn out, proj in,
+                                                       ln2 in/out, fc1 out, gelu out; LN stats
+                                                       (fp32) and the attention log-sum-exp
+    VisionNorm    d N + 2 N                            input, LN stats
+    Projector     d_v N + 2 f_p N                      fc1 in, fc1 out, gelu out
+    TextEmbed     0 floats (token ids only)
+    DecoderBlock  (7 D + 2 F) T + (2 + H) T            x, ln out, q k v, attn out, proj in,
+                                                       fc1 out, gelu out (parallel block: one LN)
+    LMHead        2 D T + 2 T, + V T fp32 logits for the loss's log-softmax
+
+A layer that is frozen and sees no gradient (a frozen prefix) keeps nothing. With activation
+checkpointing, a checkpointed block keeps only its input (T x width) between forward and
+backward, plus one block's full set while it is recomputed.
+
+Time: FLOPs / (peak FLOP/s x efficiency), or, calibrated (`mmpipe plan --profile`, and what the
+CPU validation uses), the measured forward and backward seconds of each layer kind at the
+run's micro-batch on this device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .model.builder import layer_param_counts, layer_specs
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CHECKPOINTED = ("VisionBlock", "DecoderBlock")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    name: str
+    group: str
+    params: int
+    trainable: bool
+    tokens: int            # sequence positions per sample
+    fwd_flops: float       # per sample
+    bwd_flops: float       # per sample (0 for a frozen prefix)
+    recompute: bool        # forward runs twice (activation checkpointing)
+    act_elems: float       # activation elements kept for the backward, per sample, full (no checkpointing)
+    act_fp32_elems: float  # of which always fp32 (LN statistics, softmax statistics, loss logits)
+    out_elems: float       # the layer's output per sample: what a checkpointed block keeps, what crosses a boundary
+
+    @property
+    def flops(self) -> float:
+        return self.fwd_flops * (2 if self.recompute else 1) + self.bwd_flops
+
+    def act_bytes(self, precision: str) -> float:
+        """Per sample, kept from this layer's forward until its backward."""
+        if self.bwd_flops == 0:
+            return 0.0  # nothing will run backward through it
+        if self.recompute:
+            return self.out_elems * BYTES[precision]  # its input, which is the previous layer's output
+        return (self.act_elems - self.act_fp32_elems) * BYTES[precision] + self.act_fp32_elems * 4
+
+
+def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False
+                ) -> list[LayerCost]:
+    v, t = cfg.vision, cfg.text
+    n, seq = v.n_tokens, v.n_tokens + text_len  # e.g. 16 image + 12 text = 28 decoder positions
+    rows, seen_trainable = [], False
+    for spec, params in zip(layer_specs(cfg), layer_param_counts(cfg)):
+        name, group = spec.typename.__name__, spec.typename.group
+        trainable = group not in freeze and params > 0
+        seen_trainable |= trainable
+        tokens = seq if group == "text" else n
+        fwd = 2.0 * params * tokens
+        fp32 = 0.0
+        if name == "PatchEmbed":
+            act, out = n * v.patch_dim, n * v.dim
+        elif name == "VisionBlock":
+            fwd += 4.0 * n * n * v.dim
+            act, fp32, out = (9 * v.dim + 2 * v.ff_dim) * n + (4 + v.n_heads) * n, (4 + v.n_heads) * n, n * v.dim
+        elif name == "VisionNorm":
+            act, fp32, out = v.dim * n + 2 * n, 2 * n, n * v.dim
+        elif name == "Projector":
+            act, out = v.dim * n + 2 * cfg.proj_inner_dim * n, n * t.dim
+        elif name == "TextEmbed":
+            fwd, act, out = float(t.dim * seq), 0.0, seq * t.dim  # a lookup, not a matmul
+        elif name == "DecoderBlock":
+            fwd += 4.0 * seq * seq * t.dim
+            act, fp32, out = (7 * t.dim + 2 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim
+        elif name == "LMHead":
+            act, fp32, out = 2 * t.dim * seq + 2 * seq + t.vocab_size * seq, 2 * seq + t.vocab_size * seq, seq * t.vocab_size
+        else:
+            raise ValueError(f"no cost model for layer {name}")
+        if name in ("PatchEmbed", "TextEmbed"):  # inputs are pixels / token ids: weight gradients only
+            bwd = fwd if trainable else 0.0
+        else:
+            bwd = 2.0 * fwd if trainable else (fwd if seen_trainable else 0.0)
+        recompute = checkpointing and name in CHECKPOINTED and bwd > 0
+        rows.append(LayerCost(name, group, params, trainable, tokens, fwd, bwd, recompute, float(act), float(fp32),
+                              float(out)))
+    return rows
+
+
+# ---- memory per stage ---------------------------------------------------------------------------
+
+def state_bytes(params: int, trainable: int, precision: str, zero_stage: int, dp: int) -> dict:
+    """Model and optimizer state of one stage's rank, in bytes (AdamW: two fp32 moments).
+
+        fp32        weights 4 N, gradients 4 N_t, moments 8 N_t
+        bf16/fp16   weights 2 N, gradients 2 N_t, fp32 master weights 4 N_t, fp32 gradients 4 N_t
+                    (DeepSpeed's mixed-precision optimizers accumulate in fp32), moments 8 N_t
+    ZeRO-1 shards the fp32 master weights, fp32 gradients and moments over the DP replicas."""
+    shard = dp if zero_stage >= 1 else 1
+    if precision == "fp32":
+        return {"weights": 4 * params, "grads": 4 * trainable, "optimizer": 8 * trainable / shard}
+    return {"weights": 2 * params, "grads": 2 * trainable + 4 * trainable / shard,
+            "optimizer": (8 + 4) * trainable / shard}
+
+
+def in_flight(stage: int, stages: int, micro_batches: int) -> int:
+    """1F1B: stage s holds the activations of up to min(P - s, m) micro-batches at once."""
+    return min(stages - stage, micro_batches)
+
+
+def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, *, micro: int, micro_batches: int,
+                 precision: str, zero_stage: int, dp: int) -> dict:
+    """Bytes on one rank of `stage`: states + activations of the micro-batches in flight."""
+    layers = rows[parts[stage]:parts[stage + 1]]
+    params = sum(r.params for r in layers)
+    trainable = sum(r.params for r in layers if r.trainable)
+    mem = state_bytes(params, trainable, precision, zero_stage, dp)
+    per_sample = sum(r.act_bytes(precision) for r in layers)
+    if any(r.recompute for r in layers):  # one block's full activations while it is recomputed
+        per_sample += max(((r.act_elems - r.act_fp32_elems) * BYTES[precision] + r.act_fp32_elems * 4)
+                          for r in layers if r.recompute)
+    k = in_flight(stage, len(parts) - 1, micro_batches)
+    mem["activations"] = per_sample * micro * k
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+# ---- time ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float      # dense FLOP/s at the training precision
+    memory: float          # bytes per device
+    link: float            # bytes/s between stages and for the data-parallel all-reduce
+    efficiency: float = 0.45  # achieved share of peak on transformer layers (typical large-model MFU)
+
+
+# dense bf16 peaks from the vendors' data sheets; links: NVLink within a node
+KNOWN_DEVICES = {
+    "a100-40gb": Device("a100-40gb", 312e12, 40e9, 300e9),
+    "a100-80gb": Device("a100-80gb", 312e12, 80e9, 300e9),
+    "h100-80gb": Device("h100-80gb", 989e12, 80e9, 450e9),
+    "h200": Device("h200", 989e12, 141e9, 450e9),
+    "l40s": Device("l40s", 362e12, 48e9, 32e9),
+}
+
+
+def stage_seconds(rows: list[LayerCost], parts: list[int], micro: int, device: Device,
+                  measured: dict | None = None) -> list[tuple[float, float]]:
+    """(forward, backward) seconds per micro-batch for each stage. `measured` maps a layer name
+    to its measured (forward, backward) seconds per sample (from profile_layers)."""
+    out = []
+    for a, b in zip(parts, parts[1:]):
+        f = bw = 0.0
+        for r in rows[a:b]:
+            if measured and r.name in measured:
+                mf, mb = measured[r.name]
+                bwd_share = r.bwd_flops / (2 * r.fwd_flops) if r.fwd_flops else 0.0  # 1 trainable, 0.5 frozen
+                f += mf * micro
+                bw += (mb * bwd_share + (mf if r.recompute else 0.0)) * micro
+            else:
+                rate = device.peak_flops * device.efficiency
+                f += r.fwd_flops * micro / rate
+                bw += (r.bwd_flops + (r.fwd_flops if r.recompute else 0.0)) * micro / rate
+        out.append((f, bw))
+    return out
+
+
+def pipeline_step_seconds(stage_times: list[tuple[float, float]], micro_batches: int, boundary_bytes: list[float],
+                          grad_bytes: float, dp: int, device: Device) -> dict:
+    """1F1B with P stages and m micro-batches: every stage is busy m times and idle P - 1 slots,
+    so the step takes (m + P - 1) x the slowest stage's forward + backward; each boundary moves a
+    micro-batch's activations forward and their gradient back; data-parallel replicas then
+    all-reduce gradients (ring: 2 (d - 1) / d of the largest stage's gradient bytes)."""
+    p, m = len(stage_times), micro_batches
+    slot = max(f + b for f, b in stage_times)
+    comm = max(boundary_bytes, default=0.0) * 2 / device.link  # activation forward + gradient back
+    allreduce = 2 * (dp - 1) / dp * grad_bytes / device.link if dp > 1 else 0.0
+    step = (m + p - 1) * (slot + comm) + allreduce
+    return {"step_s": step, "slot_s": slot, "bubble": (p - 1) / (m + p - 1), "p2p_s": comm, "allreduce_s": allreduce}

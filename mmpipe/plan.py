@@ -1,0 +1,233 @@
+"""`mmpipe plan`: predicted step time, memory and throughput of every PP x DP x micro-batch layout
+of a model on a cluster, before anything is launched or allocated (the model is built on the
+meta device only to count its parameters).
+
+For each layout: pipeline stages P dividing the GPUs, DP = GPUs / P, micro-batch b with
+GAS m = global batch / (b x DP); the balanced (min-max time) split that fits memory; then
+
+    step time  = (m + P - 1) x (slowest stage's forward + backward per micro-batch + its p2p)
+                 + the data-parallel gradient all-reduce
+    bubble     = (P - 1) / (m + P - 1)
+    throughput = global batch / step time
+
+Layouts whose every split overflows a device's memory are listed with the reason. The best
+layout's DeepSpeed JSON can be written out (--write-config) and run as is.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ConfigError, ModelConfig, load_preset
+from .costmodel import (KNOWN_DEVICES, BYTES, Device, LayerCost, layer_costs, pipeline_step_seconds, stage_memory,
+                        stage_seconds)
+from .partition import _units, compute_parts
+
+GiB = 2 ** 30
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="moondream-2b", help="model preset or JSON (default: moondream-2b)")
+    p.add_argument("--device", default="h100-80gb",
+                   help=f"known device ({', '.join(KNOWN_DEVICES)}, cpu) or 'custom' with the flags below")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense TFLOP/s per device at the precision")
+    p.add_argument("--gpu-mem", type=float, default=None, help="GiB per device")
+    p.add_argument("--link-gbps", type=float, default=None, help="GB/s between stages / for the all-reduce")
+    p.add_argument("--efficiency", type=float, default=None, help="achieved share of peak (default: 0.45)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=256, help="samples per optimizer step")
+    p.add_argument("--micro", default="1,2,4,8,16", help="micro-batch sizes to consider")
+    p.add_argument("--text-len", type=int, default=128)
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
+    p.add_argument("--freeze", default="", help="comma-separated groups: vision, projector, text")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
+    p.add_argument("--top", type=int, default=10, help="layouts to list")
+    p.add_argument("--write-config", default=None, help="write the best layout's DeepSpeed JSON here")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+@dataclass
+class Layout:
+    stages: int
+    dp: int
+    micro: int
+    gas: int
+    parts: list[int] | None
+    stage_rows: list[dict]
+    step: dict | None
+    reason: str = ""
+
+    @property
+    def throughput(self) -> float:
+        return 0.0 if not self.step else (self.micro * self.gas * self.dp) / self.step["step_s"]
+
+
+def device_from_args(args) -> Device:
+    if args.device == "cpu":
+        base = cpu_device()
+    elif args.device in KNOWN_DEVICES:
+        base = KNOWN_DEVICES[args.device]
+    elif args.device == "custom":
+        base = Device("custom", 0.0, 0.0, 0.0)
+    else:
+        raise ConfigError(f"--device: '{args.device}' is not known (valid: {', '.join(KNOWN_DEVICES)}, cpu, custom)")
+    dev = Device(base.name,
+                 args.peak_tflops * 1e12 if args.peak_tflops else base.peak_flops,
+                 args.gpu_mem * GiB if args.gpu_mem else base.memory,
+                 args.link_gbps * 1e9 if args.link_gbps else base.link,
+                 args.efficiency if args.efficiency else base.efficiency)
+    missing = [n for n, v in (("--peak-tflops", dev.peak_flops), ("--gpu-mem", dev.memory), ("--link-gbps", dev.link))
+               if v <= 0]
+    if missing:
+        raise ConfigError(f"--device custom: give {', '.join(missing)}")
+    return dev
+
+
+def cpu_device() -> Device:
+    """This machine: peak = a measured fp32 matmul rate on one thread per rank, memory = RAM."""
+    import os
+
+    import torch
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    for _ in range(3):
+        a @ b
+    t0, n = time.perf_counter(), 20
+    for _ in range(n):
+        a @ b
+    peak = 2 * 512 ** 3 * n / (time.perf_counter() - t0)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device("cpu", peak, float(ram), 5e9, efficiency=0.5)
+
+
+def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
+                device: Device) -> Layout:
+    units = _units(rows)
+    if stages > len(units):
+        return Layout(stages, dp, micro, gas, None, [], None,
+                      f"only {len(units)} groups of layers hold a trainable parameter")
+
+    def unit_parts(s, i, j):  # layer boundaries of units i..j-1 as stage s
+        return [units[i][0], units[j - 1][-1] + 1]
+
+    def fits(s, i, j):
+        a, b = unit_parts(s, i, j)
+        fake = [0] * s + [a, b] + [b] * (stages - s - 1)  # stage s = layers [a, b)
+        mem = stage_memory(rows, fake, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero, dp=dp)
+        return mem["total"] <= device.memory
+
+    try:
+        parts = compute_parts(rows, stages, "balanced", fits)
+    except ConfigError:
+        whole = stage_memory(rows, [0, len(rows)], 0, micro=micro, micro_batches=gas, precision=precision,
+                             zero_stage=zero, dp=dp)["total"]
+        need = f"it needs {whole / GiB:.1f} GiB" if stages == 1 else f"an even share would be ~{whole / stages / GiB:.1f} GiB"
+        return Layout(stages, dp, micro, gas, None, [], None, f"no split fits {device.memory / GiB:.0f} GiB ({need})")
+    times = stage_seconds(rows, parts, micro, device)
+    stage_rows = []
+    for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
+        mem = stage_memory(rows, parts, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero, dp=dp)
+        stage_rows.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
+                           "params": sum(r.params for r in rows[a:b]), "memory_gib": mem["total"] / GiB,
+                           "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
+    boundary = [rows[b - 1].out_elems * micro * BYTES[precision] for b in parts[1:-1]]
+    grad_bytes = max(sum(r.params for r in rows[a:b] if r.trainable) for a, b in zip(parts, parts[1:])) * BYTES[precision]
+    step = pipeline_step_seconds(times, gas, boundary, grad_bytes, dp, device)
+    return Layout(stages, dp, micro, gas, parts, stage_rows, step)
+
+
+def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
+         precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool) -> list[Layout]:
+    rows = layer_costs(cfg, freeze, text_len, checkpointing)
+    layouts = []
+    for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
+        dp = gpus // stages
+        for micro in micros:
+            if global_batch % (micro * dp):
+                continue
+            layouts.append(plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=global_batch // (micro * dp),
+                                       precision=precision, zero=zero, device=device))
+    return sorted(layouts, key=lambda lay: -lay.throughput)
+
+
+def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr: float = 1e-4) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": layout.micro, "gradient_accumulation_steps": layout.gas,
+        "steps_per_print": 1000000, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 100,
+                                                           "warmup_type": "linear", "cos_min_ratio": 0.05}},
+        "zero_optimization": {"stage": zero},
+        "pipeline": {"stages": layout.stages, "partition": ",".join(str(b) for b in layout.parts[1:-1]) or "balanced",
+                     "activation_checkpoint_interval": 1 if checkpointing else 0},
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+    return cfg
+
+
+def main_plan(args) -> int:
+    from .run_config import fail
+    try:
+        cfg = load_preset(args.preset)
+        device = device_from_args(args)
+        micros = [int(x) for x in args.micro.split(",") if x]
+        freeze = tuple(g for g in args.freeze.split(",") if g)
+        if args.precision == "fp16" and args.zero != 1:
+            raise ConfigError("--precision fp16 needs --zero 1 (DeepSpeed 0.19.8, see docs/configs.md)")
+    except (ConfigError, ValueError) as e:
+        return fail(e if isinstance(e, ConfigError) else ConfigError(f"--micro: {e}"))
+    gpus = args.gpus_per_node * args.nodes
+    t0 = time.perf_counter()
+    layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
+                   text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
+                   checkpointing=args.checkpointing)
+    feasible = [lay for lay in layouts if lay.step]
+    if args.json:
+        print(json.dumps([{**lay.__dict__, "throughput": lay.throughput} for lay in layouts], indent=1))
+    else:
+        _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0)
+    if not feasible:
+        return fail(ConfigError(f"plan: no layout of {cfg.name} fits {gpus} x {device.memory / GiB:.0f} GiB at global "
+                                f"batch {args.global_batch} (try --checkpointing, --zero 1, smaller --micro, more "
+                                f"--nodes, or --freeze vision)"))
+    if args.write_config:
+        Path(args.write_config).write_text(json.dumps(ds_config(feasible[0], args.precision, args.zero,
+                                                                args.checkpointing), indent=2) + "\n")
+        print(f"mmpipe: wrote {args.write_config} ({feasible[0].stages} stages x dp {feasible[0].dp}, micro "
+              f"{feasible[0].micro} x GAS {feasible[0].gas}); run it with --ds-config")
+    return 0
+
+
+def _print(cfg, device, gpus, args, layouts, seconds) -> None:
+    print(f"{cfg.name} on {gpus} x {device.name} ({device.peak_flops / 1e12:.0f} TFLOP/s at {device.efficiency:.0%}, "
+          f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
+          f"text {args.text_len} + {cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"
+          f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}")
+    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {'samples/s':>10} "
+          f"{'max GiB':>8}  partition / why not")
+    for lay in layouts[:args.top] + [lay for lay in layouts[args.top:] if not lay.step][:3]:
+        if lay.step:
+            peak = max(r["memory_gib"] for r in lay.stage_rows)
+            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {lay.step['bubble']:>7.1%} "
+                  f"{lay.step['step_s']:>8.3f} {lay.throughput:>10.1f} {peak:>8.1f}  {lay.parts}")
+        else:
+            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>7} {'':>8} {'':>10} {'':>8}  "
+                  f"does not fit: {lay.reason}")
+    best = next((lay for lay in layouts if lay.step), None)
+    if best:
+        print(f"\nbest: {best.stages} stages x dp {best.dp}, micro {best.micro} x GAS {best.gas}")
+        print(f"{'stage':>5} {'layers':>9} {'first..last':<28} {'params':>12} {'GiB':>7} {'act GiB':>8} "
+              f"{'fwd ms':>8} {'bwd ms':>8}")
+        for r in best.stage_rows:
+            print(f"{r['stage']:>5} {r['layers'][0]:>4}..{r['layers'][1]:<3} {r['first'] + '..' + r['last']:<28} "
+                  f"{r['params']:>12,} {r['memory_gib']:>7.2f} {r['activations_gib']:>8.2f} {r['forward_ms']:>8.2f} "
+                  f"{r['backward_ms']:>8.2f}")
+    print(f"(planned in {seconds:.2f} s, nothing allocated)")
