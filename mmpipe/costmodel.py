@@ -203,3 +203,48 @@ def pipeline_step_seconds(stage_times: list[tuple[float, float]], micro_batches:
     allreduce = 2 * (dp - 1) / dp * grad_bytes / device.link if dp > 1 else 0.0
     step = (m + p - 1) * (slot + comm) + allreduce
     return {"step_s": step, "slot_s": slot, "bubble": (p - 1) / (m + p - 1), "p2p_s": comm, "allreduce_s": allreduce}
+
+
+def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5
+                   ) -> dict[str, tuple[float, float]]:
+    """Measured (forward, backward) seconds per sample of each layer kind, trainable, at the run's
+    micro-batch on this process's device: the calibration `mmpipe plan --profile` uses instead of
+    peak FLOP/s. Backward is timed as a whole (input + weight gradients); stage_seconds scales it
+    by each layer's backward share (1 trainable, 1/2 frozen behind a trainable one, 0 prefix)."""
+    import time
+
+    import torch
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    v, t = cfg.vision, cfg.text
+    n, seq = v.n_tokens, v.n_tokens + text_len
+    ids = torch.randint(0, t.vocab_size, (micro, text_len))
+    has = torch.ones(micro, dtype=torch.long)
+    inputs = {"PatchEmbed": lambda: (torch.randn(micro, 3, v.image_size, v.image_size, dtype=dtype), ids, has),
+              "VisionBlock": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
+              "VisionNorm": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
+              "Projector": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
+              "TextEmbed": lambda: (torch.randn(micro, n, t.dim, dtype=dtype, requires_grad=True), ids, has),
+              "DecoderBlock": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True), ids, has),
+              "LMHead": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True), ids, has)}
+    out = {}
+    for spec in layer_specs(cfg):
+        name = spec.typename.__name__
+        if name in out:
+            continue
+        layer = spec.build().to(dtype)
+        fwd, bwd = [], []
+        for k in range(repeats + 1):
+            args = inputs[name]()
+            t0 = time.perf_counter()
+            y = layer(args)
+            y = y[0] if isinstance(y, tuple) else y
+            t1 = time.perf_counter()
+            y.float().sum().backward()
+            t2 = time.perf_counter()
+            if k:  # the first call warms up allocator and kernels
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        fwd.sort()
+        bwd.sort()
+        out[name] = (fwd[len(fwd) // 2] / micro, bwd[len(bwd) // 2] / micro)
+    return out

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, ModelConfig, load_preset
-from .costmodel import (KNOWN_DEVICES, BYTES, Device, LayerCost, layer_costs, pipeline_step_seconds, stage_memory,
-                        stage_seconds)
+from .costmodel import (BYTES, KNOWN_DEVICES, Device, LayerCost, layer_costs, pipeline_step_seconds, profile_layers,
+                        stage_memory, stage_seconds)
 from .partition import _units, compute_parts
 
 GiB = 2 ** 30
@@ -49,6 +49,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts to list")
     p.add_argument("--write-config", default=None, help="write the best layout's DeepSpeed JSON here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--profile", action="store_true",
+                   help="time each layer kind here (one process, this device) instead of peak FLOP/s x efficiency")
 
 
 @dataclass
@@ -105,7 +107,7 @@ def cpu_device() -> Device:
 
 
 def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
-                device: Device) -> Layout:
+                device: Device, measured: dict | None = None) -> Layout:
     units = _units(rows)
     if stages > len(units):
         return Layout(stages, dp, micro, gas, None, [], None,
@@ -127,7 +129,7 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
                              zero_stage=zero, dp=dp)["total"]
         need = f"it needs {whole / GiB:.1f} GiB" if stages == 1 else f"an even share would be ~{whole / stages / GiB:.1f} GiB"
         return Layout(stages, dp, micro, gas, None, [], None, f"no split fits {device.memory / GiB:.0f} GiB ({need})")
-    times = stage_seconds(rows, parts, micro, device)
+    times = stage_seconds(rows, parts, micro, device, measured)
     stage_rows = []
     for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
         mem = stage_memory(rows, parts, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero, dp=dp)
@@ -141,8 +143,9 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
 
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
-         precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool) -> list[Layout]:
+         precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False) -> list[Layout]:
     rows = layer_costs(cfg, freeze, text_len, checkpointing)
+    profiles = {m: profile_layers(cfg, text_len, m, precision) for m in micros} if profile else {}
     layouts = []
     for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
         dp = gpus // stages
@@ -150,7 +153,7 @@ def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micr
             if global_batch % (micro * dp):
                 continue
             layouts.append(plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=global_batch // (micro * dp),
-                                       precision=precision, zero=zero, device=device))
+                                       precision=precision, zero=zero, device=device, measured=profiles.get(micro)))
     return sorted(layouts, key=lambda lay: -lay.throughput)
 
 
@@ -188,7 +191,7 @@ def main_plan(args) -> int:
     t0 = time.perf_counter()
     layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
                    text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
-                   checkpointing=args.checkpointing)
+                   checkpointing=args.checkpointing, profile=args.profile)
     feasible = [lay for lay in layouts if lay.step]
     if args.json:
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput} for lay in layouts], indent=1))
@@ -207,7 +210,9 @@ def main_plan(args) -> int:
 
 
 def _print(cfg, device, gpus, args, layouts, seconds) -> None:
-    print(f"{cfg.name} on {gpus} x {device.name} ({device.peak_flops / 1e12:.0f} TFLOP/s at {device.efficiency:.0%}, "
+    peak = (f"{device.peak_flops / 1e12:.0f} TFLOP/s" if device.peak_flops >= 1e12 else
+            f"{device.peak_flops / 1e9:.1f} GFLOP/s")
+    print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} + {cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}")
