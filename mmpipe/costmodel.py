@@ -180,7 +180,9 @@ def stage_seconds(rows: list[LayerCost], parts: list[int], micro: int, device: D
         for r in rows[a:b]:
             if measured and r.name in measured:
                 mf, mb = measured[r.name]
-                bwd_share = r.bwd_flops / (2 * r.fwd_flops) if r.fwd_flops else 0.0  # 1 trainable, 0.5 frozen
+                # the profile timed the trainable backward: 2x forward FLOPs, 1x for the embeddings
+                full = r.fwd_flops * (1 if r.name in ("PatchEmbed", "TextEmbed") else 2)
+                bwd_share = r.bwd_flops / full if full else 0.0  # 1 trainable, 1/2 frozen behind one, 0 prefix
                 f += mf * micro
                 bw += (mb * bwd_share + (mf if r.recompute else 0.0)) * micro
             else:
@@ -205,12 +207,23 @@ def pipeline_step_seconds(stage_times: list[tuple[float, float]], micro_batches:
     return {"step_s": step, "slot_s": slot, "bubble": (p - 1) / (m + p - 1), "p2p_s": comm, "allreduce_s": allreduce}
 
 
-def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5
-                   ) -> dict[str, tuple[float, float]]:
+def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5,
+                   threads: int = 1) -> dict[str, tuple[float, float]]:
     """Measured (forward, backward) seconds per sample of each layer kind, trainable, at the run's
-    micro-batch on this process's device: the calibration `mmpipe plan --profile` uses instead of
-    peak FLOP/s. Backward is timed as a whole (input + weight gradients); stage_seconds scales it
-    by each layer's backward share (1 trainable, 1/2 frozen behind a trainable one, 0 prefix)."""
+    micro-batch on this process's device, with `threads` threads (a rank's share: mmpipe train runs
+    one per rank on CPU): the calibration `mmpipe plan --profile` uses instead of peak FLOP/s.
+    Backward is timed whole (input + weight gradients); stage_seconds scales it by each layer's
+    backward share (1 trainable, 1/2 frozen behind a trainable one, 0 frozen prefix)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _profile(cfg, text_len, micro, precision, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeats: int) -> dict:
     import time
 
     import torch

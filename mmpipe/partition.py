@@ -32,7 +32,7 @@ def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
     return layer_costs(cfg, freeze, text_len, checkpointing)
 
 
-def _units(table: list[LayerInfo]) -> list[list[int]]:
+def _units(table: list[LayerCost]) -> list[list[int]]:
     """Group layers so each unit holds a trainable layer: a frozen run joins the trainable layer
     after it (or before it, at the end of the list)."""
     units, pending = [], []
@@ -52,31 +52,44 @@ def min_max_split(weights: list[float], parts: int, fits: Callable[[int, int, in
                   ) -> list[int] | None:
     """Exact min-max contiguous split by dynamic programming: boundaries [0, b1, ..., len(weights)]
     minimising the largest part's sum, over the splits where fits(stage, first, end) holds for every
-    part (e.g. its memory fits the device). None when no split fits. O(parts x n^2)."""
+    part (e.g. its memory fits the device); among those, the most even one (least sum of squares),
+    so a tie never leaves a near-empty stage idle. None when no split fits. O(parts x n^2)."""
     n = len(weights)
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[s][j]: the smallest possible largest sum when the first s parts cover items [0, j)
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[-1] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for s in range(1, parts + 1):
-        for j in range(s, n - (parts - s) + 1):
-            for i in range(s - 1, j):
-                if best[s - 1][i] == inf or (fits is not None and not fits(s - 1, i, j)):
-                    continue
-                cost = max(best[s - 1][i], prefix[j] - prefix[i])
-                if cost < best[s][j]:
-                    best[s][j], cut[s][j] = cost, i
-    if best[parts][n] == inf:
+
+    def solve(combine, ok):
+        """best[s][j]: the best value when the first s parts cover items [0, j)."""
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(parts + 1)]
+        cut = [[-1] * (n + 1) for _ in range(parts + 1)]
+        best[0][0] = 0.0
+        for s in range(1, parts + 1):
+            for j in range(s, n - (parts - s) + 1):
+                for i in range(s - 1, j):
+                    part = prefix[j] - prefix[i]
+                    if best[s - 1][i] == inf or not ok(s - 1, i, j, part):
+                        continue
+                    value = combine(best[s - 1][i], part)
+                    if value < best[s][j]:
+                        best[s][j], cut[s][j] = value, i
+        if best[parts][n] == inf:
+            return None, None
+        bounds, j = [n], n
+        for s in range(parts, 0, -1):
+            j = cut[s][j]
+            bounds.append(j)
+        return best[parts][n], bounds[::-1]
+
+    def fit(s, i, j, part):
+        return fits is None or fits(s, i, j)
+    bottleneck, bounds = solve(max, fit)
+    if bounds is None:
         return None
-    bounds, j = [n], n
-    for s in range(parts, 0, -1):
-        j = cut[s][j]
-        bounds.append(j)
-    return bounds[::-1]
+    tol = 1e-9 * max(1.0, abs(bottleneck))
+    _, even = solve(lambda acc, part: acc + part * part, lambda s, i, j, part: part <= bottleneck + tol and fit(s, i, j, part))
+    return even or bounds
 
 
 def compute_parts(table: list[LayerCost], stages: int, method: str,

@@ -166,6 +166,8 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
         seen_log.close()
     stage_rows = gather_stage_report(engine, timer)  # collective; also every stage's layer files are on disk now
     train_time = time.perf_counter() - t_start
+    del batches  # stop the loader workers before the process group goes
+    dist.destroy_process_group()  # tear gloo down in order, not in the interpreter's exit (seen to abort a rank)
     if rank != 0:
         return 0
 
