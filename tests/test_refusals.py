@@ -171,8 +171,8 @@ def test_data_config_with_unknown_key(tmp_path, capsys):
 
 
 def test_tokenizer_with_the_builtin_set(tmp_path, capsys):
-    assert "--tokenizer: the built-in shapes set uses the built-in tokenizer" in refuse(
-        capsys, "--tokenizer", str(tmp_path))
+    err = refuse(capsys, "--tokenizer", str(tmp_path))
+    assert err.strip() == "mmpipe: error: --tokenizer: the built-in shapes set uses the built-in tokenizer; drop --tokenizer"
 
 
 def test_tokenizer_directory_missing(tmp_path, capsys):

@@ -77,12 +77,13 @@ def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None) -> DataOptio
         except ConfigError as e:
             problems.append(str(e))
     tok = None
-    try:
-        tok = load_tokenizer(args.tokenizer) if args.tokenizer else builtin_tokenizer()
-    except ConfigError as e:
-        problems.append(str(e))
     if args.data == "shapes" and args.tokenizer:
         problems.append("--tokenizer: the built-in shapes set uses the built-in tokenizer; drop --tokenizer")
+    else:
+        try:
+            tok = load_tokenizer(args.tokenizer) if args.tokenizer else builtin_tokenizer()
+        except ConfigError as e:
+            problems.append(str(e))
     text_len = args.text_len
     if cfg is not None:
         room = cfg.text.max_context - cfg.prefix_len + 1  # BOS + image + text - 1 predicted positions
@@ -105,7 +106,7 @@ def index_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "data"
 
 
-def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, *, verbose: bool = True):
+def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, *, verbose: bool | str = True):
     """The samples of this run. verbose: print the data report (when the index is built, or always
     if verbose == "always"). For user data, reads the index OUTPUT_DIR/data/ written by an
     earlier call with the same fingerprint (the front door's, or the run being resumed), or
