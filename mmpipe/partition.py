@@ -32,7 +32,7 @@ def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
     return layer_costs(cfg, freeze, text_len, checkpointing)
 
 
-def _units(table: list[LayerCost]) -> list[list[int]]:
+def trainable_units(table: list[LayerCost]) -> list[list[int]]:
     """Group layers so each unit holds a trainable layer: a frozen run joins the trainable layer
     after it (or before it, at the end of the list)."""
     units, pending = [], []
@@ -103,7 +103,7 @@ def compute_parts(table: list[LayerCost], stages: int, method: str,
     if method == "uniform":
         parts = [int(p) for p in ds_utils.partition_uniform(num_items=n, num_parts=stages)]
     elif method in ("balanced", "parameters"):
-        units = _units(table)
+        units = trainable_units(table)
         if stages > len(units):
             raise ConfigError(f"--stages: {stages} stages but only {len(units)} groups of layers hold a trainable "
                               f"parameter (valid: 1..{len(units)}, or freeze less)")

@@ -24,7 +24,7 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig, load_preset
 from .costmodel import (BYTES, KNOWN_DEVICES, Device, LayerCost, layer_costs, pipeline_step_seconds, profile_layers,
                         stage_memory, stage_seconds)
-from .partition import _units, compute_parts
+from .partition import compute_parts, trainable_units
 
 GiB = 2 ** 30
 
@@ -108,7 +108,7 @@ def cpu_device() -> Device:
 
 def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                 device: Device, measured: dict | None = None) -> Layout:
-    units = _units(rows)
+    units = trainable_units(rows)
     if stages > len(units):
         return Layout(stages, dp, micro, gas, None, [], None,
                       f"only {len(units)} groups of layers hold a trainable parameter")
