@@ -63,7 +63,12 @@ def main(argv=None) -> int:
     add_plan_args(sub.add_parser("plan", help="predict step time, memory and throughput of each PP x DP x micro layout"))
     from .data.export import add_export_args
     add_export_args(sub.add_parser("export-shapes", help="write the built-in shapes set as LLaVA / pairs / HF data"))
+    from .generate import add_generate_args
+    add_generate_args(sub.add_parser("generate", help="answer a prompt about an image with a trained or HF model"))
     args = p.parse_args(argv)
+    if args.command == "generate":
+        from .generate import main_generate
+        return main_generate(args)
     if args.command == "presets":
         print("\n".join(list_presets()))
         return 0

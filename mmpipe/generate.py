@@ -1,0 +1,230 @@
+"""Single-process generation with a KV cache, for every model family: `mmpipe generate`.
+
+The model is the pipeline's own layer list (ReferenceModel). Generation splits it in two:
+
+    encoder layers   everything before the first cache-aware layer (patch embedding, vision
+                     blocks, projector): run once, on the image, as in training.
+    decoder layers   the first cache-aware layer to the head (text embedding, decoder blocks,
+                     LM head): run on the prompt (prefill), then on one new token at a time.
+
+The per-layer cached-decoding interface
+---------------------------------------
+A layer is cache-aware when it has a method, or a function registered with `@decodes(Class)`:
+
+    decode(layer, t: StageTuple, cache: dict, start: int) -> StageTuple | Tensor
+
+    t.hidden     prefill (start == 0): what the layer's forward would receive (the image
+                 embeddings for a text embedding; the sequence for a block). Decode steps
+                 (start > 0): the new positions only, [B, T_new, D] (T_new = 1); the text
+                 embedding receives t.hidden = None and embeds t.input_ids, the new tokens.
+    t.input_ids  prefill: the whole prompt [B, T_text]; decode steps: the new tokens [B, T_new].
+    t.vision     the projected image, as in forward (cross-attention fusion), on every call.
+    cache        a dict owned by this layer for this generation (empty at prefill): store K/V
+                 there, [B, H_kv, T_seen, Dh]; a cross-attention layer caches the image's K/V once.
+    start        absolute decoder position of t.hidden's first row: rotary positions are
+                 start..start+T_new-1, and queries may see keys 0..start+T_new-1 (prefill: the
+                 layer's usual mask, e.g. moondream's bidirectional BOS + image prefix).
+
+It must return what forward would return for those positions (the head: logits [B, T_new, V]),
+so cached and uncached decoding agree (tests/test_generate.py). Layers of a new family add a
+`decode` method (mmpipe.model.llava) or register one here without touching the layer class.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .model.attention import apply_partial_rotary, decoder_mask, rotary_cos_sin
+from .model.layers import DecoderBlock, LMHead, TextEmbed
+from .model.stage import StageTuple
+
+_DECODERS: dict[type, Callable] = {}
+
+
+def decodes(cls: type):
+    """Register `fn(layer, t, cache, start)` as the cached decode of layer class `cls`."""
+    def register(fn):
+        _DECODERS[cls] = fn
+        return fn
+    return register
+
+
+def decode_fn(layer) -> Callable | None:
+    if hasattr(layer, "decode"):
+        return lambda t, cache, start: layer.decode(t, cache, start)
+    fn = _DECODERS.get(type(layer))
+    return None if fn is None else (lambda t, cache, start: fn(layer, t, cache, start))
+
+
+def cached_attention(q, k, v, cache: dict, mask):
+    """q [B, H, T_new, Dh]; k, v [B, H_kv, T_new, Dh] appended to the cache; GQA repeats K/V heads."""
+    if "k" in cache:
+        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+    cache["k"], cache["v"] = k, v
+    rep = q.shape[1] // k.shape[1]  # e.g. 32 query heads / 8 KV heads = 4
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T_new, Dh]
+
+
+# ---- the moondream family's decode functions ---------------------------------------------------
+
+@decodes(TextEmbed)
+def _text_embed(layer: TextEmbed, t: StageTuple, cache: dict, start: int):
+    return StageTuple.unpack(layer(t.pack())) if start == 0 else t._replace(hidden=layer.wte(t.input_ids))
+
+
+@decodes(DecoderBlock)
+def _phi_block(layer: DecoderBlock, t: StageTuple, cache: dict, start: int):
+    x = t.hidden  # [B, T_new, D]
+    B, T, D = x.shape
+    end = start + T
+    mask = decoder_mask(end, layer.prefix_len, t.has_image)[..., start:, :]  # [T_new, end] or [B, 1, T_new, end]
+    cos, sin = (c[start:end] for c in rotary_cos_sin(end, layer.rotary_dim, layer.theta, x.device))
+    h = layer.ln(x)
+    attn = layer.attn
+    q, k, v = attn.qkv(h).view(B, T, 3, attn.n_heads, D // attn.n_heads).permute(2, 0, 3, 1, 4)
+    q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+    out = cached_attention(q, k, v, cache, mask)
+    x = x + attn.proj(out.transpose(1, 2).reshape(B, T, D)) + layer.mlp(h)
+    return t._replace(hidden=x)
+
+
+@decodes(LMHead)
+def _lm_head(layer: LMHead, t: StageTuple, cache: dict, start: int):
+    return layer(t.pack())
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+
+def _split(model) -> int:
+    for i, layer in enumerate(model):
+        if decode_fn(layer) is not None:
+            return i
+    raise ValueError(f"{type(model[0]).__name__}...: no layer of this model supports cached decoding")
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]: argmax at temperature 0, else a sample from the top_k."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+
+
+@torch.no_grad()
+def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id: int | None,
+             max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+             use_cache: bool = True) -> list[int]:
+    """New token ids for one image + prompt (stops after EOS, which is not returned).
+    use_cache=False reruns the whole model on the growing sequence each step (the reference)."""
+    model.eval()
+    ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
+    has_image = torch.ones(1, dtype=torch.long)
+    pixels = pixel_values.to(next(model.parameters()).dtype)
+    gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    out: list[int] = []
+    if not use_cache:
+        for _ in range(max_new_tokens):
+            nxt = _pick(model(pixels, ids, has_image)[:, -1], temperature, top_k, gen)
+            if eos_id is not None and nxt.item() == eos_id:
+                break
+            out.append(nxt.item())
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+        return out
+    first = _split(model)
+    enc = pixels, ids, has_image
+    for layer in list(model)[:first]:
+        enc = layer(enc)  # the image side, once
+    t = StageTuple.unpack(enc)
+    steps = [decode_fn(layer) for layer in list(model)[first:]]
+    caches: list[dict] = [{} for _ in steps]
+    start = 0
+    for _ in range(max_new_tokens):
+        x = t
+        for fn, cache in zip(steps, caches):
+            x = fn(x, cache, start)
+        logits = x  # [1, T_new, V]
+        start += logits.shape[1]
+        nxt = _pick(logits[:, -1], temperature, top_k, gen)
+        if eos_id is not None and nxt.item() == eos_id:
+            break
+        out.append(nxt.item())
+        t = t._replace(hidden=None, input_ids=nxt[:, None])
+    return out
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="an mmpipe run directory (model.json + checkpoints/), a checkpoints/ directory, "
+                        "or a Hugging Face LlavaForConditionalGeneration directory")
+    p.add_argument("--image", required=True, help="an image file")
+    p.add_argument("--prompt", required=True, help="the user's question")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (default: the HF directory's own, else the run's data tokenizer or the built-in one)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+
+
+def _load(path: Path, tokenizer: str | None):
+    """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF LLaVA directory."""
+    from .config import ConfigError, config_from_dict
+    from .data.tokenizer import load_tokenizer
+    if (path / "config.json").is_file():
+        from .hf.llava import load_hf_llava
+        model = load_hf_llava(path)
+        return model, load_tokenizer(tokenizer or str(path))
+    run_dir = path if (path / "model.json").is_file() else path.parent
+    ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not (run_dir / "model.json").is_file():
+        raise ConfigError(f"--checkpoint: {path} holds neither model.json (an mmpipe run) nor config.json (an HF model)")
+    cfg = config_from_dict(json.loads((run_dir / "model.json").read_text()), run_dir.name)
+    from .checkpoint import load_reference
+    try:
+        model = load_reference(ckpt, cfg)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--checkpoint: {e}") from None
+    return model, load_tokenizer(tokenizer)
+
+
+def main_generate(args: argparse.Namespace) -> int:
+    from .config import ConfigError
+    from .data.images import ImageTransform
+    from .data.text import ConversationEncoder
+    from .run_config import fail
+    try:
+        model, tok = _load(Path(args.checkpoint), args.tokenizer)
+        if not Path(args.image).is_file():
+            raise ConfigError(f"--image: {args.image} is not a file")
+        from PIL import Image
+        image = Image.open(args.image).convert("RGB")
+    except (ConfigError, OSError) as e:
+        return fail(e if isinstance(e, ConfigError) else ConfigError(f"--image: {args.image}: {e}"))
+    cfg = model.cfg
+    pixels = ImageTransform(cfg.vision)(image)[None]
+    prompt = ConversationEncoder(tok, cfg.text.max_context).prompt_ids([("user", args.prompt)])
+    prompt = prompt_with_placeholders(cfg, prompt)
+    new = generate(model, pixels, prompt, eos_id=tok.eos_token_id, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
+    print(tok.decode(new, skip_special_tokens=True).strip())
+    return 0
+
+
+def prompt_with_placeholders(cfg, prompt: list[int]) -> list[int]:
+    """The LLaVA family reads the image from placeholder positions: N_img of them after BOS, the
+    same layout as moondream's spliced image. Other families take the prompt as it is."""
+    if getattr(cfg, "family", "moondream") != "llava":
+        return prompt
+    return prompt[:1] + [cfg.image_token_id] * cfg.vision.n_features + prompt[1:]
