@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 # The front door only checks and launches; keep its refusals to the one line each. DeepSpeed
 # announces its CPU fallback at import, and the ranks it starts still say so in their logs.
@@ -25,10 +26,26 @@ def _free_port() -> int:
 
 
 def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
-    if args.dp < 1:
+    hosts = None
+    if args.hostfile or args.include or args.exclude:
+        from . import hostfile
+        try:
+            if not args.hostfile:
+                raise ConfigError("--include / --exclude: they filter a --hostfile; give one")
+            hosts = hostfile.active(hostfile.parse(args.hostfile), args.include, args.exclude)
+        except ConfigError as e:
+            return fail(e)
+    elif args.dp is None:
+        args.dp = 1
+    if args.dp is not None and args.dp < 1:
         return fail(ConfigError(f"--dp: {args.dp} must be >= 1"))
     try:
-        run = resolve(args, world_size=args.dp * requested_stages(args))
+        stages = requested_stages(args)
+        world = sum(len(s) for s in hosts.values()) if hosts else args.dp * stages
+        if hosts and args.dp is not None and args.dp * stages != world:
+            raise ConfigError(f"--dp: {args.dp} x {stages} stages != the hostfile's {world} slots; leave --dp "
+                              f"out (with --hostfile it is slots / stages)")
+        run = resolve(args, world_size=world)
     except ConfigError as e:
         return fail(e)
     if not run.data.builtin:
@@ -43,9 +60,23 @@ def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
         return fail(ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)"))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
-    cmd = [launcher, "--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",
-           "--master_port", str(args.master_port or _free_port()),
-           "--module", "mmpipe.train", *rank_argv]
+    if hosts is None:
+        where = ["--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",
+                 "--master_port", str(args.master_port or _free_port())]
+    else:
+        from . import hostfile
+        if len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
+            try:
+                hostfile.check_reachable(hosts, env)
+            except ConfigError as e:
+                return fail(e)
+        env["DS_ENV_FILE"] = str(hostfile.env_file(Path(args.output_dir), env))
+        # every host was checked above; DeepSpeed's own check (first host, plain ssh) would not
+        # see PDSH_SSH_ARGS_APPEND's options
+        where = ["--hostfile", args.hostfile, "--no_ssh_check", "--master_addr", args.master_addr or next(iter(hosts)),
+                 "--master_port", str(args.master_port or 29500)]
+        where += ["--include", args.include] if args.include else ["--exclude", args.exclude] if args.exclude else []
+    cmd = [launcher, *where, "--module", "mmpipe.train", *rank_argv]
     print("mmpipe: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd, env=env)
 
@@ -56,8 +87,20 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command")
     t = sub.add_parser("train", help="train on this machine through the deepspeed launcher")
     add_train_args(t)
-    t.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (default: 1)")
-    t.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    t.add_argument("--dp", type=int, default=None,
+                   help="data-parallel replicas of the pipeline (default: 1; with --hostfile: slots / stages)")
+    t.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: a free one; with --hostfile 29500)")
+    t.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('HOST slots=N' lines): run on those hosts "
+                                                    "over ssh (pdsh); docs/multinode.md")
+    t.add_argument("--include", default="", help="with --hostfile: only these hosts/slots, e.g. node1:0,1@node2")
+    t.add_argument("--exclude", default="", help="with --hostfile: leave out these hosts/slots, e.g. node3")
+    t.add_argument("--master-addr", default=None,
+                   help="with --hostfile: rendezvous host (default: the first active host)")
+    from .slurm import add_slurm_args
+    sl = sub.add_parser("slurm", help="write (and --submit) an sbatch script that runs this training under Slurm")
+    add_slurm_args(sl)
+    add_train_args(sl)
     sub.add_parser("presets", help="list the model presets")
     from .plan import add_plan_args
     add_plan_args(sub.add_parser("plan", help="predict step time, memory and throughput of each PP x DP x micro layout"))
@@ -69,6 +112,9 @@ def main(argv=None) -> int:
     if args.command == "generate":
         from .generate import main_generate
         return main_generate(args)
+    if args.command == "slurm":
+        from .slurm import main_slurm
+        return main_slurm(argv[1:])
     if args.command == "presets":
         print("\n".join(list_presets()))
         return 0
@@ -81,10 +127,13 @@ def main(argv=None) -> int:
                             patch=args.patch))
         return 0
     if args.command == "train":
-        rank_argv = _strip(argv[1:], {"--dp", "--master-port"})
+        rank_argv = _strip(argv[1:], FRONT_DOOR_FLAGS)
         return cmd_train(args, rank_argv)
     p.print_help()
     return 2
+
+
+FRONT_DOOR_FLAGS = {"--dp", "--master-port", "--hostfile", "--include", "--exclude", "--master-addr"}
 
 
 def _strip(argv: list[str], flags: set[str]) -> list[str]:

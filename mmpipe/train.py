@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
+from .preempt import EXIT_REQUEUE, MARKER, Preemption
 from .run_config import RunConfig, add_train_args, fail, resolve
+from .slurm_env import ranks_from_slurm
 
 CSV_FIELDS = ["step", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "skipped"]
 
@@ -43,7 +45,7 @@ def _setup_torch():
     return torch, deepspeed
 
 
-def train(args: argparse.Namespace, run: RunConfig) -> int:
+def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     torch, deepspeed = _setup_torch()
     import torch.distributed as dist
     from tqdm import tqdm
@@ -155,12 +157,23 @@ def train(args: argparse.Namespace, run: RunConfig) -> int:
             return 3
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         bar.update(1)
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
+        stop = preempt.agreed() if preempt else 0  # collective: every rank stops at the same step
+        if step == args.steps or (args.save_every and step % args.save_every == 0) or stop:
             if seen_log:
                 seen_log.flush()
             pos = start_pos + (step - start_step) * run.train_batch
             state = checkpoint.run_state(engine, run, args, step, pos, fingerprint, counters)
             checkpoint.save(engine, ckpt_dir, step, state, keep=args.keep_checkpoints, rank_state={"rng": rng.get_state()})
+        if stop and step < args.steps:
+            bar.close()
+            if rank == 0:
+                print(f"mmpipe: {preempt.name(stop)}: stopped after step {step} of {args.steps}, checkpoint "
+                      f"{ckpt_dir / checkpoint.latest_tag(ckpt_dir)}; exit status {EXIT_REQUEUE} (requeue me; "
+                      f"run again with --resume)", flush=True)
+                (out / MARKER).write_text(f"{preempt.name(stop)} step {step}\n")
+            del batches
+            dist.destroy_process_group()
+            return EXIT_REQUEUE
     bar.close()
     if seen_log:
         seen_log.close()
@@ -252,11 +265,13 @@ def _truncate_logs(out: Path, step: int, position: int) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    preempt = Preemption()  # before anything slow: a signal during start-up stops at the first step
+    ranks_from_slurm(os.environ)
     try:
         run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return fail(e)
-    return train(args, run)
+    return train(args, run, preempt)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""`mmpipe slurm`: an sbatch script for a run, and with --submit its job id.
+
+The script starts one Slurm task per rank with `srun` (ranks from SLURM_PROCID / SLURM_LOCALID /
+SLURM_NTASKS, see slurm_env.py; the first node is the rendezvous), asks Slurm for USR1 ahead of
+the time limit, and requeues itself when the ranks stopped for a signal (mmpipe.preempt); the
+requeued job finds `checkpoints/latest` and resumes. Every value that reaches the script is
+either checked against a plain character set (#SBATCH lines are not shell, and a newline would
+start a new line of the script) or shell-quoted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import ConfigError
+from .preempt import MARKER as PREEMPTED
+
+SAFE = re.compile(r"^[A-Za-z0-9._,+-]+$")          # names: partition, account, job name
+SAFE_PATH = re.compile(r"^[A-Za-z0-9._,+/@=-]+$")  # a path inside an #SBATCH line
+TIME = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$")       # Slurm: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM[:SS]
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def add_slurm_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Slurm job (every other flag is passed to the ranks, as for `mmpipe train`)")
+    g.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    g.add_argument("--tasks-per-node", type=int, default=None,
+                   help="ranks per node (default: --gpus-per-node, else 1); world size = nodes x this")
+    g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one per rank (default: 0, CPU)")
+    g.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank = OMP_NUM_THREADS (default: 1)")
+    g.add_argument("--slurm-partition", default=None, help="Slurm partition (--partition is the pipeline's layer split)")
+    g.add_argument("--time", default=None, help="time limit, e.g. 4:00:00 or 2-00:00:00")
+    g.add_argument("--account", default=None, help="Slurm account to charge")
+    g.add_argument("--job-name", default="mmpipe", help="job name (default: mmpipe)")
+    g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="export this in the job (repeatable); the submitting shell's environment is exported too")
+    g.add_argument("--no-requeue", dest="requeue", action="store_false",
+                   help="do not requeue after a preemption signal (default: requeue and resume)")
+    g.add_argument("--signal-secs", type=int, default=120,
+                   help="Slurm sends USR1 this many seconds before the time limit (default: 120)")
+    g.add_argument("--script", default=None, help="write the script here (default: OUTPUT_DIR/slurm_job.sh)")
+    g.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
+
+
+def _slurm_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmpipe slurm", add_help=False, allow_abbrev=False)
+    add_slurm_args(p)
+    return p
+
+
+def check(a: argparse.Namespace) -> list[str]:
+    problems = []
+    for flag, val, lo in (("--nodes", a.nodes, 1), ("--tasks-per-node", a.tasks_per_node, 1),
+                          ("--gpus-per-node", a.gpus_per_node, 0), ("--cpus-per-task", a.cpus_per_task, 1),
+                          ("--signal-secs", a.signal_secs, 1)):
+        if val is not None and val < lo:
+            problems.append(f"{flag}: {val} must be >= {lo}")
+    for flag, val in (("--slurm-partition", a.slurm_partition), ("--account", a.account), ("--job-name", a.job_name)):
+        if val is not None and not SAFE.match(val):
+            problems.append(f"{flag}: {val!r} may hold only letters, digits and . _ , + - "
+                            f"(it goes into an #SBATCH line)")
+    if a.time is not None and not TIME.match(a.time):
+        problems.append(f"--time: {a.time!r} is not a Slurm time (MM, HH:MM:SS, D-HH:MM:SS, ...)")
+    for kv in a.env:
+        key, eq, val = kv.partition("=")
+        if not eq or not ENV_KEY.match(key):
+            problems.append(f"--env: {kv!r} is not KEY=VALUE with KEY a shell variable name")
+        elif "\n" in val or "\0" in val:
+            problems.append(f"--env: {key}'s value holds a newline or NUL byte")
+    return problems
+
+
+def render(a: argparse.Namespace, rank_argv: list[str], output_dir: Path, workdir: Path) -> str:
+    """The sbatch script. Values are checked (check(), SAFE_PATH) or shlex-quoted here."""
+    q = shlex.quote
+    out = str(output_dir)
+    tasks = a.tasks_per_node or a.gpus_per_node or 1
+    sb = [f"--job-name={a.job_name}", f"--nodes={a.nodes}", f"--ntasks-per-node={tasks}",
+          f"--cpus-per-task={a.cpus_per_task}"]
+    sb += [f"--gpus-per-node={a.gpus_per_node}"] if a.gpus_per_node else []
+    sb += [f"--partition={a.slurm_partition}"] if a.slurm_partition else []
+    sb += [f"--account={a.account}"] if a.account else []
+    sb += [f"--time={a.time}"] if a.time else []
+    sb += [f"--output={out}/slurm-%j.out", "--open-mode=append"]  # a requeued job appends to the same log
+    # USR1 to the ranks (not B:, the batch shell) ahead of the limit; --requeue lets it be requeued
+    sb += ["--requeue", f"--signal=USR1@{a.signal_secs}"] if a.requeue else [f"--signal=USR1@{a.signal_secs}"]
+    env = [f"export {k}={q(v)}" for k, _, v in (kv.partition("=") for kv in a.env)]
+    cmd = " ".join(q(x) for x in [sys.executable, "-u", "-m", "mmpipe.train", *rank_argv])
+    requeue = (f'if [ -f {q(out + "/" + PREEMPTED)} ]; then\n'
+               f'  rm -f {q(out + "/" + PREEMPTED)}\n'
+               f'  echo "mmpipe: preempted; requeueing job $SLURM_JOB_ID"\n'
+               f'  scontrol requeue "$SLURM_JOB_ID"\n'
+               f'  exit 0\n'
+               f'fi\n') if a.requeue else ""
+    return f"""#!/bin/bash
+# Generated by `mmpipe slurm`; docs/slurm.md. One task per rank, {a.nodes} node(s) x {tasks}.
+{chr(10).join("#SBATCH " + s for s in sb)}
+
+cd {q(str(workdir))}
+export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}  # one thread per core a rank owns
+{chr(10).join(env)}
+# rendezvous: the job's first node, a port derived from the job id
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+# a requeued (or restarted) job continues from the newest checkpoint
+RESUME=()
+if [ -f {q(out + "/checkpoints/latest")} ]; then RESUME=(--resume); fi
+# Slurm's TERM to the batch shell must not end it before srun returns and it can requeue
+trap 'echo "mmpipe: batch shell got SIGTERM"' TERM
+
+srun {cmd} "${{RESUME[@]}}"
+rc=$?
+{requeue}exit $rc
+"""
+
+
+def main_slurm(argv: list[str]) -> int:
+    """argv: everything after `slurm`."""
+    from .run_config import add_train_args, fail, resolve
+    sargs, rank_argv = _slurm_parser().parse_known_args(argv)
+    tp = argparse.ArgumentParser(prog="mmpipe slurm")
+    add_train_args(tp)
+    targs = tp.parse_args(rank_argv)
+    targs.resume = False  # the script decides: --resume once a checkpoint exists
+    problems = check(sargs)
+    out = Path(targs.output_dir).resolve()
+    if not SAFE_PATH.match(str(out)):
+        problems.append(f"--output-dir: {str(out)!r} may hold only letters, digits and . _ , + / @ = - "
+                        f"(it goes into an #SBATCH line)")
+    if problems:
+        return fail(ConfigError("\n".join(problems)))
+    world = sargs.nodes * (sargs.tasks_per_node or sargs.gpus_per_node or 1)
+    try:
+        resolve(targs, world_size=world)  # a bad run is refused here, not after waiting in the queue
+    except ConfigError as e:
+        return fail(e)
+    # the ranks get absolute paths: the job may start elsewhere; --resume is the script's decision
+    rank_argv = [a for a in rank_argv if a != "--resume"]
+    script = render(sargs, rank_argv, out, Path.cwd())
+    path = Path(sargs.script) if sargs.script else out / "slurm_job.sh"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    path.chmod(0o755)
+    print(f"mmpipe: wrote {path}", flush=True)
+    if not sargs.submit:
+        return 0
+    r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, env=dict(os.environ))
+    if r.returncode != 0:
+        return fail(ConfigError(f"sbatch: {(r.stderr.strip().splitlines() or ['exit status ' + str(r.returncode)])[-1]}"))
+    job = r.stdout.strip().split(";")[0]
+    print(job, flush=True)
+    return 0
