@@ -33,6 +33,8 @@ def load_reference(ckpt_dir: str | Path, cfg: ModelConfig, tag: str | None = Non
     model = ReferenceModel(cfg)
     for idx, layer in enumerate(model):
         path = Path(ckpt_dir) / tag / f"layer_{idx:02d}-model_states.pt"
+        if not path.is_file() and not layer.state_dict():
+            continue  # a tied layer's later use (LM head through TiedLayerSpec): DeepSpeed writes no file for it
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {tag} lacks layer {idx} ({type(layer).__name__}): {path}")
         layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

@@ -9,6 +9,11 @@ from pathlib import Path
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
+FUSIONS = ("prefix", "cross_attention")
+FAMILIES = ("moondream", "llava")
+VISION_ACTS = ("gelu_tanh", "gelu", "quick_gelu")
+
+
 class ConfigError(ValueError):
     """A user-facing configuration problem: one line naming the field and what would be valid."""
 
@@ -26,6 +31,26 @@ class VisionConfig:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     ln_eps: float = 1e-6
+    # LLaVA family only: the tower ("siglip": no class token; "clip": class token + pre-LayerNorm),
+    # its MLP activation, which hidden state feeds the projector (HF's vision_feature_layer: -2 is
+    # the second to last layer's output, LLaVA-1.5) and whether the first token is dropped
+    # ("default", CLIP's class token) or kept ("full").
+    kind: str = "siglip"
+    act: str = "gelu_tanh"
+    feature_layer: int = -1
+    feature_select: str = "full"
+
+    @property
+    def n_positions(self) -> int:  # tower tokens: CLIP adds the class token, e.g. 24^2 + 1 = 577
+        return self.n_tokens + (self.kind == "clip")
+
+    @property
+    def n_features(self) -> int:  # LLaVA image features (= <image> placeholders), e.g. 577 - 1 = 576
+        return self.n_positions - (self.feature_select == "default")
+
+    @property
+    def n_blocks_used(self) -> int:  # blocks up to the feature layer, e.g. 24 layers at -2: 23
+        return self.feature_layer % (self.n_layers + 1)
 
     @property
     def grid(self) -> int:
@@ -51,6 +76,15 @@ class TextConfig:
     partial_rotary_factor: float = 0.5  # Phi: rotary on the first half of each head
     rope_theta: float = 10000.0
     ln_eps: float = 1e-5
+    # LLaVA family only (Llama / Qwen2 / Mistral decoders): grouped-query attention (0: n_heads),
+    # Qwen2's bias on q/k/v, input embedding and LM head sharing one matrix (TiedLayerSpec).
+    n_kv_heads: int = 0
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def head_dim(self) -> int:
@@ -68,11 +102,36 @@ class ModelConfig:
     vision: VisionConfig
     text: TextConfig
     proj_inner_dim: int
+    # How the image reaches the decoder. "prefix": the projected image tokens are spliced into the
+    # sequence after BOS (moondream). "cross_attention": the sequence is text only and a gated
+    # cross-attention layer before every `cross_attn_every`-th decoder block attends to the
+    # projected image (Flamingo, Llama 3.2 Vision; mmpipe.model.cross_attention).
+    fusion: str = "prefix"
+    cross_attn_every: int = 1
+    cross_attn_heads: int = 0  # 0: the decoder's n_heads
+    # LLaVA family: the token id of <image>; the image features overwrite its positions.
+    image_token_id: int = -1
+
+    @property
+    def n_image_positions(self) -> int:
+        """Decoder positions the image takes besides the text tokens: N_img when spliced, 0 when
+        the decoder only attends to it (labels and logits then cover the text alone)."""
+        if self.family == "llava":  # the image sits on <image> placeholders inside the text
+            return 0
+        return self.vision.n_tokens if self.fusion == "prefix" else 0
+
+    @property
+    def cross_attn_layers(self) -> list[int]:
+        """Decoder block indices a cross-attention layer precedes, e.g. 12 blocks every 4: [0, 4, 8]."""
+        if self.fusion != "cross_attention":
+            return []
+        return list(range(0, self.text.n_layers, self.cross_attn_every))
 
     @property
     def prefix_len(self) -> int:
-        """BOS + image tokens: the bidirectional prefix (moondream2: 1 + 729 = 730)."""
-        return 1 + self.vision.n_tokens
+        """BOS + image tokens: the bidirectional prefix (moondream2: 1 + 729 = 730); BOS alone, so a
+        plain causal mask, when the image is attended to instead of spliced in."""
+        return 1 + self.n_image_positions
 
     def with_vocab(self, vocab_size: int) -> "ModelConfig":
         return dataclasses.replace(self, text=dataclasses.replace(self.text, vocab_size=vocab_size))
@@ -86,7 +145,11 @@ class ModelConfig:
     def validate(self) -> None:
         v, t = self.vision, self.text
         checks = [
-            (self.family == "moondream", "family", f"'{self.family}' is not a known family (valid: moondream)"),
+            (self.family in FAMILIES, "family", f"'{self.family}' is not a known family (valid: {', '.join(FAMILIES)})"),
+            (self.fusion in FUSIONS, "fusion", f"'{self.fusion}' is not a known fusion (valid: {', '.join(FUSIONS)})"),
+            (self.cross_attn_every >= 1, "cross_attn_every", f"{self.cross_attn_every} must be >= 1"),
+            (self.cross_attn_heads >= 0 and t.dim % (self.cross_attn_heads or t.n_heads) == 0, "cross_attn_heads",
+             f"{self.cross_attn_heads}: text.dim {t.dim} must be divisible by it"),
             (v.image_size % v.patch_size == 0, "vision.image_size",
              f"{v.image_size} is not a multiple of patch_size {v.patch_size}"),
             (v.dim % v.n_heads == 0, "vision.dim", f"{v.dim} is not divisible by n_heads {v.n_heads}"),
@@ -96,6 +159,19 @@ class ModelConfig:
             (self.prefix_len < t.max_context, "text.max_context",
              f"{t.max_context} leaves no room for text after the {self.prefix_len}-token image prefix"),
         ]
+        if self.family == "llava":
+            checks += [
+                (v.kind in ("siglip", "clip"), "vision.kind", f"'{v.kind}' is not a known tower (valid: siglip, clip)"),
+                (v.act in VISION_ACTS, "vision.act", f"'{v.act}' is not supported (valid: {', '.join(VISION_ACTS)})"),
+                (v.feature_select in ("default", "full"), "vision.feature_select",
+                 f"'{v.feature_select}' (valid: default, full)"),
+                (-v.n_layers - 1 <= v.feature_layer <= v.n_layers and v.n_blocks_used >= 1, "vision.feature_layer",
+                 f"{v.feature_layer} does not name a block's output of a {v.n_layers}-layer tower"),
+                (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
+                (0 <= self.image_token_id < t.vocab_size, "image_token_id",
+                 f"{self.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+                (self.fusion == "prefix", "fusion", f"'{self.fusion}': the LLaVA family places the image on placeholders"),
+            ]
         for ok, field, msg in checks:
             if not ok:
                 raise ConfigError(f"model config '{self.name}': {field}: {msg}")
@@ -122,12 +198,20 @@ def config_from_dict(data: dict, name: str) -> ModelConfig:
     for key in ("vision", "text"):
         if not isinstance(data.get(key), dict):
             raise ConfigError(f"model config '{name}': '{key}' section missing")
+    top = {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
+    unknown = sorted(set(data) - top)
+    if unknown:
+        raise ConfigError(f"model config '{name}': unknown field(s) {unknown} (valid: {sorted(top)})")
+    for key in ("cross_attn_every", "cross_attn_heads"):
+        if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
+            raise ConfigError(f"model config '{name}': {key}: {data[key]!r} is not an integer")
     cfg = ModelConfig(
         name=name,
         family=data.get("family", "moondream"),
         vision=_build(VisionConfig, data["vision"], f"model config '{name}': vision"),
         text=_build(TextConfig, data["text"], f"model config '{name}': text"),
         proj_inner_dim=int(data.get("proj_inner_dim", 4 * data["text"].get("dim", 0))),
+        **{k: data[k] for k in ("fusion", "cross_attn_every", "cross_attn_heads", "image_token_id") if k in data},
     )
     cfg.validate()
     return cfg

@@ -41,7 +41,10 @@ from .config import ModelConfig
 from .model.builder import layer_param_counts, layer_specs
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-CHECKPOINTED = ("VisionBlock", "DecoderBlock")
+CHECKPOINTED = ("VisionBlock", "DecoderBlock", "LlamaBlock")
+# LLaVA-family layers costed as the moondream layer of the same shape (mmpipe.model.llava)
+LLAVA_AS = {"VisionEmbed": "PatchEmbed", "TowerBlock": "VisionBlock", "LlavaProjector": "Projector",
+            "LlavaEmbed": "TextEmbed", "LMHeadLinear": "LMHead"}
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,13 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
                 ) -> list[LayerCost]:
     v, t = cfg.vision, cfg.text
     n, seq = v.n_tokens, v.n_tokens + text_len  # e.g. 16 image + 12 text = 28 decoder positions
+    if cfg.family == "llava":  # tower: CLIP's class token too; decoder: 576 <image> placeholders + text
+        n, seq = v.n_positions, v.n_features + text_len
     rows, seen_trainable = [], False
     for spec, params in zip(layer_specs(cfg), layer_param_counts(cfg)):
-        name, group = spec.typename.__name__, spec.typename.group
+        name, group = LLAVA_AS.get(spec.typename.__name__, spec.typename.__name__), spec.typename.group
+        if getattr(spec, "forward_fn", None) is not None:  # the tied LM head (TiedLayerSpec)
+            name = "LMHead"
         trainable = group not in freeze and params > 0
         seen_trainable |= trainable
         tokens = seq if group == "text" else n
@@ -97,6 +104,11 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         elif name == "DecoderBlock":
             fwd += 4.0 * seq * seq * t.dim
             act, fp32, out = (7 * t.dim + 2 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim
+        elif name == "LlamaBlock":  # + gate/up/product of SwiGLU, RMSNorm stats
+            fwd += 4.0 * seq * seq * t.dim
+            act, fp32, out = (7 * t.dim + 3 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim
+        elif name == "FinalNorm":
+            act, fp32, out = t.dim * seq + seq, seq, seq * t.dim
         elif name == "LMHead":
             act, fp32, out = 2 * t.dim * seq + 2 * seq + t.vocab_size * seq, 2 * seq + t.vocab_size * seq, seq * t.vocab_size
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
@@ -24,6 +24,9 @@ FREEZE_GROUPS = ("vision", "projector", "text")
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    if cfg.family == "llava":
+        from .llava import llava_specs
+        return llava_specs(cfg)
     return ([LayerSpec(PatchEmbed, cfg)]
             + [LayerSpec(VisionBlock, cfg) for _ in range(cfg.vision.n_layers)]
             + [LayerSpec(VisionNorm, cfg), LayerSpec(Projector, cfg), LayerSpec(TextEmbed, cfg)]
@@ -52,11 +55,43 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
+class TiedCall(nn.Module):
+    """A TiedLayerSpec's later use: DeepSpeed's forward_fn on the module built at its first use.
+    The module is held outside the submodules, so its weights are saved and loaded once (DeepSpeed
+    writes no layer file for this position either)."""
+
+    def __init__(self, module: nn.Module, forward_fn):
+        super().__init__()
+        self._tied, self.forward_fn, self.group = [module], forward_fn, getattr(module, "group", None)
+
+    @property
+    def module(self) -> nn.Module:
+        return self._tied[0]
+
+    def forward(self, args):
+        return self.forward_fn(self._tied[0], args)
+
+    def decode(self, t, cache: dict, start: int):
+        return self.forward_fn(self._tied[0], t.pack())
+
+
+def _build_all(specs: list[LayerSpec], seed: int) -> list[nn.Module]:
+    layers, tied = [], {}
+    for i, s in enumerate(specs):
+        if isinstance(s, TiedLayerSpec) and s.key in tied:
+            layers.append(TiedCall(tied[s.key], s.forward_fn) if s.forward_fn else tied[s.key])
+            continue
+        layers.append(build_layer(s, i, seed))
+        if isinstance(s, TiedLayerSpec):
+            tied[s.key] = layers[-1]
+    return layers
+
+
 class ReferenceModel(nn.Sequential):
     """The single-device model: the pipeline's layer list run in order in one process."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 1234, freeze: tuple[str, ...] = ()):
-        super().__init__(*[build_layer(s, i, seed) for i, s in enumerate(layer_specs(cfg))])
+        super().__init__(*_build_all(layer_specs(cfg), seed))
         self.cfg = cfg
         apply_freeze(self, freeze)
 

@@ -1,0 +1,280 @@
+"""LLaVA in and out of Hugging Face: LlavaForConditionalGeneration directories <-> mmpipe's layer list.
+
+Names. mmpipe's single-device model names a weight "<layer index>.<HF sub-name>" (its layers use
+HF's module names), so the map is a prefix per layer, e.g. for a 2-block tower:
+
+    2.self_attn.q_proj.weight  <->  model.vision_tower.encoder.layers.1.self_attn.q_proj.weight
+    5.mlp.gate_proj.weight     <->  model.language_model.layers.0.mlp.gate_proj.weight
+
+The HF side is the installed transformers' own layout (read off the model built on the meta device);
+checkpoints in the older layout (language_model.model.*, vision_tower.vision_model.*, ...) are
+renamed to it first. On import every source tensor is mapped, or reported as unused by the model
+(the tower's blocks after the feature layer, its post-LayerNorm and SigLIP's pooling head, which
+LLaVA never runs); a name that fits nothing or a wrong shape is an error naming the tensor.
+
+Export writes a tower cut at the feature layer (num_hidden_layers = blocks used, feature layer -1,
+an identity post-LayerNorm, no pooling head): the same function as the imported model, so
+`LlavaForConditionalGeneration.from_pretrained` reproduces mmpipe's logits.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, ModelConfig, TextConfig, VisionConfig
+from ..model.builder import ReferenceModel
+from ..model.llava import (FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock,
+                           VisionEmbed)
+from .safetensors_io import read_weights
+
+HF_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+LEGACY = [(r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
+          (r"^vision_tower\.", "model.vision_tower."), (r"^multi_modal_projector\.", "model.multi_modal_projector.")]
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+TEXT_TYPES = ("llama", "qwen2", "mistral")
+
+
+def _fail(where: str, msg: str):
+    raise ConfigError(f"{where}: {msg}")
+
+
+def _rope_theta(tc) -> float:
+    params = getattr(tc, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        _fail("text_config", f"rope_type '{kind}' (RoPE scaling) is not supported; only plain RoPE")
+    return float(params.get("rope_theta", getattr(tc, "rope_theta", 10000.0)))
+
+
+def config_from_hf(hf, name: str = "hf", mean=None, std=None) -> ModelConfig:
+    """A LlavaConfig -> the mmpipe LLaVA-family config. Refuses what the layers do not implement."""
+    vc, tc = hf.vision_config, hf.text_config
+    if vc.model_type not in ("clip_vision_model", "siglip_vision_model"):
+        _fail("vision_config", f"model_type '{vc.model_type}' (supported: clip_vision_model, siglip_vision_model)")
+    if tc.model_type not in TEXT_TYPES:
+        _fail("text_config", f"model_type '{tc.model_type}' (supported: {', '.join(TEXT_TYPES)})")
+    if vc.hidden_act not in HF_ACTS:
+        _fail("vision_config.hidden_act", f"'{vc.hidden_act}' is not supported")
+    layer = hf.vision_feature_layer
+    if not isinstance(layer, int):
+        _fail("vision_feature_layer", f"{layer!r}: only one layer is supported")
+    if getattr(hf, "projector_hidden_act", "gelu") != "gelu" or not getattr(hf, "multimodal_projector_bias", True):
+        _fail("projector", "only the 2-layer GELU projector with biases is supported")
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    if head_dim * tc.num_attention_heads != tc.hidden_size:
+        _fail("text_config.head_dim", f"{head_dim} x {tc.num_attention_heads} heads != hidden_size {tc.hidden_size}")
+    if tc.model_type == "mistral" and getattr(tc, "sliding_window", None):
+        _fail("text_config.sliding_window", f"{tc.sliding_window}: sliding-window attention is not implemented")
+    clip = vc.model_type == "clip_vision_model"
+    vision = VisionConfig(
+        image_size=vc.image_size, patch_size=vc.patch_size, dim=vc.hidden_size, n_layers=vc.num_hidden_layers,
+        n_heads=vc.num_attention_heads, ff_dim=vc.intermediate_size, channels=vc.num_channels,
+        mean=tuple(mean or (CLIP_MEAN if clip else (0.5,) * 3)), std=tuple(std or (CLIP_STD if clip else (0.5,) * 3)),
+        ln_eps=vc.layer_norm_eps, kind="clip" if clip else "siglip", act=HF_ACTS[vc.hidden_act], feature_layer=layer,
+        feature_select=hf.vision_feature_select_strategy)
+    tie = bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
+    text = TextConfig(
+        dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads, ff_dim=tc.intermediate_size,
+        vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings, partial_rotary_factor=1.0,
+        rope_theta=_rope_theta(tc), ln_eps=tc.rms_norm_eps, n_kv_heads=tc.num_key_value_heads,
+        qkv_bias=tc.model_type == "qwen2" or bool(getattr(tc, "attention_bias", False)), tie_embeddings=tie)
+    image_token = getattr(hf, "image_token_id", None)
+    if image_token is None:
+        image_token = getattr(hf, "image_token_index")
+    cfg = ModelConfig(name=name, family="llava", vision=vision, text=text, proj_inner_dim=tc.hidden_size,
+                      image_token_id=int(image_token))
+    cfg.validate()
+    return cfg
+
+
+def hf_config(cfg: ModelConfig):
+    """mmpipe LLaVA config -> LlavaConfig of the exported model (tower cut at the feature layer)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config, SiglipVisionConfig
+    v, t = cfg.vision, cfg.text
+    act = {"quick_gelu": "quick_gelu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[v.act]
+    common = dict(hidden_size=v.dim, intermediate_size=v.ff_dim, num_hidden_layers=v.n_blocks_used,
+                  num_attention_heads=v.n_heads, image_size=v.image_size, patch_size=v.patch_size,
+                  num_channels=v.channels, hidden_act=act, layer_norm_eps=v.ln_eps)
+    vision = CLIPVisionConfig(**common) if v.kind == "clip" else SiglipVisionConfig(**common, vision_use_head=False)
+    text_cls = Qwen2Config if t.qkv_bias else LlamaConfig
+    extra = {} if t.qkv_bias else {"attention_bias": False, "mlp_bias": False}
+    text = text_cls(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
+                    num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, vocab_size=t.vocab_size,
+                    max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps, tie_word_embeddings=t.tie_embeddings,
+                    rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta}, **extra)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
+                       vision_feature_layer=-1, vision_feature_select_strategy=v.feature_select,
+                       tie_word_embeddings=t.tie_embeddings)
+
+
+def _hf_names(hf) -> list[str]:
+    from transformers import LlavaForConditionalGeneration
+    with torch.device("meta"):
+        return list(LlavaForConditionalGeneration(hf).state_dict())
+
+
+def key_map(cfg: ModelConfig, hf_names: list[str]) -> dict[str, str]:
+    """mmpipe name -> HF name for every weight of the mmpipe model (tied head: none of its own)."""
+    tower = next(k for k in hf_names if k.endswith("embeddings.patch_embedding.weight"))[:-len("embeddings.patch_embedding.weight")]
+    lm, out = "model.language_model.", {}
+    model = _meta_model(cfg)
+    block = {TowerBlock: 0, LlamaBlock: 0}
+    for i, layer in enumerate(model):
+        for sub in layer.state_dict():
+            if isinstance(layer, VisionEmbed):
+                hf = tower + (sub if sub.startswith("pre_layrnorm") else "embeddings." + sub)
+            elif isinstance(layer, TowerBlock):
+                hf = f"{tower}encoder.layers.{block[TowerBlock]}.{sub}"
+            elif isinstance(layer, LlavaProjector):
+                hf = "model.multi_modal_projector." + sub
+            elif isinstance(layer, LlavaEmbed):
+                hf = lm + sub
+            elif isinstance(layer, LlamaBlock):
+                hf = f"{lm}layers.{block[LlamaBlock]}.{sub}"
+            elif isinstance(layer, FinalNorm):
+                hf = lm + sub
+            elif isinstance(layer, LMHeadLinear):
+                hf = sub
+            else:
+                raise TypeError(f"no HF name for layer {i} ({type(layer).__name__})")
+            out[f"{i}.{sub}"] = hf
+        if type(layer) in block:
+            block[type(layer)] += 1
+    return out
+
+
+def _meta_model(cfg: ModelConfig) -> ReferenceModel:
+    with torch.device("meta"):
+        return ReferenceModel(cfg)
+
+
+def canonical(name: str, known: set[str]) -> str | None:
+    """A source tensor name in the installed transformers' layout, or None when it fits nothing."""
+    candidates = [name]
+    for pat, new in LEGACY:
+        if re.match(pat, name):
+            candidates.append(re.sub(pat, new, name))
+    candidates += [c.replace("vision_tower.vision_model.", "vision_tower.") for c in list(candidates)]
+    return next((c for c in candidates if c in known), None)
+
+
+@dataclass
+class ImportReport:
+    mapped: int = 0
+    unused: list[str] = field(default_factory=list)  # in the source, not needed by the model
+
+    def summary(self) -> str:
+        return (f"{self.mapped} tensors mapped, {len(self.unused)} unused by the model"
+                + (f" ({', '.join(self.unused[:4])}{', ...' if len(self.unused) > 4 else ''})" if self.unused else ""))
+
+
+def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, where: str) -> ImportReport:
+    """Load HF-named tensors into the mmpipe model; every source tensor is mapped or reported."""
+    names = _hf_names(hf)
+    kmap = key_map(model.cfg, names)
+    by_hf = {h: m for m, h in kmap.items()}
+    known = set(names)
+    report, state = ImportReport(), model.state_dict()
+    seen = set()
+    for src, tensor in source.items():
+        hf_name = canonical(src, known)
+        if hf_name is None:
+            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a LlavaForConditionalGeneration")
+        mine = by_hf.get(hf_name)
+        if mine is None:
+            if hf_name == "lm_head.weight" and model.cfg.text.tie_embeddings:
+                emb = source_tensor(source, known, "model.language_model.embed_tokens.weight")
+                if emb is not None and not torch.equal(emb, tensor):
+                    _fail(where, f"tensor '{src}': the config ties embeddings but it differs from the input embedding")
+                report.mapped += 1
+                continue
+            report.unused.append(src)
+            continue
+        if tuple(state[mine].shape) != tuple(tensor.shape):
+            _fail(where, f"tensor '{src}' has shape {tuple(tensor.shape)}, the model expects {tuple(state[mine].shape)}")
+        state[mine] = tensor.to(state[mine].dtype)
+        seen.add(mine)
+        report.mapped += 1
+    missing = sorted(set(kmap) - seen)
+    if missing:
+        _fail(where, f"no tensor for '{kmap[missing[0]]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    model.load_state_dict(state)
+    return report
+
+
+def source_tensor(source: dict, known: set[str], hf_name: str):
+    return next((t for k, t in source.items() if canonical(k, known) == hf_name), None)
+
+
+def _preprocessor(path: Path):
+    f = path / "preprocessor_config.json"
+    if not f.is_file():
+        return None, None
+    d = json.loads(f.read_text())
+    return d.get("image_mean"), d.get("image_std")
+
+
+def load_hf_llava(path: str | Path, dtype=torch.float32) -> ReferenceModel:
+    return import_llava(path, dtype)[0]
+
+
+def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF LlavaForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    from transformers import AutoConfig
+    path = Path(path)
+    try:
+        hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        _fail(str(path), f"cannot read config.json ({str(e).splitlines()[0]})")
+    if hf.model_type != "llava":
+        _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not llava")
+    cfg = config_from_hf(hf, path.name, *_preprocessor(path))
+    model = ReferenceModel(cfg).to(dtype)
+    report = import_weights(model, read_weights(path), hf, str(path))
+    return model, report
+
+
+def export_hf(model: ReferenceModel, out: str | Path) -> Path:
+    """Write an HF directory (config.json + model.safetensors) that from_pretrained loads."""
+    from transformers import LlavaForConditionalGeneration
+    cfg = model.cfg
+    hf = hf_config(cfg)
+    hf_model = LlavaForConditionalGeneration(hf)
+    state = hf_model.state_dict()
+    kmap = key_map(cfg, list(state))
+    mine = model.state_dict()
+    filled = set()
+    for m, h in kmap.items():
+        state[h] = mine[m].detach().to(state[h].dtype)
+        filled.add(h)
+    for k in state:  # the cut tower's unused post-LayerNorm: identity
+        if "post_layernorm" in k:
+            state[k] = torch.ones_like(state[k]) if k.endswith("weight") else torch.zeros_like(state[k])
+            filled.add(k)
+    if cfg.text.tie_embeddings:
+        filled.add("lm_head.weight")
+    left = sorted(set(state) - filled)
+    if left:
+        raise RuntimeError(f"export: no mmpipe weight for HF tensor '{left[0]}'")
+    hf_model.load_state_dict(state, strict=True)
+    out = Path(out)
+    hf_model.save_pretrained(out)
+    return out
+
+
+def load_into_pipeline(pipe, model: ReferenceModel) -> int:
+    """Copy imported weights into a PipelineModule's local layers (and its local copy of a tied
+    module, kept identical on every stage that holds one). Returns the number of layers loaded."""
+    n = 0
+    for offset, layer in enumerate(pipe.forward_funcs):
+        if isinstance(layer, torch.nn.Module):
+            layer.load_state_dict(model[pipe._local_start + offset].state_dict())
+            n += 1
+    for key, module in pipe.tied_modules.items():
+        first = next(i for i, s in enumerate(pipe._layer_specs) if getattr(s, "key", None) == key)
+        module.load_state_dict(model[first].state_dict())
+    return n

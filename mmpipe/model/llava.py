@@ -1,0 +1,250 @@
+"""The LLaVA-shaped layers: CLIP / SigLIP tower, 2-layer GELU projector, Llama / Qwen2 / Mistral decoder.
+
+Layer list (`llava_specs`), LLaVA-1.5-7B as the example:
+
+    VisionEmbed                  pixels [B, 3, 336, 336] -> [B, 577, 1024] (CLIP: class token + 576 patches, pre-LN)
+    TowerBlock x n_blocks_used   23 of CLIP-L's 24 blocks: feature layer -2 is block 23's output
+    LlavaProjector               drops the class token ('default'), 1024 -> 4096 -> 4096, GELU: [B, 576, 4096]
+    LlavaEmbed                   embeds input_ids [B, T] and writes the 576 features over the <image> positions
+    LlamaBlock x n_layers        RMSNorm, RoPE (config theta), GQA, SwiGLU, optional qkv bias (Qwen2)
+    FinalNorm                    RMSNorm
+    head                         LlavaEmbed's matrix through TiedLayerSpec when tied, else LMHeadLinear
+
+Names of parameters follow Hugging Face's modules (q_proj, gate_proj, ...), so mmpipe.hf.llava maps
+them one to one. The decoder is causal over the whole sequence, as in HF's LLaVA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import apply_partial_rotary, decoder_mask, rotary_cos_sin
+from .stage import StageTuple
+
+ACTS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}  # CLIP's
+
+
+class VisionEmbed(nn.Module):
+    """Conv patch embedding (+ class token and pre-LayerNorm for CLIP) + learned positions."""
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.clip = v.kind == "clip"
+        self.patch_embedding = nn.Conv2d(v.channels, v.dim, v.patch_size, v.patch_size, bias=not self.clip)
+        self.position_embedding = nn.Embedding(v.n_positions, v.dim)
+        if self.clip:
+            self.class_embedding = nn.Parameter(torch.randn(v.dim) * 0.02)
+            self.pre_layrnorm = nn.LayerNorm(v.dim, eps=v.ln_eps)
+
+    def forward(self, inputs):
+        pixel_values, input_ids, has_image = inputs
+        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))  # [B, D, H/p, W/p]
+        x = x.flatten(2).transpose(1, 2)  # [B, N_patch, D], row-major over the grid
+        if self.clip:
+            x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)  # [B, 1 + N_patch, D]
+        x = x + self.position_embedding.weight
+        if self.clip:
+            x = self.pre_layrnorm(x)
+        return StageTuple(x, input_ids, has_image).pack()
+
+
+class TowerAttention(nn.Module):
+    """Separate q/k/v/out projections with bias (CLIP, SigLIP), bidirectional."""
+
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (p(x).view(B, T, self.n_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D))
+
+
+class TowerMLP(nn.Module):
+    def __init__(self, dim: int, ff_dim: int, act: str):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(dim, ff_dim), nn.Linear(ff_dim, dim), ACTS[act]
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TowerBlock(nn.Module):
+    """CLIP / SigLIP encoder layer: pre-LN, x + attn(ln1 x), then x + mlp(ln2 x)."""
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.layer_norm1 = nn.LayerNorm(v.dim, eps=v.ln_eps)
+        self.self_attn = TowerAttention(v.dim, v.n_heads)
+        self.layer_norm2 = nn.LayerNorm(v.dim, eps=v.ln_eps)
+        self.mlp = TowerMLP(v.dim, v.ff_dim, v.act)
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)
+        x = t.hidden + self.self_attn(self.layer_norm1(t.hidden))
+        return t._replace(hidden=x + self.mlp(self.layer_norm2(x))).pack()
+
+
+class LlavaProjector(nn.Module):
+    """Feature selection + linear_1, GELU, linear_2: [B, N_pos, D_vision] -> [B, N_features, D_text]."""
+    group = "projector"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.drop_first = cfg.vision.feature_select == "default"
+        self.linear_1 = nn.Linear(cfg.vision.dim, cfg.proj_inner_dim)
+        self.linear_2 = nn.Linear(cfg.proj_inner_dim, cfg.text.dim)
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)
+        x = t.hidden[:, 1:] if self.drop_first else t.hidden
+        return t._replace(hidden=self.linear_2(F.gelu(self.linear_1(x)))).pack()
+
+
+class LlavaEmbed(nn.Module):
+    """Token embedding; the image features replace the <image> placeholders, in order. The same
+    module is the tied LM head (`tied_head`)."""
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.image_token_id = cfg.image_token_id
+        self.embed_tokens = nn.Embedding(cfg.text.vocab_size, cfg.text.dim)
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)  # hidden: image features [B, N_feat, D]; input_ids [B, T] with N_feat placeholders
+        emb = self.embed_tokens(t.input_ids)  # [B, T, D]
+        feats = t.hidden.to(emb.dtype)
+        where = (t.input_ids == self.image_token_id) & t.has_image.bool()[:, None]  # [B, T]
+        n, want = int(where.sum()), int(t.has_image.sum()) * feats.shape[1]
+        if n != want:
+            raise ValueError(f"LlavaEmbed: {n} <image> placeholder tokens (id {self.image_token_id}) for {want} "
+                             f"image features ({feats.shape[1]} per image)")
+        keep = feats[t.has_image.bool()].reshape(-1, feats.shape[-1])
+        x = emb.masked_scatter(where[..., None], keep)
+        if n == 0:  # keep the tower on the autograd graph: the pipeline needs a gradient to send back
+            x = x + 0 * feats.sum()
+        return t._replace(hidden=x).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return StageTuple.unpack(self(t.pack())) if start == 0 else t._replace(hidden=self.embed_tokens(t.input_ids))
+
+
+def tied_head(embed: LlavaEmbed, args) -> torch.Tensor:
+    """The LM head sharing the input embedding: hidden [B, T, D] @ E^T -> logits [B, T, V]."""
+    return F.linear(StageTuple.unpack(args).hidden, embed.embed_tokens.weight)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = cfg.text
+        self.n_heads, self.kv_heads, self.head_dim, self.theta = t.n_heads, t.kv_heads, t.head_dim, t.rope_theta
+        self.q_proj = nn.Linear(t.dim, t.n_heads * t.head_dim, bias=t.qkv_bias)
+        self.k_proj = nn.Linear(t.dim, t.kv_heads * t.head_dim, bias=t.qkv_bias)
+        self.v_proj = nn.Linear(t.dim, t.kv_heads * t.head_dim, bias=t.qkv_bias)
+        self.o_proj = nn.Linear(t.n_heads * t.head_dim, t.dim, bias=False)
+
+    def qkv(self, x, start: int):
+        """q [B, H, T, Dh], k, v [B, H_kv, T, Dh] with RoPE at positions start..start+T-1."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = (c[start:] for c in rotary_cos_sin(start + T, self.head_dim, self.theta, x.device))
+        return apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin), v
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, 0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, ff_dim: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, ff_dim, bias=False), nn.Linear(dim, ff_dim, bias=False)
+        self.down_proj = nn.Linear(ff_dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """x + attn(rms x), then x + swiglu(rms x)."""
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = cfg.text
+        self.input_layernorm = nn.RMSNorm(t.dim, eps=t.ln_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(t.dim, eps=t.ln_eps)
+        self.mlp = SwiGLU(t.dim, t.ff_dim)
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)
+        x = t.hidden + self.self_attn(self.input_layernorm(t.hidden))  # [B, T, D]
+        return t._replace(hidden=x + self.mlp(self.post_attention_layernorm(x))).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        from ..generate import cached_attention
+        x = t.hidden  # [B, T_new, D]
+        B, T, _ = x.shape
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), start)
+        mask = decoder_mask(start + T, 1, t.has_image)[..., start:, :]  # causal rows start.. over keys 0..start+T-1
+        out = cached_attention(q, k, v, cache, mask)
+        x = x + self.self_attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return t._replace(hidden=x + self.mlp(self.post_attention_layernorm(x)))
+
+
+class FinalNorm(nn.Module):
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.text.dim, eps=cfg.text.ln_eps)
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)
+        return t._replace(hidden=self.norm(t.hidden)).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return StageTuple.unpack(self(t.pack()))
+
+
+class LMHeadLinear(nn.Module):
+    """Untied head: hidden [B, T, D] -> logits [B, T, V], no bias."""
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.lm_head = nn.Linear(cfg.text.dim, cfg.text.vocab_size, bias=False)
+
+    def forward(self, args):
+        return self.lm_head(StageTuple.unpack(args).hidden)
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return self(t.pack())
+
+
+def llava_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    v, t = cfg.vision, cfg.text
+    embed = (TiedLayerSpec("embed", LlavaEmbed, cfg, tied_weight_attr="embed_tokens.weight")
+             if t.tie_embeddings else LayerSpec(LlavaEmbed, cfg))
+    head = (TiedLayerSpec("embed", LlavaEmbed, cfg, forward_fn=tied_head, tied_weight_attr="embed_tokens.weight")
+            if t.tie_embeddings else LayerSpec(LMHeadLinear, cfg))
+    return ([LayerSpec(VisionEmbed, cfg)] + [LayerSpec(TowerBlock, cfg) for _ in range(v.n_blocks_used)]
+            + [LayerSpec(LlavaProjector, cfg), embed] + [LayerSpec(LlamaBlock, cfg) for _ in range(t.n_layers)]
+            + [LayerSpec(FinalNorm, cfg), head])

@@ -1,0 +1,68 @@
+"""Tiny Hugging Face LLaVA models with random weights, built from transformers' configs (nothing is
+downloaded), and a batch in LLaVA's layout: BOS, a word, the <image> placeholders, text."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config,
+                          SiglipVisionConfig)
+
+IMAGE_TOKEN = 99
+VOCAB = 100
+
+
+def _vision(kind: str):
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    return CLIPVisionConfig(**common) if kind == "clip" else SiglipVisionConfig(**common)
+
+
+def llava_config(kind: str) -> LlavaConfig:
+    """'siglip_llama': SigLIP + Llama (GQA 4/2, theta 5000, untied, all features, last block's output);
+    'clip_qwen2': CLIP + Qwen2 (qkv bias, tied embeddings, class token dropped, second-to-last block)."""
+    if kind == "siglip_llama":
+        text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        return LlavaConfig(vision_config=_vision("siglip"), text_config=text, image_token_id=IMAGE_TOKEN,
+                           vision_feature_layer=-1, vision_feature_select_strategy="full", tie_word_embeddings=False)
+    text = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=True,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlavaConfig(vision_config=_vision("clip"), text_config=text, image_token_id=IMAGE_TOKEN,
+                       vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=True)
+
+
+def n_features(kind: str) -> int:
+    return 16  # (32 / 8)^2 patches; CLIP's class token dropped by 'default', SigLIP has none
+
+
+def save_hf(kind: str, out: Path, seed: int = 0, **save_kw) -> LlavaForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(llava_config(kind)).eval()
+    with torch.no_grad():  # HF's init leaves norms at 1 / biases at 0: perturb them so a mix-up shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(8)  # std 0.02 makes attention ~uniform, blind to positions (RoPE theta) and masks
+    model.save_pretrained(out, **save_kw)
+    return model
+
+
+def batch(kind: str, B: int = 2, seed: int = 1):
+    """pixel_values [B, 3, 32, 32], input_ids [B, T] (placeholders after 2 tokens), labels [B, T]."""
+    g = torch.Generator().manual_seed(seed)
+    n = n_features(kind)
+    text = torch.randint(3, IMAGE_TOKEN, (B, 6), generator=g)
+    ids = torch.cat([torch.ones(B, 1, dtype=torch.long), text[:, :1], torch.full((B, n), IMAGE_TOKEN), text[:, 1:]], 1)
+    labels = ids.clone()
+    labels[:, : 2 + n] = -100  # HF's labels: the token at each position; only the text after the image counts
+    return torch.randn(B, 3, 32, 32, generator=g), ids, labels
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """HF labels (the token at each position) -> mmpipe's (the token each position predicts next)."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
