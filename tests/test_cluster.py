@@ -121,6 +121,11 @@ def test_slurm_preempted_job_checkpoints_requeues_and_resumes(tmp_path, cfg, slu
         time.sleep(0.05)
     assert log_csv.is_file(), "the job never started training"
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and _job_state(slurm, job).get("Restarts", "0") == "0":
+        time.sleep(0.5)
+    # Slurm holds a requeued job back (BeginTime about 2 min ahead); an admin may start it now
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
     st = _wait_job(slurm, job, timeout=400)
     log = (out / f"slurm-{job}.out").read_text()
     assert st["JobState"] == "COMPLETED", log[-4000:]
