@@ -1,0 +1,43 @@
+"""The LLaVA image placeholder in a real tokenizer: added when missing, the model's vocabulary grown to fit."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from tokenizers import AddedToken
+from torch import nn
+
+from ..model.builder import ReferenceModel
+
+IMAGE_TOKEN = "<image>"
+
+
+def _grow(weight: torch.Tensor, rows: int) -> nn.Parameter:
+    """[V, D] -> [V + rows, D]; new rows start at the mean of the old ones (as HF's resize), so the
+    new token's logit starts at the average instead of at a random outlier."""
+    new = weight.detach().mean(0, keepdim=True).expand(rows, -1)
+    return nn.Parameter(torch.cat([weight.detach(), new], dim=0), requires_grad=weight.requires_grad)
+
+
+def add_image_token(tok, model: ReferenceModel, token: str = IMAGE_TOKEN) -> int:
+    """Make `token` one special token of `tok` and the model's image placeholder; returns its id.
+    When the tokenizer grows past the model's vocabulary, the input embedding and an untied head
+    get new rows (a tied head shares the embedding's); model.cfg follows."""
+    from ..model.llava import LlavaEmbed, LMHeadLinear
+    if token not in tok.get_vocab():
+        tok.add_tokens([AddedToken(token, special=True, normalized=False)], special_tokens=True)
+    token_id = tok.convert_tokens_to_ids(token)
+    cfg = model.cfg
+    vocab = max(len(tok), cfg.text.vocab_size)
+    extra = vocab - cfg.text.vocab_size
+    for layer in model:
+        if isinstance(layer, LlavaEmbed):
+            layer.image_token_id = token_id
+            if extra:
+                layer.embed_tokens.weight = _grow(layer.embed_tokens.weight, extra)
+                layer.embed_tokens.num_embeddings = vocab
+        elif isinstance(layer, LMHeadLinear) and extra:
+            layer.lm_head.weight = _grow(layer.lm_head.weight, extra)
+            layer.lm_head.out_features = vocab
+    model.cfg = dataclasses.replace(cfg.with_vocab(vocab), image_token_id=token_id)
+    return token_id
