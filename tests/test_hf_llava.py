@@ -144,3 +144,42 @@ def test_llava_presets_have_real_shapes():
         assert rows[1].tokens == 577 and rows[-2].tokens == 576 + 128 and not rows[0].trainable
     tied = layer_costs(load_preset("llava-tiny"), (), text_len=8)
     assert tied[-1].name == "LMHead" and tied[-1].fwd_flops == 2 * 64 * 32 * (16 + 8)  # V x D per position
+
+
+def test_stage1_import_from_tower_and_lm_dirs(tmp_path):
+    """LLaVA's stage-1 recipe: a CLIP tower dir + a Qwen2 causal-LM dir (with a tokenizer lacking
+    <image>) + a fresh projector. The tower gives CLIP's second-to-last hidden state, the decoder the
+    LM's logits, the projector is the seeded fresh one, and <image> was added (vocab + 1)."""
+    from tokenizers import Tokenizer, models
+    from transformers import CLIPVisionModel, PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    from hf_models import llava_config
+    from mmpipe.hf.llava import import_parts
+    from mmpipe.model import ReferenceModel
+
+    c = llava_config("clip_qwen2")
+    torch.manual_seed(4)
+    tower, lm = CLIPVisionModel(c.vision_config).eval(), Qwen2ForCausalLM(c.text_config).eval()
+    tower.save_pretrained(tmp_path / "tower")
+    lm.save_pretrained(tmp_path / "lm")
+    vocab = {f"w{i}": i for i in range(c.text_config.vocab_size)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w3")),
+                                  bos_token="w1", eos_token="w2", unk_token="w3")
+    tok.save_pretrained(tmp_path / "lm")
+    model, report = import_parts(tmp_path / "tower", tmp_path / "lm", seed=5)
+    assert report.unused == [k for k in report.unused if "post_layernorm" in k or "layers.2." in k]
+    from mmpipe.data.tokenizer import load_tokenizer
+    n = len(load_tokenizer(str(tmp_path / "lm")))  # what AutoTokenizer makes of the LM dir (Qwen2's adds a pad)
+    assert n >= 100 and (model.cfg.image_token_id, model.cfg.text.vocab_size) == (n, n + 1)
+    px, ids, _ = batch("clip_qwen2")
+    with torch.no_grad():
+        want = tower(pixel_values=px, output_hidden_states=True).hidden_states[-2]
+        x = (px, ids, torch.ones(2, dtype=torch.long))
+        for layer in list(model)[:3]:
+            x = layer(x)
+        assert (x[0] - want).abs().max().item() < TOL
+        text = ids[:, :2]  # no image: the decoder alone is the causal LM
+        mine = model(px, text, torch.zeros(2, dtype=torch.long))[..., :100]
+        assert (mine - lm(input_ids=text).logits).abs().max().item() < TOL
+    fresh = ReferenceModel(model.cfg, seed=5)
+    assert torch.equal(model[3].linear_1.weight, fresh[3].linear_1.weight)  # the projector: seed + its index

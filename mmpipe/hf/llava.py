@@ -172,8 +172,10 @@ class ImportReport:
                 + (f" ({', '.join(self.unused[:4])}{', ...' if len(self.unused) > 4 else ''})" if self.unused else ""))
 
 
-def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, where: str) -> ImportReport:
-    """Load HF-named tensors into the mmpipe model; every source tensor is mapped or reported."""
+def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, where: str,
+                   fresh: tuple[str, ...] = ()) -> ImportReport:
+    """Load HF-named tensors into the mmpipe model; every source tensor is mapped or reported.
+    Weights whose HF name starts with one of `fresh` keep their initialisation (a new projector)."""
     names = _hf_names(hf)
     kmap = key_map(model.cfg, names)
     by_hf = {h: m for m, h in kmap.items()}
@@ -199,7 +201,7 @@ def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, w
         state[mine] = tensor.to(state[mine].dtype)
         seen.add(mine)
         report.mapped += 1
-    missing = sorted(set(kmap) - seen)
+    missing = sorted(m for m in set(kmap) - seen if not kmap[m].startswith(fresh))
     if missing:
         _fail(where, f"no tensor for '{kmap[missing[0]]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     model.load_state_dict(state)
@@ -235,6 +237,39 @@ def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel,
     cfg = config_from_hf(hf, path.name, *_preprocessor(path))
     model = ReferenceModel(cfg).to(dtype)
     report = import_weights(model, read_weights(path), hf, str(path))
+    return model, report
+
+
+def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: int = -2,
+                 feature_select: str = "default", image_token_id: int | None = None, seed: int = 1234,
+                 dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """LLaVA's stage-1 start: a vision tower directory (CLIPVisionModel / SiglipVisionModel) and a
+    causal-LM directory (Llama / Qwen2 / Mistral ForCausalLM), with a freshly initialised projector
+    (layer seed + index, as every mmpipe layer). Without image_token_id, <image> is added to the
+    LM directory's tokenizer and the vocabulary grown (mmpipe.hf.tokens.add_image_token)."""
+    from transformers import AutoConfig, LlavaConfig
+    vision_dir, lm_dir = Path(vision_dir), Path(lm_dir)
+    vc, tc = (AutoConfig.from_pretrained(d, local_files_only=True) for d in (vision_dir, lm_dir))
+    vc = getattr(vc, "vision_config", vc)  # a full CLIP / SigLIP directory: its vision half
+    tok = None
+    if image_token_id is None:
+        from ..data.tokenizer import load_tokenizer
+        tok = load_tokenizer(str(lm_dir))
+        image_token_id = tc.vocab_size - 1  # placeholder until the token is added below
+    hf = LlavaConfig(vision_config=vc.to_dict(), text_config=tc.to_dict(), image_token_id=image_token_id,
+                     vision_feature_layer=feature_layer, vision_feature_select_strategy=feature_select,
+                     tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)))
+    cfg = config_from_hf(hf, lm_dir.name, *_preprocessor(vision_dir))
+    model = ReferenceModel(cfg, seed=seed).to(dtype)
+    source = {}
+    for k, t in read_weights(vision_dir).items():  # vision_model.*
+        source["model.vision_tower." + re.sub(r"^vision_model\.", "", k)] = t
+    for k, t in read_weights(lm_dir).items():  # model.* and lm_head.weight
+        source[re.sub(r"^model\.", "model.language_model.", k)] = t
+    report = import_weights(model, source, hf, f"{vision_dir} + {lm_dir}", fresh=("model.multi_modal_projector.",))
+    if tok is not None:
+        from .tokens import add_image_token
+        add_image_token(tok, model)
     return model, report
 
 
