@@ -108,7 +108,13 @@ def main(argv=None) -> int:
     add_export_args(sub.add_parser("export-shapes", help="write the built-in shapes set as LLaVA / pairs / HF data"))
     from .generate import add_generate_args
     add_generate_args(sub.add_parser("generate", help="answer a prompt about an image with a trained or HF model"))
+    from .hf.commands import add_export_args as add_weights_export_args, add_import_args
+    add_import_args(sub.add_parser("import", help="an HF LLaVA / vision + LM / moondream model -> an mmpipe run directory"))
+    add_weights_export_args(sub.add_parser("export", help="a run's checkpoint -> an HF LLaVA directory or one safetensors file"))
     args = p.parse_args(argv)
+    if args.command in ("import", "export"):
+        from .hf import commands
+        return commands.main_import(args) if args.command == "import" else commands.main_export(args)
     if args.command == "generate":
         from .generate import main_generate
         return main_generate(args)

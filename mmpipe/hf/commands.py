@@ -1,0 +1,116 @@
+"""`mmpipe import` and `mmpipe export`: weights between Hugging Face / moondream files and mmpipe runs.
+
+An imported model is written as an mmpipe run directory: model.json + checkpoints/<tag>/layer_XX-
+model_states.pt (DeepSpeed's per-layer layout, which is what `mmpipe generate` and
+mmpipe.checkpoint.load_reference read). Export reads any run's latest checkpoint, whatever its
+stage count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+
+
+def add_import_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="a LlavaForConditionalGeneration directory (config.json + safetensors)")
+    src.add_argument("--vision", help="a CLIP / SigLIP vision-model directory (with --lm: LLaVA stage-1 start)")
+    src.add_argument("--moondream", help="a moondream .safetensors file (current or legacy names; needs --preset)")
+    p.add_argument("--lm", help="a Llama / Qwen2 / Mistral causal-LM directory (with --vision)")
+    p.add_argument("--feature-layer", type=int, default=-2, help="with --vision: the tower block whose output is used")
+    p.add_argument("--feature-select", choices=("default", "full"), default="default")
+    p.add_argument("--preset", help="with --moondream: the model shape (e.g. moondream-2b)")
+    p.add_argument("--out", required=True, help="run directory to write")
+
+
+def save_run(model, out: Path, tag: str = "imported") -> Path:
+    """model.json + a checkpoint in DeepSpeed's per-layer layout (a tied head has no file, as in DeepSpeed)."""
+    d = out / "checkpoints" / tag
+    d.mkdir(parents=True, exist_ok=True)
+    (out / "model.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    for i, layer in enumerate(model):
+        if layer.state_dict():
+            torch.save(layer.state_dict(), d / f"layer_{i:02d}-model_states.pt")
+    (out / "checkpoints" / "latest").write_text(tag)
+    return out
+
+
+def main_import(args: argparse.Namespace) -> int:
+    from ..run_config import fail
+    try:
+        if args.hf:
+            from .llava import import_llava
+            model, report = import_llava(args.hf)
+            note = report.summary()
+        elif args.vision:
+            if not args.lm:
+                raise ConfigError("--vision needs --lm (the causal-LM directory)")
+            from .llava import import_parts
+            model, report = import_parts(args.vision, args.lm, feature_layer=args.feature_layer,
+                                         feature_select=args.feature_select)
+            note = report.summary() + "; projector freshly initialised"
+        else:
+            if not args.preset:
+                raise ConfigError("--moondream needs --preset (the model shape)")
+            from safetensors.torch import load_file
+            from ..config import load_preset
+            from ..model.builder import ReferenceModel
+            from .moondream import import_moondream
+            model = ReferenceModel(load_preset(args.preset))
+            unused = import_moondream(model, load_file(args.moondream), args.moondream)
+            note = f"all tensors mapped, {len(unused)} unused (region head)"
+    except (ConfigError, FileNotFoundError, OSError) as e:
+        return fail(e if isinstance(e, ConfigError) else ConfigError(str(e)))
+    save_run(model, Path(args.out))
+    print(f"mmpipe: imported {model.cfg.family} model ({note}) -> {args.out}")
+    return 0
+
+
+def add_export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="an mmpipe run directory (model.json + checkpoints/)")
+    p.add_argument("--out", required=True, help="a directory (--format hf) or a .safetensors file")
+    p.add_argument("--format", choices=("hf", "safetensors"), default="hf",
+                   help="hf: a LlavaForConditionalGeneration directory (LLaVA family); safetensors: one consolidated "
+                        "file in HF names (LLaVA) or moondream's names (moondream family)")
+    p.add_argument("--layout", choices=("current", "legacy"), default="current", help="moondream names to write")
+
+
+def consolidated(model, layout: str = "current") -> dict[str, torch.Tensor]:
+    """Every weight once, in the family's ecosystem names."""
+    if model.cfg.family == "llava":
+        from .llava import hf_config, key_map, _hf_names
+        state = model.state_dict()
+        return {h: state[m].detach().contiguous() for m, h in key_map(model.cfg, _hf_names(hf_config(model.cfg))).items()}
+    from .moondream import export_moondream
+    return export_moondream(model, layout)
+
+
+def main_export(args: argparse.Namespace) -> int:
+    from ..checkpoint import load_reference
+    from ..config import config_from_dict
+    from ..run_config import fail
+    run = Path(args.checkpoint)
+    try:
+        if not (run / "model.json").is_file():
+            raise ConfigError(f"--checkpoint: {run} has no model.json (give an mmpipe run directory)")
+        cfg = config_from_dict(json.loads((run / "model.json").read_text()), run.name)
+        if args.format == "hf" and cfg.family != "llava":
+            raise ConfigError(f"--format hf: only the LLaVA family has an HF model class; use --format safetensors "
+                              f"for the {cfg.family} family")
+        model = load_reference(run / "checkpoints", cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
+    if args.format == "hf":
+        from .llava import export_hf
+        export_hf(model, args.out)
+    else:
+        from safetensors.torch import save_file
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        save_file(consolidated(model, args.layout), args.out)
+    print(f"mmpipe: exported {run} -> {args.out}")
+    return 0
