@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from mmpipe.cli import _free_port
+
 import pytest
 
 HOSTS = {"mmpipe-node1": "127.0.0.2", "mmpipe-node2": "127.0.0.3"}
@@ -123,12 +125,6 @@ SlurmdLogFile={tmp}/slurmd.log
 NodeName={host} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, Run, train_run, write_ds_config
+from mmpipe.cli import _free_port
 from services import slurm_cluster, ssh_cluster
 
 STEPS = 300  # ~50 ms a step on tiny: long enough to preempt mid-run, ~15 s of training
@@ -37,12 +37,6 @@ def _args(cfg, steps):
 def single_host(tmp_path_factory, cfg):
     """The reference: both stages on this host through the plain deepspeed launcher."""
     return train_run(tmp_path_factory.mktemp("ref"), *_args(cfg, STEPS)).check()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_host_hostfile_pipeline_equals_single_host(tmp_path, cfg, single_host):
@@ -122,8 +116,12 @@ def test_slurm_preempted_job_checkpoints_requeues_and_resumes(tmp_path, cfg, slu
     assert log_csv.is_file(), "the job never started training"
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
     deadline = time.time() + 120
-    while time.time() < deadline and _job_state(slurm, job).get("Restarts", "0") == "0":
+    while time.time() < deadline:  # through REQUEUED / COMPLETING back to the queue
+        st = _job_state(slurm, job)
+        if st.get("Restarts") == "1" and st.get("JobState") == "PENDING":
+            break
         time.sleep(0.5)
+    assert st.get("JobState") == "PENDING" and st.get("Restarts") == "1", st
     # Slurm holds a requeued job back (BeginTime about 2 min ahead); an admin may start it now
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
     st = _wait_job(slurm, job, timeout=400)
