@@ -113,6 +113,7 @@ if [ -f {q(out + "/checkpoints/latest")} ]; then RESUME=(--resume); fi
 # Slurm's TERM to the batch shell must not end it before srun returns and it can requeue
 trap 'echo "mmpipe: batch shell got SIGTERM"' TERM
 
+rm -f {q(out + "/" + PREEMPTED)}  # only this run's preemption may requeue the job
 srun {cmd} "${{RESUME[@]}}"
 rc=$?
 {requeue}exit $rc

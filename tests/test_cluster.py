@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -139,3 +140,31 @@ def test_slurm_preempted_job_checkpoints_requeues_and_resumes(tmp_path, cfg, slu
     # every step exactly once, and the same losses as the uninterrupted run: nothing lost or repeated
     assert [int(r["step"]) for r in run.rows] == list(range(1, STEPS + 1))
     assert run.losses == single_host.losses
+
+
+def test_sigterm_under_the_deepspeed_launcher_checkpoints_and_resumes(tmp_path, cfg, single_host):
+    """SIGTERM (a preemption, a time limit) to the ranks outside Slurm: the same stop, save, exit 75;
+    `--resume` continues with nothing lost or repeated."""
+    out = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out), *_args(cfg, STEPS)],
+                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_csv = out / "train_log.csv"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not log_csv.is_file() or len(log_csv.read_text().splitlines()) < 1 + 20):
+        time.sleep(0.05)
+    ranks = subprocess.run(["pgrep", "-f", f"mmpipe.train --local_rank=.*{out}"], capture_output=True, text=True)
+    pids = [int(p) for p in ranks.stdout.split()]
+    assert len(pids) == 2, ranks.stdout
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    text, _ = job.communicate(timeout=120)
+    stopped = re.search(r"mmpipe: SIGTERM: stopped after step (\d+) of 300", text)
+    assert stopped, text[-3000:]
+    k = int(stopped[1])
+    assert job.returncode != 0 and not (out / "summary.json").exists()
+    assert (out / "checkpoints" / "latest").read_text() == f"step{k}" and (out / "preempted").is_file()
+    resumed = train_run(out, *_args(cfg, STEPS), "--resume").check()
+    assert resumed.summary["start_step"] == k
+    assert [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
+    assert resumed.losses == single_host.losses

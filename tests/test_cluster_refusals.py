@@ -111,10 +111,10 @@ def test_script_quotes_values_and_maps_ranks(tmp_path, capsys):
     assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --job-name=t1" in script
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    (bin_ / "srun").write_text(f"#!/bin/sh\nexec {shutil.which('python3') or 'python3'} -c 'import json,os,sys; "
+    (bin_ / "srun").write_text(f"#!/bin/sh\n[ -n \"$PREEMPT\" ] && touch \"$PREEMPT\"\nexec {shutil.which('python3') or 'python3'} -c 'import json,os,sys; "
                                f"print(json.dumps([sys.argv[1:], os.environ[\"MMPIPE_NOTE\"], "
                                f"os.environ[\"MASTER_ADDR\"], os.environ[\"MASTER_PORT\"]]))' \"$@\"\n")
-    (bin_ / "scontrol").write_text("#!/bin/sh\necho node7\necho node8\n")
+    (bin_ / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\necho node7\necho node8\n")
     for f in bin_.iterdir():
         f.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_ID="1234",
@@ -132,6 +132,15 @@ def test_script_quotes_values_and_maps_ranks(tmp_path, capsys):
     (tmp_path / "o" / "checkpoints" / "latest").write_text("step1")
     r = subprocess.run(["bash", str(tmp_path / "o" / "slurm_job.sh")], env=env, capture_output=True, text=True)
     assert json.loads(r.stdout.strip().splitlines()[-1])[0][-1] == "--resume"
+    # a stale marker is not this run's: no requeue; one the ranks write is: requeue this job
+    marker = tmp_path / "o" / "preempted"
+    marker.write_text("old")
+    subprocess.run(["bash", str(tmp_path / "o" / "slurm_job.sh")], env=env, capture_output=True, check=True)
+    assert "requeue" not in (tmp_path / "scontrol.log").read_text() and not marker.exists()
+    r = subprocess.run(["bash", str(tmp_path / "o" / "slurm_job.sh")], env=dict(env, PREEMPT=str(marker)),
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "requeueing job 1234" in r.stdout
+    assert "requeue 1234" in (tmp_path / "scontrol.log").read_text() and not marker.exists()
 
 
 def test_ranks_from_slurm_variables():
