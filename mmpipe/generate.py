@@ -170,7 +170,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", required=True, help="an image file")
     p.add_argument("--prompt", required=True, help="the user's question")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory (default: the HF directory's own, else the run's data tokenizer or the built-in one)")
+                   help="tokenizer directory (default: the HF directory's own, else the run's tokenizer/ (written by "
+                        "mmpipe import), else the built-in one)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
@@ -191,6 +192,8 @@ def _load(path: Path, tokenizer: str | None):
     if not (run_dir / "model.json").is_file():
         raise ConfigError(f"--checkpoint: {path} holds neither model.json (an mmpipe run) nor config.json (an HF model)")
     cfg = config_from_dict(json.loads((run_dir / "model.json").read_text()), run_dir.name)
+    if tokenizer is None and (run_dir / "tokenizer").is_dir():  # saved there by `mmpipe import`
+        tokenizer = str(run_dir / "tokenizer")
     from .checkpoint import load_reference
     try:
         model = load_reference(ckpt, cfg)

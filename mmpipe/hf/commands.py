@@ -67,8 +67,23 @@ def main_import(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError, OSError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(str(e)))
     save_run(model, Path(args.out))
+    tok = _tokenizer_of(args, report if not args.moondream else None)
+    if tok is not None:  # `mmpipe generate --checkpoint OUT` reads it from OUT/tokenizer
+        tok.save_pretrained(Path(args.out) / "tokenizer")
+        note += "; tokenizer saved"
     print(f"mmpipe: imported {model.cfg.family} model ({note}) -> {args.out}")
     return 0
+
+
+def _tokenizer_of(args, report):
+    """The tokenizer that belongs to the imported weights: stage 1's (with <image> added), else one
+    an HF directory carries; None when there is none."""
+    if report is not None and report.tokenizer is not None:
+        return report.tokenizer
+    if args.hf and (Path(args.hf) / "tokenizer.json").is_file():
+        from ..data.tokenizer import load_tokenizer
+        return load_tokenizer(args.hf)
+    return None
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:

@@ -166,6 +166,7 @@ def canonical(name: str, known: set[str]) -> str | None:
 class ImportReport:
     mapped: int = 0
     unused: list[str] = field(default_factory=list)  # in the source, not needed by the model
+    tokenizer: object = None  # stage-1 import: the LM's tokenizer with <image> added (save it with the model)
 
     def summary(self) -> str:
         return (f"{self.mapped} tensors mapped, {len(self.unused)} unused by the model"
@@ -270,6 +271,7 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
     if tok is not None:
         from .tokens import add_image_token
         add_image_token(tok, model)
+        report.tokenizer = tok
     return model, report
 
 
