@@ -61,6 +61,7 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "model.json").write_text(json.dumps(run.model.to_dict(), indent=2) + "\n")
+        (out / MARKER).unlink(missing_ok=True)  # an earlier preemption's, handled: not this run's
     dist.barrier()
     # the front door built the data index; ranks started without it build it themselves
     samples = prepare(run.data, run.model, out, args.seed, verbose=rank == 0)
