@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import ROOT, Run, train_run, write_ds_config
@@ -49,7 +50,14 @@ def test_two_host_hostfile_pipeline_equals_single_host(tmp_path, cfg, single_hos
         proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--hostfile", str(hostfile),
                                "--master-port", str(_free_port()), "--output-dir", str(out), *_args(cfg, 20)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        # the shell wrapper for your own launches: the same pdsh launch; its ssh check is DeepSpeed's
+        # (plain ssh to the first host), which cannot see PDSH_SSH_ARGS_APPEND's key, so skip it
+        out2 = tmp_path / "wrapper"
+        proc2 = subprocess.run(["launch/deepspeed_hostfile.sh", str(hostfile), hosts[0], "--no_ssh_check",
+                                "--master_port", str(_free_port()), "--", "--output-dir", str(out2), *_args(cfg, 5)],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     run = Run(out, proc).check()
+    wrapped = Run(out2, proc2).check()
     log = proc.stdout + proc.stderr
     # pdsh prefixes each remote line with its host: each "host" started its own rank
     for h in hosts:
@@ -58,6 +66,8 @@ def test_two_host_hostfile_pipeline_equals_single_host(tmp_path, cfg, single_hos
     assert run.summary["stages"] == 2 and run.summary["dp"] == 1
     ref = single_host.losses
     assert run.losses == {s: ref[s] for s in range(1, 21)}
+    assert wrapped.losses == {s: ref[s] for s in range(1, 6)}
+    assert all(re.search(rf"^{h}: ", proc2.stdout + proc2.stderr, re.M) for h in hosts)
 
 
 def _job_state(env, job) -> dict:
@@ -154,7 +164,8 @@ def test_sigterm_under_the_deepspeed_launcher_checkpoints_and_resumes(tmp_path, 
     while time.time() < deadline and (not log_csv.is_file() or len(log_csv.read_text().splitlines()) < 1 + 20):
         time.sleep(0.05)
     ranks = subprocess.run(["pgrep", "-f", f"mmpipe.train --local_rank=.*{out}"], capture_output=True, text=True)
-    pids = [int(p) for p in ranks.stdout.split()]
+    found = {int(p) for p in ranks.stdout.split()}
+    pids = [p for p in found if psutil.Process(p).ppid() not in found]  # not the ranks' loader workers
     assert len(pids) == 2, ranks.stdout
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
