@@ -70,6 +70,14 @@ def test_two_host_hostfile_pipeline_equals_single_host(tmp_path, cfg, single_hos
     assert all(re.search(rf"^{h}: ", proc2.stdout + proc2.stderr, re.M) for h in hosts)
 
 
+def _wait_rows(log_csv: Path, n: int, timeout: float = 180) -> None:
+    """Until the run has logged n steps: well inside the run, never at its end."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not log_csv.is_file() or len(log_csv.read_text().splitlines()) < 1 + n):
+        time.sleep(0.05)
+    assert log_csv.is_file(), "the run never started training"
+
+
 def _job_state(env, job) -> dict:
     r = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True)
     return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
@@ -120,11 +128,7 @@ def test_slurm_submit_trains_a_two_stage_pipeline(tmp_path, cfg, slurm, single_h
 def test_slurm_preempted_job_checkpoints_requeues_and_resumes(tmp_path, cfg, slurm, single_host):
     out = tmp_path / "run"
     job = _submit(slurm, out, cfg, STEPS)
-    log_csv = out / "train_log.csv"
-    deadline = time.time() + 180
-    while time.time() < deadline and (not log_csv.is_file() or len(log_csv.read_text().splitlines()) < 1 + 20):
-        time.sleep(0.05)
-    assert log_csv.is_file(), "the job never started training"
+    _wait_rows(out / "train_log.csv", 20)
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
     deadline = time.time() + 120
     while time.time() < deadline:  # through REQUEUED / COMPLETING back to the queue
@@ -159,10 +163,7 @@ def test_sigterm_under_the_deepspeed_launcher_checkpoints_and_resumes(tmp_path, 
     job = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out), *_args(cfg, STEPS)],
                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log_csv = out / "train_log.csv"
-    deadline = time.time() + 180
-    while time.time() < deadline and (not log_csv.is_file() or len(log_csv.read_text().splitlines()) < 1 + 20):
-        time.sleep(0.05)
+    _wait_rows(out / "train_log.csv", 20)
     ranks = subprocess.run(["pgrep", "-f", f"mmpipe.train --local_rank=.*{out}"], capture_output=True, text=True)
     found = {int(p) for p in ranks.stdout.split()}
     pids = [p for p in found if psutil.Process(p).ppid() not in found]  # not the ranks' loader workers

@@ -9,7 +9,6 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
 from mmpipe.cli import main
 
 TRAIN = ["--preset", "tiny", "--eval-samples", "0", "--steps", "2"]
