@@ -24,6 +24,15 @@ for mmpipe's own layers (tests compare it with torch's saved-tensor hooks on the
     DecoderBlock  (7 D + 2 F) T + (2 + H) T            x, ln out, q k v, attn out, proj in,
                                                        fc1 out, gelu out (parallel block: one LN)
     LMHead        2 D T + 2 T, + V T fp32 logits for the loss's log-softmax
+    CrossAttnBlock (9 D + 2 F + 4 + H) T + 3 D N + 3   x, ln1 out, q, attn out, proj in/out, x2, ln2
+                                                       out, mlp out, fc1 out, gelu out; the image
+                                                       and its k v; LN stats and log-sum-exp; the
+                                                       per-sample gate products (cross_attention
+                                                       fusion, whose decoder T is the text alone)
+
+Cross-attention fusion also sends the projected image (N x D per sample) across every stage
+boundary between the text embedding and the last CrossAttnBlock: `carried_elems`, counted in
+`boundary_elems` with the layer's own output.
 
 A layer that is frozen and sees no gradient (a frozen prefix) keeps nothing. With activation
 checkpointing, a checkpointed block keeps only its input (T x width) between forward and
@@ -35,13 +44,15 @@ run's micro-batch on this device.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .config import ModelConfig
 from .model.builder import layer_param_counts, layer_specs
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-CHECKPOINTED = ("VisionBlock", "DecoderBlock", "LlamaBlock")
+CHECKPOINTED = ("VisionBlock", "DecoderBlock", "LlamaBlock", "CrossAttnBlock")
+EMBEDDINGS = ("PatchEmbed", "TextEmbed", "CrossAttnTextEmbed")  # inputs are pixels / token ids
 # LLaVA-family layers costed as the moondream layer of the same shape (mmpipe.model.llava)
 LLAVA_AS = {"VisionEmbed": "PatchEmbed", "TowerBlock": "VisionBlock", "LlavaProjector": "Projector",
             "LlavaEmbed": "TextEmbed", "LMHeadLinear": "LMHead"}
@@ -60,6 +71,12 @@ class LayerCost:
     act_elems: float       # activation elements kept for the backward, per sample, full (no checkpointing)
     act_fp32_elems: float  # of which always fp32 (LN statistics, softmax statistics, loss logits)
     out_elems: float       # the layer's output per sample: what a checkpointed block keeps, what crosses a boundary
+    carried_elems: float = 0.0  # the image riding along in the stage tuple (cross-attention fusion), per sample
+
+    @property
+    def boundary_elems(self) -> float:
+        """What a stage boundary after this layer sends forward (and its gradient back), per sample."""
+        return self.out_elems + self.carried_elems
 
     @property
     def flops(self) -> float:
@@ -77,7 +94,8 @@ class LayerCost:
 def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False
                 ) -> list[LayerCost]:
     v, t = cfg.vision, cfg.text
-    n, seq = v.n_tokens, v.n_tokens + text_len  # e.g. 16 image + 12 text = 28 decoder positions
+    # e.g. 16 image + 12 text = 28 decoder positions; 12 when the image is attended to, not spliced
+    n, seq = v.n_tokens, cfg.n_image_positions + text_len
     if cfg.family == "llava":  # tower: CLIP's class token too; decoder: 576 <image> placeholders + text
         n, seq = v.n_positions, v.n_features + text_len
     rows, seen_trainable = [], False
@@ -99,8 +117,14 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
             act, fp32, out = v.dim * n + 2 * n, 2 * n, n * v.dim
         elif name == "Projector":
             act, out = v.dim * n + 2 * cfg.proj_inner_dim * n, n * t.dim
-        elif name == "TextEmbed":
+        elif name in ("TextEmbed", "CrossAttnTextEmbed"):
             fwd, act, out = float(t.dim * seq), 0.0, seq * t.dim  # a lookup, not a matmul
+        elif name == "CrossAttnBlock":  # text queries (seq = T) over N image keys, gated
+            tokens, h = seq, cfg.cross_attn_heads or t.n_heads
+            # q and proj over T, k v over N, q k^T and attn v (4 T N D), the gated MLP over T
+            fwd = 2.0 * 2 * t.dim * t.dim * (seq + n) + 4.0 * seq * n * t.dim + 2.0 * 2 * t.dim * t.ff_dim * seq
+            act = (9 * t.dim + 2 * t.ff_dim + 4 + h) * seq + 3 * t.dim * n + 3
+            fp32, out = (4 + h) * seq, seq * t.dim
         elif name == "DecoderBlock":
             fwd += 4.0 * seq * seq * t.dim
             act, fp32, out = (7 * t.dim + 2 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim
@@ -113,14 +137,25 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
             act, fp32, out = 2 * t.dim * seq + 2 * seq + t.vocab_size * seq, 2 * seq + t.vocab_size * seq, seq * t.vocab_size
         else:
             raise ValueError(f"no cost model for layer {name}")
-        if name in ("PatchEmbed", "TextEmbed"):  # inputs are pixels / token ids: weight gradients only
+        if name in EMBEDDINGS:  # inputs are pixels / token ids: weight gradients only
             bwd = fwd if trainable else 0.0
         else:
             bwd = 2.0 * fwd if trainable else (fwd if seen_trainable else 0.0)
         recompute = checkpointing and name in CHECKPOINTED and bwd > 0
         rows.append(LayerCost(name, group, params, trainable, tokens, fwd, bwd, recompute, float(act), float(fp32),
                               float(out)))
-    return rows
+    return _carry_image(rows, n * t.dim)
+
+
+def _carry_image(rows: list[LayerCost], image_elems: float) -> list[LayerCost]:
+    """Cross-attention fusion: the outputs from the text embedding up to (not including) the last
+    CrossAttnBlock also carry the projected image [N, D] to the next layer."""
+    names = [r.name for r in rows]
+    if "CrossAttnBlock" not in names:
+        return rows
+    first, last = names.index("CrossAttnTextEmbed"), len(names) - 1 - names[::-1].index("CrossAttnBlock")
+    return [dataclasses.replace(r, carried_elems=float(image_elems)) if first <= i < last else r
+            for i, r in enumerate(rows)]
 
 
 # ---- memory per stage ---------------------------------------------------------------------------
@@ -193,7 +228,7 @@ def stage_seconds(rows: list[LayerCost], parts: list[int], micro: int, device: D
             if measured and r.name in measured:
                 mf, mb = measured[r.name]
                 # the profile timed the trainable backward: 2x forward FLOPs, 1x for the embeddings
-                full = r.fwd_flops * (1 if r.name in ("PatchEmbed", "TextEmbed") else 2)
+                full = r.fwd_flops * (1 if r.name in EMBEDDINGS else 2)
                 bwd_share = r.bwd_flops / full if full else 0.0  # 1 trainable, 1/2 frozen behind one, 0 prefix
                 f += mf * micro
                 bw += (mb * bwd_share + (mf if r.recompute else 0.0)) * micro
@@ -241,7 +276,7 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
     import torch
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     v, t = cfg.vision, cfg.text
-    n, seq = v.n_tokens, v.n_tokens + text_len
+    n, seq = v.n_tokens, cfg.n_image_positions + text_len
     ids = torch.randint(0, t.vocab_size, (micro, text_len))
     has = torch.ones(micro, dtype=torch.long)
     inputs = {"PatchEmbed": lambda: (torch.randn(micro, 3, v.image_size, v.image_size, dtype=dtype), ids, has),
@@ -249,6 +284,9 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
               "VisionNorm": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
               "Projector": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
               "TextEmbed": lambda: (torch.randn(micro, n, t.dim, dtype=dtype, requires_grad=True), ids, has),
+              "CrossAttnTextEmbed": lambda: (torch.randn(micro, n, t.dim, dtype=dtype, requires_grad=True), ids, has),
+              "CrossAttnBlock": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True),
+                                         torch.randn(micro, n, t.dim, dtype=dtype, requires_grad=True), ids, has),
               "DecoderBlock": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True), ids, has),
               "LMHead": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True), ids, has)}
     out = {}

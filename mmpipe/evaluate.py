@@ -19,7 +19,7 @@ def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]],
                     max_new_tokens: int, text_len: int) -> list[list[int]]:
     """Batched greedy decoding with right padding: causal attention after the image prefix means
     the pads to the right of a prompt never influence it, so prompts of any length share a batch."""
-    n_img = model.cfg.vision.n_tokens
+    n_img = model.cfg.n_image_positions  # 0 when the image is attended to, not spliced
     B = len(prompts)
     ids = torch.full((B, text_len), pad_id, dtype=torch.long)
     lengths = torch.tensor([len(p) for p in prompts])

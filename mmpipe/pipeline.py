@@ -7,7 +7,7 @@ from deepspeed.pipe import PipelineModule
 from .model.builder import apply_freeze, layer_specs, lm_loss
 from .run_config import RunConfig
 
-CHECKPOINTABLE = ["VisionBlock", "DecoderBlock"]
+CHECKPOINTABLE = ["VisionBlock", "DecoderBlock", "CrossAttnBlock", "TowerBlock", "LlamaBlock"]
 
 
 class VLMPipeline(PipelineModule):

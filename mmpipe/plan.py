@@ -136,7 +136,7 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
         stage_rows.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
                            "params": sum(r.params for r in rows[a:b]), "memory_gib": mem["total"] / GiB,
                            "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
-    boundary = [rows[b - 1].out_elems * micro * BYTES[precision] for b in parts[1:-1]]
+    boundary = [rows[b - 1].boundary_elems * micro * BYTES[precision] for b in parts[1:-1]]
     grad_bytes = max(sum(r.params for r in rows[a:b] if r.trainable) for a, b in zip(parts, parts[1:])) * BYTES[precision]
     step = pipeline_step_seconds(times, gas, boundary, grad_bytes, dp, device)
     return Layout(stages, dp, micro, gas, parts, stage_rows, step)
@@ -214,7 +214,8 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
             f"{device.peak_flops / 1e9:.1f} GFLOP/s")
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
-          f"text {args.text_len} + {cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"
+          f"text {args.text_len} {'attending to' if cfg.fusion == 'cross_attention' else '+'} "
+          f"{cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}")
     print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {'samples/s':>10} "
           f"{'max GiB':>8}  partition / why not")

@@ -36,7 +36,7 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     clip = run.ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
     v = run.model.vision
     data = TrainSet(prepare(run.data, run.model, out_dir, seed, verbose=False), text_len=run.text_len,
-                    n_img=v.n_tokens, image_size=v.image_size, augment_seed=seed if run.data.augment else None)
+                    n_img=run.model.n_image_positions, image_size=v.image_size, augment_seed=seed if run.data.augment else None)
     batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
     losses = []
     model.train()

@@ -97,7 +97,7 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     dp_rank = engine.grid.data_parallel_id
     first, last = engine.is_first_stage(), engine.is_last_stage()
     v = run.model.vision
-    dataset = TrainSet(samples, text_len=run.text_len, n_img=v.n_tokens, image_size=v.image_size,
+    dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
                        need_images=first, need_labels=last, augment_seed=args.seed if run.data.augment else None)
     seen_log = None
     if run.data.log_samples and first:
@@ -115,7 +115,7 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     guard = install_skip(engine) if args.nonfinite == "skip" else None
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
 
-    seq = run.model.vision.n_tokens + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28 (pads included)
+    seq = run.model.n_image_positions + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28 (pads included)
     if rank == 0:
         # micro x GAS x DP samples per optimizer step
         print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}; {run.micro} micro x {run.gas} GAS x "

@@ -163,7 +163,7 @@ def load_samples(args, run):
 def make_dataset(samples, run, args, *, first: bool, last: bool):
     from mmpipe.data.batches import TrainSet
     v = run.model.vision
-    return TrainSet(samples, text_len=run.text_len, n_img=v.n_tokens, image_size=v.image_size, need_images=first,
+    return TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size, need_images=first,
                     need_labels=last, augment_seed=args.seed if run.data.augment else None)
 
 
@@ -208,7 +208,7 @@ def breakdown(samples, dataset, run, n: int) -> dict:
 
     indexed = hasattr(samples, "source")  # a user dataset, tokenised once in the index; the built-in set tokenises here
     clock("tokens + pad" + (" (index lookup)" if indexed else " (chat template + tokenise)"),
-          lambda p: pad_sample(samples.tokens(p)[0], run.text_len, run.model.vision.n_tokens, samples.pad_id,
+          lambda p: pad_sample(samples.tokens(p)[0], run.text_len, run.model.n_image_positions, samples.pad_id,
                                IGNORE_INDEX))
     if indexed:  # a user dataset: what IndexedSamples.pixels() does, piece by piece
         from mmpipe.data.images import open_image

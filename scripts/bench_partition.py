@@ -304,7 +304,7 @@ def predict(cfg, freeze, text_len: int, parts: list[int], micro: int, gas: int, 
             dev: Device, cores: int) -> dict:
     rows = layer_costs(cfg, freeze, text_len)
     times = stage_seconds(rows, parts, micro, dev, measured=measured)
-    boundary = [rows[b - 1].out_elems * micro * BYTES[precision] for b in parts[1:-1]]
+    boundary = [rows[b - 1].boundary_elems * micro * BYTES[precision] for b in parts[1:-1]]
     grad = max(sum(r.params for r in rows[a:b] if r.trainable) for a, b in zip(parts, parts[1:])) * BYTES[precision]
     step = pipeline_step_seconds(times, gas, boundary, grad, 1, dev)
     compute = [(f + b) * gas for f, b in times]  # seconds per step

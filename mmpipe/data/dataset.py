@@ -91,7 +91,7 @@ def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None) -> DataOptio
             text_len = SHAPES_TEXT_LEN if args.data == "shapes" else room
         if text_len < 2 or text_len > room:
             problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
-                            f"{cfg.text.max_context} - {cfg.vision.n_tokens} image tokens)")
+                            f"{cfg.text.max_context} - {cfg.n_image_positions} image tokens)")
     if args.max_image_pixels < 1:
         problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
     if args.data_workers < 0:

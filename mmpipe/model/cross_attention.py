@@ -1,0 +1,96 @@
+"""Cross-attention fusion: the decoder reads the image through gated cross-attention layers
+instead of finding it spliced into its sequence (Flamingo; Llama 3.2 Vision; the first seed's
+vision encoder + text model joined by cross-modal attention).
+
+Layer list (`fusion: cross_attention`, 4 decoder blocks, cross_attn_every 2):
+
+    PatchEmbed, VisionBlock x N, VisionNorm, Projector, CrossAttnTextEmbed,
+    CrossAttnBlock, DecoderBlock, DecoderBlock, CrossAttnBlock(last), DecoderBlock, DecoderBlock, LMHead
+
+The text embedding starts a text-only sequence [B, T_text, D] and moves the projected image
+[B, N_img, D] into the stage tuple's `vision` field; every CrossAttnBlock reads it there, and the
+last one drops it, so no boundary after it carries the image. Each CrossAttnBlock is
+
+    x = x + tanh(a_attn) * xattn(ln1 x, image)      text queries, image keys / values
+    x = x + tanh(a_mlp)  * mlp(ln2 x)
+
+with both gates a at zero at initialisation: the model starts as the plain language model and
+the image is let in as training opens the gates. A text-only sample (has_image 0) gets neither
+term, so it is exactly the plain decoder. The blocks sit in the `projector` freeze group: with
+`--freeze text` the language model stays as it is and only the fusion (and what feeds it) trains,
+Flamingo's recipe.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import GeluMLP
+from .layers import TextEmbed
+from .stage import StageTuple
+
+
+class CrossAttention(nn.Module):
+    """Multi-head attention from text queries [B, T, D] to image keys / values [B, N, D]; no mask
+    (every text position may look at the whole image) and no rotary (the image has no text order)."""
+
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def image_kv(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, H, N, Dh]: what generation computes once per image and reuses for every token."""
+        B, N, D = image.shape
+        k, v = self.kv(image).view(B, N, 2, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, D = x.shape
+        q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # [B, H, T, Dh]
+        out = F.scaled_dot_product_attention(q, *kv)  # [B, H, T, Dh]
+        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+class CrossAttnBlock(nn.Module):
+    """Gated cross-attention + gated MLP, placed before a decoder block (see the module docstring)."""
+    group = "projector"
+
+    def __init__(self, cfg: ModelConfig, last: bool = False):
+        super().__init__()
+        t = cfg.text
+        self.last = last  # the last block that needs the image drops it from the stage tuple
+        self.ln1 = nn.LayerNorm(t.dim, eps=t.ln_eps)
+        self.attn = CrossAttention(t.dim, cfg.cross_attn_heads or t.n_heads)
+        self.attn_gate = nn.Parameter(torch.zeros(1))
+        self.ln2 = nn.LayerNorm(t.dim, eps=t.ln_eps)
+        self.mlp = GeluMLP(t.dim, t.ff_dim)
+        self.mlp_gate = nn.Parameter(torch.zeros(1))
+
+    def fuse(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], has_image: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D], given the image's k, v (CrossAttention.image_kv)."""
+        keep = has_image.to(x.dtype)[:, None, None]  # [B, 1, 1]: a text-only sample passes through untouched
+        x = x + keep * torch.tanh(self.attn_gate) * self.attn(self.ln1(x), kv)
+        return x + keep * torch.tanh(self.mlp_gate) * self.mlp(self.ln2(x))
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)
+        x = self.fuse(t.hidden, self.attn.image_kv(t.vision), t.has_image)
+        return t._replace(hidden=x, vision=None if self.last else t.vision).pack()
+
+
+class CrossAttnTextEmbed(TextEmbed):
+    """Token embedding of a text-only sequence; the projected image moves to the `vision` field."""
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)  # hidden: the projected image [B, N_img, D]
+        emb = self.wte(t.input_ids)  # [B, T_text, D]
+        if not emb.requires_grad and torch.is_grad_enabled():
+            # a frozen embedding's output is off the autograd graph, and DeepSpeed runs backward on
+            # every float it sends to the next stage: a leaf gives that backward something to reach
+            emb = emb.detach().requires_grad_()
+        return StageTuple(emb, t.input_ids, t.has_image, vision=t.hidden.to(emb.dtype)).pack()
