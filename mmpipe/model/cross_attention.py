@@ -82,6 +82,14 @@ class CrossAttnBlock(nn.Module):
         x = self.fuse(t.hidden, self.attn.image_kv(t.vision), t.has_image)
         return t._replace(hidden=x, vision=None if self.last else t.vision).pack()
 
+    def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
+        """Cached generation (mmpipe.generate): the image's keys / values are computed on the first
+        call and reused for every new token; no mask or position, so the new rows need nothing else."""
+        if "kv" not in cache:
+            cache["kv"] = self.attn.image_kv(t.vision)
+        x = self.fuse(t.hidden, cache["kv"], t.has_image)
+        return t._replace(hidden=x, vision=None if self.last else t.vision)
+
 
 class CrossAttnTextEmbed(TextEmbed):
     """Token embedding of a text-only sequence; the projected image moves to the `vision` field."""
@@ -94,3 +102,12 @@ class CrossAttnTextEmbed(TextEmbed):
             # every float it sends to the next stage: a leaf gives that backward something to reach
             emb = emb.detach().requires_grad_()
         return StageTuple(emb, t.input_ids, t.has_image, vision=t.hidden.to(emb.dtype)).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
+        """Cached generation: the prompt as in forward; afterwards only the new tokens, with the
+        image kept from the prompt's call (the blocks after need it on every step)."""
+        if start == 0:
+            out = StageTuple.unpack(self(t.pack()))
+            cache["image"] = out.vision
+            return out
+        return t._replace(hidden=self.wte(t.input_ids), vision=cache["image"])
