@@ -21,6 +21,7 @@ from mmpipe.model.stage import StageTuple
 from mmpipe.reference import train_reference
 from mmpipe.run_config import add_train_args, resolve
 from test_pipeline_equivalence import _max_weight_diff
+from test_plan import _saved_floats_per_sample
 
 TOL = 1e-5
 PRESET = "tiny-xattn"
@@ -161,6 +162,18 @@ def test_cost_model_counts_the_carried_image():
     sparse = layer_costs(dataclasses.replace(cfg, cross_attn_every=2), (), 12)
     assert [r.name for r in sparse].count("CrossAttnBlock") == 1
     assert sum(r.carried_elems > 0 for r in sparse) < sum(c > 0 for c in carried)
+
+
+def test_cross_attention_activations_match_what_autograd_keeps():
+    cfg = load_preset(PRESET)
+    text_len, n, d = 12, cfg.vision.n_tokens, cfg.text.dim
+    row = next(r for r in layer_costs(cfg, (), text_len) if r.name == "CrossAttnBlock")
+    layer = CrossAttnBlock(cfg)
+
+    def make(batch):
+        return (torch.randn(batch, text_len, d, requires_grad=True), torch.randn(batch, n, d, requires_grad=True),
+                torch.zeros(batch, text_len, dtype=torch.long), torch.ones(batch, dtype=torch.long))
+    assert _saved_floats_per_sample(layer, make) == row.act_elems
 
 
 def test_short_run_learns_to_read_the_image(tmp_path):
