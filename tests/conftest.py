@@ -25,6 +25,15 @@ def write_ds_config(path: Path, **overrides) -> Path:
     return path
 
 
+def fixed_schedule_config(path: Path, steps: int) -> Path:
+    """4 micro x 2 GAS; a schedule fixed at `steps` (not "auto"), so a shorter, resumed or
+    requeued run follows the same curve."""
+    return write_ds_config(
+        path, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_num_steps": 3,
+                                                       "warmup_type": "linear", "warmup_min_ratio": 0.1}})
+
+
 def mmpipe_train(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", *args], cwd=ROOT, env=env,

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, Run, train_run, write_ds_config
+from conftest import ROOT, Run, fixed_schedule_config, train_run
 from mmpipe.cli import _free_port
 from services import slurm_cluster, ssh_cluster
 
@@ -23,11 +23,7 @@ STEPS = 300  # ~50 ms a step on tiny: long enough to preempt mid-run, ~15 s of t
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
-    """A schedule fixed in the config (not "auto"), so a shorter or resumed run follows the same curve."""
-    return write_ds_config(
-        tmp_path_factory.mktemp("cfg") / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
-        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": STEPS, "warmup_num_steps": 3,
-                                                       "warmup_type": "linear", "warmup_min_ratio": 0.1}})
+    return fixed_schedule_config(tmp_path_factory.mktemp("cfg") / "ds.json", STEPS)
 
 
 def _args(cfg, steps):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, Run, train_run, write_ds_config
+from conftest import ROOT, Run, fixed_schedule_config, train_run, write_ds_config
 from mmpipe.checkpoint import latest_tag, load_reference
 from mmpipe.config import load_preset
 
@@ -22,11 +22,7 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
-    """4 micro x 2 GAS; a schedule fixed at STEPS steps, so a relaunched job follows the same one."""
-    return write_ds_config(
-        tmp_path_factory.mktemp("cfg") / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
-        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": STEPS, "warmup_num_steps": 3,
-                                                       "warmup_type": "linear", "warmup_min_ratio": 0.1}})
+    return fixed_schedule_config(tmp_path_factory.mktemp("cfg") / "ds.json", STEPS)
 
 
 def _args(cfg, *extra):
