@@ -16,6 +16,7 @@ setup(
         "torchvision>=0.19,<0.30",
         "deepspeed>=0.19.8,<0.20",
         "transformers>=4.46,<6",
+        "matplotlib>=3.5",  # mmpipe bench: plots
         "datasets>=3.0,<6",
         "pillow>=10",
         "safetensors>=0.4",

@@ -111,7 +111,13 @@ def main(argv=None) -> int:
     from .hf.commands import add_export_args as add_weights_export_args, add_import_args
     add_import_args(sub.add_parser("import", help="an HF LLaVA / vision + LM / moondream model -> an mmpipe run directory"))
     add_weights_export_args(sub.add_parser("export", help="a run's checkpoint -> an HF LLaVA directory or one safetensors file"))
+    from .bench.main import add_bench_args
+    add_bench_args(sub.add_parser("bench", help="run a sweep of training variants and peers; table, CSV, plots "
+                                                "(docs/benchmarks.md)"))
     args = p.parse_args(argv)
+    if args.command == "bench":
+        from .bench.main import main_bench
+        return main_bench(args)
     if args.command in ("import", "export"):
         from .hf import commands
         return commands.main_import(args) if args.command == "import" else commands.main_export(args)

@@ -1,0 +1,82 @@
+"""Peer (a): transformers' LlavaForConditionalGeneration with the variant's shapes, trained by a plain
+torch AdamW loop in one process, one thread (like one mmpipe CPU rank).
+
+For a LLaVA-family preset the HF config is mmpipe.hf.llava.hf_config(cfg) (the identical model).
+For a moondream-family preset (e.g. `small`) there is no HF moondream class in transformers, so the
+peer is the closest LLaVA with the same shapes: a CLIP tower (dim, blocks, heads, MLP width, image
+and patch size of the preset; CLS token dropped, so the same image tokens), the 2-layer GELU
+projector, and a Llama decoder (dim, blocks, heads, vocab, MLP width). What differs: Llama's
+SwiGLU MLP has 3 matrices where moondream's GELU MLP has 2, RMSNorm for LayerNorm, full rotary for
+partial, no parallel attention; docs/benchmarks.md counts the FLOPs of both.
+Inputs are mmpipe's own batches: the image positions become <image> placeholders in input_ids.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .memory import write_peak
+from .peer_common import StepLog, batches, peer_args, resolved
+
+
+def hf_model_config(cfg):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    if cfg.family == "llava":
+        from ..hf.llava import hf_config
+        return hf_config(cfg)
+    v, t = cfg.vision, cfg.text
+    vision = CLIPVisionConfig(hidden_size=v.dim, intermediate_size=v.ff_dim, num_hidden_layers=v.n_layers,
+                              num_attention_heads=v.n_heads, image_size=v.image_size, patch_size=v.patch_size,
+                              hidden_act="gelu")
+    text = LlamaConfig(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
+                       num_attention_heads=t.n_heads, num_key_value_heads=t.n_heads, vocab_size=t.vocab_size + 1,
+                       max_position_embeddings=t.max_context, tie_word_embeddings=False)
+    # one extra token id serves as <image>; vision_feature_layer -1 + 'default' drops CLS: n_tokens features
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=t.vocab_size, vision_feature_layer=-1,
+                       vision_feature_select_strategy="default", tie_word_embeddings=False)
+
+
+def main(argv=None) -> int:
+    a = peer_args(argv)
+    torch.set_num_threads(1)
+    from transformers import LlavaForConditionalGeneration
+    run = resolved(a.preset, 1, a.micro, a.gas, 1)
+    hf = hf_model_config(run.model)
+    torch.manual_seed(a.seed)
+    model = LlavaForConditionalGeneration(hf).train()
+    opt_p = run.ds_config["optimizer"]["params"]
+    opt = torch.optim.AdamW(model.parameters(), lr=opt_p["lr"], betas=tuple(opt_p["betas"]), eps=opt_p["eps"],
+                            weight_decay=opt_p["weight_decay"])
+    clip = run.ds_config.get("gradient_clipping", 1.0)
+    n_img, seq = run.model.n_image_positions, run.model.n_image_positions + run.text_len
+    log = StepLog(Path(a.out), run.micro * run.gas, seq)
+    stream = batches(run, a.seed)
+    for step in range(1, a.steps + 1):
+        t0 = time.perf_counter()
+        total = 0.0
+        for _ in range(run.gas):
+            (pixels, ids, _has), labels = next(stream)
+            if run.model.family != "llava":  # moondream splices the image before the text: placeholders there
+                ids = torch.cat([torch.full((ids.shape[0], n_img), hf.image_token_id, dtype=ids.dtype), ids], 1)
+            # mmpipe's labels are aligned with its logits (next-token targets per position); HF
+            # shifts them itself, so hand it the targets one position later
+            hf_labels = torch.full_like(labels, -100)
+            hf_labels[:, 1:] = labels[:, :-1]
+            loss = model(pixel_values=pixels, input_ids=ids, labels=hf_labels).loss
+            (loss / run.gas).backward()
+            total += loss.item() / run.gas
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        log.step(step, time.perf_counter() - t0, total)
+    log.finish(params=sum(p.numel() for p in model.parameters()), hf_model="LlavaForConditionalGeneration")
+    write_peak(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Starting the peers as their own processes (so each is measured like a variant: its own launcher,
+a fresh interpreter, one thread per rank) with the shapes and batch of the sweep's 'pp2' variant."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_peer(kind: str, shape, sweep, out: Path) -> tuple[int, str, float]:
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--preset", shape.preset, "--micro", str(shape.micro), "--gas", str(shape.gas),
+              "--steps", str(sweep.steps), "--out", str(out)]
+    if kind == "hf":
+        cmd = [sys.executable, "-m", "mmpipe.bench.hf_peer", *common]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), "-m", "mmpipe.bench.torch_pipe_peer", *common]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RANK=os.environ.get("RANK", "0"))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if kind == "hf":
+        env["RANK"] = "0"
+    t0 = time.perf_counter()
+    with open(out / "run.log", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=sweep.timeout_s)
+        except subprocess.TimeoutExpired:
+            return 124, f"timeout after {sweep.timeout_s} s", time.perf_counter() - t0
+    return rc, "", time.perf_counter() - t0

@@ -1,0 +1,120 @@
+"""results.csv, results.json and results.md: one row per run (variant x repeat, and each peer).
+The CSV columns are documented in docs/benchmarks.md; tests check the two agree."""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "zero", "precision",
+           "micro", "gas", "checkpointing", "partition", "world", "train_batch", "measured_steps",
+           "samples_per_s", "samples_per_s_iqr", "tokens_per_s", "tokens_per_s_iqr", "step_time_s",
+           "peak_mem_mb_max", "peak_mem_mb_per_rank", "bubble_measured", "bubble_theory", "stage_imbalance",
+           "achieved_flops", "mfu", "final_loss", "wall_s"]
+
+
+def _fmt(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list):
+        return ";".join(_fmt(x) for x in v)
+    return str(v)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(r.get(k)) for k in COLUMNS})
+
+
+def medians(rows: list[dict]) -> dict[str, dict]:
+    """name -> the median over its successful repeats of step time and throughput."""
+    out = {}
+    for name in dict.fromkeys(r["name"] for r in rows):
+        ok = [r for r in rows if r["name"] == name and r["status"] == "ok"]
+        if ok:
+            out[name] = {"step_time_s": statistics.median(r["step_time_s"] for r in ok),
+                         "samples_per_s": statistics.median(r["samples_per_s"] for r in ok), "repeats": len(ok),
+                         "step_time_all": [r["step_time_s"] for r in ok]}
+    return out
+
+
+def targets(rows: list[dict], spec: dict | None) -> list[dict]:
+    """The project's targets, from the medians. spec names the variants playing each role:
+    {"pp1": NAME, "pp2": NAME, "hf_base": NAME (mmpipe on the HF peer's shapes)}."""
+    if not spec:
+        return []
+    med = medians(rows)
+    out = []
+
+    def get(n):
+        return med.get(n) if n else None
+    pp1, pp2 = get(spec.get("pp1")), get(spec.get("pp2"))
+    if pp1 and pp2:
+        m = next(r["gas"] for r in rows if r["name"] == spec["pp2"])
+        ideal = 2 * m / (m + 1)
+        speed = pp1["step_time_s"] / pp2["step_time_s"]
+        out.append({"target": "PP=2 speedup over PP=1 >= 0.95 x ideal 1F1B 2m/(m+1)",
+                    "measured": f"{speed:.3f}x (ideal {ideal:.3f}x, m={m})", "ratio": speed / ideal,
+                    "threshold": 0.95, "met": speed / ideal >= 0.95})
+    hf, base = get("peer_hf"), get(spec.get("hf_base"))
+    if hf and base:
+        r = base["step_time_s"] / hf["step_time_s"]
+        out.append({"target": "mmpipe PP=1 step <= 0.9 x transformers loop", "measured":
+                    f"{base['step_time_s'] * 1e3:.1f} ms vs {hf['step_time_s'] * 1e3:.1f} ms", "ratio": r,
+                    "threshold": 0.9, "met": r <= 0.9})
+    tp = get("peer_torch_pipe")
+    if tp and pp2:
+        r = pp2["samples_per_s"] / tp["samples_per_s"]
+        out.append({"target": "mmpipe PP=2 throughput >= torch.distributed.pipelining 1F1B", "measured":
+                    f"{pp2['samples_per_s']:.1f} vs {tp['samples_per_s']:.1f} samples/s", "ratio": r,
+                    "threshold": 1.0, "met": r >= 1.0})
+    return out
+
+
+def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
+    def f(v, prec=3):
+        if v is None or v == "":
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.{prec}g}"
+        return str(v)
+    lines = [f"Sweep `{meta['sweep']}` on {meta['device']} (peak {', '.join(f'{k} {v / 1e9:.1f} GFLOP/s' if v else f'{k} ?' for k, v in meta['peaks'].items())} per rank), "
+             f"{meta['steps']} steps, first {meta['warmup_steps']} excluded.", "",
+             "| variant | rep | status | PP | DP | ZeRO | prec | micro x GAS | ckpt | samples/s (IQR) | step ms | "
+             "peak MB/rank | bubble meas / 1F1B | GFLOP/s | MFU | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = r["status"] == "ok"
+        lines.append("| " + " | ".join([
+            r["name"], str(r.get("repeat", "")), "ok" if ok else f"{r['status']}: {str(r.get('reason', ''))[:80]}",
+            f(r.get("stages")), f(r.get("dp")), f(r.get("zero")), f(r.get("precision")),
+            f"{r.get('micro')} x {r.get('gas')}", "yes" if r.get("checkpointing") else "no",
+            f"{r['samples_per_s']:.1f} ({r['samples_per_s_iqr']:.1f})" if ok else "-",
+            f"{r['step_time_s'] * 1e3:.1f}" if ok else "-",
+            "/".join(f(x, 4) for x in r.get("peak_mem_mb_per_rank") or []) or "-",
+            f"{f(r.get('bubble_measured'))} / {f(r.get('bubble_theory'))}" if ok else "-",
+            f"{r['achieved_flops'] / 1e9:.2f}" if ok and r.get("achieved_flops") else "-",
+            f"{r['mfu']:.1%}" if ok and r.get("mfu") else "-", f(r.get("final_loss"), 4)]) + " |")
+    if tgt:
+        lines += ["", "| target | measured | ratio | threshold | met |", "|---|---|---|---|---|"]
+        for t in tgt:
+            lines.append(f"| {t['target']} | {t['measured']} | {t['ratio']:.3f} | {t['threshold']} | "
+                         f"{'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_all(rows: list[dict], out: Path, meta: dict, target_spec: dict | None) -> dict:
+    tgt = targets(rows, target_spec)
+    write_csv(rows, out / "results.csv")
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgt,
+                                                  "medians": medians(rows)}, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(rows, tgt, meta))
+    from .plots import plot_all
+    plot_all(rows, out)
+    return {"targets": tgt}

@@ -1,0 +1,157 @@
+"""One variant = one launcher run: its DeepSpeed JSON, the front-door check, the deepspeed launcher,
+then the measured row read back from what the ranks wrote (train_log.csv, summary.json, memory)."""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from ..config import ConfigError
+from ..run_config import REPO_CONFIGS, add_train_args, resolve
+from .sweep import Sweep, Variant
+
+BASE_CONFIG = REPO_CONFIGS / "cpu_fp32.json"
+
+
+def ds_config(v: Variant, resolve_copy: bool = False) -> dict:
+    """The variant's DeepSpeed JSON, from ds_configs/cpu_fp32.json. resolve_copy: for engine 'dp',
+    the copy mmpipe.run_config checks (its pipeline rule allows ZeRO 0/1); the rank sets the real stage."""
+    cfg = copy.deepcopy(json.loads(BASE_CONFIG.read_text()))
+    cfg["train_micro_batch_size_per_gpu"] = v.micro
+    cfg["gradient_accumulation_steps"] = v.gas
+    zero = v.zero
+    if resolve_copy and v.engine == "dp":
+        zero = min(zero, 1)
+    cfg["zero_optimization"] = {"stage": zero}
+    cfg.pop("bf16", None)
+    cfg.pop("fp16", None)
+    if v.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif v.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 50}
+    cfg["pipeline"] = {"stages": v.stages, "partition": v.partition,
+                       "activation_checkpoint_interval": 1 if v.checkpointing else 0}
+    return cfg
+
+
+def train_argv(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> list[str]:
+    return ["--preset", v.preset, "--ds-config", str(cfg_path), "--stages", str(v.stages), "--steps", str(sweep.steps),
+            "--output-dir", str(out), "--eval-samples", "0", "--keep-checkpoints", "1"]
+
+
+def check(v: Variant, sweep: Sweep, out: Path) -> str | None:
+    """mmpipe's own refusal of this variant (one line per problem), or None. Writes the config."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "ds_config.json"
+    cfg_path.write_text(json.dumps(ds_config(v, resolve_copy=True), indent=2) + "\n")
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    args = p.parse_args(train_argv(v, sweep, out, cfg_path))
+    try:
+        resolve(args, world_size=v.world)
+    except ConfigError as e:
+        return "refused: " + "; ".join(str(e).splitlines())
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_error(log: str) -> str:
+    """The first real error in a failed run's log (peers of a crashed rank only say 'connection closed')."""
+    lines = log.splitlines()
+    for key in ("out of memory", "OutOfMemoryError", "Error:", "error:", "Killed", "Traceback"):
+        for ln in lines:
+            if key in ln and "sigkill_handler" not in ln:
+                return ln.strip()[-300:]
+    return (lines[-1].strip() if lines else "no output")[-300:]
+
+
+def launch(v: Variant, sweep: Sweep, out: Path) -> tuple[int, str, float]:
+    launcher = shutil.which("deepspeed")
+    if launcher is None:
+        return 127, "deepspeed launcher not found on PATH", 0.0
+    cfg_path = out / "ds_config.json"
+    module = "mmpipe.bench.rank" if v.engine == "pipe" else "mmpipe.bench.dp_rank"
+    extra = [] if v.engine == "pipe" else ["--zero", str(v.zero)]
+    cmd = [launcher, "--num_gpus", str(v.world), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--module", module, *extra, *train_argv(v, sweep, out, cfg_path)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
+    t0 = time.perf_counter()
+    with open(out / "run.log", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=sweep.timeout_s)
+        except subprocess.TimeoutExpired:
+            return 124, f"timeout after {sweep.timeout_s} s", time.perf_counter() - t0
+    return rc, "", time.perf_counter() - t0
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    i = (len(xs) - 1) * q
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def measure(v: Variant, sweep: Sweep, out: Path, flops_per_sample: float, peak_flops: float | None) -> dict:
+    """Row fields from train_log.csv (warm-up steps dropped), summary.json and memory_rank*.json."""
+    with open(out / "train_log.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f)]
+    measured = [r for r in rows if int(r["step"]) > sweep.warmup_steps]
+    sps = [float(r["samples_per_s"]) for r in measured]
+    tps = [float(r["tokens_per_s"]) for r in measured]
+    summary = json.loads((out / "summary.json").read_text())
+    train_batch = summary["train_batch"]
+    step = [train_batch / s for s in sps]
+    med = statistics.median(sps)
+    mem = []
+    for r in range(v.world):
+        p = out / f"memory_rank{r}.json"
+        m = json.loads(p.read_text()) if p.is_file() else {}
+        mem.append(m.get("max_memory_allocated_bytes") or m.get("peak_rss_bytes"))
+    timing = summary.get("stage_timing") or {}
+    achieved = flops_per_sample * med
+    return {
+        "measured_steps": len(measured),
+        "samples_per_s": med, "samples_per_s_iqr": _quantile(sps, 0.75) - _quantile(sps, 0.25),
+        "samples_per_s_min": min(sps), "samples_per_s_max": max(sps),
+        "tokens_per_s": statistics.median(tps), "tokens_per_s_iqr": _quantile(tps, 0.75) - _quantile(tps, 0.25),
+        "step_time_s": statistics.median(step),
+        "peak_mem_mb_per_rank": [round(b / 2**20, 1) if b else None for b in mem],
+        "peak_mem_mb_max": round(max(b for b in mem if b) / 2**20, 1) if any(mem) else None,
+        "bubble_measured": timing.get("measured_bubble"),
+        "bubble_theory": (v.stages - 1) / (v.gas + v.stages - 1),
+        "stage_imbalance": timing.get("max_over_mean"),
+        "achieved_flops": achieved,
+        "mfu": achieved / (peak_flops * v.world) if peak_flops else None,
+        "final_loss": summary.get("final_loss"),
+        "train_batch": train_batch,
+    }
+
+
+def flops_per_sample(v: Variant) -> float:
+    """Model FLOPs of one training sample (forward + backward, recompute NOT counted: MFU's convention),
+    from mmpipe's cost model for the variant's preset and the built-in data's text length."""
+    from ..config import load_preset
+    from ..costmodel import layer_costs
+    from ..data.dataset import resolve_data
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    args = p.parse_args(["--preset", v.preset])
+    cfg = load_preset(v.preset)
+    data = resolve_data(args, cfg)
+    return sum(r.fwd_flops + r.bwd_flops for r in layer_costs(cfg, (), data.text_len, False))

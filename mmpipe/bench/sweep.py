@@ -1,0 +1,217 @@
+"""The sweep file: fields, defaults, checks, and its expansion into variants.
+
+Everything is checked before any run starts; a problem is one line naming the field (exit 2).
+A variant that is well formed but that mmpipe or DeepSpeed refuses (e.g. fp16 without ZeRO) is
+NOT a sweep-file error: it is recorded as a failed variant with its reason, like a crash.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..config import ConfigError
+
+# variant field -> (type check, description of the valid values)
+VARIANT_FIELDS = {
+    "name": (lambda v: isinstance(v, str) and v and all(c.isalnum() or c in "-_." for c in v),
+             "a non-empty name of letters, digits, - _ ."),
+    "preset": (lambda v: isinstance(v, str) and v, "a preset name or model JSON path"),
+    "stages": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "dp": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "zero": (lambda v: v in (0, 1, 2, 3) and not isinstance(v, bool), "0 or 1 (pipeline), 1, 2 or 3 (engine 'dp')"),
+    "precision": (lambda v: v in ("fp32", "bf16", "fp16"), "fp32, bf16 or fp16"),
+    "micro": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "gas": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "checkpointing": (lambda v: isinstance(v, bool), "true or false"),
+    "partition": (lambda v: isinstance(v, str) and v, "balanced, uniform, parameters, best or boundaries '3,7'"),
+    "engine": (lambda v: v in ("pipe", "dp"), "'pipe' (PipelineEngine) or 'dp' (DeepSpeed's ordinary engine, "
+                                              "no pipeline)"),
+}
+VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
+                    "checkpointing": False, "partition": "best", "engine": "pipe"}
+PEERS = ("hf", "torch_pipe")
+TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
+              "device", "peak_flops", "targets", "_comment"}
+TARGET_ROLES = ("pp1", "pp2", "hf_base")
+
+
+@dataclass
+class Variant:
+    name: str
+    preset: str = "small"
+    stages: int = 1
+    dp: int = 1
+    zero: int = 0
+    precision: str = "fp32"
+    micro: int = 16
+    gas: int = 4
+    checkpointing: bool = False
+    partition: str = "best"
+    engine: str = "pipe"
+
+    @property
+    def world(self) -> int:
+        return self.stages * self.dp
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Sweep:
+    name: str
+    steps: int
+    warmup_steps: int
+    repeats: int
+    timeout_s: int
+    variants: list[Variant]
+    peers: list[str] = field(default_factory=list)
+    device: str | None = None       # a KNOWN_DEVICES key or "cpu"; None: detect
+    peak_flops: float | None = None  # per device, overrides the table / the CPU measurement
+    targets: dict = field(default_factory=dict)  # role (pp1, pp2, hf_base) -> variant name
+
+    def peer_shape(self) -> Variant:
+        """The shapes and batch the peers run: the 'pp2' variant's, else the first variant's."""
+        name = self.targets.get("pp2")
+        return next((v for v in self.variants if v.name == name), self.variants[0])
+
+
+def _check_variant(d: dict, where: str, problems: list[str]) -> None:
+    for k, v in d.items():
+        if k not in VARIANT_FIELDS:
+            problems.append(f"{where}: unknown key '{k}' (valid: {', '.join(VARIANT_FIELDS)})")
+        elif not VARIANT_FIELDS[k][0](v):
+            problems.append(f"{where}.{k}: {v!r} must be {VARIANT_FIELDS[k][1]}")
+
+
+def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[str]) -> int:
+    v = data.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        problems.append(f"{key}: {v!r} must be an integer >= {minimum}")
+        return default
+    return v
+
+
+def _auto_name(d: dict, keys) -> str:
+    short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
+             "partition": "part-", "precision": "", "engine": "", "preset": ""}
+    parts = []
+    for k in keys:
+        v = d[k]
+        if k == "checkpointing":
+            parts.append("ckpt" if v else "nockpt")
+        else:
+            parts.append(f"{short.get(k, k)}{v}")
+    return "_".join(parts) or "base"
+
+
+def parse(data, source: str = "sweep") -> Sweep:
+    """A sweep file's JSON -> Sweep, or ConfigError with one line per problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: must hold a JSON object")
+    problems: list[str] = []
+    for k in data:
+        if k not in TOP_FIELDS:
+            problems.append(f"{k}: unknown key (valid: {', '.join(sorted(TOP_FIELDS - {'_comment'}))})")
+    steps = _int_field(data, "steps", 12, 2, problems)
+    warmup = _int_field(data, "warmup_steps", 2, 0, problems)
+    if warmup >= steps:
+        problems.append(f"warmup_steps: {warmup} leaves no measured step of {steps} steps")
+    repeats = _int_field(data, "repeats", 1, 1, problems)
+    timeout = _int_field(data, "timeout_s", 900, 10, problems)
+    name = data.get("name", Path(source).stem)
+    if not isinstance(name, str) or not name:
+        problems.append(f"name: {name!r} must be a non-empty string")
+    base = data.get("base", {})
+    if not isinstance(base, dict):
+        problems.append("base: must be an object of variant fields")
+        base = {}
+    _check_variant(base, "base", problems)
+    if "name" in base:
+        problems.append("base.name: a name belongs to one variant, not to base")
+    grid, variants_in = data.get("grid"), data.get("variants")
+    if grid is None and variants_in is None:
+        problems.append("grid / variants: give one (grid: cross product of field lists; variants: a list)")
+    raw: list[dict] = []
+    if grid is not None:
+        if not isinstance(grid, dict) or not grid:
+            problems.append("grid: must be an object mapping variant fields to non-empty lists")
+        else:
+            keys = list(grid)
+            ok = True
+            for k, vals in grid.items():
+                if k == "name" or k not in VARIANT_FIELDS:
+                    problems.append(f"grid: unknown key '{k}' (valid: {', '.join(f for f in VARIANT_FIELDS if f != 'name')})")
+                    ok = False
+                elif not isinstance(vals, list) or not vals:
+                    problems.append(f"grid.{k}: must be a non-empty list")
+                    ok = False
+                else:
+                    for v in vals:
+                        if not VARIANT_FIELDS[k][0](v):
+                            problems.append(f"grid.{k}: {v!r} must be {VARIANT_FIELDS[k][1]}")
+                            ok = False
+            if ok:
+                for combo in itertools.product(*(grid[k] for k in keys)):
+                    d = {**VARIANT_DEFAULTS, **base, **dict(zip(keys, combo))}
+                    d["name"] = _auto_name(d, keys)
+                    raw.append(d)
+    if variants_in is not None:
+        if not isinstance(variants_in, list) or not variants_in:
+            problems.append("variants: must be a non-empty list of objects")
+        else:
+            for i, v in enumerate(variants_in):
+                if not isinstance(v, dict):
+                    problems.append(f"variants[{i}]: must be an object")
+                    continue
+                _check_variant(v, f"variants[{i}]", problems)
+                d = {**VARIANT_DEFAULTS, **base, **v}
+                d.setdefault("name", f"v{i}")
+                raw.append(d)
+    names = [d["name"] for d in raw]
+    for n in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"variants: name '{n}' is used twice; names pick the output folders")
+    for d in raw:
+        # what cannot be run at all, whatever DeepSpeed says: the engine's shape
+        if d.get("engine") == "dp" and d.get("stages") != 1:
+            problems.append(f"variant '{d['name']}': engine 'dp' runs without a pipeline, so stages must be 1 "
+                            f"(got {d['stages']})")
+    peers = data.get("peers", [])
+    if not isinstance(peers, list) or any(p not in PEERS for p in peers):
+        problems.append(f"peers: {peers!r} must be a list of {', '.join(PEERS)}")
+        peers = []
+    device = data.get("device")
+    if device is not None:
+        from ..costmodel import KNOWN_DEVICES
+        if device != "cpu" and device not in KNOWN_DEVICES:
+            problems.append(f"device: {device!r} is not known (valid: cpu, {', '.join(KNOWN_DEVICES)}); "
+                            f"or give peak_flops")
+    peak = data.get("peak_flops")
+    if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool) or peak <= 0):
+        problems.append(f"peak_flops: {peak!r} must be a positive number (FLOP/s per device)")
+    tg = data.get("targets", {})
+    if not isinstance(tg, dict):
+        problems.append("targets: must map roles (pp1, pp2, hf_base) to variant names")
+        tg = {}
+    for role, vname in tg.items():
+        if role not in TARGET_ROLES:
+            problems.append(f"targets: unknown role '{role}' (valid: {', '.join(TARGET_ROLES)})")
+        elif vname not in names:
+            problems.append(f"targets.{role}: no variant named {vname!r}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return Sweep(name, steps, warmup, repeats, timeout, [Variant(**d) for d in raw], peers, device,
+                 float(peak) if peak else None, tg)
+
+
+def load(path: str) -> Sweep:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path}: sweep file not found")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return parse(data, str(p))

@@ -1,0 +1,100 @@
+"""Peer (b): PyTorch's own pipelining (torch.distributed.pipelining, Schedule1F1B, or ScheduleGPipe
+with --schedule gpipe) on 2 ranks (torchrun, gloo), the same mmpipe layers (ReferenceModel, same
+seeds) split at the same boundary mmpipe's balanced partition picks, the same batches, AdamW.
+
+mmpipe's layers take and return one tuple (hidden, input_ids, has_image, ...); a PipelineStage
+calls submod(*args), so each stage is wrapped to pack its arguments into that tuple.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .memory import write_peak
+from .peer_common import StepLog, batches, peer_args, resolved
+
+
+class TupleStage(nn.Module):
+    def __init__(self, layers: nn.Sequential):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, *xs):
+        return self.layers(tuple(xs) if len(xs) > 1 else xs[0])
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    schedule_name = "1f1b"
+    if "--schedule" in argv:
+        i = argv.index("--schedule")
+        schedule_name = argv[i + 1]
+        del argv[i:i + 2]
+    a = peer_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from ..model.builder import ReferenceModel, lm_loss
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = resolved(a.preset, world, a.micro, a.gas, world)
+    full = ReferenceModel(run.model, seed=a.seed)  # layer i under seed + i, as the pipeline builds it
+    lo, hi = run.parts[rank], run.parts[rank + 1]
+    stage_mod = TupleStage(nn.Sequential(*list(full)[lo:hi]))
+    del full
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+    sched_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
+    schedule = sched_cls(stage, n_microbatches=run.gas, loss_fn=lm_loss)
+    opt_p = run.ds_config["optimizer"]["params"]
+    params = [p for p in stage_mod.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=opt_p["lr"], betas=tuple(opt_p["betas"]), eps=opt_p["eps"],
+                            weight_decay=opt_p["weight_decay"])
+    seq = run.model.n_image_positions + run.text_len
+    log = StepLog(Path(a.out), run.micro * run.gas, seq) if rank == 0 else None
+    stream = batches(run, a.seed)
+    for step in range(1, a.steps + 1):
+        mbs = [next(stream) for _ in range(run.gas)]
+        pixels = torch.cat([m[0][0] for m in mbs])
+        ids = torch.cat([m[0][1] for m in mbs])
+        has = torch.cat([m[0][2] for m in mbs])
+        labels = torch.cat([m[1] for m in mbs])
+        dist.barrier()  # start every step together, as a train_batch does
+        t0 = time.perf_counter()
+        losses = []
+        if rank == 0:
+            schedule.step(pixels, ids, has)
+        elif rank == world - 1:
+            schedule.step(target=labels, losses=losses)
+        else:
+            schedule.step()
+        # same global-norm clipping as the DeepSpeed config (the norm summed over both stages)
+        sq = torch.stack([p.grad.detach().pow(2).sum() for p in params if p.grad is not None]).sum()
+        dist.all_reduce(sq)
+        clip = run.ds_config.get("gradient_clipping", 1.0)
+        if clip > 0:
+            scale = (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.tensor(sum(float(x.detach()) for x in losses) / len(losses) if losses else 0.0)
+        dist.broadcast(loss, world - 1)
+        dt = time.perf_counter() - t0
+        if log:
+            log.step(step, dt, float(loss))
+    if log:
+        log.finish(schedule=schedule_name, parts=run.parts)
+    write_peak(a.out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
