@@ -1,0 +1,106 @@
+"""mmpipe bench: a tiny sweep end to end on CPU (a 2-stage pipeline, a variant mmpipe refuses, the
+transformers peer), every output written, the refusal recorded and not fatal; the CSV columns are
+the ones docs/benchmarks.md documents; bad sweep files exit 2 before anything runs."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "mmpipe.cli", "bench", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def documented_columns() -> list[str]:
+    """The `results.csv` column table of docs/benchmarks.md, in order."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = text.split("## results.csv columns", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z_0-9]+)` \|", section, flags=re.M)
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    sweep = tmp_path / "tiny.json"
+    sweep.write_text(json.dumps({
+        "name": "tiny", "steps": 4, "warmup_steps": 1, "base": {"preset": "tiny", "micro": 4, "gas": 2},
+        "variants": [{"name": "pp2", "stages": 2},
+                     {"name": "fp16_no_zero", "precision": "fp16"}],  # refused: fp16 needs ZeRO-1
+        "peers": ["hf"], "targets": {"pp2": "pp2"}}))
+    out = tmp_path / "out"
+    proc = bench([str(sweep), "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("results.csv", "results.json", "results.md", "throughput.png", "memory.png", "bubble.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert "[bench 3/3" in proc.stdout  # the progress display
+    with open(out / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = {r["name"]: r for r in reader}
+        assert reader.fieldnames == documented_columns()
+    assert set(rows) == {"pp2", "fp16_no_zero", "peer_hf"}
+    ok = rows["pp2"]
+    assert ok["status"] == "ok"
+    assert int(ok["measured_steps"]) == 3  # 4 steps, the first excluded as warm-up
+    assert float(ok["samples_per_s"]) > 0 and float(ok["step_time_s"]) > 0
+    assert len(ok["peak_mem_mb_per_rank"].split(";")) == 2 and float(ok["peak_mem_mb_max"]) > 50
+    assert 0 < float(ok["bubble_measured"]) < 1 and float(ok["bubble_theory"]) == pytest.approx(1 / 3, abs=1e-4)
+    assert 0 < float(ok["mfu"]) < 1 and float(ok["achieved_flops"]) > 0
+    assert 3 < float(ok["final_loss"]) < 6  # a tiny model's vocab-64 loss near ln(64) = 4.16
+    bad = rows["fp16_no_zero"]
+    assert bad["status"] == "refused" and "fp16" in bad["reason"] and "ZeRO" in bad["reason"].replace("zero", "ZeRO")
+    assert rows["peer_hf"]["status"] == "ok" and float(rows["peer_hf"]["samples_per_s"]) > 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["peaks"]["fp32"] > 1e8  # measured one-thread matmul peak
+    assert "| pp2 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("body, expect", [
+    ({"variants": [{"name": "a", "stagez": 2}]}, "variants[0]: unknown key 'stagez'"),
+    ({"variants": [{"name": "a", "precision": "fp8"}]}, "variants[0].precision: 'fp8'"),
+    ({"grid": {"stages": []}}, "grid.stages: must be a non-empty list"),
+    ({"grid": {"stages": [1]}, "stepz": 3}, "stepz: unknown key"),
+    ({"variants": [{"name": "a"}], "steps": 3, "warmup_steps": 3}, "warmup_steps: 3 leaves no measured step"),
+    ({"variants": [{"name": "a", "engine": "dp", "stages": 2}]}, "engine 'dp' runs without a pipeline"),
+    ({"variants": [{"name": "a"}, {"name": "a"}]}, "name 'a' is used twice"),
+    ({"variants": [{"name": "a"}], "targets": {"pp2": "b"}}, "targets.pp2: no variant named 'b'"),
+    ({"variants": [{"name": "a"}], "device": "tpu9"}, "device: 'tpu9' is not known"),
+    ({}, "grid / variants: give one"),
+])
+def test_bad_sweep_refused_before_running(tmp_path, capsys, body, expect):
+    from mmpipe.cli import main
+    sweep = tmp_path / "bad.json"
+    sweep.write_text(json.dumps(body))
+    assert main(["bench", str(sweep), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and err.startswith("mmpipe: error:"), err
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+
+def test_bad_sweep_exit_status_from_the_command(tmp_path):
+    sweep = tmp_path / "bad.json"
+    sweep.write_text("{not json")
+    proc = bench([str(sweep)], timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("mmpipe: error:") and "not valid JSON" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_grid_is_the_cross_product():
+    from mmpipe.bench.sweep import parse
+    sw = parse({"base": {"micro": 8}, "grid": {"stages": [1, 2], "precision": ["fp32", "bf16"]}})
+    assert [v.name for v in sw.variants] == ["pp1_fp32", "pp1_bf16", "pp2_fp32", "pp2_bf16"]
+    assert all(v.micro == 8 for v in sw.variants)
+
+
+def test_default_sweep_parses():
+    from mmpipe.bench.sweep import load
+    sw = load(str(ROOT / "ds_configs" / "sweeps" / "default.json"))
+    assert sw.targets == {"pp1": "pp1", "pp2": "pp2", "hf_base": "pp1"} and max(v.world for v in sw.variants) == 2
