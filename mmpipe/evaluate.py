@@ -12,13 +12,15 @@ import torch
 from .config import ModelConfig
 from .data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from .data.shapes import QUESTION_TYPES, ShapesVQA
+from .data.text import placeholders, with_placeholders
 
 
 @torch.no_grad()
 def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]], eos_id: int, pad_id: int,
                     max_new_tokens: int, text_len: int) -> list[list[int]]:
     """Batched greedy decoding with right padding: causal attention after the image prefix means
-    the pads to the right of a prompt never influence it, so prompts of any length share a batch."""
+    the pads to the right of a prompt never influence it, so prompts of any length share a batch.
+    text_len: the input_ids width (LLaVA: the prompts' placeholders included)."""
     n_img = model.cfg.n_image_positions  # 0 when the image is attended to, not spliced
     B = len(prompts)
     ids = torch.full((B, text_len), pad_id, dtype=torch.long)
@@ -56,9 +58,10 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
         samples = [data.sample(i) for i in range(start, min(start + batch_size, n_samples))]
         images = [data.blank() if blank_images else data.render(s) for s in samples]
         pixels = torch.stack([held_out.transform(im) for im in images]).to(dtype)
-        prompts = [held_out.encoder.prompt_ids([("user", s.question)]) for s in samples]
+        # LLaVA: the <image> placeholders after BOS, as in training (mmpipe.data.text.pad_sample)
+        prompts = [with_placeholders(held_out.encoder.prompt_ids([("user", s.question)]), cfg) for s in samples]
         answers = greedy_generate(model, pixels, prompts, tok.eos_token_id, tok.pad_token_id, max_new_tokens,
-                                  SHAPES_TEXT_LEN)
+                                  SHAPES_TEXT_LEN + placeholders(cfg)[1])
         for s, a in zip(samples, answers):
             total[s.qtype] += 1
             correct[s.qtype] += int(tok.decode(a, skip_special_tokens=True).strip() == s.answer)

@@ -228,6 +228,5 @@ def main_generate(args: argparse.Namespace) -> int:
 def prompt_with_placeholders(cfg, prompt: list[int]) -> list[int]:
     """The LLaVA family reads the image from placeholder positions: N_img of them after BOS, the
     same layout as moondream's spliced image. Other families take the prompt as it is."""
-    if getattr(cfg, "family", "moondream") != "llava":
-        return prompt
-    return prompt[:1] + [cfg.image_token_id] * cfg.vision.n_features + prompt[1:]
+    from .data.text import with_placeholders
+    return with_placeholders(prompt, cfg)

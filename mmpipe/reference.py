@@ -7,11 +7,14 @@ gradient accumulation (each micro-batch loss scaled by 1 / GAS).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from deepspeed.runtime import lr_schedules
 
 from .data.batches import StepBatches, TrainSet, rank_batches
 from .data.dataset import prepare
+from .data.text import placeholders
 from .model.builder import ReferenceModel, lm_loss
 from .run_config import RunConfig
 
@@ -21,6 +24,9 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     if run.dp != 1 or run.precision != "fp32":
         raise ValueError("the reference loop covers dp = 1, fp32")
     model = ReferenceModel(run.model, seed=seed, freeze=run.freeze)
+    if run.init_from:  # weights only, as mmpipe.train.load_run_weights
+        from .checkpoint import load_reference
+        model.load_state_dict(load_reference(Path(run.init_from) / "checkpoints", run.model).state_dict())
     opt_cfg = run.ds_config["optimizer"]
     if opt_cfg["type"].lower() not in ("adamw", "adam"):
         raise ValueError(f"reference loop supports Adam/AdamW, not {opt_cfg['type']}")
@@ -36,7 +42,8 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     clip = run.ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
     v = run.model.vision
     data = TrainSet(prepare(run.data, run.model, out_dir, seed, verbose=False), text_len=run.text_len,
-                    n_img=run.model.n_image_positions, image_size=v.image_size, augment_seed=seed if run.data.augment else None)
+                    n_img=run.model.n_image_positions, image_size=v.image_size, augment_seed=seed if run.data.augment else None,
+                    image_token=placeholders(run.model))
     batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
     losses = []
     model.train()

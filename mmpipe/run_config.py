@@ -8,6 +8,7 @@ call it, so a bad run is refused with exit status 2 before anything is launched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -40,7 +41,11 @@ def fail(e: ConfigError) -> int:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="small", help="model preset name or path to a model JSON (default: small)")
+    p.add_argument("--preset", default=None, help="model preset name or path to a model JSON (default: small; with "
+                   "--init-from: the run's model.json)")
+    p.add_argument("--init-from", default=None, metavar="RUN",
+                   help="start from the weights of an mmpipe run (e.g. `mmpipe import --out RUN`): its model.json, "
+                        "latest checkpoint and tokenizer/ (else the built-in tokenizer); fresh optimizer and schedule")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (default: ds_configs/cpu_fp32.json)")
     p.add_argument("--stages", type=int, default=None,
                    help="pipeline stages (default: the config's pipeline.stages, else 2)")
@@ -80,6 +85,7 @@ class RunConfig:
     zero_stage: int
     data: DataOptions
     auto_schedule: bool = False  # the scheduler's total_num_steps was "auto", i.e. --steps
+    init_from: str | None = None  # a run directory whose latest checkpoint's weights start this run
 
     @property
     def text_len(self) -> int:
@@ -157,8 +163,15 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
 
     ds_path = args.ds_config or default_ds_config()
     ds = attempt(_load_json, ds_path)
-    model = attempt(load_preset, args.preset)
-    data = attempt(resolve_data, args, model)
+    init_from = getattr(args, "init_from", None)
+    run_tok = None
+    if init_from:
+        model = attempt(init_model, init_from, args.preset)
+        if model is not None and (Path(init_from) / "tokenizer").is_dir():
+            run_tok = str(Path(init_from) / "tokenizer")  # written by `mmpipe import`
+    else:
+        model = attempt(load_preset, args.preset or "small")
+    data = attempt(resolve_data, args, model, run_tok)
     if getattr(args, "resume", False) and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
         problems.append(f"--resume: no checkpoint in {Path(args.output_dir) / 'checkpoints'}")
     if args.steps < 1:
@@ -211,8 +224,13 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
 
     parts, table = [], []
     if model is not None and data is not None:
+        if init_from:
+            attempt(check_init_tokenizer, model, data.tokenizer, run_tok)
+        elif model.family == "llava":  # fresh weights: the placeholder is the tokenizer's <image>, added if missing
+            from .data.tokenizer import add_image_token
+            model = dataclasses.replace(model, image_token_id=add_image_token(data.tokenizer))
         n_vocab = len(data.tokenizer)
-        if model.text.vocab_size < n_vocab:
+        if model.text.vocab_size < n_vocab and not init_from:
             if data.builtin:
                 problems.append(f"text.vocab_size: {model.text.vocab_size} is smaller than the tokenizer's {n_vocab} tokens")
             else:  # fresh weights: size the embedding and head to the tokenizer, a multiple of 64
@@ -234,4 +252,50 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
               gradient_accumulation_steps=gas)
     precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
     return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts, table, freeze, precision, zero_stage,
-                     data, auto_schedule)
+                     data, auto_schedule, init_from)
+
+
+RESIZED = ("vocab_size", "image_token_id")  # what a fresh run fits to its tokenizer (model.json records it)
+
+
+def init_model(run_dir: str, preset: str | None) -> ModelConfig:
+    """--init-from RUN: the model config RUN trained or imported; --preset, if given, must describe
+    the same model (up to the vocabulary size and <image> id a run fits to its tokenizer)."""
+    from .checkpoint import latest_tag
+    from .config import config_from_dict
+    d = Path(run_dir)
+    if not (d / "model.json").is_file():
+        raise ConfigError(f"--init-from: {d} has no model.json (give an mmpipe run directory, e.g. `mmpipe import --out`)")
+    if latest_tag(d / "checkpoints") is None:
+        raise ConfigError(f"--init-from: {d} has no checkpoint (checkpoints/latest is missing)")
+    cfg = config_from_dict(json.loads((d / "model.json").read_text()), d.name)
+    if preset is not None:
+        want = load_preset(preset)
+
+        def shape(c: ModelConfig) -> dict:
+            out = c.to_dict()
+            out.pop("image_token_id")
+            out["text"].pop("vocab_size")
+            return out
+        a, b = shape(cfg), shape(want)
+        diff = [f"{k}.{j}" for k in a if isinstance(a[k], dict) for j in a[k] if a[k][j] != b[k].get(j)]
+        diff += [k for k in a if not isinstance(a[k], dict) and a[k] != b.get(k)]
+        if diff:
+            diff = diff[0]
+            raise ConfigError(f"--preset: {preset} is not the model {d} holds ({diff} differs); leave --preset out "
+                              f"with --init-from (the run's model.json is used)")
+    return cfg
+
+
+def check_init_tokenizer(cfg: ModelConfig, tok, source: str | None) -> None:
+    """The weights' vocabulary must hold the tokenizer, and a tokenizer's <image> must be the model's."""
+    where = source or "the built-in tokenizer"
+    if len(tok) > cfg.text.vocab_size:
+        raise ConfigError(f"--init-from: {where} has {len(tok)} tokens, more than the model's vocabulary "
+                          f"({cfg.text.vocab_size}); give the tokenizer the weights were trained with (--tokenizer)")
+    if cfg.family == "llava":
+        from .data.tokenizer import IMAGE_TOKEN
+        tid = tok.get_vocab().get(IMAGE_TOKEN)
+        if tid is not None and tid != cfg.image_token_id:
+            raise ConfigError(f"--init-from: {where} has {IMAGE_TOKEN} at id {tid}, the model's placeholder is "
+                              f"image_token_id {cfg.image_token_id}")

@@ -52,6 +52,7 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
 
     from .data.batches import StepBatches, TrainSet, rank_batches
     from .data.dataset import prepare
+    from .data.text import decoder_positions, placeholders
     from .pipeline import VLMPipeline
 
     deepspeed.init_distributed()
@@ -68,6 +69,10 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     fingerprint = getattr(samples, "index", None) and samples.index.stats["fingerprint"]
 
     pipe = VLMPipeline(run, seed=args.seed)
+    if run.init_from and not args.resume:
+        n = load_run_weights(pipe, Path(run.init_from) / "checkpoints")
+        if rank == 0:
+            print(f"mmpipe: weights from {run.init_from} (stage 0: {n} layers); fresh optimizer", flush=True)
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
 
@@ -98,7 +103,8 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     first, last = engine.is_first_stage(), engine.is_last_stage()
     v = run.model.vision
     dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
-                       need_images=first, need_labels=last, augment_seed=args.seed if run.data.augment else None)
+                       need_images=first, need_labels=last, augment_seed=args.seed if run.data.augment else None,
+                       image_token=placeholders(run.model))
     seen_log = None
     if run.data.log_samples and first:
         seen_log = open(out / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")
@@ -115,7 +121,7 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     guard = install_skip(engine) if args.nonfinite == "skip" else None
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
 
-    seq = run.model.n_image_positions + run.text_len  # decoder positions per sample, e.g. 16 + 12 = 28 (pads included)
+    seq = decoder_positions(run.model, run.text_len)  # per sample, pads included: e.g. 16 image + 12 text = 28
     if rank == 0:
         # micro x GAS x DP samples per optimizer step
         print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}; {run.micro} micro x {run.gas} GAS x "
@@ -233,6 +239,29 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"mmpipe: done, summary in {out / 'summary.json'}", flush=True)
     return 0
+
+
+def load_run_weights(pipe, ckpt_dir: Path) -> int:
+    """--init-from: this stage's layers (and its copy of a tied module) from the latest checkpoint of
+    another run, read per layer file (any stage count wrote them). Weights only: the optimizer and
+    schedule start fresh. Returns the layers loaded."""
+    import torch
+    from deepspeed.pipe import TiedLayerSpec
+    from .checkpoint import latest_tag
+    d = ckpt_dir / latest_tag(ckpt_dir)
+
+    def load(module, idx: int):
+        module.load_state_dict(torch.load(d / f"layer_{idx:02d}-model_states.pt", map_location="cpu", weights_only=True))
+
+    n = 0
+    for offset, layer in enumerate(pipe.forward_funcs):
+        idx = pipe._local_start + offset
+        if isinstance(layer, torch.nn.Module) and layer.state_dict():
+            load(layer, idx)
+            n += 1
+    for key, module in pipe.tied_modules.items():  # the head's copy on a stage without the embedding
+        load(module, next(i for i, s in enumerate(pipe._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == key))
+    return n
 
 
 def _nan_fault(batches, start_step: int, gas: int):

@@ -63,6 +63,19 @@ def batch(kind: str, B: int = 2, seed: int = 1):
     return torch.randn(B, 3, 32, 32, generator=g), ids, labels
 
 
+def word_tokenizer(path, template: str):
+    """A word-level tokenizer over w0..w99 (BOS w1, EOS w2, pad w0) with `template` as its chat
+    template, saved to path: token id i is the word "wi"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", pad_token="w0", unk_token="w3")
+    fast.chat_template = template
+    fast.save_pretrained(path)
+    return fast
+
+
 def shifted(labels: torch.Tensor) -> torch.Tensor:
     """HF labels (the token at each position) -> mmpipe's (the token each position predicts next)."""
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlavaForConditionalGeneration, PreTrainedTokenizerFast
+from transformers import LlavaForConditionalGeneration
 
-from hf_models import save_hf
+from hf_models import save_hf, word_tokenizer
 from mmpipe.checkpoint import load_reference
 from mmpipe.cli import main
 from mmpipe.config import load_preset
@@ -23,12 +22,7 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}w4 {{ m['content'] }} {% endfo
 
 
 def _tokenizer(path):
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w3"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", pad_token="w0", unk_token="w3")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(path)
-    return fast
+    return word_tokenizer(path, TEMPLATE)
 
 
 def test_import_generate_export_llava(tmp_path, capsys):

@@ -15,6 +15,9 @@ Sequence layout for one sample (text_len = 12, 16 image tokens, so T = 28 decode
     decoder input  [BOS] img_1 .. img_N question: what shape is red circle [EOS] [PAD] ...
     labels         position p holds the token p should predict (p + 1's token) for the answer
                    tokens, IGNORE_INDEX elsewhere: loss on answer tokens only (mmpipe.data.text).
+
+The LLaVA family carries its image inside input_ids: [BOS] <image> x N question: ... [EOS] [PAD] ...,
+input_ids and labels N + text_len wide (a text-only sample: no placeholders, N more pads).
 """
 from __future__ import annotations
 
@@ -55,8 +58,10 @@ class TrainSet(Dataset):
     need_labels=False (the first stage of a multi-stage pipeline) builds no labels."""
 
     def __init__(self, samples, *, text_len: int, n_img: int, image_size: int, need_images: bool = True,
-                 need_labels: bool = True, augment_seed: int | None = None):
+                 need_labels: bool = True, augment_seed: int | None = None, image_token: tuple[int, int] = (-1, 0)):
+        """image_token: the LLaVA family's (placeholder id, count) after BOS, mmpipe.data.text.placeholders."""
         self.samples, self.text_len, self.n_img, self.image_size = samples, text_len, n_img, image_size
+        self.image_token = image_token
         self.need_images, self.need_labels, self.augment_seed = need_images, need_labels, augment_seed
 
     def __len__(self):  # positions are endless; the batch sampler decides which are read
@@ -64,7 +69,8 @@ class TrainSet(Dataset):
 
     def __getitem__(self, pos: int) -> dict:
         enc, has_image = self.samples.tokens(pos)
-        input_ids, labels = pad_sample(enc, self.text_len, self.n_img, self.samples.pad_id, IGNORE_INDEX)
+        input_ids, labels = pad_sample(enc, self.text_len, self.n_img, self.samples.pad_id, IGNORE_INDEX,
+                                       image_token=self.image_token, has_image=has_image)
         item = {"pos": pos, "input_ids": input_ids, "has_image": int(has_image)}
         if self.need_labels:
             item["labels"] = labels
@@ -73,7 +79,8 @@ class TrainSet(Dataset):
                 if self.augment_seed is not None:  # per position: augmentation repeats exactly on resume
                     torch.manual_seed(self.augment_seed * 1_000_003 + pos)
                 item["pixels"] = self.samples.pixels(pos)
-            else:  # text-only record: a zero image the decoder masks out (mmpipe.model.attention)
+            else:  # text-only record: a zero image the decoder masks out (mmpipe.model.attention); LLaVA: no
+                # placeholders, so the embedding uses none of its features (mmpipe.model.llava.LlavaEmbed)
                 item["pixels"] = torch.zeros(3, self.image_size, self.image_size)
         return item
 

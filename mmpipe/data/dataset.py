@@ -16,7 +16,7 @@ from ..config import ConfigError, ModelConfig
 from .images import DEFAULT_MAX_PIXELS
 from .samples import SHAPES_TEXT_LEN, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec
-from .text import OVERLONG, ConversationEncoder
+from .text import OVERLONG, ConversationEncoder, placeholders
 from .tokenizer import builtin_tokenizer, load_tokenizer
 
 POLICIES = ("skip", "strict")
@@ -67,8 +67,10 @@ class DataOptions:
         return self.spec is None
 
 
-def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None) -> DataOptions:
-    """Raises ConfigError with every problem, one line each."""
+def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None, run_tokenizer: str | None = None) -> DataOptions:
+    """Raises ConfigError with every problem, one line each. run_tokenizer: the tokenizer directory
+    of the run --init-from starts from (--tokenizer overrides it). The LLaVA family's built-in
+    tokenizer carries <image>."""
     problems = []
     spec = None
     if args.data != "shapes":
@@ -77,21 +79,27 @@ def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None) -> DataOptio
         except ConfigError as e:
             problems.append(str(e))
     tok = None
+    path = args.tokenizer or run_tokenizer
     if args.data == "shapes" and args.tokenizer:
         problems.append("--tokenizer: the built-in shapes set uses the built-in tokenizer; drop --tokenizer")
+    elif args.data == "shapes" and run_tokenizer:
+        problems.append(f"--init-from: the run's tokenizer ({run_tokenizer}) is not the built-in one the shapes set "
+                        f"is written in; train it on your own data (--data)")
     else:
         try:
-            tok = load_tokenizer(args.tokenizer) if args.tokenizer else builtin_tokenizer()
+            tok = load_tokenizer(path) if path else builtin_tokenizer(image_token=cfg is not None and cfg.family == "llava")
         except ConfigError as e:
             problems.append(str(e))
     text_len = args.text_len
     if cfg is not None:
-        room = cfg.text.max_context - cfg.prefix_len + 1  # BOS + image + text - 1 predicted positions
+        n_image = cfg.n_image_positions + placeholders(cfg)[1]  # spliced image, or LLaVA's <image> placeholders
+        room = cfg.text.max_context - n_image  # decoder positions: image + text_len (BOS included) <= max_context
         if text_len is None:
             text_len = SHAPES_TEXT_LEN if args.data == "shapes" else room
         if text_len < 2 or text_len > room:
             problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
-                            f"{cfg.text.max_context} - {cfg.n_image_positions} image tokens)")
+                            f"{cfg.text.max_context} - {n_image} image "
+                            f"{'placeholders' if placeholders(cfg)[1] else 'tokens'})")
     if args.max_image_pixels < 1:
         problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
     if args.data_workers < 0:

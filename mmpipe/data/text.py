@@ -12,7 +12,9 @@ with the built-in template (word-level, one token per word):
 
 The image is not in the text: it is spliced after the first token (BOS) by the model, so the
 `<image>` marker of LLaVA-style data is removed here (its count was checked when the record was
-read). Sequences are a fixed `text_len` tokens per run; a longer one is refused (`too_long`)
+read). The LLaVA family reads its image from placeholder ids inside input_ids instead
+(`placeholders(cfg)`: vision.n_features copies of image_token_id); pad_sample puts them right
+after BOS for a sample with an image, the layout moondream's spliced image has. Sequences are a fixed `text_len` tokens per run; a longer one is refused (`too_long`)
 or, under the `truncate` policy, cut to text_len if its first answer token survives.
 """
 from __future__ import annotations
@@ -89,13 +91,41 @@ class ConversationEncoder:
         return ids if ids and ids[0] == self.bos else [self.bos] + ids
 
 
-def pad_sample(e: Encoded, text_len: int, n_img: int, pad_id: int, ignore_index: int) -> tuple[np.ndarray, np.ndarray]:
-    """input_ids [text_len] (right-padded) and labels [n_img + text_len]: text token j sits at decoder
-    position n_img + j (j >= 1) and is predicted from position n_img + j - 1."""
-    input_ids = np.full(text_len, pad_id, dtype=np.int64)
-    input_ids[:len(e.ids)] = e.ids
-    labels = np.full(n_img + text_len, ignore_index, dtype=np.int64)
+def placeholders(cfg) -> tuple[int, int]:
+    """(token id, count) of the image placeholders a sample with an image carries in input_ids:
+    (image_token_id, vision.n_features) for the LLaVA family, e.g. (32000, 576); (-1, 0) otherwise
+    (the image is spliced in by the model, or attended to)."""
+    if getattr(cfg, "family", "moondream") != "llava":
+        return -1, 0
+    return cfg.image_token_id, cfg.vision.n_features
+
+
+def decoder_positions(cfg, text_len: int) -> int:
+    """Decoder positions per sample, pads included: spliced image + placeholders + text, e.g.
+    moondream-shaped 16 + 0 + 12 = 28, LLaVA-shaped 0 + 16 + 12 = 28."""
+    return cfg.n_image_positions + placeholders(cfg)[1] + text_len
+
+
+def with_placeholders(ids: list[int], cfg) -> list[int]:
+    """A prompt (BOS first) with the family's image placeholders after BOS (none outside LLaVA)."""
+    token, n = placeholders(cfg)
+    return list(ids[:1]) + [token] * n + list(ids[1:])
+
+
+def pad_sample(e: Encoded, text_len: int, n_img: int, pad_id: int, ignore_index: int, *,
+               image_token: tuple[int, int] = (-1, 0), has_image: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids [n_ph + text_len] (right-padded) and labels [n_img + n_ph + text_len], n_ph the
+    placeholder count of image_token = (id, n_ph) (`placeholders(cfg)`). A sample with an image gets
+    the n_ph placeholder ids right after BOS (a text-only one none, so more padding); text token j
+    (j >= 1) then sits at decoder position k + j, k = n_img + (n_ph if has_image else 0), and is
+    predicted from position k + j - 1. Placeholder positions are never labelled."""
+    token, n_ph = image_token
+    k = n_ph if has_image else 0
+    ids = np.concatenate([e.ids[:1], np.full(k, token, dtype=np.int64), e.ids[1:]]) if k else e.ids
+    input_ids = np.full(n_ph + text_len, pad_id, dtype=np.int64)
+    input_ids[:len(ids)] = ids
+    labels = np.full(n_img + n_ph + text_len, ignore_index, dtype=np.int64)
     j = np.nonzero(e.target)[0]
     j = j[j >= 1]  # BOS is never predicted
-    labels[n_img + j - 1] = e.ids[j]
+    labels[n_img + k + j - 1] = e.ids[j]
     return input_ids, labels

@@ -36,16 +36,32 @@ MOONDREAM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 
                       "{% endif %}{% endfor %}")
 
 
-@functools.lru_cache(maxsize=1)
-def builtin_tokenizer() -> PreTrainedTokenizerFast:
+IMAGE_TOKEN = "<image>"
+
+
+@functools.lru_cache(maxsize=2)
+def builtin_tokenizer(image_token: bool = False) -> PreTrainedTokenizerFast:
+    """image_token: with the LLaVA family's `<image>` placeholder as one more special token, the
+    last id (36); text never produces it (the data removes `<image>` markers), the data path
+    inserts it by id (mmpipe.data.text.placeholders)."""
     from .shapes import VOCABULARY  # the words the task can say
-    words = SPECIALS + PROMPT_WORDS + [w for w in VOCABULARY if w not in PROMPT_WORDS]
+    words = SPECIALS + PROMPT_WORDS + [w for w in VOCABULARY if w not in PROMPT_WORDS] + [IMAGE_TOKEN] * image_token
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]",
                                    pad_token="[PAD]", unk_token="[UNK]")
+    if image_token:
+        fast.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     fast.chat_template = BUILTIN_TEMPLATE
     return fast
+
+
+def add_image_token(tok: PreTrainedTokenizerBase) -> int:
+    """The id of `<image>` in tok, added as a special token when missing (tok is changed)."""
+    if IMAGE_TOKEN not in tok.get_vocab():
+        from tokenizers import AddedToken
+        tok.add_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)], special_tokens=True)
+    return tok.convert_tokens_to_ids(IMAGE_TOKEN)
 
 
 def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:

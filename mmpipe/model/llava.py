@@ -120,6 +120,9 @@ class LlavaEmbed(nn.Module):
         super().__init__()
         self.image_token_id = cfg.image_token_id
         self.embed_tokens = nn.Embedding(cfg.text.vocab_size, cfg.text.dim)
+        # HF's initializer_range: at nn.Embedding's N(0, 1) a tied head starts with logits of std
+        # ~sqrt(dim), a first loss of ~30 instead of ~ln(V) (llava-tiny)
+        nn.init.normal_(self.embed_tokens.weight, std=0.02)
 
     def forward(self, args):
         t = StageTuple.unpack(args)  # hidden: image features [B, N_feat, D]; input_ids [B, T] with N_feat placeholders

@@ -1,0 +1,73 @@
+"""`mmpipe train --init-from RUN`: an imported HF LLaVA (SigLIP + Llama, tiny, random) trained 2 steps
+on 2 stages from its weights on a LLaVA .jsonl in its own tokenizer's words; the first loss is HF's
+forward loss on the same micro-batch. A disagreeing --preset and the shapes set with the run's own
+tokenizer are refused with one line."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import train_run, write_ds_config
+from hf_models import IMAGE_TOKEN, save_hf, word_tokenizer
+from mmpipe.cli import main
+from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
+from mmpipe.data.dataset import prepare
+from mmpipe.data.text import placeholders
+from mmpipe.run_config import add_train_args, resolve
+
+TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}w4 {{ m['content'] }} w5 "
+            "{% else %}{{ m['content'] }} {{ eos_token }} {% endif %}{% endfor %}")
+
+
+def _tokenizer(path):
+    return word_tokenizer(path, TEMPLATE)
+
+
+def test_init_from_imported_llava(tmp_path, capsys):
+    hf = save_hf("siglip_llama", tmp_path / "hf")
+    _tokenizer(tmp_path / "hf")
+    imported = tmp_path / "imported"
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(imported)]) == 0
+    g = torch.Generator().manual_seed(0)
+    (tmp_path / "img").mkdir()
+    records = []
+    for i in range(8):
+        Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()).save(tmp_path / "img" / f"{i}.png")
+        q, a = torch.randint(6, IMAGE_TOKEN, (3,), generator=g).tolist(), torch.randint(6, IMAGE_TOKEN, (2,), generator=g)
+        records.append({"image": f"img/{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\n" + " ".join(f"w{t}" for t in q)},
+            {"from": "gpt", "value": " ".join(f"w{t}" for t in a.tolist())}]})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = write_ds_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+                         scheduler=None, optimizer={"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}})
+    args = ["--init-from", str(imported), "--data", str(data), "--text-len", "12", "--ds-config", str(ds),
+            "--steps", "2", "--eval-samples", "0", "--seed", "5"]
+    run = train_run(tmp_path / "run", "--stages", "2", *args).check()
+
+    # the same first micro-batch, through HF's own forward (HF labels: the token at each position)
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    rc = resolve(p.parse_args(args + ["--stages", "1"]), world_size=1)
+    assert rc.model.image_token_id == IMAGE_TOKEN and len(rc.data.tokenizer) == 100
+    samples = prepare(rc.data, rc.model, tmp_path / "run", 5, verbose=False)
+    ts = TrainSet(samples, text_len=12, n_img=0, image_size=32, image_token=placeholders(rc.model))
+    (px, ids, has_image), labels = next(rank_batches(ts, StepBatches(0, 2, 1, 0, 1)))
+    assert has_image.tolist() == [1, 1] and (ids[:, 1:17] == IMAGE_TOKEN).all()
+    hf_labels = torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)
+    with torch.no_grad():
+        want = hf(input_ids=ids, pixel_values=px, labels=hf_labels).loss.item()
+    losses = run.losses
+    assert losses[1] == pytest.approx(want, abs=1e-4)
+    assert losses[2] != pytest.approx(losses[1], abs=1e-4)  # it trained from there
+
+    capsys.readouterr()
+    assert main(["train", *args, "--preset", "llava-tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mmpipe: error: --preset: llava-tiny is not the model") and len(err.splitlines()) == 1
+    assert main(["train", "--init-from", str(imported), "--steps", "1"]) == 2
+    assert "the shapes set" in capsys.readouterr().err

@@ -1,0 +1,47 @@
+"""`mmpipe train --preset llava-tiny`: the LLaVA family on the built-in shapes set, the image on
+<image> placeholders after BOS. The 2-stage pipeline's losses equal the single-device reference's;
+the layout of a sample with and without an image; the decoder positions tokens/s counts."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from conftest import train_run
+from mmpipe.data.text import Encoded, pad_sample
+from mmpipe.reference import train_reference
+from mmpipe.run_config import add_train_args, resolve
+
+TOL = 1e-5
+STEPS = 3
+
+
+def _args(cfg, *extra):
+    return ["--preset", "llava-tiny", "--ds-config", str(cfg), "--steps", str(STEPS), "--eval-samples", "0",
+            "--seed", "3", *extra]
+
+
+def test_placeholders_after_bos_and_text_only_without():
+    e = Encoded(np.array([1, 7, 8, 9, 2]), np.array([False, False, False, True, True]))
+    ids, labels = pad_sample(e, 6, 0, 0, -100, image_token=(50, 3))
+    assert ids.tolist() == [1, 50, 50, 50, 7, 8, 9, 2, 0]
+    assert labels.tolist() == [-100] * 5 + [9, 2, -100, -100]  # position p predicts p + 1's token
+    ids, labels = pad_sample(e, 6, 0, 0, -100, image_token=(50, 3), has_image=False)
+    assert ids.tolist() == [1, 7, 8, 9, 2, 0, 0, 0, 0] and labels.tolist() == [-100, -100, 9, 2] + [-100] * 5
+
+
+def test_llava_tiny_pp2_equals_reference(tmp_path, equivalence_config):
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    run = resolve(p.parse_args(_args(equivalence_config, "--stages", "1")), world_size=1)
+    assert run.model.image_token_id == len(run.data.tokenizer) - 1  # the built-in tokenizer's <image>
+    _, ref = train_reference(run, seed=3, steps=STEPS)
+    pp2 = train_run(tmp_path, *_args(equivalence_config, "--stages", "2")).check()
+    assert pp2.summary["stages"] == 2
+    losses = pp2.losses
+    for step, want in enumerate(ref, start=1):
+        assert losses[step] == pytest.approx(want, abs=TOL), step
+    assert abs(ref[-1] - ref[0]) > 1e-3
+    row = pp2.rows[-1]  # 16 placeholders + 12 text positions per sample
+    assert float(row["tokens_per_s"]) / float(row["samples_per_s"]) == pytest.approx(28, rel=0.01)
