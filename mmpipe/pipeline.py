@@ -37,9 +37,12 @@ class VLMPipeline(PipelineModule):
         # over its "model parallel" group - here, the stages of one pipeline - but counts a
         # parameter only on group rank 0 (stage 0) unless it is marked model_parallel. Unmarked,
         # every stage clips with stage 0's norm and PP=2 drifts from PP=1 once clipping engages.
-        # Each parameter lives on exactly one stage, so marking all of them counts each once.
+        # Each parameter lives on exactly one stage, so marking all of them counts each once - except
+        # a tied module (TiedLayerSpec), held on every stage that uses it: DeepSpeed flags the copies
+        # after the first ds_pipe_replicated (its ZeRO/fp16 norms skip them; the fp32 clip does not),
+        # and an unmarked copy off stage 0 is not counted, so the tied weight counts once.
         for p in self.parameters():
-            p.model_parallel = True
+            p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
 
     def _partition_layers(self, method="mmpipe"):
         self.parts = self._mmpipe_parts

@@ -1,6 +1,8 @@
-"""2-rank driver (run under the deepspeed launcher): import an HF LLaVA directory, load it into a
-2-stage PipelineModule (the tied embedding through TiedLayerSpec), train on one fixed batch for
---steps steps, save a pipeline checkpoint; the last stage writes the losses to OUT/losses.json."""
+"""2-rank driver (run under the deepspeed launcher): import an HF LLaVA directory, load it into
+mmpipe's 2-stage VLMPipeline (the partition `mmpipe train` computes, parameters marked for the
+global-norm clipping, the tied embedding through TiedLayerSpec), train on one fixed batch for
+--steps steps, save a pipeline checkpoint; the last stage writes the losses to OUT/losses.json.
+(`mmpipe train --init-from` runs the same path on a dataset: tests/test_hf_init.py.)"""
 from __future__ import annotations
 
 import argparse
@@ -24,24 +26,31 @@ def main():
     import deepspeed
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     import torch.distributed as dist
-    from deepspeed.pipe import PipelineModule
+    import dataclasses
     from hf_models import batch, shifted
     from mmpipe.hf.llava import import_llava, load_into_pipeline
-    from mmpipe.model.builder import layer_specs, lm_loss
+    from mmpipe.pipeline import VLMPipeline
+    from mmpipe.run_config import add_train_args, resolve
 
     deepspeed.init_distributed()
     model, _ = import_llava(args.hf)
-    pipe = PipelineModule(layers=layer_specs(model.cfg), num_stages=2, loss_fn=lm_loss, partition_method="uniform",
-                          seed_layers=True, base_seed=1234)
-    load_into_pipeline(pipe, model)
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+    out = Path(args.out)
+    (out / "model.json").write_text(json.dumps(model.cfg.to_dict()))
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 1000}
-    engine, _, _, _ = deepspeed.initialize(model=pipe, config=ds,
+    (out / "ds.json").write_text(json.dumps(ds))
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    run = resolve(p.parse_args(["--preset", str(out / "model.json"), "--ds-config", str(out / "ds.json"),
+                                "--stages", "2"]), world_size=2)
+    run = dataclasses.replace(run, model=model.cfg)  # as imported (a fresh run would fit <image> to its tokenizer)
+    pipe = VLMPipeline(run, seed=1234)
+    load_into_pipeline(pipe, model)
+    engine, _, _, _ = deepspeed.initialize(model=pipe, config=run.ds_config,
                                            model_parameters=[q for q in pipe.parameters() if q.requires_grad])
     px, ids, labels = batch(args.kind)
     item = ((px, ids, torch.ones(2, dtype=torch.long)), shifted(labels))
     losses = [float(engine.train_batch(iter([item]))) for _ in range(args.steps)]
-    out = Path(args.out)
     engine.save_checkpoint(str(out / "checkpoints"), tag="step%d" % args.steps)
     if engine.is_last_stage():
         (out / "losses.json").write_text(json.dumps(losses))

@@ -16,7 +16,7 @@ from transformers import LlavaForConditionalGeneration
 
 from conftest import ROOT
 from mmpipe.cli import _free_port
-from hf_models import IMAGE_TOKEN, batch, save_hf, shifted
+from hf_models import batch, save_hf, shifted
 from mmpipe.checkpoint import load_reference
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.costmodel import layer_costs
@@ -95,7 +95,8 @@ def test_cached_generation_equals_uncached(hf_dir):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """CLIP + Qwen2 (tied: the embedding on stage 0, the head on stage 1) trained 3 steps on 2 ranks."""
+    """CLIP + Qwen2 (tied: the embedding on stage 0, the head on stage 1) trained 3 steps on 2 ranks,
+    in mmpipe's VLMPipeline (tests/hf_pipeline_step.py)."""
     d = tmp_path_factory.mktemp("tied")
     hf = save_hf("clip_qwen2", d / "hf")
     out = d / "run"
@@ -110,13 +111,24 @@ def trained(tmp_path_factory):
 
 
 def test_pipeline_first_loss_is_hf_loss(trained):
-    hf, _, out = trained
+    hf, d, out = trained
+    d = d / "hf"
     losses = json.loads((out / "losses.json").read_text())
     px, ids, labels = batch("clip_qwen2")
     with torch.no_grad():
         ref = hf(input_ids=ids, pixel_values=px, labels=labels).loss.item()
     assert losses[0] == pytest.approx(ref, abs=TOL)
     assert losses[-1] < losses[0] - 1e-3  # and it trained
+    # every step equals one-process training with the same recipe (AdamW 1e-2, global-norm clipping at 1)
+    model, _ = import_llava(d)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step, got in enumerate(losses):
+        loss = lm_loss(model(px, ids), shifted(labels))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert got == pytest.approx(loss.item(), abs=1e-5), step
 
 
 def test_round_trip_export_from_pretrained(trained):
