@@ -19,6 +19,13 @@ from .model.builder import ReferenceModel, lm_loss
 from .run_config import RunConfig
 
 
+def make_scheduler(ds_config: dict, opt: torch.optim.Optimizer):
+    """The DeepSpeed JSON's LR scheduler class from deepspeed.runtime.lr_schedules on a torch
+    optimizer (None without one); step it once per optimizer step, as the engine does."""
+    s = ds_config.get("scheduler")
+    return getattr(lr_schedules, s["type"])(opt, **s.get("params", {})) if s else None
+
+
 def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "") -> tuple[ReferenceModel, list[float]]:
     """out_dir: where user data's index is read or written (mmpipe.data.dataset.prepare)."""
     if run.dp != 1 or run.precision != "fp32":
@@ -35,10 +42,7 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     adamw = opt_cfg["type"].lower() == "adamw" or opt_cfg.get("params", {}).get("adam_w_mode", True)
     opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([p for p in model.parameters() if p.requires_grad],
                                                              **params)
-    sched = None
-    if "scheduler" in run.ds_config:
-        s = run.ds_config["scheduler"]
-        sched = getattr(lr_schedules, s["type"])(opt, **s.get("params", {}))
+    sched = make_scheduler(run.ds_config, opt)
     clip = run.ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
     v = run.model.vision
     data = TrainSet(prepare(run.data, run.model, out_dir, seed, verbose=False), text_len=run.text_len,

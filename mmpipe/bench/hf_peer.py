@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .memory import write_peak
+from ..reference import make_scheduler
 from .peer_common import StepLog, batches, peer_args, resolved
 
 
@@ -43,13 +44,14 @@ def main(argv=None) -> int:
     a = peer_args(argv)
     torch.set_num_threads(1)
     from transformers import LlavaForConditionalGeneration
-    run = resolved(a.preset, 1, a.micro, a.gas, 1)
+    run = resolved(a.preset, 1, a.micro, a.gas, 1, a.steps)
     hf = hf_model_config(run.model)
     torch.manual_seed(a.seed)
     model = LlavaForConditionalGeneration(hf).train()
     opt_p = run.ds_config["optimizer"]["params"]
     opt = torch.optim.AdamW(model.parameters(), lr=opt_p["lr"], betas=tuple(opt_p["betas"]), eps=opt_p["eps"],
                             weight_decay=opt_p["weight_decay"])
+    sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     clip = run.ds_config.get("gradient_clipping", 1.0)
     n_img, seq = run.model.n_image_positions, run.model.n_image_positions + run.text_len
     log = StepLog(Path(a.out), run.micro * run.gas, seq)
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         log.step(step, time.perf_counter() - t0, total)
     log.finish(params=sum(p.numel() for p in model.parameters()), hf_model="LlavaForConditionalGeneration")

@@ -20,8 +20,9 @@ def peer_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolved(preset: str, stages: int, micro: int, gas: int, world: int):
-    """mmpipe's RunConfig for these shapes (stage boundaries, text length, data, optimizer recipe)."""
+def resolved(preset: str, stages: int, micro: int, gas: int, world: int, steps: int):
+    """mmpipe's RunConfig for these shapes (stage boundaries, text length, data, optimizer recipe;
+    the LR schedule spans `steps`, as a variant's `--steps` makes it)."""
     from ..run_config import add_train_args, resolve
     from .run_variant import ds_config
     from .sweep import Variant
@@ -31,7 +32,7 @@ def resolved(preset: str, stages: int, micro: int, gas: int, world: int):
         json.dump(cfg, f)
     p = argparse.ArgumentParser()
     add_train_args(p)
-    args = p.parse_args(["--preset", preset, "--ds-config", f.name, "--stages", str(stages)])
+    args = p.parse_args(["--preset", preset, "--ds-config", f.name, "--stages", str(stages), "--steps", str(steps)])
     return resolve(args, world_size=world)
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .memory import write_peak
+from ..reference import make_scheduler
 from .peer_common import StepLog, batches, peer_args, resolved
 
 
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     from ..model.builder import ReferenceModel, lm_loss
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = resolved(a.preset, world, a.micro, a.gas, world)
+    run = resolved(a.preset, world, a.micro, a.gas, world, a.steps)
     full = ReferenceModel(run.model, seed=a.seed)  # layer i under seed + i, as the pipeline builds it
     lo, hi = run.parts[rank], run.parts[rank + 1]
     stage_mod = TupleStage(nn.Sequential(*list(full)[lo:hi]))
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
     params = [p for p in stage_mod.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opt_p["lr"], betas=tuple(opt_p["betas"]), eps=opt_p["eps"],
                             weight_decay=opt_p["weight_decay"])
+    sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     seq = run.model.n_image_positions + run.text_len
     log = StepLog(Path(a.out), run.micro * run.gas, seq) if rank == 0 else None
     stream = batches(run, a.seed)
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         loss = torch.tensor(sum(float(x.detach()) for x in losses) / len(losses) if losses else 0.0)
         dist.broadcast(loss, world - 1)
