@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     v = run.model.vision
     dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
                        augment_seed=args.seed if run.data.augment else None)
-    batches = rank_batches(dataset, StepBatches(0, run.micro, run.gas, rank, run.dp), dtype=dtype)
+    batches = rank_batches(dataset, StepBatches(0, run.micro, run.gas, rank, run.dp), dtype=dtype,
+                           workers=run.data.workers)
     seq = run.model.n_image_positions + run.text_len
     log_file = open(out / "train_log.csv", "w", newline="") if rank == 0 else None
     log = csv.DictWriter(log_file, train.CSV_FIELDS) if log_file else None

@@ -76,7 +76,7 @@ def main_bench(args: argparse.Namespace) -> int:
             _progress(i, len(plan), row["name"], t0, "running")
             rc, reason, wall = peers_mod.run_peer(item, shape, sw, vout)
             vlike = sweep_mod.Variant(name=row["name"], preset=shape.preset, stages=row["stages"], micro=shape.micro,
-                                      gas=shape.gas)
+                                      gas=shape.gas, data_workers=shape.data_workers)
         else:
             v = item
             row = {"kind": "variant", "repeat": rep, **v.to_dict(), "world": v.world}

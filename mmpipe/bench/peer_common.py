@@ -17,10 +17,11 @@ def peer_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-workers", type=int, default=2)
     return p.parse_args(argv)
 
 
-def resolved(preset: str, stages: int, micro: int, gas: int, world: int, steps: int):
+def resolved(preset: str, stages: int, micro: int, gas: int, world: int, steps: int, data_workers: int = 2):
     """mmpipe's RunConfig for these shapes (stage boundaries, text length, data, optimizer recipe;
     the LR schedule spans `steps`, as a variant's `--steps` makes it)."""
     from ..run_config import add_train_args, resolve
@@ -32,18 +33,21 @@ def resolved(preset: str, stages: int, micro: int, gas: int, world: int, steps: 
         json.dump(cfg, f)
     p = argparse.ArgumentParser()
     add_train_args(p)
-    args = p.parse_args(["--preset", preset, "--ds-config", f.name, "--stages", str(stages), "--steps", str(steps)])
+    args = p.parse_args(["--preset", preset, "--ds-config", f.name, "--stages", str(stages), "--steps", str(steps),
+                       "--data-workers", str(data_workers)])
     return resolve(args, world_size=world)
 
 
-def batches(run, seed: int):
-    """mmpipe's own micro-batch stream for dp rank 0 (the same samples a PP run trains on)."""
+def batches(run, seed: int, *, first: bool = True, last: bool = True):
+    """mmpipe's own micro-batch stream for dp rank 0 (the same samples a PP run trains on), loaded
+    as mmpipe.train loads it: images and the loader workers only on the first stage, labels only
+    on the last, so a peer pays the same data cost as the variant it is compared with."""
     from ..data.batches import StepBatches, TrainSet, rank_batches
     from ..data.dataset import prepare
     v = run.model.vision
     data = TrainSet(prepare(run.data, run.model, "", seed, verbose=False), text_len=run.text_len,
-                    n_img=run.model.n_image_positions, image_size=v.image_size)
-    return rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
+                    n_img=run.model.n_image_positions, image_size=v.image_size, need_images=first, need_labels=last)
+    return rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1), workers=run.data.workers if first else 0)
 
 
 class StepLog:

@@ -3,23 +3,17 @@ a fresh interpreter, one thread per rank) with the shapes and batch of the sweep
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..cli import _free_port
+from .run_variant import run_logged
 
 
 def run_peer(kind: str, shape, sweep, out: Path) -> tuple[int, str, float]:
     out.mkdir(parents=True, exist_ok=True)
     common = ["--preset", shape.preset, "--micro", str(shape.micro), "--gas", str(shape.gas),
-              "--steps", str(sweep.steps), "--out", str(out)]
+              "--steps", str(sweep.steps), "--out", str(out), "--data-workers", str(shape.data_workers)]
     if kind == "hf":
         cmd = [sys.executable, "-m", "mmpipe.bench.hf_peer", *common]
     else:
@@ -29,12 +23,4 @@ def run_peer(kind: str, shape, sweep, out: Path) -> tuple[int, str, float]:
     env.setdefault("OMP_NUM_THREADS", "1")
     if kind == "hf":
         env["RANK"] = "0"
-    t0 = time.perf_counter()
-    with open(out / "run.log", "w") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
-        try:
-            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=sweep.timeout_s)
-        except subprocess.TimeoutExpired:
-            return 124, f"timeout after {sweep.timeout_s} s", time.perf_counter() - t0
-    return rc, "", time.perf_counter() - t0
+    return run_logged(cmd, env, out, sweep.timeout_s)

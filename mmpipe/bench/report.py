@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "zero", "precision",
-           "micro", "gas", "checkpointing", "partition", "world", "train_batch", "measured_steps",
+           "micro", "gas", "checkpointing", "partition", "data_workers", "world", "train_batch", "measured_steps",
            "samples_per_s", "samples_per_s_iqr", "tokens_per_s", "tokens_per_s_iqr", "step_time_s",
            "peak_mem_mb_max", "peak_mem_mb_per_rank", "bubble_measured", "bubble_theory", "stage_imbalance",
            "achieved_flops", "mfu", "final_loss", "wall_s"]

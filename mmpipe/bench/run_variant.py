@@ -8,12 +8,12 @@ import csv
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
+from ..cli import _free_port
 from ..config import ConfigError
 from ..run_config import REPO_CONFIGS, add_train_args, resolve
 from .sweep import Sweep, Variant
@@ -44,7 +44,7 @@ def ds_config(v: Variant, resolve_copy: bool = False) -> dict:
 
 def train_argv(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> list[str]:
     return ["--preset", v.preset, "--ds-config", str(cfg_path), "--stages", str(v.stages), "--steps", str(sweep.steps),
-            "--output-dir", str(out), "--eval-samples", "0", "--keep-checkpoints", "1"]
+            "--output-dir", str(out), "--eval-samples", "0", "--keep-checkpoints", "1", "--data-workers", str(v.data_workers)]
 
 
 def check(v: Variant, sweep: Sweep, out: Path) -> str | None:
@@ -60,12 +60,6 @@ def check(v: Variant, sweep: Sweep, out: Path) -> str | None:
     except ConfigError as e:
         return "refused: " + "; ".join(str(e).splitlines())
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _first_error(log: str) -> str:
@@ -89,15 +83,7 @@ def launch(v: Variant, sweep: Sweep, out: Path) -> tuple[int, str, float]:
            "--module", module, *extra, *train_argv(v, sweep, out, cfg_path)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
-    t0 = time.perf_counter()
-    with open(out / "run.log", "w") as log:
-        log.write(" ".join(cmd) + "\n")
-        log.flush()
-        try:
-            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=sweep.timeout_s)
-        except subprocess.TimeoutExpired:
-            return 124, f"timeout after {sweep.timeout_s} s", time.perf_counter() - t0
-    return rc, "", time.perf_counter() - t0
+    return run_logged(cmd, env, out, sweep.timeout_s)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -155,3 +141,16 @@ def flops_per_sample(v: Variant) -> float:
     cfg = load_preset(v.preset)
     data = resolve_data(args, cfg)
     return sum(r.fwd_flops + r.bwd_flops for r in layer_costs(cfg, (), data.text_len, False))
+
+
+def run_logged(cmd: list[str], env: dict, out: Path, timeout_s: float) -> tuple[int, str, float]:
+    """Run one launch with its output in out/run.log: (exit status, reason if it timed out, wall s)."""
+    t0 = time.perf_counter()
+    with open(out / "run.log", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return 124, f"timeout after {timeout_s} s", time.perf_counter() - t0
+    return rc, "", time.perf_counter() - t0

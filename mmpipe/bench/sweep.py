@@ -26,11 +26,13 @@ VARIANT_FIELDS = {
     "gas": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "checkpointing": (lambda v: isinstance(v, bool), "true or false"),
     "partition": (lambda v: isinstance(v, str) and v, "balanced, uniform, parameters, best or boundaries '3,7'"),
+    "data_workers": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                     "an integer >= 0 (loader worker processes on the first stage)"),
     "engine": (lambda v: v in ("pipe", "dp"), "'pipe' (PipelineEngine) or 'dp' (DeepSpeed's ordinary engine, "
                                               "no pipeline)"),
 }
 VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
-                    "checkpointing": False, "partition": "best", "engine": "pipe"}
+                    "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe"}
 PEERS = ("hf", "torch_pipe")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "_comment"}
@@ -49,6 +51,7 @@ class Variant:
     gas: int = 4
     checkpointing: bool = False
     partition: str = "best"
+    data_workers: int = 2  # mmpipe train's --data-workers
     engine: str = "pipe"
 
     @property
@@ -95,7 +98,7 @@ def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[
 
 
 def _auto_name(d: dict, keys) -> str:
-    short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
+    short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt", "data_workers": "w",
              "partition": "part-", "precision": "", "engine": "", "preset": ""}
     parts = []
     for k in keys:

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from ..model.builder import ReferenceModel, lm_loss
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = resolved(a.preset, world, a.micro, a.gas, world, a.steps)
+    run = resolved(a.preset, world, a.micro, a.gas, world, a.steps, a.data_workers)
     full = ReferenceModel(run.model, seed=a.seed)  # layer i under seed + i, as the pipeline builds it
     lo, hi = run.parts[rank], run.parts[rank + 1]
     stage_mod = TupleStage(nn.Sequential(*list(full)[lo:hi]))
@@ -58,20 +58,16 @@ def main(argv=None) -> int:
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     seq = run.model.n_image_positions + run.text_len
     log = StepLog(Path(a.out), run.micro * run.gas, seq) if rank == 0 else None
-    stream = batches(run, a.seed)
+    stream = batches(run, a.seed, first=rank == 0, last=rank == world - 1)
     for step in range(1, a.steps + 1):
-        mbs = [next(stream) for _ in range(run.gas)]
-        pixels = torch.cat([m[0][0] for m in mbs])
-        ids = torch.cat([m[0][1] for m in mbs])
-        has = torch.cat([m[0][2] for m in mbs])
-        labels = torch.cat([m[1] for m in mbs])
         dist.barrier()  # start every step together, as a train_batch does
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # loading is inside the step, as in train_batch (its LoadMicroBatch)
+        mbs = [next(stream) for _ in range(run.gas)]
         losses = []
-        if rank == 0:
-            schedule.step(pixels, ids, has)
+        if rank == 0:  # images, input_ids, has_image; the schedule splits them into gas micro-batches
+            schedule.step(*(torch.cat([m[0][k] for m in mbs]) for k in range(3)))
         elif rank == world - 1:
-            schedule.step(target=labels, losses=losses)
+            schedule.step(target=torch.cat([m[1] for m in mbs]), losses=losses)
         else:
             schedule.step()
         # same global-norm clipping as the DeepSpeed config (the norm summed over both stages)
