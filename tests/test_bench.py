@@ -1,7 +1,7 @@
 """mmpipe bench: a tiny sweep end to end on CPU (a 2-stage pipeline, a variant mmpipe refuses, both
-peers), every output written, the refusal recorded and not fatal, torch pipelining's losses equal
-mmpipe's; the CSV columns are the ones docs/benchmarks.md documents; bad sweep files exit 2 before
-anything runs."""
+peers, DP=2 through both engines), every output written, the refusal recorded and not fatal;
+torch pipelining's losses equal mmpipe's and ZeRO-2's equal ZeRO-1's; the CSV columns are the
+ones docs/benchmarks.md documents; bad sweep files exit 2 before anything runs."""
 from __future__ import annotations
 
 import csv
@@ -35,19 +35,21 @@ def test_tiny_sweep_end_to_end(tmp_path):
     sweep.write_text(json.dumps({
         "name": "tiny", "steps": 4, "warmup_steps": 1, "base": {"preset": "tiny", "micro": 4, "gas": 2},
         "variants": [{"name": "pp2", "stages": 2},
-                     {"name": "fp16_no_zero", "precision": "fp16"}],  # refused: fp16 needs ZeRO-1
+                     {"name": "fp16_no_zero", "precision": "fp16"},  # refused: fp16 needs ZeRO-1
+                     {"name": "dp2_z1", "dp": 2, "zero": 1},
+                     {"name": "dp2_z2", "engine": "dp", "dp": 2, "zero": 2}],
         "peers": ["hf", "torch_pipe"], "targets": {"pp2": "pp2"}}))
     out = tmp_path / "out"
     proc = bench([str(sweep), "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("results.csv", "results.json", "results.md", "throughput.png", "memory.png", "bubble.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    assert "[bench 4/4" in proc.stdout  # the progress display
+    assert "[bench 6/6" in proc.stdout  # the progress display
     with open(out / "results.csv", newline="") as f:
         reader = csv.DictReader(f)
         rows = {r["name"]: r for r in reader}
         assert reader.fieldnames == documented_columns()
-    assert set(rows) == {"pp2", "fp16_no_zero", "peer_hf", "peer_torch_pipe"}
+    assert set(rows) == {"pp2", "fp16_no_zero", "dp2_z1", "dp2_z2", "peer_hf", "peer_torch_pipe"}
     ok = rows["pp2"]
     assert ok["status"] == "ok"
     assert int(ok["measured_steps"]) == 3  # 4 steps, the first excluded as warm-up
@@ -65,6 +67,9 @@ def test_tiny_sweep_end_to_end(tmp_path):
         with open(out / d / "train_log.csv") as f:
             return [float(r["loss"]) for r in csv.DictReader(f)]
     assert losses("peers/torch_pipe_r0") == pytest.approx(losses("variants/pp2_r0"), abs=1e-5)
+    # ZeRO-2 through DeepSpeed's ordinary engine trains what the pipeline engine's DP=2 ZeRO-1 does
+    # (each loss the mean over both replicas)
+    assert losses("variants/dp2_z2_r0") == pytest.approx(losses("variants/dp2_z1_r0"), abs=1e-5)
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["peaks"]["fp32"] > 1e8  # measured one-thread matmul peak
     assert "| pp2 |" in (out / "results.md").read_text()

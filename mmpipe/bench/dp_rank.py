@@ -85,6 +85,11 @@ def main(argv=None) -> int:
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer at the GAS boundary only
             total += loss.item() / run.gas
+        # the mean over the DP replicas, as the PipelineEngine reports its loss (rank 0's alone is
+        # the loss of half the batch at DP=2)
+        mean = torch.tensor([total])
+        dist.all_reduce(mean)
+        total = float(mean) / run.dp
         dt = time.perf_counter() - t0
         step_times.append(dt)
         losses.append(total)
