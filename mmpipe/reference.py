@@ -19,6 +19,18 @@ from .model.builder import ReferenceModel, lm_loss
 from .run_config import RunConfig
 
 
+def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:
+    """The DeepSpeed JSON's Adam/AdamW as the torch optimizer DeepSpeed builds for `torch_adam`
+    (params: tensors, or param groups whose own settings override the JSON's)."""
+    opt_cfg = ds_config["optimizer"]
+    if opt_cfg["type"].lower() not in ("adamw", "adam"):
+        raise ValueError(f"reference loop supports Adam/AdamW, not {opt_cfg['type']}")
+    kw = {k: v for k, v in opt_cfg.get("params", {}).items() if k not in ("torch_adam", "adam_w_mode")}
+    kw["betas"] = tuple(kw.get("betas", (0.9, 0.999)))
+    adamw = opt_cfg["type"].lower() == "adamw" or opt_cfg.get("params", {}).get("adam_w_mode", True)
+    return (torch.optim.AdamW if adamw else torch.optim.Adam)(params, **kw)
+
+
 def make_scheduler(ds_config: dict, opt: torch.optim.Optimizer):
     """The DeepSpeed JSON's LR scheduler class from deepspeed.runtime.lr_schedules on a torch
     optimizer (None without one); step it once per optimizer step, as the engine does."""
@@ -34,14 +46,7 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     if run.init_from:  # weights only, as mmpipe.train.load_run_weights
         from .checkpoint import load_reference
         model.load_state_dict(load_reference(Path(run.init_from) / "checkpoints", run.model).state_dict())
-    opt_cfg = run.ds_config["optimizer"]
-    if opt_cfg["type"].lower() not in ("adamw", "adam"):
-        raise ValueError(f"reference loop supports Adam/AdamW, not {opt_cfg['type']}")
-    params = {k: v for k, v in opt_cfg.get("params", {}).items() if k not in ("torch_adam", "adam_w_mode")}
-    params["betas"] = tuple(params.get("betas", (0.9, 0.999)))
-    adamw = opt_cfg["type"].lower() == "adamw" or opt_cfg.get("params", {}).get("adam_w_mode", True)
-    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([p for p in model.parameters() if p.requires_grad],
-                                                             **params)
+    opt = make_optimizer(run.ds_config, [p for p in model.parameters() if p.requires_grad])
     sched = make_scheduler(run.ds_config, opt)
     clip = run.ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
     v = run.model.vision

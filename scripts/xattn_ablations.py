@@ -29,7 +29,7 @@ from mmpipe.evaluate import evaluate
 from mmpipe.model import cross_attention as xa
 from mmpipe.model.builder import ReferenceModel, lm_loss
 from mmpipe.model.stage import StageTuple
-from mmpipe.reference import make_scheduler
+from mmpipe.reference import make_optimizer, make_scheduler
 from mmpipe.run_config import add_train_args, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,8 +97,7 @@ def main() -> None:
     model = ReferenceModel(run.model, seed=0)
     gates = [q for n, q in model.named_parameters() if n.endswith("_gate")]
     rest = [q for n, q in model.named_parameters() if not n.endswith("_gate")]
-    opt = torch.optim.AdamW([{"params": rest, "lr": args.lr}, {"params": gates, "lr": args.lr * args.gate_lr}],
-                            betas=(0.9, 0.95), weight_decay=0.0)
+    opt = make_optimizer(run.ds_config, [{"params": rest, "lr": args.lr}, {"params": gates, "lr": args.lr * args.gate_lr}])
     sched = make_scheduler(run.ds_config, opt)
     data = TrainSet(prepare(run.data, run.model, str(out), 0, verbose=False), text_len=run.text_len,
                     n_img=run.model.n_image_positions, image_size=run.model.vision.image_size,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .memory import write_peak
-from ..reference import make_scheduler
+from ..reference import make_optimizer, make_scheduler
 from .peer_common import StepLog, batches, peer_args, resolved
 
 
@@ -48,9 +48,7 @@ def main(argv=None) -> int:
     hf = hf_model_config(run.model)
     torch.manual_seed(a.seed)
     model = LlavaForConditionalGeneration(hf).train()
-    opt_p = run.ds_config["optimizer"]["params"]
-    opt = torch.optim.AdamW(model.parameters(), lr=opt_p["lr"], betas=tuple(opt_p["betas"]), eps=opt_p["eps"],
-                            weight_decay=opt_p["weight_decay"])
+    opt = make_optimizer(run.ds_config, model.parameters())
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     clip = run.ds_config.get("gradient_clipping", 1.0)
     n_img, seq = run.model.n_image_positions, run.model.n_image_positions + run.text_len

@@ -98,8 +98,8 @@ def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[
 
 
 def _auto_name(d: dict, keys) -> str:
-    short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt", "data_workers": "w",
-             "partition": "part-", "precision": "", "engine": "", "preset": ""}
+    short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
+             "data_workers": "w", "partition": "part-", "precision": "", "engine": "", "preset": ""}
     parts = []
     for k in keys:
         v = d[k]

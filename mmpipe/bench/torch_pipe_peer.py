@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .memory import write_peak
-from ..reference import make_scheduler
+from ..reference import make_optimizer, make_scheduler
 from .peer_common import StepLog, batches, peer_args, resolved
 
 
@@ -51,10 +51,8 @@ def main(argv=None) -> int:
     stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
     sched_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
     schedule = sched_cls(stage, n_microbatches=run.gas, loss_fn=lm_loss)
-    opt_p = run.ds_config["optimizer"]["params"]
     params = [p for p in stage_mod.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=opt_p["lr"], betas=tuple(opt_p["betas"]), eps=opt_p["eps"],
-                            weight_decay=opt_p["weight_decay"])
+    opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     seq = run.model.n_image_positions + run.text_len
     log = StepLog(Path(a.out), run.micro * run.gas, seq) if rank == 0 else None
