@@ -104,6 +104,9 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job waits out the step credential's lifetime (120 s by default) before it may start
+# again on a node that revoked it; 10 s keeps the preemption test short
+AuthInfo=cred_expire=10
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
