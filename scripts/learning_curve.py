@@ -3,7 +3,8 @@ held-out accuracy (greedy answers, exact match) of every checkpoint against trai
 
     python scripts/learning_curve.py --output-dir runs/curve --save-every 100
 
-Extra flags go to `mmpipe train` unchanged. Writes curve.csv and curve.md into the output
+Extra flags go to `mmpipe train` unchanged; `--keep-checkpoints` defaults to 0 here (keep all), since
+the curve evaluates every checkpoint after training. Writes curve.csv and curve.md into the output
 directory; docs/shapes.md quotes the numbers of one run.
 """
 from __future__ import annotations
@@ -28,10 +29,12 @@ def main() -> int:
     p.add_argument("--preset", default="small")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-samples", type=int, default=1000)
+    p.add_argument("--keep-checkpoints", default="0", help="passed to mmpipe train; 0 keeps every checkpoint")
     args, train_args = p.parse_known_args()
     out = Path(args.output_dir)
     cmd = [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out), "--preset", args.preset,
-           "--seed", str(args.seed), "--save-every", str(args.save_every), *train_args]
+           "--seed", str(args.seed), "--save-every", str(args.save_every), "--keep-checkpoints", args.keep_checkpoints,
+           *train_args]
     if subprocess.call(cmd) != 0 or not (out / "summary.json").is_file():
         print("learning_curve: training failed", file=sys.stderr)
         return 1
