@@ -109,6 +109,10 @@ class ModelConfig:
     fusion: str = "prefix"
     cross_attn_every: int = 1
     cross_attn_heads: int = 0  # 0: the decoder's n_heads
+    # The gates are tanh(scale * a), a starting at 0. Under Adam (no weight decay on the gates'
+    # default configs) a scale s moves tanh's argument s times faster: the gates' learning rate
+    # x s, in the one parameter group DeepSpeed's pipeline optimizer gets from the JSON.
+    cross_attn_gate_scale: float = 1.0
     # LLaVA family: the token id of <image>; the image features overwrite its positions.
     image_token_id: int = -1
 
@@ -148,6 +152,7 @@ class ModelConfig:
             (self.family in FAMILIES, "family", f"'{self.family}' is not a known family (valid: {', '.join(FAMILIES)})"),
             (self.fusion in FUSIONS, "fusion", f"'{self.fusion}' is not a known fusion (valid: {', '.join(FUSIONS)})"),
             (self.cross_attn_every >= 1, "cross_attn_every", f"{self.cross_attn_every} must be >= 1"),
+            (self.cross_attn_gate_scale > 0, "cross_attn_gate_scale", f"{self.cross_attn_gate_scale} must be > 0"),
             (self.cross_attn_heads >= 0 and t.dim % (self.cross_attn_heads or t.n_heads) == 0, "cross_attn_heads",
              f"{self.cross_attn_heads}: text.dim {t.dim} must be divisible by it"),
             (v.image_size % v.patch_size == 0, "vision.image_size",
@@ -205,13 +210,16 @@ def config_from_dict(data: dict, name: str) -> ModelConfig:
     for key in ("cross_attn_every", "cross_attn_heads"):
         if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
             raise ConfigError(f"model config '{name}': {key}: {data[key]!r} is not an integer")
+    g = data.get("cross_attn_gate_scale", 1.0)
+    if not isinstance(g, (int, float)) or isinstance(g, bool):
+        raise ConfigError(f"model config '{name}': cross_attn_gate_scale: {g!r} is not a number")
     cfg = ModelConfig(
         name=name,
         family=data.get("family", "moondream"),
         vision=_build(VisionConfig, data["vision"], f"model config '{name}': vision"),
         text=_build(TextConfig, data["text"], f"model config '{name}': text"),
         proj_inner_dim=int(data.get("proj_inner_dim", 4 * data["text"].get("dim", 0))),
-        **{k: data[k] for k in ("fusion", "cross_attn_every", "cross_attn_heads", "image_token_id") if k in data},
+        **{k: data[k] for k in ("fusion", "cross_attn_every", "cross_attn_heads", "cross_attn_gate_scale", "image_token_id") if k in data},
     )
     cfg.validate()
     return cfg

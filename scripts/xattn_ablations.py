@@ -7,10 +7,11 @@ samples per step, AdamW 5e-4 betas (0.9, 0.95), clipping 1.0, WarmupCosineLR ove
     python scripts/xattn_ablations.py --name vis6 --preset-json '{"vision": {"n_layers": 6}}'
     python scripts/xattn_ablations.py --name gate20 --gate-lr 20
 
---kvnorm, --image-pos STD and --xattn-before I,J are experiment-only variants patched in here
-(a LayerNorm on the image before its keys / values; a learned position at text width added to the
-image; cross-attention before other decoder blocks); they are not model options. Writes
-OUTPUT/NAME/log.txt: every 50 steps the loss and tanh of each gate, at each eval the accuracy.
+--kvnorm, --no-image-pos and --xattn-before I,J are experiment-only variants patched in here
+(a LayerNorm on the image before its keys / values; the Projector without its learned image
+positions, as the family was first built; cross-attention before other decoder blocks); they are
+not model options. Writes OUTPUT/NAME/log.txt: every 50 steps the loss and tanh of each gate, at
+each eval the accuracy.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from mmpipe.data.text import placeholders
 from mmpipe.evaluate import evaluate
 from mmpipe.model import cross_attention as xa
 from mmpipe.model.builder import ReferenceModel, lm_loss
-from mmpipe.model.stage import StageTuple
 from mmpipe.reference import make_optimizer, make_scheduler
 from mmpipe.run_config import add_train_args, resolve
 
@@ -52,17 +52,14 @@ def patch(args) -> None:
             self.ln_kv = nn.LayerNorm(dim)
         xa.CrossAttention.__init__ = init
         xa.CrossAttention.image_kv = lambda self, image: kv0(self, self.ln_kv(image))
-    if args.image_pos:
-        e_init, e_fwd = xa.CrossAttnTextEmbed.__init__, xa.CrossAttnTextEmbed.forward
+    if args.no_image_pos:
+        from mmpipe.model import layers
+        p_init = layers.Projector.__init__
 
-        def einit(self, cfg):
-            e_init(self, cfg)
-            self.img_pos = nn.Parameter(torch.randn(cfg.vision.n_tokens, cfg.text.dim) * args.image_pos)
-
-        def efwd(self, a):
-            t = StageTuple.unpack(e_fwd(self, a))
-            return t._replace(vision=t.vision + self.img_pos).pack()
-        xa.CrossAttnTextEmbed.__init__, xa.CrossAttnTextEmbed.forward = einit, efwd
+        def pinit(self, cfg):
+            p_init(self, cfg)  # its MLP is drawn before the positions: the same MLP weights
+            del self.image_pos
+        layers.Projector.__init__ = pinit
     if args.xattn_before:
         from mmpipe import config
         at = [int(i) for i in args.xattn_before.split(",")]
@@ -80,7 +77,7 @@ def main() -> None:
     a.add_argument("--gate-lr", type=float, default=1.0, help="the gates' learning rate, x --lr")
     a.add_argument("--preset-json", default="{}", help="overrides merged into small-xattn.json")
     a.add_argument("--kvnorm", action="store_true")
-    a.add_argument("--image-pos", type=float, default=0.0)
+    a.add_argument("--no-image-pos", action="store_true")
     a.add_argument("--xattn-before", default="")
     args = a.parse_args()
     torch.set_num_threads(1)
@@ -118,7 +115,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             sched.step()
             if step % 50 == 0:
-                g = [round(float(torch.tanh(x.detach())), 3) for x in gates]
+                g = [round(float(torch.tanh(run.model.cross_attn_gate_scale * x.detach())), 3) for x in gates]
                 print(step, round(total, 4), g, round(time.time() - t0), file=log, flush=True)
             if step % args.eval_every == 0:
                 model.eval()

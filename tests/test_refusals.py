@@ -1,10 +1,13 @@
 """Bad runs are refused before any process group starts: one line naming the field, exit status 2."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import mmpipe_train, write_ds_config
 from mmpipe.cli import main
+from mmpipe.config import PRESET_DIR
 
 
 def refuse(capsys, *argv) -> str:
@@ -190,3 +193,11 @@ def test_vocabulary_smaller_than_the_builtin_tokenizer(tmp_path, capsys):
     preset["text"]["vocab_size"] = 16
     (tmp_path / "p.json").write_text(json.dumps(preset))
     assert "text.vocab_size: 16 is smaller than the tokenizer's" in refuse(capsys, "--preset", str(tmp_path / "p.json"))
+
+
+@pytest.mark.parametrize("scale, says", [(0, "0 must be > 0"), ("20x", "'20x' is not a number")])
+def test_bad_cross_attention_gate_scale(tmp_path, capsys, scale, says):
+    preset = json.loads((PRESET_DIR / "tiny-xattn.json").read_text())
+    path = tmp_path / "xattn.json"
+    path.write_text(json.dumps({**preset, "cross_attn_gate_scale": scale}))
+    assert f"cross_attn_gate_scale: {says}" in refuse(capsys, "--preset", str(path))

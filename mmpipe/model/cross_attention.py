@@ -11,10 +11,10 @@ The text embedding starts a text-only sequence [B, T_text, D] and moves the proj
 [B, N_img, D] into the stage tuple's `vision` field; every CrossAttnBlock reads it there, and the
 last one drops it, so no boundary after it carries the image. Each CrossAttnBlock is
 
-    x = x + tanh(a_attn) * xattn(ln1 x, image)      text queries, image keys / values
-    x = x + tanh(a_mlp)  * mlp(ln2 x)
+    x = x + tanh(s a_attn) * xattn(ln1 x, image)      text queries, image keys / values
+    x = x + tanh(s a_mlp)  * mlp(ln2 x)
 
-with both gates a at zero at initialisation: the model starts as the plain language model and
+(s = cross_attn_gate_scale, default 1) with both gates a at zero at initialisation: the model starts as the plain language model and
 the image is let in as training opens the gates. A text-only sample (has_image 0) gets neither
 term, so it is exactly the plain decoder. The blocks sit in the `projector` freeze group: with
 `--freeze text` the language model stays as it is and only the fusion (and what feeds it) trains,
@@ -70,12 +70,13 @@ class CrossAttnBlock(nn.Module):
         self.ln2 = nn.LayerNorm(t.dim, eps=t.ln_eps)
         self.mlp = GeluMLP(t.dim, t.ff_dim)
         self.mlp_gate = nn.Parameter(torch.zeros(1))
+        self.gate_scale = cfg.cross_attn_gate_scale
 
     def fuse(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], has_image: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D], given the image's k, v (CrossAttention.image_kv)."""
         keep = has_image.to(x.dtype)[:, None, None]  # [B, 1, 1]: a text-only sample passes through untouched
-        x = x + keep * torch.tanh(self.attn_gate) * self.attn(self.ln1(x), kv)
-        return x + keep * torch.tanh(self.mlp_gate) * self.mlp(self.ln2(x))
+        x = x + keep * torch.tanh(self.gate_scale * self.attn_gate) * self.attn(self.ln1(x), kv)
+        return x + keep * torch.tanh(self.gate_scale * self.mlp_gate) * self.mlp(self.ln2(x))
 
     def forward(self, args):
         t = StageTuple.unpack(args)

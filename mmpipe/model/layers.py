@@ -71,16 +71,26 @@ class Projector(nn.Module):
     """2-layer MLP, vision width -> text width. It keeps PyTorch's default nn.Linear init on
     purpose: initialised at std 0.02, the projected image starts far smaller than the text
     embeddings (std 1) and, in the measurement that motivated mmpipe's demo, the decoder
-    ignored the image for about five minutes."""
+    ignored the image for about five minutes.
+
+    With cross-attention fusion it also adds a learned position per image token at text width
+    (std 1, the text embeddings' scale): the prefix decoder gives image tokens their positions
+    through rotary attention, cross-attention has none, and without this the position-keyed
+    questions stayed at chance (docs/models.md)."""
     group = "projector"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.mlp = GeluMLP(cfg.vision.dim, cfg.proj_inner_dim, cfg.text.dim)
+        if cfg.fusion == "cross_attention":
+            self.image_pos = nn.Parameter(torch.randn(cfg.vision.n_tokens, cfg.text.dim))  # [N_img, D_text]
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        return t._replace(hidden=self.mlp(t.hidden)).pack()  # [B, N_img, D_text]
+        x = self.mlp(t.hidden)  # [B, N_img, D_text]
+        if hasattr(self, "image_pos"):
+            x = x + self.image_pos
+        return t._replace(hidden=x).pack()
 
 
 class TextEmbed(nn.Module):
