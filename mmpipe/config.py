@@ -109,9 +109,10 @@ class ModelConfig:
     fusion: str = "prefix"
     cross_attn_every: int = 1
     cross_attn_heads: int = 0  # 0: the decoder's n_heads
-    # The gates are tanh(scale * a), a starting at 0. Under Adam (no weight decay on the gates'
-    # default configs) a scale s moves tanh's argument s times faster: the gates' learning rate
-    # x s, in the one parameter group DeepSpeed's pipeline optimizer gets from the JSON.
+    # The gates are tanh(scale * a), a starting at 0: under Adam a scale s moves tanh's argument
+    # about s times faster, like a gate learning rate x s (not exactly: the gates' gradients are
+    # s times larger in the clipping norm). A model field, not a parameter group, because
+    # DeepSpeed's WarmupLR / WarmupDecayLR set every group to one warmup_max_lr.
     cross_attn_gate_scale: float = 1.0
     # LLaVA family: the token id of <image>; the image features overwrite its positions.
     image_token_id: int = -1
@@ -219,7 +220,8 @@ def config_from_dict(data: dict, name: str) -> ModelConfig:
         vision=_build(VisionConfig, data["vision"], f"model config '{name}': vision"),
         text=_build(TextConfig, data["text"], f"model config '{name}': text"),
         proj_inner_dim=int(data.get("proj_inner_dim", 4 * data["text"].get("dim", 0))),
-        **{k: data[k] for k in ("fusion", "cross_attn_every", "cross_attn_heads", "cross_attn_gate_scale", "image_token_id") if k in data},
+        **{k: data[k] for k in ("fusion", "cross_attn_every", "cross_attn_heads", "cross_attn_gate_scale",
+                                "image_token_id") if k in data},
     )
     cfg.validate()
     return cfg
