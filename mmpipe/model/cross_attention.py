@@ -15,10 +15,11 @@ last one drops it, so no boundary after it carries the image. Each CrossAttnBloc
     x = x + tanh(s a_mlp)  * mlp(ln2 x)
 
 (s = cross_attn_gate_scale, default 1) with both gates a at zero at initialisation: the model
-starts as the plain language model and the image is let in as training opens the gates. A text-only sample (has_image 0) gets neither
-term, so it is exactly the plain decoder. The blocks sit in the `projector` freeze group: with
-`--freeze text` the language model stays as it is and only the fusion (and what feeds it) trains,
-Flamingo's recipe.
+starts as the plain language model and the image is let in as training opens the gates. A
+text-only sample (has_image 0) gets neither term, so it is exactly the plain decoder. The blocks
+sit in the `projector` freeze group: with `--freeze text` the language model stays as it is and
+only the fusion (and what feeds it: the Projector adds each image token's learned position)
+trains, Flamingo's recipe.
 """
 from __future__ import annotations
 
