@@ -15,6 +15,7 @@ from pathlib import Path
 # announces its CPU fallback at import, and the ranks it starts still say so in their logs.
 logging.getLogger("DeepSpeed").addFilter(lambda r: "Setting accelerator to CPU" not in r.getMessage())
 
+from . import precision  # noqa: E402
 from .config import ConfigError, list_presets  # noqa: E402
 from .run_config import add_train_args, fail, requested_stages, resolve  # noqa: E402
 
@@ -46,6 +47,8 @@ def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
             raise ConfigError(f"--dp: {args.dp} x {stages} stages != the hostfile's {world} slots; leave --dp "
                               f"out (with --hostfile it is slots / stages)")
         run = resolve(args, world_size=world)
+        if hosts is None:  # local ranks use this machine's accelerator; remote hosts check in their ranks
+            precision.check(run.precision)
     except ConfigError as e:
         return fail(e)
     if not run.data.builtin:

@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
+from .precision import check_all_ranks
 from .preempt import EXIT_REQUEUE, MARKER, Preemption
 from .run_config import RunConfig, add_train_args, fail, resolve
 from .slurm_env import ranks_from_slurm
 
-CSV_FIELDS = ["step", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "skipped"]
+CSV_FIELDS = ["step", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "skipped", "loss_scale"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +58,12 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
+    unsupported = check_all_ranks(run.precision)  # collective: every rank stops here together
+    if unsupported:
+        if rank == 0:
+            fail(ConfigError(unsupported))
+        dist.destroy_process_group()
+        return 2
     out = Path(args.output_dir)
     ckpt_dir = out / "checkpoints"
     if rank == 0:
@@ -151,7 +158,9 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
             log.writerow({"step": step, "loss": repr(loss), "lr": f"{engine.get_lr()[0]:.6g}",
                           "samples_per_s": f"{run.train_batch / dt:.1f}", "tokens_per_s": f"{run.train_batch * seq / dt:.0f}",
                           "elapsed_s": f"{time.perf_counter() - t_start:.2f}",
-                          "skipped": "fp16_overflow" if overflows else "nonfinite" if dropped else ""})
+                          "skipped": "fp16_overflow" if overflows else "nonfinite" if dropped else "",
+                          # fp16: the scale the next step multiplies the loss by (halved after an overflow)
+                          "loss_scale": f"{engine.optimizer.loss_scale:g}" if run.precision == "fp16" else ""})
             log_file.flush()
         if not math.isfinite(loss) and not dropped and run.precision != "fp16":
             # --nonfinite stop; fp16 overflows are the loss scaler's business (it skipped the step)

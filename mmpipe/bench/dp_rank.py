@@ -54,6 +54,13 @@ def main(argv=None) -> int:
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
+    from ..precision import check_all_ranks
+    unsupported = check_all_ranks(run.precision)
+    if unsupported:
+        if rank == 0:
+            fail(ConfigError(unsupported))
+        dist.destroy_process_group()
+        return 2
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ds = dict(run.ds_config)

@@ -13,10 +13,16 @@ def plot_all(rows: list[dict], out: Path) -> list[Path]:
     labels = [f"{r['name']}#{r.get('repeat', 0)}" for r in ok]
     paths = []
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(ok) + 2), 4))
-    ax.bar(range(len(ok)), [r["samples_per_s"] for r in ok],
-           yerr=[r.get("samples_per_s_iqr") or 0 for r in ok], color="tab:blue")
-    ax.set_xticks(range(len(ok)), labels, rotation=45, ha="right", fontsize=8)
+    # every row gets a slot: one that did not run (unsupported, refused, crashed...) shows its status
+    allr = rows
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(allr) + 2), 4))
+    ax.bar(range(len(allr)), [r["samples_per_s"] if r["status"] == "ok" else 0 for r in allr],
+           yerr=[(r.get("samples_per_s_iqr") or 0) if r["status"] == "ok" else 0 for r in allr], color="tab:blue")
+    for i, r in enumerate(allr):
+        if r["status"] != "ok":
+            ax.text(i, 0, f" {r['status']}", rotation=90, ha="center", va="bottom", fontsize=8, color="tab:red")
+    ax.set_xticks(range(len(allr)), [f"{r['name']}#{r.get('repeat', 0)}" for r in allr], rotation=45, ha="right",
+                  fontsize=8)
     ax.set_ylabel("samples/s (median, IQR bars)")
     ax.set_title("Throughput by variant")
     fig.tight_layout()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..cli import _free_port
+from .. import precision
 from ..config import ConfigError
 from ..run_config import REPO_CONFIGS, add_train_args, resolve
 from .sweep import Sweep, Variant
@@ -47,8 +48,9 @@ def train_argv(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> list[str]
             "--output-dir", str(out), "--eval-samples", "0", "--keep-checkpoints", "1", "--data-workers", str(v.data_workers)]
 
 
-def check(v: Variant, sweep: Sweep, out: Path) -> str | None:
-    """mmpipe's own refusal of this variant (one line per problem), or None. Writes the config."""
+def check(v: Variant, sweep: Sweep, out: Path) -> tuple[str, str] | None:
+    """(status, reason) when the variant cannot run: 'refused' (mmpipe's own checks, one line per
+    problem) or 'unsupported' (this device lacks its precision); None when it can. Writes the config."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
     cfg_path.write_text(json.dumps(ds_config(v, resolve_copy=True), indent=2) + "\n")
@@ -56,10 +58,11 @@ def check(v: Variant, sweep: Sweep, out: Path) -> str | None:
     add_train_args(p)
     args = p.parse_args(train_argv(v, sweep, out, cfg_path))
     try:
-        resolve(args, world_size=v.world)
+        run = resolve(args, world_size=v.world)
     except ConfigError as e:
-        return "refused: " + "; ".join(str(e).splitlines())
-    return None
+        return "refused", "; ".join(str(e).splitlines())
+    why = precision.problem(run.precision, precision.this_device())
+    return ("unsupported", why) if why else None
 
 
 def _first_error(log: str) -> str:

@@ -1,0 +1,146 @@
+"""A precision the device cannot run is refused before launch (front door) or before
+deepspeed.initialize (each rank), with one line naming the device and what to use instead; both
+answers of the accelerator are faked here, so every path runs on every machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, Run, write_ds_config
+from mmpipe import cli, precision
+from mmpipe.precision import Device
+
+EPYC = Device("cpu", "AMD EPYC 7B13", fp16=False, bf16=True)
+SAPPHIRE = Device("cpu", "Intel(R) Xeon(R) Platinum 8480+", fp16=True, bf16=True)
+V100 = Device("cuda", "Tesla V100-SXM2-32GB", fp16=True, bf16=False, capability=(7, 0))
+T4 = Device("cuda", "Tesla T4", fp16=True, bf16=False, capability=(7, 5))
+P100 = Device("cuda", "Tesla P100-PCIE-16GB", fp16=False, bf16=False, capability=(6, 0))
+A100 = Device("cuda", "NVIDIA A100-SXM4-80GB", fp16=True, bf16=True, capability=(8, 0))
+
+
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+@pytest.mark.parametrize("device,prec,ok", [
+    (EPYC, "fp16", False), (EPYC, "bf16", True), (EPYC, "fp32", True), (SAPPHIRE, "fp16", True),
+    (V100, "bf16", False), (T4, "bf16", False), (V100, "fp16", True), (P100, "fp16", False),
+    (A100, "bf16", True), (A100, "fp16", True)])
+def test_which_precision_runs_where(device, prec, ok):
+    assert (precision.problem(prec, device) is None) == ok
+
+
+def test_fp16_on_a_cpu_without_it_suggests_bf16():
+    msg = precision.problem("fp16", EPYC)
+    assert msg.startswith("fp16.enabled: AMD EPYC 7B13 (cpu) has no fp16 kernels") and "\n" not in msg
+    assert "ds_configs/zero1_bf16.json" in msg and "ds_configs/cpu_fp32.json" in msg
+
+
+def test_bf16_on_a_gpu_without_it_suggests_fp16():
+    msg = precision.problem("bf16", V100)
+    assert msg.startswith("bf16.enabled: Tesla V100-SXM2-32GB (compute capability 7.0) has no bf16")
+    assert "ds_configs/zero1_fp16.json" in msg
+
+
+@pytest.mark.parametrize("device,config,expect", [
+    (V100, "zero1_bf16.json", "bf16.enabled: Tesla V100-SXM2-32GB (compute capability 7.0) has no bf16"),
+    (EPYC, "zero1_fp16.json", "fp16.enabled: AMD EPYC 7B13 (cpu) has no fp16 kernels")])
+def test_front_door_refuses_before_launch(monkeypatch, capsys, tmp_path, device, config, expect):
+    monkeypatch.setattr(precision, "this_device", lambda: device)
+    rc = cli.main(["train", "--ds-config", str(ROOT / "ds_configs" / config), "--output-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"mmpipe: error: {expect}")
+    assert not (tmp_path / "r").exists()
+
+
+def test_front_door_passes_what_the_device_runs(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(precision, "this_device", lambda: A100)
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # stop right after the checks
+    rc = cli.main(["train", "--ds-config", str(ROOT / "ds_configs" / "zero1_bf16.json"),
+                   "--output-dir", str(tmp_path / "r")])
+    assert rc == 2 and "deepspeed launcher not found" in capsys.readouterr().err
+
+
+def test_this_device_asks_deepspeeds_accelerator_and_the_fake_reaches_it():
+    # in subprocesses: the fake sets answers on DeepSpeed's accelerator singleton, which
+    # deepspeed.initialize asks as well
+    code = ("from mmpipe import precision; from deepspeed.accelerator import get_accelerator as g; "
+            "d = precision.this_device(); print(d.kind, d.fp16, d.bf16, bool(g().is_fp16_supported()))")
+
+    def ask(**env) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", code], env=_env(**env), cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        return proc.stdout.splitlines()[-1].split()  # DeepSpeed's accelerator warning comes first
+    from deepspeed.accelerator import get_accelerator
+    real = str(bool(get_accelerator().is_fp16_supported()))
+    assert ask() == ["cpu", real, "True", real]
+    assert ask(MMPIPE_FAKE_ACCELERATOR="fp16=1,bf16=0") == ["cpu", "True", "False", "True"]
+    assert ask(MMPIPE_FAKE_ACCELERATOR="fp16=0") == ["cpu", "False", "True", "False"]
+    assert ask(MMPIPE_FAKE_ACCELERATOR="rank1:fp16=1", RANK="0") == ["cpu", real, "True", real]  # rank 1's only
+    assert ask(MMPIPE_FAKE_ACCELERATOR="rank1:fp16=1", RANK="1") == ["cpu", "True", "True", "True"]
+
+
+def test_fp16_config_refused_with_one_line_and_exit_2():
+    """The issue's command, with the CPU's fp16 answer faked off (it is off for real on an AMD EPYC)."""
+    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--ds-config", "ds_configs/zero1_fp16.json",
+                           "--steps", "2", "--output-dir", "/nonexistent/never-written"], cwd=ROOT,
+                          env=_env(MMPIPE_FAKE_ACCELERATOR="fp16=0"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("mmpipe: error: fp16.enabled: ")
+
+
+def test_a_rank_whose_device_differs_stops_every_rank_with_one_line(tmp_path):
+    """A multi-host run where one host lacks bf16: the front door (here) passes, rank 1 does not;
+    rank 0 names that host and rank in one line, every rank exits 2 before deepspeed.initialize."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--ds-config", "ds_configs/zero1_bf16.json",
+                           "--preset", "tiny", "--steps", "2", "--eval-samples", "0", "--output-dir", str(out)],
+                          cwd=ROOT, env=_env(MMPIPE_FAKE_ACCELERATOR="rank1:bf16=0"), capture_output=True, text=True,
+                          timeout=300)
+    log = proc.stdout + proc.stderr
+    errors = [ln for ln in log.splitlines() if ln.startswith("mmpipe: error:")]
+    import socket
+    assert errors == [f"mmpipe: error: host {socket.gethostname()}, rank 1: bf16.enabled: "
+                      f"{precision.this_device().name} (cpu) does not run bf16; use fp32 (ds_configs/cpu_fp32.json)"]
+    assert proc.returncode != 0 and "Traceback" not in log and "return code = 2" in log
+    assert not (out / "checkpoints").exists()
+
+
+def _overflow_run(tmp_path, fake: str | None) -> Run:
+    cfg = write_ds_config(tmp_path / "fp16.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                          zero_optimization={"stage": 1},
+                          fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1})
+    env = _env(MMPIPE_FAULT="nan-batch:3", **({precision.FAKE_ENV: fake} if fake else {}))
+    return Run(tmp_path / "run", subprocess.run(
+        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(tmp_path / "run"),
+         "--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--steps", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)).check()
+
+
+def _assert_overflow_accounting(run: Run) -> None:
+    assert run.summary["skipped_steps"] == 1
+    rows = run.rows
+    assert [r["skipped"] for r in rows] == ["", "", "fp16_overflow", ""]
+    # the scale starts at 2^8, halves at the overflow (hysteresis 1), and the LR schedule holds still
+    assert [float(r["loss_scale"]) for r in rows] == [256, 256, 128, 128]
+    assert rows[2]["lr"] == rows[1]["lr"] != rows[3]["lr"]
+
+
+def _fp16_kernels() -> bool:
+    return precision.this_device().fp16
+
+
+@pytest.mark.skipif(not _fp16_kernels(), reason=f"{precision.this_device().describe()} has no fp16 kernels "
+                                                "(DeepSpeed's accelerator: is_fp16_supported() is False)")
+def test_fp16_overflow_steps_are_counted(tmp_path):
+    _assert_overflow_accounting(_overflow_run(tmp_path, None))
+
+
+def test_fp16_overflow_accounting_on_any_cpu(tmp_path):
+    """The same guarantee where the CPU lacks oneDNN's fp16 kernels: DeepSpeed's gate is faked open, so
+    torch's generic (slow) fp16 CPU ops compute, and DeepSpeed's ZeRO-1 loss scaler and mmpipe's
+    step log are what is tested."""
+    _assert_overflow_accounting(_overflow_run(tmp_path, "fp16=1"))
