@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +14,16 @@ from pathlib import Path
 # announces its CPU fallback at import, and the ranks it starts still say so in their logs.
 logging.getLogger("DeepSpeed").addFilter(lambda r: "Setting accelerator to CPU" not in r.getMessage())
 
-from . import precision  # noqa: E402
+from .cluster.ports import free_port  # noqa: E402
+from .runtime import precision  # noqa: E402
 from .config import ConfigError, list_presets  # noqa: E402
 from .run_config import add_train_args, fail, requested_stages, resolve  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
     hosts = None
     if args.hostfile or args.include or args.exclude:
-        from . import hostfile
+        from .cluster import hostfile
         try:
             if not args.hostfile:
                 raise ConfigError("--include / --exclude: they filter a --hostfile; give one")
@@ -65,9 +59,9 @@ def cmd_train(args: argparse.Namespace, rank_argv: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
     if hosts is None:
         where = ["--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",
-                 "--master_port", str(args.master_port or _free_port())]
+                 "--master_port", str(args.master_port or free_port())]
     else:
-        from . import hostfile
+        from .cluster import hostfile
         if len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
             try:
                 hostfile.check_reachable(hosts, env)
@@ -100,16 +94,16 @@ def main(argv=None) -> int:
     t.add_argument("--exclude", default="", help="with --hostfile: leave out these hosts/slots, e.g. node3")
     t.add_argument("--master-addr", default=None,
                    help="with --hostfile: rendezvous host (default: the first active host)")
-    from .slurm import add_slurm_args
+    from .cluster.slurm import add_slurm_args
     sl = sub.add_parser("slurm", help="write (and --submit) an sbatch script that runs this training under Slurm")
     add_slurm_args(sl)
     add_train_args(sl)
     sub.add_parser("presets", help="list the model presets")
-    from .plan import add_plan_args
+    from .planning.plan import add_plan_args
     add_plan_args(sub.add_parser("plan", help="predict step time, memory and throughput of each PP x DP x micro layout"))
     from .data.export import add_export_args
     add_export_args(sub.add_parser("export-shapes", help="write the built-in shapes set as LLaVA / pairs / HF data"))
-    from .generate import add_generate_args
+    from .inference.generate import add_generate_args
     add_generate_args(sub.add_parser("generate", help="answer a prompt about an image with a trained or HF model"))
     from .hf.commands import add_export_args as add_weights_export_args, add_import_args
     add_import_args(sub.add_parser("import", help="an HF LLaVA / vision + LM / moondream model -> an mmpipe run directory"))
@@ -125,16 +119,16 @@ def main(argv=None) -> int:
         from .hf import commands
         return commands.main_import(args) if args.command == "import" else commands.main_export(args)
     if args.command == "generate":
-        from .generate import main_generate
+        from .inference.generate import main_generate
         return main_generate(args)
     if args.command == "slurm":
-        from .slurm import main_slurm
+        from .cluster.slurm import main_slurm
         return main_slurm(argv[1:])
     if args.command == "presets":
         print("\n".join(list_presets()))
         return 0
     if args.command == "plan":
-        from .plan import main_plan
+        from .planning.plan import main_plan
         return main_plan(args)
     if args.command == "export-shapes":
         from .data.export import export_shapes

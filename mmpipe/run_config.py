@@ -17,8 +17,8 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig, load_preset
 from .data.dataset import DataOptions, add_data_args, resolve_data
 from .model.builder import FREEZE_GROUPS
-from .costmodel import LayerCost
-from .partition import check_trainable, compute_parts, layer_table
+from .planning.costmodel import LayerCost
+from .planning.partition import check_trainable, compute_parts, layer_table
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_DS_CONFIG = "cpu_fp32.json"
@@ -261,7 +261,7 @@ RESIZED = ("vocab_size", "image_token_id")  # what a fresh run fits to its token
 def init_model(run_dir: str, preset: str | None) -> ModelConfig:
     """--init-from RUN: the model config RUN trained or imported; --preset, if given, must describe
     the same model (up to the vocabulary size and <image> id a run fits to its tokenizer)."""
-    from .checkpoint import latest_tag
+    from .runtime.checkpoint import latest_tag
     from .config import config_from_dict
     d = Path(run_dir)
     if not (d / "model.json").is_file():

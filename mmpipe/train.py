@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
-from .precision import check_all_ranks
-from .preempt import EXIT_REQUEUE, MARKER, Preemption
+from .runtime.precision import check_all_ranks
+from .cluster.preempt import EXIT_REQUEUE, MARKER, Preemption
 from .run_config import RunConfig, add_train_args, fail, resolve
-from .slurm_env import ranks_from_slurm
+from .cluster.slurm_env import ranks_from_slurm
 
 CSV_FIELDS = ["step", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "skipped", "loss_scale"]
 
@@ -54,7 +54,7 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     from .data.batches import StepBatches, TrainSet, rank_batches
     from .data.dataset import prepare
     from .data.text import decoder_positions, placeholders
-    from .pipeline import VLMPipeline
+    from .runtime.pipeline import VLMPipeline
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
@@ -83,9 +83,9 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
 
-    from . import checkpoint, rng
-    from .guard import install_skip
-    from .timing import gather_stage_report, instrument, pipeline_summary
+    from .runtime import checkpoint, rng
+    from .runtime.guard import install_skip
+    from .runtime.timing import gather_stage_report, instrument, pipeline_summary
     checkpoint.make_loads_safe(engine)
     if rank == 0:
         for name in checkpoint.remove_partial(ckpt_dir) if ckpt_dir.is_dir() else []:
@@ -212,7 +212,7 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
         "preset": run.model.name, "freeze": list(run.freeze), "parts": run.parts, "seed": args.seed,
         "ds_config": run.ds_config_path, **counters,
     }
-    from .partition import describe
+    from .planning.partition import describe
     summary["partition"] = describe(run.layers, run.parts)
     if stage_rows and stage_rows[0].get("steps"):
         timing = pipeline_summary(stage_rows, run.gas, run.stages)
@@ -233,8 +233,8 @@ def train(args: argparse.Namespace, run: RunConfig, preempt=None) -> int:
         for line in describe_data(stats)[:1]:
             print(f"mmpipe: {line}", flush=True)
     if args.eval_samples > 0 and run.data.builtin:
-        from .checkpoint import load_reference
-        from .evaluate import blind_baseline, evaluate
+        from .runtime.checkpoint import load_reference
+        from .inference.evaluate import blind_baseline, evaluate
         torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done
         model = load_reference(ckpt_dir, run.model)
         res = evaluate(model, run.model, seed=args.seed, n_samples=args.eval_samples)
@@ -256,7 +256,7 @@ def load_run_weights(pipe, ckpt_dir: Path) -> int:
     schedule start fresh. Returns the layers loaded."""
     import torch
     from deepspeed.pipe import TiedLayerSpec
-    from .checkpoint import latest_tag
+    from .runtime.checkpoint import latest_tag
     d = ckpt_dir / latest_tag(ckpt_dir)
 
     def load(module, idx: int):

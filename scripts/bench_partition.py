@@ -14,7 +14,7 @@ last stage load their micro-batches in the rank itself, which the stage timers c
 and reads summary.json: the parts, each stage's measured forward + backward per step (stage_timing)
 -> max/mean, the median step time, the measured and 1F1B-theory bubble.
 
-Prediction, from mmpipe.costmodel for the same parts, micro-batch and GAS:
+Prediction, from mmpipe.planning.costmodel for the same parts, micro-batch and GAS:
   per-stage (forward, backward) = stage_seconds(layer_costs(cfg, freeze, text_len), parts, micro, dev,
                                                 measured=profile_layers(cfg, text_len, micro))
   step = pipeline_step_seconds(those, gas, boundary bytes, grad bytes, dp=1, dev)
@@ -61,8 +61,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from mmpipe.config import load_preset  # noqa: E402
-from mmpipe.costmodel import (BYTES, Device, layer_costs, pipeline_step_seconds, profile_layers,  # noqa: E402
-                              stage_memory, stage_seconds)
+from mmpipe.planning.costmodel import BYTES, Device, layer_costs, pipeline_step_seconds, profile_layers, stage_memory, stage_seconds
 
 MiB = 2 ** 20
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -470,7 +469,7 @@ def best_split(cfg, freeze, text_len: int, stages: int, micro: int, prof: dict) 
     any partition method could get for this layer list."""
     from itertools import combinations
 
-    from mmpipe.partition import check_trainable
+    from mmpipe.planning.partition import check_trainable
     rows = layer_costs(cfg, freeze, text_len)
     dev = Device("cpu", 1e10, 24e9, 5e9)
     best = None

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from mmpipe.checkpoint import load_reference
+from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.config import load_preset
-from mmpipe.evaluate import evaluate
+from mmpipe.inference.evaluate import evaluate
 
 
 def main() -> int:

@@ -26,10 +26,10 @@ from torch import nn
 from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.data.text import placeholders
-from mmpipe.evaluate import evaluate
+from mmpipe.inference.evaluate import evaluate
 from mmpipe.model import cross_attention as xa
 from mmpipe.model.builder import ReferenceModel, lm_loss
-from mmpipe.reference import make_optimizer, make_scheduler
+from mmpipe.runtime.reference import make_optimizer, make_scheduler
 from mmpipe.run_config import add_train_args, resolve
 
 ROOT = Path(__file__).resolve().parent.parent

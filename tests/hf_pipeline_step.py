@@ -29,7 +29,7 @@ def main():
     import dataclasses
     from hf_models import batch, shifted
     from mmpipe.hf.llava import import_llava, load_into_pipeline
-    from mmpipe.pipeline import VLMPipeline
+    from mmpipe.runtime.pipeline import VLMPipeline
     from mmpipe.run_config import add_train_args, resolve
 
     deepspeed.init_distributed()

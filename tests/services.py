@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from mmpipe.cli import _free_port
+from mmpipe.cluster.ports import free_port
 
 import pytest
 
@@ -140,8 +140,8 @@ def slurm_cluster(tmp: Path):
         (tmp / d).mkdir(exist_ok=True)
     host = socket.gethostname()
     conf = tmp / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=host, cpus=os.cpu_count(), tmp=tmp, ctld_port=_free_port(),
-                                      d_port=_free_port()))
+    conf.write_text(SLURM_CONF.format(host=host, cpus=os.cpu_count(), tmp=tmp, ctld_port=free_port(),
+                                      d_port=free_port()))
     env = dict(os.environ, SLURM_CONF=str(conf))
     procs: list[subprocess.Popen] = []
     try:

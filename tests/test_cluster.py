@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, Run, fixed_schedule_config, train_run
-from mmpipe.cli import _free_port
+from mmpipe.cluster.ports import free_port
 from services import slurm_cluster, ssh_cluster
 
 STEPS = 300  # ~50 ms a step on tiny: long enough to preempt mid-run, ~15 s of training
@@ -44,13 +44,13 @@ def test_two_host_hostfile_pipeline_equals_single_host(tmp_path, cfg, single_hos
         out = tmp_path / "run"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PDSH_SSH_ARGS_APPEND=ssh_opts)
         proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--hostfile", str(hostfile),
-                               "--master-port", str(_free_port()), "--output-dir", str(out), *_args(cfg, 20)],
+                               "--master-port", str(free_port()), "--output-dir", str(out), *_args(cfg, 20)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         # the shell wrapper for your own launches: the same pdsh launch; its ssh check is DeepSpeed's
         # (plain ssh to the first host), which cannot see PDSH_SSH_ARGS_APPEND's key, so skip it
         out2 = tmp_path / "wrapper"
         proc2 = subprocess.run(["launch/deepspeed_hostfile.sh", str(hostfile), hosts[0], "--no_ssh_check",
-                                "--master_port", str(_free_port()), "--", "--output-dir", str(out2), *_args(cfg, 5)],
+                                "--master_port", str(free_port()), "--", "--output-dir", str(out2), *_args(cfg, 5)],
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     run = Run(out, proc).check()
     wrapped = Run(out2, proc2).check()

@@ -143,7 +143,7 @@ def test_script_quotes_values_and_maps_ranks(tmp_path, capsys):
 
 
 def test_ranks_from_slurm_variables():
-    from mmpipe.slurm_env import ranks_from_slurm
+    from mmpipe.cluster.slurm_env import ranks_from_slurm
     task = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
     env = dict(task)
     assert ranks_from_slurm(env) and (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("3", "1", "4")

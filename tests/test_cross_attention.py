@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from conftest import EQUIV_STEPS, train_run
-from mmpipe.checkpoint import load_reference
+from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.config import load_preset
-from mmpipe.costmodel import layer_costs
-from mmpipe.generate import generate
+from mmpipe.planning.costmodel import layer_costs
+from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.cross_attention import CrossAttnBlock
 from mmpipe.model.stage import StageTuple
-from mmpipe.reference import train_reference
+from mmpipe.runtime.reference import train_reference
 from mmpipe.run_config import add_train_args, resolve
 from test_pipeline_equivalence import _max_weight_diff
 from test_plan import _saved_floats_per_sample

@@ -7,7 +7,7 @@ from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, TrainSet, micro_batch_indices, rank_batches
 from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from mmpipe.data.shapes import QUESTION_TYPES, ShapesVQA
-from mmpipe.evaluate import blind_baseline
+from mmpipe.inference.evaluate import blind_baseline
 from mmpipe.model import IGNORE_INDEX
 
 

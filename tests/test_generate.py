@@ -14,7 +14,7 @@ from conftest import ROOT
 from mmpipe.cli import main
 from mmpipe.config import load_preset
 from mmpipe.data.tokenizer import builtin_tokenizer
-from mmpipe.generate import generate
+from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import LlavaForConditionalGeneration
 
 from hf_models import save_hf, word_tokenizer
-from mmpipe.checkpoint import load_reference
+from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.cli import main
 from mmpipe.config import load_preset
 from mmpipe.data.images import ImageTransform

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import train_run
 from mmpipe.data.text import Encoded, pad_sample
-from mmpipe.reference import train_reference
+from mmpipe.runtime.reference import train_reference
 from mmpipe.run_config import add_train_args, resolve
 
 TOL = 1e-5

@@ -6,7 +6,7 @@ import torch
 from mmpipe.config import load_preset
 from mmpipe.data.shapes import ShapesVQA
 from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
-from mmpipe.evaluate import greedy_generate
+from mmpipe.inference.evaluate import greedy_generate
 from mmpipe.model import ReferenceModel, StageTuple, layer_param_counts, layer_specs
 from mmpipe.model.attention import prefix_lm_mask
 

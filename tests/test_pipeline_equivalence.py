@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import EQUIV_STEPS, train_run
-from mmpipe.checkpoint import load_reference
+from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
-from mmpipe.reference import train_reference
+from mmpipe.runtime.reference import train_reference
 from mmpipe.run_config import add_train_args, resolve
 
 TOL = 1e-5

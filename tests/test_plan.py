@@ -15,9 +15,9 @@ import torch
 
 from conftest import ROOT, train_run
 from mmpipe.config import load_preset
-from mmpipe.costmodel import layer_costs, stage_memory, state_bytes
+from mmpipe.planning.costmodel import layer_costs, stage_memory, state_bytes
 from mmpipe.model.builder import IGNORE_INDEX, layer_specs, lm_loss
-from mmpipe.partition import compute_parts, min_max_split
+from mmpipe.planning.partition import compute_parts, min_max_split
 
 
 def _brute(weights, parts, fits=None):

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from conftest import ROOT, Run, write_ds_config
-from mmpipe import cli, precision
-from mmpipe.precision import Device
+from mmpipe import cli
+from mmpipe.runtime import precision
+from mmpipe.runtime.precision import Device
 
 EPYC = Device("cpu", "AMD EPYC 7B13", fp16=False, bf16=True)
 SAPPHIRE = Device("cpu", "Intel(R) Xeon(R) Platinum 8480+", fp16=True, bf16=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, Run, fixed_schedule_config, train_run, write_ds_config
-from mmpipe.checkpoint import latest_tag, load_reference
+from mmpipe.runtime.checkpoint import latest_tag, load_reference
 from mmpipe.config import load_preset
 
 STEPS = 12

@@ -1,4 +1,4 @@
-"""mmpipe.timing: per-stage instruction timers and the measured pipeline bubble.
+"""mmpipe.runtime.timing: per-stage instruction timers and the measured pipeline bubble.
 
 A fake engine (same dispatch as PipelineEngine._exec_schedule) checks the accounting exactly
 and fast; one real 2-rank DeepSpeed pipeline (gloo, CPU, ~15 s) with a deliberately slow
@@ -17,7 +17,7 @@ from types import MethodType
 import pytest
 
 from deepspeed.runtime.pipe import schedule as S
-from mmpipe.timing import format_summary, gather_stage_report, instrument, pipeline_summary
+from mmpipe.runtime.timing import format_summary, gather_stage_report, instrument, pipeline_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +140,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False   # skip a 25 s JIT build
 deepspeed.init_distributed(dist_backend="gloo")
-from mmpipe.timing import instrument, gather_stage_report, pipeline_summary, format_summary
+from mmpipe.runtime.timing import instrument, gather_stage_report, pipeline_summary, format_summary
 
 class Sleep(nn.Module):          # makes stage 0 slow: 20 ms per micro-batch forward
     def forward(self, x):

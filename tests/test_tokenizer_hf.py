@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from mmpipe.config import load_preset
 from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import load_tokenizer
-from mmpipe.generate import generate, prompt_with_placeholders
+from mmpipe.inference.generate import generate, prompt_with_placeholders
 from mmpipe.hf.tokens import add_image_token
 from mmpipe.model import ReferenceModel
 

@@ -50,11 +50,11 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from ..data.batches import StepBatches, TrainSet, rank_batches
     from ..data.dataset import prepare
-    from ..pipeline import VLMPipeline
+    from ..runtime.pipeline import VLMPipeline
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
-    from ..precision import check_all_ranks
+    from ..runtime.precision import check_all_ranks
     unsupported = check_all_ranks(run.precision)
     if unsupported:
         if rank == 0:

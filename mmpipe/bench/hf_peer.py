@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .memory import write_peak
-from ..reference import make_optimizer, make_scheduler
+from ..runtime.reference import make_optimizer, make_scheduler
 from .peer_common import StepLog, batches, peer_args, resolved
 
 

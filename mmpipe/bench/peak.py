@@ -1,4 +1,4 @@
-"""The device peak MFU is measured against: the KNOWN_DEVICES table (mmpipe.costmodel) on a GPU, a
+"""The device peak MFU is measured against: the KNOWN_DEVICES table (mmpipe.planning.costmodel) on a GPU, a
 measured one-thread matmul rate on CPU (each CPU rank runs one thread, so a rank's peak is that)."""
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def peaks(device: str | None, override: float | None, precisions: set[str]) -> t
         return device, {p: override for p in precisions}
     if device == "cpu":
         return device, {p: cpu_matmul_peak(p) for p in precisions}
-    from ..costmodel import KNOWN_DEVICES
+    from ..planning.costmodel import KNOWN_DEVICES
     dev = KNOWN_DEVICES.get(device)
     # the table holds dense bf16/fp16 peaks; fp32 runs on tensor cores as TF32 at half of it
     return device, {p: (dev.peak_flops / (2 if p == "fp32" else 1)) if dev else None for p in precisions}

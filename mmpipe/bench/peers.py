@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import _free_port
+from ..cluster.ports import free_port
 from .run_variant import run_logged
 
 
@@ -18,7 +18,7 @@ def run_peer(kind: str, shape, sweep, out: Path) -> tuple[int, str, float]:
         cmd = [sys.executable, "-m", "mmpipe.bench.hf_peer", *common]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), "-m", "mmpipe.bench.torch_pipe_peer", *common]
+               "--master_port", str(free_port()), "-m", "mmpipe.bench.torch_pipe_peer", *common]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RANK=os.environ.get("RANK", "0"))
     env.setdefault("OMP_NUM_THREADS", "1")
     if kind == "hf":

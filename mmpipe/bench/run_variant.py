@@ -13,8 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..cli import _free_port
-from .. import precision
+from ..cluster.ports import free_port
+from ..runtime import precision
 from ..config import ConfigError
 from ..run_config import REPO_CONFIGS, add_train_args, resolve
 from .sweep import Sweep, Variant
@@ -82,7 +82,7 @@ def launch(v: Variant, sweep: Sweep, out: Path) -> tuple[int, str, float]:
     cfg_path = out / "ds_config.json"
     module = "mmpipe.bench.rank" if v.engine == "pipe" else "mmpipe.bench.dp_rank"
     extra = [] if v.engine == "pipe" else ["--zero", str(v.zero)]
-    cmd = [launcher, "--num_gpus", str(v.world), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    cmd = [launcher, "--num_gpus", str(v.world), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "--module", module, *extra, *train_argv(v, sweep, out, cfg_path)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
@@ -136,7 +136,7 @@ def flops_per_sample(v: Variant) -> float:
     """Model FLOPs of one training sample (forward + backward, recompute NOT counted: MFU's convention),
     from mmpipe's cost model for the variant's preset and the built-in data's text length."""
     from ..config import load_preset
-    from ..costmodel import layer_costs
+    from ..planning.costmodel import layer_costs
     from ..data.dataset import resolve_data
     p = argparse.ArgumentParser()
     add_train_args(p)

@@ -187,7 +187,7 @@ def parse(data, source: str = "sweep") -> Sweep:
         peers = []
     device = data.get("device")
     if device is not None:
-        from ..costmodel import KNOWN_DEVICES
+        from ..planning.costmodel import KNOWN_DEVICES
         if device != "cpu" and device not in KNOWN_DEVICES:
             problems.append(f"device: {device!r} is not known (valid: cpu, {', '.join(KNOWN_DEVICES)}); "
                             f"or give peak_flops")

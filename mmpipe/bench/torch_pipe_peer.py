@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .memory import write_peak
-from ..reference import make_optimizer, make_scheduler
+from ..runtime.reference import make_optimizer, make_scheduler
 from .peer_common import StepLog, batches, peer_args, resolved
 
 

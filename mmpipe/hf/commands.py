@@ -2,7 +2,7 @@
 
 An imported model is written as an mmpipe run directory: model.json + checkpoints/<tag>/layer_XX-
 model_states.pt (DeepSpeed's per-layer layout, which is what `mmpipe generate` and
-mmpipe.checkpoint.load_reference read). Export reads any run's latest checkpoint, whatever its
+mmpipe.runtime.checkpoint.load_reference read). Export reads any run's latest checkpoint, whatever its
 stage count.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ def consolidated(model, layout: str = "current") -> dict[str, torch.Tensor]:
 
 
 def main_export(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_reference
+    from ..runtime.checkpoint import load_reference
     from ..config import config_from_dict
     from ..run_config import fail
     run = Path(args.checkpoint)

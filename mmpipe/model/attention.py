@@ -76,3 +76,14 @@ class GeluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def cached_attention(q, k, v, cache: dict, mask):
+    """q [B, H, T_new, Dh]; k, v [B, H_kv, T_new, Dh] appended to the cache; GQA repeats K/V heads."""
+    if "k" in cache:
+        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+    cache["k"], cache["v"] = k, v
+    rep = q.shape[1] // k.shape[1]  # e.g. 32 query heads / 8 KV heads = 4
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T_new, Dh]

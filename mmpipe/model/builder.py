@@ -6,7 +6,7 @@
 
 (moondream2: 1 + 27 + 1 + 1 + 1 + 24 + 1 = 56 layers), or with `fusion: cross_attention` a
 CrossAttnBlock before every k-th decoder block (mmpipe.model.cross_attention). The same list feeds
-deepspeed.pipe.PipelineModule (mmpipe.pipeline) and, built in one process, the single-device
+deepspeed.pipe.PipelineModule (mmpipe.runtime.pipeline) and, built in one process, the single-device
 reference (`build_reference`). Layer i is always initialised under torch.manual_seed(seed + i),
 so both get identical weights whatever the stage count.
 """

@@ -85,7 +85,7 @@ class CrossAttnBlock(nn.Module):
         return t._replace(hidden=x, vision=None if self.last else t.vision).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
-        """Cached generation (mmpipe.generate): the image's keys / values are computed on the first
+        """Cached generation (mmpipe.inference.generate): the image's keys / values are computed on the first
         call and reused for every new token; no mask or position, so the new rows need nothing else."""
         if "kv" not in cache:
             cache["kv"] = self.attn.image_kv(t.vision)

@@ -21,7 +21,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import apply_partial_rotary, decoder_mask, rotary_cos_sin
+from .attention import apply_partial_rotary, cached_attention, decoder_mask, rotary_cos_sin
 from .stage import StageTuple
 
 ACTS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
@@ -202,7 +202,6 @@ class LlamaBlock(nn.Module):
         return t._replace(hidden=x + self.mlp(self.post_attention_layernorm(x))).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
-        from ..generate import cached_attention
         x = t.hidden  # [B, T_new, D]
         B, T, _ = x.shape
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), start)

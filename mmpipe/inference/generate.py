@@ -38,9 +38,9 @@ from typing import Callable
 
 import torch
 
-from .model.attention import apply_partial_rotary, decoder_mask, rotary_cos_sin
-from .model.layers import DecoderBlock, LMHead, TextEmbed
-from .model.stage import StageTuple
+from ..model.attention import apply_partial_rotary, cached_attention, decoder_mask, rotary_cos_sin
+from ..model.layers import DecoderBlock, LMHead, TextEmbed
+from ..model.stage import StageTuple
 
 _DECODERS: dict[type, Callable] = {}
 
@@ -58,17 +58,6 @@ def decode_fn(layer) -> Callable | None:
         return lambda t, cache, start: layer.decode(t, cache, start)
     fn = _DECODERS.get(type(layer))
     return None if fn is None else (lambda t, cache, start: fn(layer, t, cache, start))
-
-
-def cached_attention(q, k, v, cache: dict, mask):
-    """q [B, H, T_new, Dh]; k, v [B, H_kv, T_new, Dh] appended to the cache; GQA repeats K/V heads."""
-    if "k" in cache:
-        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-    cache["k"], cache["v"] = k, v
-    rep = q.shape[1] // k.shape[1]  # e.g. 32 query heads / 8 KV heads = 4
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T_new, Dh]
 
 
 # ---- the moondream family's decode functions ---------------------------------------------------
@@ -181,10 +170,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def _load(path: Path, tokenizer: str | None):
     """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF LLaVA directory."""
-    from .config import ConfigError, config_from_dict
-    from .data.tokenizer import load_tokenizer
+    from ..config import ConfigError, config_from_dict
+    from ..data.tokenizer import load_tokenizer
     if (path / "config.json").is_file():
-        from .hf.llava import load_hf_llava
+        from ..hf.llava import load_hf_llava
         model = load_hf_llava(path)
         return model, load_tokenizer(tokenizer or str(path))
     run_dir = path if (path / "model.json").is_file() else path.parent
@@ -194,7 +183,7 @@ def _load(path: Path, tokenizer: str | None):
     cfg = config_from_dict(json.loads((run_dir / "model.json").read_text()), run_dir.name)
     if tokenizer is None and (run_dir / "tokenizer").is_dir():  # saved there by `mmpipe import`
         tokenizer = str(run_dir / "tokenizer")
-    from .checkpoint import load_reference
+    from ..runtime.checkpoint import load_reference
     try:
         model = load_reference(ckpt, cfg)
     except FileNotFoundError as e:
@@ -203,10 +192,10 @@ def _load(path: Path, tokenizer: str | None):
 
 
 def main_generate(args: argparse.Namespace) -> int:
-    from .config import ConfigError
-    from .data.images import ImageTransform
-    from .data.text import ConversationEncoder
-    from .run_config import fail
+    from ..config import ConfigError
+    from ..data.images import ImageTransform
+    from ..data.text import ConversationEncoder
+    from ..run_config import fail
     try:
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         if not Path(args.image).is_file():
@@ -228,5 +217,5 @@ def main_generate(args: argparse.Namespace) -> int:
 def prompt_with_placeholders(cfg, prompt: list[int]) -> list[int]:
     """The LLaVA family reads the image from placeholder positions: N_img of them after BOS, the
     same layout as moondream's spliced image. Other families take the prompt as it is."""
-    from .data.text import with_placeholders
+    from ..data.text import with_placeholders
     return with_placeholders(prompt, cfg)

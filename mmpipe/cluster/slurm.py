@@ -2,7 +2,7 @@
 
 The script starts one Slurm task per rank with `srun` (ranks from SLURM_PROCID / SLURM_LOCALID /
 SLURM_NTASKS, see slurm_env.py; the first node is the rendezvous), asks Slurm for USR1 ahead of
-the time limit, and requeues itself when the ranks stopped for a signal (mmpipe.preempt); the
+the time limit, and requeues itself when the ranks stopped for a signal (mmpipe.cluster.preempt); the
 requeued job finds `checkpoints/latest` and resumes. Every value that reaches the script is
 either checked against a plain character set (#SBATCH lines are not shell, and a newline would
 start a new line of the script) or shell-quoted.
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 from .preempt import MARKER as PREEMPTED
 
 SAFE = re.compile(r"^[A-Za-z0-9._,+-]+$")          # names: partition, account, job name
@@ -122,7 +122,7 @@ rc=$?
 
 def main_slurm(argv: list[str]) -> int:
     """argv: everything after `slurm`."""
-    from .run_config import add_train_args, fail, resolve
+    from ..run_config import add_train_args, fail, resolve
     sargs, rank_argv = _slurm_parser().parse_known_args(argv)
     tp = argparse.ArgumentParser(prog="mmpipe slurm")
     add_train_args(tp)

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from deepspeed.runtime import lr_schedules
 
-from .data.batches import StepBatches, TrainSet, rank_batches
-from .data.dataset import prepare
-from .data.text import placeholders
-from .model.builder import ReferenceModel, lm_loss
-from .run_config import RunConfig
+from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.dataset import prepare
+from ..data.text import placeholders
+from ..model.builder import ReferenceModel, lm_loss
+from ..run_config import RunConfig
 
 
 def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:

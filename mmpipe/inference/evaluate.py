@@ -9,10 +9,10 @@ from collections import defaultdict
 
 import torch
 
-from .config import ModelConfig
-from .data.samples import SHAPES_TEXT_LEN, ShapesSamples
-from .data.shapes import QUESTION_TYPES, ShapesVQA
-from .data.text import placeholders, with_placeholders
+from ..config import ModelConfig
+from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
+from ..data.shapes import QUESTION_TYPES, ShapesVQA
+from ..data.text import placeholders, with_placeholders
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from .config import ConfigError
+from ..config import ConfigError
 
 # What to use instead, by precision: files in ds_configs/
 SUGGEST = {

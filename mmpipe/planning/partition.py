@@ -2,11 +2,11 @@
 
 DeepSpeed's own methods do not fit a VLM ('parameters' counts only trainable parameters, so a
 frozen ViT weighs nothing; 'uniform' ignores that decoder blocks see image + text tokens), so
-mmpipe computes the stage boundaries itself and hands them to PipelineModule (mmpipe.pipeline).
+mmpipe computes the stage boundaries itself and hands them to PipelineModule (mmpipe.runtime.pipeline).
 Methods (DeepSpeed JSON "pipeline": {"partition": ...}, or --partition):
 
     balanced    (default; DeepSpeed's "best" means this) the exact min-max contiguous split of
-                each layer's forward + backward (+ recompute) FLOPs (mmpipe.costmodel: the tokens
+                each layer's forward + backward (+ recompute) FLOPs (mmpipe.planning.costmodel: the tokens
                 each layer sees, x3 for a trainable layer, x2 for a frozen layer behind a
                 trainable one, x1 for a frozen prefix that runs no backward), optionally also
                 subject to a memory limit per stage.
@@ -23,7 +23,7 @@ from typing import Callable
 
 from deepspeed.runtime import utils as ds_utils
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from .costmodel import LayerCost, layer_costs
 
 
@@ -95,7 +95,7 @@ def min_max_split(weights: list[float], parts: int, fits: Callable[[int, int, in
 def compute_parts(table: list[LayerCost], stages: int, method: str,
                   fits: Callable[[int, int, int], bool] | None = None) -> list[int]:
     """Stage boundaries [0, b1, ..., n_layers] (DeepSpeed's `parts`). `fits(stage, first_unit,
-    end_unit)` may restrict balanced/parameters splits (a memory limit, see mmpipe.plan)."""
+    end_unit)` may restrict balanced/parameters splits (a memory limit, see mmpipe.planning.plan)."""
     n = len(table)
     if stages > n:
         raise ConfigError(f"--stages: {stages} stages but the model has only {n} layers (valid: 1..{n})")

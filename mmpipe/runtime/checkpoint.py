@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .model.builder import ReferenceModel
+from ..config import ModelConfig
+from ..model.builder import ReferenceModel
 
 
 def latest_tag(ckpt_dir: str | Path) -> str | None:

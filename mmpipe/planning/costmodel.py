@@ -47,8 +47,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import ModelConfig
-from .model.builder import layer_param_counts, layer_specs
+from ..config import ModelConfig
+from ..model.builder import layer_param_counts, layer_specs
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CHECKPOINTED = ("VisionBlock", "DecoderBlock", "LlamaBlock", "CrossAttnBlock")

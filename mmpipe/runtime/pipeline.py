@@ -1,11 +1,11 @@
-"""The model as a DeepSpeed PipelineModule, cut at boundaries mmpipe computed (mmpipe.partition)."""
+"""The model as a DeepSpeed PipelineModule, cut at boundaries mmpipe computed (mmpipe.planning.partition)."""
 from __future__ import annotations
 
 import torch
 from deepspeed.pipe import PipelineModule
 
-from .model.builder import apply_freeze, layer_specs, lm_loss
-from .run_config import RunConfig
+from ..model.builder import apply_freeze, layer_specs, lm_loss
+from ..run_config import RunConfig
 
 CHECKPOINTABLE = ["VisionBlock", "DecoderBlock", "CrossAttnBlock", "TowerBlock", "LlamaBlock"]
 

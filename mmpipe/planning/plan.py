@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig, load_preset
+from ..config import ConfigError, ModelConfig, load_preset
 from .costmodel import (BYTES, KNOWN_DEVICES, Device, LayerCost, layer_costs, pipeline_step_seconds, profile_layers,
                         stage_memory, stage_seconds)
 from .partition import compute_parts, trainable_units
@@ -177,7 +177,7 @@ def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr
 
 
 def main_plan(args) -> int:
-    from .run_config import fail
+    from ..run_config import fail
     try:
         cfg = load_preset(args.preset)
         device = device_from_args(args)

@@ -13,7 +13,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.-]+)\s+slots=(?P<slots>-?\d+)$")
 # variables a cluster run needs on every host; pdsh starts remote ranks with a bare ssh environment
