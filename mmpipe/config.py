@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,13 @@ VISION_ACTS = ("gelu_tanh", "gelu", "quick_gelu")
 
 class ConfigError(ValueError):
     """A user-facing configuration problem: one line naming the field and what would be valid."""
+
+
+def fail(e: ConfigError) -> int:
+    """Print each problem as one `mmpipe: error:` line; exit status 2, no traceback."""
+    for line in str(e).splitlines():
+        print(f"mmpipe: error: {line}", file=sys.stderr)
+    return 2
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,25 @@
 """Everything one run needs, resolved and checked before any process group exists.
 
-`resolve(args, world_size)` reads the DeepSpeed JSON, the preset and the flags, and either
-returns a RunConfig or raises ConfigError listing every problem, one line each, naming the field
-and what would be valid. The front door (`mmpipe train`) and every rank (`python -m mmpipe.train`)
-call it, so a bad run is refused with exit status 2 before anything is launched.
+`resolve(args, world_size, ds_config)` reads the DeepSpeed JSON (or takes it as a dict), the preset
+and the TrainArgs, and either returns a RunConfig or raises ConfigError listing every problem, one
+line each, naming the field and what would be valid. It changes none of its inputs. The front door
+(`mmpipe train`), every rank (`python -m mmpipe.train`), `mmpipe slurm` and `mmpipe bench` call it,
+so a bad run is refused with exit status 2 before anything is launched.
 """
 from __future__ import annotations
 
-import argparse
+import copy
 import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig, load_preset
-from .data.dataset import DataOptions, add_data_args, resolve_data
+from .config import ConfigError, ModelConfig, config_from_dict, load_preset
+from .data.dataset import DataOptions, resolve_data
+from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.builder import FREEZE_GROUPS
+from .run_args import TrainArgs
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
 
@@ -31,42 +34,6 @@ def default_ds_config() -> str:
         if (base / DEFAULT_DS_CONFIG).is_file():
             return str(base / DEFAULT_DS_CONFIG)
     return str(REPO_CONFIGS / DEFAULT_DS_CONFIG)
-
-
-def fail(e: ConfigError) -> int:
-    """Print each problem as one `mmpipe: error:` line; exit status 2, no traceback."""
-    for line in str(e).splitlines():
-        print(f"mmpipe: error: {line}", file=sys.stderr)
-    return 2
-
-
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None, help="model preset name or path to a model JSON (default: small; with "
-                   "--init-from: the run's model.json)")
-    p.add_argument("--init-from", default=None, metavar="RUN",
-                   help="start from the weights of an mmpipe run (e.g. `mmpipe import --out RUN`): its model.json, "
-                        "latest checkpoint and tokenizer/ (else the built-in tokenizer); fresh optimizer and schedule")
-    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (default: ds_configs/cpu_fp32.json)")
-    p.add_argument("--stages", type=int, default=None,
-                   help="pipeline stages (default: the config's pipeline.stages, else 2)")
-    p.add_argument("--partition", default=None,
-                   help="balanced | uniform | parameters | explicit first-layer indices of stages 1..P-1 "
-                        "(default: the config's pipeline.partition, 'best' = balanced)")
-    p.add_argument("--steps", type=int, default=3000, help="optimizer steps (default: 3000)")
-    p.add_argument("--output-dir", default="runs/default", help="log, checkpoints and summary.json go here")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
-    p.add_argument("--freeze", default="", help=f"comma-separated groups to freeze: {', '.join(FREEZE_GROUPS)}")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--nonfinite", default="stop", choices=("stop", "skip"),
-                   help="a NaN/inf loss: stop the run, keeping the last good checkpoint (default), or skip that "
-                        "batch's update and count it (fp32 with ZeRO-0)")
-    p.add_argument("--keep-checkpoints", type=int, default=3,
-                   help="keep the newest K checkpoints (default: 3; 0: all); the one `latest` names is never deleted")
-    p.add_argument("--eval-samples", type=int, default=1000,
-                   help="held-out shapes samples scored after training, split evenly over the question types "
-                        "(0: skip; user data is not scored)")
-    add_data_args(p)
 
 
 @dataclass(frozen=True)
@@ -137,7 +104,7 @@ def _batch_sizes(ds: dict, dp: int) -> tuple[int, int]:
     return micro, gas
 
 
-def _stages(args: argparse.Namespace, ds: dict) -> int:
+def _stages(args: TrainArgs, ds: dict) -> int:
     """--stages, else the config's pipeline.stages, where "auto" (DeepSpeed's default) means 2."""
     stages = args.stages if args.stages is not None else ds.get("pipeline", {}).get("stages", "auto")
     stages = 2 if stages == "auto" else stages
@@ -146,12 +113,13 @@ def _stages(args: argparse.Namespace, ds: dict) -> int:
     return stages
 
 
-def requested_stages(args: argparse.Namespace) -> int:
+def requested_stages(args: TrainArgs) -> int:
     """The stage count a launch needs processes for (stages x dp), before the full check."""
     return _stages(args, _load_json(args.ds_config or default_ds_config()))
 
 
-def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
+def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> RunConfig:
+    """ds_config: the DeepSpeed JSON as a dict (copied, never changed); None reads args.ds_config."""
     problems: list[str] = []
 
     def attempt(fn, *a):
@@ -162,8 +130,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
             return None
 
     ds_path = args.ds_config or default_ds_config()
-    ds = attempt(_load_json, ds_path)
-    init_from = getattr(args, "init_from", None)
+    ds = copy.deepcopy(ds_config) if ds_config is not None else attempt(_load_json, ds_path)
+    init_from = args.init_from
     run_tok = None
     if init_from:
         model = attempt(init_model, init_from, args.preset)
@@ -172,7 +140,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     else:
         model = attempt(load_preset, args.preset or "small")
     data = attempt(resolve_data, args, model, run_tok)
-    if getattr(args, "resume", False) and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
+    if args.resume and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
         problems.append(f"--resume: no checkpoint in {Path(args.output_dir) / 'checkpoints'}")
     if args.steps < 1:
         problems.append(f"--steps: {args.steps} must be >= 1")
@@ -213,7 +181,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     if "optimizer" not in ds:
         problems.append("optimizer: missing; set e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3, "
                         "\"torch_adam\": true}}")
-    if getattr(args, "nonfinite", "stop") == "skip" and (fp16 or bf16 or zero_stage != 0):
+    if args.nonfinite == "skip" and (fp16 or bf16 or zero_stage != 0):
         problems.append("--nonfinite: skip works with fp32 and ZeRO stage 0 (bf16 and ZeRO-1 optimizers hold their "
                         "own gradient buffers); fp16 skips overflowing steps by itself; use --nonfinite stop")
     micro = gas = 1
@@ -227,7 +195,6 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         if init_from:
             attempt(check_init_tokenizer, model, data.tokenizer, run_tok)
         elif model.family == "llava":  # fresh weights: the placeholder is the tokenizer's <image>, added if missing
-            from .data.tokenizer import add_image_token
             model = dataclasses.replace(model, image_token_id=add_image_token(data.tokenizer))
         n_vocab = len(data.tokenizer)
         if model.text.vocab_size < n_vocab and not init_from:
@@ -261,12 +228,10 @@ RESIZED = ("vocab_size", "image_token_id")  # what a fresh run fits to its token
 def init_model(run_dir: str, preset: str | None) -> ModelConfig:
     """--init-from RUN: the model config RUN trained or imported; --preset, if given, must describe
     the same model (up to the vocabulary size and <image> id a run fits to its tokenizer)."""
-    from .runtime.checkpoint import latest_tag
-    from .config import config_from_dict
     d = Path(run_dir)
     if not (d / "model.json").is_file():
         raise ConfigError(f"--init-from: {d} has no model.json (give an mmpipe run directory, e.g. `mmpipe import --out`)")
-    if latest_tag(d / "checkpoints") is None:
+    if not (d / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--init-from: {d} has no checkpoint (checkpoints/latest is missing)")
     cfg = config_from_dict(json.loads((d / "model.json").read_text()), d.name)
     if preset is not None:
@@ -294,7 +259,6 @@ def check_init_tokenizer(cfg: ModelConfig, tok, source: str | None) -> None:
         raise ConfigError(f"--init-from: {where} has {len(tok)} tokens, more than the model's vocabulary "
                           f"({cfg.text.vocab_size}); give the tokenizer the weights were trained with (--tokenizer)")
     if cfg.family == "llava":
-        from .data.tokenizer import IMAGE_TOKEN
         tid = tok.get_vocab().get(IMAGE_TOKEN)
         if tid is not None and tid != cfg.image_token_id:
             raise ConfigError(f"--init-from: {where} has {IMAGE_TOKEN} at id {tid}, the model's placeholder is "

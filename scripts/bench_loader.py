@@ -46,7 +46,9 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from mmpipe.config import load_preset  # noqa: E402
-from mmpipe.run_config import add_train_args, requested_stages, resolve  # noqa: E402
+from mmpipe.flags import add_flags, from_namespace  # noqa: E402
+from mmpipe.run_args import LaunchArgs, TrainArgs  # noqa: E402
+from mmpipe.run_config import requested_stages, resolve  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -141,13 +143,13 @@ def training_rate(summary_path: Path, wall: float | None = None) -> dict:
 # ---------------------------------------------------------------- step 3
 
 def build_run(train_argv: list[str]):
-    """The run as every rank resolves it, from the same flags."""
+    """The run as every rank resolves it, from the same flags (and mmpipe train's front-door ones)."""
     p = argparse.ArgumentParser()
-    add_train_args(p)
-    p.add_argument("--dp", type=int, default=1)  # mmpipe.cli's front-door flags
-    p.add_argument("--master-port", type=int, default=None)
-    args = p.parse_args(train_argv)
-    run = resolve(args, world_size=args.dp * requested_stages(args))
+    add_flags(p, TrainArgs)
+    add_flags(p, LaunchArgs)
+    ns = p.parse_args(train_argv)
+    args, dp = from_namespace(TrainArgs, ns), ns.dp or 1
+    run = resolve(args, world_size=dp * requested_stages(args))
     return args, run
 
 

@@ -372,10 +372,9 @@ def main(argv=None) -> int:
     # 1. calibration, on one thread, before any run (micro from the first run's config if not given)
     micro = args.micro
     if micro is None:
-        from mmpipe.run_config import add_train_args, resolve
-        p = argparse.ArgumentParser()
-        add_train_args(p)
-        micro = resolve(p.parse_args(["--preset", args.preset, *extra]), world_size=2).micro
+        from mmpipe.run_args import TrainArgs
+        from mmpipe.run_config import resolve
+        micro = resolve(TrainArgs.from_argv(["--preset", args.preset, *extra]), world_size=2).micro
     t = time.perf_counter()
     prof = profile(cfg, args.text_len, micro, args.profile_rounds)
     print(f"bench: profile_layers x{args.profile_rounds} at micro {micro} in {time.perf_counter() - t:.1f} s (ms per "

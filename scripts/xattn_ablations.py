@@ -30,7 +30,8 @@ from mmpipe.inference.evaluate import evaluate
 from mmpipe.model import cross_attention as xa
 from mmpipe.model.builder import ReferenceModel, lm_loss
 from mmpipe.runtime.reference import make_optimizer, make_scheduler
-from mmpipe.run_config import add_train_args, resolve
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,9 +88,7 @@ def main() -> None:
     preset = json.loads((ROOT / "mmpipe/presets/small-xattn.json").read_text())
     merge(preset, json.loads(args.preset_json))
     (out / "preset.json").write_text(json.dumps(preset, indent=1))
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    run = resolve(p.parse_args(["--preset", str(out / "preset.json"), "--stages", "1", "--steps", str(args.steps)]),
+    run = resolve(TrainArgs.from_argv(["--preset", str(out / "preset.json"), "--stages", "1", "--steps", str(args.steps)]),
                   world_size=1)
     model = ReferenceModel(run.model, seed=0)
     gates = [q for n, q in model.named_parameters() if n.endswith("_gate")]

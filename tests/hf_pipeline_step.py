@@ -30,7 +30,8 @@ def main():
     from hf_models import batch, shifted
     from mmpipe.hf.llava import import_llava, load_into_pipeline
     from mmpipe.runtime.pipeline import VLMPipeline
-    from mmpipe.run_config import add_train_args, resolve
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
 
     deepspeed.init_distributed()
     model, _ = import_llava(args.hf)
@@ -39,9 +40,7 @@ def main():
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 1000}
     (out / "ds.json").write_text(json.dumps(ds))
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    run = resolve(p.parse_args(["--preset", str(out / "model.json"), "--ds-config", str(out / "ds.json"),
+    run = resolve(TrainArgs.from_argv(["--preset", str(out / "model.json"), "--ds-config", str(out / "ds.json"),
                                 "--stages", "2"]), world_size=2)
     run = dataclasses.replace(run, model=model.cfg)  # as imported (a fresh run would fit <image> to its tokenizer)
     pipe = VLMPipeline(run, seed=1234)

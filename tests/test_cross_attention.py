@@ -19,7 +19,8 @@ from mmpipe.model import ReferenceModel
 from mmpipe.model.cross_attention import CrossAttnBlock
 from mmpipe.model.stage import StageTuple
 from mmpipe.runtime.reference import train_reference
-from mmpipe.run_config import add_train_args, resolve
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 from test_pipeline_equivalence import _max_weight_diff
 from test_plan import _saved_floats_per_sample
 
@@ -40,9 +41,7 @@ def _args(ds_config, *extra):
 
 @pytest.fixture(scope="module")
 def reference(equivalence_config):
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    run = resolve(p.parse_args(_args(equivalence_config, "--stages", "1")), world_size=1)
+    run = resolve(TrainArgs.from_argv(_args(equivalence_config, "--stages", "1")), world_size=1)
     return train_reference(run, seed=3, steps=EQUIV_STEPS)
 
 

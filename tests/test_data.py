@@ -86,15 +86,13 @@ def test_data_parallel_ranks_see_disjoint_samples():
 
 
 def _indexed(tmp_path, n=30):
-    import argparse
 
     from mmpipe.data.dataset import prepare
     from mmpipe.data.export import export_shapes
-    from mmpipe.run_config import add_train_args, resolve
-    p = argparse.ArgumentParser()
-    add_train_args(p)
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
     data = export_shapes(tmp_path / "d", "llava-jsonl", n)
-    run = resolve(p.parse_args(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "o"),
+    run = resolve(TrainArgs.from_argv(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "o"),
                                 "--text-len", "24"]), world_size=2)
     return run, prepare(run.data, run.model, tmp_path / "o", seed=4, verbose=False)
 

@@ -6,7 +6,6 @@ running the code under test. Everything is written under tmp_path; no network, C
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 
@@ -20,10 +19,11 @@ from mmpipe.data.batches import TrainSet
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import FORMATS, export_shapes
 from mmpipe.data.records import BadRecord
-from mmpipe.data.text import ConversationEncoder, pad_sample
+from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import MOONDREAM_TEMPLATE, builtin_tokenizer, load_tokenizer
 from mmpipe.model import IGNORE_INDEX
-from mmpipe.run_config import add_train_args, resolve
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 
 N = 12
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -48,9 +48,7 @@ def _hf_cache_in_tmp(tmp_path, monkeypatch):
 
 def load(tmp_path, data, *flags):
     """--data DATA [flags] -> (RunConfig, samples), the way `mmpipe train` resolves and prepares."""
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    args = p.parse_args(["--data", str(data), "--output-dir", str(tmp_path / "run"), *flags])
+    args = TrainArgs.from_argv(["--data", str(data), "--output-dir", str(tmp_path / "run"), *flags])
     run = resolve(args, 2)
     return run, prepare(run.data, run.model, args.output_dir, seed=0, verbose=False)
 
@@ -410,10 +408,8 @@ def test_load_tokenizer_errors_are_one_line(tmp_path, case):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("--tokenizer:") and str(path) in msg
     # and through the front door's checks, as one of its one-line problems
-    p = argparse.ArgumentParser()
-    add_train_args(p)
     export_shapes(tmp_path / "d", "llava-jsonl", 1)
     with pytest.raises(ConfigError) as e:
-        resolve(p.parse_args(["--data", str(tmp_path / "d/train.jsonl"), "--tokenizer", str(path),
+        resolve(TrainArgs.from_argv(["--data", str(tmp_path / "d/train.jsonl"), "--tokenizer", str(path),
                               "--output-dir", str(tmp_path / "run")]), 2)
     assert msg in str(e.value).splitlines()

@@ -4,7 +4,6 @@ forward loss on the same micro-batch. A disagreeing --preset and the shapes set 
 tokenizer are refused with one line."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -17,7 +16,8 @@ from mmpipe.cli import main
 from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.data.text import placeholders
-from mmpipe.run_config import add_train_args, resolve
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 
 TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}w4 {{ m['content'] }} w5 "
             "{% else %}{{ m['content'] }} {{ eos_token }} {% endif %}{% endfor %}")
@@ -50,9 +50,7 @@ def test_init_from_imported_llava(tmp_path, capsys):
     run = train_run(tmp_path / "run", "--stages", "2", *args).check()
 
     # the same first micro-batch, through HF's own forward (HF labels: the token at each position)
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    rc = resolve(p.parse_args(args + ["--stages", "1"]), world_size=1)
+    rc = resolve(TrainArgs.from_argv(args + ["--stages", "1"]), world_size=1)
     assert rc.model.image_token_id == IMAGE_TOKEN and len(rc.data.tokenizer) == 100
     samples = prepare(rc.data, rc.model, tmp_path / "run", 5, verbose=False)
     ts = TrainSet(samples, text_len=12, n_img=0, image_size=32, image_token=placeholders(rc.model))

@@ -3,7 +3,6 @@
 the layout of a sample with and without an image; the decoder positions tokens/s counts."""
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import pytest
@@ -11,7 +10,8 @@ import pytest
 from conftest import train_run
 from mmpipe.data.text import Encoded, pad_sample
 from mmpipe.runtime.reference import train_reference
-from mmpipe.run_config import add_train_args, resolve
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 
 TOL = 1e-5
 STEPS = 3
@@ -32,9 +32,7 @@ def test_placeholders_after_bos_and_text_only_without():
 
 
 def test_llava_tiny_pp2_equals_reference(tmp_path, equivalence_config):
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    run = resolve(p.parse_args(_args(equivalence_config, "--stages", "1")), world_size=1)
+    run = resolve(TrainArgs.from_argv(_args(equivalence_config, "--stages", "1")), world_size=1)
     assert run.model.image_token_id == len(run.data.tokenizer) - 1  # the built-in tokenizer's <image>
     _, ref = train_reference(run, seed=3, steps=STEPS)
     pp2 = train_run(tmp_path, *_args(equivalence_config, "--stages", "2")).check()

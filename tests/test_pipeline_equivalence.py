@@ -2,7 +2,6 @@
 reference loop, PP=1, PP=2 and PP=4; the gradient crosses the stage boundary; --freeze holds."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
@@ -12,7 +11,8 @@ from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.runtime.reference import train_reference
-from mmpipe.run_config import add_train_args, resolve
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 
 TOL = 1e-5
 
@@ -24,9 +24,7 @@ def _run_args(ds_config, *extra):
 
 @pytest.fixture(scope="module")
 def reference(equivalence_config):
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    args = p.parse_args(_run_args(equivalence_config, "--stages", "1"))
+    args = TrainArgs.from_argv(_run_args(equivalence_config, "--stages", "1"))
     run = resolve(args, world_size=1)
     return train_reference(run, seed=3, steps=EQUIV_STEPS)
 

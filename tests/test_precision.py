@@ -68,7 +68,7 @@ def test_front_door_passes_what_the_device_runs(monkeypatch, capsys, tmp_path):
 def test_this_device_asks_deepspeeds_accelerator_and_the_fake_reaches_it():
     # in subprocesses: the fake sets answers on DeepSpeed's accelerator singleton, which
     # deepspeed.initialize asks as well
-    code = ("from mmpipe import precision; from deepspeed.accelerator import get_accelerator as g; "
+    code = ("from mmpipe.runtime import precision; from deepspeed.accelerator import get_accelerator as g; "
             "d = precision.this_device(); print(d.kind, d.fp16, d.bf16, bool(g().is_fp16_supported()))")
 
     def ask(**env) -> list[str]:

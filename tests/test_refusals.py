@@ -99,13 +99,11 @@ def test_command_line_refusal_has_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("name", ["cpu_fp32", "cpu_bf16", "zero1_bf16", "zero1_fp16", "pp4_fp32"])
 def test_shipped_configs_resolve(name):
-    import argparse
 
     from conftest import ROOT
-    from mmpipe.run_config import add_train_args, resolve
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    run = resolve(p.parse_args(["--ds-config", str(ROOT / "ds_configs" / f"{name}.json"), "--preset", "tiny"]),
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
+    run = resolve(TrainArgs.from_argv(["--ds-config", str(ROOT / "ds_configs" / f"{name}.json"), "--preset", "tiny"]),
                   world_size=4 if name == "pp4_fp32" else 2)
     assert run.train_batch == run.micro * run.gas * run.dp
     assert run.stages == (4 if name == "pp4_fp32" else 2)
@@ -148,14 +146,12 @@ def test_nonfinite_skip_needs_fp32_without_zero(capsys, config):
 
 
 def test_world_size_not_a_multiple_of_stages(capsys):
-    import argparse
 
     from mmpipe.config import ConfigError
-    from mmpipe.run_config import add_train_args, resolve
-    p = argparse.ArgumentParser()
-    add_train_args(p)
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
     with pytest.raises(ConfigError, match=r"--stages: world size 3 is not a multiple of 2 stages"):
-        resolve(p.parse_args(["--preset", "tiny"]), world_size=3)
+        resolve(TrainArgs.from_argv(["--preset", "tiny"]), world_size=3)
 
 
 def test_data_that_does_not_exist(tmp_path, capsys):

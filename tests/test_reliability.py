@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, Run, fixed_schedule_config, train_run, write_ds_config
+from conftest import ROOT, Run, fixed_schedule_config, train_run
 from mmpipe.runtime.checkpoint import latest_tag, load_reference
 from mmpipe.config import load_preset
 

@@ -10,15 +10,24 @@ Writes train_log.csv and summary.json with train's fields (no stage timing: ther
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import statistics
+import os
 import sys
 import time
 from pathlib import Path
 
+import deepspeed
 import torch
+import torch.distributed as dist
 
+from ..config import ConfigError, fail
+from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.dataset import prepare
+from ..model.builder import lm_loss
+from ..run_args import TrainArgs
+from ..run_config import resolve
+from ..runtime.pipeline import VLMPipeline
+from ..runtime.steplog import StepLog
+from ..runtime.trainer import DTYPES, refuse_unsupported, setup_torch
 from .memory import write_peak
 
 
@@ -28,38 +37,23 @@ class LossModule(torch.nn.Module):
         self.pipe = pipe
 
     def forward(self, pixels, input_ids, has_image, labels):
-        from ..model.builder import lm_loss
         return lm_loss(self.pipe((pixels, input_ids, has_image)), labels)
 
 
 def main(argv=None) -> int:
-    from .. import train
-    from ..config import ConfigError
-    from ..run_config import fail, resolve
     p = argparse.ArgumentParser()
     p.add_argument("--zero", type=int, required=True)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None)  # the launcher's
     ns, rest = p.parse_known_args(argv)
-    args = train.parse_args(rest)
-    import os
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = TrainArgs.from_argv(rest, prog="python -m mmpipe.bench.dp_rank")
     try:
-        run = resolve(args, world_size=world)
+        run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return fail(e)
-    torch_, deepspeed = train._setup_torch()
-    import torch.distributed as dist
-    from ..data.batches import StepBatches, TrainSet, rank_batches
-    from ..data.dataset import prepare
-    from ..runtime.pipeline import VLMPipeline
-
+    setup_torch()
     deepspeed.init_distributed()
     rank = dist.get_rank()
-    from ..runtime.precision import check_all_ranks
-    unsupported = check_all_ranks(run.precision)
-    if unsupported:
-        if rank == 0:
-            fail(ConfigError(unsupported))
-        dist.destroy_process_group()
+    if refuse_unsupported(run.precision, rank):
         return 2
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,19 +64,14 @@ def main(argv=None) -> int:
     model = LossModule(pipe)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds,
                                            model_parameters=[q for q in model.parameters() if q.requires_grad])
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(run.precision, torch.float32)
     samples = prepare(run.data, run.model, out, args.seed, verbose=False)
     v = run.model.vision
     dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
                        augment_seed=args.seed if run.data.augment else None)
-    batches = rank_batches(dataset, StepBatches(0, run.micro, run.gas, rank, run.dp), dtype=dtype,
+    batches = rank_batches(dataset, StepBatches(0, run.micro, run.gas, rank, run.dp), dtype=DTYPES[run.precision],
                            workers=run.data.workers)
     seq = run.model.n_image_positions + run.text_len
-    log_file = open(out / "train_log.csv", "w", newline="") if rank == 0 else None
-    log = csv.DictWriter(log_file, train.CSV_FIELDS) if log_file else None
-    if log:
-        log.writeheader()
-    step_times, losses, t_start = [], [], time.perf_counter()
+    log = StepLog(out, run.train_batch, seq, enabled=rank == 0)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         total = 0.0
@@ -97,25 +86,13 @@ def main(argv=None) -> int:
         mean = torch.tensor([total])
         dist.all_reduce(mean)
         total = float(mean) / run.dp
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        losses.append(total)
-        if log:
-            log.writerow({"step": step, "loss": repr(total), "lr": f"{engine.get_lr()[0]:.6g}",
-                          "samples_per_s": f"{run.train_batch / dt:.1f}", "tokens_per_s": f"{run.train_batch * seq / dt:.0f}",
-                          "elapsed_s": f"{time.perf_counter() - t_start:.2f}", "skipped": ""})
-            log_file.flush()
+        log.step(step, total, time.perf_counter() - t0, lr=engine.get_lr()[0])
     del batches
     dist.barrier()
     dist.destroy_process_group()
     write_peak(out)
-    if rank == 0:
-        step_s = statistics.median(step_times[1:] or step_times)
-        (out / "summary.json").write_text(json.dumps({
-            "steps": args.steps, "final_loss": losses[-1], "samples_per_s": run.train_batch / step_s,
-            "tokens_per_s": run.train_batch * seq / step_s, "step_time_s": step_s, "stages": 1, "dp": run.dp,
-            "micro_batch": run.micro, "gradient_accumulation": run.gas, "train_batch": run.train_batch,
-            "precision": run.precision, "zero_stage": ns.zero, "preset": run.model.name, "engine": "dp"}, indent=2) + "\n")
+    log.finish(stages=1, dp=run.dp, micro_batch=run.micro, gradient_accumulation=run.gas, precision=run.precision,
+               zero_stage=ns.zero, preset=run.model.name, engine="dp")
     return 0
 
 

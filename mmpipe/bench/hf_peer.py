@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.reference import gradient_clipping, make_optimizer, make_scheduler, train_step
+from ..runtime.steplog import StepLog
 from .memory import write_peak
-from ..runtime.reference import make_optimizer, make_scheduler
-from .peer_common import StepLog, batches, peer_args, resolved
+from .peer_common import batches, peer_args, resolved
 
 
 def hf_model_config(cfg):
@@ -48,34 +49,29 @@ def main(argv=None) -> int:
     hf = hf_model_config(run.model)
     torch.manual_seed(a.seed)
     model = LlavaForConditionalGeneration(hf).train()
-    opt = make_optimizer(run.ds_config, model.parameters())
+    params = list(model.parameters())
+    opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
-    clip = run.ds_config.get("gradient_clipping", 1.0)
+    clip = gradient_clipping(run.ds_config)
     n_img, seq = run.model.n_image_positions, run.model.n_image_positions + run.text_len
-    log = StepLog(Path(a.out), run.micro * run.gas, seq)
     stream = batches(run, a.seed)
+
+    def micro_loss():
+        (pixels, ids, _has), labels = next(stream)
+        if run.model.family != "llava":  # moondream splices the image before the text: placeholders there
+            ids = torch.cat([torch.full((ids.shape[0], n_img), hf.image_token_id, dtype=ids.dtype), ids], 1)
+        # mmpipe's labels are aligned with its logits (next-token targets per position); HF
+        # shifts them itself, so hand it the targets one position later
+        hf_labels = torch.full_like(labels, -100)
+        hf_labels[:, 1:] = labels[:, :-1]
+        return model(pixel_values=pixels, input_ids=ids, labels=hf_labels).loss
+
+    log = StepLog(Path(a.out), run.micro * run.gas, seq)
     for step in range(1, a.steps + 1):
         t0 = time.perf_counter()
-        total = 0.0
-        for _ in range(run.gas):
-            (pixels, ids, _has), labels = next(stream)
-            if run.model.family != "llava":  # moondream splices the image before the text: placeholders there
-                ids = torch.cat([torch.full((ids.shape[0], n_img), hf.image_token_id, dtype=ids.dtype), ids], 1)
-            # mmpipe's labels are aligned with its logits (next-token targets per position); HF
-            # shifts them itself, so hand it the targets one position later
-            hf_labels = torch.full_like(labels, -100)
-            hf_labels[:, 1:] = labels[:, :-1]
-            loss = model(pixel_values=pixels, input_ids=ids, labels=hf_labels).loss
-            (loss / run.gas).backward()
-            total += loss.item() / run.gas
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        if sched is not None:
-            sched.step()
-        opt.zero_grad(set_to_none=True)
-        log.step(step, time.perf_counter() - t0, total)
-    log.finish(params=sum(p.numel() for p in model.parameters()), hf_model="LlavaForConditionalGeneration")
+        loss = train_step(micro_loss, run.gas, params, opt, sched, clip)
+        log.step(step, loss, time.perf_counter() - t0)
+    log.finish(params=sum(p.numel() for p in params), hf_model="LlavaForConditionalGeneration")
     write_peak(a.out)
     return 0
 

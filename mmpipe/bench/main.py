@@ -9,8 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import ConfigError
-from ..run_config import fail
+from ..config import ConfigError, fail
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

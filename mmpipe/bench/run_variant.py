@@ -2,7 +2,6 @@
 then the measured row read back from what the ranks wrote (train_log.csv, summary.json, memory)."""
 from __future__ import annotations
 
-import argparse
 import copy
 import csv
 import json
@@ -16,7 +15,8 @@ from pathlib import Path
 from ..cluster.ports import free_port
 from ..runtime import precision
 from ..config import ConfigError
-from ..run_config import REPO_CONFIGS, add_train_args, resolve
+from ..run_args import TrainArgs
+from ..run_config import REPO_CONFIGS, resolve
 from .sweep import Sweep, Variant
 
 BASE_CONFIG = REPO_CONFIGS / "cpu_fp32.json"
@@ -43,9 +43,9 @@ def ds_config(v: Variant, resolve_copy: bool = False) -> dict:
     return cfg
 
 
-def train_argv(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> list[str]:
-    return ["--preset", v.preset, "--ds-config", str(cfg_path), "--stages", str(v.stages), "--steps", str(sweep.steps),
-            "--output-dir", str(out), "--eval-samples", "0", "--keep-checkpoints", "1", "--data-workers", str(v.data_workers)]
+def train_args(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> TrainArgs:
+    return TrainArgs(preset=v.preset, ds_config=str(cfg_path), stages=v.stages, steps=sweep.steps, output_dir=str(out),
+                     eval_samples=0, keep_checkpoints=1, data_workers=v.data_workers)
 
 
 def check(v: Variant, sweep: Sweep, out: Path) -> tuple[str, str] | None:
@@ -53,12 +53,10 @@ def check(v: Variant, sweep: Sweep, out: Path) -> tuple[str, str] | None:
     problem) or 'unsupported' (this device lacks its precision); None when it can. Writes the config."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
-    cfg_path.write_text(json.dumps(ds_config(v, resolve_copy=True), indent=2) + "\n")
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    args = p.parse_args(train_argv(v, sweep, out, cfg_path))
+    cfg = ds_config(v, resolve_copy=True)
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     try:
-        run = resolve(args, world_size=v.world)
+        run = resolve(train_args(v, sweep, out, cfg_path), world_size=v.world, ds_config=cfg)
     except ConfigError as e:
         return "refused", "; ".join(str(e).splitlines())
     why = precision.problem(run.precision, precision.this_device())
@@ -83,7 +81,7 @@ def launch(v: Variant, sweep: Sweep, out: Path) -> tuple[int, str, float]:
     module = "mmpipe.bench.rank" if v.engine == "pipe" else "mmpipe.bench.dp_rank"
     extra = [] if v.engine == "pipe" else ["--zero", str(v.zero)]
     cmd = [launcher, "--num_gpus", str(v.world), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           "--module", module, *extra, *train_argv(v, sweep, out, cfg_path)]
+           "--module", module, *extra, *train_args(v, sweep, out, cfg_path).to_argv()]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
     return run_logged(cmd, env, out, sweep.timeout_s)
@@ -138,11 +136,8 @@ def flops_per_sample(v: Variant) -> float:
     from ..config import load_preset
     from ..planning.costmodel import layer_costs
     from ..data.dataset import resolve_data
-    p = argparse.ArgumentParser()
-    add_train_args(p)
-    args = p.parse_args(["--preset", v.preset])
     cfg = load_preset(v.preset)
-    data = resolve_data(args, cfg)
+    data = resolve_data(TrainArgs(preset=v.preset), cfg)
     return sum(r.fwd_flops + r.bwd_flops for r in layer_costs(cfg, (), data.text_len, False))
 
 

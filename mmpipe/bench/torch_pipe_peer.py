@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..runtime.reference import clip_and_step, gradient_clipping, make_optimizer, make_scheduler
+from ..runtime.steplog import StepLog
 from .memory import write_peak
-from ..runtime.reference import make_optimizer, make_scheduler
-from .peer_common import StepLog, batches, peer_args, resolved
+from .peer_common import batches, peer_args, resolved
 
 
 class TupleStage(nn.Module):
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     from ..model.builder import ReferenceModel, lm_loss
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,9 +56,10 @@ def main(argv=None) -> int:
     params = [p for p in stage_mod.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
+    clip = gradient_clipping(run.ds_config)
     seq = run.model.n_image_positions + run.text_len
-    log = StepLog(Path(a.out), run.micro * run.gas, seq) if rank == 0 else None
     stream = batches(run, a.seed, first=rank == 0, last=rank == world - 1)
+    log = StepLog(Path(a.out), run.micro * run.gas, seq, enabled=rank == 0)
     for step in range(1, a.steps + 1):
         dist.barrier()  # start every step together, as a train_batch does
         t0 = time.perf_counter()  # loading is inside the step, as in train_batch (its LoadMicroBatch)
@@ -69,25 +72,11 @@ def main(argv=None) -> int:
         else:
             schedule.step()
         # same global-norm clipping as the DeepSpeed config (the norm summed over both stages)
-        sq = torch.stack([p.grad.detach().pow(2).sum() for p in params if p.grad is not None]).sum()
-        dist.all_reduce(sq)
-        clip = run.ds_config.get("gradient_clipping", 1.0)
-        if clip > 0:
-            scale = (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        opt.step()
-        if sched is not None:
-            sched.step()
-        opt.zero_grad(set_to_none=True)
+        clip_and_step(params, opt, sched, clip, norm_allreduce=dist.all_reduce)
         loss = torch.tensor(sum(float(x.detach()) for x in losses) / len(losses) if losses else 0.0)
         dist.broadcast(loss, world - 1)
-        dt = time.perf_counter() - t0
-        if log:
-            log.step(step, dt, float(loss))
-    if log:
-        log.finish(schedule=schedule_name, parts=run.parts)
+        log.step(step, float(loss), time.perf_counter() - t0)
+    log.finish(schedule=schedule_name, parts=run.parts)
     write_peak(a.out)
     dist.barrier()
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ start a new line of the script) or shell-quoted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -17,7 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, fail
+from ..run_args import TrainArgs
+from ..run_config import resolve
 from .preempt import MARKER as PREEMPTED
 
 SAFE = re.compile(r"^[A-Za-z0-9._,+-]+$")          # names: partition, account, job name
@@ -45,12 +48,6 @@ def add_slurm_args(p: argparse.ArgumentParser) -> None:
                    help="Slurm sends USR1 this many seconds before the time limit (default: 120)")
     g.add_argument("--script", default=None, help="write the script here (default: OUTPUT_DIR/slurm_job.sh)")
     g.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
-
-
-def _slurm_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmpipe slurm", add_help=False, allow_abbrev=False)
-    add_slurm_args(p)
-    return p
 
 
 def check(a: argparse.Namespace) -> list[str]:
@@ -120,14 +117,9 @@ rc=$?
 """
 
 
-def main_slurm(argv: list[str]) -> int:
-    """argv: everything after `slurm`."""
-    from ..run_config import add_train_args, fail, resolve
-    sargs, rank_argv = _slurm_parser().parse_known_args(argv)
-    tp = argparse.ArgumentParser(prog="mmpipe slurm")
-    add_train_args(tp)
-    targs = tp.parse_args(rank_argv)
-    targs.resume = False  # the script decides: --resume once a checkpoint exists
+def main_slurm(sargs: argparse.Namespace, targs: TrainArgs) -> int:
+    """sargs: the Slurm flags (add_slurm_args); targs: the run, as for `mmpipe train`."""
+    targs = dataclasses.replace(targs, resume=False)  # the script decides: --resume once a checkpoint exists
     problems = check(sargs)
     out = Path(targs.output_dir).resolve()
     if not SAFE_PATH.match(str(out)):
@@ -140,9 +132,7 @@ def main_slurm(argv: list[str]) -> int:
         resolve(targs, world_size=world)  # a bad run is refused here, not after waiting in the queue
     except ConfigError as e:
         return fail(e)
-    # the ranks get absolute paths: the job may start elsewhere; --resume is the script's decision
-    rank_argv = [a for a in rank_argv if a != "--resume"]
-    script = render(sargs, rank_argv, out, Path.cwd())
+    script = render(sargs, targs.to_argv(), out, Path.cwd())
     path = Path(sargs.script) if sargs.script else out / "slurm_job.sh"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(script)

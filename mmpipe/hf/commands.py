@@ -41,7 +41,7 @@ def save_run(model, out: Path, tag: str = "imported") -> Path:
 
 
 def main_import(args: argparse.Namespace) -> int:
-    from ..run_config import fail
+    from ..config import fail
     try:
         if args.hf:
             from .llava import import_llava
@@ -108,7 +108,7 @@ def consolidated(model, layout: str = "current") -> dict[str, torch.Tensor]:
 def main_export(args: argparse.Namespace) -> int:
     from ..runtime.checkpoint import load_reference
     from ..config import config_from_dict
-    from ..run_config import fail
+    from ..config import fail
     run = Path(args.checkpoint)
     try:
         if not (run / "model.json").is_file():

@@ -195,7 +195,7 @@ def main_generate(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..data.images import ImageTransform
     from ..data.text import ConversationEncoder
-    from ..run_config import fail
+    from ..config import fail
     try:
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         if not Path(args.image).is_file():

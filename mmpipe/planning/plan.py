@@ -177,7 +177,7 @@ def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr
 
 
 def main_plan(args) -> int:
-    from ..run_config import fail
+    from ..config import fail
     try:
         cfg = load_preset(args.preset)
         device = device_from_args(args)

@@ -3,10 +3,12 @@ in one process with plain PyTorch. "Pipeline == single device" is tested against
 
 It follows the DeepSpeed JSON: AdamW (torch_adam) with the same params, the same LR scheduler
 class from deepspeed.runtime.lr_schedules, gradient clipping on the global norm, and DeepSpeed's
-gradient accumulation (each micro-batch loss scaled by 1 / GAS).
+gradient accumulation (each micro-batch loss scaled by 1 / GAS). The bench peers (mmpipe.bench)
+train with the same step (train_step, or clip_and_step after a torch pipelining schedule).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +40,60 @@ def make_scheduler(ds_config: dict, opt: torch.optim.Optimizer):
     return getattr(lr_schedules, s["type"])(opt, **s.get("params", {})) if s else None
 
 
+def gradient_clipping(ds_config: dict) -> float:
+    """The DeepSpeed JSON's global-norm clip (0: off); DeepSpeed's default is 1.0."""
+    return ds_config.get("gradient_clipping", 1.0)
+
+
+def accumulate(micro_loss: Callable[[], torch.Tensor], gas: int) -> float:
+    """DeepSpeed's gradient accumulation: backward of each of `gas` micro-batch losses scaled by
+    1 / GAS. micro_loss() draws the next micro-batch and returns its loss. Returns the mean over the
+    micro-batches, the loss DeepSpeed reports for the step."""
+    total = 0.0
+    for _ in range(gas):
+        loss = micro_loss()
+        (loss / gas).backward()
+        total += loss.item() / gas
+    return total
+
+
+def clip_and_step(params: list, opt: torch.optim.Optimizer, sched, clip: float,
+                  norm_allreduce: Callable[[torch.Tensor], object] | None = None) -> None:
+    """The optimizer step once the gradients are in, as the DeepSpeed engine takes it: clip on the
+    global norm (clip 0: off), step the optimizer and the LR schedule, clear the gradients.
+
+    norm_allreduce: where other ranks hold the rest of the model (pipeline stages), sums the local
+    squared gradient norm with theirs in place (e.g. torch.distributed.all_reduce), so every rank
+    clips by the norm of the whole model."""
+    if clip > 0:
+        if norm_allreduce is None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            _clip_across_ranks(params, clip, norm_allreduce)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _clip_across_ranks(params: list, clip: float, norm_allreduce) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.stack([g.detach().pow(2).sum() for g in grads]).sum()
+    norm_allreduce(sq)
+    scale = (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s coefficient
+    for g in grads:
+        g.mul_(scale)
+
+
+def train_step(micro_loss: Callable[[], torch.Tensor], gas: int, params: list, opt: torch.optim.Optimizer, sched,
+               clip: float, norm_allreduce: Callable[[torch.Tensor], object] | None = None) -> float:
+    """One optimizer step over `gas` micro-batches (accumulate, then clip_and_step); returns the
+    step's loss."""
+    loss = accumulate(micro_loss, gas)
+    clip_and_step(params, opt, sched, clip, norm_allreduce)
+    return loss
+
+
 def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "") -> tuple[ReferenceModel, list[float]]:
     """out_dir: where user data's index is read or written (mmpipe.data.dataset.prepare)."""
     if run.dp != 1 or run.precision != "fp32":
@@ -46,28 +102,20 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     if run.init_from:  # weights only, as mmpipe.train.load_run_weights
         from .checkpoint import load_reference
         model.load_state_dict(load_reference(Path(run.init_from) / "checkpoints", run.model).state_dict())
-    opt = make_optimizer(run.ds_config, [p for p in model.parameters() if p.requires_grad])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)
-    clip = run.ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0
+    clip = gradient_clipping(run.ds_config)
     v = run.model.vision
     data = TrainSet(prepare(run.data, run.model, out_dir, seed, verbose=False), text_len=run.text_len,
-                    n_img=run.model.n_image_positions, image_size=v.image_size, augment_seed=seed if run.data.augment else None,
-                    image_token=placeholders(run.model))
+                    n_img=run.model.n_image_positions, image_size=v.image_size,
+                    augment_seed=seed if run.data.augment else None, image_token=placeholders(run.model))
     batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
-    losses = []
     model.train()
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(run.gas):
-            (pixels, input_ids, has_image), labels = next(batches)
-            loss = lm_loss(model(pixels, input_ids, has_image), labels)
-            (loss / run.gas).backward()
-            total += loss.item() / run.gas  # DeepSpeed reports the mean over micro-batches
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if sched is not None:
-            sched.step()
-        losses.append(total)
-    return model, losses
+
+    def micro_loss():
+        (pixels, input_ids, has_image), labels = next(batches)
+        return lm_loss(model(pixels, input_ids, has_image), labels)
+
+    return model, [train_step(micro_loss, run.gas, params, opt, sched, clip) for _ in range(steps)]
+

@@ -1,0 +1,35 @@
+"""The data flags of a training run (docs/data.md), declared once as fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..flags import flag
+from .images import DEFAULT_MAX_PIXELS
+from .text import OVERLONG
+
+POLICIES = ("skip", "strict")
+GROUP = "data (see docs/data.md)"
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    data: str = flag("shapes", "'shapes' (built-in synthetic VQA, the default), a LLaVA .json/.jsonl, a pairs "
+                     ".csv/.jsonl, a .parquet, a saved HF dataset or image folder, or a data config JSON", group=GROUP)
+    image_root: str | None = flag(None, "folder relative image paths start from (default: the data file's)",
+                                  group=GROUP)
+    tokenizer: str | None = flag(None, "local tokenizer directory for AutoTokenizer (default: the built-in "
+                                 "word-level tokenizer)", group=GROUP)
+    text_len: int | None = flag(None, "text tokens per sample, padded (default: shapes 12; else what the model's "
+                                "context leaves after BOS + image)", group=GROUP)
+    bad_records: str = flag("skip", "skip: count, list and leave out bad records (default); strict: stop before "
+                            "training", choices=POLICIES, group=GROUP)
+    overlong: str = flag("skip", "text over --text-len: skip it as a bad record (default) or truncate it if its "
+                         "first answer token fits", choices=OVERLONG, group=GROUP)
+    max_image_pixels: int = flag(DEFAULT_MAX_PIXELS, "refuse larger images, a decompression-bomb guard "
+                                 f"(default: {DEFAULT_MAX_PIXELS})", group=GROUP)
+    resize: str = flag("pad", "pad to square with the mean colour, then resize (default), or squash to square",
+                       choices=("pad", "squash"), group=GROUP)
+    augment: bool = flag(False, "light crop / colour jitter (off by default; no flips)", group=GROUP)
+    data_workers: int = flag(2, "loader worker processes on the first stage (default: 2)", group=GROUP)
+    log_samples: bool = flag(False, "write OUTPUT_DIR/samples_dpD.csv: the stream position and record of every "
+                             "sample trained on", group=GROUP)

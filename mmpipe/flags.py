@@ -1,0 +1,57 @@
+"""Dataclass fields as command-line flags: each flag is declared once, as a field with its help,
+and argparse only maps a command line onto the dataclass (`add_flags`, `from_namespace`) or a
+dataclass back onto one (`to_argv`, how the front door hands a run to its ranks)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_TYPES = {"int": int, "str": str, "float": float}
+
+
+def flag(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
+         group: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    """A dataclass field that is also the flag --NAME (underscores become dashes)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
+                                                        "group": group, "aliases": aliases})
+
+
+def _flag_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def _base_type(f: dataclasses.Field):
+    name = str(f.type).replace(" | None", "").replace("None | ", "")  # "int | None" -> int
+    return _TYPES[name] if name in _TYPES else name
+
+
+def add_flags(p: argparse.ArgumentParser, cls) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in _flag_fields(cls):
+        md = f.metadata
+        where = groups.setdefault(md["group"], p.add_argument_group(md["group"])) if md["group"] else p
+        kw: dict = {"dest": f.name, "default": f.default, "help": md["help"]}
+        if _base_type(f) == "bool":
+            kw["action"] = "store_true"
+        else:
+            kw["type"] = _base_type(f)
+            kw.update({k: md[k] for k in ("choices", "metavar") if md[k] is not None})
+        where.add_argument("--" + f.name.replace("_", "-"), *md["aliases"], **kw)
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    return cls(**{f.name: getattr(ns, f.name) for f in _flag_fields(cls)})
+
+
+def to_argv(obj) -> list[str]:
+    """The flags that reproduce `obj` (fields left at their defaults are omitted)."""
+    out: list[str] = []
+    for f in _flag_fields(type(obj)):
+        val = getattr(obj, f.name)
+        if val == f.default:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        out += [name] if val is True else [name, str(val)]
+    return out

@@ -1,0 +1,56 @@
+"""What a user asks of a training run, as code can build it: `TrainArgs` (every flag of
+`mmpipe train` and `python -m mmpipe.train`, declared once) and `LaunchArgs` (the front door's
+own: where the ranks run). `mmpipe.run_config.resolve` turns TrainArgs into a checked RunConfig."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from .data.args import DataArgs
+from .flags import add_flags, flag, from_namespace, to_argv
+from .model.builder import FREEZE_GROUPS
+
+
+@dataclass(frozen=True)
+class TrainArgs(DataArgs):
+    preset: str | None = flag(None, "model preset name or path to a model JSON (default: small; with --init-from: "
+                              "the run's model.json)")
+    init_from: str | None = flag(None, "start from the weights of an mmpipe run (e.g. `mmpipe import --out RUN`): "
+                                 "its model.json, latest checkpoint and tokenizer/ (else the built-in tokenizer); "
+                                 "fresh optimizer and schedule", metavar="RUN")
+    ds_config: str | None = flag(None, "DeepSpeed JSON config (default: ds_configs/cpu_fp32.json)")
+    stages: int | None = flag(None, "pipeline stages (default: the config's pipeline.stages, else 2)")
+    partition: str | None = flag(None, "balanced | uniform | parameters | explicit first-layer indices of stages "
+                                 "1..P-1 (default: the config's pipeline.partition, 'best' = balanced)")
+    steps: int = flag(3000, "optimizer steps (default: 3000)")
+    output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
+    resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")
+    freeze: str = flag("", f"comma-separated groups to freeze: {', '.join(FREEZE_GROUPS)}")
+    seed: int = flag(0, "seed for weights and data (default: 0)")
+    save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
+    nonfinite: str = flag("stop", "a NaN/inf loss: stop the run, keeping the last good checkpoint (default), or skip "
+                          "that batch's update and count it (fp32 with ZeRO-0)", choices=("stop", "skip"))
+    keep_checkpoints: int = flag(3, "keep the newest K checkpoints (default: 3; 0: all); the one `latest` names is "
+                                 "never deleted")
+    eval_samples: int = flag(1000, "held-out shapes samples scored after training, split evenly over the question "
+                             "types (0: skip; user data is not scored)")
+
+    @classmethod
+    def from_argv(cls, argv: list[str], prog: str = "mmpipe train") -> "TrainArgs":
+        p = argparse.ArgumentParser(prog=prog)
+        add_flags(p, cls)
+        return from_namespace(cls, p.parse_args(argv))
+
+    def to_argv(self) -> list[str]:
+        return to_argv(self)
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    dp: int | None = flag(None, "data-parallel replicas of the pipeline (default: 1; with --hostfile: slots / stages)")
+    master_port: int | None = flag(None, "rendezvous port (default: a free one; with --hostfile 29500)")
+    hostfile: str | None = flag(None, "DeepSpeed hostfile ('HOST slots=N' lines): run on those hosts over ssh "
+                                "(pdsh); docs/multinode.md")
+    include: str = flag("", "with --hostfile: only these hosts/slots, e.g. node1:0,1@node2")
+    exclude: str = flag("", "with --hostfile: leave out these hosts/slots, e.g. node3")
+    master_addr: str | None = flag(None, "with --hostfile: rendezvous host (default: the first active host)")

@@ -1,0 +1,326 @@
+"""One rank's training run: build the engine, restore, loop, save, report (`train`, one screen).
+
+Each rank builds its stage of the VLMPipeline and pulls micro-batches from a deterministic stream:
+the first and last stage of each pipeline draw the same micro-batches (the last one without
+images), data-parallel replicas draw disjoint ones. The pieces around the loop are named here:
+`build_engine`, `restore`, `DataStream`, `run_step`, `save`, `requeue`, `report`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.pipe import TiedLayerSpec
+from tqdm import tqdm
+
+from ..cluster.preempt import EXIT_REQUEUE, MARKER, Preemption
+from ..config import ConfigError, fail
+from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.dataset import prepare
+from ..data.index import describe as describe_data
+from ..data.text import decoder_positions, placeholders
+from ..planning.partition import describe as describe_parts
+from ..run_args import TrainArgs
+from ..run_config import RunConfig
+from . import checkpoint, rng
+from .guard import install_skip
+from .pipeline import VLMPipeline
+from .precision import check_all_ranks
+from .steplog import StepLog
+from .timing import gather_stage_report, instrument, pipeline_summary
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Progress:
+    """Where the run stands: restored from a checkpoint's run state, advanced per step."""
+    step: int = 0  # optimizer steps done
+    position: int = 0  # samples consumed from the data stream
+    counters: dict = field(default_factory=lambda: {"skipped_steps": 0, "nonfinite_steps": 0})
+
+
+def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
+          evaluate: Callable[[Path], dict] | None = None) -> int:
+    """evaluate(ckpt_dir) -> summary fields, run by rank 0 after training (the shapes set's held-out accuracy)."""
+    setup_torch()
+    deepspeed.init_distributed()
+    rank = dist.get_rank()
+    if refuse_unsupported(run.precision, rank):
+        return 2
+    out, ckpt_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
+    prepare_output(out, run, rank)
+    # the front door built the data index; ranks started without it build it themselves
+    samples = prepare(run.data, run.model, out, args.seed, verbose=rank == 0)
+    fingerprint = getattr(samples, "index", None) and samples.index.stats["fingerprint"]
+    engine = build_engine(run, args, rank)
+    progress = restore(engine, run, args, ckpt_dir, fingerprint, rank)
+    stream = DataStream(engine, run, args, samples, progress)
+    guard = install_skip(engine) if args.nonfinite == "skip" else None
+    timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
+    tokens = decoder_positions(run.model, run.text_len)  # per sample, pads included: e.g. 16 image + 12 text = 28
+    log = StepLog(out, run.train_batch, tokens, enabled=rank == 0, append=args.resume)
+    announce(run, rank)
+    bar = tqdm(total=args.steps, initial=progress.step, disable=rank != 0, desc="train", dynamic_ncols=True,
+               mininterval=0.5 if sys.stderr.isatty() else 30)  # a log file: occasional lines, not one per step
+    start = Progress(progress.step, progress.position)
+    for step in range(progress.step + 1, args.steps + 1):
+        loss, dt, skipped = run_step(engine, stream.batches, guard, progress, run.train_batch)
+        log.step(step, loss, dt, lr=engine.get_lr()[0], skipped=skipped,
+                 loss_scale=engine.optimizer.loss_scale if run.precision == "fp16" else None)
+        if not math.isfinite(loss) and not skipped and run.precision != "fp16":  # fp16: the loss scaler's business
+            report_nonfinite(step, loss, run, ckpt_dir, start, rank)
+            return 3
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        bar.update(1)
+        stop = preempt.agreed() if preempt else 0  # collective: every rank stops at the same step
+        if step == args.steps or (args.save_every and step % args.save_every == 0) or stop:
+            stream.flush()
+            save(engine, run, args, ckpt_dir, step, fingerprint, progress)
+        if stop and step < args.steps:
+            bar.close()
+            return requeue(preempt.name(stop), step, args, out, stream, rank)
+    bar.close()
+    stream.flush()
+    stage_rows = gather_stage_report(engine, timer)  # collective; also every stage's layer files are on disk now
+    train_time = log.elapsed()
+    stream.close()  # stop the loader workers before the process group goes
+    dist.destroy_process_group()  # tear gloo down in order, not in the interpreter's exit (seen to abort a rank)
+    if rank == 0:
+        report(log, run, args, samples, start, progress, stage_rows, train_time, evaluate, out)
+    return 0
+
+
+def setup_torch() -> None:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # 1 per rank on CPU: 2 ranks on 2 cores
+    if get_accelerator().device_name() == "cpu":                         # ran 3x slower without it
+        # the shared-memory all-reduce op only serves inference; skip its ~25 s JIT build
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def refuse_unsupported(precision: str, rank: int) -> bool:
+    """Collective: True (rank 0 printed why) when any rank's device cannot run `precision`."""
+    unsupported = check_all_ranks(precision)
+    if unsupported:
+        if rank == 0:
+            fail(ConfigError(unsupported))
+        dist.destroy_process_group()
+    return bool(unsupported)
+
+
+def prepare_output(out: Path, run: RunConfig, rank: int) -> None:
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "model.json").write_text(json.dumps(run.model.to_dict(), indent=2) + "\n")
+        (out / MARKER).unlink(missing_ok=True)  # an earlier preemption's, handled: not this run's
+    dist.barrier()
+
+
+def build_engine(run: RunConfig, args: TrainArgs, rank: int):
+    pipe = VLMPipeline(run, seed=args.seed)
+    if run.init_from and not args.resume:
+        n = load_run_weights(pipe, Path(run.init_from) / "checkpoints")
+        if rank == 0:
+            print(f"mmpipe: weights from {run.init_from} (stage 0: {n} layers); fresh optimizer", flush=True)
+    engine, _, _, _ = deepspeed.initialize(
+        model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
+    checkpoint.make_loads_safe(engine)
+    return engine
+
+
+def restore(engine, run: RunConfig, args: TrainArgs, ckpt_dir: Path, fingerprint, rank: int) -> Progress:
+    """Remove a half-written checkpoint; with --resume load the latest (weights, optimizer, schedule,
+    data position, RNG) and trim logs written after it."""
+    if rank == 0:
+        for name in checkpoint.remove_partial(ckpt_dir) if ckpt_dir.is_dir() else []:
+            print(f"mmpipe: removed {ckpt_dir / name}, a checkpoint whose save did not finish", flush=True)
+    if not args.resume:
+        return Progress()
+    state, notes = checkpoint.resume(engine, ckpt_dir, run, fingerprint=fingerprint, rank=rank)
+    progress = Progress(state["step"], state["samples"], {k: state.get(k, 0) for k in Progress().counters})
+    if rank == 0:
+        for note in notes:
+            print(f"mmpipe: {note}", flush=True)
+        if run.auto_schedule and state["total_steps"] != args.steps:
+            print(f"mmpipe: warning: the LR schedule was laid out for {state['total_steps']} steps and now runs "
+                  f"to {args.steps}; from step {progress.step + 1} it follows the {args.steps}-step curve "
+                  f"(fix scheduler.params.total_num_steps in the config to keep one schedule)", flush=True)
+        truncate_logs(Path(args.output_dir), progress.step, progress.position)
+    dist.barrier()  # logs trimmed before anyone appends
+    return progress
+
+
+class DataStream:
+    """This rank's micro-batches from `position` on, and with --log-samples the record of each."""
+
+    def __init__(self, engine, run: RunConfig, args: TrainArgs, samples, progress: Progress):
+        dp_rank, first = engine.grid.data_parallel_id, engine.is_first_stage()
+        v = run.model.vision
+        dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions,
+                           image_size=v.image_size, need_images=first, need_labels=engine.is_last_stage(),
+                           augment_seed=args.seed if run.data.augment else None, image_token=placeholders(run.model))
+        self.samples, self.seen = samples, None
+        if run.data.log_samples and first:
+            self.seen = open(Path(args.output_dir) / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")
+            if self.seen.tell() == 0:
+                self.seen.write("position,row\n")
+        batches = rank_batches(dataset, StepBatches(progress.position, run.micro, run.gas, dp_rank, run.dp),
+                               workers=run.data.workers if first else 0, dtype=DTYPES[run.precision],
+                               on_batch=self._log_seen if self.seen else None)
+        self.batches = nan_fault(batches, progress.step, run.gas)
+
+    def _log_seen(self, positions) -> None:
+        self.seen.write("".join(f"{p},{self.samples.row(p)}\n" for p in positions.tolist()))
+
+    def flush(self) -> None:
+        if self.seen:
+            self.seen.flush()
+
+    def close(self) -> None:
+        """Closing the generator chain ends the DataLoader iterator and its worker processes now."""
+        self.batches.close()
+        if self.seen:
+            self.seen.close()
+
+
+def run_step(engine, batches, guard, progress: Progress, train_batch: int) -> tuple[float, float, str]:
+    """One optimizer step: (loss, seconds, why its update was dropped: fp16_overflow, nonfinite or '')."""
+    overflows, dropped = engine.skipped_steps, guard["nonfinite_steps"] if guard else 0
+    t0 = time.perf_counter()
+    loss = engine.train_batch(data_iter=batches).item()
+    dt = time.perf_counter() - t0
+    overflows = engine.skipped_steps - overflows  # fp16: the loss scaler skipped this step
+    dropped = (guard["nonfinite_steps"] if guard else 0) - dropped  # --nonfinite skip dropped it
+    progress.step += 1
+    progress.position += train_batch  # micro x GAS x DP samples
+    progress.counters["skipped_steps"] += overflows
+    progress.counters["nonfinite_steps"] += dropped
+    return loss, dt, "fp16_overflow" if overflows else "nonfinite" if dropped else ""
+
+
+def save(engine, run: RunConfig, args: TrainArgs, ckpt_dir: Path, step: int, fingerprint, progress: Progress) -> None:
+    state = checkpoint.run_state(engine, run, args, step, progress.position, fingerprint, progress.counters)
+    checkpoint.save(engine, ckpt_dir, step, state, keep=args.keep_checkpoints, rank_state={"rng": rng.get_state()})
+
+
+def report_nonfinite(step: int, loss: float, run: RunConfig, ckpt_dir: Path, start: Progress, rank: int) -> None:
+    if rank != 0:
+        return
+    first = start.position + (step - start.step - 1) * run.train_batch  # this step's samples in the stream
+    print(f"mmpipe: error: step {step}: the loss is {loss} ({run.precision}); stopping before any further "
+          f"checkpoint, so `latest` ({checkpoint.latest_tag(ckpt_dir) or 'none'}) is the last good state. "
+          f"Lower the LR, check the data at positions {first}..{first + run.train_batch - 1} (--log-samples), "
+          f"or use --nonfinite skip", file=sys.stderr, flush=True)
+
+
+def requeue(signal_name: str, step: int, args: TrainArgs, out: Path, stream: DataStream, rank: int) -> int:
+    """A preemption signal: the checkpoint of `step` is saved; stop so the job can be requeued."""
+    if rank == 0:
+        print(f"mmpipe: {signal_name}: stopped after step {step} of {args.steps}, checkpoint "
+              f"{out / 'checkpoints' / checkpoint.latest_tag(out / 'checkpoints')}; exit status {EXIT_REQUEUE} "
+              f"(requeue me; run again with --resume)", flush=True)
+        (out / MARKER).write_text(f"{signal_name} step {step}\n")
+    stream.close()
+    dist.destroy_process_group()
+    return EXIT_REQUEUE
+
+
+def announce(run: RunConfig, rank: int) -> None:
+    if rank == 0:  # micro x GAS x DP samples per optimizer step
+        print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}; {run.micro} micro x {run.gas} GAS x "
+              f"{run.dp} DP = {run.train_batch} samples/step; {run.precision}, ZeRO-{run.zero_stage}; "
+              f"parts {run.parts}", flush=True)
+
+
+def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progress, progress: Progress, stage_rows,
+           train_time: float, evaluate: Callable[[Path], dict] | None, out: Path) -> None:
+    """Rank 0, after training: summary.json (rates, layout, stage timing, data, evaluation)."""
+    summary = {
+        "start_step": start.step, "train_time_s": train_time, "stages": run.stages, "dp": run.dp,
+        "micro_batch": run.micro, "gradient_accumulation": run.gas,
+        "precision": run.precision, "zero_stage": run.zero_stage, "preset": run.model.name,
+        "freeze": list(run.freeze), "parts": run.parts, "seed": args.seed, "ds_config": run.ds_config_path,
+        **progress.counters, "partition": describe_parts(run.layers, run.parts),
+    }
+    if stage_rows and stage_rows[0].get("steps"):
+        summary["stage_timing"] = timing = pipeline_summary(stage_rows, run.gas, run.stages)
+        print(f"mmpipe: per stage (ms per micro-batch) forward "
+              f"{[round(r['forward_ms_per_micro'], 2) for r in stage_rows]}, backward "
+              f"{[round(r['backward_ms_per_micro'], 2) for r in stage_rows]}; slowest/mean compute "
+              f"{timing['max_over_mean']:.2f}; idle (bubble) {timing['measured_bubble']:.1%} measured, "
+              f"{timing['theory_bubble']:.1%} in 1F1B theory", flush=True)
+    summary["data"] = {"name": run.data.name, "text_len": run.text_len, "samples_seen": args.steps * run.train_batch}
+    if not run.data.builtin:
+        stats = samples.index.stats
+        summary["data"].update({k: stats[k] for k in ("records", "good", "bad", "bad_by_kind", "truncated",
+                                                      "with_image", "first_bad")},
+                               epochs=args.steps * run.train_batch / len(samples.index),
+                               bad_records_file=str(out / "data" / "bad_records.jsonl"))
+        for line in describe_data(stats)[:1]:
+            print(f"mmpipe: {line}", flush=True)
+    if evaluate:
+        torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done
+        summary.update(evaluate(out / "checkpoints"))
+    log.finish(steps=args.steps, **summary)
+    print(f"mmpipe: done, summary in {out / 'summary.json'}", flush=True)
+
+
+def load_run_weights(pipe, ckpt_dir: Path) -> int:
+    """--init-from: this stage's layers (and its copy of a tied module) from the latest checkpoint of
+    another run, read per layer file (any stage count wrote them). Weights only: the optimizer and
+    schedule start fresh. Returns the layers loaded."""
+    d = ckpt_dir / checkpoint.latest_tag(ckpt_dir)
+
+    def load(module, idx: int):
+        path = d / f"layer_{idx:02d}-model_states.pt"
+        module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    n = 0
+    for offset, layer in enumerate(pipe.forward_funcs):
+        if isinstance(layer, torch.nn.Module) and layer.state_dict():
+            load(layer, pipe._local_start + offset)
+            n += 1
+    for key, module in pipe.tied_modules.items():  # the head's copy on a stage without the embedding
+        load(module, next(i for i, s in enumerate(pipe._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == key))
+    return n
+
+
+def nan_fault(batches, start_step: int, gas: int):
+    """Test hook: MMPIPE_FAULT=nan-batch:STEP turns the pixels of step STEP's micro-batches into
+    NaN on the first stage, the way a corrupt batch would poison the loss. Unset in normal runs."""
+    spec = os.environ.get("MMPIPE_FAULT", "")
+    bad_step = int(spec.split(":")[1]) if spec.startswith("nan-batch:") else None
+    for k, (inputs, labels) in enumerate(batches):
+        if inputs is not None and bad_step is not None and start_step + k // gas + 1 == bad_step:
+            inputs = (inputs[0] * float("nan"), *inputs[1:])
+        yield inputs, labels
+
+
+def truncate_logs(out: Path, step: int, position: int) -> None:
+    """A run that died after its last checkpoint logged steps (and samples) that the resumed run
+    does again: drop them, so each step and position appears once."""
+    for path, keep in [(out / "train_log.csv", lambda r: int(r["step"]) <= step)] + [
+            (p, lambda r: int(r["position"]) < position) for p in sorted(out.glob("samples_dp*.csv"))]:
+        if not path.is_file():
+            continue
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows, fields = [r for r in reader if keep(r)], reader.fieldnames
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fields)
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, path)
+

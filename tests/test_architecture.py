@@ -1,0 +1,133 @@
+"""The package's shape holds: no import cycles inside mmpipe, no import from a lower layer up into
+a higher one, family names compared only in the family registry, and a run configuration that code
+builds without argparse and that resolve() does not change."""
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "mmpipe"
+# lowest first: a module may import from its own layer and the layers before it (docs/architecture.md)
+LAYERS = [("config", "flags"), ("model",), ("data",), ("planning",), ("run_args",), ("run_config",), ("runtime",),
+          ("cluster",), ("hf",), ("inference",), ("bench",), ("train", "cli", "__main__")]
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """mmpipe modules that `path` imports, at the top or inside functions (a lazy import is still a dependency)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            for alias in node.names:  # `from . import x` imports module x
+                full = f"{target}.{alias.name}"
+                out.add(full if full in modules else target)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in PKG.rglob("*.py")}
+    return {name: _imports(path, name, set(files)) for name, path in files.items()}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "mmpipe"
+    if top == "mmpipe":
+        return 0
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # Tarjan's strongly connected components: any component of more than one module is a cycle
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_every_module_has_a_layer_and_imports_only_downwards():
+    graph = _graph()
+    upward = [f"{a} -> {b}" for a, deps in graph.items() for b in deps if _layer(b) > _layer(a)]
+    assert upward == []
+
+
+FAMILY_COMPARE = re.compile(r"\.(family|fusion)\s*(==|!=|\bin\b|\bnot in\b)|(==|!=)\s*\w*\.?(family|fusion)\b")
+
+
+def test_family_names_are_compared_only_in_the_registry():
+    allowed = {PKG / "model" / "families.py"}
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+            for p in sorted(PKG.rglob("*.py")) if p not in allowed
+            for i, line in enumerate(p.read_text().splitlines(), 1) if FAMILY_COMPARE.search(line.split("#")[0])]
+    assert hits == []
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--preset", "tiny", "--stages", "3", "--steps", "7", "--resume", "--freeze", "vision", "--data", "x.jsonl",
+     "--text-len", "20", "--augment", "--nonfinite", "skip", "--ds-config", "ds_configs/zero1_bf16.json"],
+])
+def test_train_args_round_trip_through_flags(argv):
+    """The front door hands a run to its ranks as flags: they must rebuild the same TrainArgs."""
+    args = TrainArgs.from_argv(argv)
+    assert TrainArgs.from_argv(args.to_argv()) == args
+
+
+def test_train_args_refuse_unknown_flags(capsys):
+    with pytest.raises(SystemExit):
+        TrainArgs.from_argv(["--stagez", "2"])
+    assert "unrecognized arguments: --stagez" in capsys.readouterr().err
+
+
+def test_resolve_is_built_by_code_and_changes_none_of_its_inputs():
+    ds = json.loads((ROOT / "ds_configs" / "cpu_fp32.json").read_text())
+    ds["scheduler"]["params"]["total_num_steps"] = "auto"
+    before = copy.deepcopy(ds)
+    args = TrainArgs(preset="tiny", steps=40, stages=2)
+    run = resolve(args, world_size=2, ds_config=ds)
+    assert ds == before  # the caller's dict: batch sizes and the "auto" schedule filled in a copy only
+    assert run.ds_config["scheduler"]["params"]["total_num_steps"] == 40 and run.auto_schedule
+    assert run.ds_config["train_batch_size"] == run.micro * run.gas * 1
+    assert args == TrainArgs(preset="tiny", steps=40, stages=2)
+    assert resolve(args, world_size=2, ds_config=ds) == run  # same inputs, same answer
