@@ -22,6 +22,6 @@ setup(
         "safetensors>=0.4",
         "tqdm>=4.66",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8", "ruff>=0.6"]},
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli:main"]},
 )

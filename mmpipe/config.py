@@ -10,9 +10,24 @@ from pathlib import Path
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-FUSIONS = ("prefix", "cross_attention")
-FAMILIES = ("moondream", "llava")
 VISION_ACTS = ("gelu_tanh", "gelu", "quick_gelu")
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """Where a model family's decoder finds the image: what the config and the data need to know of a
+    family. The rest of it (layers, checkpointing, costs) is its mmpipe.model.families.Family."""
+    spliced: bool = False          # its N_img tokens are decoder positions right after BOS (moondream)
+    placeholders: bool = False     # it overwrites <image> placeholder ids inside input_ids (LLaVA)
+    cross_attention: bool = False  # the sequence is text only; cross-attention layers read it beside
+
+
+# The known model families, by the model JSON's (family, fusion), and where each puts the image
+LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
+           ("moondream", "cross_attention"): ImageLayout(cross_attention=True),
+           ("llava", "prefix"): ImageLayout(placeholders=True)}
+FAMILIES = tuple(dict.fromkeys(family for family, _ in LAYOUTS))  # moondream, llava
+FUSIONS = tuple(dict.fromkeys(fusion for _, fusion in LAYOUTS))  # prefix, cross_attention
 
 
 class ConfigError(ValueError):
@@ -126,17 +141,21 @@ class ModelConfig:
     image_token_id: int = -1
 
     @property
+    def layout(self) -> ImageLayout | None:
+        """Where this family puts the image (LAYOUTS); None for an unknown family / fusion (validate refuses it)."""
+        return LAYOUTS.get((self.family, self.fusion))
+
+    @property
     def n_image_positions(self) -> int:
-        """Decoder positions the image takes besides the text tokens: N_img when spliced, 0 when
-        the decoder only attends to it (labels and logits then cover the text alone)."""
-        if self.family == "llava":  # the image sits on <image> placeholders inside the text
-            return 0
-        return self.vision.n_tokens if self.fusion == "prefix" else 0
+        """Decoder positions the image takes besides the text tokens: N_img when spliced, 0 when it sits
+        on <image> placeholders inside the text or the decoder only attends to it (labels and logits
+        then cover the text alone)."""
+        return self.vision.n_tokens if self.layout is not None and self.layout.spliced else 0
 
     @property
     def cross_attn_layers(self) -> list[int]:
         """Decoder block indices a cross-attention layer precedes, e.g. 12 blocks every 4: [0, 4, 8]."""
-        if self.fusion != "cross_attention":
+        if self.layout is None or not self.layout.cross_attention:
             return []
         return list(range(0, self.text.n_layers, self.cross_attn_every))
 
@@ -158,8 +177,8 @@ class ModelConfig:
     def validate(self) -> None:
         v, t = self.vision, self.text
         checks = [
-            (self.family in FAMILIES, "family", f"'{self.family}' is not a known family (valid: {', '.join(FAMILIES)})"),
-            (self.fusion in FUSIONS, "fusion", f"'{self.fusion}' is not a known fusion (valid: {', '.join(FUSIONS)})"),
+            _known(self.family, FAMILIES, "family"),
+            _known(self.fusion, FUSIONS, "fusion"),
             (self.cross_attn_every >= 1, "cross_attn_every", f"{self.cross_attn_every} must be >= 1"),
             (self.cross_attn_gate_scale > 0, "cross_attn_gate_scale", f"{self.cross_attn_gate_scale} must be > 0"),
             (self.cross_attn_heads >= 0 and t.dim % (self.cross_attn_heads or t.n_heads) == 0, "cross_attn_heads",
@@ -173,22 +192,34 @@ class ModelConfig:
             (self.prefix_len < t.max_context, "text.max_context",
              f"{t.max_context} leaves no room for text after the {self.prefix_len}-token image prefix"),
         ]
-        if self.family == "llava":
-            checks += [
-                (v.kind in ("siglip", "clip"), "vision.kind", f"'{v.kind}' is not a known tower (valid: siglip, clip)"),
-                (v.act in VISION_ACTS, "vision.act", f"'{v.act}' is not supported (valid: {', '.join(VISION_ACTS)})"),
-                (v.feature_select in ("default", "full"), "vision.feature_select",
-                 f"'{v.feature_select}' (valid: default, full)"),
-                (-v.n_layers - 1 <= v.feature_layer <= v.n_layers and v.n_blocks_used >= 1, "vision.feature_layer",
-                 f"{v.feature_layer} does not name a block's output of a {v.n_layers}-layer tower"),
-                (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
-                (0 <= self.image_token_id < t.vocab_size, "image_token_id",
-                 f"{self.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
-                (self.fusion == "prefix", "fusion", f"'{self.fusion}': the LLaVA family places the image on placeholders"),
-            ]
+        checks += FAMILY_CHECKS.get(self.family, lambda cfg: [])(self)
         for ok, field, msg in checks:
             if not ok:
                 raise ConfigError(f"model config '{self.name}': {field}: {msg}")
+
+
+def _known(value: str, valid: tuple[str, ...], field: str) -> tuple[bool, str, str]:
+    return value in valid, field, f"'{value}' is not a known {field} (valid: {', '.join(valid)})"
+
+
+def _llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """The fields only the LLaVA family's layers read: its tower, grouped-query attention, <image>."""
+    v, t = cfg.vision, cfg.text
+    return [
+        (v.kind in ("siglip", "clip"), "vision.kind", f"'{v.kind}' is not a known tower (valid: siglip, clip)"),
+        (v.act in VISION_ACTS, "vision.act", f"'{v.act}' is not supported (valid: {', '.join(VISION_ACTS)})"),
+        (v.feature_select in ("default", "full"), "vision.feature_select",
+         f"'{v.feature_select}' (valid: default, full)"),
+        (-v.n_layers - 1 <= v.feature_layer <= v.n_layers and v.n_blocks_used >= 1, "vision.feature_layer",
+         f"{v.feature_layer} does not name a block's output of a {v.n_layers}-layer tower"),
+        (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
+        (0 <= cfg.image_token_id < t.vocab_size, "image_token_id",
+         f"{cfg.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+        (cfg.layout is not None, "fusion", f"'{cfg.fusion}': the LLaVA family places the image on placeholders"),
+    ]
+
+
+FAMILY_CHECKS = {"llava": _llava_checks}  # by the model JSON's `family`, whatever its fusion
 
 
 def list_presets() -> list[str]:

@@ -29,7 +29,7 @@ def _base_type(f: dataclasses.Field):
 
 def add_flags(p: argparse.ArgumentParser, cls) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in _flag_fields(cls):
+    for f in sorted(_flag_fields(cls), key=lambda f: f.metadata["group"] is not None):  # a group's flags last
         md = f.metadata
         where = groups.setdefault(md["group"], p.add_argument_group(md["group"])) if md["group"] else p
         kw: dict = {"dest": f.name, "default": f.default, "help": md["help"]}

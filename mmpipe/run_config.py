@@ -19,9 +19,9 @@ from .config import ConfigError, ModelConfig, config_from_dict, load_preset
 from .data.dataset import DataOptions, resolve_data
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.builder import FREEZE_GROUPS
-from .run_args import TrainArgs
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
+from .run_args import TrainArgs
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_DS_CONFIG = "cpu_fp32.json"
@@ -118,28 +118,68 @@ def requested_stages(args: TrainArgs) -> int:
     return _stages(args, _load_json(args.ds_config or default_ds_config()))
 
 
-def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> RunConfig:
-    """ds_config: the DeepSpeed JSON as a dict (copied, never changed); None reads args.ds_config."""
-    problems: list[str] = []
+class Problems(list):
+    """Every problem of a run, collected so the user sees them all at once, one line each."""
 
-    def attempt(fn, *a):
+    def attempt(self, fn, *a):
         try:
             return fn(*a)
         except ConfigError as e:
-            problems.append(str(e))
+            self.append(str(e))
             return None
 
+    def raise_any(self) -> None:
+        if self:
+            raise ConfigError("\n".join(self))
+
+
+def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> RunConfig:
+    """ds_config: the DeepSpeed JSON as a dict (copied, never changed); None reads args.ds_config."""
+    problems = Problems()
     ds_path = args.ds_config or default_ds_config()
-    ds = copy.deepcopy(ds_config) if ds_config is not None else attempt(_load_json, ds_path)
-    init_from = args.init_from
+    ds = copy.deepcopy(ds_config) if ds_config is not None else problems.attempt(_load_json, ds_path)
     run_tok = None
-    if init_from:
-        model = attempt(init_model, init_from, args.preset)
-        if model is not None and (Path(init_from) / "tokenizer").is_dir():
-            run_tok = str(Path(init_from) / "tokenizer")  # written by `mmpipe import`
+    if args.init_from:
+        model = problems.attempt(init_model, args.init_from, args.preset)
+        if model is not None and (Path(args.init_from) / "tokenizer").is_dir():
+            run_tok = str(Path(args.init_from) / "tokenizer")  # written by `mmpipe import`
     else:
-        model = attempt(load_preset, args.preset or "small")
-    data = attempt(resolve_data, args, model, run_tok)
+        model = problems.attempt(load_preset, args.preset or "small")
+    data = problems.attempt(resolve_data, args, model, run_tok)
+    freeze = _check_flags(args, problems)
+    if ds is None:
+        problems.raise_any()
+
+    pipe_cfg = ds.get("pipeline", {})
+    stages = problems.attempt(_stages, args, ds) or 1
+    if world_size % stages:
+        problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
+                        f"(data-parallel degree = world size / stages)")
+    dp = max(1, world_size // stages)
+    zero_stage, precision = _check_ds(ds, args, problems)
+    micro, gas = problems.attempt(_batch_sizes, ds, dp) or (1, 1)
+    parts, table = [], []
+    if model is not None and data is not None:
+        model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)
+        checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
+        table = layer_table(model, freeze, data.text_len, checkpointing)
+        parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")))
+        if parts:
+            problems.attempt(check_trainable, table, parts)
+    problems.raise_any()
+
+    sched = ds.get("scheduler", {}).get("params", {})
+    auto_schedule = sched.get("total_num_steps") == "auto"
+    if auto_schedule:  # as in DeepSpeed's HF integration: the run's length
+        sched["total_num_steps"] = args.steps
+    ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
+              gradient_accumulation_steps=gas)
+    return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts or [], table, freeze, precision, zero_stage,
+                     data, auto_schedule, args.init_from)
+
+
+def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:
+    """The flags' own ranges; returns the --freeze groups (none when one is unknown)."""
     if args.resume and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
         problems.append(f"--resume: no checkpoint in {Path(args.output_dir) / 'checkpoints'}")
     if args.steps < 1:
@@ -152,17 +192,12 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     bad = [g for g in freeze if g not in FREEZE_GROUPS]
     if bad:
         problems.append(f"--freeze: unknown group(s) {bad} (valid: {', '.join(FREEZE_GROUPS)})")
-        freeze = ()
-    if ds is None:
-        raise ConfigError("\n".join(problems))
+        return ()
+    return freeze
 
-    pipe_cfg = ds.get("pipeline", {})
-    stages = attempt(_stages, args, ds) or 1
-    if world_size % stages:
-        problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
-                        f"(data-parallel degree = world size / stages)")
-    dp = max(1, world_size // stages)
 
+def _check_ds(ds: dict, args: TrainArgs, problems: Problems) -> tuple[int, str]:
+    """ZeRO stage and precision, and what DeepSpeed 0.19.8 would get wrong with them: (zero, precision)."""
     zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
     if zero_stage not in (0, 1, 2, 3):
         problems.append(f"zero_optimization.stage: {zero_stage!r} is not a ZeRO stage (valid: 0 or 1 with a pipeline)")
@@ -184,42 +219,24 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if args.nonfinite == "skip" and (fp16 or bf16 or zero_stage != 0):
         problems.append("--nonfinite: skip works with fp32 and ZeRO stage 0 (bf16 and ZeRO-1 optimizers hold their "
                         "own gradient buffers); fp16 skips overflowing steps by itself; use --nonfinite stop")
-    micro = gas = 1
-    try:
-        micro, gas = _batch_sizes(ds, dp)
-    except ConfigError as e:
-        problems.append(str(e))
+    return zero_stage, "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
-    parts, table = [], []
-    if model is not None and data is not None:
-        if init_from:
-            attempt(check_init_tokenizer, model, data.tokenizer, run_tok)
-        elif model.family == "llava":  # fresh weights: the placeholder is the tokenizer's <image>, added if missing
-            model = dataclasses.replace(model, image_token_id=add_image_token(data.tokenizer))
-        n_vocab = len(data.tokenizer)
-        if model.text.vocab_size < n_vocab and not init_from:
-            if data.builtin:
-                problems.append(f"text.vocab_size: {model.text.vocab_size} is smaller than the tokenizer's {n_vocab} tokens")
-            else:  # fresh weights: size the embedding and head to the tokenizer, a multiple of 64
-                model = model.with_vocab(-(-n_vocab // 64) * 64)
-        checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
-        table = layer_table(model, freeze, data.text_len, checkpointing)
-        method = str(args.partition or pipe_cfg.get("partition", "best"))
-        parts = attempt(compute_parts, table, stages, method) or []
-        if parts:
-            attempt(check_trainable, table, parts)
-    if problems:
-        raise ConfigError("\n".join(problems))
 
-    sched = ds.get("scheduler", {}).get("params", {})
-    auto_schedule = sched.get("total_num_steps") == "auto"
-    if auto_schedule:  # as in DeepSpeed's HF integration: the run's length
-        sched["total_num_steps"] = args.steps
-    ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
-              gradient_accumulation_steps=gas)
-    precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
-    return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts, table, freeze, precision, zero_stage,
-                     data, auto_schedule, init_from)
+def _fit_to_tokenizer(model: ModelConfig, data: DataOptions, init_from: str | None, run_tok: str | None,
+                      problems: Problems) -> ModelConfig:
+    """Imported weights must hold the tokenizer; fresh ones are sized to it (and get its <image>)."""
+    if init_from:
+        problems.attempt(check_init_tokenizer, model, data.tokenizer, run_tok)
+        return model
+    if model.layout.placeholders:  # fresh weights: the placeholder is the tokenizer's <image>, added if missing
+        model = dataclasses.replace(model, image_token_id=add_image_token(data.tokenizer))
+    n_vocab = len(data.tokenizer)
+    if model.text.vocab_size >= n_vocab:
+        return model
+    if data.builtin:
+        problems.append(f"text.vocab_size: {model.text.vocab_size} is smaller than the tokenizer's {n_vocab} tokens")
+        return model
+    return model.with_vocab(-(-n_vocab // 64) * 64)  # fresh weights: embedding and head sized, a multiple of 64
 
 
 RESIZED = ("vocab_size", "image_token_id")  # what a fresh run fits to its tokenizer (model.json records it)
@@ -230,7 +247,8 @@ def init_model(run_dir: str, preset: str | None) -> ModelConfig:
     the same model (up to the vocabulary size and <image> id a run fits to its tokenizer)."""
     d = Path(run_dir)
     if not (d / "model.json").is_file():
-        raise ConfigError(f"--init-from: {d} has no model.json (give an mmpipe run directory, e.g. `mmpipe import --out`)")
+        raise ConfigError(f"--init-from: {d} has no model.json (give an mmpipe run directory, "
+                          f"e.g. `mmpipe import --out`)")
     if not (d / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--init-from: {d} has no checkpoint (checkpoints/latest is missing)")
     cfg = config_from_dict(json.loads((d / "model.json").read_text()), d.name)
@@ -258,7 +276,7 @@ def check_init_tokenizer(cfg: ModelConfig, tok, source: str | None) -> None:
     if len(tok) > cfg.text.vocab_size:
         raise ConfigError(f"--init-from: {where} has {len(tok)} tokens, more than the model's vocabulary "
                           f"({cfg.text.vocab_size}); give the tokenizer the weights were trained with (--tokenizer)")
-    if cfg.family == "llava":
+    if cfg.layout.placeholders:
         tid = tok.get_vocab().get(IMAGE_TOKEN)
         if tid is not None and tid != cfg.image_token_id:
             raise ConfigError(f"--init-from: {where} has {IMAGE_TOKEN} at id {tid}, the model's placeholder is "

@@ -57,11 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="small", help="model preset (default: small)")
     p.add_argument("--data", default=None,
                    help="dataset to read (any --data mmpipe accepts); default: export the shapes set as LLaVA JSONL")
-    p.add_argument("--records", type=int, default=2000, help="records to export when --data is not given (default: 2000)")
+    p.add_argument("--records", type=int, default=2000,
+                   help="records to export when --data is not given (default: 2000)")
     p.add_argument("--steps", type=int, default=60, help="training steps for the consumption rate (default: 60)")
     p.add_argument("--train-summary", default=None,
                    help="read training's rate from this summary.json instead of running training")
-    p.add_argument("--workers", default="0,1,2", help="loader worker counts to measure, comma-separated (default: 0,1,2)")
+    p.add_argument("--workers", default="0,1,2",
+                   help="loader worker counts to measure, comma-separated (default: 0,1,2)")
     p.add_argument("--prefetch", type=int, default=4, help="micro-batches each worker decodes ahead (default: 4, "
                                                            "rank_batches' default, what training uses)")
     p.add_argument("--warmup", type=int, default=16, help="micro-batches pulled before timing (default: 16)")
@@ -165,8 +167,8 @@ def load_samples(args, run):
 def make_dataset(samples, run, args, *, first: bool, last: bool):
     from mmpipe.data.batches import TrainSet
     v = run.model.vision
-    return TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size, need_images=first,
-                    need_labels=last, augment_seed=args.seed if run.data.augment else None)
+    return TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
+                    need_images=first, need_labels=last, augment_seed=args.seed if run.data.augment else None)
 
 
 def time_stream(dataset, run, *, workers: int, prefetch: int, warmup: int, batches: int, windows: int) -> dict:

@@ -61,7 +61,15 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from mmpipe.config import load_preset  # noqa: E402
-from mmpipe.planning.costmodel import BYTES, Device, layer_costs, pipeline_step_seconds, profile_layers, stage_memory, stage_seconds
+from mmpipe.planning.costmodel import (  # noqa: E402
+    BYTES,
+    Device,
+    layer_costs,
+    pipeline_step_seconds,
+    profile_layers,
+    stage_memory,
+    stage_seconds,
+)
 
 MiB = 2 ** 20
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -83,7 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--text-len", type=int, default=12, help="text tokens per sample (default: 12, the shapes set's)")
     p.add_argument("--micro", type=int, default=None,
                    help="micro-batch for the profile (default: the DeepSpeed config's, read from the first run)")
-    p.add_argument("--profile-rounds", type=int, default=3, help="profile_layers calls; median per layer kind (default: 3)")
+    p.add_argument("--profile-rounds", type=int, default=3,
+                   help="profile_layers calls; median per layer kind (default: 3)")
     p.add_argument("--baseline-preset", default="tiny",
                    help="preset whose ranks give the runtime's RSS for the model-attributable memory ('' to skip; "
                         "default: tiny)")
@@ -419,8 +428,8 @@ def main(argv=None) -> int:
                         entry["exit_problem"] = r["exit_problem"]
                     if "summary" not in r:
                         entry["refused" if "refused" in r else "failed"] = r.get("refused") or r.get("failed")
-                        print(("refused: " if "refused" in r else "FAILED: ") + entry.get("refused", entry.get("failed")),
-                              flush=True)
+                        label = "refused: " if "refused" in r else "FAILED: "
+                        print(label + entry.get("refused", entry.get("failed")), flush=True)
                         runs.append(entry)
                         continue
                     s = r["summary"]
@@ -530,12 +539,13 @@ def aggregate(runs: list[dict], baselines: dict, args, result: dict) -> tuple[li
                 for s in range(n):
                     comp = med([r["measured"]["stage_compute_ms"][s] for r in ok])
                     rss = med([x for x in (r["measured"]["rss_train_mib"][s] for r in ok) if x is not None])
+                    rss_run = med([x for x in (r["measured"]["rss_run_mib"][s] for r in ok) if x is not None])
                     d = {"stage": s, "layers": [m0["parts"][s], m0["parts"][s + 1] - 1],
                          "pred_compute_ms": p0["stage_compute_ms"][s], "compute_ms": comp,
                          "load_ms_per_micro": med([r["measured"]["stage_load_ms_per_micro"][s] for r in ok]),
                          "idle_fraction": med([r["measured"]["stage_idle_fraction"][s] for r in ok]),
                          "pred_mem_mib": p0["stage_memory_mib"][s], "rss_train_mib": rss,
-                         "rss_run_mib": med([x for x in (r["measured"]["rss_run_mib"][s] for r in ok) if x is not None])}
+                         "rss_run_mib": rss_run}
                     b = baselines.get(S)
                     if b and rss is not None and b["rss_train_mib"][s] is not None:
                         d["rss_model_mib"] = rss - b["rss_train_mib"][s]
@@ -553,7 +563,8 @@ def aggregate(runs: list[dict], baselines: dict, args, result: dict) -> tuple[li
             bal = next((c for c in group if c["method"] == "balanced"), None)
             if bal:
                 verdicts["balanced_max_over_mean_le_1.05"].append(
-                    {"stages": S, "vision": mode, "measured": bal["max_over_mean"], "predicted": bal["pred_max_over_mean"],
+                    {"stages": S, "vision": mode, "measured": bal["max_over_mean"],
+                     "predicted": bal["pred_max_over_mean"],
                      "best_possible_predicted": best[(S, mode)], "busy_measured": bal["busy_max_over_mean"],
                      "met": bal["max_over_mean"] <= 1.05})
                 fastest = min(group, key=lambda c: c["step_ms"])
@@ -562,12 +573,13 @@ def aggregate(runs: list[dict], baselines: dict, args, result: dict) -> tuple[li
                 spread = max(((max(c["step_ms_rounds"]) - min(c["step_ms_rounds"])) / c["step_ms"] for c in group
                               if len(c["step_ms_rounds"]) > 1), default=None)
                 same = [c["method"] for c in group if c["parts"] == bal["parts"] and c is not bal]
+                vs_other = (bal["step_ms"] / min(c["step_ms"] for c in others) - 1) if others else None
                 verdicts["balanced_fastest"].append(
                     {"stages": S, "vision": mode, "fastest": fastest["method"],
                      "step_ms": {c["method"]: c["step_ms"] for c in group},
                      "step_ms_q1_q3": {c["method"]: c["step_ms_q1_q3"] for c in group},
                      "same_parts_as_balanced": same,
-                     "balanced_vs_best_other": (bal["step_ms"] / min(c["step_ms"] for c in others) - 1) if others else None,
+                     "balanced_vs_best_other": vs_other,
                      "round_spread": spread,
                      "not_runnable": [c["method"] for c in configs if (c["stages"], c["vision"]) == (S, mode)
                                       and "step_ms" not in c],
@@ -575,7 +587,8 @@ def aggregate(runs: list[dict], baselines: dict, args, result: dict) -> tuple[li
             for c in group:
                 verdicts["step_within_15pct"].append(
                     {"stages": S, "vision": mode, "method": c["method"], "measured_ms": c["step_ms"],
-                     "predicted_ms": c["pred_step_ms"], "ratio": c["step_ratio"], "met": abs(c["step_ratio"] - 1) <= 0.15})
+                     "predicted_ms": c["pred_step_ms"], "ratio": c["step_ratio"],
+                     "met": abs(c["step_ratio"] - 1) <= 0.15})
                 for d in c["stages_detail"]:
                     if d.get("mem_ratio") is not None:
                         verdicts["memory_within_10pct"].append(
@@ -623,7 +636,8 @@ def report(result: dict, args) -> None:
                   f"{fmt(d.get('mem_ratio'), '.2f'):>6}")
     for S, b in result["baselines"].items():
         print(f"  baseline {args.baseline_preset} {S} stages parts {b['parts']}: RSS (train) "
-              f"{[fmt(x, '.0f') for x in b['rss_train_mib']]} MiB, predicted {[fmt(x, '.2f') for x in b['predicted_mib']]} MiB")
+              f"{[fmt(x, '.0f') for x in b['rss_train_mib']]} MiB, "
+              f"predicted {[fmt(x, '.2f') for x in b['predicted_mib']]} MiB")
 
     v = result["verdicts"]
     print("\n== verdicts")
@@ -635,7 +649,8 @@ def report(result: dict, args) -> None:
     for x in v["balanced_fastest"]:
         rounds = {c["method"]: c["step_ms_rounds"] for c in result["configs"]
                   if (c["stages"], c["vision"]) == (x["stages"], x["vision"]) and "step_ms" in c}
-        times = ", ".join(f"{k} {t:.1f} ({'/'.join(format(v, '.1f') for v in rounds[k])})" for k, t in x["step_ms"].items())
+        times = ", ".join(f"{k} {t:.1f} ({'/'.join(format(v, '.1f') for v in rounds[k])})"
+                          for k, t in x["step_ms"].items())
         note = f"; same parts as balanced: {x['same_parts_as_balanced']}" if x["same_parts_as_balanced"] else ""
         note += f"; not runnable: {x['not_runnable']}" if x["not_runnable"] else ""
         if x["balanced_vs_best_other"] is not None and x["round_spread"] is not None:
@@ -648,7 +663,8 @@ def report(result: dict, args) -> None:
           f"(measured/predicted {', '.join(format(x['ratio'], '.2f') for x in v['step_within_15pct'])})")
     crashed = [r for r in result["runs"] if "exit_problem" in r]
     if crashed:
-        print(f"  note: {len(crashed)} of {sum('measured' in r for r in result['runs'])} runs wrote summary.json and then "
+        print(f"  note: {len(crashed)} of {sum('measured' in r for r in result['runs'])} runs "
+              f"wrote summary.json and then "
               f"exited non-zero ({crashed[0]['exit_problem'][:160]}); their numbers are used")
     if v["memory_within_10pct"]:
         n_ok = sum(x["met"] for x in v["memory_within_10pct"])

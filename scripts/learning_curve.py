@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.config import load_preset
 from mmpipe.inference.evaluate import evaluate
+from mmpipe.runtime.checkpoint import load_reference
 
 
 def main() -> int:

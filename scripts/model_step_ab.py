@@ -21,6 +21,7 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(1)
     from transformers import LlavaForConditionalGeneration
+
     from mmpipe.bench.hf_peer import hf_model_config
     from mmpipe.bench.peer_common import batches, resolved
     from mmpipe.model.builder import ReferenceModel, lm_loss
@@ -49,7 +50,8 @@ def main() -> int:
             fn()
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"params: mmpipe {sum(q.numel() for q in mm.parameters())}, transformers {sum(q.numel() for q in hf.parameters())}")
+    print(f"params: mmpipe {sum(q.numel() for q in mm.parameters())}, "
+          f"transformers {sum(q.numel() for q in hf.parameters())}")
     for k, v in med.items():
         print(f"{k}: forward+backward of {a.micro} samples, median {v * 1e3:.1f} ms over {a.repeats}")
     print(f"mmpipe / transformers: {med['mmpipe'] / med['transformers']:.3f}")

@@ -29,9 +29,9 @@ from mmpipe.data.text import placeholders
 from mmpipe.inference.evaluate import evaluate
 from mmpipe.model import cross_attention as xa
 from mmpipe.model.builder import ReferenceModel, lm_loss
-from mmpipe.runtime.reference import make_optimizer, make_scheduler
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
+from mmpipe.runtime.reference import make_optimizer, make_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,12 +88,12 @@ def main() -> None:
     preset = json.loads((ROOT / "mmpipe/presets/small-xattn.json").read_text())
     merge(preset, json.loads(args.preset_json))
     (out / "preset.json").write_text(json.dumps(preset, indent=1))
-    run = resolve(TrainArgs.from_argv(["--preset", str(out / "preset.json"), "--stages", "1", "--steps", str(args.steps)]),
-                  world_size=1)
+    run = resolve(TrainArgs(preset=str(out / "preset.json"), stages=1, steps=args.steps), world_size=1)
     model = ReferenceModel(run.model, seed=0)
     gates = [q for n, q in model.named_parameters() if n.endswith("_gate")]
     rest = [q for n, q in model.named_parameters() if not n.endswith("_gate")]
-    opt = make_optimizer(run.ds_config, [{"params": rest, "lr": args.lr}, {"params": gates, "lr": args.lr * args.gate_lr}])
+    opt = make_optimizer(run.ds_config, [{"params": rest, "lr": args.lr},
+                                         {"params": gates, "lr": args.lr * args.gate_lr}])
     sched = make_scheduler(run.ds_config, opt)
     data = TrainSet(prepare(run.data, run.model, str(out), 0, verbose=False), text_len=run.text_len,
                     n_img=run.model.n_image_positions, image_size=run.model.vision.image_size,
@@ -119,7 +119,8 @@ def main() -> None:
             if step % args.eval_every == 0:
                 model.eval()
                 r = evaluate(model, run.model, seed=0, n_samples=args.eval_samples)
-                line = f"EVAL {step} {r['accuracy']:.3f} " + json.dumps({k: round(x, 2) for k, x in r["per_type"].items()})
+                per_type = {k: round(x, 2) for k, x in r["per_type"].items()}
+                line = f"EVAL {step} {r['accuracy']:.3f} " + json.dumps(per_type)
                 print(line, file=log, flush=True)
                 print(line, flush=True)
 

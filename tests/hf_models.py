@@ -5,8 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config,
-                          SiglipVisionConfig)
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2Config,
+    SiglipVisionConfig,
+)
 
 IMAGE_TOKEN = 99
 VOCAB = 100

@@ -25,13 +25,15 @@ def main():
     args = p.parse_args()
     import deepspeed
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    import torch.distributed as dist
     import dataclasses
+
+    import torch.distributed as dist
+
     from hf_models import batch, shifted
     from mmpipe.hf.llava import import_llava, load_into_pipeline
-    from mmpipe.runtime.pipeline import VLMPipeline
     from mmpipe.run_args import TrainArgs
     from mmpipe.run_config import resolve
+    from mmpipe.runtime.pipeline import VLMPipeline
 
     deepspeed.init_distributed()
     model, _ = import_llava(args.hf)

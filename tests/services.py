@@ -12,9 +12,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from mmpipe.cluster.ports import free_port
-
 import pytest
+
+from mmpipe.cluster.ports import free_port
 
 HOSTS = {"mmpipe-node1": "127.0.0.2", "mmpipe-node2": "127.0.0.3"}
 SSH_PORT = 2222
@@ -158,8 +158,8 @@ def slurm_cluster(tmp: Path):
             _wait(lambda: Path("/run/munge/munge.socket.2").exists(), "munged")
         procs.append(subprocess.Popen([shutil.which("slurmctld"), "-D", "-f", str(conf)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=open(tmp / "slurmctld.err", "w")))
-        _wait(lambda: subprocess.run(["scontrol", "ping"], env=env, capture_output=True, text=True).stdout.count("UP") > 0,
-              "slurmctld")
+        _wait(lambda: subprocess.run(["scontrol", "ping"], env=env, capture_output=True,
+                                     text=True).stdout.count("UP") > 0, "slurmctld")
         procs.append(subprocess.Popen([shutil.which("slurmd"), "-D", "-f", str(conf)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=open(tmp / "slurmd.err", "w")))
         _wait(lambda: "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,

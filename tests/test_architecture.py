@@ -17,8 +17,8 @@ from mmpipe.run_config import resolve
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "mmpipe"
 # lowest first: a module may import from its own layer and the layers before it (docs/architecture.md)
-LAYERS = [("config", "flags"), ("model",), ("data",), ("planning",), ("run_args",), ("run_config",), ("runtime",),
-          ("cluster",), ("hf",), ("inference",), ("bench",), ("train", "cli", "__main__")]
+LAYERS = [("config", "flags"), ("model",), ("data",), ("planning",), ("run_args",), ("run_config",), ("cluster",),
+          ("runtime",), ("hf",), ("inference",), ("bench", "train"), ("cli",)]
 
 
 def _module(path: Path) -> str:

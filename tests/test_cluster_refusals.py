@@ -110,7 +110,8 @@ def test_script_quotes_values_and_maps_ranks(tmp_path, capsys):
     assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --job-name=t1" in script
     bin_ = tmp_path / "bin"
     bin_.mkdir()
-    (bin_ / "srun").write_text(f"#!/bin/sh\n[ -n \"$PREEMPT\" ] && touch \"$PREEMPT\"\nexec {shutil.which('python3') or 'python3'} -c 'import json,os,sys; "
+    (bin_ / "srun").write_text("#!/bin/sh\n[ -n \"$PREEMPT\" ] && touch \"$PREEMPT\"\n"
+                               f"exec {shutil.which('python3') or 'python3'} -c 'import json,os,sys; "
                                f"print(json.dumps([sys.argv[1:], os.environ[\"MMPIPE_NOTE\"], "
                                f"os.environ[\"MASTER_ADDR\"], os.environ[\"MASTER_PORT\"]]))' \"$@\"\n")
     (bin_ / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\necho node7\necho node8\n")

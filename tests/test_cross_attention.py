@@ -4,23 +4,22 @@ stage that only passes it on; zero gates give the plain language model; cached g
 uncached; the cost model sees the carried image; and a short run learns to read the image."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import pytest
 import torch
 
 from conftest import EQUIV_STEPS, train_run
-from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.config import load_preset
-from mmpipe.planning.costmodel import layer_costs
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.cross_attention import CrossAttnBlock
 from mmpipe.model.stage import StageTuple
-from mmpipe.runtime.reference import train_reference
+from mmpipe.planning.costmodel import layer_costs
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
 from test_pipeline_equivalence import _max_weight_diff
 from test_plan import _saved_floats_per_sample
 

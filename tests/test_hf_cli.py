@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 from transformers import LlavaForConditionalGeneration
 
 from hf_models import save_hf, word_tokenizer
-from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.cli import main
 from mmpipe.config import load_preset
 from mmpipe.data.images import ImageTransform
@@ -17,6 +16,7 @@ from mmpipe.hf.commands import save_run
 from mmpipe.hf.llava import import_llava
 from mmpipe.hf.moondream import key_map
 from mmpipe.model import ReferenceModel
+from mmpipe.runtime.checkpoint import load_reference
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}w4 {{ m['content'] }} {% endfor %}w5"
 
@@ -52,7 +52,8 @@ def test_import_generate_export_llava(tmp_path, capsys):
     x = torch.tensor([ids])
     with torch.no_grad():
         assert (back(input_ids=x, pixel_values=pixels).logits - model(pixels, x)).abs().max().item() < 1e-4
-    assert main(["export", "--checkpoint", str(run), "--format", "safetensors", "--out", str(tmp_path / "m.safetensors")]) == 0
+    assert main(["export", "--checkpoint", str(run), "--format", "safetensors",
+                 "--out", str(tmp_path / "m.safetensors")]) == 0
     flat = load_file(str(tmp_path / "m.safetensors"))
     assert len(flat) == len(model.state_dict()) and "model.language_model.layers.1.mlp.up_proj.weight" in flat
 

@@ -37,7 +37,8 @@ def test_init_from_imported_llava(tmp_path, capsys):
     records = []
     for i in range(8):
         Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()).save(tmp_path / "img" / f"{i}.png")
-        q, a = torch.randint(6, IMAGE_TOKEN, (3,), generator=g).tolist(), torch.randint(6, IMAGE_TOKEN, (2,), generator=g)
+        q = torch.randint(6, IMAGE_TOKEN, (3,), generator=g).tolist()
+        a = torch.randint(6, IMAGE_TOKEN, (2,), generator=g)
         records.append({"image": f"img/{i}.png", "conversations": [
             {"from": "human", "value": "<image>\n" + " ".join(f"w{t}" for t in q)},
             {"from": "gpt", "value": " ".join(f"w{t}" for t in a.tolist())}]})

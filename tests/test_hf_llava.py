@@ -15,14 +15,14 @@ from safetensors.torch import load_file, save_file
 from transformers import LlavaForConditionalGeneration
 
 from conftest import ROOT
-from mmpipe.cluster.ports import free_port
 from hf_models import batch, save_hf, shifted
-from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.cluster.ports import free_port
 from mmpipe.config import ConfigError, load_preset
-from mmpipe.planning.costmodel import layer_costs
-from mmpipe.inference.generate import generate
 from mmpipe.hf.llava import export_hf, import_llava
+from mmpipe.inference.generate import generate
 from mmpipe.model import layer_param_counts, lm_loss
+from mmpipe.planning.costmodel import layer_costs
+from mmpipe.runtime.checkpoint import load_reference
 
 KINDS = ("siglip_llama", "clip_qwen2")
 TOL = 1e-4
@@ -102,7 +102,8 @@ def trained(tmp_path_factory):
     out = d / "run"
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+    proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+                           "--master_port", str(free_port()),
                            str(ROOT / "tests" / "hf_pipeline_step.py"), "--hf", str(d / "hf"), "--kind", "clip_qwen2",
                            "--out", str(out), "--steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)

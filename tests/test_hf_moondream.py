@@ -39,7 +39,8 @@ def test_names_are_moondreams(model):
                  "model.text.post_ln.weight", "model.text.lm_head.weight"):
         assert name in cur, name
     for name in ("vision_encoder.encoder.model.visual.patch_embed.linear.weight",
-                 "vision_encoder.encoder.model.visual.pos_embed", "vision_encoder.encoder.model.visual.blocks.0.norm2.bias",
+                 "vision_encoder.encoder.model.visual.pos_embed",
+                 "vision_encoder.encoder.model.visual.blocks.0.norm2.bias",
                  "vision_encoder.encoder.model.visual.norm.weight", "text_model.transformer.embd.wte.weight",
                  f"text_model.transformer.h.{n_t - 1}.mixer.Wqkv.weight", "text_model.lm_head.linear.bias"):
         assert name in leg, name

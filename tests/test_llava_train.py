@@ -3,15 +3,14 @@
 the layout of a sample with and without an image; the decoder positions tokens/s counts."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from conftest import train_run
 from mmpipe.data.text import Encoded, pad_sample
-from mmpipe.runtime.reference import train_reference
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
+from mmpipe.runtime.reference import train_reference
 
 TOL = 1e-5
 STEPS = 3

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from mmpipe.config import load_preset
-from mmpipe.data.shapes import ShapesVQA
 from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from mmpipe.inference.evaluate import greedy_generate
 from mmpipe.model import ReferenceModel, StageTuple, layer_param_counts, layer_specs

@@ -2,17 +2,16 @@
 reference loop, PP=1, PP=2 and PP=4; the gradient crosses the stage boundary; --freeze holds."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from conftest import EQUIV_STEPS, train_run
-from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
-from mmpipe.runtime.reference import train_reference
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
 
 TOL = 1e-5
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import resource
 import subprocess
 import sys
 
@@ -15,8 +14,8 @@ import torch
 
 from conftest import ROOT, train_run
 from mmpipe.config import load_preset
-from mmpipe.planning.costmodel import layer_costs, stage_memory, state_bytes
 from mmpipe.model.builder import IGNORE_INDEX, layer_specs, lm_loss
+from mmpipe.planning.costmodel import layer_costs, stage_memory, state_bytes
 from mmpipe.planning.partition import compute_parts, min_max_split
 
 
@@ -111,7 +110,8 @@ def test_activation_memory_matches_what_autograd_keeps():
                 return torch.randn(batch, 3, cfg.vision.image_size, cfg.vision.image_size), ids, has
             name = rows[i].name
             tokens = n + text_len if name in ("DecoderBlock", "LMHead") else n
-            width = cfg.text.dim if name in ("DecoderBlock", "LMHead", "TextEmbed") and name != "TextEmbed" else widths[rows[i].group]
+            text_side = name in ("DecoderBlock", "LMHead")
+            width = cfg.text.dim if text_side else widths[rows[i].group]
             if name == "TextEmbed":
                 width = cfg.text.dim
             return torch.randn(batch, tokens, width, requires_grad=True), ids, has

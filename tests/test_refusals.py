@@ -43,7 +43,8 @@ def test_train_batch_size_mismatch(tmp_path, capsys):
     # 16 micro x 4 GAS x 2 DP = 128, not 100
     cfg = write_ds_config(tmp_path / "tb.json", train_batch_size=100)
     err = refuse(capsys, "--ds-config", str(cfg), "--dp", "2")
-    assert "train_batch_size: 100 != train_micro_batch_size_per_gpu 16 x gradient_accumulation_steps 4 x dp 2 = 128" in err
+    assert ("train_batch_size: 100 != train_micro_batch_size_per_gpu 16 x gradient_accumulation_steps 4 "
+            "x dp 2 = 128") in err
 
 
 def test_more_stages_than_layers(capsys):
@@ -66,7 +67,8 @@ def test_everything_frozen(capsys):
 
 
 def test_missing_config_file(tmp_path, capsys):
-    assert f"--ds-config: file not found: {tmp_path}/nope.json" in refuse(capsys, "--ds-config", str(tmp_path / "nope.json"))
+    err = refuse(capsys, "--ds-config", str(tmp_path / "nope.json"))
+    assert f"--ds-config: file not found: {tmp_path}/nope.json" in err
 
 
 def test_unknown_preset(capsys):
@@ -171,7 +173,8 @@ def test_data_config_with_unknown_key(tmp_path, capsys):
 
 def test_tokenizer_with_the_builtin_set(tmp_path, capsys):
     err = refuse(capsys, "--tokenizer", str(tmp_path))
-    assert err.strip() == "mmpipe: error: --tokenizer: the built-in shapes set uses the built-in tokenizer; drop --tokenizer"
+    assert err.strip() == ("mmpipe: error: --tokenizer: the built-in shapes set uses the built-in tokenizer; "
+                           "drop --tokenizer")
 
 
 def test_tokenizer_directory_missing(tmp_path, capsys):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import ROOT, Run, fixed_schedule_config, train_run
-from mmpipe.runtime.checkpoint import latest_tag, load_reference
 from mmpipe.config import load_preset
+from mmpipe.runtime.checkpoint import latest_tag, load_reference
 
 STEPS = 12
 

@@ -15,8 +15,8 @@ import time
 from types import MethodType
 
 import pytest
-
 from deepspeed.runtime.pipe import schedule as S
+
 from mmpipe.runtime.timing import format_summary, gather_stage_report, instrument, pipeline_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerFast
 from mmpipe.config import load_preset
 from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import load_tokenizer
-from mmpipe.inference.generate import generate, prompt_with_placeholders
 from mmpipe.hf.tokens import add_image_token
+from mmpipe.inference.generate import generate, prompt_with_placeholders
 from mmpipe.model import ReferenceModel
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "USER:", "ASSISTANT:", "what", "colour", "is", "it", "red", "blue"]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..hf.llava import hf_config
+from ..model.families import family_of
 from ..runtime.reference import gradient_clipping, make_optimizer, make_scheduler, train_step
 from ..runtime.steplog import StepLog
 from .memory import write_peak
@@ -26,8 +28,7 @@ from .peer_common import batches, peer_args, resolved
 
 def hf_model_config(cfg):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-    if cfg.family == "llava":
-        from ..hf.llava import hf_config
+    if family_of(cfg).hf_class:
         return hf_config(cfg)
     v, t = cfg.vision, cfg.text
     vision = CLIPVisionConfig(hidden_size=v.dim, intermediate_size=v.ff_dim, num_hidden_layers=v.n_layers,
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
 
     def micro_loss():
         (pixels, ids, _has), labels = next(stream)
-        if run.model.family != "llava":  # moondream splices the image before the text: placeholders there
+        if not run.model.layout.placeholders:  # moondream splices the image before the text: placeholders there
             ids = torch.cat([torch.full((ids.shape[0], n_img), hf.image_token_id, dtype=ids.dtype), ids], 1)
         # mmpipe's labels are aligned with its logits (next-token targets per position); HF
         # shifts them itself, so hand it the targets one position later

@@ -10,6 +10,12 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, fail
+from . import sweep as sweep_mod
+from .peak import peaks
+from .peers import run_peer
+from .report import write_all
+from .run_variant import check, first_error, flops_per_sample, launch, measure
+from .sweep import Sweep, Variant
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -19,12 +25,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip the peers even if the sweep lists them")
 
 
-def _progress(i: int, n: int, label: str, t0: float, msg: str) -> None:
-    print(f"[bench {i}/{n} {time.perf_counter() - t0:6.0f}s] {label}: {msg}", flush=True)
-
-
 def machine() -> dict:
     import os
+
     import torch
     cpu = platform.processor() or platform.machine()
     try:
@@ -39,7 +42,6 @@ def machine() -> dict:
 
 
 def main_bench(args: argparse.Namespace) -> int:
-    from . import sweep as sweep_mod
     try:
         sw = sweep_mod.load(args.sweep)
         only = [n for n in args.only.split(",") if n]
@@ -51,13 +53,10 @@ def main_bench(args: argparse.Namespace) -> int:
     variants = [v for v in sw.variants if not only or v.name in only]
     out = Path(args.output_dir or f"runs/bench/{sw.name}")
     out.mkdir(parents=True, exist_ok=True)
-    from . import peers as peers_mod
-    from .peak import peaks
-    from .report import write_all
-    from .run_variant import check, flops_per_sample, launch, measure
     device, peak = peaks(sw.device, sw.peak_flops, {v.precision for v in variants} | {"fp32"})
     meta = {"sweep": args.sweep, "device": device, "peaks": peak, "steps": sw.steps, "warmup_steps": sw.warmup_steps,
-            "machine": machine(), "command": "mmpipe bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None}
+            "machine": machine(),
+            "command": "mmpipe bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None}
     peer_list = [] if args.no_peers else sw.peers
     plan = [(rep, v) for rep in range(sw.repeats) for v in variants] + [(rep, p) for rep in range(sw.repeats)
                                                                          for p in peer_list]
@@ -65,50 +64,14 @@ def main_bench(args: argparse.Namespace) -> int:
     print(f"mmpipe bench: {len(variants)} variants x {sw.repeats} repeats + {len(peer_list)} peers on {device}; "
           f"results in {out}", flush=True)
     for i, (rep, item) in enumerate(plan, 1):
-        if isinstance(item, str):
-            shape = sw.peer_shape()
-            row = {"kind": "peer", "repeat": rep, **shape.to_dict()}
-            row["name"], row["engine"] = f"peer_{item}", item
-            row["stages"], row["dp"], row["zero"] = (2 if item == "torch_pipe" else 1), 1, None
-            row["world"] = row["stages"]
-            vout = out / "peers" / f"{item}_r{rep}"
-            _progress(i, len(plan), row["name"], t0, "running")
-            rc, reason, wall = peers_mod.run_peer(item, shape, sw, vout)
-            vlike = sweep_mod.Variant(name=row["name"], preset=shape.preset, stages=row["stages"], micro=shape.micro,
-                                      gas=shape.gas, data_workers=shape.data_workers)
-        else:
-            v = item
-            row = {"kind": "variant", "repeat": rep, **v.to_dict(), "world": v.world}
-            vout = out / "variants" / f"{v.name}_r{rep}"
-            vlike = v
-            cannot = check(v, sw, vout)
-            if cannot:
-                row.update(status=cannot[0], reason=cannot[1])
-                rows.append(row)
-                _progress(i, len(plan), v.name, t0, row["status"] + ": " + row["reason"])
-                write_all(rows, out, meta, sw.targets)
-                continue
-            _progress(i, len(plan), v.name, t0, f"running ({v.world} ranks)")
-            rc, reason, wall = launch(v, sw, vout)
-        row["wall_s"] = round(wall, 1)
-        if (vout / "summary.json").is_file():  # the success marker: DeepSpeed can abort at exit after a good run
-            try:
-                row.update(status="ok", reason="" if rc == 0 else f"exit {rc} after the summary was written",
-                           **measure(vlike, sw, vout, flops_per_sample(vlike), peak.get(vlike.precision)))
-            except (OSError, ValueError, KeyError) as e:
-                row.update(status="failed", reason=f"unreadable results: {e}")
-        else:
-            from .run_variant import _first_error
-            log = vout / "run.log"
-            text = log.read_text(errors="replace") if log.is_file() else ""
-            kind = "oom" if "out of memory" in text.lower() or rc in (137, -9) else "timeout" if rc == 124 else "crashed"
-            row.update(status=kind, reason=reason or _first_error(text) + f" (exit {rc}; {log})")
+        def progress(msg: str, name: str = item if isinstance(item, str) else item.name) -> None:
+            print(f"[bench {i}/{len(plan)} {time.perf_counter() - t0:6.0f}s] {name}: {msg}", flush=True)
+        row = (run_peer_row if isinstance(item, str) else run_variant_row)(item, rep, sw, out, peak, progress)
         rows.append(row)
-        msg = (f"{row['samples_per_s']:.1f} samples/s, step {row['step_time_s'] * 1e3:.1f} ms, loss "
-               f"{row['final_loss']:.4f}" if row["status"] == "ok" else f"{row['status']}: {row['reason']}")
-        _progress(i, len(plan), row["name"], t0, msg)
+        progress(f"{row['samples_per_s']:.1f} samples/s, step {row['step_time_s'] * 1e3:.1f} ms, loss "
+                 f"{row['final_loss']:.4f}" if row["status"] == "ok" else f"{row['status']}: {row['reason']}",
+                 row["name"])
         write_all(rows, out, meta, sw.targets)  # partial results survive an interrupted sweep
-    res = write_all(rows, out, meta, sw.targets)
     print((out / "results.md").read_text(), flush=True)
     print(f"mmpipe bench: results.csv, results.json, results.md, throughput.png, memory.png, bubble.png in {out}",
           flush=True)
@@ -116,4 +79,43 @@ def main_bench(args: argparse.Namespace) -> int:
     broken = [r["name"] for r in rows if r["status"] not in ("ok", "unsupported", "refused")]
     if broken:
         print(f"mmpipe bench: {len(broken)} run(s) did not finish: {', '.join(broken)}", file=sys.stderr, flush=True)
-    return 1 if broken or res is None else 0
+    return 1 if broken else 0
+
+
+def run_variant_row(v: Variant, rep: int, sw: Sweep, out: Path, peak: dict, progress) -> dict:
+    """One repeat of a variant: refused / unsupported without a launch, else launched and measured."""
+    row = {"kind": "variant", "repeat": rep, **v.to_dict(), "world": v.world}
+    vout = out / "variants" / f"{v.name}_r{rep}"
+    cannot = check(v, sw, vout)
+    if cannot:
+        return {**row, "status": cannot[0], "reason": cannot[1]}
+    progress(f"running ({v.world} ranks)")
+    return _outcome(row, v, sw, vout, peak, *launch(v, sw, vout))
+
+
+def run_peer_row(name: str, rep: int, sw: Sweep, out: Path, peak: dict, progress) -> dict:
+    """One repeat of a peer (transformers, torch pipelining) on the sweep's peer shape."""
+    shape = sw.peer_shape()
+    stages = 2 if name == "torch_pipe" else 1
+    row = {"kind": "peer", "repeat": rep, **shape.to_dict(), "name": f"peer_{name}", "engine": name, "stages": stages,
+           "dp": 1, "zero": None, "world": stages}
+    vout = out / "peers" / f"{name}_r{rep}"
+    progress("running", row["name"])
+    like = Variant(name=row["name"], preset=shape.preset, stages=stages, micro=shape.micro, gas=shape.gas,
+                   data_workers=shape.data_workers)
+    return _outcome(row, like, sw, vout, peak, *run_peer(name, shape, sw, vout))
+
+
+def _outcome(row: dict, v: Variant, sw: Sweep, vout: Path, peak: dict, rc: int, reason: str, wall: float) -> dict:
+    """The row of a finished launch: measured when it wrote its summary, else why it did not."""
+    row = {**row, "wall_s": round(wall, 1)}
+    if (vout / "summary.json").is_file():  # the success marker: DeepSpeed can abort at exit after a good run
+        try:
+            return {**row, "status": "ok", "reason": "" if rc == 0 else f"exit {rc} after the summary was written",
+                    **measure(v, sw, vout, flops_per_sample(v), peak.get(v.precision))}
+        except (OSError, ValueError, KeyError) as e:
+            return {**row, "status": "failed", "reason": f"unreadable results: {e}"}
+    log = vout / "run.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    kind = "oom" if "out of memory" in text.lower() or rc in (137, -9) else "timeout" if rc == 124 else "crashed"
+    return {**row, "status": kind, "reason": reason or first_error(text) + f" (exit {rc}; {log})"}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 def peak_memory() -> dict:
     # ru_maxrss is in KiB on Linux; loader workers are child processes and are not counted
-    out = {"rank": int(os.environ.get("RANK", "0")), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {"rank": int(os.environ.get("RANK", "0")), "peak_rss_bytes": rss_bytes,
            "max_memory_allocated_bytes": None}
     try:
         from deepspeed.accelerator import get_accelerator

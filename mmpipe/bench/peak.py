@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from ..planning.costmodel import KNOWN_DEVICES
+
 
 def cpu_matmul_peak(precision: str = "fp32", n: int = 512, seconds: float = 0.5) -> float:
     import torch
@@ -47,7 +49,6 @@ def peaks(device: str | None, override: float | None, precisions: set[str]) -> t
         return device, {p: override for p in precisions}
     if device == "cpu":
         return device, {p: cpu_matmul_peak(p) for p in precisions}
-    from ..planning.costmodel import KNOWN_DEVICES
     dev = KNOWN_DEVICES.get(device)
     # the table holds dense bf16/fp16 peaks; fp32 runs on tensor cores as TF32 at half of it
     return device, {p: (dev.peak_flops / (2 if p == "fp32" else 1)) if dev else None for p in precisions}

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import sys
 
+from .. import train
 from .memory import write_peak
 
 
 def main(argv=None) -> int:
-    from .. import train
     args = train.parse_args(argv)
     rc = train.main(argv)
     write_peak(args.output_dir)

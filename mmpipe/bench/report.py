@@ -7,6 +7,8 @@ import json
 import statistics
 from pathlib import Path
 
+from .plots import plot_all
+
 COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "zero", "precision",
            "micro", "gas", "checkpointing", "partition", "data_workers", "world", "train_batch", "measured_steps",
            "samples_per_s", "samples_per_s_iqr", "tokens_per_s", "tokens_per_s_iqr", "step_time_s",
@@ -84,7 +86,8 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
         if isinstance(v, float):
             return f"{v:.{prec}g}"
         return str(v)
-    lines = [f"Sweep `{meta['sweep']}` on {meta['device']} (peak {', '.join(f'{k} {v / 1e9:.1f} GFLOP/s' if v else f'{k} ?' for k, v in meta['peaks'].items())} per rank), "
+    peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" if v else f"{k} ?" for k, v in meta["peaks"].items())
+    lines = [f"Sweep `{meta['sweep']}` on {meta['device']} (peak {peaks} per rank), "
              f"{meta['steps']} steps, first {meta['warmup_steps']} excluded.", "",
              "| variant | rep | status | PP | DP | ZeRO | prec | micro x GAS | ckpt | samples/s (IQR) | step ms | "
              "peak MB/rank | bubble meas / 1F1B | GFLOP/s | MFU | final loss |",
@@ -115,6 +118,5 @@ def write_all(rows: list[dict], out: Path, meta: dict, target_spec: dict | None)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgt,
                                                   "medians": medians(rows)}, indent=2) + "\n")
     (out / "results.md").write_text(markdown(rows, tgt, meta))
-    from .plots import plot_all
     plot_all(rows, out)
     return {"targets": tgt}

@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 
 from ..cluster.ports import free_port
-from ..runtime import precision
-from ..config import ConfigError
+from ..config import ConfigError, load_preset
+from ..data.dataset import resolve_data
+from ..planning.costmodel import layer_costs
 from ..run_args import TrainArgs
 from ..run_config import REPO_CONFIGS, resolve
+from ..runtime import precision
 from .sweep import Sweep, Variant
 
 BASE_CONFIG = REPO_CONFIGS / "cpu_fp32.json"
@@ -63,7 +65,7 @@ def check(v: Variant, sweep: Sweep, out: Path) -> tuple[str, str] | None:
     return ("unsupported", why) if why else None
 
 
-def _first_error(log: str) -> str:
+def first_error(log: str) -> str:
     """The first real error in a failed run's log (peers of a crashed rank only say 'connection closed')."""
     lines = log.splitlines()
     for key in ("out of memory", "OutOfMemoryError", "Error:", "error:", "Killed", "Traceback"):
@@ -133,9 +135,6 @@ def measure(v: Variant, sweep: Sweep, out: Path, flops_per_sample: float, peak_f
 def flops_per_sample(v: Variant) -> float:
     """Model FLOPs of one training sample (forward + backward, recompute NOT counted: MFU's convention),
     from mmpipe's cost model for the variant's preset and the built-in data's text length."""
-    from ..config import load_preset
-    from ..planning.costmodel import layer_costs
-    from ..data.dataset import resolve_data
     cfg = load_preset(v.preset)
     data = resolve_data(TrainArgs(preset=v.preset), cfg)
     return sum(r.fwd_flops + r.bwd_flops for r in layer_costs(cfg, (), data.text_len, False))

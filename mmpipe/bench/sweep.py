@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError
+from ..planning.costmodel import KNOWN_DEVICES
 
 # variant field -> (type check, description of the valid values)
 VARIANT_FIELDS = {
@@ -137,42 +138,8 @@ def parse(data, source: str = "sweep") -> Sweep:
     grid, variants_in = data.get("grid"), data.get("variants")
     if grid is None and variants_in is None:
         problems.append("grid / variants: give one (grid: cross product of field lists; variants: a list)")
-    raw: list[dict] = []
-    if grid is not None:
-        if not isinstance(grid, dict) or not grid:
-            problems.append("grid: must be an object mapping variant fields to non-empty lists")
-        else:
-            keys = list(grid)
-            ok = True
-            for k, vals in grid.items():
-                if k == "name" or k not in VARIANT_FIELDS:
-                    problems.append(f"grid: unknown key '{k}' (valid: {', '.join(f for f in VARIANT_FIELDS if f != 'name')})")
-                    ok = False
-                elif not isinstance(vals, list) or not vals:
-                    problems.append(f"grid.{k}: must be a non-empty list")
-                    ok = False
-                else:
-                    for v in vals:
-                        if not VARIANT_FIELDS[k][0](v):
-                            problems.append(f"grid.{k}: {v!r} must be {VARIANT_FIELDS[k][1]}")
-                            ok = False
-            if ok:
-                for combo in itertools.product(*(grid[k] for k in keys)):
-                    d = {**VARIANT_DEFAULTS, **base, **dict(zip(keys, combo))}
-                    d["name"] = _auto_name(d, keys)
-                    raw.append(d)
-    if variants_in is not None:
-        if not isinstance(variants_in, list) or not variants_in:
-            problems.append("variants: must be a non-empty list of objects")
-        else:
-            for i, v in enumerate(variants_in):
-                if not isinstance(v, dict):
-                    problems.append(f"variants[{i}]: must be an object")
-                    continue
-                _check_variant(v, f"variants[{i}]", problems)
-                d = {**VARIANT_DEFAULTS, **base, **v}
-                d.setdefault("name", f"v{i}")
-                raw.append(d)
+    raw = (_grid_variants(grid, base, problems) if grid is not None else []) + (
+        _listed_variants(variants_in, base, problems) if variants_in is not None else [])
     names = [d["name"] for d in raw]
     for n in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"variants: name '{n}' is used twice; names pick the output folders")
@@ -185,28 +152,74 @@ def parse(data, source: str = "sweep") -> Sweep:
     if not isinstance(peers, list) or any(p not in PEERS for p in peers):
         problems.append(f"peers: {peers!r} must be a list of {', '.join(PEERS)}")
         peers = []
-    device = data.get("device")
-    if device is not None:
-        from ..planning.costmodel import KNOWN_DEVICES
-        if device != "cpu" and device not in KNOWN_DEVICES:
-            problems.append(f"device: {device!r} is not known (valid: cpu, {', '.join(KNOWN_DEVICES)}); "
-                            f"or give peak_flops")
-    peak = data.get("peak_flops")
+    device, peak = data.get("device"), data.get("peak_flops")
+    _check_device(device, peak, problems)
+    tg = _targets(data.get("targets", {}), names, problems)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return Sweep(name, steps, warmup, repeats, timeout, [Variant(**d) for d in raw], peers, device,
+                 float(peak) if peak else None, tg)
+
+
+def _grid_variants(grid, base: dict, problems: list[str]) -> list[dict]:
+    """The cross product of the grid's field lists, on top of base, each named after its values."""
+    if not isinstance(grid, dict) or not grid:
+        problems.append("grid: must be an object mapping variant fields to non-empty lists")
+        return []
+    ok = True
+    for k, vals in grid.items():
+        if k == "name" or k not in VARIANT_FIELDS:
+            problems.append(f"grid: unknown key '{k}' (valid: {', '.join(f for f in VARIANT_FIELDS if f != 'name')})")
+            ok = False
+        elif not isinstance(vals, list) or not vals:
+            problems.append(f"grid.{k}: must be a non-empty list")
+            ok = False
+        else:
+            bad = [v for v in vals if not VARIANT_FIELDS[k][0](v)]
+            problems += [f"grid.{k}: {v!r} must be {VARIANT_FIELDS[k][1]}" for v in bad]
+            ok = ok and not bad
+    if not ok:
+        return []
+    keys = list(grid)
+    out = []
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        d = {**VARIANT_DEFAULTS, **base, **dict(zip(keys, combo))}
+        out.append({**d, "name": _auto_name(d, keys)})
+    return out
+
+
+def _listed_variants(variants_in, base: dict, problems: list[str]) -> list[dict]:
+    if not isinstance(variants_in, list) or not variants_in:
+        problems.append("variants: must be a non-empty list of objects")
+        return []
+    out = []
+    for i, v in enumerate(variants_in):
+        if not isinstance(v, dict):
+            problems.append(f"variants[{i}]: must be an object")
+            continue
+        _check_variant(v, f"variants[{i}]", problems)
+        out.append({"name": f"v{i}", **VARIANT_DEFAULTS, **base, **v})
+    return out
+
+
+def _check_device(device, peak, problems: list[str]) -> None:
+    if device is not None and device != "cpu" and device not in KNOWN_DEVICES:
+        problems.append(f"device: {device!r} is not known (valid: cpu, {', '.join(KNOWN_DEVICES)}); "
+                        f"or give peak_flops")
     if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool) or peak <= 0):
         problems.append(f"peak_flops: {peak!r} must be a positive number (FLOP/s per device)")
-    tg = data.get("targets", {})
+
+
+def _targets(tg, names: list[str], problems: list[str]) -> dict:
     if not isinstance(tg, dict):
         problems.append("targets: must map roles (pp1, pp2, hf_base) to variant names")
-        tg = {}
+        return {}
     for role, vname in tg.items():
         if role not in TARGET_ROLES:
             problems.append(f"targets: unknown role '{role}' (valid: {', '.join(TARGET_ROLES)})")
         elif vname not in names:
             problems.append(f"targets.{role}: no variant named {vname!r}")
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return Sweep(name, steps, warmup, repeats, timeout, [Variant(**d) for d in raw], peers, device,
-                 float(peak) if peak else None, tg)
+    return tg
 
 
 def load(path: str) -> Sweep:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..model.builder import ReferenceModel, lm_loss
 from ..runtime.reference import clip_and_step, gradient_clipping, make_optimizer, make_scheduler
 from ..runtime.steplog import StepLog
 from .memory import write_peak
@@ -42,7 +43,6 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..model.builder import ReferenceModel, lm_loss
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run = resolved(a.preset, world, a.micro, a.gas, world, a.steps, a.data_workers)

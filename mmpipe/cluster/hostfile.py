@@ -76,7 +76,8 @@ def check_reachable(hosts, env: dict, timeout: int = 10) -> None:
     for h in hosts:
         cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}", *ssh_options(env), h, "true"]
         try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 5, stdin=subprocess.DEVNULL)
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 5,
+                               stdin=subprocess.DEVNULL)
             why = (r.stderr.strip().splitlines() or [f"ssh exit status {r.returncode}"])[-1] if r.returncode else None
         except subprocess.TimeoutExpired:
             why = f"no answer within {timeout} s"

@@ -36,7 +36,8 @@ def add_slurm_args(p: argparse.ArgumentParser) -> None:
                    help="ranks per node (default: --gpus-per-node, else 1); world size = nodes x this")
     g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one per rank (default: 0, CPU)")
     g.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank = OMP_NUM_THREADS (default: 1)")
-    g.add_argument("--slurm-partition", default=None, help="Slurm partition (--partition is the pipeline's layer split)")
+    g.add_argument("--slurm-partition", default=None,
+                   help="Slurm partition (--partition is the pipeline's layer split)")
     g.add_argument("--time", default=None, help="time limit, e.g. 4:00:00 or 2-00:00:00")
     g.add_argument("--account", default=None, help="Slurm account to charge")
     g.add_argument("--job-name", default="mmpipe", help="job name (default: mmpipe)")
@@ -142,7 +143,8 @@ def main_slurm(sargs: argparse.Namespace, targs: TrainArgs) -> int:
         return 0
     r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, env=dict(os.environ))
     if r.returncode != 0:
-        return fail(ConfigError(f"sbatch: {(r.stderr.strip().splitlines() or ['exit status ' + str(r.returncode)])[-1]}"))
+        why = (r.stderr.strip().splitlines() or ["exit status " + str(r.returncode)])[-1]
+        return fail(ConfigError(f"sbatch: {why}"))
     job = r.stdout.strip().split(";")[0]
     print(job, flush=True)
     return 0

@@ -7,45 +7,17 @@
 """
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig
-from .images import DEFAULT_MAX_PIXELS
+from .args import DataArgs
+from .index import build_index, check_policy, describe, fingerprint, load_index
 from .samples import SHAPES_TEXT_LEN, IndexedSamples, ShapesSamples
-from .sources import DataSpec, data_spec
-from .text import OVERLONG, ConversationEncoder, placeholders
+from .sources import DataSpec, data_spec, open_source
+from .text import ConversationEncoder, placeholders
 from .tokenizer import builtin_tokenizer, load_tokenizer
-
-POLICIES = ("skip", "strict")
-
-
-def add_data_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data (see docs/data.md)")
-    g.add_argument("--data", default="shapes",
-                   help="'shapes' (built-in synthetic VQA, the default), a LLaVA .json/.jsonl, a pairs .csv/.jsonl, "
-                        "a .parquet, a saved HF dataset or image folder, or a data config JSON")
-    g.add_argument("--image-root", default=None, help="folder relative image paths start from (default: the data file's)")
-    g.add_argument("--tokenizer", default=None,
-                   help="local tokenizer directory for AutoTokenizer (default: the built-in word-level tokenizer)")
-    g.add_argument("--text-len", type=int, default=None,
-                   help="text tokens per sample, padded (default: shapes 12; else what the model's context "
-                        "leaves after BOS + image)")
-    g.add_argument("--bad-records", default="skip", choices=POLICIES,
-                   help="skip: count, list and leave out bad records (default); strict: stop before training")
-    g.add_argument("--overlong", default="skip", choices=OVERLONG,
-                   help="text over --text-len: skip it as a bad record (default) or truncate it if its first "
-                        "answer token fits")
-    g.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
-                   help=f"refuse larger images, a decompression-bomb guard (default: {DEFAULT_MAX_PIXELS})")
-    g.add_argument("--resize", default="pad", choices=("pad", "squash"),
-                   help="pad to square with the mean colour, then resize (default), or squash to square")
-    g.add_argument("--augment", action="store_true", help="light crop / colour jitter (off by default; no flips)")
-    g.add_argument("--data-workers", type=int, default=2, help="loader worker processes on the first stage (default: 2)")
-    g.add_argument("--log-samples", action="store_true",
-                   help="write OUTPUT_DIR/samples_dpD.csv: the stream position and record of every sample trained on")
 
 
 @dataclass
@@ -67,7 +39,7 @@ class DataOptions:
         return self.spec is None
 
 
-def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None, run_tokenizer: str | None = None) -> DataOptions:
+def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | None = None) -> DataOptions:
     """Raises ConfigError with every problem, one line each. run_tokenizer: the tokenizer directory
     of the run --init-from starts from (--tokenizer overrides it). The LLaVA family's built-in
     tokenizer carries <image>."""
@@ -87,7 +59,8 @@ def resolve_data(args: argparse.Namespace, cfg: ModelConfig | None, run_tokenize
                         f"is written in; train it on your own data (--data)")
     else:
         try:
-            tok = load_tokenizer(path) if path else builtin_tokenizer(image_token=cfg is not None and cfg.family == "llava")
+            image_token = cfg is not None and cfg.layout.placeholders  # LLaVA's <image>
+            tok = load_tokenizer(path) if path else builtin_tokenizer(image_token=image_token)
         except ConfigError as e:
             problems.append(str(e))
     text_len = args.text_len
@@ -121,8 +94,6 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     builds it. Raises ConfigError for --bad-records strict with bad records, or no good record."""
     if opts.builtin:
         return ShapesSamples(cfg, seed)
-    from .index import build_index, describe, fingerprint, load_index
-    from .sources import open_source
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels)
     d = index_dir(out_dir)
     source = open_source(opts.spec)
@@ -133,7 +104,6 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
         index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp)
     else:
-        from .index import check_policy
         check_policy(index, opts.spec, opts.bad_records)
     if verbose == "always" or (verbose and built):
         for line in describe(index.stats):

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError
+from .images import check_image
 from .records import BAD_KINDS, BadRecord
 from .sources import DataSpec, Source
 from .text import ConversationEncoder
@@ -63,7 +64,6 @@ def _init_worker(source, encoder, image_root, max_pixels):
 
 def _check(i: int):
     """-> (i, ids, target, truncated, has_image) for a good record, (i, where, kind, reason) for a bad one."""
-    from .images import check_image
     where = f"record {i}"
     try:
         rec = _W["source"].record(i)
@@ -76,7 +76,8 @@ def _check(i: int):
         return i, getattr(e, "where", where), e.kind, e.reason
 
 
-def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int, workers: int) -> tuple[list, list]:
+def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int,
+         workers: int) -> tuple[list, list]:
     args = (source, encoder, image_root, max_pixels)
     if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
         _init_worker(*args)
@@ -135,7 +136,8 @@ def check_policy(index: DataIndex, spec: DataSpec, policy: str) -> None:
         lines = [f"--bad-records strict: {b['where']}: {b['kind']}: {b['reason']}" for b in s["first_bad"]]
         more = s["bad"] - len(lines)
         total = f"{s['bad']} bad records in all: {_kinds(s)}"
-        raise ConfigError("\n".join(lines + [f"--bad-records strict: " + (f"... and {more} more; " if more else "") + total]))
+        last = "--bad-records strict: " + (f"... and {more} more; " if more else "") + total
+        raise ConfigError("\n".join(lines + [last]))
 
 
 def _kinds(s: dict) -> str:

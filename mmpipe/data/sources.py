@@ -134,7 +134,8 @@ def _from_config(p: Path) -> DataSpec:
     for f in [path] if path else []:
         if not Path(f).exists():
             raise ConfigError(f"--data: {p}: path {f} does not exist")
-    return DataSpec(fmt, path=path, image_root=str((base / cfg["image_root"]).resolve()) if cfg.get("image_root") else "",
+    image_root = str((base / cfg["image_root"]).resolve()) if cfg.get("image_root") else ""
+    return DataSpec(fmt, path=path, image_root=image_root,
                     builder=builder, data_files=[str((base / f).resolve()) for f in files],
                     split=cfg.get("split", "train"), columns={**DEFAULT_COLUMNS, **cols},
                     prompt=cfg.get("prompt", DEFAULT_PROMPT))

@@ -14,8 +14,9 @@ The image is not in the text: it is spliced after the first token (BOS) by the m
 `<image>` marker of LLaVA-style data is removed here (its count was checked when the record was
 read). The LLaVA family reads its image from placeholder ids inside input_ids instead
 (`placeholders(cfg)`: vision.n_features copies of image_token_id); pad_sample puts them right
-after BOS for a sample with an image, the layout moondream's spliced image has. Sequences are a fixed `text_len` tokens per run; a longer one is refused (`too_long`)
-or, under the `truncate` policy, cut to text_len if its first answer token survives.
+after BOS for a sample with an image, the layout moondream's spliced image has. Sequences are a
+fixed `text_len` tokens per run; a longer one is refused (`too_long`) or, under the `truncate`
+policy, cut to text_len if its first answer token survives.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def placeholders(cfg) -> tuple[int, int]:
     """(token id, count) of the image placeholders a sample with an image carries in input_ids:
     (image_token_id, vision.n_features) for the LLaVA family, e.g. (32000, 576); (-1, 0) otherwise
     (the image is spliced in by the model, or attended to)."""
-    if getattr(cfg, "family", "moondream") != "llava":
+    if not cfg.layout.placeholders:
         return -1, 0
     return cfg.image_token_id, cfg.vision.n_features
 

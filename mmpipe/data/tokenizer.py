@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ..config import ConfigError
+from .shapes import VOCABULARY
 
 SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
 PROMPT_WORDS = ["question:"]
@@ -32,7 +33,8 @@ BUILTIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'u
 # The leading newlines are a Jinja string: transformers renders with trim_blocks, which drops the
 # first newline right after a block tag such as {% if %} ("\n\nQuestion" would become "\nQuestion").
 MOONDREAM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
-                      "{{ '\\n\\n' }}Question: {{ m['content'] }}\n\nAnswer:{% else %} {{ m['content'] }}{{ eos_token }}"
+                      "{{ '\\n\\n' }}Question: {{ m['content'] }}\n\nAnswer:{% else %} {{ m['content'] }}"
+                      "{{ eos_token }}"
                       "{% endif %}{% endfor %}")
 
 
@@ -44,7 +46,6 @@ def builtin_tokenizer(image_token: bool = False) -> PreTrainedTokenizerFast:
     """image_token: with the LLaVA family's `<image>` placeholder as one more special token, the
     last id (36); text never produces it (the data removes `<image>` markers), the data path
     inserts it by id (mmpipe.data.text.placeholders)."""
-    from .shapes import VOCABULARY  # the words the task can say
     words = SPECIALS + PROMPT_WORDS + [w for w in VOCABULARY if w not in PROMPT_WORDS] + [IMAGE_TOKEN] * image_token
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, config_from_dict, fail, load_preset
+from ..data.tokenizer import load_tokenizer
+from ..model.builder import ReferenceModel
+from ..model.families import family_of
+from ..runtime.checkpoint import load_reference
+from .llava import _hf_names, export_hf, hf_config, import_llava, import_parts, key_map
+from .moondream import export_moondream, import_moondream
 
 
 def add_import_args(p: argparse.ArgumentParser) -> None:
@@ -41,16 +47,13 @@ def save_run(model, out: Path, tag: str = "imported") -> Path:
 
 
 def main_import(args: argparse.Namespace) -> int:
-    from ..config import fail
     try:
         if args.hf:
-            from .llava import import_llava
             model, report = import_llava(args.hf)
             note = report.summary()
         elif args.vision:
             if not args.lm:
                 raise ConfigError("--vision needs --lm (the causal-LM directory)")
-            from .llava import import_parts
             model, report = import_parts(args.vision, args.lm, feature_layer=args.feature_layer,
                                          feature_select=args.feature_select)
             note = report.summary() + "; projector freshly initialised"
@@ -58,9 +61,7 @@ def main_import(args: argparse.Namespace) -> int:
             if not args.preset:
                 raise ConfigError("--moondream needs --preset (the model shape)")
             from safetensors.torch import load_file
-            from ..config import load_preset
-            from ..model.builder import ReferenceModel
-            from .moondream import import_moondream
+
             model = ReferenceModel(load_preset(args.preset))
             unused = import_moondream(model, load_file(args.moondream), args.moondream)
             note = f"all tensors mapped, {len(unused)} unused (region head)"
@@ -81,7 +82,6 @@ def _tokenizer_of(args, report):
     if report is not None and report.tokenizer is not None:
         return report.tokenizer
     if args.hf and (Path(args.hf) / "tokenizer.json").is_file():
-        from ..data.tokenizer import load_tokenizer
         return load_tokenizer(args.hf)
     return None
 
@@ -96,32 +96,27 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 
 
 def consolidated(model, layout: str = "current") -> dict[str, torch.Tensor]:
-    """Every weight once, in the family's ecosystem names."""
-    if model.cfg.family == "llava":
-        from .llava import hf_config, key_map, _hf_names
+    """Every weight once, in the family's ecosystem names: HF's where it has an HF class, else moondream's."""
+    if family_of(model.cfg).hf_class:
         state = model.state_dict()
-        return {h: state[m].detach().contiguous() for m, h in key_map(model.cfg, _hf_names(hf_config(model.cfg))).items()}
-    from .moondream import export_moondream
+        names = key_map(model.cfg, _hf_names(hf_config(model.cfg)))
+        return {h: state[m].detach().contiguous() for m, h in names.items()}
     return export_moondream(model, layout)
 
 
 def main_export(args: argparse.Namespace) -> int:
-    from ..runtime.checkpoint import load_reference
-    from ..config import config_from_dict
-    from ..config import fail
     run = Path(args.checkpoint)
     try:
         if not (run / "model.json").is_file():
             raise ConfigError(f"--checkpoint: {run} has no model.json (give an mmpipe run directory)")
         cfg = config_from_dict(json.loads((run / "model.json").read_text()), run.name)
-        if args.format == "hf" and cfg.family != "llava":
+        if args.format == "hf" and not family_of(cfg).hf_class:
             raise ConfigError(f"--format hf: only the LLaVA family has an HF model class; use --format safetensors "
                               f"for the {cfg.family} family")
         model = load_reference(run / "checkpoints", cfg)
     except (ConfigError, FileNotFoundError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
     if args.format == "hf":
-        from .llava import export_hf
         export_hf(model, args.out)
     else:
         from safetensors.torch import save_file

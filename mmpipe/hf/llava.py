@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, ModelConfig, TextConfig, VisionConfig
+from ..data.tokenizer import load_tokenizer
 from ..model.builder import ReferenceModel
-from ..model.llava import (FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock,
-                           VisionEmbed)
+from ..model.llava import FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock, VisionEmbed
 from .safetensors_io import read_weights
+from .tokens import add_image_token
 
 HF_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 LEGACY = [(r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
@@ -119,7 +120,8 @@ def _hf_names(hf) -> list[str]:
 
 def key_map(cfg: ModelConfig, hf_names: list[str]) -> dict[str, str]:
     """mmpipe name -> HF name for every weight of the mmpipe model (tied head: none of its own)."""
-    tower = next(k for k in hf_names if k.endswith("embeddings.patch_embedding.weight"))[:-len("embeddings.patch_embedding.weight")]
+    patch = "embeddings.patch_embedding.weight"
+    tower = next(k for k in hf_names if k.endswith(patch))[:-len(patch)]
     lm, out = "model.language_model.", {}
     model = _meta_model(cfg)
     block = {TowerBlock: 0, LlamaBlock: 0}
@@ -198,13 +200,15 @@ def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, w
             report.unused.append(src)
             continue
         if tuple(state[mine].shape) != tuple(tensor.shape):
-            _fail(where, f"tensor '{src}' has shape {tuple(tensor.shape)}, the model expects {tuple(state[mine].shape)}")
+            _fail(where, f"tensor '{src}' has shape {tuple(tensor.shape)}, "
+                         f"the model expects {tuple(state[mine].shape)}")
         state[mine] = tensor.to(state[mine].dtype)
         seen.add(mine)
         report.mapped += 1
     missing = sorted(m for m in set(kmap) - seen if not kmap[m].startswith(fresh))
     if missing:
-        _fail(where, f"no tensor for '{kmap[missing[0]]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        _fail(where, f"no tensor for '{kmap[missing[0]]}'{more}")
     model.load_state_dict(state)
     return report
 
@@ -254,7 +258,6 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
     vc = getattr(vc, "vision_config", vc)  # a full CLIP / SigLIP directory: its vision half
     tok = None
     if image_token_id is None:
-        from ..data.tokenizer import load_tokenizer
         tok = load_tokenizer(str(lm_dir))
         image_token_id = tc.vocab_size - 1  # placeholder until the token is added below
     hf = LlavaConfig(vision_config=vc.to_dict(), text_config=tc.to_dict(), image_token_id=image_token_id,
@@ -269,7 +272,6 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
         source[re.sub(r"^model\.", "model.language_model.", k)] = t
     report = import_weights(model, source, hf, f"{vision_dir} + {lm_dir}", fresh=("model.multi_modal_projector.",))
     if tok is not None:
-        from .tokens import add_image_token
         add_image_token(tok, model)
         report.tokenizer = tok
     return model, report

@@ -102,7 +102,8 @@ def import_moondream(model: ReferenceModel, source: dict[str, torch.Tensor], whe
         state[mine] = tensor.to(state[mine].dtype)
     missing = sorted(set(by_src) - set(source))
     if missing:
-        raise ConfigError(f"{where}: no tensor for '{missing[0]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(f"{where}: no tensor for '{missing[0]}'{more}")
     model.load_state_dict(state)
     return unused
 

@@ -18,7 +18,8 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     elif (path / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:
-        raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors weights are read)")
+        raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                          f"(only safetensors weights are read)")
     out: dict[str, torch.Tensor] = {}
     for shard in shards:
         if not (path / shard).is_file():

@@ -8,6 +8,7 @@ from tokenizers import AddedToken
 from torch import nn
 
 from ..model.builder import ReferenceModel
+from ..model.llava import LlavaEmbed, LMHeadLinear
 
 IMAGE_TOKEN = "<image>"
 
@@ -23,7 +24,6 @@ def add_image_token(tok, model: ReferenceModel, token: str = IMAGE_TOKEN) -> int
     """Make `token` one special token of `tok` and the model's image placeholder; returns its id.
     When the tokenizer grows past the model's vocabulary, the input embedding and an untied head
     get new rows (a tied head shares the embedding's); model.cfg follows."""
-    from ..model.llava import LlavaEmbed, LMHeadLinear
     if token not in tok.get_vocab():
         tok.add_tokens([AddedToken(token, special=True, normalized=False)], special_tokens=True)
     token_id = tok.convert_tokens_to_ids(token)

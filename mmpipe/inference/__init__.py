@@ -1,0 +1,1 @@
+"""After training: KV-cached generation (`mmpipe generate`) and held-out evaluation."""

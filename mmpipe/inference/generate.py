@@ -9,9 +9,9 @@ The model is the pipeline's own layer list (ReferenceModel). Generation splits i
 
 The per-layer cached-decoding interface
 ---------------------------------------
-A layer is cache-aware when it has a method, or a function registered with `@decodes(Class)`:
+A layer is cache-aware when it has a method
 
-    decode(layer, t: StageTuple, cache: dict, start: int) -> StageTuple | Tensor
+    decode(t: StageTuple, cache: dict, start: int) -> StageTuple | Tensor
 
     t.hidden     prefill (start == 0): what the layer's forward would receive (the image
                  embeddings for a text embedding; the sequence for a block). Decode steps
@@ -26,73 +26,33 @@ A layer is cache-aware when it has a method, or a function registered with `@dec
                  layer's usual mask, e.g. moondream's bidirectional BOS + image prefix).
 
 It must return what forward would return for those positions (the head: logits [B, T_new, V]),
-so cached and uncached decoding agree (tests/test_generate.py). Layers of a new family add a
-`decode` method (mmpipe.model.llava) or register one here without touching the layer class.
+so cached and uncached decoding agree (tests/test_generate.py). It does so by sharing forward's
+math rather than restating it: forward and decode call one function, which takes the positions
+and an optional cache (forward: start 0, no cache; e.g. DecoderBlock.run, CrossAttnBlock.fuse);
+a layer that works position by position (a norm, the head) decodes with forward itself. Layers of
+a new family add the method; nothing here changes.
 """
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from ..model.attention import apply_partial_rotary, cached_attention, decoder_mask, rotary_cos_sin
-from ..model.layers import DecoderBlock, LMHead, TextEmbed
+from ..config import ConfigError, config_from_dict, fail
+from ..data.images import ImageTransform
+from ..data.text import ConversationEncoder, with_placeholders
+from ..data.tokenizer import load_tokenizer
+from ..hf.llava import load_hf_llava
 from ..model.stage import StageTuple
+from ..runtime.checkpoint import load_reference
 
-_DECODERS: dict[type, Callable] = {}
-
-
-def decodes(cls: type):
-    """Register `fn(layer, t, cache, start)` as the cached decode of layer class `cls`."""
-    def register(fn):
-        _DECODERS[cls] = fn
-        return fn
-    return register
-
-
-def decode_fn(layer) -> Callable | None:
-    if hasattr(layer, "decode"):
-        return lambda t, cache, start: layer.decode(t, cache, start)
-    fn = _DECODERS.get(type(layer))
-    return None if fn is None else (lambda t, cache, start: fn(layer, t, cache, start))
-
-
-# ---- the moondream family's decode functions ---------------------------------------------------
-
-@decodes(TextEmbed)
-def _text_embed(layer: TextEmbed, t: StageTuple, cache: dict, start: int):
-    return StageTuple.unpack(layer(t.pack())) if start == 0 else t._replace(hidden=layer.wte(t.input_ids))
-
-
-@decodes(DecoderBlock)
-def _phi_block(layer: DecoderBlock, t: StageTuple, cache: dict, start: int):
-    x = t.hidden  # [B, T_new, D]
-    B, T, D = x.shape
-    end = start + T
-    mask = decoder_mask(end, layer.prefix_len, t.has_image)[..., start:, :]  # [T_new, end] or [B, 1, T_new, end]
-    cos, sin = (c[start:end] for c in rotary_cos_sin(end, layer.rotary_dim, layer.theta, x.device))
-    h = layer.ln(x)
-    attn = layer.attn
-    q, k, v = attn.qkv(h).view(B, T, 3, attn.n_heads, D // attn.n_heads).permute(2, 0, 3, 1, 4)
-    q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-    out = cached_attention(q, k, v, cache, mask)
-    x = x + attn.proj(out.transpose(1, 2).reshape(B, T, D)) + layer.mlp(h)
-    return t._replace(hidden=x)
-
-
-@decodes(LMHead)
-def _lm_head(layer: LMHead, t: StageTuple, cache: dict, start: int):
-    return layer(t.pack())
-
-
-# ---- the loop ----------------------------------------------------------------------------------
 
 def _split(model) -> int:
+    """Index of the first cache-aware layer: the encoder layers before it run once, on the image."""
     for i, layer in enumerate(model):
-        if decode_fn(layer) is not None:
+        if hasattr(layer, "decode"):
             return i
     raise ValueError(f"{type(model[0]).__name__}...: no layer of this model supports cached decoding")
 
@@ -133,13 +93,13 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
     for layer in list(model)[:first]:
         enc = layer(enc)  # the image side, once
     t = StageTuple.unpack(enc)
-    steps = [decode_fn(layer) for layer in list(model)[first:]]
-    caches: list[dict] = [{} for _ in steps]
+    decoder = list(model)[first:]
+    caches: list[dict] = [{} for _ in decoder]
     start = 0
     for _ in range(max_new_tokens):
         x = t
-        for fn, cache in zip(steps, caches):
-            x = fn(x, cache, start)
+        for layer, cache in zip(decoder, caches):
+            x = layer.decode(x, cache, start)
         logits = x  # [1, T_new, V]
         start += logits.shape[1]
         nxt = _pick(logits[:, -1], temperature, top_k, gen)
@@ -170,20 +130,17 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def _load(path: Path, tokenizer: str | None):
     """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF LLaVA directory."""
-    from ..config import ConfigError, config_from_dict
-    from ..data.tokenizer import load_tokenizer
     if (path / "config.json").is_file():
-        from ..hf.llava import load_hf_llava
         model = load_hf_llava(path)
         return model, load_tokenizer(tokenizer or str(path))
     run_dir = path if (path / "model.json").is_file() else path.parent
     ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not (run_dir / "model.json").is_file():
-        raise ConfigError(f"--checkpoint: {path} holds neither model.json (an mmpipe run) nor config.json (an HF model)")
+        raise ConfigError(f"--checkpoint: {path} holds neither model.json (an mmpipe run) nor config.json "
+                          f"(an HF model)")
     cfg = config_from_dict(json.loads((run_dir / "model.json").read_text()), run_dir.name)
     if tokenizer is None and (run_dir / "tokenizer").is_dir():  # saved there by `mmpipe import`
         tokenizer = str(run_dir / "tokenizer")
-    from ..runtime.checkpoint import load_reference
     try:
         model = load_reference(ckpt, cfg)
     except FileNotFoundError as e:
@@ -192,10 +149,6 @@ def _load(path: Path, tokenizer: str | None):
 
 
 def main_generate(args: argparse.Namespace) -> int:
-    from ..config import ConfigError
-    from ..data.images import ImageTransform
-    from ..data.text import ConversationEncoder
-    from ..config import fail
     try:
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         if not Path(args.image).is_file():
@@ -217,5 +170,4 @@ def main_generate(args: argparse.Namespace) -> int:
 def prompt_with_placeholders(cfg, prompt: list[int]) -> list[int]:
     """The LLaVA family reads the image from placeholder positions: N_img of them after BOS, the
     same layout as moondream's spliced image. Other families take the prompt as it is."""
-    from ..data.text import with_placeholders
     return with_placeholders(prompt, cfg)

@@ -59,12 +59,18 @@ class FusedAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, rotary=None,
+                cache: dict | None = None) -> torch.Tensor:
+        """x [B, T, D]; mask and rotary (cos, sin) for these T query positions. With a cache (generation),
+        k and v join those of the positions before (cached_attention) and the mask covers them too."""
         B, T, D = x.shape  # [B, T, D]
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, Dh]
         if rotary is not None:
             q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, Dh]
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, Dh]
+        else:
+            out = cached_attention(q, k, v, cache, mask)
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 

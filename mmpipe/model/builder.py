@@ -5,7 +5,8 @@
     PatchEmbed, VisionBlock x n_vision, VisionNorm, Projector, TextEmbed, DecoderBlock x n_text, LMHead
 
 (moondream2: 1 + 27 + 1 + 1 + 1 + 24 + 1 = 56 layers), or with `fusion: cross_attention` a
-CrossAttnBlock before every k-th decoder block (mmpipe.model.cross_attention). The same list feeds
+CrossAttnBlock before every k-th decoder block (mmpipe.model.cross_attention), or LLaVA's
+(mmpipe.model.llava): each family builds its own (mmpipe.model.families). The same list feeds
 deepspeed.pipe.PipelineModule (mmpipe.runtime.pipeline) and, built in one process, the single-device
 reference (`build_reference`). Layer i is always initialised under torch.manual_seed(seed + i),
 so both get identical weights whatever the stage count.
@@ -18,34 +19,14 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .cross_attention import CrossAttnBlock, CrossAttnTextEmbed
-from .layers import DecoderBlock, LMHead, PatchEmbed, Projector, TextEmbed, VisionBlock, VisionNorm
+from .families import family_of
 
 IGNORE_INDEX = -100
 FREEZE_GROUPS = ("vision", "projector", "text")
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    if cfg.family == "llava":
-        from .llava import llava_specs
-        return llava_specs(cfg)
-    vision = ([LayerSpec(PatchEmbed, cfg)] + [LayerSpec(VisionBlock, cfg) for _ in range(cfg.vision.n_layers)]
-              + [LayerSpec(VisionNorm, cfg), LayerSpec(Projector, cfg)])
-    if cfg.fusion == "cross_attention":
-        return vision + [LayerSpec(CrossAttnTextEmbed, cfg)] + _cross_attn_decoder(cfg) + [LayerSpec(LMHead, cfg)]
-    return (vision + [LayerSpec(TextEmbed, cfg)] + [LayerSpec(DecoderBlock, cfg) for _ in range(cfg.text.n_layers)]
-            + [LayerSpec(LMHead, cfg)])
-
-
-def _cross_attn_decoder(cfg: ModelConfig) -> list[LayerSpec]:
-    """Decoder blocks with a CrossAttnBlock before blocks 0, k, 2k, ...; the last one drops the image."""
-    at = cfg.cross_attn_layers  # e.g. 4 blocks, every 2: [0, 2]
-    specs = []
-    for i in range(cfg.text.n_layers):
-        if i in at:
-            specs.append(LayerSpec(CrossAttnBlock, cfg, last=i == at[-1]))
-        specs.append(LayerSpec(DecoderBlock, cfg))
-    return specs
+    return family_of(cfg).layers(cfg)
 
 
 def layer_group(spec: LayerSpec) -> str:

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig
 from .attention import GeluMLP
-from .layers import TextEmbed
+from .layers import DecoderBlock, LMHead, TextEmbed, vision_specs
 from .stage import StageTuple
 
 
@@ -113,3 +114,15 @@ class CrossAttnTextEmbed(TextEmbed):
             cache["image"] = out.vision
             return out
         return t._replace(hidden=self.wte(t.input_ids), vision=cache["image"])
+
+
+def cross_attention_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    """The layer list above: the Projector adds the image positions, and a CrossAttnBlock precedes decoder
+    blocks 0, k, 2k, ... (cfg.cross_attn_layers); the last one drops the image."""
+    at = cfg.cross_attn_layers  # e.g. 4 blocks, every 2: [0, 2]
+    decoder = []
+    for i in range(cfg.text.n_layers):
+        if i in at:
+            decoder.append(LayerSpec(CrossAttnBlock, cfg, last=i == at[-1]))
+        decoder.append(LayerSpec(DecoderBlock, cfg))
+    return vision_specs(cfg, image_pos=True) + [LayerSpec(CrossAttnTextEmbed, cfg)] + decoder + [LayerSpec(LMHead, cfg)]

@@ -2,10 +2,12 @@
 
 Every layer takes and returns the stage tuple (mmpipe.model.stage), except the first
 (takes the batch inputs) and the last (returns logits). `group` names what --freeze acts on.
+`moondream_specs` is the moondream family's layer list (mmpipe.model.families).
 """
 from __future__ import annotations
 
 import torch
+from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig
@@ -73,16 +75,16 @@ class Projector(nn.Module):
     embeddings (std 1) and, in the measurement that motivated mmpipe's demo, the decoder
     ignored the image for about five minutes.
 
-    With cross-attention fusion it also adds a learned position per image token at text width
-    (std 1, the text embeddings' scale): the prefix decoder gives image tokens their positions
+    With image_pos (cross-attention fusion) it also adds a learned position per image token at text
+    width (std 1, the text embeddings' scale): the prefix decoder gives image tokens their positions
     through rotary attention, cross-attention has none, and without this the position-keyed
     questions stayed at chance (docs/models.md)."""
     group = "projector"
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, image_pos: bool = False):
         super().__init__()
         self.mlp = GeluMLP(cfg.vision.dim, cfg.proj_inner_dim, cfg.text.dim)
-        if cfg.fusion == "cross_attention":
+        if image_pos:
             self.image_pos = nn.Parameter(torch.randn(cfg.vision.n_tokens, cfg.text.dim))  # [N_img, D_text]
 
     def forward(self, args):
@@ -107,6 +109,11 @@ class TextEmbed(nn.Module):
         x = torch.cat([emb[:, :1], t.hidden.to(emb.dtype), emb[:, 1:]], dim=1)  # [B, N_img + T_text, D]
         return t._replace(hidden=x).pack()
 
+    def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
+        """Cached generation (mmpipe.inference.generate): the prompt as in forward, the image spliced in;
+        afterwards only the new tokens, whose positions follow it."""
+        return StageTuple.unpack(self(t.pack())) if start == 0 else t._replace(hidden=self.wte(t.input_ids))
+
 
 class DecoderBlock(nn.Module):
     """Phi block: one LayerNorm feeds attention and MLP in parallel; x + attn(ln x) + mlp(ln x)."""
@@ -123,13 +130,20 @@ class DecoderBlock(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        x = t.hidden  # [B, T, D], T = N_img + T_text
-        T = x.shape[1]
-        mask = decoder_mask(T, self.prefix_len, t.has_image)
-        rotary = rotary_cos_sin(T, self.rotary_dim, self.theta, x.device)
+        return t._replace(hidden=self.run(t.hidden, t.has_image)).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
+        """Cached generation: the new positions, attending to the keys and values cached before them."""
+        return t._replace(hidden=self.run(t.hidden, t.has_image, start, cache))
+
+    def run(self, x: torch.Tensor, has_image: torch.Tensor, start: int = 0, cache: dict | None = None) -> torch.Tensor:
+        """x [B, T, D] at decoder positions start..start+T-1 -> [B, T, D]. Forward runs the whole sequence
+        (T = N_img + T_text, start 0, no cache); cached decoding only the new positions."""
+        end = start + x.shape[1]
+        mask = decoder_mask(end, self.prefix_len, has_image)[..., start:, :]  # these queries over keys 0..end-1
+        rotary = tuple(c[start:] for c in rotary_cos_sin(end, self.rotary_dim, self.theta, x.device))
         h = self.ln(x)
-        x = x + self.attn(h, mask=mask, rotary=rotary) + self.mlp(h)
-        return t._replace(hidden=x).pack()
+        return x + self.attn(h, mask=mask, rotary=rotary, cache=cache) + self.mlp(h)
 
 
 class LMHead(nn.Module):
@@ -144,3 +158,18 @@ class LMHead(nn.Module):
     def forward(self, args):
         x = StageTuple.unpack(args).hidden
         return self.linear(self.ln(x))
+
+    def decode(self, t: StageTuple, cache: dict, start: int) -> torch.Tensor:
+        return self(t.pack())  # position by position: the logits of the new positions
+
+
+def vision_specs(cfg: ModelConfig, **projector) -> list[LayerSpec]:
+    """The image side of the moondream-shaped families: PatchEmbed, VisionBlock x n, VisionNorm, Projector."""
+    return ([LayerSpec(PatchEmbed, cfg)] + [LayerSpec(VisionBlock, cfg) for _ in range(cfg.vision.n_layers)]
+            + [LayerSpec(VisionNorm, cfg), LayerSpec(Projector, cfg, **projector)])
+
+
+def moondream_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    """The image spliced after BOS: vision_specs, TextEmbed, DecoderBlock x n_text, LMHead."""
+    return (vision_specs(cfg) + [LayerSpec(TextEmbed, cfg)]
+            + [LayerSpec(DecoderBlock, cfg) for _ in range(cfg.text.n_layers)] + [LayerSpec(LMHead, cfg)])

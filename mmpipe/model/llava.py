@@ -167,10 +167,15 @@ class LlamaAttention(nn.Module):
         cos, sin = (c[start:] for c in rotary_cos_sin(start + T, self.head_dim, self.theta, x.device))
         return apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin), v
 
-    def forward(self, x):
+    def forward(self, x, start: int = 0, cache: dict | None = None, mask=None):
+        """x [B, T, D] at positions start..start+T-1. Without a cache (training): causal over x itself.
+        With one (generation): over the cached keys and values too, under `mask` [T, start + T]."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, 0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+        q, k, v = self.qkv(x, start)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+        else:
+            out = cached_attention(q, k, v, cache, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -198,17 +203,18 @@ class LlamaBlock(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        x = t.hidden + self.self_attn(self.input_layernorm(t.hidden))  # [B, T, D]
-        return t._replace(hidden=x + self.mlp(self.post_attention_layernorm(x))).pack()
+        return t._replace(hidden=self.run(t.hidden)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
-        x = t.hidden  # [B, T_new, D]
-        B, T, _ = x.shape
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x), start)
-        mask = decoder_mask(start + T, 1, t.has_image)[..., start:, :]  # causal rows start.. over keys 0..start+T-1
-        out = cached_attention(q, k, v, cache, mask)
-        x = x + self.self_attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-        return t._replace(hidden=x + self.mlp(self.post_attention_layernorm(x)))
+        """Cached generation: the new positions start.., attending to the keys and values cached before them."""
+        end = start + t.hidden.shape[1]
+        mask = decoder_mask(end, 1, t.has_image)[..., start:, :]  # causal rows start.. over keys 0..end-1
+        return t._replace(hidden=self.run(t.hidden, start, cache, mask))
+
+    def run(self, x, start: int = 0, cache: dict | None = None, mask=None):
+        """x [B, T, D] -> [B, T, D]: the whole sequence (forward) or the new positions (decode)."""
+        x = x + self.self_attn(self.input_layernorm(x), start, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class FinalNorm(nn.Module):

@@ -38,6 +38,9 @@ A layer that is frozen and sees no gradient (a frozen prefix) keeps nothing. Wit
 checkpointing, a checkpointed block keeps only its input (T x width) between forward and
 backward, plus one block's full set while it is recomputed.
 
+The rule of each layer kind is in mmpipe.model.costs; each family names its layers' rules
+(mmpipe.model.families), and LLaVA's layers are costed as the moondream layers of the same shape.
+
 Time: FLOPs / (peak FLOP/s x efficiency), or, calibrated (`mmpipe plan --profile`, and what the
 CPU validation uses), the measured forward and backward seconds of each layer kind at the
 run's micro-batch on this device.
@@ -48,14 +51,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..data.text import decoder_positions
 from ..model.builder import layer_param_counts, layer_specs
+from ..model.families import family_of
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-CHECKPOINTED = ("VisionBlock", "DecoderBlock", "LlamaBlock", "CrossAttnBlock")
-EMBEDDINGS = ("PatchEmbed", "TextEmbed", "CrossAttnTextEmbed")  # inputs are pixels / token ids
-# LLaVA-family layers costed as the moondream layer of the same shape (mmpipe.model.llava)
-LLAVA_AS = {"VisionEmbed": "PatchEmbed", "TowerBlock": "VisionBlock", "LlavaProjector": "Projector",
-            "LlavaEmbed": "TextEmbed", "LMHeadLinear": "LMHead"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class LayerCost:
     act_fp32_elems: float  # of which always fp32 (LN statistics, softmax statistics, loss logits)
     out_elems: float       # the layer's output per sample: what a checkpointed block keeps, what crosses a boundary
     carried_elems: float = 0.0  # the image riding along in the stage tuple (cross-attention fusion), per sample
+    embedding: bool = False  # pixels / token ids in: its full backward is 1x forward (weight gradients only)
 
     @property
     def boundary_elems(self) -> float:
@@ -93,68 +94,39 @@ class LayerCost:
 
 def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False
                 ) -> list[LayerCost]:
-    v, t = cfg.vision, cfg.text
-    # e.g. 16 image + 12 text = 28 decoder positions; 12 when the image is attended to, not spliced
-    n, seq = v.n_tokens, cfg.n_image_positions + text_len
-    if cfg.family == "llava":  # tower: CLIP's class token too; decoder: 576 <image> placeholders + text
-        n, seq = v.n_positions, v.n_features + text_len
-    rows, seen_trainable = [], False
+    family = family_of(cfg)
+    n, seq = _tokens(cfg, text_len)
+    rows, image_users, seen_trainable = [], [], False
     for spec, params in zip(layer_specs(cfg), layer_param_counts(cfg)):
-        name, group = LLAVA_AS.get(spec.typename.__name__, spec.typename.__name__), spec.typename.group
-        if getattr(spec, "forward_fn", None) is not None:  # the tied LM head (TiedLayerSpec)
-            name = "LMHead"
+        rule, group = family.cost_rule(spec), spec.typename.group
         trainable = group not in freeze and params > 0
         seen_trainable |= trainable
-        tokens = seq if group == "text" else n
-        fwd = 2.0 * params * tokens
-        fp32 = 0.0
-        if name == "PatchEmbed":
-            act, out = n * v.patch_dim, n * v.dim
-        elif name == "VisionBlock":
-            fwd += 4.0 * n * n * v.dim
-            act, fp32, out = (9 * v.dim + 2 * v.ff_dim) * n + (4 + v.n_heads) * n, (4 + v.n_heads) * n, n * v.dim
-        elif name == "VisionNorm":
-            act, fp32, out = v.dim * n + 2 * n, 2 * n, n * v.dim
-        elif name == "Projector":
-            act, out = v.dim * n + 2 * cfg.proj_inner_dim * n, n * t.dim
-        elif name in ("TextEmbed", "CrossAttnTextEmbed"):
-            fwd, act, out = float(t.dim * seq), 0.0, seq * t.dim  # a lookup, not a matmul
-        elif name == "CrossAttnBlock":  # text queries (seq = T) over N image keys, gated
-            tokens, h = seq, cfg.cross_attn_heads or t.n_heads
-            # q and proj over T, k v over N, q k^T and attn v (4 T N D), the gated MLP over T
-            fwd = 2.0 * 2 * t.dim * t.dim * (seq + n) + 4.0 * seq * n * t.dim + 2.0 * 2 * t.dim * t.ff_dim * seq
-            act = (9 * t.dim + 2 * t.ff_dim + 4 + h) * seq + 3 * t.dim * n + 3
-            fp32, out = (4 + h) * seq, seq * t.dim
-        elif name == "DecoderBlock":
-            fwd += 4.0 * seq * seq * t.dim
-            act, fp32, out = (7 * t.dim + 2 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim
-        elif name == "LlamaBlock":  # + gate/up/product of SwiGLU, RMSNorm stats
-            fwd += 4.0 * seq * seq * t.dim
-            act, fp32, out = (7 * t.dim + 3 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim
-        elif name == "FinalNorm":
-            act, fp32, out = t.dim * seq + seq, seq, seq * t.dim
-        elif name == "LMHead":
-            act, fp32, out = 2 * t.dim * seq + 2 * seq + t.vocab_size * seq, 2 * seq + t.vocab_size * seq, seq * t.vocab_size
+        c = rule.cost(cfg, params, n, seq)
+        if rule.embedding:  # inputs are pixels / token ids: weight gradients only
+            bwd = c.fwd if trainable else 0.0
         else:
-            raise ValueError(f"no cost model for layer {name}")
-        if name in EMBEDDINGS:  # inputs are pixels / token ids: weight gradients only
-            bwd = fwd if trainable else 0.0
-        else:
-            bwd = 2.0 * fwd if trainable else (fwd if seen_trainable else 0.0)
-        recompute = checkpointing and name in CHECKPOINTED and bwd > 0
-        rows.append(LayerCost(name, group, params, trainable, tokens, fwd, bwd, recompute, float(act), float(fp32),
-                              float(out)))
-    return _carry_image(rows, n * t.dim)
+            bwd = 2.0 * c.fwd if trainable else (c.fwd if seen_trainable else 0.0)
+        recompute = checkpointing and spec.typename in family.checkpointable and bwd > 0
+        if rule.uses_image:
+            image_users.append(len(rows))
+        rows.append(LayerCost(rule.name, group, params, trainable, c.tokens, c.fwd, bwd, recompute, float(c.act),
+                              float(c.fp32), float(c.out), embedding=rule.embedding))
+    return _carry_image(rows, image_users, n * cfg.text.dim)
 
 
-def _carry_image(rows: list[LayerCost], image_elems: float) -> list[LayerCost]:
-    """Cross-attention fusion: the outputs from the text embedding up to (not including) the last
-    CrossAttnBlock also carry the projected image [N, D] to the next layer."""
-    names = [r.name for r in rows]
-    if "CrossAttnBlock" not in names:
+def _tokens(cfg: ModelConfig, text_len: int) -> tuple[int, int]:
+    """(n, seq) per sample: the tower's tokens (LLaVA: CLIP's class token too) and the decoder's positions,
+    e.g. 16 image + 12 text = 28, 16 <image> placeholders + 12 text for LLaVA, 12 when the image is attended to."""
+    return family_of(cfg).tower_tokens(cfg), decoder_positions(cfg, text_len)
+
+
+def _carry_image(rows: list[LayerCost], users: list[int], image_elems: float) -> list[LayerCost]:
+    """Cross-attention fusion: the outputs from the first layer that uses the image beside the sequence
+    (the text embedding, which moves it into the stage tuple) up to, not including, the last (the last
+    CrossAttnBlock, which drops it) also carry the projected image [N, D] to the next layer."""
+    if not users:
         return rows
-    first, last = names.index("CrossAttnTextEmbed"), len(names) - 1 - names[::-1].index("CrossAttnBlock")
-    return [dataclasses.replace(r, carried_elems=float(image_elems)) if first <= i < last else r
+    return [dataclasses.replace(r, carried_elems=float(image_elems)) if users[0] <= i < users[-1] else r
             for i, r in enumerate(rows)]
 
 
@@ -228,7 +200,7 @@ def stage_seconds(rows: list[LayerCost], parts: list[int], micro: int, device: D
             if measured and r.name in measured:
                 mf, mb = measured[r.name]
                 # the profile timed the trainable backward: 2x forward FLOPs, 1x for the embeddings
-                full = r.fwd_flops * (1 if r.name in EMBEDDINGS else 2)
+                full = r.fwd_flops * (1 if r.embedding else 2)
                 bwd_share = r.bwd_flops / full if full else 0.0  # 1 trainable, 1/2 frozen behind one, 0 prefix
                 f += mf * micro
                 bw += (mb * bwd_share + (mf if r.recompute else 0.0)) * micro
@@ -276,28 +248,26 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
     import torch
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     v, t = cfg.vision, cfg.text
-    n, seq = v.n_tokens, cfg.n_image_positions + text_len
+    n, seq = _tokens(cfg, text_len)
     ids = torch.randint(0, t.vocab_size, (micro, text_len))
     has = torch.ones(micro, dtype=torch.long)
-    inputs = {"PatchEmbed": lambda: (torch.randn(micro, 3, v.image_size, v.image_size, dtype=dtype), ids, has),
-              "VisionBlock": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
-              "VisionNorm": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
-              "Projector": lambda: (torch.randn(micro, n, v.dim, dtype=dtype, requires_grad=True), ids, has),
-              "TextEmbed": lambda: (torch.randn(micro, n, t.dim, dtype=dtype, requires_grad=True), ids, has),
-              "CrossAttnTextEmbed": lambda: (torch.randn(micro, n, t.dim, dtype=dtype, requires_grad=True), ids, has),
-              "CrossAttnBlock": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True),
-                                         torch.randn(micro, n, t.dim, dtype=dtype, requires_grad=True), ids, has),
-              "DecoderBlock": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True), ids, has),
-              "LMHead": lambda: (torch.randn(micro, seq, t.dim, dtype=dtype, requires_grad=True), ids, has)}
-    out = {}
+
+    def floats(*shape):
+        return torch.randn(micro, *shape, dtype=dtype, requires_grad=True)
+    inputs = {"pixels": lambda: (torch.randn(micro, 3, v.image_size, v.image_size, dtype=dtype), ids, has),
+              "vision": lambda: (floats(n, v.dim), ids, has),  # vision tokens
+              "image": lambda: (floats(n, t.dim), ids, has),  # the projected image
+              "sequence": lambda: (floats(seq, t.dim), ids, has),
+              "sequence+image": lambda: (floats(seq, t.dim), floats(n, t.dim), ids, has)}
+    family, out = family_of(cfg), {}
     for spec in layer_specs(cfg):
-        name = spec.typename.__name__
-        if name in out:
+        rule = family.cost_rule(spec)
+        if rule.name in out:
             continue
         layer = spec.build().to(dtype)
         fwd, bwd = [], []
         for k in range(repeats + 1):
-            args = inputs[name]()
+            args = inputs[rule.takes]()
             t0 = time.perf_counter()
             y = layer(args)
             y = y[0] if isinstance(y, tuple) else y
@@ -309,5 +279,5 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
                 bwd.append(t2 - t1)
         fwd.sort()
         bwd.sort()
-        out[name] = (fwd[len(fwd) // 2] / micro, bwd[len(bwd) // 2] / micro)
+        out[rule.name] = (fwd[len(fwd) // 2] / micro, bwd[len(bwd) // 2] / micro)
     return out

@@ -88,7 +88,8 @@ def min_max_split(weights: list[float], parts: int, fits: Callable[[int, int, in
     if bounds is None:
         return None
     tol = 1e-9 * max(1.0, abs(bottleneck))
-    _, even = solve(lambda acc, part: acc + part * part, lambda s, i, j, part: part <= bottleneck + tol and fit(s, i, j, part))
+    _, even = solve(lambda acc, part: acc + part * part,
+                    lambda s, i, j, part: part <= bottleneck + tol and fit(s, i, j, part))
     return even or bounds
 
 

@@ -21,9 +21,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, ModelConfig, load_preset
-from .costmodel import (BYTES, KNOWN_DEVICES, Device, LayerCost, layer_costs, pipeline_step_seconds, profile_layers,
-                        stage_memory, stage_seconds)
+from ..config import ConfigError, ModelConfig, fail, load_preset
+from .costmodel import (
+    BYTES,
+    KNOWN_DEVICES,
+    Device,
+    LayerCost,
+    layer_costs,
+    pipeline_step_seconds,
+    profile_layers,
+    stage_memory,
+    stage_seconds,
+)
 from .partition import compute_parts, trainable_units
 
 GiB = 2 ** 30
@@ -127,7 +136,8 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
     except ConfigError:
         whole = stage_memory(rows, [0, len(rows)], 0, micro=micro, micro_batches=gas, precision=precision,
                              zero_stage=zero, dp=dp)["total"]
-        need = f"it needs {whole / GiB:.1f} GiB" if stages == 1 else f"an even share would be ~{whole / stages / GiB:.1f} GiB"
+        need = (f"it needs {whole / GiB:.1f} GiB" if stages == 1 else
+                f"an even share would be ~{whole / stages / GiB:.1f} GiB")
         return Layout(stages, dp, micro, gas, None, [], None, f"no split fits {device.memory / GiB:.0f} GiB ({need})")
     times = stage_seconds(rows, parts, micro, device, measured)
     stage_rows = []
@@ -137,13 +147,15 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
                            "params": sum(r.params for r in rows[a:b]), "memory_gib": mem["total"] / GiB,
                            "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
     boundary = [rows[b - 1].boundary_elems * micro * BYTES[precision] for b in parts[1:-1]]
-    grad_bytes = max(sum(r.params for r in rows[a:b] if r.trainable) for a, b in zip(parts, parts[1:])) * BYTES[precision]
+    grad_bytes = max(sum(r.params for r in rows[a:b] if r.trainable)
+                     for a, b in zip(parts, parts[1:])) * BYTES[precision]
     step = pipeline_step_seconds(times, gas, boundary, grad_bytes, dp, device)
     return Layout(stages, dp, micro, gas, parts, stage_rows, step)
 
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
-         precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False) -> list[Layout]:
+         precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False
+         ) -> list[Layout]:
     rows = layer_costs(cfg, freeze, text_len, checkpointing)
     profiles = {m: profile_layers(cfg, text_len, m, precision) for m in micros} if profile else {}
     layouts = []
@@ -177,7 +189,6 @@ def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr
 
 
 def main_plan(args) -> int:
-    from ..config import fail
     try:
         cfg = load_preset(args.preset)
         device = device_from_args(args)
@@ -214,7 +225,7 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
             f"{device.peak_flops / 1e9:.1f} GFLOP/s")
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
-          f"text {args.text_len} {'attending to' if cfg.fusion == 'cross_attention' else '+'} "
+          f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
           f"{cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}")
     print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {'samples/s':>10} "

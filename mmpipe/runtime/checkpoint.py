@@ -18,6 +18,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.builder import ReferenceModel
+from . import rng
 
 
 def latest_tag(ckpt_dir: str | Path) -> str | None:
@@ -210,7 +211,6 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     moments included. Another layout: the weights (from the per-layer files, which do not depend
     on the layout), step and sample counters and the LR schedule are restored; the optimizer's
     moments, kept per stage (and per DP shard), start again from zero, with a warning."""
-    from . import rng
     ckpt_dir = Path(ckpt_dir)
     tag = latest_tag(ckpt_dir)
     state = read_state(ckpt_dir, tag)

@@ -5,9 +5,8 @@ import torch
 from deepspeed.pipe import PipelineModule
 
 from ..model.builder import apply_freeze, layer_specs, lm_loss
+from ..model.families import family_of
 from ..run_config import RunConfig
-
-CHECKPOINTABLE = ["VisionBlock", "DecoderBlock", "CrossAttnBlock", "TowerBlock", "LlamaBlock"]
 
 
 class VLMPipeline(PipelineModule):
@@ -30,7 +29,7 @@ class VLMPipeline(PipelineModule):
             seed_layers=True, base_seed=seed, seed_fn=torch.default_generator.manual_seed,
             activation_checkpoint_interval=int(run.ds_config.get("pipeline", {}).get(
                 "activation_checkpoint_interval", 0)),
-            checkpointable_layers=CHECKPOINTABLE,
+            checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
         apply_freeze(self.forward_funcs, run.freeze)
         # DeepSpeed 0.19.8 computes the global gradient norm (clipping, ZeRO-1, bf16) by summing

@@ -19,6 +19,7 @@ from ..data.dataset import prepare
 from ..data.text import placeholders
 from ..model.builder import ReferenceModel, lm_loss
 from ..run_config import RunConfig
+from .checkpoint import load_reference
 
 
 def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:
@@ -99,8 +100,7 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     if run.dp != 1 or run.precision != "fp32":
         raise ValueError("the reference loop covers dp = 1, fp32")
     model = ReferenceModel(run.model, seed=seed, freeze=run.freeze)
-    if run.init_from:  # weights only, as mmpipe.train.load_run_weights
-        from .checkpoint import load_reference
+    if run.init_from:  # weights only, as mmpipe.runtime.trainer.load_run_weights
         model.load_state_dict(load_reference(Path(run.init_from) / "checkpoints", run.model).state_dict())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)

@@ -205,7 +205,8 @@ class StageTimer:
             row[f"{c}_ms"] = ms[c]
         st = sorted(self._step_totals)
         row["total_ms"] = total
-        row["total_ms_median"] = 1000.0 * (st[len(st) // 2] if len(st) % 2 else (st[len(st) // 2 - 1] + st[len(st) // 2]) / 2)
+        mid = len(st) // 2
+        row["total_ms_median"] = 1000.0 * (st[mid] if len(st) % 2 else (st[mid - 1] + st[mid]) / 2)
         row["forward_ms_per_micro"] = ms["forward"] / self.micro_batches
         row["backward_ms_per_micro"] = ms["backward"] / self.micro_batches
         row["busy_fraction"] = sum(ms[c] for c in BUSY) / total if total > 0 else 0.0
@@ -230,17 +231,8 @@ class StageTimer:
         self._engine = None
 
 
-def instrument(engine, skip_steps: int = 0, synchronize: bool | None = None) -> StageTimer:
-    """Time every pipeline instruction and every train_batch call of this engine instance.
-
-    Returns the StageTimer (the same one if the engine is already instrumented; then
-    `skip_steps` restarts the measurement via start_measuring). Call after deepspeed.initialize.
-    """
-    existing = engine.__dict__.get(_ATTR)
-    if existing is not None:
-        existing.start_measuring(skip_steps)
-        return existing
-
+def _new_timer(engine, skip_steps: int, synchronize: bool | None) -> StageTimer:
+    """A StageTimer for this engine, with the engine's stage, rank and micro-batch count."""
     timer = StageTimer(skip_steps=skip_steps, synchronize=synchronize)
     timer._engine = engine
     timer.stage_id = int(getattr(engine, "stage_id", 0))
@@ -255,30 +247,24 @@ def instrument(engine, skip_steps: int = 0, synchronize: bool | None = None) -> 
     if timer.synchronize:
         from deepspeed.accelerator import get_accelerator
         timer._sync_fn = get_accelerator().synchronize
+    return timer
 
-    cats = _category_map()
-    d = engine.__dict__
-    for name in ("_INSTRUCTION_MAP", "train_batch", "_aggregate_total_loss"):
-        timer._saved[name] = (name, name in d, d.get(name))
 
-    # our own map: a copy of the one the engine sees now (the class's, or a subclass's)
-    base_map = engine._INSTRUCTION_MAP
+def _wrap_instruction(timer: StageTimer, fn, cat: str):
+    """`fn` (a plain function of the instruction map) with its wall time added to `cat`."""
+    def timed(self, *args, **kwargs):
+        t0 = timer._now()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            timer._add(cat, timer._now() - t0)
+    timed.__name__ = getattr(fn, "__name__", "instr")
+    timed.__wrapped__ = fn
+    return timed
 
-    def wrap(fn, cat):
-        def timed(self, *args, **kwargs):
-            t0 = timer._now()
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                timer._add(cat, timer._now() - t0)
-        timed.__name__ = getattr(fn, "__name__", "instr")
-        timed.__wrapped__ = fn
-        return timed
 
-    d["_INSTRUCTION_MAP"] = {k: wrap(fn, cats.get(k, "other")) for k, fn in base_map.items()}
-
-    train_batch = engine.train_batch          # bound method (or an earlier instance wrapper)
-
+def _wrap_train_batch(timer: StageTimer, train_batch):
+    """`train_batch` (bound method or an earlier instance wrapper) timed as one step."""
     def timed_train_batch(*args, **kwargs):
         if timer._in_step:                    # re-entrant call: count only the outer one
             return train_batch(*args, **kwargs)
@@ -291,18 +277,45 @@ def instrument(engine, skip_steps: int = 0, synchronize: bool | None = None) -> 
             return out
         finally:
             timer._end_step(timer._now() - t0, ok)
+    return timed_train_batch
 
-    d["train_batch"] = timed_train_batch
+
+def _wrap_aggregate(timer: StageTimer, agg):
+    """`_aggregate_total_loss` with its wall time added to loss_sync."""
+    def timed_agg(*args, **kwargs):
+        t0 = timer._now()
+        try:
+            return agg(*args, **kwargs)
+        finally:
+            timer._add("loss_sync", timer._now() - t0)
+    return timed_agg
+
+
+def instrument(engine, skip_steps: int = 0, synchronize: bool | None = None) -> StageTimer:
+    """Time every pipeline instruction and every train_batch call of this engine instance.
+
+    Returns the StageTimer (the same one if the engine is already instrumented; then
+    `skip_steps` restarts the measurement via start_measuring). Call after deepspeed.initialize.
+    """
+    existing = engine.__dict__.get(_ATTR)
+    if existing is not None:
+        existing.start_measuring(skip_steps)
+        return existing
+
+    timer = _new_timer(engine, skip_steps, synchronize)
+    cats = _category_map()
+    d = engine.__dict__
+    for name in ("_INSTRUCTION_MAP", "train_batch", "_aggregate_total_loss"):
+        timer._saved[name] = (name, name in d, d.get(name))
+
+    # our own map: a copy of the one the engine sees now (the class's, or a subclass's)
+    base_map = engine._INSTRUCTION_MAP
+    d["_INSTRUCTION_MAP"] = {k: _wrap_instruction(timer, fn, cats.get(k, "other")) for k, fn in base_map.items()}
+    d["train_batch"] = _wrap_train_batch(timer, engine.train_batch)
 
     agg = getattr(engine, "_aggregate_total_loss", None)
     if agg is not None:
-        def timed_agg(*args, **kwargs):
-            t0 = timer._now()
-            try:
-                return agg(*args, **kwargs)
-            finally:
-                timer._add("loss_sync", timer._now() - t0)
-        d["_aggregate_total_loss"] = timed_agg
+        d["_aggregate_total_loss"] = _wrap_aggregate(timer, agg)
 
     d[_ATTR] = timer
     return timer
@@ -392,8 +405,9 @@ def pipeline_summary(rows: list[dict], micro_batches: int, stages: int) -> dict:
 
 def format_summary(summary: dict) -> str:
     """A few lines for the run log."""
+    measured = min((r.get("steps") or 0) for r in summary["per_stage"]) if summary["per_stage"] else 0
     lines = [f"mmpipe: stage timing (ms per step, {summary['micro_batches']} micro-batches; "
-             f"steps measured {min((r.get('steps') or 0) for r in summary['per_stage']) if summary['per_stage'] else 0})",
+             f"steps measured {measured})",
              f"  {'stage':>5} {'fwd':>8} {'bwd':>8} {'recv':>8} {'send':>7} {'load':>7} {'reduce':>7} {'step':>7}"
              f" {'lossync':>7} {'total':>8} {'busy':>5} {'idle':>5}"]
 

@@ -1,0 +1,80 @@
+"""The model families, one `Family` record each: what differs between them on the model side, asked
+through `family_of(cfg)` rather than by comparing the `family` / `fusion` strings of the model JSON.
+
+    MOONDREAM         family moondream, fusion prefix: the image spliced after BOS (mmpipe.model.layers)
+    CROSS_ATTENTION   family moondream, fusion cross_attention: gated cross-attention layers read it
+                      (mmpipe.model.cross_attention)
+    LLAVA             family llava: CLIP / SigLIP tower, Llama / Qwen2 decoder, the image on <image>
+                      placeholders (mmpipe.model.llava)
+
+Where the image enters the decoder and which fields a family checks are the config's to know
+(mmpipe.config.LAYOUTS, FAMILY_CHECKS, read as cfg.layout): the data side needs them too, and the
+config layer imports nothing from here. A new family is one module with its layers and their
+`decode`, its (family, fusion) among the config's known values, and one record below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from deepspeed.pipe import LayerSpec
+
+from ..config import ModelConfig
+from . import costs
+from .cross_attention import CrossAttnBlock, CrossAttnTextEmbed, cross_attention_specs
+from .layers import DecoderBlock, LMHead, PatchEmbed, Projector, TextEmbed, VisionBlock, VisionNorm, moondream_specs
+from .llava import (
+    FinalNorm,
+    LlamaBlock,
+    LlavaEmbed,
+    LlavaProjector,
+    LMHeadLinear,
+    TowerBlock,
+    VisionEmbed,
+    llava_specs,
+    tied_head,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its layer list and what the pipeline, the cost model and the HF side ask of it."""
+    family: str  # the model JSON's `family` and `fusion` that select it
+    fusion: str
+    layers: Callable[[ModelConfig], list[LayerSpec]]  # the pipeline's layer list (mmpipe.model.builder.layer_specs)
+    # blocks that activation checkpointing may recompute (DeepSpeed's checkpointable_layers, the cost model)
+    checkpointable: tuple[type, ...]
+    # the cost rule of each layer class; a tied layer's later use (TiedLayerSpec) by its forward_fn
+    cost_rules: dict[object, costs.LayerRule] = field(repr=False, compare=False)
+    tower_tokens: Callable[[ModelConfig], int] = lambda cfg: cfg.vision.n_tokens  # what the vision blocks see
+    hf_class: str | None = None  # the transformers class its weights load into unchanged, if any
+
+    def cost_rule(self, spec: LayerSpec) -> costs.LayerRule:
+        return self.cost_rules[getattr(spec, "forward_fn", None) or spec.typename]
+
+
+_MOONDREAM_COSTS = {PatchEmbed: costs.PATCH_EMBED, VisionBlock: costs.VISION_BLOCK, VisionNorm: costs.VISION_NORM,
+                    Projector: costs.PROJECTOR, TextEmbed: costs.TEXT_EMBED, DecoderBlock: costs.DECODER_BLOCK,
+                    LMHead: costs.LM_HEAD}
+
+MOONDREAM = Family("moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS)
+CROSS_ATTENTION = Family(
+    "moondream", "cross_attention", cross_attention_specs, (VisionBlock, DecoderBlock, CrossAttnBlock),
+    {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK})
+LLAVA = Family(
+    "llava", "prefix", llava_specs, (TowerBlock, LlamaBlock),
+    {VisionEmbed: costs.PATCH_EMBED, TowerBlock: costs.VISION_BLOCK, LlavaProjector: costs.PROJECTOR,
+     LlavaEmbed: costs.TEXT_EMBED, LlamaBlock: costs.LLAMA_BLOCK, FinalNorm: costs.FINAL_NORM,
+     LMHeadLinear: costs.LM_HEAD, tied_head: costs.LM_HEAD},
+    tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
+    hf_class="LlavaForConditionalGeneration")
+
+FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA)
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    for f in FAMILIES:
+        if (f.family, f.fusion) == (cfg.family, cfg.fusion):
+            return f
+    raise ValueError(f"model config '{cfg.name}': no model family '{cfg.family}' with fusion '{cfg.fusion}' "
+                     f"(valid: {', '.join(f'{f.family}/{f.fusion}' for f in FAMILIES)})")
