@@ -22,6 +22,9 @@ setup(
         "safetensors>=0.4",
         "tqdm>=4.66",
     ],
-    extras_require={"test": ["pytest>=8", "ruff>=0.6"]},
+    extras_require={
+        "tensorboard": ["tensorboard>=2.14"],  # the DeepSpeed config's "tensorboard" monitor section
+        "test": ["pytest>=8", "ruff>=0.6", "tensorboard>=2.14"],
+    },
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli:main"]},
 )

@@ -20,7 +20,7 @@ from .cluster import hostfile  # noqa: E402
 from .cluster.ports import free_port  # noqa: E402
 from .cluster.slurm import add_slurm_args, main_slurm  # noqa: E402
 from .config import ConfigError, fail, list_presets  # noqa: E402
-from .data.dataset import prepare  # noqa: E402
+from .data.dataset import prepare, prepare_eval  # noqa: E402
 from .data.export import add_export_args, export_shapes  # noqa: E402
 from .flags import add_flags, from_namespace  # noqa: E402
 from .hf.commands import add_export_args as add_weights_export_args  # noqa: E402
@@ -30,6 +30,7 @@ from .planning.plan import add_plan_args, main_plan  # noqa: E402
 from .run_args import LaunchArgs, TrainArgs  # noqa: E402
 from .run_config import requested_stages, resolve  # noqa: E402
 from .runtime import precision  # noqa: E402
+from .runtime.curves import add_plot_args, main_plot  # noqa: E402
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -56,12 +57,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
             precision.check(run.precision)
     except ConfigError as e:
         return fail(e)
-    if not run.data.builtin:
-        # read and check every record once, before any rank starts; the ranks reuse the index
-        try:
+    # read and check every record once, before any rank starts; the ranks reuse the indexes
+    try:
+        if not run.data.builtin:
             prepare(run.data, run.model, args.output_dir, args.seed, verbose="always")
-        except ConfigError as e:
-            return fail(e)
+        if run.eval_data is not None and not run.eval_data.builtin:
+            prepare_eval(run.eval_data, run.model, args.output_dir, args.seed, args.eval_samples, verbose="always")
+    except ConfigError as e:
+        return fail(e)
     launcher = shutil.which("deepspeed")
     if launcher is None:
         return fail(ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)"))
@@ -122,6 +125,8 @@ COMMANDS = {
     "import": ("an HF LLaVA / vision + LM / moondream model -> an mmpipe run directory", add_import_args, main_import),
     "export": ("a run's checkpoint -> an HF LLaVA directory or one safetensors file", add_weights_export_args,
                main_export),
+    "plot": ("draw runs' training curves (loss, validation loss, lr, throughput) as one PNG", add_plot_args,
+             main_plot),
     "bench": ("run a sweep of training variants and peers; table, CSV, plots (docs/benchmarks.md)", add_bench_args,
               main_bench),
 }

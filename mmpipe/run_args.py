@@ -33,7 +33,12 @@ class TrainArgs(DataArgs):
     keep_checkpoints: int = flag(3, "keep the newest K checkpoints (default: 3; 0: all); the one `latest` names is "
                                  "never deleted")
     eval_samples: int = flag(1000, "held-out shapes samples scored after training, split evenly over the question "
-                             "types (0: skip; user data is not scored)")
+                             "types (0: skip; user data is not scored); with --eval-data shapes also the size of "
+                             "the validation set")
+    eval_data: str | None = flag(None, "validation data, any format --data takes (checked by the same bad-record "
+                                 "policy), or 'shapes' (the built-in held-out split): its loss through the pipeline "
+                                 "goes to eval_log.csv every --eval-every steps and at the end (docs/evaluation.md)")
+    eval_every: int = flag(0, "validate every N optimizer steps (0: only at the end; needs --eval-data)")
 
     @classmethod
     def from_argv(cls, argv: list[str], prog: str = "mmpipe train") -> "TrainArgs":

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .config import ConfigError, ModelConfig, config_from_dict, load_preset
 from .data.dataset import DataOptions, resolve_data
+from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.builder import FREEZE_GROUPS
 from .planning.costmodel import LayerCost
@@ -53,6 +54,7 @@ class RunConfig:
     data: DataOptions
     auto_schedule: bool = False  # the scheduler's total_num_steps was "auto", i.e. --steps
     init_from: str | None = None  # a run directory whose latest checkpoint's weights start this run
+    eval_data: DataOptions | None = None  # --eval-data: the validation set, read like the training data
 
     @property
     def text_len(self) -> int:
@@ -146,6 +148,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     else:
         model = problems.attempt(load_preset, args.preset or "small")
     data = problems.attempt(resolve_data, args, model, run_tok)
+    eval_data = _eval_data(args, data, problems)
     freeze = _check_flags(args, problems)
     if ds is None:
         problems.raise_any()
@@ -174,8 +177,37 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         sched["total_num_steps"] = args.steps
     ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
               gradient_accumulation_steps=gas)
+    if eval_data is not None:
+        eval_data = dataclasses.replace(eval_data, tokenizer=data.tokenizer)  # as fitted above (LLaVA's <image>)
     return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts or [], table, freeze, precision, zero_stage,
-                     data, auto_schedule, args.init_from)
+                     data, auto_schedule, args.init_from, eval_data)
+
+
+def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
+    """--eval-data: the training data's options (tokenizer, text length, image handling, bad-record
+    policy) over another source; no augmentation, no sample log."""
+    if args.eval_every < 0:
+        problems.append(f"--eval-every: {args.eval_every} must be >= 0 (0: validate only at the end)")
+    if args.eval_data is None:
+        if args.eval_every:
+            problems.append("--eval-every: there is nothing to validate on; give --eval-data")
+        return None
+    if data is None:
+        return None
+    if (args.eval_data == "shapes") != data.builtin:
+        problems.append(f"--eval-data: {args.eval_data!r} and --data {data.name!r}: the built-in shapes set "
+                        f"validates only a run on the shapes set (they share its tokenizer); give a file of your own")
+        return None
+    if args.eval_data == "shapes":
+        if args.eval_samples < 1:
+            problems.append("--eval-samples: the validation set of --eval-data shapes needs at least 1 sample")
+        return dataclasses.replace(data, augment=False, log_samples=False)
+    try:
+        spec = data_spec(args.eval_data, args.image_root)
+    except ConfigError as e:  # the same checks as --data's, under this flag's name
+        problems.append(str(e).replace("--data:", "--eval-data:", 1))
+        return None
+    return dataclasses.replace(data, name=args.eval_data, spec=spec, augment=False, log_samples=False)
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:

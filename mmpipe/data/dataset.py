@@ -14,7 +14,7 @@ from pathlib import Path
 from ..config import ConfigError, ModelConfig
 from .args import DataArgs
 from .index import build_index, check_policy, describe, fingerprint, load_index
-from .samples import SHAPES_TEXT_LEN, IndexedSamples, ShapesSamples
+from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
 from .text import ConversationEncoder, placeholders
 from .tokenizer import builtin_tokenizer, load_tokenizer
@@ -94,8 +94,28 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     builds it. Raises ConfigError for --bad-records strict with bad records, or no good record."""
     if opts.builtin:
         return ShapesSamples(cfg, seed)
+    index, source = _checked_index(opts, index_dir(out_dir), verbose)
+    return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
+                          image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
+                          augment=opts.augment)
+
+
+def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, shapes: int, *,
+                 verbose: bool | str = True) -> EvalSet:
+    """The validation set: every good record of --eval-data in file order (its index in
+    OUTPUT_DIR/eval_data/, built and checked as the training data's), or `shapes` samples of the
+    built-in held-out split."""
+    if opts.builtin:
+        return EvalSet(ShapesSamples(cfg, seed, "eval"), shapes)
+    index, source = _checked_index(opts, Path(out_dir) / "eval_data", verbose)
+    ordered = IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
+                             image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
+                             ordered=True)
+    return EvalSet(ordered, len(index))
+
+
+def _checked_index(opts: DataOptions, d: Path, verbose: bool | str):
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels)
-    d = index_dir(out_dir)
     source = open_source(opts.spec)
     index = load_index(d, fp)
     built = index is None
@@ -108,6 +128,4 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     if verbose == "always" or (verbose and built):
         for line in describe(index.stats):
             print(f"mmpipe: {line}", flush=True)
-    return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
-                          image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
-                          augment=opts.augment)
+    return index, source

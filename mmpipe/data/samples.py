@@ -56,8 +56,9 @@ class IndexedSamples:
     """A user dataset's good records, reshuffled every epoch by (seed, epoch)."""
 
     def __init__(self, index: DataIndex, source: Source, cfg: ModelConfig, *, seed: int, pad_id: int,
-                 image_root: str, max_pixels: int, resize: str = "pad", augment: bool = False):
-        self.index, self.source, self.seed, self.pad_id = index, source, seed, pad_id
+                 image_root: str, max_pixels: int, resize: str = "pad", augment: bool = False, ordered: bool = False):
+        """ordered: position p is good record p in file order, no reshuffling (a validation set)."""
+        self.index, self.source, self.seed, self.pad_id, self.ordered = index, source, seed, pad_id, ordered
         self.image_root, self.max_pixels = image_root, max_pixels
         self.transform = ImageTransform(cfg.vision, resize=resize, augment=augment)
 
@@ -66,6 +67,8 @@ class IndexedSamples:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.index))
 
     def entry(self, pos: int) -> int:
+        if self.ordered:
+            return pos % len(self.index)
         epoch, k = divmod(pos, len(self.index))
         return int(self._order(epoch)[k])
 
@@ -86,3 +89,28 @@ class IndexedSamples:
 
     def row(self, pos: int) -> int:
         return int(self.index.rows[self.entry(pos)])
+
+
+class EvalSet:
+    """A finite validation set of `size` samples at positions 0..size-1 of `samples`. Positions past
+    the end (a step's last micro-batches, which must keep the pipeline's fixed shape) repeat sample
+    0 with no answer token labelled: they add nothing to the loss sum or the token count."""
+
+    def __init__(self, samples, size: int):
+        self.samples, self.size, self.pad_id = samples, size, samples.pad_id
+
+    def tokens(self, pos: int) -> tuple[Encoded, bool]:
+        if pos < self.size:
+            return self.samples.tokens(pos)
+        enc, has_image = self.samples.tokens(0)
+        return Encoded(enc.ids, np.zeros_like(enc.target)), has_image
+
+    def pixels(self, pos: int) -> torch.Tensor:
+        return self.samples.pixels(pos if pos < self.size else 0)
+
+    def row(self, pos: int) -> int:
+        return self.samples.row(pos if pos < self.size else 0)
+
+    def answer_tokens(self) -> int:
+        """Labelled positions in the whole set: the validation loss's denominator (BOS never predicted)."""
+        return sum(int(enc.target[1:].sum()) for enc, _ in map(self.samples.tokens, range(self.size)))

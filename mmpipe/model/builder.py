@@ -50,6 +50,12 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The SUM of cross-entropy over labelled positions: validation divides by the set's answer
+    tokens, so micro-batches with more answer tokens weigh more (mmpipe.runtime.validation)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 class TiedCall(nn.Module):
     """A TiedLayerSpec's later use: DeepSpeed's forward_fn on the module built at its first use.
     The module is held outside the submodules, so its weights are saved and loaded once (DeepSpeed

@@ -27,18 +27,20 @@ from tqdm import tqdm
 from ..cluster.preempt import EXIT_REQUEUE, MARKER, Preemption
 from ..config import ConfigError, fail
 from ..data.batches import StepBatches, TrainSet, rank_batches
-from ..data.dataset import prepare
+from ..data.dataset import prepare, prepare_eval
 from ..data.index import describe as describe_data
 from ..data.text import decoder_positions, placeholders
 from ..planning.partition import describe as describe_parts
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from . import checkpoint, rng
+from .curves import plot_runs
 from .guard import install_skip
 from .pipeline import VLMPipeline
 from .precision import check_all_ranks
 from .steplog import StepLog
 from .timing import gather_stage_report, instrument, pipeline_summary
+from .validation import Validator
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -71,6 +73,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
     tokens = decoder_positions(run.model, run.text_len)  # per sample, pads included: e.g. 16 image + 12 text = 28
     log = StepLog(out, run.train_batch, tokens, enabled=rank == 0, append=args.resume)
+    validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
     announce(run, rank)
     bar = tqdm(total=args.steps, initial=progress.step, disable=rank != 0, desc="train", dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 30)  # a log file: occasional lines, not one per step
@@ -82,6 +85,9 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
         if not math.isfinite(loss) and not skipped and run.precision != "fp16":  # fp16: the loss scaler's business
             report_nonfinite(step, loss, run, ckpt_dir, start, rank)
             return 3
+        monitor_step(engine, log, rank)
+        if validate and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
+            monitor(engine, rank, [("Eval/Samples/eval_loss", validate(step))])
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         bar.update(1)
         stop = preempt.agreed() if preempt else 0  # collective: every rank stops at the same step
@@ -95,11 +101,45 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     stream.flush()
     stage_rows = gather_stage_report(engine, timer)  # collective; also every stage's layer files are on disk now
     train_time = log.elapsed()
+    monitor_timing(engine, stage_rows, run, rank)  # before the process group goes: the monitors ask for ranks
     stream.close()  # stop the loader workers before the process group goes
     dist.destroy_process_group()  # tear gloo down in order, not in the interpreter's exit (seen to abort a rank)
     if rank == 0:
-        report(log, run, args, samples, start, progress, stage_rows, train_time, evaluate, out)
+        report(log, run, args, samples, start, progress, stage_rows, train_time, evaluate, out, validate)
     return 0
+
+
+def make_validator(engine, run: RunConfig, args: TrainArgs, out: Path, rank: int, t_start: float) -> Validator | None:
+    if run.eval_data is None:
+        return None
+    evalset = prepare_eval(run.eval_data, run.model, out, args.seed, args.eval_samples, verbose=rank == 0)
+    return Validator(engine, run, evalset, out, DTYPES[run.precision], enabled=rank == 0, append=args.resume,
+                     t_start=t_start)
+
+
+def monitor(engine, rank: int, events: list[tuple[str, float]]) -> None:
+    """To DeepSpeed's own monitors (the config's tensorboard / csv_monitor / wandb sections), keyed by
+    samples trained, as DeepSpeed keys its train_loss and lr."""
+    if rank == 0 and engine.monitor.enabled:
+        engine.monitor.write_events([(tag, value, engine.global_samples) for tag, value in events])
+
+
+def monitor_step(engine, log: StepLog, rank: int) -> None:
+    dt = log.times[-1]
+    monitor(engine, rank, [("Train/Samples/samples_per_s", log.train_batch / dt),
+                           ("Train/Samples/tokens_per_s", log.train_batch * log.tokens_per_sample / dt)])
+
+
+def monitor_timing(engine, stage_rows, run: RunConfig, rank: int) -> None:
+    """Per-stage forward / backward ms per micro-batch and the measured bubble, as gathered on rank 0."""
+    if rank != 0 or not stage_rows or not stage_rows[0].get("steps"):
+        return
+    timing = pipeline_summary(stage_rows, run.gas, run.stages)
+    events = [("Timing/measured_bubble", timing["measured_bubble"])]
+    for i, r in enumerate(stage_rows):
+        events += [(f"Timing/stage{i}/forward_ms_per_micro", r["forward_ms_per_micro"]),
+                   (f"Timing/stage{i}/backward_ms_per_micro", r["backward_ms_per_micro"])]
+    monitor(engine, rank, events)
 
 
 def setup_torch() -> None:
@@ -244,7 +284,7 @@ def announce(run: RunConfig, rank: int) -> None:
 
 
 def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progress, progress: Progress, stage_rows,
-           train_time: float, evaluate: Callable[[Path], dict] | None, out: Path) -> None:
+           train_time: float, evaluate: Callable[[Path], dict] | None, out: Path, validate: Validator | None) -> None:
     """Rank 0, after training: summary.json (rates, layout, stage timing, data, evaluation)."""
     summary = {
         "start_step": start.step, "train_time_s": train_time, "stages": run.stages, "dp": run.dp,
@@ -269,11 +309,17 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progre
                                bad_records_file=str(out / "data" / "bad_records.jsonl"))
         for line in describe_data(stats)[:1]:
             print(f"mmpipe: {line}", flush=True)
+    if validate:
+        validate.close()
+        last = max(validate.losses)
+        summary.update(eval_loss=validate.losses[last], eval_step=last, eval_samples_validated=validate.evalset.size,
+                       eval_tokens=validate.tokens, eval_data=run.eval_data.name)
     if evaluate:
         torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done
         summary.update(evaluate(out / "checkpoints"))
     log.finish(steps=args.steps, **summary)
-    print(f"mmpipe: done, summary in {out / 'summary.json'}", flush=True)
+    plot_runs([out], out / "curves.png")
+    print(f"mmpipe: done, summary in {out / 'summary.json'}, curves in {out / 'curves.png'}", flush=True)
 
 
 def load_run_weights(pipe, ckpt_dir: Path) -> int:
@@ -310,7 +356,7 @@ def nan_fault(batches, start_step: int, gas: int):
 def truncate_logs(out: Path, step: int, position: int) -> None:
     """A run that died after its last checkpoint logged steps (and samples) that the resumed run
     does again: drop them, so each step and position appears once."""
-    for path, keep in [(out / "train_log.csv", lambda r: int(r["step"]) <= step)] + [
+    for path, keep in [(out / name, lambda r: int(r["step"]) <= step) for name in ("train_log.csv", "eval_log.csv")] + [
             (p, lambda r: int(r["position"]) < position) for p in sorted(out.glob("samples_dp*.csv"))]:
         if not path.is_file():
             continue

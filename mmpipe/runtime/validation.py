@@ -1,0 +1,74 @@
+"""Validation loss through the pipeline itself: DeepSpeed's `eval_batch` on every stage and every
+data-parallel rank, averaged over answer tokens, written to eval_log.csv and the monitors.
+
+The validation set (mmpipe.data.samples.EvalSet, E samples) is laid out like a training step's
+stream: one `eval_batch` takes micro x GAS x DP positions (e.g. 4 x 2 x 1 = 8), so it takes
+ceil(E / 8) calls; positions past E are label-free repeats (the pipeline's shapes are fixed).
+While it runs, the module's loss function returns the SUM of cross-entropy over answer tokens
+(mmpipe.model.builder.lm_loss_sum). eval_batch averages its outputs over the GAS micro-batches and
+the DP replicas, so one call returns sum / (GAS x DP); the loss is
+    sum over calls of (returned x GAS x DP) / answer tokens of the set,
+the mean over every answer token of the set, whatever the batch shapes, which is what the
+single-device reference computes (tests/test_validation.py). Nothing of training is touched: the
+training stream, RNG states and the step timer are not used, so training losses are the same
+with validation on or off.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import time
+from itertools import islice
+from pathlib import Path
+
+from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.samples import EvalSet
+from ..data.text import placeholders
+from ..model.builder import lm_loss_sum
+from ..run_config import RunConfig
+
+EVAL_FIELDS = ["step", "eval_loss", "eval_samples", "eval_tokens", "elapsed_s"]
+
+
+class Validator:
+    def __init__(self, engine, run: RunConfig, evalset: EvalSet, out: Path, dtype, *, enabled: bool, append: bool,
+                 t_start: float):
+        """t_start: the training clock's zero, so eval_log.csv's elapsed_s lines up with train_log.csv's."""
+        self.engine, self.run, self.evalset, self.dtype = engine, run, evalset, dtype
+        self.tokens = evalset.answer_tokens()
+        self.calls = math.ceil(evalset.size / run.train_batch)  # micro x GAS x DP samples per eval_batch
+        v = run.model.vision
+        self.dataset = TrainSet(evalset, text_len=run.text_len, n_img=run.model.n_image_positions,
+                                image_size=v.image_size, need_images=engine.is_first_stage(),
+                                need_labels=engine.is_last_stage(), image_token=placeholders(run.model))
+        self.losses: dict[int, float] = {}
+        self.t0 = t_start
+        self.file = open(out / "eval_log.csv", "a" if append else "w", newline="") if enabled else None
+        self.log = csv.DictWriter(self.file, EVAL_FIELDS) if enabled else None
+        if self.file is not None and self.file.tell() == 0:
+            self.log.writeheader()
+
+    def __call__(self, step: int) -> float:
+        """Collective: the validation loss after optimizer step `step` (every rank returns it)."""
+        engine, run = self.engine, self.run
+        sampler = StepBatches(0, run.micro, run.gas, engine.grid.data_parallel_id, run.dp)
+        batches = rank_batches(self.dataset, islice(sampler, self.calls * run.gas), dtype=self.dtype)
+        train_loss_fn, monitor_on = engine.module.loss_fn, engine.monitor.enabled
+        engine.module.loss_fn = lm_loss_sum
+        engine.monitor.enabled = False  # DeepSpeed would log the sum as 'eval_loss'; mmpipe logs the mean
+        try:
+            total = sum(float(engine.eval_batch(batches)) for _ in range(self.calls))
+        finally:
+            engine.module.loss_fn, engine.monitor.enabled = train_loss_fn, monitor_on
+            batches.close()
+        loss = total * run.gas * run.dp / max(1, self.tokens)
+        self.losses[step] = loss
+        if self.log:
+            self.log.writerow({"step": step, "eval_loss": repr(loss), "eval_samples": self.evalset.size,
+                               "eval_tokens": self.tokens, "elapsed_s": f"{time.perf_counter() - self.t0:.2f}"})
+            self.file.flush()
+        return loss
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

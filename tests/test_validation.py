@@ -1,0 +1,145 @@
+"""Validation during training: the pipeline's validation loss (DeepSpeed's eval_batch on every stage
+and DP rank) equals the single-device reference model's mean over the set's answer tokens, at
+PP=1, 2, 4 and DP=2; training losses are bit-identical with validation on and off; the monitors
+configured in the DeepSpeed JSON (tensorboard, csv_monitor) receive the run's numbers."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Run, train_run, write_ds_config
+from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
+from mmpipe.data.dataset import prepare_eval
+from mmpipe.data.export import export_shapes
+from mmpipe.data.text import placeholders
+from mmpipe.model.builder import lm_loss_sum
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """Training set: 120 shapes records. Validation set: 37 others (seed 9), a text-only record and a
+    bad one: 38 good samples, not a multiple of any step's batch, so the last eval batch is padded."""
+    root = tmp_path_factory.mktemp("data")
+    train = export_shapes(root / "train", "llava-jsonl", 120, image_size=32, patch=8)
+    val = export_shapes(root / "val", "llava-jsonl", 37, seed=9, image_size=32, patch=8)
+    with open(val, "a") as f:
+        f.write(json.dumps({"conversations": [{"from": "human", "value": "how many shapes are there"},
+                                              {"from": "gpt", "value": "two"}]}) + "\n")
+        f.write(json.dumps({"image": "images/nowhere.png", "conversations": [
+            {"from": "human", "value": "<image>\nwhat shape is red"}, {"from": "gpt", "value": "circle"}]}) + "\n")
+    return train, val
+
+
+@pytest.fixture(scope="module")
+def ds_config(tmp_path_factory) -> Path:
+    return write_ds_config(tmp_path_factory.mktemp("cfg") / "ds.json", train_micro_batch_size_per_gpu=4,
+                           gradient_accumulation_steps=2)
+
+
+def _args(data, ds_config, *extra) -> list[str]:
+    train, _ = data
+    return ["--preset", "tiny", "--data", str(train), "--ds-config", str(ds_config), "--steps", str(STEPS),
+            "--eval-samples", "0", "--save-every", "1", "--keep-checkpoints", "0", "--text-len", "24", *extra]
+
+
+def _eval_args(data, ds_config, *extra) -> list[str]:
+    return _args(data, ds_config, "--eval-data", str(data[1]), "--eval-every", "2", *extra)
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def reference_eval_loss(run_dir: Path, argv: list[str], step: int) -> float:
+    """The single-device model of checkpoint `step`, on the same validation samples: summed
+    cross-entropy over every answer token / their number."""
+    run = resolve(TrainArgs.from_argv(argv), world_size=1)
+    evalset = prepare_eval(run.eval_data, run.model, run_dir, 0, 0, verbose=False)
+    model = load_reference(run_dir / "checkpoints", run.model, tag=f"step{step}").eval()
+    v = run.model.vision
+    batches = rank_batches(TrainSet(evalset, text_len=run.text_len, n_img=run.model.n_image_positions,
+                                    image_size=v.image_size, image_token=placeholders(run.model)),
+                           StepBatches(0, 8, 1, 0, 1))
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(-(-evalset.size // 8)):
+            (pixels, ids, has_image), labels = next(batches)
+            total += float(lm_loss_sum(model(pixels, ids, has_image), labels))
+    return total / evalset.answer_tokens()
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, data, ds_config) -> Run:
+    out = tmp_path_factory.mktemp("base") / "run"
+    return train_run(out, *_args(data, ds_config, "--stages", "2")).check()
+
+
+@pytest.mark.parametrize("stages,dp", [(1, 1), (2, 1), (4, 1), (1, 2)])
+def test_validation_loss_equals_the_reference_and_training_is_untouched(tmp_path, data, ds_config, baseline,
+                                                                        stages, dp):
+    out = tmp_path / "run"
+    run = train_run(out, *_eval_args(data, ds_config, "--stages", str(stages), "--dp", str(dp))).check()
+    rows = _rows(out / "eval_log.csv")
+    assert [int(r["step"]) for r in rows] == [2, 3]  # every 2 steps and at the end
+    assert {(r["eval_samples"], r["eval_tokens"]) for r in rows} == {(rows[0]["eval_samples"], rows[0]["eval_tokens"])}
+    assert int(rows[0]["eval_samples"]) == 38  # 37 + the text-only record; the bad one counted and left out
+    bad = (out / "eval_data" / "bad_records.jsonl").read_text().splitlines()
+    assert len(bad) == 1 and "missing_image" in bad[0]
+    argv = _eval_args(data, ds_config, "--output-dir", str(out), "--stages", "1")
+    for r in rows:
+        assert float(r["eval_loss"]) == pytest.approx(reference_eval_loss(out, argv, int(r["step"])), abs=1e-5)
+    assert run.summary["eval_loss"] == float(rows[-1]["eval_loss"]) and run.summary["eval_step"] == STEPS
+    if (stages, dp) == (2, 1):  # the same layout without validation: bit-identical training
+        assert run.losses == baseline.losses
+
+
+def test_monitors_receive_the_runs_numbers(tmp_path, data):
+    """tensorboard and csv_monitor sections of the DeepSpeed JSON: DeepSpeed's own train_loss / lr,
+    and mmpipe's throughput, validation loss and per-stage timing, keyed by samples trained."""
+    tb, csvd = tmp_path / "tb", tmp_path / "csv"
+    cfg = write_ds_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                          tensorboard={"enabled": True, "output_path": str(tb), "job_name": "run"},
+                          csv_monitor={"enabled": True, "output_path": str(csvd), "job_name": "run"})
+    out = tmp_path / "run"
+    train_run(out, *_eval_args(data, cfg, "--stages", "2")).check()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb / "run"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    per_step = {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/samples_per_s",
+                "Train/Samples/tokens_per_s"}
+    assert per_step | {"Eval/Samples/eval_loss", "Timing/measured_bubble", "Timing/stage0/forward_ms_per_micro",
+                       "Timing/stage1/backward_ms_per_micro"} <= tags
+    for tag in per_step:  # one event per optimizer step, at 8, 16, 24 samples
+        assert [e.step for e in acc.Scalars(tag)] == [8, 16, 24], tag
+    evals = acc.Scalars("Eval/Samples/eval_loss")
+    assert [e.step for e in evals] == [16, 24]
+    logged = [float(r["eval_loss"]) for r in _rows(out / "eval_log.csv")]
+    assert [e.value for e in evals] == pytest.approx(logged, rel=1e-6)
+    assert [e.value for e in acc.Scalars("Train/Samples/train_loss")] == pytest.approx(
+        list(Run(out, None).losses.values()), rel=1e-6)
+    assert (csvd / "run" / "Eval_Samples_eval_loss.csv").is_file()
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--eval-every", "2"], "--eval-every: there is nothing to validate on; give --eval-data"),
+    (["--eval-data", "/nonexistent/val.jsonl"], "--eval-data: '/nonexistent/val.jsonl' is neither"),
+    (["--eval-data", "shapes"], "--eval-data: 'shapes' and --data"),
+    (["--eval-data", "VAL", "--eval-every", "-1"], "--eval-every: -1 must be >= 0"),
+])
+def test_bad_validation_flags_are_refused(tmp_path, capsys, data, ds_config, extra, expect):
+    from mmpipe.cli import main
+    extra = [str(data[1]) if a == "VAL" else a for a in extra]
+    assert main(["train", *_args(data, ds_config, "--output-dir", str(tmp_path / "o"), *extra)]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and err.startswith("mmpipe: error:"), err
