@@ -38,6 +38,8 @@ class TrainArgs(DataArgs):
     eval_data: str | None = flag(None, "validation data, any format --data takes (checked by the same bad-record "
                                  "policy), or 'shapes' (the built-in held-out split): its loss through the pipeline "
                                  "goes to eval_log.csv every --eval-every steps and at the end (docs/evaluation.md)")
+    eval_split: float = flag(0.0, "hold out this fraction of --data's good records for validation instead of "
+                             "--eval-data (the same records for every seed and layout; training never sees them)")
     eval_every: int = flag(0, "validate every N optimizer steps (0: only at the end; needs --eval-data)")
 
     @classmethod

@@ -149,6 +149,8 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         model = problems.attempt(load_preset, args.preset or "small")
     data = problems.attempt(resolve_data, args, model, run_tok)
     eval_data = _eval_data(args, data, problems)
+    if data is not None and args.eval_split and eval_data is not None:
+        data = dataclasses.replace(data, holdout=args.eval_split, part="train")
     freeze = _check_flags(args, problems)
     if ds is None:
         problems.raise_any()
@@ -188,9 +190,11 @@ def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) ->
     policy) over another source; no augmentation, no sample log."""
     if args.eval_every < 0:
         problems.append(f"--eval-every: {args.eval_every} must be >= 0 (0: validate only at the end)")
+    if args.eval_split:
+        return _eval_split(args, data, problems)
     if args.eval_data is None:
         if args.eval_every:
-            problems.append("--eval-every: there is nothing to validate on; give --eval-data")
+            problems.append("--eval-every: there is nothing to validate on; give --eval-data or --eval-split")
         return None
     if data is None:
         return None
@@ -208,6 +212,18 @@ def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) ->
         problems.append(str(e).replace("--data:", "--eval-data:", 1))
         return None
     return dataclasses.replace(data, name=args.eval_data, spec=spec, augment=False, log_samples=False)
+
+
+def _eval_split(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
+    if not 0 < args.eval_split < 1:
+        problems.append(f"--eval-split: {args.eval_split} must be a fraction between 0 and 1")
+    elif args.eval_data is not None:
+        problems.append("--eval-split / --eval-data: give one (a held-out part of --data, or another file)")
+    elif data is not None and data.builtin:
+        problems.append("--eval-split: the built-in shapes set has a held-out split of its own: --eval-data shapes")
+    elif data is not None:
+        return dataclasses.replace(data, holdout=args.eval_split, part="heldout", augment=False, log_samples=False)
+    return None
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:

@@ -131,8 +131,28 @@ def test_monitors_receive_the_runs_numbers(tmp_path, data):
     assert (csvd / "run" / "Eval_Samples_eval_loss.csv").is_file()
 
 
+def test_eval_split_holds_records_out_of_training(tmp_path, data, ds_config):
+    """--eval-split 0.25 of 120 records: 30 held out, the same for every seed; none of them trained on."""
+    out = tmp_path / "run"
+    argv = _args(data, ds_config, "--eval-split", "0.25", "--log-samples")
+    train_run(out, *argv, "--stages", "2", "--steps", "12").check()
+    assert [int(r["step"]) for r in _rows(out / "eval_log.csv")] == [12]  # at the end
+
+    def held_out(seed: str) -> set[int]:
+        run = resolve(TrainArgs.from_argv([*argv, "--output-dir", str(out), "--seed", seed, "--stages", "1"]),
+                      world_size=1)
+        evalset = prepare_eval(run.eval_data, run.model, out, int(seed), 0, verbose=False)
+        return {evalset.row(p) for p in range(evalset.size)}
+    held = held_out("0")
+    assert len(held) == 30 and held_out("5") == held
+    trained = {int(r["row"]) for r in _rows(out / "samples_dp0.csv")}
+    assert len(trained) == 90 and not trained & held  # 12 steps x 8 = 96 positions: one epoch of the other 90
+
+
 @pytest.mark.parametrize("extra,expect", [
-    (["--eval-every", "2"], "--eval-every: there is nothing to validate on; give --eval-data"),
+    (["--eval-every", "2"], "--eval-every: there is nothing to validate on; give --eval-data or --eval-split"),
+    (["--eval-split", "1.5"], "--eval-split: 1.5 must be a fraction between 0 and 1"),
+    (["--eval-split", "0.2", "--eval-data", "VAL"], "--eval-split / --eval-data: give one"),
     (["--eval-data", "/nonexistent/val.jsonl"], "--eval-data: '/nonexistent/val.jsonl' is neither"),
     (["--eval-data", "shapes"], "--eval-data: 'shapes' and --data"),
     (["--eval-data", "VAL", "--eval-every", "-1"], "--eval-every: -1 must be >= 0"),

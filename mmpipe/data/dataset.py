@@ -7,13 +7,16 @@
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..config import ConfigError, ModelConfig
 from .args import DataArgs
-from .index import build_index, check_policy, describe, fingerprint, load_index
+from .index import DataIndex, build_index, check_policy, describe, fingerprint, load_index
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
 from .text import ConversationEncoder, placeholders
@@ -33,6 +36,9 @@ class DataOptions:
     augment: bool
     workers: int
     log_samples: bool
+    # --eval-split: the fraction of good records held out, and which part this is ("train": the rest)
+    holdout: float = 0.0
+    part: str = "train"
 
     @property
     def builtin(self) -> bool:
@@ -95,6 +101,8 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     if opts.builtin:
         return ShapesSamples(cfg, seed)
     index, source = _checked_index(opts, index_dir(out_dir), verbose)
+    if opts.holdout:
+        index = held_out_cut(index, opts.holdout, "train")
     return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
                           image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
                           augment=opts.augment)
@@ -107,11 +115,24 @@ def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed:
     built-in held-out split."""
     if opts.builtin:
         return EvalSet(ShapesSamples(cfg, seed, "eval"), shapes)
-    index, source = _checked_index(opts, Path(out_dir) / "eval_data", verbose)
+    if opts.holdout:  # --eval-split: the held-out part of the training data's own index
+        index, source = _checked_index(opts, index_dir(out_dir), verbose=False)
+        index = held_out_cut(index, opts.holdout, "heldout")
+    else:
+        index, source = _checked_index(opts, Path(out_dir) / "eval_data", verbose)
     ordered = IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
                              image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
                              ordered=True)
     return EvalSet(ordered, len(index))
+
+
+def held_out_cut(index: DataIndex, fraction: float, part: str) -> DataIndex:
+    """--eval-split: ceil(fraction x N) good records held out, the same ones for every seed and stage
+    count (a fixed permutation of N, e.g. N = 200 at 0.1: 20 held out); "train" is the rest."""
+    n = len(index)
+    held = np.sort(np.random.default_rng([0x6D6D70, n]).permutation(n)[:math.ceil(fraction * n)])
+    keep = held if part == "heldout" else np.setdiff1d(np.arange(n), held)
+    return index.subset(keep, f"{part}{fraction}")
 
 
 def _checked_index(opts: DataOptions, d: Path, verbose: bool | str):

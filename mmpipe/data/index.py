@@ -45,6 +45,16 @@ class DataIndex:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def subset(self, entries: np.ndarray, name: str) -> "DataIndex":
+        """Good records `entries` (ascending) only; the fingerprint names the cut, so a resume checks it."""
+        lengths = np.diff(self.offsets)[entries]
+        pieces = [np.arange(self.offsets[n], self.offsets[n + 1]) for n in entries]
+        take = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        stats = {**self.stats, "fingerprint": f"{self.stats['fingerprint']}/{name}", "subset": name,
+                 "good_in_subset": int(len(entries))}
+        return DataIndex(self.rows[entries], np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                         self.tokens[take], self.target[take], self.has_image[entries], stats)
+
 
 def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pixels: int) -> str:
     files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in spec.files() if os.path.isfile(f)]
