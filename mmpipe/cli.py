@@ -26,6 +26,7 @@ from .flags import add_flags, from_namespace  # noqa: E402
 from .hf.commands import add_export_args as add_weights_export_args  # noqa: E402
 from .hf.commands import add_import_args, main_export, main_import  # noqa: E402
 from .inference.generate import add_generate_args, main_generate  # noqa: E402
+from .inference.scoring import add_eval_args, main_eval  # noqa: E402
 from .planning.plan import add_plan_args, main_plan  # noqa: E402
 from .run_args import LaunchArgs, TrainArgs  # noqa: E402
 from .run_config import requested_stages, resolve  # noqa: E402
@@ -125,6 +126,8 @@ COMMANDS = {
     "import": ("an HF LLaVA / vision + LM / moondream model -> an mmpipe run directory", add_import_args, main_import),
     "export": ("a run's checkpoint -> an HF LLaVA directory or one safetensors file", add_weights_export_args,
                main_export),
+    "eval": ("score a trained or HF model on a dataset: batched generation, metric per record and type, "
+             "validation loss", add_eval_args, main_eval),
     "plot": ("draw runs' training curves (loss, validation loss, lr, throughput) as one PNG", add_plot_args,
              main_plot),
     "bench": ("run a sweep of training variants and peers; table, CSV, plots (docs/benchmarks.md)", add_bench_args,

@@ -1,20 +1,25 @@
 """Generation: the KV-cached loop produces exactly the tokens of the uncached one (greedy and
-sampled, moondream family; the LLaVA family is checked in test_hf_llava.py), and `mmpipe generate`
-answers from a checkpoint directory in one process."""
+sampled, moondream family; the LLaVA family is checked in test_hf_llava.py), batched generation
+the tokens of one record at a time (moondream, cross-attention, LLaVA; image and text-only rows;
+each row stopping at its own EOS), and `mmpipe generate` answers from a checkpoint directory in one
+process, one pair or many."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from PIL import Image
 
 from conftest import ROOT
 from mmpipe.cli import main
 from mmpipe.config import load_preset
+from mmpipe.data.text import ConversationEncoder, with_placeholders
 from mmpipe.data.tokenizer import builtin_tokenizer
-from mmpipe.inference.generate import generate
+from mmpipe.inference.generate import generate, generate_batch
 from mmpipe.model import ReferenceModel
 
 
@@ -66,3 +71,103 @@ def test_cli_generates_from_a_checkpoint_dir(tmp_path, capsys):
     assert capsys.readouterr().out == cached.stdout and cached.stdout.strip()
     assert main(cmd[3:5] + [str(tmp_path / "nope")] + cmd[6:]) == 2
     assert capsys.readouterr().err.startswith("mmpipe: error: --checkpoint:")
+
+
+# ---- batched generation: the same answers as one record at a time ----------------------------------
+
+def _family_model(preset: str):
+    """tiny (moondream), tiny-xattn (cross-attention fusion, its gates opened: at 0, as initialised,
+    the image would not count), llava-tiny (<image> placeholders, the built-in tokenizer's id 36, as a
+    fresh LLaVA run on it gets)."""
+    cfg = load_preset(preset)
+    if cfg.layout.placeholders:
+        cfg = dataclasses.replace(cfg, image_token_id=len(builtin_tokenizer(image_token=True)) - 1)
+    model = ReferenceModel(cfg.with_vocab(64), seed=5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_gate"):
+                param.fill_(0.7)
+    return model
+
+
+def _requests(cfg):
+    """8 prompts: lengths 3, 4 and 6 (so buckets of several rows and of one), image and text-only mixed."""
+    texts = [[1, 7, 9], [1, 4, 11, 12], [1, 8, 9], [1, 4, 11, 12, 13, 5], [1, 7, 10], [1, 5, 6, 7], [1, 7, 9],
+             [1, 9, 9]]
+    has_image = [True, True, False, True, True, False, True, False]
+    prompts = [with_placeholders(t, cfg) if h else t for t, h in zip(texts, has_image)]
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(len(texts), 3, cfg.vision.image_size, cfg.vision.image_size, generator=g)
+    pixels[[not h for h in has_image]] = 0  # text-only: the zero image training gives them
+    return pixels, prompts, has_image
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-xattn", "llava-tiny"])
+def test_batched_equals_one_at_a_time(preset):
+    model = _family_model(preset)
+    pixels, prompts, has_image = _requests(model.cfg)
+    one = [generate(model, pixels[i:i + 1], p, eos_id=None, max_new_tokens=6, has_image=h)
+           for i, (p, h) in enumerate(zip(prompts, has_image))]
+    assert generate_batch(model, pixels, prompts, has_image, eos_id=None, max_new_tokens=6, batch_size=3) == one
+    assert [len(a) for a in one] == [6] * 8 and len({tuple(a) for a in one}) > 1
+    # the text-only rows really are text-only: with the image flag on, their answers differ somewhere
+    assert one[2] != generate(model, pixels[0:1], with_placeholders(prompts[2], model.cfg), eos_id=None,
+                              max_new_tokens=6) or one[5] != generate(model, pixels[0:1], with_placeholders(
+                                  prompts[5], model.cfg), eos_id=None, max_new_tokens=6)
+    # each row stops at its own EOS: a token some rows produce and others do not
+    eos = one[0][2]
+    stopped = [a[:a.index(eos)] if eos in a else a for a in one]
+    assert any(len(a) < 6 for a in stopped) and generate_batch(
+        model, pixels, prompts, has_image, eos_id=eos, max_new_tokens=6, batch_size=8) == stopped
+    assert stopped == [generate(model, pixels[i:i + 1], p, eos_id=eos, max_new_tokens=6, has_image=h)
+                       for i, (p, h) in enumerate(zip(prompts, has_image))]
+    # sampled: every row draws from its own generator seeded like generate's
+    kw = dict(eos_id=None, max_new_tokens=6, temperature=1.5, top_k=20, seed=3)
+    assert generate_batch(model, pixels, prompts, has_image, batch_size=4, **kw) == [
+        generate(model, pixels[i:i + 1], p, has_image=h, **kw) for i, (p, h) in enumerate(zip(prompts, has_image))]
+    # and uncached, recomputing the whole sequence, agrees for the text-only rows too
+    assert generate(model, pixels[2:3], prompts[2], eos_id=None, max_new_tokens=6, has_image=False,
+                    use_cache=False) == one[2]
+
+
+def _write_checkpoint(model, run_dir):
+    """A checkpoint in DeepSpeed's pipeline layout, as `mmpipe train` leaves it."""
+    (run_dir / "model.json").write_text(json.dumps(model.cfg.to_dict()))
+    tag = run_dir / "checkpoints" / "step1"
+    tag.mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step1")
+    for i, layer in enumerate(model):
+        torch.save(layer.state_dict(), tag / f"layer_{i:02d}-model_states.pt")
+
+
+def test_cli_generates_many_in_batches(tmp_path, capsys):
+    model = _model()
+    _write_checkpoint(model, tmp_path)
+    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
+    for k, c in enumerate(colours):
+        Image.new("RGB", (40, 30), c).save(tmp_path / f"im{k}.png")
+    questions = ["what shape is red", "what colour is the circle", "how many shapes are there"]
+    base = ["generate", "--checkpoint", str(tmp_path), "--max-new-tokens", "5"]
+    single = []
+    for k, q in enumerate(questions):  # the documented single-image form, one at a time
+        assert main(base + ["--image", str(tmp_path / f"im{k}.png"), "--prompt", q]) == 0
+        single.append(capsys.readouterr().out.strip())
+    (tmp_path / "more.jsonl").write_text(json.dumps({"image": "im2.png", "prompt": questions[2]}) + "\n"
+                                         + json.dumps({"prompt": questions[0]}) + "\n")
+    pairs = [a for k in range(2) for a in ("--image", str(tmp_path / f"im{k}.png"), "--prompt", questions[k])]
+    assert main(base + pairs + ["--records", str(tmp_path / "more.jsonl"), "--batch-size", "2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [x["answer"] for x in lines[:3]] == single and [x["prompt"] for x in lines] == questions + questions[:1]
+    assert lines[2]["image"] == str(tmp_path / "im2.png") and lines[3]["image"] is None
+    # the text-only record: the prompt alone, no image (what generate gives with has_image=False)
+    tok = builtin_tokenizer()
+    prompt = ConversationEncoder(tok, 64).prompt_ids([("user", questions[0])])
+    want = generate(model, torch.zeros(1, 3, 32, 32), prompt, eos_id=tok.eos_token_id, max_new_tokens=5,
+                    has_image=False)
+    assert lines[3]["answer"] == tok.decode(want, skip_special_tokens=True).strip()
+    # refusals: one line each, exit 2
+    assert main(base + ["--image", str(tmp_path / "im0.png")]) == 2
+    assert capsys.readouterr().err.startswith("mmpipe: error: --image / --prompt:")
+    (tmp_path / "bad.jsonl").write_text('{"image": "im0.png"}\n')
+    assert main(base + ["--records", str(tmp_path / "bad.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(f"mmpipe: error: --records: {tmp_path / 'bad.jsonl'}:1:")

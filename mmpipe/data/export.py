@@ -26,7 +26,7 @@ def llava_record(data: ShapesVQA, i: int, image: str) -> dict:
     if i % 2 == 0 and s.qtype != "count":
         conv += [{"from": "human", "value": "how many shapes are there"},
                  {"from": "gpt", "value": COUNTS[len(s.shapes) - 1]}]
-    return {"id": f"shapes-{i}", "image": image, "conversations": conv}
+    return {"id": f"shapes-{i}", "type": s.qtype, "image": image, "conversations": conv}  # type: its first question's
 
 
 def caption(data: ShapesVQA, i: int) -> str:

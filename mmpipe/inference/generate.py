@@ -31,6 +31,12 @@ math rather than restating it: forward and decode call one function, which takes
 and an optional cache (forward: start 0, no cache; e.g. DecoderBlock.run, CrossAttnBlock.fuse);
 a layer that works position by position (a norm, the head) decodes with forward itself. Layers of
 a new family add the method; nothing here changes.
+
+Batches (`generate_batch`, `mmpipe generate` with several --image/--prompt pairs or --records,
+`mmpipe eval`): prompts are grouped by length (`length_buckets`), so a batch's rows share their
+positions and no padding enters any row's cache or attention; each row stops at its own EOS and
+samples from its own generator seeded with --seed. A row's answer is therefore the one generate()
+gives it alone (tests/test_generate.py, every family).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import json
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from ..config import ConfigError, config_from_dict, fail
 from ..data.images import ImageTransform
@@ -68,26 +75,26 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Gener
     return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
 
 
+def _generators(temperature: float, seed: int, n: int) -> list[torch.Generator | None]:
+    """One sampling generator per row, each seeded with `seed`: a row samples exactly as it would alone."""
+    return [torch.Generator().manual_seed(seed) if temperature > 0 else None for _ in range(n)]
+
+
+def _pick_rows(logits: torch.Tensor, temperature: float, top_k: int, gens: list) -> torch.Tensor:
+    """logits [B, V] -> [B]; sampling draws each row from its own generator (as one-row _pick would)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.cat([_pick(logits[b:b + 1], temperature, top_k, g) for b, g in enumerate(gens)])
+
+
 @torch.no_grad()
-def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id: int | None,
-             max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-             use_cache: bool = True) -> list[int]:
-    """New token ids for one image + prompt (stops after EOS, which is not returned).
-    use_cache=False reruns the whole model on the growing sequence each step (the reference)."""
-    model.eval()
-    ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
-    has_image = torch.ones(1, dtype=torch.long)
-    pixels = pixel_values.to(next(model.parameters()).dtype)
-    gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
-    out: list[int] = []
-    if not use_cache:
-        for _ in range(max_new_tokens):
-            nxt = _pick(model(pixels, ids, has_image)[:, -1], temperature, top_k, gen)
-            if eos_id is not None and nxt.item() == eos_id:
-                break
-            out.append(nxt.item())
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-        return out
+def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torch.Tensor, *, eos_id: int | None,
+                 max_new_tokens: int, temperature: float, top_k: int, seed: int) -> list[list[int]]:
+    """The KV-cached loop for B prompts of one length T: pixels [B, C, H, W], ids [B, T], has_image [B].
+    Every row is its own sequence at the same positions, so no padding enters any row's attention;
+    a row that has produced EOS keeps being fed EOS (its output ignored) until every row is done."""
+    B = ids.shape[0]
+    gens = _generators(temperature, seed, B)
     first = _split(model)
     enc = pixels, ids, has_image
     for layer in list(model)[:first]:
@@ -95,18 +102,87 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
     t = StageTuple.unpack(enc)
     decoder = list(model)[first:]
     caches: list[dict] = [{} for _ in decoder]
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
     start = 0
     for _ in range(max_new_tokens):
         x = t
         for layer, cache in zip(decoder, caches):
             x = layer.decode(x, cache, start)
-        logits = x  # [1, T_new, V]
+        logits = x  # [B, T_new, V]
         start += logits.shape[1]
-        nxt = _pick(logits[:, -1], temperature, top_k, gen)
+        nxt = _pick_rows(logits[:, -1], temperature, top_k, gens)
+        for b, tok in enumerate(nxt.tolist()):
+            if done[b]:
+                continue
+            if eos_id is not None and tok == eos_id:
+                done[b] = True
+            else:
+                out[b].append(tok)
+        if all(done):
+            break
+        if eos_id is not None:
+            nxt = torch.where(torch.tensor(done), torch.full_like(nxt, eos_id), nxt)
+        t = t._replace(hidden=None, input_ids=nxt[:, None])
+    return out
+
+
+@torch.no_grad()
+def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id: int | None,
+             max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+             use_cache: bool = True, has_image: bool = True) -> list[int]:
+    """New token ids for one image + prompt (stops after EOS, which is not returned).
+    use_cache=False reruns the whole model on the growing sequence each step (the reference).
+    has_image=False: a text-only prompt, as training sees one (pixel_values a zero image, which the
+    decoder masks out; LLaVA: a prompt without placeholders)."""
+    model.eval()
+    ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
+    flag = torch.full((1,), int(has_image), dtype=torch.long)
+    pixels = pixel_values.to(next(model.parameters()).dtype)
+    if use_cache:
+        return _decode_rows(model, pixels, ids, flag, eos_id=eos_id, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k, seed=seed)[0]
+    gen = _generators(temperature, seed, 1)[0]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = _pick(model(pixels, ids, flag)[:, -1], temperature, top_k, gen)
         if eos_id is not None and nxt.item() == eos_id:
             break
         out.append(nxt.item())
-        t = t._replace(hidden=None, input_ids=nxt[:, None])
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+    return out
+
+
+def length_buckets(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of equal prompt length (at most batch_size each), in order of first
+    appearance: a KV cache of equal-length rows needs no padding, so each row decodes as it would alone."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    return [g[k:k + batch_size] for g in groups.values() for k in range(0, len(g), batch_size)]
+
+
+@torch.no_grad()
+def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], has_image=None, *,
+                   eos_id: int | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+                   seed: int = 0, batch_size: int = 16, progress=None) -> list[list[int]]:
+    """generate() for many prompts at once: pixel_values [N, C, H, W], prompts N token-id lists,
+    has_image N bools (default: all True) -> N answers in the prompts' order, each the tokens
+    generate(model, pixel_values[i:i+1], prompts[i], ..., has_image=has_image[i]) gives (greedy; a sampled
+    row draws from its own generator seeded with `seed`, as generate does). Prompts are batched by
+    length (length_buckets); each row stops at its own EOS. progress(n): called after each batch of n."""
+    model.eval()
+    flags = torch.tensor([1] * len(prompts) if has_image is None else [int(bool(h)) for h in has_image])
+    pixels = pixel_values.to(next(model.parameters()).dtype)
+    out: list[list[int]] = [[] for _ in prompts]
+    for idx in length_buckets([len(p) for p in prompts], batch_size):
+        answers = _decode_rows(model, pixels[idx], torch.tensor([prompts[i] for i in idx], dtype=torch.long),
+                               flags[idx], eos_id=eos_id, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, seed=seed)
+        for i, a in zip(idx, answers):
+            out[i] = a
+        if progress is not None:
+            progress(len(idx))
     return out
 
 
@@ -116,8 +192,13 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="an mmpipe run directory (model.json + checkpoints/), a checkpoints/ directory, "
                         "or a Hugging Face LlavaForConditionalGeneration directory")
-    p.add_argument("--image", required=True, help="an image file")
-    p.add_argument("--prompt", required=True, help="the user's question")
+    p.add_argument("--image", action="append", default=[],
+                   help="an image file; repeat --image/--prompt for several (answered in batches, one JSON line each)")
+    p.add_argument("--prompt", action="append", default=[], help="the user's question, one per --image")
+    p.add_argument("--records", default=None,
+                   help="a JSONL file of {\"image\": path, \"prompt\": text} (image paths relative to the file; "
+                        "no image: a text-only prompt), answered in batches, one JSON line each")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per batch (default: 16)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the HF directory's own, else the run's tokenizer/ (written by "
                         "mmpipe import), else the built-in one)")
@@ -128,42 +209,95 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
 
 
-def _load(path: Path, tokenizer: str | None):
-    """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF LLaVA directory."""
+def load_checkpoint(path: Path):
+    """(model, tokenizer directory or None) from an mmpipe run / checkpoints dir (the latest checkpoint,
+    whatever its stage count; the run's tokenizer/ if `mmpipe import` wrote one) or an HF LLaVA directory
+    (its own tokenizer). Raises ConfigError."""
     if (path / "config.json").is_file():
-        model = load_hf_llava(path)
-        return model, load_tokenizer(tokenizer or str(path))
+        return load_hf_llava(path), str(path)
     run_dir = path if (path / "model.json").is_file() else path.parent
     ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not (run_dir / "model.json").is_file():
         raise ConfigError(f"--checkpoint: {path} holds neither model.json (an mmpipe run) nor config.json "
                           f"(an HF model)")
     cfg = config_from_dict(json.loads((run_dir / "model.json").read_text()), run_dir.name)
-    if tokenizer is None and (run_dir / "tokenizer").is_dir():  # saved there by `mmpipe import`
-        tokenizer = str(run_dir / "tokenizer")
     try:
         model = load_reference(ckpt, cfg)
     except FileNotFoundError as e:
         raise ConfigError(f"--checkpoint: {e}") from None
-    return model, load_tokenizer(tokenizer)
+    return model, str(run_dir / "tokenizer") if (run_dir / "tokenizer").is_dir() else None
+
+
+def _load(path: Path, tokenizer: str | None):
+    """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF LLaVA directory."""
+    model, own = load_checkpoint(path)
+    return model, load_tokenizer(tokenizer or own)
+
+
+def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
+    """(image path or None, prompt, where) for every --image/--prompt pair and --records line."""
+    if len(args.image) != len(args.prompt):
+        raise ConfigError(f"--image / --prompt: {len(args.image)} images but {len(args.prompt)} prompts; give them "
+                          f"in pairs")
+    if not args.image and not args.records:
+        raise ConfigError("--image / --prompt: give an image and a prompt (or --records FILE)")
+    out = [(im, pr, "--image") for im, pr in zip(args.image, args.prompt)]
+    if args.records:
+        path = Path(args.records)
+        if not path.is_file():
+            raise ConfigError(f"--records: {path} is not a file")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise ConfigError(f"--records: {path}:{n}: not valid JSON") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or \
+                    not isinstance(rec.get("image"), (str, type(None))):
+                raise ConfigError(f"--records: {path}:{n}: need {{\"image\": path, \"prompt\": text}}")
+            image = rec.get("image")
+            out.append((str(path.parent / image) if image else None, rec["prompt"], f"{path}:{n}"))
+    for image, _, where in out:
+        if image is not None and not Path(image).is_file():
+            raise ConfigError(f"{where}: {image} is not a file")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size: {args.batch_size} must be >= 1")
+    return out
 
 
 def main_generate(args: argparse.Namespace) -> int:
     try:
+        requests = _requests(args)
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
-        if not Path(args.image).is_file():
-            raise ConfigError(f"--image: {args.image} is not a file")
-        from PIL import Image
-        image = Image.open(args.image).convert("RGB")
-    except (ConfigError, OSError) as e:
-        return fail(e if isinstance(e, ConfigError) else ConfigError(f"--image: {args.image}: {e}"))
-    cfg = model.cfg
-    pixels = ImageTransform(cfg.vision)(image)[None]
-    prompt = ConversationEncoder(tok, cfg.text.max_context).prompt_ids([("user", args.prompt)])
-    prompt = prompt_with_placeholders(cfg, prompt)
-    new = generate(model, pixels, prompt, eos_id=tok.eos_token_id, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
-    print(tok.decode(new, skip_special_tokens=True).strip())
+        cfg = model.cfg
+        transform = ImageTransform(cfg.vision)
+        size = cfg.vision.image_size
+        pixels = []
+        for image, _, where in requests:
+            try:
+                pixels.append(transform(Image.open(image).convert("RGB")) if image else torch.zeros(3, size, size))
+            except OSError as e:
+                raise ConfigError(f"{where}: {image}: {e}") from None
+    except ConfigError as e:
+        return fail(e)
+    encoder = ConversationEncoder(tok, cfg.text.max_context)
+    prompts = [encoder.prompt_ids([("user", prompt)]) for _, prompt, _ in requests]
+    has_image = [image is not None for image, _, _ in requests]
+    prompts = [prompt_with_placeholders(cfg, p) if h else p for p, h in zip(prompts, has_image)]
+    kw = dict(eos_id=tok.eos_token_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+              top_k=args.top_k, seed=args.seed)
+    if args.no_cache:
+        new = [generate(model, px[None], p, use_cache=False, has_image=h, **kw)
+               for px, p, h in zip(pixels, prompts, has_image)]
+    else:
+        new = generate_batch(model, torch.stack(pixels), prompts, has_image, batch_size=args.batch_size, **kw)
+    answers = [tok.decode(a, skip_special_tokens=True).strip() for a in new]
+    if len(requests) == 1 and not args.records:  # the single-image form: the answer alone
+        print(answers[0])
+        return 0
+    for (image, prompt, _), answer in zip(requests, answers):
+        print(json.dumps({"image": image, "prompt": prompt, "answer": answer}), flush=True)
     return 0
 
 

@@ -1,0 +1,244 @@
+"""`mmpipe eval`: answer every record of a data file with a checkpoint, score the answers.
+
+    mmpipe eval --checkpoint runs/my-run --data held_out.jsonl --out eval/answers.jsonl
+
+The file goes through the training data pipeline (mmpipe.data.dataset.prepare_eval: every --data
+format, the same checks, --bad-records policy and index, kept under the --out folder's eval_data/).
+For every good record, in file order:
+
+    prompt     the record's tokens up to its first answer token: exactly what training conditions
+               the answer on (chat template, BOS; the LLaVA family's <image> placeholders after
+               BOS when the record has an image; a text-only record gets no image, as in training)
+    reference  the first answer's tokens (the first assistant turn), EOS dropped, decoded
+    answer     generated with the KV cache (mmpipe.inference.generate.generate_batch: greedy, or
+               sampled with every record's generator seeded by --seed), decoded
+
+scored by --metric (exact: normalised string equality; contains: the reference occurs in the answer).
+Written: answers.jsonl (one line per record: row, prompt, reference, answer, score, has_image, and
+type when the record names its question type) and answers.summary.json beside it (the metric
+overall and per type, n, bad records skipped, samples/s, and the teacher-forced validation loss:
+cross-entropy summed over every answer token of the same samples, over their count, as training's
+validation computes it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..config import ConfigError, fail
+from ..data.args import DataArgs
+from ..data.dataset import prepare_eval, resolve_data
+from ..data.records import BadRecord
+from ..data.text import pad_sample, placeholders, with_placeholders
+from ..model.builder import IGNORE_INDEX, lm_loss_sum
+from .generate import generate_batch, length_buckets, load_checkpoint
+
+METRICS = ("exact", "contains")
+TYPE_KEYS = ("type", "qtype", "question_type")  # a record's question type, if it names one
+HELP = {"data": "the records to answer, in any format --data takes for training: a LLaVA .json/.jsonl, a pairs "
+                ".csv/.jsonl, a .parquet, a saved HF dataset or image folder, or a data config JSON",
+        "bad_records": "skip: count, list and leave out bad records (default); strict: stop before answering any",
+        "tokenizer": "tokenizer directory (default: the one the run trained with: the HF directory's own, else the "
+                     "run's tokenizer/, else the built-in one)"}
+DATA_FLAGS = ("data", "image_root", "tokenizer", "bad_records", "text_len", "overlong", "resize", "max_image_pixels")
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="an mmpipe run directory (model.json + checkpoints/), a checkpoints/ directory, "
+                        "or a Hugging Face LlavaForConditionalGeneration directory")
+    fields = {f.name: f for f in dataclasses.fields(DataArgs)}
+    for name in DATA_FLAGS:  # the training data flags, declared once in DataArgs
+        md = fields[name].metadata
+        kw = {"dest": name, "default": fields[name].default, "help": md["help"]}
+        if md["choices"]:
+            kw["choices"] = md["choices"]
+        if name in ("text_len", "max_image_pixels"):
+            kw["type"] = int
+        if name in HELP:
+            kw["help"] = HELP[name]
+        kw["required"] = name == "data"
+        p.add_argument("--" + name.replace("_", "-"), **kw)
+    p.add_argument("--metric", default="exact", choices=METRICS,
+                   help="exact: normalised equality (stripped, lower-case, trailing punctuation dropped; default); "
+                        "contains: the normalised reference occurs in the answer")
+    p.add_argument("--out", default="answers.jsonl",
+                   help="answers file (default: answers.jsonl); the summary goes beside it (NAME.summary.json), "
+                        "the data index under its folder's eval_data/")
+    p.add_argument("--batch-size", type=int, default=16, help="records per generation batch (default: 16)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (every record's generator starts from it)")
+
+
+def normalise(text: str) -> str:
+    return text.strip().lower().rstrip(".,;:!?").strip()
+
+
+def score(metric: str, answer: str, reference: str) -> int:
+    a, r = normalise(answer), normalise(reference)
+    return int(a == r) if metric == "exact" else int(r in a)
+
+
+def summary_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".summary.json")
+
+
+@dataclasses.dataclass
+class Item:
+    pos: int
+    prompt: list[int]      # what generation continues from (placeholders included)
+    text: list[int]        # the prompt's text tokens (no placeholders), for answers.jsonl
+    reference: list[int]   # the first answer's tokens, EOS dropped
+    has_image: bool
+
+
+def split_record(ids: np.ndarray, target: np.ndarray, eos_id: int | None) -> tuple[list[int], list[int]]:
+    """(prompt ids, reference ids): the tokens before the first answer token, and that answer's run of
+    answer tokens up to (not including) EOS. BOS is never an answer token."""
+    answer = np.flatnonzero(target[1:]) + 1
+    first = int(answer[0]) if len(answer) else len(ids)
+    end = first
+    while end < len(ids) and target[end] and ids[end] != eos_id:
+        end += 1
+    return ids[:first].tolist(), ids[first:end].tolist()
+
+
+def _question_type(samples, row: int) -> str | None:
+    raw = getattr(getattr(samples, "source", None), "raw", None)
+    if raw is None:
+        return None
+    try:
+        rec = raw(row)[1]
+    except (BadRecord, OSError, ValueError):
+        return None
+    value = next((rec[k] for k in TYPE_KEYS if isinstance(rec, dict) and isinstance(rec.get(k), str)), None)
+    return value
+
+
+def _checked(args: argparse.Namespace):
+    """(model, tokenizer, EvalSet, text_len) or ConfigError."""
+    for name, low in (("batch_size", 1), ("max_new_tokens", 1), ("top_k", 0)):
+        if getattr(args, name) < low:
+            raise ConfigError(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= {low}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature: {args.temperature} must be >= 0")
+    if args.data == "shapes":
+        raise ConfigError("--data: give a data file (`mmpipe export-shapes --out DIR` writes the built-in set "
+                          "to one)")
+    model, own_tokenizer = load_checkpoint(Path(args.checkpoint))
+    data_args = DataArgs(**{name: getattr(args, name) for name in DATA_FLAGS})
+    opts = resolve_data(data_args, model.cfg, run_tokenizer=own_tokenizer)
+    tok = opts.tokenizer
+    if len(tok) > model.cfg.text.vocab_size:
+        raise ConfigError(f"--tokenizer: {len(tok)} tokens but the model's vocabulary has "
+                          f"{model.cfg.text.vocab_size}; give the tokenizer the run was trained with")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    evalset = prepare_eval(opts, model.cfg, out.parent, seed=0, shapes=0, verbose="always")
+    return model, tok, evalset, opts.text_len
+
+
+@torch.no_grad()
+def _loss(model, evalset, items: list[Item], batch: list[int], pixels: torch.Tensor,
+          text_len: int) -> tuple[float, int]:
+    """Teacher-forced cross-entropy summed over the answer tokens of `batch`, and their count."""
+    cfg = model.cfg
+    ids, labels = zip(*(pad_sample(evalset.tokens(items[i].pos)[0], text_len, cfg.n_image_positions,
+                                   evalset.pad_id, IGNORE_INDEX, image_token=placeholders(cfg),
+                                   has_image=items[i].has_image) for i in batch))
+    labels = torch.from_numpy(np.stack(labels))
+    has_image = torch.tensor([int(items[i].has_image) for i in batch])
+    logits = model(pixels, torch.from_numpy(np.stack(ids)), has_image)
+    return float(lm_loss_sum(logits, labels)), int((labels != IGNORE_INDEX).sum())
+
+
+def main_eval(args: argparse.Namespace) -> int:
+    try:
+        model, tok, evalset, text_len = _checked(args)
+    except ConfigError as e:
+        return fail(e)
+    model.eval()
+    started = time.perf_counter()
+    items, answers, loss_sum, loss_tokens = _generate_all(args, model, tok, evalset, text_len)
+    seconds = time.perf_counter() - started
+    lines = _scored_lines(args, tok, evalset, items, answers)
+    out = Path(args.out)
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = _summary(args, lines, evalset, loss_sum, loss_tokens, seconds, out)
+    summary_path(out).write_text(json.dumps(summary, indent=2) + "\n")
+    types = "".join(f", {q} {v[args.metric]:.3f}" for q, v in summary["per_type"].items())
+    print(f"mmpipe: eval: {args.metric} {summary[args.metric]:.3f} ({summary['correct']}/{summary['n']}{types}); "
+          f"val loss {summary['val_loss']:.4f} over {loss_tokens} answer tokens; {summary['bad_records']} bad records "
+          f"skipped; {summary['samples_per_s']:.1f} samples/s; answers in {out}, summary in {summary_path(out)}",
+          flush=True)
+    return 0
+
+
+def _generate_all(args, model, tok, evalset, text_len: int):
+    """Every record's prompt and reference, the generated answers (batches of equal-length prompts)
+    and the teacher-forced loss sum and answer-token count over the same batches."""
+    cfg, eos = model.cfg, tok.eos_token_id
+    dtype, size = next(model.parameters()).dtype, cfg.vision.image_size
+    items = []
+    for pos in range(evalset.size):
+        enc, has_image = evalset.tokens(pos)
+        text, reference = split_record(enc.ids, enc.target, eos)
+        items.append(Item(pos, with_placeholders(text, cfg) if has_image else text, text, reference, has_image))
+    answers: list[list[int]] = [[] for _ in items]
+    loss_sum, loss_tokens = 0.0, 0
+    with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
+        for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
+            pixels = torch.stack([evalset.pixels(items[i].pos) if items[i].has_image else torch.zeros(3, size, size)
+                                  for i in batch]).to(dtype)
+            new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].has_image for i in batch],
+                                 eos_id=eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, seed=args.seed, batch_size=len(batch))
+            for i, a in zip(batch, new):
+                answers[i] = a
+            s, n = _loss(model, evalset, items, batch, pixels, text_len)
+            loss_sum, loss_tokens = loss_sum + s, loss_tokens + n
+            bar.update(len(batch))
+    return items, answers, loss_sum, loss_tokens
+
+
+def _scored_lines(args, tok, evalset, items, answers) -> list[dict]:
+    lines = []
+    for it, a in zip(items, answers):
+        row = evalset.row(it.pos)
+        answer = tok.decode(a, skip_special_tokens=True).strip()
+        reference = tok.decode(it.reference, skip_special_tokens=True).strip()
+        line = {"row": row, "prompt": tok.decode(it.text, skip_special_tokens=True).strip(), "reference": reference,
+                "answer": answer, "score": score(args.metric, answer, reference), "has_image": it.has_image}
+        qtype = _question_type(evalset.samples, row)
+        if qtype is not None:
+            line["type"] = qtype
+        lines.append(line)
+    return lines
+
+
+def _summary(args, lines: list[dict], evalset, loss_sum: float, loss_tokens: int, seconds: float, out: Path) -> dict:
+    hits: dict[str, list[int]] = defaultdict(list)
+    for line in lines:
+        if "type" in line:
+            hits[line["type"]].append(line["score"])
+    stats, n = evalset.samples.index.stats, len(lines)
+    correct = sum(line["score"] for line in lines)
+    return {"metric": args.metric, args.metric: correct / max(1, n), "correct": correct, "n": n,
+            "per_type": {q: {args.metric: sum(v) / len(v), "n": len(v)} for q, v in sorted(hits.items())},
+            "records": stats["records"], "bad_records": stats["bad"], "bad_by_kind": stats["bad_by_kind"],
+            "val_loss": loss_sum / max(1, loss_tokens), "answer_tokens": loss_tokens,
+            "samples_per_s": n / max(seconds, 1e-9), "seconds": round(seconds, 3),
+            "checkpoint": str(args.checkpoint), "data": str(args.data), "answers": str(out),
+            "decoding": "greedy" if args.temperature <= 0 else
+            {"temperature": args.temperature, "top_k": args.top_k, "seed": args.seed},
+            "max_new_tokens": args.max_new_tokens}

@@ -1,0 +1,182 @@
+"""`mmpipe eval`: a checkpoint answers a held-out LLaVA-format file through the training data
+pipeline. Its per-record answers equal generating one record at a time from the question alone
+(moondream-shaped run trained 3 steps on 2 stages; an untrained LLaVA checkpoint), its metric is
+the count the answers file shows, its validation loss the one training computed on the same file,
+and a text-only record and a bad record are handled as training handles them."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import train_run, write_ds_config
+from mmpipe.config import load_preset
+from mmpipe.data.export import export_shapes
+from mmpipe.data.images import ImageTransform
+from mmpipe.data.shapes import ShapesVQA
+from mmpipe.data.text import ConversationEncoder, with_placeholders
+from mmpipe.data.tokenizer import builtin_tokenizer
+from mmpipe.inference.generate import generate, load_checkpoint
+from mmpipe.inference.scoring import add_eval_args, main_eval, normalise, score
+from mmpipe.model import ReferenceModel
+
+N_TRAIN, N_HELD = 24, 8
+TEXT_ONLY = {"id": "text-only", "conversations": [{"from": "human", "value": "how many shapes are there"},
+                                                  {"from": "gpt", "value": "two"}]}
+BAD = {"id": "bad", "image": "images/nowhere.png", "conversations": [
+    {"from": "human", "value": "<image>\nwhat shape is red"}, {"from": "gpt", "value": "circle"}]}
+
+
+def mmpipe_eval(*argv: str) -> int:
+    p = argparse.ArgumentParser(prog="mmpipe eval")
+    add_eval_args(p)
+    return main_eval(p.parse_args(list(argv)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """32 exported shapes records: the first 24 train; the last 8 are held out, each naming its
+    question type, followed by a text-only record and a bad one (its image is missing)."""
+    root = tmp_path_factory.mktemp("data")
+    exported = export_shapes(root, "llava-jsonl", N_TRAIN + N_HELD, image_size=32, patch=8)
+    records = [json.loads(line) for line in exported.read_text().splitlines()]
+    shapes = ShapesVQA(32, 8, "train", 0)  # what export_shapes drew the records from
+    for i, r in enumerate(records):
+        r["type"] = shapes.sample(i).qtype
+    train, held = root / "train_part.jsonl", root / "held_out.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records[:N_TRAIN]))
+    held.write_text("".join(json.dumps(r) + "\n" for r in records[N_TRAIN:] + [TEXT_ONLY, BAD]))
+    return train, held
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, data):
+    """3 steps on 2 stages, validated at the end on the held-out file."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    cfg = write_ds_config(out.parent / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    return train_run(out, "--preset", "tiny", "--ds-config", str(cfg), "--data", str(data[0]), "--steps", "3",
+                     "--eval-samples", "0", "--text-len", "24", "--eval-data", str(data[1])).check()
+
+
+def one_at_a_time(model, held: Path, max_new_tokens: int) -> list[str]:
+    """Each good record answered alone from its first question, as `mmpipe generate` would: the
+    built-in tokenizer's generation prompt, the image (none for a text-only record)."""
+    cfg = model.cfg
+    tok = builtin_tokenizer(image_token=bool(cfg.layout.placeholders))
+    encoder = ConversationEncoder(tok, cfg.text.max_context)
+    answers = []
+    for r in map(json.loads, held.read_text().splitlines()):
+        if r.get("id") == "bad":
+            continue
+        prompt = encoder.prompt_ids([("user", r["conversations"][0]["value"].replace("<image>", ""))])
+        has_image = "image" in r
+        if has_image:
+            pixels = ImageTransform(cfg.vision)(Image.open(held.parent / r["image"]).convert("RGB"))[None]
+            prompt = with_placeholders(prompt, cfg)
+        else:
+            pixels = torch.zeros(1, 3, cfg.vision.image_size, cfg.vision.image_size)
+        new = generate(model, pixels, prompt, eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens,
+                       has_image=has_image)
+        answers.append(tok.decode(new, skip_special_tokens=True).strip())
+    return answers
+
+
+def read(out: Path) -> tuple[list[dict], dict]:
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return lines, json.loads(out.with_name(out.stem + ".summary.json").read_text())
+
+
+def test_scores():
+    assert normalise("  Circle.\n") == "circle" and score("exact", "Two!", "two") == 1
+    assert score("exact", "two shapes", "two") == 0 and score("contains", "Two shapes.", "two") == 1
+    assert score("contains", "one", "two") == 0
+
+
+def test_eval_answers_as_one_at_a_time_and_scores_what_it_wrote(tmp_path, data, run, capsys):
+    train, held = data
+    out = tmp_path / "eval" / "answers.jsonl"
+    assert mmpipe_eval("--checkpoint", str(run.out), "--data", str(held), "--out", str(out), "--batch-size", "3",
+                       "--max-new-tokens", "4", "--text-len", "24") == 0
+    printed = capsys.readouterr().out
+    assert "1 skipped: 1 missing_image" in printed and "mmpipe: eval: exact" in printed
+    lines, summary = read(out)
+    # every good record in file order; the bad one (row 9) counted and left out, as training does
+    assert [x["row"] for x in lines] == list(range(N_HELD + 1))
+    assert (summary["n"], summary["records"], summary["bad_records"]) == (N_HELD + 1, N_HELD + 2, 1)
+    assert summary["bad_by_kind"] == {"missing_image": 1}
+    assert (out.parent / "eval_data" / "bad_records.jsonl").is_file()  # the index beside --out
+    # the answers are what one-at-a-time generation gives (the 2-stage checkpoint, loaded as generate does)
+    model, _ = load_checkpoint(run.out)
+    assert [x["answer"] for x in lines] == one_at_a_time(model, held, 4)
+    records = [json.loads(line) for line in held.read_text().splitlines()]
+    assert [x["reference"] for x in lines] == [r["conversations"][1]["value"] for r in records[:-1]]
+    assert [x["prompt"] for x in lines] == ["question: " + r["conversations"][0]["value"].replace("<image>\n", "")
+                                            for r in records[:-1]]
+    # the text-only record: answered without an image, and has no type; the others name theirs
+    assert [x["has_image"] for x in lines] == [True] * N_HELD + [False]
+    assert [x.get("type") for x in lines] == [r.get("type") for r in records[:-1]]
+    # the metric is the count the answers file shows, overall and per type
+    hits = [int(normalise(x["answer"]) == normalise(x["reference"])) for x in lines]
+    assert [x["score"] for x in lines] == hits and summary["correct"] == sum(hits)
+    assert summary["exact"] == sum(hits) / len(hits)
+    for qtype, got in summary["per_type"].items():
+        mine = [h for h, x in zip(hits, lines) if x.get("type") == qtype]
+        assert got == {"exact": sum(mine) / len(mine), "n": len(mine)}
+    assert sum(v["n"] for v in summary["per_type"].values()) == N_HELD
+    # the teacher-forced loss is the validation loss training computed on the same file with the same weights
+    assert summary["val_loss"] == pytest.approx(run.summary["eval_loss"], abs=1e-5)
+    assert summary["samples_per_s"] > 0
+
+    # answers that match: make two references the model's own answers; the answers do not change
+    # (the prompt is everything before the first answer token) and both now count
+    picked = [i for i, x in enumerate(lines[:N_HELD]) if x["answer"] and not x["score"]][:2]
+    assert len(picked) == 2
+    for i in picked:
+        records[i]["conversations"][1]["value"] = lines[i]["answer"]
+    held2 = held.with_name("held_out_2.jsonl")
+    held2.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for metric in ("exact", "contains"):
+        out2 = tmp_path / metric / "answers.jsonl"
+        assert mmpipe_eval("--checkpoint", str(run.out / "checkpoints"), "--data", str(held2), "--out", str(out2),
+                           "--max-new-tokens", "4", "--metric", metric) == 0
+        lines2, summary2 = read(out2)
+        assert [x["answer"] for x in lines2] == [x["answer"] for x in lines]
+        hits2 = [score(metric, x["answer"], x["reference"]) for x in lines2]
+        assert all(hits2[i] for i in picked) and summary2["correct"] == sum(hits2) >= sum(hits) + 2
+        assert summary2[metric] == sum(hits2) / len(hits2)
+
+
+def test_eval_llava_family_and_refusals(tmp_path, data, capsys):
+    """An untrained LLaVA checkpoint (placeholders after BOS for image records, none for the text-only
+    one) answers as one at a time; bad input is one `mmpipe: error:` line and exit 2."""
+    cfg = load_preset("llava-tiny")
+    cfg = dataclasses.replace(cfg, image_token_id=len(builtin_tokenizer(image_token=True)) - 1).with_vocab(64)
+    model = ReferenceModel(cfg, seed=3)
+    (tmp_path / "model.json").write_text(json.dumps(cfg.to_dict()))
+    tag = tmp_path / "checkpoints" / "step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step1")
+    for i, layer in enumerate(model):
+        torch.save(layer.state_dict(), tag / f"layer_{i:02d}-model_states.pt")
+    held = data[1]
+    out = tmp_path / "eval" / "answers.jsonl"
+    assert mmpipe_eval("--checkpoint", str(tmp_path), "--data", str(held), "--out", str(out),
+                       "--max-new-tokens", "3", "--batch-size", "4") == 0
+    lines, summary = read(out)
+    assert [x["answer"] for x in lines] == one_at_a_time(model, held, 3)
+    assert summary["n"] == N_HELD + 1 and summary["bad_records"] == 1 and lines[-1]["has_image"] is False
+    capsys.readouterr()
+    for argv, start in [
+        (["--checkpoint", str(tmp_path / "nope"), "--data", str(held)], "--checkpoint:"),
+        (["--checkpoint", str(tmp_path), "--data", str(tmp_path / "nope.jsonl")], "--data:"),
+        (["--checkpoint", str(tmp_path), "--data", str(held), "--bad-records", "strict"], "--bad-records strict:"),
+        (["--checkpoint", str(tmp_path), "--data", str(held), "--batch-size", "0"], "--batch-size:"),
+    ]:
+        assert mmpipe_eval(*argv, "--out", str(tmp_path / "refused" / "answers.jsonl")) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mmpipe: error: " + start), err
