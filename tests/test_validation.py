@@ -149,6 +149,14 @@ def test_eval_split_holds_records_out_of_training(tmp_path, data, ds_config):
     assert len(trained) == 90 and not trained & held  # 12 steps x 8 = 96 positions: one epoch of the other 90
 
 
+def test_a_resumed_run_validates_each_step_once(tmp_path, data, ds_config):
+    """Validation after a resume appends to eval_log.csv; each validated step appears once."""
+    out = tmp_path / "run"
+    train_run(out, *_eval_args(data, ds_config, "--stages", "2", "--steps", "2")).check()
+    train_run(out, *_eval_args(data, ds_config, "--stages", "2", "--steps", "4", "--resume")).check()
+    assert [int(r["step"]) for r in _rows(out / "eval_log.csv")] == [2, 4]
+
+
 @pytest.mark.parametrize("extra,expect", [
     (["--eval-every", "2"], "--eval-every: there is nothing to validate on; give --eval-data or --eval-split"),
     (["--eval-split", "1.5"], "--eval-split: 1.5 must be a fraction between 0 and 1"),
