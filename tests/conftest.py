@@ -64,6 +64,18 @@ class Run:
             return list(csv.DictReader(f))
 
 
+def write_checkpoint(model, run_dir: Path) -> None:
+    """A ReferenceModel saved in DeepSpeed's pipeline layout, as `mmpipe train` leaves it: model.json,
+    checkpoints/latest -> step1, one layer_XX file per layer."""
+    import torch
+    (run_dir / "model.json").write_text(json.dumps(model.cfg.to_dict()))
+    tag = run_dir / "checkpoints" / "step1"
+    tag.mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step1")
+    for i, layer in enumerate(model):
+        torch.save(layer.state_dict(), tag / f"layer_{i:02d}-model_states.pt")
+
+
 def train_run(out: Path, *args: str) -> Run:
     return Run(out, mmpipe_train(["--output-dir", str(out), *args]))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import train_run, write_ds_config
+from conftest import train_run, write_checkpoint, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.data.export import export_shapes
 from mmpipe.data.images import ImageTransform
@@ -157,12 +157,7 @@ def test_eval_llava_family_and_refusals(tmp_path, data, capsys):
     cfg = load_preset("llava-tiny")
     cfg = dataclasses.replace(cfg, image_token_id=len(builtin_tokenizer(image_token=True)) - 1).with_vocab(64)
     model = ReferenceModel(cfg, seed=3)
-    (tmp_path / "model.json").write_text(json.dumps(cfg.to_dict()))
-    tag = tmp_path / "checkpoints" / "step1"
-    tag.mkdir(parents=True)
-    (tmp_path / "checkpoints" / "latest").write_text("step1")
-    for i, layer in enumerate(model):
-        torch.save(layer.state_dict(), tag / f"layer_{i:02d}-model_states.pt")
+    write_checkpoint(model, tmp_path)
     held = data[1]
     out = tmp_path / "eval" / "answers.jsonl"
     assert mmpipe_eval("--checkpoint", str(tmp_path), "--data", str(held), "--out", str(out),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT
+from conftest import ROOT, write_checkpoint
 from mmpipe.cli import main
 from mmpipe.config import load_preset
 from mmpipe.data.text import ConversationEncoder, with_placeholders
@@ -55,13 +55,7 @@ def test_stops_at_eos():
 
 def test_cli_generates_from_a_checkpoint_dir(tmp_path, capsys):
     model = _model()
-    # a checkpoint in DeepSpeed's pipeline layout, as `mmpipe train` leaves it
-    (tmp_path / "model.json").write_text(json.dumps(model.cfg.to_dict()))
-    tag = tmp_path / "checkpoints" / "step1"
-    tag.mkdir(parents=True)
-    (tmp_path / "checkpoints" / "latest").write_text("step1")
-    for i, layer in enumerate(model):
-        torch.save(layer.state_dict(), tag / f"layer_{i:02d}-model_states.pt")
+    write_checkpoint(model, tmp_path)
     Image.new("RGB", (40, 30), (200, 30, 30)).save(tmp_path / "red.png")
     cmd = [sys.executable, "-m", "mmpipe.cli", "generate", "--checkpoint", str(tmp_path), "--image",
            str(tmp_path / "red.png"), "--prompt", "what shape is red", "--max-new-tokens", "5"]
@@ -130,19 +124,9 @@ def test_batched_equals_one_at_a_time(preset):
                     use_cache=False) == one[2]
 
 
-def _write_checkpoint(model, run_dir):
-    """A checkpoint in DeepSpeed's pipeline layout, as `mmpipe train` leaves it."""
-    (run_dir / "model.json").write_text(json.dumps(model.cfg.to_dict()))
-    tag = run_dir / "checkpoints" / "step1"
-    tag.mkdir(parents=True)
-    (run_dir / "checkpoints" / "latest").write_text("step1")
-    for i, layer in enumerate(model):
-        torch.save(layer.state_dict(), tag / f"layer_{i:02d}-model_states.pt")
-
-
 def test_cli_generates_many_in_batches(tmp_path, capsys):
     model = _model()
-    _write_checkpoint(model, tmp_path)
+    write_checkpoint(model, tmp_path)
     colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
     for k, c in enumerate(colours):
         Image.new("RGB", (40, 30), c).save(tmp_path / f"im{k}.png")

@@ -9,10 +9,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mmpipe.config import load_preset
-from mmpipe.data.text import ConversationEncoder
+from mmpipe.data.text import ConversationEncoder, with_placeholders
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.hf.tokens import add_image_token
-from mmpipe.inference.generate import generate, prompt_with_placeholders
+from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "USER:", "ASSISTANT:", "what", "colour", "is", "it", "red", "blue"]
@@ -51,7 +51,7 @@ def test_placeholder_added_and_embedding_resized(tmp_path):
     # the chat template renders the prompt; N placeholders follow BOS; the (tied) head has n + 1 logits
     prompt = ConversationEncoder(tok, 64).prompt_ids([("user", "what colour is it")])
     assert tok.convert_ids_to_tokens(prompt) == ["<s>", "USER:", "what", "colour", "is", "it", "ASSISTANT:"]
-    ids = prompt_with_placeholders(model.cfg, prompt)
+    ids = with_placeholders(prompt, model.cfg)
     assert ids.count(n) == model.cfg.vision.n_features
     pixels = torch.randn(1, 3, 32, 32)
     logits = model(pixels, torch.tensor([ids]))

@@ -284,7 +284,8 @@ def main_generate(args: argparse.Namespace) -> int:
     encoder = ConversationEncoder(tok, cfg.text.max_context)
     prompts = [encoder.prompt_ids([("user", prompt)]) for _, prompt, _ in requests]
     has_image = [image is not None for image, _, _ in requests]
-    prompts = [prompt_with_placeholders(cfg, p) if h else p for p, h in zip(prompts, has_image)]
+    # the LLaVA family reads the image from N_img placeholders after BOS; other families take the prompt as it is
+    prompts = [with_placeholders(p, cfg) if h else p for p, h in zip(prompts, has_image)]
     kw = dict(eos_id=tok.eos_token_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, seed=args.seed)
     if args.no_cache:
@@ -299,9 +300,3 @@ def main_generate(args: argparse.Namespace) -> int:
     for (image, prompt, _), answer in zip(requests, answers):
         print(json.dumps({"image": image, "prompt": prompt, "answer": answer}), flush=True)
     return 0
-
-
-def prompt_with_placeholders(cfg, prompt: list[int]) -> list[int]:
-    """The LLaVA family reads the image from placeholder positions: N_img of them after BOS, the
-    same layout as moondream's spliced image. Other families take the prompt as it is."""
-    return with_placeholders(prompt, cfg)

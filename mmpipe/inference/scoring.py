@@ -35,9 +35,10 @@ from tqdm import tqdm
 
 from ..config import ConfigError, fail
 from ..data.args import DataArgs
+from ..data.batches import TrainSet, collate
 from ..data.dataset import prepare_eval, resolve_data
 from ..data.records import BadRecord
-from ..data.text import pad_sample, placeholders, with_placeholders
+from ..data.text import placeholders, with_placeholders
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
 from .generate import generate_batch, length_buckets, load_checkpoint
 
@@ -149,17 +150,12 @@ def _checked(args: argparse.Namespace):
 
 
 @torch.no_grad()
-def _loss(model, evalset, items: list[Item], batch: list[int], pixels: torch.Tensor,
-          text_len: int) -> tuple[float, int]:
-    """Teacher-forced cross-entropy summed over the answer tokens of `batch`, and their count."""
-    cfg = model.cfg
-    ids, labels = zip(*(pad_sample(evalset.tokens(items[i].pos)[0], text_len, cfg.n_image_positions,
-                                   evalset.pad_id, IGNORE_INDEX, image_token=placeholders(cfg),
-                                   has_image=items[i].has_image) for i in batch))
-    labels = torch.from_numpy(np.stack(labels))
-    has_image = torch.tensor([int(items[i].has_image) for i in batch])
-    logits = model(pixels, torch.from_numpy(np.stack(ids)), has_image)
-    return float(lm_loss_sum(logits, labels)), int((labels != IGNORE_INDEX).sum())
+def _loss(model, rows: TrainSet, positions: list[int], pixels: torch.Tensor) -> tuple[float, int]:
+    """Teacher-forced cross-entropy summed over the answer tokens of these samples, and their count;
+    input ids and labels as training builds them (rows: a TrainSet without images, `pixels` given)."""
+    b = collate([rows[p] for p in positions])
+    logits = model(pixels, b["input_ids"], b["has_image"])
+    return float(lm_loss_sum(logits, b["labels"])), int((b["labels"] != IGNORE_INDEX).sum())
 
 
 def main_eval(args: argparse.Namespace) -> int:
@@ -195,6 +191,8 @@ def _generate_all(args, model, tok, evalset, text_len: int):
         text, reference = split_record(enc.ids, enc.target, eos)
         items.append(Item(pos, with_placeholders(text, cfg) if has_image else text, text, reference, has_image))
     answers: list[list[int]] = [[] for _ in items]
+    rows = TrainSet(evalset, text_len=text_len, n_img=cfg.n_image_positions, image_size=size, need_images=False,
+                    image_token=placeholders(cfg))
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
@@ -205,7 +203,7 @@ def _generate_all(args, model, tok, evalset, text_len: int):
                                  top_k=args.top_k, seed=args.seed, batch_size=len(batch))
             for i, a in zip(batch, new):
                 answers[i] = a
-            s, n = _loss(model, evalset, items, batch, pixels, text_len)
+            s, n = _loss(model, rows, [items[i].pos for i in batch], pixels)
             loss_sum, loss_tokens = loss_sum + s, loss_tokens + n
             bar.update(len(batch))
     return items, answers, loss_sum, loss_tokens

@@ -101,11 +101,12 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     stream.flush()
     stage_rows = gather_stage_report(engine, timer)  # collective; also every stage's layer files are on disk now
     train_time = log.elapsed()
-    monitor_timing(engine, stage_rows, run, rank)  # before the process group goes: the monitors ask for ranks
+    timing = pipeline_summary(stage_rows, run.gas, run.stages) if stage_rows and stage_rows[0].get("steps") else None
+    monitor_timing(engine, stage_rows, timing, rank)  # before the process group goes: the monitors ask for ranks
     stream.close()  # stop the loader workers before the process group goes
     dist.destroy_process_group()  # tear gloo down in order, not in the interpreter's exit (seen to abort a rank)
     if rank == 0:
-        report(log, run, args, samples, start, progress, stage_rows, train_time, evaluate, out, validate)
+        report(log, run, args, samples, start, progress, stage_rows, timing, train_time, evaluate, out, validate)
     return 0
 
 
@@ -130,11 +131,10 @@ def monitor_step(engine, log: StepLog, rank: int) -> None:
                            ("Train/Samples/tokens_per_s", log.train_batch * log.tokens_per_sample / dt)])
 
 
-def monitor_timing(engine, stage_rows, run: RunConfig, rank: int) -> None:
+def monitor_timing(engine, stage_rows, timing: dict | None, rank: int) -> None:
     """Per-stage forward / backward ms per micro-batch and the measured bubble, as gathered on rank 0."""
-    if rank != 0 or not stage_rows or not stage_rows[0].get("steps"):
+    if rank != 0 or timing is None:
         return
-    timing = pipeline_summary(stage_rows, run.gas, run.stages)
     events = [("Timing/measured_bubble", timing["measured_bubble"])]
     for i, r in enumerate(stage_rows):
         events += [(f"Timing/stage{i}/forward_ms_per_micro", r["forward_ms_per_micro"]),
@@ -284,7 +284,8 @@ def announce(run: RunConfig, rank: int) -> None:
 
 
 def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progress, progress: Progress, stage_rows,
-           train_time: float, evaluate: Callable[[Path], dict] | None, out: Path, validate: Validator | None) -> None:
+           timing: dict | None, train_time: float, evaluate: Callable[[Path], dict] | None, out: Path,
+           validate: Validator | None) -> None:
     """Rank 0, after training: summary.json (rates, layout, stage timing, data, evaluation)."""
     summary = {
         "start_step": start.step, "train_time_s": train_time, "stages": run.stages, "dp": run.dp,
@@ -293,8 +294,8 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progre
         "freeze": list(run.freeze), "parts": run.parts, "seed": args.seed, "ds_config": run.ds_config_path,
         **progress.counters, "partition": describe_parts(run.layers, run.parts),
     }
-    if stage_rows and stage_rows[0].get("steps"):
-        summary["stage_timing"] = timing = pipeline_summary(stage_rows, run.gas, run.stages)
+    if timing is not None:
+        summary["stage_timing"] = timing
         print(f"mmpipe: per stage (ms per micro-batch) forward "
               f"{[round(r['forward_ms_per_micro'], 2) for r in stage_rows]}, backward "
               f"{[round(r['backward_ms_per_micro'], 2) for r in stage_rows]}; slowest/mean compute "
