@@ -26,6 +26,15 @@ class TrainArgs(DataArgs):
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")
     freeze: str = flag("", f"comma-separated groups to freeze: {', '.join(FREEZE_GROUPS)}")
+    lora: int = flag(0, "LoRA rank: train low-rank adapters (peft's LoRA layers) on the --lora-groups' linear layers, "
+                     "their base weights frozen (0: off; docs/lora.md)", metavar="RANK", group="LoRA adapters")
+    lora_alpha: float | None = flag(None, "LoRA scale numerator: delta W = (alpha / rank) B A (default: 2 x rank)",
+                                    group="LoRA adapters")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input (default: 0)", group="LoRA adapters")
+    lora_groups: str = flag("text", f"comma-separated groups that get adapters and whose base is frozen: "
+                            f"{', '.join(FREEZE_GROUPS)} (default: text)", group="LoRA adapters")
+    lora_targets: str = flag("", "regular expression on a linear's name within its layer, e.g. 'q_proj|v_proj' or "
+                             "'attn' (default: every linear of those groups but the LM head)", group="LoRA adapters")
     seed: int = flag(0, "seed for weights and data (default: 0)")
     save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
     nonfinite: str = flag("stop", "a NaN/inf loss: stop the run, keeping the last good checkpoint (default), or skip "

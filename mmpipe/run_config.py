@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from .data.dataset import DataOptions, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.builder import FREEZE_GROUPS
+from .model.lora import Lora, read_lora
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
 from .run_args import TrainArgs
@@ -55,6 +57,7 @@ class RunConfig:
     auto_schedule: bool = False  # the scheduler's total_num_steps was "auto", i.e. --steps
     init_from: str | None = None  # a run directory whose latest checkpoint's weights start this run
     eval_data: DataOptions | None = None  # --eval-data: the validation set, read like the training data
+    lora: Lora | None = None  # --lora: adapters on these groups' linears, their base frozen (mmpipe.model.lora)
 
     @property
     def text_len(self) -> int:
@@ -152,6 +155,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if data is not None and args.eval_split and eval_data is not None:
         data = dataclasses.replace(data, holdout=args.eval_split, part="train")
     freeze = _check_flags(args, problems)
+    lora = _lora(args, problems)
     if ds is None:
         problems.raise_any()
 
@@ -167,7 +171,10 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if model is not None and data is not None:
         model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)
         checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
-        table = layer_table(model, freeze, data.text_len, checkpointing)
+        table = layer_table(model, freeze, data.text_len, checkpointing, lora)
+        if lora is not None and not any(r.adapter_params for r in table):
+            problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
+                            f"group(s) of {model.name}")
         parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")))
         if parts:
             problems.attempt(check_trainable, table, parts)
@@ -182,7 +189,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if eval_data is not None:
         eval_data = dataclasses.replace(eval_data, tokenizer=data.tokenizer)  # as fitted above (LLaVA's <image>)
     return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts or [], table, freeze, precision, zero_stage,
-                     data, auto_schedule, args.init_from, eval_data)
+                     data, auto_schedule, args.init_from, eval_data, lora)
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
@@ -244,6 +251,32 @@ def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:
     return freeze
 
 
+def _lora(args: TrainArgs, problems: Problems) -> Lora | None:
+    """--lora and its options, checked; None when off."""
+    if not args.lora:
+        return None
+    if args.lora < 0:
+        problems.append(f"--lora: rank {args.lora} must be >= 1 (0: no adapters)")
+        return None
+    groups = tuple(g for g in args.lora_groups.split(",") if g)
+    alpha = 2.0 * args.lora if args.lora_alpha is None else args.lora_alpha
+    bad = [g for g in groups if g not in FREEZE_GROUPS]
+    before = len(problems)
+    for wrong, msg in ((alpha <= 0, f"--lora-alpha: {alpha} must be > 0"),
+                       (not 0 <= args.lora_dropout < 1, f"--lora-dropout: {args.lora_dropout} must be in [0, 1)"),
+                       (bool(bad) or not groups, f"--lora-groups: unknown or no group(s) {bad or args.lora_groups!r} "
+                                                 f"(valid: {', '.join(FREEZE_GROUPS)})")):
+        if wrong:
+            problems.append(msg)
+    try:
+        re.compile(args.lora_targets)
+    except re.error as e:
+        problems.append(f"--lora-targets: '{args.lora_targets}' is not a regular expression ({e})")
+    if len(problems) > before:
+        return None  # the table below would only repeat the problem
+    return Lora(args.lora, alpha, args.lora_dropout, groups, args.lora_targets)
+
+
 def _check_ds(ds: dict, args: TrainArgs, problems: Problems) -> tuple[int, str]:
     """ZeRO stage and precision, and what DeepSpeed 0.19.8 would get wrong with them: (zero, precision)."""
     zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
@@ -299,6 +332,9 @@ def init_model(run_dir: str, preset: str | None) -> ModelConfig:
                           f"e.g. `mmpipe import --out`)")
     if not (d / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--init-from: {d} has no checkpoint (checkpoints/latest is missing)")
+    if read_lora(d):
+        raise ConfigError(f"--init-from: {d} trained LoRA adapters; start from its merged weights: `mmpipe export "
+                          f"--checkpoint {d} --format hf --out DIR` (LLaVA) then `mmpipe import DIR --out RUN`")
     cfg = config_from_dict(json.loads((d / "model.json").read_text()), d.name)
     if preset is not None:
         want = load_preset(preset)

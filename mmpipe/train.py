@@ -37,7 +37,7 @@ def shapes_evaluation(args: TrainArgs, run: RunConfig):
         return None
 
     def score(ckpt_dir: Path) -> dict:
-        model = load_reference(ckpt_dir, run.model)
+        model = load_reference(ckpt_dir, run.model, merged=True)
         res = evaluate(model, run.model, seed=args.seed, n_samples=args.eval_samples)
         blank = evaluate(model, run.model, seed=args.seed, n_samples=args.eval_samples, blank_images=True)
         chance = blind_baseline(run.model, seed=args.seed)["accuracy"]

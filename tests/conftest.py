@@ -68,6 +68,7 @@ def write_checkpoint(model, run_dir: Path) -> None:
     """A ReferenceModel saved in DeepSpeed's pipeline layout, as `mmpipe train` leaves it: model.json,
     checkpoints/latest -> step1, one layer_XX file per layer."""
     import torch
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "model.json").write_text(json.dumps(model.cfg.to_dict()))
     tag = run_dir / "checkpoints" / "step1"
     tag.mkdir(parents=True)

@@ -19,6 +19,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from ..cluster.slurm_env import ranks_from_slurm
 from ..config import ConfigError, fail
 from ..data.batches import StepBatches, TrainSet, rank_batches
 from ..data.dataset import prepare
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None)  # the launcher's
     ns, rest = p.parse_known_args(argv)
     args = TrainArgs.from_argv(rest, prog="python -m mmpipe.bench.dp_rank")
+    ranks_from_slurm(os.environ)  # an srun task of `mmpipe bench --slurm` (mmpipe.train does the same)
     try:
         run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:

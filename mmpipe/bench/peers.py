@@ -9,18 +9,27 @@ from pathlib import Path
 from ..cluster.ports import free_port
 from .run_variant import run_logged
 
+PEER_RANKS = {"hf": 1, "torch_pipe": 2}  # processes a peer runs, all on one machine
 
-def run_peer(kind: str, shape, sweep, out: Path) -> tuple[int, str, float]:
-    out.mkdir(parents=True, exist_ok=True)
+
+def peer_command(kind: str, shape, sweep, out: Path) -> tuple[list[str], dict]:
+    """The peer's command line and environment, run as is here or as one Slurm task on one node."""
     common = ["--preset", shape.preset, "--micro", str(shape.micro), "--gas", str(shape.gas),
               "--steps", str(sweep.steps), "--out", str(out), "--data-workers", str(shape.data_workers)]
     if kind == "hf":
         cmd = [sys.executable, "-m", "mmpipe.bench.hf_peer", *common]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "-m", "mmpipe.bench.torch_pipe_peer", *common]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PEER_RANKS[kind]),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "mmpipe.bench.torch_pipe_peer",
+               *common]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RANK=os.environ.get("RANK", "0"))
     env.setdefault("OMP_NUM_THREADS", "1")
     if kind == "hf":
         env["RANK"] = "0"
+    return cmd, env
+
+
+def run_peer(kind: str, shape, sweep, out: Path) -> tuple[int, str, float]:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd, env = peer_command(kind, shape, sweep, out)
     return run_logged(cmd, env, out, sweep.timeout_s)

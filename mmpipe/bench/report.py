@@ -7,13 +7,14 @@ import json
 import statistics
 from pathlib import Path
 
+from . import predict
 from .plots import plot_all
 
 COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "zero", "precision",
            "micro", "gas", "checkpointing", "partition", "data_workers", "world", "train_batch", "measured_steps",
            "samples_per_s", "samples_per_s_iqr", "tokens_per_s", "tokens_per_s_iqr", "step_time_s",
            "peak_mem_mb_max", "peak_mem_mb_per_rank", "bubble_measured", "bubble_theory", "stage_imbalance",
-           "achieved_flops", "mfu", "final_loss", "wall_s"]
+           "achieved_flops", "mfu", "final_loss", "wall_s", *predict.COLUMNS]
 
 
 def _fmt(v):
@@ -104,6 +105,7 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
             f"{f(r.get('bubble_measured'))} / {f(r.get('bubble_theory'))}" if ok else "-",
             f"{r['achieved_flops'] / 1e9:.2f}" if ok and r.get("achieved_flops") else "-",
             f"{r['mfu']:.1%}" if ok and r.get("mfu") else "-", f(r.get("final_loss"), 4)]) + " |")
+    lines += prediction_table(rows, meta)
     if tgt:
         lines += ["", "| target | measured | ratio | threshold | met |", "|---|---|---|---|---|"]
         for t in tgt:
@@ -112,11 +114,42 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prediction_table(rows: list[dict], meta: dict) -> list[str]:
+    """Per variant (medians over its ok repeats): measured beside the planner's prediction, and the ratio."""
+    lines = ["", predict.describe(meta), "",
+             "| variant | PP x DP | micro x GAS | step ms meas / pred | meas/pred | bubble meas / pred | "
+             "peak MB/rank (max) meas / pred | meas/pred |", "|---|---|---|---|---|---|---|---|"]
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    for name in dict.fromkeys(r["name"] for r in rows if r.get("kind") == "variant"):
+        mine = [r for r in rows if r["name"] == name]
+        ok = [r for r in mine if r["status"] == "ok"]
+        r0 = mine[0]
+        if r0.get("predicted_step_time_s") is None:
+            continue
+        meas = {k: med(r.get(k) for r in ok) for k in ("step_time_s", "bubble_measured", "peak_mem_mb_max",
+                                                         "step_time_ratio", "peak_mem_ratio")}
+        lines.append("| " + " | ".join([
+            name, f"{r0['stages']} x {r0['dp']}", f"{r0['micro']} x {r0['gas']}",
+            f"{f(meas['step_time_s'] and meas['step_time_s'] * 1e3, '.1f')} / {r0['predicted_step_time_s'] * 1e3:.1f}",
+            f"**{f(meas['step_time_ratio'], '.2f')}**" if ok else r0["status"],
+            f"{f(meas['bubble_measured'], '.2f')} / {r0['predicted_bubble']:.2f}",
+            f"{f(meas['peak_mem_mb_max'], '.0f')} / {r0['predicted_peak_mem_mb_max']:.1f}",
+            f(meas["peak_mem_ratio"], ".1f")]) + " |")
+    return lines
+
+
 def write_all(rows: list[dict], out: Path, meta: dict, target_spec: dict | None) -> dict:
+    rows = predict.add_predictions(rows, meta)  # at report time: collected results get them too
     tgt = targets(rows, target_spec)
     write_csv(rows, out / "results.csv")
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgt,
                                                   "medians": medians(rows)}, indent=2) + "\n")
     (out / "results.md").write_text(markdown(rows, tgt, meta))
-    plot_all(rows, out)
-    return {"targets": tgt}
+    plot_all(rows, out, target_spec)
+    return {"targets": tgt, "rows": rows}

@@ -50,9 +50,10 @@ def train_args(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> TrainArgs
                      eval_samples=0, keep_checkpoints=1, data_workers=v.data_workers)
 
 
-def check(v: Variant, sweep: Sweep, out: Path) -> tuple[str, str] | None:
+def check(v: Variant, sweep: Sweep, out: Path, this_device: bool = True) -> tuple[str, str] | None:
     """(status, reason) when the variant cannot run: 'refused' (mmpipe's own checks, one line per
-    problem) or 'unsupported' (this device lacks its precision); None when it can. Writes the config."""
+    problem) or 'unsupported' (this device lacks its precision; with this_device=False the device is
+    another machine's, a Slurm job asks its own); None when it can. Writes the config."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "ds_config.json"
     cfg = ds_config(v, resolve_copy=True)
@@ -61,7 +62,7 @@ def check(v: Variant, sweep: Sweep, out: Path) -> tuple[str, str] | None:
         run = resolve(train_args(v, sweep, out, cfg_path), world_size=v.world, ds_config=cfg)
     except ConfigError as e:
         return "refused", "; ".join(str(e).splitlines())
-    why = precision.problem(run.precision, precision.this_device())
+    why = precision.problem(run.precision, precision.this_device()) if this_device else None
     return ("unsupported", why) if why else None
 
 
@@ -75,16 +76,23 @@ def first_error(log: str) -> str:
     return (lines[-1].strip() if lines else "no output")[-300:]
 
 
-def launch(v: Variant, sweep: Sweep, out: Path) -> tuple[int, str, float]:
+def rank_module(v: Variant, sweep: Sweep, out: Path) -> list[str]:
+    """What each rank runs, after `python -m` (the deepspeed launcher's --module, or srun's python)."""
+    module = "mmpipe.bench.rank" if v.engine == "pipe" else "mmpipe.bench.dp_rank"
+    extra = [] if v.engine == "pipe" else ["--zero", str(v.zero)]
+    return [module, *extra, *train_args(v, sweep, out, out / "ds_config.json").to_argv()]
+
+
+def launch(v: Variant, sweep: Sweep, out: Path, where: list[str] | None = None,
+           env_extra: dict | None = None) -> tuple[int, str, float]:
+    """One deepspeed launch of the variant: local ranks, or `where` (--hostfile ... --include ...,
+    mmpipe.bench.cluster.hostfile_where) across hosts."""
     launcher = shutil.which("deepspeed")
     if launcher is None:
         return 127, "deepspeed launcher not found on PATH", 0.0
-    cfg_path = out / "ds_config.json"
-    module = "mmpipe.bench.rank" if v.engine == "pipe" else "mmpipe.bench.dp_rank"
-    extra = [] if v.engine == "pipe" else ["--zero", str(v.zero)]
-    cmd = [launcher, "--num_gpus", str(v.world), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           "--module", module, *extra, *train_args(v, sweep, out, cfg_path).to_argv()]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    where = where or ["--num_gpus", str(v.world), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    cmd = [launcher, *where, "--module", *rank_module(v, sweep, out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
     return run_logged(cmd, env, out, sweep.timeout_s)
 

@@ -29,11 +29,20 @@ TIME = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$")       # Slurm: MM, MM:SS, HH:MM:SS
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def add_slurm_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Slurm job (every other flag is passed to the ranks, as for `mmpipe train`)")
-    g.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
-    g.add_argument("--tasks-per-node", type=int, default=None,
-                   help="ranks per node (default: --gpus-per-node, else 1); world size = nodes x this")
+def add_slurm_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
+    """bench: the flags of `mmpipe bench --slurm`, where each variant's job is sized from its stages x dp
+    (these are the most a job may ask for) and there is no single script to write or submit."""
+    if bench:
+        g = p.add_argument_group("Slurm jobs (with --slurm): the most one variant's job may ask for, as for "
+                                 "`mmpipe slurm`")
+        g.add_argument("--nodes", type=int, default=1, help="most nodes one job may use (default: 1)")
+        g.add_argument("--tasks-per-node", type=int, default=None,
+                       help="ranks per node (default: --gpus-per-node, else all of a variant's ranks on one node)")
+    else:
+        g = p.add_argument_group("Slurm job (every other flag is passed to the ranks, as for `mmpipe train`)")
+        g.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+        g.add_argument("--tasks-per-node", type=int, default=None,
+                       help="ranks per node (default: --gpus-per-node, else 1); world size = nodes x this")
     g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one per rank (default: 0, CPU)")
     g.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank = OMP_NUM_THREADS (default: 1)")
     g.add_argument("--slurm-partition", default=None,
@@ -47,6 +56,8 @@ def add_slurm_args(p: argparse.ArgumentParser) -> None:
                    help="do not requeue after a preemption signal (default: requeue and resume)")
     g.add_argument("--signal-secs", type=int, default=120,
                    help="Slurm sends USR1 this many seconds before the time limit (default: 120)")
+    if bench:
+        return
     g.add_argument("--script", default=None, help="write the script here (default: OUTPUT_DIR/slurm_job.sh)")
     g.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
 
@@ -73,20 +84,55 @@ def check(a: argparse.Namespace) -> list[str]:
     return problems
 
 
+def directives(a: argparse.Namespace, out: str, *, job_name: str, nodes: int, tasks_per_node: int,
+               cpus_per_task: int, gpus_per_node: int, time: str | None) -> list[str]:
+    """The #SBATCH lines of a job (without the prefix); every value checked by check() / SAFE_PATH.
+    `mmpipe bench --slurm` sizes each variant's job itself, hence the explicit resources."""
+    sb = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
+          f"--cpus-per-task={cpus_per_task}"]
+    sb += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    sb += [f"--partition={a.slurm_partition}"] if a.slurm_partition else []
+    sb += [f"--account={a.account}"] if a.account else []
+    sb += [f"--time={time}"] if time else []
+    sb += [f"--output={out}/slurm-%j.out", "--open-mode=append"]  # a requeued job appends to the same log
+    # USR1 to the ranks (not B:, the batch shell) ahead of the limit; --requeue lets it be requeued
+    sb += ["--requeue", f"--signal=USR1@{a.signal_secs}"] if a.requeue else [f"--signal=USR1@{a.signal_secs}"]
+    return sb
+
+
+def partitions(env=None) -> list[str]:
+    """The cluster's partitions, as sinfo lists them (the default one without its '*')."""
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60,
+                           env=env if env is not None else dict(os.environ))
+    except FileNotFoundError:
+        raise ConfigError("--slurm-partition: sinfo not found on PATH (Slurm's client commands are needed "
+                          "to check the partition)") from None
+    except subprocess.TimeoutExpired:
+        raise ConfigError("--slurm-partition: sinfo did not answer within 60 s") from None
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        raise ConfigError(f"--slurm-partition: sinfo failed: {why}")
+    return [ln.strip().rstrip("*") for ln in r.stdout.splitlines() if ln.strip()]
+
+
+def check_partition(name: str | None, env=None) -> None:
+    """An unknown partition is refused now, not by sbatch one job at a time."""
+    if name is None:
+        return
+    known = partitions(env)
+    if name not in known:
+        raise ConfigError(f"--slurm-partition: {name!r} is not a partition of this cluster "
+                          f"(sinfo lists: {', '.join(known) or 'none'})")
+
+
 def render(a: argparse.Namespace, rank_argv: list[str], output_dir: Path, workdir: Path) -> str:
     """The sbatch script. Values are checked (check(), SAFE_PATH) or shlex-quoted here."""
     q = shlex.quote
     out = str(output_dir)
     tasks = a.tasks_per_node or a.gpus_per_node or 1
-    sb = [f"--job-name={a.job_name}", f"--nodes={a.nodes}", f"--ntasks-per-node={tasks}",
-          f"--cpus-per-task={a.cpus_per_task}"]
-    sb += [f"--gpus-per-node={a.gpus_per_node}"] if a.gpus_per_node else []
-    sb += [f"--partition={a.slurm_partition}"] if a.slurm_partition else []
-    sb += [f"--account={a.account}"] if a.account else []
-    sb += [f"--time={a.time}"] if a.time else []
-    sb += [f"--output={out}/slurm-%j.out", "--open-mode=append"]  # a requeued job appends to the same log
-    # USR1 to the ranks (not B:, the batch shell) ahead of the limit; --requeue lets it be requeued
-    sb += ["--requeue", f"--signal=USR1@{a.signal_secs}"] if a.requeue else [f"--signal=USR1@{a.signal_secs}"]
+    sb = directives(a, out, job_name=a.job_name, nodes=a.nodes, tasks_per_node=tasks,
+                    cpus_per_task=a.cpus_per_task, gpus_per_node=a.gpus_per_node, time=a.time)
     env = [f"export {k}={q(v)}" for k, _, v in (kv.partition("=") for kv in a.env)]
     cmd = " ".join(q(x) for x in [sys.executable, "-u", "-m", "mmpipe.train", *rank_argv])
     requeue = (f'if [ -f {q(out + "/" + PREEMPTED)} ]; then\n'
@@ -141,10 +187,21 @@ def main_slurm(sargs: argparse.Namespace, targs: TrainArgs) -> int:
     print(f"mmpipe: wrote {path}", flush=True)
     if not sargs.submit:
         return 0
-    r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, env=dict(os.environ))
-    if r.returncode != 0:
-        why = (r.stderr.strip().splitlines() or ["exit status " + str(r.returncode)])[-1]
-        return fail(ConfigError(f"sbatch: {why}"))
-    job = r.stdout.strip().split(";")[0]
+    try:
+        job = submit(path)
+    except ConfigError as e:
+        return fail(e)
     print(job, flush=True)
     return 0
+
+
+def submit(script: Path) -> str:
+    """sbatch the script; its job id, or ConfigError with sbatch's own last line."""
+    try:
+        r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=dict(os.environ))
+    except FileNotFoundError:
+        raise ConfigError("sbatch: not found on PATH (Slurm's client commands are needed to submit)") from None
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["exit status " + str(r.returncode)])[-1]
+        raise ConfigError(f"sbatch: {why}")
+    return r.stdout.strip().split(";")[0]

@@ -17,7 +17,9 @@ from ..config import ConfigError, config_from_dict, fail, load_preset
 from ..data.tokenizer import load_tokenizer
 from ..model.builder import ReferenceModel
 from ..model.families import family_of
+from ..model.lora import read_lora
 from ..runtime.checkpoint import load_reference
+from .adapter import export_adapter
 from .llava import _hf_names, export_hf, hf_config, import_llava, import_parts, key_map
 from .moondream import export_moondream, import_moondream
 
@@ -89,9 +91,11 @@ def _tokenizer_of(args, report):
 def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="an mmpipe run directory (model.json + checkpoints/)")
     p.add_argument("--out", required=True, help="a directory (--format hf) or a .safetensors file")
-    p.add_argument("--format", choices=("hf", "safetensors"), default="hf",
+    p.add_argument("--format", choices=("hf", "safetensors", "peft"), default="hf",
                    help="hf: a LlavaForConditionalGeneration directory (LLaVA family); safetensors: one consolidated "
-                        "file in HF names (LLaVA) or moondream's names (moondream family)")
+                        "file in HF names (LLaVA) or moondream's names (moondream family); a LoRA run's adapters are "
+                        "merged into both. peft: a LoRA run's adapters alone, as a peft adapter directory with the "
+                        "unmerged base in OUT/base (LLaVA family; docs/lora.md)")
     p.add_argument("--layout", choices=("current", "legacy"), default="current", help="moondream names to write")
 
 
@@ -110,13 +114,17 @@ def main_export(args: argparse.Namespace) -> int:
         if not (run / "model.json").is_file():
             raise ConfigError(f"--checkpoint: {run} has no model.json (give an mmpipe run directory)")
         cfg = config_from_dict(json.loads((run / "model.json").read_text()), run.name)
-        if args.format == "hf" and not family_of(cfg).hf_class:
-            raise ConfigError(f"--format hf: only the LLaVA family has an HF model class; use --format safetensors "
-                              f"for the {cfg.family} family")
-        model = load_reference(run / "checkpoints", cfg)
+        if args.format in ("hf", "peft") and not family_of(cfg).hf_class:
+            raise ConfigError(f"--format {args.format}: only the LLaVA family has an HF model class; use --format "
+                              f"safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
+        if args.format == "peft" and read_lora(run) is None:
+            raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
+        model = load_reference(run / "checkpoints", cfg, merged=args.format != "peft")
     except (ConfigError, FileNotFoundError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
-    if args.format == "hf":
+    if args.format == "peft":
+        export_adapter(model, args.out)
+    elif args.format == "hf":
         export_hf(model, args.out)
     else:
         from safetensors.torch import save_file

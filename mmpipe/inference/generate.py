@@ -222,7 +222,7 @@ def load_checkpoint(path: Path):
                           f"(an HF model)")
     cfg = config_from_dict(json.loads((run_dir / "model.json").read_text()), run_dir.name)
     try:
-        model = load_reference(ckpt, cfg)
+        model = load_reference(ckpt, cfg, merged=True)
     except FileNotFoundError as e:
         raise ConfigError(f"--checkpoint: {e}") from None
     return model, str(run_dir / "tokenizer") if (run_dir / "tokenizer").is_dir() else None

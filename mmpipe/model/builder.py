@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .families import family_of
+from .lora import Lora, adapter_param_count, add_adapters
 
 IGNORE_INDEX = -100
 FREEZE_GROUPS = ("vision", "projector", "text")
@@ -91,10 +92,12 @@ def _build_all(specs: list[LayerSpec], seed: int) -> list[nn.Module]:
 class ReferenceModel(nn.Sequential):
     """The single-device model: the pipeline's layer list run in order in one process."""
 
-    def __init__(self, cfg: ModelConfig, seed: int = 1234, freeze: tuple[str, ...] = ()):
+    def __init__(self, cfg: ModelConfig, seed: int = 1234, freeze: tuple[str, ...] = (), lora: Lora | None = None):
         super().__init__(*_build_all(layer_specs(cfg), seed))
-        self.cfg = cfg
+        self.cfg, self.lora = cfg, lora
         apply_freeze(self, freeze)
+        for i, layer in enumerate(self):
+            add_adapters(layer, i, lora, seed)
 
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
                 has_image: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,3 +110,11 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
     """Parameters per layer, built on the meta device: no memory is allocated even for moondream-2b."""
     with torch.device("meta"):
         return [sum(p.numel() for p in s.build().parameters()) for s in layer_specs(cfg)]
+
+
+def adapter_param_counts(cfg: ModelConfig, lora: Lora | None) -> list[int]:
+    """LoRA adapter parameters per layer (0 without LoRA), counted on the meta device."""
+    if lora is None:
+        return [0] * len(layer_specs(cfg))
+    with torch.device("meta"):
+        return [adapter_param_count(s.build(), lora) for s in layer_specs(cfg)]

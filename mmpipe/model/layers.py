@@ -149,6 +149,7 @@ class DecoderBlock(nn.Module):
 class LMHead(nn.Module):
     """Final LayerNorm + untied linear head -> logits [B, T, V]."""
     group = "text"
+    adapters = False  # no LoRA on the vocabulary projection (mmpipe.model.lora)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -235,6 +235,7 @@ class FinalNorm(nn.Module):
 class LMHeadLinear(nn.Module):
     """Untied head: hidden [B, T, D] -> logits [B, T, V], no bias."""
     group = "text"
+    adapters = False  # no LoRA on the vocabulary projection (mmpipe.model.lora)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

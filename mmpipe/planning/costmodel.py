@@ -52,8 +52,9 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..data.text import decoder_positions
-from ..model.builder import layer_param_counts, layer_specs
+from ..model.builder import adapter_param_counts, layer_param_counts, layer_specs
 from ..model.families import family_of
+from ..model.lora import Lora
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -73,6 +74,12 @@ class LayerCost:
     out_elems: float       # the layer's output per sample: what a checkpointed block keeps, what crosses a boundary
     carried_elems: float = 0.0  # the image riding along in the stage tuple (cross-attention fusion), per sample
     embedding: bool = False  # pixels / token ids in: its full backward is 1x forward (weight gradients only)
+    adapter_params: int = 0  # LoRA: the adapters' parameters, the layer's only trainable ones (in `params` too)
+
+    @property
+    def trainable_params(self) -> int:
+        """What gets gradients and optimizer state: all of a trainable layer, only the adapters under LoRA."""
+        return self.adapter_params or (self.params if self.trainable else 0)
 
     @property
     def boundary_elems(self) -> float:
@@ -92,25 +99,32 @@ class LayerCost:
         return (self.act_elems - self.act_fp32_elems) * BYTES[precision] + self.act_fp32_elems * 4
 
 
-def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False
-                ) -> list[LayerCost]:
+def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
+                lora: Lora | None = None) -> list[LayerCost]:
+    """With LoRA, an adapted layer's base runs as a frozen layer (input gradients only) and its
+    adapters add 2 FLOPs per adapter weight per token forward, twice that backward; a layer of a
+    LoRA group without adapters is frozen."""
     family = family_of(cfg)
     n, seq = _tokens(cfg, text_len)
     rows, image_users, seen_trainable = [], [], False
-    for spec, params in zip(layer_specs(cfg), layer_param_counts(cfg)):
+    frozen = set(freeze) | set(lora.groups if lora else ())
+    for spec, params, adapters in zip(layer_specs(cfg), layer_param_counts(cfg), adapter_param_counts(cfg, lora)):
         rule, group = family.cost_rule(spec), spec.typename.group
-        trainable = group not in freeze and params > 0
-        seen_trainable |= trainable
+        trainable = (group not in frozen and params > 0) or adapters > 0
         c = rule.cost(cfg, params, n, seq)
         if rule.embedding:  # inputs are pixels / token ids: weight gradients only
             bwd = c.fwd if trainable else 0.0
         else:
-            bwd = 2.0 * c.fwd if trainable else (c.fwd if seen_trainable else 0.0)
+            bwd = 2.0 * c.fwd if trainable and not adapters else (c.fwd if seen_trainable or adapters else 0.0)
+        seen_trainable |= trainable
+        fwd = c.fwd + 2.0 * adapters * c.tokens  # the adapters' two thin matmuls per adapted linear
+        bwd += 4.0 * adapters * c.tokens if adapters else 0.0
         recompute = checkpointing and spec.typename in family.checkpointable and bwd > 0
         if rule.uses_image:
             image_users.append(len(rows))
-        rows.append(LayerCost(rule.name, group, params, trainable, c.tokens, c.fwd, bwd, recompute, float(c.act),
-                              float(c.fp32), float(c.out), embedding=rule.embedding))
+        rows.append(LayerCost(rule.name, group, params + adapters, trainable, c.tokens, fwd, bwd, recompute,
+                              float(c.act), float(c.fp32), float(c.out), embedding=rule.embedding,
+                              adapter_params=adapters))
     return _carry_image(rows, image_users, n * cfg.text.dim)
 
 
@@ -156,7 +170,7 @@ def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, *, micro: 
     """Bytes on one rank of `stage`: states + activations of the micro-batches in flight."""
     layers = rows[parts[stage]:parts[stage + 1]]
     params = sum(r.params for r in layers)
-    trainable = sum(r.params for r in layers if r.trainable)
+    trainable = sum(r.trainable_params for r in layers)
     mem = state_bytes(params, trainable, precision, zero_stage, dp)
     per_sample = sum(r.act_bytes(precision) for r in layers)
     if any(r.recompute for r in layers):  # one block's full activations while it is recomputed
@@ -177,6 +191,12 @@ class Device:
     memory: float          # bytes per device
     link: float            # bytes/s between stages and for the data-parallel all-reduce
     efficiency: float = 0.45  # achieved share of peak on transformer layers (typical large-model MFU)
+    # fixed costs FLOPs do not explain, fitted from a sweep by `mmpipe plan --calibrate` (0 = not modelled):
+    # per pipeline slot (each of the m + P - 1 micro-batch slots: loading, the engine's per-instruction
+    # work, launch latency) and per optimizer step (the optimizer, the gradient-norm and loss reductions)
+    microbatch_overhead: float = 0.0  # seconds per slot
+    step_overhead: float = 0.0        # seconds per step
+    allreduce_link: float = 0.0       # bytes/s of the data-parallel gradient all-reduce (0: the same as link)
 
 
 # dense bf16 peaks from the vendors' data sheets; links: NVLink within a node
@@ -217,13 +237,15 @@ def pipeline_step_seconds(stage_times: list[tuple[float, float]], micro_batches:
     """1F1B with P stages and m micro-batches: every stage is busy m times and idle P - 1 slots,
     so the step takes (m + P - 1) x the slowest stage's forward + backward; each boundary moves a
     micro-batch's activations forward and their gradient back; data-parallel replicas then
-    all-reduce gradients (ring: 2 (d - 1) / d of the largest stage's gradient bytes)."""
+    all-reduce gradients (ring: 2 (d - 1) / d of the largest stage's gradient bytes). A calibrated
+    device adds its fixed costs: device.microbatch_overhead per slot, device.step_overhead per step."""
     p, m = len(stage_times), micro_batches
     slot = max(f + b for f, b in stage_times)
     comm = max(boundary_bytes, default=0.0) * 2 / device.link  # activation forward + gradient back
-    allreduce = 2 * (dp - 1) / dp * grad_bytes / device.link if dp > 1 else 0.0
-    step = (m + p - 1) * (slot + comm) + allreduce
-    return {"step_s": step, "slot_s": slot, "bubble": (p - 1) / (m + p - 1), "p2p_s": comm, "allreduce_s": allreduce}
+    allreduce = 2 * (dp - 1) / dp * grad_bytes / (device.allreduce_link or device.link) if dp > 1 else 0.0
+    step = (m + p - 1) * (slot + comm + device.microbatch_overhead) + allreduce + device.step_overhead
+    return {"step_s": step, "slot_s": slot, "bubble": (p - 1) / (m + p - 1), "p2p_s": comm, "allreduce_s": allreduce,
+            "slots": m + p - 1}
 
 
 def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5,

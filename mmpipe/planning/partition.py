@@ -24,12 +24,13 @@ from typing import Callable
 from deepspeed.runtime import utils as ds_utils
 
 from ..config import ConfigError, ModelConfig
+from ..model.lora import Lora
 from .costmodel import LayerCost, layer_costs
 
 
-def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False
-                ) -> list[LayerCost]:
-    return layer_costs(cfg, freeze, text_len, checkpointing)
+def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
+                lora: Lora | None = None) -> list[LayerCost]:
+    return layer_costs(cfg, freeze, text_len, checkpointing, lora)
 
 
 def trainable_units(table: list[LayerCost]) -> list[list[int]]:
@@ -144,6 +145,6 @@ def describe(table: list[LayerCost], parts: list[int]) -> list[dict]:
         rows = table[a:b]
         out.append({"stage": s, "layers": [a, b - 1], "first": rows[0].name, "last": rows[-1].name,
                     "params": sum(r.params for r in rows),
-                    "trainable_params": sum(r.params for r in rows if r.trainable),
+                    "trainable_params": sum(r.trainable_params for r in rows),
                     "cost_share": round(sum(r.flops for r in rows) / total, 4)})
     return out

@@ -18,24 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, fail, load_preset
-from .costmodel import (
-    BYTES,
-    KNOWN_DEVICES,
-    Device,
-    LayerCost,
-    layer_costs,
-    pipeline_step_seconds,
-    profile_layers,
-    stage_memory,
-    stage_seconds,
-)
-from .partition import compute_parts, trainable_units
+from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
+from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers
+from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
 
-GiB = 2 ** 30
+__all__ = ["GiB", "Layout", "plan_layout", "add_plan_args", "device_from_args", "plan", "main_plan"]
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -60,26 +50,22 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--profile", action="store_true",
                    help="time each layer kind here (one process, this device) instead of peak FLOP/s x efficiency")
-
-
-@dataclass
-class Layout:
-    stages: int
-    dp: int
-    micro: int
-    gas: int
-    parts: list[int] | None
-    stage_rows: list[dict]
-    step: dict | None
-    reason: str = ""
-
-    @property
-    def throughput(self) -> float:
-        return 0.0 if not self.step else (self.micro * self.gas * self.dp) / self.step["step_s"]
+    p.add_argument("--device-profile", default=None, metavar="FILE",
+                   help="a device profile written by --calibrate: its peak, fitted efficiency and overheads "
+                        "replace --device's (flags above still override)")
+    p.add_argument("--calibrate", default=None, metavar="RESULTS.json",
+                   help="fit efficiency and overheads to a `mmpipe bench` results.json, report the fit and the "
+                        "held-back variants, write a device profile (docs/planning.md)")
+    p.add_argument("--hold-out", default=None, metavar="NAMES",
+                   help="with --calibrate: comma-separated variants to check, not fit (default: the last two)")
+    p.add_argument("--write-profile", default=None, metavar="FILE",
+                   help="with --calibrate: where the profile goes (default: device_profile.json beside RESULTS.json)")
 
 
 def device_from_args(args) -> Device:
-    if args.device == "cpu":
+    if getattr(args, "device_profile", None):
+        base = profile_device(load_profile(args.device_profile), args.precision)
+    elif args.device == "cpu":
         base = cpu_device()
     elif args.device in KNOWN_DEVICES:
         base = KNOWN_DEVICES[args.device]
@@ -91,7 +77,8 @@ def device_from_args(args) -> Device:
                  args.peak_tflops * 1e12 if args.peak_tflops else base.peak_flops,
                  args.gpu_mem * GiB if args.gpu_mem else base.memory,
                  args.link_gbps * 1e9 if args.link_gbps else base.link,
-                 args.efficiency if args.efficiency else base.efficiency)
+                 args.efficiency if args.efficiency else base.efficiency,
+                 base.microbatch_overhead, base.step_overhead, base.allreduce_link)
     missing = [n for n, v in (("--peak-tflops", dev.peak_flops), ("--gpu-mem", dev.memory), ("--link-gbps", dev.link))
                if v <= 0]
     if missing:
@@ -112,45 +99,7 @@ def cpu_device() -> Device:
         a @ b
     peak = 2 * 512 ** 3 * n / (time.perf_counter() - t0)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Device("cpu", peak, float(ram), 5e9, efficiency=0.5)
-
-
-def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
-                device: Device, measured: dict | None = None) -> Layout:
-    units = trainable_units(rows)
-    if stages > len(units):
-        return Layout(stages, dp, micro, gas, None, [], None,
-                      f"only {len(units)} groups of layers hold a trainable parameter")
-
-    def unit_parts(s, i, j):  # layer boundaries of units i..j-1 as stage s
-        return [units[i][0], units[j - 1][-1] + 1]
-
-    def fits(s, i, j):
-        a, b = unit_parts(s, i, j)
-        fake = [0] * s + [a, b] + [b] * (stages - s - 1)  # stage s = layers [a, b)
-        mem = stage_memory(rows, fake, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero, dp=dp)
-        return mem["total"] <= device.memory
-
-    try:
-        parts = compute_parts(rows, stages, "balanced", fits)
-    except ConfigError:
-        whole = stage_memory(rows, [0, len(rows)], 0, micro=micro, micro_batches=gas, precision=precision,
-                             zero_stage=zero, dp=dp)["total"]
-        need = (f"it needs {whole / GiB:.1f} GiB" if stages == 1 else
-                f"an even share would be ~{whole / stages / GiB:.1f} GiB")
-        return Layout(stages, dp, micro, gas, None, [], None, f"no split fits {device.memory / GiB:.0f} GiB ({need})")
-    times = stage_seconds(rows, parts, micro, device, measured)
-    stage_rows = []
-    for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
-        mem = stage_memory(rows, parts, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero, dp=dp)
-        stage_rows.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
-                           "params": sum(r.params for r in rows[a:b]), "memory_gib": mem["total"] / GiB,
-                           "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
-    boundary = [rows[b - 1].boundary_elems * micro * BYTES[precision] for b in parts[1:-1]]
-    grad_bytes = max(sum(r.params for r in rows[a:b] if r.trainable)
-                     for a, b in zip(parts, parts[1:])) * BYTES[precision]
-    step = pipeline_step_seconds(times, gas, boundary, grad_bytes, dp, device)
-    return Layout(stages, dp, micro, gas, parts, stage_rows, step)
+    return Device("cpu", peak, float(ram), CPU_LINK, efficiency=CPU_EFFICIENCY)
 
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
@@ -188,7 +137,26 @@ def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr
     return cfg
 
 
+def main_calibrate(args) -> int:
+    """--calibrate: fit, print, write the profile."""
+    try:
+        hold = None if args.hold_out is None else [n for n in args.hold_out.split(",") if n]
+        result = calibrate(read_results(args.calibrate), hold, args.calibrate)
+    except ConfigError as e:
+        return fail(e)
+    out = Path(args.write_profile or Path(args.calibrate).with_name("device_profile.json"))
+    out.write_text(json.dumps(profile_of(result), indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(report(result))
+    print(f"mmpipe: wrote {out}; use it with mmpipe plan --device-profile {out}")
+    return 0
+
+
 def main_plan(args) -> int:
+    if args.calibrate:
+        return main_calibrate(args)
     try:
         cfg = load_preset(args.preset)
         device = device_from_args(args)
@@ -223,7 +191,9 @@ def main_plan(args) -> int:
 def _print(cfg, device, gpus, args, layouts, seconds) -> None:
     peak = (f"{device.peak_flops / 1e12:.0f} TFLOP/s" if device.peak_flops >= 1e12 else
             f"{device.peak_flops / 1e9:.1f} GFLOP/s")
-    print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}, "
+    fixed = (f", + {device.microbatch_overhead * 1e3:.2f} ms per slot, + {device.step_overhead * 1e3:.2f} ms per step"
+             if device.microbatch_overhead or device.step_overhead else "")
+    print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}{fixed}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
           f"{cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"

@@ -18,6 +18,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model.builder import ReferenceModel
+from ..model.lora import merge_adapters, read_lora
 from . import rng
 
 
@@ -26,12 +27,15 @@ def latest_tag(ckpt_dir: str | Path) -> str | None:
     return f.read_text().strip() if f.is_file() else None
 
 
-def load_reference(ckpt_dir: str | Path, cfg: ModelConfig, tag: str | None = None) -> ReferenceModel:
-    """The single-device model with every layer's weights from a pipeline checkpoint of any stage count."""
+def load_reference(ckpt_dir: str | Path, cfg: ModelConfig, tag: str | None = None, *, merged: bool = False
+                   ) -> ReferenceModel:
+    """The single-device model with every layer's weights from a pipeline checkpoint of any stage count;
+    a LoRA run's (lora.json beside checkpoints/) with its adapters, or with them folded into the base
+    weights (`merged`: what generate, eval and export use - plain names, no adapter overhead)."""
     tag = tag or latest_tag(ckpt_dir)
     if tag is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir} (no 'latest' file)")
-    model = ReferenceModel(cfg)
+    model = ReferenceModel(cfg, lora=read_lora(Path(ckpt_dir).parent))
     for idx, layer in enumerate(model):
         path = Path(ckpt_dir) / tag / f"layer_{idx:02d}-model_states.pt"
         if not path.is_file() and not layer.state_dict():
@@ -39,7 +43,7 @@ def load_reference(ckpt_dir: str | Path, cfg: ModelConfig, tag: str | None = Non
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {tag} lacks layer {idx} ({type(layer).__name__}): {path}")
         layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return model
+    return merge_adapters(model) if merged else model
 
 
 # ---- writing: atomic, fsynced, pruned -----------------------------------------------------------

@@ -6,6 +6,7 @@ from deepspeed.pipe import PipelineModule
 
 from ..model.builder import apply_freeze, layer_specs, lm_loss
 from ..model.families import family_of
+from ..model.lora import add_adapters
 from ..run_config import RunConfig
 
 
@@ -32,6 +33,11 @@ class VLMPipeline(PipelineModule):
             checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
         apply_freeze(self.forward_funcs, run.freeze)
+        for offset, layer in enumerate(self.forward_funcs):  # layer i's adapters seeded as in the reference
+            if isinstance(layer, torch.nn.Module):
+                add_adapters(layer, self._local_start + offset, run.lora, seed)
+        for module in self.tied_modules.values():  # a tied copy (LLaVA's head) freezes with its group
+            add_adapters(module, -1, run.lora, seed)  # (an embedding: no linear, so no adapter)
         # DeepSpeed 0.19.8 computes the global gradient norm (clipping, ZeRO-1, bf16) by summing
         # over its "model parallel" group - here, the stages of one pipeline - but counts a
         # parameter only on group rank 0 (stage 0) unless it is marked model_parallel. Unmarked,

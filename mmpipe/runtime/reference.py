@@ -18,6 +18,7 @@ from ..data.batches import StepBatches, TrainSet, rank_batches
 from ..data.dataset import prepare
 from ..data.text import placeholders
 from ..model.builder import ReferenceModel, lm_loss
+from ..model.lora import load_base
 from ..run_config import RunConfig
 from .checkpoint import load_reference
 
@@ -99,9 +100,10 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     """out_dir: where user data's index is read or written (mmpipe.data.dataset.prepare)."""
     if run.dp != 1 or run.precision != "fp32":
         raise ValueError("the reference loop covers dp = 1, fp32")
-    model = ReferenceModel(run.model, seed=seed, freeze=run.freeze)
-    if run.init_from:  # weights only, as mmpipe.runtime.trainer.load_run_weights
-        model.load_state_dict(load_reference(Path(run.init_from) / "checkpoints", run.model).state_dict())
+    model = ReferenceModel(run.model, seed=seed, freeze=run.freeze, lora=run.lora)
+    if run.init_from:  # weights only, as mmpipe.runtime.trainer.load_run_weights (adapters keep their init)
+        for mine, base in zip(model, load_reference(Path(run.init_from) / "checkpoints", run.model)):
+            load_base(mine, base.state_dict())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)

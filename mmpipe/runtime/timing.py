@@ -353,6 +353,10 @@ def gather_stage_report(engine, timer: StageTimer) -> list[dict] | None:
 
     rep = timer.report()
     rep["stage"] = int(getattr(engine, "stage_id", rep["stage"]))
+    # what this rank's optimizer updates (a ZeRO / bf16 wrapper's inner optimizer: its fp32 shards)
+    opt = getattr(engine, "optimizer", None)
+    opt = getattr(opt, "optimizer", opt)
+    rep["optimizer_params"] = sum(p.numel() for g in getattr(opt, "param_groups", []) for p in g["params"])
     if not (dist.is_available() and dist.is_initialized()):
         return [_average([rep])]
     reports: list = [None] * dist.get_world_size()

@@ -30,6 +30,7 @@ from ..data.batches import StepBatches, TrainSet, rank_batches
 from ..data.dataset import prepare, prepare_eval
 from ..data.index import describe as describe_data
 from ..data.text import decoder_positions, placeholders
+from ..model.lora import LORA_FILE, load_base
 from ..planning.partition import describe as describe_parts
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
@@ -163,6 +164,9 @@ def prepare_output(out: Path, run: RunConfig, rank: int) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "model.json").write_text(json.dumps(run.model.to_dict(), indent=2) + "\n")
+        (out / LORA_FILE).unlink(missing_ok=True)
+        if run.lora:  # how to rebuild the adapters for generate, eval and export
+            (out / LORA_FILE).write_text(json.dumps(run.lora.to_dict(), indent=2) + "\n")
         (out / MARKER).unlink(missing_ok=True)  # an earlier preemption's, handled: not this run's
     dist.barrier()
 
@@ -293,7 +297,10 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progre
         "precision": run.precision, "zero_stage": run.zero_stage, "preset": run.model.name,
         "freeze": list(run.freeze), "parts": run.parts, "seed": args.seed, "ds_config": run.ds_config_path,
         **progress.counters, "partition": describe_parts(run.layers, run.parts),
+        "lora": run.lora.to_dict() if run.lora else None,
     }
+    if stage_rows:  # per stage, averaged over its replicas: what the optimizer really holds
+        summary["optimizer_params"] = [int(r["optimizer_params"]) for r in stage_rows]
     if timing is not None:
         summary["stage_timing"] = timing
         print(f"mmpipe: per stage (ms per micro-batch) forward "
@@ -331,7 +338,7 @@ def load_run_weights(pipe, ckpt_dir: Path) -> int:
 
     def load(module, idx: int):
         path = d / f"layer_{idx:02d}-model_states.pt"
-        module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        load_base(module, torch.load(path, map_location="cpu", weights_only=True))  # adapters (LoRA) keep theirs
 
     n = 0
     for offset, layer in enumerate(pipe.forward_funcs):

@@ -1,0 +1,221 @@
+"""LoRA adapters across pipeline stages (`--lora`): the 2-stage run equals the single-device reference
+with the same adapters, the frozen base stays bit-identical, the optimizer holds only what trains,
+resume is exact, and the export is what peft and transformers load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import LlavaForConditionalGeneration
+
+from conftest import fixed_schedule_config, train_run, write_checkpoint
+from hf_models import batch, save_hf
+from mmpipe.cli import main as cli
+from mmpipe.config import load_preset
+from mmpipe.hf.llava import import_llava
+from mmpipe.inference.generate import load_checkpoint
+from mmpipe.model import ReferenceModel
+from mmpipe.model.lora import LORA_FILE, Lora, is_adapter, load_base, merge_adapters
+from mmpipe.planning.costmodel import layer_costs
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
+
+TOL = 1e-5
+STEPS = 4
+LORA = ["--lora", "4", "--lora-alpha", "8"]
+
+
+def _args(cfg, *extra):
+    return ["--preset", "tiny", "--ds-config", str(cfg), "--steps", str(STEPS), "--eval-samples", "0", "--seed", "3",
+            *LORA, *extra]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    # a schedule fixed at STEPS, so the run stopped at step 2 and resumed follows the same curve
+    return fixed_schedule_config(tmp_path_factory.mktemp("cfg") / "lora.json", STEPS)
+
+
+@pytest.fixture(scope="module")
+def reference(config):
+    run = resolve(TrainArgs.from_argv(_args(config, "--stages", "1")), world_size=1)
+    return train_reference(run, seed=3, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory, config):
+    return train_run(tmp_path_factory.mktemp("lora_pp2"), *_args(config, "--stages", "2")).check()
+
+
+def _state(model) -> dict:
+    return {f"{i}.{k}": v for i, layer in enumerate(model) for k, v in layer.state_dict().items()}
+
+
+def test_pp2_equals_reference_and_only_adapters_and_unfrozen_train(reference, pp2):
+    ref_model, ref_losses = reference
+    for step, want in enumerate(ref_losses, start=1):
+        assert pp2.losses[step] == pytest.approx(want, abs=TOL), step
+    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3  # it trained
+    cfg = load_preset("tiny")
+    trained, init = _state(load_reference(pp2.out / "checkpoints", cfg)), _state(ReferenceModel(cfg, seed=3))
+    ref = _state(ref_model)
+    assert trained.keys() == ref.keys()
+    adapters = [k for k in trained if is_adapter(k)]
+    assert adapters and all((trained[k] - ref[k]).abs().max() < TOL for k in adapters)
+    assert any((trained[k] - ref[k]).abs().max() > 0 or trained[k].abs().max() > 0 for k in adapters if "lora_B" in k)
+    # the text group's base is frozen: bit-identical to its initialisation; vision and projector trained
+    for k, v in trained.items():
+        group = ref_model[int(k.split(".")[0])].group
+        if group == "text" and not is_adapter(k):
+            assert torch.equal(v, init[k.replace(".base_layer", "")]), k
+    assert any(not torch.equal(trained[k], init[k]) for k in trained if ref_model[int(k.split(".")[0])].group
+               == "vision")
+    # the optimizer of each stage holds exactly its adapters plus the unfrozen vision / projector layers
+    parts = pp2.summary["parts"]
+    want = [sum(p.numel() for layer in list(ref_model)[a:b] for p in layer.parameters() if p.requires_grad)
+            for a, b in zip(parts, parts[1:])]
+    assert pp2.summary["optimizer_params"] == want
+    assert want[1] == sum(v.numel() for k, v in trained.items() if is_adapter(k))  # stage 1: text, adapters only
+    assert pp2.summary["lora"]["rank"] == 4 and json.loads((pp2.out / LORA_FILE).read_text())["alpha"] == 8
+
+
+def test_resume_equals_uninterrupted(tmp_path, config, pp2):
+    first = train_run(tmp_path, *_args(config, "--stages", "2", "--steps", "2")).check()
+    assert sorted(first.losses) == [1, 2]
+    resumed = train_run(tmp_path, *_args(config, "--stages", "2", "--resume")).check()
+    assert resumed.losses == pp2.losses
+    cfg = load_preset("tiny")
+    a, b = _state(load_reference(tmp_path / "checkpoints", cfg)), _state(load_reference(pp2.out / "checkpoints", cfg))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_frozen_prefix_stage_and_init_from_base(tmp_path, config):
+    """--freeze vision,projector with adapters only on qkv: stage 0's own layers are all frozen; the
+    balanced partition gives it the first adapted blocks, so no stage is left without a trainable
+    parameter (DeepSpeed's empty-optimizer crash); the base comes from --init-from and stays bit-equal."""
+    cfg = load_preset("tiny")
+    base = ReferenceModel(cfg, seed=11)
+    write_checkpoint(base, tmp_path / "base")
+    extra = ("--stages", "2", "--freeze", "vision,projector", "--lora-targets", "qkv",
+             "--init-from", str(tmp_path / "base"))
+    run = train_run(tmp_path / "run", *_args(config, *extra)).check()
+    parts = run.summary["parts"]
+    n_frozen = cfg.vision.n_layers + 4  # patch embedding, blocks, norm, projector, text embedding
+    assert parts[1] > n_frozen  # stage 0 also holds an adapted decoder block
+    assert all(n > 0 for n in run.summary["optimizer_params"])
+    trained = load_reference(run.out / "checkpoints", cfg)
+    for i, (mine, theirs) in enumerate(zip(trained, base)):
+        got = {k.replace(".base_layer", ""): v for k, v in mine.state_dict().items() if not is_adapter(k)}
+        assert all(torch.equal(got[k], v) for k, v in theirs.state_dict().items()), i
+    assert all(not is_adapter(k) or "qkv" in k for k in _state(trained))
+    # an explicit cut that leaves stage 0 nothing to train is refused before launch, in one line
+    bad = train_run(tmp_path / "bad", *_args(config, *extra, "--partition", str(n_frozen - 1)))
+    assert bad.proc.returncode == 2 and "would hold no trainable parameter" in bad.proc.stderr
+    # and a LoRA run is not a base: --init-from it is refused with what to do instead
+    again = train_run(tmp_path / "again", *_args(config, "--stages", "1", "--init-from", str(run.out)))
+    assert again.proc.returncode == 2 and "merged" in again.proc.stderr
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lora", "-2"], "--lora: rank -2"),
+    (["--lora", "4", "--lora-groups", "text,decoder"], "--lora-groups"),
+    (["--lora", "4", "--lora-targets", "q_proj("], "is not a regular expression"),
+    (["--lora", "4", "--lora-targets", "nothing_named_so"], "matches no linear layer"),
+    (["--lora", "4", "--lora-dropout", "1.5"], "--lora-dropout"),
+])
+def test_bad_lora_flags_one_line(tmp_path, flags, says):
+    run = train_run(tmp_path, "--preset", "tiny", "--steps", "1", "--stages", "1", *flags)
+    assert run.proc.returncode == 2
+    lines = [ln for ln in run.proc.stderr.splitlines() if ln.startswith("mmpipe: error:")]
+    assert len(lines) == 1 and says in lines[0], run.proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def adapted_llava(tmp_path_factory):
+    """An imported tiny HF LLaVA (CLIP + Qwen2, tied embeddings) with trained-looking adapters on the
+    text and projector groups, saved as a LoRA run's checkpoint."""
+    d = tmp_path_factory.mktemp("llava_lora")
+    save_hf("clip_qwen2", d / "hf")
+    imported, _ = import_llava(d / "hf")
+    lora = Lora(4, 8.0, groups=("text", "projector"))
+    model = ReferenceModel(imported.cfg, lora=lora)
+    for mine, theirs in zip(model, imported):
+        load_base(mine, theirs.state_dict())
+    torch.manual_seed(5)
+    with torch.no_grad():  # peft starts B at zero (adapter = no-op); make them count
+        for name, p in model.named_parameters():
+            if is_adapter(name):
+                p.copy_(torch.randn_like(p) * 0.2)
+    write_checkpoint(model, d / "run")
+    (d / "run" / LORA_FILE).write_text(json.dumps(lora.to_dict()))
+    return d, model.eval()
+
+
+def test_merged_export_equals_adapter_model(adapted_llava):
+    d, model = adapted_llava
+    px, ids, _ = batch("clip_qwen2", seed=7)
+    with torch.no_grad():
+        want = model(px, ids)
+    assert cli(["export", "--checkpoint", str(d / "run"), "--out", str(d / "merged")]) == 0
+    merged = LlavaForConditionalGeneration.from_pretrained(d / "merged").eval()
+    loaded, _ = load_checkpoint(d / "run")  # what generate and eval run: merged on the fly
+    with torch.no_grad():
+        assert (merged(input_ids=ids, pixel_values=px).logits - want).abs().max().item() < TOL
+        assert (loaded(px, ids) - want).abs().max().item() < TOL
+        assert not any(is_adapter(k) for k in loaded.state_dict())
+        bare = ReferenceModel(model.cfg)
+        for mine, theirs in zip(bare, model):
+            load_base(mine, {k.replace(".base_layer", ""): v for k, v in theirs.state_dict().items()
+                             if not is_adapter(k)})
+        assert (bare(px, ids) - want).abs().max().item() > 1e-2  # the adapters change the answer
+
+
+def test_peft_loads_the_adapter_onto_the_exported_base(adapted_llava):
+    d, model = adapted_llava
+    assert cli(["export", "--checkpoint", str(d / "run"), "--format", "peft", "--out", str(d / "adapter")]) == 0
+    assert (d / "adapter" / "adapter_config.json").is_file() and (d / "adapter" / "adapter_model.safetensors").is_file()
+    base = LlavaForConditionalGeneration.from_pretrained(d / "adapter" / "base").eval()
+    peft_model = PeftModel.from_pretrained(base, d / "adapter").eval()
+    px, ids, _ = batch("clip_qwen2", seed=9)
+    with torch.no_grad():
+        want = model(px, ids)
+        got = peft_model(input_ids=ids, pixel_values=px).logits
+        assert (got - want).abs().max().item() < 1e-4
+        # the same adapter applied to the original HF model (the import the adapters were trained on)
+        orig = PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(d / "hf"), d / "adapter").eval()
+        assert (orig(input_ids=ids, pixel_values=px).logits - want).abs().max().item() < 1e-4
+    cfg = json.loads((d / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and any("multi_modal_projector" in t for t in cfg["target_modules"])
+
+
+def test_merge_adapters_keeps_logits():
+    cfg = load_preset("tiny")
+    model = ReferenceModel(cfg, seed=1, lora=Lora(2, 4.0, groups=("text", "vision")))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter(name):
+                p.normal_(0, 0.3)
+    px = torch.randn(2, 3, cfg.vision.image_size, cfg.vision.image_size)
+    ids = torch.randint(3, 50, (2, 12))
+    with torch.no_grad():
+        want = model(px, ids)
+        got = merge_adapters(model)(px, ids)
+    assert (got - want).abs().max().item() < TOL
+    assert not any(is_adapter(k) for k in model.state_dict())
+
+
+def test_cost_model_counts_adapters_as_the_only_trainable_state():
+    cfg = load_preset("tiny")
+    lora = Lora(4, 8.0)
+    rows = layer_costs(cfg, ("vision",), 12, lora=lora)
+    model = ReferenceModel(cfg, freeze=("vision",), lora=lora)
+    assert sum(r.trainable_params for r in rows) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(r.params for r in rows) == sum(p.numel() for p in model.parameters())
+    # moondream decoder block at rank r: r (8 D + 2 F) adapter weights (mmpipe.model.lora)
+    D, F = cfg.text.dim, cfg.text.ff_dim
+    assert [r.adapter_params for r in rows if r.name == "DecoderBlock"][0] == 4 * (8 * D + 2 * F)
