@@ -20,6 +20,7 @@ setup(
         "datasets>=3.0,<6",
         "pillow>=10",
         "safetensors>=0.4",
+        "peft>=0.17,<0.22",  # --lora: its LoRA layers inside the pipeline layers (mmpipe.model.lora)
         "tqdm>=4.66",
     ],
     extras_require={

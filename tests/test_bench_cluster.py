@@ -260,11 +260,13 @@ def test_hostfile_refusals_before_any_launch(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == ("mmpipe: error: variant 'pp2x2': 4 ranks (2 stages x dp 2) need more than the hostfile's "
                    "2 active slots\n")
-    hf.write_text("localhost slots=1\nno-such-host.invalid slots=1\n")
+    # every host is asked over ssh before any rank starts, as `mmpipe train --hostfile` does: one line per host
+    hf.write_text("no-such-host-a.invalid slots=2\nno-such-host-b.invalid slots=2\n")
     assert main(["bench", str(sweep), "--hostfile", str(hf), "--output-dir", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("mmpipe: error: --hostfile: host no-such-host.invalid is not reachable over passwordless "
-                          "ssh") and len(err.strip().splitlines()) == 1, err
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [ln.split(" is not reachable")[0] for ln in lines] == [
+        f"mmpipe: error: --hostfile: host no-such-host-{h}.invalid" for h in "ab"], lines
+    assert all("over passwordless ssh" in ln for ln in lines)
     assert not (tmp_path / "o").exists()
 
 

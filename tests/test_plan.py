@@ -15,7 +15,15 @@ import torch
 from conftest import ROOT, train_run
 from mmpipe.config import load_preset
 from mmpipe.model.builder import IGNORE_INDEX, layer_specs, lm_loss
-from mmpipe.planning.costmodel import layer_costs, stage_memory, state_bytes
+from mmpipe.planning.costmodel import (
+    KNOWN_DEVICES,
+    Device,
+    layer_costs,
+    pipeline_step_seconds,
+    stage_memory,
+    state_bytes,
+)
+from mmpipe.planning.layout import plan_layout
 from mmpipe.planning.partition import compute_parts, min_max_split
 
 
@@ -187,3 +195,27 @@ def test_the_planned_config_trains_as_written(tmp_path):
     assert s["train_batch"] == 32
     if stages > 1:
         assert s["parts"][1:-1] == [int(b) for b in cfg["pipeline"]["partition"].split(",")]
+
+
+def test_a_calibrated_devices_fixed_costs_add_to_the_step_as_the_formula_says():
+    """(m + P - 1) x (slot + p2p + per-slot overhead) + all-reduce over its own bandwidth + per-step overhead."""
+    plain = Device("d", 1e12, 1e10, 1e9)
+    cal = Device("d", 1e12, 1e10, 1e9, microbatch_overhead=0.002, step_overhead=0.030, allreduce_link=1e8)
+    times, grad = [(0.010, 0.020), (0.012, 0.025)], 4e6
+    a = pipeline_step_seconds(times, 4, [1e6], grad, 2, plain)
+    b = pipeline_step_seconds(times, 4, [1e6], grad, 2, cal)
+    # slots 4 + 2 - 1 = 5; p2p 2 x 1e6 / 1e9 = 2 ms; all-reduce 2 (2-1)/2 x 4e6 B = 4e6 B
+    assert a["step_s"] == pytest.approx(5 * (0.037 + 0.002) + 4e6 / 1e9)
+    assert b["step_s"] == pytest.approx(5 * (0.037 + 0.002 + 0.002) + 4e6 / 1e8 + 0.030)
+    assert a["bubble"] == b["bubble"] == pytest.approx(1 / 5) and b["slots"] == 5
+
+
+def test_plan_layout_cuts_a_named_partition_as_training_does():
+    rows = layer_costs(load_preset("small"), (), 12)
+    dev = KNOWN_DEVICES["a100-80gb"]
+    uni = plan_layout(rows, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev, partition="uniform")
+    bal = plan_layout(rows, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev)
+    assert uni.parts == compute_parts(rows, 2, "uniform") and bal.parts == compute_parts(rows, 2, "balanced")
+    assert uni.parts != bal.parts and uni.step["slot_s"] > bal.step["slot_s"]
+    explicit = plan_layout(rows, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev, partition="3")
+    assert explicit.parts == [0, 3, len(rows)]

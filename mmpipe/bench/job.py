@@ -64,15 +64,19 @@ def main(argv=None) -> int:
     (vout / PREEMPTED).unlink(missing_ok=True)  # only this attempt's preemption may requeue the job
     rc, wall = run_attempt(["srun", *cmd], env, vout, sw.timeout_s)
     attempts = _attempts(vout, rc, wall)
-    if rc != 124 and (vout / PREEMPTED).is_file() and plan.get("requeue", True):
+    if rc == 124:  # our own TERM at the timeout made the ranks checkpoint as if preempted: not a requeue
+        (vout / PREEMPTED).unlink(missing_ok=True)
+    if (vout / PREEMPTED).is_file() and plan.get("requeue", True):
         (vout / PREEMPTED).unlink()
         print(f"mmpipe bench: preempted; requeueing job {job}", flush=True)
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         if r.returncode == 0:
             return 0
         print(f"mmpipe bench: scontrol requeue failed: {r.stderr.strip()}", flush=True)
+    reason = (f"timeout after {sw.timeout_s} s" if rc == 124 else
+              "preempted, and not requeued (--no-requeue)" if (vout / PREEMPTED).is_file() else "")
     device, peak = peaks(sw.device, sw.peak_flops, {prec, "fp32"})
-    write_outcome(vout, rc=rc, reason=f"timeout after {sw.timeout_s} s" if rc == 124 else "",
+    write_outcome(vout, rc=rc, reason=reason,
                   wall_s=sum(a["wall_s"] for a in attempts), attempts=len(attempts), job=job, device=device,
                   peaks=peak, machine=machine())
     return finish(out)

@@ -160,10 +160,14 @@ def plot_predicted(plt, pts: list[dict]):
                             label="within 15%")
         ax.scatter(xs, ys, color="tab:blue", zorder=3)
         ratios = [yv / x for x, yv in zip(xs, ys) if x]
-        if names:
-            for p, x, yv in zip(sel, xs, ys):
-                ax.annotate(f"{p['name']} ({yv / x:.2f}x)" if x else p["name"], (x, yv), fontsize=7,
-                            xytext=(4, 3), textcoords="offset points")
+        if names:  # points numbered, worst ratio first; the key in the empty lower right (y >= x mostly)
+            order = sorted(zip(sel, xs, ys), key=lambda t: -(t[2] / t[1] if t[1] else 0))
+            for k, (p, x, yv) in enumerate(order, 1):
+                ax.annotate(str(k), (x, yv), fontsize=8, xytext=(4, 2), textcoords="offset points")
+            key = "\n".join(f"{k:>2}  {p['name']:<{max(len(q['name']) for q in sel)}}  {yv / x:5.2f}x"
+                            for k, (p, x, yv) in enumerate(order, 1))
+            ax.text(0.97, 0.03, key, transform=ax.transAxes, ha="right", va="bottom", multialignment="left",
+                    fontsize=7, family="monospace", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"})
         elif ratios:
             ax.text(0.97, 0.03, f"{len(sel)} variants, measured/predicted {min(ratios):.1f}-{max(ratios):.1f}x",
                     transform=ax.transAxes, ha="right", fontsize=8)
@@ -218,9 +222,11 @@ def plot_bubble(plt, rows: list[dict]):
                                                            and (r.get("stages") or 1) > 1 for r in rs)]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(pipe) + 2), 4))
     x = range(len(pipe))
-    ax.bar([i - 0.2 for i in x], [statistics.median(r["bubble_measured"] for r in rs) for _, rs in pipe], 0.4,
-           label="measured (median over repeats)")
-    ax.bar([i + 0.2 for i in x], [rs[0]["bubble_theory"] for _, rs in pipe], 0.4, label="1F1B theory (p-1)/(m+p-1)")
+    measured = [statistics.median(r["bubble_measured"] for r in rs) for _, rs in pipe]
+    theory = [rs[0]["bubble_theory"] for _, rs in pipe]
+    ax.bar([i - 0.2 for i in x], measured, 0.4, label="measured (median over repeats)")
+    ax.bar([i + 0.2 for i in x], theory, 0.4, label="1F1B theory (p-1)/(m+p-1)")
+    ax.set_ylim(0, max(measured + theory + [0.05]) * 1.35)  # room for the legend above the bars
     ax.set_xticks(list(x), [n for n, _ in pipe], rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("idle fraction of the step")
     ax.set_title("Pipeline bubble: measured vs theory")

@@ -2,7 +2,7 @@
 report the fit and the held-back variants before and after, and save a device profile that
 `mmpipe plan --device-profile FILE` (and nothing else) then uses.
 
-The planner's step time of a layout (mmpipe.planning.layout) is linear in three kinds of terms:
+The planner's step time of a layout (mmpipe.planning.layout) is linear in the terms fitted:
 
     step = S x (slot_flops_s / efficiency[precision] + p2p + o_slot) + allreduce_bytes / bw + o_step
            S = m + P - 1 slots, slot_flops_s = the slowest stage's FLOPs per micro-batch / peak FLOP/s
@@ -15,8 +15,8 @@ are kept >= 0 (a negative one has no physical meaning): the exact solution over 
 active sets {both free, o_slot = 0, o_step = 0, both 0}, the best that is feasible.
 
 Which variants: the sweep's pipeline-engine variants (engine 'pipe'; the 'dp' engine's ZeRO-2/3
-traffic is not in the model) whose every repeat is 'ok' or that have an ok repeat, one equation
-each, at the median step over repeats. Held back (`--hold-out a,b`; default: the last two the fit
+traffic is not in the model) with at least one ok repeat, one equation each, at the median step
+over their ok repeats. Held back (`--hold-out a,b`; default: the last two the fit
 can speak for, see default_hold_out) are predicted before and after, never fitted. The all-reduce's
 bandwidth is fitted only when a fitted variant has DP > 1 (else it keeps the device's link).
 """
@@ -62,13 +62,17 @@ def read_results(path: str) -> dict:
 def results_device(meta: dict, precision: str) -> Device | None:
     """The device a sweep ran on, as the uncalibrated planner sees it: the sweep's own peak per rank
     at the precision (the one its MFU column uses), the table's link and default efficiency
-    (KNOWN_DEVICES; `--device cpu`'s on CPU), no memory limit (the run happened; mmpipe train cuts
+    (KNOWN_DEVICES; `--device cpu`'s on CPU; 0.45 and a PCIe-class link for a GPU outside the
+    table), no memory limit (the run happened; mmpipe train cuts
     its stages without one). None when the sweep recorded no peak for the precision."""
     peak = (meta.get("peaks") or {}).get(precision)
     if not isinstance(peak, (int, float)) or peak <= 0:
         return None
     name = str(meta.get("device") or "cpu")
-    base = KNOWN_DEVICES.get(name) or Device(name, 0.0, 0.0, CPU_LINK, efficiency=CPU_EFFICIENCY)
+    if name == "cpu":
+        base = Device(name, 0.0, 0.0, CPU_LINK, efficiency=CPU_EFFICIENCY)
+    else:  # a GPU outside the table ('unknown-gpu' with the sweep's peak_flops): PCIe-class link, as l40s
+        base = KNOWN_DEVICES.get(name) or Device(name, 0.0, 0.0, KNOWN_DEVICES["l40s"].link)
     return Device(name, float(peak), math.inf, base.link, base.efficiency)
 
 
