@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,26 +254,8 @@ def _lora(args: TrainArgs, problems: Problems) -> Lora | None:
     """--lora and its options, checked; None when off."""
     if not args.lora:
         return None
-    if args.lora < 0:
-        problems.append(f"--lora: rank {args.lora} must be >= 1 (0: no adapters)")
-        return None
-    groups = tuple(g for g in args.lora_groups.split(",") if g)
-    alpha = 2.0 * args.lora if args.lora_alpha is None else args.lora_alpha
-    bad = [g for g in groups if g not in FREEZE_GROUPS]
-    before = len(problems)
-    for wrong, msg in ((alpha <= 0, f"--lora-alpha: {alpha} must be > 0"),
-                       (not 0 <= args.lora_dropout < 1, f"--lora-dropout: {args.lora_dropout} must be in [0, 1)"),
-                       (bool(bad) or not groups, f"--lora-groups: unknown or no group(s) {bad or args.lora_groups!r} "
-                                                 f"(valid: {', '.join(FREEZE_GROUPS)})")):
-        if wrong:
-            problems.append(msg)
-    try:
-        re.compile(args.lora_targets)
-    except re.error as e:
-        problems.append(f"--lora-targets: '{args.lora_targets}' is not a regular expression ({e})")
-    if len(problems) > before:
-        return None  # the table below would only repeat the problem
-    return Lora(args.lora, alpha, args.lora_dropout, groups, args.lora_targets)
+    return problems.attempt(Lora.parse, args.lora, args.lora_alpha, args.lora_dropout, args.lora_groups,
+                            args.lora_targets, FREEZE_GROUPS)
 
 
 def _check_ds(ds: dict, args: TrainArgs, problems: Problems) -> tuple[int, str]:

@@ -219,3 +219,15 @@ def test_cost_model_counts_adapters_as_the_only_trainable_state():
     # moondream decoder block at rank r: r (8 D + 2 F) adapter weights (mmpipe.model.lora)
     D, F = cfg.text.dim, cfg.text.ff_dim
     assert [r.adapter_params for r in rows if r.name == "DecoderBlock"][0] == 4 * (8 * D + 2 * F)
+
+
+def test_plan_lora_makes_a_7b_llava_fit_one_gpu(capsys):
+    """A 7B LLaVA full fine-tune fits no layout on one A100-40GB; with adapters the base needs no
+    gradients or AdamW moments and it fits (docs/lora.md's table)."""
+    plan = ["plan", "--preset", "llava-1.5-7b", "--device", "a100-40gb", "--gpus-per-node", "1", "--global-batch",
+            "64", "--freeze", "vision", "--json"]
+    assert cli(plan) == 2
+    capsys.readouterr()
+    assert cli(plan + ["--lora", "16"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["step"] and max(r["memory_gib"] for r in best["stage_rows"]) < 37

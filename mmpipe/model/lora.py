@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..config import ConfigError
+
 ADAPTER_SEED = 1_000_003  # far from the base layers' seed + i
 LORA_MARK = ".lora_"
 BASE_MARK = ".base_layer"
@@ -49,6 +51,28 @@ class Lora:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank  # peft's scaling: delta W = (alpha / r) B A
+
+    @classmethod
+    def parse(cls, rank: int, alpha: float | None, dropout: float, groups: str, targets: str,
+              valid_groups: tuple[str, ...]) -> "Lora":
+        """From the flags (--lora, --lora-alpha, ...), checked: ConfigError names every bad one, one per line."""
+        if rank < 1:
+            raise ConfigError(f"--lora: rank {rank} must be >= 1 (0: no adapters)")
+        names = tuple(g for g in groups.split(",") if g)
+        alpha = 2.0 * rank if alpha is None else alpha
+        bad = [g for g in names if g not in valid_groups]
+        problems = [msg for wrong, msg in (
+            (alpha <= 0, f"--lora-alpha: {alpha} must be > 0"),
+            (not 0 <= dropout < 1, f"--lora-dropout: {dropout} must be in [0, 1)"),
+            (bool(bad) or not names, f"--lora-groups: unknown or no group(s) {bad or groups!r} "
+                                     f"(valid: {', '.join(valid_groups)})")) if wrong]
+        try:
+            re.compile(targets)
+        except re.error as e:
+            problems.append(f"--lora-targets: '{targets}' is not a regular expression ({e})")
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return cls(rank, alpha, dropout, names, targets)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "groups": list(self.groups)}

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, fail, load_preset
+from ..model.builder import FREEZE_GROUPS
+from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
@@ -45,6 +47,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
     p.add_argument("--freeze", default="", help="comma-separated groups: vision, projector, text")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="LoRA adapters of this rank: the --lora-groups' base frozen, no gradients or optimizer "
+                        "state for it (docs/lora.md)")
+    p.add_argument("--lora-groups", default="text", help="groups that get adapters (default: text)")
+    p.add_argument("--lora-targets", default="", help="regular expression on linear names (default: all but the head)")
     p.add_argument("--top", type=int, default=10, help="layouts to list")
     p.add_argument("--write-config", default=None, help="write the best layout's DeepSpeed JSON here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -103,9 +110,9 @@ def cpu_device() -> Device:
 
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
-         precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False
-         ) -> list[Layout]:
-    rows = layer_costs(cfg, freeze, text_len, checkpointing)
+         precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False,
+         lora: Lora | None = None) -> list[Layout]:
+    rows = layer_costs(cfg, freeze, text_len, checkpointing, lora)
     profiles = {m: profile_layers(cfg, text_len, m, precision) for m in micros} if profile else {}
     layouts = []
     for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
@@ -162,6 +169,8 @@ def main_plan(args) -> int:
         device = device_from_args(args)
         micros = [int(x) for x in args.micro.split(",") if x]
         freeze = tuple(g for g in args.freeze.split(",") if g)
+        lora = (Lora.parse(args.lora, None, 0.0, args.lora_groups, args.lora_targets, FREEZE_GROUPS)
+                if args.lora else None)  # alpha and dropout change no cost
         if args.precision == "fp16" and args.zero != 1:
             raise ConfigError("--precision fp16 needs --zero 1 (DeepSpeed 0.19.8, see docs/configs.md)")
     except (ConfigError, ValueError) as e:
@@ -170,7 +179,7 @@ def main_plan(args) -> int:
     t0 = time.perf_counter()
     layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
                    text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
-                   checkpointing=args.checkpointing, profile=args.profile)
+                   checkpointing=args.checkpointing, profile=args.profile, lora=lora)
     feasible = [lay for lay in layouts if lay.step]
     if args.json:
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput} for lay in layouts], indent=1))
@@ -197,7 +206,8 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
           f"{cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"
-          f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}")
+          f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}"
+          f"{f', LoRA rank {args.lora} on {args.lora_groups} (base frozen)' if args.lora else ''}")
     print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {'samples/s':>10} "
           f"{'max GiB':>8}  partition / why not")
     for lay in layouts[:args.top] + [lay for lay in layouts[args.top:] if not lay.step][:3]:
