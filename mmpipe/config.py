@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PRESET_DIR = Path(__file__).parent / "presets"
+REGION_FILE = "region.safetensors"  # in a run directory: moondream's region head, carried unchanged (hf.moondream)
 
 
 VISION_ACTS = ("gelu_tanh", "gelu", "quick_gelu")
@@ -41,6 +42,18 @@ def fail(e: ConfigError) -> int:
     return 2
 
 
+def read_json(path: str | Path, where: str, missing: str):
+    """A JSON file's contents, or ConfigError in one line: '<where>: <missing>' when there is no such
+    file, '<where>: not valid JSON (...)' when it does not parse."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{where}: {missing}")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: not valid JSON ({e})") from None
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     image_size: int  # square crop, pixels
@@ -62,6 +75,10 @@ class VisionConfig:
     act: str = "gelu_tanh"
     feature_layer: int = -1
     feature_select: str = "full"
+    # Moondream family: how many crop features each image token concatenates before the projector.
+    # moondream2 feeds [global crop, pooled local crops] side by side, so its proj_mlp.fc1 reads
+    # 2 x dim (2 x 1152 = 2304; 0.5B: 2 x 720 = 1440). 1: the projector reads the tower's output as is.
+    crop_features: int = 1
 
     @property
     def n_positions(self) -> int:  # tower tokens: CLIP adds the class token, e.g. 24^2 + 1 = 577
@@ -74,6 +91,10 @@ class VisionConfig:
     @property
     def n_blocks_used(self) -> int:  # blocks up to the feature layer, e.g. 24 layers at -2: 23
         return self.feature_layer % (self.n_layers + 1)
+
+    @property
+    def proj_in_dim(self) -> int:  # the projector's input width, e.g. 2 x 1152 = 2304 (moondream2)
+        return self.crop_features * self.dim
 
     @property
     def grid(self) -> int:
@@ -99,8 +120,9 @@ class TextConfig:
     partial_rotary_factor: float = 0.5  # Phi: rotary on the first half of each head
     rope_theta: float = 10000.0
     ln_eps: float = 1e-5
-    # LLaVA family only (Llama / Qwen2 / Mistral decoders): grouped-query attention (0: n_heads),
-    # Qwen2's bias on q/k/v, input embedding and LM head sharing one matrix (TiedLayerSpec).
+    # Grouped-query attention: key/value heads (0: n_heads), in both families. LLaVA family only
+    # (Llama / Qwen2 / Mistral decoders): Qwen2's bias on q/k/v, input embedding and LM head sharing
+    # one matrix (TiedLayerSpec).
     n_kv_heads: int = 0
     qkv_bias: bool = False
     tie_embeddings: bool = False
@@ -216,10 +238,24 @@ def _llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (0 <= cfg.image_token_id < t.vocab_size, "image_token_id",
          f"{cfg.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
         (cfg.layout is not None, "fusion", f"'{cfg.fusion}': the LLaVA family places the image on placeholders"),
+        (v.crop_features == 1, "vision.crop_features",
+         f"{v.crop_features}: LLaVA's projector reads one feature per image token (valid: 1)"),
     ]
 
 
-FAMILY_CHECKS = {"llava": _llava_checks}  # by the model JSON's `family`, whatever its fusion
+def _moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Grouped-query attention in the Phi block (k/v heads shared by n_heads / kv_heads query heads each)
+    and the projector's crop features (1, or moondream2's global + pooled local: 2)."""
+    v, t = cfg.vision, cfg.text
+    return [
+        (t.n_kv_heads >= 0 and t.n_heads % t.kv_heads == 0, "text.n_kv_heads",
+         f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
+        (v.crop_features in (1, 2), "vision.crop_features",
+         f"{v.crop_features} (valid: 1, or 2 for moondream2's global + local crop features)"),
+    ]
+
+
+FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks}  # by the model JSON's `family`
 
 
 def list_presets() -> list[str]:
@@ -277,8 +313,4 @@ def load_preset(name_or_path: str) -> ModelConfig:
         if not path.exists():
             raise ConfigError(f"--preset: unknown preset '{name_or_path}' (valid: {', '.join(list_presets())}, "
                               f"or a path to a .json model config)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--preset: {path} is not valid JSON ({e})") from None
-    return config_from_dict(data, name)
+    return config_from_dict(read_json(path, f"--preset: {path}", "not found"), name)

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig, config_from_dict, load_preset
+from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
 from .data.dataset import DataOptions, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
@@ -68,13 +68,7 @@ class RunConfig:
 
 
 def _load_json(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--ds-config: file not found: {path}")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--ds-config: {path} is not valid JSON ({e})") from None
+    data = read_json(path, f"--ds-config: {path}", "file not found")
     if not isinstance(data, dict):
         raise ConfigError(f"--ds-config: {path} must hold a JSON object")
     return data

@@ -217,7 +217,7 @@ def _plan(tmp_path, **change) -> Path:
 
 @pytest.mark.parametrize("make, expect", [
     (lambda t: t / "missing", "no such directory"),
-    (lambda t: t, "no bench.json, so not the output directory of `mmpipe bench`"),
+    (lambda t: t, "bench.json: no such file, so not the output directory of `mmpipe bench`"),
     (lambda t: _plan_text(t, "{oops"), "bench.json: not valid JSON"),
     (lambda t: _plan(t, version=9), "bench.json: version 9 is not 1"),
     (lambda t: _plan(t, sweep={"variants": [{"name": "pp1", "stagez": 2}]}),

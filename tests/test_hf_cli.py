@@ -73,6 +73,7 @@ def test_moondream_export_import_and_refusals(tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.strip() == ("mmpipe: error: --format hf: only the LLaVA family has an HF model "
-                                               "class; use --format safetensors for the moondream family")
+                                               "class; use --format safetensors for the moondream family (a LoRA "
+                                               "run's adapters merged in)")
     assert main(["import", "--moondream", str(tmp_path / "current.safetensors"), "--out", str(tmp_path / "y")]) == 2
     assert "needs --preset" in capsys.readouterr().err

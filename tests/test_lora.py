@@ -13,7 +13,7 @@ from transformers import LlavaForConditionalGeneration
 from conftest import fixed_schedule_config, train_run, write_checkpoint
 from hf_models import batch, save_hf
 from mmpipe.cli import main as cli
-from mmpipe.config import load_preset
+from mmpipe.config import REGION_FILE, load_preset
 from mmpipe.hf.llava import import_llava
 from mmpipe.inference.generate import load_checkpoint
 from mmpipe.model import ReferenceModel
@@ -100,9 +100,12 @@ def test_frozen_prefix_stage_and_init_from_base(tmp_path, config):
     cfg = load_preset("tiny")
     base = ReferenceModel(cfg, seed=11)
     write_checkpoint(base, tmp_path / "base")
+    region = tmp_path / "base" / REGION_FILE  # moondream's region head, as `mmpipe import --moondream` leaves it
+    region.write_bytes(b"region head bytes, carried unchanged")
     extra = ("--stages", "2", "--freeze", "vision,projector", "--lora-targets", "qkv",
              "--init-from", str(tmp_path / "base"))
     run = train_run(tmp_path / "run", *_args(config, *extra)).check()
+    assert (run.out / REGION_FILE).read_bytes() == region.read_bytes()  # so `mmpipe export` finds it
     parts = run.summary["parts"]
     n_frozen = cfg.vision.n_layers + 4  # patch embedding, blocks, norm, projector, text embedding
     assert parts[1] > n_frozen  # stage 0 also holds an adapted decoder block

@@ -68,7 +68,7 @@ def test_everything_frozen(capsys):
 
 def test_missing_config_file(tmp_path, capsys):
     err = refuse(capsys, "--ds-config", str(tmp_path / "nope.json"))
-    assert f"--ds-config: file not found: {tmp_path}/nope.json" in err
+    assert f"--ds-config: {tmp_path}/nope.json: file not found" in err
 
 
 def test_unknown_preset(capsys):

@@ -6,11 +6,10 @@ its job ended (`timeout`, `oom`, `failed`). A directory that is not a sweep's is
 """
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, read_json
 from . import sweep as sweep_mod
 from .cluster import PLAN, PLAN_VERSION, run_dir
 from .report import write_all
@@ -32,14 +31,8 @@ def load(out: Path) -> tuple[dict, Sweep]:
     where = f"--collect: {out}"
     if not out.is_dir():
         raise ConfigError(f"{where}: no such directory")
-    p = out / PLAN
-    if not p.is_file():
-        raise ConfigError(f"{where}: no {PLAN}, so not the output directory of `mmpipe bench` "
-                          f"(it writes {PLAN} before its first run)")
-    try:
-        plan = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}/{PLAN}: not valid JSON ({e})") from None
+    plan = read_json(out / PLAN, f"{where}/{PLAN}", f"no such file, so not the output directory of `mmpipe bench` "
+                                                      f"(it writes {PLAN} before its first run)")
     if not isinstance(plan, dict):
         raise ConfigError(f"{where}/{PLAN}: must hold a JSON object")
     if plan.get("version") != PLAN_VERSION:
@@ -47,7 +40,7 @@ def load(out: Path) -> tuple[dict, Sweep]:
     if plan.get("mode") not in MODES:
         raise ConfigError(f"{where}/{PLAN}: mode {plan.get('mode')!r} is not one of {', '.join(MODES)}")
     try:
-        sw = sweep_mod.parse(plan.get("sweep"), str(plan.get("sweep_file") or p))
+        sw = sweep_mod.parse(plan.get("sweep"), str(plan.get("sweep_file") or out / PLAN))
     except ConfigError as e:
         raise ConfigError(f"{where}/{PLAN}: its sweep is malformed: {'; '.join(str(e).splitlines())}") from None
     items = plan.get("items")

@@ -200,8 +200,8 @@ def run_here(sw: Sweep, variants: list[Variant], peer_list: list[str], out: Path
                  row["name"])
         write_all(rows, out, meta, sw.targets)  # partial results survive an interrupted sweep
     print((out / "results.md").read_text(), flush=True)
-    print(f"mmpipe bench: results.csv, results.json, results.md, throughput.png, memory.png, bubble.png in {out}",
-          flush=True)
+    print(f"mmpipe bench: results.csv, results.json, results.md, throughput.png, memory.png, bubble.png, "
+          f"predicted.png in {out}", flush=True)
     return _exit_status(rows)
 
 

@@ -7,11 +7,10 @@ NOT a sweep-file error: it is recorded as a failed variant with its reason, like
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, read_json
 from ..planning.costmodel import KNOWN_DEVICES
 
 # variant field -> (type check, description of the valid values)
@@ -223,11 +222,5 @@ def _targets(tg, names: list[str], problems: list[str]) -> dict:
 
 
 def load(path: str) -> Sweep:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{path}: sweep file not found")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    return parse(data, str(p))
+    data = read_json(path, path, "sweep file not found")
+    return parse(data, str(path))

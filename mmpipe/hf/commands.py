@@ -21,7 +21,7 @@ from ..model.lora import read_lora
 from ..runtime.checkpoint import load_reference
 from .adapter import export_adapter
 from .llava import _hf_names, export_hf, hf_config, import_llava, import_parts, key_map
-from .moondream import export_moondream, import_moondream
+from .moondream import REGION_FILE, export_moondream, import_moondream, load_region, save_region
 
 
 def add_import_args(p: argparse.ArgumentParser) -> None:
@@ -65,11 +65,13 @@ def main_import(args: argparse.Namespace) -> int:
             from safetensors.torch import load_file
 
             model = ReferenceModel(load_preset(args.preset))
-            unused = import_moondream(model, load_file(args.moondream), args.moondream)
-            note = f"all tensors mapped, {len(unused)} unused (region head)"
+            region = import_moondream(model, load_file(args.moondream), args.moondream)
+            note = f"all tensors mapped, region head {'-> ' + REGION_FILE if region else 'absent'}"
     except (ConfigError, FileNotFoundError, OSError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(str(e)))
     save_run(model, Path(args.out))
+    if args.moondream and region:  # no pipeline layer holds it; export puts it back (mmpipe.hf.moondream)
+        save_region(region, Path(args.out))
     tok = _tokenizer_of(args, report if not args.moondream else None)
     if tok is not None:  # `mmpipe generate --checkpoint OUT` reads it from OUT/tokenizer
         tok.save_pretrained(Path(args.out) / "tokenizer")
@@ -97,15 +99,18 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
                         "merged into both. peft: a LoRA run's adapters alone, as a peft adapter directory with the "
                         "unmerged base in OUT/base (LLaVA family; docs/lora.md)")
     p.add_argument("--layout", choices=("current", "legacy"), default="current", help="moondream names to write")
+    p.add_argument("--region", help=f"moondream family: the region head to write with the weights, a {REGION_FILE} "
+                                    f"or the import run holding it (default: CHECKPOINT/{REGION_FILE} if present)")
 
 
-def consolidated(model, layout: str = "current") -> dict[str, torch.Tensor]:
-    """Every weight once, in the family's ecosystem names: HF's where it has an HF class, else moondream's."""
+def consolidated(model, layout: str = "current", region=None) -> dict[str, torch.Tensor]:
+    """Every weight once, in the family's ecosystem names: HF's where it has an HF class, else moondream's
+    (with its region head, when given)."""
     if family_of(model.cfg).hf_class:
         state = model.state_dict()
         names = key_map(model.cfg, _hf_names(hf_config(model.cfg)))
         return {h: state[m].detach().contiguous() for m, h in names.items()}
-    return export_moondream(model, layout)
+    return export_moondream(model, layout, region)
 
 
 def main_export(args: argparse.Namespace) -> int:
@@ -120,6 +125,9 @@ def main_export(args: argparse.Namespace) -> int:
         if args.format == "peft" and read_lora(run) is None:
             raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
         model = load_reference(run / "checkpoints", cfg, merged=args.format != "peft")
+        region_src = Path(args.region) if args.region else run / REGION_FILE
+        region = (load_region(region_src, cfg.text.dim) if args.format == "safetensors" and not family_of(cfg).hf_class
+                  and (args.region or region_src.is_file()) else None)
     except (ConfigError, FileNotFoundError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
     if args.format == "peft":
@@ -129,6 +137,9 @@ def main_export(args: argparse.Namespace) -> int:
     else:
         from safetensors.torch import save_file
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        save_file(consolidated(model, args.layout), args.out)
+        save_file(consolidated(model, args.layout, region), args.out)
+    if region is None and not family_of(cfg).hf_class:
+        print(f"mmpipe: note: no region head ({run / REGION_FILE} absent, no --region): moondream's legacy loader "
+              f"needs one, its current loader leaves it uninitialised")
     print(f"mmpipe: exported {run} -> {args.out}")
     return 0

@@ -4,25 +4,46 @@ Two layouts of moondream checkpoints, both read (and written):
 
     current  model.vision.patch_emb / pos_emb / blocks.{i}.{ln1,attn.qkv,attn.proj,ln2,mlp.fc1,mlp.fc2} / post_ln,
              model.vision.proj_mlp.{fc1,fc2}, model.text.wte, model.text.blocks.{i}.{ln,attn.qkv,attn.proj,mlp.fc1,
-             mlp.fc2}, model.text.post_ln, model.text.lm_head
+             mlp.fc2}, model.text.post_ln, model.text.lm_head, model.region.* (REGION_NAMES)
     legacy   vision_encoder.encoder.model.visual.{patch_embed.linear, pos_embed, blocks.{i}.{norm1,...,norm2}, norm},
              vision_encoder.projection.mlp.*, text_model.transformer.embd.wte, text_model.transformer.h.{i}.{ln,
-             mixer.Wqkv, mixer.out_proj, mlp.*}, text_model.lm_head.{ln, linear}
+             mixer.Wqkv, mixer.out_proj, mlp.*}, text_model.lm_head.{ln, linear}, region_model.*
 
 mmpipe's names are "<layer index>.<sub-name>" of the single-device model. Every source tensor is
-mapped or, for moondream's region (detection / pointing) head, which mmpipe does not model,
-reported as unused; anything else, a missing tensor or a wrong shape is an error naming it.
+mapped; anything else, a missing tensor or a wrong shape is an error naming it.
+
+The region (detection / pointing) head, 14 tensors, is no pipeline layer: nothing in training reads
+it. It travels beside the weights, unchanged, as RUN/region.safetensors (REGION_FILE) in moondream's
+current names and dtype: `mmpipe import --moondream` writes it, `mmpipe export --format safetensors`
+writes it back in either layout. Between the layouts only names change, and the two Fourier feature
+matrices are transposed (moondream's legacy loader copies `coordinate_features.weight.T` into
+`coord_features`): bit-exact both ways.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import REGION_FILE, ConfigError, ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.layers import DecoderBlock, LMHead, PatchEmbed, Projector, TextEmbed, VisionBlock, VisionNorm
 
 LAYOUTS = ("current", "legacy")
-UNUSED_PREFIXES = ("model.region.", "region_model.")
+REGION_PREFIXES = {"current": "model.region.", "legacy": "region_model."}
+
+# moondream's region head: current name -> (legacy name, stored transposed in legacy). Shapes of moondream2:
+# coord_encoder (2048, 256), coord_decoder fc1 (8192, 2048) fc2 (1024, 8192), size_encoder (2048, 512),
+# size_decoder fc1 (8192, 2048) fc2 (2048, 8192), coord_features (1, 128), size_features (2, 256).
+REGION_NAMES = {
+    **{f"model.region.{mine}.{p}": (f"region_model.{legacy}.{p}", False)
+       for mine, legacy in (("coord_encoder", "coordinate_encoder"), ("coord_decoder.fc1", "coordinate_decoder.fc1"),
+                            ("coord_decoder.fc2", "coordinate_decoder.fc2"), ("size_encoder", "size_encoder"),
+                            ("size_decoder.fc1", "size_decoder.fc1"), ("size_decoder.fc2", "size_decoder.fc2"))
+       for p in ("weight", "bias")},
+    "model.region.coord_features": ("region_model.coordinate_features.weight", True),
+    "model.region.size_features": ("region_model.size_features.weight", True),
+}
 
 # per layer class: mmpipe sub-name -> moondream name (with {i} for the block number), per layout
 _NAMES = {
@@ -84,16 +105,51 @@ def detect_layout(names) -> str:
                       "text_model.* tensors")
 
 
-def import_moondream(model: ReferenceModel, source: dict[str, torch.Tensor], where: str = "moondream") -> list[str]:
-    """Load moondream-named tensors into the model; returns the source names left unused (region head)."""
-    kmap = key_map(model.cfg, detect_layout(source))
+def split_region(source: dict[str, torch.Tensor], layout: str, text_dim: int,
+                 where: str = "moondream") -> dict[str, torch.Tensor]:
+    """The region head's tensors of a moondream state dict, in current names (legacy ones renamed, the
+    feature matrices transposed back); {} when it has none. A partial head, or a region-named tensor
+    moondream does not have, is refused naming it."""
+    names = {mine if layout == "current" else legacy: (mine, layout == "legacy" and t)
+             for mine, (legacy, t) in REGION_NAMES.items()}
+    found = {n for n in source if n.startswith(REGION_PREFIXES[layout])}
+    if not found:
+        return {}
+    for n in sorted(found):
+        if n not in names:
+            raise ConfigError(f"{where}: tensor '{n}' {tuple(source[n].shape)} is not part of moondream's region head")
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ConfigError(f"{where}: region head incomplete: no tensor for '{missing[0]}'"
+                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    out = {mine: (source[n].t() if t else source[n]).contiguous() for n, (mine, t) in names.items()}
+    # the coordinate / size encoders write into the decoder's hidden state: they must be text.dim wide
+    width = out["model.region.coord_encoder.weight"].shape[0]
+    if width != text_dim:
+        raise ConfigError(f"{where}: region head is {width} wide, the text model {text_dim}")
+    return out
+
+
+def region_in_layout(region: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Current-named region tensors (split_region, REGION_FILE) under `layout`'s names, bit-exact."""
+    if layout == "current":
+        return dict(region)
+    return {REGION_NAMES[n][0]: (v.t().contiguous() if REGION_NAMES[n][1] else v) for n, v in region.items()}
+
+
+def import_moondream(model: ReferenceModel, source: dict[str, torch.Tensor],
+                     where: str = "moondream") -> dict[str, torch.Tensor]:
+    """Load moondream-named tensors into the model; returns the region head's tensors (current names,
+    their own dtype; {} when the source has none), which no layer holds."""
+    layout = detect_layout(source)
+    region = split_region(source, layout, model.cfg.text.dim, where)
+    kmap = key_map(model.cfg, layout)
     by_src = {s: m for m, s in kmap.items()}
-    state, unused = model.state_dict(), []
+    state = model.state_dict()
     for name, tensor in source.items():
         mine = by_src.get(name)
         if mine is None:
-            if name.startswith(UNUSED_PREFIXES):
-                unused.append(name)
+            if name.startswith(REGION_PREFIXES[layout]):
                 continue
             raise ConfigError(f"{where}: tensor '{name}' {tuple(tensor.shape)} matches no weight of the model")
         if tuple(tensor.shape) != tuple(state[mine].shape):
@@ -105,10 +161,27 @@ def import_moondream(model: ReferenceModel, source: dict[str, torch.Tensor], whe
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ConfigError(f"{where}: no tensor for '{missing[0]}'{more}")
     model.load_state_dict(state)
-    return unused
+    return region
 
 
-def export_moondream(model: ReferenceModel, layout: str = "current") -> dict[str, torch.Tensor]:
-    """The model's weights under moondream's names (contiguous, ready for safetensors)."""
+def export_moondream(model: ReferenceModel, layout: str = "current",
+                     region: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights under moondream's names (contiguous, ready for safetensors), with the region
+    head (current names, as split_region returns) under `layout`'s names when given."""
     state = model.state_dict()
-    return {md: state[m].detach().contiguous() for m, md in key_map(model.cfg, layout).items()}
+    out = {md: state[m].detach().contiguous() for m, md in key_map(model.cfg, layout).items()}
+    return {**out, **region_in_layout(region or {}, layout)}
+
+
+def save_region(region: dict[str, torch.Tensor], run: Path) -> None:
+    from safetensors.torch import save_file
+    save_file(region, str(run / REGION_FILE))
+
+
+def load_region(path: Path, text_dim: int) -> dict[str, torch.Tensor]:
+    """The region head from a REGION_FILE, or from a run directory holding one (checked as on import)."""
+    from safetensors.torch import load_file
+    path = path / REGION_FILE if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"--region: {path} does not exist (mmpipe import --moondream writes RUN/{REGION_FILE})")
+    return split_region(load_file(str(path)), "current", text_dim, str(path))

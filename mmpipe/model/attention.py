@@ -51,12 +51,19 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 class FusedAttention(nn.Module):
-    """Multi-head self-attention with one qkv projection, as in SigLIP (split) and Phi (fused)."""
+    """Multi-head self-attention with one qkv projection, as in SigLIP (split) and Phi (fused).
 
-    def __init__(self, dim: int, n_heads: int):
+    With n_kv_heads < n_heads (grouped-query attention, moondream's text model) the fused projection
+    is [q | k | v] with n_heads, n_kv_heads and n_kv_heads heads of head_dim rows each, e.g. 2048 wide,
+    32 heads of 64, 8 kv heads: 2048 + 2 x 8 x 64 = 3072 rows (moondream: dim x (1 + 2 kv/heads));
+    each k/v head serves n_heads / n_kv_heads consecutive query heads. n_kv_heads == n_heads is the
+    plain 3 x dim layout and keeps its own code path."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None):
         super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
+        self.kv_dim = self.n_kv_heads * (dim // n_heads)
+        self.qkv = nn.Linear(dim, dim + 2 * self.kv_dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, rotary=None,
@@ -64,13 +71,21 @@ class FusedAttention(nn.Module):
         """x [B, T, D]; mask and rotary (cos, sin) for these T query positions. With a cache (generation),
         k and v join those of the positions before (cached_attention) and the mask covers them too."""
         B, T, D = x.shape  # [B, T, D]
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # 3 x [B, H, T, Dh]
+        if self.n_kv_heads == self.n_heads:
+            # 3 x [B, H, T, Dh]
+            q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        else:
+            q, k, v = self.qkv(x).split([D, self.kv_dim, self.kv_dim], dim=-1)
+            q = q.view(B, T, self.n_heads, -1).transpose(1, 2)  # [B, H, T, Dh]
+            k, v = (a.view(B, T, self.n_kv_heads, -1).transpose(1, 2) for a in (k, v))  # [B, H_kv, T, Dh]
         if rotary is not None:
             q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
-        if cache is None:
+        if cache is not None:
+            out = cached_attention(q, k, v, cache, mask)
+        elif self.n_kv_heads == self.n_heads:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, Dh]
         else:
-            out = cached_attention(q, k, v, cache, mask)
+            out = F.scaled_dot_product_attention(q, *repeat_kv(k, v, self.n_heads), attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
@@ -84,12 +99,19 @@ class GeluMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int):
+    """k, v [B, H_kv, T, Dh] -> [B, n_heads, T, Dh], kv head j serving query heads j*rep .. (j+1)*rep - 1
+    (what SDPA's enable_gqa and moondream's attention do), e.g. 32 query heads / 8 kv heads: rep 4."""
+    rep = n_heads // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return k, v
+
+
 def cached_attention(q, k, v, cache: dict, mask):
     """q [B, H, T_new, Dh]; k, v [B, H_kv, T_new, Dh] appended to the cache; GQA repeats K/V heads."""
     if "k" in cache:
         k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
     cache["k"], cache["v"] = k, v
-    rep = q.shape[1] // k.shape[1]  # e.g. 32 query heads / 8 KV heads = 4
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = repeat_kv(k, v, q.shape[1])
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T_new, Dh]

@@ -47,7 +47,8 @@ def _vision_norm(cfg, params, n, seq):
 
 
 def _projector(cfg, params, n, seq):
-    return Cost(n, 2.0 * params * n, cfg.vision.dim * n + 2 * cfg.proj_inner_dim * n, 0.0, n * cfg.text.dim)
+    # keeps fc1's input (moondream2: global + pooled local crop features, 2 x 1152), fc1 out, gelu out
+    return Cost(n, 2.0 * params * n, cfg.vision.proj_in_dim * n + 2 * cfg.proj_inner_dim * n, 0.0, n * cfg.text.dim)
 
 
 def _text_embed(cfg, params, n, seq):  # a lookup, not a matmul; token ids are all it keeps

@@ -78,18 +78,30 @@ class Projector(nn.Module):
     With image_pos (cross-attention fusion) it also adds a learned position per image token at text
     width (std 1, the text embeddings' scale): the prefix decoder gives image tokens their positions
     through rotary attention, cross-attention has none, and without this the position-keyed
-    questions stayed at chance (docs/models.md)."""
+    questions stayed at chance (docs/models.md).
+
+    vision.crop_features 2 (moondream2): fc1 reads [global crop features, pooled local crop features]
+    per image token, 2 x D_vision. Until multi-crop vision is in the pipeline the tower encodes one
+    crop, and its features fill both halves: [g, g]. That is exactly moondream's input for an image it
+    covers with one tile (either side <= 378 px): its one local crop is then the same 378 x 378 resize
+    of the image as the global crop, stitching one tile keeps all 27 x 27 patches, and its pooling to
+    27 x 27 is the identity."""
     group = "projector"
 
     def __init__(self, cfg: ModelConfig, image_pos: bool = False):
         super().__init__()
-        self.mlp = GeluMLP(cfg.vision.dim, cfg.proj_inner_dim, cfg.text.dim)
+        self.crop_features = cfg.vision.crop_features
+        self.mlp = GeluMLP(cfg.vision.proj_in_dim, cfg.proj_inner_dim, cfg.text.dim)
         if image_pos:
             self.image_pos = nn.Parameter(torch.randn(cfg.vision.n_tokens, cfg.text.dim))  # [N_img, D_text]
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        x = self.mlp(t.hidden)  # [B, N_img, D_text]
+        x = t.hidden  # [B, N_img, D_vision]
+        if self.crop_features == 2:
+            # single-crop stand-in for the local crops (the multi-crop path replaces it): [g, g]
+            x = torch.cat([x, x], dim=-1)  # [B, N_img, 2 D_vision]
+        x = self.mlp(x)  # [B, N_img, D_text]
         if hasattr(self, "image_pos"):
             x = x + self.image_pos
         return t._replace(hidden=x).pack()
@@ -125,7 +137,7 @@ class DecoderBlock(nn.Module):
         self.prefix_len = cfg.prefix_len
         self.rotary_dim, self.theta = t.rotary_dim, t.rope_theta
         self.ln = nn.LayerNorm(t.dim, eps=t.ln_eps)
-        self.attn = FusedAttention(t.dim, t.n_heads)
+        self.attn = FusedAttention(t.dim, t.n_heads, t.kv_heads)  # grouped-query when text.n_kv_heads < n_heads
         self.mlp = GeluMLP(t.dim, t.ff_dim)
 
     def forward(self, args):

@@ -22,14 +22,12 @@ bandwidth is fitted only when a fitted variant has DP > 1 (else it keeps the dev
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
-from ..config import ConfigError, ModelConfig, load_preset
+from ..config import ConfigError, ModelConfig, load_preset, read_json
 from ..data.args import DataArgs
 from ..data.dataset import resolve_data
 from .costmodel import KNOWN_DEVICES, Device
@@ -43,13 +41,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 def read_results(path: str) -> dict:
     """A `mmpipe bench` results.json, checked enough to predict from: meta (device, peaks) and rows."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--calibrate: {path}: not found (give a `mmpipe bench` results.json)")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--calibrate: {path}: not valid JSON ({e})") from None
+    data = read_json(path, f"--calibrate: {path}", "not found (give a `mmpipe bench` results.json)")
     meta = data.get("meta") if isinstance(data, dict) else None
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(meta, dict) or not isinstance(meta.get("peaks"), dict) or not isinstance(rows, list) \
@@ -262,13 +254,7 @@ def profile_of(result: dict) -> dict:
 def load_profile(path: str) -> dict:
     """A device profile written by --calibrate, checked field by field."""
     where = f"--device-profile: {path}"
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{where}: not found (write one with mmpipe plan --calibrate RESULTS.json)")
-    try:
-        prof = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: not valid JSON ({e})") from None
+    prof = read_json(path, where, "not found (write one with mmpipe plan --calibrate RESULTS.json)")
     if not isinstance(prof, dict) or prof.get("kind") != PROFILE_KIND:
         raise ConfigError(f"{where}: not a device profile (no \"kind\": \"{PROFILE_KIND}\"; write one with "
                           f"mmpipe plan --calibrate RESULTS.json)")

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from deepspeed.pipe import TiedLayerSpec
 from tqdm import tqdm
 
 from ..cluster.preempt import EXIT_REQUEUE, MARKER, Preemption
-from ..config import ConfigError, fail
+from ..config import REGION_FILE, ConfigError, fail
 from ..data.batches import StepBatches, TrainSet, rank_batches
 from ..data.dataset import prepare, prepare_eval
 from ..data.index import describe as describe_data
@@ -164,6 +165,8 @@ def prepare_output(out: Path, run: RunConfig, rank: int) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "model.json").write_text(json.dumps(run.model.to_dict(), indent=2) + "\n")
+        if run.init_from and (Path(run.init_from) / REGION_FILE).is_file():  # moondream's region head rides along
+            shutil.copyfile(Path(run.init_from) / REGION_FILE, out / REGION_FILE)  # for `mmpipe export`
         (out / LORA_FILE).unlink(missing_ok=True)
         if run.lora:  # how to rebuild the adapters for generate, eval and export
             (out / LORA_FILE).write_text(json.dumps(run.lora.to_dict(), indent=2) + "\n")
