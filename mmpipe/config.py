@@ -79,6 +79,12 @@ class VisionConfig:
     # moondream2 feeds [global crop, pooled local crops] side by side, so its proj_mlp.fc1 reads
     # 2 x dim (2 x 1152 = 2304; 0.5B: 2 x 720 = 1440). 1: the projector reads the tower's output as is.
     crop_features: int = 1
+    # Moondream family, multi-crop (moondream2: 12): each image is encoded as a global crop plus up to
+    # max_crops overlapping local crops of image_size px (mmpipe.data.crops), in 1 + max_crops fixed
+    # slots per sample; the projector reads [global, stitched-and-pooled locals]. 0: one crop per image.
+    # overlap_margin: patches each local crop shares with a neighbour on each side (moondream: 4).
+    max_crops: int = 0
+    overlap_margin: int = 4
 
     @property
     def n_positions(self) -> int:  # tower tokens: CLIP adds the class token, e.g. 24^2 + 1 = 577
@@ -91,6 +97,10 @@ class VisionConfig:
     @property
     def n_blocks_used(self) -> int:  # blocks up to the feature layer, e.g. 24 layers at -2: 23
         return self.feature_layer % (self.n_layers + 1)
+
+    @property
+    def crop_slots(self) -> int:  # images the tower encodes per sample: 1 + 12 = 13 for moondream2
+        return 1 + self.max_crops if self.max_crops else 1
 
     @property
     def proj_in_dim(self) -> int:  # the projector's input width, e.g. 2 x 1152 = 2304 (moondream2)
@@ -238,8 +248,8 @@ def _llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (0 <= cfg.image_token_id < t.vocab_size, "image_token_id",
          f"{cfg.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
         (cfg.layout is not None, "fusion", f"'{cfg.fusion}': the LLaVA family places the image on placeholders"),
-        (v.crop_features == 1, "vision.crop_features",
-         f"{v.crop_features}: LLaVA's projector reads one feature per image token (valid: 1)"),
+        (v.crop_features == 1 and v.max_crops == 0, "vision.crop_features",
+         f"{v.crop_features} / max_crops {v.max_crops}: LLaVA's projector reads one crop's features (valid: 1 / 0)"),
     ]
 
 
@@ -252,6 +262,12 @@ def _moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
          f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
         (v.crop_features in (1, 2), "vision.crop_features",
          f"{v.crop_features} (valid: 1, or 2 for moondream2's global + local crop features)"),
+        (v.max_crops >= 0 and (v.max_crops == 0 or v.crop_features == 2), "vision.max_crops",
+         f"{v.max_crops}: multi-crop needs crop_features 2 (the projector reads global + local features)"),
+        (v.max_crops == 0 or not (cfg.layout and cfg.layout.cross_attention), "vision.max_crops",
+         f"{v.max_crops}: multi-crop is for the prefix decoder (cross-attention reads one crop)"),
+        (v.max_crops == 0 or 0 <= 2 * v.overlap_margin < v.grid, "vision.overlap_margin",
+         f"{v.overlap_margin} patches on each side leave no window in a {v.grid}-patch crop"),
     ]
 
 

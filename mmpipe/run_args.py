@@ -35,6 +35,9 @@ class TrainArgs(DataArgs):
                             f"{', '.join(FREEZE_GROUPS)} (default: text)", group="LoRA adapters")
     lora_targets: str = flag("", "regular expression on a linear's name within its layer, e.g. 'q_proj|v_proj' or "
                              "'attn' (default: every linear of those groups but the LM head)", group="LoRA adapters")
+    max_crops: int | None = flag(None, "moondream multi-crop: local crops per image at most (default: the model's "
+                                 "vision.max_crops, 12 for moondream2; lower it for memory: the tower encodes 1 + N "
+                                 "crops per image; 0: the global crop only)", metavar="N")
     seed: int = flag(0, "seed for weights and data (default: 0)")
     save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
     nonfinite: str = flag("stop", "a NaN/inf loss: stop the run, keeping the last good checkpoint (default), or skip "

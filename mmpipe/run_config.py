@@ -143,6 +143,8 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
             run_tok = str(Path(args.init_from) / "tokenizer")  # written by `mmpipe import`
     else:
         model = problems.attempt(load_preset, args.preset or "small")
+    if model is not None and args.max_crops is not None:
+        model = problems.attempt(crop_budget, model, args.max_crops)
     data = problems.attempt(resolve_data, args, model, run_tok)
     eval_data = _eval_data(args, data, problems)
     if data is not None and args.eval_split and eval_data is not None:
@@ -242,6 +244,14 @@ def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:
         problems.append(f"--freeze: unknown group(s) {bad} (valid: {', '.join(FREEZE_GROUPS)})")
         return ()
     return freeze
+
+
+def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:
+    """--max-crops N: the model with at most N local crops per image (a smaller budget, same weights)."""
+    if not 0 <= max_crops <= model.vision.max_crops:
+        raise ConfigError(f"--max-crops: {max_crops} must be between 0 and the model's vision.max_crops "
+                          f"{model.vision.max_crops}" + ("" if model.vision.max_crops else " (one crop per image)"))
+    return dataclasses.replace(model, vision=dataclasses.replace(model.vision, max_crops=max_crops))
 
 
 def _lora(args: TrainArgs, problems: Problems) -> Lora | None:

@@ -60,6 +60,16 @@ def reference_image() -> np.ndarray:
     return np.stack([(i * 7 + j * 3) % 256, (i * j // 5 + 40) % 256, (255 - i + 2 * j) % 256], -1).astype(np.uint8)
 
 
+MULTI_TILE_HW = (640, 900)  # height x width: more than one 378 px crop, so moondream tiles it (2 x 4)
+
+
+def multi_tile_image() -> np.ndarray:
+    """A 640 x 900 RGB uint8 image from integer arithmetic: moondream resizes and tiles it."""
+    h, w = MULTI_TILE_HW
+    i, j = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    return np.stack([(i * 5 + j * 2) % 256, (i * 3 + j * j // 7) % 256, (i * j // 11 + 90) % 256], -1).astype(np.uint8)
+
+
 def pixels(image: np.ndarray) -> torch.Tensor:
     """[1, 3, H, W] in [-1, 1], moondream's normalisation ((x / 255) - 0.5) / 0.5, in fp32."""
     return torch.from_numpy(image).permute(2, 0, 1)[None].float().div(255.0).sub(0.5).div(0.5)

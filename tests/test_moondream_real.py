@@ -1,5 +1,5 @@
 """moondream2's real shapes and moondream's own numbers (issue 17: presets, grouped-query attention,
-region head; multi-crop vision is tests/test_crops.py's).
+region head, multi-crop vision end to end; the crop rule itself is tests/test_crops.py's).
 
 tests/fixtures/moondream2_tables.json and moondream_reference.json were written by
 tests/fixtures/make_moondream_reference.py, which ran moondream's own code (vikhyat/moondream at the
@@ -9,8 +9,10 @@ commit recorded in them; none of its code is in the project):
   read off moondream's model and its legacy loader on the meta device;
 - the reference: a seeded small model with moondream's structure (27 vision layers at 378 px, text
   heads 64 wide, 4 heads over 2 kv heads), its logits of BOS + image + prompt for a one-tile image
-  and its greedy tokens; the harness also loaded mmpipe's export of it through moondream's own
-  loaders in both layouts and found every tensor, region head included, bit-equal.
+  and its greedy tokens, and the same for a 640 x 900 image moondream tiles 2 x 4 (its whole vision
+  path: crops, encoder, stitching, pooling, projector); the harness also loaded mmpipe's export of
+  it through moondream's own loaders in both layouts and found every tensor, region head included,
+  bit-equal.
 """
 from __future__ import annotations
 
@@ -27,12 +29,21 @@ from safetensors.torch import load_file, save_file
 
 from mmpipe.cli import main
 from mmpipe.config import ConfigError, config_from_dict, load_preset
+from mmpipe.data.crops import CropTransform, stack_images
 from mmpipe.hf.moondream import LAYOUTS, REGION_NAMES, export_moondream, import_moondream, key_map
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.attention import apply_partial_rotary, decoder_mask, rotary_cos_sin
 from mmpipe.model.layers import DecoderBlock
-from moondream_ref import MMPIPE_SMALL, MOONDREAM_COMMIT, PROMPT, pixels, reference_image, seeded_weights
+from moondream_ref import (
+    MMPIPE_SMALL,
+    MOONDREAM_COMMIT,
+    PROMPT,
+    multi_tile_image,
+    pixels,
+    reference_image,
+    seeded_weights,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TABLES = json.loads((FIXTURES / "moondream2_tables.json").read_text())
@@ -122,6 +133,31 @@ def test_logits_and_greedy_tokens_equal_moondreams(small):
     for use_cache in (True, False):
         assert generate(model, px, PROMPT, eos_id=0, max_new_tokens=len(REF["greedy_tokens"]),
                         use_cache=use_cache) == REF["greedy_tokens"]
+
+
+def test_multi_tile_image_logits_and_greedy_tokens_equal_moondreams(small):
+    """A 640 x 900 image: moondream tiles it 2 x 4, encodes 1 + 8 crops, stitches the local crops'
+    features without their overlaps, pools them to 27 x 27 and projects [global, local]. mmpipe runs
+    the same model with a 12-crop budget (13 fixed slots, 4 of them padding) and must agree."""
+    d, _ = small
+    ref = REF["multi_tile"]
+    base = _load(d / "run").eval()
+    cfg = dataclasses.replace(base.cfg, vision=dataclasses.replace(base.cfg.vision, max_crops=12))
+    model = ReferenceModel(cfg).eval()
+    model.load_state_dict(base.state_dict())
+    from PIL import Image
+    crops = CropTransform(cfg.vision, 12, 4)(Image.fromarray(multi_tile_image()))
+    assert list(crops.tiling) == ref["tiling"] == [2, 4] and int(crops.valid.sum()) == 1 + 8
+    px, tiling = stack_images([crops])  # [1, 13, 3, 378, 378], [[2, 4]]
+    with torch.no_grad():
+        logits = model(px, torch.tensor([PROMPT]), None, tiling)[0]
+    got, want = logits[ref["logit_positions"]], torch.tensor(ref["logits"])
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    single = REF["logits"]  # and it is not the one-tile answer: the local crops matter
+    assert (got[:1] - torch.tensor(single[:1])).abs().max() > 1e-2
+    for use_cache in (True, False):
+        assert generate(model, px, PROMPT, eos_id=0, max_new_tokens=len(ref["greedy_tokens"]), use_cache=use_cache,
+                        tiling=tiling) == ref["greedy_tokens"]
 
 
 @pytest.mark.parametrize("layout_in", LAYOUTS)

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..model.builder import IGNORE_INDEX
+from .crops import Crops, blank_image
 from .text import pad_sample
 
 
@@ -58,9 +59,12 @@ class TrainSet(Dataset):
     need_labels=False (the first stage of a multi-stage pipeline) builds no labels."""
 
     def __init__(self, samples, *, text_len: int, n_img: int, image_size: int, need_images: bool = True,
-                 need_labels: bool = True, augment_seed: int | None = None, image_token: tuple[int, int] = (-1, 0)):
-        """image_token: the LLaVA family's (placeholder id, count) after BOS, mmpipe.data.text.placeholders."""
+                 need_labels: bool = True, augment_seed: int | None = None, image_token: tuple[int, int] = (-1, 0),
+                 max_crops: int = 0):
+        """image_token: the LLaVA family's (placeholder id, count) after BOS, mmpipe.data.text.placeholders.
+        max_crops: moondream multi-crop (vision.max_crops): samples.pixels gives Crops, 1 + max_crops slots."""
         self.samples, self.text_len, self.n_img, self.image_size = samples, text_len, n_img, image_size
+        self.max_crops = max_crops
         self.image_token = image_token
         self.need_images, self.need_labels, self.augment_seed = need_images, need_labels, augment_seed
 
@@ -78,10 +82,14 @@ class TrainSet(Dataset):
             if has_image:
                 if self.augment_seed is not None:  # per position: augmentation repeats exactly on resume
                     torch.manual_seed(self.augment_seed * 1_000_003 + pos)
-                item["pixels"] = self.samples.pixels(pos)
+                px = self.samples.pixels(pos)
             else:  # text-only record: a zero image the decoder masks out (mmpipe.model.attention); LLaVA: no
                 # placeholders, so the embedding uses none of its features (mmpipe.model.llava.LlavaEmbed)
-                item["pixels"] = torch.zeros(3, self.image_size, self.image_size)
+                px = blank_image(self.image_size, self.max_crops)
+            if isinstance(px, Crops):  # multi-crop: [1 + max_crops, 3, S, S] and the tiling the Projector stitches
+                item["pixels"], item["tiling"] = px.pixels, px.tiling
+            else:
+                item["pixels"] = px
         return item
 
 
@@ -93,6 +101,8 @@ def collate(items: list[dict]) -> dict:
         out["labels"] = torch.from_numpy(np.stack([it["labels"] for it in items]))
     if "pixels" in items[0]:
         out["pixels"] = torch.stack([it["pixels"] for it in items])
+    if "tiling" in items[0]:
+        out["tiling"] = torch.tensor([it["tiling"] for it in items], dtype=torch.long)  # [B, 2]
     return out
 
 
@@ -114,4 +124,6 @@ def rank_batches(dataset: TrainSet, sampler: StepBatches, *, workers: int = 0, p
         if on_batch is not None:
             on_batch(b["pos"])
         inputs = (b["pixels"].to(dtype), b["input_ids"], b["has_image"]) if "pixels" in b else None
+        if inputs is not None and "tiling" in b:  # multi-crop: the tiling goes last (ints after floats)
+            inputs += (b["tiling"],)
         yield inputs, b.get("labels")

@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 
 from ..config import VisionConfig
-from .images import to_rgb
+from .images import ImageTransform, to_rgb
 
 # moondream2's defaults (moondream/torch/config.py, VisionConfig): 378 px crops of 27 x 27
 # patches of 14 px, at most 12 local crops, neighbours overlapping by 2 x 4 patches.
@@ -176,3 +176,30 @@ class CropTransform:
     def __call__(self, img: Image.Image) -> Crops:
         v = self.vision
         return overlap_crops(img, self.max_crops, self.overlap_margin, v.image_size, v.patch_size, v.mean, v.std)
+
+
+def make_transform(vision: VisionConfig, resize: str = "pad", augment: bool = False):
+    """The image transform a model's config asks for: moondream multi-crop (vision.max_crops > 0:
+    CropTransform, PIL image -> Crops) or one crop (ImageTransform, PIL image -> [3, S, S])."""
+    if vision.max_crops:
+        return CropTransform(vision, vision.max_crops, vision.overlap_margin)
+    return ImageTransform(vision, resize=resize, augment=augment)
+
+
+def blank_image(size: int, max_crops: int = 0):
+    """A text-only sample's image: zeros, which the decoder masks out; multi-crop: every slot zero,
+    tiled 1 x 1 (the Projector stitches one zero crop; the decoder masks it all the same)."""
+    if not max_crops:
+        return torch.zeros(3, size, size)
+    valid = torch.zeros(1 + max_crops, dtype=torch.long)
+    valid[:2] = 1
+    return Crops(torch.zeros(1 + max_crops, 3, size, size), valid, (1, 1))
+
+
+def stack_images(images: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Images for one batch, as the model takes them: (pixels [B, 3, S, S], None), or multi-crop
+    (pixels [B, 1 + max_crops, 3, S, S], tiling long [B, 2])."""
+    if images and isinstance(images[0], Crops):
+        return (torch.stack([c.pixels for c in images]),
+                torch.tensor([c.tiling for c in images], dtype=torch.long))
+    return torch.stack(images), None

@@ -79,6 +79,9 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
             problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
                             f"{cfg.text.max_context} - {n_image} image "
                             f"{'placeholders' if placeholders(cfg)[1] else 'tokens'})")
+    if args.augment and cfg is not None and cfg.vision.max_crops:
+        problems.append("--augment: multi-crop images (vision.max_crops) are cut by moondream's fixed rule, which "
+                        "the Projector's stitching assumes; drop --augment or use --max-crops 0")
     if args.max_image_pixels < 1:
         problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
     if args.data_workers < 0:

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from .images import ImageTransform, open_image
+from .crops import Crops, make_transform
+from .images import open_image
 from .index import DataIndex
 from .records import BadRecord
 from .shapes import ShapesVQA
@@ -30,7 +31,7 @@ class ShapesSamples:
         self.data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, split, seed)
         self.tok = builtin_tokenizer()
         self.encoder = ConversationEncoder(self.tok, SHAPES_TEXT_LEN)
-        self.transform = ImageTransform(cfg.vision, resize="squash")
+        self.transform = make_transform(cfg.vision, resize="squash")
         self.pad_id = self.tok.pad_token_id
 
     def tokens(self, pos: int) -> tuple[Encoded, bool]:
@@ -45,7 +46,7 @@ class ShapesSamples:
         # which loads without workers; pad_sample only reads the arrays, so sharing them is safe.
         return self.encoder.encode([("user", question), ("assistant", answer)])
 
-    def pixels(self, pos: int) -> torch.Tensor:
+    def pixels(self, pos: int) -> torch.Tensor | Crops:
         return self.transform(self.data.render(self.data.sample(pos)))
 
     def row(self, pos: int) -> int:
@@ -60,7 +61,7 @@ class IndexedSamples:
         """ordered: position p is good record p in file order, no reshuffling (a validation set)."""
         self.index, self.source, self.seed, self.pad_id, self.ordered = index, source, seed, pad_id, ordered
         self.image_root, self.max_pixels = image_root, max_pixels
-        self.transform = ImageTransform(cfg.vision, resize=resize, augment=augment)
+        self.transform = make_transform(cfg.vision, resize=resize, augment=augment)
 
     @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
@@ -77,7 +78,7 @@ class IndexedSamples:
         sl = slice(ix.offsets[n], ix.offsets[n + 1])
         return Encoded(ix.tokens[sl], ix.target[sl]), bool(ix.has_image[n])
 
-    def pixels(self, pos: int) -> torch.Tensor:
+    def pixels(self, pos: int) -> torch.Tensor | Crops:
         row = self.row(pos)
         try:
             rec = self.source.record(row)

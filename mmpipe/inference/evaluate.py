@@ -10,6 +10,7 @@ from collections import defaultdict
 import torch
 
 from ..config import ModelConfig
+from ..data.crops import stack_images
 from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from ..data.shapes import QUESTION_TYPES, ShapesVQA
 from ..data.text import placeholders, with_placeholders
@@ -17,7 +18,7 @@ from ..data.text import placeholders, with_placeholders
 
 @torch.no_grad()
 def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]], eos_id: int, pad_id: int,
-                    max_new_tokens: int, text_len: int) -> list[list[int]]:
+                    max_new_tokens: int, text_len: int, tiling: torch.Tensor | None = None) -> list[list[int]]:
     """Batched greedy decoding with right padding: causal attention after the image prefix means
     the pads to the right of a prompt never influence it, so prompts of any length share a batch.
     text_len: the input_ids width (LLaVA: the prompts' placeholders included)."""
@@ -33,7 +34,7 @@ def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]],
     for _ in range(max_new_tokens):
         if done.all() or lengths.max() >= text_len:
             break
-        logits = model(pixel_values, ids)  # [B, N_img + text_len, V]
+        logits = model(pixel_values, ids, None, tiling)  # [B, N_img + text_len, V]
         nxt = logits[rows, n_img + lengths - 1].argmax(-1)  # text token j sits at decoder position n_img + j
         for b in range(B):
             if not done[b]:
@@ -57,11 +58,12 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
     for start in range(0, n_samples, batch_size):
         samples = [data.sample(i) for i in range(start, min(start + batch_size, n_samples))]
         images = [data.blank() if blank_images else data.render(s) for s in samples]
-        pixels = torch.stack([held_out.transform(im) for im in images]).to(dtype)
+        pixels, tiling = stack_images([held_out.transform(im) for im in images])  # multi-crop: + tiling
+        pixels = pixels.to(dtype)
         # LLaVA: the <image> placeholders after BOS, as in training (mmpipe.data.text.pad_sample)
         prompts = [with_placeholders(held_out.encoder.prompt_ids([("user", s.question)]), cfg) for s in samples]
         answers = greedy_generate(model, pixels, prompts, tok.eos_token_id, tok.pad_token_id, max_new_tokens,
-                                  SHAPES_TEXT_LEN + placeholders(cfg)[1])
+                                  SHAPES_TEXT_LEN + placeholders(cfg)[1], tiling)
         for s, a in zip(samples, answers):
             total[s.qtype] += 1
             correct[s.qtype] += int(tok.decode(a, skip_special_tokens=True).strip() == s.answer)

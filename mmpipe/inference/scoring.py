@@ -36,6 +36,7 @@ from tqdm import tqdm
 from ..config import ConfigError, fail
 from ..data.args import DataArgs
 from ..data.batches import TrainSet, collate
+from ..data.crops import blank_image, stack_images
 from ..data.dataset import prepare_eval, resolve_data
 from ..data.records import BadRecord
 from ..data.text import placeholders, with_placeholders
@@ -150,11 +151,12 @@ def _checked(args: argparse.Namespace):
 
 
 @torch.no_grad()
-def _loss(model, rows: TrainSet, positions: list[int], pixels: torch.Tensor) -> tuple[float, int]:
+def _loss(model, rows: TrainSet, positions: list[int], pixels: torch.Tensor, tiling: torch.Tensor | None = None
+          ) -> tuple[float, int]:
     """Teacher-forced cross-entropy summed over the answer tokens of these samples, and their count;
     input ids and labels as training builds them (rows: a TrainSet without images, `pixels` given)."""
     b = collate([rows[p] for p in positions])
-    logits = model(pixels, b["input_ids"], b["has_image"])
+    logits = model(pixels, b["input_ids"], b["has_image"], tiling)
     return float(lm_loss_sum(logits, b["labels"])), int((b["labels"] != IGNORE_INDEX).sum())
 
 
@@ -196,14 +198,15 @@ def _generate_all(args, model, tok, evalset, text_len: int):
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
-            pixels = torch.stack([evalset.pixels(items[i].pos) if items[i].has_image else torch.zeros(3, size, size)
-                                  for i in batch]).to(dtype)
+            pixels, tiling = stack_images([evalset.pixels(items[i].pos) if items[i].has_image
+                                           else blank_image(size, cfg.vision.max_crops) for i in batch])
+            pixels = pixels.to(dtype)
             new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].has_image for i in batch],
                                  eos_id=eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, seed=args.seed, batch_size=len(batch))
+                                 top_k=args.top_k, seed=args.seed, batch_size=len(batch), tiling=tiling)
             for i, a in zip(batch, new):
                 answers[i] = a
-            s, n = _loss(model, rows, [items[i].pos for i in batch], pixels)
+            s, n = _loss(model, rows, [items[i].pos for i in batch], pixels, tiling)
             loss_sum, loss_tokens = loss_sum + s, loss_tokens + n
             bar.update(len(batch))
     return items, answers, loss_sum, loss_tokens

@@ -100,10 +100,12 @@ class ReferenceModel(nn.Sequential):
             add_adapters(layer, i, lora, seed)
 
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
-                has_image: torch.Tensor | None = None) -> torch.Tensor:
+                has_image: torch.Tensor | None = None, tiling: torch.Tensor | None = None) -> torch.Tensor:
+        """tiling: multi-crop models only (pixel_values [B, 1 + max_crops, C, H, W])."""
         if has_image is None:
             has_image = torch.ones(input_ids.shape[0], dtype=torch.long)
-        return super().forward((pixel_values, input_ids, has_image))  # logits [B, N_img + T_text, V]
+        inputs = (pixel_values, input_ids, has_image) + (() if tiling is None else (tiling,))
+        return super().forward(inputs)  # logits [B, N_img + T_text, V]
 
 
 def layer_param_counts(cfg: ModelConfig) -> list[int]:

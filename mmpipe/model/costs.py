@@ -30,6 +30,16 @@ class LayerRule:
     takes: str  # its input, for profiling: pixels, vision, image, sequence or sequence+image
     embedding: bool = False   # pixels / token ids in: no input gradient, only weight gradients
     uses_image: bool = False  # reads the image beside the sequence (the stage tuple's `vision`)
+    per_crop: bool = False    # runs once per crop slot: moondream multi-crop multiplies it by 1 + max_crops
+
+    def cost_of(self, cfg: ModelConfig, params: int, n: int, seq: int) -> Cost:
+        """The layer's cost per sample; a per-crop layer of a multi-crop model (vision.max_crops > 0)
+        encodes 1 + max_crops crops of n tokens each (moondream2: 13 x 729 = 9477 tokens per sample),
+        so every term scales by the slots (attention too: each crop attends only within itself)."""
+        c, k = self.cost(cfg, params, n, seq), cfg.vision.crop_slots
+        if not self.per_crop or k == 1:
+            return c
+        return Cost(c.tokens * k, c.fwd * k, c.act * k, c.fp32 * k, c.out * k)
 
 
 def _patch_embed(cfg, params, n, seq):  # the patch matrix the linear saw
@@ -85,9 +95,9 @@ def _lm_head(cfg, params, n, seq):  # + the fp32 logits of the loss's log-softma
                 2 * seq + t.vocab_size * seq, seq * t.vocab_size)
 
 
-PATCH_EMBED = LayerRule("PatchEmbed", _patch_embed, "pixels", embedding=True)
-VISION_BLOCK = LayerRule("VisionBlock", _vision_block, "vision")
-VISION_NORM = LayerRule("VisionNorm", _vision_norm, "vision")
+PATCH_EMBED = LayerRule("PatchEmbed", _patch_embed, "pixels", embedding=True, per_crop=True)
+VISION_BLOCK = LayerRule("VisionBlock", _vision_block, "vision", per_crop=True)
+VISION_NORM = LayerRule("VisionNorm", _vision_norm, "vision", per_crop=True)
 PROJECTOR = LayerRule("Projector", _projector, "vision")
 TEXT_EMBED = LayerRule("TextEmbed", _text_embed, "image", embedding=True)
 # moves the image into the stage tuple: from here to the last CrossAttnBlock every boundary carries it

@@ -12,11 +12,14 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import FusedAttention, GeluMLP, decoder_mask, rotary_cos_sin
+from .crops import merge_crop_features
 from .stage import StageTuple
 
 
 class PatchEmbed(nn.Module):
-    """pixels [B, C, H, W] -> linear patch embedding + learned positions, no CLS token (SigLIP)."""
+    """pixels [B, C, H, W] -> linear patch embedding + learned positions, no CLS token (SigLIP).
+    Multi-crop (moondream2): pixels [B, 1 + max_crops, C, H, W] and the tiling; every crop slot is
+    embedded as an image of its own, [B x (1 + max_crops), N_img, D], and the tiling rides along."""
     group = "vision"
 
     def __init__(self, cfg: ModelConfig):
@@ -27,13 +30,14 @@ class PatchEmbed(nn.Module):
         self.pos_emb = nn.Parameter(torch.randn(1, v.n_tokens, v.dim) * 0.02)
 
     def forward(self, inputs):
-        pixel_values, input_ids, has_image = inputs
+        pixel_values, input_ids, has_image, *tiling = inputs
         x = pixel_values.to(self.linear.weight.dtype)  # DeepSpeed casts the model, never the inputs
+        x = x.flatten(0, 1) if x.dim() == 5 else x  # crop slots: [B, S, C, H, W] -> [B S, C, H, W]
         B, C, H, W = x.shape
         p = self.patch_size
         # [B, C, H, W] -> [B, (H/p)(W/p), C p p]: one row per patch, row-major over the grid
         x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
-        return StageTuple(self.linear(x) + self.pos_emb, input_ids, has_image).pack()
+        return StageTuple(self.linear(x) + self.pos_emb, input_ids, has_image, tiling=(tiling or [None])[0]).pack()
 
 
 class VisionBlock(nn.Module):
@@ -81,25 +85,30 @@ class Projector(nn.Module):
     questions stayed at chance (docs/models.md).
 
     vision.crop_features 2 (moondream2): fc1 reads [global crop features, pooled local crop features]
-    per image token, 2 x D_vision. Until multi-crop vision is in the pipeline the tower encodes one
-    crop, and its features fill both halves: [g, g]. That is exactly moondream's input for an image it
-    covers with one tile (either side <= 378 px): its one local crop is then the same 378 x 378 resize
-    of the image as the global crop, stitching one tile keeps all 27 x 27 patches, and its pooling to
-    27 x 27 is the identity."""
+    per image token, 2 x D_vision. With vision.max_crops > 0 the tower has encoded 1 + max_crops crop
+    slots per sample and the stage tuple carries their tiling: the local crops are stitched without
+    their overlaps and pooled to the global grid (mmpipe.model.crops.merge_crop_features), so the
+    padding slots are never read and get no gradient. With max_crops 0 the tower encodes one crop
+    whose features fill both halves, [g, g]: exactly moondream's input for an image it covers with
+    one tile (either side <= 378 px), whose one local crop is then the same 378 x 378 resize as the
+    global crop, stitched whole and pooled 27 x 27 -> 27 x 27, the identity."""
     group = "projector"
 
     def __init__(self, cfg: ModelConfig, image_pos: bool = False):
         super().__init__()
-        self.crop_features = cfg.vision.crop_features
+        self.crop_features, self.slots, self.margin = (cfg.vision.crop_features, cfg.vision.crop_slots,
+                                                       cfg.vision.overlap_margin)
         self.mlp = GeluMLP(cfg.vision.proj_in_dim, cfg.proj_inner_dim, cfg.text.dim)
         if image_pos:
             self.image_pos = nn.Parameter(torch.randn(cfg.vision.n_tokens, cfg.text.dim))  # [N_img, D_text]
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        x = t.hidden  # [B, N_img, D_vision]
-        if self.crop_features == 2:
-            # single-crop stand-in for the local crops (the multi-crop path replaces it): [g, g]
+        x = t.hidden  # [B, N_img, D_vision]; multi-crop [B x slots, N_img, D_vision]
+        if t.tiling is not None:  # [B, slots, N_img, D_vision] -> [B, N_img, 2 D_vision]
+            x = merge_crop_features(x.view(-1, self.slots, *x.shape[1:]), t.tiling, self.margin)
+            t = t._replace(tiling=None)  # no stage after this one needs it
+        elif self.crop_features == 2:  # one crop: [g, g], see above
             x = torch.cat([x, x], dim=-1)  # [B, N_img, 2 D_vision]
         x = self.mlp(x)  # [B, N_img, D_text]
         if hasattr(self, "image_pos"):

@@ -18,8 +18,12 @@ before ints. So the tuple is three fields, floats first, plus a fourth where the
                                   (bidirectional over BOS + image, causal after) - no T x T mask travels.
     has_image  long  [B]         1 where the sample has an image; 0 for a text-only record, whose
                                   image positions (a zero image) the decoder masks out of attention.
+    tiling     long  [B, 2]      moondream multi-crop only (vision.max_crops > 0): each image's local-crop
+                                  tiling (rows, cols), from the first input to the Projector, which stitches
+                                  the local crops with it; hidden is then [B x (1 + max_crops), N_img, D_vision].
 
-The pipeline's first input is (pixel_values float [B, C, H, W], input_ids long [B, T_text], has_image long [B]);
+The pipeline's first input is (pixel_values float [B, C, H, W], input_ids long [B, T_text], has_image long [B])
+(multi-crop: pixel_values [B, 1 + max_crops, C, H, W] and tiling long [B, 2] last);
 labels go to the last stage through DeepSpeed's (inputs, labels) data contract, never through here.
 """
 from __future__ import annotations
@@ -34,19 +38,24 @@ class StageTuple(NamedTuple):
     input_ids: torch.Tensor
     has_image: torch.Tensor
     vision: torch.Tensor | None = None  # on the wire it goes second (floats first); see pack()
+    tiling: torch.Tensor | None = None  # long [B, 2]: multi-crop only, last on the wire, dropped by the Projector
 
     @classmethod
     def unpack(cls, args: tuple) -> "StageTuple":
         if len(args) == 3:
             return cls(*args)
-        if len(args) == 4:
+        if len(args) == 4 and args[1].is_floating_point():
             hidden, vision, input_ids, has_image = args
             return cls(hidden, input_ids, has_image, vision)
-        raise ValueError(f"stage tuple must be (hidden, [vision,] input_ids, has_image), got {len(args)} tensors")
+        if len(args) == 4:
+            hidden, input_ids, has_image, tiling = args
+            return cls(hidden, input_ids, has_image, tiling=tiling)
+        raise ValueError(f"stage tuple must be (hidden, [vision,] input_ids, has_image, [tiling]), got {len(args)} "
+                         f"tensors")
 
     def pack(self) -> tuple:
         # DeepSpeed's p2p needs plain tuples of contiguous tensors, floats before ints.
+        floats = (self.hidden.contiguous(),) if self.vision is None else (self.hidden.contiguous(),
+                                                                          self.vision.contiguous())
         ints = (self.input_ids.contiguous(), self.has_image.contiguous())
-        if self.vision is None:
-            return (self.hidden.contiguous(), *ints)
-        return (self.hidden.contiguous(), self.vision.contiguous(), *ints)
+        return floats + ints + (() if self.tiling is None else (self.tiling.contiguous(),))

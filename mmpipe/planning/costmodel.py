@@ -111,7 +111,7 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
     for spec, params, adapters in zip(layer_specs(cfg), layer_param_counts(cfg), adapter_param_counts(cfg, lora)):
         rule, group = family.cost_rule(spec), spec.typename.group
         trainable = (group not in frozen and params > 0) or adapters > 0
-        c = rule.cost(cfg, params, n, seq)
+        c = rule.cost_of(cfg, params, n, seq)
         if rule.embedding:  # inputs are pixels / token ids: weight gradients only
             bwd = c.fwd if trainable else 0.0
         else:

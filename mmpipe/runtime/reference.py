@@ -111,13 +111,14 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     v = run.model.vision
     data = TrainSet(prepare(run.data, run.model, out_dir, seed, verbose=False), text_len=run.text_len,
                     n_img=run.model.n_image_positions, image_size=v.image_size,
-                    augment_seed=seed if run.data.augment else None, image_token=placeholders(run.model))
+                    augment_seed=seed if run.data.augment else None, image_token=placeholders(run.model),
+                    max_crops=v.max_crops)
     batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
     model.train()
 
     def micro_loss():
-        (pixels, input_ids, has_image), labels = next(batches)
-        return lm_loss(model(pixels, input_ids, has_image), labels)
+        inputs, labels = next(batches)  # (pixels, input_ids, has_image[, tiling])
+        return lm_loss(model(*inputs), labels)
 
     return model, [train_step(micro_loss, run.gas, params, opt, sched, clip) for _ in range(steps)]
 

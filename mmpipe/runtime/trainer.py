@@ -216,7 +216,8 @@ class DataStream:
         v = run.model.vision
         dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions,
                            image_size=v.image_size, need_images=first, need_labels=engine.is_last_stage(),
-                           augment_seed=args.seed if run.data.augment else None, image_token=placeholders(run.model))
+                           augment_seed=args.seed if run.data.augment else None, image_token=placeholders(run.model),
+                           max_crops=v.max_crops)
         self.samples, self.seen = samples, None
         if run.data.log_samples and first:
             self.seen = open(Path(args.output_dir) / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")

@@ -40,7 +40,8 @@ class Validator:
         v = run.model.vision
         self.dataset = TrainSet(evalset, text_len=run.text_len, n_img=run.model.n_image_positions,
                                 image_size=v.image_size, need_images=engine.is_first_stage(),
-                                need_labels=engine.is_last_stage(), image_token=placeholders(run.model))
+                                need_labels=engine.is_last_stage(), image_token=placeholders(run.model),
+                                max_crops=v.max_crops)
         self.losses: dict[int, float] = {}
         self.t0 = t_start
         self.file = open(out / "eval_log.csv", "a" if append else "w", newline="") if enabled else None
