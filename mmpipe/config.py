@@ -274,6 +274,14 @@ def _moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
 FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks}  # by the model JSON's `family`
 
 
+def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:
+    """--max-crops N: the model with at most N local crops per image (a smaller budget, same weights)."""
+    if not 0 <= max_crops <= model.vision.max_crops:
+        raise ConfigError(f"--max-crops: {max_crops} must be between 0 and the model's vision.max_crops "
+                          f"{model.vision.max_crops}" + ("" if model.vision.max_crops else " (one crop per image)"))
+    return dataclasses.replace(model, vision=dataclasses.replace(model.vision, max_crops=max_crops))
+
+
 def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 

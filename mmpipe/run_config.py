@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
+from .config import ConfigError, ModelConfig, config_from_dict, crop_budget, load_preset, read_json
 from .data.dataset import DataOptions, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
@@ -23,7 +23,7 @@ from .model.builder import FREEZE_GROUPS
 from .model.lora import Lora, read_lora
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
-from .run_args import TrainArgs
+from .run_args import SCHEDULES, TrainArgs
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_DS_CONFIG = "cpu_fp32.json"
@@ -57,6 +57,7 @@ class RunConfig:
     init_from: str | None = None  # a run directory whose latest checkpoint's weights start this run
     eval_data: DataOptions | None = None  # --eval-data: the validation set, read like the training data
     lora: Lora | None = None  # --lora: adapters on these groups' linears, their base frozen (mmpipe.model.lora)
+    schedule: str = "1f1b"  # --schedule / pipeline.schedule: one of run_args.SCHEDULES
 
     @property
     def text_len(self) -> int:
@@ -156,6 +157,10 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
 
     pipe_cfg = ds.get("pipeline", {})
     stages = problems.attempt(_stages, args, ds) or 1
+    schedule = args.schedule or pipe_cfg.get("schedule", "1f1b")
+    if schedule not in SCHEDULES:
+        where = "--schedule" if args.schedule else "pipeline.schedule"
+        problems.append(f"{where}: {schedule!r} is not a schedule (valid: {', '.join(SCHEDULES)})")
     if world_size % stages:
         problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
                         f"(data-parallel degree = world size / stages)")
@@ -184,7 +189,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if eval_data is not None:
         eval_data = dataclasses.replace(eval_data, tokenizer=data.tokenizer)  # as fitted above (LLaVA's <image>)
     return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts or [], table, freeze, precision, zero_stage,
-                     data, auto_schedule, args.init_from, eval_data, lora)
+                     data, auto_schedule, args.init_from, eval_data, lora, schedule)
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
@@ -244,14 +249,6 @@ def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:
         problems.append(f"--freeze: unknown group(s) {bad} (valid: {', '.join(FREEZE_GROUPS)})")
         return ()
     return freeze
-
-
-def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:
-    """--max-crops N: the model with at most N local crops per image (a smaller budget, same weights)."""
-    if not 0 <= max_crops <= model.vision.max_crops:
-        raise ConfigError(f"--max-crops: {max_crops} must be between 0 and the model's vision.max_crops "
-                          f"{model.vision.max_crops}" + ("" if model.vision.max_crops else " (one crop per image)"))
-    return dataclasses.replace(model, vision=dataclasses.replace(model.vision, max_crops=max_crops))
 
 
 def _lora(args: TrainArgs, problems: Problems) -> Lora | None:

@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from ..config import ConfigError, ModelConfig, fail, load_preset
+from ..config import ConfigError, ModelConfig, crop_budget, fail, load_preset
 from ..model.builder import FREEZE_GROUPS
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
@@ -47,6 +47,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
     p.add_argument("--freeze", default="", help="comma-separated groups: vision, projector, text")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
+    p.add_argument("--max-crops", type=int, default=None, metavar="N",
+                   help="moondream multi-crop: plan with at most N local crops per image (as mmpipe train --max-crops)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="LoRA adapters of this rank: the --lora-groups' base frozen, no gradients or optimizer "
                         "state for it (docs/lora.md)")
@@ -166,6 +168,7 @@ def main_plan(args) -> int:
         return main_calibrate(args)
     try:
         cfg = load_preset(args.preset)
+        cfg = cfg if args.max_crops is None else crop_budget(cfg, args.max_crops)
         device = device_from_args(args)
         micros = [int(x) for x in args.micro.split(",") if x]
         freeze = tuple(g for g in args.freeze.split(",") if g)
@@ -205,7 +208,9 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}{fixed}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
-          f"{cfg.vision.n_tokens} image tokens, {args.precision}, ZeRO-{args.zero}"
+          f"{cfg.vision.n_tokens} image tokens"
+          f"{f' (ViT on 1 + {cfg.vision.max_crops} crops)' if cfg.vision.max_crops else ''}, {args.precision}, "
+          f"ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}"
           f"{f', LoRA rank {args.lora} on {args.lora_groups} (base frozen)' if args.lora else ''}")
     print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {'samples/s':>10} "
