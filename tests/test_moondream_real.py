@@ -266,6 +266,8 @@ def test_config_refuses_what_the_layers_cannot_run():
     for text, vision, msg in (
             ({"n_heads": 4, "n_kv_heads": 3}, {}, "text.n_kv_heads: 3 does not divide n_heads 4"),
             ({}, {"crop_features": 3}, "vision.crop_features: 3 (valid: 1, or 2 for"),
+            ({}, {"crop_features": 1, "max_crops": 4}, "vision.max_crops: 4: multi-crop needs crop_features 2"),
+            ({}, {"max_crops": 4, "overlap_margin": 14}, "vision.overlap_margin: 14 patches on each side leave no"),
     ):
         d = json.loads(json.dumps(MMPIPE_SMALL))
         d["text"].update(text)
@@ -274,5 +276,5 @@ def test_config_refuses_what_the_layers_cannot_run():
             config_from_dict(d, "bad")
     llava = load_preset("llava-tiny").to_dict()
     llava["vision"]["crop_features"] = 2
-    with pytest.raises(ConfigError, match="vision.crop_features: 2: LLaVA's projector reads one feature"):
+    with pytest.raises(ConfigError, match="vision.crop_features: 2 / max_crops 0: LLaVA's projector reads one crop"):
         config_from_dict(llava, "bad")

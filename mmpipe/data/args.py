@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from ..flags import flag
 from .images import DEFAULT_MAX_PIXELS
 from .text import OVERLONG
+from .tokenizer import PROMPT_FORMATS
 
 POLICIES = ("skip", "strict")
 GROUP = "data (see docs/data.md)"
@@ -19,6 +20,11 @@ class DataArgs:
                                   group=GROUP)
     tokenizer: str | None = flag(None, "local tokenizer directory for AutoTokenizer (default: the built-in "
                                  "word-level tokenizer)", group=GROUP)
+    prompt_format: str | None = flag(None, "how a sample's prompt is laid out: chat (the tokenizer's chat template) or "
+                                     "moondream (moondream2's token-id query/caption templates; needs its own "
+                                     "tokenizer, --tokenizer DIR). Default: the tokenizer's own (moondream for one "
+                                     "saved by `mmpipe import --moondream --tokenizer`, else chat)",
+                                     choices=PROMPT_FORMATS, group=GROUP)
     text_len: int | None = flag(None, "text tokens per sample, padded (default: shapes 12; else what the model's "
                                 "context leaves after BOS + image)", group=GROUP)
     bad_records: str = flag("skip", "skip: count, list and leave out bad records (default); strict: stop before "

@@ -60,13 +60,17 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
     path = args.tokenizer or run_tokenizer
     if args.data == "shapes" and args.tokenizer:
         problems.append("--tokenizer: the built-in shapes set uses the built-in tokenizer; drop --tokenizer")
+    elif args.data == "shapes" and args.prompt_format == "moondream":
+        problems.append("--prompt-format moondream: the built-in shapes set is written in the built-in tokenizer's "
+                        "words; give your own --data and moondream's --tokenizer")
     elif args.data == "shapes" and run_tokenizer:
         problems.append(f"--init-from: the run's tokenizer ({run_tokenizer}) is not the built-in one the shapes set "
                         f"is written in; train it on your own data (--data)")
     else:
         try:
             image_token = cfg is not None and cfg.layout.placeholders  # LLaVA's <image>
-            tok = load_tokenizer(path) if path else builtin_tokenizer(image_token=image_token)
+            tok = (load_tokenizer(path, args.prompt_format) if path or args.prompt_format == "moondream"
+                   else builtin_tokenizer(image_token=image_token))
         except ConfigError as e:
             problems.append(str(e))
     text_len = args.text_len

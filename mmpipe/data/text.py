@@ -17,6 +17,19 @@ read). The LLaVA family reads its image from placeholder ids inside input_ids in
 after BOS for a sample with an image, the layout moondream's spliced image has. Sequences are a
 fixed `text_len` tokens per run; a longer one is refused (`too_long`) or, under the `truncate`
 policy, cut to text_len if its first answer token survives.
+
+The moondream prompt format (a tokenizer marked by mmpipe.data.tokenizer.as_moondream) is built by
+id instead, exactly as moondream2 lays out a query (MOONDREAM, moondream/torch/config.py and
+moondream.py at MOONDREAM_COMMIT): BOS, the query prefix, the question's ids, the query suffix
+twice, then the answer's ids and EOS, which are the targets. With the ids of moondream's
+TokenizerConfig (question "what colour", answer "red", word ids 40, 41 and 42):
+
+    ids     0  1  15381  2  40  41  3  3  42  0      (the image is spliced after the first 0)
+    target  0  0    0    0   0   0  0  0   1  1
+
+A record without a question (an `<image>`-only user turn, or a data config's "prompt": "") gets
+moondream's caption template instead: BOS, 1 32708 2 6382 3 ("normal" length), then the caption.
+moondream has no multi-turn template, so a record with more than one question is a bad record.
 """
 from __future__ import annotations
 
@@ -25,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .records import BadRecord
-from .tokenizer import bos_id
+from .tokenizer import MOONDREAM, bos_id, uses_moondream_ids
 
 IMAGE_MARKER = "<image>"
 OVERLONG = ("skip", "truncate")
@@ -47,6 +60,7 @@ class ConversationEncoder:
         assert overlong in OVERLONG, overlong
         self.tok, self.text_len, self.overlong = tokenizer, text_len, overlong
         self.bos = bos_id(tokenizer)
+        self.moondream = uses_moondream_ids(tokenizer)
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -66,14 +80,18 @@ class ConversationEncoder:
         return text, spans
 
     def encode(self, messages: list[tuple[str, str]]) -> Encoded:
-        """messages: (role, text) pairs, user first, alternating; raises BadRecord('too_long')."""
-        msgs = [{"role": r, "content": strip_marker(t) if r == "user" else t.strip()} for r, t in messages]
-        text, spans = self.reply_spans(msgs)
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc.input_ids)
-        target = [any(s < e_tok and b_tok < e for s, e in spans) for b_tok, e_tok in enc.offset_mapping]
-        if not ids or ids[0] != self.bos:
-            ids, target = [self.bos] + ids, [False] + target
+        """messages: (role, text) pairs, user first, alternating; raises BadRecord('too_long'), and in the
+        moondream format BadRecord('bad_turns') for more than one question."""
+        if self.moondream:
+            ids, target = self._moondream_ids(messages)
+        else:
+            msgs = [{"role": r, "content": strip_marker(t) if r == "user" else t.strip()} for r, t in messages]
+            text, spans = self.reply_spans(msgs)
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc.input_ids)
+            target = [any(s < e_tok and b_tok < e for s, e in spans) for b_tok, e_tok in enc.offset_mapping]
+            if not ids or ids[0] != self.bos:
+                ids, target = [self.bos] + ids, [False] + target
         if len(ids) > self.text_len:
             first = target.index(True) if True in target else len(ids)
             if self.overlong == "skip" or first >= self.text_len:
@@ -87,9 +105,43 @@ class ConversationEncoder:
     def prompt_ids(self, messages: list[tuple[str, str]]) -> list[int]:
         """A conversation ending in a user turn, rendered with the generation prompt: what generation
         continues from."""
+        if self.moondream:
+            if len(messages) != 1:
+                raise ValueError(f"the moondream prompt format takes one question, not {len(messages)} turns")
+            return self._moondream_prompt(messages[0][1])
         msgs = [{"role": r, "content": strip_marker(t) if r == "user" else t.strip()} for r, t in messages]
         ids = self.tok(self._render(msgs, generation_prompt=True), add_special_tokens=False).input_ids
         return ids if ids and ids[0] == self.bos else [self.bos] + ids
+
+    # ---- the moondream prompt format: moondream2's token-id templates (module docstring) ----
+
+    def _moondream_prompt(self, question: str) -> list[int]:
+        """moondream's `query()` ids without reasoning: BOS, prefix, the question as moondream encodes it
+        (the tokenizers library's encode with its defaults), the suffix, and the suffix again (query()
+        appends it a second time where reasoning would put its thinking tokens). No question: `caption()`'s
+        "normal" template."""
+        question = strip_marker(question)
+        if not question:
+            return [MOONDREAM.bos_id, *MOONDREAM.caption_normal]
+        return [MOONDREAM.bos_id, *MOONDREAM.query_prefix, *self.tok.backend_tokenizer.encode(question).ids,
+                *MOONDREAM.query_suffix, *MOONDREAM.query_suffix]
+
+    def _moondream_ids(self, messages: list[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+        if len(messages) != 2:
+            raise BadRecord("bad_turns", f"{len(messages)} turns: the moondream prompt format takes one question and "
+                                         f"its answer (moondream has no multi-turn template)")
+        prompt = self._moondream_prompt(messages[0][1])
+        # the answer as generation produces it: its own tokens (no post-processor's), then EOS
+        answer = self.tok.backend_tokenizer.encode(messages[1][1].strip(), add_special_tokens=False).ids
+        answer = [*answer, MOONDREAM.eos_id]
+        return prompt + answer, [False] * len(prompt) + [True] * len(answer)
+
+
+def answer_id_of(tok) -> int | None:
+    """The id decoding must not produce after an answer's first token: moondream's answer marker
+    (TokenizerConfig.answer_id 3) for a tokenizer in the moondream format, whose `_generate_answer`
+    sets its logit to -inf on every step after the first; None for chat templates."""
+    return MOONDREAM.answer_id if uses_moondream_ids(tok) else None
 
 
 def placeholders(cfg) -> tuple[int, int]:

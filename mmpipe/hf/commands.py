@@ -2,8 +2,9 @@
 
 An imported model is written as an mmpipe run directory: model.json + checkpoints/<tag>/layer_XX-
 model_states.pt (DeepSpeed's per-layer layout, which is what `mmpipe generate` and
-mmpipe.runtime.checkpoint.load_reference read). Export reads any run's latest checkpoint, whatever its
-stage count.
+mmpipe.runtime.checkpoint.load_reference read), and tokenizer/ when the weights come with one (an HF
+directory's, or moondream's from --tokenizer, saved in moondream's prompt format). Export reads any
+run's latest checkpoint, whatever its stage count.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def add_import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-layer", type=int, default=-2, help="with --vision: the tower block whose output is used")
     p.add_argument("--feature-select", choices=("default", "full"), default="default")
     p.add_argument("--preset", help="with --moondream: the model shape (e.g. moondream-2b)")
+    p.add_argument("--tokenizer", help="with --moondream: moondream's tokenizer directory (a local copy of its "
+                                       "starmie-v1 tokenizer.json), kept in OUT/tokenizer in moondream's prompt format")
     p.add_argument("--out", required=True, help="run directory to write")
 
 
@@ -49,7 +52,10 @@ def save_run(model, out: Path, tag: str = "imported") -> Path:
 
 
 def main_import(args: argparse.Namespace) -> int:
+    tok = None
     try:
+        if args.tokenizer and not args.moondream:
+            raise ConfigError("--tokenizer: only with --moondream (an HF directory brings its own tokenizer)")
         if args.hf:
             model, report = import_llava(args.hf)
             note = report.summary()
@@ -65,14 +71,22 @@ def main_import(args: argparse.Namespace) -> int:
             from safetensors.torch import load_file
 
             model = ReferenceModel(load_preset(args.preset))
+            if args.tokenizer:  # checked before anything is written
+                tok = load_tokenizer(args.tokenizer, prompt_format="moondream")
+                if len(tok) > model.cfg.text.vocab_size:
+                    raise ConfigError(f"--tokenizer: {len(tok)} tokens but {args.preset}'s vocabulary has "
+                                      f"{model.cfg.text.vocab_size}; give the tokenizer the weights were trained with")
             region = import_moondream(model, load_file(args.moondream), args.moondream)
             note = f"all tensors mapped, region head {'-> ' + REGION_FILE if region else 'absent'}"
+            if tok is None:  # generate would fall back to the built-in tokenizer, whose ids mean nothing here
+                note += "; no tokenizer (--tokenizer DIR keeps moondream's in the run)"
     except (ConfigError, FileNotFoundError, OSError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(str(e)))
     save_run(model, Path(args.out))
     if args.moondream and region:  # no pipeline layer holds it; export puts it back (mmpipe.hf.moondream)
         save_region(region, Path(args.out))
-    tok = _tokenizer_of(args, report if not args.moondream else None)
+    if tok is None:  # moondream's was loaded and checked above
+        tok = _tokenizer_of(args, report if not args.moondream else None)
     if tok is not None:  # `mmpipe generate --checkpoint OUT` reads it from OUT/tokenizer
         tok.save_pretrained(Path(args.out) / "tokenizer")
         note += "; tokenizer saved"

@@ -37,6 +37,10 @@ Batches (`generate_batch`, `mmpipe generate` with several --image/--prompt pairs
 positions and no padding enters any row's cache or attention; each row stops at its own EOS and
 samples from its own generator seeded with --seed. A row's answer is therefore the one generate()
 gives it alone (tests/test_generate.py, every family).
+
+answer_id (moondream's prompt format, mmpipe.data.text.answer_id_of): as moondream's
+`_generate_answer` does, the first new token is picked from the prompt's logits as they are, and
+every later step sets answer_id's logit to -inf before picking (tests/test_moondream_prompt.py).
 """
 from __future__ import annotations
 
@@ -48,8 +52,8 @@ import torch
 from PIL import Image
 
 from ..config import ConfigError, config_from_dict, fail
-from ..data.images import ImageTransform
-from ..data.text import ConversationEncoder, with_placeholders
+from ..data.crops import blank_image, make_transform, stack_images
+from ..data.text import ConversationEncoder, answer_id_of, with_placeholders
 from ..data.tokenizer import load_tokenizer
 from ..hf.llava import load_hf_llava
 from ..model.stage import StageTuple
@@ -80,6 +84,14 @@ def _generators(temperature: float, seed: int, n: int) -> list[torch.Generator |
     return [torch.Generator().manual_seed(seed) if temperature > 0 else None for _ in range(n)]
 
 
+def _masked(logits: torch.Tensor, answer_id: int | None, step: int) -> torch.Tensor:
+    """logits [B, V] of new token number `step` (0: the first, from the prompt), with answer_id's logit at
+    -inf from the second token on: moondream masks it on its decode steps, not on the prompt's prefill."""
+    if answer_id is None or step == 0:
+        return logits
+    return logits.index_fill(-1, torch.tensor([answer_id], device=logits.device), float("-inf"))
+
+
 def _pick_rows(logits: torch.Tensor, temperature: float, top_k: int, gens: list) -> torch.Tensor:
     """logits [B, V] -> [B]; sampling draws each row from its own generator (as one-row _pick would)."""
     if temperature <= 0:
@@ -89,14 +101,15 @@ def _pick_rows(logits: torch.Tensor, temperature: float, top_k: int, gens: list)
 
 @torch.no_grad()
 def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torch.Tensor, *, eos_id: int | None,
-                 max_new_tokens: int, temperature: float, top_k: int, seed: int) -> list[list[int]]:
+                 max_new_tokens: int, temperature: float, top_k: int, seed: int,
+                 tiling: torch.Tensor | None = None, answer_id: int | None = None) -> list[list[int]]:
     """The KV-cached loop for B prompts of one length T: pixels [B, C, H, W], ids [B, T], has_image [B].
     Every row is its own sequence at the same positions, so no padding enters any row's attention;
     a row that has produced EOS keeps being fed EOS (its output ignored) until every row is done."""
     B = ids.shape[0]
     gens = _generators(temperature, seed, B)
     first = _split(model)
-    enc = pixels, ids, has_image
+    enc = (pixels, ids, has_image) + (() if tiling is None else (tiling,))  # multi-crop: [B, 2] tiling last
     for layer in list(model)[:first]:
         enc = layer(enc)  # the image side, once
     t = StageTuple.unpack(enc)
@@ -105,13 +118,13 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     start = 0
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         x = t
         for layer, cache in zip(decoder, caches):
             x = layer.decode(x, cache, start)
         logits = x  # [B, T_new, V]
         start += logits.shape[1]
-        nxt = _pick_rows(logits[:, -1], temperature, top_k, gens)
+        nxt = _pick_rows(_masked(logits[:, -1], answer_id, step), temperature, top_k, gens)
         for b, tok in enumerate(nxt.tolist()):
             if done[b]:
                 continue
@@ -130,22 +143,25 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
 @torch.no_grad()
 def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id: int | None,
              max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-             use_cache: bool = True, has_image: bool = True) -> list[int]:
+             use_cache: bool = True, has_image: bool = True, tiling: torch.Tensor | None = None,
+             answer_id: int | None = None) -> list[int]:
     """New token ids for one image + prompt (stops after EOS, which is not returned).
     use_cache=False reruns the whole model on the growing sequence each step (the reference).
     has_image=False: a text-only prompt, as training sees one (pixel_values a zero image, which the
-    decoder masks out; LLaVA: a prompt without placeholders)."""
+    decoder masks out; LLaVA: a prompt without placeholders). Multi-crop models: pixel_values
+    [1, 1 + max_crops, C, H, W] and tiling [1, 2] (mmpipe.data.crops.stack_images). answer_id: never
+    produced after the first new token (moondream's prompt format; module docstring)."""
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
     flag = torch.full((1,), int(has_image), dtype=torch.long)
     pixels = pixel_values.to(next(model.parameters()).dtype)
     if use_cache:
         return _decode_rows(model, pixels, ids, flag, eos_id=eos_id, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, seed=seed)[0]
+                            temperature=temperature, top_k=top_k, seed=seed, tiling=tiling, answer_id=answer_id)[0]
     gen = _generators(temperature, seed, 1)[0]
     out: list[int] = []
-    for _ in range(max_new_tokens):
-        nxt = _pick(model(pixels, ids, flag)[:, -1], temperature, top_k, gen)
+    for step in range(max_new_tokens):
+        nxt = _pick(_masked(model(pixels, ids, flag, tiling)[:, -1], answer_id, step), temperature, top_k, gen)
         if eos_id is not None and nxt.item() == eos_id:
             break
         out.append(nxt.item())
@@ -165,7 +181,8 @@ def length_buckets(lengths: list[int], batch_size: int) -> list[list[int]]:
 @torch.no_grad()
 def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], has_image=None, *,
                    eos_id: int | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                   seed: int = 0, batch_size: int = 16, progress=None) -> list[list[int]]:
+                   seed: int = 0, batch_size: int = 16, progress=None, tiling: torch.Tensor | None = None,
+                   answer_id: int | None = None) -> list[list[int]]:
     """generate() for many prompts at once: pixel_values [N, C, H, W], prompts N token-id lists,
     has_image N bools (default: all True) -> N answers in the prompts' order, each the tokens
     generate(model, pixel_values[i:i+1], prompts[i], ..., has_image=has_image[i]) gives (greedy; a sampled
@@ -178,7 +195,8 @@ def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], 
     for idx in length_buckets([len(p) for p in prompts], batch_size):
         answers = _decode_rows(model, pixels[idx], torch.tensor([prompts[i] for i in idx], dtype=torch.long),
                                flags[idx], eos_id=eos_id, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_k=top_k, seed=seed)
+                               temperature=temperature, top_k=top_k, seed=seed,
+                               tiling=None if tiling is None else tiling[idx], answer_id=answer_id)
         for i, a in zip(idx, answers):
             out[i] = a
         if progress is not None:
@@ -271,14 +289,15 @@ def main_generate(args: argparse.Namespace) -> int:
         requests = _requests(args)
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         cfg = model.cfg
-        transform = ImageTransform(cfg.vision)
-        size = cfg.vision.image_size
-        pixels = []
+        transform = make_transform(cfg.vision)  # moondream multi-crop: Crops, else one [3, S, S] crop
+        images = []
         for image, _, where in requests:
             try:
-                pixels.append(transform(Image.open(image).convert("RGB")) if image else torch.zeros(3, size, size))
+                images.append(transform(Image.open(image).convert("RGB")) if image
+                              else blank_image(cfg.vision.image_size, cfg.vision.max_crops))
             except OSError as e:
                 raise ConfigError(f"{where}: {image}: {e}") from None
+        pixels, tiling = stack_images(images)
     except ConfigError as e:
         return fail(e)
     encoder = ConversationEncoder(tok, cfg.text.max_context)
@@ -286,13 +305,14 @@ def main_generate(args: argparse.Namespace) -> int:
     has_image = [image is not None for image, _, _ in requests]
     # the LLaVA family reads the image from N_img placeholders after BOS; other families take the prompt as it is
     prompts = [with_placeholders(p, cfg) if h else p for p, h in zip(prompts, has_image)]
-    kw = dict(eos_id=tok.eos_token_id, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-              top_k=args.top_k, seed=args.seed)
+    kw = dict(eos_id=tok.eos_token_id, answer_id=answer_id_of(tok), max_new_tokens=args.max_new_tokens,
+              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     if args.no_cache:
-        new = [generate(model, px[None], p, use_cache=False, has_image=h, **kw)
-               for px, p, h in zip(pixels, prompts, has_image)]
+        new = [generate(model, pixels[i:i + 1], p, use_cache=False, has_image=h,
+                        tiling=None if tiling is None else tiling[i:i + 1], **kw)
+               for i, (p, h) in enumerate(zip(prompts, has_image))]
     else:
-        new = generate_batch(model, torch.stack(pixels), prompts, has_image, batch_size=args.batch_size, **kw)
+        new = generate_batch(model, pixels, prompts, has_image, batch_size=args.batch_size, tiling=tiling, **kw)
     answers = [tok.decode(a, skip_special_tokens=True).strip() for a in new]
     if len(requests) == 1 and not args.records:  # the single-image form: the answer alone
         print(answers[0])

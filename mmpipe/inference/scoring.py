@@ -39,7 +39,7 @@ from ..data.batches import TrainSet, collate
 from ..data.crops import blank_image, stack_images
 from ..data.dataset import prepare_eval, resolve_data
 from ..data.records import BadRecord
-from ..data.text import placeholders, with_placeholders
+from ..data.text import answer_id_of, placeholders, with_placeholders
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
 from .generate import generate_batch, length_buckets, load_checkpoint
 
@@ -50,7 +50,8 @@ HELP = {"data": "the records to answer, in any format --data takes for training:
         "bad_records": "skip: count, list and leave out bad records (default); strict: stop before answering any",
         "tokenizer": "tokenizer directory (default: the one the run trained with: the HF directory's own, else the "
                      "run's tokenizer/, else the built-in one)"}
-DATA_FLAGS = ("data", "image_root", "tokenizer", "bad_records", "text_len", "overlong", "resize", "max_image_pixels")
+DATA_FLAGS = ("data", "image_root", "tokenizer", "prompt_format", "bad_records", "text_len", "overlong", "resize",
+              "max_image_pixels")
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -203,7 +204,8 @@ def _generate_all(args, model, tok, evalset, text_len: int):
             pixels = pixels.to(dtype)
             new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].has_image for i in batch],
                                  eos_id=eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, seed=args.seed, batch_size=len(batch), tiling=tiling)
+                                 top_k=args.top_k, seed=args.seed, batch_size=len(batch), tiling=tiling,
+                                 answer_id=answer_id_of(tok))  # moondream's prompt format: its answer-id mask
             for i, a in zip(batch, new):
                 answers[i] = a
             s, n = _loss(model, rows, [items[i].pos for i in batch], pixels, tiling)
