@@ -10,6 +10,8 @@ from .data.args import DataArgs
 from .flags import add_flags, flag, from_namespace, to_argv
 from .model.builder import FREEZE_GROUPS
 
+SCHEDULES = ("1f1b", "zb-h1")  # DeepSpeed's own 1F1B; zero-bubble ZB-H1 (mmpipe.runtime.schedule, docs/schedules.md)
+
 
 @dataclass(frozen=True)
 class TrainArgs(DataArgs):
@@ -22,6 +24,8 @@ class TrainArgs(DataArgs):
     stages: int | None = flag(None, "pipeline stages (default: the config's pipeline.stages, else 2)")
     partition: str | None = flag(None, "balanced | uniform | parameters | explicit first-layer indices of stages "
                                  "1..P-1 (default: the config's pipeline.partition, 'best' = balanced)")
+    schedule: str | None = flag(None, f"pipeline schedule: {' | '.join(SCHEDULES)} (default: the config's "
+                                f"pipeline.schedule, else 1f1b; docs/schedules.md)")
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")

@@ -16,6 +16,7 @@ from mmpipe.cli import main
 from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.data.text import placeholders
+from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 
@@ -63,6 +64,9 @@ def test_init_from_imported_llava(tmp_path, capsys):
     losses = run.losses
     assert losses[1] == pytest.approx(want, abs=1e-4)
     assert losses[2] != pytest.approx(losses[1], abs=1e-4)  # it trained from there
+    # the run keeps the import's tokenizer, so generate / eval / --init-from on it read the same ids
+    kept = load_tokenizer(str(run.out / "tokenizer"))
+    assert kept.get_vocab() == rc.data.tokenizer.get_vocab() and kept.chat_template == rc.data.tokenizer.chat_template
 
     capsys.readouterr()
     assert main(["train", *args, "--preset", "llava-tiny"]) == 2

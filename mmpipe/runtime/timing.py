@@ -310,7 +310,9 @@ def instrument(engine, skip_steps: int = 0, synchronize: bool | None = None) -> 
 
     # our own map: a copy of the one the engine sees now (the class's, or a subclass's)
     base_map = engine._INSTRUCTION_MAP
-    d["_INSTRUCTION_MAP"] = {k: _wrap_instruction(timer, fn, cats.get(k, "other")) for k, fn in base_map.items()}
+    # a subclass of an instruction (mmpipe.runtime.schedule's B and W are BackwardPasses) times as its base
+    d["_INSTRUCTION_MAP"] = {k: _wrap_instruction(timer, fn, next((cats[c] for c in k.__mro__ if c in cats), "other"))
+                             for k, fn in base_map.items()}
     d["train_batch"] = _wrap_train_batch(timer, engine.train_batch)
 
     agg = getattr(engine, "_aggregate_total_loss", None)

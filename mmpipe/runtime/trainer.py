@@ -31,6 +31,7 @@ from ..data.batches import StepBatches, TrainSet, rank_batches
 from ..data.dataset import prepare, prepare_eval
 from ..data.index import describe as describe_data
 from ..data.text import decoder_positions, placeholders
+from ..data.tokenizer import BUILTIN_TEMPLATE
 from ..model.lora import LORA_FILE, load_base
 from ..planning.partition import describe as describe_parts
 from ..run_args import TrainArgs
@@ -40,6 +41,7 @@ from .curves import plot_runs
 from .guard import install_skip
 from .pipeline import VLMPipeline
 from .precision import check_all_ranks
+from .schedule import install as install_schedule
 from .steplog import StepLog
 from .timing import gather_stage_report, instrument, pipeline_summary
 from .validation import Validator
@@ -167,6 +169,9 @@ def prepare_output(out: Path, run: RunConfig, rank: int) -> None:
         (out / "model.json").write_text(json.dumps(run.model.to_dict(), indent=2) + "\n")
         if run.init_from and (Path(run.init_from) / REGION_FILE).is_file():  # moondream's region head rides along
             shutil.copyfile(Path(run.init_from) / REGION_FILE, out / REGION_FILE)  # for `mmpipe export`
+        tok = run.data.tokenizer
+        if tok is not None and getattr(tok, "chat_template", None) != BUILTIN_TEMPLATE:  # a user's / an import's
+            tok.save_pretrained(out / "tokenizer")  # RUN/tokenizer: what generate, eval and --init-from RUN read
         (out / LORA_FILE).unlink(missing_ok=True)
         if run.lora:  # how to rebuild the adapters for generate, eval and export
             (out / LORA_FILE).write_text(json.dumps(run.lora.to_dict(), indent=2) + "\n")
@@ -183,6 +188,10 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
     checkpoint.make_loads_safe(engine)
+    zb = install_schedule(engine, run.schedule)  # collective for zb-h1; before `instrument` copies the instruction map
+    if zb and rank == 0:
+        print(f"mmpipe: schedule {zb['schedule']}: stage 0 defers {zb['deferred_linears']} linears' weight gradients; "
+              f"stages with W work {[i for i, w in enumerate(zb['weight_stages']) if w]}", flush=True)
     return engine
 
 

@@ -1,0 +1,180 @@
+"""--schedule zb-h1 (mmpipe.runtime.schedule): the order is deadlock-free, bounded in memory and shorter
+than 1F1B's; in real runs it gives 1F1B's losses and weights (fp32, 1e-5) at PP=2 and PP=4, with DP=2,
+--freeze vision and activation checkpointing, and with bf16 + ZeRO-1; a bad value is refused."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from deepspeed.accelerator import get_accelerator
+
+from conftest import mmpipe_train, train_run, write_ds_config
+from mmpipe.config import load_preset
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.schedule import ZeroBubbleH1Schedule, simulate, stage_orders
+
+TOL = 1e-5
+STEPS = 4
+
+
+def _run_stream(streams):
+    """Execute every stage's instruction stream with blocking-p2p semantics (a send and its receive
+    complete together, neither before both stages have reached them); returns the number of rounds.
+    Raises on deadlock or a receive that does not match the next send."""
+    pos = [0] * len(streams)
+    rounds = 0
+    while any(pos[i] < len(s) for i, s in enumerate(streams)):
+        rounds += 1
+        moved = False
+        for i, s in enumerate(streams):
+            while pos[i] < len(s) and s[pos[i]][1] in ("F", "B", "W"):
+                pos[i] += 1
+                moved = True
+        for i, s in enumerate(streams):
+            if pos[i] >= len(s):
+                continue
+            _, kind, mb = s[pos[i]]
+            if kind.startswith("send"):
+                j = i + 1 if kind == "send_act" else i - 1
+                want = "recv_act" if kind == "send_act" else "recv_grad"
+                if pos[j] < len(streams[j]) and streams[j][pos[j]][1:] == (want, mb):
+                    pos[i] += 1
+                    pos[j] += 1
+                    moved = True
+        assert moved, f"deadlock at {pos}"
+    return rounds
+
+
+@pytest.mark.parametrize("p,m", list(itertools.product([1, 2, 3, 4], [1, 2, 3, 4, 5, 8, 9])))
+def test_zb_h1_order_is_complete_bounded_and_deadlock_free(p, m):
+    for weights in itertools.product([True, False], repeat=p):
+        orders = stage_orders(p, m, weights)
+        for i, order in enumerate(orders):
+            kinds = ["F", "B", "W"] if weights[i] else ["F", "B"]
+            assert sorted((op.kind, op.mb) for op in order) == sorted((k, mb) for k in kinds for mb in range(m))
+            done = {k: 0 for k in kinds}
+            for n, op in enumerate(order):
+                assert op.mb == done[op.kind]  # each kind in micro-batch order
+                done[op.kind] += 1
+                # memory: at most p micro-batches between their forward and their last backward op
+                assert done["F"] - done[kinds[-1]] <= p
+                if i == p - 1 and op.kind == "F":  # the last stage's loss is consumed by the very next B
+                    assert order[n + 1].kind == "B" and order[n + 1].mb == op.mb
+        schedules = [ZeroBubbleH1Schedule(m, p, i, weights) for i in range(p)]
+        _run_stream([s.stream for s in schedules])
+        for s in schedules:
+            assert s.buffers <= max(2, p)
+        assert simulate(p, m, weights)["makespan"] <= simulate(p, m, weights, split=False)["makespan"]
+
+
+def test_zb_h1_shortens_the_unit_timeline():
+    # F = B = W = 1: 1F1B (m + p - 1) x 3; ZB-H1 3m + (p - 1), the paper's (p - 1)(F + B - W) bubble
+    assert simulate(2, 4, [True, True], split=False)["makespan"] == 15
+    assert simulate(2, 4, [True, True])["makespan"] == 13
+    assert simulate(2, 8, [True, True])["makespan"] == 25
+    assert simulate(4, 4, [True] * 4)["makespan"] == 15
+    assert simulate(4, 8, [True] * 4)["makespan"] == 29  # 1F1B: 33; the no-bubble bound: 24
+
+
+def _args(cfg, schedule, *extra):
+    flag = ["--schedule", schedule] if schedule else []  # None: the config's pipeline.schedule
+    return ["--preset", "tiny", "--ds-config", str(cfg), "--steps", str(STEPS), "--eval-samples", "0", "--seed", "3",
+            *flag, *extra]
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cfg")
+    return write_ds_config(
+        d / "sched.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
+        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 2,
+                                                       "warmup_type": "linear", "warmup_min_ratio": 0.1}})
+
+
+def _pair(tmp_path_factory, name, cfg, *extra, zb_cfg=None):
+    """The same run under 1f1b and zb-h1 (zb_cfg: a config whose pipeline.schedule picks zb-h1, no flag)."""
+    runs = {}
+    for schedule in ("1f1b", "zb-h1"):
+        args = _args(zb_cfg, None, *extra) if zb_cfg and schedule == "zb-h1" else _args(cfg, schedule, *extra)
+        runs[schedule] = train_run(tmp_path_factory.mktemp(f"{name}-{schedule}"), *args).check()
+    assert "mmpipe: schedule zb-h1:" in runs["zb-h1"].proc.stdout
+    return runs
+
+
+def _assert_same(runs, tol=TOL, weight_tol=TOL):
+    a, b = runs["1f1b"], runs["zb-h1"]
+    la, lb = a.losses, b.losses
+    assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], abs=tol), step
+    assert abs(la[STEPS] - la[1]) > 1e-3  # it trained
+    cfg = load_preset("tiny")
+    sa = load_reference(a.out / "checkpoints", cfg).state_dict()
+    sb = load_reference(b.out / "checkpoints", cfg).state_dict()
+    diff = max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+    assert diff <= weight_tol
+    # zb-h1 really split the backward: B and W per micro-batch on a stage with trainable linears
+    calls = [r["calls_per_step"] for r in b.summary["stage_timing"]["per_stage"]]
+    gas = b.summary["gradient_accumulation"]
+    assert any(c["backward"] == 2 * gas for c in calls), calls
+    return sa, sb
+
+
+def test_pp2_fp32_equal(tmp_path_factory, cfg, tmp_path):
+    import json
+    zb = json.loads(cfg.read_text())
+    zb["pipeline"]["schedule"] = "zb-h1"  # chosen in the DeepSpeed JSON this time
+    (tmp_path / "zb.json").write_text(json.dumps(zb))
+    _assert_same(_pair(tmp_path_factory, "pp2", cfg, "--stages", "2", zb_cfg=tmp_path / "zb.json"))
+
+
+def test_pp2_freeze_vision_equal(tmp_path_factory, cfg):
+    runs = _pair(tmp_path_factory, "frozen", cfg, "--stages", "2", "--freeze", "vision")
+    _assert_same(runs)
+    assert runs["zb-h1"].summary["freeze"] == ["vision"]
+
+
+def test_pp2_activation_checkpointing_equal(tmp_path_factory, tmp_path):
+    ck = write_ds_config(tmp_path / "ck.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
+                         pipeline={"stages": "auto", "partition": "best", "activation_checkpoint_interval": 1})
+    _assert_same(_pair(tmp_path_factory, "ckpt", ck, "--stages", "2"))
+
+
+def test_pp2_bf16_zero1_equal(tmp_path_factory, tmp_path):
+    bf = write_ds_config(tmp_path / "bf.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
+                         bf16={"enabled": True}, zero_optimization={"stage": 1})
+    # measured bit-identical here: W runs the same bf16 matmul autograd would, and its result reaches
+    # ZeRO-1's fp32 accumulators through the same gradient hook, in the same micro-batch order
+    _assert_same(_pair(tmp_path_factory, "bf16", bf, "--stages", "2"))
+
+
+@pytest.mark.skipif(not get_accelerator().is_fp16_supported(),
+                    reason=f"this {get_accelerator().device_name()} has no fp16 kernels (DeepSpeed refuses fp16)")
+def test_pp2_fp16_zero1_equal(tmp_path_factory, tmp_path):
+    fp = write_ds_config(tmp_path / "fp.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
+                         fp16={"enabled": True, "initial_scale_power": 16}, zero_optimization={"stage": 1})
+    runs = _pair(tmp_path_factory, "fp16", fp, "--stages", "2")
+    _assert_same(runs, tol=1e-2, weight_tol=1e-2)
+    assert runs["zb-h1"].summary["skipped_steps"] == runs["1f1b"].summary["skipped_steps"]
+
+
+def test_pp4_equal(tmp_path_factory, cfg):
+    _assert_same(_pair(tmp_path_factory, "pp4", cfg, "--stages", "4"))
+
+
+def test_pp2_dp2_equal(tmp_path_factory, cfg):
+    _assert_same(_pair(tmp_path_factory, "dp2", cfg, "--stages", "2", "--dp", "2"))
+
+
+def test_bad_schedule_refused(tmp_path, cfg):
+    proc = mmpipe_train(["--output-dir", str(tmp_path), *_args(cfg, "gpipe")])
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["mmpipe: error: --schedule: 'gpipe' is not a schedule (valid: 1f1b, zb-h1)"], proc.stderr
+
+
+def test_schedule_from_the_config(tmp_path, cfg):
+    bad = write_ds_config(tmp_path / "bad.json", pipeline={"stages": 2, "schedule": "zb-h3"})
+    proc = mmpipe_train(["--output-dir", str(tmp_path / "o"), "--preset", "tiny", "--ds-config", str(bad),
+                         "--steps", "1"])
+    assert proc.returncode == 2 and "pipeline.schedule: 'zb-h3' is not a schedule" in proc.stderr, proc.stderr
