@@ -37,8 +37,8 @@ class LossModule(torch.nn.Module):
         super().__init__()
         self.pipe = pipe
 
-    def forward(self, pixels, input_ids, has_image, labels):
-        return lm_loss(self.pipe((pixels, input_ids, has_image)), labels)
+    def forward(self, pixels, input_ids, has_image, labels, tiling=None):  # tiling: multi-crop models only
+        return lm_loss(self.pipe((pixels, input_ids, has_image) + (() if tiling is None else (tiling,))), labels)
 
 
 def main(argv=None) -> int:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     samples = prepare(run.data, run.model, out, args.seed, verbose=False)
     v = run.model.vision
     dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
-                       augment_seed=args.seed if run.data.augment else None)
+                       augment_seed=args.seed if run.data.augment else None, max_crops=v.max_crops)
     batches = rank_batches(dataset, StepBatches(0, run.micro, run.gas, rank, run.dp), dtype=DTYPES[run.precision],
                            workers=run.data.workers)
     seq = run.model.n_image_positions + run.text_len
@@ -78,8 +78,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         total = 0.0
         for _ in range(run.gas):
-            (pixels, ids, has_image), labels = next(batches)
-            loss = engine(pixels, ids, has_image, labels)
+            (pixels, ids, has_image, *tiling), labels = next(batches)
+            loss = engine(pixels, ids, has_image, labels, *tiling)
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer at the GAS boundary only
             total += loss.item() / run.gas

@@ -39,6 +39,7 @@ def batches(run, seed: int, *, first: bool = True, last: bool = True):
     on the last, so a peer pays the same data cost as the variant it is compared with."""
     v = run.model.vision
     data = TrainSet(prepare(run.data, run.model, "", seed, verbose=False), text_len=run.text_len,
-                    n_img=run.model.n_image_positions, image_size=v.image_size, need_images=first, need_labels=last)
+                    n_img=run.model.n_image_positions, image_size=v.image_size, need_images=first, need_labels=last,
+                    max_crops=v.max_crops)
     return rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1), workers=run.data.workers if first else 0)
 

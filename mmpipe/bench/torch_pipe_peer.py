@@ -65,8 +65,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()  # loading is inside the step, as in train_batch (its LoadMicroBatch)
         mbs = [next(stream) for _ in range(run.gas)]
         losses = []
-        if rank == 0:  # images, input_ids, has_image; the schedule splits them into gas micro-batches
-            schedule.step(*(torch.cat([m[0][k] for m in mbs]) for k in range(3)))
+        if rank == 0:  # images, input_ids, has_image[, tiling]; the schedule splits them into gas micro-batches
+            schedule.step(*(torch.cat([m[0][k] for m in mbs]) for k in range(len(mbs[0][0]))))
         elif rank == world - 1:
             schedule.step(target=torch.cat([m[1] for m in mbs]), losses=losses)
         else:
