@@ -21,10 +21,15 @@ from mmpipe.planning.costmodel import (
     layer_costs,
     pipeline_step_seconds,
     stage_memory,
+    stage_seconds,
+    stage_split_seconds,
     state_bytes,
+    zero_bubble_step_seconds,
 )
 from mmpipe.planning.layout import plan_layout
 from mmpipe.planning.partition import compute_parts, min_max_split
+from mmpipe.planning.schedules import SCHEDULES, predict, simulate
+from mmpipe.run_args import SCHEDULES as TRAIN_SCHEDULES
 
 
 def _brute(weights, parts, fits=None):
@@ -219,3 +224,95 @@ def test_plan_layout_cuts_a_named_partition_as_training_does():
     assert uni.parts != bal.parts and uni.step["slot_s"] > bal.step["slot_s"]
     explicit = plan_layout(rows, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev, partition="3")
     assert explicit.parts == [0, 3, len(rows)]
+
+
+# ---- --schedule: 1F1B and ZB-H1 predicted ---------------------------------------------------------
+
+def test_zb_h1_unit_step_is_shorter_by_the_schedule_modules_count():
+    """P = 2, m = 4, F = B = W = 1 s, free links: 1F1B (4 + 2 - 1) x 3 = 15 s, ZB-H1 13 s: the counts
+    mmpipe.planning.schedules.simulate computes (the order mmpipe.runtime.schedule runs)."""
+    assert SCHEDULES == TRAIN_SCHEDULES  # what plan predicts is what train runs
+    dev = Device("unit", 1e12, 1e10, float("inf"))
+    one = pipeline_step_seconds([(1.0, 2.0)] * 2, 4, [0.0], 0.0, 1, dev)
+    zb = zero_bubble_step_seconds([(1.0, 1.0, 1.0)] * 2, [True, True], 4, [0.0], 0.0, 1, dev)
+    units_1f1b = simulate(2, 4, [True, True], split=False)["makespan"]
+    units_zb = simulate(2, 4, [True, True])["makespan"]
+    assert (units_1f1b, units_zb) == (15, 13)
+    assert one["step_s"] == pytest.approx(units_1f1b) and zb["step_s"] == pytest.approx(units_zb)
+    assert zb["saved_s"] == pytest.approx(2.0)
+    assert one["bubble"] == pytest.approx(1 - 12 / 15) and zb["bubble"] == pytest.approx(1 - 12 / 13)
+    # P = 4, m = 8: 33 -> 29 units; ZB-H1 holds up to P = 4 micro-batches on every stage (1F1B: 4, 3, 2, 1)
+    zb4 = zero_bubble_step_seconds([(1.0, 1.0, 1.0)] * 4, [True] * 4, 8, [0.0] * 3, 0.0, 1, dev)
+    assert zb4["step_s"] == pytest.approx(29) and zb4["in_flight"] == [4, 4, 4, 4]
+    assert predict("1f1b", 8, [(1.0, 1.0, 1.0)] * 4, [True] * 4)["in_flight"] == [4, 3, 2, 1]
+    # one stage: nothing to save
+    zb1 = zero_bubble_step_seconds([(1.0, 1.0, 1.0)], [True], 4, [], 0.0, 1, dev)
+    assert zb1["saved_s"] == 0.0 and zb1["step_s"] == pytest.approx(12) and zb1["bubble"] == pytest.approx(0)
+
+
+def test_backward_splits_into_b_and_w_and_a_stage_without_trainable_linears_has_no_w():
+    cfg, dev = load_preset("small"), KNOWN_DEVICES["a100-80gb"]
+    rows = layer_costs(cfg, (), 12)
+    for r in rows:  # a trainable block: W = 2 x linear weights x tokens, about half its backward
+        if r.name in ("VisionBlock", "DecoderBlock"):
+            assert r.w_flops <= 2 * r.params * r.tokens and 0.4 < r.w_flops / r.bwd_flops <= 0.5
+    text = next(i for i, r in enumerate(rows) if r.name == "TextEmbed")
+    assert rows[text].trainable and rows[text].w_flops == 0  # nn.Embedding: its gradient runs in B
+    frozen = layer_costs(cfg, ("vision", "projector"), 12)
+    assert all(r.bwd_flops == 0 and r.w_flops == 0 for r in frozen[:text])  # frozen prefix: no B, no W
+    # stage 0 = frozen ViT + projector + the token embedding: trainable, but no nn.Linear of its own
+    lay = plan_layout(frozen, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev,
+                      partition=str(text + 1), schedule="zb-h1")
+    zb = lay.predictions["zb-h1"]
+    assert lay.parts == [0, text + 1, len(frozen)] and lay.schedule == "zb-h1" and lay.step is zb
+    assert zb["weight_stages"] == [False, True] and zb["w_s"][0] == 0.0 and zb["w_s"][1] > 0
+    assert lay.stage_rows[0]["weight_backward_ms"] == 0.0
+    for (f, bw), (f2, b, w) in zip(stage_seconds(frozen, lay.parts, 4, dev),
+                                   stage_split_seconds(frozen, lay.parts, 4, dev)):
+        assert f2 == f and b + w == pytest.approx(bw)  # B + W is the backward 1F1B is predicted with
+    # stage 0's B is only the embedding's weight gradient (dim x tokens FLOPs): the ViT runs no backward
+    assert lay.stage_rows[0]["input_backward_ms"] == pytest.approx(
+        frozen[text].bwd_flops * 4 / (dev.peak_flops * dev.efficiency) * 1e3)
+
+
+def test_plan_layout_default_is_1f1b_and_both_recommends_the_faster():
+    rows = layer_costs(load_preset("small"), (), 12)
+    dev = KNOWN_DEVICES["a100-80gb"]
+    kw = dict(stages=4, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev)
+    plain, both = plan_layout(rows, **kw), plan_layout(rows, **kw, schedule="both")
+    assert plain.schedule == "1f1b" and set(plain.predictions) == {"1f1b"} and "input_backward_ms" not in \
+        plain.stage_rows[0]
+    assert both.predictions["1f1b"] == plain.step and set(both.predictions) == {"1f1b", "zb-h1"}
+    faster = min(both.predictions, key=lambda k: both.predictions[k]["step_s"])
+    assert both.schedule == faster and both.step is both.predictions[faster]
+
+
+def _plan(*argv):
+    return subprocess.run([sys.executable, "-m", "mmpipe.cli", "plan", "--preset", "small", "--device", "a100-80gb",
+                           "--gpus-per-node", "4", "--global-batch", "64", "--micro", "4,8", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_schedule_both_names_both_and_writes_the_choice(tmp_path):
+    out = tmp_path / "ds.json"
+    proc = _plan("--schedule", "both", "--write-config", str(out))
+    assert proc.returncode == 0, proc.stderr
+    header = next(ln for ln in proc.stdout.splitlines() if ln.lstrip().startswith("PP"))
+    assert "1f1b s" in header and "zb-h1 s" in header and "faster" in header
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip() and ln.split()[0] in ("1", "2", "4")
+            and len(ln.split()) > 9]
+    assert rows and {r[8] for r in rows} <= {"1f1b", "zb-h1"} and any(r[0] != "1" for r in rows)
+    best = next(ln for ln in proc.stdout.splitlines() if ln.startswith("best:"))
+    written = json.loads(out.read_text())
+    assert best.endswith(f"schedule {written['pipeline']['schedule']}")
+    js = json.loads(_plan("--schedule", "both", "--json").stdout)
+    assert all(set(lay["predictions"]) == {"1f1b", "zb-h1"} and lay["schedule"] in ("1f1b", "zb-h1") for lay in js)
+    default = json.loads(_plan("--json").stdout)
+    assert all(lay["schedule"] == "1f1b" and set(lay["predictions"]) == {"1f1b"} for lay in default)
+
+
+def test_plan_refuses_a_bad_schedule():
+    proc = _plan("--schedule", "gpipe")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "mmpipe: error: --schedule: 'gpipe' is not a schedule (valid: 1f1b, zb-h1, both)"], proc.stderr

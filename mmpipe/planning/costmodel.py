@@ -10,6 +10,16 @@ Per layer and per sample (tokens: image tokens N for the ViT side, N + text for 
                     of the first trainable layer, which runs no backward at all. The embeddings
                     (pixels, token ids in) have no input gradient: 1x if trainable, else 0
     recompute       + forward again for a checkpointed block (activation checkpointing)
+    W FLOPs         the part of the backward ZB-H1 defers (`--schedule zb-h1`, docs/schedules.md):
+                    the weight gradients of the layer's trainable nn.Linear modules, g^T x, which
+                    cost what their forward matmuls cost: 2 per trainable linear weight per token,
+                    capped at the backward. So a trainable block's backward 2 x forward splits into
+                    B = forward + attention (input gradients: 2 per weight per token, and q k^T, attn v
+                    backward) and W = 2 x linear weights x tokens, W ~ half the backward when linears
+                    dominate; under LoRA W is the adapters' 2 x adapter weights x tokens (half of
+                    their 4 x); a frozen layer: W = 0 (B is its input gradient, 1 x forward); a frozen
+                    prefix: B = W = 0; a trainable token embedding (nn.Embedding, not a linear): W = 0,
+                    its weight gradient runs in B, as in the runtime. The remainder B = backward - W.
 
 Activation bytes per sample: what autograd keeps for the backward, counted tensor by tensor
 for mmpipe's own layers (tests compare it with torch's saved-tensor hooks on the CPU):
@@ -75,6 +85,7 @@ class LayerCost:
     carried_elems: float = 0.0  # the image riding along in the stage tuple (cross-attention fusion), per sample
     embedding: bool = False  # pixels / token ids in: its full backward is 1x forward (weight gradients only)
     adapter_params: int = 0  # LoRA: the adapters' parameters, the layer's only trainable ones (in `params` too)
+    w_flops: float = 0.0  # per sample, of bwd_flops: the trainable linears' weight gradients (ZB-H1's W)
 
     @property
     def trainable_params(self) -> int:
@@ -108,7 +119,8 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
     n, seq = _tokens(cfg, text_len)
     rows, image_users, seen_trainable = [], [], False
     frozen = set(freeze) | set(lora.groups if lora else ())
-    for spec, params, adapters in zip(layer_specs(cfg), layer_param_counts(cfg), adapter_param_counts(cfg, lora)):
+    counts = zip(layer_param_counts(cfg), adapter_param_counts(cfg, lora), linear_param_counts(cfg))
+    for spec, (params, adapters, linear) in zip(layer_specs(cfg), counts):
         rule, group = family.cost_rule(spec), spec.typename.group
         trainable = (group not in frozen and params > 0) or adapters > 0
         c = rule.cost_of(cfg, params, n, seq)
@@ -120,12 +132,25 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         fwd = c.fwd + 2.0 * adapters * c.tokens  # the adapters' two thin matmuls per adapted linear
         bwd += 4.0 * adapters * c.tokens if adapters else 0.0
         recompute = checkpointing and spec.typename in family.checkpointable and bwd > 0
+        # ZB-H1's W: 2 per trainable linear weight per token (g^T x), e.g. a trainable block of 4d^2 + 2df
+        # linear weights over N tokens: W = 2 (4d^2 + 2df) N of its backward 2 (2 (4d^2 + 2df) N + 4 N^2 d)
+        w_params = adapters if adapters else (linear if trainable else 0)
+        w = min(2.0 * w_params * c.tokens, bwd)
         if rule.uses_image:
             image_users.append(len(rows))
         rows.append(LayerCost(rule.name, group, params + adapters, trainable, c.tokens, fwd, bwd, recompute,
                               float(c.act), float(c.fp32), float(c.out), embedding=rule.embedding,
-                              adapter_params=adapters))
+                              adapter_params=adapters, w_flops=w))
     return _carry_image(rows, image_users, n * cfg.text.dim)
+
+
+def linear_param_counts(cfg: ModelConfig) -> list[int]:
+    """Per layer, the parameters of its nn.Linear modules (exactly that type, as the runtime's B/W
+    split defers them), built on the meta device."""
+    import torch
+    with torch.device("meta"):
+        return [sum(p.numel() for m in spec.build().modules() if type(m) is torch.nn.Linear for p in m.parameters())
+                for spec in layer_specs(cfg)]
 
 
 def _tokens(cfg: ModelConfig, text_len: int) -> tuple[int, int]:
@@ -166,8 +191,9 @@ def in_flight(stage: int, stages: int, micro_batches: int) -> int:
 
 
 def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, *, micro: int, micro_batches: int,
-                 precision: str, zero_stage: int, dp: int) -> dict:
-    """Bytes on one rank of `stage`: states + activations of the micro-batches in flight."""
+                 precision: str, zero_stage: int, dp: int, micro_batches_in_flight: int | None = None) -> dict:
+    """Bytes on one rank of `stage`: states + activations of the micro-batches in flight (1F1B's
+    in_flight, or micro_batches_in_flight: another schedule's, e.g. ZB-H1's from its simulated order)."""
     layers = rows[parts[stage]:parts[stage + 1]]
     params = sum(r.params for r in layers)
     trainable = sum(r.trainable_params for r in layers)
@@ -176,7 +202,7 @@ def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, *, micro: 
     if any(r.recompute for r in layers):  # one block's full activations while it is recomputed
         per_sample += max(((r.act_elems - r.act_fp32_elems) * BYTES[precision] + r.act_fp32_elems * 4)
                           for r in layers if r.recompute)
-    k = in_flight(stage, len(parts) - 1, micro_batches)
+    k = in_flight(stage, len(parts) - 1, micro_batches) if micro_batches_in_flight is None else micro_batches_in_flight
     mem["activations"] = per_sample * micro * k
     mem["total"] = sum(mem.values())
     return mem
@@ -232,6 +258,28 @@ def stage_seconds(rows: list[LayerCost], parts: list[int], micro: int, device: D
     return out
 
 
+def stage_split_seconds(rows: list[LayerCost], parts: list[int], micro: int, device: Device,
+                        measured: dict | None = None) -> list[tuple[float, float, float]]:
+    """(forward, B, W) seconds per micro-batch for each stage: stage_seconds' backward split into B
+    (input gradients, the rest of the backward, recompute included) and W (the trainable linears'
+    weight gradients, LayerCost.w_flops), B + W = stage_seconds' backward. Measured, a layer's W is
+    its timed trainable backward x w_flops / that backward's FLOPs (2 x forward; 1 x for an embedding)."""
+    out = []
+    for (f, bw), a, b in zip(stage_seconds(rows, parts, micro, device, measured), parts, parts[1:]):
+        w = 0.0
+        for r in rows[a:b]:
+            if not r.w_flops:
+                continue
+            if measured and r.name in measured:
+                full = r.fwd_flops * (1 if r.embedding else 2)
+                w += measured[r.name][1] * (r.w_flops / full) * micro
+            else:
+                w += r.w_flops * micro / (device.peak_flops * device.efficiency)
+        w = min(w, bw)
+        out.append((f, bw - w, w))
+    return out
+
+
 def pipeline_step_seconds(stage_times: list[tuple[float, float]], micro_batches: int, boundary_bytes: list[float],
                           grad_bytes: float, dp: int, device: Device) -> dict:
     """1F1B with P stages and m micro-batches: every stage is busy m times and idle P - 1 slots,
@@ -246,6 +294,40 @@ def pipeline_step_seconds(stage_times: list[tuple[float, float]], micro_batches:
     step = (m + p - 1) * (slot + comm + device.microbatch_overhead) + allreduce + device.step_overhead
     return {"step_s": step, "slot_s": slot, "bubble": (p - 1) / (m + p - 1), "p2p_s": comm, "allreduce_s": allreduce,
             "slots": m + p - 1}
+
+
+def zero_bubble_step_seconds(stage_times: list[tuple[float, float, float]], weight_stages: list[bool],
+                             micro_batches: int, boundary_bytes: list[float], grad_bytes: float, dp: int,
+                             device: Device) -> dict:
+    """ZB-H1 (`--schedule zb-h1`) as a change to pipeline_step_seconds' 1F1B step: both schedules'
+    orders (mmpipe.planning.schedules: the unit-time orders the runtime runs) are replayed with these
+    per-stage (F, B, W) seconds, each slot's p2p and per-slot overhead split half onto F, half onto B,
+    and ZB-H1's step is 1F1B's minus what the replay says it saves:
+
+        step_zb  = step_1f1b - (replay_1f1b - replay_zb)
+        bubble   = 1 - m x slot / ((m + P - 1) x slot - (replay_1f1b - replay_zb)),
+                   slot = the slowest stage's F + B + W + p2p + per-slot overhead
+
+    (1F1B's own bubble (P - 1)/(m + P - 1) is the same formula with no saving). E.g. P = 2, m = 4,
+    F = B = W = 1 s on both stages, free p2p: 1F1B 5 x 3 = 15 s, the replays 15 and 13, ZB-H1
+    15 - 2 = 13 s, bubble 1 - 12/13 = 7.7% against 1 - 12/15 = 20%. A stage with weight_stages[i]
+    False has no W: its B is the whole backward, its order 1F1B's. in_flight: ZB-H1's peak
+    micro-batches per stage (up to P on every stage with W, against 1F1B's P - s)."""
+    from .schedules import predict
+    m = micro_batches
+    base = pipeline_step_seconds([(f, b + w) for f, b, w in stage_times], m, boundary_bytes, grad_bytes, dp, device)
+    extra = (base["p2p_s"] + device.microbatch_overhead) / 2  # per micro-batch: half with F, half with B
+    times = [(f + extra, b + extra, w) for f, b, w in stage_times]
+    one = predict("1f1b", m, times, weight_stages)
+    zb = predict("zb-h1", m, times, weight_stages)
+    saved = one["makespan"] - zb["makespan"]
+    saved = 0.0 if abs(saved) <= 1e-9 * one["makespan"] else saved  # the same sums added in another order (P = 1)
+    span = base["slots"] * (base["slot_s"] + base["p2p_s"] + device.microbatch_overhead)  # 1F1B's compute span
+    no_bubble = m * (base["slot_s"] + base["p2p_s"] + device.microbatch_overhead)
+    return {**base, "schedule": "zb-h1", "step_s": base["step_s"] - saved, "bubble": 1 - no_bubble / (span - saved),
+            "saved_s": saved, "replay_1f1b_s": one["makespan"], "replay_s": zb["makespan"],
+            "weight_stages": [bool(x) for x in weight_stages], "in_flight": zb["in_flight"],
+            "w_s": [w for _, _, w in stage_times]}
 
 
 def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5,
@@ -301,5 +383,6 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
                 bwd.append(t2 - t1)
         fwd.sort()
         bwd.sort()
-        out[rule.name] = (fwd[len(fwd) // 2] / micro, bwd[len(bwd) // 2] / micro)
+        crops = cfg.vision.crop_slots if rule.per_crop else 1  # timed on one crop; multi-crop runs 1 + max_crops
+        out[rule.name] = (fwd[len(fwd) // 2] / micro * crops, bwd[len(bwd) // 2] / micro * crops)
     return out

@@ -12,6 +12,11 @@ GAS m = global batch / (b x DP); the balanced (min-max time) split that fits mem
 
 Layouts whose every split overflows a device's memory are listed with the reason. The best
 layout's DeepSpeed JSON can be written out (--write-config) and run as is.
+
+`--schedule zb-h1` predicts the zero-bubble ZB-H1 schedule instead (step = 1F1B's minus the idle
+time its order saves when both orders are replayed with each stage's forward, input-backward B and
+weight-backward W seconds: costmodel.zero_bubble_step_seconds); `--schedule both` prints both per
+layout and recommends the faster; the chosen schedule goes into --json and --write-config.
 """
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
+from .schedules import SCHEDULES
+
+PLAN_SCHEDULES = (*SCHEDULES, "both")
 
 __all__ = ["GiB", "Layout", "plan_layout", "add_plan_args", "device_from_args", "plan", "main_plan"]
 
@@ -54,6 +62,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "state for it (docs/lora.md)")
     p.add_argument("--lora-groups", default="text", help="groups that get adapters (default: text)")
     p.add_argument("--lora-targets", default="", help="regular expression on linear names (default: all but the head)")
+    p.add_argument("--schedule", default="1f1b", metavar="|".join(PLAN_SCHEDULES),
+                   help="pipeline schedule to predict: 1f1b (default), zb-h1 (zero-bubble, docs/schedules.md), or "
+                        "both, side by side, recommending the faster per layout")
     p.add_argument("--top", type=int, default=10, help="layouts to list")
     p.add_argument("--write-config", default=None, help="write the best layout's DeepSpeed JSON here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -113,7 +124,7 @@ def cpu_device() -> Device:
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
          precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False,
-         lora: Lora | None = None) -> list[Layout]:
+         lora: Lora | None = None, schedule: str = "1f1b") -> list[Layout]:
     rows = layer_costs(cfg, freeze, text_len, checkpointing, lora)
     profiles = {m: profile_layers(cfg, text_len, m, precision) for m in micros} if profile else {}
     layouts = []
@@ -123,7 +134,8 @@ def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micr
             if global_batch % (micro * dp):
                 continue
             layouts.append(plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=global_batch // (micro * dp),
-                                       precision=precision, zero=zero, device=device, measured=profiles.get(micro)))
+                                       precision=precision, zero=zero, device=device, measured=profiles.get(micro),
+                                       schedule=schedule))
     return sorted(layouts, key=lambda lay: -lay.throughput)
 
 
@@ -136,7 +148,7 @@ def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr
                                                            "warmup_type": "linear", "cos_min_ratio": 0.05}},
         "zero_optimization": {"stage": zero},
         "pipeline": {"stages": layout.stages, "partition": ",".join(str(b) for b in layout.parts[1:-1]) or "balanced",
-                     "activation_checkpoint_interval": 1 if checkpointing else 0},
+                     "activation_checkpoint_interval": 1 if checkpointing else 0, "schedule": layout.schedule},
     }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -174,6 +186,8 @@ def main_plan(args) -> int:
         freeze = tuple(g for g in args.freeze.split(",") if g)
         lora = (Lora.parse(args.lora, None, 0.0, args.lora_groups, args.lora_targets, FREEZE_GROUPS)
                 if args.lora else None)  # alpha and dropout change no cost
+        if args.schedule not in PLAN_SCHEDULES:
+            raise ConfigError(f"--schedule: {args.schedule!r} is not a schedule (valid: {', '.join(PLAN_SCHEDULES)})")
         if args.precision == "fp16" and args.zero != 1:
             raise ConfigError("--precision fp16 needs --zero 1 (DeepSpeed 0.19.8, see docs/configs.md)")
     except (ConfigError, ValueError) as e:
@@ -182,7 +196,7 @@ def main_plan(args) -> int:
     t0 = time.perf_counter()
     layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
                    text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
-                   checkpointing=args.checkpointing, profile=args.profile, lora=lora)
+                   checkpointing=args.checkpointing, profile=args.profile, lora=lora, schedule=args.schedule)
     feasible = [lay for lay in layouts if lay.step]
     if args.json:
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput} for lay in layouts], indent=1))
@@ -195,8 +209,10 @@ def main_plan(args) -> int:
     if args.write_config:
         Path(args.write_config).write_text(json.dumps(ds_config(feasible[0], args.precision, args.zero,
                                                                 args.checkpointing), indent=2) + "\n")
-        print(f"mmpipe: wrote {args.write_config} ({feasible[0].stages} stages x dp {feasible[0].dp}, micro "
-              f"{feasible[0].micro} x GAS {feasible[0].gas}); run it with --ds-config")
+        best = feasible[0]
+        sched = "" if best.schedule == "1f1b" else f", schedule {best.schedule}"
+        print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro "
+              f"{best.micro} x GAS {best.gas}{sched}); run it with --ds-config")
     return 0
 
 
@@ -213,23 +229,58 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
           f"ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}"
           f"{f', LoRA rank {args.lora} on {args.lora_groups} (base frozen)' if args.lora else ''}")
+    if args.schedule == "both":
+        _print_both(layouts, args.top)
+    else:
+        if args.schedule != "1f1b":
+            print(f"schedule {args.schedule}: step and bubble from replaying its order with each stage's forward, "
+                  f"input-backward (B) and weight-backward (W) seconds; memory at its micro-batches in flight")
+        _print_one(layouts, args.top)
+    best = next((lay for lay in layouts if lay.step), None)
+    if best:
+        print(f"\nbest: {best.stages} stages x dp {best.dp}, micro {best.micro} x GAS {best.gas}"
+              f"{'' if args.schedule == '1f1b' else ', schedule ' + best.schedule}")
+        split = args.schedule != "1f1b"
+        print(f"{'stage':>5} {'layers':>9} {'first..last':<28} {'params':>12} {'GiB':>7} {'act GiB':>8} "
+              f"{'fwd ms':>8} {'bwd ms':>8}" + (f" {'B ms':>8} {'W ms':>8} {'zb GiB':>7}" if split else ""))
+        for r in best.stage_rows:
+            print(f"{r['stage']:>5} {r['layers'][0]:>4}..{r['layers'][1]:<3} {r['first'] + '..' + r['last']:<28} "
+                  f"{r['params']:>12,} {r['memory_gib']:>7.2f} {r['activations_gib']:>8.2f} {r['forward_ms']:>8.2f} "
+                  f"{r['backward_ms']:>8.2f}" + (f" {r['input_backward_ms']:>8.2f} {r['weight_backward_ms']:>8.2f} "
+                                                  f"{r['zb_memory_gib']:>7.2f}" if split else ""))
+    print(f"(planned in {seconds:.2f} s, nothing allocated)")
+
+
+def _print_one(layouts, top) -> None:
     print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {'samples/s':>10} "
           f"{'max GiB':>8}  partition / why not")
-    for lay in layouts[:args.top] + [lay for lay in layouts[args.top:] if not lay.step][:3]:
+    for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
         if lay.step:
-            peak = max(r["memory_gib"] for r in lay.stage_rows)
+            peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
             print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {lay.step['bubble']:>7.1%} "
                   f"{lay.step['step_s']:>8.3f} {lay.throughput:>10.1f} {peak:>8.1f}  {lay.parts}")
         else:
             print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>7} {'':>8} {'':>10} {'':>8}  "
                   f"does not fit: {lay.reason}")
-    best = next((lay for lay in layouts if lay.step), None)
-    if best:
-        print(f"\nbest: {best.stages} stages x dp {best.dp}, micro {best.micro} x GAS {best.gas}")
-        print(f"{'stage':>5} {'layers':>9} {'first..last':<28} {'params':>12} {'GiB':>7} {'act GiB':>8} "
-              f"{'fwd ms':>8} {'bwd ms':>8}")
-        for r in best.stage_rows:
-            print(f"{r['stage']:>5} {r['layers'][0]:>4}..{r['layers'][1]:<3} {r['first'] + '..' + r['last']:<28} "
-                  f"{r['params']:>12,} {r['memory_gib']:>7.2f} {r['activations_gib']:>8.2f} {r['forward_ms']:>8.2f} "
-                  f"{r['backward_ms']:>8.2f}")
-    print(f"(planned in {seconds:.2f} s, nothing allocated)")
+
+
+def _print_both(layouts, top) -> None:
+    """One row per layout: 1F1B's and ZB-H1's bubble and step, which is faster and by how much."""
+    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'1f1b bub':>8} {'1f1b s':>8} {'zb-h1 bub':>9} "
+          f"{'zb-h1 s':>8}  {'faster':<15} {'samples/s':>10} {'max GiB':>8}  partition / why not")
+    for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
+        if not lay.step:
+            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>8} {'':>8} {'':>9} {'':>8}  "
+                  f"{'':<15} {'':>10} {'':>8}  does not fit: {lay.reason}")
+            continue
+        one, zb = lay.predictions["1f1b"], lay.predictions["zb-h1"]
+        if not zb["fits"]:
+            faster = "1f1b (zb: mem)"
+        elif zb["step_s"] < one["step_s"]:
+            faster = f"zb-h1 {1 - zb['step_s'] / one['step_s']:.1%}"
+        else:
+            faster = "1f1b" if zb["step_s"] > one["step_s"] else "1f1b (equal)"
+        peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
+        print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {one['bubble']:>8.1%} {one['step_s']:>8.3f} "
+              f"{zb['bubble']:>9.1%} {zb['step_s']:>8.3f}  {faster:<15} {lay.throughput:>10.1f} {peak:>8.1f}  "
+              f"{lay.parts}")

@@ -19,22 +19,11 @@ and W, the weight gradients, deferred into time the stage would otherwise spend 
 * `install(engine, "zb-h1")`: the engine instance's `_train_schedule` and `_INSTRUCTION_MAP`
   gain the schedule and the two handlers (the class, and every other engine, are untouched).
 
-How the order is made (`stage_orders`): a list-scheduling simulation of all stages with unit
-times F = B = W = 1 (a linear layer's three matmuls cost the same: 2 FLOPs per weight per token
-each), where a free stage does, in priority, the ready B (it unblocks the stage upstream), else
-the next F if its input is there and fewer than p micro-batches are in flight on the stage
-(forward done, W not done: 1F1B's peak, reached on its stage 0, so memory stays at 1F1B's bound),
-else a pending W. With W deferred this way the B's run up the pipeline at the pace of B alone, and
-each stage fills its drain with the W's it held back. In units: p = 2, m = 4: 1F1B takes
-(m + p - 1) x 3 = 15, ZB-H1 13 = 3m + (p - 1) (the paper's (p - 1)(F + B - W) bubble), the
-no-bubble bound 3m = 12; p = 4, m = 8: 33, 29 (the paper's hand-made order: 27), 24 (`simulate`).
-
-How it is turned into instructions (`_stage_streams`): DeepSpeed's p2p is blocking (a send waits
-for the matching receive), so each message gets one time T - the simulated start of the op that
-consumes it - and both ends place it at T in their stream: every stage's stream is sorted by the
-global key (time, messages before compute, stage pair, direction). The unfinished event with the
-smallest key is then always runnable (a compute op: everything before it on its stage is done; a
-message: both ends are at it), so the schedule cannot deadlock, for any p and m.
+The order (`stage_orders`, a unit-time list-scheduling simulation: the ready B first, else the next F
+while fewer than p micro-batches are in flight, else a pending W) and the per-stage streams with
+each message placed at one global time (`stage_streams`, deadlock-free with DeepSpeed's blocking
+p2p) are pure timing and live in mmpipe.planning.schedules, where `mmpipe plan --schedule` also
+replays them with predicted per-stage times; this module turns them into DeepSpeed instructions.
 """
 from __future__ import annotations
 
@@ -46,7 +35,11 @@ import torch.nn.functional as F
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..planning.schedules import Op, simulate, stage_orders, stage_streams
 from ..run_args import SCHEDULES
+
+__all__ = ["BackwardInput", "BackwardWeight", "Op", "ZeroBubbleH1Schedule", "install", "simulate", "stage_orders",
+           "stage_streams"]
 
 
 class BackwardInput(ds.BackwardPass):
@@ -59,114 +52,7 @@ class BackwardWeight(ds.BackwardPass):
     the micro-batch used, unused here: the stash is keyed by micro-batch, buffers are recycled)."""
 
 
-# ------------------------------------------------------------------------------------------ order
-
-@dataclass
-class Op:
-    kind: str  # "F", "B" or "W"
-    mb: int
-    start: float = 0.0
-    end: float = 0.0
-
-
-def stage_orders(stages: int, micro_batches: int, weight_stages: list[bool] | tuple[bool, ...],
-                 times: list[tuple[float, float, float]] | None = None, split: bool = True) -> list[list[Op]]:
-    """Each stage's compute ops in order, with simulated start/end times.
-
-    times[i] = (F, B, W) of stage i (default 1, 1, 1; a stage without W work: W's time joins B).
-    split=False is 1F1B: B and W as one op (DeepSpeed's BackwardPass), same priorities and bound."""
-    p, m = stages, micro_batches
-    times = times or [(1.0, 1.0, 1.0)] * p
-    dur = []
-    for i in range(p):
-        f, b, w = times[i]
-        has_w = split and weight_stages[i]
-        dur.append({"F": f, "B": b if has_w else b + (w if weight_stages[i] else 0.0), "W": w})
-    has_w = [split and weight_stages[i] for i in range(p)]
-    # micro-batches in flight (forward done, W - or, without W, B - not done): 1F1B holds p - i on
-    # stage i; ZB-H1 lets every stage hold up to p, 1F1B's peak (stage 0's), so memory stays at
-    # 1F1B's bound while the later stages can hold W's back into their drain
-    limit = [p if split else p - i for i in range(p)]
-    f_end = [[None] * m for _ in range(p)]  # when F(k) on stage i ended
-    b_end = [[None] * m for _ in range(p)]
-    nf, nb, nw = [0] * p, [0] * p, [0] * p
-    free = [0.0] * p
-    orders: list[list[Op]] = [[] for _ in range(p)]
-    t = 0.0
-    while any(nw[i] < m if has_w[i] else nb[i] < m for i in range(p)):
-        for i in range(p):
-            if free[i] > t:
-                continue
-            op = None
-            k = nb[i]
-            if k < nf[i]:  # B(k) needs F(k) here and B(k) downstream
-                ready = f_end[i][k] if i == p - 1 else b_end[i + 1][k]
-                if ready is not None and ready <= t:
-                    op = Op("B", k)
-            in_flight = nf[i] - (nw[i] if has_w[i] else nb[i])
-            if op is None and nf[i] < m and in_flight < limit[i]:
-                ready = 0.0 if i == 0 else f_end[i - 1][nf[i]]
-                if ready is not None and ready <= t:
-                    op = Op("F", nf[i])
-            if op is None and has_w[i] and nw[i] < nb[i]:
-                op = Op("W", nw[i])
-            if op is None:
-                continue
-            op.start, op.end = t, t + dur[i][op.kind]
-            free[i] = op.end
-            if op.kind == "F":
-                f_end[i][op.mb] = op.end
-                nf[i] += 1
-            elif op.kind == "B":
-                b_end[i][op.mb] = op.end
-                nb[i] += 1
-            else:
-                nw[i] += 1
-            orders[i].append(op)
-        later = [free[i] for i in range(p) if free[i] > t]
-        if not later:
-            raise RuntimeError(f"pipeline order stalled at t={t} (p={p}, m={m})")  # cannot happen: a bug
-        t = min(later)
-    return orders
-
-
-def simulate(stages: int, micro_batches: int, weight_stages, times=None, split: bool = True) -> dict:
-    """Makespan and each stage's idle share of it, for the docs and the planner: the order's
-    timeline with free communication and the optimizer step left out."""
-    orders = stage_orders(stages, micro_batches, weight_stages, times, split)
-    span = max(o[-1].end for o in orders)
-    busy = [sum(op.end - op.start for op in o) for o in orders]
-    return {"makespan": span, "idle": [1 - b / span for b in busy], "orders": orders}
-
-
 # ----------------------------------------------------------------------------------- instructions
-
-def _stage_streams(orders: list[list[Op]]) -> list[list[tuple]]:
-    """Per stage, the sorted (key, kind, micro-batch) events: compute ops and the messages around them."""
-    p = len(orders)
-    events: list[list[tuple]] = [[] for _ in range(p)]
-    for i, o in enumerate(orders):
-        for op in o:
-            events[i].append(((op.start, 1, 0, 0), op.kind, op.mb))
-            if op.kind == "F" and i > 0:  # activation i-1 -> i, needed when F starts here
-                key = (op.start, 0, i - 1, 0)
-                events[i].append((key, "recv_act", op.mb))
-                events[i - 1].append((key, "send_act", op.mb))
-            if op.kind == "B" and i < p - 1:  # gradient i+1 -> i, needed when B starts here
-                key = (op.start, 0, i, 1)
-                events[i].append((key, "recv_grad", op.mb))
-                events[i + 1].append((key, "send_grad", op.mb))
-    for i in range(p):
-        events[i].sort(key=lambda e: e[0])
-        # the sender's message must come after the op that produced it
-        pos = {(e[1], e[2]): n for n, e in enumerate(events[i])}
-        for (kind, mb), n in pos.items():
-            if kind == "send_act":
-                assert pos[("F", mb)] < n
-            elif kind == "send_grad":
-                assert pos[("B", mb)] < n
-    return events
-
 
 def _live_buffers(stream: list[tuple]) -> int:
     """Most micro-batches holding a pipe buffer at once: from its receive / load to its last use."""
@@ -186,7 +72,7 @@ class ZeroBubbleH1Schedule(ds.PipeSchedule):
         super().__init__(micro_batches, stages, stage_id)
         self.weight_stages = tuple(weight_stages) if weight_stages is not None else (True,) * stages
         orders = stage_orders(stages, micro_batches, self.weight_stages)
-        self.stream = _stage_streams(orders)[stage_id]
+        self.stream = stage_streams(orders)[stage_id]
         self.buffers = max(2, _live_buffers(self.stream))  # DeepSpeed's TrainSchedule also keeps >= 2
 
     def num_pipe_buffers(self):

@@ -1,0 +1,210 @@
+"""Pipeline schedules as pure timing: the order each stage runs its forward (F), input-backward (B)
+and weight-backward (W) ops in, and how long a step takes when that order runs with given times.
+No torch, no DeepSpeed: `mmpipe plan --schedule` predicts with it (mmpipe.planning.costmodel), and
+the ZB-H1 schedule that runs inside DeepSpeed (mmpipe.runtime.schedule) takes its order from it.
+
+How the ZB-H1 order is made (`stage_orders`): a list-scheduling simulation of all stages with unit
+times F = B = W = 1 (a linear layer's three matmuls cost the same: 2 FLOPs per weight per token
+each), where a free stage does, in priority, the ready B (it unblocks the stage upstream), else
+the next F if its input is there and fewer than p micro-batches are in flight on the stage
+(forward done, W not done: 1F1B's peak, reached on its stage 0, so memory stays at 1F1B's bound),
+else a pending W. With W deferred this way the B's run up the pipeline at the pace of B alone, and
+each stage fills its drain with the W's it held back. In units: p = 2, m = 4: 1F1B takes
+(m + p - 1) x 3 = 15, ZB-H1 13 = 3m + (p - 1) (the paper's (p - 1)(F + B - W) bubble), the
+no-bubble bound 3m = 12; p = 4, m = 8: 33, 29 (the paper's hand-made order: 27), 24 (`simulate`).
+split=False gives 1F1B's order from the same priorities (B and W one op, p - i in flight on stage i).
+
+How the order becomes per-stage streams (`stage_streams`): p2p is blocking (a send waits for the
+matching receive), so each message gets one time T - the simulated start of the op that consumes
+it - and both ends place it at T in their stream: every stage's stream is sorted by the global key
+(time, messages before compute, stage pair, direction). The unfinished event with the smallest key
+is then always runnable (a compute op: everything before it on its stage is done; a message: both
+ends are at it), so the schedule cannot deadlock, for any p and m.
+
+How long it takes with real times (`replay`): the runtime computes its order once, in units, and
+then runs it with whatever the ops really cost. `replay` runs the streams that way: each stage
+works through its stream in order, a compute op takes its stage's F, B or W seconds, a message
+completes when both ends have reached it (blocking p2p, the transfer itself free). With unit times
+it reproduces `simulate`'s makespan (15 and 13 above); with unequal ones it also shows the waits
+the blocking sends add when a stage reaches a message later than the unit order expected.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the schedules `mmpipe train --schedule` runs (mmpipe.run_args.SCHEDULES, checked equal by tests/test_plan.py)
+SCHEDULES = ("1f1b", "zb-h1")
+
+
+@dataclass
+class Op:
+    kind: str  # "F", "B" or "W"
+    mb: int
+    start: float = 0.0
+    end: float = 0.0
+
+
+def stage_orders(stages: int, micro_batches: int, weight_stages: list[bool] | tuple[bool, ...],
+                 times: list[tuple[float, float, float]] | None = None, split: bool = True) -> list[list[Op]]:
+    """Each stage's compute ops in order, with simulated start/end times.
+
+    times[i] = (F, B, W) of stage i (default 1, 1, 1; a stage without W work: W's time joins B).
+    split=False is 1F1B: B and W as one op (DeepSpeed's BackwardPass), same priorities and bound."""
+    p, m = stages, micro_batches
+    times = times or [(1.0, 1.0, 1.0)] * p
+    dur = []
+    for i in range(p):
+        f, b, w = times[i]
+        has_w = split and weight_stages[i]
+        dur.append({"F": f, "B": b if has_w else b + (w if weight_stages[i] else 0.0), "W": w})
+    has_w = [split and weight_stages[i] for i in range(p)]
+    # micro-batches in flight (forward done, W - or, without W, B - not done): 1F1B holds p - i on
+    # stage i; ZB-H1 lets every stage hold up to p, 1F1B's peak (stage 0's), so memory stays at
+    # 1F1B's bound while the later stages can hold W's back into their drain
+    limit = [p if split else p - i for i in range(p)]
+    f_end = [[None] * m for _ in range(p)]  # when F(k) on stage i ended
+    b_end = [[None] * m for _ in range(p)]
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    free = [0.0] * p
+    orders: list[list[Op]] = [[] for _ in range(p)]
+    t = 0.0
+    while any(nw[i] < m if has_w[i] else nb[i] < m for i in range(p)):
+        for i in range(p):
+            if free[i] > t:
+                continue
+            op = None
+            k = nb[i]
+            if k < nf[i]:  # B(k) needs F(k) here and B(k) downstream
+                ready = f_end[i][k] if i == p - 1 else b_end[i + 1][k]
+                if ready is not None and ready <= t:
+                    op = Op("B", k)
+            in_flight = nf[i] - (nw[i] if has_w[i] else nb[i])
+            if op is None and nf[i] < m and in_flight < limit[i]:
+                ready = 0.0 if i == 0 else f_end[i - 1][nf[i]]
+                if ready is not None and ready <= t:
+                    op = Op("F", nf[i])
+            if op is None and has_w[i] and nw[i] < nb[i]:
+                op = Op("W", nw[i])
+            if op is None:
+                continue
+            op.start, op.end = t, t + dur[i][op.kind]
+            free[i] = op.end
+            if op.kind == "F":
+                f_end[i][op.mb] = op.end
+                nf[i] += 1
+            elif op.kind == "B":
+                b_end[i][op.mb] = op.end
+                nb[i] += 1
+            else:
+                nw[i] += 1
+            orders[i].append(op)
+        later = [free[i] for i in range(p) if free[i] > t]
+        if not later:
+            raise RuntimeError(f"pipeline order stalled at t={t} (p={p}, m={m})")  # cannot happen: a bug
+        t = min(later)
+    return orders
+
+
+def simulate(stages: int, micro_batches: int, weight_stages, times=None, split: bool = True) -> dict:
+    """Makespan and each stage's idle share of it, for the docs and the planner: the order's
+    timeline with free communication and the optimizer step left out."""
+    orders = stage_orders(stages, micro_batches, weight_stages, times, split)
+    span = max(o[-1].end for o in orders)
+    busy = [sum(op.end - op.start for op in o) for o in orders]
+    return {"makespan": span, "idle": [1 - b / span for b in busy], "orders": orders}
+
+
+# --------------------------------------------------------------------------------------- streams
+
+def stage_streams(orders: list[list[Op]]) -> list[list[tuple]]:
+    """Per stage, the sorted (key, kind, micro-batch) events: compute ops and the messages around them."""
+    p = len(orders)
+    events: list[list[tuple]] = [[] for _ in range(p)]
+    for i, o in enumerate(orders):
+        for op in o:
+            events[i].append(((op.start, 1, 0, 0), op.kind, op.mb))
+            if op.kind == "F" and i > 0:  # activation i-1 -> i, needed when F starts here
+                key = (op.start, 0, i - 1, 0)
+                events[i].append((key, "recv_act", op.mb))
+                events[i - 1].append((key, "send_act", op.mb))
+            if op.kind == "B" and i < p - 1:  # gradient i+1 -> i, needed when B starts here
+                key = (op.start, 0, i, 1)
+                events[i].append((key, "recv_grad", op.mb))
+                events[i + 1].append((key, "send_grad", op.mb))
+    for i in range(p):
+        events[i].sort(key=lambda e: e[0])
+        # the sender's message must come after the op that produced it
+        pos = {(e[1], e[2]): n for n, e in enumerate(events[i])}
+        for (kind, mb), n in pos.items():
+            if kind == "send_act":
+                assert pos[("F", mb)] < n
+            elif kind == "send_grad":
+                assert pos[("B", mb)] < n
+    return events
+
+
+
+def replay(streams: list[list[tuple]], durations: list[dict[str, float]]) -> dict:
+    """Run `stage_streams`' events with durations[i] = {"F": s, "B": s, "W": s} on stage i and
+    blocking p2p (a message completes at max(sender's clock, receiver's clock), both clocks move
+    there). Returns the makespan, each stage's busy seconds and idle share, and the ops with their
+    replayed start/end. Raises on a deadlock (cannot happen for stage_streams' output: a bug)."""
+    p = len(streams)
+    pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    ops: list[list[Op]] = [[] for _ in range(p)]
+    while any(pos[i] < len(streams[i]) for i in range(p)):
+        moved = False
+        for i, s in enumerate(streams):  # compute ops run as soon as the stage reaches them
+            while pos[i] < len(s) and s[pos[i]][1] in ("F", "B", "W"):
+                _, kind, mb = s[pos[i]]
+                d = durations[i][kind]
+                ops[i].append(Op(kind, mb, clock[i], clock[i] + d))
+                clock[i] += d
+                busy[i] += d
+                pos[i] += 1
+                moved = True
+        for i, s in enumerate(streams):  # a send completes with its receive, when both ends are at it
+            if pos[i] >= len(s) or not s[pos[i]][1].startswith("send"):
+                continue
+            _, kind, mb = s[pos[i]]
+            j, want = (i + 1, "recv_act") if kind == "send_act" else (i - 1, "recv_grad")
+            if pos[j] < len(streams[j]) and streams[j][pos[j]][1:] == (want, mb):
+                clock[i] = clock[j] = max(clock[i], clock[j])
+                pos[i] += 1
+                pos[j] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"pipeline streams deadlocked at {pos}")  # cannot happen: a bug
+    span = max(clock)
+    return {"makespan": span, "busy": busy, "idle": [1 - b / span if span else 0.0 for b in busy], "ops": ops}
+
+
+def peak_in_flight(order: list[Op], has_w: bool) -> int:
+    """Most micro-batches between their F and their last backward op (W, or B without W) on one
+    stage: how many micro-batches' activations (and W stashes) the stage holds at once."""
+    f = done = peak = 0
+    for op in order:
+        if op.kind == "F":
+            f += 1
+            peak = max(peak, f - done)
+        elif op.kind == ("W" if has_w else "B"):
+            done += 1
+    return peak
+
+
+def predict(schedule: str, micro_batches: int, times: list[tuple[float, float, float]],
+            weight_stages: list[bool]) -> dict:
+    """`schedule`'s step on len(times) stages, times[i] = (F, B, W) seconds of stage i (W 0 where
+    weight_stages[i] is False): the order the runtime runs (the unit-time order; 1F1B: split=False,
+    B and W one op of B + W seconds) replayed with these times. Also the order's peak micro-batches
+    in flight per stage."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    p, split = len(times), schedule == "zb-h1"
+    weight_stages = [bool(w) for w in weight_stages]
+    orders = stage_orders(p, micro_batches, weight_stages, split=split)
+    durations = [{"F": f, "B": b if split and weight_stages[i] else b + w, "W": w}
+                 for i, (f, b, w) in enumerate(times)]
+    out = replay(stage_streams(orders), durations)
+    out["in_flight"] = [peak_in_flight(o, split and weight_stages[i]) for i, o in enumerate(orders)]
+    return out
