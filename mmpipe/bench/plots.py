@@ -133,7 +133,8 @@ def plot_throughput(plt, bars: list[dict]):
     ax.set_xlabel("samples/s (median over repeats; whiskers: IQR of repeats; dots: each repeat)")
     ax.set_title("Throughput by variant (grouped by PP x DP, fastest first)")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if ax.get_legend_handles_labels()[0]:  # nothing measured yet (a --collect of pending runs): no legend
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
 
