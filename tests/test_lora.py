@@ -17,7 +17,7 @@ from mmpipe.config import REGION_FILE, load_preset
 from mmpipe.hf.llava import import_llava
 from mmpipe.inference.generate import load_checkpoint
 from mmpipe.model import ReferenceModel
-from mmpipe.model.lora import LORA_FILE, Lora, is_adapter, load_base, merge_adapters
+from mmpipe.model.lora import LORA_FILE, Lora, base_name, base_state, is_adapter, load_base, merge_adapters
 from mmpipe.planning.costmodel import layer_costs
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -71,7 +71,7 @@ def test_pp2_equals_reference_and_only_adapters_and_unfrozen_train(reference, pp
     for k, v in trained.items():
         group = ref_model[int(k.split(".")[0])].group
         if group == "text" and not is_adapter(k):
-            assert torch.equal(v, init[k.replace(".base_layer", "")]), k
+            assert torch.equal(v, init[base_name(k)]), k
     assert any(not torch.equal(trained[k], init[k]) for k in trained if ref_model[int(k.split(".")[0])].group
                == "vision")
     # the optimizer of each stage holds exactly its adapters plus the unfrozen vision / projector layers
@@ -112,7 +112,7 @@ def test_frozen_prefix_stage_and_init_from_base(tmp_path, config):
     assert all(n > 0 for n in run.summary["optimizer_params"])
     trained = load_reference(run.out / "checkpoints", cfg)
     for i, (mine, theirs) in enumerate(zip(trained, base)):
-        got = {k.replace(".base_layer", ""): v for k, v in mine.state_dict().items() if not is_adapter(k)}
+        got = base_state(mine)
         assert all(torch.equal(got[k], v) for k, v in theirs.state_dict().items()), i
     assert all(not is_adapter(k) or "qkv" in k for k in _state(trained))
     # an explicit cut that leaves stage 0 nothing to train is refused before launch, in one line
@@ -172,8 +172,7 @@ def test_merged_export_equals_adapter_model(adapted_llava):
         assert not any(is_adapter(k) for k in loaded.state_dict())
         bare = ReferenceModel(model.cfg)
         for mine, theirs in zip(bare, model):
-            load_base(mine, {k.replace(".base_layer", ""): v for k, v in theirs.state_dict().items()
-                             if not is_adapter(k)})
+            load_base(mine, base_state(theirs))
         assert (bare(px, ids) - want).abs().max().item() > 1e-2  # the adapters change the answer
 
 
