@@ -58,10 +58,21 @@ class RunConfig:
     eval_data: DataOptions | None = None  # --eval-data: the validation set, read like the training data
     lora: Lora | None = None  # --lora: adapters on these groups' linears, their base frozen (mmpipe.model.lora)
     schedule: str = "1f1b"  # --schedule / pipeline.schedule: one of run_args.SCHEDULES
+    pack: bool = False  # --pack: several samples per row (mmpipe.data.packing)
+    loss_norm: str = "token"  # --loss-norm: one of mmpipe.data.packing.LOSS_NORMS
 
     @property
     def text_len(self) -> int:
         return self.data.text_len
+
+    @property
+    def max_images(self) -> int:
+        return getattr(self.data, "max_images", 1)
+
+    @property
+    def rows(self) -> bool:
+        """The row layout (mmpipe.model.stage): packed samples, or image slots for several images."""
+        return self.pack or self.max_images > 1
 
     @property
     def train_batch(self) -> int:
@@ -151,6 +162,10 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if data is not None and args.eval_split and eval_data is not None:
         data = dataclasses.replace(data, holdout=args.eval_split, part="train")
     freeze = _check_flags(args, problems)
+    rows = args.pack or (data is not None and getattr(data, "max_images", 1) > 1)
+    if rows and model is not None and model.layout.cross_attention:
+        problems.append(f"--pack / --max-images: {model.name} reads its image through cross-attention, which has no "
+                        f"per-sample image positions to pack; use a prefix (moondream) or LLaVA model")
     lora = _lora(args, problems)
     if ds is None:
         problems.raise_any()
@@ -189,7 +204,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if eval_data is not None:
         eval_data = dataclasses.replace(eval_data, tokenizer=data.tokenizer)  # as fitted above (LLaVA's <image>)
     return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts or [], table, freeze, precision, zero_stage,
-                     data, auto_schedule, args.init_from, eval_data, lora, schedule)
+                     data, auto_schedule, args.init_from, eval_data, lora, schedule, args.pack, args.loss_norm)
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:

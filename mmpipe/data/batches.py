@@ -60,11 +60,12 @@ class TrainSet(Dataset):
 
     def __init__(self, samples, *, text_len: int, n_img: int, image_size: int, need_images: bool = True,
                  need_labels: bool = True, augment_seed: int | None = None, image_token: tuple[int, int] = (-1, 0),
-                 max_crops: int = 0):
+                 max_crops: int = 0, norm=None):
         """image_token: the LLaVA family's (placeholder id, count) after BOS, mmpipe.data.text.placeholders.
-        max_crops: moondream multi-crop (vision.max_crops): samples.pixels gives Crops, 1 + max_crops slots."""
+        max_crops: moondream multi-crop (vision.max_crops): samples.pixels gives Crops, 1 + max_crops slots.
+        norm: the loss weights (mmpipe.data.packing.LossNorm over one-sample rows); None: labels alone."""
         self.samples, self.text_len, self.n_img, self.image_size = samples, text_len, n_img, image_size
-        self.max_crops = max_crops
+        self.max_crops, self.norm = max_crops, norm
         self.image_token = image_token
         self.need_images, self.need_labels, self.augment_seed = need_images, need_labels, augment_seed
 
@@ -78,6 +79,8 @@ class TrainSet(Dataset):
         item = {"pos": pos, "input_ids": input_ids, "has_image": int(has_image)}
         if self.need_labels:
             item["labels"] = labels
+            if self.norm is not None:
+                item["weights"] = np.where(labels != IGNORE_INDEX, self.norm.per_sample(pos)[0], 0.0).astype(np.float32)
         if self.need_images:
             if has_image:
                 if self.augment_seed is not None:  # per position: augmentation repeats exactly on resume
@@ -96,13 +99,14 @@ class TrainSet(Dataset):
 def collate(items: list[dict]) -> dict:
     out = {"pos": torch.tensor([it["pos"] for it in items]),
            "input_ids": torch.from_numpy(np.stack([it["input_ids"] for it in items])),
-           "has_image": torch.tensor([it["has_image"] for it in items], dtype=torch.long)}
-    if "labels" in items[0]:
-        out["labels"] = torch.from_numpy(np.stack([it["labels"] for it in items]))
+           "has_image": torch.from_numpy(np.stack([np.asarray(it["has_image"], dtype=np.int64) for it in items]))}
+    for key in ("labels", "weights", "segments"):  # rows: segments [B, L] (has_image [B, M])
+        if key in items[0]:
+            out[key] = torch.from_numpy(np.stack([it[key] for it in items]))
     if "pixels" in items[0]:
         out["pixels"] = torch.stack([it["pixels"] for it in items])
     if "tiling" in items[0]:
-        out["tiling"] = torch.tensor([it["tiling"] for it in items], dtype=torch.long)  # [B, 2]
+        out["tiling"] = torch.tensor([it["tiling"] for it in items], dtype=torch.long)  # [B, 2]; rows [B, M, 2]
     return out
 
 
@@ -113,8 +117,9 @@ def _one_thread(_):
 def rank_batches(dataset: TrainSet, sampler: StepBatches, *, workers: int = 0, prefetch: int = 4,
                  dtype: torch.dtype = torch.float32, on_batch: Callable[[torch.Tensor], None] | None = None
                  ) -> Iterator[tuple]:
-    """Endless ((pixel_values, input_ids, has_image), labels) micro-batches in DeepSpeed's (inputs,
-    labels) form; inputs is None without images, labels None without labels. Worker processes decode
+    """Endless ((pixel_values, input_ids, has_image[, segments][, tiling]), labels) micro-batches in
+    DeepSpeed's (inputs, labels) form; inputs is None without images, labels None without labels, and
+    (labels, weights) with loss weights (mmpipe.data.packing.LossNorm). Worker processes decode
     ahead (`prefetch` micro-batches each) and the DataLoader hands batches back in sampler order.
     on_batch(positions) sees what is consumed, for --log-samples."""
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
@@ -123,7 +128,9 @@ def rank_batches(dataset: TrainSet, sampler: StepBatches, *, workers: int = 0, p
     for b in loader:
         if on_batch is not None:
             on_batch(b["pos"])
-        inputs = (b["pixels"].to(dtype), b["input_ids"], b["has_image"]) if "pixels" in b else None
-        if inputs is not None and "tiling" in b:  # multi-crop: the tiling goes last (ints after floats)
-            inputs += (b["tiling"],)
-        yield inputs, b.get("labels")
+        inputs = None
+        if "pixels" in b:  # the stage tuple's order: floats, then input_ids, has_image, segments, tiling
+            inputs = (b["pixels"].to(dtype), b["input_ids"], b["has_image"]) + tuple(
+                b[k] for k in ("segments", "tiling") if k in b)
+        labels = (b["labels"], b["weights"]) if "weights" in b else b.get("labels")
+        yield inputs, labels

@@ -31,6 +31,36 @@ def decoder_mask(seq_len: int, prefix_len: int, has_image: torch.Tensor) -> torc
     return base[None, None] & keep[:, None, None, :]
 
 
+def row_positions(segments: torch.Tensor) -> torch.Tensor:
+    """segments long [B, L] (1, 2, ... per sample, 0 for padding) -> each position's index within its
+    own sample [B, L]: rotary positions restart at every sample of a packed row.
+    E.g. segments [1 1 1 2 2 0 0] -> positions [0 1 2 0 1 0 1]."""
+    L = segments.shape[-1]
+    i = torch.arange(L, device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return i - torch.where(starts, i, torch.zeros_like(i)).cummax(dim=-1).values
+
+
+def row_mask(segments: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """bool [B, 1, L, L], True = may attend: causal within a sample, never across samples of a row.
+    prefix bool [B, L] (the moondream family: each sample's BOS + image block) is bidirectional within
+    its sample, as prefix_lm_mask is for one sample. Padding (segment 0) attends to padding only, so
+    no query row is empty (SDPA would give NaN)."""
+    L = segments.shape[-1]
+    i = torch.arange(L, device=segments.device)
+    allowed = i[None, :] <= i[:, None]  # [L, L] causal
+    if prefix is not None:
+        allowed = allowed | (prefix[:, :, None] & prefix[:, None, :])  # [B, L, L]
+    return (allowed & (segments[:, :, None] == segments[:, None, :]))[:, None]
+
+
+def rotary_at(positions: torch.Tensor, rot_dim: int, theta: float):
+    """cos, sin [B, 1, L, rot_dim] at each position's own index (row_positions), broadcasting over heads."""
+    cos, sin = rotary_cos_sin(positions.shape[-1], rot_dim, theta, positions.device)  # positions < L
+    return cos[positions][:, None], sin[positions][:, None]
+
+
 @functools.lru_cache(maxsize=16)
 def rotary_cos_sin(seq_len: int, rot_dim: int, theta: float, device: torch.device):
     """cos, sin [T, rot_dim] for NeoX-style (rotate-half) rotary embeddings, in fp32."""

@@ -45,9 +45,16 @@ def apply_freeze(layers, freeze: tuple[str, ...]) -> None:
             layer.requires_grad_(False)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over labelled positions. logits [B, T, V]; labels [B, T], the token each
-    position should predict next, IGNORE_INDEX everywhere but answer tokens."""
+def lm_loss(logits: torch.Tensor, labels) -> torch.Tensor:
+    """The training loss. logits [B, T, V]; labels [B, T], the token each position should predict next,
+    IGNORE_INDEX everywhere but answer tokens: the mean cross-entropy over the micro-batch's labelled
+    positions. labels (labels, weights [B, T] float): the sum of cross-entropy x weight, the weights
+    of mmpipe.data.packing.LossNorm making the step's loss a mean over the global batch (--loss-norm)."""
+    if isinstance(labels, (tuple, list)):
+        labels, weights = labels
+        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+        return (ce * weights.flatten()).sum()
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
@@ -100,12 +107,13 @@ class ReferenceModel(nn.Sequential):
             add_adapters(layer, i, lora, seed)
 
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
-                has_image: torch.Tensor | None = None, tiling: torch.Tensor | None = None) -> torch.Tensor:
-        """tiling: multi-crop models only (pixel_values [B, 1 + max_crops, C, H, W])."""
+                has_image: torch.Tensor | None = None, *rest: torch.Tensor | None) -> torch.Tensor:
+        """rest: the stage tuple's optional ints in order (mmpipe.model.stage): segments (rows), then
+        tiling (multi-crop, pixel_values [B, 1 + max_crops, C, H, W]); None for one left out."""
         if has_image is None:
             has_image = torch.ones(input_ids.shape[0], dtype=torch.long)
-        inputs = (pixel_values, input_ids, has_image) + (() if tiling is None else (tiling,))
-        return super().forward(inputs)  # logits [B, N_img + T_text, V]
+        inputs = (pixel_values, input_ids, has_image) + tuple(t for t in rest if t is not None)
+        return super().forward(inputs)  # logits [B, N_img + T_text, V]; rows [B, L, V]
 
 
 def layer_param_counts(cfg: ModelConfig) -> list[int]:

@@ -11,15 +11,17 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import FusedAttention, GeluMLP, decoder_mask, rotary_cos_sin
+from .attention import FusedAttention, GeluMLP, decoder_mask, rotary_at, rotary_cos_sin, row_mask, row_positions
 from .crops import merge_crop_features
+from .rows import IMAGE_SLOT, place_images
 from .stage import StageTuple
 
 
 class PatchEmbed(nn.Module):
     """pixels [B, C, H, W] -> linear patch embedding + learned positions, no CLS token (SigLIP).
     Multi-crop (moondream2): pixels [B, 1 + max_crops, C, H, W] and the tiling; every crop slot is
-    embedded as an image of its own, [B x (1 + max_crops), N_img, D], and the tiling rides along."""
+    embedded as an image of its own, [B x (1 + max_crops), N_img, D], and the tiling rides along.
+    Rows: pixels [B, M, C, H, W] (multi-crop [B, M, 1 + max_crops, C, H, W]) -> B x M (x crops) images."""
     group = "vision"
 
     def __init__(self, cfg: ModelConfig):
@@ -30,14 +32,14 @@ class PatchEmbed(nn.Module):
         self.pos_emb = nn.Parameter(torch.randn(1, v.n_tokens, v.dim) * 0.02)
 
     def forward(self, inputs):
-        pixel_values, input_ids, has_image, *tiling = inputs
-        x = pixel_values.to(self.linear.weight.dtype)  # DeepSpeed casts the model, never the inputs
-        x = x.flatten(0, 1) if x.dim() == 5 else x  # crop slots: [B, S, C, H, W] -> [B S, C, H, W]
+        t = StageTuple.unpack(inputs)  # hidden: the pixels
+        x = t.hidden.to(self.linear.weight.dtype)  # DeepSpeed casts the model, never the inputs
+        x = x.flatten(0, x.dim() - 4)  # image / crop slots: [B, M, S, C, H, W] -> [B M S, C, H, W]
         B, C, H, W = x.shape
         p = self.patch_size
         # [B, C, H, W] -> [B, (H/p)(W/p), C p p]: one row per patch, row-major over the grid
         x = x.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
-        return StageTuple(self.linear(x) + self.pos_emb, input_ids, has_image, tiling=(tiling or [None])[0]).pack()
+        return t._replace(hidden=self.linear(x) + self.pos_emb).pack()
 
 
 class VisionBlock(nn.Module):
@@ -105,8 +107,8 @@ class Projector(nn.Module):
     def forward(self, args):
         t = StageTuple.unpack(args)
         x = t.hidden  # [B, N_img, D_vision]; multi-crop [B x slots, N_img, D_vision]
-        if t.tiling is not None:  # [B, slots, N_img, D_vision] -> [B, N_img, 2 D_vision]
-            x = merge_crop_features(x.view(-1, self.slots, *x.shape[1:]), t.tiling, self.margin)
+        if t.tiling is not None:  # [B (x M), slots, N_img, D_vision] -> [B (x M), N_img, 2 D_vision]
+            x = merge_crop_features(x.view(-1, self.slots, *x.shape[1:]), t.tiling.reshape(-1, 2), self.margin)
             t = t._replace(tiling=None)  # no stage after this one needs it
         elif self.crop_features == 2:  # one crop: [g, g], see above
             x = torch.cat([x, x], dim=-1)  # [B, N_img, 2 D_vision]
@@ -117,7 +119,9 @@ class Projector(nn.Module):
 
 
 class TextEmbed(nn.Module):
-    """Token embedding with the image spliced in right after BOS: [BOS, img_1..img_N, text...]."""
+    """Token embedding with the image spliced in right after BOS: [BOS, img_1..img_N, text...].
+    Rows: input_ids already hold each image's N positions (IMAGE_SLOT after its sample's BOS), which
+    the image features fill (mmpipe.model.rows)."""
     group = "text"
 
     def __init__(self, cfg: ModelConfig):
@@ -126,6 +130,9 @@ class TextEmbed(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)  # hidden: the image [B, N_img, D], input_ids [B, T_text]
+        if t.rows:  # input_ids [B, L] with the image positions in place; hidden [B x M, N_img, D]
+            emb = self.wte(t.input_ids.clamp(min=0))  # [B, L, D]; IMAGE_SLOT positions are overwritten
+            return t._replace(hidden=place_images(emb, t.input_ids, t.hidden, t.has_image, IMAGE_SLOT)).pack()
         emb = self.wte(t.input_ids)  # [B, T_text, D]
         x = torch.cat([emb[:, :1], t.hidden.to(emb.dtype), emb[:, 1:]], dim=1)  # [B, N_img + T_text, D]
         return t._replace(hidden=x).pack()
@@ -151,6 +158,12 @@ class DecoderBlock(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)
+        if t.rows:  # per sample: its BOS + image block bidirectional, causal after, positions from 0
+            prefix = (row_positions(t.segments) == 0) | (t.input_ids == IMAGE_SLOT)  # [B, L]
+            mask = row_mask(t.segments, prefix)
+            h = self.ln(t.hidden)
+            rotary = rotary_at(row_positions(t.segments), self.rotary_dim, self.theta)
+            return t._replace(hidden=t.hidden + self.attn(h, mask=mask, rotary=rotary) + self.mlp(h)).pack()
         return t._replace(hidden=self.run(t.hidden, t.has_image)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:

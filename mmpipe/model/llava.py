@@ -21,7 +21,16 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import apply_partial_rotary, cached_attention, decoder_mask, rotary_cos_sin
+from .attention import (
+    apply_partial_rotary,
+    cached_attention,
+    decoder_mask,
+    rotary_at,
+    rotary_cos_sin,
+    row_mask,
+    row_positions,
+)
+from .rows import place_images
 from .stage import StageTuple
 
 ACTS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
@@ -43,15 +52,16 @@ class VisionEmbed(nn.Module):
             self.pre_layrnorm = nn.LayerNorm(v.dim, eps=v.ln_eps)
 
     def forward(self, inputs):
-        pixel_values, input_ids, has_image = inputs
-        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))  # [B, D, H/p, W/p]
+        t = StageTuple.unpack(inputs)  # hidden: pixels [B, C, H, W], rows [B, M, C, H, W] -> B x M images
+        pixels = t.hidden.flatten(0, t.hidden.dim() - 4)
+        x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [B, D, H/p, W/p]
         x = x.flatten(2).transpose(1, 2)  # [B, N_patch, D], row-major over the grid
         if self.clip:
             x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)  # [B, 1 + N_patch, D]
         x = x + self.position_embedding.weight
         if self.clip:
             x = self.pre_layrnorm(x)
-        return StageTuple(x, input_ids, has_image).pack()
+        return t._replace(hidden=x).pack()
 
 
 class TowerAttention(nn.Module):
@@ -125,19 +135,9 @@ class LlavaEmbed(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=0.02)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)  # hidden: image features [B, N_feat, D]; input_ids [B, T] with N_feat placeholders
+        t = StageTuple.unpack(args)  # hidden: image features [B (x M), N_feat, D]; input_ids [B, T] with placeholders
         emb = self.embed_tokens(t.input_ids)  # [B, T, D]
-        feats = t.hidden.to(emb.dtype)
-        where = (t.input_ids == self.image_token_id) & t.has_image.bool()[:, None]  # [B, T]
-        n, want = int(where.sum()), int(t.has_image.sum()) * feats.shape[1]
-        if n != want:
-            raise ValueError(f"LlavaEmbed: {n} <image> placeholder tokens (id {self.image_token_id}) for {want} "
-                             f"image features ({feats.shape[1]} per image)")
-        keep = feats[t.has_image.bool()].reshape(-1, feats.shape[-1])
-        x = emb.masked_scatter(where[..., None], keep)
-        if n == 0:  # keep the tower on the autograd graph: the pipeline needs a gradient to send back
-            x = x + 0 * feats.sum()
-        return t._replace(hidden=x).pack()
+        return t._replace(hidden=place_images(emb, t.input_ids, t.hidden, t.has_image, self.image_token_id)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
         return StageTuple.unpack(self(t.pack())) if start == 0 else t._replace(hidden=self.embed_tokens(t.input_ids))
@@ -158,21 +158,26 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(t.dim, t.kv_heads * t.head_dim, bias=t.qkv_bias)
         self.o_proj = nn.Linear(t.n_heads * t.head_dim, t.dim, bias=False)
 
-    def qkv(self, x, start: int):
-        """q [B, H, T, Dh], k, v [B, H_kv, T, Dh] with RoPE at positions start..start+T-1."""
+    def qkv(self, x, start: int, positions=None):
+        """q [B, H, T, Dh], k, v [B, H_kv, T, Dh] with RoPE at positions start..start+T-1 (or at
+        `positions` [B, T], rows)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = (c[start:] for c in rotary_cos_sin(start + T, self.head_dim, self.theta, x.device))
+        cos, sin = (rotary_at(positions, self.head_dim, self.theta) if positions is not None else
+                    (c[start:] for c in rotary_cos_sin(start + T, self.head_dim, self.theta, x.device)))
         return apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin), v
 
-    def forward(self, x, start: int = 0, cache: dict | None = None, mask=None):
+    def forward(self, x, start: int = 0, cache: dict | None = None, mask=None, positions=None):
         """x [B, T, D] at positions start..start+T-1. Without a cache (training): causal over x itself.
-        With one (generation): over the cached keys and values too, under `mask` [T, start + T]."""
+        With one (generation): over the cached keys and values too, under `mask` [T, start + T].
+        Rows: `mask` [B, 1, T, T] and `positions` [B, T] (mmpipe.model.attention.row_mask)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, start)
-        if cache is None:
+        q, k, v = self.qkv(x, start, positions)
+        if positions is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
+        elif cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
         else:
             out = cached_attention(q, k, v, cache, mask)
@@ -203,6 +208,9 @@ class LlamaBlock(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)
+        if t.rows:  # causal within each sample of the row, RoPE positions from 0 per sample
+            positions = row_positions(t.segments)
+            return t._replace(hidden=self.run(t.hidden, mask=row_mask(t.segments), positions=positions)).pack()
         return t._replace(hidden=self.run(t.hidden)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
@@ -211,9 +219,10 @@ class LlamaBlock(nn.Module):
         mask = decoder_mask(end, 1, t.has_image)[..., start:, :]  # causal rows start.. over keys 0..end-1
         return t._replace(hidden=self.run(t.hidden, start, cache, mask))
 
-    def run(self, x, start: int = 0, cache: dict | None = None, mask=None):
-        """x [B, T, D] -> [B, T, D]: the whole sequence (forward) or the new positions (decode)."""
-        x = x + self.self_attn(self.input_layernorm(x), start, cache, mask)
+    def run(self, x, start: int = 0, cache: dict | None = None, mask=None, positions=None):
+        """x [B, T, D] -> [B, T, D]: the whole sequence (forward), the new positions (decode), or rows
+        (mask and per-sample positions)."""
+        x = x + self.self_attn(self.input_layernorm(x), start, cache, mask, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

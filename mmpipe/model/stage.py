@@ -22,6 +22,19 @@ before ints. So the tuple is three fields, floats first, plus a fourth where the
                                   tiling (rows, cols), from the first input to the Projector, which stitches
                                   the local crops with it; hidden is then [B x (1 + max_crops), N_img, D_vision].
 
+Rows (--pack or --max-images > 1, mmpipe.data.packing): a row of L decoder positions holds one or
+several whole samples and up to M images. Then
+    input_ids  long  [B, L]      every decoder position's token, each image's N positions a block of
+                                  placeholder ids (LLaVA: image_token_id at its <image> marker; moondream:
+                                  IMAGE_SLOT -1 right after its sample's BOS), right-padded
+    has_image  long  [B, M]      1 for the image slots in use, in the order of the row's image blocks
+    segments   long  [B, L]      1, 2, ... the sample each position belongs to, 0 for padding: each decoder
+                                  stage rebuilds its per-sample mask and positions from it (O(L) ints on the
+                                  wire, never an L x L mask)
+    tiling     long  [B, M, 2]   multi-crop, per image slot
+and the vision tower sees B x M (x crop slots) images. has_image's rank (2 for rows) tells the layouts
+apart, so the same layers run both.
+
 The pipeline's first input is (pixel_values float [B, C, H, W], input_ids long [B, T_text], has_image long [B])
 (multi-crop: pixel_values [B, 1 + max_crops, C, H, W] and tiling long [B, 2] last);
 labels go to the last stage through DeepSpeed's (inputs, labels) data contract, never through here.
@@ -39,23 +52,27 @@ class StageTuple(NamedTuple):
     has_image: torch.Tensor
     vision: torch.Tensor | None = None  # on the wire it goes second (floats first); see pack()
     tiling: torch.Tensor | None = None  # long [B, 2]: multi-crop only, last on the wire, dropped by the Projector
+    segments: torch.Tensor | None = None  # long [B, L]: rows only (has_image [B, M]), after has_image on the wire
+
+    @property
+    def rows(self) -> bool:
+        return self.segments is not None
 
     @classmethod
     def unpack(cls, args: tuple) -> "StageTuple":
-        if len(args) == 3:
-            return cls(*args)
-        if len(args) == 4 and args[1].is_floating_point():
-            hidden, vision, input_ids, has_image = args
-            return cls(hidden, input_ids, has_image, vision)
-        if len(args) == 4:
-            hidden, input_ids, has_image, tiling = args
-            return cls(hidden, input_ids, has_image, tiling=tiling)
-        raise ValueError(f"stage tuple must be (hidden, [vision,] input_ids, has_image, [tiling]), got {len(args)} "
-                         f"tensors")
+        floats = [a for a in args if a.is_floating_point()]
+        ints = [a for a in args if not a.is_floating_point()]
+        if not 1 <= len(floats) <= 2 or len(ints) < 2:
+            raise ValueError(f"stage tuple must be (hidden, [vision,] input_ids, has_image, [segments,] [tiling]), "
+                             f"got {len(floats)} float and {len(ints)} integer tensors")
+        input_ids, has_image, *rest = ints
+        segments = rest.pop(0) if has_image.dim() == 2 and rest else None
+        if len(rest) > 1 or (has_image.dim() == 2) != (segments is not None):
+            raise ValueError(f"stage tuple: has_image {tuple(has_image.shape)} with {len(ints)} integer tensors")
+        return cls(floats[0], input_ids, has_image, floats[1] if len(floats) == 2 else None,
+                   rest[0] if rest else None, segments)
 
     def pack(self) -> tuple:
         # DeepSpeed's p2p needs plain tuples of contiguous tensors, floats before ints.
-        floats = (self.hidden.contiguous(),) if self.vision is None else (self.hidden.contiguous(),
-                                                                          self.vision.contiguous())
-        ints = (self.input_ids.contiguous(), self.has_image.contiguous())
-        return floats + ints + (() if self.tiling is None else (self.tiling.contiguous(),))
+        fields = (self.hidden, self.vision, self.input_ids, self.has_image, self.segments, self.tiling)
+        return tuple(t.contiguous() for t in fields if t is not None)

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from deepspeed.runtime import lr_schedules
 
-from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare
-from ..data.text import placeholders
 from ..model.builder import ReferenceModel, lm_loss
 from ..model.lora import load_base
 from ..run_config import RunConfig
 from .checkpoint import load_reference
+from .feed import run_dataset
 
 
 def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:
@@ -108,16 +108,13 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)
     clip = gradient_clipping(run.ds_config)
-    v = run.model.vision
-    data = TrainSet(prepare(run.data, run.model, out_dir, seed, verbose=False), text_len=run.text_len,
-                    n_img=run.model.n_image_positions, image_size=v.image_size,
-                    augment_seed=seed if run.data.augment else None, image_token=placeholders(run.model),
-                    max_crops=v.max_crops)
+    data = run_dataset(run, prepare(run.data, run.model, out_dir, seed, verbose=False),
+                       augment_seed=seed if run.data.augment else None)
     batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
     model.train()
 
     def micro_loss():
-        inputs, labels = next(batches)  # (pixels, input_ids, has_image[, tiling])
+        inputs, labels = next(batches)  # (pixels, input_ids, has_image[, segments][, tiling]), (labels, weights)
         return lm_loss(model(*inputs), labels)
 
     return model, [train_step(micro_loss, run.gas, params, opt, sched, clip) for _ in range(steps)]

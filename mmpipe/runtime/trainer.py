@@ -27,10 +27,9 @@ from tqdm import tqdm
 
 from ..cluster.preempt import EXIT_REQUEUE, MARKER, Preemption
 from ..config import REGION_FILE, ConfigError, fail
-from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare, prepare_eval
 from ..data.index import describe as describe_data
-from ..data.text import decoder_positions, placeholders
 from ..data.tokenizer import BUILTIN_TEMPLATE
 from ..model.lora import LORA_FILE, load_base
 from ..planning.partition import describe as describe_parts
@@ -38,6 +37,7 @@ from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from . import checkpoint, rng
 from .curves import plot_runs
+from .feed import decoder_length, run_dataset
 from .guard import install_skip
 from .pipeline import VLMPipeline
 from .precision import check_all_ranks
@@ -75,7 +75,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     stream = DataStream(engine, run, args, samples, progress)
     guard = install_skip(engine) if args.nonfinite == "skip" else None
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
-    tokens = decoder_positions(run.model, run.text_len)  # per sample, pads included: e.g. 16 image + 12 text = 28
+    tokens = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
     log = StepLog(out, run.train_batch, tokens, enabled=rank == 0, append=args.resume)
     validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
     announce(run, rank)
@@ -222,11 +222,8 @@ class DataStream:
 
     def __init__(self, engine, run: RunConfig, args: TrainArgs, samples, progress: Progress):
         dp_rank, first = engine.grid.data_parallel_id, engine.is_first_stage()
-        v = run.model.vision
-        dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions,
-                           image_size=v.image_size, need_images=first, need_labels=engine.is_last_stage(),
-                           augment_seed=args.seed if run.data.augment else None, image_token=placeholders(run.model),
-                           max_crops=v.max_crops)
+        dataset = run_dataset(run, samples, first=first, last=engine.is_last_stage(),
+                              augment_seed=args.seed if run.data.augment else None)
         self.samples, self.seen = samples, None
         if run.data.log_samples and first:
             self.seen = open(Path(args.output_dir) / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")

@@ -21,11 +21,11 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.batches import StepBatches, rank_batches
 from ..data.samples import EvalSet
-from ..data.text import placeholders
 from ..model.builder import lm_loss_sum
 from ..run_config import RunConfig
+from .feed import run_dataset
 
 EVAL_FIELDS = ["step", "eval_loss", "eval_samples", "eval_tokens", "elapsed_s"]
 
@@ -37,11 +37,8 @@ class Validator:
         self.engine, self.run, self.evalset, self.dtype = engine, run, evalset, dtype
         self.tokens = evalset.answer_tokens()
         self.calls = math.ceil(evalset.size / run.train_batch)  # micro x GAS x DP samples per eval_batch
-        v = run.model.vision
-        self.dataset = TrainSet(evalset, text_len=run.text_len, n_img=run.model.n_image_positions,
-                                image_size=v.image_size, need_images=engine.is_first_stage(),
-                                need_labels=engine.is_last_stage(), image_token=placeholders(run.model),
-                                max_crops=v.max_crops)
+        self.dataset = run_dataset(run, evalset, first=engine.is_first_stage(), last=engine.is_last_stage(),
+                                   train=False)  # one sample per row, the training rows' shape
         self.losses: dict[int, float] = {}
         self.t0 = t_start
         self.file = open(out / "eval_log.csv", "a" if append else "w", newline="") if enabled else None

@@ -1,0 +1,207 @@
+"""Rows: fixed-shape micro-batches that hold several images per sample and, with --pack, several
+samples per row (the stage contract's row layout, mmpipe.model.stage).
+
+A row is L = M x N + text_len decoder positions with M image slots (M = --max-images, N decoder
+positions per image: the moondream family's spliced image tokens or LLaVA's placeholders): room for
+M images and text_len text tokens in any mix. Any one good sample fits (the index refused more than
+M images, and longer text by --overlong), so unpacked rows hold one sample each; packed rows hold as
+many whole samples as fit. E.g. llava-tiny (N = 16) at M = 4, text_len 96: L = 4 x 16 + 96 = 160;
+samples of 16 + 20, 16 + 35, 16 + 12 and 16 + 30 positions fill 161 > 160, so the fourth opens the
+next row.
+
+`RowPlan` maps a stream of row positions 0, 1, 2, ... onto the sample stream (mmpipe.data.batches'
+positions): chunks of CHUNK consecutive sample positions are packed first-fit, each chunk on its own,
+so row r depends only on the samples before it and every rank (first and last stage, every DP
+replica) derives the same rows. Steps, DP sharding and --resume then work on row positions exactly
+as they do on sample positions: step s consumes rows [s x B, (s + 1) x B), B = micro x GAS x DP.
+
+`LossNorm` is the loss normalisation (--loss-norm): each labelled position gets a weight so that the
+step's loss is the mean over the global batch's answer tokens (token, the default: packed == unpacked)
+or the mean over its samples of each sample's mean (sample); mmpipe.model.builder.lm_loss sums
+CE x weight. DeepSpeed scales each micro-batch loss by 1 / GAS and averages gradients over DP, so
+the weight carries GAS x DP: token: GAS x DP / (answer tokens of the step's B rows), e.g. 4 x 2 / 1310.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..model.builder import IGNORE_INDEX
+from ..model.rows import IMAGE_SLOT
+from .crops import Crops, blank_image
+
+CHUNK = 1024  # sample positions packed together: first-fit looks at most this far ahead
+LOSS_NORMS = ("token", "sample")
+
+
+@dataclass(frozen=True)
+class RowShape:
+    """One row's fixed shape: M image slots of N decoder positions each, plus text_len text positions."""
+    max_images: int
+    image_len: int   # decoder positions per image (N)
+    image_id: int    # the placeholder id of those positions (LLaVA: image_token_id; moondream: IMAGE_SLOT)
+    text_len: int
+
+    @property
+    def length(self) -> int:
+        return self.max_images * self.image_len + self.text_len
+
+
+def row_shape(cfg, max_images: int, text_len: int) -> RowShape:
+    if cfg.layout.placeholders:  # LLaVA: the features overwrite image_token_id placeholders
+        return RowShape(max_images, cfg.vision.n_features, cfg.image_token_id, text_len)
+    return RowShape(max_images, cfg.n_image_positions, IMAGE_SLOT, text_len)
+
+
+def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np.ndarray]:
+    """One sample's decoder positions: ids [n] with each image's block of N placeholder ids inserted
+    before token enc.image_at[k], and labels [n] (position p holds the token at p + 1 where that is an
+    answer token; BOS is never predicted, an image block never labelled)."""
+    at = list(getattr(enc, "image_at", [1] * n_images))[:n_images]
+    pieces, targets, prev = [], [], 0
+    for a in at:
+        pieces += [enc.ids[prev:a], np.full(shape.image_len, shape.image_id, dtype=np.int64)]
+        targets += [enc.target[prev:a], np.zeros(shape.image_len, dtype=bool)]
+        prev = a
+    ids = np.concatenate(pieces + [enc.ids[prev:]]).astype(np.int64)
+    target = np.concatenate(targets + [enc.target[prev:]]).astype(bool)
+    target[0] = False  # BOS
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+    labels[:-1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
+    return ids, labels
+
+
+class RowPlan:
+    """Row position -> the sample positions it holds (in stream order within the row)."""
+
+    def __init__(self, size_of: Callable[[int], tuple[int, int]], shape: RowShape, pack: bool, chunk: int = CHUNK):
+        """size_of(pos) -> (decoder positions, images) of sample pos."""
+        self.size_of, self.shape, self.pack, self.chunk = size_of, shape, pack, chunk
+        self._chunks: list[list[list[int]]] = []
+        self._first_row = [0]  # row position of each chunk's first row
+
+    def row(self, r: int) -> list[int]:
+        if not self.pack:
+            return [r]
+        while self._first_row[-1] <= r:
+            self._pack_next()
+        c = int(np.searchsorted(self._first_row, r, side="right")) - 1
+        return self._chunks[c][r - self._first_row[c]]
+
+    def samples_before(self, r: int) -> int:
+        """Samples the rows before row position r hold (what a run has consumed after r rows)."""
+        return sum(len(self.row(i)) for i in range(r)) if self.pack else r
+
+    def _pack_next(self) -> None:
+        """First-fit over one chunk: each sample goes to the first open row with room for its positions
+        and images, else opens a row; rows keep their opening order."""
+        start = len(self._chunks) * self.chunk
+        rows, room, slots = [], [], []
+        for pos in range(start, start + self.chunk):
+            n, k = self.size_of(pos)
+            for i in range(len(rows)):
+                if room[i] >= n and slots[i] >= k:
+                    break
+            else:
+                i = len(rows)
+                rows.append([])
+                room.append(self.shape.length)
+                slots.append(self.shape.max_images)
+            rows[i].append(pos)
+            room[i] -= n
+            slots[i] -= k
+        self._chunks.append(rows)
+        self._first_row.append(self._first_row[-1] + len(rows))
+
+
+class LossNorm:
+    """Per-position loss weights for the chosen normalisation (module docstring)."""
+
+    def __init__(self, mode: str, rows_per_step: int, gas: int, dp: int, answers: Callable[[int], list[int]]):
+        """answers(row position) -> answer-token count of each sample in that row, in row order."""
+        assert mode in LOSS_NORMS, mode
+        self.mode, self.batch, self.scale, self.answers = mode, rows_per_step, gas * dp, answers
+
+    @functools.lru_cache(maxsize=8)
+    def _step(self, step: int) -> tuple[int, int]:
+        """(answer tokens, samples with an answer) over the step's whole global batch."""
+        counts = [n for r in range(step * self.batch, (step + 1) * self.batch) for n in self.answers(r)]
+        return max(1, sum(counts)), max(1, sum(1 for n in counts if n))
+
+    def per_sample(self, r: int) -> list[float]:
+        """Row r's weight for each labelled position of each of its samples."""
+        tokens, samples = self._step(r // self.batch)
+        if self.mode == "token":
+            return [self.scale / tokens] * len(self.answers(r))
+        return [self.scale / (samples * n) if n else 0.0 for n in self.answers(r)]
+
+
+class RowSet(Dataset):
+    """Row position -> the row's tensors (the row layout of mmpipe.model.stage): input_ids, labels,
+    segments, loss weights [L]; has_image [M]; pixels [M, 3, S, S] (multi-crop [M, 1 + K, 3, S, S]
+    and tiling [M, 2]). Unused image slots hold blank images, which no placeholder reads."""
+
+    def __init__(self, samples, plan: RowPlan, *, image_size: int, max_crops: int = 0, need_images: bool = True,
+                 need_labels: bool = True, norm: LossNorm | None = None, augment_seed: int | None = None):
+        self.samples, self.plan, self.shape = samples, plan, plan.shape
+        self.image_size, self.max_crops, self.norm, self.augment_seed = image_size, max_crops, norm, augment_seed
+        self.need_images, self.need_labels = need_images, need_labels
+
+    def __len__(self):
+        return 2 ** 62
+
+    def __getitem__(self, r: int) -> dict:
+        L, M = self.shape.length, self.shape.max_images
+        ids = np.full(L, self.samples.pad_id, dtype=np.int64)
+        labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+        segments = np.zeros(L, dtype=np.int64)
+        images, end = [], 0
+        for seg, pos in enumerate(self.plan.row(r), start=1):
+            enc, n_images = self.samples.tokens(pos)
+            s_ids, s_labels = sample_sequence(enc, int(n_images), self.shape)
+            ids[end:end + len(s_ids)], labels[end:end + len(s_ids)] = s_ids, s_labels
+            segments[end:end + len(s_ids)] = seg
+            images += [(pos, k) for k in range(int(n_images))]
+            end += len(s_ids)
+        item = {"pos": r, "input_ids": ids, "segments": segments,
+                "has_image": np.array([1] * len(images) + [0] * (M - len(images)), dtype=np.int64)}
+        if self.need_labels:
+            item["labels"] = labels
+            if self.norm is not None:
+                w = np.array([0.0] + self.norm.per_sample(r), dtype=np.float32)[segments]
+                item["weights"] = np.where(labels != IGNORE_INDEX, w, 0.0).astype(np.float32)
+        if self.need_images:
+            px = [self._image(pos, k) for pos, k in images]
+            px += [blank_image(self.image_size, self.max_crops) for _ in range(M - len(images))]
+            if self.max_crops:
+                item["pixels"] = torch.stack([p.pixels for p in px])  # [M, 1 + K, 3, S, S]
+                item["tiling"] = [p.tiling for p in px]  # M x (rows, cols)
+            else:
+                item["pixels"] = torch.stack(px)  # [M, 3, S, S]
+        return item
+
+    def _image(self, pos: int, k: int) -> torch.Tensor | Crops:
+        if self.augment_seed is not None:  # per sample and image: augmentation repeats exactly on resume
+            torch.manual_seed(self.augment_seed * 1_000_003 + pos * 64 + k)
+        return self.samples.pixels(pos, k)
+
+
+def answer_counts(samples, plan: RowPlan) -> Callable[[int], list[int]]:
+    """row position -> each sample's labelled positions (BOS never predicted), read from the token
+    index alone: no image is opened."""
+    def counts(r: int) -> list[int]:
+        return [int(samples.tokens(pos)[0].target[1:].sum()) for pos in plan.row(r)]
+    return counts
+
+
+def sample_size(samples, shape: RowShape) -> Callable[[int], tuple[int, int]]:
+    """pos -> (decoder positions, images) of a sample: its text plus N positions per image."""
+    def size(pos: int) -> tuple[int, int]:
+        enc, n_images = samples.tokens(pos)
+        return len(enc.ids) + int(n_images) * shape.image_len, int(n_images)
+    return size
