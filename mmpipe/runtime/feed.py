@@ -33,3 +33,19 @@ def decoder_length(run: RunConfig) -> int:
     if run.rows:
         return row_shape(run.model, run.max_images, run.text_len).length
     return run.model.n_image_positions + placeholders(run.model)[1] + run.text_len
+
+
+class StepCounts:
+    """What a stretch of rows holds: (samples, useful decoder positions), useful meaning a sample's
+    own text and image positions, padding not counted. E.g. 16-image-token samples of 20, 35 and 12
+    text tokens packed into one 160-position row: 3 samples, 3 x 16 + 67 = 115 useful of 160.
+    Read from the token index alone (no image is opened): every rank can count any step."""
+
+    def __init__(self, run: RunConfig, samples):
+        shape = row_shape(run.model, run.max_images, run.text_len)
+        self.size = sample_size(samples, shape)
+        self.plan = RowPlan(self.size, shape, pack=run.pack)
+
+    def __call__(self, first_row: int, rows: int) -> tuple[int, int]:
+        positions = [p for r in range(first_row, first_row + rows) for p in self.plan.row(r)]
+        return len(positions), sum(self.size(p)[0] for p in positions)
