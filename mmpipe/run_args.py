@@ -7,7 +7,6 @@ import argparse
 from dataclasses import dataclass
 
 from .data.args import DataArgs
-from .data.packing import LOSS_NORMS
 from .flags import add_flags, flag, from_namespace, to_argv
 from .model.builder import FREEZE_GROUPS
 
@@ -43,11 +42,6 @@ class TrainArgs(DataArgs):
     max_crops: int | None = flag(None, "moondream multi-crop: local crops per image at most (default: the model's "
                                  "vision.max_crops, 12 for moondream2; lower it for memory: the tower encodes 1 + N "
                                  "crops per image; 0: the global crop only)", metavar="N")
-    pack: bool = flag(False, "pack several whole samples into each fixed-length row (max-images x image positions "
-                      "+ --text-len), each attending only to itself (docs/packing.md)")
-    loss_norm: str = flag("token", "the step's loss: the mean over the global batch's answer tokens (token, the "
-                          "default; packed == unpacked) or over its samples, each its own mean (sample)",
-                          choices=LOSS_NORMS)
     seed: int = flag(0, "seed for weights and data (default: 0)")
     save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
     nonfinite: str = flag("stop", "a NaN/inf loss: stop the run, keeping the last good checkpoint (default), or skip "

@@ -67,7 +67,7 @@ class RunConfig:
 
     @property
     def max_images(self) -> int:
-        return getattr(self.data, "max_images", 1)
+        return self.data.max_images
 
     @property
     def rows(self) -> bool:
@@ -162,7 +162,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if data is not None and args.eval_split and eval_data is not None:
         data = dataclasses.replace(data, holdout=args.eval_split, part="train")
     freeze = _check_flags(args, problems)
-    rows = args.pack or (data is not None and getattr(data, "max_images", 1) > 1)
+    rows = args.pack or (data is not None and data.max_images > 1)
     if rows and model is not None and model.layout.cross_attention:
         problems.append(f"--pack / --max-images: {model.name} reads its image through cross-attention, which has no "
                         f"per-sample image positions to pack; use a prefix (moondream) or LLaVA model")
@@ -186,7 +186,8 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if model is not None and data is not None:
         model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)
         checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
-        table = layer_table(model, freeze, data.text_len, checkpointing, lora)
+        # per row: --max-images image slots through the tower, M x N_dec + text_len decoder positions
+        table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images)
         if lora is not None and not any(r.adapter_params for r in table):
             problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
                             f"group(s) of {model.name}")

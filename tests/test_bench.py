@@ -38,7 +38,8 @@ def test_tiny_sweep_end_to_end(tmp_path):
                      {"name": "fp16_no_zero", "precision": "fp16"},  # refused: fp16 needs ZeRO-1
                      {"name": "fp16_z1", "stages": 2, "precision": "fp16", "zero": 1},  # the device lacks fp16
                      {"name": "dp2_z1", "dp": 2, "zero": 1},
-                     {"name": "dp2_z2", "engine": "dp", "dp": 2, "zero": 2}],
+                     {"name": "dp2_z2", "engine": "dp", "dp": 2, "zero": 2},
+                     {"name": "pack", "pack": True, "max_images": 3, "text_len": 40}],  # 3 samples a row
         "peers": ["hf", "torch_pipe"], "targets": {"pp2": "pp2"}}))
     out = tmp_path / "out"
     # this CPU's fp16 answer faked off (as on an AMD EPYC): the sweep still passes, the row says why
@@ -46,12 +47,12 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("results.csv", "results.json", "results.md", "throughput.png", "memory.png", "bubble.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    assert "[bench 7/7" in proc.stdout  # the progress display
+    assert "[bench 8/8" in proc.stdout  # the progress display
     with open(out / "results.csv", newline="") as f:
         reader = csv.DictReader(f)
         rows = {r["name"]: r for r in reader}
         assert reader.fieldnames == documented_columns()
-    assert set(rows) == {"pp2", "fp16_no_zero", "fp16_z1", "dp2_z1", "dp2_z2", "peer_hf", "peer_torch_pipe"}
+    assert set(rows) == {"pp2", "fp16_no_zero", "fp16_z1", "dp2_z1", "dp2_z2", "pack", "peer_hf", "peer_torch_pipe"}
     ok = rows["pp2"]
     assert ok["status"] == "ok"
     assert int(ok["measured_steps"]) == 3  # 4 steps, the first excluded as warm-up
@@ -60,6 +61,16 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert 0 < float(ok["bubble_measured"]) < 1 and float(ok["bubble_theory"]) == pytest.approx(1 / 3, abs=1e-4)
     assert 0 < float(ok["mfu"]) < 1 and float(ok["achieved_flops"]) > 0
     assert 3 < float(ok["final_loss"]) < 6  # a tiny model's vocab-64 loss near ln(64) = 4.16
+    # one sample per row: 16 image + 12 text = 28 positions computed per sample, fewer of them its own
+    assert float(ok["positions_per_s"]) / float(ok["samples_per_s"]) == pytest.approx(28, rel=0.01)
+    assert 0 < float(ok["padding_share"]) < 1 and float(ok["useful_tokens_per_s"]) < float(ok["positions_per_s"])
+    packed = rows["pack"]  # rows of 3 x 16 + 40 = 88 positions holding several samples each
+    assert packed["status"] == "ok" and (packed["pack"], packed["max_images"], packed["text_len"]) == (
+        "True", "3", "40")
+    rows_per_step, step_s = float(packed["train_batch"]), float(packed["step_time_s"])  # 4 micro x 2 GAS = 8 rows
+    assert float(packed["samples_per_s"]) * step_s > 1.5 * rows_per_step  # more samples than rows
+    assert float(packed["positions_per_s"]) * step_s == pytest.approx(rows_per_step * 88, rel=0.01)
+    assert (rows["peer_hf"]["pack"], rows["peer_hf"]["max_images"]) == ("False", "1")  # peers never pack
     bad = rows["fp16_no_zero"]
     assert bad["status"] == "refused" and "fp16" in bad["reason"] and "ZeRO" in bad["reason"].replace("zero", "ZeRO")
     lacking = rows["fp16_z1"]
@@ -93,6 +104,13 @@ def test_tiny_sweep_end_to_end(tmp_path):
     ({"variants": [{"name": "a"}], "targets": {"pp2": "b"}}, "targets.pp2: no variant named 'b'"),
     ({"variants": [{"name": "a"}], "device": "tpu9"}, "device: 'tpu9' is not known"),
     ({}, "grid / variants: give one"),
+    ({"variants": [{"name": "a", "pack": "yes"}]}, "variants[0].pack: 'yes' must be true or false"),
+    ({"variants": [{"name": "a", "max_images": 0}]}, "variants[0].max_images: 0 must be an integer >= 1"),
+    ({"base": {"text_len": 1}, "variants": [{"name": "a"}]}, "base.text_len: 1 must be an integer >= 2, or null"),
+    ({"grid": {"max_images": [1, True]}}, "grid.max_images: True must be an integer >= 1"),
+    ({"variants": [{"name": "a", "engine": "dp", "pack": True}]}, "engine 'dp' trains one-sample rows"),
+    ({"variants": [{"name": "a"}], "data": 7}, "data: 7 must be 'shapes' or a path"),
+    ({"variants": [{"name": "a"}], "data": "nosuch.jsonl"}, "data: 'nosuch.jsonl' not found (relative paths start"),
 ])
 def test_bad_sweep_refused_before_running(tmp_path, capsys, body, expect):
     from mmpipe.cli import main
@@ -117,6 +135,32 @@ def test_grid_is_the_cross_product():
     sw = parse({"base": {"micro": 8}, "grid": {"stages": [1, 2], "precision": ["fp32", "bf16"]}})
     assert [v.name for v in sw.variants] == ["pp1_fp32", "pp1_bf16", "pp2_fp32", "pp2_bf16"]
     assert all(v.micro == 8 for v in sw.variants)
+
+
+def test_row_fields_and_data_reach_the_runs(tmp_path):
+    """pack / max_images / text_len become each variant's mmpipe train flags, the sweep's data (relative to
+    the sweep file) every run's --data; the peers run it unpacked, one sample per row."""
+    from mmpipe.bench.peers import peer_command
+    from mmpipe.bench.rows import peer_base
+    from mmpipe.bench.run_variant import train_args
+    from mmpipe.bench.sweep import load
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "conv.jsonl").write_text("")
+    sweep = tmp_path / "s.json"
+    sweep.write_text(json.dumps({"data": "d/conv.jsonl", "base": {"preset": "llava-tiny", "text_len": 40},
+                                 "grid": {"pack": [False, True], "max_images": [1, 2]}, "peers": ["hf"]}))
+    sw = load(str(sweep))
+    assert sw.data == str(tmp_path / "d" / "conv.jsonl")
+    assert [v.name for v in sw.variants] == ["nopack_img1", "nopack_img2", "pack_img1", "pack_img2"]
+    argv = train_args(sw.variants[3], sw, tmp_path / "o", tmp_path / "o" / "ds.json").to_argv()
+    assert argv[argv.index("--data") + 1] == sw.data and argv[argv.index("--max-images") + 1] == "2"
+    assert "--pack" in argv and argv[argv.index("--text-len") + 1] == "40"
+    assert "--pack" not in train_args(sw.variants[0], sw, tmp_path, tmp_path).to_argv()
+    row, like = peer_base("hf", 0, sw)
+    assert (row["pack"], row["max_images"], like.pack, like.max_images, like.text_len) == (False, 1, False, 1, 40)
+    cmd, _ = peer_command("hf", sw.peer_shape(), sw, tmp_path / "p")
+    assert cmd[cmd.index("--data") + 1] == sw.data and cmd[cmd.index("--text-len") + 1] == "40"
+    assert not {"--pack", "--max-images"} & set(cmd)
 
 
 def test_default_sweep_parses():

@@ -58,8 +58,10 @@ def measured_rows(repeats: int = 2, noise=lambda name, rep: 1.0) -> list[dict]:
             step = predict_row(row, truth_device(v.precision)).step["step_s"] * noise(v.name, rep)
             batch = v.micro * v.gas * v.dp
             rows.append({**row, "train_batch": batch, "measured_steps": 5, "step_time_s": step,
-                         "samples_per_s": batch / step, "samples_per_s_iqr": 1.0, "tokens_per_s": 28 * batch / step,
-                         "tokens_per_s_iqr": 1.0, "peak_mem_mb_per_rank": [800.0 + r for r in range(v.world)],
+                         "samples_per_s": batch / step, "samples_per_s_iqr": 1.0,
+                         "useful_tokens_per_s": 25 * batch / step, "useful_tokens_per_s_iqr": 1.0,
+                         "positions_per_s": 28 * batch / step, "positions_per_s_iqr": 1.0,
+                         "peak_mem_mb_per_rank": [800.0 + r for r in range(v.world)],
                          "peak_mem_mb_max": 800.0 + v.world - 1,
                          "bubble_measured": 0.3 if v.stages > 1 else 0.0,
                          "bubble_theory": (v.stages - 1) / (v.gas + v.stages - 1), "final_loss": 3.0, "wall_s": 10.0})

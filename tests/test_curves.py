@@ -29,7 +29,8 @@ def fake_run(path: Path, *, lr: bool, nan_step: int | None = None, evals: bool =
             loss = math.nan if step == nan_step else 4.0 * math.exp(-step * speed / 480) + 0.5 + 0.1 * (-1) ** step
             rate = 1e-3 * min(step / 4, 1.0) * (1 - step / (2 * steps))
             w.writerow({"step": step, "loss": repr(loss), "lr": f"{rate:.6g}" if lr else "",
-                        "samples_per_s": speed / 3 if step == 1 else speed + step % 3, "tokens_per_s": 9000,
+                        "samples_per_s": speed / 3 if step == 1 else speed + step % 3,
+                        "useful_tokens_per_s": 8000, "positions_per_s": 9000,
                         "elapsed_s": f"{30 * step / speed:.2f}", "skipped": "nonfinite" if step == nan_step else "",
                         "loss_scale": ""})
     if evals:
@@ -86,7 +87,8 @@ def test_labels_and_resumed_wall_time(runs):
     # evaluations (on the training clock) with it
     with open(runs[0] / "train_log.csv", "a", newline="") as f:
         csv.DictWriter(f, CSV_FIELDS).writerow({"step": STEPS + 1, "loss": "0.6", "lr": "1e-4", "samples_per_s": 60,
-                                                 "tokens_per_s": 9000, "elapsed_s": "0.40"})
+                                                 "useful_tokens_per_s": 8000, "positions_per_s": 9000,
+                                                 "elapsed_s": "0.40"})
     with open(runs[0] / "eval_log.csv", "a", newline="") as f:
         csv.writer(f).writerow([STEPS + 1, 0.9, 64, 9000, 0.45])
     fig = build_figure(runs, labels=["ours", "transformers"])

@@ -65,19 +65,20 @@ def run(tmp_path_factory, data):
 
 def one_at_a_time(model, held: Path, max_new_tokens: int) -> list[str]:
     """Each good record answered alone from its first question, as `mmpipe generate` would: the
-    built-in tokenizer's generation prompt, the image (none for a text-only record)."""
+    built-in tokenizer's generation prompt, the image (none for a text-only record) at its <image> marker
+    (the LLaVA family; the moondream family splices it after BOS)."""
     cfg = model.cfg
     tok = builtin_tokenizer(image_token=bool(cfg.layout.placeholders))
-    encoder = ConversationEncoder(tok, cfg.text.max_context)
+    encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders)
     answers = []
     for r in map(json.loads, held.read_text().splitlines()):
         if r.get("id") == "bad":
             continue
-        prompt = encoder.prompt_ids([("user", r["conversations"][0]["value"].replace("<image>", ""))])
         has_image = "image" in r
+        prompt, image_at = encoder.prompt([("user", r["conversations"][0]["value"])], n_images=int(has_image))
         if has_image:
             pixels = ImageTransform(cfg.vision)(Image.open(held.parent / r["image"]).convert("RGB"))[None]
-            prompt = with_placeholders(prompt, cfg)
+            prompt = with_placeholders(prompt, cfg, image_at)
         else:
             pixels = torch.zeros(1, 3, cfg.vision.image_size, cfg.vision.image_size)
         new = generate(model, pixels, prompt, eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens,

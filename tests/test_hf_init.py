@@ -57,7 +57,8 @@ def test_init_from_imported_llava(tmp_path, capsys):
     samples = prepare(rc.data, rc.model, tmp_path / "run", 5, verbose=False)
     ts = TrainSet(samples, text_len=12, n_img=0, image_size=32, image_token=placeholders(rc.model))
     (px, ids, has_image), labels = next(rank_batches(ts, StepBatches(0, 2, 1, 0, 1)))
-    assert has_image.tolist() == [1, 1] and (ids[:, 1:17] == IMAGE_TOKEN).all()
+    # the 16 placeholders sit at the <image> marker, after the template's "w4": [BOS] w4 <image> x 16 ...
+    assert has_image.tolist() == [1, 1] and (ids[:, 2:18] == IMAGE_TOKEN).all() and (ids[:, 1] != IMAGE_TOKEN).all()
     hf_labels = torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)
     with torch.no_grad():
         want = hf(input_ids=ids, pixel_values=px, labels=hf_labels).loss.item()

@@ -1,6 +1,6 @@
 """`mmpipe train --preset llava-tiny`: the LLaVA family on the built-in shapes set, the image on
 <image> placeholders after BOS. The 2-stage pipeline's losses equal the single-device reference's;
-the layout of a sample with and without an image; the decoder positions tokens/s counts."""
+the layout of a sample with and without an image; the decoder positions positions/s counts."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,4 +41,9 @@ def test_llava_tiny_pp2_equals_reference(tmp_path, equivalence_config):
         assert losses[step] == pytest.approx(want, abs=TOL), step
     assert abs(ref[-1] - ref[0]) > 1e-3
     row = pp2.rows[-1]  # 16 placeholders + 12 text positions per sample
-    assert float(row["tokens_per_s"]) / float(row["samples_per_s"]) == pytest.approx(28, rel=0.01)
+    assert float(row["positions_per_s"]) / float(row["samples_per_s"]) == pytest.approx(28, rel=0.01)
+    # useful: each sample's own 16 + text positions, its text padding left out
+    assert 16 < float(row["useful_tokens_per_s"]) / float(row["samples_per_s"]) < 28
+    data = pp2.summary["data"]
+    assert data["positions"] == data["rows_seen"] * 28 and data["samples_seen"] == data["rows_seen"]
+    assert data["padding_share"] == pytest.approx(1 - data["useful_tokens"] / data["positions"])

@@ -316,3 +316,44 @@ def test_plan_refuses_a_bad_schedule():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "mmpipe: error: --schedule: 'gpipe' is not a schedule (valid: 1f1b, zb-h1, both)"], proc.stderr
+
+
+def test_a_row_carries_its_images_through_the_tower_and_its_positions_through_the_decoder():
+    """Rows (--max-images M, --pack): per-image layers cost M x one image's, the decoder M x N + text_len
+    positions; M = 1 is the classic layout, unchanged. llava-tiny: N = 16, M = 4, text 96 -> 160."""
+    cfg = load_preset("llava-tiny")
+    one, row = layer_costs(cfg, (), 96), layer_costs(cfg, (), 96, images=4)
+    assert layer_costs(cfg, (), 96, images=1) == one
+    tower = {"PatchEmbed", "VisionBlock", "Projector"}  # LLaVA's tower: no final vision norm layer
+    assert tower <= {r.name for r in one}
+    for a, b in zip(one, row):
+        if a.name in tower:  # 4 images: every term x 4
+            assert (b.tokens, b.fwd_flops, b.bwd_flops, b.act_elems, b.out_elems) == pytest.approx(
+                (4 * a.tokens, 4 * a.fwd_flops, 4 * a.bwd_flops, 4 * a.act_elems, 4 * a.out_elems))
+        else:
+            assert (a.tokens, b.tokens) == (16 + 96, 4 * 16 + 96)
+
+
+def test_plan_prices_rows_and_reports_positions_when_packed(capsys):
+    from mmpipe.cli import main
+    base = ["plan", "--preset", "llava-tiny", "--device", "a100-80gb", "--gpus-per-node", "2", "--global-batch", "32",
+            "--micro", "4", "--text-len", "96"]
+    assert main(base + ["--max-images", "4", "--pack"]) == 0
+    out = capsys.readouterr().out
+    assert "decoder positions per row: 4 image slots x 16 + 96 text = 160; rows hold several samples" in out
+    assert "positions/s" in next(ln for ln in out.splitlines() if ln.lstrip().startswith("PP"))
+    assert "useful tokens/s = positions/s x (1 - padding share)" in out
+    assert main(base + ["--max-images", "4", "--pack", "--json"]) == 0
+    packed = json.loads(capsys.readouterr().out)
+    assert all(lay["decoder_length"] == 160 and lay["positions_per_s"] == pytest.approx(lay["throughput"] * 160)
+               for lay in packed)
+    assert main(base + ["--json"]) == 0
+    classic = json.loads(capsys.readouterr().out)
+    assert classic[0]["decoder_length"] == 112 and packed[0]["throughput"] < classic[0]["throughput"]
+    assert main(base) == 0
+    assert "decoder positions per row: 16 image + 96 text = 112, one sample per row" in capsys.readouterr().out
+    for bad, line in ((["--max-images", "0"], "mmpipe: error: --max-images: 0 must be >= 1"),
+                      (["--preset", "tiny-xattn", "--pack"], "mmpipe: error: --pack / --max-images: tiny-xattn")):
+        assert main(base + bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(line), err

@@ -117,7 +117,7 @@ def test_monitors_receive_the_runs_numbers(tmp_path, data):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     per_step = {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/samples_per_s",
-                "Train/Samples/tokens_per_s"}
+                "Train/Samples/useful_tokens_per_s", "Train/Samples/positions_per_s"}
     assert per_step | {"Eval/Samples/eval_loss", "Timing/measured_bubble", "Timing/stage0/forward_ms_per_micro",
                        "Timing/stage1/backward_ms_per_micro"} <= tags
     for tag in per_step:  # one event per optimizer step, at 8, 16, 24 samples

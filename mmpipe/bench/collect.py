@@ -129,7 +129,7 @@ def collect(out: Path, query_slurm: bool = True) -> list[dict]:
         for k, v in (oc.get("peaks") or {}).items():
             peaks.setdefault(k, v)
     meta = {"sweep": plan.get("sweep_file"), "device": first.get("device") or sw.device or "unknown", "peaks": peaks,
-            "steps": sw.steps, "warmup_steps": sw.warmup_steps, "machine": first.get("machine"),
+            "steps": sw.steps, "warmup_steps": sw.warmup_steps, "data": sw.data, "machine": first.get("machine"),
             "command": plan.get("command"), "mode": plan["mode"],
             "pending": sum(r["status"] == "pending" for r in rows)}
     write_all(rows, out, meta, sw.targets)

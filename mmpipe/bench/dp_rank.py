@@ -26,6 +26,7 @@ from ..data.dataset import prepare
 from ..model.builder import lm_loss
 from ..run_args import TrainArgs
 from ..run_config import resolve
+from ..runtime.feed import StepCounts, decoder_length
 from ..runtime.pipeline import VLMPipeline
 from ..runtime.steplog import StepLog
 from ..runtime.trainer import DTYPES, refuse_unsupported, setup_torch
@@ -72,8 +73,8 @@ def main(argv=None) -> int:
                        augment_seed=args.seed if run.data.augment else None, max_crops=v.max_crops)
     batches = rank_batches(dataset, StepBatches(0, run.micro, run.gas, rank, run.dp), dtype=DTYPES[run.precision],
                            workers=run.data.workers)
-    seq = run.model.n_image_positions + run.text_len
-    log = StepLog(out, run.train_batch, seq, enabled=rank == 0)
+    log = StepLog(out, run.train_batch, decoder_length(run), enabled=rank == 0)  # e.g. 16 image + 12 text = 28
+    counts = StepCounts(run, samples) if rank == 0 else None  # one-sample rows: the sweep refuses pack here
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         total = 0.0
@@ -88,13 +89,16 @@ def main(argv=None) -> int:
         mean = torch.tensor([total])
         dist.all_reduce(mean)
         total = float(mean) / run.dp
-        log.step(step, total, time.perf_counter() - t0, lr=engine.get_lr()[0])
+        dt = time.perf_counter() - t0
+        # step s (1-based) trains rows [(s - 1) x micro x GAS x DP, + micro x GAS x DP) over all replicas
+        n, useful = counts((step - 1) * run.train_batch, run.train_batch) if counts else (None, None)
+        log.step(step, total, dt, samples=n, useful=useful, lr=engine.get_lr()[0])
     del batches
     dist.barrier()
     dist.destroy_process_group()
     write_peak(out)
     log.finish(stages=1, dp=run.dp, micro_batch=run.micro, gradient_accumulation=run.gas, precision=run.precision,
-               zero_stage=ns.zero, preset=run.model.name, engine="dp")
+               zero_stage=ns.zero, preset=run.model.name, engine="dp", data={"text_len": run.text_len, **log.seen()})
     return 0
 
 

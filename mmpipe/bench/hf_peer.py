@@ -20,10 +20,11 @@ import torch
 
 from ..hf.llava import hf_config
 from ..model.families import family_of
+from ..runtime.feed import decoder_length
 from ..runtime.reference import gradient_clipping, make_optimizer, make_scheduler, train_step
 from ..runtime.steplog import StepLog
 from .memory import write_peak
-from .peer_common import batches, peer_args, resolved
+from .peer_common import batches, peer_args, peer_samples, resolved, step_counter
 
 
 def hf_model_config(cfg):
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     a = peer_args(argv)
     torch.set_num_threads(1)
     from transformers import LlavaForConditionalGeneration
-    run = resolved(a.preset, 1, a.micro, a.gas, 1, a.steps, a.data_workers)
+    run = resolved(a.preset, 1, a.micro, a.gas, 1, a.steps, a.data_workers, a.data, a.text_len)
     hf = hf_model_config(run.model)
     torch.manual_seed(a.seed)
     model = LlavaForConditionalGeneration(hf).train()
@@ -54,8 +55,9 @@ def main(argv=None) -> int:
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     clip = gradient_clipping(run.ds_config)
-    n_img, seq = run.model.n_image_positions, run.model.n_image_positions + run.text_len
-    stream = batches(run, a.seed)
+    n_img = run.model.n_image_positions
+    samples = peer_samples(run, a.seed, a.out)
+    stream, counts = batches(run, a.seed, samples=samples), step_counter(run, samples)
 
     def micro_loss():
         (pixels, ids, _has), labels = next(stream)
@@ -67,12 +69,15 @@ def main(argv=None) -> int:
         hf_labels[:, 1:] = labels[:, :-1]
         return model(pixel_values=pixels, input_ids=ids, labels=hf_labels).loss
 
-    log = StepLog(Path(a.out), run.micro * run.gas, seq)
+    log = StepLog(Path(a.out), run.micro * run.gas, decoder_length(run))  # e.g. 16 image + 12 text = 28 per row
     for step in range(1, a.steps + 1):
         t0 = time.perf_counter()
         loss = train_step(micro_loss, run.gas, params, opt, sched, clip)
-        log.step(step, loss, time.perf_counter() - t0)
-    log.finish(params=sum(p.numel() for p in params), hf_model="LlavaForConditionalGeneration")
+        dt = time.perf_counter() - t0
+        n, useful = counts(step)
+        log.step(step, loss, dt, samples=n, useful=useful)
+    log.finish(params=sum(p.numel() for p in params), hf_model="LlavaForConditionalGeneration",
+               data={"text_len": run.text_len, **log.seen()})
     write_peak(a.out)
     return 0
 

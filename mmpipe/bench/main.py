@@ -112,8 +112,10 @@ def main_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "mmpipe bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     items = cluster.plan_items(sw, variants, peer_list)
-    plan = cluster.new_plan(mode, args.sweep, json.loads(Path(args.sweep).read_text()), items, command=command,
-                            requeue=getattr(args, "requeue", True))
+    raw = json.loads(Path(args.sweep).read_text())
+    if "data" in raw:  # absolute, as parsed: bench.json is re-read from elsewhere (a Slurm job, --collect)
+        raw["data"] = sw.data
+    plan = cluster.new_plan(mode, args.sweep, raw, items, command=command, requeue=getattr(args, "requeue", True))
     for it in items:  # an earlier sweep's outcome in the same folder must not pass for this one's
         (out / it["dir"] / OUTCOME).unlink(missing_ok=True)
     if mode == "slurm":
@@ -171,7 +173,8 @@ def run_here(sw: Sweep, variants: list[Variant], peer_list: list[str], out: Path
     """Run the plan from this machine (locally, or each variant across --hostfile's hosts)."""
     device, peak = peaks(sw.device, sw.peak_flops, {v.precision for v in variants} | {"fp32"})
     meta = {"sweep": plan["sweep_file"], "device": device, "peaks": peak, "steps": sw.steps,
-            "warmup_steps": sw.warmup_steps, "machine": machine(), "command": plan["command"], "mode": plan["mode"]}
+            "warmup_steps": sw.warmup_steps, "data": sw.data, "machine": machine(), "command": plan["command"],
+            "mode": plan["mode"]}
     rows, t0 = [], time.perf_counter()
     items = plan["items"]
     print(f"mmpipe bench: {len(variants)} variants x {sw.repeats} repeats + {len(peer_list)} peers on {device}; "

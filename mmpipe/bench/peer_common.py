@@ -1,6 +1,7 @@
 """What both peers share: the variant's model config, text length and data. They write their log with
 mmpipe.train's writer (mmpipe.runtime.steplog: train_log.csv, summary.json; memory_rank*.json from
-.memory) so one reader serves all."""
+.memory) so one reader serves all. Peers run the classic layout (one sample per row, one image): a
+sweep's packing variant is compared with peers that do not pack (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ from ..data.batches import StepBatches, TrainSet, rank_batches
 from ..data.dataset import prepare
 from ..run_args import TrainArgs
 from ..run_config import resolve
+from ..runtime.feed import StepCounts
 from .run_variant import ds_config
 from .sweep import Variant
 
@@ -22,24 +24,42 @@ def peer_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-workers", type=int, default=2)
+    p.add_argument("--data", default="shapes", help="the sweep's --data (default: the built-in shapes set)")
+    p.add_argument("--text-len", type=int, default=None, help="the variant's --text-len (default: the data's)")
     return p.parse_args(argv)
 
 
-def resolved(preset: str, stages: int, micro: int, gas: int, world: int, steps: int, data_workers: int = 2):
+def resolved(preset: str, stages: int, micro: int, gas: int, world: int, steps: int, data_workers: int = 2,
+             data: str = "shapes", text_len: int | None = None):
     """mmpipe's RunConfig for these shapes (stage boundaries, text length, data, optimizer recipe;
-    the LR schedule spans `steps`, as a variant's `--steps` makes it)."""
+    the LR schedule spans `steps`, as a variant's `--steps` makes it); never packed."""
     cfg = ds_config(Variant(name="peer", preset=preset, stages=stages, micro=micro, gas=gas))
-    args = TrainArgs(preset=preset, stages=stages, steps=steps, data_workers=data_workers)
+    args = TrainArgs(preset=preset, stages=stages, steps=steps, data_workers=data_workers, data=data,
+                     text_len=text_len)
     return resolve(args, world_size=world, ds_config=cfg)
 
 
-def batches(run, seed: int, *, first: bool = True, last: bool = True):
+def peer_samples(run, seed: int, out: str):
+    """The run's sample stream; user data is checked into OUT/data/ as a variant's is (ranks building
+    it at once is safe: mmpipe.data.index writes it under temporary names)."""
+    return prepare(run.data, run.model, out, seed, verbose=False)
+
+
+def batches(run, seed: int, *, first: bool = True, last: bool = True, samples=None):
     """mmpipe's own micro-batch stream for dp rank 0 (the same samples a PP run trains on), loaded
     as mmpipe.train loads it: images and the loader workers only on the first stage, labels only
     on the last, so a peer pays the same data cost as the variant it is compared with."""
     v = run.model.vision
-    data = TrainSet(prepare(run.data, run.model, "", seed, verbose=False), text_len=run.text_len,
+    samples = peer_samples(run, seed, "") if samples is None else samples  # "": the built-in set keeps no files
+    data = TrainSet(samples, text_len=run.text_len,
                     n_img=run.model.n_image_positions, image_size=v.image_size, need_images=first, need_labels=last,
                     max_crops=v.max_crops)
     return rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1), workers=run.data.workers if first else 0)
+
+
+def step_counter(run, samples):
+    """step -> (real samples, useful decoder positions) of peer step `step` (1-based): one-sample rows
+    [(step - 1) x micro x GAS, + micro x GAS), as batches() draws them (feed.StepCounts)."""
+    counts, batch = StepCounts(run, samples), run.micro * run.gas
+    return lambda step: counts((step - 1) * batch, batch)
 

@@ -1,5 +1,6 @@
 """Starting the peers as their own processes (so each is measured like a variant: its own launcher,
-a fresh interpreter, one thread per rank) with the shapes and batch of the sweep's 'pp2' variant."""
+a fresh interpreter, one thread per rank) with the shapes and batch of the sweep's 'pp2' variant, on
+the sweep's data, in the classic layout (one sample per row: a peer does not pack)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,10 @@ PEER_RANKS = {"hf": 1, "torch_pipe": 2}  # processes a peer runs, all on one mac
 def peer_command(kind: str, shape, sweep, out: Path) -> tuple[list[str], dict]:
     """The peer's command line and environment, run as is here or as one Slurm task on one node."""
     common = ["--preset", shape.preset, "--micro", str(shape.micro), "--gas", str(shape.gas),
-              "--steps", str(sweep.steps), "--out", str(out), "--data-workers", str(shape.data_workers)]
+              "--steps", str(sweep.steps), "--out", str(out), "--data-workers", str(shape.data_workers),
+              "--data", sweep.data]  # the peers do not pack: the variant's pack / max_images stay behind
+    if shape.text_len is not None:
+        common += ["--text-len", str(shape.text_len)]
     if kind == "hf":
         cmd = [sys.executable, "-m", "mmpipe.bench.hf_peer", *common]
     else:

@@ -10,9 +10,12 @@ from pathlib import Path
 from . import predict
 from .plots import plot_all
 
+# rates: samples_per_s counts real samples (a packed row holds several), useful_tokens_per_s their own
+# decoder positions (no padding), positions_per_s every computed position (rows x positions per row / s)
 COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "zero", "precision",
-           "micro", "gas", "checkpointing", "partition", "data_workers", "world", "train_batch", "measured_steps",
-           "samples_per_s", "samples_per_s_iqr", "tokens_per_s", "tokens_per_s_iqr", "step_time_s",
+           "micro", "gas", "checkpointing", "partition", "data_workers", "pack", "max_images", "text_len", "world",
+           "train_batch", "measured_steps", "samples_per_s", "samples_per_s_iqr", "useful_tokens_per_s",
+           "useful_tokens_per_s_iqr", "positions_per_s", "positions_per_s_iqr", "padding_share", "step_time_s",
            "peak_mem_mb_max", "peak_mem_mb_per_rank", "bubble_measured", "bubble_theory", "stage_imbalance",
            "achieved_flops", "mfu", "final_loss", "wall_s", *predict.COLUMNS]
 
@@ -90,16 +93,20 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
     peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" if v else f"{k} ?" for k, v in meta["peaks"].items())
     lines = [f"Sweep `{meta['sweep']}` on {meta['device']} (peak {peaks} per rank), "
              f"{meta['steps']} steps, first {meta['warmup_steps']} excluded.", "",
-             "| variant | rep | status | PP | DP | ZeRO | prec | micro x GAS | ckpt | samples/s (IQR) | step ms | "
-             "peak MB/rank | bubble meas / 1F1B | GFLOP/s | MFU | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| variant | rep | status | PP | DP | ZeRO | prec | micro x GAS | ckpt | rows | samples/s (IQR) | "
+             "useful tokens/s | positions/s | padding | step ms | peak MB/rank | bubble meas / 1F1B | GFLOP/s | MFU | "
+             "final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r["status"] == "ok"
         lines.append("| " + " | ".join([
             r["name"], str(r.get("repeat", "")), "ok" if ok else f"{r['status']}: {str(r.get('reason', ''))[:80]}",
             f(r.get("stages")), f(r.get("dp")), f(r.get("zero")), f(r.get("precision")),
-            f"{r.get('micro')} x {r.get('gas')}", "yes" if r.get("checkpointing") else "no",
+            f"{r.get('micro')} x {r.get('gas')}", "yes" if r.get("checkpointing") else "no", _rows(r),
             f"{r['samples_per_s']:.1f} ({r['samples_per_s_iqr']:.1f})" if ok else "-",
+            f"{r['useful_tokens_per_s']:.0f}" if ok and r.get("useful_tokens_per_s") is not None else "-",
+            f"{r['positions_per_s']:.0f}" if ok and r.get("positions_per_s") is not None else "-",
+            f"{r['padding_share']:.1%}" if ok and r.get("padding_share") is not None else "-",
             f"{r['step_time_s'] * 1e3:.1f}" if ok else "-",
             "/".join(f(x, 4) for x in r.get("peak_mem_mb_per_rank") or []) or "-",
             f"{f(r.get('bubble_measured'))} / {f(r.get('bubble_theory'))}" if ok else "-",
@@ -112,6 +119,14 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
             lines.append(f"| {t['target']} | {t['measured']} | {t['ratio']:.3f} | {t['threshold']} | "
                          f"{'yes' if t['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _rows(r: dict) -> str:
+    """What a row holds: '1 sample' (the classic layout), 'M img' (image slots), 'packed, M img'."""
+    images = r.get("max_images") or 1
+    if r.get("pack"):
+        return f"packed, {images} img"
+    return f"{images} img" if images > 1 else "1 sample"
 
 
 def prediction_table(rows: list[dict], meta: dict) -> list[str]:

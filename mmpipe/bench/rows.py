@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .run_variant import first_error, flops_per_sample, measure
+from .run_variant import first_error, measure
 from .sweep import Sweep, Variant
 
 OUTCOME = "outcome.json"  # a finished run's exit status, wall time and the peaks MFU is taken against
@@ -17,13 +17,14 @@ def variant_base(v: Variant, rep: int) -> dict:
 
 
 def peer_base(name: str, rep: int, sw: Sweep) -> tuple[dict, Variant]:
-    """A peer's row fields and the Variant it is measured as (the sweep's peer shape, its stages)."""
+    """A peer's row fields and the Variant it is measured as (the sweep's peer shape, its stages, its text
+    length; one-sample rows whatever the shape's pack and max_images: the peers do not pack)."""
     shape = sw.peer_shape()
     stages = 2 if name == "torch_pipe" else 1
     row = {"kind": "peer", "repeat": rep, **shape.to_dict(), "name": f"peer_{name}", "engine": name, "stages": stages,
-           "dp": 1, "zero": None, "world": stages}
+           "dp": 1, "zero": None, "world": stages, "pack": False, "max_images": 1}
     like = Variant(name=row["name"], preset=shape.preset, stages=stages, micro=shape.micro, gas=shape.gas,
-                   data_workers=shape.data_workers)
+                   data_workers=shape.data_workers, text_len=shape.text_len)
     return row, like
 
 
@@ -33,7 +34,7 @@ def outcome(row: dict, v: Variant, sw: Sweep, vout: Path, peak: dict, rc: int, r
     if (vout / "summary.json").is_file():  # the success marker: DeepSpeed can abort at exit after a good run
         try:
             return {**row, "status": "ok", "reason": "" if rc == 0 else f"exit {rc} after the summary was written",
-                    **measure(v, sw, vout, flops_per_sample(v), peak.get(v.precision))}
+                    **measure(v, sw, vout, peak.get(v.precision))}
         except (OSError, ValueError, KeyError) as e:
             return {**row, "status": "failed", "reason": f"unreadable results: {e}"}
     log = vout / "run.log"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..cluster.ports import free_port
 from ..config import ConfigError, load_preset
-from ..data.dataset import resolve_data
+from ..planning.calibrate import text_len_of
 from ..planning.costmodel import layer_costs
 from ..run_args import TrainArgs
 from ..run_config import REPO_CONFIGS, resolve
@@ -47,7 +47,8 @@ def ds_config(v: Variant, resolve_copy: bool = False) -> dict:
 
 def train_args(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> TrainArgs:
     return TrainArgs(preset=v.preset, ds_config=str(cfg_path), stages=v.stages, steps=sweep.steps, output_dir=str(out),
-                     eval_samples=0, keep_checkpoints=1, data_workers=v.data_workers)
+                     eval_samples=0, keep_checkpoints=1, data_workers=v.data_workers, data=sweep.data, pack=v.pack,
+                     max_images=v.max_images, text_len=v.text_len)
 
 
 def check(v: Variant, sweep: Sweep, out: Path, this_device: bool = True) -> tuple[str, str] | None:
@@ -104,29 +105,42 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
-def measure(v: Variant, sweep: Sweep, out: Path, flops_per_sample: float, peak_flops: float | None) -> dict:
-    """Row fields from train_log.csv (warm-up steps dropped), summary.json and memory_rank*.json."""
+def _median_iqr(xs: list[float]) -> tuple[float, float]:
+    return statistics.median(xs), _quantile(xs, 0.75) - _quantile(xs, 0.25)
+
+
+def measure(v: Variant, sweep: Sweep, out: Path, peak_flops: float | None) -> dict:
+    """Row fields from train_log.csv (warm-up steps dropped), summary.json and memory_rank*.json.
+    Per step: samples_per_s (real samples), useful_tokens_per_s (their own decoder positions) and
+    positions_per_s (computed, padding included); the step time is rows x positions per row /
+    positions_per_s, e.g. 64 x 28 / 7168 = 0.25 s (a packed step holds more samples than rows)."""
     with open(out / "train_log.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f)]
     measured = [r for r in rows if int(r["step"]) > sweep.warmup_steps]
     sps = [float(r["samples_per_s"]) for r in measured]
-    tps = [float(r["tokens_per_s"]) for r in measured]
+    ups = [float(r["useful_tokens_per_s"]) for r in measured]
+    pps = [float(r["positions_per_s"]) for r in measured]
     summary = json.loads((out / "summary.json").read_text())
-    train_batch = summary["train_batch"]
-    step = [train_batch / s for s in sps]
-    med = statistics.median(sps)
+    train_batch, length = summary["train_batch"], summary["decoder_length"]  # rows per step, positions per row
+    step = [train_batch * length / p for p in pps]
+    rows_per_s = statistics.median(p / length for p in pps)
+    data = summary.get("data") or {}
+    text_len = data.get("text_len") or v.text_len
+    flops = flops_per_row(v.preset, text_len, v.max_images)
     mem = []
     for r in range(v.world):
         p = out / f"memory_rank{r}.json"
         m = json.loads(p.read_text()) if p.is_file() else {}
         mem.append(m.get("max_memory_allocated_bytes") or m.get("peak_rss_bytes"))
     timing = summary.get("stage_timing") or {}
-    achieved = flops_per_sample * med
+    achieved = flops * rows_per_s  # the model's FLOPs on every computed position, padding included
+    (s_med, s_iqr), (u_med, u_iqr), (p_med, p_iqr) = _median_iqr(sps), _median_iqr(ups), _median_iqr(pps)
     return {
-        "measured_steps": len(measured),
-        "samples_per_s": med, "samples_per_s_iqr": _quantile(sps, 0.75) - _quantile(sps, 0.25),
-        "samples_per_s_min": min(sps), "samples_per_s_max": max(sps),
-        "tokens_per_s": statistics.median(tps), "tokens_per_s_iqr": _quantile(tps, 0.75) - _quantile(tps, 0.25),
+        "measured_steps": len(measured), "text_len": text_len,
+        "samples_per_s": s_med, "samples_per_s_iqr": s_iqr, "samples_per_s_min": min(sps),
+        "samples_per_s_max": max(sps),
+        "useful_tokens_per_s": u_med, "useful_tokens_per_s_iqr": u_iqr,
+        "positions_per_s": p_med, "positions_per_s_iqr": p_iqr, "padding_share": data.get("padding_share"),
         "step_time_s": statistics.median(step),
         "peak_mem_mb_per_rank": [round(b / 2**20, 1) if b else None for b in mem],
         "peak_mem_mb_max": round(max(b for b in mem if b) / 2**20, 1) if any(mem) else None,
@@ -140,12 +154,13 @@ def measure(v: Variant, sweep: Sweep, out: Path, flops_per_sample: float, peak_f
     }
 
 
-def flops_per_sample(v: Variant) -> float:
-    """Model FLOPs of one training sample (forward + backward, recompute NOT counted: MFU's convention),
-    from mmpipe's cost model for the variant's preset and the built-in data's text length."""
-    cfg = load_preset(v.preset)
-    data = resolve_data(TrainArgs(preset=v.preset), cfg)
-    return sum(r.fwd_flops + r.bwd_flops for r in layer_costs(cfg, (), data.text_len, False))
+def flops_per_row(preset: str, text_len: int | None, images: int = 1) -> float:
+    """Model FLOPs of one training row (forward + backward, recompute NOT counted: MFU's convention),
+    from mmpipe's cost model for the preset at the run's text length (None: the built-in data's) and
+    image slots per row (a one-sample row of the classic layout: images 1, one sample's FLOPs)."""
+    cfg = load_preset(preset)
+    text_len = text_len or text_len_of(cfg)
+    return sum(r.fwd_flops + r.bwd_flops for r in layer_costs(cfg, (), text_len, False, images=images))
 
 
 def run_logged(cmd: list[str], env: dict, out: Path, timeout_s: float) -> tuple[int, str, float]:

@@ -30,12 +30,18 @@ VARIANT_FIELDS = {
                      "an integer >= 0 (loader worker processes on the first stage)"),
     "engine": (lambda v: v in ("pipe", "dp"), "'pipe' (PipelineEngine) or 'dp' (DeepSpeed's ordinary engine, "
                                               "no pipeline)"),
+    "pack": (lambda v: isinstance(v, bool), "true or false (mmpipe train --pack: several samples per row)"),
+    "max_images": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                   "an integer >= 1 (mmpipe train --max-images: image slots per row)"),
+    "text_len": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 2),
+                 "an integer >= 2, or null for the data's default (mmpipe train --text-len)"),
 }
 VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
-                    "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe"}
+                    "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe", "pack": False,
+                    "max_images": 1, "text_len": None}
 PEERS = ("hf", "torch_pipe")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
-              "device", "peak_flops", "targets", "_comment"}
+              "device", "peak_flops", "targets", "data", "_comment"}
 TARGET_ROLES = ("pp1", "pp2", "hf_base")
 
 
@@ -53,6 +59,9 @@ class Variant:
     partition: str = "best"
     data_workers: int = 2  # mmpipe train's --data-workers
     engine: str = "pipe"
+    pack: bool = False  # mmpipe train's --pack: several whole samples per row
+    max_images: int = 1  # --max-images: image slots per row (and images per sample for LLaVA)
+    text_len: int | None = None  # --text-len; None: the data's default (the shapes set's 12)
 
     @property
     def world(self) -> int:
@@ -74,6 +83,7 @@ class Sweep:
     device: str | None = None       # a KNOWN_DEVICES key or "cpu"; None: detect
     peak_flops: float | None = None  # per device, overrides the table / the CPU measurement
     targets: dict = field(default_factory=dict)  # role (pp1, pp2, hf_base) -> variant name
+    data: str = "shapes"  # every run's --data: 'shapes' or a path (relative ones resolved against the sweep file)
 
     def peer_shape(self) -> Variant:
         """The shapes and batch the peers run: the 'pp2' variant's, else the first variant's."""
@@ -99,12 +109,17 @@ def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[
 
 def _auto_name(d: dict, keys) -> str:
     short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
-             "data_workers": "w", "partition": "part-", "precision": "", "engine": "", "preset": ""}
+             "data_workers": "w", "partition": "part-", "precision": "", "engine": "", "preset": "",
+             "max_images": "img", "text_len": "tl"}
     parts = []
     for k in keys:
         v = d[k]
         if k == "checkpointing":
             parts.append("ckpt" if v else "nockpt")
+        elif k == "pack":
+            parts.append("pack" if v else "nopack")
+        elif k == "text_len" and v is None:
+            parts.append("tldefault")
         else:
             parts.append(f"{short.get(k, k)}{v}")
     return "_".join(parts) or "base"
@@ -147,6 +162,10 @@ def parse(data, source: str = "sweep") -> Sweep:
         if d.get("engine") == "dp" and d.get("stages") != 1:
             problems.append(f"variant '{d['name']}': engine 'dp' runs without a pipeline, so stages must be 1 "
                             f"(got {d['stages']})")
+        many = isinstance(d.get("max_images"), int) and d["max_images"] > 1
+        if d.get("engine") == "dp" and (d.get("pack") is True or many):
+            problems.append(f"variant '{d['name']}': engine 'dp' trains one-sample rows; pack / max_images > 1 "
+                            f"need engine 'pipe'")
     peers = data.get("peers", [])
     if not isinstance(peers, list) or any(p not in PEERS for p in peers):
         problems.append(f"peers: {peers!r} must be a list of {', '.join(PEERS)}")
@@ -154,10 +173,22 @@ def parse(data, source: str = "sweep") -> Sweep:
     device, peak = data.get("device"), data.get("peak_flops")
     _check_device(device, peak, problems)
     tg = _targets(data.get("targets", {}), names, problems)
+    data_arg = _data(data.get("data", "shapes"), source, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     return Sweep(name, steps, warmup, repeats, timeout, [Variant(**d) for d in raw], peers, device,
-                 float(peak) if peak else None, tg)
+                 float(peak) if peak else None, tg, data_arg)
+
+
+def _data(value, source: str, problems: list[str]) -> str:
+    """The sweep's `data`: 'shapes' (the built-in set), or a path, relative ones taken from the sweep
+    file's folder and made absolute (runs start elsewhere: each variant's folder, a Slurm node)."""
+    if not isinstance(value, str) or not value:
+        problems.append(f"data: {value!r} must be 'shapes' or a path to data mmpipe train --data reads")
+        return "shapes"
+    if value == "shapes":
+        return value
+    return str((Path(source).parent / Path(value).expanduser()).absolute())
 
 
 def _grid_variants(grid, base: dict, problems: list[str]) -> list[dict]:
@@ -223,4 +254,8 @@ def _targets(tg, names: list[str], problems: list[str]) -> dict:
 
 def load(path: str) -> Sweep:
     data = read_json(path, path, "sweep file not found")
-    return parse(data, str(path))
+    sweep = parse(data, str(path))
+    if sweep.data != "shapes" and not Path(sweep.data).exists():
+        raise ConfigError(f"data: {data['data']!r} not found (relative paths start from the sweep file's folder: "
+                          f"{sweep.data})")
+    return sweep

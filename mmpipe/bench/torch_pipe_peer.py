@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from ..model.builder import ReferenceModel, lm_loss
+from ..runtime.feed import decoder_length
 from ..runtime.reference import clip_and_step, gradient_clipping, make_optimizer, make_scheduler
 from ..runtime.steplog import StepLog
 from .memory import write_peak
-from .peer_common import batches, peer_args, resolved
+from .peer_common import batches, peer_args, peer_samples, resolved, step_counter
 
 
 class TupleStage(nn.Module):
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = resolved(a.preset, world, a.micro, a.gas, world, a.steps, a.data_workers)
+    run = resolved(a.preset, world, a.micro, a.gas, world, a.steps, a.data_workers, a.data, a.text_len)
     full = ReferenceModel(run.model, seed=a.seed)  # layer i under seed + i, as the pipeline builds it
     lo, hi = run.parts[rank], run.parts[rank + 1]
     stage_mod = TupleStage(nn.Sequential(*list(full)[lo:hi]))
@@ -57,9 +58,10 @@ def main(argv=None) -> int:
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     clip = gradient_clipping(run.ds_config)
-    seq = run.model.n_image_positions + run.text_len
-    stream = batches(run, a.seed, first=rank == 0, last=rank == world - 1)
-    log = StepLog(Path(a.out), run.micro * run.gas, seq, enabled=rank == 0)
+    samples = peer_samples(run, a.seed, a.out)
+    stream = batches(run, a.seed, first=rank == 0, last=rank == world - 1, samples=samples)
+    counts = step_counter(run, samples) if rank == 0 else None
+    log = StepLog(Path(a.out), run.micro * run.gas, decoder_length(run), enabled=rank == 0)  # 28 positions per row
     for step in range(1, a.steps + 1):
         dist.barrier()  # start every step together, as a train_batch does
         t0 = time.perf_counter()  # loading is inside the step, as in train_batch (its LoadMicroBatch)
@@ -75,8 +77,10 @@ def main(argv=None) -> int:
         clip_and_step(params, opt, sched, clip, norm_allreduce=dist.all_reduce)
         loss = torch.tensor(sum(float(x.detach()) for x in losses) / len(losses) if losses else 0.0)
         dist.broadcast(loss, world - 1)
-        log.step(step, float(loss), time.perf_counter() - t0)
-    log.finish(schedule=schedule_name, parts=run.parts)
+        dt = time.perf_counter() - t0
+        n, useful = counts(step) if counts else (None, None)
+        log.step(step, float(loss), dt, samples=n, useful=useful)
+    log.finish(schedule=schedule_name, parts=run.parts, data={"text_len": run.text_len, **log.seen()})
     write_peak(a.out)
     dist.barrier()
     dist.destroy_process_group()

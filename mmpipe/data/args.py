@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..flags import flag
 from .images import DEFAULT_MAX_PIXELS
+from .packing import LOSS_NORMS
 from .text import OVERLONG
 from .tokenizer import PROMPT_FORMATS
 
@@ -31,6 +32,10 @@ class DataArgs:
                             "training", choices=POLICIES, group=GROUP)
     overlong: str = flag("skip", "text over --text-len: skip it as a bad record (default) or truncate it if its "
                          "first answer token fits", choices=OVERLONG, group=GROUP)
+    max_images: int = flag(1, "image slots per row: images per sample at most (a record with more is a bad record, "
+                           "too_many_images; above 1 needs the LLaVA family, which places each image at its <image> "
+                           "marker), and with --pack the images of a row's samples together (default: 1)",
+                           metavar="N", group=GROUP)
     max_image_pixels: int = flag(DEFAULT_MAX_PIXELS, "refuse larger images, a decompression-bomb guard "
                                  f"(default: {DEFAULT_MAX_PIXELS})", group=GROUP)
     resize: str = flag("pad", "pad to square with the mean colour, then resize (default), or squash to square",
@@ -39,3 +44,8 @@ class DataArgs:
     data_workers: int = flag(2, "loader worker processes on the first stage (default: 2)", group=GROUP)
     log_samples: bool = flag(False, "write OUTPUT_DIR/samples_dpD.csv: the stream position and record of every "
                              "sample trained on", group=GROUP)
+    pack: bool = flag(False, "pack several whole samples into each fixed-length row (max-images x image positions "
+                      "+ --text-len), each attending only to itself (docs/packing.md)", group=GROUP)
+    loss_norm: str = flag("token", "the step's loss: the mean over the global batch's answer tokens (token, the "
+                          "default; packed == unpacked) or over its samples, each its own mean (sample)",
+                          choices=LOSS_NORMS, group=GROUP)

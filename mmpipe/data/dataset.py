@@ -39,6 +39,14 @@ class DataOptions:
     # --eval-split: the fraction of good records held out, and which part this is ("train": the rest)
     holdout: float = 0.0
     part: str = "train"
+    max_images: int = 1         # --max-images: image slots per row (record_images: a record's limit)
+    markers: bool = False       # <image> markers place the images (the LLaVA family), else after BOS
+
+    @property
+    def record_images(self) -> int:
+        """Images one record may have: --max-images with <image> markers (LLaVA), else 1 (the image goes
+        after BOS; --max-images > 1 then only gives a packed row slots for its samples' images)."""
+        return self.max_images if self.markers else 1
 
     @property
     def builtin(self) -> bool:
@@ -73,10 +81,20 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
                    else builtin_tokenizer(image_token=image_token))
         except ConfigError as e:
             problems.append(str(e))
+    markers = bool(cfg is not None and cfg.layout is not None and cfg.layout.placeholders)
+    if args.max_images < 1:
+        problems.append(f"--max-images: {args.max_images} must be >= 1")
+    elif args.max_images > 1 and cfg is not None and not markers and not args.pack:
+        # without markers one image per sample; --max-images then only sizes a packed row's image slots
+        how = "splices one image after BOS" if cfg.fusion == "prefix" else f"({cfg.fusion}) attends to one image"
+        problems.append(f"--max-images: {args.max_images}: the {cfg.family} family {how}; several images per "
+                        f"sample need the LLaVA family (with --pack it sizes a row's image slots)")
     text_len = args.text_len
     if cfg is not None:
-        n_image = cfg.n_image_positions + placeholders(cfg)[1]  # spliced image, or LLaVA's <image> placeholders
-        room = cfg.text.max_context - n_image  # decoder positions: image + text_len (BOS included) <= max_context
+        # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
+        # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
+        n_image = cfg.n_image_positions + placeholders(cfg)[1] * max(1, args.max_images)
+        room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
         if text_len is None:
             text_len = SHAPES_TEXT_LEN if args.data == "shapes" else room
         if text_len < 2 or text_len > room:
@@ -93,7 +111,8 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
     if problems:
         raise ConfigError("\n".join(problems))
     return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
-                       args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples)
+                       args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples,
+                       max_images=args.max_images, markers=markers)
 
 
 def index_dir(out_dir: str | Path) -> Path:
@@ -143,14 +162,16 @@ def held_out_cut(index: DataIndex, fraction: float, part: str) -> DataIndex:
 
 
 def _checked_index(opts: DataOptions, d: Path, verbose: bool | str):
-    fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels)
+    fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels, opts.record_images,
+                     opts.markers)
     source = open_source(opts.spec)
     index = load_index(d, fp)
     built = index is None
     if built:
-        encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong)
+        encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong, markers=opts.markers)
         index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
-                            workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp)
+                            workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp,
+                            max_images=opts.record_images)
     else:
         check_policy(index, opts.spec, opts.bad_records)
     if verbose == "always" or (verbose and built):

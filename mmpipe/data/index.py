@@ -6,9 +6,10 @@ alike. Checking everything first (images fully decoded, in worker processes) mea
 stream holds good records only, bad ones are counted and listed before step 1, and `strict`
 can stop the run before any process group exists.
 
-Stored in OUTPUT_DIR/data/: index.npz (token ids, answer-token masks, source rows) and
-index.json (fingerprint, counts); bad_records.jsonl lists every refused record with its reason.
-The fingerprint covers the data files (size, mtime), tokenizer, text length and policies; a
+Stored in OUTPUT_DIR/data/: index.npz (token ids, answer-token masks, source rows, each record's
+image count and where its images go) and index.json (fingerprint, counts); bad_records.jsonl lists
+every refused record with its reason. The fingerprint covers the data files (size, mtime),
+tokenizer, text length, policies, --max-images and whether `<image>` markers place the images; a
 matching index is reused (ranks reuse the front door's, a resume reuses the first run's).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .records import BAD_KINDS, BadRecord
 from .sources import DataSpec, Source
 from .text import ConversationEncoder
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: n_images and image_at per record (1: a bool has_image)
 SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
 
 
@@ -39,27 +40,45 @@ class DataIndex:
     offsets: np.ndarray    # int64 [N + 1]: its tokens are tokens[offsets[n]:offsets[n + 1]]
     tokens: np.ndarray     # int64 [sum of lengths]
     target: np.ndarray     # bool, like tokens: answer tokens
-    has_image: np.ndarray  # bool [N]
+    n_images: np.ndarray   # int64 [N]: images of good record n (0 for a text-only one)
+    image_offsets: np.ndarray  # int64 [N + 1]: cumsum of n_images; record n's are image_at[image_offsets[n]:[n + 1]]
+    image_at: np.ndarray   # int64 [sum of n_images]: Encoded.image_at, the token each image's block goes before
     stats: dict
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def has_image(self) -> np.ndarray:  # bool [N]
+        return self.n_images > 0
+
+    def images_of(self, n: int) -> np.ndarray:
+        return self.image_at[self.image_offsets[n]:self.image_offsets[n + 1]]
+
     def subset(self, entries: np.ndarray, name: str) -> "DataIndex":
         """Good records `entries` (ascending) only; the fingerprint names the cut, so a resume checks it."""
-        lengths = np.diff(self.offsets)[entries]
-        pieces = [np.arange(self.offsets[n], self.offsets[n + 1]) for n in entries]
-        take = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        take, offsets = _ragged_take(self.offsets, entries)
+        take_images, image_offsets = _ragged_take(self.image_offsets, entries)
         stats = {**self.stats, "fingerprint": f"{self.stats['fingerprint']}/{name}", "subset": name,
                  "good_in_subset": int(len(entries))}
-        return DataIndex(self.rows[entries], np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                         self.tokens[take], self.target[take], self.has_image[entries], stats)
+        return DataIndex(self.rows[entries], offsets, self.tokens[take], self.target[take], self.n_images[entries],
+                         image_offsets, self.image_at[take_images], stats)
 
 
-def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pixels: int) -> str:
+def _ragged_take(offsets: np.ndarray, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(flat positions, new offsets) of rows `entries` of a ragged array, e.g. offsets [0, 2, 5, 6] and
+    entries [0, 2] -> positions [0, 1, 5], offsets [0, 2, 3]."""
+    pieces = [np.arange(offsets[n], offsets[n + 1]) for n in entries]
+    take = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
+    return take, np.concatenate([[0], np.cumsum(np.diff(offsets)[entries])]).astype(np.int64)
+
+
+def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pixels: int, max_images: int = 1,
+                markers: bool = False) -> str:
     files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in spec.files() if os.path.isfile(f)]
     tok = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template)
-    blob = json.dumps([INDEX_VERSION, asdict(spec), files, tok, text_len, overlong, max_pixels], default=str)
+    blob = json.dumps([INDEX_VERSION, asdict(spec), files, tok, text_len, overlong, max_pixels, max_images, markers],
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -68,27 +87,30 @@ def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pix
 _W: dict = {}
 
 
-def _init_worker(source, encoder, image_root, max_pixels):
-    _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels)
+def _init_worker(source, encoder, image_root, max_pixels, max_images):
+    _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels, max_images=max_images)
 
 
 def _check(i: int):
-    """-> (i, ids, target, truncated, has_image) for a good record, (i, where, kind, reason) for a bad one."""
+    """-> (i, ids, target, truncated, image_at) for a good record (len(image_at): its images),
+    (i, where, kind, reason) for a bad one."""
     where = f"record {i}"
     try:
         rec = _W["source"].record(i)
         where = rec.where
-        enc = _W["encoder"].encode(rec.messages)
-        if rec.image is not None:
-            check_image(rec.image, _W["image_root"], _W["max_pixels"])
-        return i, enc.ids, enc.target, enc.truncated, rec.image is not None
+        if len(rec.images) > _W["max_images"]:
+            raise BadRecord("too_many_images", f"{len(rec.images)} images > --max-images {_W['max_images']}")
+        enc = _W["encoder"].encode(rec.messages, len(rec.images))
+        for image in rec.images:
+            check_image(image, _W["image_root"], _W["max_pixels"])
+        return i, enc.ids, enc.target, enc.truncated, enc.image_at
     except BadRecord as e:
         return i, getattr(e, "where", where), e.kind, e.reason
 
 
 def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int,
-         workers: int) -> tuple[list, list]:
-    args = (source, encoder, image_root, max_pixels)
+         workers: int, max_images: int = 1) -> tuple[list, list]:
+    args = (source, encoder, image_root, max_pixels, max_images)
     if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
         _init_worker(*args)
         results = [_check(i) for i in range(len(source))]
@@ -101,12 +123,14 @@ def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixe
 
 
 def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *, max_pixels: int, policy: str,
-                out_dir: Path, workers: int, fp: str) -> DataIndex:
-    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers)
+                out_dir: Path, workers: int, fp: str, max_images: int = 1) -> DataIndex:
+    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images)
     counts = Counter(kind for _, _, kind, _ in bad)
+    n_images = np.array([len(g[4]) for g in good], dtype=np.int64)
     stats = {"fingerprint": fp, "records": len(source), "good": len(good), "bad": len(bad),
              "bad_by_kind": {k: counts[k] for k in BAD_KINDS if counts[k]},
-             "truncated": sum(1 for g in good if g[3]), "with_image": sum(1 for g in good if g[4]),
+             "truncated": sum(1 for g in good if g[3]), "with_image": int((n_images > 0).sum()),
+             "images": int(n_images.sum()),
              "unknown_token_share": _unknown_share(good, encoder.tok),
              "first_bad": [{"where": w, "kind": k, "reason": r} for _, w, k, r in bad[:SHOW_BAD]]}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +145,8 @@ def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *,
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         tokens=np.concatenate([g[1] for g in good]) if good else np.zeros(0, np.int64),
         target=np.concatenate([g[2] for g in good]) if good else np.zeros(0, bool),
-        has_image=np.array([g[4] for g in good], dtype=bool), stats=stats)
+        n_images=n_images, image_offsets=np.concatenate([[0], np.cumsum(n_images)]).astype(np.int64),
+        image_at=np.concatenate([np.zeros(0, np.int64), *(g[4] for g in good)]).astype(np.int64), stats=stats)
     check_policy(index, spec, policy)
     _save(index, out_dir)
     return index
@@ -161,7 +186,9 @@ def _first(s: dict) -> str:
 
 def describe(stats: dict) -> list[str]:
     """The data report printed before training: counts, then the first bad records one per line."""
-    lines = [f"data: {stats['good']} of {stats['records']} records usable ({stats['with_image']} with an image)"
+    images = stats.get("images", stats["with_image"])  # an index of several images per record says how many
+    lines = [f"data: {stats['good']} of {stats['records']} records usable ({stats['with_image']} with an image"
+             + (f", {images} images" if images != stats["with_image"] else "") + ")"
              + (f", {stats['truncated']} truncated" if stats["truncated"] else "")
              + (f"; {stats['bad']} skipped: {_kinds(stats)}" if stats["bad"] else "")]
     if stats.get("unknown_token_share", 0) > 0.05:
@@ -178,7 +205,7 @@ def _save(index: DataIndex, out_dir: Path) -> None:
     # read a half-written file
     tmp = out_dir / f"index.{os.getpid()}.npz"
     np.savez(tmp, rows=index.rows, offsets=index.offsets, tokens=index.tokens, target=index.target,
-             has_image=index.has_image)
+             n_images=index.n_images, image_offsets=index.image_offsets, image_at=index.image_at)
     os.replace(tmp, out_dir / "index.npz")
     tmp = out_dir / f"index.json.{os.getpid()}"
     tmp.write_text(json.dumps(index.stats, indent=2) + "\n")
@@ -191,6 +218,7 @@ def load_index(out_dir: Path, fp: str) -> DataIndex | None:
         if stats.get("fingerprint") != fp:
             return None
         with np.load(out_dir / "index.npz", allow_pickle=False) as z:
-            return DataIndex(z["rows"], z["offsets"], z["tokens"], z["target"], z["has_image"], stats)
+            return DataIndex(z["rows"], z["offsets"], z["tokens"], z["target"], z["n_images"], z["image_offsets"],
+                             z["image_at"], stats)
     except (OSError, ValueError, KeyError):
         return None

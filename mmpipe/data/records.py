@@ -1,7 +1,8 @@
 """The canonical record every data format is read into, and the bad-record vocabulary.
 
-A Record is one training conversation: an optional image reference and alternating user /
-assistant messages (a caption pair is one user prompt and one assistant caption). `where` names
+A Record is one training conversation: its image references (none, one, or several in the order
+of their `<image>` markers) and alternating user / assistant messages (a caption pair is one user
+prompt and one assistant caption). `where` names
 its origin as `file:line` (or `dataset[row]`), so a bad record can be reported exactly.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ BAD_KINDS = {
     "unknown_role": "a conversation turn's role is neither human/user nor gpt/assistant",
     "bad_turns": "turns do not alternate user / assistant, or no assistant turn",
     "empty_answer": "an assistant turn is empty",
-    "image_marker": "<image> markers disagree with the record's image (one marker iff an image)",
+    "image_marker": "<image> markers in the user turns disagree with the record's images (one marker per image)",
+    "too_many_images": "the record has more images than --max-images",
     "missing_image": "the image file does not exist",
     "empty_image": "the image file is empty or has zero width or height",
     "huge_image": "the image has more pixels than --max-image-pixels (decompression-bomb guard)",
@@ -39,5 +41,11 @@ class BadRecord(Exception):
 class Record:
     where: str                     # "data/train.jsonl:17", "parquet[42]"
     messages: list[tuple[str, str]]  # (role, text), role "user" | "assistant", starting with user
-    image: Any = None              # None, a path (relative to the image root), bytes, or a PIL image
+    images: list[Any] = field(default_factory=list)  # each a path (relative to the image root), bytes, an
+    # HF {"bytes", "path"} dict or a PIL image; image k belongs at the k-th <image> marker
     meta: dict = field(default_factory=dict)
+
+    @property
+    def image(self) -> Any:
+        """The first image, or None (what one-image code reads)."""
+        return self.images[0] if self.images else None

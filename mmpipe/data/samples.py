@@ -1,8 +1,10 @@
 """Position -> sample, for the built-in shapes set and for an indexed user dataset.
 
-Both answer tokens(pos) -> (Encoded, has_image) without touching an image (what the last stage
-needs) and pixels(pos) -> normalised [3, S, S] (what the first stage adds), plus row(pos), the
-sample's stable id (the shapes index, or the record's number in its source file).
+Both answer tokens(pos) -> (Encoded, n_images) without touching an image (what the last stage
+needs; Encoded.image_at says where each image's placeholders go) and pixels(pos, k) -> image k,
+normalised [3, S, S] (what the first stage adds), plus row(pos), the sample's stable id (the shapes
+index, or the record's number in its source file). n_images is an int: code written for one image
+reads it as has_image (at most 1 under --max-images 1, the default).
 """
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ class ShapesSamples:
         self.transform = make_transform(cfg.vision, resize="squash")
         self.pad_id = self.tok.pad_token_id
 
-    def tokens(self, pos: int) -> tuple[Encoded, bool]:
+    def tokens(self, pos: int) -> tuple[Encoded, int]:
         s = self.data.sample(pos)
-        return self._encode(s.question, s.answer), True
+        return self._encode(s.question, s.answer), 1
 
     @functools.lru_cache(maxsize=None)
     def _encode(self, question: str, answer: str) -> Encoded:
@@ -44,9 +46,10 @@ class ShapesSamples:
         # shape_of_colour 6 x 5, where_is_shape 5 x 4, colour_at_quarter 4 x 6). Rendering the chat
         # template four times per sample cost ~1 ms, 16 ms per micro-batch of 16 on the last stage,
         # which loads without workers; pad_sample only reads the arrays, so sharing them is safe.
-        return self.encoder.encode([("user", question), ("assistant", answer)])
+        return self.encoder.encode([("user", question), ("assistant", answer)], n_images=1)  # image_at [1]
 
-    def pixels(self, pos: int) -> torch.Tensor | Crops:
+    def pixels(self, pos: int, k: int = 0) -> torch.Tensor | Crops:
+        assert k == 0, k  # one image per sample
         return self.transform(self.data.render(self.data.sample(pos)))
 
     def row(self, pos: int) -> int:
@@ -73,16 +76,19 @@ class IndexedSamples:
         epoch, k = divmod(pos, len(self.index))
         return int(self._order(epoch)[k])
 
-    def tokens(self, pos: int) -> tuple[Encoded, bool]:
+    def tokens(self, pos: int) -> tuple[Encoded, int]:
         n, ix = self.entry(pos), self.index
         sl = slice(ix.offsets[n], ix.offsets[n + 1])
-        return Encoded(ix.tokens[sl], ix.target[sl]), bool(ix.has_image[n])
+        return Encoded(ix.tokens[sl], ix.target[sl], image_at=ix.images_of(n)), int(ix.n_images[n])
 
-    def pixels(self, pos: int) -> torch.Tensor | Crops:
+    def pixels(self, pos: int, k: int = 0) -> torch.Tensor | Crops:
+        """Image k of the sample (in the order of its <image> markers)."""
         row = self.row(pos)
         try:
             rec = self.source.record(row)
-            return self.transform(open_image(rec.image, self.image_root, self.max_pixels))
+            if k >= len(rec.images):
+                raise IndexError(f"record {row} has {len(rec.images)} image(s), not an image {k}")
+            return self.transform(open_image(rec.images[k], self.image_root, self.max_pixels))
         except BadRecord as e:
             # checked before training; failing now means the files changed under the run
             raise RuntimeError(f"{getattr(e, 'where', row)}: {e.reason}: the data changed after it was checked "
@@ -100,14 +106,14 @@ class EvalSet:
     def __init__(self, samples, size: int):
         self.samples, self.size, self.pad_id = samples, size, samples.pad_id
 
-    def tokens(self, pos: int) -> tuple[Encoded, bool]:
+    def tokens(self, pos: int) -> tuple[Encoded, int]:
         if pos < self.size:
             return self.samples.tokens(pos)
-        enc, has_image = self.samples.tokens(0)
-        return Encoded(enc.ids, np.zeros_like(enc.target)), has_image
+        enc, n_images = self.samples.tokens(0)
+        return Encoded(enc.ids, np.zeros_like(enc.target), image_at=enc.image_at), n_images
 
-    def pixels(self, pos: int) -> torch.Tensor:
-        return self.samples.pixels(pos if pos < self.size else 0)
+    def pixels(self, pos: int, k: int = 0) -> torch.Tensor:
+        return self.samples.pixels(pos if pos < self.size else 0, k)
 
     def row(self, pos: int) -> int:
         return self.samples.row(pos if pos < self.size else 0)

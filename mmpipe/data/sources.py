@@ -6,6 +6,8 @@ decodes images (that is mmpipe.data.images' job) and never touches the network.
 
     llava   .json (array) or .jsonl: {"image": "rel/path.jpg", "conversations":
             [{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "Answer"}, ...]}
+            "image" may be a list of paths: several images, one `<image>` marker each over the user
+            turns, image k at the k-th marker (Record.images)
     pairs   .csv or .jsonl with an image column and a text column (captioning: the user turn is the
             record's prompt column if there is one, else the config's "prompt")
     hf      load_dataset("json" | "csv" | "parquet" | "imagefolder", data_files=...) or
@@ -151,7 +153,7 @@ def _text(value, what: str) -> str:
     return value
 
 
-def conversation_record(where: str, raw: dict, image, columns: dict) -> Record:
+def conversation_record(where: str, raw: dict, images: list, columns: dict) -> Record:
     turns = raw.get(columns["conversations"])
     if not isinstance(turns, list) or not turns:
         raise BadRecord("missing_field", f"'{columns['conversations']}' is missing or not a non-empty list")
@@ -174,23 +176,43 @@ def conversation_record(where: str, raw: dict, image, columns: dict) -> Record:
         raise BadRecord("bad_turns", f"turn roles {roles} do not alternate user/assistant from a user turn")
     while messages[-1][0] == "user":  # a trailing question without answer teaches nothing
         messages = messages[:-1]
+    for k, (role, text) in enumerate(messages):
+        if role == "assistant" and IMAGE_MARKER in text:  # it would be a placeholder inside an answer's labels
+            raise BadRecord("image_marker", f"turn {k} (assistant) holds an {IMAGE_MARKER} marker; images go in "
+                                            f"user turns")
     markers = sum(t.count(IMAGE_MARKER) for _, t in messages)
-    if image is not None and markers != 1:
-        raise BadRecord("image_marker", f"the record has an image but {markers} {IMAGE_MARKER} markers (need 1)")
-    if image is None and markers:
-        raise BadRecord("image_marker", f"the record has {markers} {IMAGE_MARKER} marker(s) but no image")
-    return Record(where, messages, image)
+    if markers != len(images):
+        raise BadRecord("image_marker", f"the record has {len(images)} image(s) but {markers} {IMAGE_MARKER} "
+                                        f"marker(s) in its user turns (need one per image)")
+    return Record(where, messages, images)
 
 
-def pair_record(where: str, raw: dict, image, columns: dict, default_prompt: str) -> Record:
+def image_list(value, what: str) -> list:
+    """A record's image field -> its image references: none ("" / null / []), one, or a list of several."""
+    if value in ("", None):
+        return []
+    if not isinstance(value, list):
+        return [_text(value, what) if isinstance(value, str) else value]
+    for k, v in enumerate(value):
+        if v in ("", None):
+            raise BadRecord("missing_field", f"{what}[{k}] is empty")
+        if isinstance(v, str):
+            _text(v, f"{what}[{k}]")
+    return list(value)
+
+
+def pair_record(where: str, raw: dict, images: list, columns: dict, default_prompt: str) -> Record:
     caption = _text(raw.get(columns["text"]), f"'{columns['text']}'")
     if not caption.strip():
         raise BadRecord("empty_answer", f"'{columns['text']}' (the caption) is empty")
     prompt = raw.get(columns["prompt"])
     prompt = default_prompt if prompt in (None, "") else _text(prompt, f"'{columns['prompt']}'")
-    if image is None:
+    if not images:
         raise BadRecord("missing_field", f"'{columns['image']}' is missing: an image-text pair needs an image")
-    return Record(where, [("user", prompt), ("assistant", caption)], image)
+    if len(images) > 1:
+        raise BadRecord("missing_field", f"'{columns['image']}' lists {len(images)} images: an image-text pair takes "
+                                         f"one (several images need a conversation with one {IMAGE_MARKER} each)")
+    return Record(where, [("user", prompt), ("assistant", caption)], images)
 
 
 class Source:
@@ -208,14 +230,11 @@ class Source:
         try:
             if not isinstance(raw, dict):
                 raise BadRecord("missing_field", f"record is a {type(raw).__name__}, not an object")
-            image = raw.get(self.spec.columns["image"])
-            image = None if image in ("", None) else image
-            if isinstance(image, str):
-                image = _text(image, f"'{self.spec.columns['image']}'")
+            images = image_list(raw.get(self.spec.columns["image"]), f"'{self.spec.columns['image']}'")
             has_conv = self.spec.columns["conversations"] in raw
             if self.spec.format == "llava" or (self.spec.format == "hf" and has_conv):
-                return conversation_record(where, raw, image, self.spec.columns)
-            return pair_record(where, raw, image, self.spec.columns, self.spec.prompt)
+                return conversation_record(where, raw, images, self.spec.columns)
+            return pair_record(where, raw, images, self.spec.columns, self.spec.prompt)
         except BadRecord as e:
             e.where = where
             raise

@@ -10,13 +10,17 @@ with the built-in template (word-level, one token per word):
     text    [BOS] question: what shape is red circle [EOS]
     target    0       0       0    0   0  0    1      1      -> loss on "circle" and [EOS] only
 
-The image is not in the text: it is spliced after the first token (BOS) by the model, so the
-`<image>` marker of LLaVA-style data is removed here (its count was checked when the record was
-read). The LLaVA family reads its image from placeholder ids inside input_ids instead
-(`placeholders(cfg)`: vision.n_features copies of image_token_id); pad_sample puts them right
-after BOS for a sample with an image, the layout moondream's spliced image has. Sequences are a
-fixed `text_len` tokens per run; a longer one is refused (`too_long`) or, under the `truncate`
-policy, cut to text_len if its first answer token survives.
+Images are not text tokens. The moondream family splices its image after the first token (BOS)
+in the model, so the `<image>` markers of LLaVA-style data are removed here (their count was
+checked when the record was read). The LLaVA family reads each image from a block of placeholder
+ids inside input_ids (`placeholders(cfg)`: vision.n_features copies of image_token_id), and, as
+Hugging Face's LLaVA processor does, at the image's `<image>` marker: with `markers=True` the
+markers stay in the rendered text, are located after tokenisation and taken out of the ids, and
+Encoded.image_at[k] says before which text token image k's block goes. Without markers (pairs, the
+shapes set, the moondream prompt format) every image goes right after BOS (image_at 1), the layout
+moondream's spliced image has. --text-len counts text tokens only. Sequences are a fixed
+`text_len` tokens per run; a longer one is refused (`too_long`) or, under the `truncate` policy,
+cut to text_len if its first answer token and its images' markers survive.
 
 The moondream prompt format (a tokenizer marked by mmpipe.data.tokenizer.as_moondream) is built by
 id instead, exactly as moondream2 lays out a query (MOONDREAM, moondream/torch/config.py and
@@ -33,7 +37,8 @@ moondream has no multi-turn template, so a record with more than one question is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,10 +47,15 @@ from .tokenizer import MOONDREAM, bos_id, uses_moondream_ids
 
 IMAGE_MARKER = "<image>"
 OVERLONG = ("skip", "truncate")
+_MARKER = re.compile(re.escape(IMAGE_MARKER))
 
 
 def strip_marker(text: str) -> str:
     return text.replace(IMAGE_MARKER, "").strip()
+
+
+def _no_image() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -53,17 +63,27 @@ class Encoded:
     ids: np.ndarray      # int64 [n], n <= text_len, starts with BOS
     target: np.ndarray   # bool  [n], True where the token is an answer token (predicted, in the loss)
     truncated: bool = False
+    # int64 [n_images]: image k's placeholder block goes before ids[image_at[k]] (1: right after BOS).
+    # Empty: no image, or one its maker did not place (pad_sample then puts it after BOS).
+    image_at: np.ndarray = field(default_factory=_no_image)
 
 
 class ConversationEncoder:
-    def __init__(self, tokenizer, text_len: int, overlong: str = "skip"):
+    def __init__(self, tokenizer, text_len: int, overlong: str = "skip", *, markers: bool = False):
+        """markers: keep `<image>` markers in the rendered text and place each image at its own (the LLaVA
+        family, cfg.layout.placeholders); False: strip them, every image goes after BOS."""
         assert overlong in OVERLONG, overlong
-        self.tok, self.text_len, self.overlong = tokenizer, text_len, overlong
+        self.tok, self.text_len, self.overlong, self.markers = tokenizer, text_len, overlong, markers
         self.bos = bos_id(tokenizer)
         self.moondream = uses_moondream_ids(tokenizer)
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _messages(self, messages: list[tuple[str, str]]) -> list[dict]:
+        keep = self.markers
+        return [{"role": r, "content": (t.strip() if keep else strip_marker(t)) if r == "user" else t.strip()}
+                for r, t in messages]
 
     def reply_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         text = self._render(messages)
@@ -79,39 +99,66 @@ class ConversationEncoder:
             spans.append((start, end))
         return text, spans
 
-    def encode(self, messages: list[tuple[str, str]]) -> Encoded:
-        """messages: (role, text) pairs, user first, alternating; raises BadRecord('too_long'), and in the
-        moondream format BadRecord('bad_turns') for more than one question."""
+    def _tokenise(self, text: str, n_images: int | None) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+        """(ids, character offsets, image_at) of the rendered text, BOS first, with the `<image>` markers
+        taken out: a token whose characters overlap a marker is not text (the LLaVA tokenizer's one special
+        <image> token; pieces of it for a tokenizer without one). image_at[k] counts the text tokens that
+        start before marker k. n_images: the record's images (None: one per marker); no marker: after BOS."""
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        marks = [m.span() for m in _MARKER.finditer(text)] if self.markers else []
+        n = len(marks) if n_images is None else n_images
+        if marks and len(marks) != n:
+            raise BadRecord("image_marker", f"{len(marks)} {IMAGE_MARKER} marker(s) for {n} image(s)")
+        ids, offsets = [], []
+        for tid, (b, e) in zip(enc.input_ids, enc.offset_mapping):
+            if not any(b < me and mb < e for mb, me in marks):
+                ids.append(tid)
+                offsets.append((b, e))
+        image_at = [sum(1 for b, _ in offsets if b < mb) for mb, _ in marks]
+        if not ids or ids[0] != self.bos:
+            ids, offsets, image_at = [self.bos] + ids, [(0, 0)] + offsets, [a + 1 for a in image_at]
+        return ids, offsets, image_at or [1] * n
+
+    def encode(self, messages: list[tuple[str, str]], n_images: int | None = None) -> Encoded:
+        """messages: (role, text) pairs, user first, alternating; n_images: the record's images (None: one per
+        `<image>` marker, none without markers). Raises BadRecord('too_long'), BadRecord('image_marker') when
+        markers are kept and their count is neither 0 nor n_images, and in the moondream format
+        BadRecord('bad_turns') for more than one question."""
         if self.moondream:
             ids, target = self._moondream_ids(messages)
+            image_at = [1] * (n_images or 0)  # moondream's templates are ids: its image always follows BOS
         else:
-            msgs = [{"role": r, "content": strip_marker(t) if r == "user" else t.strip()} for r, t in messages]
-            text, spans = self.reply_spans(msgs)
-            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(enc.input_ids)
-            target = [any(s < e_tok and b_tok < e for s, e in spans) for b_tok, e_tok in enc.offset_mapping]
-            if not ids or ids[0] != self.bos:
-                ids, target = [self.bos] + ids, [False] + target
-        if len(ids) > self.text_len:
-            first = target.index(True) if True in target else len(ids)
-            if self.overlong == "skip" or first >= self.text_len:
-                raise BadRecord("too_long", f"{len(ids)} text tokens > --text-len {self.text_len}"
-                                + ("" if self.overlong == "skip" else
-                                   f" and the first answer token (token {first}) would be cut"))
-            ids, target = ids[:self.text_len], target[:self.text_len]
-            return Encoded(np.array(ids, dtype=np.int64), np.array(target, dtype=bool), truncated=True)
-        return Encoded(np.array(ids, dtype=np.int64), np.array(target, dtype=bool))
+            text, spans = self.reply_spans(self._messages(messages))
+            ids, offsets, image_at = self._tokenise(text, n_images)
+            target = [any(s < e_tok and b_tok < e for s, e in spans) for b_tok, e_tok in offsets]
+        at = np.array(image_at, dtype=np.int64)
+        if len(ids) <= self.text_len:
+            return Encoded(np.array(ids, dtype=np.int64), np.array(target, dtype=bool), image_at=at)
+        first = target.index(True) if True in target else len(ids)
+        if self.overlong == "skip" or first >= self.text_len:
+            raise BadRecord("too_long", f"{len(ids)} text tokens > --text-len {self.text_len}"
+                            + ("" if self.overlong == "skip" else
+                               f" and the first answer token (token {first}) would be cut"))
+        if len(at) and at.max() > self.text_len:  # a block may close the kept text (at == text_len), not follow it
+            raise BadRecord("too_long", f"{len(ids)} text tokens > --text-len {self.text_len} and an image's "
+                                        f"{IMAGE_MARKER} marker (before token {int(at.max())}) would be cut")
+        return Encoded(np.array(ids[:self.text_len], dtype=np.int64), np.array(target[:self.text_len], dtype=bool),
+                       truncated=True, image_at=at)
 
-    def prompt_ids(self, messages: list[tuple[str, str]]) -> list[int]:
-        """A conversation ending in a user turn, rendered with the generation prompt: what generation
-        continues from."""
+    def prompt(self, messages: list[tuple[str, str]], n_images: int | None = None) -> tuple[list[int], list[int]]:
+        """(ids, image_at) of a conversation ending in a user turn, rendered with the generation prompt: what
+        generation continues from, and where the prompt's images go (with_placeholders(ids, cfg, image_at)).
+        n_images as for encode; raises BadRecord('image_marker') for markers that do not match it."""
         if self.moondream:
             if len(messages) != 1:
                 raise ValueError(f"the moondream prompt format takes one question, not {len(messages)} turns")
-            return self._moondream_prompt(messages[0][1])
-        msgs = [{"role": r, "content": strip_marker(t) if r == "user" else t.strip()} for r, t in messages]
-        ids = self.tok(self._render(msgs, generation_prompt=True), add_special_tokens=False).input_ids
-        return ids if ids and ids[0] == self.bos else [self.bos] + ids
+            return self._moondream_prompt(messages[0][1]), [1] * (n_images or 0)
+        ids, _, image_at = self._tokenise(self._render(self._messages(messages), generation_prompt=True), n_images)
+        return ids, image_at
+
+    def prompt_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        """prompt()'s ids alone."""
+        return self.prompt(messages)[0]
 
     # ---- the moondream prompt format: moondream2's token-id templates (module docstring) ----
 
@@ -159,26 +206,41 @@ def decoder_positions(cfg, text_len: int) -> int:
     return cfg.n_image_positions + placeholders(cfg)[1] + text_len
 
 
-def with_placeholders(ids: list[int], cfg) -> list[int]:
-    """A prompt (BOS first) with the family's image placeholders after BOS (none outside LLaVA)."""
+def with_placeholders(ids: list[int], cfg, image_at=None) -> list[int]:
+    """A prompt (BOS first) with the family's image placeholders (none outside LLaVA): one block before
+    ids[a] for each a in image_at (ConversationEncoder.prompt's), or after BOS when image_at is None.
+    E.g. ids [1, 5, 6, 7], image_at [2], 3 placeholders of id 50 -> [1, 5, 50, 50, 50, 6, 7]."""
     token, n = placeholders(cfg)
-    return list(ids[:1]) + [token] * n + list(ids[1:])
+    out = list(ids)
+    for a in sorted((1,) if image_at is None else (int(a) for a in image_at), reverse=True):  # last first: the
+        out[a:a] = [token] * n  # earlier positions stay where image_at says
+    return out
 
 
 def pad_sample(e: Encoded, text_len: int, n_img: int, pad_id: int, ignore_index: int, *,
                image_token: tuple[int, int] = (-1, 0), has_image: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """input_ids [n_ph + text_len] (right-padded) and labels [n_img + n_ph + text_len], n_ph the
-    placeholder count of image_token = (id, n_ph) (`placeholders(cfg)`). A sample with an image gets
-    the n_ph placeholder ids right after BOS (a text-only one none, so more padding); text token j
-    (j >= 1) then sits at decoder position k + j, k = n_img + (n_ph if has_image else 0), and is
-    predicted from position k + j - 1. Placeholder positions are never labelled."""
+    placeholder count of image_token = (id, n_ph) (`placeholders(cfg)`). One image at most: a sample
+    with an image gets its n_ph placeholder ids before text token a = e.image_at[0] (1, right after BOS,
+    when e does not place it); a text-only one none, so more padding. Text token j (j >= 1) then sits at
+    decoder position n_img + j + (k if j >= a else 0), k = n_ph if has_image else 0, and is predicted
+    from the position before it (the block's last placeholder for j = a). Placeholder positions are never
+    labelled. Worked example, the LLaVA family's built-in tokenizer, 3 placeholders (id 36), text_len 9:
+
+        text       [BOS] question: <image> what shape is red circle [EOS]      image_at [2]
+        input_ids  [BOS] question: 36 36 36 what shape is red circle [EOS] [PAD]   (3 + 9 = 12)
+        position     0       1      2  3  4   5    6   7   8    9     10    11
+        labels     -100 x 8, circle (at 8, predicted from "red"), [EOS] (at 9), -100, -100
+
+    Data without markers has image_at [1], so its block follows BOS as before: [BOS] 36 36 36 question: ..."""
     token, n_ph = image_token
     k = n_ph if has_image else 0
-    ids = np.concatenate([e.ids[:1], np.full(k, token, dtype=np.int64), e.ids[1:]]) if k else e.ids
+    a = int(e.image_at[0]) if len(e.image_at) else 1
+    ids = np.concatenate([e.ids[:a], np.full(k, token, dtype=np.int64), e.ids[a:]]) if k else e.ids
     input_ids = np.full(n_ph + text_len, pad_id, dtype=np.int64)
     input_ids[:len(ids)] = ids
     labels = np.full(n_img + n_ph + text_len, ignore_index, dtype=np.int64)
     j = np.nonzero(e.target)[0]
     j = j[j >= 1]  # BOS is never predicted
-    labels[n_img + k + j - 1] = e.ids[j]
+    labels[n_img + j + np.where(j >= a, k, 0) - 1] = e.ids[j]
     return input_ids, labels

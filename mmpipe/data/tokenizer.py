@@ -98,8 +98,8 @@ IMAGE_TOKEN = "<image>"
 @functools.lru_cache(maxsize=2)
 def builtin_tokenizer(image_token: bool = False) -> PreTrainedTokenizerFast:
     """image_token: with the LLaVA family's `<image>` placeholder as one more special token, the
-    last id (36); text never produces it (the data removes `<image>` markers), the data path
-    inserts it by id (mmpipe.data.text.placeholders)."""
+    last id (36); the data takes the `<image>` markers it tokenises out of the ids (they only say where an
+    image goes, mmpipe.data.text) and inserts the placeholders by id (mmpipe.data.text.placeholders)."""
     words = SPECIALS + PROMPT_WORDS + [w for w in VOCABULARY if w not in PROMPT_WORDS] + [IMAGE_TOKEN] * image_token
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -60,8 +60,9 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
         images = [data.blank() if blank_images else data.render(s) for s in samples]
         pixels, tiling = stack_images([held_out.transform(im) for im in images])  # multi-crop: + tiling
         pixels = pixels.to(dtype)
-        # LLaVA: the <image> placeholders after BOS, as in training (mmpipe.data.text.pad_sample)
-        prompts = [with_placeholders(held_out.encoder.prompt_ids([("user", s.question)]), cfg) for s in samples]
+        # LLaVA: the <image> placeholders where training puts them (the shapes set has no marker: after BOS)
+        prompts = [with_placeholders(ids, cfg, at) for ids, at in
+                   (held_out.encoder.prompt([("user", s.question)], n_images=1) for s in samples)]
         answers = greedy_generate(model, pixels, prompts, tok.eos_token_id, tok.pad_token_id, max_new_tokens,
                                   SHAPES_TEXT_LEN + placeholders(cfg)[1], tiling)
         for s, a in zip(samples, answers):

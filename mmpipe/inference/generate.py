@@ -53,6 +53,7 @@ from PIL import Image
 
 from ..config import ConfigError, config_from_dict, fail
 from ..data.crops import blank_image, make_transform, stack_images
+from ..data.records import BadRecord
 from ..data.text import ConversationEncoder, answer_id_of, with_placeholders
 from ..data.tokenizer import load_tokenizer
 from ..hf.llava import load_hf_llava
@@ -300,11 +301,17 @@ def main_generate(args: argparse.Namespace) -> int:
         pixels, tiling = stack_images(images)
     except ConfigError as e:
         return fail(e)
-    encoder = ConversationEncoder(tok, cfg.text.max_context)
-    prompts = [encoder.prompt_ids([("user", prompt)]) for _, prompt, _ in requests]
+    # the LLaVA family reads the image from N_img placeholders at the prompt's <image> marker (after BOS
+    # without one), as in training; other families take the prompt as it is
+    encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders)
     has_image = [image is not None for image, _, _ in requests]
-    # the LLaVA family reads the image from N_img placeholders after BOS; other families take the prompt as it is
-    prompts = [with_placeholders(p, cfg) if h else p for p, h in zip(prompts, has_image)]
+    prompts = []
+    for (_, prompt, where), h in zip(requests, has_image):
+        try:
+            ids, image_at = encoder.prompt([("user", prompt)], n_images=int(h))
+        except BadRecord as e:
+            return fail(ConfigError(f"{where}: {e.reason}"))
+        prompts.append(with_placeholders(ids, cfg, image_at) if h else ids)
     kw = dict(eos_id=tok.eos_token_id, answer_id=answer_id_of(tok), max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     if args.no_cache:

@@ -7,8 +7,9 @@ format, the same checks, --bad-records policy and index, kept under the --out fo
 For every good record, in file order:
 
     prompt     the record's tokens up to its first answer token: exactly what training conditions
-               the answer on (chat template, BOS; the LLaVA family's <image> placeholders after
-               BOS when the record has an image; a text-only record gets no image, as in training)
+               the answer on (chat template, BOS; the LLaVA family's <image> placeholders at the
+               record's <image> marker, after BOS without one; a text-only record gets no image, as
+               in training, nor does a prompt whose marker only comes after the first answer)
     reference  the first answer's tokens (the first assistant turn), EOS dropped, decoded
     answer     generated with the KV cache (mmpipe.inference.generate.generate_batch: greedy, or
                sampled with every record's generator seeded by --seed), decoded
@@ -102,7 +103,8 @@ class Item:
     prompt: list[int]      # what generation continues from (placeholders included)
     text: list[int]        # the prompt's text tokens (no placeholders), for answers.jsonl
     reference: list[int]   # the first answer's tokens, EOS dropped
-    has_image: bool
+    has_image: bool        # the record has an image (its pixels feed the teacher-forced loss)
+    sees_image: bool       # the prompt holds it: its marker comes before the first answer
 
 
 def split_record(ids: np.ndarray, target: np.ndarray, eos_id: int | None) -> tuple[list[int], list[int]]:
@@ -190,9 +192,12 @@ def _generate_all(args, model, tok, evalset, text_len: int):
     dtype, size = next(model.parameters()).dtype, cfg.vision.image_size
     items = []
     for pos in range(evalset.size):
-        enc, has_image = evalset.tokens(pos)
+        enc, n_images = evalset.tokens(pos)
         text, reference = split_record(enc.ids, enc.target, eos)
-        items.append(Item(pos, with_placeholders(text, cfg) if has_image else text, text, reference, has_image))
+        # a block at image_at == len(text) closes the prompt: the first answer token is predicted from it
+        sees = bool(n_images) and int(enc.image_at[0] if len(enc.image_at) else 1) <= len(text)
+        prompt = with_placeholders(text, cfg, enc.image_at[:1] if len(enc.image_at) else None) if sees else text
+        items.append(Item(pos, prompt, text, reference, bool(n_images), sees))
     answers: list[list[int]] = [[] for _ in items]
     rows = TrainSet(evalset, text_len=text_len, n_img=cfg.n_image_positions, image_size=size, need_images=False,
                     image_token=placeholders(cfg))
@@ -202,7 +207,7 @@ def _generate_all(args, model, tok, evalset, text_len: int):
             pixels, tiling = stack_images([evalset.pixels(items[i].pos) if items[i].has_image
                                            else blank_image(size, cfg.vision.max_crops) for i in batch])
             pixels = pixels.to(dtype)
-            new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].has_image for i in batch],
+            new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].sees_image for i in batch],
                                  eos_id=eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, seed=args.seed, batch_size=len(batch), tiling=tiling,
                                  answer_id=answer_id_of(tok))  # moondream's prompt format: its answer-id mask

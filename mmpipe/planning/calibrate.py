@@ -75,18 +75,22 @@ def text_len_of(cfg: ModelConfig) -> int:
 
 def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
     """The planner's layout for a bench row's variant fields (preset, stages, dp, zero, precision,
-    micro, gas, checkpointing, partition). ZeRO 2/3 (the 'dp' engine) are planned as ZeRO-1: the
-    planner has no ZeRO-2/3 terms (their memory is then an upper bound, their traffic missing)."""
+    micro, gas, checkpointing, partition, text_len, max_images). ZeRO 2/3 (the 'dp' engine) are planned
+    as ZeRO-1: the planner has no ZeRO-2/3 terms (their memory is then an upper bound, their traffic
+    missing). text_len None: the built-in data's for the preset (a measured row carries its run's);
+    max_images: a row's image slots (rows, --pack: micro counts rows, as `mmpipe plan --max-images`)."""
     cache = {} if cache is None else cache
     preset = row.get("preset") or "small"
     if preset not in cache:
         cfg = load_preset(preset)
         cache[preset] = (cfg, text_len_of(cfg))
-    cfg, text_len = cache[preset]
+    cfg, default_len = cache[preset]
+    text_len = int(row.get("text_len") or default_len)
     return predict_layout(cfg, stages=int(row["stages"]), dp=int(row["dp"]), micro=int(row["micro"]),
                           gas=int(row["gas"]), precision=row["precision"], zero=min(int(row.get("zero") or 0), 1),
                           checkpointing=bool(row.get("checkpointing")), text_len=text_len, device=device,
-                          partition=str(row.get("partition") or "balanced"))
+                          partition=str(row.get("partition") or "balanced"),
+                          images=int(row.get("max_images") or 1))
 
 
 def fittable(rows: list[dict]) -> dict[str, dict]:

@@ -1,6 +1,14 @@
 """What each layer costs, in FLOPs, seconds and bytes, from the shapes it really sees.
 
-Per layer and per sample (tokens: image tokens N for the ViT side, N + text for the decoder):
+Per layer and per sample (tokens: image tokens N for the ViT side, N + text for the decoder), or,
+in the row layout (`--max-images M`, `--pack`: mmpipe.data.packing), per row: a row carries M image
+slots through every per-image layer (the layers fed pixels or vision tokens: patch embedding, vision
+blocks, projector), so each costs M x one image's, like a multi-crop tower's per-crop layers x crop
+slots, and the decoder sees the row's L = M x N_dec + text_len positions (N_dec: an image's decoder
+positions), e.g. llava-tiny at M = 4, text 96: the tower on 4 images, the decoder on 4 x 16 + 96 =
+160 positions. M = 1 is the classic one-sample row (N_dec + text_len, e.g. 16 + 12 = 28). Every
+"per sample" below is then "per row"; how many real samples (and useful, non-padding positions) a
+row holds the data decides, not the cost model.
 
     forward FLOPs   2 per weight per token for matmuls, + 4 * tokens^2 * width for attention
                     (q k^T and attn v), a lookup for the embedding
@@ -63,10 +71,13 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..data.text import decoder_positions
 from ..model.builder import adapter_param_counts, layer_param_counts, layer_specs
+from ..model.costs import Cost
 from ..model.families import family_of
 from ..model.lora import Lora
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# what a layer takes in that is per image: pixels (patch embedding), vision tokens (blocks, norm, projector)
+PER_IMAGE_INPUTS = ("pixels", "vision")
 
 
 @dataclass(frozen=True)
@@ -111,12 +122,13 @@ class LayerCost:
 
 
 def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
-                lora: Lora | None = None) -> list[LayerCost]:
+                lora: Lora | None = None, images: int = 1) -> list[LayerCost]:
     """With LoRA, an adapted layer's base runs as a frozen layer (input gradients only) and its
     adapters add 2 FLOPs per adapter weight per token forward, twice that backward; a layer of a
-    LoRA group without adapters is frozen."""
+    LoRA group without adapters is frozen. images: image slots per row (the row layout's M; 1: one
+    sample per row, the classic layout): per-image layers cost M x, the decoder sees M x N_dec + text_len."""
     family = family_of(cfg)
-    n, seq = _tokens(cfg, text_len)
+    n, seq = _tokens(cfg, text_len, images)
     rows, image_users, seen_trainable = [], [], False
     frozen = set(freeze) | set(lora.groups if lora else ())
     counts = zip(layer_param_counts(cfg), adapter_param_counts(cfg, lora), linear_param_counts(cfg))
@@ -124,6 +136,8 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         rule, group = family.cost_rule(spec), spec.typename.group
         trainable = (group not in frozen and params > 0) or adapters > 0
         c = rule.cost_of(cfg, params, n, seq)
+        if rule.takes in PER_IMAGE_INPUTS:
+            c = _per_image(c, images)
         if rule.embedding:  # inputs are pixels / token ids: weight gradients only
             bwd = c.fwd if trainable else 0.0
         else:
@@ -153,10 +167,24 @@ def linear_param_counts(cfg: ModelConfig) -> list[int]:
                 for spec in layer_specs(cfg)]
 
 
-def _tokens(cfg: ModelConfig, text_len: int) -> tuple[int, int]:
-    """(n, seq) per sample: the tower's tokens (LLaVA: CLIP's class token too) and the decoder's positions,
-    e.g. 16 image + 12 text = 28, 16 <image> placeholders + 12 text for LLaVA, 12 when the image is attended to."""
-    return family_of(cfg).tower_tokens(cfg), decoder_positions(cfg, text_len)
+def _tokens(cfg: ModelConfig, text_len: int, images: int = 1) -> tuple[int, int]:
+    """(n, seq) per row: the tower's tokens per image (LLaVA: CLIP's class token too) and the decoder's
+    positions M x N_dec + text_len, e.g. 16 image + 12 text = 28, 16 <image> placeholders + 12 text for
+    LLaVA, 12 when the image is attended to; M = 4 slots of 16 + 96 text = 160 (rows)."""
+    per_image = decoder_positions(cfg, 0)  # N_dec: spliced image positions or LLaVA's placeholders (0: attended)
+    return family_of(cfg).tower_tokens(cfg), images * per_image + text_len
+
+
+def row_positions(cfg: ModelConfig, text_len: int, images: int = 1) -> int:
+    """Decoder positions per row, pads included (M x N_dec + text_len), as the cost model sees them."""
+    return _tokens(cfg, text_len, images)[1]
+
+
+def _per_image(c: Cost, images: int) -> Cost:
+    """A per-image layer over a row's M image slots: M x every term (each image attends only within itself)."""
+    if images == 1:
+        return c
+    return Cost(c.tokens * images, c.fwd * images, c.act * images, c.fp32 * images, c.out * images)
 
 
 def _carry_image(rows: list[LayerCost], users: list[int], image_elems: float) -> list[LayerCost]:
@@ -331,28 +359,29 @@ def zero_bubble_step_seconds(stage_times: list[tuple[float, float, float]], weig
 
 
 def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5,
-                   threads: int = 1) -> dict[str, tuple[float, float]]:
+                   threads: int = 1, images: int = 1) -> dict[str, tuple[float, float]]:
     """Measured (forward, backward) seconds per sample of each layer kind, trainable, at the run's
     micro-batch on this process's device, with `threads` threads (a rank's share: mmpipe train runs
-    one per rank on CPU): the calibration `mmpipe plan --profile` uses instead of peak FLOP/s.
+    one per rank on CPU): the calibration `mmpipe plan --profile` uses instead of peak FLOP/s. images:
+    a row's image slots (per-image layers timed on one image x M, the decoder on the row's positions).
     Backward is timed whole (input + weight gradients); stage_seconds scales it by each layer's
     backward share (1 trainable, 1/2 frozen behind a trainable one, 0 frozen prefix)."""
     import torch
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _profile(cfg, text_len, micro, precision, repeats)
+        return _profile(cfg, text_len, micro, precision, repeats, images)
     finally:
         torch.set_num_threads(before)
 
 
-def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeats: int) -> dict:
+def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeats: int, images: int = 1) -> dict:
     import time
 
     import torch
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     v, t = cfg.vision, cfg.text
-    n, seq = _tokens(cfg, text_len)
+    n, seq = _tokens(cfg, text_len, images)
     ids = torch.randint(0, t.vocab_size, (micro, text_len))
     has = torch.ones(micro, dtype=torch.long)
 
@@ -384,5 +413,6 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
         fwd.sort()
         bwd.sort()
         crops = cfg.vision.crop_slots if rule.per_crop else 1  # timed on one crop; multi-crop runs 1 + max_crops
+        crops *= images if rule.takes in PER_IMAGE_INPUTS else 1  # timed on one image; a row carries M
         out[rule.name] = (fwd[len(fwd) // 2] / micro * crops, bwd[len(bwd) // 2] / micro * crops)
     return out

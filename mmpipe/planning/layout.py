@@ -120,8 +120,9 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
 
 def predict_layout(cfg: ModelConfig, *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                    checkpointing: bool, text_len: int, device: Device, partition: str = "balanced",
-                   freeze: tuple[str, ...] = (), schedule: str = "1f1b") -> Layout:
-    """The planner's prediction for one layout of cfg, as `mmpipe plan` computes it for that layout."""
-    rows = layer_costs(cfg, freeze, text_len, checkpointing)
+                   freeze: tuple[str, ...] = (), schedule: str = "1f1b", images: int = 1) -> Layout:
+    """The planner's prediction for one layout of cfg, as `mmpipe plan` computes it for that layout
+    (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows)."""
+    rows = layer_costs(cfg, freeze, text_len, checkpointing, images=images)
     return plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=gas, precision=precision, zero=zero,
                        device=device, partition=partition, schedule=schedule)

@@ -29,8 +29,10 @@ from .costmodel import LayerCost, layer_costs
 
 
 def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
-                lora: Lora | None = None) -> list[LayerCost]:
-    return layer_costs(cfg, freeze, text_len, checkpointing, lora)
+                lora: Lora | None = None, images: int = 1) -> list[LayerCost]:
+    """The run's layer costs per row: images = --max-images image slots (1: one-sample rows), the decoder
+    on images x N_dec + text_len positions (costmodel.layer_costs)."""
+    return layer_costs(cfg, freeze, text_len, checkpointing, lora, images)
 
 
 def trainable_units(table: list[LayerCost]) -> list[list[int]]:

@@ -13,6 +13,16 @@ GAS m = global batch / (b x DP); the balanced (min-max time) split that fits mem
 Layouts whose every split overflows a device's memory are listed with the reason. The best
 layout's DeepSpeed JSON can be written out (--write-config) and run as is.
 
+Rows (`--max-images M`, `--pack`, as mmpipe train's): a micro-batch row carries M image slots
+through the tower and L = M x N_dec + text_len decoder positions (costmodel.layer_costs), and the
+global batch and micro-batch count rows. With --max-images alone a row is one sample, so samples/s
+stays samples/s; with --pack a row holds as many samples as fit, which the data decides, so
+throughput is reported as positions/s = rows/s x L (padding included), and
+
+    useful tokens/s = positions/s x (1 - the data's padding share)
+
+where the padding share is what `mmpipe train --pack` measures (summary.json data.padding_share).
+
 `--schedule zb-h1` predicts the zero-bubble ZB-H1 schedule instead (step = 1F1B's minus the idle
 time its order saves when both orders are replayed with each stage's forward, input-backward B and
 weight-backward W seconds: costmodel.zero_bubble_step_seconds); `--schedule both` prints both per
@@ -29,7 +39,7 @@ from ..config import ConfigError, ModelConfig, crop_budget, fail, load_preset
 from ..model.builder import FREEZE_GROUPS
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
-from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers
+from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
 from .schedules import SCHEDULES
 
@@ -48,9 +58,15 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--efficiency", type=float, default=None, help="achieved share of peak (default: 0.45)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--global-batch", type=int, default=256, help="samples per optimizer step")
-    p.add_argument("--micro", default="1,2,4,8,16", help="micro-batch sizes to consider")
+    p.add_argument("--global-batch", type=int, default=256, help="samples per optimizer step (rows with --pack)")
+    p.add_argument("--micro", default="1,2,4,8,16", help="micro-batch sizes to consider (rows with --pack)")
     p.add_argument("--text-len", type=int, default=128)
+    p.add_argument("--max-images", type=int, default=1, metavar="M",
+                   help="image slots per row, as mmpipe train --max-images: the tower runs M images per row, the "
+                        "decoder M x image positions + --text-len (default: 1)")
+    p.add_argument("--pack", action="store_true",
+                   help="rows hold several samples (mmpipe train --pack): throughput in decoder positions/s; useful "
+                        "tokens/s = that x (1 - the data's padding share)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
     p.add_argument("--freeze", default="", help="comma-separated groups: vision, projector, text")
@@ -124,9 +140,10 @@ def cpu_device() -> Device:
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
          precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False,
-         lora: Lora | None = None, schedule: str = "1f1b") -> list[Layout]:
-    rows = layer_costs(cfg, freeze, text_len, checkpointing, lora)
-    profiles = {m: profile_layers(cfg, text_len, m, precision) for m in micros} if profile else {}
+         lora: Lora | None = None, schedule: str = "1f1b", images: int = 1) -> list[Layout]:
+    """images: a row's image slots (--max-images); global_batch and micros then count rows."""
+    rows = layer_costs(cfg, freeze, text_len, checkpointing, lora, images)
+    profiles = {m: profile_layers(cfg, text_len, m, precision, images=images) for m in micros} if profile else {}
     layouts = []
     for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
         dp = gpus // stages
@@ -190,16 +207,24 @@ def main_plan(args) -> int:
             raise ConfigError(f"--schedule: {args.schedule!r} is not a schedule (valid: {', '.join(PLAN_SCHEDULES)})")
         if args.precision == "fp16" and args.zero != 1:
             raise ConfigError("--precision fp16 needs --zero 1 (DeepSpeed 0.19.8, see docs/configs.md)")
+        if args.max_images < 1:
+            raise ConfigError(f"--max-images: {args.max_images} must be >= 1")
+        if (args.pack or args.max_images > 1) and cfg.layout.cross_attention:
+            raise ConfigError(f"--pack / --max-images: {cfg.name} reads its image through cross-attention, which has "
+                              f"no per-sample image positions to pack (as mmpipe train refuses it)")
     except (ConfigError, ValueError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--micro: {e}"))
     gpus = args.gpus_per_node * args.nodes
     t0 = time.perf_counter()
     layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
                    text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
-                   checkpointing=args.checkpointing, profile=args.profile, lora=lora, schedule=args.schedule)
+                   checkpointing=args.checkpointing, profile=args.profile, lora=lora, schedule=args.schedule,
+                   images=args.max_images)
     feasible = [lay for lay in layouts if lay.step]
-    if args.json:
-        print(json.dumps([{**lay.__dict__, "throughput": lay.throughput} for lay in layouts], indent=1))
+    length = row_positions(cfg, args.text_len, args.max_images)
+    if args.json:  # throughput: rows/s (samples/s unless packed); positions_per_s = rows/s x L, padding included
+        print(json.dumps([{**lay.__dict__, "throughput": lay.throughput, "decoder_length": length,
+                           "positions_per_s": lay.throughput * length} for lay in layouts], indent=1))
     else:
         _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0)
     if not feasible:
@@ -212,7 +237,9 @@ def main_plan(args) -> int:
         best = feasible[0]
         sched = "" if best.schedule == "1f1b" else f", schedule {best.schedule}"
         print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro "
-              f"{best.micro} x GAS {best.gas}{sched}); run it with --ds-config")
+              f"{best.micro} x GAS {best.gas}{sched}); run it with --ds-config"
+              + (f" {'--pack ' if args.pack else ''}--max-images {args.max_images} --text-len {args.text_len}"
+                 if args.pack or args.max_images > 1 else ""))
     return 0
 
 
@@ -229,13 +256,27 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
           f"ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}"
           f"{f', LoRA rank {args.lora} on {args.lora_groups} (base frozen)' if args.lora else ''}")
+    per_image, images = row_positions(cfg, 0), args.max_images  # an image's decoder positions N_dec, slots M
+    length = row_positions(cfg, args.text_len, images)
+    if images > 1 or args.pack:
+        print(f"decoder positions per row: {images} image slots x {per_image} + {args.text_len} text = {length}"
+              f"{'; rows hold several samples (--pack)' if args.pack else '; one sample per row'}; global batch "
+              f"and micro-batch count rows")
+    else:
+        print(f"decoder positions per row: {per_image} image + {args.text_len} text = {length}, one sample per row")
+    rate = (lambda lay: lay.throughput * length) if args.pack else (lambda lay: lay.throughput)
+    label = "positions/s" if args.pack else "samples/s"
     if args.schedule == "both":
-        _print_both(layouts, args.top)
+        _print_both(layouts, args.top, rate, label)
     else:
         if args.schedule != "1f1b":
             print(f"schedule {args.schedule}: step and bubble from replaying its order with each stage's forward, "
                   f"input-backward (B) and weight-backward (W) seconds; memory at its micro-batches in flight")
-        _print_one(layouts, args.top)
+        _print_one(layouts, args.top, rate, label)
+    if args.pack:
+        print(f"positions/s = rows/s x {length}, padding included; useful tokens/s = positions/s x (1 - padding "
+              f"share), which the data decides and plan cannot know: `mmpipe train --pack` reports it "
+              f"(summary.json data.padding_share)")
     best = next((lay for lay in layouts if lay.step), None)
     if best:
         print(f"\nbest: {best.stages} stages x dp {best.dp}, micro {best.micro} x GAS {best.gas}"
@@ -251,27 +292,29 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
     print(f"(planned in {seconds:.2f} s, nothing allocated)")
 
 
-def _print_one(layouts, top) -> None:
-    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {'samples/s':>10} "
+def _print_one(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s") -> None:
+    w = max(10, len(label))
+    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {label:>{w}} "
           f"{'max GiB':>8}  partition / why not")
     for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
         if lay.step:
             peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
             print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {lay.step['bubble']:>7.1%} "
-                  f"{lay.step['step_s']:>8.3f} {lay.throughput:>10.1f} {peak:>8.1f}  {lay.parts}")
+                  f"{lay.step['step_s']:>8.3f} {rate(lay):>{w}.1f} {peak:>8.1f}  {lay.parts}")
         else:
-            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>7} {'':>8} {'':>10} {'':>8}  "
+            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>7} {'':>8} {'':>{w}} {'':>8}  "
                   f"does not fit: {lay.reason}")
 
 
-def _print_both(layouts, top) -> None:
+def _print_both(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s") -> None:
     """One row per layout: 1F1B's and ZB-H1's bubble and step, which is faster and by how much."""
+    w = max(10, len(label))
     print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'1f1b bub':>8} {'1f1b s':>8} {'zb-h1 bub':>9} "
-          f"{'zb-h1 s':>8}  {'faster':<15} {'samples/s':>10} {'max GiB':>8}  partition / why not")
+          f"{'zb-h1 s':>8}  {'faster':<15} {label:>{w}} {'max GiB':>8}  partition / why not")
     for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
         if not lay.step:
             print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>8} {'':>8} {'':>9} {'':>8}  "
-                  f"{'':<15} {'':>10} {'':>8}  does not fit: {lay.reason}")
+                  f"{'':<15} {'':>{w}} {'':>8}  does not fit: {lay.reason}")
             continue
         one, zb = lay.predictions["1f1b"], lay.predictions["zb-h1"]
         if not zb["fits"]:
@@ -282,5 +325,5 @@ def _print_both(layouts, top) -> None:
             faster = "1f1b" if zb["step_s"] > one["step_s"] else "1f1b (equal)"
         peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
         print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {one['bubble']:>8.1%} {one['step_s']:>8.3f} "
-              f"{zb['bubble']:>9.1%} {zb['step_s']:>8.3f}  {faster:<15} {lay.throughput:>10.1f} {peak:>8.1f}  "
+              f"{zb['bubble']:>9.1%} {zb['step_s']:>8.3f}  {faster:<15} {rate(lay):>{w}.1f} {peak:>8.1f}  "
               f"{lay.parts}")

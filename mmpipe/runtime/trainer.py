@@ -37,7 +37,7 @@ from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from . import checkpoint, rng
 from .curves import plot_runs
-from .feed import decoder_length, run_dataset
+from .feed import StepCounts, decoder_length, run_dataset
 from .guard import install_skip
 from .pipeline import VLMPipeline
 from .precision import check_all_ranks
@@ -75,16 +75,19 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     stream = DataStream(engine, run, args, samples, progress)
     guard = install_skip(engine) if args.nonfinite == "skip" else None
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
-    tokens = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
-    log = StepLog(out, run.train_batch, tokens, enabled=rank == 0, append=args.resume)
+    positions = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
+    log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume)
+    counts = StepCounts(run, samples) if rank == 0 else None  # each step's real samples and useful positions
     validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
     announce(run, rank)
     bar = tqdm(total=args.steps, initial=progress.step, disable=rank != 0, desc="train", dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 30)  # a log file: occasional lines, not one per step
     start = Progress(progress.step, progress.position)
     for step in range(progress.step + 1, args.steps + 1):
+        first_row = progress.position  # the step trains rows [first_row, first_row + micro x GAS x DP)
         loss, dt, skipped = run_step(engine, stream.batches, guard, progress, run.train_batch)
-        log.step(step, loss, dt, lr=engine.get_lr()[0], skipped=skipped,
+        n, useful = counts(first_row, run.train_batch) if counts else (None, None)
+        log.step(step, loss, dt, samples=n, useful=useful, lr=engine.get_lr()[0], skipped=skipped,
                  loss_scale=engine.optimizer.loss_scale if run.precision == "fp16" else None)
         if not math.isfinite(loss) and not skipped and run.precision != "fp16":  # fp16: the loss scaler's business
             report_nonfinite(step, loss, run, ckpt_dir, start, rank)
@@ -110,7 +113,8 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     stream.close()  # stop the loader workers before the process group goes
     dist.destroy_process_group()  # tear gloo down in order, not in the interpreter's exit (seen to abort a rank)
     if rank == 0:
-        report(log, run, args, samples, start, progress, stage_rows, timing, train_time, evaluate, out, validate)
+        report(log, run, args, samples, start, progress, stage_rows, timing, train_time, evaluate, out, validate,
+               counts)
     return 0
 
 
@@ -130,9 +134,9 @@ def monitor(engine, rank: int, events: list[tuple[str, float]]) -> None:
 
 
 def monitor_step(engine, log: StepLog, rank: int) -> None:
-    dt = log.times[-1]
-    monitor(engine, rank, [("Train/Samples/samples_per_s", log.train_batch / dt),
-                           ("Train/Samples/tokens_per_s", log.train_batch * log.tokens_per_sample / dt)])
+    """Real samples/s, useful (non-padding) decoder positions/s and computed positions/s (mmpipe.runtime.steplog)."""
+    if rank == 0 and engine.monitor.enabled:
+        monitor(engine, rank, [(f"Train/Samples/{k}", v) for k, v in log.rates().items()])
 
 
 def monitor_timing(engine, stage_rows, timing: dict | None, rank: int) -> None:
@@ -224,18 +228,22 @@ class DataStream:
         dp_rank, first = engine.grid.data_parallel_id, engine.is_first_stage()
         dataset = run_dataset(run, samples, first=first, last=engine.is_last_stage(),
                               augment_seed=args.seed if run.data.augment else None)
-        self.samples, self.seen = samples, None
+        self.samples, self.seen, self.plan = samples, None, getattr(dataset, "plan", None)
         if run.data.log_samples and first:
             self.seen = open(Path(args.output_dir) / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")
-            if self.seen.tell() == 0:
-                self.seen.write("position,row\n")
+            if self.seen.tell() == 0:  # rows: the row's stream position, then each sample's and its record
+                self.seen.write("position,sample,row\n" if self.plan else "position,row\n")
         batches = rank_batches(dataset, StepBatches(progress.position, run.micro, run.gas, dp_rank, run.dp),
                                workers=run.data.workers if first else 0, dtype=DTYPES[run.precision],
                                on_batch=self._log_seen if self.seen else None)
         self.batches = nan_fault(batches, progress.step, run.gas)
 
     def _log_seen(self, positions) -> None:
-        self.seen.write("".join(f"{p},{self.samples.row(p)}\n" for p in positions.tolist()))
+        if self.plan is None:
+            self.seen.write("".join(f"{p},{self.samples.row(p)}\n" for p in positions.tolist()))
+        else:
+            self.seen.write("".join(f"{r},{p},{self.samples.row(p)}\n" for r in positions.tolist()
+                                    for p in self.plan.row(r)))
 
     def flush(self) -> None:
         if self.seen:
@@ -291,15 +299,17 @@ def requeue(signal_name: str, step: int, args: TrainArgs, out: Path, stream: Dat
 
 
 def announce(run: RunConfig, rank: int) -> None:
-    if rank == 0:  # micro x GAS x DP samples per optimizer step
+    if rank == 0:  # micro x GAS x DP samples (rows: rows of decoder_length positions) per optimizer step
+        unit = (f"rows of {decoder_length(run)} positions{', packed' if run.pack else ''}, {run.max_images} image "
+                f"slot(s) each" if run.rows else "samples")
         print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}; {run.micro} micro x {run.gas} GAS x "
-              f"{run.dp} DP = {run.train_batch} samples/step; {run.precision}, ZeRO-{run.zero_stage}; "
+              f"{run.dp} DP = {run.train_batch} {unit}/step; {run.precision}, ZeRO-{run.zero_stage}; "
               f"parts {run.parts}", flush=True)
 
 
 def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progress, progress: Progress, stage_rows,
            timing: dict | None, train_time: float, evaluate: Callable[[Path], dict] | None, out: Path,
-           validate: Validator | None) -> None:
+           validate: Validator | None, counts: StepCounts) -> None:
     """Rank 0, after training: summary.json (rates, layout, stage timing, data, evaluation)."""
     summary = {
         "start_step": start.step, "train_time_s": train_time, "stages": run.stages, "dp": run.dp,
@@ -318,12 +328,16 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progre
               f"{[round(r['backward_ms_per_micro'], 2) for r in stage_rows]}; slowest/mean compute "
               f"{timing['max_over_mean']:.2f}; idle (bubble) {timing['measured_bubble']:.1%} measured, "
               f"{timing['theory_bubble']:.1%} in 1F1B theory", flush=True)
-    summary["data"] = {"name": run.data.name, "text_len": run.text_len, "samples_seen": args.steps * run.train_batch}
+    # real samples and useful positions of every row trained: this process's steps (counted as they ran)
+    # and, resumed, the rows before them; rows_seen = steps x micro x GAS x DP
+    seen = log.seen(counts(0, start.position) if start.position else (0, 0), start.position)
+    summary["data"] = {"name": run.data.name, "text_len": run.text_len, "max_images": run.max_images,
+                       "pack": run.pack, **seen}
     if not run.data.builtin:
         stats = samples.index.stats
         summary["data"].update({k: stats[k] for k in ("records", "good", "bad", "bad_by_kind", "truncated",
                                                       "with_image", "first_bad")},
-                               epochs=args.steps * run.train_batch / len(samples.index),
+                               epochs=seen["samples_seen"] / len(samples.index),
                                bad_records_file=str(out / "data" / "bad_records.jsonl"))
         for line in describe_data(stats)[:1]:
             print(f"mmpipe: {line}", flush=True)
