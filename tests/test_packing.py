@@ -19,8 +19,9 @@ from PIL import Image
 
 from conftest import ROOT, train_run, write_ds_config
 from hf_models import IMAGE_TOKEN, n_features, save_hf
-from mmpipe.config import load_preset
+from mmpipe.config import config_from_dict, load_preset
 from mmpipe.data.batches import TrainSet, collate
+from mmpipe.data.crops import make_transform
 from mmpipe.data.packing import LossNorm, RowPlan, RowSet, answer_counts, row_shape, sample_size
 from mmpipe.data.text import Encoded, placeholders
 from mmpipe.hf.llava import import_llava
@@ -30,6 +31,7 @@ from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
+from test_multicrop import CROPS_TINY
 
 TOL = 1e-5
 WORDS = "red green blue yellow cyan magenta circle square triangle left right top bottom".split()
@@ -63,13 +65,26 @@ class LongTail:
         return torch.randn(3, self.size, self.size, generator=torch.Generator().manual_seed(pos * 7 + k))
 
 
-def _packed(samples, cfg, n: int, text_len: int, max_images: int = 4, mode: str = "token"):
+class LongTailCrops(LongTail):
+    """LongTail with moondream multi-crop images: random images of varied sizes, cut into crops."""
+
+    def __init__(self, cfg, **kw):
+        super().__init__(cfg, **kw)
+        self.transform = make_transform(cfg.vision)
+
+    def pixels(self, pos: int, k: int = 0):
+        w, h = [(28, 28), (40, 60), (60, 40), (50, 90)][pos % 4]
+        rgb = np.random.default_rng(pos).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        return self.transform(Image.fromarray(rgb))
+
+
+def _packed(samples, cfg, n: int, text_len: int, max_images: int = 4, mode: str = "token", max_crops: int = 0):
     """All n samples packed: (batch, rows). One step of every row, GAS = DP = 1."""
     shape = row_shape(cfg, max_images, text_len)
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=n)
     rows = next(r for r in range(1, n + 1) if sum(len(plan.row(i)) for i in range(r)) == n)
     norm = LossNorm(mode, rows, 1, 1, answer_counts(samples, plan))
-    data = RowSet(samples, plan, image_size=cfg.vision.image_size, norm=norm)
+    data = RowSet(samples, plan, image_size=cfg.vision.image_size, max_crops=max_crops, norm=norm)
     return collate([data[r] for r in range(rows)]), [plan.row(r) for r in range(rows)]
 
 
@@ -99,26 +114,28 @@ def test_row_plan_holds_every_sample_once_within_the_row():
     assert RowPlan(lambda p: sizes[p], shape, pack=False).row(7) == [7]
 
 
-@pytest.mark.parametrize("preset,text_only", [("tiny", 0), ("llava-tiny", 4)])
+@pytest.mark.parametrize("preset,text_only", [("tiny", 0), ("llava-tiny", 4), ("crops", 0)])
 def test_packed_rows_equal_the_unpacked_batch(preset, text_only):
     """Per answer token over the batch: packed rows' loss and every weight's gradient equal the
-    padded batch's, fp32, 1e-5. (moondream family: every sample with an image, see docs/packing.md.)"""
-    cfg = _model_cfg(preset)
-    samples, n, text_len = LongTail(cfg, text_only=text_only), 12, 40
+    padded batch's, fp32, 1e-5. (moondream family: every sample with an image, see docs/packing.md;
+    "crops": moondream multi-crop, each image's 1 + 4 crop slots and tiling in its image slot.)"""
+    cfg = config_from_dict(CROPS_TINY, "crops-tiny") if preset == "crops" else _model_cfg(preset)
+    samples, n, text_len = (LongTailCrops if preset == "crops" else LongTail)(cfg, text_only=text_only), 12, 40
     model = ReferenceModel(cfg, seed=5)
     padded = TrainSet(samples, text_len=text_len, n_img=cfg.n_image_positions, image_size=cfg.vision.image_size,
-                      image_token=placeholders(cfg))
+                      image_token=placeholders(cfg), max_crops=cfg.vision.max_crops)
     b = collate([padded[i] for i in range(n)])
-    logits = model(b["pixels"], b["input_ids"], b["has_image"])
+    logits = model(b["pixels"], b["input_ids"], b["has_image"], b.get("tiling"))
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE_INDEX,
                                            reduction="sum")
     loss_u = ce / (b["labels"] != IGNORE_INDEX).sum()
     g_u = _grads(model, loss_u)
 
-    p, rows = _packed(samples, cfg, n, text_len)
+    p, rows = _packed(samples, cfg, n, text_len, max_crops=cfg.vision.max_crops)
     assert len(rows) < n / 2 and sorted(sum(rows, [])) == list(range(n))  # several samples share each row
     assert (p["segments"].amax(dim=1) >= 2).all()
-    loss_p = lm_loss(model(p["pixels"], p["input_ids"], p["has_image"], p["segments"]), (p["labels"], p["weights"]))
+    logits = model(p["pixels"], p["input_ids"], p["has_image"], p["segments"], p.get("tiling"))
+    loss_p = lm_loss(logits, (p["labels"], p["weights"]))
     g_p = _grads(model, loss_p)
     assert loss_p.item() == pytest.approx(loss_u.item(), abs=TOL)
     for k in g_u:
