@@ -86,7 +86,7 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
         problems.append(f"--max-images: {args.max_images} must be >= 1")
     elif args.max_images > 1 and cfg is not None and not markers and not args.pack:
         # without markers one image per sample; --max-images then only sizes a packed row's image slots
-        how = "splices one image after BOS" if cfg.fusion == "prefix" else f"({cfg.fusion}) attends to one image"
+        how = f"({cfg.fusion}) attends to one image" if cfg.layout.cross_attention else "splices one image after BOS"
         problems.append(f"--max-images: {args.max_images}: the {cfg.family} family {how}; several images per "
                         f"sample need the LLaVA family (with --pack it sizes a row's image slots)")
     text_len = args.text_len
