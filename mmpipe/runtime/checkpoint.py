@@ -61,12 +61,19 @@ RANK_DIR = "rank_state"            # rank_state/rank<R>.json: that rank's RNG st
 
 def _fsync_tree(path: Path) -> None:
     for f in sorted(path.rglob("*")):
-        if f.is_file():
+        try:
+            if not f.is_file():
+                continue
             fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        except FileNotFoundError:
+            # another rank's `x.json.PID.tmp`, renamed between the listing and the open: its writer
+            # fsynced it before the rename (_write_json_atomic). Seen as a rank crashing in save
+            # under load (tests/test_validation.py at PP=4), the others then stuck in the barrier.
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     _fsync_dir(path)
 
 
