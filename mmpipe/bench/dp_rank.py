@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from ..cluster.slurm_env import ranks_from_slurm
 from ..config import ConfigError, fail
-from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare
 from ..model.builder import lm_loss
 from ..run_args import TrainArgs
 from ..run_config import resolve
-from ..runtime.feed import StepCounts, decoder_length
+from ..runtime.feed import StepCounts, decoder_length, run_dataset
 from ..runtime.pipeline import VLMPipeline
 from ..runtime.steplog import StepLog
 from ..runtime.trainer import DTYPES, refuse_unsupported, setup_torch
@@ -68,9 +68,7 @@ def main(argv=None) -> int:
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds,
                                            model_parameters=[q for q in model.parameters() if q.requires_grad])
     samples = prepare(run.data, run.model, out, args.seed, verbose=False)
-    v = run.model.vision
-    dataset = TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
-                       augment_seed=args.seed if run.data.augment else None, max_crops=v.max_crops)
+    dataset = run_dataset(run, samples, augment_seed=args.seed if run.data.augment else None, train=False)
     batches = rank_batches(dataset, StepBatches(0, run.micro, run.gas, rank, run.dp), dtype=DTYPES[run.precision],
                            workers=run.data.workers)
     log = StepLog(out, run.train_batch, decoder_length(run), enabled=rank == 0)  # e.g. 16 image + 12 text = 28

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..data.batches import StepBatches, TrainSet, rank_batches
+from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare
 from ..run_args import TrainArgs
 from ..run_config import resolve
-from ..runtime.feed import StepCounts
+from ..runtime.feed import StepCounts, run_dataset
 from .run_variant import ds_config
 from .sweep import Variant
 
@@ -49,11 +49,8 @@ def batches(run, seed: int, *, first: bool = True, last: bool = True, samples=No
     """mmpipe's own micro-batch stream for dp rank 0 (the same samples a PP run trains on), loaded
     as mmpipe.train loads it: images and the loader workers only on the first stage, labels only
     on the last, so a peer pays the same data cost as the variant it is compared with."""
-    v = run.model.vision
     samples = peer_samples(run, seed, "") if samples is None else samples  # "": the built-in set keeps no files
-    data = TrainSet(samples, text_len=run.text_len,
-                    n_img=run.model.n_image_positions, image_size=v.image_size, need_images=first, need_labels=last,
-                    max_crops=v.max_crops)
+    data = run_dataset(run, samples, first=first, last=last, train=False)  # one-sample rows, no loss weights
     return rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1), workers=run.data.workers if first else 0)
 
 

@@ -159,10 +159,10 @@ class DecoderBlock(nn.Module):
     def forward(self, args):
         t = StageTuple.unpack(args)
         if t.rows:  # per sample: its BOS + image block bidirectional, causal after, positions from 0
-            prefix = (row_positions(t.segments) == 0) | (t.input_ids == IMAGE_SLOT)  # [B, L]
-            mask = row_mask(t.segments, prefix)
+            positions = row_positions(t.segments)  # [B, L]
+            mask = row_mask(t.segments, (positions == 0) | (t.input_ids == IMAGE_SLOT))
             h = self.ln(t.hidden)
-            rotary = rotary_at(row_positions(t.segments), self.rotary_dim, self.theta)
+            rotary = rotary_at(positions, self.rotary_dim, self.theta)
             return t._replace(hidden=t.hidden + self.attn(h, mask=mask, rotary=rotary) + self.mlp(h)).pack()
         return t._replace(hidden=self.run(t.hidden, t.has_image)).pack()
 

@@ -14,7 +14,8 @@ from ..run_config import RunConfig
 def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = True, augment_seed: int | None = None,
                 train: bool = True) -> Dataset:
     """first: the rank reads images; last: labels (and, when train, loss weights). train=False
-    (validation): unpacked rows, labels alone (validation divides its loss sum by the set's tokens)."""
+    (validation, the bench peers): unpacked rows, labels alone (validation divides its loss sum by
+    the set's tokens; the peers take the per-micro-batch mean)."""
     v, shape = run.model.vision, row_shape(run.model, run.max_images, run.text_len)
     plan = RowPlan(sample_size(samples, shape), shape, pack=run.pack and train)
     norm = (LossNorm(run.loss_norm, run.train_batch, run.gas, run.dp, answer_counts(samples, plan))
@@ -41,10 +42,11 @@ class StepCounts:
     text tokens packed into one 160-position row: 3 samples, 3 x 16 + 67 = 115 useful of 160.
     Read from the token index alone (no image is opened): every rank can count any step."""
 
-    def __init__(self, run: RunConfig, samples):
+    def __init__(self, run: RunConfig, samples, plan: RowPlan | None = None):
+        """plan: the training dataset's own (RowSet.plan), so rows are packed once; None builds it."""
         shape = row_shape(run.model, run.max_images, run.text_len)
         self.size = sample_size(samples, shape)
-        self.plan = RowPlan(self.size, shape, pack=run.pack)
+        self.plan = plan if plan is not None else RowPlan(self.size, shape, pack=run.pack)
 
     def __call__(self, first_row: int, rows: int) -> tuple[int, int]:
         positions = [p for r in range(first_row, first_row + rows) for p in self.plan.row(r)]

@@ -77,7 +77,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
     positions = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
     log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume)
-    counts = StepCounts(run, samples) if rank == 0 else None  # each step's real samples and useful positions
+    counts = StepCounts(run, samples, stream.plan) if rank == 0 else None  # each step's samples, useful positions
     validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
     announce(run, rank)
     bar = tqdm(total=args.steps, initial=progress.step, disable=rank != 0, desc="train", dynamic_ncols=True,
