@@ -40,19 +40,20 @@ def test_tiny_sweep_end_to_end(tmp_path):
                      {"name": "dp2_z1", "dp": 2, "zero": 1},
                      {"name": "dp2_z2", "engine": "dp", "dp": 2, "zero": 2},
                      {"name": "pack", "pack": True, "max_images": 3, "text_len": 40}],  # 3 samples a row
-        "peers": ["hf", "torch_pipe"], "targets": {"pp2": "pp2"}}))
+        "peers": ["hf", "torch_pipe", "torch_pipe_zb"], "targets": {"pp2": "pp2"}}))
     out = tmp_path / "out"
     # this CPU's fp16 answer faked off (as on an AMD EPYC): the sweep still passes, the row says why
     proc = bench([str(sweep), "--output-dir", str(out)], MMPIPE_FAKE_ACCELERATOR="fp16=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("results.csv", "results.json", "results.md", "throughput.png", "memory.png", "bubble.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    assert "[bench 8/8" in proc.stdout  # the progress display
+    assert "[bench 9/9" in proc.stdout  # the progress display
     with open(out / "results.csv", newline="") as f:
         reader = csv.DictReader(f)
         rows = {r["name"]: r for r in reader}
         assert reader.fieldnames == documented_columns()
-    assert set(rows) == {"pp2", "fp16_no_zero", "fp16_z1", "dp2_z1", "dp2_z2", "pack", "peer_hf", "peer_torch_pipe"}
+    assert set(rows) == {"pp2", "fp16_no_zero", "fp16_z1", "dp2_z1", "dp2_z2", "pack", "peer_hf", "peer_torch_pipe",
+                         "peer_torch_pipe_zb"}
     ok = rows["pp2"]
     assert ok["status"] == "ok"
     assert int(ok["measured_steps"]) == 3  # 4 steps, the first excluded as warm-up
@@ -85,6 +86,10 @@ def test_tiny_sweep_end_to_end(tmp_path):
         with open(out / d / "train_log.csv") as f:
             return [float(r["loss"]) for r in csv.DictReader(f)]
     assert losses("peers/torch_pipe_r0") == pytest.approx(losses("variants/pp2_r0"), abs=1e-5)
+    # torch's zero-bubble ZBV (4 stages in a V on 2 ranks, B and W split by torch) trains the same model:
+    # a real split backward, with mmpipe's integer tensors kept off its wire
+    assert rows["peer_torch_pipe_zb"]["status"] == "ok", rows["peer_torch_pipe_zb"]["reason"]
+    assert losses("peers/torch_pipe_zb_r0") == pytest.approx(losses("peers/torch_pipe_r0"), abs=1e-5)
     # ZeRO-2 through DeepSpeed's ordinary engine trains what the pipeline engine's DP=2 ZeRO-1 does
     # (each loss the mean over both replicas)
     assert losses("variants/dp2_z2_r0") == pytest.approx(losses("variants/dp2_z1_r0"), abs=1e-5)

@@ -80,6 +80,12 @@ def targets(rows: list[dict], spec: dict | None) -> list[dict]:
         out.append({"target": "mmpipe PP=2 throughput >= torch.distributed.pipelining 1F1B", "measured":
                     f"{pp2['samples_per_s']:.1f} vs {tp['samples_per_s']:.1f} samples/s", "ratio": r,
                     "threshold": 1.0, "met": r >= 1.0})
+    zb = get("peer_torch_pipe_zb")
+    if tp and zb:  # torch's own zero-bubble gain, to set beside mmpipe's zb-h1 (docs/schedules.md)
+        r = zb["samples_per_s"] / tp["samples_per_s"]
+        out.append({"target": "torch.distributed.pipelining ZBV zero-bubble >= its 1F1B", "measured":
+                    f"{zb['samples_per_s']:.1f} vs {tp['samples_per_s']:.1f} samples/s", "ratio": r,
+                    "threshold": 1.0, "met": r >= 1.0})
     return out
 
 

@@ -39,7 +39,7 @@ VARIANT_FIELDS = {
 VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
                     "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe", "pack": False,
                     "max_images": 1, "text_len": None}
-PEERS = ("hf", "torch_pipe")
+PEERS = ("hf", "torch_pipe", "torch_pipe_zb")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "data", "_comment"}
 TARGET_ROLES = ("pp1", "pp2", "hf_base")

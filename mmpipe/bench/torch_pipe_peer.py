@@ -4,19 +4,33 @@ seeds) split at the same boundary mmpipe's balanced partition picks, the same ba
 
 mmpipe's layers take and return one tuple (hidden, input_ids, has_image, ...); a PipelineStage
 calls submod(*args), so each stage is wrapped to pack its arguments into that tuple.
+
+--schedule zbv: torch's zero-bubble ScheduleZBVZeroBubble (peer `torch_pipe_zb`). It needs two
+stages per rank in a V: the model is cut into 4 balanced stages, rank 0 holds stages 0 and 3, rank 1
+stages 1 and 2. Torch 2.14's split backward (B for the inputs, W for the weights, from its own
+autograd graph analysis) mis-pairs output gradients when a stage's outputs mix float and integer
+tensors (stage_backward_input indexes the gradients over the float outputs by position in all
+outputs), so in this peer only the floats of mmpipe's stage tuple travel. The integers (input_ids,
+has_image[, tiling]) are the micro-batch's own, unchanged from layer to layer, and every rank loads
+them (first=False: no image is decoded); each stage takes them from a queue filled per step, one
+entry per micro-batch in forward order (WireStage).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
+from ..data.batches import StepBatches, collate
 from ..model.builder import ReferenceModel, lm_loss
-from ..runtime.feed import decoder_length
+from ..planning.partition import compute_parts
+from ..runtime.feed import decoder_length, run_dataset
 from ..runtime.reference import clip_and_step, gradient_clipping, make_optimizer, make_scheduler
 from ..runtime.steplog import StepLog
 from .memory import write_peak
@@ -30,6 +44,76 @@ class TupleStage(nn.Module):
 
     def forward(self, *xs):
         return self.layers(tuple(xs) if len(xs) > 1 else xs[0])
+
+
+class WireStage(nn.Module):
+    """One stage of the zbv peer: floats in and out on the wire, the micro-batch's integer tensors from
+    `ints` (n_ints of them: the Projector drops tiling, so a stage after it takes 2, one before it 3)."""
+
+    def __init__(self, layers: nn.Sequential, first: bool, last: bool, n_ints: int):
+        super().__init__()
+        self.layers, self.first, self.last, self.n_ints = layers, first, last, n_ints
+        self.ints: deque = deque()
+
+    def forward(self, *xs):
+        if not self.first:
+            xs = xs + tuple(self.ints.popleft()[:self.n_ints])
+        out = self.layers(tuple(xs) if len(xs) > 1 else xs[0])
+        if self.last:
+            return out
+        floats = tuple(t for t in out if t.is_floating_point())
+        return floats if len(floats) > 1 else floats[0]
+
+
+def boundaries(run, parts: list[int], layers: list[nn.Module], inputs: tuple) -> list[tuple]:
+    """The stage tuple entering each stage 1..P-1 and the final output, on one micro-batch (no grad):
+    what WireStage sends, as PipelineStage's input_args / output_args (so torch infers no shapes by
+    running a stage on uninitialised integer ids)."""
+    seen, x = [], inputs
+    with torch.no_grad():
+        for lo, hi in zip(parts, parts[1:]):
+            for layer in layers[lo:hi]:
+                x = layer(x)
+            # torch derives which outputs get a gradient from the examples' requires_grad
+            seen.append(tuple(t.detach().requires_grad_(t.is_floating_point()) for t in
+                              (x if isinstance(x, tuple) else (x,))))
+    return seen
+
+
+def zbv_schedule(run, seed: int, rank: int, world: int, samples):
+    """ScheduleZBVZeroBubble over 2 x world balanced stages in a V (rank r holds stages r and
+    2 x world - 1 - r), its WireStages, and this rank's stream of micro-batch integer tensors (None on
+    rank 0, which loads them with the images)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    n = 2 * world
+    parts = compute_parts(run.layers, n, "balanced")
+    full = ReferenceModel(run.model, seed=seed)
+    layers = list(full)
+    probe = next(batches(run, seed, first=True, last=False, samples=samples))[0]  # one micro-batch's inputs
+    seen = boundaries(run, parts, layers, probe)
+    mods, stages = [], []
+    for s in (rank, n - 1 - rank):
+        inputs = probe if s == 0 else tuple(t for t in seen[s - 1] if t.is_floating_point())
+        n_ints = 0 if s == 0 else sum(1 for t in seen[s - 1] if not t.is_floating_point())
+        out = seen[s] if s == n - 1 else tuple(t for t in seen[s] if t.is_floating_point())
+        if s and n_ints > 2 and rank != 0:
+            raise SystemExit(f"mmpipe bench: peer torch_pipe_zb: stage {s} needs the multi-crop tiling, which "
+                             f"rank {rank} does not load (cut the model after the Projector)")
+        mod = WireStage(nn.Sequential(*layers[parts[s]:parts[s + 1]]), s == 0, s == n - 1, n_ints)
+        mods.append(mod)
+        stages.append(PipelineStage(mod, s, n, torch.device("cpu"), input_args=inputs,
+                                    output_args=out[0] if len(out) == 1 else out))
+    del full, layers
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=run.gas, loss_fn=lm_loss)
+    return schedule, mods, (None if rank == 0 else int_batches(run, samples))
+
+
+def int_batches(run, samples):
+    """The micro-batches' (input_ids, has_image), as the images' rank draws them, without images."""
+    data = run_dataset(run, samples, first=False, last=False, train=False)
+    for b in DataLoader(data, batch_sampler=StepBatches(0, run.micro, run.gas, 0, 1), collate_fn=collate):
+        yield b["input_ids"], b["has_image"]
 
 
 def main(argv=None) -> int:
@@ -47,36 +131,45 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run = resolved(a.preset, world, a.micro, a.gas, world, a.steps, a.data_workers, a.data, a.text_len)
-    full = ReferenceModel(run.model, seed=a.seed)  # layer i under seed + i, as the pipeline builds it
-    lo, hi = run.parts[rank], run.parts[rank + 1]
-    stage_mod = TupleStage(nn.Sequential(*list(full)[lo:hi]))
-    del full
-    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
-    sched_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
-    schedule = sched_cls(stage, n_microbatches=run.gas, loss_fn=lm_loss)
-    params = [p for p in stage_mod.parameters() if p.requires_grad]
+    samples = peer_samples(run, a.seed, a.out)
+    if schedule_name == "zbv":
+        schedule, stage_mods, ints = zbv_schedule(run, a.seed, rank, world, samples)
+        first, last = rank == 0, rank == 0  # the V: rank 0 holds the first and the last stage
+    else:
+        full = ReferenceModel(run.model, seed=a.seed)  # layer i under seed + i, as the pipeline builds it
+        lo, hi = run.parts[rank], run.parts[rank + 1]
+        stage_mods = [TupleStage(nn.Sequential(*list(full)[lo:hi]))]
+        del full
+        stage = PipelineStage(stage_mods[0], rank, world, torch.device("cpu"))
+        sched_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
+        schedule, ints = sched_cls(stage, n_microbatches=run.gas, loss_fn=lm_loss), None
+        first, last = rank == 0, rank == world - 1
+    params = [p for m in stage_mods for p in m.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     clip = gradient_clipping(run.ds_config)
-    samples = peer_samples(run, a.seed, a.out)
-    stream = batches(run, a.seed, first=rank == 0, last=rank == world - 1, samples=samples)
+    stream = batches(run, a.seed, first=first, last=last, samples=samples) if first or last else None
     counts = step_counter(run, samples) if rank == 0 else None
     log = StepLog(Path(a.out), run.micro * run.gas, decoder_length(run), enabled=rank == 0)  # 28 positions per row
+    loss_rank = 0 if schedule_name == "zbv" else world - 1
     for step in range(1, a.steps + 1):
         dist.barrier()  # start every step together, as a train_batch does
         t0 = time.perf_counter()  # loading is inside the step, as in train_batch (its LoadMicroBatch)
-        mbs = [next(stream) for _ in range(run.gas)]
+        mbs = [next(stream) for _ in range(run.gas)] if stream else []
+        if schedule_name == "zbv":  # each wire stage's integer tensors, micro-batch by micro-batch
+            step_ints = [m[0][1:] for m in mbs] if first else [next(ints) for _ in range(run.gas)]
+            for m in stage_mods:
+                m.ints.extend(step_ints)
         losses = []
-        if rank == 0:  # images, input_ids, has_image[, tiling]; the schedule splits them into gas micro-batches
-            schedule.step(*(torch.cat([m[0][k] for m in mbs]) for k in range(len(mbs[0][0]))))
-        elif rank == world - 1:
-            schedule.step(target=torch.cat([m[1] for m in mbs]), losses=losses)
+        kwargs = {"target": torch.cat([m[1] for m in mbs]), "losses": losses} if last else {}
+        if first:  # images, input_ids, has_image[, tiling]; the schedule splits them into gas micro-batches
+            schedule.step(*(torch.cat([m[0][k] for m in mbs]) for k in range(len(mbs[0][0]))), **kwargs)
         else:
-            schedule.step()
-        # same global-norm clipping as the DeepSpeed config (the norm summed over both stages)
+            schedule.step(**kwargs)
+        # same global-norm clipping as the DeepSpeed config (the norm summed over all stages)
         clip_and_step(params, opt, sched, clip, norm_allreduce=dist.all_reduce)
         loss = torch.tensor(sum(float(x.detach()) for x in losses) / len(losses) if losses else 0.0)
-        dist.broadcast(loss, world - 1)
+        dist.broadcast(loss, loss_rank)
         dt = time.perf_counter() - t0
         n, useful = counts(step) if counts else (None, None)
         log.step(step, float(loss), dt, samples=n, useful=useful)
