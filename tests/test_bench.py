@@ -101,6 +101,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
 @pytest.mark.parametrize("body, expect", [
     ({"variants": [{"name": "a", "stagez": 2}]}, "variants[0]: unknown key 'stagez'"),
     ({"variants": [{"name": "a", "precision": "fp8"}]}, "variants[0].precision: 'fp8'"),
+    ({"variants": [{"name": "a", "schedule": "zbv"}]}, "variants[0].schedule: 'zbv' must be 1f1b or zb-h1"),
     ({"grid": {"stages": []}}, "grid.stages: must be a non-empty list"),
     ({"grid": {"stages": [1]}, "stepz": 3}, "stepz: unknown key"),
     ({"variants": [{"name": "a"}], "steps": 3, "warmup_steps": 3}, "warmup_steps: 3 leaves no measured step"),

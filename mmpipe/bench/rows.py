@@ -22,7 +22,8 @@ def peer_base(name: str, rep: int, sw: Sweep) -> tuple[dict, Variant]:
     shape = sw.peer_shape()
     stages = 2 if name.startswith("torch_pipe") else 1  # ranks; torch_pipe_zb: 4 stages in a V over 2 ranks
     row = {"kind": "peer", "repeat": rep, **shape.to_dict(), "name": f"peer_{name}", "engine": name, "stages": stages,
-           "dp": 1, "zero": None, "world": stages, "pack": False, "max_images": 1}
+           "dp": 1, "zero": None, "world": stages, "pack": False, "max_images": 1,
+           "schedule": {"torch_pipe": "1f1b", "torch_pipe_zb": "zbv"}.get(name)}
     like = Variant(name=row["name"], preset=shape.preset, stages=stages, micro=shape.micro, gas=shape.gas,
                    data_workers=shape.data_workers, text_len=shape.text_len)
     return row, like

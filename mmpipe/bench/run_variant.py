@@ -41,7 +41,7 @@ def ds_config(v: Variant, resolve_copy: bool = False) -> dict:
     elif v.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 50}
     cfg["pipeline"] = {"stages": v.stages, "partition": v.partition,
-                       "activation_checkpoint_interval": 1 if v.checkpointing else 0}
+                       "activation_checkpoint_interval": 1 if v.checkpointing else 0, "schedule": v.schedule}
     return cfg
 
 

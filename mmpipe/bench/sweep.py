@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..config import ConfigError, read_json
 from ..planning.costmodel import KNOWN_DEVICES
+from ..run_args import SCHEDULES
 
 # variant field -> (type check, description of the valid values)
 VARIANT_FIELDS = {
@@ -35,10 +36,11 @@ VARIANT_FIELDS = {
                    "an integer >= 1 (mmpipe train --max-images: image slots per row)"),
     "text_len": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 2),
                  "an integer >= 2, or null for the data's default (mmpipe train --text-len)"),
+    "schedule": (lambda v: v in SCHEDULES, f"{' or '.join(SCHEDULES)} (mmpipe train --schedule, docs/schedules.md)"),
 }
 VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
                     "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe", "pack": False,
-                    "max_images": 1, "text_len": None}
+                    "max_images": 1, "text_len": None, "schedule": "1f1b"}
 PEERS = ("hf", "torch_pipe", "torch_pipe_zb")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "data", "_comment"}
@@ -62,6 +64,7 @@ class Variant:
     pack: bool = False  # mmpipe train's --pack: several whole samples per row
     max_images: int = 1  # --max-images: image slots per row (and images per sample for LLaVA)
     text_len: int | None = None  # --text-len; None: the data's default (the shapes set's 12)
+    schedule: str = "1f1b"  # the DeepSpeed JSON's pipeline.schedule (--schedule): 1f1b or zb-h1
 
     @property
     def world(self) -> int:
@@ -110,7 +113,7 @@ def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[
 def _auto_name(d: dict, keys) -> str:
     short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
              "data_workers": "w", "partition": "part-", "precision": "", "engine": "", "preset": "",
-             "max_images": "img", "text_len": "tl"}
+             "max_images": "img", "text_len": "tl", "schedule": ""}
     parts = []
     for k in keys:
         v = d[k]
