@@ -43,19 +43,20 @@ TRUE = {"efficiency": {"fp32": 0.37, "bf16": 0.12}, "microbatch_overhead_s": 0.0
         "allreduce_link": 3e7}
 
 
-def truth_device(precision: str) -> Device:
+def truth_device(precision: str, split: float = 0.0) -> Device:
     base = results_device(META, precision)
     return replace(base, efficiency=TRUE["efficiency"][precision], microbatch_overhead=TRUE["microbatch_overhead_s"],
-                   step_overhead=TRUE["step_overhead_s"], allreduce_link=TRUE["allreduce_link"])
+                   step_overhead=TRUE["step_overhead_s"], allreduce_link=TRUE["allreduce_link"], split_overhead=split)
 
 
-def measured_rows(repeats: int = 2, noise=lambda name, rep: 1.0) -> list[dict]:
-    """One row per variant x repeat as `mmpipe bench` writes it, the step time from TRUE's planner."""
+def measured_rows(repeats: int = 2, noise=lambda name, rep: 1.0, sweep=SWEEP, split: float = 0.0) -> list[dict]:
+    """One row per variant x repeat as `mmpipe bench` writes it, the step time from TRUE's planner
+    (zb-h1 variants: its replay with `split` seconds per W)."""
     rows = []
     for rep in range(repeats):
-        for v in parse(SWEEP).variants:
+        for v in parse(sweep).variants:
             row = {"kind": "variant", "repeat": rep, **v.to_dict(), "world": v.world, "status": "ok", "reason": ""}
-            step = predict_row(row, truth_device(v.precision)).step["step_s"] * noise(v.name, rep)
+            step = predict_row(row, truth_device(v.precision, split)).step["step_s"] * noise(v.name, rep)
             batch = v.micro * v.gas * v.dp
             rows.append({**row, "train_batch": batch, "measured_steps": 5, "step_time_s": step,
                          "samples_per_s": batch / step, "samples_per_s_iqr": 1.0,
@@ -181,6 +182,38 @@ def test_calibration_with_noise_and_default_hold_out(tmp_path, capsys):
     # efficiency and the per-slot overhead trade off under noise (both scale with the slots), so the
     # terms move more than 4%; what the fit is for, predicting variants it did not see, stays near the noise
     assert p["fit"]["held_out_rms_rel_error"] < 0.08
+
+
+def test_calibration_fits_the_zb_h1_split_overhead_and_plan_then_ranks_the_schedules_as_measured(tmp_path, capsys):
+    """zb-h1 variants "measured" with splitting costing 8 ms per W (on this CPU the split cost more than
+    the bubble it fills, docs/schedules.md): --calibrate recovers the overhead from one of them and
+    predicts the held-out one; `plan --schedule both` with the profile then ranks 1F1B first for PP=2,
+    as the measurements do, where the uncalibrated planner (a free split) ranks zb-h1 first."""
+    split = 0.008
+    zb = [{"name": "pp2_zb", "stages": 2, "schedule": "zb-h1"},
+          {"name": "pp2_zb_mb8_gas8", "stages": 2, "micro": 8, "gas": 8, "schedule": "zb-h1"}]
+    sweep = {**SWEEP, "variants": SWEEP["variants"][:4] + zb}
+    rows = measured_rows(1, sweep=sweep, split=split)
+    step = {r["name"]: r["step_time_s"] for r in rows}
+    assert step["pp2_zb"] > step["pp2"] and step["pp2_zb_mb8_gas8"] > step["pp2_mb8_gas8"]  # measured: 1f1b faster
+    path, prof = results_file(tmp_path, rows), tmp_path / "prof.json"
+    assert main(["plan", "--calibrate", str(path), "--hold-out", "pp2_zb_mb8_gas8", "--write-profile", str(prof)]) == 0
+    out = capsys.readouterr().out
+    assert "zb-h1 split overhead 8.00 ms per W" in out
+    p = load_profile(str(prof))
+    assert p["split_overhead_s"] == pytest.approx(split, rel=1e-6)
+    assert p["efficiency"]["fp32"] == pytest.approx(TRUE["efficiency"]["fp32"], rel=1e-6)  # zb rows kept out
+    assert p["fit"]["held_out_rms_rel_error"] < 1e-6  # the held-out zb-h1 variant predicted exactly
+    args = ["--schedule", "both", "--precision", "fp32", "--gpus-per-node", "2", "--global-batch", "64",
+            "--micro", "16", "--zero", "0"]
+    calibrated = next(g for g in plan_json(capsys, "--device-profile", str(prof), *args) if g["stages"] == 2)
+    assert calibrated["predictions"]["zb-h1"]["step_s"] == pytest.approx(step["pp2_zb"], rel=1e-6)
+    assert calibrated["schedule"] == "1f1b"
+    free = {**json.loads(prof.read_text()), "split_overhead_s": 0.0}  # the same profile, the split free
+    (tmp_path / "free.json").write_text(json.dumps(free))
+    uncal = next(g for g in plan_json(capsys, "--device-profile", str(tmp_path / "free.json"), *args)
+                 if g["stages"] == 2)
+    assert uncal["schedule"] == "zb-h1"  # a free split: the bubble it fills is all gain
 
 
 def test_device_profile_round_trips_and_changes_plans_step(tmp_path, capsys):

@@ -9,6 +9,15 @@ The planner's step time of a layout (mmpipe.planning.layout) is linear in the te
 
 so with u = 1 / efficiency the fit is ordinary least squares in (u per precision, o_slot, o_step,
 and 1 / the all-reduce's bandwidth, which scales allreduce's bytes).
+
+ZB-H1 variants (a sweep's `"schedule": "zb-h1"`) are predicted by replaying the schedule's order
+(costmodel.zero_bubble_step_seconds), not by that formula, so they are not in the least squares.
+After it, they fit one more term, the split overhead o_w: seconds per W instruction (one per
+micro-batch on each stage with W work) that splitting the backward costs beyond its FLOPs. For each
+fitted zb-h1 variant, o_w is the value whose calibrated prediction equals its measured step (the
+prediction grows with o_w; bisection; 0 when even o_w = 0 predicts slower than measured); the
+profile keeps their median. That is what lets `mmpipe plan --schedule both` rank the schedules as
+this machine does.
 Each variant's equation is divided by its measured step, so the fit minimises the squared
 RELATIVE error (a 10 ms miss on a 100 ms step weighs what 100 ms on 1 s does). The two overheads
 are kept >= 0 (a negative one has no physical meaning): the exact solution over the four
@@ -90,7 +99,12 @@ def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
                           gas=int(row["gas"]), precision=row["precision"], zero=min(int(row.get("zero") or 0), 1),
                           checkpointing=bool(row.get("checkpointing")), text_len=text_len, device=device,
                           partition=str(row.get("partition") or "balanced"),
-                          images=int(row.get("max_images") or 1))
+                          images=int(row.get("max_images") or 1), schedule=zb_of(row))
+
+
+def zb_of(row: dict) -> str:
+    """The schedule a bench row ran (rows from before the column: 1f1b)."""
+    return "zb-h1" if row.get("schedule") == "zb-h1" else "1f1b"
 
 
 def fittable(rows: list[dict]) -> dict[str, dict]:
@@ -167,14 +181,16 @@ def fit(samples: list[dict], link: float) -> dict:
 
 def default_hold_out(cand: dict[str, dict], k: int = 2) -> list[str]:
     """The last k variants (sweep order) the fit can still speak for without them: another variant of
-    the same precision stays in the fit (its efficiency), and, for DP > 1, another DP > 1 variant (the
-    all-reduce's bandwidth). Holding back the only variant of a kind tests nothing the fit learnt."""
+    the same precision stays in the fit (its efficiency), for DP > 1 another DP > 1 variant (the
+    all-reduce's bandwidth), for a zb-h1 variant another zb-h1 variant (the split overhead).
+    Holding back the only variant of a kind tests nothing the fit learnt."""
     names, held = list(cand), []
 
     def covered(n):
         rest = [m for m in names if m not in held and m != n]
-        return any(cand[m]["precision"] == cand[n]["precision"] for m in rest) and (
-            int(cand[n]["dp"]) == 1 or any(int(cand[m]["dp"]) > 1 for m in rest))
+        return any(cand[m]["precision"] == cand[n]["precision"] and zb_of(cand[m]) == "1f1b" for m in rest) and (
+            int(cand[n]["dp"]) == 1 or any(int(cand[m]["dp"]) > 1 for m in rest)) and (
+            zb_of(cand[n]) == "1f1b" or any(zb_of(cand[m]) == "zb-h1" for m in rest))
     for n in reversed(names):
         if len(held) < k and covered(n):
             held.append(n)
@@ -211,13 +227,26 @@ def calibrate(data: dict, hold_out: list[str] | None, source: str = "") -> dict:
                     "before": before.step["step_s"], "terms": terms(unit, dev.link), "stages": cand[n]["stages"],
                     "dp": cand[n]["dp"], "micro": cand[n]["micro"], "gas": cand[n]["gas"]})
     link = out and results_device(meta, out[0]["precision"]).link  # the device's link: every precision's is the same
-    params = fit([s for s in out if not s["held_out"]], link)
-    for s in out:
+    one = [s for s in out if zb_of(cand[s["name"]]) == "1f1b"]
+    if not one:
+        raise ConfigError(f"--calibrate: {source}: no 1f1b pipeline variant with an ok run to fit (zb-h1 variants "
+                          f"only fit the split overhead, on top of the 1f1b fit)")
+    params = fit([s for s in one if not s["held_out"]], link)
+    zb = [s for s in out if zb_of(cand[s["name"]]) == "zb-h1"]
+    lacking = [s["name"] for s in zb if s["precision"] not in params["efficiency"]]
+    if lacking:
+        raise ConfigError(f"--calibrate: {source}: zb-h1 variant {lacking[0]} has no fitted 1f1b variant of its "
+                          f"precision to take the efficiency from")
+    params["split_overhead_s"], params["split_fitted"] = fit_split(
+        [s for s in zb if not s["held_out"]], cand, meta, params, cache)
+    for s in one:
         s["after"] = step_from_terms(s["terms"], s["precision"], params)
-    # leave-one-out over every variant (held-back ones included): fit on all the others, predict it;
+    for s in zb:  # the replay with the calibrated terms and the fitted split overhead; no leave-one-out
+        s["after"], s["loo"] = zb_step(cand[s["name"]], meta, params, params["split_overhead_s"], cache), None
+    # leave-one-out over every 1f1b variant (held-back ones included): fit on all the others, predict it;
     # shows which variants the terms can speak for when nothing like them is fitted
-    for s in out:
-        rest = [t for t in out if t is not s]
+    for s in one:
+        rest = [t for t in one if t is not s]
         try:
             s["loo"] = step_from_terms(s["terms"], s["precision"], fit(rest, link)) \
                 if s["precision"] in {t["precision"] for t in rest} else None
@@ -235,6 +264,41 @@ def calibrate(data: dict, hold_out: list[str] | None, source: str = "") -> dict:
             "source": source}
 
 
+def calibrated_device(meta: dict, precision: str, params: dict, split: float) -> Device:
+    dev = results_device(meta, precision)
+    return replace(dev, efficiency=params["efficiency"][precision], microbatch_overhead=params["microbatch_overhead_s"],
+                   step_overhead=params["step_overhead_s"], allreduce_link=params["allreduce_link"],
+                   split_overhead=split)
+
+
+def zb_step(row: dict, meta: dict, params: dict, split: float, cache: dict) -> float:
+    """A zb-h1 variant's calibrated step with split overhead `split` seconds per W."""
+    return predict_row(row, calibrated_device(meta, row["precision"], params, split), cache).step["step_s"]
+
+
+def fit_split(samples: list[dict], cand: dict, meta: dict, params: dict, cache: dict) -> tuple[float, bool]:
+    """(split overhead per W, fitted?): the median over the zb-h1 samples of the o_w >= 0 that makes each
+    one's calibrated prediction its measured step (module docstring); (0, False) without any. A sample
+    whose precision the 1f1b fit has no efficiency for is skipped."""
+    found = []
+    for s in samples:
+        row = cand[s["name"]]
+        if s["precision"] not in params["efficiency"]:
+            continue
+        lo, hi = 0.0, s["measured"]  # a W costing a whole step is beyond any split's price
+        if zb_step(row, meta, params, lo, cache) >= s["measured"]:
+            found.append(0.0)
+            continue
+        if zb_step(row, meta, params, hi, cache) < s["measured"]:
+            found.append(hi)
+            continue
+        for _ in range(40):  # to ~1e-12 of a step
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if zb_step(row, meta, params, mid, cache) < s["measured"] else (lo, mid)
+        found.append((lo + hi) / 2)
+    return (statistics.median(found), True) if found else (0.0, False)
+
+
 # ---- device profiles -------------------------------------------------------------------------------
 
 def profile_of(result: dict) -> dict:
@@ -246,6 +310,7 @@ def profile_of(result: dict) -> dict:
             "efficiency": result["params"]["efficiency"],
             "microbatch_overhead_s": result["params"]["microbatch_overhead_s"],
             "step_overhead_s": result["params"]["step_overhead_s"],
+            "split_overhead_s": result["params"]["split_overhead_s"],
             "memory_bytes": memory, "link_bytes_per_s": base.link if base else CPU_LINK,
             "allreduce_bytes_per_s": result["params"]["allreduce_link"],
             "fit": {"source": result["source"], "fitted": [s["name"] for s in result["variants"] if not s["held_out"]],
@@ -272,8 +337,9 @@ def load_profile(path: str) -> dict:
                                                            for k, v in table.items()):
             raise ConfigError(f"{where}: {key} must map precisions ({', '.join(PRECISIONS)}) to positive numbers, "
                               f"got {table!r}")
-    for key, zero_ok in (("microbatch_overhead_s", True), ("step_overhead_s", True), ("memory_bytes", False),
-                         ("link_bytes_per_s", False), ("allreduce_bytes_per_s", False)):
+    prof.setdefault("split_overhead_s", 0.0)  # profiles written before zb-h1 calibration: a free split
+    for key, zero_ok in (("microbatch_overhead_s", True), ("step_overhead_s", True), ("split_overhead_s", True),
+                         ("memory_bytes", False), ("link_bytes_per_s", False), ("allreduce_bytes_per_s", False)):
         if not positive(prof.get(key), zero_ok):
             raise ConfigError(f"{where}: {key} must be a {'non-negative' if zero_ok else 'positive'} number, "
                               f"got {prof.get(key)!r}")
@@ -292,7 +358,8 @@ def profile_device(prof: dict, precision: str) -> Device:
     return Device(f"{prof['device']} (calibrated)", float(prof["peak_flops"][precision]), float(prof["memory_bytes"]),
                   float(prof["link_bytes_per_s"]), float(prof["efficiency"][precision]),
                   microbatch_overhead=float(prof["microbatch_overhead_s"]),
-                  step_overhead=float(prof["step_overhead_s"]), allreduce_link=float(prof["allreduce_bytes_per_s"]))
+                  step_overhead=float(prof["step_overhead_s"]), allreduce_link=float(prof["allreduce_bytes_per_s"]),
+                  split_overhead=float(prof["split_overhead_s"]))
 
 
 def report(result: dict) -> str:
@@ -303,7 +370,9 @@ def report(result: dict) -> str:
              "fitted: " + ", ".join(f"efficiency {k} {v:.3f}" for k, v in p["efficiency"].items())
              + f", per-slot overhead {p['microbatch_overhead_s'] * 1e3:.2f} ms, per-step overhead "
                f"{p['step_overhead_s'] * 1e3:.2f} ms, all-reduce {p['allreduce_link'] / 1e6:.1f} MB/s"
-             + ("" if "all-reduce bandwidth" in p["fitted"] else " (not fitted: no DP > 1 variant in the fit)"),
+             + ("" if "all-reduce bandwidth" in p["fitted"] else " (not fitted: no DP > 1 variant in the fit)")
+             + (f", zb-h1 split overhead {p['split_overhead_s'] * 1e3:.2f} ms per W" if p["split_fitted"]
+                else ", zb-h1 split overhead not fitted (no zb-h1 variant in the fit): 0"),
              f"{'variant':<16} {'PPxDP':>5} {'mb x m':>7} {'prec':>5} {'measured ms':>11} {'before ms':>9} "
              f"{'meas/pred':>9} {'after ms':>9} {'meas/pred':>9} {'LOO ms':>7} {'meas/LOO':>8}  role"]
     for s in result["variants"]:

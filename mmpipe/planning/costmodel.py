@@ -251,6 +251,10 @@ class Device:
     microbatch_overhead: float = 0.0  # seconds per slot
     step_overhead: float = 0.0        # seconds per step
     allreduce_link: float = 0.0       # bytes/s of the data-parallel gradient all-reduce (0: the same as link)
+    # what splitting the backward costs ZB-H1 beyond its FLOPs, per W instruction (one per micro-batch on a
+    # stage with W work): B's copy of the received gradient, W's own autograd call and separate matmuls.
+    # Fitted by --calibrate from a sweep's zb-h1 variants; 0 = free, the uncalibrated planner's view
+    split_overhead: float = 0.0       # seconds per W
 
 
 # dense bf16 peaks from the vendors' data sheets; links: NVLink within a node
@@ -340,14 +344,17 @@ def zero_bubble_step_seconds(stage_times: list[tuple[float, float, float]], weig
     F = B = W = 1 s on both stages, free p2p: 1F1B 5 x 3 = 15 s, the replays 15 and 13, ZB-H1
     15 - 2 = 13 s, bubble 1 - 12/13 = 7.7% against 1 - 12/15 = 20%. A stage with weight_stages[i]
     False has no W: its B is the whole backward, its order 1F1B's. in_flight: ZB-H1's peak
-    micro-batches per stage (up to P on every stage with W, against 1F1B's P - s)."""
+    micro-batches per stage (up to P on every stage with W, against 1F1B's P - s).
+    device.split_overhead is added to every W in ZB-H1's replay only (1F1B does not split), so a
+    split that costs more than the bubble it fills makes `saved` negative: ZB-H1 predicted slower."""
     from .schedules import predict
     m = micro_batches
     base = pipeline_step_seconds([(f, b + w) for f, b, w in stage_times], m, boundary_bytes, grad_bytes, dp, device)
     extra = (base["p2p_s"] + device.microbatch_overhead) / 2  # per micro-batch: half with F, half with B
     times = [(f + extra, b + extra, w) for f, b, w in stage_times]
     one = predict("1f1b", m, times, weight_stages)
-    zb = predict("zb-h1", m, times, weight_stages)
+    zb = predict("zb-h1", m, [(f, b, w + (device.split_overhead if has_w else 0.0))
+                              for (f, b, w), has_w in zip(times, weight_stages)], weight_stages)
     saved = one["makespan"] - zb["makespan"]
     saved = 0.0 if abs(saved) <= 1e-9 * one["makespan"] else saved  # the same sums added in another order (P = 1)
     span = base["slots"] * (base["slot_s"] + base["p2p_s"] + device.microbatch_overhead)  # 1F1B's compute span

@@ -114,7 +114,7 @@ def device_from_args(args) -> Device:
                  args.gpu_mem * GiB if args.gpu_mem else base.memory,
                  args.link_gbps * 1e9 if args.link_gbps else base.link,
                  args.efficiency if args.efficiency else base.efficiency,
-                 base.microbatch_overhead, base.step_overhead, base.allreduce_link)
+                 base.microbatch_overhead, base.step_overhead, base.allreduce_link, base.split_overhead)
     missing = [n for n, v in (("--peak-tflops", dev.peak_flops), ("--gpu-mem", dev.memory), ("--link-gbps", dev.link))
                if v <= 0]
     if missing:
@@ -248,6 +248,7 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
             f"{device.peak_flops / 1e9:.1f} GFLOP/s")
     fixed = (f", + {device.microbatch_overhead * 1e3:.2f} ms per slot, + {device.step_overhead * 1e3:.2f} ms per step"
              if device.microbatch_overhead or device.step_overhead else "")
+    fixed += f", + {device.split_overhead * 1e3:.2f} ms per zb-h1 W" if device.split_overhead else ""
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}{fixed}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
