@@ -65,7 +65,7 @@ class WireStage(nn.Module):
         return floats if len(floats) > 1 else floats[0]
 
 
-def boundaries(run, parts: list[int], layers: list[nn.Module], inputs: tuple) -> list[tuple]:
+def boundaries(parts: list[int], layers: list[nn.Module], inputs: tuple) -> list[tuple]:
     """The stage tuple entering each stage 1..P-1 and the final output, on one micro-batch (no grad):
     what WireStage sends, as PipelineStage's input_args / output_args (so torch infers no shapes by
     running a stage on uninitialised integer ids)."""
@@ -91,7 +91,7 @@ def zbv_schedule(run, seed: int, rank: int, world: int, samples):
     full = ReferenceModel(run.model, seed=seed)
     layers = list(full)
     probe = next(batches(run, seed, first=True, last=False, samples=samples))[0]  # one micro-batch's inputs
-    seen = boundaries(run, parts, layers, probe)
+    seen = boundaries(parts, layers, probe)
     mods, stages = [], []
     for s in (rank, n - 1 - rank):
         inputs = probe if s == 0 else tuple(t for t in seen[s - 1] if t.is_floating_point())

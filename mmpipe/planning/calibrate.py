@@ -10,14 +10,6 @@ The planner's step time of a layout (mmpipe.planning.layout) is linear in the te
 so with u = 1 / efficiency the fit is ordinary least squares in (u per precision, o_slot, o_step,
 and 1 / the all-reduce's bandwidth, which scales allreduce's bytes).
 
-ZB-H1 variants (a sweep's `"schedule": "zb-h1"`) are predicted by replaying the schedule's order
-(costmodel.zero_bubble_step_seconds), not by that formula, so they are not in the least squares.
-After it, they fit one more term, the split overhead o_w: seconds per W instruction (one per
-micro-batch on each stage with W work) that splitting the backward costs beyond its FLOPs. For each
-fitted zb-h1 variant, o_w is the value whose calibrated prediction equals its measured step (the
-prediction grows with o_w; bisection; 0 when even o_w = 0 predicts slower than measured); the
-profile keeps their median. That is what lets `mmpipe plan --schedule both` rank the schedules as
-this machine does.
 Each variant's equation is divided by its measured step, so the fit minimises the squared
 RELATIVE error (a 10 ms miss on a 100 ms step weighs what 100 ms on 1 s does). The two overheads
 are kept >= 0 (a negative one has no physical meaning): the exact solution over the four
@@ -28,6 +20,15 @@ traffic is not in the model) with at least one ok repeat, one equation each, at 
 over their ok repeats. Held back (`--hold-out a,b`; default: the last two the fit
 can speak for, see default_hold_out) are predicted before and after, never fitted. The all-reduce's
 bandwidth is fitted only when a fitted variant has DP > 1 (else it keeps the device's link).
+
+ZB-H1 variants (a sweep's `"schedule": "zb-h1"`) are predicted by replaying the schedule's order
+(costmodel.zero_bubble_step_seconds), not by that formula, so they are not in the least squares.
+After it, they fit one more term, the split overhead o_w: seconds per W instruction (one per
+micro-batch on each stage with W work) that splitting the backward costs beyond its FLOPs. For each
+fitted zb-h1 variant, o_w is the value whose calibrated prediction equals its measured step (the
+prediction grows with o_w; bisection; 0 when even o_w = 0 predicts slower than measured); the
+profile keeps their median. That is what lets `mmpipe plan --schedule both` rank the schedules as
+this machine does.
 """
 from __future__ import annotations
 
@@ -212,7 +213,7 @@ def calibrate(data: dict, hold_out: list[str] | None, source: str = "") -> dict:
         raise ConfigError(f"--hold-out: {', '.join(unknown)} is not a pipeline variant with an ok run in {source} "
                           f"(valid: {', '.join(names)})")
     fitted = [n for n in names if n not in hold_out]
-    orphans = [n for n in hold_out if prec[n] not in {prec[m] for m in fitted}]
+    orphans = [n for n in hold_out if prec[n] not in {prec[m] for m in fitted if zb_of(cand[m]) == "1f1b"}]
     if orphans:
         raise ConfigError(f"--hold-out: {', '.join(orphans)} would leave no {prec[orphans[0]]} variant to fit its "
                           f"efficiency; hold back another")
