@@ -11,6 +11,7 @@ from ..cluster.ports import free_port
 from .run_variant import run_logged
 
 PEER_RANKS = {"hf": 1, "torch_pipe": 2, "torch_pipe_zb": 2}  # processes a peer runs, all on one machine
+PEER_SCHEDULES = {"torch_pipe": "1f1b", "torch_pipe_zb": "zbv"}  # torch_pipe_peer --schedule (zbv: 4 stages in a V)
 
 
 def peer_command(kind: str, shape, sweep, out: Path) -> tuple[list[str], dict]:
@@ -25,7 +26,7 @@ def peer_command(kind: str, shape, sweep, out: Path) -> tuple[list[str], dict]:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PEER_RANKS[kind]),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "mmpipe.bench.torch_pipe_peer",
-               *common, *(["--schedule", "zbv"] if kind == "torch_pipe_zb" else [])]
+               *common, "--schedule", PEER_SCHEDULES[kind]]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RANK=os.environ.get("RANK", "0"))
     env.setdefault("OMP_NUM_THREADS", "1")
     if kind == "hf":

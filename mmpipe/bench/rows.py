@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .peers import PEER_RANKS, PEER_SCHEDULES
 from .run_variant import first_error, measure
 from .sweep import Sweep, Variant
 
@@ -20,10 +21,10 @@ def peer_base(name: str, rep: int, sw: Sweep) -> tuple[dict, Variant]:
     """A peer's row fields and the Variant it is measured as (the sweep's peer shape, its stages, its text
     length; one-sample rows whatever the shape's pack and max_images: the peers do not pack)."""
     shape = sw.peer_shape()
-    stages = 2 if name.startswith("torch_pipe") else 1  # ranks; torch_pipe_zb: 4 stages in a V over 2 ranks
+    stages = PEER_RANKS[name]  # ranks; torch_pipe_zb: 4 stages in a V over its 2 ranks
     row = {"kind": "peer", "repeat": rep, **shape.to_dict(), "name": f"peer_{name}", "engine": name, "stages": stages,
            "dp": 1, "zero": None, "world": stages, "pack": False, "max_images": 1,
-           "schedule": {"torch_pipe": "1f1b", "torch_pipe_zb": "zbv"}.get(name)}
+           "schedule": PEER_SCHEDULES.get(name)}
     like = Variant(name=row["name"], preset=shape.preset, stages=stages, micro=shape.micro, gas=shape.gas,
                    data_workers=shape.data_workers, text_len=shape.text_len)
     return row, like

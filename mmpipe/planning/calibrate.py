@@ -279,13 +279,11 @@ def zb_step(row: dict, meta: dict, params: dict, split: float, cache: dict) -> f
 
 def fit_split(samples: list[dict], cand: dict, meta: dict, params: dict, cache: dict) -> tuple[float, bool]:
     """(split overhead per W, fitted?): the median over the zb-h1 samples of the o_w >= 0 that makes each
-    one's calibrated prediction its measured step (module docstring); (0, False) without any. A sample
-    whose precision the 1f1b fit has no efficiency for is skipped."""
+    one's calibrated prediction its measured step (module docstring); (0, False) without any. Every
+    sample's precision has an efficiency (calibrate refuses a zb-h1 variant without a 1f1b one)."""
     found = []
     for s in samples:
         row = cand[s["name"]]
-        if s["precision"] not in params["efficiency"]:
-            continue
         lo, hi = 0.0, s["measured"]  # a W costing a whole step is beyond any split's price
         if zb_step(row, meta, params, lo, cache) >= s["measured"]:
             found.append(0.0)
