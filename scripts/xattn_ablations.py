@@ -57,9 +57,10 @@ def patch(args) -> None:
         from mmpipe.model import layers
         p_init = layers.Projector.__init__
 
-        def pinit(self, cfg):
-            p_init(self, cfg)  # its MLP is drawn before the positions: the same MLP weights
-            del self.image_pos
+        def pinit(self, cfg, **kw):  # the family's own keywords (image_pos=True) pass through
+            p_init(self, cfg, **kw)  # its MLP is drawn before the positions: the same MLP weights
+            if hasattr(self, "image_pos"):  # drawn, then dropped: later layers draw what they drew before
+                del self.image_pos
         layers.Projector.__init__ = pinit
     if args.xattn_before:
         from mmpipe import config

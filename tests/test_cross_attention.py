@@ -188,3 +188,21 @@ def test_short_run_learns_to_read_the_image(tmp_path):
     assert s["eval_per_type"]["where_is_shape"] >= 0.35
     assert s["blank_image_accuracy"] <= s["chance_accuracy"] + 0.1
     assert s["final_loss"] < run.losses[1] / 4
+
+
+def test_ablation_script_drops_the_image_positions(monkeypatch):
+    """docs/models.md reruns its ablation rows with `scripts/xattn_ablations.py --no-image-pos`: the patched
+    Projector takes the family's own keywords and leaves no learned image positions."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from mmpipe.model import layers
+    monkeypatch.setattr(layers.Projector, "__init__", layers.Projector.__init__)  # restored after the test
+    path = Path(__file__).resolve().parent.parent / "scripts" / "xattn_ablations.py"
+    spec = importlib.util.spec_from_file_location("xattn_ablations", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.patch(argparse.Namespace(kvnorm=False, no_image_pos=True, xattn_before=""))
+    names = [n for n, _ in ReferenceModel(load_preset(PRESET), seed=0).named_parameters()]
+    assert names and not any("image_pos" in n for n in names)
