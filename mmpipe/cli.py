@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # The front door only checks and launches; keep its refusals to the one line each. DeepSpeed
@@ -22,7 +24,7 @@ from .cluster.slurm import add_slurm_args, main_slurm  # noqa: E402
 from .config import ConfigError, fail, list_presets  # noqa: E402
 from .data.dataset import prepare, prepare_eval  # noqa: E402
 from .data.export import add_export_args, export_shapes  # noqa: E402
-from .flags import add_flags, from_namespace  # noqa: E402
+from .flags import add_dry_run, add_flags, from_namespace, print_plan  # noqa: E402
 from .hf.commands import add_export_args as add_weights_export_args  # noqa: E402
 from .hf.commands import add_import_args, main_export, main_import  # noqa: E402
 from .inference.generate import add_generate_args, main_generate  # noqa: E402
@@ -58,37 +60,60 @@ def cmd_train(ns: argparse.Namespace) -> int:
             precision.check(run.precision)
     except ConfigError as e:
         return fail(e)
-    # read and check every record once, before any rank starts; the ranks reuse the indexes
+    # read and check every record once, before any rank starts; the ranks reuse the indexes (a dry
+    # run checks them in a scratch directory: it writes nothing)
     try:
-        if not run.data.builtin:
-            prepare(run.data, run.model, args.output_dir, args.seed, verbose="always")
-        if run.eval_data is not None and not run.eval_data.builtin:
-            prepare_eval(run.eval_data, run.model, args.output_dir, args.seed, args.eval_samples, verbose="always")
+        with tempfile.TemporaryDirectory() as scratch:
+            index_dir = scratch if ns.dry_run else args.output_dir
+            if not run.data.builtin:
+                prepare(run.data, run.model, index_dir, args.seed, verbose="always")
+            if run.eval_data is not None and not run.eval_data.builtin:
+                prepare_eval(run.eval_data, run.model, index_dir, args.seed, args.eval_samples, verbose="always")
+        launcher = shutil.which("deepspeed")
+        if launcher is None:
+            raise ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
+        where = _where(la, hosts, run, args, env, ns.dry_run)
     except ConfigError as e:
         return fail(e)
-    launcher = shutil.which("deepspeed")
-    if launcher is None:
-        return fail(ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)"))
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
-    if hosts is None:
-        where = ["--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",
-                 "--master_port", str(la.master_port or free_port())]
-    else:
-        if len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
-            try:
-                hostfile.check_reachable(hosts, env)
-            except ConfigError as e:
-                return fail(e)
-        env["DS_ENV_FILE"] = str(hostfile.env_file(Path(args.output_dir), env))
-        # every host was checked above; DeepSpeed's own check (first host, plain ssh) would not
-        # see PDSH_SSH_ARGS_APPEND's options
-        where = ["--hostfile", la.hostfile, "--no_ssh_check", "--master_addr", la.master_addr or next(iter(hosts)),
-                 "--master_port", str(la.master_port or 29500)]
-        where += ["--include", la.include] if la.include else ["--exclude", la.exclude] if la.exclude else []
     cmd = [launcher, *where, "--module", "mmpipe.train", *args.to_argv()]
+    if ns.dry_run:
+        return _train_plan(cmd, run, args, hosts)
     print("mmpipe: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd, env=env)
+
+
+def _where(la: LaunchArgs, hosts: dict | None, run, args: TrainArgs, env: dict, dry_run: bool) -> list[str]:
+    """The launcher's placement flags: local ranks, or the hostfile's hosts (checked over ssh and given
+    DS_ENV_FILE in env, except in a dry run)."""
+    if hosts is None:
+        return ["--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",
+                "--master_port", str(la.master_port or free_port())]
+    if not dry_run:
+        if len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
+            hostfile.check_reachable(hosts, env)
+        env["DS_ENV_FILE"] = str(hostfile.env_file(Path(args.output_dir), env))
+    # every host was checked above; DeepSpeed's own check (first host, plain ssh) would not
+    # see PDSH_SSH_ARGS_APPEND's options
+    where = ["--hostfile", la.hostfile, "--no_ssh_check", "--master_addr", la.master_addr or next(iter(hosts)),
+             "--master_port", str(la.master_port or 29500)]
+    return where + (["--include", la.include] if la.include else ["--exclude", la.exclude] if la.exclude else [])
+
+
+def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None) -> int:
+    """--dry-run: what `mmpipe train` would launch."""
+    data = lambda d: d if d is None else "shapes (built-in)" if d.builtin else str(Path(d.name).resolve())  # noqa: E731
+    return print_plan(
+        f"train {run.model.name}", launch=shlex.join(cmd),
+        layout=f"{run.stages} stages x dp {run.dp} = {run.stages * run.dp} ranks, micro {run.micro} x GAS {run.gas} "
+               f"x dp {run.dp} = {run.train_batch} rows per step, schedule {run.schedule}",
+        stages=f"layer boundaries {run.parts} ({len(run.layers)} layers)",
+        ds_config=f"{Path(run.ds_config_path).resolve()} ({run.precision}, ZeRO-{run.zero_stage})",
+        data=data(run.data), eval_data=data(run.eval_data),
+        init_from=run.init_from and str(Path(run.init_from).resolve()),
+        output_dir=str(Path(args.output_dir).resolve()),
+        not_checked=f"ssh to the {len(hosts)} hosts (checked at launch)" if hosts and len(hosts) > 1 else None)
 
 
 def cmd_slurm(ns: argparse.Namespace) -> int:
@@ -101,6 +126,11 @@ def cmd_presets(ns: argparse.Namespace) -> int:
 
 
 def cmd_export_shapes(ns: argparse.Namespace) -> int:
+    if ns.n < 1:
+        return fail(ConfigError(f"--n: {ns.n} must be >= 1"))
+    if ns.dry_run:
+        return print_plan(f"export-shapes: {ns.n} records as {ns.format}", out=str(Path(ns.out).resolve()),
+                          images=f"{ns.image_size} px, shapes on a {ns.patch}-px grid, seed {ns.seed}")
     print(export_shapes(ns.out, ns.format, ns.n, seed=ns.seed, image_size=ns.image_size, patch=ns.patch))
     return 0
 
@@ -141,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
     for name, (help_, add_args, run) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_)
         add_args(sp)
+        add_dry_run(sp)  # each command's function honours it where everything is resolved
         sp.set_defaults(func=run)
     return p
 

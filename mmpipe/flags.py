@@ -55,3 +55,19 @@ def to_argv(obj) -> list[str]:
         name = "--" + f.name.replace("_", "-")
         out += [name] if val is True else [name, str(val)]
     return out
+
+
+def add_dry_run(p: argparse.ArgumentParser) -> None:
+    """--dry-run, on every `mmpipe` command (cli.parser adds it once for all)."""
+    p.add_argument("--dry-run", action="store_true",
+                   help="check and resolve everything, print the plan (what would be launched or written) and "
+                        "start nothing")
+
+
+def print_plan(what: str, **items: Any) -> int:
+    """--dry-run's report: what the command would do, then one `name: value` line per item; exit status 0."""
+    print(f"mmpipe: dry run: {what} (nothing started, nothing written)", flush=True)
+    for name, value in items.items():
+        if value is not None:
+            print(f"  {name.replace('_', ' ')}: {value}", flush=True)
+    return 0

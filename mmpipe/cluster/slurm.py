@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, fail
+from ..flags import print_plan
 from ..run_args import TrainArgs
-from ..run_config import resolve
+from ..run_config import requested_stages, resolve
 from .preempt import MARKER as PREEMPTED
 
 SAFE = re.compile(r"^[A-Za-z0-9._,+-]+$")          # names: partition, account, job name
@@ -42,7 +43,8 @@ def add_slurm_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
         g = p.add_argument_group("Slurm job (every other flag is passed to the ranks, as for `mmpipe train`)")
         g.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
         g.add_argument("--tasks-per-node", type=int, default=None,
-                       help="ranks per node (default: --gpus-per-node, else 1); world size = nodes x this")
+                       help="ranks per node (default: --gpus-per-node, else the run's stages: one pipeline per node); "
+                            "world size = nodes x this")
     g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one per rank (default: 0, CPU)")
     g.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank = OMP_NUM_THREADS (default: 1)")
     g.add_argument("--slurm-partition", default=None,
@@ -174,13 +176,21 @@ def main_slurm(sargs: argparse.Namespace, targs: TrainArgs) -> int:
                         f"(it goes into an #SBATCH line)")
     if problems:
         return fail(ConfigError("\n".join(problems)))
-    world = sargs.nodes * (sargs.tasks_per_node or sargs.gpus_per_node or 1)
     try:
+        if sargs.tasks_per_node is None and not sargs.gpus_per_node:  # one pipeline per node, not 1 rank
+            sargs = argparse.Namespace(**{**vars(sargs), "tasks_per_node": requested_stages(targs)})
+        world = sargs.nodes * (sargs.tasks_per_node or sargs.gpus_per_node)
         resolve(targs, world_size=world)  # a bad run is refused here, not after waiting in the queue
     except ConfigError as e:
         return fail(e)
     script = render(sargs, targs.to_argv(), out, Path.cwd())
     path = Path(sargs.script) if sargs.script else out / "slurm_job.sh"
+    if sargs.dry_run:
+        print_plan(f"slurm: {sargs.nodes} node(s) x {world // sargs.nodes} task(s)", script=path.resolve(),
+                   submit="sbatch --parsable " + str(path) if sargs.submit else "no (without --submit)",
+                   output_dir=out)
+        print(script, end="", flush=True)
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     path.chmod(0o755)
