@@ -155,3 +155,36 @@ def test_cli_generates_many_in_batches(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"image": "im0.png"}\n')
     assert main(base + ["--records", str(tmp_path / "bad.jsonl")]) == 2
     assert capsys.readouterr().err.startswith(f"mmpipe: error: --records: {tmp_path / 'bad.jsonl'}:1:")
+
+
+def test_never_picks_an_id_past_the_tokenizer(tmp_path, capsys):
+    """The vocabulary is padded past the tokenizer (ModelConfig.with_vocab: the built-in tokenizer's 36
+    ids in 64): a padded id decodes to nothing, so generation never picks one (greedy or sampled, cached
+    or not, one row or batched), and `mmpipe generate --records` answers a text-only record with words;
+    an empty answer says why on stderr."""
+    tok = builtin_tokenizer()
+    n, word = len(tok), 9  # 9: "circle"
+    model = ReferenceModel(load_preset("tiny").with_vocab(64), seed=5)
+    assert model.cfg.text.vocab_size > n
+    with torch.no_grad():
+        model[-1].linear.bias[n:] = 100.0  # the padding would win every pick...
+        model[-1].linear.bias[word] = 50.0  # ...over the best real token
+    pixels, prompt = torch.zeros(1, 3, 32, 32), [1, 7, 9]
+    assert all(t >= n for t in generate(model, pixels, prompt, eos_id=None, max_new_tokens=3, has_image=False))
+    for kw in (dict(), dict(use_cache=False), dict(temperature=1.5, top_k=70, seed=1)):
+        assert generate(model, pixels, prompt, eos_id=None, max_new_tokens=3, has_image=False, n_tokens=n,
+                        **kw) == [word] * 3
+    assert generate_batch(model, pixels.repeat(2, 1, 1, 1), [prompt, prompt], [False, False], eos_id=None,
+                          max_new_tokens=3, n_tokens=n) == [[word] * 3] * 2
+    write_checkpoint(model, tmp_path)
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "what shape is red"}) + "\n")
+    base = ["generate", "--checkpoint", str(tmp_path), "--records", str(tmp_path / "text.jsonl"),
+            "--max-new-tokens", "2"]
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["answer"] == "circle circle"
+    with torch.no_grad():
+        model[-1].linear.bias[tok.eos_token_id] = 200.0
+    write_checkpoint(model, tmp_path / "eos")
+    assert main(base[:2] + [str(tmp_path / "eos")] + base[3:]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["answer"] == "" and "empty answer: the model's first new token was EOS" in err

@@ -14,14 +14,17 @@ from ..data.crops import stack_images
 from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from ..data.shapes import QUESTION_TYPES, ShapesVQA
 from ..data.text import placeholders, with_placeholders
+from .generate import in_vocab
 
 
 @torch.no_grad()
 def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]], eos_id: int, pad_id: int,
-                    max_new_tokens: int, text_len: int, tiling: torch.Tensor | None = None) -> list[list[int]]:
+                    max_new_tokens: int, text_len: int, tiling: torch.Tensor | None = None,
+                    n_tokens: int | None = None) -> list[list[int]]:
     """Batched greedy decoding with right padding: causal attention after the image prefix means
     the pads to the right of a prompt never influence it, so prompts of any length share a batch.
-    text_len: the input_ids width (LLaVA: the prompts' placeholders included)."""
+    text_len: the input_ids width (LLaVA: the prompts' placeholders included). n_tokens: the
+    tokenizer's size; the vocabulary's padding past it is never picked."""
     n_img = model.cfg.n_image_positions  # 0 when the image is attended to, not spliced
     B = len(prompts)
     ids = torch.full((B, text_len), pad_id, dtype=torch.long)
@@ -35,7 +38,8 @@ def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]],
         if done.all() or lengths.max() >= text_len:
             break
         logits = model(pixel_values, ids, None, tiling)  # [B, N_img + text_len, V]
-        nxt = logits[rows, n_img + lengths - 1].argmax(-1)  # text token j sits at decoder position n_img + j
+        # text token j sits at decoder position n_img + j
+        nxt = in_vocab(logits[rows, n_img + lengths - 1], n_tokens).argmax(-1)
         for b in range(B):
             if not done[b]:
                 if nxt[b].item() == eos_id:
@@ -64,7 +68,7 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
         prompts = [with_placeholders(ids, cfg, at) for ids, at in
                    (held_out.encoder.prompt([("user", s.question)], n_images=1) for s in samples)]
         answers = greedy_generate(model, pixels, prompts, tok.eos_token_id, tok.pad_token_id, max_new_tokens,
-                                  SHAPES_TEXT_LEN + placeholders(cfg)[1], tiling)
+                                  SHAPES_TEXT_LEN + placeholders(cfg)[1], tiling, n_tokens=len(tok))
         for s, a in zip(samples, answers):
             total[s.qtype] += 1
             correct[s.qtype] += int(tok.decode(a, skip_special_tokens=True).strip() == s.answer)

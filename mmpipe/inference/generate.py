@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -85,12 +86,22 @@ def _generators(temperature: float, seed: int, n: int) -> list[torch.Generator |
     return [torch.Generator().manual_seed(seed) if temperature > 0 else None for _ in range(n)]
 
 
-def _masked(logits: torch.Tensor, answer_id: int | None, step: int) -> torch.Tensor:
+def _masked(logits: torch.Tensor, answer_id: int | None, step: int, n_tokens: int | None = None) -> torch.Tensor:
     """logits [B, V] of new token number `step` (0: the first, from the prompt), with answer_id's logit at
-    -inf from the second token on: moondream masks it on its decode steps, not on the prompt's prefill."""
+    -inf from the second token on: moondream masks it on its decode steps, not on the prompt's prefill.
+    n_tokens (the tokenizer's size): every id from it on is at -inf, at every step - the vocabulary is
+    padded past the tokenizer (ModelConfig.with_vocab), and an id the tokenizer lacks decodes to nothing."""
+    logits = in_vocab(logits, n_tokens)
     if answer_id is None or step == 0:
         return logits
     return logits.index_fill(-1, torch.tensor([answer_id], device=logits.device), float("-inf"))
+
+
+def in_vocab(logits: torch.Tensor, n_tokens: int | None) -> torch.Tensor:
+    """logits [..., V] with the ids >= n_tokens (padding past the tokenizer's ids) at -inf; None: as they are."""
+    if n_tokens is None or n_tokens >= logits.shape[-1]:
+        return logits
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= n_tokens, float("-inf"))
 
 
 def _pick_rows(logits: torch.Tensor, temperature: float, top_k: int, gens: list) -> torch.Tensor:
@@ -103,7 +114,8 @@ def _pick_rows(logits: torch.Tensor, temperature: float, top_k: int, gens: list)
 @torch.no_grad()
 def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torch.Tensor, *, eos_id: int | None,
                  max_new_tokens: int, temperature: float, top_k: int, seed: int,
-                 tiling: torch.Tensor | None = None, answer_id: int | None = None) -> list[list[int]]:
+                 tiling: torch.Tensor | None = None, answer_id: int | None = None,
+                 n_tokens: int | None = None) -> list[list[int]]:
     """The KV-cached loop for B prompts of one length T: pixels [B, C, H, W], ids [B, T], has_image [B].
     Every row is its own sequence at the same positions, so no padding enters any row's attention;
     a row that has produced EOS keeps being fed EOS (its output ignored) until every row is done."""
@@ -125,7 +137,7 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
             x = layer.decode(x, cache, start)
         logits = x  # [B, T_new, V]
         start += logits.shape[1]
-        nxt = _pick_rows(_masked(logits[:, -1], answer_id, step), temperature, top_k, gens)
+        nxt = _pick_rows(_masked(logits[:, -1], answer_id, step, n_tokens), temperature, top_k, gens)
         for b, tok in enumerate(nxt.tolist()):
             if done[b]:
                 continue
@@ -145,24 +157,27 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
 def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id: int | None,
              max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
              use_cache: bool = True, has_image: bool = True, tiling: torch.Tensor | None = None,
-             answer_id: int | None = None) -> list[int]:
+             answer_id: int | None = None, n_tokens: int | None = None) -> list[int]:
     """New token ids for one image + prompt (stops after EOS, which is not returned).
     use_cache=False reruns the whole model on the growing sequence each step (the reference).
     has_image=False: a text-only prompt, as training sees one (pixel_values a zero image, which the
     decoder masks out; LLaVA: a prompt without placeholders). Multi-crop models: pixel_values
     [1, 1 + max_crops, C, H, W] and tiling [1, 2] (mmpipe.data.crops.stack_images). answer_id: never
-    produced after the first new token (moondream's prompt format; module docstring)."""
+    produced after the first new token (moondream's prompt format; module docstring). n_tokens: the
+    tokenizer's size; no id from it on is ever produced (the vocabulary's padding; `_masked`)."""
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
     flag = torch.full((1,), int(has_image), dtype=torch.long)
     pixels = pixel_values.to(next(model.parameters()).dtype)
     if use_cache:
         return _decode_rows(model, pixels, ids, flag, eos_id=eos_id, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, seed=seed, tiling=tiling, answer_id=answer_id)[0]
+                            temperature=temperature, top_k=top_k, seed=seed, tiling=tiling, answer_id=answer_id,
+                            n_tokens=n_tokens)[0]
     gen = _generators(temperature, seed, 1)[0]
     out: list[int] = []
     for step in range(max_new_tokens):
-        nxt = _pick(_masked(model(pixels, ids, flag, tiling)[:, -1], answer_id, step), temperature, top_k, gen)
+        logits = _masked(model(pixels, ids, flag, tiling)[:, -1], answer_id, step, n_tokens)
+        nxt = _pick(logits, temperature, top_k, gen)
         if eos_id is not None and nxt.item() == eos_id:
             break
         out.append(nxt.item())
@@ -183,7 +198,7 @@ def length_buckets(lengths: list[int], batch_size: int) -> list[list[int]]:
 def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], has_image=None, *,
                    eos_id: int | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
                    seed: int = 0, batch_size: int = 16, progress=None, tiling: torch.Tensor | None = None,
-                   answer_id: int | None = None) -> list[list[int]]:
+                   answer_id: int | None = None, n_tokens: int | None = None) -> list[list[int]]:
     """generate() for many prompts at once: pixel_values [N, C, H, W], prompts N token-id lists,
     has_image N bools (default: all True) -> N answers in the prompts' order, each the tokens
     generate(model, pixel_values[i:i+1], prompts[i], ..., has_image=has_image[i]) gives (greedy; a sampled
@@ -197,7 +212,8 @@ def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], 
         answers = _decode_rows(model, pixels[idx], torch.tensor([prompts[i] for i in idx], dtype=torch.long),
                                flags[idx], eos_id=eos_id, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, seed=seed,
-                               tiling=None if tiling is None else tiling[idx], answer_id=answer_id)
+                               tiling=None if tiling is None else tiling[idx], answer_id=answer_id,
+                               n_tokens=n_tokens)
         for i, a in zip(idx, answers):
             out[i] = a
         if progress is not None:
@@ -282,6 +298,8 @@ def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
             raise ConfigError(f"{where}: {image} is not a file")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size: {args.batch_size} must be >= 1")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens: {args.max_new_tokens} must be >= 1")
     return out
 
 
@@ -312,8 +330,8 @@ def main_generate(args: argparse.Namespace) -> int:
         except BadRecord as e:
             return fail(ConfigError(f"{where}: {e.reason}"))
         prompts.append(with_placeholders(ids, cfg, image_at) if h else ids)
-    kw = dict(eos_id=tok.eos_token_id, answer_id=answer_id_of(tok), max_new_tokens=args.max_new_tokens,
-              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    kw = dict(eos_id=tok.eos_token_id, answer_id=answer_id_of(tok), n_tokens=len(tok),
+              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     if args.no_cache:
         new = [generate(model, pixels[i:i + 1], p, use_cache=False, has_image=h,
                         tiling=None if tiling is None else tiling[i:i + 1], **kw)
@@ -321,9 +339,21 @@ def main_generate(args: argparse.Namespace) -> int:
     else:
         new = generate_batch(model, pixels, prompts, has_image, batch_size=args.batch_size, tiling=tiling, **kw)
     answers = [tok.decode(a, skip_special_tokens=True).strip() for a in new]
+    for (_, _, where), a, answer in zip(requests, new, answers):
+        if not answer:  # say why on stderr: stdout stays the answers alone
+            print(f"mmpipe: generate: {where}: empty answer: {empty_reason(a)}", file=sys.stderr, flush=True)
     if len(requests) == 1 and not args.records:  # the single-image form: the answer alone
         print(answers[0])
         return 0
     for (image, prompt, _), answer in zip(requests, answers):
         print(json.dumps({"image": image, "prompt": prompt, "answer": answer}), flush=True)
     return 0
+
+
+def empty_reason(new: list[int]) -> str:
+    """Why new token ids decoded to an empty answer: EOS came first, or every token was a special one
+    (decoding skips those). Ids past the tokenizer are never generated (`_masked`)."""
+    if not new:
+        return "the model's first new token was EOS"
+    shown = ", ".join(map(str, new[:8])) + (", ..." if len(new) > 8 else "")
+    return f"its {len(new)} new tokens (ids {shown}) are all special tokens, which decoding skips"

@@ -15,11 +15,11 @@ For every good record, in file order:
                sampled with every record's generator seeded by --seed), decoded
 
 scored by --metric (exact: normalised string equality; contains: the reference occurs in the answer).
-Written: answers.jsonl (one line per record: row, prompt, reference, answer, score, has_image, and
-type when the record names its question type) and answers.summary.json beside it (the metric
-overall and per type, n, bad records skipped, samples/s, and the teacher-forced validation loss:
-cross-entropy summed over every answer token of the same samples, over their count, as training's
-validation computes it).
+Written: answers.jsonl (one line per record: row, prompt, reference, answer, score, has_image,
+type when the record names its question type, and `empty` saying why when the answer is empty) and
+answers.summary.json beside it (the metric overall and per type, n, bad records skipped, samples/s,
+and the teacher-forced validation loss: cross-entropy summed over every answer token of the same
+samples, over their count, as training's validation computes it).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from ..data.dataset import prepare_eval, resolve_data
 from ..data.records import BadRecord
 from ..data.text import answer_id_of, placeholders, with_placeholders
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
-from .generate import generate_batch, length_buckets, load_checkpoint
+from .generate import empty_reason, generate_batch, length_buckets, load_checkpoint
 
 METRICS = ("exact", "contains")
 TYPE_KEYS = ("type", "qtype", "question_type")  # a record's question type, if it names one
@@ -210,7 +210,8 @@ def _generate_all(args, model, tok, evalset, text_len: int):
             new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].sees_image for i in batch],
                                  eos_id=eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, seed=args.seed, batch_size=len(batch), tiling=tiling,
-                                 answer_id=answer_id_of(tok))  # moondream's prompt format: its answer-id mask
+                                 answer_id=answer_id_of(tok),  # moondream's prompt format: its answer-id mask
+                                 n_tokens=len(tok))  # never an id past the tokenizer (the vocabulary's padding)
             for i, a in zip(batch, new):
                 answers[i] = a
             s, n = _loss(model, rows, [items[i].pos for i in batch], pixels, tiling)
@@ -227,6 +228,8 @@ def _scored_lines(args, tok, evalset, items, answers) -> list[dict]:
         reference = tok.decode(it.reference, skip_special_tokens=True).strip()
         line = {"row": row, "prompt": tok.decode(it.text, skip_special_tokens=True).strip(), "reference": reference,
                 "answer": answer, "score": score(args.metric, answer, reference), "has_image": it.has_image}
+        if not answer:
+            line["empty"] = empty_reason(a)
         qtype = _question_type(evalset.samples, row)
         if qtype is not None:
             line["type"] = qtype

@@ -183,6 +183,10 @@ def main_calibrate(args) -> int:
     except ConfigError as e:
         return fail(e)
     out = Path(args.write_profile or Path(args.calibrate).with_name("device_profile.json"))
+    if args.dry_run:
+        print(report(result))
+        print(f"mmpipe: dry run: would write {out.resolve()}")
+        return 0
     out.write_text(json.dumps(profile_of(result), indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=1))
@@ -190,6 +194,16 @@ def main_calibrate(args) -> int:
         print(report(result))
     print(f"mmpipe: wrote {out}; use it with mmpipe plan --device-profile {out}")
     return 0
+
+
+def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora) -> str:
+    """What a plan with no fitting layout can try: only the levers not already pulled."""
+    hints = [] if args.checkpointing else ["--checkpointing"]
+    hints += [] if args.zero >= 1 else ["--zero 1"]
+    hints += ["smaller --micro"] if min(micros, default=1) > 1 else []
+    hints += [] if "vision" in freeze else ["--freeze vision"]
+    hints += [] if lora else ["--lora 16 (adapters: no gradients or optimizer state for the base)"]
+    return ", ".join(hints + ["more --nodes"])
 
 
 def main_plan(args) -> int:
@@ -229,9 +243,10 @@ def main_plan(args) -> int:
         _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0)
     if not feasible:
         return fail(ConfigError(f"plan: no layout of {cfg.name} fits {gpus} x {device.memory / GiB:.0f} GiB at global "
-                                f"batch {args.global_batch} (try --checkpointing, --zero 1, smaller --micro, more "
-                                f"--nodes, or --freeze vision)"))
-    if args.write_config:
+                                f"batch {args.global_batch} (try {fit_hints(args, micros, freeze, lora)})"))
+    if args.write_config and args.dry_run:
+        print(f"mmpipe: dry run: would write {Path(args.write_config).resolve()} (the best layout's DeepSpeed JSON)")
+    elif args.write_config:
         Path(args.write_config).write_text(json.dumps(ds_config(feasible[0], args.precision, args.zero,
                                                                 args.checkpointing), indent=2) + "\n")
         best = feasible[0]
