@@ -32,10 +32,11 @@ class DataArgs:
                             "training", choices=POLICIES, group=GROUP)
     overlong: str = flag("skip", "text over --text-len: skip it as a bad record (default) or truncate it if its "
                          "first answer token fits", choices=OVERLONG, group=GROUP)
-    max_images: int = flag(1, "image slots per row: images per sample at most (a record with more is a bad record, "
-                           "too_many_images; above 1 needs the LLaVA family, which places each image at its <image> "
-                           "marker), and with --pack the images of a row's samples together (default: 1)",
-                           metavar="N", group=GROUP)
+    max_images: int | None = flag(None, "image slots per row: images per sample at most (a record with more is a bad "
+                                  "record, too_many_images; above 1 needs the LLaVA family, which places each image at "
+                                  "its <image> marker), and with --pack the images of a row's samples together "
+                                  "(default: 1; with --pack, as many as the data's mean sample fills a row with, "
+                                  "docs/packing.md)", metavar="N", group=GROUP)
     max_image_pixels: int = flag(DEFAULT_MAX_PIXELS, "refuse larger images, a decompression-bomb guard "
                                  f"(default: {DEFAULT_MAX_PIXELS})", group=GROUP)
     resize: str = flag("pad", "pad to square with the mean colour, then resize (default), or squash to square",
@@ -45,7 +46,8 @@ class DataArgs:
     log_samples: bool = flag(False, "write OUTPUT_DIR/samples_dpD.csv: the stream position and record of every "
                              "sample trained on", group=GROUP)
     pack: bool = flag(False, "pack several whole samples into each fixed-length row (max-images x image positions "
-                      "+ --text-len), each attending only to itself (docs/packing.md)", group=GROUP)
+                      "+ --text-len), each attending only to itself; without --max-images a row's image slots "
+                      "follow from --text-len and the data (docs/packing.md)", group=GROUP)
     loss_norm: str = flag("token", "the step's loss: the mean over the global batch's answer tokens (token, the "
                           "default; packed == unpacked) or over its samples, each its own mean (sample)",
                           choices=LOSS_NORMS, group=GROUP)

@@ -16,12 +16,13 @@ import torch
 
 from ..config import ConfigError, config_from_dict, fail, load_preset
 from ..data.tokenizer import load_tokenizer
+from ..flags import print_plan
 from ..model.builder import ReferenceModel
 from ..model.families import family_of
 from ..model.lora import read_lora
-from ..runtime.checkpoint import load_reference
+from ..runtime.checkpoint import latest_tag, load_reference
 from .adapter import export_adapter
-from .llava import _hf_names, export_hf, hf_config, import_llava, import_parts, key_map
+from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map
 from .moondream import REGION_FILE, export_moondream, import_moondream, load_region, save_region
 
 
@@ -56,26 +57,24 @@ def main_import(args: argparse.Namespace) -> int:
     try:
         if args.tokenizer and not args.moondream:
             raise ConfigError("--tokenizer: only with --moondream (an HF directory brings its own tokenizer)")
+        if args.vision and not args.lm:
+            raise ConfigError("--vision needs --lm (the causal-LM directory)")
+        if args.moondream and not args.preset:
+            raise ConfigError("--moondream needs --preset (the model shape)")
+        if args.dry_run:
+            return _import_plan(args)
         if args.hf:
             model, report = import_llava(args.hf)
             note = report.summary()
         elif args.vision:
-            if not args.lm:
-                raise ConfigError("--vision needs --lm (the causal-LM directory)")
             model, report = import_parts(args.vision, args.lm, feature_layer=args.feature_layer,
                                          feature_select=args.feature_select)
             note = report.summary() + "; projector freshly initialised"
         else:
-            if not args.preset:
-                raise ConfigError("--moondream needs --preset (the model shape)")
             from safetensors.torch import load_file
 
             model = ReferenceModel(load_preset(args.preset))
-            if args.tokenizer:  # checked before anything is written
-                tok = load_tokenizer(args.tokenizer, prompt_format="moondream")
-                if len(tok) > model.cfg.text.vocab_size:
-                    raise ConfigError(f"--tokenizer: {len(tok)} tokens but {args.preset}'s vocabulary has "
-                                      f"{model.cfg.text.vocab_size}; give the tokenizer the weights were trained with")
+            tok = _moondream_tokenizer(args, model.cfg)  # checked before anything is written
             region = import_moondream(model, load_file(args.moondream), args.moondream)
             note = f"all tensors mapped, region head {'-> ' + REGION_FILE if region else 'absent'}"
             if tok is None:  # generate would fall back to the built-in tokenizer, whose ids mean nothing here
@@ -92,6 +91,36 @@ def main_import(args: argparse.Namespace) -> int:
         note += "; tokenizer saved"
     print(f"mmpipe: imported {model.cfg.family} model ({note}) -> {args.out}")
     return 0
+
+
+def _moondream_tokenizer(args: argparse.Namespace, cfg):
+    """--tokenizer, in moondream's prompt format, checked against the preset's vocabulary; None without it."""
+    if not args.tokenizer:
+        return None
+    tok = load_tokenizer(args.tokenizer, prompt_format="moondream")
+    if len(tok) > cfg.text.vocab_size:
+        raise ConfigError(f"--tokenizer: {len(tok)} tokens but {args.preset}'s vocabulary has "
+                          f"{cfg.text.vocab_size}; give the tokenizer the weights were trained with")
+    return tok
+
+
+def _import_plan(args: argparse.Namespace) -> int:
+    """--dry-run: the source's config (or preset and tokenizer) read and checked; no weight read."""
+    cfg = None
+    if args.hf:
+        cfg, source = hf_llava_config(args.hf)[1], f"{Path(args.hf).resolve()} (HF LLaVA)"
+    elif args.vision:
+        for flag, d in (("--vision", args.vision), ("--lm", args.lm)):
+            if not (Path(d) / "config.json").is_file():
+                raise ConfigError(f"{flag}: {d} has no config.json (give an HF model directory)")
+        source = f"{Path(args.vision).resolve()} + {Path(args.lm).resolve()} (a fresh projector)"
+    else:
+        if not Path(args.moondream).is_file():
+            raise ConfigError(f"--moondream: {args.moondream} is not a file")
+        cfg, source = load_preset(args.preset), f"{Path(args.moondream).resolve()} (moondream)"
+        _moondream_tokenizer(args, cfg)
+    return print_plan(f"import {source}", model=cfg and f"{cfg.name} ({cfg.family})", out=Path(args.out).resolve(),
+                      writes="model.json, checkpoints/imported/, tokenizer/ when the source brings one")
 
 
 def _tokenizer_of(args, report):
@@ -127,6 +156,16 @@ def consolidated(model, layout: str = "current", region=None) -> dict[str, torch
     return export_moondream(model, layout, region)
 
 
+def _export_plan(args: argparse.Namespace, run: Path, cfg) -> int:
+    """--dry-run: the run's model and latest checkpoint resolved; no weight read."""
+    tag = latest_tag(run / "checkpoints")
+    if tag is None:
+        raise ConfigError(f"--checkpoint: no checkpoint in {run / 'checkpoints'} (no 'latest' file)")
+    return print_plan(f"export {cfg.name} ({cfg.family}) as {args.format}",
+                      weights=(run / "checkpoints" / tag).resolve(), out=Path(args.out).resolve(),
+                      layout=args.layout if args.format == "safetensors" else None)
+
+
 def main_export(args: argparse.Namespace) -> int:
     run = Path(args.checkpoint)
     try:
@@ -138,6 +177,8 @@ def main_export(args: argparse.Namespace) -> int:
                               f"safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
         if args.format == "peft" and read_lora(run) is None:
             raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
+        if args.dry_run:
+            return _export_plan(args, run, cfg)
         model = load_reference(run / "checkpoints", cfg, merged=args.format != "peft")
         region_src = Path(args.region) if args.region else run / REGION_FILE
         region = (load_region(region_src, cfg.text.dim) if args.format == "safetensors" and not family_of(cfg).hf_class
