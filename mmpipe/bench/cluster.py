@@ -154,10 +154,11 @@ def submit_slurm(a: argparse.Namespace, sw: Sweep, out: Path, plan: dict, workdi
 
 # --- hostfile ------------------------------------------------------------------------------------
 
-def hostfile_hosts(path: str, include: str, exclude: str, env: dict) -> dict[str, list[int]]:
-    """The active hosts and slots, checked as `mmpipe train --hostfile` checks them (ssh first)."""
+def hostfile_hosts(path: str, include: str, exclude: str, env: dict, ssh: bool = True) -> dict[str, list[int]]:
+    """The active hosts and slots, checked as `mmpipe train --hostfile` checks them (ssh first, unless not
+    `ssh`: a dry run, as train's, leaves that to the launch)."""
     hosts = hostfile.active(hostfile.parse(path), include, exclude)
-    if len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
+    if ssh and len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
         hostfile.check_reachable(hosts, env)
     return hosts
 

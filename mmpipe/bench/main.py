@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..cluster import hostfile, slurm
 from ..config import ConfigError, fail
+from ..flags import print_plan
 from . import cluster
 from . import collect as collect_mod
 from . import sweep as sweep_mod
@@ -89,7 +90,7 @@ def main_bench(args: argparse.Namespace) -> int:
     try:
         mode = _mode(args)
         if mode == "collect":
-            return main_collect(Path(args.collect))
+            return _collect_plan(Path(args.collect)) if args.dry_run else main_collect(Path(args.collect))
         sw = sweep_mod.load(args.sweep)
         only = [n for n in args.only.split(",") if n]
         unknown = [n for n in only if n not in {v.name for v in sw.variants}]
@@ -105,13 +106,16 @@ def main_bench(args: argparse.Namespace) -> int:
         elif mode == "hostfile":
             env = dict(os.environ)
             env.setdefault("OMP_NUM_THREADS", "1")
-            hosts = cluster.hostfile_hosts(args.hostfile, args.include, args.exclude, env)
+            hosts = cluster.hostfile_hosts(args.hostfile, args.include, args.exclude, env, ssh=not args.dry_run)
             cluster.check_hostfile(hosts, variants)
     except ConfigError as e:
         return fail(e)
+    items = cluster.plan_items(sw, variants, peer_list)
+    if args.dry_run:
+        return print_plan(f"bench {sw.name}: {len(items)} run(s), {mode}", output_dir=out.resolve(),
+                          runs=", ".join(f"{it['name']}#{it['repeat']}" for it in items))
     out.mkdir(parents=True, exist_ok=True)
     command = "mmpipe bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
-    items = cluster.plan_items(sw, variants, peer_list)
     raw = json.loads(Path(args.sweep).read_text())
     if "data" in raw:  # absolute, as parsed: bench.json is re-read from elsewhere (a Slurm job, --collect)
         raw["data"] = sw.data
@@ -147,6 +151,16 @@ def submit(args: argparse.Namespace, sw: Sweep, out: Path, plan: dict) -> int:
           + (f"; refused without a job: {', '.join(refused)}" if refused else "")
           + f". The last job to finish writes the results; until then: mmpipe bench --collect {out}", flush=True)
     return 0
+
+
+def _collect_plan(out: Path) -> int:
+    """--collect --dry-run: the sweep folder read, nothing rebuilt."""
+    try:
+        plan, sw = collect_mod.load(out)
+    except ConfigError as e:
+        return fail(e)
+    return print_plan(f"bench --collect: {len(plan['items'])} run(s) of {sw.name}", output_dir=out.resolve(),
+                      would_write="results.csv, results.json, results.md and the plots")
 
 
 def main_collect(out: Path) -> int:

@@ -98,7 +98,8 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
             return f"{v:.{prec}g}"
         return str(v)
     peaks = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" if v else f"{k} ?" for k, v in meta["peaks"].items())
-    lines = [f"Sweep `{meta['sweep']}` on {meta['device']} (peak {peaks} per rank), "
+    peaks = f"peak {peaks} per rank" if peaks else "peak not measured yet: no run has finished"
+    lines = [f"Sweep `{meta['sweep']}` on {meta['device']} ({peaks}), "
              f"{meta['steps']} steps, first {meta['warmup_steps']} excluded.", "",
              "| variant | rep | status | PP | DP | ZeRO | prec | micro x GAS | ckpt | rows | samples/s (IQR) | "
              "useful tokens/s | positions/s | padding | step ms | peak MB/rank | bubble meas / 1F1B | GFLOP/s | MFU | "

@@ -229,8 +229,8 @@ def load_hf_llava(path: str | Path, dtype=torch.float32) -> ReferenceModel:
     return import_llava(path, dtype)[0]
 
 
-def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
-    """An HF LlavaForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+def hf_llava_config(path: str | Path):
+    """An HF LlavaForConditionalGeneration directory's (HF config, mmpipe config); no weight is read."""
     from transformers import AutoConfig
     path = Path(path)
     try:
@@ -239,7 +239,13 @@ def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel,
         _fail(str(path), f"cannot read config.json ({str(e).splitlines()[0]})")
     if hf.model_type != "llava":
         _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not llava")
-    cfg = config_from_hf(hf, path.name, *_preprocessor(path))
+    return hf, config_from_hf(hf, path.name, *_preprocessor(path))
+
+
+def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF LlavaForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    path = Path(path)
+    hf, cfg = hf_llava_config(path)
     model = ReferenceModel(cfg).to(dtype)
     report = import_weights(model, read_weights(path), hf, str(path))
     return model, report

@@ -52,14 +52,15 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from ..config import ConfigError, config_from_dict, fail
+from ..config import ConfigError, ModelConfig, config_from_dict, fail
 from ..data.crops import blank_image, make_transform, stack_images
 from ..data.records import BadRecord
 from ..data.text import ConversationEncoder, answer_id_of, with_placeholders
 from ..data.tokenizer import load_tokenizer
-from ..hf.llava import load_hf_llava
+from ..flags import print_plan
+from ..hf.llava import hf_llava_config, load_hf_llava
 from ..model.stage import StageTuple
-from ..runtime.checkpoint import load_reference
+from ..runtime.checkpoint import latest_tag, load_reference
 
 
 def _split(model) -> int:
@@ -244,23 +245,35 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
 
 
-def load_checkpoint(path: Path):
-    """(model, tokenizer directory or None) from an mmpipe run / checkpoints dir (the latest checkpoint,
-    whatever its stage count; the run's tokenizer/ if `mmpipe import` wrote one) or an HF LLaVA directory
-    (its own tokenizer). Raises ConfigError."""
+def resolve_checkpoint(path: Path) -> tuple[ModelConfig, str, str | None]:
+    """What load_checkpoint loads, resolved without reading a weight (also --dry-run's): (the model config,
+    where its weights are, the checkpoint's own tokenizer directory or None). Raises ConfigError."""
     if (path / "config.json").is_file():
-        return load_hf_llava(path), str(path)
+        return hf_llava_config(path)[1], f"{path.resolve()} (HF LLaVA)", str(path)
     run_dir = path if (path / "model.json").is_file() else path.parent
     ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not (run_dir / "model.json").is_file():
         raise ConfigError(f"--checkpoint: {path} holds neither model.json (an mmpipe run) nor config.json "
                           f"(an HF model)")
     cfg = config_from_dict(json.loads((run_dir / "model.json").read_text()), run_dir.name)
+    tag = latest_tag(ckpt)
+    if tag is None:
+        raise ConfigError(f"--checkpoint: no checkpoint in {ckpt} (no 'latest' file)")
+    return cfg, str((ckpt / tag).resolve()), str(run_dir / "tokenizer") if (run_dir / "tokenizer").is_dir() else None
+
+
+def load_checkpoint(path: Path):
+    """(model, tokenizer directory or None) from an mmpipe run / checkpoints dir (the latest checkpoint,
+    whatever its stage count; the run's tokenizer/ if `mmpipe import` wrote one) or an HF LLaVA directory
+    (its own tokenizer). Raises ConfigError."""
+    cfg, _, own = resolve_checkpoint(path)
+    if (path / "config.json").is_file():
+        return load_hf_llava(path), own
+    ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     try:
-        model = load_reference(ckpt, cfg, merged=True)
+        return load_reference(ckpt, cfg, merged=True), own
     except FileNotFoundError as e:
         raise ConfigError(f"--checkpoint: {e}") from None
-    return model, str(run_dir / "tokenizer") if (run_dir / "tokenizer").is_dir() else None
 
 
 def _load(path: Path, tokenizer: str | None):
@@ -303,9 +316,26 @@ def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
     return out
 
 
+def decoding(args: argparse.Namespace) -> str:
+    return ("greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-k {args.top_k}, "
+            f"seed {args.seed}") + f", at most {args.max_new_tokens} new tokens"
+
+
+def _plan(args: argparse.Namespace, requests: list) -> int:
+    """--dry-run: the checkpoint and tokenizer resolved (no weight read), the requests checked."""
+    cfg, weights, own = resolve_checkpoint(Path(args.checkpoint))
+    tok = load_tokenizer(args.tokenizer or own)
+    images = sum(image is not None for image, _, _ in requests)
+    return print_plan(f"generate: {len(requests)} prompt(s), {images} with an image", model=f"{cfg.name} "
+                      f"({cfg.family})", weights=weights, tokenizer=f"{args.tokenizer or own or 'built-in'} "
+                      f"({len(tok)} tokens)", decoding=decoding(args))
+
+
 def main_generate(args: argparse.Namespace) -> int:
     try:
         requests = _requests(args)
+        if args.dry_run:
+            return _plan(args, requests)
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         cfg = model.cfg
         transform = make_transform(cfg.vision)  # moondream multi-crop: Crops, else one [3, S, S] crop

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -41,8 +42,9 @@ from ..data.crops import blank_image, stack_images
 from ..data.dataset import prepare_eval, resolve_data
 from ..data.records import BadRecord
 from ..data.text import answer_id_of, placeholders, with_placeholders
+from ..flags import print_plan
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
-from .generate import empty_reason, generate_batch, length_buckets, load_checkpoint
+from .generate import decoding, empty_reason, generate_batch, length_buckets, load_checkpoint, resolve_checkpoint
 
 METRICS = ("exact", "contains")
 TYPE_KEYS = ("type", "qtype", "question_type")  # a record's question type, if it names one
@@ -131,7 +133,7 @@ def _question_type(samples, row: int) -> str | None:
 
 
 def _checked(args: argparse.Namespace):
-    """(model, tokenizer, EvalSet, text_len) or ConfigError."""
+    """(model config, where its weights are, DataOptions), resolved without reading a weight, or ConfigError."""
     for name, low in (("batch_size", 1), ("max_new_tokens", 1), ("top_k", 0)):
         if getattr(args, name) < low:
             raise ConfigError(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= {low}")
@@ -140,17 +142,30 @@ def _checked(args: argparse.Namespace):
     if args.data == "shapes":
         raise ConfigError("--data: give a data file (`mmpipe export-shapes --out DIR` writes the built-in set "
                           "to one)")
-    model, own_tokenizer = load_checkpoint(Path(args.checkpoint))
+    cfg, weights, own_tokenizer = resolve_checkpoint(Path(args.checkpoint))
     data_args = DataArgs(**{name: getattr(args, name) for name in DATA_FLAGS})
-    opts = resolve_data(data_args, model.cfg, run_tokenizer=own_tokenizer)
-    tok = opts.tokenizer
-    if len(tok) > model.cfg.text.vocab_size:
-        raise ConfigError(f"--tokenizer: {len(tok)} tokens but the model's vocabulary has "
-                          f"{model.cfg.text.vocab_size}; give the tokenizer the run was trained with")
+    opts = resolve_data(data_args, cfg, run_tokenizer=own_tokenizer)
+    if len(opts.tokenizer) > cfg.text.vocab_size:
+        raise ConfigError(f"--tokenizer: {len(opts.tokenizer)} tokens but the model's vocabulary has "
+                          f"{cfg.text.vocab_size}; give the tokenizer the run was trained with")
+    return cfg, weights, opts
+
+
+def _loaded(args: argparse.Namespace):
+    """(model, tokenizer, EvalSet, text_len) or ConfigError; --dry-run: its plan printed, None."""
+    cfg, weights, opts = _checked(args)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    evalset = prepare_eval(opts, model.cfg, out.parent, seed=0, shapes=0, verbose="always")
-    return model, tok, evalset, opts.text_len
+    with tempfile.TemporaryDirectory() as scratch:  # a dry run checks the records where nothing is kept
+        if not args.dry_run:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        evalset = prepare_eval(opts, cfg, scratch if args.dry_run else out.parent, seed=0, shapes=0, verbose="always")
+        if args.dry_run:
+            print_plan(f"eval: {evalset.size} records", model=f"{cfg.name} ({cfg.family})", weights=weights,
+                       data=Path(opts.name).resolve(), decoding=decoding(args), metric=args.metric,
+                       answers=out.resolve(), summary=summary_path(out).resolve())
+            return None
+    model, _ = load_checkpoint(Path(args.checkpoint))
+    return model, opts.tokenizer, evalset, opts.text_len
 
 
 @torch.no_grad()
@@ -165,9 +180,12 @@ def _loss(model, rows: TrainSet, positions: list[int], pixels: torch.Tensor, til
 
 def main_eval(args: argparse.Namespace) -> int:
     try:
-        model, tok, evalset, text_len = _checked(args)
+        loaded = _loaded(args)
     except ConfigError as e:
         return fail(e)
+    if loaded is None:  # --dry-run
+        return 0
+    model, tok, evalset, text_len = loaded
     model.eval()
     started = time.perf_counter()
     items, answers, loss_sum, loss_tokens = _generate_all(args, model, tok, evalset, text_len)

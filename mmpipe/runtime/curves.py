@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from ..config import ConfigError, fail
+from ..flags import print_plan
 
 TRAIN_COLUMNS = ("step", "loss", "lr", "samples_per_s", "elapsed_s")
 EVAL_COLUMNS = ("step", "eval_loss", "elapsed_s")
@@ -161,6 +162,10 @@ def main_plot(args) -> int:
     try:
         if out.suffix.lower() != ".png":
             raise ConfigError(f"--out: {out} is not a .png file")
+        if args.dry_run:  # the figure is drawn (every log checked), not saved
+            build_figure(runs, labels)
+            return print_plan(f"plot {len(runs)} run(s)", runs=", ".join(str(r.resolve()) for r in runs),
+                              out=out.resolve())
         print(plot_runs(runs, out, labels))
     except ConfigError as e:
         return fail(e)
