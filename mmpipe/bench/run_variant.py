@@ -126,7 +126,8 @@ def measure(v: Variant, sweep: Sweep, out: Path, peak_flops: float | None) -> di
     rows_per_s = statistics.median(p / length for p in pps)
     data = summary.get("data") or {}
     text_len = data.get("text_len") or v.text_len
-    flops = flops_per_row(v.preset, text_len, v.max_images)
+    images = data.get("max_images") or v.max_images or 1  # the run's own slots (packed: from its data)
+    flops = flops_per_row(v.preset, text_len, images)
     mem = []
     for r in range(v.world):
         p = out / f"memory_rank{r}.json"
@@ -136,7 +137,7 @@ def measure(v: Variant, sweep: Sweep, out: Path, peak_flops: float | None) -> di
     achieved = flops * rows_per_s  # the model's FLOPs on every computed position, padding included
     (s_med, s_iqr), (u_med, u_iqr), (p_med, p_iqr) = _median_iqr(sps), _median_iqr(ups), _median_iqr(pps)
     return {
-        "measured_steps": len(measured), "text_len": text_len,
+        "measured_steps": len(measured), "text_len": text_len, "max_images": images,
         "samples_per_s": s_med, "samples_per_s_iqr": s_iqr, "samples_per_s_min": min(sps),
         "samples_per_s_max": max(sps),
         "useful_tokens_per_s": u_med, "useful_tokens_per_s_iqr": u_iqr,

@@ -32,15 +32,16 @@ VARIANT_FIELDS = {
     "engine": (lambda v: v in ("pipe", "dp"), "'pipe' (PipelineEngine) or 'dp' (DeepSpeed's ordinary engine, "
                                               "no pipeline)"),
     "pack": (lambda v: isinstance(v, bool), "true or false (mmpipe train --pack: several samples per row)"),
-    "max_images": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                   "an integer >= 1 (mmpipe train --max-images: image slots per row)"),
+    "max_images": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                   "an integer >= 1, or null for mmpipe train's default (1; with pack, what the data fills a "
+                   "row with) (mmpipe train --max-images: image slots per row)"),
     "text_len": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 2),
                  "an integer >= 2, or null for the data's default (mmpipe train --text-len)"),
     "schedule": (lambda v: v in SCHEDULES, f"{' or '.join(SCHEDULES)} (mmpipe train --schedule, docs/schedules.md)"),
 }
 VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
                     "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe", "pack": False,
-                    "max_images": 1, "text_len": None, "schedule": "1f1b"}
+                    "max_images": None, "text_len": None, "schedule": "1f1b"}
 PEERS = ("hf", "torch_pipe", "torch_pipe_zb")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "data", "_comment"}
@@ -62,7 +63,8 @@ class Variant:
     data_workers: int = 2  # mmpipe train's --data-workers
     engine: str = "pipe"
     pack: bool = False  # mmpipe train's --pack: several whole samples per row
-    max_images: int = 1  # --max-images: image slots per row (and images per sample for LLaVA)
+    max_images: int | None = None  # --max-images: image slots per row (and images per sample for LLaVA); None:
+    # train's rule (1; with pack, mmpipe.data.dataset.packed_image_slots)
     text_len: int | None = None  # --text-len; None: the data's default (the shapes set's 12)
     schedule: str = "1f1b"  # the DeepSpeed JSON's pipeline.schedule (--schedule): 1f1b or zb-h1
 
@@ -123,6 +125,8 @@ def _auto_name(d: dict, keys) -> str:
             parts.append("pack" if v else "nopack")
         elif k == "text_len" and v is None:
             parts.append("tldefault")
+        elif k == "max_images" and v is None:
+            parts.append("imgauto")
         else:
             parts.append(f"{short.get(k, k)}{v}")
     return "_".join(parts) or "base"
