@@ -34,8 +34,8 @@ def fixed_schedule_config(path: Path, steps: int) -> Path:
                                                        "warmup_type": "linear", "warmup_min_ratio": 0.1}})
 
 
-def mmpipe_train(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def mmpipe_train(args: list[str], timeout: int = 600, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_vars)
     return subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -63,6 +63,23 @@ class Run:
         with open(self.out / "train_log.csv") as f:
             return list(csv.DictReader(f))
 
+    def wire(self, rank: int) -> list[tuple[str, str, str]]:
+        """(kind, dtype, shape) of every p2p message rank `rank` sent (mmpipe.runtime.wire's test hook)."""
+        path = self.out / f"wire_rank{rank}.csv"
+        return [tuple(line.split(",")) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    def assert_only_floats_crossed(self, per_forward: int | None = 1) -> None:
+        """No integer tensor crossed a stage boundary: every message of every rank but DeepSpeed's int32
+        shape announcement is a float tensor, and rank 0 (stage 0) sends `per_forward` of them per
+        micro-batch it trains (a run without validation, not resumed into the same directory; None: any)."""
+        ranks = self.summary["stages"] * self.summary["dp"]
+        data = {r: [m for m in self.wire(r) if m[0] == "data"] for r in range(ranks)}
+        for r, sent in data.items():
+            assert sent and all(dtype in ("torch.float32", "torch.bfloat16", "torch.float16")
+                                for _, dtype, _ in sent), (r, sorted(set(sent)))
+        micro = self.summary["gradient_accumulation"] * (self.summary["steps"] - self.summary["start_step"])
+        assert per_forward is None or len(data[0]) == per_forward * micro, (len(data[0]), micro)
+
 
 def write_checkpoint(model, run_dir: Path) -> None:
     """A ReferenceModel saved in DeepSpeed's pipeline layout, as `mmpipe train` leaves it: model.json,
@@ -78,7 +95,8 @@ def write_checkpoint(model, run_dir: Path) -> None:
 
 
 def train_run(out: Path, *args: str) -> Run:
-    return Run(out, mmpipe_train(["--output-dir", str(out), *args]))
+    # every rank logs what it sends to the next / previous stage (Run.wire)
+    return Run(out, mmpipe_train(["--output-dir", str(out), *args], MMPIPE_WIRE_LOG=str(out)))
 
 
 @pytest.fixture(scope="session")

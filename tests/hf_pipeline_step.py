@@ -34,6 +34,7 @@ def main():
     from mmpipe.run_args import TrainArgs
     from mmpipe.run_config import resolve
     from mmpipe.runtime.pipeline import VLMPipeline
+    from mmpipe.runtime.wire import install as install_wire
 
     deepspeed.init_distributed()
     model, _ = import_llava(args.hf)
@@ -50,6 +51,7 @@ def main():
     engine, _, _, _ = deepspeed.initialize(model=pipe, config=run.ds_config,
                                            model_parameters=[q for q in pipe.parameters() if q.requires_grad])
     px, ids, labels = batch(args.kind)
+    install_wire(engine)  # as mmpipe train: only floats cross the stage boundary
     item = ((px, ids, torch.ones(2, dtype=torch.long)), shifted(labels))
     losses = [float(engine.train_batch(iter([item]))) for _ in range(args.steps)]
     engine.save_checkpoint(str(out / "checkpoints"), tag="step%d" % args.steps)

@@ -66,6 +66,15 @@ def test_losses_and_weights_match_reference_at_1_2_3_stages(reference, runs):
         assert _max_weight_diff(trained, ref_model, skip_key_bias=True) < TOL, name
 
 
+def test_only_floats_cross_the_boundaries_the_image_among_them(runs):
+    pp3 = runs["pp3"]
+    pp3.assert_only_floats_crossed(per_forward=1)  # stage 0: the projected image, as hidden
+    runs["pp2"].assert_only_floats_crossed(per_forward=None)
+    # the middle stage sends (text, image) forward and the image's gradient back: 3 per micro-batch
+    micro = pp3.summary["gradient_accumulation"] * pp3.summary["steps"]
+    assert len([m for m in pp3.wire(1) if m[0] == "data"]) == 3 * micro
+
+
 def test_vision_weights_train_through_two_boundaries(runs):
     """Weight decay is 0 and Adam moves nothing whose gradient stayed 0, so a vision layer that
     changed got a gradient - on stage 0, from cross-attention layers two boundaries away."""

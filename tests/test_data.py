@@ -116,8 +116,9 @@ def test_user_data_first_and_last_stage_agree_per_micro_batch(tmp_path):
     last = rank_batches(TrainSet(samples, need_images=False, **kw), StepBatches(3 * 16, 4, 2, 1, 2))
     for _ in range(6):
         (pixels, ids, has_image), no_labels = next(first)
-        no_inputs, labels = next(last)
-        assert no_labels is None and no_inputs is None and pixels.shape == (4, 3, 32, 32)
+        ints, labels = next(last)  # the last stage: no images, the integer tensors it joins to what it receives
+        assert no_labels is None and pixels.shape == (4, 3, 32, 32)
+        assert torch.equal(ints[0], ids) and torch.equal(ints[1], has_image) and len(ints) == 2
         # the labels are the next tokens of the same texts the first stage embeds
         n_img = run.model.vision.n_tokens
         target = labels[:, n_img:n_img + run.text_len - 1]

@@ -62,14 +62,19 @@ def _args(d, data, ds, *extra):
             "--seed", "2", *extra]
 
 
-@pytest.mark.parametrize("freeze", [("--freeze", "vision"), ()], ids=["freeze_vision", "all_trained"])
-def test_two_stage_multi_crop_equals_reference(setup, tmp_path, freeze):
+@pytest.mark.parametrize("freeze,cut", [(("--freeze", "vision"), ()), ((), ("--partition", "2"))],
+                         ids=["freeze_vision", "all_trained"])
+def test_two_stage_multi_crop_equals_reference(setup, tmp_path, freeze, cut):
+    """all_trained cuts inside the tower (stage 1 from the second ViT block on): the Projector's stage
+    reads the tiling from its own loader, since only floats cross (mmpipe.runtime.wire)."""
     d, data, ds = setup
     args = _args(d, data, ds, *freeze)
     run = resolve(TrainArgs.from_argv([*args, "--stages", "1"]), world_size=1)
     assert run.model.vision.crop_slots == 5
     ref_model, ref_losses = train_reference(run, seed=2, steps=STEPS, out_dir=str(tmp_path / "ref"))
-    pp2 = train_run(tmp_path / "pp2", *args, "--stages", "2").check()
+    pp2 = train_run(tmp_path / "pp2", *args, "--stages", "2", *cut).check()
+    pp2.assert_only_floats_crossed()
+    assert not cut or pp2.summary["parts"][1] == 2
     for step, want in enumerate(ref_losses, start=1):
         assert pp2.losses[step] == pytest.approx(want, abs=TOL), step
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-4

@@ -73,6 +73,14 @@ def test_losses_match_reference(reference, pp1, pp2, pp4):
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3
 
 
+def test_only_floats_cross_stage_boundaries(pp2, pp4):
+    """The wire carries the hidden state alone, one message per micro-batch forward (and its gradient
+    back): every stage reads input_ids and has_image from its own loader (mmpipe.runtime.wire)."""
+    for run in (pp2, pp4):
+        run.assert_only_floats_crossed(per_forward=1)
+    assert {shape for kind, _, shape in pp4.wire(2) if kind == "data"} == {"4x28x32"}  # a middle stage's [B, T, D]
+
+
 def test_weights_match_reference(reference, pp1, pp2, pp4):
     ref_model, _ = reference
     cfg = load_preset("tiny")

@@ -118,7 +118,8 @@ def rank_batches(dataset: TrainSet, sampler: StepBatches, *, workers: int = 0, p
                  dtype: torch.dtype = torch.float32, on_batch: Callable[[torch.Tensor], None] | None = None
                  ) -> Iterator[tuple]:
     """Endless ((pixel_values, input_ids, has_image[, segments][, tiling]), labels) micro-batches in
-    DeepSpeed's (inputs, labels) form; inputs is None without images, labels None without labels, and
+    DeepSpeed's (inputs, labels) form; without images inputs is the integer tensors alone (what a stage
+    after the first joins to the floats it receives, mmpipe.runtime.wire), labels None without labels, and
     (labels, weights) with loss weights (mmpipe.data.packing.LossNorm). Worker processes decode
     ahead (`prefetch` micro-batches each) and the DataLoader hands batches back in sampler order.
     on_batch(positions) sees what is consumed, for --log-samples."""
@@ -128,9 +129,9 @@ def rank_batches(dataset: TrainSet, sampler: StepBatches, *, workers: int = 0, p
     for b in loader:
         if on_batch is not None:
             on_batch(b["pos"])
-        inputs = None
-        if "pixels" in b:  # the stage tuple's order: floats, then input_ids, has_image, segments, tiling
-            inputs = (b["pixels"].to(dtype), b["input_ids"], b["has_image"]) + tuple(
-                b[k] for k in ("segments", "tiling") if k in b)
+        # the stage tuple's order: floats, then input_ids, has_image, segments, tiling
+        inputs = (b["input_ids"], b["has_image"]) + tuple(b[k] for k in ("segments", "tiling") if k in b)
+        if "pixels" in b:
+            inputs = (b["pixels"].to(dtype),) + inputs
         labels = (b["labels"], b["weights"]) if "weights" in b else b.get("labels")
         yield inputs, labels

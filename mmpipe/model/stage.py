@@ -1,9 +1,14 @@
-"""The stage contract: the one tuple that travels between pipeline stages.
+"""The stage contract: the one tuple every layer takes and returns, and what of it crosses a stage boundary.
 
-DeepSpeed sends a tuple of tensors from stage to stage. Rules it imposes (see docs/pipeline.md):
-every float tensor must be on the autograd graph at both ends, received float tensors get
-requires_grad=True, integer tensors carry no gradient, and with 3+ stages floats must come
-before ints. So the tuple is three fields, floats first, plus a fourth where the model needs it:
+Only its floats travel between pipeline stages: `hidden`, and `vision` while the cross-attention
+family carries it. The integer tensors (input_ids, has_image, segments, tiling) never change from
+layer to layer (the Projector only drops tiling), so each stage reads them from its own copy of the
+micro-batch and joins them to the floats it receives before its layers run, and a stage returns its
+floats only (mmpipe.runtime.wire, mmpipe.runtime.pipeline.VLMPipeline.forward; docs/pipeline.md).
+DeepSpeed's rules for what it sends: a float tensor must be on the autograd graph at both ends
+(received floats get requires_grad=True), one blocking message per tensor. The single-device
+reference (mmpipe.model.builder.ReferenceModel) runs the whole tuple through the same layers. Fields,
+floats first (`pack` order, as the first stage's inputs and each stage's rebuilt tuple have them):
 
     hidden     float [B, S, D]  what the previous layer produced:
                                   after PatchEmbed / VisionBlock: vision tokens   [B, N_img, D_vision]
@@ -12,7 +17,8 @@ before ints. So the tuple is three fields, floats first, plus a fourth where the
                                   (cross-attention fusion: the text alone, [B, T_text, D_text])
     vision     float [B, N_img, D_text]  cross-attention fusion only: the projected image, from the
                                   text embedding to the last cross-attention layer, which drops it
-                                  (no stage after that one receives it). Sent second, floats first.
+                                  (no stage after that one receives it). Sent second.
+    (the integer tensors, never sent:)
     input_ids  long  [B, T_text] the text tokens (BOS first, right-padded); TextEmbed embeds them and
                                   the decoder rebuilds its attention mask from the model config
                                   (bidirectional over BOS + image, causal after) - no T x T mask travels.
@@ -29,15 +35,17 @@ several whole samples and up to M images. Then
                                   IMAGE_SLOT -1 right after its sample's BOS), right-padded
     has_image  long  [B, M]      1 for the image slots in use, in the order of the row's image blocks
     segments   long  [B, L]      1, 2, ... the sample each position belongs to, 0 for padding: each decoder
-                                  stage rebuilds its per-sample mask and positions from it (O(L) ints on the
-                                  wire, never an L x L mask)
+                                  stage rebuilds its per-sample mask and positions from it (O(L) ints each
+                                  stage loads, never an L x L mask)
     tiling     long  [B, M, 2]   multi-crop, per image slot
 and the vision tower sees B x M (x crop slots) images. has_image's rank (2 for rows) tells the layouts
 apart, so the same layers run both.
 
 The pipeline's first input is (pixel_values float [B, C, H, W], input_ids long [B, T_text], has_image long [B])
-(multi-crop: pixel_values [B, 1 + max_crops, C, H, W] and tiling long [B, 2] last);
-labels go to the last stage through DeepSpeed's (inputs, labels) data contract, never through here.
+(multi-crop: pixel_values [B, 1 + max_crops, C, H, W] and tiling long [B, 2] last); a later stage's
+loader gives it the same integer tensors without pixel_values (multi-crop: tiling only where the
+Projector runs, which then decodes the images for it); labels go to the last stage through
+DeepSpeed's (inputs, labels) data contract, never through here.
 """
 from __future__ import annotations
 
@@ -50,9 +58,9 @@ class StageTuple(NamedTuple):
     hidden: torch.Tensor
     input_ids: torch.Tensor
     has_image: torch.Tensor
-    vision: torch.Tensor | None = None  # on the wire it goes second (floats first); see pack()
-    tiling: torch.Tensor | None = None  # long [B, 2]: multi-crop only, last on the wire, dropped by the Projector
-    segments: torch.Tensor | None = None  # long [B, L]: rows only (has_image [B, M]), after has_image on the wire
+    vision: torch.Tensor | None = None  # goes second (floats first); see pack()
+    tiling: torch.Tensor | None = None  # long [B, 2]: multi-crop only, packed last, dropped by the Projector
+    segments: torch.Tensor | None = None  # long [B, L]: rows only (has_image [B, M]), packed after has_image
 
     @property
     def rows(self) -> bool:
@@ -73,6 +81,6 @@ class StageTuple(NamedTuple):
                    rest[0] if rest else None, segments)
 
     def pack(self) -> tuple:
-        # DeepSpeed's p2p needs plain tuples of contiguous tensors, floats before ints.
+        # plain tuples of contiguous tensors, floats first (DeepSpeed's p2p sends the floats of a stage's last one)
         fields = (self.hidden, self.vision, self.input_ids, self.has_image, self.segments, self.tiling)
         return tuple(t.contiguous() for t in fields if t is not None)

@@ -1,4 +1,5 @@
-"""The model as a DeepSpeed PipelineModule, cut at boundaries mmpipe computed (mmpipe.planning.partition)."""
+"""The model as a DeepSpeed PipelineModule, cut at boundaries mmpipe computed (mmpipe.planning.partition).
+Only floats cross its stage boundaries (mmpipe.runtime.wire, mmpipe.model.stage)."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,7 @@ from deepspeed.pipe import PipelineModule
 
 from ..model.builder import apply_freeze, layer_specs, lm_loss
 from ..model.families import family_of
+from ..model.layers import Projector
 from ..model.lora import add_adapters
 from ..run_config import RunConfig
 
@@ -17,6 +19,7 @@ class VLMPipeline(PipelineModule):
 
     def __init__(self, run: RunConfig, seed: int):
         self.__dict__["_mmpipe_parts"] = list(run.parts)  # read by _partition_layers inside super().__init__
+        self.__dict__["wire_ints"] = None  # the running micro-batch's integer tensors (set per ForwardPass)
         super().__init__(
             layers=layer_specs(run.model),
             num_stages=run.stages,
@@ -48,6 +51,25 @@ class VLMPipeline(PipelineModule):
         # and an unmarked copy off stage 0 is not counted, so the tied weight counts once.
         for p in self.parameters():
             p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+        # the multi-crop tiling is read by the Projector alone: a later stage that holds it loads images for it
+        self.reads_images = self.stage_id == 0 or bool(run.model.vision.max_crops and any(
+            isinstance(layer, Projector) for layer in self.forward_funcs))
+
+    def forward(self, forward_input):
+        """A non-first stage receives floats only (hidden[, vision]) and joins the running micro-batch's
+        integer tensors, from its own loader (`wire_ints`, set by mmpipe.runtime.wire for each ForwardPass),
+        before its layers run: activation checkpointing then saves them with the floats and recomputes
+        the right micro-batch. A non-last stage returns its floats only: they are all that is sent."""
+        x = forward_input if isinstance(forward_input, tuple) else (forward_input,)
+        if self.stage_id > 0:
+            if self.wire_ints is None:
+                raise RuntimeError("mmpipe: a non-first stage ran without its micro-batch's integer tensors: "
+                                   "install mmpipe.runtime.wire on the engine (trainer.build_engine does)")
+            x = x + tuple(self.wire_ints)
+        out = super().forward(x)
+        if self.stage_id < self.num_stages - 1:
+            out = tuple(t for t in out if t.is_floating_point())
+        return out
 
     def _partition_layers(self, method="mmpipe"):
         self.parts = self._mmpipe_parts

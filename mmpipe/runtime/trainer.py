@@ -1,8 +1,9 @@
 """One rank's training run: build the engine, restore, loop, save, report (`train`, one screen).
 
 Each rank builds its stage of the VLMPipeline and pulls micro-batches from a deterministic stream:
-the first and last stage of each pipeline draw the same micro-batches (the last one without
-images), data-parallel replicas draw disjoint ones. The pieces around the loop are named here:
+every stage of a pipeline draws the same micro-batches (only the first decodes images, only the last
+builds labels; the others take the integer tensors, mmpipe.runtime.wire), data-parallel replicas draw
+disjoint ones. The pieces around the loop are named here:
 `build_engine`, `restore`, `DataStream`, `run_step`, `save`, `requeue`, `report`.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .schedule import install as install_schedule
 from .steplog import StepLog
 from .timing import gather_stage_report, instrument, pipeline_summary
 from .validation import Validator
+from .wire import install as install_wire
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -192,6 +194,7 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
     checkpoint.make_loads_safe(engine)
+    install_wire(engine)  # only floats cross a stage boundary; before `instrument` copies the instruction map
     zb = install_schedule(engine, run.schedule)  # collective for zb-h1; before `instrument` copies the instruction map
     if zb and rank == 0:
         print(f"mmpipe: schedule {zb['schedule']}: stage 0 defers {zb['deferred_linears']} linears' weight gradients; "
@@ -225,8 +228,9 @@ class DataStream:
     """This rank's micro-batches from `position` on, and with --log-samples the record of each."""
 
     def __init__(self, engine, run: RunConfig, args: TrainArgs, samples, progress: Progress):
-        dp_rank, first = engine.grid.data_parallel_id, engine.is_first_stage()
-        dataset = run_dataset(run, samples, first=first, last=engine.is_last_stage(),
+        dp_rank, first, images = engine.grid.data_parallel_id, engine.is_first_stage(), engine.module.reads_images
+        # every stage reads its micro-batches (a stage after the first: their integer tensors, runtime.wire)
+        dataset = run_dataset(run, samples, first=images, last=engine.is_last_stage(),
                               augment_seed=args.seed if run.data.augment else None)
         self.samples, self.seen, self.plan = samples, None, getattr(dataset, "plan", None)
         if run.data.log_samples and first:
@@ -234,7 +238,7 @@ class DataStream:
             if self.seen.tell() == 0:  # rows: the row's stream position, then each sample's and its record
                 self.seen.write("position,sample,row\n" if self.plan else "position,row\n")
         batches = rank_batches(dataset, StepBatches(progress.position, run.micro, run.gas, dp_rank, run.dp),
-                               workers=run.data.workers if first else 0, dtype=DTYPES[run.precision],
+                               workers=run.data.workers if images else 0, dtype=DTYPES[run.precision],
                                on_batch=self._log_seen if self.seen else None)
         self.batches = nan_fault(batches, progress.step, run.gas)
 
@@ -376,11 +380,11 @@ def load_run_weights(pipe, ckpt_dir: Path) -> int:
 
 def nan_fault(batches, start_step: int, gas: int):
     """Test hook: MMPIPE_FAULT=nan-batch:STEP turns the pixels of step STEP's micro-batches into
-    NaN on the first stage, the way a corrupt batch would poison the loss. Unset in normal runs."""
+    NaN where they are loaded, the way a corrupt batch would poison the loss. Unset in normal runs."""
     spec = os.environ.get("MMPIPE_FAULT", "")
     bad_step = int(spec.split(":")[1]) if spec.startswith("nan-batch:") else None
     for k, (inputs, labels) in enumerate(batches):
-        if inputs is not None and bad_step is not None and start_step + k // gas + 1 == bad_step:
+        if inputs[0].is_floating_point() and bad_step is not None and start_step + k // gas + 1 == bad_step:
             inputs = (inputs[0] * float("nan"), *inputs[1:])
         yield inputs, labels
 

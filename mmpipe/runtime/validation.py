@@ -37,8 +37,9 @@ class Validator:
         self.engine, self.run, self.evalset, self.dtype = engine, run, evalset, dtype
         self.tokens = evalset.answer_tokens()
         self.calls = math.ceil(evalset.size / run.train_batch)  # micro x GAS x DP samples per eval_batch
-        self.dataset = run_dataset(run, evalset, first=engine.is_first_stage(), last=engine.is_last_stage(),
-                                   train=False)  # one sample per row, the training rows' shape
+        # one sample per row, the training rows' shape; every stage reads it (runtime.wire)
+        self.dataset = run_dataset(run, evalset, first=engine.module.reads_images, last=engine.is_last_stage(),
+                                   train=False)
         self.losses: dict[int, float] = {}
         self.t0 = t_start
         self.file = open(out / "eval_log.csv", "a" if append else "w", newline="") if enabled else None
