@@ -34,6 +34,7 @@ from .run_args import LaunchArgs, TrainArgs  # noqa: E402
 from .run_config import requested_stages, resolve  # noqa: E402
 from .runtime import precision  # noqa: E402
 from .runtime.curves import add_plot_args, main_plot  # noqa: E402
+from .runtime.feed import decoder_length  # noqa: E402
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -56,6 +57,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
             raise ConfigError(f"--dp: {dp} x {stages} stages != the hostfile's {world} slots; leave --dp "
                               f"out (with --hostfile it is slots / stages)")
         run = resolve(args, world_size=world)
+        if run.data.auto_slots:
+            print(f"mmpipe: --pack: {run.max_images} image slots per row of {decoder_length(run)} positions "
+                  f"(--text-len {run.text_len} / the data's mean sample text; --max-images N sets them)", flush=True)
         if hosts is None:  # local ranks use this machine's accelerator; remote hosts check in their ranks
             precision.check(run.precision)
     except ConfigError as e:
@@ -73,7 +77,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         if launcher is None:
             raise ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)")
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; the launcher does not set it
+        hostfile.with_rank_threads(env)  # one thread per rank unless set; the launcher does not set it
         where = _where(la, hosts, run, args, env, ns.dry_run)
     except ConfigError as e:
         return fail(e)

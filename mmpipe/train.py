@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from .cluster.hostfile import rank_threads
 from .cluster.preempt import Preemption
 from .cluster.slurm_env import ranks_from_slurm
 from .config import ConfigError, fail
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
     preempt = Preemption()  # before anything slow: a signal during start-up stops at the first step
     ranks_from_slurm(os.environ)
     try:
+        rank_threads(os.environ)  # a bad OMP_NUM_THREADS: one line here, not a traceback in every rank
         run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return fail(e)

@@ -152,3 +152,22 @@ def test_ranks_from_slurm_variables():
     assert not ranks_from_slurm(launched) and launched["RANK"] == "0"
     batch_shell = {k: v for k, v in task.items() if k != "SLURM_STEP_ID"}
     assert not ranks_from_slurm(batch_shell) and "RANK" not in batch_shell
+
+
+@pytest.mark.parametrize("value, threads", [("", 1), (" 3 ", 3), ("abc", None), ("0", None)])
+def test_omp_num_threads_empty_is_one_and_junk_is_one_line(capsys, monkeypatch, tmp_path, value, threads):
+    """An exported-but-empty OMP_NUM_THREADS is 'unset' (1 thread per rank), as the launchers pass it on;
+    anything but a positive integer stops the front door and each rank entry with one line, before launch."""
+    from mmpipe.cluster.hostfile import rank_threads, with_rank_threads
+    from mmpipe.train import main as rank_main
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    if threads is not None:
+        assert rank_threads(os.environ) == threads
+        assert with_rank_threads({"OMP_NUM_THREADS": value})["OMP_NUM_THREADS"] == str(threads)
+        return
+    for entry in (lambda a: main(["train", *a]), rank_main):
+        assert entry([*TRAIN, "--output-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert [ln for ln in err.splitlines() if ln.startswith("mmpipe: error:")] == [
+            f"mmpipe: error: OMP_NUM_THREADS: {value!r} is not a thread count; set a positive integer (1 per rank "
+            f"on CPU) or unset it"], err

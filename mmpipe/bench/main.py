@@ -104,8 +104,7 @@ def main_bench(args: argparse.Namespace) -> int:
             out = out.resolve()  # the jobs run elsewhere: every path they get is absolute
             cluster.check_slurm(args, sw, variants, peer_list, out)
         elif mode == "hostfile":
-            env = dict(os.environ)
-            env.setdefault("OMP_NUM_THREADS", "1")
+            env = hostfile.with_rank_threads(dict(os.environ))
             hosts = cluster.hostfile_hosts(args.hostfile, args.include, args.exclude, env, ssh=not args.dry_run)
             cluster.check_hostfile(hosts, variants)
     except ConfigError as e:
@@ -244,9 +243,7 @@ def run_peer_row(name: str, rep: int, sw: Sweep, out: Path, peak: dict, progress
 
 
 def _rank_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # remote ranks see only what the env file carries
-    return env
+    return hostfile.with_rank_threads(dict(os.environ))  # remote ranks see only what the env file carries
 
 
 def _measured(row: dict, v: Variant, sw: Sweep, vout: Path, peak: dict, rc: int, reason: str, wall: float) -> dict:

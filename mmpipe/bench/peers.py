@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..cluster.hostfile import with_rank_threads
 from ..cluster.ports import free_port
 from .run_variant import run_logged
 
@@ -27,8 +28,7 @@ def peer_command(kind: str, shape, sweep, out: Path) -> tuple[list[str], dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PEER_RANKS[kind]),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "mmpipe.bench.torch_pipe_peer",
                *common, "--schedule", PEER_SCHEDULES[kind]]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RANK=os.environ.get("RANK", "0"))
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = with_rank_threads(dict(os.environ, PYTHONUNBUFFERED="1", RANK=os.environ.get("RANK", "0")))
     if kind == "hf":
         env["RANK"] = "0"
     return cmd, env

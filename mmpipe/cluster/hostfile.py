@@ -21,6 +21,24 @@ PASS_ENV = ("OMP_NUM_THREADS", "NCCL_", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"
             "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_", "HF_", "TRANSFORMERS_", "MMPIPE_")
 
 
+def rank_threads(env) -> int:
+    """OMP_NUM_THREADS as every rank applies it: unset or empty is 1 (one thread per rank: 2 ranks on
+    2 cores; more oversubscribes the cores). Anything else must be a positive integer."""
+    v = (env.get("OMP_NUM_THREADS") or "").strip()
+    if not v:
+        return 1
+    if not v.isdigit() or int(v) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS: {v!r} is not a thread count; set a positive integer (1 per rank on "
+                          f"CPU) or unset it")
+    return int(v)
+
+
+def with_rank_threads(env: dict) -> dict:
+    """env with OMP_NUM_THREADS set as the ranks apply it (the launchers pass an empty value on)."""
+    env["OMP_NUM_THREADS"] = str(rank_threads(env))
+    return env
+
+
 def parse(path: str) -> dict[str, int]:
     """Host -> slots, in file order. One problem per line, naming the line."""
     p = Path(path)

@@ -26,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import TiedLayerSpec
 from tqdm import tqdm
 
+from ..cluster.hostfile import rank_threads
 from ..cluster.preempt import EXIT_REQUEUE, MARKER, Preemption
 from ..config import REGION_FILE, ConfigError, fail
 from ..data.batches import StepBatches, rank_batches
@@ -153,7 +154,7 @@ def monitor_timing(engine, stage_rows, timing: dict | None, rank: int) -> None:
 
 
 def setup_torch() -> None:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # 1 per rank on CPU: 2 ranks on 2 cores
+    torch.set_num_threads(rank_threads(os.environ))  # 1 per rank on CPU: 2 ranks on 2 cores
     if get_accelerator().device_name() == "cpu":                         # ran 3x slower without it
         # the shared-memory all-reduce op only serves inference; skip its ~25 s JIT build
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
