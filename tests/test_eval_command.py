@@ -82,7 +82,7 @@ def one_at_a_time(model, held: Path, max_new_tokens: int) -> list[str]:
         else:
             pixels = torch.zeros(1, 3, cfg.vision.image_size, cfg.vision.image_size)
         new = generate(model, pixels, prompt, eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens,
-                       has_image=has_image)
+                       has_image=has_image, n_tokens=len(tok))  # only the tokenizer's text ids, as generate picks
         answers.append(tok.decode(new, skip_special_tokens=True).strip())
     return answers
 

@@ -52,6 +52,9 @@ def test_import_generate_export_llava(tmp_path, capsys):
     x = torch.tensor([ids])
     with torch.no_grad():
         assert (back(input_ids=x, pixel_values=pixels).logits - model(pixels, x)).abs().max().item() < 1e-4
+    assert "with the run's tokenizer" in capsys.readouterr().out
+    assert main(gen + ["--checkpoint", str(tmp_path / "back")]) == 0  # the run's tokenizer rode along
+    assert capsys.readouterr().out.strip() == from_hf
     assert main(["export", "--checkpoint", str(run), "--format", "safetensors",
                  "--out", str(tmp_path / "m.safetensors")]) == 0
     flat = load_file(str(tmp_path / "m.safetensors"))
@@ -77,3 +80,41 @@ def test_moondream_export_import_and_refusals(tmp_path, capsys):
                                                "run's adapters merged in)")
     assert main(["import", "--moondream", str(tmp_path / "current.safetensors"), "--out", str(tmp_path / "y")]) == 2
     assert "needs --preset" in capsys.readouterr().err
+
+
+def test_exported_builtin_llava_run_is_a_checkpoint(tmp_path, capsys):
+    """docs/hf.md: `mmpipe export` of a llava-tiny run (the built-in tokenizer, <image> at id 36) writes the
+    tokenizer and an HF processor beside the weights, so `mmpipe generate --checkpoint OUT` answers as the
+    run does and AutoProcessor expands <image> to the model's 16 positions; the files follow the umask.
+    Without a tokenizer, --checkpoint is blamed (not a --tokenizer the user did not pass), in one whole line."""
+    import dataclasses
+    import os
+
+    from transformers import AutoProcessor
+
+    from conftest import write_checkpoint
+    cfg = dataclasses.replace(load_preset("llava-tiny"), image_token_id=36).with_vocab(64)
+    write_checkpoint(ReferenceModel(cfg, seed=3), tmp_path / "run")
+    Image.new("RGB", (32, 32), (10, 200, 30)).save(tmp_path / "img.png")
+    gen = ["generate", "--image", str(tmp_path / "img.png"), "--prompt", "what shape is red", "--max-new-tokens",
+           "4", "--checkpoint"]
+    assert main(gen + [str(tmp_path / "run")]) == 0
+    from_run = capsys.readouterr().out
+    out = tmp_path / "exported-llava"
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "tokenizer and processor" in capsys.readouterr().out
+    assert main(gen + [str(out)]) == 0
+    assert capsys.readouterr().out == from_run
+    processor = AutoProcessor.from_pretrained(out)
+    ids = processor(images=Image.open(tmp_path / "img.png"), text="<image> what", return_tensors="pt")["input_ids"]
+    assert (ids == 36).sum().item() == cfg.vision.n_tokens == 16
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    for f in out.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith("_config.json") or f.name.endswith(".jinja"):
+            f.unlink()
+    assert main(gen + [str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mmpipe: error: --checkpoint: {out} holds no tokenizer") and "--tokenizer DIR" in err
+    assert len(err.splitlines()) == 1

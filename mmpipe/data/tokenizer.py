@@ -93,6 +93,9 @@ def uses_moondream_ids(tok) -> bool:
 
 
 IMAGE_TOKEN = "<image>"
+# what AutoTokenizer reads a tokenizer from (a fast one's tokenizer.json; a slow one's vocabulary files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
 
 
 @functools.lru_cache(maxsize=2)
@@ -119,31 +122,37 @@ def add_image_token(tok: PreTrainedTokenizerBase) -> int:
     return tok.convert_tokens_to_ids(IMAGE_TOKEN)
 
 
-def load_tokenizer(path: str | None, prompt_format: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | None, prompt_format: str | None = None, flag: str = "--tokenizer"
+                   ) -> PreTrainedTokenizerBase:
     """The built-in tokenizer (path None or 'builtin'), else AutoTokenizer from a local directory.
     prompt_format: None keeps the directory's own (moondream's when it carries the marker, else its chat
     template); 'moondream' puts it in moondream's token-id format (as_moondream); 'chat' uses a chat
     template (the text fallback replaces the moondream marker).
-    Raises ConfigError with one line when the directory cannot serve as a training tokenizer."""
+    Raises ConfigError with one line when the directory cannot serve as a training tokenizer, naming
+    `flag`, the option the directory came from (--checkpoint: the model's own, no --tokenizer given)."""
     assert prompt_format in (None,) + PROMPT_FORMATS, prompt_format
     if path in (None, "", "builtin"):
         if prompt_format == "moondream":
             raise ConfigError("--prompt-format moondream: needs moondream's own tokenizer (--tokenizer DIR, a local "
                               "copy of its starmie-v1 tokenizer.json); the built-in one has none of its template ids")
         return builtin_tokenizer()
+    hint = "" if flag == "--tokenizer" else "; give --tokenizer DIR, the tokenizer the model was trained with"
     if not Path(path).is_dir():
-        raise ConfigError(f"--tokenizer: {path} is not a directory (give a local tokenizer directory or 'builtin')")
+        raise ConfigError(f"{flag}: {path} is not a directory (give a local tokenizer directory or 'builtin')")
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"{flag}: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}")
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises OSError/ValueError/... for unusable directories
-        raise ConfigError(f"--tokenizer: cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+        why = " ".join(str(e).split())  # all of it, on one line: transformers' first line ends mid-sentence
+        raise ConfigError(f"{flag}: cannot load a tokenizer from {path}: {why}{hint}") from None
     if not tok.is_fast:
-        raise ConfigError(f"--tokenizer: {path} gives a slow tokenizer; mmpipe needs a fast one (tokenizer.json) "
+        raise ConfigError(f"{flag}: {path} gives a slow tokenizer; mmpipe needs a fast one (tokenizer.json) "
                           f"for the character offsets that place the labels")
     if prompt_format == "moondream" or (prompt_format is None and uses_moondream_ids(tok)):
         return as_moondream(tok, path)
     if tok.eos_token_id is None:
-        raise ConfigError(f"--tokenizer: {path} has no eos_token; answers need one to stop")
+        raise ConfigError(f"{flag}: {path} has no eos_token; answers need one to stop")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # pads are never attended to (causal, right padding) nor labelled
     if tok.chat_template is None or uses_moondream_ids(tok):  # 'chat' asked for on a moondream-format one

@@ -22,6 +22,7 @@ from ..model.families import family_of
 from ..model.lora import read_lora
 from ..runtime.checkpoint import latest_tag, load_reference
 from .adapter import export_adapter
+from .bundle import follow_umask, run_tokenizer, write_processor
 from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map
 from .moondream import REGION_FILE, export_moondream, import_moondream, load_region, save_region
 
@@ -179,16 +180,21 @@ def main_export(args: argparse.Namespace) -> int:
             raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
         if args.dry_run:
             return _export_plan(args, run, cfg)
+        tok = run_tokenizer(run, cfg) if args.format in ("hf", "peft") else None  # checked before writing
         model = load_reference(run / "checkpoints", cfg, merged=args.format != "peft")
         region_src = Path(args.region) if args.region else run / REGION_FILE
         region = (load_region(region_src, cfg.text.dim) if args.format == "safetensors" and not family_of(cfg).hf_class
                   and (args.region or region_src.is_file()) else None)
     except (ConfigError, FileNotFoundError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
+    wrote = ""
     if args.format == "peft":
         export_adapter(model, args.out)
+        wrote = write_processor(tok, cfg, Path(args.out) / "base")  # OUT/base serves as a checkpoint too
+        write_processor(tok, cfg, Path(args.out))
     elif args.format == "hf":
         export_hf(model, args.out)
+        wrote = write_processor(tok, cfg, Path(args.out))
     else:
         from safetensors.torch import save_file
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -196,5 +202,6 @@ def main_export(args: argparse.Namespace) -> int:
     if region is None and not family_of(cfg).hf_class:
         print(f"mmpipe: note: no region head ({run / REGION_FILE} absent, no --region): moondream's legacy loader "
               f"needs one, its current loader leaves it uninitialised")
-    print(f"mmpipe: exported {run} -> {args.out}")
+    follow_umask(Path(args.out))
+    print(f"mmpipe: exported {run} -> {args.out}" + (f" (with the run's {wrote})" if wrote else ""))
     return 0

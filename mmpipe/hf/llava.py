@@ -218,10 +218,11 @@ def source_tensor(source: dict, known: set[str], hf_name: str):
 
 
 def _preprocessor(path: Path):
-    f = path / "preprocessor_config.json"
-    if not f.is_file():
-        return None, None
-    d = json.loads(f.read_text())
+    """(image_mean, image_std) of the directory's image processor: preprocessor_config.json, or the
+    image_processor section of a processor's processor_config.json (what `mmpipe export` writes)."""
+    f, g = path / "preprocessor_config.json", path / "processor_config.json"
+    d = (json.loads(f.read_text()) if f.is_file() else
+         json.loads(g.read_text()).get("image_processor", {}) if g.is_file() else {})
     return d.get("image_mean"), d.get("image_std")
 
 

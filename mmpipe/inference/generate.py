@@ -87,22 +87,33 @@ def _generators(temperature: float, seed: int, n: int) -> list[torch.Generator |
     return [torch.Generator().manual_seed(seed) if temperature > 0 else None for _ in range(n)]
 
 
-def _masked(logits: torch.Tensor, answer_id: int | None, step: int, n_tokens: int | None = None) -> torch.Tensor:
+def _masked(logits: torch.Tensor, answer_id: int | None, step: int, n_tokens: int | None = None,
+            placeholder: int | None = None) -> torch.Tensor:
     """logits [B, V] of new token number `step` (0: the first, from the prompt), with answer_id's logit at
     -inf from the second token on: moondream masks it on its decode steps, not on the prompt's prefill.
-    n_tokens (the tokenizer's size): every id from it on is at -inf, at every step - the vocabulary is
-    padded past the tokenizer (ModelConfig.with_vocab), and an id the tokenizer lacks decodes to nothing."""
-    logits = in_vocab(logits, n_tokens)
+    n_tokens (the tokenizer's size): only text ids, at every step (in_vocab)."""
+    logits = in_vocab(logits, n_tokens, placeholder)
     if answer_id is None or step == 0:
         return logits
     return logits.index_fill(-1, torch.tensor([answer_id], device=logits.device), float("-inf"))
 
 
-def in_vocab(logits: torch.Tensor, n_tokens: int | None) -> torch.Tensor:
-    """logits [..., V] with the ids >= n_tokens (padding past the tokenizer's ids) at -inf; None: as they are."""
-    if n_tokens is None or n_tokens >= logits.shape[-1]:
+def in_vocab(logits: torch.Tensor, n_tokens: int | None, placeholder: int | None = None) -> torch.Tensor:
+    """logits [..., V] with every id that is no text token at -inf: those from n_tokens on (the vocabulary
+    is padded past the tokenizer, ModelConfig.with_vocab; such an id decodes to nothing) and the LLaVA
+    family's image placeholder (placeholder_of: it marks image positions, never an answer's; a run's
+    tokenizer may lack it, its export's has it). n_tokens None: the logits as they are."""
+    if n_tokens is None:
         return logits
-    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= n_tokens, float("-inf"))
+    never = torch.arange(logits.shape[-1], device=logits.device) >= n_tokens
+    if placeholder is not None:
+        never[placeholder] = True
+    return logits.masked_fill(never, float("-inf"))
+
+
+def placeholder_of(model) -> int | None:
+    """The image placeholder id of a model whose prompts carry one (the LLaVA family), else None."""
+    return model.cfg.image_token_id if model.cfg.layout.placeholders else None
 
 
 def _pick_rows(logits: torch.Tensor, temperature: float, top_k: int, gens: list) -> torch.Tensor:
@@ -138,7 +149,8 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
             x = layer.decode(x, cache, start)
         logits = x  # [B, T_new, V]
         start += logits.shape[1]
-        nxt = _pick_rows(_masked(logits[:, -1], answer_id, step, n_tokens), temperature, top_k, gens)
+        nxt = _pick_rows(_masked(logits[:, -1], answer_id, step, n_tokens, placeholder_of(model)), temperature,
+                         top_k, gens)
         for b, tok in enumerate(nxt.tolist()):
             if done[b]:
                 continue
@@ -177,7 +189,7 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
     gen = _generators(temperature, seed, 1)[0]
     out: list[int] = []
     for step in range(max_new_tokens):
-        logits = _masked(model(pixels, ids, flag, tiling)[:, -1], answer_id, step, n_tokens)
+        logits = _masked(model(pixels, ids, flag, tiling)[:, -1], answer_id, step, n_tokens, placeholder_of(model))
         nxt = _pick(logits, temperature, top_k, gen)
         if eos_id is not None and nxt.item() == eos_id:
             break
@@ -279,7 +291,8 @@ def load_checkpoint(path: Path):
 def _load(path: Path, tokenizer: str | None):
     """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF LLaVA directory."""
     model, own = load_checkpoint(path)
-    return model, load_tokenizer(tokenizer or own)
+    # no --tokenizer: the checkpoint's own, and a problem with it is the checkpoint's
+    return model, load_tokenizer(tokenizer or own, flag="--tokenizer" if tokenizer else "--checkpoint")
 
 
 def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
