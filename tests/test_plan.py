@@ -181,7 +181,8 @@ def test_nothing_fits_is_a_clear_error(capsys):
                "--zero", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["mmpipe: error: plan: no layout of vlm-7b fits 1 x 37 GiB at global batch 256 (try "
-                               "--checkpointing, --zero 1, smaller --micro, more --nodes, or --freeze vision)"]
+                               "--checkpointing, --zero 1, --freeze vision, --lora 16 (adapters: no gradients or "
+                               "optimizer state for the base), more --nodes)"]
 
 
 def test_the_planned_config_trains_as_written(tmp_path):
