@@ -27,9 +27,11 @@ def _base_type(f: dataclasses.Field):
     return _TYPES[name] if name in _TYPES else name
 
 
-def add_flags(p: argparse.ArgumentParser, cls) -> None:
+def add_flags(p: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None) -> None:
+    """only: these fields' flags alone (a command that shares part of a dataclass, as plan does DataArgs')."""
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in sorted(_flag_fields(cls), key=lambda f: f.metadata["group"] is not None):  # a group's flags last
+    fields = [f for f in _flag_fields(cls) if only is None or f.name in only]
+    for f in sorted(fields, key=lambda f: f.metadata["group"] is not None):  # a group's flags last
         md = f.metadata
         where = groups.setdefault(md["group"], p.add_argument_group(md["group"])) if md["group"] else p
         kw: dict = {"dest": f.name, "default": f.default, "help": md["help"]}
@@ -41,8 +43,9 @@ def add_flags(p: argparse.ArgumentParser, cls) -> None:
         where.add_argument("--" + f.name.replace("_", "-"), *md["aliases"], **kw)
 
 
-def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
-    return cls(**{f.name: getattr(ns, f.name) for f in _flag_fields(cls)})
+def from_namespace(cls: type[T], ns: argparse.Namespace, only: tuple[str, ...] | None = None) -> T:
+    """only: as add_flags's; the other fields keep their defaults."""
+    return cls(**{f.name: getattr(ns, f.name) for f in _flag_fields(cls) if only is None or f.name in only})
 
 
 def to_argv(obj) -> list[str]:

@@ -1,5 +1,6 @@
 """What a user asks of a training run, as code can build it: `TrainArgs` (every flag of
-`mmpipe train` and `python -m mmpipe.train`, declared once) and `LaunchArgs` (the front door's
+`mmpipe train` and `python -m mmpipe.train`, declared once; the data and model flags it shares with
+`mmpipe plan` in their own dataclasses, DataArgs and ModelArgs) and `LaunchArgs` (the front door's
 own: where the ranks run). `mmpipe.run_config.resolve` turns TrainArgs into a checked RunConfig."""
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from dataclasses import dataclass
 
 from .data.args import DataArgs
 from .flags import add_flags, flag, from_namespace, to_argv
-from .model.builder import FREEZE_GROUPS
+from .model.args import ModelArgs
 
 SCHEDULES = ("1f1b", "zb-h1")  # DeepSpeed's own 1F1B; zero-bubble ZB-H1 (mmpipe.runtime.schedule, docs/schedules.md)
 
 
 @dataclass(frozen=True)
-class TrainArgs(DataArgs):
+class TrainArgs(DataArgs, ModelArgs):
     preset: str | None = flag(None, "model preset name or path to a model JSON (default: small; with --init-from: "
                               "the run's model.json)")
     init_from: str | None = flag(None, "start from the weights of an mmpipe run (e.g. `mmpipe import --out RUN`): "
@@ -29,19 +30,6 @@ class TrainArgs(DataArgs):
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")
-    freeze: str = flag("", f"comma-separated groups to freeze: {', '.join(FREEZE_GROUPS)}")
-    lora: int = flag(0, "LoRA rank: train low-rank adapters (peft's LoRA layers) on the --lora-groups' linear layers, "
-                     "their base weights frozen (0: off; docs/lora.md)", metavar="RANK", group="LoRA adapters")
-    lora_alpha: float | None = flag(None, "LoRA scale numerator: delta W = (alpha / rank) B A (default: 2 x rank)",
-                                    group="LoRA adapters")
-    lora_dropout: float = flag(0.0, "dropout on the adapters' input (default: 0)", group="LoRA adapters")
-    lora_groups: str = flag("text", f"comma-separated groups that get adapters and whose base is frozen: "
-                            f"{', '.join(FREEZE_GROUPS)} (default: text)", group="LoRA adapters")
-    lora_targets: str = flag("", "regular expression on a linear's name within its layer, e.g. 'q_proj|v_proj' or "
-                             "'attn' (default: every linear of those groups but the LM head)", group="LoRA adapters")
-    max_crops: int | None = flag(None, "moondream multi-crop: local crops per image at most (default: the model's "
-                                 "vision.max_crops, 12 for moondream2; lower it for memory: the tower encodes 1 + N "
-                                 "crops per image; 0: the global crop only)", metavar="N")
     seed: int = flag(0, "seed for weights and data (default: 0)")
     save_every: int = flag(0, "checkpoint every N steps (0: only at the end)")
     nonfinite: str = flag("stop", "a NaN/inf loss: stop the run, keeping the last good checkpoint (default), or skip "

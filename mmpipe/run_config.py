@@ -15,11 +15,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig, config_from_dict, crop_budget, load_preset, read_json
+from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
 from .data.dataset import DataOptions, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
-from .model.builder import FREEZE_GROUPS
 from .model.lora import Lora, read_lora
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
@@ -155,18 +154,15 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
             run_tok = str(Path(args.init_from) / "tokenizer")  # written by `mmpipe import`
     else:
         model = problems.attempt(load_preset, args.preset or "small")
-    if model is not None and args.max_crops is not None:
-        model = problems.attempt(crop_budget, model, args.max_crops)
+    if model is not None:
+        model = problems.attempt(args.with_crops, model)
     data = problems.attempt(resolve_data, args, model, run_tok)
     eval_data = _eval_data(args, data, problems)
     if data is not None and args.eval_split and eval_data is not None:
         data = dataclasses.replace(data, holdout=args.eval_split, part="train")
-    freeze = _check_flags(args, problems)
-    rows = args.pack or (data is not None and data.max_images > 1)
-    if rows and model is not None and model.layout.cross_attention:
-        problems.append(f"--pack / --max-images: {model.name} reads its image through cross-attention, which has no "
-                        f"per-sample image positions to pack; use a prefix (moondream) or LLaVA model")
-    lora = _lora(args, problems)
+    _check_flags(args, problems)
+    freeze = problems.attempt(args.frozen_groups) or ()
+    lora = problems.attempt(args.adapters)
     if ds is None:
         problems.raise_any()
 
@@ -204,8 +200,10 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
               gradient_accumulation_steps=gas)
     if eval_data is not None:
         eval_data = dataclasses.replace(eval_data, tokenizer=data.tokenizer)  # as fitted above (LLaVA's <image>)
-    return RunConfig(model, ds, ds_path, stages, dp, micro, gas, parts or [], table, freeze, precision, zero_stage,
-                     data, auto_schedule, args.init_from, eval_data, lora, schedule, args.pack, args.loss_norm)
+    return RunConfig(model=model, ds_config=ds, ds_config_path=ds_path, stages=stages, dp=dp, micro=micro, gas=gas,
+                     parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
+                     data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
+                     schedule=schedule, pack=args.pack, loss_norm=args.loss_norm)
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
@@ -249,8 +247,8 @@ def _eval_split(args: TrainArgs, data: DataOptions | None, problems: Problems) -
     return None
 
 
-def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:
-    """The flags' own ranges; returns the --freeze groups (none when one is unknown)."""
+def _check_flags(args: TrainArgs, problems: Problems) -> None:
+    """The run flags' own ranges (the model's and the data's are checked with them: ModelArgs, resolve_data)."""
     if args.resume and not (Path(args.output_dir) / "checkpoints" / "latest").is_file():
         problems.append(f"--resume: no checkpoint in {Path(args.output_dir) / 'checkpoints'}")
     if args.steps < 1:
@@ -259,20 +257,6 @@ def _check_flags(args: TrainArgs, problems: Problems) -> tuple[str, ...]:
         problems.append(f"--save-every: {args.save_every} must be >= 0")
     if args.keep_checkpoints < 0:
         problems.append(f"--keep-checkpoints: {args.keep_checkpoints} must be >= 0 (0 keeps all)")
-    freeze = tuple(g for g in args.freeze.split(",") if g)
-    bad = [g for g in freeze if g not in FREEZE_GROUPS]
-    if bad:
-        problems.append(f"--freeze: unknown group(s) {bad} (valid: {', '.join(FREEZE_GROUPS)})")
-        return ()
-    return freeze
-
-
-def _lora(args: TrainArgs, problems: Problems) -> Lora | None:
-    """--lora and its options, checked; None when off."""
-    if not args.lora:
-        return None
-    return problems.attempt(Lora.parse, args.lora, args.lora_alpha, args.lora_dropout, args.lora_groups,
-                            args.lora_targets, FREEZE_GROUPS)
 
 
 def _check_ds(ds: dict, args: TrainArgs, problems: Problems) -> tuple[int, str]:

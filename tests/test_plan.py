@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, train_run
-from mmpipe.config import load_preset
+from mmpipe.config import ConfigError, load_preset
 from mmpipe.model.builder import IGNORE_INDEX, layer_specs, lm_loss
 from mmpipe.planning.costmodel import (
     KNOWN_DEVICES,
@@ -30,6 +30,8 @@ from mmpipe.planning.layout import plan_layout
 from mmpipe.planning.partition import compute_parts, min_max_split
 from mmpipe.planning.schedules import SCHEDULES, predict, simulate
 from mmpipe.run_args import SCHEDULES as TRAIN_SCHEDULES
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 
 
 def _brute(weights, parts, fits=None):
@@ -338,23 +340,39 @@ def test_a_row_carries_its_images_through_the_tower_and_its_positions_through_th
 def test_plan_prices_rows_and_reports_positions_when_packed(capsys):
     from mmpipe.cli import main
     base = ["plan", "--preset", "llava-tiny", "--device", "a100-80gb", "--gpus-per-node", "2", "--global-batch", "32",
-            "--micro", "4", "--text-len", "96"]
-    assert main(base + ["--max-images", "4", "--pack"]) == 0
+            "--micro", "4", "--text-len", "32"]  # llava-tiny's 64 positions: 2 x 16 image + 32 text, as train allows
+    assert main(base + ["--max-images", "2", "--pack"]) == 0
     out = capsys.readouterr().out
-    assert "decoder positions per row: 4 image slots x 16 + 96 text = 160; rows hold several samples" in out
+    assert "decoder positions per row: 2 image slots x 16 + 32 text = 64; rows hold several samples" in out
     assert "positions/s" in next(ln for ln in out.splitlines() if ln.lstrip().startswith("PP"))
     assert "useful tokens/s = positions/s x (1 - padding share)" in out
-    assert main(base + ["--max-images", "4", "--pack", "--json"]) == 0
+    assert main(base + ["--max-images", "2", "--pack", "--json"]) == 0
     packed = json.loads(capsys.readouterr().out)
-    assert all(lay["decoder_length"] == 160 and lay["positions_per_s"] == pytest.approx(lay["throughput"] * 160)
+    assert all(lay["decoder_length"] == 64 and lay["positions_per_s"] == pytest.approx(lay["throughput"] * 64)
                for lay in packed)
     assert main(base + ["--json"]) == 0
     classic = json.loads(capsys.readouterr().out)
-    assert classic[0]["decoder_length"] == 112 and packed[0]["throughput"] < classic[0]["throughput"]
+    assert classic[0]["decoder_length"] == 48 and packed[0]["throughput"] < classic[0]["throughput"]
     assert main(base) == 0
-    assert "decoder positions per row: 16 image + 96 text = 112, one sample per row" in capsys.readouterr().out
+    assert "decoder positions per row: 16 image + 32 text = 48, one sample per row" in capsys.readouterr().out
     for bad, line in ((["--max-images", "0"], "mmpipe: error: --max-images: 0 must be >= 1"),
                       (["--preset", "tiny-xattn", "--pack"], "mmpipe: error: --pack / --max-images: tiny-xattn")):
         assert main(base + bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(line), err
+
+
+def test_plan_checks_the_shared_flags_as_train_does(capsys):
+    """plan takes --text-len, --max-images, --pack, --freeze, --lora from train's declarations and refuses
+    what train refuses, in train's words; its default --text-len is what the preset's context leaves."""
+    from mmpipe.cli import main
+    base = ["plan", "--preset", "small", "--device", "a100-80gb", "--gpus-per-node", "2", "--global-batch", "32"]
+    for bad in (["--text-len", "2000"], ["--max-images", "2"], ["--freeze", "vison"], ["--lora", "4", "--lora-groups",
+                                                                                      "txt"]):
+        train = TrainArgs.from_argv(["--preset", "small", *bad])
+        with pytest.raises(ConfigError) as e:
+            resolve(train, 2)
+        assert main(base + bad) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"mmpipe: error: {e.value}"], bad
+    assert main(base + ["--json"]) == 0  # small: 64 positions, 16 image tokens -> text 48
+    assert {lay["decoder_length"] for lay in json.loads(capsys.readouterr().out)} == {16 + 48}

@@ -82,25 +82,7 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
         except ConfigError as e:
             problems.append(str(e))
     markers = bool(cfg is not None and cfg.layout is not None and cfg.layout.placeholders)
-    if args.max_images < 1:
-        problems.append(f"--max-images: {args.max_images} must be >= 1")
-    elif args.max_images > 1 and cfg is not None and not markers and not args.pack:
-        # without markers one image per sample; --max-images then only sizes a packed row's image slots
-        how = f"({cfg.fusion}) attends to one image" if cfg.layout.cross_attention else "splices one image after BOS"
-        problems.append(f"--max-images: {args.max_images}: the {cfg.family} family {how}; several images per "
-                        f"sample need the LLaVA family (with --pack it sizes a row's image slots)")
-    text_len = args.text_len
-    if cfg is not None:
-        # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
-        # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
-        n_image = cfg.n_image_positions + placeholders(cfg)[1] * max(1, args.max_images)
-        room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
-        if text_len is None:
-            text_len = SHAPES_TEXT_LEN if args.data == "shapes" else room
-        if text_len < 2 or text_len > room:
-            problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
-                            f"{cfg.text.max_context} - {n_image} image "
-                            f"{'placeholders' if placeholders(cfg)[1] else 'tokens'})")
+    text_len = row_text_len(args, cfg, SHAPES_TEXT_LEN if args.data == "shapes" else None, problems)
     if args.augment and cfg is not None and cfg.vision.max_crops:
         problems.append("--augment: multi-crop images (vision.max_crops) are cut by moondream's fixed rule, which "
                         "the Projector's stitching assumes; drop --augment or use --max-crops 0")
@@ -112,7 +94,40 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
         raise ConfigError("\n".join(problems))
     return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
                        args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples,
-                       max_images=args.max_images, markers=markers)
+                       max_images=args.max_images or 1, markers=markers)
+
+
+ROW_FLAGS = ("text_len", "max_images", "pack")  # the row's shape: the data flags `mmpipe plan` takes too
+
+
+def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | None, problems: list[str]) -> int | None:
+    """--max-images, --pack and --text-len against the model, the one check `mmpipe train` (resolve_data)
+    and `mmpipe plan` make; appends a line per problem. Returns the row's text length: --text-len, else
+    default_len, else what the model's context leaves after BOS + the images."""
+    markers = bool(cfg is not None and cfg.layout is not None and cfg.layout.placeholders)
+    if args.max_images is not None and args.max_images < 1:
+        problems.append(f"--max-images: {args.max_images} must be >= 1")
+    elif (args.max_images or 1) > 1 and cfg is not None and not markers and not args.pack:
+        # without markers one image per sample; --max-images then only sizes a packed row's image slots
+        how = f"({cfg.fusion}) attends to one image" if cfg.layout.cross_attention else "splices one image after BOS"
+        problems.append(f"--max-images: {args.max_images}: the {cfg.family} family {how}; several images per "
+                        f"sample need the LLaVA family (with --pack it sizes a row's image slots)")
+    elif (args.pack or (args.max_images or 1) > 1) and cfg is not None and cfg.layout.cross_attention:
+        problems.append(f"--pack / --max-images: {cfg.name} reads its image through cross-attention, which has no "
+                        f"per-sample image positions to pack; use a prefix (moondream) or LLaVA model")
+    text_len = args.text_len
+    if cfg is not None:
+        # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
+        # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
+        n_image = cfg.n_image_positions + placeholders(cfg)[1] * max(1, args.max_images or 1)
+        room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
+        if text_len is None:
+            text_len = default_len or room
+        if text_len < 2 or text_len > room:
+            problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
+                            f"{cfg.text.max_context} - {n_image} image "
+                            f"{'placeholders' if placeholders(cfg)[1] else 'tokens'})")
+    return text_len
 
 
 def index_dir(out_dir: str | Path) -> Path:

@@ -150,7 +150,7 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 def consolidated(model, layout: str = "current", region=None) -> dict[str, torch.Tensor]:
     """Every weight once, in the family's ecosystem names: HF's where it has an HF class, else moondream's
     (with its region head, when given)."""
-    if family_of(model.cfg).hf_class:
+    if family_of(model.cfg).weight_names == "hf":
         state = model.state_dict()
         names = key_map(model.cfg, _hf_names(hf_config(model.cfg)))
         return {h: state[m].detach().contiguous() for m, h in names.items()}
@@ -183,7 +183,8 @@ def main_export(args: argparse.Namespace) -> int:
         tok = run_tokenizer(run, cfg) if args.format in ("hf", "peft") else None  # checked before writing
         model = load_reference(run / "checkpoints", cfg, merged=args.format != "peft")
         region_src = Path(args.region) if args.region else run / REGION_FILE
-        region = (load_region(region_src, cfg.text.dim) if args.format == "safetensors" and not family_of(cfg).hf_class
+        moondream_names = family_of(cfg).weight_names == "moondream"  # they carry moondream's region head
+        region = (load_region(region_src, cfg.text.dim) if args.format == "safetensors" and moondream_names
                   and (args.region or region_src.is_file()) else None)
     except (ConfigError, FileNotFoundError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
@@ -199,7 +200,7 @@ def main_export(args: argparse.Namespace) -> int:
         from safetensors.torch import save_file
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         save_file(consolidated(model, args.layout, region), args.out)
-    if region is None and not family_of(cfg).hf_class:
+    if region is None and moondream_names:
         print(f"mmpipe: note: no region head ({run / REGION_FILE} absent, no --region): moondream's legacy loader "
               f"needs one, its current loader leaves it uninitialised")
     follow_umask(Path(args.out))

@@ -48,6 +48,9 @@ class Family:
     cost_rules: dict[object, costs.LayerRule] = field(repr=False, compare=False)
     tower_tokens: Callable[[ModelConfig], int] = lambda cfg: cfg.vision.n_tokens  # what the vision blocks see
     hf_class: str | None = None  # the transformers class its weights load into unchanged, if any
+    # whose names its weights take in and out of mmpipe (mmpipe.hf): "hf" (hf_class's, an HF directory) or
+    # "moondream" (moondream's one safetensors file, with moondream's region head beside the weights)
+    weight_names: str = "moondream"
 
     def cost_rule(self, spec: LayerSpec) -> costs.LayerRule:
         return self.cost_rules[getattr(spec, "forward_fn", None) or spec.typename]
@@ -67,7 +70,7 @@ LLAVA = Family(
      LlavaEmbed: costs.TEXT_EMBED, LlamaBlock: costs.LLAMA_BLOCK, FinalNorm: costs.FINAL_NORM,
      LMHeadLinear: costs.LM_HEAD, tied_head: costs.LM_HEAD},
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
-    hf_class="LlavaForConditionalGeneration")
+    hf_class="LlavaForConditionalGeneration", weight_names="hf")
 
 FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA)
 

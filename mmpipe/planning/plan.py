@@ -35,8 +35,11 @@ import json
 import time
 from pathlib import Path
 
-from ..config import ConfigError, ModelConfig, crop_budget, fail, load_preset
-from ..model.builder import FREEZE_GROUPS
+from ..config import ConfigError, ModelConfig, fail, load_preset
+from ..data.args import DataArgs
+from ..data.dataset import ROW_FLAGS, row_text_len
+from ..flags import add_flags, from_namespace
+from ..model.args import ModelArgs
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
@@ -60,24 +63,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=256, help="samples per optimizer step (rows with --pack)")
     p.add_argument("--micro", default="1,2,4,8,16", help="micro-batch sizes to consider (rows with --pack)")
-    p.add_argument("--text-len", type=int, default=128)
-    p.add_argument("--max-images", type=int, default=1, metavar="M",
-                   help="image slots per row, as mmpipe train --max-images: the tower runs M images per row, the "
-                        "decoder M x image positions + --text-len (default: 1)")
-    p.add_argument("--pack", action="store_true",
-                   help="rows hold several samples (mmpipe train --pack): throughput in decoder positions/s; useful "
-                        "tokens/s = that x (1 - the data's padding share)")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
-    p.add_argument("--freeze", default="", help="comma-separated groups: vision, projector, text")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
-    p.add_argument("--max-crops", type=int, default=None, metavar="N",
-                   help="moondream multi-crop: plan with at most N local crops per image (as mmpipe train --max-crops)")
-    p.add_argument("--lora", type=int, default=0, metavar="RANK",
-                   help="LoRA adapters of this rank: the --lora-groups' base frozen, no gradients or optimizer "
-                        "state for it (docs/lora.md)")
-    p.add_argument("--lora-groups", default="text", help="groups that get adapters (default: text)")
-    p.add_argument("--lora-targets", default="", help="regular expression on linear names (default: all but the head)")
     p.add_argument("--schedule", default="1f1b", metavar="|".join(PLAN_SCHEDULES),
                    help="pipeline schedule to predict: 1f1b (default), zb-h1 (zero-bubble, docs/schedules.md), or "
                         "both, side by side, recommending the faster per layout")
@@ -96,6 +84,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="with --calibrate: comma-separated variants to check, not fit (default: the last two)")
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: where the profile goes (default: device_profile.json beside RESULTS.json)")
+    # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
+    add_flags(p, ModelArgs)
+    add_flags(p, DataArgs, only=ROW_FLAGS)
 
 
 def device_from_args(args) -> Device:
@@ -196,6 +187,16 @@ def main_calibrate(args) -> int:
     return 0
 
 
+def _check_rows(args, cfg: ModelConfig) -> None:
+    """--text-len, --max-images, --pack: mmpipe train's check (row_text_len); --text-len defaults to what the
+    model's context leaves, as it does for `mmpipe train --data` on your own data."""
+    problems: list[str] = []
+    args.text_len = row_text_len(from_namespace(DataArgs, args, only=ROW_FLAGS), cfg, None, problems)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    args.max_images = args.max_images or 1
+
+
 def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora) -> str:
     """What a plan with no fitting layout can try: only the levers not already pulled."""
     hints = [] if args.checkpointing else ["--checkpointing"]
@@ -210,22 +211,16 @@ def main_plan(args) -> int:
     if args.calibrate:
         return main_calibrate(args)
     try:
-        cfg = load_preset(args.preset)
-        cfg = cfg if args.max_crops is None else crop_budget(cfg, args.max_crops)
+        model_args = from_namespace(ModelArgs, args)
+        cfg = model_args.with_crops(load_preset(args.preset))
         device = device_from_args(args)
         micros = [int(x) for x in args.micro.split(",") if x]
-        freeze = tuple(g for g in args.freeze.split(",") if g)
-        lora = (Lora.parse(args.lora, None, 0.0, args.lora_groups, args.lora_targets, FREEZE_GROUPS)
-                if args.lora else None)  # alpha and dropout change no cost
+        freeze, lora = model_args.frozen_groups(), model_args.adapters()
+        _check_rows(args, cfg)
         if args.schedule not in PLAN_SCHEDULES:
             raise ConfigError(f"--schedule: {args.schedule!r} is not a schedule (valid: {', '.join(PLAN_SCHEDULES)})")
         if args.precision == "fp16" and args.zero != 1:
             raise ConfigError("--precision fp16 needs --zero 1 (DeepSpeed 0.19.8, see docs/configs.md)")
-        if args.max_images < 1:
-            raise ConfigError(f"--max-images: {args.max_images} must be >= 1")
-        if (args.pack or args.max_images > 1) and cfg.layout.cross_attention:
-            raise ConfigError(f"--pack / --max-images: {cfg.name} reads its image through cross-attention, which has "
-                              f"no per-sample image positions to pack (as mmpipe train refuses it)")
     except (ConfigError, ValueError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--micro: {e}"))
     gpus = args.gpus_per_node * args.nodes
