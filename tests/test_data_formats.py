@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from fixtures_data import conv
 from mmpipe.config import ConfigError
 from mmpipe.data.batches import TrainSet
 from mmpipe.data.dataset import prepare
@@ -197,6 +198,31 @@ def test_data_config_renames_columns_and_sets_prompt(tmp_path):
     item = item_of_row(run, samples, 1)
     torch.testing.assert_close(item["pixels"], expected_pixels(tmp_path / "images/00001.png", run.model.vision),
                                atol=1e-5, rtol=0)
+
+
+def test_documented_hf_json_config_with_renamed_conversations(tmp_path):
+    """docs/data.md's config, as written: an hf json builder over two files whose conversations are in
+    a `messages` column. Naming "conversations" as a column must not make the config look like LLaVA data."""
+    export_shapes(tmp_path, "pairs-csv", 3)  # images/ only
+    qa = [("what shape is red", "circle"), ("how many shapes are there", "two"), ("what shape is blue", "cross")]
+    recs = [{"image": f"images/{i:05d}.png", "messages": conv(q, a)} for i, (q, a) in enumerate(qa)]
+    write_jsonl(tmp_path / "part-0.jsonl", recs[:2])
+    write_jsonl(tmp_path / "part-1.jsonl", recs[2:])
+    cfg = tmp_path / "data.json"
+    cfg.write_text(json.dumps({"format": "hf", "builder": "json", "data_files": ["part-0.jsonl", "part-1.jsonl"],
+                               "columns": {"conversations": "messages"}}))
+    run, samples = load(tmp_path, cfg)
+    assert (run.data.spec.format, run.data.spec.builder) == ("hf", "json")
+    assert (samples.index.stats["good"], samples.index.stats["with_image"]) == (3, 3)
+    for n, row in enumerate(samples.index.rows.tolist()):
+        ids, target = entry_tokens(samples, n)
+        want_toks, want_mask = builtin_expected([("human", qa[row][0]), ("gpt", qa[row][1])])
+        assert run.data.tokenizer.convert_ids_to_tokens(ids.tolist()) == want_toks
+        assert target.tolist() == want_mask
+    # a config whose JSON breaks is still read as a config, and says where it breaks
+    cfg.write_text('{"format": "hf", "builder": "json",\n "columns": {"conversations": "messages"}')
+    with pytest.raises(ConfigError, match=r"data.json is not valid JSON"):
+        load(tmp_path, cfg)
 
 
 # ---- 2. labels cover assistant tokens exactly ------------------------------------------------------

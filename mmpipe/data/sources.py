@@ -100,10 +100,22 @@ def data_spec(data: str, image_root: str | None = None) -> DataSpec:
     return spec
 
 
+CONFIG_MAX_BYTES = 1 << 20  # a data config is a few lines; a larger .json is data
+
+
 def _is_data_config(p: Path) -> bool:
+    """One JSON object with a top-level "format" key. Data is an array (LLaVA .json) or one object per
+    line (.jsonl-style .json); the config's own values (columns {"conversations": ...}) never decide."""
     with open(p, "rb") as f:
         head = f.read(4096).lstrip()
-    return head.startswith(b"{") and b'"format"' in head and b'"conversations"' not in head
+    if not head.startswith(b"{") or b'"format"' not in head or p.stat().st_size > CONFIG_MAX_BYTES:
+        return False
+    text = p.read_text(encoding="utf-8", errors="replace")
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text.lstrip())
+    except ValueError:
+        return True  # meant as a config: _from_config says where the JSON breaks
+    return isinstance(obj, dict) and "format" in obj and not text.lstrip()[end:].strip()
 
 
 def _from_config(p: Path) -> DataSpec:
