@@ -42,8 +42,10 @@ def with_rank_threads(env: dict) -> dict:
 def parse(path: str) -> dict[str, int]:
     """Host -> slots, in file order. One problem per line, naming the line."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"--hostfile: file not found: {path}")
+    if p.is_dir():
+        raise ConfigError(f"--hostfile: {path} is a directory; give a file of 'HOST slots=N' lines")
     hosts: dict[str, int] = {}
     problems = []
     for n, raw in enumerate(p.read_text().splitlines(), 1):

@@ -29,6 +29,7 @@ from .images import check_image
 from .records import BAD_KINDS, BadRecord
 from .sources import DataSpec, Source
 from .text import ConversationEncoder
+from .tokenizer import BUILTIN_TEMPLATE
 
 INDEX_VERSION = 2  # 2: n_images and image_at per record (1: a bool has_image)
 SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
@@ -132,6 +133,7 @@ def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *,
              "truncated": sum(1 for g in good if g[3]), "with_image": int((n_images > 0).sum()),
              "images": int(n_images.sum()),
              "unknown_token_share": _unknown_share(good, encoder.tok),
+             "builtin_tokenizer": getattr(encoder.tok, "chat_template", None) == BUILTIN_TEMPLATE,
              "first_bad": [{"where": w, "kind": k, "reason": r} for _, w, k, r in bad[:SHOW_BAD]]}
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f"bad_records.jsonl.{os.getpid()}"
@@ -192,8 +194,11 @@ def describe(stats: dict) -> list[str]:
              + (f", {stats['truncated']} truncated" if stats["truncated"] else "")
              + (f"; {stats['bad']} skipped: {_kinds(stats)}" if stats["bad"] else "")]
     if stats.get("unknown_token_share", 0) > 0.05:
+        why = ("the built-in one knows only the shapes words; give --tokenizer DIR"
+               if stats.get("builtin_tokenizer", True)  # an index written before the key: the old wording
+               else "it has no piece for them: is --tokenizer the one the model was trained with?")
         lines.append(f"data: warning: {stats['unknown_token_share']:.0%} of text tokens are unknown to the tokenizer "
-                     f"(the built-in one knows only the shapes words); give --tokenizer DIR")
+                     f"({why})")
     lines += [f"data: skipped {b['where']}: {b['kind']}: {b['reason']}" for b in stats["first_bad"]]
     if stats["bad"] > len(stats["first_bad"]):
         lines.append(f"data: ... {stats['bad'] - len(stats['first_bad'])} more in bad_records.jsonl")

@@ -1,0 +1,55 @@
+"""Messages a user acts on say what is true of their run (issue 34 item 13): a hint never suggests a
+flag already in effect, a default never produces a refusal of flags the user did not give, a
+report never prints an empty value."""
+from __future__ import annotations
+
+from mmpipe.bench.report import markdown
+from mmpipe.cli import main
+from mmpipe.data.index import describe
+
+
+def _err(capsys) -> str:
+    return capsys.readouterr().err.strip()
+
+
+def test_plan_nothing_fits_suggests_only_levers_not_pulled(capsys):
+    rc = main(["plan", "--preset", "vlm-7b", "--device", "a100-40gb", "--gpus-per-node", "1", "--zero", "1",
+               "--freeze", "vision", "--checkpointing", "--micro", "1"])
+    err = _err(capsys)
+    assert rc == 2 and "no layout of vlm-7b fits" in err
+    hint = err.split("(try ", 1)[1]
+    assert "--lora 16" in hint and "more --nodes" in hint
+    for pulled in ("--zero 1", "--freeze vision", "--checkpointing", "smaller --micro"):
+        assert pulled not in hint
+
+
+def test_slurm_without_flags_runs_one_pipeline_per_node(tmp_path, capsys):
+    """`mmpipe slurm` with no Slurm flags: one node with the run's stages as tasks (was a world of 1,
+    refused as 'not a multiple of 2 stages')."""
+    rc = main(["slurm", "--preset", "tiny", "--output-dir", str(tmp_path / "run"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "1 node(s) x 2 task(s)" in out and "#SBATCH --ntasks-per-node=2" in out
+    assert not (tmp_path / "run").exists()  # a dry run writes no script
+
+
+def test_hostfile_that_is_no_file_of_hosts(tmp_path, capsys):
+    assert main(["train", "--hostfile", "/dev/null", "--dry-run"]) == 2
+    assert _err(capsys) == "mmpipe: error: --hostfile: /dev/null names no host (lines are 'HOST slots=N')"
+    assert main(["train", "--hostfile", str(tmp_path), "--dry-run"]) == 2
+    assert "is a directory" in _err(capsys)
+
+
+def test_bench_table_before_any_peak_is_measured():
+    meta = {"sweep": "s.json", "device": "cpu", "peaks": {}, "steps": 5, "warmup_steps": 1}
+    head = markdown([], [], meta).splitlines()[0]
+    assert "(peak  per rank)" not in head and "peak not measured yet" in head
+
+
+def test_unknown_tokens_warning_names_the_builtin_only_when_it_is_used():
+    stats = {"good": 10, "records": 10, "with_image": 10, "truncated": 0, "bad": 0, "first_bad": [],
+             "unknown_token_share": 0.92}
+    builtin = "\n".join(describe({**stats, "builtin_tokenizer": True}))
+    own = "\n".join(describe({**stats, "builtin_tokenizer": False}))
+    assert "92% of text tokens" in builtin and "built-in one knows only the shapes words" in builtin
+    assert "92% of text tokens" in own and "built-in" not in own and "trained with" in own
