@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass
@@ -279,10 +280,24 @@ def _check_ds(ds: dict, args: TrainArgs, problems: Problems) -> tuple[int, str]:
     if "optimizer" not in ds:
         problems.append("optimizer: missing; set e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3, "
                         "\"torch_adam\": true}}")
+    _check_monitors(ds, problems)
     if args.nonfinite == "skip" and (fp16 or bf16 or zero_stage != 0):
         problems.append("--nonfinite: skip works with fp32 and ZeRO stage 0 (bf16 and ZeRO-1 optimizers hold their "
                         "own gradient buffers); fp16 skips overflowing steps by itself; use --nonfinite stop")
     return zero_stage, "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+# DeepSpeed's monitor sections and the package each imports in every rank (csv_monitor: none)
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
+def _check_monitors(ds: dict, problems: Problems) -> None:
+    """Each enabled monitor's package importable here, before launch: DeepSpeed imports it only in the
+    ranks' deepspeed.initialize, and a missing one is a traceback per rank."""
+    for section, package in MONITOR_PACKAGES.items():
+        if (ds.get(section) or {}).get("enabled") and importlib.util.find_spec(package) is None:
+            problems.append(f"{section}.enabled: the {package} package is not installed; pip install {package}, or "
+                            f"drop the {section} section (csv_monitor logs without one)")
 
 
 def _fit_to_tokenizer(model: ModelConfig, data: DataOptions, init_from: str | None, run_tok: str | None,

@@ -200,3 +200,23 @@ def test_bad_cross_attention_gate_scale(tmp_path, capsys, scale, says):
     path = tmp_path / "xattn.json"
     path.write_text(json.dumps({**preset, "cross_attn_gate_scale": scale}))
     assert f"cross_attn_gate_scale: {says}" in refuse(capsys, "--preset", str(path))
+
+
+def test_monitor_without_its_package(tmp_path, capsys, monkeypatch):
+    """A tensorboard / wandb section on a machine without the package: one line each before launch (DeepSpeed
+    would import it in every rank after it); csv_monitor needs no package."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("tensorboard", "wandb") else find_spec(name, *a))
+    on = {"enabled": True, "output_path": str(tmp_path / "mon"), "job_name": "j"}
+    cfg = write_ds_config(tmp_path / "tb.json", tensorboard=on, wandb={"enabled": True}, csv_monitor=on)
+    err = refuse(capsys, "--ds-config", str(cfg))
+    assert "tensorboard.enabled: the tensorboard package is not installed" in err
+    assert "wandb.enabled: the wandb package is not installed" in err
+    assert len(err.strip().splitlines()) == 2  # and none for csv_monitor
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
+    ok = write_ds_config(tmp_path / "csv.json", csv_monitor=on, tensorboard={"enabled": False})
+    assert resolve(TrainArgs.from_argv(["--ds-config", str(ok), "--preset", "tiny"]), world_size=2).ds_config[
+        "csv_monitor"]["enabled"]
