@@ -25,11 +25,14 @@ Policy, per command:
 """
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
 from docs_commands import DOCS, ROOT, Checker, check_page, extract
 from mmpipe import cli
+from mmpipe.config import list_presets, load_preset
+from mmpipe.model.builder import layer_param_counts, layer_specs
 
 
 def _check_text(text: str, sandbox: Path) -> Checker:
@@ -115,3 +118,27 @@ def test_dry_run_starts_nothing(tmp_path, capsys, monkeypatch):
     assert "2 stages x dp 1" in said and f"output dir: {out}" in said
     assert str(ROOT / "ds_configs" / "cpu_fp32.json") in said
     assert not out.exists()
+
+
+def _parameters(preset: str) -> int:
+    """The model's parameters, a tied head counted once, built on the meta device (no weights)."""
+    cfg, seen, total = load_preset(preset), set(), 0
+    for spec, n in zip(layer_specs(cfg), layer_param_counts(cfg)):
+        key = getattr(spec, "key", None)  # a TiedLayerSpec's later use shares the first one's weights
+        total += 0 if key in seen else n
+        if key is not None:
+            seen.add(key)
+    return total
+
+
+def test_configs_md_preset_table_is_true():
+    """docs/configs.md's preset table has a row per preset, and each row's parameter count is the
+    model's to the digits shown."""
+    section = (ROOT / "docs" / "configs.md").read_text().split("## Model presets", 1)[1]
+    rows = dict(re.findall(r"^\| `([\w.-]+)` \|.*\| ([\d.]+ [KMB]) \|$", section, re.M))
+    assert sorted(rows) == sorted(list_presets())
+    for preset, shown in rows.items():
+        number, unit = shown.split()
+        scale = {"K": 1e3, "M": 1e6, "B": 1e9}[unit]
+        digits = len(number.split(".")[1]) if "." in number else 0
+        assert abs(_parameters(preset) / scale - float(number)) <= 0.5 * 10 ** -digits, (preset, shown)
