@@ -31,7 +31,7 @@ from .inference.generate import add_generate_args, main_generate  # noqa: E402
 from .inference.scoring import add_eval_args, main_eval  # noqa: E402
 from .planning.plan import add_plan_args, main_plan  # noqa: E402
 from .run_args import LaunchArgs, TrainArgs  # noqa: E402
-from .run_config import requested_stages, resolve  # noqa: E402
+from .run_config import config_dp, requested_stages, resolve  # noqa: E402
 from .runtime import precision  # noqa: E402
 from .runtime.curves import add_plot_args, main_plot  # noqa: E402
 from .runtime.feed import decoder_length  # noqa: E402
@@ -47,7 +47,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
             hosts = hostfile.active(hostfile.parse(la.hostfile), la.include, la.exclude)
         except ConfigError as e:
             return fail(e)
-    dp = la.dp if la.dp is not None or hosts else 1
+    try:  # locally without --dp: the config's own DP when it fixes one (plan --write-config's), else 1
+        dp = la.dp if la.dp is not None or hosts else config_dp(args)
+    except ConfigError as e:
+        return fail(e)
     if dp is not None and dp < 1:
         return fail(ConfigError(f"--dp: {dp} must be >= 1"))
     try:

@@ -58,7 +58,9 @@ class TrainArgs(DataArgs, ModelArgs):
 
 @dataclass(frozen=True)
 class LaunchArgs:
-    dp: int | None = flag(None, "data-parallel replicas of the pipeline (default: 1; with --hostfile: slots / stages)")
+    dp: int | None = flag(None, "data-parallel replicas of the pipeline (default: the --ds-config's train_batch_size / "
+                          "(micro x GAS) when it gives all three, as `mmpipe plan --write-config` does, else 1; with "
+                          "--hostfile: slots / stages)")
     master_port: int | None = flag(None, "rendezvous port (default: a free one; with --hostfile 29500)")
     hostfile: str | None = flag(None, "DeepSpeed hostfile ('HOST slots=N' lines): run on those hosts over ssh "
                                 "(pdsh); docs/multinode.md")

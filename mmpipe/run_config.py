@@ -128,6 +128,18 @@ def requested_stages(args: TrainArgs) -> int:
     return _stages(args, _load_json(args.ds_config or default_ds_config()))
 
 
+def config_dp(args: TrainArgs) -> int:
+    """The data-parallel degree the DeepSpeed config fixes when it gives all three batch sizes
+    (train_batch_size / (micro x GAS), as `mmpipe plan --write-config` writes them), else 1: what a
+    local launch without --dp runs. A config whose sizes do not divide is left to resolve's check."""
+    ds = _load_json(args.ds_config or default_ds_config())
+    tb, micro, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                          "gradient_accumulation_steps"))
+    if all(isinstance(v, int) and v > 0 for v in (tb, micro, gas)) and tb % (micro * gas) == 0:
+        return tb // (micro * gas)
+    return 1
+
+
 class Problems(list):
     """Every problem of a run, collected so the user sees them all at once, one line each."""
 

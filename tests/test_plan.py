@@ -196,11 +196,17 @@ def test_the_planned_config_trains_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(out.read_text())
     stages = cfg["pipeline"]["stages"]
+    # the whole layout, in the file and the hint: run as written (no --dp), the global batch is the planned one
+    best = next(ln for ln in proc.stdout.splitlines() if ln.startswith("best:"))
+    dp = int(best.split(" x dp ")[1].split(",")[0])
+    assert cfg["train_batch_size"] == 32 == dp * cfg["train_micro_batch_size_per_gpu"] * cfg[
+        "gradient_accumulation_steps"]
+    assert f"run it with mmpipe train --ds-config {out} --dp {dp} --text-len 12" in proc.stdout
     run = train_run(tmp_path / "run", "--preset", "tiny", "--ds-config", str(out), "--steps", "2",
-                    "--eval-samples", "0", "--dp", str(2 // stages)).check()
+                    "--eval-samples", "0").check()
     s = run.summary
     assert s["stages"] == stages and s["micro_batch"] == cfg["train_micro_batch_size_per_gpu"]
-    assert s["train_batch"] == 32
+    assert (s["dp"], s["train_batch"]) == (dp, 32)
     if stages > 1:
         assert s["parts"][1:-1] == [int(b) for b in cfg["pipeline"]["partition"].split(",")]
 

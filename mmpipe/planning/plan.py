@@ -148,7 +148,8 @@ def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micr
 
 
 def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr: float = 1e-4) -> dict:
-    cfg = {
+    cfg = {  # all three batch sizes: DeepSpeed's train_batch = micro x GAS x DP fixes the DP it was planned for
+        "train_batch_size": layout.micro * layout.gas * layout.dp,
         "train_micro_batch_size_per_gpu": layout.micro, "gradient_accumulation_steps": layout.gas,
         "steps_per_print": 1000000, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}},
@@ -246,10 +247,11 @@ def main_plan(args) -> int:
                                                                 args.checkpointing), indent=2) + "\n")
         best = feasible[0]
         sched = "" if best.schedule == "1f1b" else f", schedule {best.schedule}"
-        print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro "
-              f"{best.micro} x GAS {best.gas}{sched}); run it with --ds-config"
-              + (f" {'--pack ' if args.pack else ''}--max-images {args.max_images} --text-len {args.text_len}"
-                 if args.pack or args.max_images > 1 else ""))
+        rows = (f"{'--pack ' if args.pack else ''}--max-images {args.max_images} "
+                if args.pack or args.max_images > 1 else "")
+        print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro {best.micro} x GAS "
+              f"{best.gas} = global batch {best.micro * best.gas * best.dp}{sched}); run it with mmpipe train "
+              f"--ds-config {args.write_config} --dp {best.dp} {rows}--text-len {args.text_len}")
     return 0
 
 
