@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from .data.args import DataArgs
 from .flags import add_flags, flag, from_namespace, to_argv
 from .model.args import ModelArgs
-
-SCHEDULES = ("1f1b", "zb-h1")  # DeepSpeed's own 1F1B; zero-bubble ZB-H1 (mmpipe.runtime.schedule, docs/schedules.md)
+from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES
 
 
 @dataclass(frozen=True)
@@ -25,8 +24,8 @@ class TrainArgs(DataArgs, ModelArgs):
     stages: int | None = flag(None, "pipeline stages (default: the config's pipeline.stages, else 2)")
     partition: str | None = flag(None, "balanced | uniform | parameters | explicit first-layer indices of stages "
                                  "1..P-1 (default: the config's pipeline.partition, 'best' = balanced)")
-    schedule: str | None = flag(None, f"pipeline schedule: {' | '.join(SCHEDULES)} (default: the config's "
-                                f"pipeline.schedule, else 1f1b; docs/schedules.md)")
+    schedule: str | None = flag(None, f"pipeline schedule: {' | '.join(SCHEDULE_NAMES)} (default: the config's "
+                                f"pipeline.schedule, else {BASELINE.name}; docs/schedules.md)")
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")

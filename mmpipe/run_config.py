@@ -23,7 +23,8 @@ from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.lora import Lora, read_lora
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
-from .run_args import SCHEDULES, TrainArgs
+from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES
+from .run_args import TrainArgs
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_DS_CONFIG = "cpu_fp32.json"
@@ -57,7 +58,7 @@ class RunConfig:
     init_from: str | None = None  # a run directory whose latest checkpoint's weights start this run
     eval_data: DataOptions | None = None  # --eval-data: the validation set, read like the training data
     lora: Lora | None = None  # --lora: adapters on these groups' linears, their base frozen (mmpipe.model.lora)
-    schedule: str = "1f1b"  # --schedule / pipeline.schedule: one of run_args.SCHEDULES
+    schedule: str = BASELINE.name  # --schedule / pipeline.schedule: a name in planning.schedule_registry
     pack: bool = False  # --pack: several samples per row (mmpipe.data.packing)
     loss_norm: str = "token"  # --loss-norm: one of mmpipe.data.packing.LOSS_NORMS
 
@@ -181,10 +182,10 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
 
     pipe_cfg = ds.get("pipeline", {})
     stages = problems.attempt(_stages, args, ds) or 1
-    schedule = args.schedule or pipe_cfg.get("schedule", "1f1b")
-    if schedule not in SCHEDULES:
+    schedule = args.schedule or pipe_cfg.get("schedule", BASELINE.name)
+    if schedule not in SCHEDULE_NAMES:
         where = "--schedule" if args.schedule else "pipeline.schedule"
-        problems.append(f"{where}: {schedule!r} is not a schedule (valid: {', '.join(SCHEDULES)})")
+        problems.append(f"{where}: {schedule!r} is not a schedule (valid: {', '.join(SCHEDULE_NAMES)})")
     if world_size % stages:
         problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
                         f"(data-parallel degree = world size / stages)")

@@ -1,6 +1,6 @@
 """The package's shape holds: no import cycles inside mmpipe, no import from a lower layer up into
-a higher one, family names compared only in the family registry, and a run configuration that code
-builds without argparse and that resolve() does not change."""
+a higher one, family and schedule names compared only in their registries, and a run configuration
+that code builds without argparse and that resolve() does not change."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mmpipe.planning.schedule_registry import SCHEDULE_NAMES
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 
@@ -100,6 +101,27 @@ def test_family_names_are_compared_only_in_the_registry():
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
             for p in sorted(PKG.rglob("*.py")) if p not in allowed
             for i, line in enumerate(p.read_text().splitlines(), 1) if FAMILY_COMPARE.search(line.split("#")[0])]
+    assert hits == []
+
+
+def _schedule_name_comparisons(path: Path) -> list[str]:
+    """Comparisons (==, !=, in, is, a match case) of a registered schedule's name as a string literal."""
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str) and node.value in SCHEDULE_NAMES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(named(e) for e in node.elts)
+    return [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Compare) and any(named(n) for n in (node.left, *node.comparators))
+            or isinstance(node, ast.MatchValue) and named(node.value)]
+
+
+def test_schedule_names_are_compared_only_in_the_registry():
+    """What differs between schedules is a field of their record (mmpipe.planning.schedule_registry),
+    so a new schedule is a record, not a hunt for `schedule == "zb-h1"` through the planner and runtime."""
+    allowed = {PKG / "planning" / "schedule_registry.py",
+               PKG / "bench" / "torch_pipe_peer.py"}  # torch.distributed.pipelining's schedules, not mmpipe's
+    hits = [h for p in sorted(PKG.rglob("*.py")) if p not in allowed for h in _schedule_name_comparisons(p)]
     assert hits == []
 
 

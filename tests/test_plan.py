@@ -20,16 +20,16 @@ from mmpipe.planning.costmodel import (
     Device,
     layer_costs,
     pipeline_step_seconds,
+    replayed_step_seconds,
     stage_memory,
     stage_seconds,
     stage_split_seconds,
     state_bytes,
-    zero_bubble_step_seconds,
 )
 from mmpipe.planning.layout import plan_layout
 from mmpipe.planning.partition import compute_parts, min_max_split
-from mmpipe.planning.schedules import SCHEDULES, predict, simulate
-from mmpipe.run_args import SCHEDULES as TRAIN_SCHEDULES
+from mmpipe.planning.schedule_registry import ZB_H1
+from mmpipe.planning.schedules import predict, simulate
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 
@@ -240,10 +240,9 @@ def test_plan_layout_cuts_a_named_partition_as_training_does():
 def test_zb_h1_unit_step_is_shorter_by_the_schedule_modules_count():
     """P = 2, m = 4, F = B = W = 1 s, free links: 1F1B (4 + 2 - 1) x 3 = 15 s, ZB-H1 13 s: the counts
     mmpipe.planning.schedules.simulate computes (the order mmpipe.runtime.schedule runs)."""
-    assert SCHEDULES == TRAIN_SCHEDULES  # what plan predicts is what train runs
     dev = Device("unit", 1e12, 1e10, float("inf"))
     one = pipeline_step_seconds([(1.0, 2.0)] * 2, 4, [0.0], 0.0, 1, dev)
-    zb = zero_bubble_step_seconds([(1.0, 1.0, 1.0)] * 2, [True, True], 4, [0.0], 0.0, 1, dev)
+    zb = replayed_step_seconds(ZB_H1, [(1.0, 1.0, 1.0)] * 2, [True, True], 4, [0.0], 0.0, 1, dev)
     units_1f1b = simulate(2, 4, [True, True], split=False)["makespan"]
     units_zb = simulate(2, 4, [True, True])["makespan"]
     assert (units_1f1b, units_zb) == (15, 13)
@@ -251,11 +250,11 @@ def test_zb_h1_unit_step_is_shorter_by_the_schedule_modules_count():
     assert zb["saved_s"] == pytest.approx(2.0)
     assert one["bubble"] == pytest.approx(1 - 12 / 15) and zb["bubble"] == pytest.approx(1 - 12 / 13)
     # P = 4, m = 8: 33 -> 29 units; ZB-H1 holds up to P = 4 micro-batches on every stage (1F1B: 4, 3, 2, 1)
-    zb4 = zero_bubble_step_seconds([(1.0, 1.0, 1.0)] * 4, [True] * 4, 8, [0.0] * 3, 0.0, 1, dev)
+    zb4 = replayed_step_seconds(ZB_H1, [(1.0, 1.0, 1.0)] * 4, [True] * 4, 8, [0.0] * 3, 0.0, 1, dev)
     assert zb4["step_s"] == pytest.approx(29) and zb4["in_flight"] == [4, 4, 4, 4]
     assert predict("1f1b", 8, [(1.0, 1.0, 1.0)] * 4, [True] * 4)["in_flight"] == [4, 3, 2, 1]
     # one stage: nothing to save
-    zb1 = zero_bubble_step_seconds([(1.0, 1.0, 1.0)], [True], 4, [], 0.0, 1, dev)
+    zb1 = replayed_step_seconds(ZB_H1, [(1.0, 1.0, 1.0)], [True], 4, [], 0.0, 1, dev)
     assert zb1["saved_s"] == 0.0 and zb1["step_s"] == pytest.approx(12) and zb1["bubble"] == pytest.approx(0)
 
 

@@ -10,8 +10,9 @@ from deepspeed.accelerator import get_accelerator
 
 from conftest import mmpipe_train, train_run, write_ds_config
 from mmpipe.config import load_preset
+from mmpipe.planning.schedule_registry import BASELINE, SCHEDULES
 from mmpipe.runtime.checkpoint import load_reference
-from mmpipe.runtime.schedule import ZeroBubbleH1Schedule, simulate, stage_orders
+from mmpipe.runtime.schedule import INSTALLERS, ZeroBubbleH1Schedule, install, simulate, stage_orders
 
 TOL = 1e-5
 STEPS = 4
@@ -74,6 +75,15 @@ def test_zb_h1_shortens_the_unit_timeline():
     assert simulate(2, 8, [True, True])["makespan"] == 25
     assert simulate(4, 4, [True] * 4)["makespan"] == 15
     assert simulate(4, 8, [True] * 4)["makespan"] == 29  # 1F1B: 33; the no-bubble bound: 24
+
+
+def test_every_schedule_has_its_runtime_half_and_an_unknown_name_is_refused():
+    """The records (planning/) and the engine hooks (runtime/) are two tables, for the layering: a
+    schedule registered without its hook would otherwise fail only when a run asks for it."""
+    assert set(INSTALLERS) == set(SCHEDULES)
+    assert install(None, BASELINE.name) is None  # DeepSpeed's own TrainSchedule: the engine untouched
+    with pytest.raises(ValueError, match=r"unknown schedule 'gpipe' \(valid: 1f1b, zb-h1\)"):
+        install(None, "gpipe")
 
 
 def _args(cfg, schedule, *extra):

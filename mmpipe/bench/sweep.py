@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import ConfigError, read_json
 from ..planning.costmodel import KNOWN_DEVICES
-from ..run_args import SCHEDULES
+from ..planning.schedule_registry import BASELINE, SCHEDULE_NAMES
 
 # variant field -> (type check, description of the valid values)
 VARIANT_FIELDS = {
@@ -37,11 +37,12 @@ VARIANT_FIELDS = {
                    "row with) (mmpipe train --max-images: image slots per row)"),
     "text_len": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 2),
                  "an integer >= 2, or null for the data's default (mmpipe train --text-len)"),
-    "schedule": (lambda v: v in SCHEDULES, f"{' or '.join(SCHEDULES)} (mmpipe train --schedule, docs/schedules.md)"),
+    "schedule": (lambda v: v in SCHEDULE_NAMES,
+                 f"{' or '.join(SCHEDULE_NAMES)} (mmpipe train --schedule, docs/schedules.md)"),
 }
 VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
                     "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe", "pack": False,
-                    "max_images": None, "text_len": None, "schedule": "1f1b"}
+                    "max_images": None, "text_len": None, "schedule": BASELINE.name}
 PEERS = ("hf", "torch_pipe", "torch_pipe_zb")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "data", "_comment"}
@@ -66,7 +67,7 @@ class Variant:
     max_images: int | None = None  # --max-images: image slots per row (and images per sample for LLaVA); None:
     # train's rule (1; with pack, mmpipe.data.dataset.packed_image_slots)
     text_len: int | None = None  # --text-len; None: the data's default (the shapes set's 12)
-    schedule: str = "1f1b"  # the DeepSpeed JSON's pipeline.schedule (--schedule): 1f1b or zb-h1
+    schedule: str = BASELINE.name  # the DeepSpeed JSON's pipeline.schedule (--schedule): 1f1b or zb-h1
 
     @property
     def world(self) -> int:

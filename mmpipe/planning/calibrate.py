@@ -22,7 +22,7 @@ can speak for, see default_hold_out) are predicted before and after, never fitte
 bandwidth is fitted only when a fitted variant has DP > 1 (else it keeps the device's link).
 
 ZB-H1 variants (a sweep's `"schedule": "zb-h1"`) are predicted by replaying the schedule's order
-(costmodel.zero_bubble_step_seconds), not by that formula, so they are not in the least squares.
+(costmodel.replayed_step_seconds), not by that formula, so they are not in the least squares.
 After it, they fit one more term, the split overhead o_w: seconds per W instruction (one per
 micro-batch on each stage with W work) that splitting the backward costs beyond its FLOPs. For each
 fitted zb-h1 variant, o_w is the value whose calibrated prediction equals its measured step (the
@@ -42,6 +42,7 @@ from ..data.args import DataArgs
 from ..data.dataset import resolve_data
 from .costmodel import KNOWN_DEVICES, Device
 from .layout import CPU_EFFICIENCY, CPU_LINK, Layout, predict_layout
+from .schedule_registry import BASELINE, row_schedule
 
 PROFILE_KIND = "mmpipe-device-profile"
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -100,12 +101,13 @@ def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
                           gas=int(row["gas"]), precision=row["precision"], zero=min(int(row.get("zero") or 0), 1),
                           checkpointing=bool(row.get("checkpointing")), text_len=text_len, device=device,
                           partition=str(row.get("partition") or "balanced"),
-                          images=int(row.get("max_images") or 1), schedule=zb_of(row))
+                          images=int(row.get("max_images") or 1), schedule=row_schedule(row.get("schedule")).name)
 
 
-def zb_of(row: dict) -> str:
-    """The schedule a bench row ran (rows from before the column: 1f1b)."""
-    return "zb-h1" if row.get("schedule") == "zb-h1" else "1f1b"
+def replayed(row: dict) -> bool:
+    """Whether a bench row ran a schedule the planner replays (ZB-H1), not the baseline's closed form
+    the least squares fits (rows from before the column ran the baseline, 1f1b)."""
+    return row_schedule(row.get("schedule")) is not BASELINE
 
 
 def fittable(rows: list[dict]) -> dict[str, dict]:
@@ -189,9 +191,10 @@ def default_hold_out(cand: dict[str, dict], k: int = 2) -> list[str]:
 
     def covered(n):
         rest = [m for m in names if m not in held and m != n]
-        return any(cand[m]["precision"] == cand[n]["precision"] and zb_of(cand[m]) == "1f1b" for m in rest) and (
+        sched = row_schedule(cand[n].get("schedule"))
+        return any(cand[m]["precision"] == cand[n]["precision"] and not replayed(cand[m]) for m in rest) and (
             int(cand[n]["dp"]) == 1 or any(int(cand[m]["dp"]) > 1 for m in rest)) and (
-            zb_of(cand[n]) == "1f1b" or any(zb_of(cand[m]) == "zb-h1" for m in rest))
+            sched is BASELINE or any(row_schedule(cand[m].get("schedule")) is sched for m in rest))
     for n in reversed(names):
         if len(held) < k and covered(n):
             held.append(n)
@@ -213,7 +216,7 @@ def calibrate(data: dict, hold_out: list[str] | None, source: str = "") -> dict:
         raise ConfigError(f"--hold-out: {', '.join(unknown)} is not a pipeline variant with an ok run in {source} "
                           f"(valid: {', '.join(names)})")
     fitted = [n for n in names if n not in hold_out]
-    orphans = [n for n in hold_out if prec[n] not in {prec[m] for m in fitted if zb_of(cand[m]) == "1f1b"}]
+    orphans = [n for n in hold_out if prec[n] not in {prec[m] for m in fitted if not replayed(cand[m])}]
     if orphans:
         raise ConfigError(f"--hold-out: {', '.join(orphans)} would leave no {prec[orphans[0]]} variant to fit its "
                           f"efficiency; hold back another")
@@ -228,18 +231,19 @@ def calibrate(data: dict, hold_out: list[str] | None, source: str = "") -> dict:
                     "before": before.step["step_s"], "terms": terms(unit, dev.link), "stages": cand[n]["stages"],
                     "dp": cand[n]["dp"], "micro": cand[n]["micro"], "gas": cand[n]["gas"]})
     link = out and results_device(meta, out[0]["precision"]).link  # the device's link: every precision's is the same
-    one = [s for s in out if zb_of(cand[s["name"]]) == "1f1b"]
+    one = [s for s in out if not replayed(cand[s["name"]])]
     if not one:
         raise ConfigError(f"--calibrate: {source}: no 1f1b pipeline variant with an ok run to fit (zb-h1 variants "
                           f"only fit the split overhead, on top of the 1f1b fit)")
     params = fit([s for s in one if not s["held_out"]], link)
-    zb = [s for s in out if zb_of(cand[s["name"]]) == "zb-h1"]
+    zb = [s for s in out if replayed(cand[s["name"]])]
     lacking = [s["name"] for s in zb if s["precision"] not in params["efficiency"]]
     if lacking:
         raise ConfigError(f"--calibrate: {source}: zb-h1 variant {lacking[0]} has no fitted 1f1b variant of its "
                           f"precision to take the efficiency from")
     params["split_overhead_s"], params["split_fitted"] = fit_split(
-        [s for s in zb if not s["held_out"]], cand, meta, params, cache)
+        [s for s in zb if not s["held_out"] and row_schedule(cand[s["name"]].get("schedule")).split_backward],
+        cand, meta, params, cache)
     for s in one:
         s["after"] = step_from_terms(s["terms"], s["precision"], params)
     for s in zb:  # the replay with the calibrated terms and the fitted split overhead; no leave-one-out

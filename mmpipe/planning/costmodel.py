@@ -74,6 +74,7 @@ from ..model.builder import adapter_param_counts, layer_param_counts, layer_spec
 from ..model.costs import Cost
 from ..model.families import family_of
 from ..model.lora import Lora
+from .schedule_registry import BASELINE, Schedule
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # what a layer takes in that is per image: pixels (patch embedding), vision tokens (blocks, norm, projector)
@@ -328,13 +329,14 @@ def pipeline_step_seconds(stage_times: list[tuple[float, float]], micro_batches:
             "slots": m + p - 1}
 
 
-def zero_bubble_step_seconds(stage_times: list[tuple[float, float, float]], weight_stages: list[bool],
-                             micro_batches: int, boundary_bytes: list[float], grad_bytes: float, dp: int,
-                             device: Device) -> dict:
-    """ZB-H1 (`--schedule zb-h1`) as a change to pipeline_step_seconds' 1F1B step: both schedules'
-    orders (mmpipe.planning.schedules: the unit-time orders the runtime runs) are replayed with these
-    per-stage (F, B, W) seconds, each slot's p2p and per-slot overhead split half onto F, half onto B,
-    and ZB-H1's step is 1F1B's minus what the replay says it saves:
+def replayed_step_seconds(schedule: Schedule, stage_times: list[tuple[float, float, float]],
+                          weight_stages: list[bool], micro_batches: int, boundary_bytes: list[float],
+                          grad_bytes: float, dp: int, device: Device) -> dict:
+    """A schedule other than the baseline (ZB-H1, `--schedule zb-h1`) as a change to
+    pipeline_step_seconds' 1F1B step: both schedules' orders (mmpipe.planning.schedules: the unit-time
+    orders the runtime runs) are replayed with these per-stage (F, B, W) seconds, each slot's p2p and
+    per-slot overhead split half onto F, half onto B, and the schedule's step is 1F1B's minus what the
+    replay says it saves:
 
         step_zb  = step_1f1b - (replay_1f1b - replay_zb)
         bubble   = 1 - m x slot / ((m + P - 1) x slot - (replay_1f1b - replay_zb)),
@@ -343,26 +345,27 @@ def zero_bubble_step_seconds(stage_times: list[tuple[float, float, float]], weig
     (1F1B's own bubble (P - 1)/(m + P - 1) is the same formula with no saving). E.g. P = 2, m = 4,
     F = B = W = 1 s on both stages, free p2p: 1F1B 5 x 3 = 15 s, the replays 15 and 13, ZB-H1
     15 - 2 = 13 s, bubble 1 - 12/13 = 7.7% against 1 - 12/15 = 20%. A stage with weight_stages[i]
-    False has no W: its B is the whole backward, its order 1F1B's. in_flight: ZB-H1's peak
-    micro-batches per stage (up to P on every stage with W, against 1F1B's P - s).
-    device.split_overhead is added to every W in ZB-H1's replay only (1F1B does not split), so a
-    split that costs more than the bubble it fills makes `saved` negative: ZB-H1 predicted slower."""
+    False has no W: its B is the whole backward, its order 1F1B's. in_flight: the schedule's peak
+    micro-batches per stage (ZB-H1: up to P on every stage with W, against 1F1B's P - s).
+    device.split_overhead is added to every W of a schedule that splits the backward, in its replay
+    only (1F1B does not split), so a split that costs more than the bubble it fills makes `saved`
+    negative: ZB-H1 predicted slower."""
     from .schedules import predict
     m = micro_batches
     base = pipeline_step_seconds([(f, b + w) for f, b, w in stage_times], m, boundary_bytes, grad_bytes, dp, device)
     extra = (base["p2p_s"] + device.microbatch_overhead) / 2  # per micro-batch: half with F, half with B
     times = [(f + extra, b + extra, w) for f, b, w in stage_times]
-    one = predict("1f1b", m, times, weight_stages)
-    zb = predict("zb-h1", m, [(f, b, w + (device.split_overhead if has_w else 0.0))
-                              for (f, b, w), has_w in zip(times, weight_stages)], weight_stages)
-    saved = one["makespan"] - zb["makespan"]
+    one = predict(BASELINE.name, m, times, weight_stages)
+    split = [device.split_overhead if has_w and schedule.split_backward else 0.0 for has_w in weight_stages]
+    own = predict(schedule.name, m, [(f, b, w + o) for (f, b, w), o in zip(times, split)], weight_stages)
+    saved = one["makespan"] - own["makespan"]
     saved = 0.0 if abs(saved) <= 1e-9 * one["makespan"] else saved  # the same sums added in another order (P = 1)
     span = base["slots"] * (base["slot_s"] + base["p2p_s"] + device.microbatch_overhead)  # 1F1B's compute span
     no_bubble = m * (base["slot_s"] + base["p2p_s"] + device.microbatch_overhead)
-    return {**base, "schedule": "zb-h1", "step_s": base["step_s"] - saved, "bubble": 1 - no_bubble / (span - saved),
-            "saved_s": saved, "replay_1f1b_s": one["makespan"], "replay_s": zb["makespan"],
-            "weight_stages": [bool(x) for x in weight_stages], "in_flight": zb["in_flight"],
-            "w_s": [w for _, _, w in stage_times]}
+    return {**base, "schedule": schedule.name, "step_s": base["step_s"] - saved,
+            "bubble": 1 - no_bubble / (span - saved), "saved_s": saved, "replay_1f1b_s": one["makespan"],
+            "replay_s": own["makespan"], "weight_stages": [bool(x) for x in weight_stages],
+            "in_flight": own["in_flight"], "w_s": [w for _, _, w in stage_times]}
 
 
 def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5,

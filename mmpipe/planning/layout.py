@@ -8,7 +8,7 @@ sets one beside each measured variant; `mmpipe plan --calibrate` fits the device
     bubble     = (P - 1) / (m + P - 1)
 
 With schedule 'zb-h1' or 'both' (`mmpipe plan --schedule`) the same layout is also predicted under
-ZB-H1 (costmodel.zero_bubble_step_seconds: each stage's backward split into B and W, both
+ZB-H1 (costmodel.replayed_step_seconds: each stage's backward split into B and W, both
 schedules' orders replayed with those seconds, ZB-H1's step = 1F1B's minus the replayed saving),
 with its memory at the micro-batches its order holds in flight; 'both' recommends the faster.
 """
@@ -23,12 +23,13 @@ from .costmodel import (
     LayerCost,
     layer_costs,
     pipeline_step_seconds,
+    replayed_step_seconds,
     stage_memory,
     stage_seconds,
     stage_split_seconds,
-    zero_bubble_step_seconds,
 )
 from .partition import compute_parts, trainable_units
+from .schedule_registry import BASELINE, Schedule, asked
 
 GiB = 2 ** 30
 # `--device cpu`: one rank per core shares the host's memory; ranks talk over gloo on the loopback
@@ -46,7 +47,7 @@ class Layout:
     stage_rows: list[dict]
     step: dict | None
     reason: str = ""
-    schedule: str = "1f1b"  # the schedule `step` is for: the one asked for, or with 'both' the faster one
+    schedule: str = BASELINE.name  # the schedule `step` is for: the one asked for, or with 'both' the faster one
     predictions: dict = field(default_factory=dict)  # schedule -> its step dict, for every schedule asked for
 
     @property
@@ -56,11 +57,11 @@ class Layout:
 
 def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                 device: Device, measured: dict | None = None, partition: str = "balanced",
-                schedule: str = "1f1b") -> Layout:
+                schedule: str = BASELINE.name) -> Layout:
     """One layout, predicted. partition: 'balanced' (or 'best') is the min-max split that also fits
     device.memory (what `mmpipe plan` searches); any other method ('uniform', 'parameters',
-    boundaries '3,7') is cut as `mmpipe train` cuts it, whatever the memory says. schedule: '1f1b',
-    'zb-h1' or 'both' (the split is the same: it is chosen with 1F1B's memory)."""
+    boundaries '3,7') is cut as `mmpipe train` cuts it, whatever the memory says. schedule: a name in
+    schedule_registry.NAMES or 'both' (the split is the same: it is chosen with 1F1B's memory)."""
     units = trainable_units(rows)
     if stages > len(units):
         return Layout(stages, dp, micro, gas, None, [], None,
@@ -97,30 +98,47 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
     grad_bytes = max(sum(r.trainable_params for r in rows[a:b])
                      for a, b in zip(parts, parts[1:])) * BYTES[precision]
     step = pipeline_step_seconds(times, gas, boundary, grad_bytes, dp, device)
-    if schedule == "1f1b":
-        return Layout(stages, dp, micro, gas, parts, stage_rows, step, predictions={"1f1b": step})
+    ask = asked(schedule)
+    replayed = [s for s in ask if s is not BASELINE]
+    own = _replayed(replayed, rows, parts, stage_rows, micro=micro, gas=gas, precision=precision, zero=zero, dp=dp,
+                    device=device, measured=measured, boundary=boundary, grad_bytes=grad_bytes) if replayed else {}
+    predictions = {s.name: own[s.name] if s in replayed else step for s in ask}
+    fitting = [s for s in ask if predictions[s.name].get("fits", True)]  # the baseline's split was cut to fit
+    if not fitting:  # the one schedule asked for holds more micro-batches than memory takes
+        sched, mem = ask[0], own[ask[0].name]["memory_gib"]
+        s = max(range(stages), key=lambda i: mem[i])
+        return Layout(stages, dp, micro, gas, parts, stage_rows, None,
+                      f"{sched.name} holds {own[sched.name]['in_flight'][s]} micro-batches on stage {s}: "
+                      f"{mem[s]:.1f} GiB > {device.memory / GiB:.0f} GiB", sched.name, predictions)
+    chosen = min(fitting, key=lambda s: predictions[s.name]["step_s"]).name  # a tie: the earlier, the baseline
+    return Layout(stages, dp, micro, gas, parts, stage_rows, predictions[chosen], "", chosen, predictions)
+
+
+def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int], stage_rows: list[dict], *,
+              micro: int, gas: int, precision: str, zero: int, dp: int, device: Device, measured: dict | None,
+              boundary: list[float], grad_bytes: float) -> dict[str, dict]:
+    """name -> the step of each schedule predicted by replaying its order (costmodel.replayed_step_seconds),
+    with its memory at the micro-batches its order holds in flight (ZB-H1: up to P on every stage with W,
+    1F1B: P - s), stage by stage; each stage row gains its B and W seconds and each schedule's memory."""
     split = stage_split_seconds(rows, parts, micro, device, measured)
     weight_stages = [any(r.w_flops for r in rows[a:b]) for a, b in zip(parts, parts[1:])]
-    zb = zero_bubble_step_seconds(split, weight_stages, gas, boundary, grad_bytes, dp, device)
-    # ZB-H1 holds up to P micro-batches on every stage with W (1F1B: P - s): its memory, stage by stage
-    zb_mem = [stage_memory(rows, parts, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero,
-                           dp=dp, micro_batches_in_flight=k)["total"] for s, k in enumerate(zb["in_flight"])]
-    zb.update(memory_gib=[x / GiB for x in zb_mem], fits=max(zb_mem) <= device.memory)
-    for r, (_, b, w), k, mem in zip(stage_rows, split, zb["in_flight"], zb_mem):
-        r.update(input_backward_ms=b * 1e3, weight_backward_ms=w * 1e3, zb_in_flight=k, zb_memory_gib=mem / GiB)
-    predictions = {"1f1b": step, "zb-h1": zb} if schedule == "both" else {"zb-h1": zb}
-    if schedule == "zb-h1" and not zb["fits"]:
-        s = max(range(stages), key=lambda i: zb_mem[i])
-        return Layout(stages, dp, micro, gas, parts, stage_rows, None,
-                      f"zb-h1 holds {zb['in_flight'][s]} micro-batches on stage {s}: {zb_mem[s] / GiB:.1f} GiB > "
-                      f"{device.memory / GiB:.0f} GiB", "zb-h1", predictions)
-    chosen = "zb-h1" if zb["fits"] and (schedule == "zb-h1" or zb["step_s"] < step["step_s"]) else "1f1b"
-    return Layout(stages, dp, micro, gas, parts, stage_rows, predictions[chosen], "", chosen, predictions)
+    for r, (_, b, w) in zip(stage_rows, split):
+        r.update(input_backward_ms=b * 1e3, weight_backward_ms=w * 1e3)
+    out = {}
+    for sched in schedules:
+        pred = replayed_step_seconds(sched, split, weight_stages, gas, boundary, grad_bytes, dp, device)
+        mem = [stage_memory(rows, parts, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero,
+                            dp=dp, micro_batches_in_flight=k)["total"] for s, k in enumerate(pred["in_flight"])]
+        pred.update(memory_gib=[x / GiB for x in mem], fits=max(mem) <= device.memory)
+        for r, k, m in zip(stage_rows, pred["in_flight"], mem):
+            r.update({f"{sched.short}_in_flight": k, f"{sched.short}_memory_gib": m / GiB})
+        out[sched.name] = pred
+    return out
 
 
 def predict_layout(cfg: ModelConfig, *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                    checkpointing: bool, text_len: int, device: Device, partition: str = "balanced",
-                   freeze: tuple[str, ...] = (), schedule: str = "1f1b", images: int = 1) -> Layout:
+                   freeze: tuple[str, ...] = (), schedule: str = BASELINE.name, images: int = 1) -> Layout:
     """The planner's prediction for one layout of cfg, as `mmpipe plan` computes it for that layout
     (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows)."""
     rows = layer_costs(cfg, freeze, text_len, checkpointing, images=images)

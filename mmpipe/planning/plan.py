@@ -25,7 +25,7 @@ where the padding share is what `mmpipe train --pack` measures (summary.json dat
 
 `--schedule zb-h1` predicts the zero-bubble ZB-H1 schedule instead (step = 1F1B's minus the idle
 time its order saves when both orders are replayed with each stage's forward, input-backward B and
-weight-backward W seconds: costmodel.zero_bubble_step_seconds); `--schedule both` prints both per
+weight-backward W seconds: costmodel.replayed_step_seconds); `--schedule both` prints both per
 layout and recommends the faster; the chosen schedule goes into --json and --write-config.
 """
 from __future__ import annotations
@@ -44,9 +44,9 @@ from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
-from .schedules import SCHEDULES
+from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, asked
 
-PLAN_SCHEDULES = (*SCHEDULES, "both")
+PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH)
 
 __all__ = ["GiB", "Layout", "plan_layout", "add_plan_args", "device_from_args", "plan", "main_plan"]
 
@@ -66,7 +66,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
-    p.add_argument("--schedule", default="1f1b", metavar="|".join(PLAN_SCHEDULES),
+    p.add_argument("--schedule", default=BASELINE.name, metavar="|".join(PLAN_SCHEDULES),
                    help="pipeline schedule to predict: 1f1b (default), zb-h1 (zero-bubble, docs/schedules.md), or "
                         "both, side by side, recommending the faster per layout")
     p.add_argument("--top", type=int, default=10, help="layouts to list")
@@ -131,7 +131,7 @@ def cpu_device() -> Device:
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
          precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False,
-         lora: Lora | None = None, schedule: str = "1f1b", images: int = 1) -> list[Layout]:
+         lora: Lora | None = None, schedule: str = BASELINE.name, images: int = 1) -> list[Layout]:
     """images: a row's image slots (--max-images); global_batch and micros then count rows."""
     rows = layer_costs(cfg, freeze, text_len, checkpointing, lora, images)
     profiles = {m: profile_layers(cfg, text_len, m, precision, images=images) for m in micros} if profile else {}
@@ -246,7 +246,7 @@ def main_plan(args) -> int:
         Path(args.write_config).write_text(json.dumps(ds_config(feasible[0], args.precision, args.zero,
                                                                 args.checkpointing), indent=2) + "\n")
         best = feasible[0]
-        sched = "" if best.schedule == "1f1b" else f", schedule {best.schedule}"
+        sched = "" if best.schedule == BASELINE.name else f", schedule {best.schedule}"
         rows = (f"{'--pack ' if args.pack else ''}--max-images {args.max_images} "
                 if args.pack or args.max_images > 1 else "")
         print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro {best.micro} x GAS "
@@ -279,10 +279,11 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
         print(f"decoder positions per row: {per_image} image + {args.text_len} text = {length}, one sample per row")
     rate = (lambda lay: lay.throughput * length) if args.pack else (lambda lay: lay.throughput)
     label = "positions/s" if args.pack else "samples/s"
-    if args.schedule == "both":
+    replayed = [s for s in asked(args.schedule) if s is not BASELINE]  # their B / W seconds and memory in the rows
+    if args.schedule == BOTH:
         _print_both(layouts, args.top, rate, label)
     else:
-        if args.schedule != "1f1b":
+        if replayed:
             print(f"schedule {args.schedule}: step and bubble from replaying its order with each stage's forward, "
                   f"input-backward (B) and weight-backward (W) seconds; memory at its micro-batches in flight")
         _print_one(layouts, args.top, rate, label)
@@ -293,15 +294,16 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
     best = next((lay for lay in layouts if lay.step), None)
     if best:
         print(f"\nbest: {best.stages} stages x dp {best.dp}, micro {best.micro} x GAS {best.gas}"
-              f"{'' if args.schedule == '1f1b' else ', schedule ' + best.schedule}")
-        split = args.schedule != "1f1b"
+              f"{', schedule ' + best.schedule if replayed else ''}")
         print(f"{'stage':>5} {'layers':>9} {'first..last':<28} {'params':>12} {'GiB':>7} {'act GiB':>8} "
-              f"{'fwd ms':>8} {'bwd ms':>8}" + (f" {'B ms':>8} {'W ms':>8} {'zb GiB':>7}" if split else ""))
+              f"{'fwd ms':>8} {'bwd ms':>8}" + (f" {'B ms':>8} {'W ms':>8}" if replayed else "")
+              + "".join(f" {s.short + ' GiB':>7}" for s in replayed))
         for r in best.stage_rows:
             print(f"{r['stage']:>5} {r['layers'][0]:>4}..{r['layers'][1]:<3} {r['first'] + '..' + r['last']:<28} "
                   f"{r['params']:>12,} {r['memory_gib']:>7.2f} {r['activations_gib']:>8.2f} {r['forward_ms']:>8.2f} "
-                  f"{r['backward_ms']:>8.2f}" + (f" {r['input_backward_ms']:>8.2f} {r['weight_backward_ms']:>8.2f} "
-                                                  f"{r['zb_memory_gib']:>7.2f}" if split else ""))
+                  f"{r['backward_ms']:>8.2f}" + (f" {r['input_backward_ms']:>8.2f} {r['weight_backward_ms']:>8.2f}"
+                                                  if replayed else "")
+                  + "".join(f" {r[s.short + '_memory_gib']:>7.2f}" for s in replayed))
     print(f"(planned in {seconds:.2f} s, nothing allocated)")
 
 
@@ -320,23 +322,33 @@ def _print_one(layouts, top, rate=lambda lay: lay.throughput, label: str = "samp
 
 
 def _print_both(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s") -> None:
-    """One row per layout: 1F1B's and ZB-H1's bubble and step, which is faster and by how much."""
+    """One row per layout: every schedule's bubble and step, which is faster and by how much."""
     w = max(10, len(label))
-    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'1f1b bub':>8} {'1f1b s':>8} {'zb-h1 bub':>9} "
-          f"{'zb-h1 s':>8}  {'faster':<15} {label:>{w}} {'max GiB':>8}  partition / why not")
+    cols = [(s, len(s.name) + 4) for s in SCHEDULES]  # a bubble column as wide as '<name> bub'
+    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} "
+          + " ".join(f"{s.name + ' bub':>{n}} {s.name + ' s':>8}" for s, n in cols)
+          + f"  {'faster':<15} {label:>{w}} {'max GiB':>8}  partition / why not")
     for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
         if not lay.step:
-            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>8} {'':>8} {'':>9} {'':>8}  "
-                  f"{'':<15} {'':>{w}} {'':>8}  does not fit: {lay.reason}")
+            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} "
+                  + " ".join(f"{'':>{n}} {'':>8}" for _, n in cols)
+                  + f"  {'':<15} {'':>{w}} {'':>8}  does not fit: {lay.reason}")
             continue
-        one, zb = lay.predictions["1f1b"], lay.predictions["zb-h1"]
-        if not zb["fits"]:
-            faster = "1f1b (zb: mem)"
-        elif zb["step_s"] < one["step_s"]:
-            faster = f"zb-h1 {1 - zb['step_s'] / one['step_s']:.1%}"
-        else:
-            faster = "1f1b" if zb["step_s"] > one["step_s"] else "1f1b (equal)"
+        steps = " ".join(f"{lay.predictions[s.name]['bubble']:>{n}.1%} {lay.predictions[s.name]['step_s']:>8.3f}"
+                         for s, n in cols)
         peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
-        print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {one['bubble']:>8.1%} {one['step_s']:>8.3f} "
-              f"{zb['bubble']:>9.1%} {zb['step_s']:>8.3f}  {faster:<15} {rate(lay):>{w}.1f} {peak:>8.1f}  "
-              f"{lay.parts}")
+        print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {steps}  {_faster(lay):<15} "
+              f"{rate(lay):>{w}.1f} {peak:>8.1f}  {lay.parts}")
+
+
+def _faster(lay: Layout) -> str:
+    """The schedule the layout runs fastest (lay.schedule) and its gain over the baseline's step; when that is
+    the baseline, why: another schedule does not fit ('zb: mem') or is no faster ('equal')."""
+    base = lay.predictions[BASELINE.name]["step_s"]
+    if lay.schedule != BASELINE.name:
+        return f"{lay.schedule} {1 - lay.step['step_s'] / base:.1%}"
+    crowded = [s.short for s in SCHEDULES if not lay.predictions[s.name].get("fits", True)]
+    if crowded:
+        return f"{BASELINE.name} ({', '.join(crowded)}: mem)"
+    equal = any(lay.predictions[s.name]["step_s"] == base for s in SCHEDULES if s is not BASELINE)
+    return BASELINE.name + (" (equal)" if equal else "")

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the schedules `mmpipe train --schedule` runs (mmpipe.run_args.SCHEDULES, checked equal by tests/test_plan.py)
-SCHEDULES = ("1f1b", "zb-h1")
+from .schedule_registry import schedule_named
 
 
 @dataclass
@@ -194,13 +193,11 @@ def peak_in_flight(order: list[Op], has_w: bool) -> int:
 
 def predict(schedule: str, micro_batches: int, times: list[tuple[float, float, float]],
             weight_stages: list[bool]) -> dict:
-    """`schedule`'s step on len(times) stages, times[i] = (F, B, W) seconds of stage i (W 0 where
-    weight_stages[i] is False): the order the runtime runs (the unit-time order; 1F1B: split=False,
-    B and W one op of B + W seconds) replayed with these times. Also the order's peak micro-batches
-    in flight per stage."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
-    p, split = len(times), schedule == "zb-h1"
+    """`schedule`'s step (a name in schedule_registry.SCHEDULE_NAMES) on len(times) stages, times[i] =
+    (F, B, W) seconds of stage i (W 0 where weight_stages[i] is False): the order the runtime runs
+    (the unit-time order; 1F1B: split=False, B and W one op of B + W seconds) replayed with these
+    times. Also the order's peak micro-batches in flight per stage."""
+    p, split = len(times), schedule_named(schedule).split_backward
     weight_stages = [bool(w) for w in weight_stages]
     orders = stage_orders(p, micro_batches, weight_stages, split=split)
     durations = [{"F": f, "B": b if split and weight_stages[i] else b + w, "W": w}

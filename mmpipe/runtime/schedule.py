@@ -27,6 +27,7 @@ replays them with predicted per-stage times; this module turns them into DeepSpe
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..planning.schedule_registry import ONE_F_ONE_B, ZB_H1, Schedule, schedule_named
 from ..planning.schedules import Op, simulate, stage_orders, stage_streams
-from ..run_args import SCHEDULES
 
 __all__ = ["BackwardInput", "BackwardWeight", "Op", "ZeroBubbleH1Schedule", "install", "simulate", "stage_orders",
            "stage_streams"]
@@ -210,12 +211,15 @@ def _weight_stages(engine, has_w: bool) -> list[bool]:
 
 
 def install(engine, schedule: str) -> dict | None:
-    """Make `engine` (a PipelineEngine, after deepspeed.initialize) run `schedule`. Collective for zb-h1
-    (every stage of the pipeline calls it). Returns what was installed, None for DeepSpeed's 1F1B."""
-    if schedule == "1f1b":
-        return None
-    if schedule != "zb-h1":
-        raise ValueError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    """Make `engine` (a PipelineEngine, after deepspeed.initialize) run `schedule`, a registered name
+    (mmpipe.planning.schedule_registry). Collective for zb-h1 (every stage of the pipeline calls it).
+    Returns what was installed, None for DeepSpeed's 1F1B."""
+    installer = INSTALLERS[schedule_named(schedule)]
+    return None if installer is None else installer(engine)
+
+
+def _install_zb_h1(engine) -> dict:
+    """ZeroBubbleH1Schedule and the B / W handlers on this engine instance; the trainable linears deferred."""
     stash = WeightStash()
     n = sum(defer_weight_grads(layer, stash) for layer in engine.module.forward_funcs
             if isinstance(layer, torch.nn.Module))
@@ -226,4 +230,11 @@ def install(engine, schedule: str) -> dict | None:
                              BackwardWeight: _exec_backward_weight}
     d["_train_schedule"] = lambda: ZeroBubbleH1Schedule(engine.micro_batches, engine.num_stages, engine.stage_id,
                                                         weight_stages)
-    return {"schedule": schedule, "deferred_linears": n, "weight_stages": weight_stages}
+    return {"schedule": ZB_H1.name, "deferred_linears": n, "weight_stages": weight_stages}
+
+
+# The runtime half of each schedule record: what makes an engine run it (None: DeepSpeed's own
+# TrainSchedule, the engine's default). A table here, not a field of the record, because the records
+# sit in planning/, below run_args and this layer: a field holding these would import DeepSpeed's engine
+# into the planner and the flag parser (mmpipe.planning.schedule_registry's docstring).
+INSTALLERS: dict[Schedule, Callable[..., dict] | None] = {ONE_F_ONE_B: None, ZB_H1: _install_zb_h1}
