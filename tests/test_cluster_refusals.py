@@ -171,3 +171,30 @@ def test_omp_num_threads_empty_is_one_and_junk_is_one_line(capsys, monkeypatch, 
         assert [ln for ln in err.splitlines() if ln.startswith("mmpipe: error:")] == [
             f"mmpipe: error: OMP_NUM_THREADS: {value!r} is not a thread count; set a positive integer (1 per rank "
             f"on CPU) or unset it"], err
+
+
+def test_hostfile_script_runs_one_host_without_ssh(tmp_path):
+    """docs/multinode.md: one host needs no ssh. DeepSpeed ssh-checks the first host of any hostfile, so
+    launch/deepspeed_hostfile.sh passes --no_ssh_check when one host is active (a one-line `localhost`
+    file, or --exclude leaving one), not with two; a bad hostfile is one line, exit 2, before DeepSpeed."""
+    from conftest import ROOT
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "deepspeed"  # records its command line instead of launching
+    fake.write_text("#!/bin/sh\necho \"deepspeed $*\"\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    (tmp_path / "one").write_text("localhost slots=2\n")
+    (tmp_path / "two").write_text("a slots=1\nb slots=1\n")
+    (tmp_path / "bad").write_text("a slots=0\n")
+
+    def launch(hostfile, *ds):
+        return subprocess.run([str(ROOT / "launch" / "deepspeed_hostfile.sh"), str(tmp_path / hostfile), "a", *ds,
+                               "--", "--stages", "2"], env=env, capture_output=True, text=True, timeout=120)
+    line = [ln for ln in launch("one").stdout.splitlines() if ln.startswith("deepspeed ")]
+    assert len(line) == 1 and "--no_ssh_check" in line[0] and line[0].endswith("--module mmpipe.train --stages 2")
+    assert "--no_ssh_check" not in launch("two").stdout
+    assert "--no_ssh_check" in launch("two", "--exclude", "b").stdout
+    bad = launch("bad")
+    assert bad.returncode == 2 and "deepspeed " not in bad.stdout
+    assert bad.stderr.strip().splitlines() == ["deepspeed_hostfile.sh: --hostfile: " + str(tmp_path / "bad")
+                                               + ":1: a has slots=0; slots must be >= 1"]
