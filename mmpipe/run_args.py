@@ -20,7 +20,9 @@ class TrainArgs(DataArgs, ModelArgs):
     init_from: str | None = flag(None, "start from the weights of an mmpipe run (e.g. `mmpipe import --out RUN`): "
                                  "its model.json, latest checkpoint and tokenizer/ (else the built-in tokenizer); "
                                  "fresh optimizer and schedule", metavar="RUN")
-    ds_config: str | None = flag(None, "DeepSpeed JSON config (default: ds_configs/cpu_fp32.json)")
+    ds_config: str | None = flag(None, "DeepSpeed JSON config (default: ds_configs/cpu_fp32.json). A relative "
+                                 "ds_configs/NAME that is not there from the working directory is the shipped NAME, "
+                                 "so the shipped configs work from any directory")
     stages: int | None = flag(None, "pipeline stages (default: the config's pipeline.stages, else 2)")
     partition: str | None = flag(None, "balanced | uniform | parameters | explicit first-layer indices of stages "
                                  "1..P-1 (default: the config's pipeline.partition, 'best' = balanced)")

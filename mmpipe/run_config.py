@@ -30,13 +30,29 @@ REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 DEFAULT_DS_CONFIG = "cpu_fp32.json"
 
 
-def default_ds_config() -> str:
-    """ds_configs/cpu_fp32.json of a source checkout, else the copy `pip install .` put under
-    <prefix>/share/mmpipe/ds_configs."""
+def _shipped(name: str | Path) -> Path | None:
+    """ds_configs/NAME of a source checkout, else the copy `pip install .` put under
+    <prefix>/share/mmpipe/ds_configs; None if neither has it."""
     for base in (REPO_CONFIGS, Path(sys.prefix) / "share" / "mmpipe" / "ds_configs"):
-        if (base / DEFAULT_DS_CONFIG).is_file():
-            return str(base / DEFAULT_DS_CONFIG)
-    return str(REPO_CONFIGS / DEFAULT_DS_CONFIG)
+        if (base / name).is_file():
+            return base / name
+    return None
+
+
+def default_ds_config() -> str:
+    return str(_shipped(DEFAULT_DS_CONFIG) or REPO_CONFIGS / DEFAULT_DS_CONFIG)
+
+
+def ds_config_path(args: TrainArgs) -> str:
+    """--ds-config as given, else the default. A relative ds_configs/NAME that does not exist from the
+    working directory is the shipped NAME, as the default is: the docs' `--ds-config
+    ds_configs/zero1_bf16.json` works from any directory (a file of yours by that path comes first)."""
+    if not args.ds_config:
+        return default_ds_config()
+    p = Path(args.ds_config)
+    if p.exists() or p.is_absolute() or len(p.parts) < 2 or p.parts[0] != "ds_configs":
+        return args.ds_config
+    return str(_shipped(Path(*p.parts[1:])) or args.ds_config)
 
 
 @dataclass(frozen=True)
@@ -126,14 +142,14 @@ def _stages(args: TrainArgs, ds: dict) -> int:
 
 def requested_stages(args: TrainArgs) -> int:
     """The stage count a launch needs processes for (stages x dp), before the full check."""
-    return _stages(args, _load_json(args.ds_config or default_ds_config()))
+    return _stages(args, _load_json(ds_config_path(args)))
 
 
 def config_dp(args: TrainArgs) -> int:
     """The data-parallel degree the DeepSpeed config fixes when it gives all three batch sizes
     (train_batch_size / (micro x GAS), as `mmpipe plan --write-config` writes them), else 1: what a
     local launch without --dp runs. A config whose sizes do not divide is left to resolve's check."""
-    ds = _load_json(args.ds_config or default_ds_config())
+    ds = _load_json(ds_config_path(args))
     tb, micro, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                           "gradient_accumulation_steps"))
     if all(isinstance(v, int) and v > 0 for v in (tb, micro, gas)) and tb % (micro * gas) == 0:
@@ -159,7 +175,7 @@ class Problems(list):
 def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> RunConfig:
     """ds_config: the DeepSpeed JSON as a dict (copied, never changed); None reads args.ds_config."""
     problems = Problems()
-    ds_path = args.ds_config or default_ds_config()
+    ds_path = ds_config_path(args)
     ds = copy.deepcopy(ds_config) if ds_config is not None else problems.attempt(_load_json, ds_path)
     run_tok = None
     if args.init_from:

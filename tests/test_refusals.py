@@ -8,6 +8,8 @@ import pytest
 from conftest import mmpipe_train, write_ds_config
 from mmpipe.cli import main
 from mmpipe.config import PRESET_DIR
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import REPO_CONFIGS, resolve
 
 
 def refuse(capsys, *argv) -> str:
@@ -69,6 +71,21 @@ def test_everything_frozen(capsys):
 def test_missing_config_file(tmp_path, capsys):
     err = refuse(capsys, "--ds-config", str(tmp_path / "nope.json"))
     assert f"--ds-config: {tmp_path}/nope.json: file not found" in err
+
+
+def test_shipped_configs_resolve_from_any_directory(tmp_path, monkeypatch, capsys):
+    """`--ds-config ds_configs/NAME`, as the docs write it, from a directory without ds_configs/: the
+    shipped NAME, as the default config is; a file of the user's by that path comes first; --help says so."""
+    monkeypatch.chdir(tmp_path)
+    run = resolve(TrainArgs(preset="tiny", ds_config="ds_configs/pp4_fp32.json"), 4)
+    assert (run.ds_config_path, run.stages) == (str(REPO_CONFIGS / "pp4_fp32.json"), 4)
+    (tmp_path / "ds_configs").mkdir()
+    write_ds_config(tmp_path / "ds_configs" / "pp4_fp32.json", pipeline={"stages": 1})
+    assert resolve(TrainArgs(preset="tiny", ds_config="ds_configs/pp4_fp32.json"), 1).stages == 1
+    assert "ds_configs/nope.json: file not found" in refuse(capsys, "--ds-config", "ds_configs/nope.json")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "the shipped NAME" in " ".join(capsys.readouterr().out.split())
 
 
 def test_unknown_preset(capsys):
