@@ -349,6 +349,19 @@ def _fit_to_tokenizer(model: ModelConfig, data: DataOptions, init_from: str | No
 RESIZED = ("vocab_size", "image_token_id")  # what a fresh run fits to its tokenizer (model.json records it)
 
 
+def merged_route(d: Path, cfg: ModelConfig) -> str:
+    """How a LoRA run's merged weights become a run to start from: export merges the adapters, import
+    writes the run (tests/test_lora.py parses these commands)."""
+    if cfg.family == "llava":
+        return (f"start from its merged weights: `mmpipe export --checkpoint {d} --format hf --out MERGED` then "
+                f"`mmpipe import --hf MERGED --out RUN`, and --init-from RUN")
+    if cfg.fusion == "cross_attention":  # no file format holds its cross-attention layers
+        return "start from the run it started from (the cross-attention family's merged weights have no export)"
+    return (f"start from its merged weights: `mmpipe export --checkpoint {d} --format safetensors --out "
+            f"merged.safetensors` then `mmpipe import --moondream merged.safetensors --preset {d / 'model.json'} "
+            f"--out RUN`, and --init-from RUN")
+
+
 def init_model(run_dir: str, preset: str | None) -> ModelConfig:
     """--init-from RUN: the model config RUN trained or imported; --preset, if given, must describe
     the same model (up to the vocabulary size and <image> id a run fits to its tokenizer)."""
@@ -358,10 +371,9 @@ def init_model(run_dir: str, preset: str | None) -> ModelConfig:
                           f"e.g. `mmpipe import --out`)")
     if not (d / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--init-from: {d} has no checkpoint (checkpoints/latest is missing)")
-    if read_lora(d):
-        raise ConfigError(f"--init-from: {d} trained LoRA adapters; start from its merged weights: `mmpipe export "
-                          f"--checkpoint {d} --format hf --out DIR` (LLaVA) then `mmpipe import DIR --out RUN`")
     cfg = config_from_dict(json.loads((d / "model.json").read_text()), d.name)
+    if read_lora(d):
+        raise ConfigError(f"--init-from: {d} trained LoRA adapters; {merged_route(d, cfg)}")
     if preset is not None:
         want = load_preset(preset)
 

@@ -233,3 +233,29 @@ def test_plan_lora_makes_a_7b_llava_fit_one_gpu(capsys):
     assert cli(plan + ["--lora", "16"]) == 0
     best = json.loads(capsys.readouterr().out)[0]
     assert best["step"] and max(r["memory_gib"] for r in best["stage_rows"]) < 37
+
+
+@pytest.mark.parametrize("preset", ["llava-tiny", "tiny"])
+def test_init_from_a_lora_run_names_real_commands(tmp_path, monkeypatch, preset):
+    """The refusal of --init-from a LoRA run says how to make its merged weights a run: commands the
+    parser takes, and (moondream family) that work, in order."""
+    import shlex
+
+    from mmpipe.cli import parser
+    from mmpipe.config import ConfigError
+    from mmpipe.model.lora import LORA_FILE
+    from mmpipe.run_config import init_model
+    run = tmp_path / "lora-run"
+    write_checkpoint(ReferenceModel(load_preset(preset), seed=2), run)
+    (run / LORA_FILE).write_text(json.dumps(Lora(4, 8.0).to_dict()))
+    with pytest.raises(ConfigError) as e:
+        init_model(str(run), None)
+    commands = str(e.value).split("`")[1::2]
+    assert len(commands) == 2 and [c.split()[:2] for c in commands] == [["mmpipe", "export"], ["mmpipe", "import"]]
+    for c in commands:
+        parser().parse_args(shlex.split(c)[1:])  # a flag that does not exist: SystemExit
+    if preset == "tiny":  # run them (on the run without its adapters: the same base weights)
+        (run / LORA_FILE).unlink()
+        monkeypatch.chdir(tmp_path)
+        assert all(cli(shlex.split(c)[1:]) == 0 for c in commands)
+        assert init_model(str(tmp_path / "RUN"), None).text == load_preset(preset).text
