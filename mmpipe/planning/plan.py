@@ -195,6 +195,10 @@ def _check_rows(args, cfg: ModelConfig) -> None:
     args.text_len = row_text_len(from_namespace(DataArgs, args, only=ROW_FLAGS), cfg, None, problems)
     if problems:
         raise ConfigError("\n".join(problems))
+    if args.pack and args.max_images is None:  # train derives them from the data (data.dataset.packed_image_slots)
+        print("note: --pack without --max-images: `mmpipe train` sizes a row's image slots from the data (it prints "
+              "them: 'mmpipe: --pack: M image slots per row'); plan has no data and costs M = 1 - give that "
+              "--max-images M here")
     args.max_images = args.max_images or 1
 
 
