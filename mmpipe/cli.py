@@ -32,7 +32,7 @@ from .inference.scoring import add_eval_args, main_eval  # noqa: E402
 from .planning.plan import add_plan_args, main_plan  # noqa: E402
 from .run_args import LaunchArgs, TrainArgs  # noqa: E402
 from .run_config import config_dp, requested_stages, resolve  # noqa: E402
-from .runtime import precision  # noqa: E402
+from .runtime import checkpoint, precision  # noqa: E402
 from .runtime.curves import add_plot_args, main_plot  # noqa: E402
 from .runtime.feed import decoder_length  # noqa: E402
 
@@ -60,6 +60,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             raise ConfigError(f"--dp: {dp} x {stages} stages != the hostfile's {world} slots; leave --dp "
                               f"out (with --hostfile it is slots / stages)")
         run = resolve(args, world_size=world)
+        if args.resume:  # before launch: the saved rows are what its data position counts
+            checkpoint.check_same_rows(Path(args.output_dir) / "checkpoints", run)
         if run.data.auto_slots:
             print(f"mmpipe: --pack: {run.max_images} image slots per row of {decoder_length(run)} positions "
                   f"(--text-len {run.text_len} / the data's mean sample text; --max-images N sets them)", flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.lora import merge_adapters, read_lora
 from . import rng
@@ -213,7 +213,30 @@ def run_state(engine, run, args, step: int, samples: int, fingerprint, counters:
     return {"step": step, "samples": samples, "seed": args.seed, "total_steps": args.steps,
             "data_fingerprint": fingerprint, "stages": run.stages, "parts": run.parts, "dp": run.dp,
             "zero_stage": run.zero_stage, "precision": run.precision, "train_batch": run.train_batch,
-            "lr_scheduler": sched, **counters}
+            "rows": row_layout(run), "lr_scheduler": sched, **counters}
+
+
+# what a data position and a step's loss mean: a resume that changes any of them trains other samples
+ROW_LAYOUT = {"text_len": "--text-len", "pack": "--pack", "max_images": "--max-images", "loss_norm": "--loss-norm"}
+
+
+def row_layout(run) -> dict:
+    return {key: getattr(run, key) for key in ROW_LAYOUT}
+
+
+def check_same_rows(ckpt_dir: str | Path, run, state: dict | None = None) -> None:
+    """--resume: the row layout must be the one the latest checkpoint was written with (its data position
+    counts samples of those rows, e.g. 64-position rows of one sample each, not 80-position packed rows);
+    ConfigError, one line naming each change and its saved value. A checkpoint older than the saved
+    layout is not checked (its text length still is, by the data fingerprint for user data)."""
+    tag = latest_tag(ckpt_dir)
+    saved = ((state if state is not None else read_state(ckpt_dir, tag)) or {}).get("rows") or {}
+    show = lambda v: ("on" if v else "off") if isinstance(v, bool) else v  # noqa: E731
+    changed = [f"{flag} {show(getattr(run, key))} (saved: {show(saved[key])})" for key, flag in ROW_LAYOUT.items()
+               if key in saved and saved[key] != getattr(run, key)]
+    if changed:
+        raise ConfigError(f"--resume: {', '.join(changed)}: {Path(ckpt_dir) / str(tag)} was written with other rows, "
+                          f"so its data position means other samples; resume with the saved values")
 
 
 def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tuple[dict, list[str]]:
@@ -230,6 +253,10 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     if state["data_fingerprint"] != fingerprint:
         raise SystemExit("mmpipe: error: --resume: the data, tokenizer or --text-len differ from the run that wrote "
                          f"{ckpt_dir / tag}, so its data position means other samples; resume with the same data")
+    try:  # the front door checked it too; a rank started some other way (Slurm, by hand) checks it here
+        check_same_rows(ckpt_dir, run, state)
+    except ConfigError as e:
+        raise SystemExit(f"mmpipe: error: {e}") from None
     same = state["stages"] == run.stages and state["parts"] == run.parts and (
         run.zero_stage == 0 or state["dp"] == run.dp) and state["precision"] == run.precision
     notes = []
