@@ -20,6 +20,7 @@ from .config import ConfigError, ModelConfig, config_from_dict, load_preset, rea
 from .data.dataset import DataOptions, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
+from .model.builder import check_lora_rank
 from .model.lora import Lora, read_lora
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
@@ -217,6 +218,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         if lora is not None and not any(r.adapter_params for r in table):
             problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
                             f"group(s) of {model.name}")
+        problems.attempt(check_lora_rank, model, lora)
         parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")))
         if parts:
             problems.attempt(check_trainable, table, parts)

@@ -259,3 +259,14 @@ def test_init_from_a_lora_run_names_real_commands(tmp_path, monkeypatch, preset)
         monkeypatch.chdir(tmp_path)
         assert all(cli(shlex.split(c)[1:]) == 0 for c in commands)
         assert init_model(str(tmp_path / "RUN"), None).text == load_preset(preset).text
+
+
+def test_rank_above_the_narrowest_adapted_linear_is_refused(capsys):
+    """--lora 100000 on llava-tiny (whose narrowest adapted linear is k_proj, 32 -> 16) is no adapter anyone
+    means: one line naming the largest useful rank, before launch; that rank itself runs."""
+    assert cli(["train", "--preset", "llava-tiny", "--stages", "1", "--steps", "1", "--lora", "100000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mmpipe: error: --lora: rank 100000 is more than") and "--lora 16 or less" in err
+    assert len(err.splitlines()) == 1
+    run = resolve(TrainArgs.from_argv(["--preset", "llava-tiny", "--stages", "1", "--lora", "16"]), world_size=1)
+    assert run.lora.rank == 16

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from .families import family_of
-from .lora import Lora, adapter_param_count, add_adapters
+from .lora import Lora, adapted_linears, adapter_param_count, add_adapters
 
 IGNORE_INDEX = -100
 FREEZE_GROUPS = ("vision", "projector", "text")
@@ -120,6 +120,23 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
     """Parameters per layer, built on the meta device: no memory is allocated even for moondream-2b."""
     with torch.device("meta"):
         return [sum(p.numel() for p in s.build().parameters()) for s in layer_specs(cfg)]
+
+
+def check_lora_rank(cfg: ModelConfig, lora: Lora | None) -> None:
+    """--lora's rank at most the smallest adapted linear's min(in, out), else ConfigError: B A of a linear
+    has rank <= min(in, out), so a higher rank only adds parameters (llava-tiny at --lora 100000: 51 M
+    adapter weights on a 49 K-parameter model). Counted on the meta device."""
+    if lora is None:
+        return
+    kinds = {(s.typename, repr(s.module_kwargs)): s for s in layer_specs(cfg)}  # the repeated blocks: one each
+    with torch.device("meta"):
+        widths = [(min(m.in_features, m.out_features), f"{type(layer).__name__}.{n}", m.in_features, m.out_features)
+                  for layer in (s.build() for s in kinds.values()) for n, m in adapted_linears(layer, lora)]
+    if widths and lora.rank > min(widths)[0]:
+        width, name, n_in, n_out = min(widths)
+        raise ConfigError(f"--lora: rank {lora.rank} is more than {cfg.name}'s adapted linears can use: the "
+                          f"narrowest, {name} ({n_in} -> {n_out}), takes rank {width} at most (B A's rank <= "
+                          f"min(in, out)); use --lora {width} or less")
 
 
 def adapter_param_counts(cfg: ModelConfig, lora: Lora | None) -> list[int]:

@@ -112,12 +112,17 @@ def add_adapters(layer: nn.Module, idx: int, lora: Lora | None, seed: int) -> in
     return sum(p.numel() for n, p in layer.named_parameters() if LORA_MARK in n)
 
 
+def adapted_linears(layer: nn.Module, lora: Lora | None) -> list[tuple[str, nn.Linear]]:
+    """(name, linear) of each linear of `layer` that gets an adapter (works on the meta device)."""
+    if lora is None:
+        return []
+    linears = dict(layer.named_modules())
+    return [(n, linears[n]) for n in target_names(layer, lora)]
+
+
 def adapter_param_count(layer: nn.Module, lora: Lora | None) -> int:
     """r (in + out) per adapted linear, without building the adapters (works on the meta device)."""
-    if lora is None:
-        return 0
-    linears = dict(layer.named_modules())
-    return sum(lora.rank * (linears[n].in_features + linears[n].out_features) for n in target_names(layer, lora))
+    return sum(lora.rank * (m.in_features + m.out_features) for _, m in adapted_linears(layer, lora))
 
 
 def is_adapter(name: str) -> bool:
