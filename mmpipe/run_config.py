@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
-from .data.dataset import DataOptions, resolve_data
+from .data.dataset import DataOptions, packed_image_slots, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.builder import check_lora_rank
@@ -212,6 +212,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     parts, table = [], []
     if model is not None and data is not None:
         model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)
+        data = problems.attempt(packed_image_slots, data, model, args.output_dir, args.seed) or data  # --pack alone
         checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
         # per row: --max-images image slots through the tower, M x N_dec + text_len decoder positions
         table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images)

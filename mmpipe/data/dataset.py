@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -41,12 +42,14 @@ class DataOptions:
     part: str = "train"
     max_images: int = 1         # --max-images: image slots per row (record_images: a record's limit)
     markers: bool = False       # <image> markers place the images (the LLaVA family), else after BOS
+    auto_slots: bool = False    # --pack without --max-images: max_images follows from the data (packed_image_slots)
 
     @property
     def record_images(self) -> int:
         """Images one record may have: --max-images with <image> markers (LLaVA), else 1 (the image goes
-        after BOS; --max-images > 1 then only gives a packed row slots for its samples' images)."""
-        return self.max_images if self.markers else 1
+        after BOS; --max-images > 1 then only gives a packed row slots for its samples' images). Slots
+        chosen by packed_image_slots never raise it: the index it reads must not change with them."""
+        return self.max_images if self.markers and not self.auto_slots else 1
 
     @property
     def builtin(self) -> bool:
@@ -94,7 +97,8 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
         raise ConfigError("\n".join(problems))
     return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
                        args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples,
-                       max_images=args.max_images or 1, markers=markers)
+                       max_images=args.max_images or 1, markers=markers,
+                       auto_slots=args.pack and args.max_images is None)
 
 
 ROW_FLAGS = ("text_len", "max_images", "pack")  # the row's shape: the data flags `mmpipe plan` takes too
@@ -128,6 +132,27 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
                             f"{cfg.text.max_context} - {n_image} image "
                             f"{'placeholders' if placeholders(cfg)[1] else 'tokens'})")
     return text_len
+
+
+SLOT_SAMPLES = 1024  # stream positions packed_image_slots reads: enough for a stable mean, ~10 ms
+
+
+def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int) -> DataOptions:
+    """--pack without --max-images: a row's image slots follow from its text budget and the data. A row
+    of M slots and L = M x N + text_len positions (N per image) fills its slots and its positions at the
+    same rate when M = k x text_len / t, with k the images and t the text positions of the mean sample:
+    s samples fill the slots at s x k = M and the positions at s x (t + k x N) = L, both at s = text_len / t.
+    E.g. one-image samples of 22 text positions, text_len 96: M = round(96 / 22) = 4, L = 4 N + 96, about
+    4 samples a row; with one slot (the unpacked default) a row could never hold a second image sample.
+    Read from the token index of the first SLOT_SAMPLES stream positions (no image is opened), so every
+    rank derives the same M. Text-only data keeps M = 1."""
+    if not opts.auto_slots:
+        return opts
+    samples = prepare(opts, cfg, out_dir, seed, verbose=False)
+    sizes = [samples.tokens(pos) for pos in range(SLOT_SAMPLES)]
+    text = sum(len(enc.ids) for enc, _ in sizes)
+    images = sum(int(n) for _, n in sizes)
+    return dataclasses.replace(opts, max_images=max(1, round(images * opts.text_len / text)))
 
 
 def index_dir(out_dir: str | Path) -> Path:
