@@ -21,6 +21,7 @@ from .data.dataset import DataOptions, packed_image_slots, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.builder import check_lora_rank
+from .model.families import family_of
 from .model.lora import Lora, read_lora
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
@@ -355,11 +356,12 @@ RESIZED = ("vocab_size", "image_token_id")  # what a fresh run fits to its token
 def merged_route(d: Path, cfg: ModelConfig) -> str:
     """How a LoRA run's merged weights become a run to start from: export merges the adapters, import
     writes the run (tests/test_lora.py parses these commands)."""
-    if cfg.family == "llava":
+    names = family_of(cfg).weight_names
+    if names == "hf":
         return (f"start from its merged weights: `mmpipe export --checkpoint {d} --format hf --out MERGED` then "
                 f"`mmpipe import --hf MERGED --out RUN`, and --init-from RUN")
-    if cfg.fusion == "cross_attention":  # no file format holds its cross-attention layers
-        return "start from the run it started from (the cross-attention family's merged weights have no export)"
+    if names is None:  # no file format outside mmpipe holds its layers
+        return f"start from the run it started from ({cfg.fusion} weights have no export to re-import)"
     return (f"start from its merged weights: `mmpipe export --checkpoint {d} --format safetensors --out "
             f"merged.safetensors` then `mmpipe import --moondream merged.safetensors --preset {d / 'model.json'} "
             f"--out RUN`, and --init-from RUN")

@@ -176,6 +176,9 @@ def main_export(args: argparse.Namespace) -> int:
         if args.format in ("hf", "peft") and not family_of(cfg).hf_class:
             raise ConfigError(f"--format {args.format}: only the LLaVA family has an HF model class; use --format "
                               f"safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
+        if family_of(cfg).weight_names is None:  # moondream's names would miss its cross-attention layers
+            raise ConfigError(f"--format {args.format}: the {cfg.fusion} family's layers have no names outside "
+                              f"mmpipe (no HF or moondream model holds them); its run directory is the checkpoint")
         if args.format == "peft" and read_lora(run) is None:
             raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
         if args.dry_run:

@@ -48,9 +48,10 @@ class Family:
     cost_rules: dict[object, costs.LayerRule] = field(repr=False, compare=False)
     tower_tokens: Callable[[ModelConfig], int] = lambda cfg: cfg.vision.n_tokens  # what the vision blocks see
     hf_class: str | None = None  # the transformers class its weights load into unchanged, if any
-    # whose names its weights take in and out of mmpipe (mmpipe.hf): "hf" (hf_class's, an HF directory) or
-    # "moondream" (moondream's one safetensors file, with moondream's region head beside the weights)
-    weight_names: str = "moondream"
+    # whose names its weights take in and out of mmpipe (mmpipe.hf): "hf" (hf_class's, an HF directory),
+    # "moondream" (moondream's one safetensors file, with moondream's region head beside the weights), or
+    # None: no model outside mmpipe has its layers (cross-attention fusion), so no export and no import
+    weight_names: str | None = "moondream"
 
     def cost_rule(self, spec: LayerSpec) -> costs.LayerRule:
         return self.cost_rules[getattr(spec, "forward_fn", None) or spec.typename]
@@ -63,7 +64,8 @@ _MOONDREAM_COSTS = {PatchEmbed: costs.PATCH_EMBED, VisionBlock: costs.VISION_BLO
 MOONDREAM = Family("moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS)
 CROSS_ATTENTION = Family(
     "moondream", "cross_attention", cross_attention_specs, (VisionBlock, DecoderBlock, CrossAttnBlock),
-    {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK})
+    {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK},
+    weight_names=None)
 LLAVA = Family(
     "llava", "prefix", llava_specs, (TowerBlock, LlamaBlock),
     {VisionEmbed: costs.PATCH_EMBED, TowerBlock: costs.VISION_BLOCK, LlavaProjector: costs.PROJECTOR,
