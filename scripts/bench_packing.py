@@ -59,6 +59,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -133,11 +134,16 @@ def run_one(work: Path, name: str, variant: str, args, extra) -> dict:
            "--seed", str(args.seed), "--ds-config", str(work / "ds.json"), "--output-dir", str(out),
            *(["--pack", "--max-images", str(args.k)] if variant == "packed" else []), *extra]
     shutil.rmtree(out, ignore_errors=True)  # never read an older invocation's summary.json
+    failed_log = work / f"{name}.failed.log"  # a failure's whole output: the cause may be anywhere in it
+    failed_log.unlink(missing_ok=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if not (out / "summary.json").is_file():
-        raise SystemExit(f"{name} failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        failed_log.write_text(f"$ {shlex.join(cmd)}\nexit status {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+                              f"--- stderr\n{proc.stderr}")
+        raise SystemExit(f"{name} failed (exit status {proc.returncode}); its whole output: {failed_log}\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
     step_s, rows = s["step_time_s"], s["train_batch"]
     length = args.k * args.n_img + args.text_len if variant == "packed" else args.n_img + args.text_len

@@ -176,3 +176,20 @@ def test_sigterm_under_the_deepspeed_launcher_checkpoints_and_resumes(tmp_path, 
     assert resumed.summary["start_step"] == k
     assert [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
     assert resumed.losses == single_host.losses
+
+
+def test_free_port_is_reserved_for_its_launch():
+    """The rendezvous port stays out of everyone else's way until rank 0's TCPStore binds it (it is left in
+    TIME_WAIT: a plain bind, as another launch's port probe or a connection's source port would take it,
+    is refused), and the store, which binds with SO_REUSEADDR, gets it."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    port = free_port()
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=20))
+    client.set("rank1", "here")
+    assert server.get("rank1") == b"here"
