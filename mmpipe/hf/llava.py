@@ -237,7 +237,7 @@ def hf_llava_config(path: str | Path):
     try:
         hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:
-        _fail(str(path), f"cannot read config.json ({str(e).splitlines()[0]})")
+        _fail(str(path), f"cannot read config.json ({' '.join(str(e).split())})")
     if hf.model_type != "llava":
         _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not llava")
     return hf, config_from_hf(hf, path.name, *_preprocessor(path))
