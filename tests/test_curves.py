@@ -1,7 +1,6 @@
 """`mmpipe plot`: runs' train_log.csv (and eval_log.csv where there is one) drawn as one four-panel PNG."""
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import struct
@@ -9,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from mmpipe.cli import main as cli_main
 from mmpipe.config import ConfigError
-from mmpipe.runtime.curves import add_plot_args, build_figure, main_plot, plot_runs
+from mmpipe.runtime.curves import build_figure, plot_runs
 from mmpipe.runtime.steplog import CSV_FIELDS
 
 STEPS = 20
@@ -111,9 +111,7 @@ def test_long_noisy_series_are_drawn_faint_under_their_running_mean(tmp_path):
 
 
 def run_cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    add_plot_args(p)
-    return main_plot(p.parse_args(argv))
+    return cli_main(["plot", *argv])  # the command line as typed, shared flags (--dry-run) included
 
 
 def test_main_plot_defaults_to_the_first_run(runs, capsys):

@@ -5,7 +5,6 @@ the count the answers file shows, its validation loss the one training computed 
 and a text-only record and a bad record are handled as training handles them."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from PIL import Image
 
 from conftest import train_run, write_checkpoint, write_ds_config
+from mmpipe.cli import main as cli_main
 from mmpipe.config import load_preset
 from mmpipe.data.export import export_shapes
 from mmpipe.data.images import ImageTransform
@@ -22,7 +22,7 @@ from mmpipe.data.shapes import ShapesVQA
 from mmpipe.data.text import ConversationEncoder, with_placeholders
 from mmpipe.data.tokenizer import builtin_tokenizer
 from mmpipe.inference.generate import generate, load_checkpoint
-from mmpipe.inference.scoring import add_eval_args, main_eval, normalise, score
+from mmpipe.inference.scoring import normalise, score
 from mmpipe.model import ReferenceModel
 
 N_TRAIN, N_HELD = 24, 8
@@ -33,9 +33,7 @@ BAD = {"id": "bad", "image": "images/nowhere.png", "conversations": [
 
 
 def mmpipe_eval(*argv: str) -> int:
-    p = argparse.ArgumentParser(prog="mmpipe eval")
-    add_eval_args(p)
-    return main_eval(p.parse_args(list(argv)))
+    return cli_main(["eval", *argv])  # the command line as typed, shared flags (--dry-run) included
 
 
 @pytest.fixture(scope="module")
