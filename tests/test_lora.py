@@ -273,5 +273,7 @@ def test_rank_above_the_narrowest_adapted_linear_is_refused(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("mmpipe: error: --lora: rank 100000 is more than") and "--lora 16 or less" in err
     assert len(err.splitlines()) == 1
+    assert cli(["plan", "--preset", "llava-tiny", "--lora", "100000"]) == 2  # plan applies train's check
+    assert "--lora 16 or less" in capsys.readouterr().err
     run = resolve(TrainArgs.from_argv(["--preset", "llava-tiny", "--stages", "1", "--lora", "16"]), world_size=1)
     assert run.lora.rank == 16

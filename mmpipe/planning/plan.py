@@ -40,6 +40,7 @@ from ..data.args import DataArgs
 from ..data.dataset import ROW_FLAGS, row_text_len
 from ..flags import add_flags, from_namespace
 from ..model.args import ModelArgs
+from ..model.builder import check_lora_rank
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
@@ -221,6 +222,7 @@ def main_plan(args) -> int:
         device = device_from_args(args)
         micros = [int(x) for x in args.micro.split(",") if x]
         freeze, lora = model_args.frozen_groups(), model_args.adapters()
+        check_lora_rank(cfg, lora)  # as train's resolve: no rank above the narrowest adapted linear's
         _check_rows(args, cfg)
         if args.schedule not in PLAN_SCHEDULES:
             raise ConfigError(f"--schedule: {args.schedule!r} is not a schedule (valid: {', '.join(PLAN_SCHEDULES)})")
