@@ -99,6 +99,8 @@ def test_validation_loss_equals_the_reference_and_training_is_untouched(tmp_path
     for r in rows:
         assert float(r["eval_loss"]) == pytest.approx(reference_eval_loss(out, argv, int(r["step"])), abs=1e-5)
     assert run.summary["eval_loss"] == float(rows[-1]["eval_loss"]) and run.summary["eval_step"] == STEPS
+    if stages > 1:  # eval_batch's messages as well: each stage reads its integer tensors itself
+        run.assert_only_floats_crossed(per_forward=None)
     if (stages, dp) == (2, 1):  # the same layout without validation: bit-identical training
         assert run.losses == baseline.losses
 
