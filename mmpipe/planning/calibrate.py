@@ -201,6 +201,24 @@ def default_hold_out(cand: dict[str, dict], k: int = 2) -> list[str]:
     return held[::-1]
 
 
+def _checked_hold_out(cand: dict, hold_out: list[str] | None, source: str) -> list[str]:
+    """--hold-out (None: default_hold_out): every name an ok pipeline variant, and every precision
+    held back still has a fitted 1f1b variant to take its efficiency from."""
+    if hold_out is None:
+        hold_out = default_hold_out(cand)
+    unknown = [n for n in hold_out if n not in cand]
+    if unknown:
+        raise ConfigError(f"--hold-out: {', '.join(unknown)} is not a pipeline variant with an ok run in {source} "
+                          f"(valid: {', '.join(cand)})")
+    prec = {n: cand[n]["precision"] for n in cand}
+    fitted = [n for n in cand if n not in hold_out]
+    orphans = [n for n in hold_out if prec[n] not in {prec[m] for m in fitted if not replayed(cand[m])}]
+    if orphans:
+        raise ConfigError(f"--hold-out: {', '.join(orphans)} would leave no {prec[orphans[0]]} variant to fit its "
+                          f"efficiency; hold back another")
+    return hold_out
+
+
 def calibrate(data: dict, hold_out: list[str] | None, source: str = "") -> dict:
     """Fit on the sweep's pipeline variants minus the held-back ones; predictions before/after for all."""
     meta = data["meta"]
@@ -209,17 +227,7 @@ def calibrate(data: dict, hold_out: list[str] | None, source: str = "") -> dict:
         raise ConfigError(f"--calibrate: {source}: no pipeline variant with an ok run to fit")
     names = list(cand)
     prec = {n: cand[n]["precision"] for n in names}
-    if hold_out is None:
-        hold_out = default_hold_out(cand)
-    unknown = [n for n in hold_out if n not in cand]
-    if unknown:
-        raise ConfigError(f"--hold-out: {', '.join(unknown)} is not a pipeline variant with an ok run in {source} "
-                          f"(valid: {', '.join(names)})")
-    fitted = [n for n in names if n not in hold_out]
-    orphans = [n for n in hold_out if prec[n] not in {prec[m] for m in fitted if not replayed(cand[m])}]
-    if orphans:
-        raise ConfigError(f"--hold-out: {', '.join(orphans)} would leave no {prec[orphans[0]]} variant to fit its "
-                          f"efficiency; hold back another")
+    hold_out = _checked_hold_out(cand, hold_out, source)
     cache, out = {}, []
     for n in names:
         dev = results_device(meta, prec[n])
