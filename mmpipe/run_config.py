@@ -89,11 +89,6 @@ class RunConfig:
         return self.data.max_images
 
     @property
-    def rows(self) -> bool:
-        """The row layout (mmpipe.model.stage): packed samples, or image slots for several images."""
-        return self.pack or self.max_images > 1
-
-    @property
     def train_batch(self) -> int:
         return self.micro * self.gas * self.dp
 

@@ -38,8 +38,8 @@ class LossModule(torch.nn.Module):
         super().__init__()
         self.pipe = pipe
 
-    def forward(self, pixels, input_ids, has_image, labels, tiling=None):  # tiling: multi-crop models only
-        return lm_loss(self.pipe((pixels, input_ids, has_image) + (() if tiling is None else (tiling,))), labels)
+    def forward(self, inputs, labels):  # inputs: the stage contract's first input (mmpipe.model.stage)
+        return lm_loss(self.pipe(inputs), labels)
 
 
 def main(argv=None) -> int:
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         total = 0.0
         for _ in range(run.gas):
-            (pixels, ids, has_image, *tiling), labels = next(batches)
-            loss = engine(pixels, ids, has_image, labels, *tiling)
+            inputs, labels = next(batches)
+            loss = engine(inputs, labels)
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer at the GAS boundary only
             total += loss.item() / run.gas

@@ -20,6 +20,7 @@ import torch
 
 from ..hf.llava import hf_config
 from ..model.families import family_of
+from ..model.rows import IMAGE_SLOT
 from ..runtime.feed import decoder_length
 from ..runtime.reference import gradient_clipping, make_optimizer, make_scheduler, train_step
 from ..runtime.steplog import StepLog
@@ -55,14 +56,13 @@ def main(argv=None) -> int:
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant
     clip = gradient_clipping(run.ds_config)
-    n_img = run.model.n_image_positions
     samples = peer_samples(run, a.seed, a.out)
     stream, counts = batches(run, a.seed, samples=samples), step_counter(run, samples)
 
     def micro_loss():
-        (pixels, ids, _has), labels = next(stream)
-        if not run.model.layout.placeholders:  # moondream splices the image before the text: placeholders there
-            ids = torch.cat([torch.full((ids.shape[0], n_img), hf.image_token_id, dtype=ids.dtype), ids], 1)
+        (pixels, ids, has_image, _segments), labels = next(stream)  # one sample per row, one image slot
+        ids = torch.where(ids == IMAGE_SLOT, hf.image_token_id, ids)  # moondream's image block: HF's placeholders
+        pixels = pixels.flatten(0, 1)[has_image.flatten() > 0]  # the used slots, in the blocks' order
         # mmpipe's labels are aligned with its logits (next-token targets per position); HF
         # shifts them itself, so hand it the targets one position later
         hf_labels = torch.full_like(labels, -100)

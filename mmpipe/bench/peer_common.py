@@ -1,6 +1,6 @@
 """What both peers share: the variant's model config, text length and data. They write their log with
 mmpipe.train's writer (mmpipe.runtime.steplog: train_log.csv, summary.json; memory_rank*.json from
-.memory) so one reader serves all. Peers run the classic layout (one sample per row, one image): a
+.memory) so one reader serves all. Peers run one sample per row (the smallest row, one image slot): a
 sweep's packing variant is compared with peers that do not pack (docs/benchmarks.md)."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ stages 1 and 2. Torch 2.14's split backward (B for the inputs, W for the weights
 autograd graph analysis) mis-pairs output gradients when a stage's outputs mix float and integer
 tensors (stage_backward_input indexes the gradients over the float outputs by position in all
 outputs), so in this peer only the floats of mmpipe's stage tuple travel. The integers (input_ids,
-has_image[, tiling]) are the micro-batch's own, unchanged from layer to layer, and every rank loads
+has_image, segments[, tiling]) are the micro-batch's own, unchanged from layer to layer, and every rank loads
 them (first=False: no image is decoded); each stage takes them from a queue filled per step, one
 entry per micro-batch in forward order (WireStage).
 """
@@ -48,7 +48,7 @@ class TupleStage(nn.Module):
 
 class WireStage(nn.Module):
     """One stage of the zbv peer: floats in and out on the wire, the micro-batch's integer tensors from
-    `ints` (n_ints of them: the Projector drops tiling, so a stage after it takes 2, one before it 3)."""
+    `ints` (n_ints of them: the Projector drops tiling, so a stage after it takes 3, one before it 4)."""
 
     def __init__(self, layers: nn.Sequential, first: bool, last: bool, n_ints: int):
         super().__init__()
@@ -97,7 +97,7 @@ def zbv_schedule(run, seed: int, rank: int, world: int, samples):
         inputs = probe if s == 0 else tuple(t for t in seen[s - 1] if t.is_floating_point())
         n_ints = 0 if s == 0 else sum(1 for t in seen[s - 1] if not t.is_floating_point())
         out = seen[s] if s == n - 1 else tuple(t for t in seen[s] if t.is_floating_point())
-        if s and n_ints > 2 and rank != 0:
+        if s and n_ints > 3 and rank != 0:
             raise SystemExit(f"mmpipe bench: peer torch_pipe_zb: stage {s} needs the multi-crop tiling, which "
                              f"rank {rank} does not load (cut the model after the Projector)")
         mod = WireStage(nn.Sequential(*layers[parts[s]:parts[s + 1]]), s == 0, s == n - 1, n_ints)
@@ -110,10 +110,10 @@ def zbv_schedule(run, seed: int, rank: int, world: int, samples):
 
 
 def int_batches(run, samples):
-    """The micro-batches' (input_ids, has_image), as the images' rank draws them, without images."""
+    """The micro-batches' (input_ids, has_image, segments), as the images' rank draws them, without images."""
     data = run_dataset(run, samples, first=False, last=False, train=False)
     for b in DataLoader(data, batch_sampler=StepBatches(0, run.micro, run.gas, 0, 1), collate_fn=collate):
-        yield b["input_ids"], b["has_image"]
+        yield b["input_ids"], b["has_image"], b["segments"]
 
 
 def main(argv=None) -> int:
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                 m.ints.extend(step_ints)
         losses = []
         kwargs = {"target": torch.cat([m[1] for m in mbs]), "losses": losses} if last else {}
-        if first:  # images, input_ids, has_image[, tiling]; the schedule splits them into gas micro-batches
+        if first:  # images, input_ids, has_image, segments[, tiling]; the schedule splits them into gas micro-batches
             schedule.step(*(torch.cat([m[0][k] for m in mbs]) for k in range(len(mbs[0][0]))), **kwargs)
         else:
             schedule.step(**kwargs)

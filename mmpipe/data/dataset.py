@@ -116,9 +116,6 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
         how = f"({cfg.fusion}) attends to one image" if cfg.layout.cross_attention else "splices one image after BOS"
         problems.append(f"--max-images: {args.max_images}: the {cfg.family} family {how}; several images per "
                         f"sample need the LLaVA family (with --pack it sizes a row's image slots)")
-    elif (args.pack or (args.max_images or 1) > 1) and cfg is not None and cfg.layout.cross_attention:
-        problems.append(f"--pack / --max-images: {cfg.name} reads its image through cross-attention, which has no "
-                        f"per-sample image positions to pack; use a prefix (moondream) or LLaVA model")
     text_len = args.text_len
     if cfg is not None:
         # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:

@@ -1,5 +1,6 @@
-"""Rows: fixed-shape micro-batches that hold several images per sample and, with --pack, several
-samples per row (the stage contract's row layout, mmpipe.model.stage).
+"""Rows: fixed-shape micro-batches, the one layout every family trains, validates and evaluates
+through (mmpipe.model.stage): one sample per row (the smallest row, M = 1), several images per
+sample, and, with --pack, several samples per row.
 
 A row is L = M x N + text_len decoder positions with M image slots (M = --max-images, N decoder
 positions per image: the moondream family's spliced image tokens or LLaVA's placeholders): room for
@@ -144,9 +145,10 @@ class LossNorm:
 
 
 class RowSet(Dataset):
-    """Row position -> the row's tensors (the row layout of mmpipe.model.stage): input_ids, labels,
-    segments, loss weights [L]; has_image [M]; pixels [M, 3, S, S] (multi-crop [M, 1 + K, 3, S, S]
-    and tiling [M, 2]). Unused image slots hold blank images, which no placeholder reads."""
+    """Row position -> the row's tensors (the one layout, mmpipe.model.stage): input_ids, labels,
+    segments, loss weights [L]; has_image [M] (each slot's segment, 0 unused); pixels [M, 3, S, S]
+    (multi-crop [M, 1 + K, 3, S, S] and tiling [M, 2]). Unused image slots hold blank images, which no
+    placeholder reads."""
 
     def __init__(self, samples, plan: RowPlan, *, image_size: int, max_crops: int = 0, need_images: bool = True,
                  need_labels: bool = True, norm: LossNorm | None = None, augment_seed: int | None = None):
@@ -162,16 +164,17 @@ class RowSet(Dataset):
         ids = np.full(L, self.samples.pad_id, dtype=np.int64)
         labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
         segments = np.zeros(L, dtype=np.int64)
-        images, end = [], 0
+        images, owners, end = [], [], 0
         for seg, pos in enumerate(self.plan.row(r), start=1):
             enc, n_images = self.samples.tokens(pos)
             s_ids, s_labels = sample_sequence(enc, int(n_images), self.shape)
             ids[end:end + len(s_ids)], labels[end:end + len(s_ids)] = s_ids, s_labels
             segments[end:end + len(s_ids)] = seg
             images += [(pos, k) for k in range(int(n_images))]
+            owners += [seg] * int(n_images)
             end += len(s_ids)
-        item = {"pos": r, "input_ids": ids, "segments": segments,
-                "has_image": np.array([1] * len(images) + [0] * (M - len(images)), dtype=np.int64)}
+        item = {"pos": r, "input_ids": ids, "segments": segments,  # has_image: each slot's segment, 0 unused
+                "has_image": np.array(owners + [0] * (M - len(images)), dtype=np.int64)}
         if self.need_labels:
             item["labels"] = labels
             if self.norm is not None:
@@ -207,3 +210,11 @@ def sample_size(samples, shape: RowShape) -> Callable[[int], tuple[int, int]]:
         enc, n_images = samples.tokens(pos)
         return len(enc.ids) + int(n_images) * shape.image_len, int(n_images)
     return size
+
+
+def sample_rowset(samples, cfg, text_len: int, **kw) -> RowSet:
+    """One sample per row with one image slot (no --pack, --max-images 1): the smallest rows, e.g. the
+    teacher-forced loss of `mmpipe eval` (mmpipe.inference.scoring). kw: RowSet's."""
+    shape = row_shape(cfg, 1, text_len)
+    return RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False), image_size=cfg.vision.image_size,
+                  max_crops=cfg.vision.max_crops, **kw)

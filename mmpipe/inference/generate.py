@@ -59,6 +59,7 @@ from ..data.text import ConversationEncoder, answer_id_of, with_placeholders
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
 from ..hf.llava import hf_llava_config, load_hf_llava
+from ..model.rows import sample_rows
 from ..model.stage import StageTuple
 from ..runtime.checkpoint import latest_tag, load_reference
 
@@ -128,13 +129,14 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
                  max_new_tokens: int, temperature: float, top_k: int, seed: int,
                  tiling: torch.Tensor | None = None, answer_id: int | None = None,
                  n_tokens: int | None = None) -> list[list[int]]:
-    """The KV-cached loop for B prompts of one length T: pixels [B, C, H, W], ids [B, T], has_image [B].
-    Every row is its own sequence at the same positions, so no padding enters any row's attention;
-    a row that has produced EOS keeps being fed EOS (its output ignored) until every row is done."""
+    """The KV-cached loop for B prompts whose rows have one length L (sample_rows): pixels [B, C, H, W],
+    ids [B, T], has_image [B]. Every row is its own sequence at the same positions, so no padding enters
+    any row's attention; a row that has produced EOS keeps being fed EOS (its output ignored) until every
+    row is done."""
     B = ids.shape[0]
     gens = _generators(temperature, seed, B)
     first = _split(model)
-    enc = (pixels, ids, has_image) + (() if tiling is None else (tiling,))  # multi-crop: [B, 2] tiling last
+    enc = (pixels, *sample_rows(model.cfg, ids, has_image)) + (() if tiling is None else (tiling,))  # tiling last
     for layer in list(model)[:first]:
         enc = layer(enc)  # the image side, once
     t = StageTuple.unpack(enc)
@@ -162,7 +164,7 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
             break
         if eos_id is not None:
             nxt = torch.where(torch.tensor(done), torch.full_like(nxt, eos_id), nxt)
-        t = t._replace(hidden=None, input_ids=nxt[:, None])
+        t = t._replace(hidden=None, input_ids=nxt[:, None], segments=torch.ones_like(nxt[:, None]))  # the same sample
     return out
 
 
@@ -173,10 +175,11 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
              answer_id: int | None = None, n_tokens: int | None = None) -> list[int]:
     """New token ids for one image + prompt (stops after EOS, which is not returned).
     use_cache=False reruns the whole model on the growing sequence each step (the reference).
-    has_image=False: a text-only prompt, as training sees one (pixel_values a zero image, which the
-    decoder masks out; LLaVA: a prompt without placeholders). Multi-crop models: pixel_values
-    [1, 1 + max_crops, C, H, W] and tiling [1, 2] (mmpipe.data.crops.stack_images). answer_id: never
-    produced after the first new token (moondream's prompt format; module docstring). n_tokens: the
+    has_image=False: a text-only prompt, as training sees one (pixel_values a blank image no position
+    reads: moondream's text follows BOS at position 1, as moondream's own; LLaVA: no placeholders).
+    Multi-crop models: pixel_values [1, 1 + max_crops, C, H, W] and tiling [1, 2]
+    (mmpipe.data.crops.stack_images). answer_id: never produced after the first new token (moondream's
+    prompt format; module docstring). n_tokens: the
     tokenizer's size; no id from it on is ever produced (the vocabulary's padding; `_masked`)."""
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
@@ -189,7 +192,8 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
     gen = _generators(temperature, seed, 1)[0]
     out: list[int] = []
     for step in range(max_new_tokens):
-        logits = _masked(model(pixels, ids, flag, tiling)[:, -1], answer_id, step, n_tokens, placeholder_of(model))
+        logits = _masked(model(pixels, *sample_rows(model.cfg, ids, flag), tiling)[:, -1], answer_id, step, n_tokens,
+                         placeholder_of(model))
         nxt = _pick(logits, temperature, top_k, gen)
         if eos_id is not None and nxt.item() == eos_id:
             break
@@ -216,12 +220,14 @@ def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], 
     has_image N bools (default: all True) -> N answers in the prompts' order, each the tokens
     generate(model, pixel_values[i:i+1], prompts[i], ..., has_image=has_image[i]) gives (greedy; a sampled
     row draws from its own generator seeded with `seed`, as generate does). Prompts are batched by
-    length (length_buckets); each row stops at its own EOS. progress(n): called after each batch of n."""
+    length (length_buckets; the row's length: moondream's image positions count); each row stops at its own
+    EOS. progress(n): called after each batch of n."""
     model.eval()
     flags = torch.tensor([1] * len(prompts) if has_image is None else [int(bool(h)) for h in has_image])
     pixels = pixel_values.to(next(model.parameters()).dtype)
     out: list[list[int]] = [[] for _ in prompts]
-    for idx in length_buckets([len(p) for p in prompts], batch_size):
+    n_img = model.cfg.n_image_positions
+    for idx in length_buckets([len(p) + n_img * int(f) for p, f in zip(prompts, flags)], batch_size):
         answers = _decode_rows(model, pixels[idx], torch.tensor([prompts[i] for i in idx], dtype=torch.long),
                                flags[idx], eos_id=eos_id, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, seed=seed,

@@ -37,11 +37,12 @@ from tqdm import tqdm
 
 from ..config import ConfigError, fail
 from ..data.args import DataArgs
-from ..data.batches import TrainSet, collate
+from ..data.batches import collate
 from ..data.crops import blank_image, stack_images
 from ..data.dataset import prepare_eval, resolve_data
+from ..data.packing import RowSet, sample_rowset
 from ..data.records import BadRecord
-from ..data.text import answer_id_of, placeholders, with_placeholders
+from ..data.text import answer_id_of, with_placeholders
 from ..flags import print_plan
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
 from .generate import decoding, empty_reason, generate_batch, length_buckets, load_checkpoint, resolve_checkpoint
@@ -169,12 +170,12 @@ def _loaded(args: argparse.Namespace):
 
 
 @torch.no_grad()
-def _loss(model, rows: TrainSet, positions: list[int], pixels: torch.Tensor, tiling: torch.Tensor | None = None
+def _loss(model, rows: RowSet, positions: list[int], pixels: torch.Tensor, tiling: torch.Tensor | None = None
           ) -> tuple[float, int]:
     """Teacher-forced cross-entropy summed over the answer tokens of these samples, and their count;
-    input ids and labels as training builds them (rows: a TrainSet without images, `pixels` given)."""
+    input ids and labels as training builds them (rows: one sample per row without images, `pixels` given)."""
     b = collate([rows[p] for p in positions])
-    logits = model(pixels, b["input_ids"], b["has_image"], tiling)
+    logits = model(pixels, b["input_ids"], b["has_image"], b["segments"], tiling)
     return float(lm_loss_sum(logits, b["labels"])), int((b["labels"] != IGNORE_INDEX).sum())
 
 
@@ -217,8 +218,7 @@ def _generate_all(args, model, tok, evalset, text_len: int):
         prompt = with_placeholders(text, cfg, enc.image_at[:1] if len(enc.image_at) else None) if sees else text
         items.append(Item(pos, prompt, text, reference, bool(n_images), sees))
     answers: list[list[int]] = [[] for _ in items]
-    rows = TrainSet(evalset, text_len=text_len, n_img=cfg.n_image_positions, image_size=size, need_images=False,
-                    image_token=placeholders(cfg))
+    rows = sample_rowset(evalset, cfg, text_len, need_images=False)
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):

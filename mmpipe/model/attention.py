@@ -1,4 +1,4 @@
-"""Attention shared by the vision and text towers: fused qkv, SDPA, partial rotary, prefix-LM mask."""
+"""Attention shared by the vision and text towers: fused qkv, SDPA, partial rotary, the rows' per-sample masks."""
 from __future__ import annotations
 
 import functools
@@ -6,29 +6,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-@functools.lru_cache(maxsize=16)
-def prefix_lm_mask(seq_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:
-    """bool [T, T], True = may attend. Causal, except that the first prefix_len positions
-    (BOS + image tokens) see each other both ways, as moondream's prefix_attn does."""
-    i = torch.arange(seq_len, device=device)
-    causal = i[None, :] <= i[:, None]
-    prefix = (i[:, None] < prefix_len) & (i[None, :] < prefix_len)
-    return causal | prefix
-
-
-def decoder_mask(seq_len: int, prefix_len: int, has_image: torch.Tensor) -> torch.Tensor:
-    """The prefix-LM mask, [T, T] when every sample has an image, else [B, 1, T, T] with the image
-    positions 1..prefix_len-1 hidden as keys from text-only samples: they see BOS and their text,
-    and nothing from the zero image stands in for the missing one (nor trains the vision side)."""
-    base = prefix_lm_mask(seq_len, prefix_len, has_image.device)
-    if bool(has_image.all()):
-        return base
-    pos = torch.arange(seq_len, device=has_image.device)
-    image_pos = (pos >= 1) & (pos < prefix_len)  # [T]
-    keep = ~image_pos[None, :] | has_image.bool()[:, None]  # [B, T] keys a sample may attend to
-    return base[None, None] & keep[:, None, None, :]
 
 
 def row_positions(segments: torch.Tensor) -> torch.Tensor:
@@ -59,6 +36,22 @@ def rotary_at(positions: torch.Tensor, rot_dim: int, theta: float):
     """cos, sin [B, 1, L, rot_dim] at each position's own index (row_positions), broadcasting over heads."""
     cos, sin = rotary_cos_sin(positions.shape[-1], rot_dim, theta, positions.device)  # positions < L
     return cos[positions][:, None], sin[positions][:, None]
+
+
+def row_geometry(segments: torch.Tensor, rot_dim: int, theta: float, prefix: torch.Tensor | None = None,
+                 start: int = 0):
+    """(mask, (cos, sin)) a decoder layer attends with, from the row's segments alone (mmpipe.model.stage).
+    start 0 (forward, generation's prefill): row_mask (prefix bool [B, L]: the moondream family's image
+    blocks, bidirectional with their sample's BOS) and each sample's own rotary positions. start > 0
+    (generation's new positions of a one-sample row, segments [B, T_new]): no mask, the new queries see
+    every key cached before them, and rotary positions start..start+T_new-1."""
+    if start:
+        T = segments.shape[-1]
+        return None, tuple(c[start:start + T] for c in rotary_cos_sin(start + T, rot_dim, theta, segments.device))
+    positions = row_positions(segments)
+    if prefix is not None:
+        prefix = prefix | (positions == 0)
+    return row_mask(segments, prefix), rotary_at(positions, rot_dim, theta)
 
 
 @functools.lru_cache(maxsize=16)

@@ -106,14 +106,12 @@ class ReferenceModel(nn.Sequential):
         for i, layer in enumerate(self):
             add_adapters(layer, i, lora, seed)
 
-    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
-                has_image: torch.Tensor | None = None, *rest: torch.Tensor | None) -> torch.Tensor:
-        """rest: the stage tuple's optional ints in order (mmpipe.model.stage): segments (rows), then
-        tiling (multi-crop, pixel_values [B, 1 + max_crops, C, H, W]); None for one left out."""
-        if has_image is None:
-            has_image = torch.ones(input_ids.shape[0], dtype=torch.long)
-        inputs = (pixel_values, input_ids, has_image) + tuple(t for t in rest if t is not None)
-        return super().forward(inputs)  # logits [B, N_img + T_text, V]; rows [B, L, V]
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, has_image: torch.Tensor,
+                segments: torch.Tensor, tiling: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage contract's first input (mmpipe.model.stage; one prompt per row: mmpipe.model.rows.sample_rows);
+        tiling for multi-crop (pixel_values [B, M, 1 + max_crops, C, H, W]). -> logits [B, L, V]."""
+        inputs = (pixel_values, input_ids, has_image, segments) + (() if tiling is None else (tiling,))
+        return super().forward(inputs)
 
 
 def layer_param_counts(cfg: ModelConfig) -> list[int]:

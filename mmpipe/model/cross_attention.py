@@ -7,16 +7,19 @@ Layer list (`fusion: cross_attention`, 4 decoder blocks, cross_attn_every 2):
     PatchEmbed, VisionBlock x N, VisionNorm, Projector, CrossAttnTextEmbed,
     CrossAttnBlock, DecoderBlock, DecoderBlock, CrossAttnBlock(last), DecoderBlock, DecoderBlock, LMHead
 
-The text embedding starts a text-only sequence [B, T_text, D] and moves the projected image
-[B, N_img, D] into the stage tuple's `vision` field; every CrossAttnBlock reads it there, and the
-last one drops it, so no boundary after it carries the image. Each CrossAttnBlock is
+The text embedding starts a text-only row [B, L, D] (no image positions: N = 0 in the row layout,
+mmpipe.model.stage) and moves the projected images [B x M, N_img, D] into the stage tuple's `vision`
+field; every CrossAttnBlock reads it there, and the last one drops it, so no boundary after it
+carries the image. Each text position attends to the images of its own sample only (the slots whose
+has_image is its segment), so packed rows (--pack, --max-images) give each sample what it gets
+alone. Each CrossAttnBlock is
 
     x = x + tanh(s a_attn) * xattn(ln1 x, image)      text queries, image keys / values
     x = x + tanh(s a_mlp)  * mlp(ln2 x)
 
 (s = cross_attn_gate_scale, default 1) with both gates a at zero at initialisation: the model
 starts as the plain language model and the image is let in as training opens the gates. A
-text-only sample (has_image 0) gets neither term, so it is exactly the plain decoder. The blocks
+text-only sample (no slot of its segment) gets neither term, so it is exactly the plain decoder. The blocks
 sit in the `projector` freeze group: with `--freeze text` the language model stays as it is and
 only the fusion (and what feeds it: the Projector adds each image token's learned position)
 trains, Flamingo's recipe.
@@ -35,8 +38,8 @@ from .stage import StageTuple
 
 
 class CrossAttention(nn.Module):
-    """Multi-head attention from text queries [B, T, D] to image keys / values [B, N, D]; no mask
-    (every text position may look at the whole image) and no rotary (the image has no text order)."""
+    """Multi-head attention from text queries [B, T, D] to image keys / values [B, M x N, D], each text
+    position to the images of its own sample (image_mask); no rotary (the image has no text order)."""
 
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
@@ -45,17 +48,30 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(dim, 2 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def image_kv(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [B, H, N, Dh]: what generation computes once per image and reuses for every token."""
+    def image_kv(self, image: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """image [rows x M, N, D] -> k, v [rows, H, M x N, Dh]: what generation computes once per image and
+        reuses for every token."""
+        image = image.reshape(rows, -1, image.shape[-1])  # a row's M image slots side by side
         B, N, D = image.shape
         k, v = self.kv(image).view(B, N, 2, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         return k, v
 
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # [B, H, T, Dh]
-        out = F.scaled_dot_product_attention(q, *kv)  # [B, H, T, Dh]
+        out = F.scaled_dot_product_attention(q, *kv, attn_mask=mask)  # [B, H, T, Dh]
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+def image_mask(segments: torch.Tensor, has_image: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """segments [B, T], has_image [B, M] (each slot's segment, 0 unused), n image tokens per slot ->
+    (mask bool [B, 1, T, M x n]: a text position sees the image tokens of its own sample's slots; keep
+    [B, T, 1]: 1 where it has any). A position without an image (a text-only sample, padding) gets
+    neither cross-attention term; its mask row is all True only so that SDPA has keys to normalise over."""
+    owner = has_image.repeat_interleave(n, dim=1)[:, None, :]  # [B, 1, M x n]
+    allowed = (segments[:, :, None] == owner) & (owner > 0)  # [B, T, M x n]
+    keep = allowed.any(dim=-1, keepdim=True)
+    return (allowed | ~keep)[:, None], keep
 
 
 class CrossAttnBlock(nn.Module):
@@ -74,37 +90,38 @@ class CrossAttnBlock(nn.Module):
         self.mlp_gate = nn.Parameter(torch.zeros(1))
         self.gate_scale = cfg.cross_attn_gate_scale
 
-    def fuse(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], has_image: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D], given the image's k, v (CrossAttention.image_kv)."""
-        keep = has_image.to(x.dtype)[:, None, None]  # [B, 1, 1]: a text-only sample passes through untouched
-        x = x + keep * torch.tanh(self.gate_scale * self.attn_gate) * self.attn(self.ln1(x), kv)
+    def fuse(self, t: StageTuple, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """t.hidden [B, T, D] -> [B, T, D], given the row's image k, v (CrossAttention.image_kv)."""
+        x = t.hidden
+        mask, keep = image_mask(t.segments, t.has_image, t.vision.shape[1])
+        keep = keep.to(x.dtype)  # [B, T, 1]: a position without an image passes through untouched
+        x = x + keep * torch.tanh(self.gate_scale * self.attn_gate) * self.attn(self.ln1(x), kv, mask)
         return x + keep * torch.tanh(self.gate_scale * self.mlp_gate) * self.mlp(self.ln2(x))
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        x = self.fuse(t.hidden, self.attn.image_kv(t.vision), t.has_image)
+        x = self.fuse(t, self.attn.image_kv(t.vision, t.hidden.shape[0]))
         return t._replace(hidden=x, vision=None if self.last else t.vision).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
         """Cached generation (mmpipe.inference.generate): the image's keys / values are computed on the first
-        call and reused for every new token; no mask or position, so the new rows need nothing else."""
+        call and reused for every new token; no position, and the new tokens' segments give their mask."""
         if "kv" not in cache:
-            cache["kv"] = self.attn.image_kv(t.vision)
-        x = self.fuse(t.hidden, cache["kv"], t.has_image)
-        return t._replace(hidden=x, vision=None if self.last else t.vision)
+            cache["kv"] = self.attn.image_kv(t.vision, t.hidden.shape[0])
+        return t._replace(hidden=self.fuse(t, cache["kv"]), vision=None if self.last else t.vision)
 
 
 class CrossAttnTextEmbed(TextEmbed):
     """Token embedding of a text-only sequence; the projected image moves to the `vision` field."""
 
     def forward(self, args):
-        t = StageTuple.unpack(args)  # hidden: the projected image [B, N_img, D]
-        emb = self.wte(t.input_ids)  # [B, T_text, D]
+        t = StageTuple.unpack(args)  # hidden: the projected images [B x M, N_img, D]
+        emb = self.wte(t.input_ids)  # [B, L, D]: the text alone
         if not emb.requires_grad and torch.is_grad_enabled():
             # a frozen embedding's output is off the autograd graph, and DeepSpeed runs backward on
             # every float it sends to the next stage: a leaf gives that backward something to reach
             emb = emb.detach().requires_grad_()
-        return StageTuple(emb, t.input_ids, t.has_image, vision=t.hidden.to(emb.dtype)).pack()
+        return t._replace(hidden=emb, vision=t.hidden.to(emb.dtype)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
         """Cached generation: the prompt as in forward; afterwards only the new tokens, with the

@@ -11,7 +11,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import FusedAttention, GeluMLP, decoder_mask, rotary_at, rotary_cos_sin, row_mask, row_positions
+from .attention import FusedAttention, GeluMLP, row_geometry
 from .crops import merge_crop_features
 from .rows import IMAGE_SLOT, place_images
 from .stage import StageTuple
@@ -20,8 +20,8 @@ from .stage import StageTuple
 class PatchEmbed(nn.Module):
     """pixels [B, C, H, W] -> linear patch embedding + learned positions, no CLS token (SigLIP).
     Multi-crop (moondream2): pixels [B, 1 + max_crops, C, H, W] and the tiling; every crop slot is
-    embedded as an image of its own, [B x (1 + max_crops), N_img, D], and the tiling rides along.
-    Rows: pixels [B, M, C, H, W] (multi-crop [B, M, 1 + max_crops, C, H, W]) -> B x M (x crops) images."""
+    embedded as an image of its own, and the tiling rides along. pixels [B, M, C, H, W] (multi-crop
+    [B, M, 1 + max_crops, C, H, W]) -> B x M (x crops) images [B x M (x crops), N_img, D]."""
     group = "vision"
 
     def __init__(self, cfg: ModelConfig):
@@ -119,9 +119,8 @@ class Projector(nn.Module):
 
 
 class TextEmbed(nn.Module):
-    """Token embedding with the image spliced in right after BOS: [BOS, img_1..img_N, text...].
-    Rows: input_ids already hold each image's N positions (IMAGE_SLOT after its sample's BOS), which
-    the image features fill (mmpipe.model.rows)."""
+    """Token embedding with each image in its sample's IMAGE_SLOT block right after BOS (mmpipe.model.rows):
+    [BOS, img_1..img_N, text...]; a text-only sample has no block, its text follows BOS."""
     group = "text"
 
     def __init__(self, cfg: ModelConfig):
@@ -129,28 +128,24 @@ class TextEmbed(nn.Module):
         self.wte = nn.Embedding(cfg.text.vocab_size, cfg.text.dim)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)  # hidden: the image [B, N_img, D], input_ids [B, T_text]
-        if t.rows:  # input_ids [B, L] with the image positions in place; hidden [B x M, N_img, D]
-            emb = self.wte(t.input_ids.clamp(min=0))  # [B, L, D]; IMAGE_SLOT positions are overwritten
-            return t._replace(hidden=place_images(emb, t.input_ids, t.hidden, t.has_image, IMAGE_SLOT)).pack()
-        emb = self.wte(t.input_ids)  # [B, T_text, D]
-        x = torch.cat([emb[:, :1], t.hidden.to(emb.dtype), emb[:, 1:]], dim=1)  # [B, N_img + T_text, D]
-        return t._replace(hidden=x).pack()
+        t = StageTuple.unpack(args)  # hidden: the images [B x M, N_img, D]; input_ids [B, L], image blocks in place
+        emb = self.wte(t.input_ids.clamp(min=0))  # [B, L, D]; IMAGE_SLOT positions are overwritten
+        return t._replace(hidden=place_images(emb, t.input_ids, t.hidden, t.has_image, IMAGE_SLOT)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
-        """Cached generation (mmpipe.inference.generate): the prompt as in forward, the image spliced in;
+        """Cached generation (mmpipe.inference.generate): the prompt as in forward, the image in place;
         afterwards only the new tokens, whose positions follow it."""
         return StageTuple.unpack(self(t.pack())) if start == 0 else t._replace(hidden=self.wte(t.input_ids))
 
 
 class DecoderBlock(nn.Module):
-    """Phi block: one LayerNorm feeds attention and MLP in parallel; x + attn(ln x) + mlp(ln x)."""
+    """Phi block: one LayerNorm feeds attention and MLP in parallel; x + attn(ln x) + mlp(ln x). Per
+    sample of the row: its BOS + image block bidirectional, causal after, rotary positions from 0."""
     group = "text"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         t = cfg.text
-        self.prefix_len = cfg.prefix_len
         self.rotary_dim, self.theta = t.rotary_dim, t.rope_theta
         self.ln = nn.LayerNorm(t.dim, eps=t.ln_eps)
         self.attn = FusedAttention(t.dim, t.n_heads, t.kv_heads)  # grouped-query when text.n_kv_heads < n_heads
@@ -158,26 +153,18 @@ class DecoderBlock(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        if t.rows:  # per sample: its BOS + image block bidirectional, causal after, positions from 0
-            positions = row_positions(t.segments)  # [B, L]
-            mask = row_mask(t.segments, (positions == 0) | (t.input_ids == IMAGE_SLOT))
-            h = self.ln(t.hidden)
-            rotary = rotary_at(positions, self.rotary_dim, self.theta)
-            return t._replace(hidden=t.hidden + self.attn(h, mask=mask, rotary=rotary) + self.mlp(h)).pack()
-        return t._replace(hidden=self.run(t.hidden, t.has_image)).pack()
+        return t._replace(hidden=self.run(t, 0)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
         """Cached generation: the new positions, attending to the keys and values cached before them."""
-        return t._replace(hidden=self.run(t.hidden, t.has_image, start, cache))
+        return t._replace(hidden=self.run(t, start, cache))
 
-    def run(self, x: torch.Tensor, has_image: torch.Tensor, start: int = 0, cache: dict | None = None) -> torch.Tensor:
-        """x [B, T, D] at decoder positions start..start+T-1 -> [B, T, D]. Forward runs the whole sequence
-        (T = N_img + T_text, start 0, no cache); cached decoding only the new positions."""
-        end = start + x.shape[1]
-        mask = decoder_mask(end, self.prefix_len, has_image)[..., start:, :]  # these queries over keys 0..end-1
-        rotary = tuple(c[start:] for c in rotary_cos_sin(end, self.rotary_dim, self.theta, x.device))
-        h = self.ln(x)
-        return x + self.attn(h, mask=mask, rotary=rotary, cache=cache) + self.mlp(h)
+    def run(self, t: StageTuple, start: int, cache: dict | None = None) -> torch.Tensor:
+        """t.hidden [B, T, D] -> [B, T, D]: the whole row (forward, prefill: start 0) or generation's new
+        positions start.. (mmpipe.model.attention.row_geometry)."""
+        mask, rotary = row_geometry(t.segments, self.rotary_dim, self.theta, t.input_ids == IMAGE_SLOT, start)
+        h = self.ln(t.hidden)
+        return t.hidden + self.attn(h, mask=mask, rotary=rotary, cache=cache) + self.mlp(h)
 
 
 class LMHead(nn.Module):

@@ -5,13 +5,13 @@ Layer list (`llava_specs`), LLaVA-1.5-7B as the example:
     VisionEmbed                  pixels [B, 3, 336, 336] -> [B, 577, 1024] (CLIP: class token + 576 patches, pre-LN)
     TowerBlock x n_blocks_used   23 of CLIP-L's 24 blocks: feature layer -2 is block 23's output
     LlavaProjector               drops the class token ('default'), 1024 -> 4096 -> 4096, GELU: [B, 576, 4096]
-    LlavaEmbed                   embeds input_ids [B, T] and writes the 576 features over the <image> positions
+    LlavaEmbed                   embeds input_ids [B, L] and writes the 576 features over the <image> positions
     LlamaBlock x n_layers        RMSNorm, RoPE (config theta), GQA, SwiGLU, optional qkv bias (Qwen2)
     FinalNorm                    RMSNorm
     head                         LlavaEmbed's matrix through TiedLayerSpec when tied, else LMHeadLinear
 
 Names of parameters follow Hugging Face's modules (q_proj, gate_proj, ...), so mmpipe.hf.llava maps
-them one to one. The decoder is causal over the whole sequence, as in HF's LLaVA.
+them one to one. The decoder is causal within each sample of the row (one sample: as in HF's LLaVA).
 """
 from __future__ import annotations
 
@@ -21,15 +21,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import (
-    apply_partial_rotary,
-    cached_attention,
-    decoder_mask,
-    rotary_at,
-    rotary_cos_sin,
-    row_mask,
-    row_positions,
-)
+from .attention import apply_partial_rotary, cached_attention, row_geometry
 from .rows import place_images
 from .stage import StageTuple
 
@@ -52,7 +44,7 @@ class VisionEmbed(nn.Module):
             self.pre_layrnorm = nn.LayerNorm(v.dim, eps=v.ln_eps)
 
     def forward(self, inputs):
-        t = StageTuple.unpack(inputs)  # hidden: pixels [B, C, H, W], rows [B, M, C, H, W] -> B x M images
+        t = StageTuple.unpack(inputs)  # hidden: pixels [B, M, C, H, W] -> B x M images
         pixels = t.hidden.flatten(0, t.hidden.dim() - 4)
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [B, D, H/p, W/p]
         x = x.flatten(2).transpose(1, 2)  # [B, N_patch, D], row-major over the grid
@@ -158,27 +150,17 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(t.dim, t.kv_heads * t.head_dim, bias=t.qkv_bias)
         self.o_proj = nn.Linear(t.n_heads * t.head_dim, t.dim, bias=False)
 
-    def qkv(self, x, start: int, positions=None):
-        """q [B, H, T, Dh], k, v [B, H_kv, T, Dh] with RoPE at positions start..start+T-1 (or at
-        `positions` [B, T], rows)."""
+    def forward(self, x, mask, rotary, cache: dict | None = None):
+        """x [B, T, D] under `mask` with RoPE `rotary` (cos, sin), both from row_geometry (training and the
+        prompt: causal within each sample of the row; generation's new positions: no mask). With a cache
+        (generation) the keys and values of the positions before join these."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = (rotary_at(positions, self.head_dim, self.theta) if positions is not None else
-                    (c[start:] for c in rotary_cos_sin(start + T, self.head_dim, self.theta, x.device)))
-        return apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin), v
-
-    def forward(self, x, start: int = 0, cache: dict | None = None, mask=None, positions=None):
-        """x [B, T, D] at positions start..start+T-1. Without a cache (training): causal over x itself.
-        With one (generation): over the cached keys and values too, under `mask` [T, start + T].
-        Rows: `mask` [B, 1, T, T] and `positions` [B, T] (mmpipe.model.attention.row_mask)."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x, start, positions)
-        if positions is not None:
+        q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
+        if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
-        elif cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
         else:
             out = cached_attention(q, k, v, cache, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -208,21 +190,17 @@ class LlamaBlock(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        if t.rows:  # causal within each sample of the row, RoPE positions from 0 per sample
-            positions = row_positions(t.segments)
-            return t._replace(hidden=self.run(t.hidden, mask=row_mask(t.segments), positions=positions)).pack()
-        return t._replace(hidden=self.run(t.hidden)).pack()
+        return t._replace(hidden=self.run(t, 0)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
         """Cached generation: the new positions start.., attending to the keys and values cached before them."""
-        end = start + t.hidden.shape[1]
-        mask = decoder_mask(end, 1, t.has_image)[..., start:, :]  # causal rows start.. over keys 0..end-1
-        return t._replace(hidden=self.run(t.hidden, start, cache, mask))
+        return t._replace(hidden=self.run(t, start, cache))
 
-    def run(self, x, start: int = 0, cache: dict | None = None, mask=None, positions=None):
-        """x [B, T, D] -> [B, T, D]: the whole sequence (forward), the new positions (decode), or rows
-        (mask and per-sample positions)."""
-        x = x + self.self_attn(self.input_layernorm(x), start, cache, mask, positions)
+    def run(self, t: StageTuple, start: int, cache: dict | None = None):
+        """t.hidden [B, T, D] -> [B, T, D]: causal within each sample of the row, RoPE positions from 0 per
+        sample (forward, prefill: start 0), or generation's new positions start.. (row_geometry)."""
+        mask, rotary = row_geometry(t.segments, self.self_attn.head_dim, self.self_attn.theta, start=start)
+        x = t.hidden + self.self_attn(self.input_layernorm(t.hidden), mask, rotary, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -69,6 +69,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..data.packing import row_shape
 from ..data.text import decoder_positions
 from ..model.builder import adapter_param_counts, layer_param_counts, layer_specs
 from ..model.costs import Cost
@@ -385,6 +386,17 @@ def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str =
         torch.set_num_threads(before)
 
 
+def _profile_rows(cfg: ModelConfig, text_len: int, micro: int, images: int) -> tuple:
+    """Random rows of one sample each for the profile (mmpipe.model.stage): its `images` image blocks
+    after BOS, then text; has_image [micro, images], segments 1 throughout."""
+    import torch
+    shape = row_shape(cfg, images, text_len)
+    ids = torch.randint(0, cfg.text.vocab_size, (micro, shape.length))
+    ids = torch.where(ids == shape.image_id, 0, ids)
+    ids[:, 1:1 + images * shape.image_len] = shape.image_id
+    return ids, torch.ones(micro, images, dtype=torch.long), torch.ones(micro, shape.length, dtype=torch.long)
+
+
 def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeats: int, images: int = 1) -> dict:
     import time
 
@@ -392,16 +404,16 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     v, t = cfg.vision, cfg.text
     n, seq = _tokens(cfg, text_len, images)
-    ids = torch.randint(0, t.vocab_size, (micro, text_len))
-    has = torch.ones(micro, dtype=torch.long)
+    ints = _profile_rows(cfg, text_len, micro, images)  # the row's input_ids, has_image, segments
+    n_feat = row_shape(cfg, images, text_len).image_len or n  # what fills an image (cross-attention: its tokens)
 
-    def floats(*shape):
-        return torch.randn(micro, *shape, dtype=dtype, requires_grad=True)
-    inputs = {"pixels": lambda: (torch.randn(micro, 3, v.image_size, v.image_size, dtype=dtype), ids, has),
-              "vision": lambda: (floats(n, v.dim), ids, has),  # vision tokens
-              "image": lambda: (floats(n, t.dim), ids, has),  # the projected image
-              "sequence": lambda: (floats(seq, t.dim), ids, has),
-              "sequence+image": lambda: (floats(seq, t.dim), floats(n, t.dim), ids, has)}
+    def floats(*shape, rows=micro):
+        return torch.randn(rows, *shape, dtype=dtype, requires_grad=True)
+    inputs = {"pixels": lambda: (torch.randn(micro, 3, v.image_size, v.image_size, dtype=dtype), *ints),
+              "vision": lambda: (floats(n, v.dim), *ints),  # vision tokens (per-image layers read no ints)
+              "image": lambda: (floats(n_feat, t.dim, rows=micro * images), *ints),  # the projected images
+              "sequence": lambda: (floats(seq, t.dim), *ints),
+              "sequence+image": lambda: (floats(seq, t.dim), floats(n_feat, t.dim, rows=micro * images), *ints)}
     family, out = family_of(cfg), {}
     for spec in layer_specs(cfg):
         rule = family.cost_rule(spec)
@@ -412,7 +424,7 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
         for k in range(repeats + 1):
             args = inputs[rule.takes]()
             t0 = time.perf_counter()
-            y = layer(args)
+            y = spec.forward_fn(layer, args) if getattr(spec, "forward_fn", None) else layer(args)  # a tied head
             y = y[0] if isinstance(y, tuple) else y
             t1 = time.perf_counter()
             y.float().sum().backward()

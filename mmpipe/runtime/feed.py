@@ -1,13 +1,11 @@
-"""The run's dataset for one rank: one-sample rows (TrainSet, the classic layout) or the row layout
-(RowSet: several images per sample, --pack), with the loss weights of --loss-norm on the last stage.
+"""The run's dataset for one rank: rows (RowSet, the one layout: one sample per row, or several with
+--pack; --max-images image slots), with the loss weights of --loss-norm on the last stage.
 Training, validation and the single-device reference build theirs here, so they read the same rows."""
 from __future__ import annotations
 
 from torch.utils.data import Dataset
 
-from ..data.batches import TrainSet
 from ..data.packing import LossNorm, RowPlan, RowSet, answer_counts, row_shape, sample_size
-from ..data.text import placeholders
 from ..run_config import RunConfig
 
 
@@ -20,20 +18,13 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
     plan = RowPlan(sample_size(samples, shape), shape, pack=run.pack and train)
     norm = (LossNorm(run.loss_norm, run.train_batch, run.gas, run.dp, answer_counts(samples, plan))
             if train and last else None)
-    if run.rows:
-        return RowSet(samples, plan, image_size=v.image_size, max_crops=v.max_crops, need_images=first,
-                      need_labels=last, norm=norm, augment_seed=augment_seed)
-    return TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
-                    need_images=first, need_labels=last, augment_seed=augment_seed,
-                    image_token=placeholders(run.model), max_crops=v.max_crops, norm=norm)
+    return RowSet(samples, plan, image_size=v.image_size, max_crops=v.max_crops, need_images=first,
+                  need_labels=last, norm=norm, augment_seed=augment_seed)
 
 
 def decoder_length(run: RunConfig) -> int:
-    """Decoder positions per row, pads included: e.g. one-sample rows 16 image + 12 text = 28; rows
-    M x N + text_len."""
-    if run.rows:
-        return row_shape(run.model, run.max_images, run.text_len).length
-    return run.model.n_image_positions + placeholders(run.model)[1] + run.text_len
+    """Decoder positions per row, pads included: M x N + text_len, e.g. one image slot of 16 + 12 text = 28."""
+    return row_shape(run.model, run.max_images, run.text_len).length
 
 
 class StepCounts:

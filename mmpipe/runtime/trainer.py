@@ -304,9 +304,9 @@ def requeue(signal_name: str, step: int, args: TrainArgs, out: Path, stream: Dat
 
 
 def announce(run: RunConfig, rank: int) -> None:
-    if rank == 0:  # micro x GAS x DP samples (rows: rows of decoder_length positions) per optimizer step
+    if rank == 0:  # micro x GAS x DP rows of decoder_length positions per optimizer step
         unit = (f"rows of {decoder_length(run)} positions{', packed' if run.pack else ''}, {run.max_images} image "
-                f"slot(s) each" if run.rows else "samples")
+                f"slot(s) each")
         print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}; {run.micro} micro x {run.gas} GAS x "
               f"{run.dp} DP = {run.train_batch} {unit}/step; {run.precision}, ZeRO-{run.zero_stage}; "
               f"parts {run.parts}", flush=True)
