@@ -7,7 +7,8 @@ from mmpipe.config import load_preset
 from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from mmpipe.inference.evaluate import greedy_generate
 from mmpipe.model import ReferenceModel, StageTuple, layer_param_counts, layer_specs
-from mmpipe.model.attention import prefix_lm_mask
+from mmpipe.model.attention import row_mask
+from mmpipe.model.rows import IMAGE_SLOT, sample_rows
 
 
 def test_large_presets_build_on_meta_without_memory():
@@ -24,21 +25,28 @@ def test_large_presets_build_on_meta_without_memory():
 
 
 def test_prefix_mask_is_bidirectional_over_bos_and_image_then_causal():
-    m = prefix_lm_mask(6, 3, torch.device("cpu"))
+    segments = torch.tensor([[1, 1, 1, 1, 1, 1, 2, 2, 0]])
+    prefix = torch.tensor([[1, 1, 1, 0, 0, 0, 1, 0, 0]]).bool()  # sample 1: BOS + 2 image; sample 2: BOS
+    m = row_mask(segments, prefix)[0, 0]
     assert m[0, 2] and m[1, 2]  # BOS and image see the whole prefix
     assert not m[2, 3] and not m[3, 4]  # nothing sees the future text
-    assert m[5].all() and m[3, :4].all()
+    assert m[5, :6].all() and m[3, :4].all()
+    assert not m[6, :6].any() and m[7, 6:8].all() and not m[7, :6].any()  # never across samples
+    assert m[8, 8] and not m[8, :8].any()  # padding sees padding only
 
 
 def test_stage_tuple_floats_first_and_no_mask_on_the_wire():
     cfg = load_preset("tiny")
     model = ReferenceModel(cfg)
-    x = model[0]((torch.randn(2, 3, 32, 32), torch.randint(0, 40, (2, 16)), torch.ones(2, dtype=torch.long)))
+    ints = sample_rows(cfg, torch.randint(0, 40, (2, 16)))
+    n, L = cfg.vision.n_tokens, cfg.vision.n_tokens + 16
+    assert (ints[0][:, 1:1 + n] == IMAGE_SLOT).all() and ints[1].shape == (2, 1) and (ints[2] == 1).all()
+    x = model[0]((torch.randn(2, 1, 3, 32, 32), *ints))
     for layer in list(model)[1:-1]:
-        assert len(x) == 3 and x[0].is_floating_point() and x[1].dtype == x[2].dtype == torch.long
-        assert x[0].dim() == 3 and x[1].shape == (2, 16) and x[2].shape == (2,)
+        assert len(x) == 4 and x[0].is_floating_point() and all(t.dtype == torch.long for t in x[1:])
+        assert x[0].dim() == 3 and x[1].shape == (2, L) and x[2].shape == (2, 1) and x[3].shape == (2, L)
         x = layer(x)
-    assert StageTuple(*x).hidden.shape == (2, cfg.vision.n_tokens + 16, cfg.text.dim)
+    assert StageTuple.unpack(x).hidden.shape == (2, L, cfg.text.dim)
 
 
 def test_text_after_the_prefix_cannot_see_the_future():
@@ -47,7 +55,7 @@ def test_text_after_the_prefix_cannot_see_the_future():
     pix, ids = torch.randn(1, 3, 32, 32), torch.randint(4, 40, (1, 16))
     ids2 = ids.clone()
     ids2[0, 10:] = 0
-    a, b = model(pix, ids), model(pix, ids2)
+    a, b = model(pix, *sample_rows(cfg, ids)), model(pix, *sample_rows(cfg, ids2))
     n = cfg.vision.n_tokens
     assert torch.allclose(a[0, : n + 10], b[0, : n + 10], atol=1e-6)
     assert not torch.allclose(a[0, n + 10:], b[0, n + 10:])
@@ -56,8 +64,8 @@ def test_text_after_the_prefix_cannot_see_the_future():
 def test_image_tokens_change_the_logits():
     cfg = load_preset("tiny")
     model = ReferenceModel(cfg).eval()
-    ids = torch.randint(4, 40, (1, 16))
-    assert not torch.allclose(model(torch.randn(1, 3, 32, 32), ids), model(torch.randn(1, 3, 32, 32), ids))
+    ints = sample_rows(cfg, torch.randint(4, 40, (1, 16)))
+    assert not torch.allclose(model(torch.randn(1, 3, 32, 32), *ints), model(torch.randn(1, 3, 32, 32), *ints))
 
 
 def test_batched_generation_equals_one_at_a_time():
@@ -75,26 +83,30 @@ def test_batched_generation_equals_one_at_a_time():
 
 
 def test_text_only_samples_ignore_the_image_and_leave_others_alone():
-    """has_image = 0 hides the image positions: any pixels give the same text logits, equal to a
-    model that never saw an image there; samples with images in the same batch are unchanged."""
+    """A text-only sample has no image block: any pixels give the same logits, its text follows BOS at
+    position 1 (as moondream's own text-only prompt), and samples with images in the same batch are
+    unchanged."""
     cfg = load_preset("tiny")
     model = ReferenceModel(cfg, seed=2).eval()
     ids = torch.randint(4, 40, (2, 12))
     n = cfg.vision.n_tokens
-    mixed = torch.tensor([1, 0])
-    a = model(torch.randn(2, 3, 32, 32), ids, mixed)
-    b = model(torch.randn(2, 3, 32, 32), ids, mixed)
-    assert torch.allclose(a[1, 1 + n:], b[1, 1 + n:], atol=1e-6)  # text positions of the text-only sample
+    mixed = sample_rows(cfg, ids, torch.tensor([1, 0]))
+    assert (mixed[0][1, :12] == ids[1]).all() and (mixed[2][1, 12:] == 0).all()
+    a = model(torch.randn(2, 3, 32, 32), *mixed)
+    b = model(torch.randn(2, 3, 32, 32), *mixed)
+    assert torch.allclose(a[1, :12], b[1, :12], atol=1e-6)  # the text-only sample
     assert not torch.allclose(a[0, 1 + n:], b[0, 1 + n:], atol=1e-3)  # the other one still sees its image
+    alone = model(torch.randn(1, 3, 32, 32), *sample_rows(cfg, ids[1:], torch.tensor([0])))
+    assert alone.shape[1] == 12 and torch.allclose(a[1, :12], alone[0], atol=1e-5)
     pix = torch.randn(2, 3, 32, 32)
-    both = model(pix, ids, torch.ones(2, dtype=torch.long))
-    assert torch.allclose(model(pix, ids, mixed)[0], both[0], atol=1e-6)
+    both = model(pix, *sample_rows(cfg, ids))
+    assert torch.allclose(model(pix, *mixed)[0], both[0], atol=1e-6)
 
 
 def test_text_only_samples_send_no_gradient_to_the_vision_tower():
     cfg = load_preset("tiny")
     model = ReferenceModel(cfg, seed=2)
-    logits = model(torch.randn(2, 3, 32, 32), torch.randint(4, 40, (2, 12)), torch.zeros(2, dtype=torch.long))
-    logits[:, 1 + cfg.vision.n_tokens:].sum().backward()
+    logits = model(torch.randn(2, 3, 32, 32), *sample_rows(cfg, torch.randint(4, 40, (2, 12)), torch.zeros(2)))
+    logits.sum().backward()
     vision = [p.grad for layer in model if layer.group == "vision" for p in layer.parameters()]
     assert all(g is None or g.abs().max() == 0 for g in vision)

@@ -4,7 +4,8 @@ Packed rows give the unpacked padded batch's loss and every gradient (moondream 
 families); a sample's logits do not depend on its row-mates; a 2-image LLaVA conversation gives
 transformers' logits; packed pipelines (PP=1, PP=2) equal the single-device reference, also with
 2-image records; a packed run stopped and resumed trains on the same rows; --loss-norm sample is
-the mean of per-sample means; refusals are one line."""
+the mean of per-sample means. The cross-attention family packs too: packed == unpacked, PP=2 ==
+reference."""
 from __future__ import annotations
 
 import csv
@@ -20,10 +21,10 @@ from PIL import Image
 from conftest import ROOT, train_run, write_ds_config
 from hf_models import IMAGE_TOKEN, n_features, save_hf
 from mmpipe.config import config_from_dict, load_preset
-from mmpipe.data.batches import TrainSet, collate
+from mmpipe.data.batches import collate
 from mmpipe.data.crops import make_transform
-from mmpipe.data.packing import LossNorm, RowPlan, RowSet, answer_counts, row_shape, sample_size
-from mmpipe.data.text import Encoded, placeholders
+from mmpipe.data.packing import LossNorm, RowPlan, RowSet, answer_counts, row_shape, sample_rowset, sample_size
+from mmpipe.data.text import Encoded
 from mmpipe.hf.llava import import_llava
 from mmpipe.model import ReferenceModel
 from mmpipe.model.builder import IGNORE_INDEX, lm_loss
@@ -114,18 +115,26 @@ def test_row_plan_holds_every_sample_once_within_the_row():
     assert RowPlan(lambda p: sizes[p], shape, pack=False).row(7) == [7]
 
 
-@pytest.mark.parametrize("preset,text_only", [("tiny", 0), ("llava-tiny", 4), ("crops", 0)])
+def _open_gates(model) -> None:
+    """The cross-attention family's gates, 0 at initialisation (the image would not count), opened."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_gate"):
+                p.fill_(0.7)
+
+
+@pytest.mark.parametrize("preset,text_only", [("tiny", 4), ("llava-tiny", 4), ("crops", 0), ("tiny-xattn", 4)])
 def test_packed_rows_equal_the_unpacked_batch(preset, text_only):
-    """Per answer token over the batch: packed rows' loss and every weight's gradient equal the
-    padded batch's, fp32, 1e-5. (moondream family: every sample with an image, see docs/packing.md;
-    "crops": moondream multi-crop, each image's 1 + 4 crop slots and tiling in its image slot.)"""
+    """Per answer token over the batch: packed rows' loss and every weight's gradient equal one sample
+    per row's, fp32, 1e-5; text-only samples among them ("crops": moondream multi-crop, each image's
+    1 + 4 crop slots and tiling in its image slot; "tiny-xattn": each sample's text cross-attends to
+    its own images only)."""
     cfg = config_from_dict(CROPS_TINY, "crops-tiny") if preset == "crops" else _model_cfg(preset)
     samples, n, text_len = (LongTailCrops if preset == "crops" else LongTail)(cfg, text_only=text_only), 12, 40
     model = ReferenceModel(cfg, seed=5)
-    padded = TrainSet(samples, text_len=text_len, n_img=cfg.n_image_positions, image_size=cfg.vision.image_size,
-                      image_token=placeholders(cfg), max_crops=cfg.vision.max_crops)
-    b = collate([padded[i] for i in range(n)])
-    logits = model(b["pixels"], b["input_ids"], b["has_image"], b.get("tiling"))
+    _open_gates(model)
+    b = collate([sample_rowset(samples, cfg, text_len)[i] for i in range(n)])
+    logits = model(b["pixels"], b["input_ids"], b["has_image"], b["segments"], b.get("tiling"))
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE_INDEX,
                                            reduction="sum")
     loss_u = ce / (b["labels"] != IGNORE_INDEX).sum()
@@ -142,11 +151,12 @@ def test_packed_rows_equal_the_unpacked_batch(preset, text_only):
         assert (g_u[k] - g_p[k]).abs().max().item() < TOL, k
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llava-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "llava-tiny", "tiny-xattn"])
 def test_a_sample_does_not_see_its_row_mates(preset):
     """The first sample's logits are the same whoever shares its row (and equal its logits alone)."""
     cfg = _model_cfg(preset)
     model = ReferenceModel(cfg, seed=2).eval()
+    _open_gates(model)
     a, b = LongTail(cfg, n=4, seed=1), LongTail(cfg, n=4, seed=9)
     b.items[0] = a.items[0]  # same first sample, different row-mates (and their images)
     outs = []
@@ -246,12 +256,13 @@ def _args(root, data, preset: str, *extra: str) -> list[str]:
             "--pack", "--eval-samples", "0", "--seed", "4", "--steps", "3", "--data-workers", "0", *extra]
 
 
-@pytest.mark.parametrize("preset,images", [("tiny", None), ("llava-tiny", "3")])
+@pytest.mark.parametrize("preset,images", [("tiny", None), ("llava-tiny", "3"), ("tiny-xattn", "4")])
 def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path):
     """PP=1 and PP=2 packed runs == the single-device reference (losses, weights; 1e-5). The LLaVA
-    run also carries the 2-image records (--max-images 3); the moondream run is --pack alone: its
-    family takes one image per sample (the 2-image records are bad), and a row's image slots follow
-    from the data: 40 text positions / ~10 per sample -> 4 slots, several samples a row."""
+    run also carries the 2-image records (--max-images 3); the moondream run is --pack alone: its family
+    takes one image per sample (the 2-image records are bad), and a row's image slots follow from the
+    data: 40 text positions / ~10 per sample -> 4 slots, several samples a row. The cross-attention run
+    packs too (--max-images 4: its rows' slots), each sample's text attending to its own image only."""
     root, data = pack_data
     args = _args(tmp_path, data, preset, *(["--max-images", images] if images else []))
     run = resolve(TrainArgs.from_argv(args + ["--stages", "1", "--output-dir", str(tmp_path / "ref")]), world_size=1)
@@ -308,10 +319,3 @@ def test_packed_resume_trains_on_the_same_rows(pack_data, tmp_path):
             return [(r["position"], r["sample"], r["row"]) for r in csv.DictReader(f)]
     assert seen(resumed) == seen(full)
     assert len(seen(full)) > 4 * 4  # more samples than rows
-
-
-def test_pack_refused_for_cross_attention(tmp_path):
-    r = train_run(tmp_path, "--preset", "tiny-xattn", "--pack", "--steps", "1")
-    assert r.proc.returncode == 2
-    err = r.proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "cross-attention" in err[0] and err[0].startswith("mmpipe: error: --pack")
