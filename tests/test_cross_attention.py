@@ -14,6 +14,7 @@ from mmpipe.config import load_preset
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.cross_attention import CrossAttnBlock
+from mmpipe.model.rows import sample_rows
 from mmpipe.model.stage import StageTuple
 from mmpipe.planning.costmodel import layer_costs
 from mmpipe.run_args import TrainArgs
@@ -88,7 +89,7 @@ def test_vision_weights_train_through_two_boundaries(runs):
 
 def _plain_decoder_logits(model, ids, has_image):
     """The language model alone: the same embedding, decoder blocks and head, no cross-attention."""
-    t = StageTuple(torch.zeros(ids.shape[0], 1, model.cfg.text.dim), ids, has_image)
+    t = StageTuple(torch.zeros(ids.shape[0], 1, model.cfg.text.dim), *sample_rows(model.cfg, ids, has_image))
     x = t.pack()
     for layer in model:
         if type(layer).__name__ == "CrossAttnTextEmbed":
@@ -106,17 +107,17 @@ def test_zero_gates_give_the_plain_decoder():
     ids = torch.randint(0, cfg.text.vocab_size, (3, 10))
     has = torch.ones(3, dtype=torch.long)
     with torch.no_grad():
-        fused = model(pixels, ids, has)
+        fused = model.one_per_row(pixels, ids, has)
         assert fused.shape == (3, 10, cfg.text.vocab_size)  # logits cover the text alone
         assert torch.equal(fused, _plain_decoder_logits(model, ids, has))
         for layer in model:  # opened gates let the image in, so the comparison above can fail
             if isinstance(layer, CrossAttnBlock):
                 layer.attn_gate.fill_(0.5)
-        opened = model(pixels, ids, has)
+        opened = model.one_per_row(pixels, ids, has)
         assert (opened - fused).abs().max() > 1e-3
-        # a text-only sample (has_image 0) stays the plain decoder whatever the gates
+        # a text-only sample (no image of its own) stays the plain decoder whatever the gates
         text_only = torch.zeros(3, dtype=torch.long)
-        assert torch.equal(model(pixels, ids, text_only), _plain_decoder_logits(model, ids, text_only))
+        assert torch.equal(model.one_per_row(pixels, ids, text_only), _plain_decoder_logits(model, ids, text_only))
 
 
 def test_cached_generation_equals_uncached():

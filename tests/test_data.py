@@ -4,11 +4,13 @@ from __future__ import annotations
 import torch
 
 from mmpipe.config import load_preset
-from mmpipe.data.batches import StepBatches, TrainSet, micro_batch_indices, rank_batches
+from mmpipe.data.batches import StepBatches, micro_batch_indices, rank_batches
+from mmpipe.data.packing import sample_rowset
 from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from mmpipe.data.shapes import QUESTION_TYPES, ShapesVQA
 from mmpipe.inference.evaluate import blind_baseline
 from mmpipe.model import IGNORE_INDEX
+from mmpipe.model.rows import IMAGE_SLOT
 
 
 def test_samples_are_deterministic_by_seed_and_index():
@@ -50,7 +52,7 @@ def test_labels_cover_answer_and_eos_only():
     shapes = ShapesSamples(cfg, 0)
     tok = shapes.tok
     s = shapes.data.sample(3)  # a where_is_shape question
-    item = TrainSet(shapes, text_len=SHAPES_TEXT_LEN, n_img=cfg.vision.n_tokens, image_size=64)[3]
+    item = sample_rowset(shapes, cfg, SHAPES_TEXT_LEN)[3]
     ids, labels = item["input_ids"], item["labels"]
     n_img = cfg.vision.n_tokens
     answer = tok(s.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
@@ -59,24 +61,26 @@ def test_labels_cover_answer_and_eos_only():
     prompt = shapes.encoder.prompt_ids([("user", s.question)])
     j = len(prompt) - 1
     assert labels[n_img + j] == answer[0]
-    assert ids[j] == tok.convert_tokens_to_ids(s.question.split()[-1])
-    assert ids[:len(prompt)].tolist() == prompt  # training text = the generation prompt + the answer
+    assert ids[n_img + j] == tok.convert_tokens_to_ids(s.question.split()[-1])
+    assert (ids[1:1 + n_img] == IMAGE_SLOT).all() and item["has_image"].tolist() == [1]
+    # training text = the generation prompt + the answer
+    assert [ids[0]] + ids[1 + n_img:n_img + len(prompt)].tolist() == prompt
 
 
 def test_first_and_last_stage_streams_agree_and_last_skips_images():
     cfg = load_preset("tiny")
 
     def stream(**kw):
-        data = TrainSet(ShapesSamples(cfg, 0), text_len=SHAPES_TEXT_LEN, n_img=cfg.vision.n_tokens, image_size=32, **kw)
+        data = sample_rowset(ShapesSamples(cfg, 0), cfg, SHAPES_TEXT_LEN, **kw)
         return rank_batches(data, StepBatches(2 * 12, 4, 3, 0, 1))
     first, last, both = stream(need_labels=False), stream(need_images=False), stream()
     for _ in range(7):
-        (pix, ids, has_image), no_labels = next(first)
-        no_inputs, labels = next(last)
-        (pix2, ids2, _), labels2 = next(both)
-        assert no_labels is None and no_inputs is None
+        (pix, ids, has_image, segments), no_labels = next(first)
+        ints, labels = next(last)  # the integer tensors alone: what a later stage joins to what it receives
+        (pix2, ids2, _, _), labels2 = next(both)
+        assert no_labels is None and torch.equal(ints[0], ids) and torch.equal(ints[2], segments)
         assert torch.equal(ids, ids2) and torch.equal(labels, labels2) and torch.equal(pix, pix2)
-        assert has_image.tolist() == [1] * 4
+        assert has_image.tolist() == [[1]] * 4
 
 
 def test_data_parallel_ranks_see_disjoint_samples():
@@ -111,17 +115,17 @@ def test_user_data_dp_shards_are_disjoint_and_complete_per_epoch(tmp_path):
 
 def test_user_data_first_and_last_stage_agree_per_micro_batch(tmp_path):
     run, samples = _indexed(tmp_path)
-    kw = dict(text_len=run.text_len, n_img=run.model.vision.n_tokens, image_size=run.model.vision.image_size)
-    first = rank_batches(TrainSet(samples, need_labels=False, **kw), StepBatches(3 * 16, 4, 2, 1, 2), workers=2)
-    last = rank_batches(TrainSet(samples, need_images=False, **kw), StepBatches(3 * 16, 4, 2, 1, 2))
+    first = rank_batches(sample_rowset(samples, run.model, run.text_len, need_labels=False),
+                         StepBatches(3 * 16, 4, 2, 1, 2), workers=2)
+    last = rank_batches(sample_rowset(samples, run.model, run.text_len, need_images=False),
+                        StepBatches(3 * 16, 4, 2, 1, 2))
     for _ in range(6):
-        (pixels, ids, has_image), no_labels = next(first)
+        (pixels, ids, has_image, segments), no_labels = next(first)
         ints, labels = next(last)  # the last stage: no images, the integer tensors it joins to what it receives
-        assert no_labels is None and pixels.shape == (4, 3, 32, 32)
-        assert torch.equal(ints[0], ids) and torch.equal(ints[1], has_image) and len(ints) == 2
+        assert no_labels is None and pixels.shape == (4, 1, 3, 32, 32)
+        assert len(ints) == 3 and all(torch.equal(a, b) for a, b in zip(ints, (ids, has_image, segments)))
         # the labels are the next tokens of the same texts the first stage embeds
-        n_img = run.model.vision.n_tokens
-        target = labels[:, n_img:n_img + run.text_len - 1]
+        target = labels[:, :-1]
         keep = target != IGNORE_INDEX
         assert keep.any() and torch.equal(target[keep], ids[:, 1:][keep])
 
@@ -130,10 +134,9 @@ def test_forked_loader_workers_read_the_right_records(tmp_path):
     """The rank reads the JSONL (index build, a first image) before its DataLoader forks workers:
     they share its file descriptor, and must still each read exactly their record."""
     run, samples = _indexed(tmp_path, n=120)
-    kw = dict(text_len=run.text_len, n_img=run.model.vision.n_tokens, image_size=run.model.vision.image_size)
-    ref = TrainSet(samples, **kw)
+    ref = sample_rowset(samples, run.model, run.text_len)
     ref[0]  # the parent opens the file first
-    stream = rank_batches(TrainSet(samples, **kw), StepBatches(0, 8, 1, 0, 1), workers=2)
+    stream = rank_batches(sample_rowset(samples, run.model, run.text_len), StepBatches(0, 8, 1, 0, 1), workers=2)
     for k in range(30):
-        (pixels, _, _), _ = next(stream)
+        (pixels, *_), _ = next(stream)
         assert torch.equal(pixels, torch.stack([ref[p]["pixels"] for p in range(8 * k, 8 * k + 8)])), k

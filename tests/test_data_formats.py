@@ -16,13 +16,14 @@ from PIL import Image
 
 from fixtures_data import conv
 from mmpipe.config import ConfigError
-from mmpipe.data.batches import TrainSet
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import FORMATS, export_shapes
+from mmpipe.data.packing import sample_rowset
 from mmpipe.data.records import BadRecord
 from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import MOONDREAM_TEMPLATE, builtin_tokenizer, load_tokenizer
 from mmpipe.model import IGNORE_INDEX
+from mmpipe.model.rows import IMAGE_SLOT
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 
@@ -61,9 +62,8 @@ def entry_tokens(samples, n):
 
 
 def item_of_row(run, samples, row: int) -> dict:
-    """The TrainSet item of the stream position whose record is source row `row` (epoch 0)."""
-    ts = TrainSet(samples, text_len=run.data.text_len, n_img=run.model.vision.n_tokens,
-                  image_size=run.model.vision.image_size)
+    """The training row (one sample per row) of the stream position whose record is source row `row` (epoch 0)."""
+    ts = sample_rowset(samples, run.model, run.data.text_len)
     pos = [samples.row(p) for p in range(len(samples.index))].index(row)
     return ts[pos]
 
@@ -86,14 +86,17 @@ def builtin_expected(messages: list[tuple[str, str]]) -> tuple[list[str], list[b
 
 
 def check_labels(item: dict, ids: np.ndarray, target: np.ndarray, n_img: int):
-    """labels[n_img + j - 1] == ids[j] for every answer token j >= 1, IGNORE_INDEX everywhere else."""
+    """The row [BOS, the image's n_img IMAGE_SLOT positions (none for a text-only sample), text ...]:
+    labels[k + j - 1] == ids[j] for every answer token j >= 1 (k: the image's positions), IGNORE_INDEX
+    everywhere else."""
+    k = n_img if item["has_image"][0] else 0
     labels = np.asarray(item["labels"])
     want = np.full_like(labels, IGNORE_INDEX)
     for j in np.nonzero(target)[0]:
         assert j >= 1
-        want[n_img + j - 1] = ids[j]
+        want[k + j - 1] = ids[j]
     assert labels.tolist() == want.tolist()
-    assert np.asarray(item["input_ids"])[:len(ids)].tolist() == list(ids)
+    assert np.asarray(item["input_ids"])[:k + len(ids)].tolist() == [ids[0]] + [IMAGE_SLOT] * k + list(ids[1:])
 
 
 def source_messages(fmt: str, path, row: int) -> list[tuple[str, str]]:
@@ -153,10 +156,10 @@ def test_each_export_format_loads_through_data(tmp_path, fmt):
         question = q_and_a[0][1].replace("<image>", "").split()
         assert tok.decode(ids[~target], skip_special_tokens=True).split() == ["question:"] + question
     item = item_of_row(run, samples, 0)
-    assert item["has_image"] == 1
-    assert tuple(item["pixels"].shape) == (3, 64, 64)
-    torch.testing.assert_close(item["pixels"], expected_pixels(tmp_path / "export/images/00000.png", run.model.vision),
-                               atol=1e-5, rtol=0)
+    assert item["has_image"].tolist() == [1]
+    assert tuple(item["pixels"].shape) == (1, 3, 64, 64)
+    torch.testing.assert_close(item["pixels"][0],
+                               expected_pixels(tmp_path / "export/images/00000.png", run.model.vision), atol=1e-5, rtol=0)
     check_labels(item, ids, target, run.model.vision.n_tokens)
 
 
@@ -173,8 +176,9 @@ def test_image_folder_with_metadata_loads_as_pairs(tmp_path):
     assert run.data.tokenizer.convert_ids_to_tokens(ids.tolist()) == want_toks
     assert target.tolist() == want_mask
     item = item_of_row(run, samples, 0)
-    assert item["has_image"] == 1
-    torch.testing.assert_close(item["pixels"], expected_pixels(folder / "a.png", run.model.vision), atol=1e-5, rtol=0)
+    assert item["has_image"].tolist() == [1]
+    torch.testing.assert_close(item["pixels"][0], expected_pixels(folder / "a.png", run.model.vision), atol=1e-5,
+                               rtol=0)
 
 
 def test_data_config_renames_columns_and_sets_prompt(tmp_path):
@@ -196,7 +200,7 @@ def test_data_config_renames_columns_and_sets_prompt(tmp_path):
         assert tok.convert_ids_to_tokens(ids.tolist()) == want_toks
         assert target.tolist() == want_mask
     item = item_of_row(run, samples, 1)
-    torch.testing.assert_close(item["pixels"], expected_pixels(tmp_path / "images/00001.png", run.model.vision),
+    torch.testing.assert_close(item["pixels"][0], expected_pixels(tmp_path / "images/00001.png", run.model.vision),
                                atol=1e-5, rtol=0)
 
 
@@ -317,7 +321,7 @@ def test_multi_turn_labels_subword_chatml_tokenizer(tmp_path, multi_turn_jsonl):
     assert ids.tolist() == want_ids and target.tolist() == want_target
     item = item_of_row(run, samples, 0)
     check_labels(item, ids, target, run.model.vision.n_tokens)
-    assert (np.asarray(item["input_ids"])[len(ids):] == tok.pad_token_id).all()
+    assert (np.asarray(item["input_ids"])[run.model.vision.n_tokens + len(ids):] == tok.pad_token_id).all()
 
 
 def test_tokenizer_without_template_or_pad_gets_moondream_format_and_eos_pad(tmp_path):
@@ -388,7 +392,7 @@ def test_overlong_policy_through_data(tmp_path):
             ids, target = entry_tokens(samples, n)
             assert len(ids) <= text_len and target.any()
             item = item_of_row(run, samples, int(samples.index.rows[n]))
-            assert len(item["input_ids"]) == text_len
+            assert len(item["input_ids"]) == run.model.vision.n_tokens + text_len
             check_labels(item, ids, target, run.model.vision.n_tokens)
 
 
@@ -404,8 +408,8 @@ def test_text_only_llava_records(tmp_path):
     assert samples.index.stats["good"] == 2 and samples.index.stats["with_image"] == 1
     size = run.model.vision.image_size
     item = item_of_row(run, samples, 0)
-    assert item["has_image"] == 0
-    assert torch.equal(item["pixels"], torch.zeros(3, size, size))
+    assert item["has_image"].tolist() == [0]
+    assert torch.equal(item["pixels"], torch.zeros(1, 3, size, size))
     n = samples.index.rows.tolist().index(0)
     ids, target = entry_tokens(samples, n)
     want_toks, want_mask = builtin_expected([(t["from"], t["value"]) for t in text_only])
@@ -413,7 +417,7 @@ def test_text_only_llava_records(tmp_path):
     assert target.tolist() == want_mask
     check_labels(item, ids, target, run.model.vision.n_tokens)
     with_image = item_of_row(run, samples, 1)
-    assert with_image["has_image"] == 1 and with_image["pixels"].abs().sum() > 0
+    assert with_image["has_image"].tolist() == [1] and with_image["pixels"].abs().sum() > 0
 
 
 # ---- 5. tokenizer directory errors ---------------------------------------------------------------

@@ -13,9 +13,9 @@ from PIL import Image
 from conftest import train_run, write_ds_config
 from hf_models import IMAGE_TOKEN, save_hf, word_tokenizer
 from mmpipe.cli import main
-from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
+from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
-from mmpipe.data.text import placeholders
+from mmpipe.data.packing import sample_rowset
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.model.builder import lm_loss
 from mmpipe.run_args import TrainArgs
@@ -57,19 +57,19 @@ def test_init_from_imported_llava(tmp_path, capsys):
     rc = resolve(TrainArgs.from_argv(args + ["--stages", "1"]), world_size=1)
     assert rc.model.image_token_id == IMAGE_TOKEN and len(rc.data.tokenizer) == 100
     samples = prepare(rc.data, rc.model, tmp_path / "run", 5, verbose=False)
-    ts = TrainSet(samples, text_len=12, n_img=0, image_size=32, image_token=placeholders(rc.model))
-    (px, ids, has_image), labels = next(rank_batches(ts, StepBatches(0, 2, 1, 0, 1)))
+    inputs, labels = next(rank_batches(sample_rowset(samples, rc.model, 12), StepBatches(0, 2, 1, 0, 1)))
+    px, ids, has_image, _ = inputs
     # the 16 placeholders sit at the <image> marker, after the template's "w4": [BOS] w4 <image> x 16 ...
-    assert has_image.tolist() == [1, 1] and (ids[:, 2:18] == IMAGE_TOKEN).all() and (ids[:, 1] != IMAGE_TOKEN).all()
+    assert has_image.tolist() == [[1], [1]] and (ids[:, 2:18] == IMAGE_TOKEN).all() and (ids[:, 1] != IMAGE_TOKEN).all()
     hf_labels = torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)
     with torch.no_grad():
-        want = hf(input_ids=ids, pixel_values=px, labels=hf_labels).loss.item()
+        want = hf(input_ids=ids, pixel_values=px.flatten(0, 1), labels=hf_labels).loss.item()
     losses = run.losses
     assert losses[1] == pytest.approx(want, abs=1e-4)
     # it trained from there: after 2 steps the first micro-batch's loss fell (lr 1e-2 on 8 records)
     trained = load_reference(run.out / "checkpoints", rc.model)
     with torch.no_grad():
-        assert lm_loss(trained(px, ids, has_image), labels).item() < want - 0.05
+        assert lm_loss(trained(*inputs), labels).item() < want - 0.05
     # the run keeps the import's tokenizer, so generate / eval / --init-from on it read the same ids
     kept = load_tokenizer(str(run.out / "tokenizer"))
     assert kept.get_vocab() == rc.data.tokenizer.get_vocab() and kept.chat_template == rc.data.tokenizer.chat_template

@@ -45,7 +45,7 @@ def test_import_gives_hf_logits(hf_dir):
     px, ids, labels = batch(kind)
     with torch.no_grad():
         ref = hf(input_ids=ids, pixel_values=px, labels=labels)
-        got = model(px, ids)
+        got = model.one_per_row(px, ids)
     assert got.shape == ref.logits.shape
     assert (got - ref.logits).abs().max().item() < TOL
     assert lm_loss(got, shifted(labels)).item() == pytest.approx(ref.loss.item(), abs=TOL)
@@ -124,7 +124,7 @@ def test_pipeline_first_loss_is_hf_loss(trained):
     model, _ = import_llava(d)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step, got in enumerate(losses):
-        loss = lm_loss(model(px, ids), shifted(labels))
+        loss = lm_loss(model.one_per_row(px, ids), shifted(labels))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -140,12 +140,12 @@ def test_round_trip_export_from_pretrained(trained):
     back = LlavaForConditionalGeneration.from_pretrained(d / "exported").eval()
     px, ids, _ = batch("clip_qwen2", seed=7)
     with torch.no_grad():
-        mine, theirs, before = model(px, ids), back(input_ids=ids, pixel_values=px).logits, hf(input_ids=ids,
-                                                                                            pixel_values=px).logits
+        mine = model.one_per_row(px, ids)
+        theirs, before = back(input_ids=ids, pixel_values=px).logits, hf(input_ids=ids, pixel_values=px).logits
     assert (mine - theirs).abs().max().item() < TOL
     assert (mine - before).abs().max().item() > 1e-3  # the exported weights are the trained ones
     again, _ = import_llava(d / "exported")  # and the exported directory imports back to the same model
-    assert (again(px, ids) - mine).abs().max().item() < TOL
+    assert (again.one_per_row(px, ids) - mine).abs().max().item() < TOL
 
 
 def test_llava_presets_have_real_shapes():
@@ -170,6 +170,7 @@ def test_stage1_import_from_tower_and_lm_dirs(tmp_path):
     from hf_models import llava_config
     from mmpipe.hf.llava import import_parts
     from mmpipe.model import ReferenceModel
+    from mmpipe.model.rows import sample_rows
 
     c = llava_config("clip_qwen2")
     torch.manual_seed(4)
@@ -188,12 +189,12 @@ def test_stage1_import_from_tower_and_lm_dirs(tmp_path):
     px, ids, _ = batch("clip_qwen2")
     with torch.no_grad():
         want = tower(pixel_values=px, output_hidden_states=True).hidden_states[-2]
-        x = (px, ids, torch.ones(2, dtype=torch.long))
+        x = (px, *sample_rows(model.cfg, ids))
         for layer in list(model)[:3]:
             x = layer(x)
         assert (x[0] - want).abs().max().item() < TOL
         text = ids[:, :2]  # no image: the decoder alone is the causal LM
-        mine = model(px, text, torch.zeros(2, dtype=torch.long))[..., :100]
+        mine = model.one_per_row(px, text, torch.zeros(2, dtype=torch.long))[..., :100]
         assert (mine - lm(input_ids=text).logits).abs().max().item() < TOL
     fresh = ReferenceModel(model.cfg, seed=5)
     assert torch.equal(model[3].linear_1.weight, fresh[3].linear_1.weight)  # the projector: seed + its index

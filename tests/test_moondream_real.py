@@ -33,8 +33,10 @@ from mmpipe.data.crops import CropTransform, stack_images
 from mmpipe.hf.moondream import LAYOUTS, REGION_NAMES, export_moondream, import_moondream, key_map
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
-from mmpipe.model.attention import apply_partial_rotary, decoder_mask, rotary_cos_sin
+from mmpipe.model.attention import apply_partial_rotary, row_geometry
 from mmpipe.model.layers import DecoderBlock
+from mmpipe.model.rows import IMAGE_SLOT, sample_rows
+from mmpipe.model.stage import StageTuple
 from moondream_ref import (
     MMPIPE_SMALL,
     MOONDREAM_COMMIT,
@@ -124,7 +126,7 @@ def test_logits_and_greedy_tokens_equal_moondreams(small):
     model = _load(d / "run").eval()
     px = pixels(reference_image())
     with torch.no_grad():
-        logits = model(px, torch.tensor([PROMPT]))[0]  # [730 + 6, V]
+        logits = model.one_per_row(px, torch.tensor([PROMPT]))[0]  # [730 + 6, V]
     assert logits.shape == (730 + len(PROMPT) - 1, 512)
     want = torch.tensor(REF["logits"])
     got = logits[REF["logit_positions"]]
@@ -150,7 +152,7 @@ def test_multi_tile_image_logits_and_greedy_tokens_equal_moondreams(small):
     assert list(crops.tiling) == ref["tiling"] == [2, 4] and int(crops.valid.sum()) == 1 + 8
     px, tiling = stack_images([crops])  # [1, 13, 3, 378, 378], [[2, 4]]
     with torch.no_grad():
-        logits = model(px, torch.tensor([PROMPT]), None, tiling)[0]
+        logits = model.one_per_row(px, torch.tensor([PROMPT]), None, tiling)[0]
     got, want = logits[ref["logit_positions"]], torch.tensor(ref["logits"])
     assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
     single = REF["logits"]  # and it is not the one-tile answer: the local crops matter
@@ -236,21 +238,22 @@ def test_gqa_block_equals_multi_head_block_with_repeated_kv_heads():
         rep = [t.unflatten(0, (2, hd)).repeat_interleave(2, dim=0).flatten(0, 1) for t in (k, v)]
         sd[f"attn.qkv.{p}"] = torch.cat([q, *rep])
     mha.load_state_dict(sd)
+    ints = sample_rows(gqa_cfg, torch.randint(4, 40, (2, 6)), torch.tensor([1, 0]))  # an image row, a text-only one
     x = torch.randn(2, gqa_cfg.prefix_len + 5, D)
-    has_image = torch.tensor([1, 0])
+    t = StageTuple(x, *ints)
     with torch.no_grad():
-        assert (gqa.run(x, has_image) - mha.run(x, has_image)).abs().max() < 1e-6
-        # and by hand: split, rotate, repeat each kv head for its 2 query heads, prefix-LM mask
+        assert (gqa.run(t, 0) - mha.run(t, 0)).abs().max() < 1e-6
+        # and by hand: split, rotate, repeat each kv head for its 2 query heads, per-sample prefix-LM mask
         h = gqa.ln(x)
         q, k, v = gqa.attn.qkv(h).split([D, 2 * hd, 2 * hd], dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, hd)).transpose(1, 2) for t in (q, k, v))
-        cos, sin = rotary_cos_sin(x.shape[1], gqa_cfg.text.rotary_dim, gqa_cfg.text.rope_theta, x.device)
+        q, k, v = (t_.unflatten(-1, (-1, hd)).transpose(1, 2) for t_ in (q, k, v))
+        mask, (cos, sin) = row_geometry(ints[2], gqa_cfg.text.rotary_dim, gqa_cfg.text.rope_theta,
+                                        ints[0] == IMAGE_SLOT)
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-        a = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=decoder_mask(x.shape[1], gqa_cfg.prefix_len, has_image))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         want = x + gqa.attn.proj(a.transpose(1, 2).flatten(2)) + gqa.mlp(h)
-        assert (gqa.run(x, has_image) - want).abs().max() < 1e-6
+        assert (gqa.run(t, 0) - want).abs().max() < 1e-6
 
 
 def test_gqa_cached_generation_equals_full_forward():

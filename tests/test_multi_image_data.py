@@ -10,13 +10,14 @@ import torch
 from PIL import Image
 
 from mmpipe.config import ConfigError, load_preset
-from mmpipe.data.batches import TrainSet
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import export_shapes
+from mmpipe.data.packing import sample_rowset
 from mmpipe.data.records import BadRecord
 from mmpipe.data.text import ConversationEncoder, placeholders, with_placeholders
 from mmpipe.data.tokenizer import builtin_tokenizer
 from mmpipe.model import IGNORE_INDEX
+from mmpipe.model.rows import IMAGE_SLOT
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 
@@ -100,9 +101,8 @@ def test_more_images_than_max_images_is_a_counted_bad_record(tmp_path):
     assert [(b["where"].rsplit(":", 1)[1], b["kind"], b["reason"]) for b in bad][0] == (
         "2", "too_many_images", "2 images > --max-images 1")
     # the good records load into training items; every one has one image at most
-    ts = TrainSet(samples, text_len=run.data.text_len, n_img=run.model.n_image_positions,
-                  image_size=run.model.vision.image_size, image_token=placeholders(run.model))
-    assert sorted(ts[pos]["has_image"] for pos in range(len(samples.index))) == [0, 1, 1]
+    ts = sample_rowset(samples, run.model, run.data.text_len)
+    assert sorted(int(ts[pos]["has_image"][0]) for pos in range(len(samples.index))) == [0, 1, 1]
 
 
 def test_markers_must_match_the_images(tmp_path):
@@ -140,8 +140,7 @@ def test_one_image_llava_block_sits_at_its_marker_and_moondream_keeps_it_after_b
     token, n_ph = placeholders(run.model)
     enc, n_images = samples.tokens(0)
     assert n_images == 1 and enc.ids.tolist() == want_ids and enc.image_at.tolist() == want_at
-    item = TrainSet(samples, text_len=12, n_img=0, image_size=run.model.vision.image_size,
-                    image_token=(token, n_ph))[0]
+    item = sample_rowset(samples, run.model, 12)[0]
     seq = np.concatenate([enc.ids[:5], np.full(n_ph, token), enc.ids[5:]])  # the block before "red"
     target = np.concatenate([enc.target[:5], np.zeros(n_ph, bool), enc.target[5:]])
     assert item["input_ids"][:len(seq)].tolist() == seq.tolist()
@@ -155,8 +154,8 @@ def test_one_image_llava_block_sits_at_its_marker_and_moondream_keeps_it_after_b
     enc, n_images = samples.tokens(0)
     assert n_images == 1 and enc.image_at.tolist() == [1] and enc.ids.tolist() == want_ids
     n_img = run.model.n_image_positions
-    item = TrainSet(samples, text_len=12, n_img=n_img, image_size=run.model.vision.image_size)[0]
-    assert item["input_ids"][:len(want_ids)].tolist() == want_ids
+    item = sample_rowset(samples, run.model, 12)[0]
+    assert item["input_ids"][:n_img + len(want_ids)].tolist() == want_ids[:1] + [IMAGE_SLOT] * n_img + want_ids[1:]
     j = np.flatnonzero(enc.target)
     assert item["labels"][n_img + j - 1].tolist() == enc.ids[j].tolist()  # text token j at decoder position n_img + j
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import Run, train_run, write_ds_config
-from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
+from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare_eval
 from mmpipe.data.export import export_shapes
-from mmpipe.data.text import placeholders
+from mmpipe.data.packing import sample_rowset
 from mmpipe.model.builder import lm_loss_sum
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -66,15 +66,12 @@ def reference_eval_loss(run_dir: Path, argv: list[str], step: int) -> float:
     run = resolve(TrainArgs.from_argv(argv), world_size=1)
     evalset = prepare_eval(run.eval_data, run.model, run_dir, 0, 0, verbose=False)
     model = load_reference(run_dir / "checkpoints", run.model, tag=f"step{step}").eval()
-    v = run.model.vision
-    batches = rank_batches(TrainSet(evalset, text_len=run.text_len, n_img=run.model.n_image_positions,
-                                    image_size=v.image_size, image_token=placeholders(run.model)),
-                           StepBatches(0, 8, 1, 0, 1))
+    batches = rank_batches(sample_rowset(evalset, run.model, run.text_len), StepBatches(0, 8, 1, 0, 1))
     total = 0.0
     with torch.no_grad():
         for _ in range(-(-evalset.size // 8)):
-            (pixels, ids, has_image), labels = next(batches)
-            total += float(lm_loss_sum(model(pixels, ids, has_image), labels))
+            inputs, labels = next(batches)
+            total += float(lm_loss_sum(model(*inputs), labels))
     return total / evalset.answer_tokens()
 
 

@@ -14,7 +14,6 @@ from ..data.crops import stack_images
 from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from ..data.shapes import QUESTION_TYPES, ShapesVQA
 from ..data.text import placeholders, with_placeholders
-from ..model.rows import sample_rows
 from .generate import in_vocab, placeholder_of
 
 
@@ -38,7 +37,7 @@ def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]],
     for _ in range(max_new_tokens):
         if done.all() or lengths.max() >= text_len:
             break
-        logits = model(pixel_values, *sample_rows(model.cfg, ids), tiling)  # [B, N_img + text_len, V]
+        logits = model.one_per_row(pixel_values, ids, None, tiling)  # [B, N_img + text_len, V]
         # text token j sits at decoder position n_img + j
         nxt = in_vocab(logits[rows, n_img + lengths - 1], n_tokens, placeholder_of(model)).argmax(-1)
         for b in range(B):

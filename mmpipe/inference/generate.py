@@ -192,7 +192,7 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
     gen = _generators(temperature, seed, 1)[0]
     out: list[int] = []
     for step in range(max_new_tokens):
-        logits = _masked(model(pixels, *sample_rows(model.cfg, ids, flag), tiling)[:, -1], answer_id, step, n_tokens,
+        logits = _masked(model.one_per_row(pixels, ids, flag, tiling)[:, -1], answer_id, step, n_tokens,
                          placeholder_of(model))
         nxt = _pick(logits, temperature, top_k, gen)
         if eos_id is not None and nxt.item() == eos_id:

@@ -21,6 +21,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from .families import family_of
 from .lora import Lora, adapted_linears, adapter_param_count, add_adapters
+from .rows import sample_rows
 
 IGNORE_INDEX = -100
 FREEZE_GROUPS = ("vision", "projector", "text")
@@ -112,6 +113,13 @@ class ReferenceModel(nn.Sequential):
         tiling for multi-crop (pixel_values [B, M, 1 + max_crops, C, H, W]). -> logits [B, L, V]."""
         inputs = (pixel_values, input_ids, has_image, segments) + (() if tiling is None else (tiling,))
         return super().forward(inputs)
+
+    def one_per_row(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, has_image: torch.Tensor | None = None,
+                    tiling: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, L, V] of one prompt per row: input_ids [B, T] (BOS first; LLaVA: placeholders in place),
+        has_image [B] (default: all), turned into rows by mmpipe.model.rows.sample_rows (moondream: L = N_img + T,
+        the image after BOS; LLaVA, cross-attention: L = T)."""
+        return self(pixel_values, *sample_rows(self.cfg, input_ids, has_image), tiling)
 
 
 def layer_param_counts(cfg: ModelConfig) -> list[int]:
