@@ -9,7 +9,7 @@
    its summary.json's samples_per_s (median step, first step left out). Per first-stage rank that
    is samples_per_s / dp samples per second pulled from the loader.
 3. loader alone, with the CPU otherwise idle: the first stage's stream built as mmpipe.train builds
-   it (same flags resolved by mmpipe.run_config, the index the front door wrote, TrainSet with
+   it (same flags resolved by mmpipe.run_config, the index the front door wrote, RowSet with
    images and, in a multi-stage pipeline, without labels, StepBatches, rank_batches) for each
    --workers count; warm-up micro-batches (worker start-up included) first, then --windows timed
    windows of --batches micro-batches each, the median window reported. The last stage's stream
@@ -165,10 +165,9 @@ def load_samples(args, run):
 
 
 def make_dataset(samples, run, args, *, first: bool, last: bool):
-    from mmpipe.data.batches import TrainSet
-    v = run.model.vision
-    return TrainSet(samples, text_len=run.text_len, n_img=run.model.n_image_positions, image_size=v.image_size,
-                    need_images=first, need_labels=last, augment_seed=args.seed if run.data.augment else None)
+    from mmpipe.runtime.feed import run_dataset
+    return run_dataset(run, samples, first=first, last=last, augment_seed=args.seed if run.data.augment else None,
+                       train=False)
 
 
 def time_stream(dataset, run, *, workers: int, prefetch: int, warmup: int, batches: int, windows: int) -> dict:
@@ -199,8 +198,7 @@ def time_stream(dataset, run, *, workers: int, prefetch: int, warmup: int, batch
 def breakdown(samples, dataset, run, n: int) -> dict:
     """Seconds per sample of each piece of the first stage's __getitem__ + collate, in this process."""
     from mmpipe.data.batches import collate
-    from mmpipe.data.text import pad_sample
-    from mmpipe.model.builder import IGNORE_INDEX
+    from mmpipe.data.packing import row_shape, sample_sequence
     positions = range(n)
     parts = {}
 
@@ -211,9 +209,9 @@ def breakdown(samples, dataset, run, n: int) -> dict:
         return out
 
     indexed = hasattr(samples, "source")  # a user dataset, tokenised once in the index; the built-in set tokenises here
-    clock("tokens + pad" + (" (index lookup)" if indexed else " (chat template + tokenise)"),
-          lambda p: pad_sample(samples.tokens(p)[0], run.text_len, run.model.n_image_positions, samples.pad_id,
-                               IGNORE_INDEX))
+    shape = row_shape(run.model, run.max_images, run.text_len)
+    clock("tokens + row" + (" (index lookup)" if indexed else " (chat template + tokenise)"),
+          lambda p: sample_sequence(*samples.tokens(p), shape))
     if indexed:  # a user dataset: what IndexedSamples.pixels() does, piece by piece
         from mmpipe.data.images import open_image
         rows = [samples.row(p) for p in positions]
@@ -223,13 +221,13 @@ def breakdown(samples, dataset, run, n: int) -> dict:
         clock("transform (pad/resize/normalise)", lambda p: samples.transform(imgs[p]))
     else:  # the built-in set renders its images
         clock("pixels (render + transform)", samples.pixels)
-    items = clock("TrainSet.__getitem__ (all of the above)", dataset.__getitem__)
+    items = clock("RowSet.__getitem__ (all of the above)", dataset.__getitem__)
     t = time.perf_counter()
     for i in range(0, n - run.micro + 1, run.micro):
         collate(items[i:i + run.micro])
     parts["collate"] = (time.perf_counter() - t) / (n - n % run.micro)
     return {"samples": n, "seconds_per_sample": parts,
-            "implied_samples_per_s": 1 / (parts["TrainSet.__getitem__ (all of the above)"] + parts["collate"])}
+            "implied_samples_per_s": 1 / (parts["RowSet.__getitem__ (all of the above)"] + parts["collate"])}
 
 
 # ---------------------------------------------------------------- report

@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mmpipe.data.batches import StepBatches, TrainSet, rank_batches
+from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
-from mmpipe.data.text import placeholders
 from mmpipe.inference.evaluate import evaluate
 from mmpipe.model import cross_attention as xa
 from mmpipe.model.builder import ReferenceModel, lm_loss
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
+from mmpipe.runtime.feed import run_dataset
 from mmpipe.runtime.reference import make_optimizer, make_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,9 +96,7 @@ def main() -> None:
     opt = make_optimizer(run.ds_config, [{"params": rest, "lr": args.lr},
                                          {"params": gates, "lr": args.lr * args.gate_lr}])
     sched = make_scheduler(run.ds_config, opt)
-    data = TrainSet(prepare(run.data, run.model, str(out), 0, verbose=False), text_len=run.text_len,
-                    n_img=run.model.n_image_positions, image_size=run.model.vision.image_size,
-                    image_token=placeholders(run.model))
+    data = run_dataset(run, prepare(run.data, run.model, str(out), 0, verbose=False), train=False)
     batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
     t0 = time.time()
     with open(out / "log.txt", "w") as log:
@@ -106,8 +104,8 @@ def main() -> None:
             model.train()
             total = 0.0
             for _ in range(run.gas):
-                (px, ids, has_image), labels = next(batches)
-                loss = lm_loss(model(px, ids, has_image), labels)
+                inputs, labels = next(batches)
+                loss = lm_loss(model(*inputs), labels)
                 (loss / run.gas).backward()
                 total += loss.item() / run.gas
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -158,8 +158,8 @@ def test_each_export_format_loads_through_data(tmp_path, fmt):
     item = item_of_row(run, samples, 0)
     assert item["has_image"].tolist() == [1]
     assert tuple(item["pixels"].shape) == (1, 3, 64, 64)
-    torch.testing.assert_close(item["pixels"][0],
-                               expected_pixels(tmp_path / "export/images/00000.png", run.model.vision), atol=1e-5, rtol=0)
+    want = expected_pixels(tmp_path / "export/images/00000.png", run.model.vision)
+    torch.testing.assert_close(item["pixels"][0], want, atol=1e-5, rtol=0)
     check_labels(item, ids, target, run.model.vision.n_tokens)
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import train_run
-from mmpipe.data.text import Encoded, pad_sample
+from mmpipe.data.packing import RowShape, sample_sequence
+from mmpipe.data.text import Encoded
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.reference import train_reference
@@ -23,11 +24,12 @@ def _args(cfg, *extra):
 
 def test_placeholders_after_bos_and_text_only_without():
     e = Encoded(np.array([1, 7, 8, 9, 2]), np.array([False, False, False, True, True]))
-    ids, labels = pad_sample(e, 6, 0, 0, -100, image_token=(50, 3))
-    assert ids.tolist() == [1, 50, 50, 50, 7, 8, 9, 2, 0]
-    assert labels.tolist() == [-100] * 5 + [9, 2, -100, -100]  # position p predicts p + 1's token
-    ids, labels = pad_sample(e, 6, 0, 0, -100, image_token=(50, 3), has_image=False)
-    assert ids.tolist() == [1, 7, 8, 9, 2, 0, 0, 0, 0] and labels.tolist() == [-100, -100, 9, 2] + [-100] * 5
+    shape = RowShape(max_images=1, image_len=3, image_id=50, text_len=6)
+    ids, labels = sample_sequence(e, 1, shape)
+    assert ids.tolist() == [1, 50, 50, 50, 7, 8, 9, 2]
+    assert labels.tolist() == [-100] * 5 + [9, 2, -100]  # position p predicts p + 1's token
+    ids, labels = sample_sequence(e, 0, shape)
+    assert ids.tolist() == [1, 7, 8, 9, 2] and labels.tolist() == [-100, -100, 9, 2, -100]
 
 
 def test_llava_tiny_pp2_equals_reference(tmp_path, equivalence_config):

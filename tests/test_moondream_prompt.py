@@ -31,13 +31,15 @@ from mmpipe.cli import main
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.data.args import DataArgs
 from mmpipe.data.dataset import prepare_eval, resolve_data
+from mmpipe.data.packing import RowShape, sample_sequence
 from mmpipe.data.records import BadRecord
-from mmpipe.data.text import ConversationEncoder, answer_id_of, pad_sample
+from mmpipe.data.text import ConversationEncoder, answer_id_of
 from mmpipe.data.tokenizer import MOONDREAM, MOONDREAM_COMMIT, MOONDREAM_TEMPLATE, load_tokenizer, uses_moondream_ids
 from mmpipe.hf.moondream import export_moondream
 from mmpipe.inference import generate as gen_mod
 from mmpipe.inference.generate import generate, generate_batch
 from mmpipe.model import ReferenceModel
+from mmpipe.model.rows import IMAGE_SLOT
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from moondream_ref import MOONDREAM_COMMIT as RECORDED_COMMIT
@@ -95,9 +97,9 @@ def test_query_sample_ids_and_labels_are_moondreams(tok):
     assert enc.ids.tolist() == QUERY + A_IDS + [0]
     assert enc.target.tolist() == [False] * len(QUERY) + [True] * (len(A_IDS) + 1)  # the answer and EOS only
     assert ConversationEncoder(tok, 40).prompt_ids([("user", Q)]) == QUERY  # what generation continues from
-    # in the stage tuple: image spliced after BOS (16 positions for tiny), text token j predicted from n_img + j - 1
-    input_ids, labels = pad_sample(enc, 40, 16, pad_id=0, ignore_index=-100)
-    assert input_ids[:len(enc.ids)].tolist() == enc.ids.tolist()
+    # in the row: image after BOS (16 positions for tiny), text token j predicted from n_img + j - 1
+    input_ids, labels = sample_sequence(enc, 1, RowShape(1, 16, IMAGE_SLOT, 40))
+    assert input_ids.tolist() == enc.ids[:1].tolist() + [IMAGE_SLOT] * 16 + enc.ids[1:].tolist()
     assert {int(p): int(v) for p, v in enumerate(labels) if v != -100} == {16 + 10 - 1: 42, 16 + 11 - 1: 0}
 
 

@@ -63,7 +63,7 @@ def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np
     """One sample's decoder positions: ids [n] with each image's block of N placeholder ids inserted
     before token enc.image_at[k], and labels [n] (position p holds the token at p + 1 where that is an
     answer token; BOS is never predicted, an image block never labelled)."""
-    at = [int(a) for a in enc.image_at[:n_images]] or [1] * n_images  # unplaced: after BOS, as pad_sample
+    at = [int(a) for a in enc.image_at[:n_images]] or [1] * n_images  # unplaced: right after BOS
     pieces, targets, prev = [], [], 0
     for a in at:
         pieces += [enc.ids[prev:a], np.full(shape.image_len, shape.image_id, dtype=np.int64)]

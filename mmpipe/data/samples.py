@@ -45,7 +45,7 @@ class ShapesSamples:
         # The set has 108 distinct (question, answer) pairs (count 4, colour_of_shape 5 x 6,
         # shape_of_colour 6 x 5, where_is_shape 5 x 4, colour_at_quarter 4 x 6). Rendering the chat
         # template four times per sample cost ~1 ms, 16 ms per micro-batch of 16 on the last stage,
-        # which loads without workers; pad_sample only reads the arrays, so sharing them is safe.
+        # which loads without workers; RowSet only reads the arrays (sample_sequence), so sharing them is safe.
         return self.encoder.encode([("user", question), ("assistant", answer)], n_images=1)  # image_at [1]
 
     def pixels(self, pos: int, k: int = 0) -> torch.Tensor | Crops:

@@ -64,7 +64,7 @@ class Encoded:
     target: np.ndarray   # bool  [n], True where the token is an answer token (predicted, in the loss)
     truncated: bool = False
     # int64 [n_images]: image k's placeholder block goes before ids[image_at[k]] (1: right after BOS).
-    # Empty: no image, or one its maker did not place (pad_sample then puts it after BOS).
+    # Empty: no image, or one its maker did not place (mmpipe.data.packing.sample_sequence then puts it after BOS).
     image_at: np.ndarray = field(default_factory=_no_image)
 
 
@@ -215,32 +215,3 @@ def with_placeholders(ids: list[int], cfg, image_at=None) -> list[int]:
     for a in sorted((1,) if image_at is None else (int(a) for a in image_at), reverse=True):  # last first: the
         out[a:a] = [token] * n  # earlier positions stay where image_at says
     return out
-
-
-def pad_sample(e: Encoded, text_len: int, n_img: int, pad_id: int, ignore_index: int, *,
-               image_token: tuple[int, int] = (-1, 0), has_image: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """input_ids [n_ph + text_len] (right-padded) and labels [n_img + n_ph + text_len], n_ph the
-    placeholder count of image_token = (id, n_ph) (`placeholders(cfg)`). One image at most: a sample
-    with an image gets its n_ph placeholder ids before text token a = e.image_at[0] (1, right after BOS,
-    when e does not place it); a text-only one none, so more padding. Text token j (j >= 1) then sits at
-    decoder position n_img + j + (k if j >= a else 0), k = n_ph if has_image else 0, and is predicted
-    from the position before it (the block's last placeholder for j = a). Placeholder positions are never
-    labelled. Worked example, the LLaVA family's built-in tokenizer, 3 placeholders (id 36), text_len 9:
-
-        text       [BOS] question: <image> what shape is red circle [EOS]      image_at [2]
-        input_ids  [BOS] question: 36 36 36 what shape is red circle [EOS] [PAD]   (3 + 9 = 12)
-        position     0       1      2  3  4   5    6   7   8    9     10    11
-        labels     -100 x 8, circle (at 8, predicted from "red"), [EOS] (at 9), -100, -100
-
-    Data without markers has image_at [1], so its block follows BOS as before: [BOS] 36 36 36 question: ..."""
-    token, n_ph = image_token
-    k = n_ph if has_image else 0
-    a = int(e.image_at[0]) if len(e.image_at) else 1
-    ids = np.concatenate([e.ids[:a], np.full(k, token, dtype=np.int64), e.ids[a:]]) if k else e.ids
-    input_ids = np.full(n_ph + text_len, pad_id, dtype=np.int64)
-    input_ids[:len(ids)] = ids
-    labels = np.full(n_img + n_ph + text_len, ignore_index, dtype=np.int64)
-    j = np.nonzero(e.target)[0]
-    j = j[j >= 1]  # BOS is never predicted
-    labels[n_img + j + np.where(j >= a, k, 0) - 1] = e.ids[j]
-    return input_ids, labels
