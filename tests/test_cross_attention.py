@@ -182,7 +182,8 @@ def test_cross_attention_activations_match_what_autograd_keeps():
 
     def make(batch):
         return (torch.randn(batch, text_len, d, requires_grad=True), torch.randn(batch, n, d, requires_grad=True),
-                torch.zeros(batch, text_len, dtype=torch.long), torch.ones(batch, dtype=torch.long))
+                torch.zeros(batch, text_len, dtype=torch.long), torch.ones(batch, 1, dtype=torch.long),
+                torch.ones(batch, text_len, dtype=torch.long))
     assert _saved_floats_per_sample(layer, make) == row.act_elems
 
 

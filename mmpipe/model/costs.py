@@ -67,10 +67,12 @@ def _text_embed(cfg, params, n, seq):  # a lookup, not a matmul; token ids are a
 
 def _cross_attn_block(cfg, params, n, seq):
     """Text queries (seq = T) over N image keys, gated: q and proj over T, k v over N, q k^T and attn v
-    (4 T N D), the gated MLP over T."""
+    (4 T N D), the gated MLP over T. Kept: besides the projections, each position's own-sample mask
+    over the image keys (T x N, as SDPA's float mask) and its per-position gate (3 T)."""
     t, h = cfg.text, cfg.cross_attn_heads or cfg.text.n_heads
     fwd = 2.0 * 2 * t.dim * t.dim * (seq + n) + 4.0 * seq * n * t.dim + 2.0 * 2 * t.dim * t.ff_dim * seq
-    return Cost(seq, fwd, (9 * t.dim + 2 * t.ff_dim + 4 + h) * seq + 3 * t.dim * n + 3, (4 + h) * seq, seq * t.dim)
+    act = (9 * t.dim + 2 * t.ff_dim + 7 + h) * seq + 3 * t.dim * n + seq * n
+    return Cost(seq, fwd, act, (4 + h) * seq, seq * t.dim)
 
 
 def _phi_block(cfg, params, n, seq):

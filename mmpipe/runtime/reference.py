@@ -114,7 +114,7 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     model.train()
 
     def micro_loss():
-        inputs, labels = next(batches)  # (pixels, input_ids, has_image[, segments][, tiling]), (labels, weights)
+        inputs, labels = next(batches)  # (pixels, input_ids, has_image, segments[, tiling]), (labels, weights)
         return lm_loss(model(*inputs), labels)
 
     return model, [train_step(micro_loss, run.gas, params, opt, sched, clip) for _ in range(steps)]
