@@ -10,8 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 
@@ -31,6 +29,7 @@ def main():
 
     from hf_models import batch, shifted
     from mmpipe.hf.llava import import_llava, load_into_pipeline
+    from mmpipe.model.rows import sample_rows
     from mmpipe.run_args import TrainArgs
     from mmpipe.run_config import resolve
     from mmpipe.runtime.pipeline import VLMPipeline
@@ -52,7 +51,7 @@ def main():
                                            model_parameters=[q for q in pipe.parameters() if q.requires_grad])
     px, ids, labels = batch(args.kind)
     install_wire(engine)  # as mmpipe train: only floats cross the stage boundary
-    item = ((px, ids, torch.ones(2, dtype=torch.long)), shifted(labels))
+    item = ((px, *sample_rows(model.cfg, ids)), shifted(labels))  # one sample per row
     losses = [float(engine.train_batch(iter([item]))) for _ in range(args.steps)]
     engine.save_checkpoint(str(out / "checkpoints"), tag="step%d" % args.steps)
     if engine.is_last_stage():
