@@ -22,7 +22,7 @@ def row_positions(segments: torch.Tensor) -> torch.Tensor:
 def row_mask(segments: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
     """bool [B, 1, L, L], True = may attend: causal within a sample, never across samples of a row.
     prefix bool [B, L] (the moondream family: each sample's BOS + image block) is bidirectional within
-    its sample, as prefix_lm_mask is for one sample. Padding (segment 0) attends to padding only, so
+    its sample (moondream's prefix_attn). Padding (segment 0) attends to padding only, so
     no query row is empty (SDPA would give NaN)."""
     L = segments.shape[-1]
     i = torch.arange(L, device=segments.device)
