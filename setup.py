@@ -25,7 +25,7 @@ setup(
     ],
     extras_require={
         "tensorboard": ["tensorboard>=2.14"],  # the DeepSpeed config's "tensorboard" monitor section
-        "test": ["pytest>=8", "ruff>=0.6", "tensorboard>=2.14"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "tensorboard>=2.14"],
     },
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli:main"]},
 )

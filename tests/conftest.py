@@ -11,6 +11,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# the files that start real services on fixed addresses (sshd on 127.0.0.2-3:2222, munged, Slurm,
+# /etc/hosts): never two at once
+SERVICES = ("test_cluster", "test_bench_cluster")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's `--dist loadgroup` (the README's test command: two workers on two cores), a
+    test file is one unit, so its module fixtures (reference runs shared by its tests) are built once,
+    and the service files share one worker. Serially this changes nothing."""
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("services" if name in SERVICES else name))
 
 
 def write_ds_config(path: Path, **overrides) -> Path:

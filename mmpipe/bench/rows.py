@@ -26,7 +26,7 @@ def peer_base(name: str, rep: int, sw: Sweep) -> tuple[dict, Variant]:
            "dp": 1, "zero": None, "world": stages, "pack": False, "max_images": 1,
            "schedule": PEER_SCHEDULES.get(name)}
     like = Variant(name=row["name"], preset=shape.preset, stages=stages, micro=shape.micro, gas=shape.gas,
-                   data_workers=shape.data_workers, text_len=shape.text_len)
+                   data_workers=shape.data_workers, text_len=shape.text_len, max_images=1)
     return row, like
 
 
