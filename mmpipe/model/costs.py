@@ -75,16 +75,27 @@ def _cross_attn_block(cfg, params, n, seq):
     return Cost(seq, fwd, act, (4 + h) * seq, seq * t.dim)
 
 
+def _row_geometry(seq: int, rot_dim: int) -> tuple[float, float]:
+    """(act, fp32) a decoder block keeps for its row's own geometry (mmpipe.model.attention.row_geometry):
+    SDPA's per-row L x L mask, as the query's dtype, and the fp32 rotary cos and sin at each sample's own
+    positions, 2 x L x rot_dim (e.g. tiny at L = 28, rot_dim 8: 784 + 448 per row)."""
+    return seq * seq + 2.0 * rot_dim * seq, 2.0 * rot_dim * seq
+
+
 def _phi_block(cfg, params, n, seq):
     t = cfg.text
+    act, fp32 = _row_geometry(seq, t.rotary_dim)
     return Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * t.dim,
-                (7 * t.dim + 2 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim)
+                (7 * t.dim + 2 * t.ff_dim) * seq + (2 + t.n_heads) * seq + act, (2 + t.n_heads) * seq + fp32,
+                seq * t.dim)
 
 
-def _llama_block(cfg, params, n, seq):  # the Phi block's, + gate/up/product of SwiGLU
+def _llama_block(cfg, params, n, seq):  # the Phi block's, + gate/up/product of SwiGLU; rotary on whole heads
     t = cfg.text
+    act, fp32 = _row_geometry(seq, t.head_dim)
     return Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * t.dim,
-                (7 * t.dim + 3 * t.ff_dim) * seq + (2 + t.n_heads) * seq, (2 + t.n_heads) * seq, seq * t.dim)
+                (7 * t.dim + 3 * t.ff_dim) * seq + (2 + t.n_heads) * seq + act, (2 + t.n_heads) * seq + fp32,
+                seq * t.dim)
 
 
 def _final_norm(cfg, params, n, seq):  # RMSNorm
