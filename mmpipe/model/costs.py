@@ -5,6 +5,11 @@ layer of a model's list. A family names the rule of each of its layer classes
 A rule sees the model config, the layer's parameter count and the tokens per sample: `n` on the
 vision side (the tower's tokens), `seq` in the decoder (its positions: image + text). LLaVA's
 layers use the rules of the moondream layers of the same shape, under the same names.
+
+A dynamic-resolution family's vision layers (Qwen2-VL, `per_row` rules) run on the row's patch budget
+instead: `n` is the row's P patches (--max-patches) whatever its images, and the rule also sees the
+row's PatchRow (the grids of the images it holds), so attention counts each image's own patches (and,
+in Qwen2.5's windowed blocks, each window's), and the layer's LayerSpec kwargs (a block's `full`).
 """
 from __future__ import annotations
 
@@ -31,11 +36,18 @@ class LayerRule:
     embedding: bool = False   # pixels / token ids in: no input gradient, only weight gradients
     uses_image: bool = False  # reads the image beside the sequence (the stage tuple's `vision`)
     per_crop: bool = False    # runs once per crop slot: moondream multi-crop multiplies it by 1 + max_crops
+    # runs on the row's patch budget (dynamic resolution): n = P per row, never x image slots; its cost
+    # function takes the row's PatchRow and the layer's spec kwargs after (cfg, params, n, seq)
+    per_row: bool = False
 
-    def cost_of(self, cfg: ModelConfig, params: int, n: int, seq: int) -> Cost:
+    def cost_of(self, cfg: ModelConfig, params: int, n: int, seq: int, row: "PatchRow | None" = None,
+                kwargs: dict | None = None) -> Cost:
         """The layer's cost per sample; a per-crop layer of a multi-crop model (vision.max_crops > 0)
         encodes 1 + max_crops crops of n tokens each (moondream2: 13 x 729 = 9477 tokens per sample),
-        so every term scales by the slots (attention too: each crop attends only within itself)."""
+        so every term scales by the slots (attention too: each crop attends only within itself).
+        A per_row rule gets the row's images (row) and the layer's own kwargs (e.g. full=False)."""
+        if self.per_row:
+            return self.cost(cfg, params, n, seq, row, **(kwargs or {}))
         c, k = self.cost(cfg, params, n, seq), cfg.vision.crop_slots
         if not self.per_crop or k == 1:
             return c
@@ -120,3 +132,97 @@ DECODER_BLOCK = LayerRule("DecoderBlock", _phi_block, "sequence")
 LLAMA_BLOCK = LayerRule("LlamaBlock", _llama_block, "sequence")
 FINAL_NORM = LayerRule("FinalNorm", _final_norm, "sequence")
 LM_HEAD = LayerRule("LMHead", _lm_head, "sequence")
+
+
+# ---- Qwen2-VL / Qwen2.5-VL (mmpipe.model.qwen2_vl): a row of P patches, images of any size ----------------
+
+@dataclass(frozen=True)
+class PatchRow:
+    """A dynamic-resolution row's vision side: its patch budget P (--max-patches) and the grids (t, h, w), in
+    patches, of the images it holds (together at most P; the rest is padding, each pad patch attending to
+    itself only). E.g. P = 16384 with four 1024x768 images (smart_resize: 1036 x 756 px, 54 x 74 patches):
+    4 x 3996 = 15984 used, 400 padding."""
+    patches: int
+    grids: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def used(self) -> int:
+        return sum(t * h * w for t, h, w in self.grids)
+
+
+def _windows(side: int, unit: int) -> list[int]:
+    """A grid side of `side` patches cut into windows of `unit` patches (the last one shorter), e.g. 74, 8 ->
+    9 x 8 + 2."""
+    return [unit] * (side // unit) + ([side % unit] if side % unit else [])
+
+
+def attention_pairs(v, row: PatchRow, full: bool) -> int:
+    """Query-key pairs a Qwen vision block computes in a row: each image's frame attends within itself
+    (t x (h w)^2), or in a windowed block (Qwen2.5, full False) within each window of window_size / patch
+    patches a side (transformers' 4 x 4 merge units of 2 x 2 patches: 8 x 8 patches, edge windows smaller);
+    every padding patch to itself. E.g. one 54 x 74-patch image: full 3996^2 = 15968016 pairs; windowed, its
+    7 x 10 windows (54 = 6 x 8 + 6 rows, 74 = 9 x 8 + 2 columns): (6 x 64 + 36) x (9 x 64 + 4) = 243600."""
+    unit = v.merge_size * (v.window_size // (v.patch_size * v.merge_size)) if v.window_size and not full else 0
+    pairs = row.patches - row.used
+    for t, h, w in row.grids:
+        if unit:
+            pairs += t * sum((a * b) ** 2 for a in _windows(h, unit) for b in _windows(w, unit))
+        else:
+            pairs += t * (h * w) ** 2
+    return pairs
+
+
+def _qwen_vision_block(cfg, params, n, seq, row, full=True):
+    """n = P patches per row. Forward: the linears over P, attention 4 d x the pairs it needs (attention_pairs:
+    per image, per window; mmpipe's reference path masks a dense P x P attention, which computes all P^2).
+    Kept, as autograd keeps them (qwen-tiny, measured by tests/test_plan_qwen.py): x, norm1's output (RMSNorm:
+    and its normalised input), the qkv input, q k v, attention out, the proj input, x2, norm2's, the MLP input
+    (11 d with RMSNorm, 9 d with LayerNorm), the MLP's (SwiGLU: gate, silu, up, product: 4 f; QuickGELU: fc1,
+    sigmoid, product: 3 f), the SDPA mask [P, P] as the query's dtype, and fp32: the norms' statistics (1 or
+    2 each), the log-sum-exp (h), the 2D rotary cos and sin (2 x head_dim)."""
+    v = cfg.vision
+    rms = v.norm == "rmsnorm"
+    mlp = 4 if v.mlp == "swiglu" else (3 if v.act == "quick_gelu" else 2)
+    fp32 = (2 if rms else 4) + v.n_heads + 2 * (v.dim // v.n_heads)
+    fwd = 2.0 * params * n + 4.0 * v.dim * attention_pairs(v, row, full)
+    return Cost(n, fwd, ((11 if rms else 9) * v.dim + mlp * v.ff_dim + fp32) * n + n * n, fp32 * n, n * v.dim)
+
+
+def _qwen_patch_embed(cfg, params, n, seq, row):  # the patch matrix [P, C T p p] the matmul saw
+    return _patch_embed(cfg, params, n, seq)
+
+
+def _qwen_merger(cfg, params, n, seq, row):
+    """P patches in, P / merge^2 tokens out: ln_q's input and statistics (RMSNorm: and its output), its output
+    regrouped as mlp.0's input, mlp.0's output (GELU's input), GELU's output: 5 P d + P (4 P d + 2 P with
+    LayerNorm); the linears run on P / merge^2 tokens of merge^2 d."""
+    v = cfg.vision
+    rms, tokens = v.norm == "rmsnorm", n // (v.merge_size ** 2)
+    stats = (1 if rms else 2) * n
+    return Cost(tokens, 2.0 * params * tokens, (5 if rms else 4) * v.dim * n + stats, stats, tokens * cfg.text.dim)
+
+
+def _qwen_embed(cfg, params, n, seq, row):
+    """The lookup, and the row's P / merge^2 merged image tokens, which the gather onto the placeholders keeps."""
+    tokens = n // (cfg.vision.merge_size ** 2)
+    return Cost(seq, float(cfg.text.dim * seq), float(tokens * cfg.text.dim), 0.0, seq * cfg.text.dim)
+
+
+def _qwen_block(cfg, params, n, seq):
+    """The Qwen2 decoder block under multimodal rotary (3 x [L] positions, the same fp32 cos / sin [L, head_dim]
+    as RoPE): x, the norms' normalised inputs and outputs, the q / k / v input, q (D), k and v (kv heads),
+    attention out, the o_proj input, gate / silu / up / product (4 F); fp32 the two RMSNorms' statistics and
+    the log-sum-exp (2 + H); the row's L x L mask and rotary (_row_geometry). Measured on qwen-tiny."""
+    t = cfg.text
+    act, fp32 = _row_geometry(seq, t.head_dim)
+    kv = t.kv_heads * t.head_dim
+    return Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * t.dim,
+                (9 * t.dim + 2 * kv + 4 * t.ff_dim) * seq + (2 + t.n_heads) * seq + act, (2 + t.n_heads) * seq + fp32,
+                seq * t.dim)
+
+
+QWEN_PATCH_EMBED = LayerRule("QwenPatchEmbed", _qwen_patch_embed, "pixels", embedding=True, per_row=True)
+QWEN_VISION_BLOCK = LayerRule("QwenVisionBlock", _qwen_vision_block, "vision", per_row=True)
+QWEN_MERGER = LayerRule("QwenMerger", _qwen_merger, "vision", per_row=True)
+QWEN_EMBED = LayerRule("QwenEmbed", _qwen_embed, "image", embedding=True, per_row=True)
+QWEN_BLOCK = LayerRule("QwenBlock", _qwen_block, "sequence")
