@@ -21,13 +21,17 @@ class ImageLayout:
     spliced: bool = False          # its N_img tokens are decoder positions right after BOS (moondream)
     placeholders: bool = False     # it overwrites <image> placeholder ids inside input_ids (LLaVA)
     cross_attention: bool = False  # the sequence is text only; cross-attention layers read it beside
+    # each image takes as many decoder positions as its grid gives (h x w / merge^2; Qwen2-VL) instead of
+    # a fixed N, and the stage tuple's `tiling` (each slot's grid) is kept to the head
+    dynamic: bool = False
 
 
 # The known model families, by the model JSON's (family, fusion), and where each puts the image
 LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
            ("moondream", "cross_attention"): ImageLayout(cross_attention=True),
-           ("llava", "prefix"): ImageLayout(placeholders=True)}
-FAMILIES = tuple(dict.fromkeys(family for family, _ in LAYOUTS))  # moondream, llava
+           ("llava", "prefix"): ImageLayout(placeholders=True),
+           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True)}
+FAMILIES = tuple(dict.fromkeys(family for family, _ in LAYOUTS))  # moondream, llava, qwen2_vl
 FUSIONS = tuple(dict.fromkeys(fusion for _, fusion in LAYOUTS))  # prefix, cross_attention
 
 
@@ -85,6 +89,21 @@ class VisionConfig:
     # overlap_margin: patches each local crop shares with a neighbour on each side (moondream: 4).
     max_crops: int = 0
     overlap_margin: int = 4
+    # Qwen2-VL family (mmpipe.model.qwen2_vl): a patch spans temporal_patch_size frames (Qwen: 2, an image is
+    # 2 identical frames; patch_dim 3 x 2 x 14 x 14 = 1176), merge_size^2 neighbouring patches become one
+    # decoder token (Qwen: 2), window attention over window_size px (Qwen2.5: 112; 0: every block full)
+    # except in the fullatt_blocks (Qwen2.5: 7, 15, 23, 31), norm "layernorm" / "rmsnorm" (Qwen2.5), mlp
+    # "gelu" (fc1 / fc2 with `act`, Qwen2: quick_gelu) or "swiglu" (gate / up / down with bias, act silu:
+    # Qwen2.5), and the image processor's resize bounds in pixels (0: none). `dim` is the tower's width
+    # (embed_dim, 1280) and image_size the largest square image the bounds allow (what plan costs by default).
+    temporal_patch_size: int = 1
+    merge_size: int = 1
+    window_size: int = 0
+    fullatt_blocks: tuple[int, ...] = ()
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    min_pixels: int = 0
+    max_pixels: int = 0
 
     @property
     def n_positions(self) -> int:  # tower tokens: CLIP adds the class token, e.g. 24^2 + 1 = 577
@@ -115,8 +134,8 @@ class VisionConfig:
         return self.grid * self.grid
 
     @property
-    def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 = 588
-        return self.patch_size * self.patch_size * self.channels
+    def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 = 588; Qwen: x 2 frames = 1176
+        return self.patch_size * self.patch_size * self.channels * self.temporal_patch_size
 
 
 @dataclass(frozen=True)
@@ -136,6 +155,9 @@ class TextConfig:
     n_kv_heads: int = 0
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    # Qwen2-VL family: multimodal rotary, the head's rotary frequencies in 3 sections rotated by the
+    # temporal, height and width position (Qwen: (16, 24, 24), summing to head_dim / 2)
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def kv_heads(self) -> int:
@@ -171,6 +193,9 @@ class ModelConfig:
     cross_attn_gate_scale: float = 1.0
     # LLaVA family: the token id of <image>; the image features overwrite its positions.
     image_token_id: int = -1
+    # Qwen2-VL family: <|vision_start|> and <|vision_end|>, around each image's image_token_id block
+    vision_start_id: int = -1
+    vision_end_id: int = -1
 
     @property
     def layout(self) -> ImageLayout | None:
@@ -271,7 +296,40 @@ def _moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks}  # by the model JSON's `family`
+def _qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """The Qwen2-VL family's tower (merge units, windows, norm, MLP), multimodal rotary and special ids."""
+    v, t = cfg.vision, cfg.text
+    unit = v.patch_size * v.merge_size  # px per merged token side
+    ids = [(0 <= getattr(cfg, k) < t.vocab_size, k, f"{getattr(cfg, k)} is not a token id of the "
+            f"{t.vocab_size}-token vocabulary") for k in ("image_token_id", "vision_start_id", "vision_end_id")]
+    return ids + [
+        (v.merge_size >= 1 and v.temporal_patch_size >= 1, "vision.merge_size",
+         f"{v.merge_size} / temporal_patch_size {v.temporal_patch_size} must be >= 1"),
+        (v.norm in ("layernorm", "rmsnorm"), "vision.norm", f"'{v.norm}' (valid: layernorm, rmsnorm)"),
+        (v.mlp in ("gelu", "swiglu"), "vision.mlp", f"'{v.mlp}' (valid: gelu, swiglu)"),
+        (v.act == "silu" if v.mlp == "swiglu" else v.act in VISION_ACTS, "vision.act",
+         f"'{v.act}' with mlp '{v.mlp}' (valid: silu with swiglu; {', '.join(VISION_ACTS)} with gelu)"),
+        ((v.dim // v.n_heads) % 4 == 0, "vision.dim", f"{v.dim} / {v.n_heads} heads: the 2D rotary needs a head "
+         f"width divisible by 4"),
+        (v.window_size >= 0 and v.window_size % unit == 0, "vision.window_size",
+         f"{v.window_size} must be a multiple of patch_size x merge_size = {unit} (0: no windows)"),
+        (all(0 <= i < v.n_layers for i in v.fullatt_blocks), "vision.fullatt_blocks",
+         f"{list(v.fullatt_blocks)}: block indices of a {v.n_layers}-block tower"),
+        (v.image_size % unit == 0, "vision.image_size", f"{v.image_size} is not a multiple of {unit}"),
+        (0 <= v.min_pixels and (not v.max_pixels or v.min_pixels <= v.max_pixels), "vision.min_pixels",
+         f"{v.min_pixels} must be between 0 and max_pixels {v.max_pixels}"),
+        (v.crop_features == 1 and v.max_crops == 0, "vision.max_crops",
+         f"{v.max_crops}: Qwen2-VL resizes an image to its own grid, no crops (valid: 0)"),
+        (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
+        (t.rotary_dim == t.head_dim, "text.partial_rotary_factor",
+         f"{t.partial_rotary_factor}: multimodal rotary turns the whole head (valid: 1.0)"),
+        (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2, "text.mrope_section",
+         f"{list(t.mrope_section)}: 3 sections summing to head_dim / 2 = {t.head_dim // 2}"),
+    ]
+
+
+FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks,
+                 "qwen2_vl": _qwen2_vl_checks}  # by the model JSON's `family`
 
 
 def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:
@@ -320,7 +378,7 @@ def config_from_dict(data: dict, name: str) -> ModelConfig:
         text=_build(TextConfig, data["text"], f"model config '{name}': text"),
         proj_inner_dim=int(data.get("proj_inner_dim", 4 * data["text"].get("dim", 0))),
         **{k: data[k] for k in ("fusion", "cross_attn_every", "cross_attn_heads", "cross_attn_gate_scale",
-                                "image_token_id") if k in data},
+                                "image_token_id", "vision_start_id", "vision_end_id") if k in data},
     )
     cfg.validate()
     return cfg

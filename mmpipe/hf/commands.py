@@ -25,11 +25,19 @@ from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map
 from .moondream import REGION_FILE, export_moondream, import_moondream, load_region, save_region
+from .qwen2_vl import export_hf as export_qwen2_vl
+from .qwen2_vl import hf_qwen_config, import_qwen2_vl, is_qwen2_vl
+from .qwen2_vl import key_map as qwen2_vl_key_map
+
+# the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory)
+HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf_config(cfg))), export_hf),
+         "Qwen2VLForConditionalGeneration": (qwen2_vl_key_map, export_qwen2_vl)}
 
 
 def add_import_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", help="a LlavaForConditionalGeneration directory (config.json + safetensors)")
+    src.add_argument("--hf", help="a LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration or "
+                                  "Qwen2_5_VLForConditionalGeneration directory (config.json + safetensors)")
     src.add_argument("--vision", help="a CLIP / SigLIP vision-model directory (with --lm: LLaVA stage-1 start)")
     src.add_argument("--moondream", help="a moondream .safetensors file (current or legacy names; needs --preset)")
     p.add_argument("--lm", help="a Llama / Qwen2 / Mistral causal-LM directory (with --vision)")
@@ -65,7 +73,7 @@ def main_import(args: argparse.Namespace) -> int:
         if args.dry_run:
             return _import_plan(args)
         if args.hf:
-            model, report = import_llava(args.hf)
+            model, report = (import_qwen2_vl if is_qwen2_vl(args.hf) else import_llava)(args.hf)
             note = report.summary()
         elif args.vision:
             model, report = import_parts(args.vision, args.lm, feature_layer=args.feature_layer,
@@ -109,7 +117,9 @@ def _import_plan(args: argparse.Namespace) -> int:
     """--dry-run: the source's config (or preset and tokenizer) read and checked; no weight read."""
     cfg = None
     if args.hf:
-        cfg, source = hf_llava_config(args.hf)[1], f"{Path(args.hf).resolve()} (HF LLaVA)"
+        qwen = is_qwen2_vl(args.hf)
+        cfg = (hf_qwen_config if qwen else hf_llava_config)(args.hf)[1]
+        source = f"{Path(args.hf).resolve()} (HF {'Qwen2-VL' if qwen else 'LLaVA'})"
     elif args.vision:
         for flag, d in (("--vision", args.vision), ("--lm", args.lm)):
             if not (Path(d) / "config.json").is_file():
@@ -150,9 +160,10 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 def consolidated(model, layout: str = "current", region=None) -> dict[str, torch.Tensor]:
     """Every weight once, in the family's ecosystem names: HF's where it has an HF class, else moondream's
     (with its region head, when given)."""
-    if family_of(model.cfg).weight_names == "hf":
+    fam = family_of(model.cfg)
+    if fam.weight_names == "hf":
         state = model.state_dict()
-        names = key_map(model.cfg, _hf_names(hf_config(model.cfg)))
+        names = HF_IO[fam.hf_class][0](model.cfg)
         return {h: state[m].detach().contiguous() for m, h in names.items()}
     return export_moondream(model, layout, region)
 
@@ -174,8 +185,8 @@ def main_export(args: argparse.Namespace) -> int:
             raise ConfigError(f"--checkpoint: {run} has no model.json (give an mmpipe run directory)")
         cfg = config_from_dict(json.loads((run / "model.json").read_text()), run.name)
         if args.format in ("hf", "peft") and not family_of(cfg).hf_class:
-            raise ConfigError(f"--format {args.format}: only the LLaVA family has an HF model class; use --format "
-                              f"safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
+            raise ConfigError(f"--format {args.format}: only the LLaVA and Qwen2-VL families have an HF model class; "
+                              f"use --format safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
         if family_of(cfg).weight_names is None:  # moondream's names would miss its cross-attention layers
             raise ConfigError(f"--format {args.format}: the {cfg.fusion} family's layers have no names outside "
                               f"mmpipe (no HF or moondream model holds them); its run directory is the checkpoint")
@@ -197,7 +208,7 @@ def main_export(args: argparse.Namespace) -> int:
         wrote = write_processor(tok, cfg, Path(args.out) / "base")  # OUT/base serves as a checkpoint too
         write_processor(tok, cfg, Path(args.out))
     elif args.format == "hf":
-        export_hf(model, args.out)
+        HF_IO[family_of(cfg).hf_class][1](model, args.out)
         wrote = write_processor(tok, cfg, Path(args.out))
     else:
         from safetensors.torch import save_file

@@ -6,6 +6,8 @@ through `family_of(cfg)` rather than by comparing the `family` / `fusion` string
                       (mmpipe.model.cross_attention)
     LLAVA             family llava: CLIP / SigLIP tower, Llama / Qwen2 decoder, the image on <image>
                       placeholders (mmpipe.model.llava)
+    QWEN2_VL          family qwen2_vl: Qwen2-VL / Qwen2.5-VL (by config), each image as many placeholders
+                      as its grid gives, the grids kept to the head (mmpipe.model.qwen2_vl)
 
 Where the image enters the decoder and which fields a family checks are the config's to know
 (mmpipe.config.LAYOUTS, FAMILY_CHECKS, read as cfg.layout): the data side needs them too, and the
@@ -34,6 +36,7 @@ from .llava import (
     llava_specs,
     tied_head,
 )
+from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,15 @@ LLAVA = Family(
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     hf_class="LlavaForConditionalGeneration", weight_names="hf")
 
-FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA)
+# Its vision layers are costed on the row's patch budget (costs.QWEN_*, per_row: mmpipe.planning.costmodel)
+QWEN2_VL = Family(
+    "qwen2_vl", "prefix", qwen2_vl_specs, (QwenVisionBlock, QwenBlock),
+    {QwenPatchEmbed: costs.QWEN_PATCH_EMBED, QwenVisionBlock: costs.QWEN_VISION_BLOCK, QwenMerger: costs.QWEN_MERGER,
+     QwenEmbed: costs.QWEN_EMBED, QwenBlock: costs.QWEN_BLOCK, FinalNorm: costs.FINAL_NORM,
+     LMHeadLinear: costs.LM_HEAD, tied_head: costs.LM_HEAD},
+    hf_class="Qwen2VLForConditionalGeneration", weight_names="hf")  # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
+
+FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL)
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -167,10 +167,10 @@ class LlamaAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, ff_dim: int):
+    def __init__(self, dim: int, ff_dim: int, bias: bool = False):  # bias: Qwen2.5-VL's vision MLP
         super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(dim, ff_dim, bias=False), nn.Linear(dim, ff_dim, bias=False)
-        self.down_proj = nn.Linear(ff_dim, dim, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(dim, ff_dim, bias=bias), nn.Linear(dim, ff_dim, bias=bias)
+        self.down_proj = nn.Linear(ff_dim, dim, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -199,9 +199,13 @@ class LlamaBlock(nn.Module):
     def run(self, t: StageTuple, start: int, cache: dict | None = None):
         """t.hidden [B, T, D] -> [B, T, D]: causal within each sample of the row, RoPE positions from 0 per
         sample (forward, prefill: start 0), or generation's new positions start.. (row_geometry)."""
-        mask, rotary = row_geometry(t.segments, self.self_attn.head_dim, self.self_attn.theta, start=start)
+        mask, rotary = self.geometry(t, start, cache)
         x = t.hidden + self.self_attn(self.input_layernorm(t.hidden), mask, rotary, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def geometry(self, t: StageTuple, start: int, cache: dict | None):
+        """(mask, (cos, sin)) for t's positions: row_geometry's (QwenBlock's multimodal rotary overrides it)."""
+        return row_geometry(t.segments, self.self_attn.head_dim, self.self_attn.theta, start=start)
 
 
 class FinalNorm(nn.Module):
@@ -235,12 +239,17 @@ class LMHeadLinear(nn.Module):
         return self(t.pack())
 
 
-def llava_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    v, t = cfg.vision, cfg.text
-    embed = (TiedLayerSpec("embed", LlavaEmbed, cfg, tied_weight_attr="embed_tokens.weight")
-             if t.tie_embeddings else LayerSpec(LlavaEmbed, cfg))
-    head = (TiedLayerSpec("embed", LlavaEmbed, cfg, forward_fn=tied_head, tied_weight_attr="embed_tokens.weight")
+def decoder_specs(cfg: ModelConfig, embed=None, block=None) -> list[LayerSpec]:
+    """The text side of the LLaVA-shaped families: the embedding `embed` (LlavaEmbed; tied with the head
+    through TiedLayerSpec when text.tie_embeddings), `block` (LlamaBlock) x n_layers, FinalNorm, the head."""
+    embed, block, t = embed or LlavaEmbed, block or LlamaBlock, cfg.text
+    first = (TiedLayerSpec("embed", embed, cfg, tied_weight_attr="embed_tokens.weight")
+             if t.tie_embeddings else LayerSpec(embed, cfg))
+    head = (TiedLayerSpec("embed", embed, cfg, forward_fn=tied_head, tied_weight_attr="embed_tokens.weight")
             if t.tie_embeddings else LayerSpec(LMHeadLinear, cfg))
-    return ([LayerSpec(VisionEmbed, cfg)] + [LayerSpec(TowerBlock, cfg) for _ in range(v.n_blocks_used)]
-            + [LayerSpec(LlavaProjector, cfg), embed] + [LayerSpec(LlamaBlock, cfg) for _ in range(t.n_layers)]
-            + [LayerSpec(FinalNorm, cfg), head])
+    return [first] + [LayerSpec(block, cfg) for _ in range(t.n_layers)] + [LayerSpec(FinalNorm, cfg), head]
+
+
+def llava_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    return ([LayerSpec(VisionEmbed, cfg)] + [LayerSpec(TowerBlock, cfg) for _ in range(cfg.vision.n_blocks_used)]
+            + [LayerSpec(LlavaProjector, cfg)] + decoder_specs(cfg))

@@ -1,0 +1,228 @@
+"""Qwen2-VL / Qwen2.5-VL in and out of Hugging Face: Qwen2VLForConditionalGeneration /
+Qwen2_5_VLForConditionalGeneration directories <-> mmpipe's layer list (mmpipe.model.qwen2_vl).
+
+Names. mmpipe's single-device model names a weight "<layer index>.<HF sub-name>", so the map is a prefix
+per layer, e.g. for a 2-block tower:
+
+    0.proj.weight                <->  model.visual.patch_embed.proj.weight
+    2.attn.qkv.weight            <->  model.visual.blocks.1.attn.qkv.weight
+    3.mlp.0.weight               <->  model.visual.merger.mlp.0.weight
+    5.self_attn.q_proj.bias      <->  model.language_model.layers.0.self_attn.q_proj.bias
+
+Checkpoints in the layout of the Hub's Qwen2-VL releases (visual.*, model.layers.*, model.embed_tokens.*)
+are renamed to the installed transformers' first. Every source tensor is mapped (a tied lm_head must
+equal the input embedding) or the import fails naming the tensor; so does a missing or misshapen one.
+The generation is the HF config's model_type: qwen2_vl (LayerNorm, fc1 / fc2 quick_gelu, full attention)
+or qwen2_5_vl (RMSNorm, SwiGLU with bias, window attention outside its fullatt_block_indexes).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, ModelConfig, TextConfig, VisionConfig
+from ..model.builder import ReferenceModel
+from ..model.llava import FinalNorm, LMHeadLinear
+from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
+from .llava import CLIP_MEAN, CLIP_STD, ImportReport
+from .safetensors_io import read_weights
+
+HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+LEGACY = [(r"^visual\.", "model.visual."), (r"^model\.(?!visual\.|language_model\.)", "model.language_model.")]
+# HF name prefix of each layer class; "{}" takes the layer's index among those of its class
+PREFIX = {QwenPatchEmbed: "model.visual.patch_embed.", QwenVisionBlock: "model.visual.blocks.{}.",
+          QwenMerger: "model.visual.merger.", QwenEmbed: "model.language_model.",
+          QwenBlock: "model.language_model.layers.{}.", FinalNorm: "model.language_model.", LMHeadLinear: ""}
+DEFAULT_PIXELS = (56 * 56, 28 * 28 * 1280)  # transformers' Qwen2VLImageProcessor's min / max pixels
+
+
+def _fail(where: str, msg: str):
+    raise ConfigError(f"{where}: {msg}")
+
+
+def model_type(path: str | Path) -> str | None:
+    """config.json's model_type, or None when there is none to read (the LLaVA importer then says why)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_qwen2_vl(path: str | Path) -> bool:
+    return model_type(path) in HF_CLASSES
+
+
+def _processor(path: Path) -> dict:
+    """The directory's image processor settings: preprocessor_config.json, or processor_config.json's
+    image_processor section; {} when neither is there."""
+    f, g = path / "preprocessor_config.json", path / "processor_config.json"
+    return (json.loads(f.read_text()) if f.is_file() else
+            json.loads(g.read_text()).get("image_processor", {}) if g.is_file() else {})
+
+
+def _vision(hf, proc: dict) -> VisionConfig:
+    vc, v25 = hf.vision_config, hf.model_type == "qwen2_5_vl"
+    theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
+    if theta != VISION_THETA:
+        _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
+    size = proc.get("size") or {}
+    lo = int(proc.get("min_pixels") or size.get("shortest_edge") or DEFAULT_PIXELS[0])
+    hi = int(proc.get("max_pixels") or size.get("longest_edge") or DEFAULT_PIXELS[1])
+    unit = vc.patch_size * vc.spatial_merge_size
+    dim = vc.hidden_size if v25 else vc.embed_dim
+    return VisionConfig(
+        image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=dim,
+        n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size if v25 else int(dim * vc.mlp_ratio),
+        channels=vc.in_channels, mean=tuple(proc.get("image_mean") or CLIP_MEAN),
+        std=tuple(proc.get("image_std") or CLIP_STD), ln_eps=1e-6, act=vc.hidden_act,
+        temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+        window_size=vc.window_size if v25 else 0, fullatt_blocks=tuple(vc.fullatt_block_indexes) if v25 else (),
+        norm="rmsnorm" if v25 else "layernorm", mlp="swiglu" if v25 else "gelu", min_pixels=lo, max_pixels=hi)
+
+
+def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfig:
+    """A Qwen2VLConfig / Qwen2_5_VLConfig (+ its image processor's settings) -> the mmpipe config.
+    Refuses what the layers do not implement."""
+    tc = hf.text_config
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        _fail("text_config.rope_parameters", f"rope_type '{rope['rope_type']}' (RoPE scaling) is not supported")
+    if getattr(tc, "use_sliding_window", False):
+        _fail("text_config.use_sliding_window", "sliding-window attention is not implemented")
+    if tc.hidden_act != "silu":
+        _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
+    out = hf.vision_config.hidden_size if hf.model_type == "qwen2_vl" else hf.vision_config.out_hidden_size
+    if out != tc.hidden_size:
+        _fail("vision_config", f"the merger's output width {out} is not the decoder's hidden_size {tc.hidden_size}")
+    text = TextConfig(
+        dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
+        ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
+        partial_rotary_factor=1.0, rope_theta=float(rope.get("rope_theta", 1000000.0)), ln_eps=tc.rms_norm_eps,
+        n_kv_heads=tc.num_key_value_heads, qkv_bias=True,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
+        mrope_section=tuple(rope.get("mrope_section", (16, 24, 24))))
+    vision = _vision(hf, proc or {})
+    cfg = ModelConfig(name=name, family="qwen2_vl", vision=vision, text=text,
+                      proj_inner_dim=vision.dim * vision.merge_size ** 2, image_token_id=hf.image_token_id,
+                      vision_start_id=hf.vision_start_token_id, vision_end_id=hf.vision_end_token_id)
+    cfg.validate()
+    return cfg
+
+
+def hf_config(cfg: ModelConfig):
+    """mmpipe Qwen2-VL-family config -> the HF config of its generation (Qwen2.5-VL: the SwiGLU tower)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    v, t = cfg.vision, cfg.text
+    v25 = v.mlp == "swiglu"
+    common = dict(depth=v.n_layers, num_heads=v.n_heads, in_channels=v.channels, patch_size=v.patch_size,
+                  spatial_merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size, hidden_act=v.act)
+    vision = (dict(common, hidden_size=v.dim, intermediate_size=v.ff_dim, out_hidden_size=t.dim,
+                   window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_blocks)) if v25 else
+              dict(common, embed_dim=v.dim, hidden_size=t.dim, mlp_ratio=v.ff_dim / v.dim))
+    text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
+                num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, vocab_size=t.vocab_size,
+                max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps, tie_word_embeddings=t.tie_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta,
+                                 "mrope_section": list(t.mrope_section)})
+    return (Qwen2_5_VLConfig if v25 else Qwen2VLConfig)(
+        vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
+        vision_start_token_id=cfg.vision_start_id, vision_end_token_id=cfg.vision_end_id,
+        tie_word_embeddings=t.tie_embeddings)
+
+
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """mmpipe name -> HF name for every weight of the mmpipe model (a tied head has none of its own)."""
+    with torch.device("meta"):
+        model = ReferenceModel(cfg)
+    out, seen = {}, {}
+    for i, layer in enumerate(model):
+        if not layer.state_dict():  # a tied head's later use (builder.TiedCall)
+            continue
+        if type(layer) not in PREFIX:
+            raise TypeError(f"no HF name for layer {i} ({type(layer).__name__})")
+        prefix = PREFIX[type(layer)].format(seen.get(type(layer), 0))
+        seen[type(layer)] = seen.get(type(layer), 0) + 1
+        out.update({f"{i}.{sub}": prefix + sub for sub in layer.state_dict()})
+    return out
+
+
+def canonical(name: str) -> str:
+    """A source tensor name in the installed transformers' layout (the Hub releases' renamed)."""
+    for pat, new in LEGACY:
+        name = re.sub(pat, new, name)
+    return name
+
+
+def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where: str) -> ImportReport:
+    """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
+    by_hf = {h: m for m, h in key_map(model.cfg).items()}
+    state, report, embed = model.state_dict(), ImportReport(), "model.language_model.embed_tokens.weight"
+    source = {canonical(k): (k, t) for k, t in source.items()}
+    for name, (src, tensor) in source.items():
+        if name == "lm_head.weight" and model.cfg.text.tie_embeddings:
+            if embed in source and not torch.equal(source[embed][1], tensor):
+                _fail(where, f"tensor '{src}': the config ties embeddings but it differs from the input embedding")
+            report.mapped += 1
+            continue
+        if name not in by_hf:
+            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a {HF_CLASSES['qwen2_vl']}")
+        mine = by_hf[name]
+        if tuple(state[mine].shape) != tuple(tensor.shape):
+            _fail(where, f"tensor '{src}' has shape {tuple(tensor.shape)}, "
+                         f"the model expects {tuple(state[mine].shape)}")
+        state[mine] = tensor.to(state[mine].dtype)
+        report.mapped += 1
+    missing = sorted(set(by_hf) - set(source))
+    if missing:
+        _fail(where, f"no tensor for '{missing[0]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    model.load_state_dict(state)
+    return report
+
+
+def hf_qwen_config(path: str | Path):
+    """An HF Qwen2-VL / Qwen2.5-VL directory's (HF config, mmpipe config); no weight is read."""
+    from transformers import AutoConfig
+    path = Path(path)
+    try:
+        hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        _fail(str(path), f"cannot read config.json ({' '.join(str(e).split())})")
+    return hf, config_from_hf(hf, path.name, _processor(path))
+
+
+def import_qwen2_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF Qwen2VL / Qwen2_5_VL ForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    path = Path(path)
+    _, cfg = hf_qwen_config(path)
+    model = ReferenceModel(cfg).to(dtype)
+    return model, import_weights(model, read_weights(path), str(path))
+
+
+def image_processor(v: VisionConfig):
+    """transformers' Qwen2VLImageProcessor at the model's patch, merge, resize bounds, mean and std."""
+    from transformers import Qwen2VLImageProcessor
+    return Qwen2VLImageProcessor(min_pixels=v.min_pixels, max_pixels=v.max_pixels, patch_size=v.patch_size,
+                                 temporal_patch_size=v.temporal_patch_size, merge_size=v.merge_size,
+                                 image_mean=list(v.mean), image_std=list(v.std))
+
+
+def export_hf(model: ReferenceModel, out: str | Path) -> Path:
+    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads."""
+    import transformers
+    cfg = model.cfg
+    hf = hf_config(cfg)
+    hf_model = getattr(transformers, HF_CLASSES[hf.model_type])(hf)
+    mine, theirs = model.state_dict(), hf_model.state_dict()
+    state = {h: mine[m].detach().to(theirs[h].dtype) for m, h in key_map(cfg).items()}
+    if cfg.text.tie_embeddings:
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    hf_model.load_state_dict(state, strict=True)
+    out = Path(out)
+    hf_model.save_pretrained(out)
+    if cfg.vision.max_pixels:
+        image_processor(cfg.vision).save_pretrained(out)
+    return out

@@ -1,0 +1,253 @@
+"""The Qwen2-VL / Qwen2.5-VL layers: one family, the generations differ by config (mmpipe.config.VisionConfig).
+
+Layer list (`qwen2_vl_specs`), Qwen2.5-VL-7B as the example; a row holds P vision patches (slot order,
+each image's patches contiguous in the image processor's order: merge units of 4 consecutive patches,
+then zero padding) and L decoder positions; `tiling` [B, M, 3] is each slot's grid (t, h, w) in patches
+and stays in the stage tuple to the head (mmpipe.model.stage):
+
+    QwenPatchEmbed      pixels [B, P, 1176] -> [B, P, 1280]: the Conv3d (2 frames x 14 x 14) as one matmul
+    QwenVisionBlock x 32  2D rotary per patch from its (row, col) in its image; attention within its image
+                        (frame), or in a non-full block (Qwen2.5: all but 7, 15, 23, 31) within its window of
+                        window_size / patch / merge = 4 x 4 merge units; a padding patch sees itself only
+    QwenMerger          ln_q, 4 consecutive patches as one, Linear GELU Linear: [B, P/4, 3584]
+    QwenEmbed           embed_tokens; row b's image_token_id positions take row b's first n_b merged tokens
+    QwenBlock x 28      the Qwen2 decoder block, multimodal rotary (3 x [B, L] positions from each sample's
+                        ids and grids, as transformers' get_rope_index), causal within each sample
+    FinalNorm, head     mmpipe.model.llava's (tied when text.tie_embeddings)
+
+Attention is masked densely ([B, 1, P, P] from the grids): no window permutation is needed, as masked
+attention is permutation-equivariant and the merger reads 4 consecutive patches either way.
+Parameter names follow transformers' modules, so mmpipe.hf.qwen2_vl maps them one to one.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec
+from torch import nn
+
+from ..config import ModelConfig, VisionConfig
+from .attention import FusedAttention, row_mask, row_positions
+from .llava import LlamaBlock, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
+from .stage import StageTuple
+
+VISION_THETA = 10000.0  # the tower's 2D rotary base (transformers' vision rope_parameters)
+
+
+def _norm(v: VisionConfig) -> nn.Module:
+    return nn.RMSNorm(v.dim, eps=v.ln_eps) if v.norm == "rmsnorm" else nn.LayerNorm(v.dim, eps=v.ln_eps)
+
+
+def used_grids(tiling: torch.Tensor, has_image: torch.Tensor) -> torch.Tensor:
+    """tiling [B, M, 3] with the unused slots' grids zeroed (has_image 0): the grids the row holds."""
+    return tiling * (has_image > 0)[..., None]
+
+
+class Patches(NamedTuple):
+    """Each of a row's P patches: its slot (M: padding), frame, and (row, col) in its image's patch grid."""
+    slot: torch.Tensor
+    frame: torch.Tensor
+    row: torch.Tensor
+    col: torch.Tensor
+
+
+def patch_coords(grids: torch.Tensor, P: int, merge: int) -> Patches:
+    """grids [B, M, 3] -> each patch's place (Patches, [B, P] each). Within a frame the processor's order is
+    merge units in raster order, each unit's merge x merge patches in raster order (transformers'
+    vision_utils.get_vision_position_ids)."""
+    B, M, _ = grids.shape
+    n = grids.prod(-1)  # [B, M] patches per slot
+    ends = n.cumsum(-1)
+    if bool((ends[:, -1] > P).any()):
+        raise ValueError(f"image grids of {ends[:, -1].max().item()} patches in a row of {P} (the row's patch budget)")
+    p = torch.arange(P, device=grids.device).expand(B, P).contiguous()
+    slot = torch.searchsorted(ends, p, right=True)  # [B, P]; M past the last image (padding)
+    s = slot.clamp(max=M - 1)
+    g = grids.gather(1, s[..., None].expand(-1, -1, 3))  # [B, P, 3]
+    within = p - (ends - n).gather(1, s)
+    hw, bw = (g[..., 1] * g[..., 2]).clamp(min=1), (g[..., 2] // merge).clamp(min=1)
+    i = within % hw
+    row = i // (merge * merge * bw) * merge + (i // merge) % merge
+    col = (i // (merge * merge)) % bw * merge + i % merge
+    return Patches(slot, within // hw, row, col)
+
+
+def _same(a: torch.Tensor) -> torch.Tensor:
+    return a[:, :, None] == a[:, None, :]
+
+
+def vision_geometry(t: StageTuple, v: VisionConfig, full: bool):
+    """(mask bool [B, 1, P, P], (cos, sin) [B, 1, P, head_dim]) of a vision block: attention within each
+    image's frame (and, full False, its window of merge units); padding patches see themselves only.
+    The rotary turns each head's quarters by (row, col, row, col) x the frequencies of head_dim / 4."""
+    B, P = t.hidden.shape[:2]
+    c = patch_coords(used_grids(t.tiling, t.has_image), P, v.merge_size)
+    allowed = _same(c.slot) & _same(c.frame) & (c.slot < t.tiling.shape[1])[:, :, None]
+    if not full:
+        unit = v.merge_size * (v.window_size // (v.patch_size * v.merge_size))  # patches per window side
+        allowed = allowed & _same(c.row // unit) & _same(c.col // unit)
+    allowed = allowed | torch.eye(P, dtype=torch.bool, device=allowed.device)
+    half = v.dim // v.n_heads // 2
+    inv = 1.0 / (VISION_THETA ** (torch.arange(0, half, 2, device=t.hidden.device, dtype=torch.float32) / half))
+    f = torch.cat([c.row[..., None] * inv, c.col[..., None] * inv], dim=-1)  # [B, P, head_dim / 2]
+    emb = torch.cat([f, f], dim=-1)[:, None]
+    return allowed[:, None], (emb.cos(), emb.sin())
+
+
+def mrope_positions(ids: torch.Tensor, segments: torch.Tensor, grids: torch.Tensor, token: int,
+                    merge: int) -> torch.Tensor:
+    """The decoder's multimodal positions long [3, B, L] (temporal, height, width), per sample from 0 as
+    transformers' get_rope_index: a text token is one more than the position before it (all three
+    alike); an image block starting at s gives its merged token (f, r, c) positions (s + f, s + r, s + c)
+    and the text after it continues at s + max(h, w) / merge. The k-th block of image tokens in a row is
+    the row's k-th used slot (grids: used_grids); padding (segment 0) gets positions no one attends to."""
+    B, L = ids.shape
+    rp = row_positions(segments)  # index within its sample
+    img = (ids == token) & (segments > 0)
+    n = grids.prod(-1) // (merge * merge)  # [B, M] merged tokens per slot
+    ends = n.cumsum(-1)
+    rank = (img.long().cumsum(-1) - 1).clamp(min=0)
+    slot = torch.searchsorted(ends, rank, right=True).clamp(max=grids.shape[1] - 1)
+    g = grids.gather(1, slot[..., None].expand(-1, -1, 3))
+    n_tok = n.gather(1, slot)
+    within = rank - (ends - n).gather(1, slot)
+    lh, lw = g[..., 1] // merge, (g[..., 2] // merge).clamp(min=1)
+    hw = (lh * lw).clamp(min=1)
+    # each block's last token adds (max(lh, lw) - its tokens) to every position after it in its sample
+    d = torch.where(img & (within == n_tok - 1), torch.maximum(lh, lw) - n_tok, torch.zeros_like(n_tok))
+    before = d.cumsum(-1) - d
+    start = torch.arange(L, device=ids.device).expand(B, L) - rp  # each position's sample start
+    base = torch.where(img, rp - within, rp) + before - before.gather(1, start)
+    zero = torch.zeros_like(base)
+    k = within % hw
+    return torch.stack([base + torch.where(img, within // hw, zero), base + torch.where(img, k // lw, zero),
+                        base + torch.where(img, k % lw, zero)])
+
+
+def rope_delta(positions: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """[B]: the row's last sample's largest position + 1 - its length; a token generated after a prompt of
+    T positions sits at T + delta (transformers' rope_deltas)."""
+    last = segments == segments.amax(-1, keepdim=True)
+    top = positions.amax(0).masked_fill(~last, torch.iinfo(positions.dtype).min).amax(-1)
+    return top + 1 - last.sum(-1)
+
+
+def mrope_rotary(positions: torch.Tensor, head_dim: int, theta: float, section: tuple[int, ...]):
+    """cos, sin [B, 1, L, head_dim]: frequency j turns by the position of its section's axis (t, h, w)."""
+    dev = positions.device
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=dev, dtype=torch.float32) / head_dim))
+    axis = torch.repeat_interleave(torch.arange(len(section), device=dev) % 3, torch.tensor(section, device=dev))
+    f = positions[axis].permute(1, 2, 0).float() * inv  # [B, L, head_dim / 2]
+    emb = torch.cat([f, f], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+class QwenPatchEmbed(nn.Module):
+    """pixel_values [B, P, C x T x p x p] (the processor's flattened patches) -> [B, P, D_v]: the Conv3d with
+    stride = kernel is one matmul per patch."""
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        k = (v.temporal_patch_size, v.patch_size, v.patch_size)
+        self.proj = nn.Conv3d(v.channels, v.dim, k, stride=k, bias=False)
+
+    def forward(self, inputs):
+        t = StageTuple.unpack(inputs)
+        w = self.proj.weight
+        return t._replace(hidden=F.linear(t.hidden.to(w.dtype), w.flatten(1))).pack()
+
+
+class QwenVisionBlock(nn.Module):
+    """norm1, attention (fused qkv with bias, 2D rotary), norm2, MLP (Qwen2: fc1 / fc2; Qwen2.5: SwiGLU with
+    bias). full False: attention within windows (vision_geometry)."""
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig, full: bool = True):
+        super().__init__()
+        v = self.v = cfg.vision
+        self.full = full
+        self.norm1, self.norm2 = _norm(v), _norm(v)
+        self.attn = FusedAttention(v.dim, v.n_heads)
+        self.mlp = SwiGLU(v.dim, v.ff_dim, bias=True) if v.mlp == "swiglu" else TowerMLP(v.dim, v.ff_dim, v.act)
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)
+        mask, rotary = vision_geometry(t, self.v, self.full)
+        x = t.hidden + self.attn(self.norm1(t.hidden), mask=mask, rotary=rotary)
+        return t._replace(hidden=x + self.mlp(self.norm2(x))).pack()
+
+
+class QwenMerger(nn.Module):
+    """ln_q, then each merge unit's merge^2 consecutive patches as one vector, mlp.0 GELU mlp.2:
+    [B, P, D_v] -> [B, P / merge^2, D_text]."""
+    group = "projector"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.unit = v.merge_size ** 2
+        wide = v.dim * self.unit
+        self.ln_q = _norm(v)
+        self.mlp = nn.Sequential(nn.Linear(wide, wide), nn.GELU(), nn.Linear(wide, cfg.text.dim))
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)
+        x = self.ln_q(t.hidden)
+        B, P, D = x.shape
+        return t._replace(hidden=self.mlp(x.reshape(B, P // self.unit, self.unit * D))).pack()
+
+
+class QwenEmbed(LlavaEmbed):
+    """Token embedding; row b's image_token_id positions take row b's merged image tokens in order (the
+    first n_b of its P / merge^2, n_b from its used slots' grids); the rest are padding. The same module
+    is the tied head (mmpipe.model.llava.tied_head); decode: LlavaEmbed's."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.unit = cfg.vision.merge_size ** 2
+
+    def forward(self, args):
+        t = StageTuple.unpack(args)  # hidden: merged image tokens [B, P / merge^2, D]
+        emb = self.embed_tokens(t.input_ids)
+        where = t.input_ids == self.image_token_id
+        have, want = where.sum(-1), used_grids(t.tiling, t.has_image).prod(-1).sum(-1) // self.unit
+        if not torch.equal(have, want):
+            b = int((have != want).nonzero()[0, 0])
+            raise ValueError(f"row {b}: {int(have[b])} image placeholder positions (id {self.image_token_id}) for "
+                             f"{int(want[b])} merged image tokens (its slots' grids)")
+        feats = t.hidden.to(emb.dtype)
+        rank = (where.cumsum(-1) - 1).clamp(min=0, max=feats.shape[1] - 1)
+        picked = feats.gather(1, rank[..., None].expand(-1, -1, feats.shape[-1]))
+        return t._replace(hidden=torch.where(where[..., None], picked, emb)).pack()
+
+
+class QwenBlock(LlamaBlock):
+    """The Qwen2 decoder block (LlamaBlock with qkv bias) under multimodal rotary positions. Cached decoding:
+    the prefill stores the row's rope delta in the layer's cache; new positions are start + delta."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.token, self.merge, self.section = cfg.image_token_id, cfg.vision.merge_size, cfg.text.mrope_section
+
+    def geometry(self, t: StageTuple, start: int, cache: dict | None):
+        hd, theta = self.self_attn.head_dim, self.self_attn.theta
+        if start == 0:
+            pos = mrope_positions(t.input_ids, t.segments, used_grids(t.tiling, t.has_image), self.token, self.merge)
+            if cache is not None:
+                cache["rope_delta"] = rope_delta(pos, t.segments)
+            return row_mask(t.segments), mrope_rotary(pos, hd, theta, self.section)
+        T = t.segments.shape[-1]
+        pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
+        return None, mrope_rotary(pos.expand(3, -1, -1), hd, theta, self.section)
+
+
+def qwen2_vl_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    v = cfg.vision
+    blocks = [LayerSpec(QwenVisionBlock, cfg, full=not v.window_size or i in v.fullatt_blocks)
+              for i in range(v.n_layers)]
+    return ([LayerSpec(QwenPatchEmbed, cfg)] + blocks + [LayerSpec(QwenMerger, cfg)]
+            + decoder_specs(cfg, QwenEmbed, QwenBlock))
