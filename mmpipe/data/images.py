@@ -15,8 +15,6 @@ import threading
 import numpy as np
 import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
-from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as F
 
 from ..config import ConfigError, VisionConfig
 from .records import BadRecord
@@ -193,6 +191,10 @@ class ImageTransform:
         if resize not in RESIZE_MODES:
             raise ConfigError(f"--resize: '{resize}' is not a resize mode (valid: {', '.join(RESIZE_MODES)})")
         self.size, self.resize, self.augment = vision.image_size, resize, augment
+        # imported here, not at the top: torchvision costs ~3 s of CPU per process (it imports its models
+        # and torch._dynamo), paid by every process that imports mmpipe.data, while only the ranks that
+        # decode images (the first stage, the loader's workers) use it
+        from torchvision.transforms import v2
         size = (vision.image_size, vision.image_size)
         steps: list = [v2.ToImage()]  # uint8 [3, H, W]
         if resize == "pad":
@@ -228,4 +230,5 @@ class _PadToSquare:
         h, w = img.shape[-2:]
         side = max(h, w)
         left, top = (side - w) // 2, (side - h) // 2
+        from torchvision.transforms.v2 import functional as F  # see ImageTransform
         return F.pad(img, [left, top, side - w - left, side - h - top], fill=self.fill)
