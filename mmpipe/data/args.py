@@ -37,6 +37,10 @@ class DataArgs:
                                   "its <image> marker), and with --pack the images of a row's samples together "
                                   "(default: 1; with --pack, as many as the data's mean sample fills a row with, "
                                   "docs/packing.md)", metavar="N", group=GROUP)
+    max_patches: int | None = flag(None, "vision patches per row, a dynamic-resolution family's (qwen2_vl) patch "
+                                   "budget, a multiple of merge_size^2; larger images are resized down to fit by the "
+                                   "image processor's own rule (default: --max-images images at vision.max_pixels, "
+                                   "docs/packing.md)", metavar="P", group=GROUP)
     max_image_pixels: int = flag(DEFAULT_MAX_PIXELS, "refuse larger images, a decompression-bomb guard "
                                  f"(default: {DEFAULT_MAX_PIXELS})", group=GROUP)
     resize: str = flag("pad", "pad to square with the mean colour, then resize (default), or squash to square",

@@ -18,9 +18,10 @@ import numpy as np
 from ..config import ConfigError, ModelConfig
 from .args import DataArgs
 from .index import DataIndex, build_index, check_policy, describe, fingerprint, load_index
+from .patches import default_max_patches, patch_rule
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
-from .text import ConversationEncoder, placeholders
+from .text import ConversationEncoder, image_text, placeholders
 from .tokenizer import builtin_tokenizer, load_tokenizer
 
 
@@ -43,6 +44,9 @@ class DataOptions:
     max_images: int = 1         # --max-images: image slots per row (record_images: a record's limit)
     markers: bool = False       # <image> markers place the images (the LLaVA family), else after BOS
     auto_slots: bool = False    # --pack without --max-images: max_images follows from the data (packed_image_slots)
+    max_patches: int = 0        # a dynamic family's row patch budget P (--max-patches, or its default); 0 otherwise
+    auto_patches: bool = False  # P is the default for max_images: it follows them (packed_image_slots)
+    image_text: str | None = None  # what an image marker becomes in the text (mmpipe.data.text.image_text)
 
     @property
     def record_images(self) -> int:
@@ -86,22 +90,63 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
             problems.append(str(e))
     markers = bool(cfg is not None and cfg.layout is not None and cfg.layout.placeholders)
     text_len = row_text_len(args, cfg, SHAPES_TEXT_LEN if args.data == "shapes" else None, problems)
-    if args.augment and cfg is not None and cfg.vision.max_crops:
-        problems.append("--augment: multi-crop images (vision.max_crops) are cut by moondream's fixed rule, which "
-                        "the Projector's stitching assumes; drop --augment or use --max-crops 0")
+    image_text = _image_checks(args, cfg, tok, problems)
     if args.max_image_pixels < 1:
         problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
     if args.data_workers < 0:
         problems.append(f"--data-workers: {args.data_workers} must be >= 0")
+    max_patches = row_patches(args, cfg, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
                        args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples,
                        max_images=args.max_images or 1, markers=markers,
-                       auto_slots=args.pack and args.max_images is None)
+                       auto_slots=args.pack and args.max_images is None, max_patches=max_patches,
+                       auto_patches=bool(max_patches) and args.max_patches is None, image_text=image_text)
 
 
-ROW_FLAGS = ("text_len", "max_images", "pack")  # the row's shape: the data flags `mmpipe plan` takes too
+def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[str]) -> str | None:
+    """--augment against the family's image rule; the text an image marker becomes (text.image_text)."""
+    if args.augment and cfg is not None and cfg.vision.max_crops:
+        problems.append("--augment: multi-crop images (vision.max_crops) are cut by moondream's fixed rule, which "
+                        "the Projector's stitching assumes; drop --augment or use --max-crops 0")
+    if args.augment and dynamic(cfg):
+        problems.append(f"--augment: the {cfg.family} family's images are resized by its image processor's own rule "
+                        f"(mmpipe.data.patches), which has no augmentation; drop --augment")
+    try:
+        return image_text(tok, cfg) if tok is not None and dynamic(cfg) else None
+    except ConfigError as e:
+        problems.append(str(e))
+        return None
+
+
+ROW_FLAGS = ("text_len", "max_images", "pack", "max_patches")  # the row's shape: the data flags `mmpipe plan` takes
+
+
+def dynamic(cfg: ModelConfig | None) -> bool:
+    """A dynamic-resolution family (Qwen2-VL): each image takes the positions its size gives."""
+    return bool(cfg is not None and cfg.layout is not None and getattr(cfg.layout, "dynamic", False))
+
+
+def row_patches(args: DataArgs, cfg: ModelConfig | None, problems: list[str]) -> int:
+    """--max-patches checked against the model: P for a dynamic family (the flag, else
+    default_max_patches), 0 for the others (which refuse the flag). Appends a line per problem."""
+    given = getattr(args, "max_patches", None)
+    if not dynamic(cfg):
+        if given is not None and cfg is not None:
+            problems.append(f"--max-patches: the {cfg.family} family's images are a fixed size; only a "
+                            f"dynamic-resolution family (qwen2_vl) takes a patch budget")
+        return 0
+    v, unit = cfg.vision, cfg.vision.merge_size ** 2
+    p = given if given is not None else default_max_patches(v, args.max_images or 1)
+    least = patch_rule(cfg, p).min_pixels // v.patch_size ** 2
+    if given is not None and (given < least or given % unit):
+        problems.append(f"--max-patches: {given} must be a multiple of merge_size^2 = {unit} and at least {least} "
+                        f"(vision.min_pixels {v.min_pixels} / patch_size^2: the smallest image's patches)")
+    elif p < least:
+        problems.append(f"--max-patches: the model's vision.max_pixels ({v.max_pixels}) leaves no patch budget; "
+                        f"give --max-patches P (a multiple of {unit}, at least {least})")
+    return p
 
 
 def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | None, problems: list[str]) -> int | None:
@@ -121,6 +166,8 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
         # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
         # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
         n_image = cfg.n_image_positions + placeholders(cfg)[1] * max(1, args.max_images or 1)
+        if dynamic(cfg):  # each image's two brackets, and the placeholders of P patches: P / merge^2
+            n_image = 2 * max(1, args.max_images or 1) + row_patches(args, cfg, []) // cfg.vision.merge_size ** 2
         room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
         if text_len is None:
             text_len = default_len or room
@@ -149,7 +196,9 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
     sizes = [samples.tokens(pos) for pos in range(SLOT_SAMPLES)]
     text = sum(len(enc.ids) for enc, _ in sizes)
     images = sum(int(n) for _, n in sizes)
-    return dataclasses.replace(opts, max_images=max(1, round(images * opts.text_len / text)))
+    slots = max(1, round(images * opts.text_len / text))
+    patches = default_max_patches(cfg.vision, slots) if opts.auto_patches else opts.max_patches
+    return dataclasses.replace(opts, max_images=slots, max_patches=patches)
 
 
 def index_dir(out_dir: str | Path) -> Path:
@@ -162,13 +211,13 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     earlier call with the same fingerprint (the front door's, or the run being resumed), or
     builds it. Raises ConfigError for --bad-records strict with bad records, or no good record."""
     if opts.builtin:
-        return ShapesSamples(cfg, seed)
-    index, source = _checked_index(opts, index_dir(out_dir), verbose)
+        return ShapesSamples(cfg, seed, max_patches=opts.max_patches)
+    index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose)
     if opts.holdout:
         index = held_out_cut(index, opts.holdout, "train")
     return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
                           image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
-                          augment=opts.augment)
+                          augment=opts.augment, max_patches=opts.max_patches)
 
 
 def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, shapes: int, *,
@@ -177,15 +226,15 @@ def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed:
     OUTPUT_DIR/eval_data/, built and checked as the training data's), or `shapes` samples of the
     built-in held-out split."""
     if opts.builtin:
-        return EvalSet(ShapesSamples(cfg, seed, "eval"), shapes)
+        return EvalSet(ShapesSamples(cfg, seed, "eval", opts.max_patches), shapes)
     if opts.holdout:  # --eval-split: the held-out part of the training data's own index
-        index, source = _checked_index(opts, index_dir(out_dir), verbose=False)
+        index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose=False)
         index = held_out_cut(index, opts.holdout, "heldout")
     else:
-        index, source = _checked_index(opts, Path(out_dir) / "eval_data", verbose)
+        index, source = _checked_index(opts, cfg, Path(out_dir) / "eval_data", verbose)
     ordered = IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
                              image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
-                             ordered=True)
+                             ordered=True, max_patches=opts.max_patches)
     return EvalSet(ordered, len(index))
 
 
@@ -198,17 +247,23 @@ def held_out_cut(index: DataIndex, fraction: float, part: str) -> DataIndex:
     return index.subset(keep, f"{part}{fraction}")
 
 
-def _checked_index(opts: DataOptions, d: Path, verbose: bool | str):
+def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool | str):
+    rule = patch_rule(cfg, opts.max_patches) if opts.max_patches else None
+    # what the grids depend on: the rule's resize bounds for each image count a record may have (not P itself,
+    # which --pack's slots may raise without changing any grid)
+    grids = None if rule is None else [rule.factor, rule.min_pixels, [rule.cap(n) for n in
+                                                                      range(1, opts.record_images + 1)]]
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels, opts.record_images,
-                     opts.markers)
+                     opts.markers, grids)
     source = open_source(opts.spec)
     index = load_index(d, fp)
     built = index is None
     if built:
-        encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong, markers=opts.markers)
+        encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong, markers=opts.markers,
+                                      image_text=opts.image_text)
         index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp,
-                            max_images=opts.record_images)
+                            max_images=opts.record_images, rule=rule)
     else:
         check_policy(index, opts.spec, opts.bad_records)
     if verbose == "always" or (verbose and built):

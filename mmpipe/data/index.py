@@ -19,7 +19,7 @@ import json
 import multiprocessing as mp
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,9 @@ class DataIndex:
     image_offsets: np.ndarray  # int64 [N + 1]: cumsum of n_images; record n's are image_at[image_offsets[n]:[n + 1]]
     image_at: np.ndarray   # int64 [sum of n_images]: Encoded.image_at, the token each image's block goes before
     stats: dict
+    # int64 [sum of n_images, 3]: each image's patch grid (t, h, w) from its size alone (a dynamic-resolution
+    # family, mmpipe.data.patches); [0, 3] for the others
+    grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -56,6 +59,10 @@ class DataIndex:
     def images_of(self, n: int) -> np.ndarray:
         return self.image_at[self.image_offsets[n]:self.image_offsets[n + 1]]
 
+    def grids_of(self, n: int) -> np.ndarray:
+        """[n_images, 3] grids of good record n ([0, 3] when the family has none)."""
+        return self.grids[self.image_offsets[n]:self.image_offsets[n + 1]] if len(self.grids) else self.grids
+
     def subset(self, entries: np.ndarray, name: str) -> "DataIndex":
         """Good records `entries` (ascending) only; the fingerprint names the cut, so a resume checks it."""
         take, offsets = _ragged_take(self.offsets, entries)
@@ -63,7 +70,8 @@ class DataIndex:
         stats = {**self.stats, "fingerprint": f"{self.stats['fingerprint']}/{name}", "subset": name,
                  "good_in_subset": int(len(entries))}
         return DataIndex(self.rows[entries], offsets, self.tokens[take], self.target[take], self.n_images[entries],
-                         image_offsets, self.image_at[take_images], stats)
+                         image_offsets, self.image_at[take_images], stats,
+                         self.grids[take_images] if len(self.grids) else self.grids)
 
 
 def _ragged_take(offsets: np.ndarray, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -75,11 +83,12 @@ def _ragged_take(offsets: np.ndarray, entries: np.ndarray) -> tuple[np.ndarray, 
 
 
 def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pixels: int, max_images: int = 1,
-                markers: bool = False) -> str:
+                markers: bool = False, grids=None) -> str:
+    """grids: what a dynamic family's grids depend on (DataOptions.grid_key), None for the others."""
     files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in spec.files() if os.path.isfile(f)]
     tok = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template)
-    blob = json.dumps([INDEX_VERSION, asdict(spec), files, tok, text_len, overlong, max_pixels, max_images, markers],
-                      default=str)
+    parts = [INDEX_VERSION, asdict(spec), files, tok, text_len, overlong, max_pixels, max_images, markers]
+    blob = json.dumps(parts + ([grids] if grids is not None else []), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -88,13 +97,14 @@ def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pix
 _W: dict = {}
 
 
-def _init_worker(source, encoder, image_root, max_pixels, max_images):
-    _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels, max_images=max_images)
+def _init_worker(source, encoder, image_root, max_pixels, max_images, rule=None):
+    _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels, max_images=max_images,
+              rule=rule)
 
 
 def _check(i: int):
-    """-> (i, ids, target, truncated, image_at) for a good record (len(image_at): its images),
-    (i, where, kind, reason) for a bad one."""
+    """-> (i, ids, target, truncated, image_at, grids) for a good record (len(image_at): its images; grids
+    [n, 3], a dynamic family's, from each image's size), (i, where, kind, reason) for a bad one."""
     where = f"record {i}"
     try:
         rec = _W["source"].record(i)
@@ -102,30 +112,32 @@ def _check(i: int):
         if len(rec.images) > _W["max_images"]:
             raise BadRecord("too_many_images", f"{len(rec.images)} images > --max-images {_W['max_images']}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
-        for image in rec.images:
-            check_image(image, _W["image_root"], _W["max_pixels"])
-        return i, enc.ids, enc.target, enc.truncated, enc.image_at
+        sizes = [check_image(image, _W["image_root"], _W["max_pixels"]) for image in rec.images]
+        rule = _W["rule"]
+        grids = [rule.grid(w, h, len(sizes)) for w, h in sizes] if rule is not None else []
+        return i, enc.ids, enc.target, enc.truncated, enc.image_at, np.array(grids, dtype=np.int64).reshape(-1, 3)
     except BadRecord as e:
         return i, getattr(e, "where", where), e.kind, e.reason
 
 
 def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int,
-         workers: int, max_images: int = 1) -> tuple[list, list]:
-    args = (source, encoder, image_root, max_pixels, max_images)
+         workers: int, max_images: int = 1, rule=None) -> tuple[list, list]:
+    """rule: a dynamic family's PatchRule (mmpipe.data.patches), which gives each image's grid."""
+    args = (source, encoder, image_root, max_pixels, max_images, rule)
     if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
         _init_worker(*args)
         results = [_check(i) for i in range(len(source))]
     else:
         with mp.get_context("fork").Pool(workers, _init_worker, args) as pool:
             results = list(pool.imap(_check, range(len(source)), chunksize=64))
-    good = [r for r in results if len(r) == 5]
+    good = [r for r in results if len(r) == 6]
     bad = [r for r in results if len(r) == 4]
     return good, bad
 
 
 def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *, max_pixels: int, policy: str,
-                out_dir: Path, workers: int, fp: str, max_images: int = 1) -> DataIndex:
-    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images)
+                out_dir: Path, workers: int, fp: str, max_images: int = 1, rule=None) -> DataIndex:
+    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images, rule)
     counts = Counter(kind for _, _, kind, _ in bad)
     n_images = np.array([len(g[4]) for g in good], dtype=np.int64)
     stats = {"fingerprint": fp, "records": len(source), "good": len(good), "bad": len(bad),
@@ -148,7 +160,8 @@ def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *,
         tokens=np.concatenate([g[1] for g in good]) if good else np.zeros(0, np.int64),
         target=np.concatenate([g[2] for g in good]) if good else np.zeros(0, bool),
         n_images=n_images, image_offsets=np.concatenate([[0], np.cumsum(n_images)]).astype(np.int64),
-        image_at=np.concatenate([np.zeros(0, np.int64), *(g[4] for g in good)]).astype(np.int64), stats=stats)
+        image_at=np.concatenate([np.zeros(0, np.int64), *(g[4] for g in good)]).astype(np.int64), stats=stats,
+        grids=np.concatenate([np.zeros((0, 3), np.int64), *(g[5] for g in good)]).astype(np.int64))
     check_policy(index, spec, policy)
     _save(index, out_dir)
     return index
@@ -210,7 +223,7 @@ def _save(index: DataIndex, out_dir: Path) -> None:
     # read a half-written file
     tmp = out_dir / f"index.{os.getpid()}.npz"
     np.savez(tmp, rows=index.rows, offsets=index.offsets, tokens=index.tokens, target=index.target,
-             n_images=index.n_images, image_offsets=index.image_offsets, image_at=index.image_at)
+             n_images=index.n_images, image_offsets=index.image_offsets, image_at=index.image_at, grids=index.grids)
     os.replace(tmp, out_dir / "index.npz")
     tmp = out_dir / f"index.json.{os.getpid()}"
     tmp.write_text(json.dumps(index.stats, indent=2) + "\n")
@@ -223,7 +236,8 @@ def load_index(out_dir: Path, fp: str) -> DataIndex | None:
         if stats.get("fingerprint") != fp:
             return None
         with np.load(out_dir / "index.npz", allow_pickle=False) as z:
+            grids = z["grids"] if "grids" in z.files else np.zeros((0, 3), dtype=np.int64)  # written before grids
             return DataIndex(z["rows"], z["offsets"], z["tokens"], z["target"], z["n_images"], z["image_offsets"],
-                             z["image_at"], stats)
+                             z["image_at"], stats, grids)
     except (OSError, ValueError, KeyError):
         return None

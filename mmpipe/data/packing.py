@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 from ..model.builder import IGNORE_INDEX
 from ..model.rows import IMAGE_SLOT
 from .crops import Crops, blank_image
+from .patches import default_max_patches
 
 CHUNK = 1024  # sample positions packed together: first-fit looks at most this far ahead
 LOSS_NORMS = ("token", "sample")
@@ -42,32 +43,56 @@ LOSS_NORMS = ("token", "sample")
 
 @dataclass(frozen=True)
 class RowShape:
-    """One row's fixed shape: M image slots of N decoder positions each, plus text_len text positions."""
+    """One row's fixed shape: M image slots of N decoder positions each, plus text_len text positions.
+    A dynamic-resolution family (max_patches P > 0, mmpipe.data.patches) adds a budget of P vision patches:
+    an image of grid (t, h, w) takes t h w of them and a block of <|vision_start|>, t h w / merge^2
+    placeholders, <|vision_end|>, so N = 2 (the brackets) and the placeholders get P / merge^2 positions:
+    L = M x 2 + P / merge^2 + text_len, e.g. M = 2, P = 64, text_len 40: 4 + 16 + 40 = 60."""
     max_images: int
     image_len: int   # decoder positions per image (N)
     image_id: int    # the placeholder id of those positions (LLaVA: image_token_id; moondream: IMAGE_SLOT)
     text_len: int
+    max_patches: int = 0  # P: vision patches per row, 0 for a fixed-size family
+    merge: int = 1        # patches per placeholder, along each side
+    start_id: int = -1    # the block's brackets (vision_start_id, vision_end_id)
+    end_id: int = -1
+    patch_dim: int = 0    # floats per patch, C x T x p x p
 
     @property
     def length(self) -> int:
-        return self.max_images * self.image_len + self.text_len
+        return self.max_images * self.image_len + self.text_len + self.max_patches // (self.merge * self.merge)
+
+    def block(self, grid=None) -> np.ndarray:
+        """One image's decoder ids: N placeholders, or (dynamic) the bracketed block of its grid."""
+        if not self.max_patches:
+            return np.full(self.image_len, self.image_id, dtype=np.int64)
+        n = int(np.prod(grid)) // (self.merge * self.merge)
+        return np.array([self.start_id, *[self.image_id] * n, self.end_id], dtype=np.int64)
 
 
-def row_shape(cfg, max_images: int, text_len: int) -> RowShape:
+def row_shape(cfg, max_images: int, text_len: int, max_patches: int = 0) -> RowShape:
+    """max_patches: a dynamic family's P (0: the default for max_images, mmpipe.data.patches)."""
+    if getattr(cfg.layout, "dynamic", False):
+        v = cfg.vision
+        return RowShape(max_images, 2, cfg.image_token_id, text_len, max_patches or default_max_patches(v, max_images),
+                        v.merge_size, cfg.vision_start_id, cfg.vision_end_id,
+                        v.channels * v.temporal_patch_size * v.patch_size ** 2)
     if cfg.layout.placeholders:  # LLaVA: the features overwrite image_token_id placeholders
         return RowShape(max_images, cfg.vision.n_features, cfg.image_token_id, text_len)
     return RowShape(max_images, cfg.n_image_positions, IMAGE_SLOT, text_len)
 
 
 def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np.ndarray]:
-    """One sample's decoder positions: ids [n] with each image's block of N placeholder ids inserted
-    before token enc.image_at[k], and labels [n] (position p holds the token at p + 1 where that is an
-    answer token; BOS is never predicted, an image block never labelled)."""
+    """One sample's decoder positions: ids [n] with each image's block (RowShape.block: N placeholder ids,
+    or a dynamic family's bracketed block of its grid, enc.grids[k]) inserted before token enc.image_at[k],
+    and labels [n] (position p holds the token at p + 1 where that is an answer token; the first token (BOS)
+    is never predicted, an image block never labelled)."""
     at = [int(a) for a in enc.image_at[:n_images]] or [1] * n_images  # unplaced: right after BOS
     pieces, targets, prev = [], [], 0
-    for a in at:
-        pieces += [enc.ids[prev:a], np.full(shape.image_len, shape.image_id, dtype=np.int64)]
-        targets += [enc.target[prev:a], np.zeros(shape.image_len, dtype=bool)]
+    for k, a in enumerate(at):
+        block = shape.block(enc.grids[k] if shape.max_patches else None)
+        pieces += [enc.ids[prev:a], block]
+        targets += [enc.target[prev:a], np.zeros(len(block), dtype=bool)]
         prev = a
     ids = np.concatenate(pieces + [enc.ids[prev:]]).astype(np.int64)
     target = np.concatenate(targets + [enc.target[prev:]]).astype(bool)
@@ -80,8 +105,8 @@ def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np
 class RowPlan:
     """Row position -> the sample positions it holds (in stream order within the row)."""
 
-    def __init__(self, size_of: Callable[[int], tuple[int, int]], shape: RowShape, pack: bool, chunk: int = CHUNK):
-        """size_of(pos) -> (decoder positions, images) of sample pos."""
+    def __init__(self, size_of: Callable[[int], tuple], shape: RowShape, pack: bool, chunk: int = CHUNK):
+        """size_of(pos) -> (decoder positions, images[, vision patches]) of sample pos."""
         self.size_of, self.shape, self.pack, self.chunk = size_of, shape, pack, chunk
         self._chunks: list[list[list[int]]] = []
         self._first_row = [0]  # row position of each chunk's first row
@@ -99,22 +124,27 @@ class RowPlan:
         return sum(len(self.row(i)) for i in range(r)) if self.pack else r
 
     def _pack_next(self) -> None:
-        """First-fit over one chunk: each sample goes to the first open row with room for its positions
-        and images, else opens a row; rows keep their opening order."""
+        """First-fit over one chunk: each sample goes to the first open row with room for its positions,
+        images and (dynamic families) patches, else opens a row; rows keep their opening order."""
         start = len(self._chunks) * self.chunk
         # at most one row per sample: free positions and image slots of every row the chunk may open,
         # searched in C (a resume replays every chunk before its row: ~5 ms each, 1M samples ~5 s)
         room = np.full(self.chunk, self.shape.length, dtype=np.int64)
         slots = np.full(self.chunk, self.shape.max_images, dtype=np.int64)
+        patches = np.full(self.chunk, self.shape.max_patches, dtype=np.int64)
         rows: list[list[int]] = []
         for pos in range(start, start + self.chunk):
-            n, k = self.size_of(pos)
-            i = int(np.argmax((room >= n) & (slots >= k)))  # the first row with room; an unopened one at worst
+            n, k, *g = self.size_of(pos)
+            fits = (room >= n) & (slots >= k)
+            if g:
+                fits &= patches >= g[0]
+            i = int(np.argmax(fits))  # the first row with room; an unopened one at worst
             if i == len(rows):
                 rows.append([])
             rows[i].append(pos)
             room[i] -= n
             slots[i] -= k
+            patches[i] -= g[0] if g else 0
         self._chunks.append(rows)
         self._first_row.append(self._first_row[-1] + len(rows))
 
@@ -148,7 +178,9 @@ class RowSet(Dataset):
     """Row position -> the row's tensors (the one layout, mmpipe.model.stage): input_ids, labels,
     segments, loss weights [L]; has_image [M] (each slot's segment, 0 unused); pixels [M, 3, S, S]
     (multi-crop [M, 1 + K, 3, S, S] and tiling [M, 2]). Unused image slots hold blank images, which no
-    placeholder reads."""
+    placeholder reads. A dynamic family (shape.max_patches P): pixels [P, patch_dim], each used slot's
+    patches in slot order then zeros, and tiling [M, 3], each slot's grid (t, h, w), 0 0 0 unused, on
+    every stage (the decoder's positions need it), from the index: no image is opened for it."""
 
     def __init__(self, samples, plan: RowPlan, *, image_size: int, max_crops: int = 0, need_images: bool = True,
                  need_labels: bool = True, norm: LossNorm | None = None, augment_seed: int | None = None):
@@ -164,7 +196,7 @@ class RowSet(Dataset):
         ids = np.full(L, self.samples.pad_id, dtype=np.int64)
         labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
         segments = np.zeros(L, dtype=np.int64)
-        images, owners, end = [], [], 0
+        images, owners, grids, end = [], [], [], 0
         for seg, pos in enumerate(self.plan.row(r), start=1):
             enc, n_images = self.samples.tokens(pos)
             s_ids, s_labels = sample_sequence(enc, int(n_images), self.shape)
@@ -172,6 +204,7 @@ class RowSet(Dataset):
             segments[end:end + len(s_ids)] = seg
             images += [(pos, k) for k in range(int(n_images))]
             owners += [seg] * int(n_images)
+            grids += [tuple(int(g) for g in grid) for grid in enc.grids[:int(n_images)]]
             end += len(s_ids)
         item = {"pos": r, "input_ids": ids, "segments": segments,  # has_image: each slot's segment, 0 unused
                 "has_image": np.array(owners + [0] * (M - len(images)), dtype=np.int64)}
@@ -180,7 +213,11 @@ class RowSet(Dataset):
             if self.norm is not None:
                 w = np.array([0.0] + self.norm.per_sample(r), dtype=np.float32)[segments]
                 item["weights"] = np.where(labels != IGNORE_INDEX, w, 0.0).astype(np.float32)
-        if self.need_images:
+        if self.shape.max_patches:
+            item["tiling"] = grids + [(0, 0, 0)] * (M - len(grids))  # M x (t, h, w)
+            if self.need_images:
+                item["pixels"] = self._patches(images)
+        elif self.need_images:
             px = [self._image(pos, k) for pos, k in images]
             px += [blank_image(self.image_size, self.max_crops) for _ in range(M - len(images))]
             if self.max_crops:
@@ -189,6 +226,13 @@ class RowSet(Dataset):
             else:
                 item["pixels"] = torch.stack(px)  # [M, 3, S, S]
         return item
+
+    def _patches(self, images: list[tuple[int, int]]) -> torch.Tensor:
+        """[P, patch_dim]: the row's images' patches in slot order, zero padded (the sizes were checked by
+        the index, so they fill at most P)."""
+        pieces = [self._image(pos, k) for pos, k in images]  # each checked against its grid (samples.pixels)
+        used = sum(len(p) for p in pieces)
+        return torch.cat(pieces + [torch.zeros(self.shape.max_patches - used, self.shape.patch_dim)])
 
     def _image(self, pos: int, k: int) -> torch.Tensor | Crops:
         if self.augment_seed is not None:  # per sample and image: augmentation repeats exactly on resume
@@ -204,11 +248,16 @@ def answer_counts(samples, plan: RowPlan) -> Callable[[int], list[int]]:
     return counts
 
 
-def sample_size(samples, shape: RowShape) -> Callable[[int], tuple[int, int]]:
-    """pos -> (decoder positions, images) of a sample: its text plus N positions per image."""
-    def size(pos: int) -> tuple[int, int]:
+def sample_size(samples, shape: RowShape) -> Callable[[int], tuple]:
+    """pos -> (decoder positions, images) of a sample: its text plus N positions per image; a dynamic
+    family's adds its vision patches, (text + its blocks, images, patches), read from the grids."""
+    def size(pos: int) -> tuple:
         enc, n_images = samples.tokens(pos)
-        return len(enc.ids) + int(n_images) * shape.image_len, int(n_images)
+        if not shape.max_patches:
+            return len(enc.ids) + int(n_images) * shape.image_len, int(n_images)
+        patches = int(np.prod(enc.grids[:n_images], axis=1).sum())
+        blocks = int(n_images) * shape.image_len + patches // (shape.merge * shape.merge)
+        return len(enc.ids) + blocks, int(n_images), patches
     return size
 
 

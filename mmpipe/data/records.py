@@ -24,6 +24,8 @@ BAD_KINDS = {
     "empty_image": "the image file is empty or has zero width or height",
     "huge_image": "the image has more pixels than --max-image-pixels (decompression-bomb guard)",
     "corrupt_image": "the image bytes cannot be decoded",
+    "too_many_patches": "the image's patch grid is larger than an image may take in a row (--max-patches)",
+    "bad_aspect": "the image's aspect ratio is beyond what the image processor takes (200:1)",
     "too_long": "the text does not fit the sequence budget (--text-len) with its first answer token",
 }
 

@@ -8,6 +8,7 @@ reads it as has_image (at most 1 under --max-images 1, the default).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -17,6 +18,7 @@ from ..config import ModelConfig
 from .crops import Crops, make_transform
 from .images import open_image
 from .index import DataIndex
+from .patches import patch_rule
 from .records import BadRecord
 from .shapes import ShapesVQA
 from .sources import Source
@@ -27,18 +29,23 @@ SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in t
 
 
 class ShapesSamples:
-    """The built-in set as an endless ordered stream: position p is ShapesVQA sample p."""
+    """The built-in set as an endless ordered stream: position p is ShapesVQA sample p. A dynamic family
+    (max_patches: its row's P) reads each S x S image's patches, its grid that of S x S."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, split: str = "train"):
+    def __init__(self, cfg: ModelConfig, seed: int, split: str = "train", max_patches: int = 0):
         self.data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, split, seed)
         self.tok = builtin_tokenizer()
         self.encoder = ConversationEncoder(self.tok, SHAPES_TEXT_LEN)
-        self.transform = make_transform(cfg.vision, resize="squash")
+        self.rule = patch_rule(cfg, max_patches) if max_patches else None
+        self.transform = self.rule.patches if self.rule else make_transform(cfg.vision, resize="squash")
+        self.grids = np.array([self.rule.grid(cfg.vision.image_size, cfg.vision.image_size)] if self.rule else
+                              np.zeros((0, 3)), dtype=np.int64)
         self.pad_id = self.tok.pad_token_id
 
     def tokens(self, pos: int) -> tuple[Encoded, int]:
         s = self.data.sample(pos)
-        return self._encode(s.question, s.answer), 1
+        enc = self._encode(s.question, s.answer)
+        return (dataclasses.replace(enc, grids=self.grids) if self.rule else enc), 1
 
     @functools.lru_cache(maxsize=None)
     def _encode(self, question: str, answer: str) -> Encoded:
@@ -50,7 +57,8 @@ class ShapesSamples:
 
     def pixels(self, pos: int, k: int = 0) -> torch.Tensor | Crops:
         assert k == 0, k  # one image per sample
-        return self.transform(self.data.render(self.data.sample(pos)))
+        out = self.transform(self.data.render(self.data.sample(pos)))
+        return out[0] if self.rule else out
 
     def row(self, pos: int) -> int:
         return pos
@@ -60,11 +68,14 @@ class IndexedSamples:
     """A user dataset's good records, reshuffled every epoch by (seed, epoch)."""
 
     def __init__(self, index: DataIndex, source: Source, cfg: ModelConfig, *, seed: int, pad_id: int,
-                 image_root: str, max_pixels: int, resize: str = "pad", augment: bool = False, ordered: bool = False):
-        """ordered: position p is good record p in file order, no reshuffling (a validation set)."""
+                 image_root: str, max_pixels: int, resize: str = "pad", augment: bool = False, ordered: bool = False,
+                 max_patches: int = 0):
+        """ordered: position p is good record p in file order, no reshuffling (a validation set). max_patches:
+        a dynamic family's row budget P: images become patches by its PatchRule (mmpipe.data.patches)."""
         self.index, self.source, self.seed, self.pad_id, self.ordered = index, source, seed, pad_id, ordered
         self.image_root, self.max_pixels = image_root, max_pixels
-        self.transform = make_transform(cfg.vision, resize=resize, augment=augment)
+        self.rule = patch_rule(cfg, max_patches) if max_patches else None
+        self.transform = None if self.rule else make_transform(cfg.vision, resize=resize, augment=augment)
 
     @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
@@ -79,7 +90,8 @@ class IndexedSamples:
     def tokens(self, pos: int) -> tuple[Encoded, int]:
         n, ix = self.entry(pos), self.index
         sl = slice(ix.offsets[n], ix.offsets[n + 1])
-        return Encoded(ix.tokens[sl], ix.target[sl], image_at=ix.images_of(n)), int(ix.n_images[n])
+        return (Encoded(ix.tokens[sl], ix.target[sl], image_at=ix.images_of(n), grids=ix.grids_of(n)),
+                int(ix.n_images[n]))
 
     def pixels(self, pos: int, k: int = 0) -> torch.Tensor | Crops:
         """Image k of the sample (in the order of its <image> markers)."""
@@ -88,7 +100,13 @@ class IndexedSamples:
             rec = self.source.record(row)
             if k >= len(rec.images):
                 raise IndexError(f"record {row} has {len(rec.images)} image(s), not an image {k}")
-            return self.transform(open_image(rec.images[k], self.image_root, self.max_pixels))
+            image = open_image(rec.images[k], self.image_root, self.max_pixels)
+            if self.rule is None:
+                return self.transform(image)
+            patches, grid = self.rule.patches(image, len(rec.images))
+            if grid != tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k]):
+                raise BadRecord("image_grid", f"image {k} gives grid {grid}, the index recorded another")
+            return patches
         except BadRecord as e:
             # checked before training; failing now means the files changed under the run
             raise RuntimeError(f"{getattr(e, 'where', row)}: {e.reason}: the data changed after it was checked "
@@ -110,7 +128,7 @@ class EvalSet:
         if pos < self.size:
             return self.samples.tokens(pos)
         enc, n_images = self.samples.tokens(0)
-        return Encoded(enc.ids, np.zeros_like(enc.target), image_at=enc.image_at), n_images
+        return dataclasses.replace(enc, target=np.zeros_like(enc.target)), n_images
 
     def pixels(self, pos: int, k: int = 0) -> torch.Tensor:
         return self.samples.pixels(pos if pos < self.size else 0, k)

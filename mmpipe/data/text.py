@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import ConfigError
 from .records import BadRecord
-from .tokenizer import MOONDREAM, bos_id, uses_moondream_ids
+from .tokenizer import BUILTIN_TEMPLATE, MOONDREAM, bos_id, uses_moondream_ids
 
 IMAGE_MARKER = "<image>"
 OVERLONG = ("skip", "truncate")
@@ -66,24 +67,44 @@ class Encoded:
     # int64 [n_images]: image k's placeholder block goes before ids[image_at[k]] (1: right after BOS).
     # Empty: no image, or one its maker did not place (mmpipe.data.packing.sample_sequence then puts it after BOS).
     image_at: np.ndarray = field(default_factory=_no_image)
+    # int64 [n_images, 3]: each image's patch grid (t, h, w), dynamic-resolution families only (mmpipe.data.patches;
+    # recorded by the index from the image's size); empty otherwise.
+    grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
 
 
 class ConversationEncoder:
-    def __init__(self, tokenizer, text_len: int, overlong: str = "skip", *, markers: bool = False):
+    def __init__(self, tokenizer, text_len: int, overlong: str = "skip", *, markers: bool = False,
+                 image_text: str | None = None):
         """markers: keep `<image>` markers in the rendered text and place each image at its own (the LLaVA
-        family, cfg.layout.placeholders); False: strip them, every image goes after BOS."""
+        family, cfg.layout.placeholders); False: strip them, every image goes after BOS. image_text: what a
+        marker becomes in the rendered text, the tokenizer's own special tokens for an image (Qwen2-VL's
+        <|vision_start|><|image_pad|><|vision_end|>, mmpipe.data.text.image_text), so the text around it
+        tokenises as the model's processor has it; a record without markers gets one per image at the start
+        of its first user turn (where Qwen's chat template puts an image item), and no BOS is added for a
+        tokenizer without one (Qwen's)."""
         assert overlong in OVERLONG, overlong
         self.tok, self.text_len, self.overlong, self.markers = tokenizer, text_len, overlong, markers
+        self.image_text = image_text if markers else None
+        self.marker = re.compile(re.escape(self.image_text)) if self.image_text else _MARKER
         self.bos = bos_id(tokenizer)
+        self.lead_bos = self.image_text is None or tokenizer.bos_token_id is not None
         self.moondream = uses_moondream_ids(tokenizer)
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def _messages(self, messages: list[tuple[str, str]]) -> list[dict]:
+    def _messages(self, messages: list[tuple[str, str]], n_images: int | None = None) -> list[dict]:
         keep = self.markers
-        return [{"role": r, "content": (t.strip() if keep else strip_marker(t)) if r == "user" else t.strip()}
-                for r, t in messages]
+        out = [{"role": r, "content": (t.strip() if keep else strip_marker(t)) if r == "user" else t.strip()}
+               for r, t in messages]
+        if self.image_text:
+            for m in out:
+                if m["role"] == "user":
+                    m["content"] = m["content"].replace(IMAGE_MARKER, self.image_text)
+            if n_images and not any(self.image_text in m["content"] for m in out):
+                first = next(m for m in out if m["role"] == "user")
+                first["content"] = self.image_text * n_images + first["content"]
+        return out
 
     def reply_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         text = self._render(messages)
@@ -105,7 +126,7 @@ class ConversationEncoder:
         <image> token; pieces of it for a tokenizer without one). image_at[k] counts the text tokens that
         start before marker k. n_images: the record's images (None: one per marker); no marker: after BOS."""
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        marks = [m.span() for m in _MARKER.finditer(text)] if self.markers else []
+        marks = [m.span() for m in self.marker.finditer(text)] if self.markers else []
         n = len(marks) if n_images is None else n_images
         if marks and len(marks) != n:
             raise BadRecord("image_marker", f"{len(marks)} {IMAGE_MARKER} marker(s) for {n} image(s)")
@@ -115,7 +136,7 @@ class ConversationEncoder:
                 ids.append(tid)
                 offsets.append((b, e))
         image_at = [sum(1 for b, _ in offsets if b < mb) for mb, _ in marks]
-        if not ids or ids[0] != self.bos:
+        if self.lead_bos and (not ids or ids[0] != self.bos):
             ids, offsets, image_at = [self.bos] + ids, [(0, 0)] + offsets, [a + 1 for a in image_at]
         return ids, offsets, image_at or [1] * n
 
@@ -128,7 +149,7 @@ class ConversationEncoder:
             ids, target = self._moondream_ids(messages)
             image_at = [1] * (n_images or 0)  # moondream's templates are ids: its image always follows BOS
         else:
-            text, spans = self.reply_spans(self._messages(messages))
+            text, spans = self.reply_spans(self._messages(messages, n_images))
             ids, offsets, image_at = self._tokenise(text, n_images)
             target = [any(s < e_tok and b_tok < e for s, e in spans) for b_tok, e_tok in offsets]
         at = np.array(image_at, dtype=np.int64)
@@ -153,7 +174,8 @@ class ConversationEncoder:
             if len(messages) != 1:
                 raise ValueError(f"the moondream prompt format takes one question, not {len(messages)} turns")
             return self._moondream_prompt(messages[0][1]), [1] * (n_images or 0)
-        ids, _, image_at = self._tokenise(self._render(self._messages(messages), generation_prompt=True), n_images)
+        ids, _, image_at = self._tokenise(self._render(self._messages(messages, n_images), generation_prompt=True),
+                                          n_images)
         return ids, image_at
 
     def prompt_ids(self, messages: list[tuple[str, str]]) -> list[int]:
@@ -198,6 +220,24 @@ def placeholders(cfg) -> tuple[int, int]:
     if not cfg.layout.placeholders:
         return -1, 0
     return cfg.image_token_id, cfg.vision.n_features
+
+
+def image_text(tok, cfg) -> str | None:
+    """What an image marker becomes in the rendered text for a dynamic-resolution family (ConversationEncoder's
+    image_text): the tokenizer's own tokens at the config's vision_start_id, image_token_id and vision_end_id,
+    e.g. Qwen2-VL's '<|vision_start|><|image_pad|><|vision_end|>', which must tokenise to exactly those ids.
+    None for other families and for the built-in tokenizer, whose one special `<image>` token marks the
+    place instead (its block's ids are the config's all the same, mmpipe.data.packing.sample_sequence).
+    Raises ConfigError in one line for a tokenizer without them."""
+    if not getattr(cfg.layout, "dynamic", False) or getattr(tok, "chat_template", None) == BUILTIN_TEMPLATE:
+        return None
+    ids = [cfg.vision_start_id, cfg.image_token_id, cfg.vision_end_id]
+    names = tok.convert_ids_to_tokens(ids) if all(0 <= i < len(tok) for i in ids) else None
+    if names is None or None in names or tok("".join(names), add_special_tokens=False).input_ids != ids:
+        raise ConfigError(f"--tokenizer: the {cfg.family} family's image tokens (vision_start_id, image_token_id, "
+                          f"vision_end_id = {ids}) are not special tokens of this tokenizer "
+                          f"({len(tok)} tokens); give the tokenizer the model was trained with")
+    return "".join(names)
 
 
 def decoder_positions(cfg, text_len: int) -> int:

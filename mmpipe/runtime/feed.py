@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.utils.data import Dataset
 
-from ..data.packing import LossNorm, RowPlan, RowSet, answer_counts, row_shape, sample_size
+from ..data.packing import LossNorm, RowPlan, RowSet, RowShape, answer_counts, row_shape, sample_size
 from ..run_config import RunConfig
 
 
@@ -14,7 +14,7 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
     """first: the rank reads images; last: labels (and, when train, loss weights). train=False
     (validation, the bench peers): unpacked rows, labels alone (validation divides its loss sum by
     the set's tokens; the peers take the per-micro-batch mean)."""
-    v, shape = run.model.vision, row_shape(run.model, run.max_images, run.text_len)
+    v, shape = run.model.vision, run_shape(run)
     plan = RowPlan(sample_size(samples, shape), shape, pack=run.pack and train)
     norm = (LossNorm(run.loss_norm, run.train_batch, run.gas, run.dp, answer_counts(samples, plan))
             if train and last else None)
@@ -23,8 +23,14 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
 
 
 def decoder_length(run: RunConfig) -> int:
-    """Decoder positions per row, pads included: M x N + text_len, e.g. one image slot of 16 + 12 text = 28."""
-    return row_shape(run.model, run.max_images, run.text_len).length
+    """Decoder positions per row, pads included: M x N + text_len, e.g. one image slot of 16 + 12 text = 28
+    (a dynamic family's adds P / merge^2, RowShape)."""
+    return run_shape(run).length
+
+
+def run_shape(run: RunConfig) -> RowShape:
+    """The run's row: --max-images slots, --text-len, and a dynamic family's patch budget (--max-patches)."""
+    return row_shape(run.model, run.max_images, run.text_len, run.data.max_patches)
 
 
 class StepCounts:
@@ -35,7 +41,7 @@ class StepCounts:
 
     def __init__(self, run: RunConfig, samples, plan: RowPlan | None = None):
         """plan: the training dataset's own (RowSet.plan), so rows are packed once; None builds it."""
-        shape = row_shape(run.model, run.max_images, run.text_len)
+        shape = run_shape(run)
         self.size = sample_size(samples, shape)
         self.plan = plan if plan is not None else RowPlan(self.size, shape, pack=run.pack)
 
