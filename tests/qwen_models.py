@@ -55,6 +55,8 @@ def save_qwen(kind: str, out: Path, seed: int = 0):
                 p.mul_(8)  # std 0.02 makes attention ~uniform, blind to positions and masks
             elif name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
                 p[: 2 * p.shape[0] // 3].mul_(8)  # the tower's q and k rows
+            elif name.endswith("merger.mlp.2.weight"):
+                p.mul_(10)  # image tokens as loud as text ones, so the tower's details reach the logits
     model.save_pretrained(out)
     processor().save_pretrained(out)
     return model

@@ -118,11 +118,14 @@ def hf_config(cfg: ModelConfig):
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
     v, t = cfg.vision, cfg.text
     v25 = v.mlp == "swiglu"
+    if not v25 and v.ff_dim % v.dim:
+        _fail(f"model config '{cfg.name}'", f"vision.ff_dim {v.ff_dim}: Qwen2-VL's tower takes a whole multiple "
+                                            f"of vision.dim {v.dim} (its mlp_ratio)")
     common = dict(depth=v.n_layers, num_heads=v.n_heads, in_channels=v.channels, patch_size=v.patch_size,
                   spatial_merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size, hidden_act=v.act)
     vision = (dict(common, hidden_size=v.dim, intermediate_size=v.ff_dim, out_hidden_size=t.dim,
                    window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_blocks)) if v25 else
-              dict(common, embed_dim=v.dim, hidden_size=t.dim, mlp_ratio=v.ff_dim / v.dim))
+              dict(common, embed_dim=v.dim, hidden_size=t.dim, mlp_ratio=v.ff_dim // v.dim))
     text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
                 num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, vocab_size=t.vocab_size,
                 max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps, tie_word_embeddings=t.tie_embeddings,

@@ -1,0 +1,218 @@
+"""The Qwen2-VL family against transformers' Qwen2VLForConditionalGeneration and
+Qwen2_5_VLForConditionalGeneration (tiny, random, built here: tests/qwen_models.py): imported, mmpipe's
+model gives HF's logits for single images of three sizes and aspect ratios, two images of different sizes
+in one conversation and a text-only sample; the same samples packed into one row (with an unused image
+slot, zero patch padding and padding positions) give each sample's logits; cached greedy decoding gives
+the uncached logits and HF's `generate` tokens; export loads back into transformers' class with equal
+logits; `mmpipe import --hf` / `mmpipe export` do it from the command line."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mmpipe.cli import main
+from mmpipe.config import ConfigError
+from mmpipe.hf.qwen2_vl import export_hf, import_qwen2_vl
+from mmpipe.inference.generate import generate
+from mmpipe.model import ReferenceModel
+from mmpipe.model.stage import StageTuple
+from mmpipe.runtime.checkpoint import load_reference
+from qwen_models import IMAGE, KINDS, encode, hf_logits, image, sample, save_qwen
+
+TOL = 1e-4
+# (name, image sizes w x h): 4 x 4, 4 x 6 and 8 x 4 patch grids; two images of different sizes; text only
+SAMPLES = [("square", [(56, 56)]), ("wide", [(84, 56)]), ("tall", [(56, 112)]), ("two", [(84, 56), (56, 56)]),
+           ("text", [])]
+
+
+def _sample(i: int):
+    """(input_ids [T], pixel patches [N, 1176] or None, grids [n, 3] or None) of SAMPLES[i]."""
+    sizes = SAMPLES[i][1]
+    if not sizes:
+        return sample(torch.zeros(0, 3, dtype=torch.long), seed=i, words=5), None, None
+    px, grids = encode([image(w, h, seed=10 * i + k) for k, (w, h) in enumerate(sizes)])
+    return sample(grids, seed=i), px, grids
+
+
+def row(samples, extra_patches: int = 8, extra_positions: int = 3, extra_slots: int = 1):
+    """One packed row of `samples` (segments 1, 2, ...), as the stage contract's first input, and each
+    sample's span of positions: pixel patches in slot order then zeros up to P, an unused slot, padding."""
+    ids = torch.cat([s[0] for s in samples])
+    spans, at = [], 0
+    for s in samples:
+        spans.append((at, at + len(s[0])))
+        at += len(s[0])
+    L = len(ids) + extra_positions
+    segments = torch.zeros(1, L, dtype=torch.long)
+    for k, (a, b) in enumerate(spans):
+        segments[0, a:b] = k + 1
+    owners = [k + 1 for k, s in enumerate(samples) if s[2] is not None for _ in range(len(s[2]))]
+    grids = [g for s in samples if s[2] is not None for g in s[2].tolist()]
+    M = max(len(grids) + extra_slots, 1)  # a row has at least one slot and one merge unit of patches
+    tiling = torch.zeros(1, M, 3, dtype=torch.long)
+    has_image = torch.zeros(1, M, dtype=torch.long)
+    if grids:
+        tiling[0, :len(grids)] = torch.tensor(grids)
+        has_image[0, :len(grids)] = torch.tensor(owners)
+    patches = [s[1] for s in samples if s[1] is not None]
+    n = sum(len(p) for p in patches)
+    pixels = torch.zeros(1, max(n + extra_patches, 4), 1176)
+    if patches:
+        pixels[0, :n] = torch.cat(patches)
+    input_ids = torch.cat([ids, torch.zeros(extra_positions, dtype=torch.long)])[None]
+    return (pixels, input_ids, has_image, segments, tiling), spans
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def qwen(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    hf = save_qwen(request.param, d)
+    model, report = import_qwen2_vl(d)
+    return request.param, d, hf, model.eval(), report
+
+
+def test_import_gives_hf_logits(qwen):
+    kind, d, hf, model, report = qwen
+    assert report.mapped == len(load_file(str(d / "model.safetensors"))) and not report.unused
+    v = model.cfg.vision
+    assert (v.merge_size, v.temporal_patch_size, v.patch_dim, v.max_pixels) == (2, 2, 1176, 28 * 28 * 16)
+    if kind == "qwen2_5":  # window attention in blocks 0 and 2, full in block 1
+        assert (v.window_size, v.fullatt_blocks, v.norm, v.mlp) == (56, (1,), "rmsnorm", "swiglu")
+        assert model.cfg.text.tie_embeddings
+    for i, (name, _) in enumerate(SAMPLES):
+        ids, px, grids = _sample(i)
+        with torch.no_grad():
+            got = model(*row([(ids, px, grids)])[0])[0, :len(ids)]
+        assert (got - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL, name
+
+
+def test_windows_and_positions_matter(qwen):
+    """The tiny models see what the comparison relies on: Qwen2.5's windows (a 4 x 6 grid spans 2 windows of
+    2 x 2 merge units) and the multimodal positions (an image's tokens at their grid positions)."""
+    kind, _, _, model, _ = qwen
+    ids, px, grids = _sample(1)
+    inputs = row([(ids, px, grids)])[0]
+    changed = []
+    if kind == "qwen2_5":
+        changed.append(dataclasses.replace(model.cfg, vision=dataclasses.replace(model.cfg.vision, window_size=0)))
+    changed.append(dataclasses.replace(model.cfg, text=dataclasses.replace(model.cfg.text, mrope_section=(8, 0, 0))))
+    with torch.no_grad():
+        want = model(*inputs)
+        for cfg in changed:
+            other = ReferenceModel(cfg).eval()
+            other.load_state_dict(model.state_dict())
+            assert (other(*inputs) - want).abs().max().item() > 1e-3, cfg
+
+
+def test_packed_row_gives_each_samples_logits(qwen):
+    """Every sample in one row (two images in sample 2, five image slots with one unused, 8 padding
+    patches, 3 padding positions): each sample's logits are its own run's and HF's."""
+    kind, _, hf, model, _ = qwen
+    samples = [_sample(i) for i in range(len(SAMPLES))]
+    inputs, spans = row(samples, extra_patches=12)
+    with torch.no_grad():
+        packed = model(*inputs)[0]
+        for (ids, px, grids), (a, b), (name, _) in zip(samples, spans, SAMPLES):
+            alone = model(*row([(ids, px, grids)], extra_patches=0, extra_positions=0, extra_slots=0)[0])[0]
+            assert (packed[a:b] - alone).abs().max().item() < TOL, name
+            assert (packed[a:b] - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL, name
+
+
+def _cached_logits(model, inputs, new_tokens: list[int]) -> list[torch.Tensor]:
+    """The last position's logits of the prompt and of each new token, through the layers' decode (a KV
+    cache per layer; the image side once), as mmpipe.inference.generate runs them."""
+    first = next(i for i, layer in enumerate(model) if hasattr(layer, "decode"))
+    x = inputs
+    for layer in list(model)[:first]:
+        x = layer(x)
+    decoder = list(model)[first:]
+    t, caches, out, start = StageTuple.unpack(x), [{} for _ in decoder], [], 0
+    for tok in [None] + new_tokens:
+        if tok is not None:
+            t = t._replace(hidden=None, input_ids=torch.tensor([[tok]]), segments=torch.ones(1, 1, dtype=torch.long))
+        y = t
+        for layer, cache in zip(decoder, caches):
+            y = layer.decode(y, cache, start)
+        start += y.shape[1]
+        out.append(y[0, -1])
+    return out
+
+
+def test_cached_decoding_equals_uncached_and_hf_generate(qwen):
+    kind, _, hf, model, _ = qwen
+    ids, px, grids = _sample(3)  # two images: the rope delta carries both blocks' offsets
+    new = [5, 17, 33]
+    inputs = row([(ids, px, grids)], extra_patches=4, extra_positions=0, extra_slots=0)[0]
+    with torch.no_grad():
+        cached = _cached_logits(model, inputs, new)
+        for k in range(len(new) + 1):
+            longer = torch.cat([ids, torch.tensor(new[:k], dtype=torch.long)])
+            full = model(inputs[0], longer[None], inputs[2], torch.ones(1, len(longer), dtype=torch.long), inputs[4])
+            assert (cached[k] - full[0, -1]).abs().max().item() < TOL, k
+    # one image through mmpipe's generate (a 1-slot row), cached and not, and HF's own greedy decoding
+    ids, px, grids = _sample(2)
+    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
+    kw = dict(eos_id=None, max_new_tokens=5, tiling=grids[None])
+    mine = generate(model, pixels, ids.tolist(), **kw)
+    assert mine == generate(model, pixels, ids.tolist(), use_cache=False, **kw)
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
+                          mm_token_type_ids=(ids == IMAGE).int()[None], max_new_tokens=5, min_new_tokens=5,
+                          do_sample=False)
+    assert out[0, len(ids):].tolist() == mine
+
+
+def test_export_loads_in_transformers(qwen, tmp_path):
+    kind, _, hf, model, _ = qwen
+    changed = ReferenceModel(model.cfg).eval()
+    changed.load_state_dict(model.state_dict())
+    with torch.no_grad():  # as if trained: the export must carry these weights, not the imported ones
+        g = torch.Generator().manual_seed(3)
+        for p in changed.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    export_hf(changed, tmp_path / "out")
+    assert (tmp_path / "out" / "preprocessor_config.json").is_file()
+    back = type(hf).from_pretrained(tmp_path / "out").eval()  # Qwen2.5-VL's class for the SwiGLU tower
+    ids, px, grids = _sample(3)
+    with torch.no_grad():
+        mine = changed(*row([(ids, px, grids)])[0])[0, :len(ids)]
+        before = model(*row([(ids, px, grids)])[0])[0, :len(ids)]
+    assert (mine - hf_logits(back, ids, px, grids)).abs().max().item() < TOL
+    assert (mine - before).abs().max().item() > 1e-3
+    again, _ = import_qwen2_vl(tmp_path / "out")  # and the export imports back to the same weights
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), changed.state_dict().values()))
+
+
+def test_import_and_export_commands(qwen, tmp_path, capsys):
+    kind, d, hf, model, _ = qwen
+    assert main(["import", "--hf", str(d), "--out", str(tmp_path / "run")]) == 0
+    assert "imported qwen2_vl model" in capsys.readouterr().out
+    run = load_reference(tmp_path / "run" / "checkpoints", model.cfg)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, run.state_dict()[k]), k
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
+    back = type(hf).from_pretrained(tmp_path / "back").eval()
+    ids, px, grids = _sample(0)
+    assert (hf_logits(back, ids, px, grids) - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL
+
+
+def test_bad_weights_and_rows_are_named(qwen, tmp_path):
+    kind, d, _, model, _ = qwen
+    weights = load_file(str(d / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("blocks.0.attn.qkv.weight"))  # the Hub's layout: visual.*
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    save_file({k: v for k, v in weights.items() if k != name}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="no tensor for 'model.visual.blocks.0.attn.qkv.weight'"):
+        import_qwen2_vl(tmp_path)
+    save_file({**weights, name: weights[name][:, :-1].contiguous()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=f"tensor '{name}' has shape"):
+        import_qwen2_vl(tmp_path)
+    ids, px, grids = _sample(0)
+    inputs = list(row([(ids, px, grids)])[0])
+    inputs[1] = torch.cat([inputs[1][:, :4], inputs[1][:, 5:]], dim=1)  # 3 words, START, 4 placeholders: 3 left
+    inputs[3] = inputs[3][:, 1:]
+    with torch.no_grad(), pytest.raises(ValueError, match="3 image placeholder positions .* for 4 merged"):
+        model(*inputs)
