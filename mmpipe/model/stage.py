@@ -37,6 +37,12 @@ floats first (`pack` order, as the first stage's inputs and each stage's rebuilt
                                   local-crop tiling (rows, cols), from the first input to the Projector, which
                                   stitches the local crops with it; hidden is then
                                   [B x M x (1 + max_crops), N_img, D_vision].
+               long  [B, M, 3]   the Qwen2-VL family (cfg.layout.dynamic): each slot's grid (t, h, w) in patches
+                                  (0 0 0 unused), KEPT to the head: the tower's masks and rotary and the decoder's
+                                  multimodal positions read it, so every stage's loader gives it (from the index's
+                                  image sizes, no image decoded); hidden is [B, P, patch_dim] pixel patches, slot
+                                  order then zero padding, then [B, P, D_vision], [B, P / merge^2, D_text]
+                                  (mmpipe.model.qwen2_vl).
 
 One sample per row (no --pack, --max-images 1) is simply the smallest row: M = 1, segments 1 over the
 sample and 0 over its padding (mmpipe.model.rows.sample_rows builds it from one prompt per row, for
@@ -63,12 +69,12 @@ class StageTuple(NamedTuple):
     has_image: torch.Tensor
     segments: torch.Tensor
     vision: torch.Tensor | None = None  # goes second (floats first); see pack()
-    tiling: torch.Tensor | None = None  # long [B, M, 2]: multi-crop only, packed last, dropped by the Projector
+    tiling: torch.Tensor | None = None  # long [B, M, 2] multi-crop, dropped by the Projector; [B, M, 3] Qwen grids
 
     @classmethod
     def unpack(cls, args: tuple) -> "StageTuple":
         """(hidden, [vision,] input_ids, has_image, segments[, tiling]): the floats, then the integers in
-        their fixed order; tiling is there exactly while a multi-crop model has not reached its Projector."""
+        their fixed order; tiling is there while a multi-crop model has not reached its Projector (Qwen2-VL: always)."""
         floats = [a for a in args if a.is_floating_point()]
         ints = [a for a in args if not a.is_floating_point()]
         if not 1 <= len(floats) <= 2 or len(ints) not in (3, 4):
