@@ -186,7 +186,7 @@ def test_bad_inputs_are_counted_and_listed_with_their_reason(data, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "data" / "bad_records.jsonl").read_text().splitlines()]
     assert [b["kind"] for b in lines] == [kind for kind, _ in BAD]
     thin = lines[2]["reason"]
-    assert "28x2000" in thin and "patches >" in thin and "--max-patches 96" in thin
+    assert "28x2000" in thin and "132 patches > the 64" in thin and "--max-patches" in thin
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -18,7 +18,7 @@ import numpy as np
 from ..config import ConfigError, ModelConfig
 from .args import DataArgs
 from .index import DataIndex, build_index, check_policy, describe, fingerprint, load_index
-from .patches import default_max_patches, patch_rule
+from .patches import default_max_patches, patch_rule, per_image_patches
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
 from .text import ConversationEncoder, image_text, placeholders
@@ -189,7 +189,9 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
     E.g. one-image samples of 22 text positions, text_len 96: M = round(96 / 22) = 4, L = 4 N + 96, about
     4 samples a row; with one slot (the unpacked default) a row could never hold a second image sample.
     Read from the token index of the first SLOT_SAMPLES stream positions (no image is opened), so every
-    rank derives the same M. Text-only data keeps M = 1."""
+    rank derives the same M. Text-only data keeps M = 1. A dynamic family without --max-patches gets the
+    patches of M mean images at the same rate, P = M x g (g the mean image's patches, read from the index's
+    grids), at least one image at vision.max_pixels, e.g. M = 4 images of 300 patches: P = 1200."""
     if not opts.auto_slots:
         return opts
     samples = prepare(opts, cfg, out_dir, seed, verbose=False)
@@ -197,7 +199,11 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
     text = sum(len(enc.ids) for enc, _ in sizes)
     images = sum(int(n) for _, n in sizes)
     slots = max(1, round(images * opts.text_len / text))
-    patches = default_max_patches(cfg.vision, slots) if opts.auto_patches else opts.max_patches
+    patches = opts.max_patches
+    if opts.auto_patches:
+        unit = cfg.vision.merge_size ** 2
+        mean = sum(int(np.prod(enc.grids[:n], axis=1).sum()) for enc, n in sizes) / max(1, images)
+        patches = max(per_image_patches(cfg.vision), math.ceil(slots * mean / unit) * unit)
     return dataclasses.replace(opts, max_images=slots, max_patches=patches)
 
 

@@ -69,8 +69,8 @@ class PatchRule:
         share = cap // (self.patch * self.patch)
         if grid[1] * grid[2] > share:  # smart_resize clamps a thin side up to one merge unit, or min_pixels
             raise BadRecord("too_many_patches", f"image {width}x{height} makes a {grid[1]}x{grid[2]} patch grid, "
-                                                f"{grid[1] * grid[2]} patches > the {share} it may take in a row of "
-                                                f"--max-patches {self.row_patches}")
+                                                f"{grid[1] * grid[2]} patches > the {share} one of a sample's "
+                                                f"{n_images} image(s) may take (--max-patches, vision.max_pixels)")
         return grid
 
     def patches(self, image, n_images: int = 1) -> tuple[torch.Tensor, tuple[int, int, int]]:
