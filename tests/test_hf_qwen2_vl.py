@@ -15,9 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from mmpipe.cli import main
 from mmpipe.config import ConfigError
-from mmpipe.hf.qwen2_vl import export_hf, import_qwen2_vl
+from mmpipe.hf.adapter import export_adapter
+from mmpipe.hf.qwen2_vl import export_hf, import_qwen2_vl, key_map
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
+from mmpipe.model.lora import Lora, is_adapter, load_base
 from mmpipe.model.stage import StageTuple
 from mmpipe.runtime.checkpoint import load_reference
 from qwen_models import IMAGE, KINDS, encode, hf_logits, image, sample, save_qwen
@@ -184,6 +186,28 @@ def test_export_loads_in_transformers(qwen, tmp_path):
     assert (mine - before).abs().max().item() > 1e-3
     again, _ = import_qwen2_vl(tmp_path / "out")  # and the export imports back to the same weights
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), changed.state_dict().values()))
+
+
+def test_lora_adapters_load_with_peft(qwen, tmp_path):
+    """Adapters on every group's linears (the tower's fused qkv, the merger's mlp.0 / mlp.2, the decoder's
+    projections) export as a peft adapter of transformers' model, which then gives mmpipe's logits."""
+    from peft import PeftModel
+    kind, _, hf, model, _ = qwen
+    adapted = ReferenceModel(model.cfg, lora=Lora(4, 8.0, groups=("vision", "projector", "text")))
+    for mine, theirs in zip(adapted, model):
+        load_base(mine, theirs.state_dict())
+    torch.manual_seed(5)
+    with torch.no_grad():  # peft starts B at zero (adapter = no-op); make them count
+        for name, p in adapted.named_parameters():
+            if is_adapter(name):
+                p.copy_(torch.randn_like(p) * 0.2)
+    export_adapter(adapted.eval(), tmp_path, key_map, export_hf)
+    peft_model = PeftModel.from_pretrained(type(hf).from_pretrained(tmp_path / "base"), tmp_path).eval()
+    ids, px, grids = _sample(3)
+    with torch.no_grad():
+        want = adapted(*row([(ids, px, grids)])[0])[0, :len(ids)]
+        assert (hf_logits(peft_model, ids, px, grids) - want).abs().max().item() < TOL
+        assert (hf_logits(hf, ids, px, grids) - want).abs().max().item() > 1e-2  # the adapters count
 
 
 def test_import_and_export_commands(qwen, tmp_path, capsys):

@@ -1,7 +1,9 @@
-"""`mmpipe export --format peft`: a LoRA run's adapters as a peft adapter of the HF LLaVA model.
+"""`mmpipe export --format peft`: a LoRA run's adapters as a peft adapter of the family's HF model
+(LLaVA, Qwen2-VL: its Family.hf_class; the names and the base export come from mmpipe.hf.commands.HF_IO).
 
 OUT/adapter_config.json + OUT/adapter_model.safetensors load with
-`peft.PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(OUT/base), OUT)`;
+`peft.PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(OUT/base), OUT)` (or
+Qwen2VLForConditionalGeneration's, ...);
 OUT/base is the run's base model, unmerged, as `mmpipe export --format hf` writes a model (for a
 run whose only trainable weights were the adapters, that is exactly its --init-from import).
 
@@ -18,12 +20,11 @@ from pathlib import Path
 
 from ..model.builder import ReferenceModel
 from ..model.lora import LORA_MARK, is_adapter, strip_adapters
-from .llava import export_hf, key_map
 
 
-def adapter_state(model: ReferenceModel, hf_names: list[str]) -> tuple[dict, list[str]]:
-    """(peft state dict, HF module names that carry adapters) of a LoRA ReferenceModel."""
-    kmap = key_map(model.cfg, hf_names)  # mmpipe base name -> HF name
+def adapter_state(model: ReferenceModel, kmap: dict[str, str]) -> tuple[dict, list[str]]:
+    """(peft state dict, HF module names that carry adapters) of a LoRA ReferenceModel; kmap: mmpipe base
+    name -> HF name."""
     state, modules = {}, set()
     for name, tensor in model.state_dict().items():
         if not is_adapter(name):
@@ -35,13 +36,14 @@ def adapter_state(model: ReferenceModel, hf_names: list[str]) -> tuple[dict, lis
     return state, sorted(modules)
 
 
-def export_adapter(model: ReferenceModel, out: str | Path) -> Path:
+def export_adapter(model: ReferenceModel, out: str | Path, names, export_hf) -> Path:
+    """names(cfg): mmpipe name -> HF name of every weight; export_hf(model, dir): the base as an HF directory."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
     out = Path(out)
     base_dir = export_hf(strip_adapters(copy.deepcopy(model)), out / "base")
-    hf_model = LlavaForConditionalGeneration.from_pretrained(base_dir)
-    state, modules = adapter_state(model, list(hf_model.state_dict()))
+    hf_model = AutoModelForImageTextToText.from_pretrained(base_dir)  # the exported config's class
+    state, modules = adapter_state(model, names(model.cfg))
     lora = model.lora
     peft_model = get_peft_model(hf_model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                      target_modules=modules))

@@ -204,7 +204,7 @@ def main_export(args: argparse.Namespace) -> int:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
     wrote = ""
     if args.format == "peft":
-        export_adapter(model, args.out)
+        export_adapter(model, args.out, *HF_IO[family_of(cfg).hf_class])
         wrote = write_processor(tok, cfg, Path(args.out) / "base")  # OUT/base serves as a checkpoint too
         write_processor(tok, cfg, Path(args.out))
     elif args.format == "hf":
