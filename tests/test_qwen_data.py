@@ -244,3 +244,14 @@ def test_reference_model_trains_on_a_packed_micro_batch(data, tmp_path):
     loss.backward()
     assert torch.isfinite(loss) and labels.ne(IGNORE_INDEX).sum() > 0
     assert type(model[0]).__name__ == "QwenPatchEmbed" and model[0].proj.weight.grad.abs().sum() > 0
+
+
+def test_pack_alone_sizes_slots_and_patches_from_the_data(data, tmp_path):
+    """--pack, no --max-images / --max-patches: 3 good image samples of 16, 48 and 16 patches (mean 80 / 3) and
+    short texts give M = 3 slots and P = 3 x 80 / 3 = 80 patches (above one 64-patch image): L = 6 + 20 + 40."""
+    from mmpipe.data.dataset import packed_image_slots
+    cfg, opts, _ = load(data, tmp_path, pack=True)
+    assert opts.auto_slots and opts.auto_patches and opts.max_patches == 64
+    opts = packed_image_slots(opts, cfg, tmp_path, seed=0)
+    assert (opts.max_images, opts.max_patches) == (3, 80)
+    assert row_shape(cfg, opts.max_images, opts.text_len, opts.max_patches).length == 66
