@@ -21,6 +21,7 @@ from .costmodel import (
     BYTES,
     Device,
     LayerCost,
+    RangeMemory,
     layer_costs,
     pipeline_step_seconds,
     replayed_step_seconds,
@@ -70,11 +71,11 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
     def unit_parts(s, i, j):  # layer boundaries of units i..j-1 as stage s
         return [units[i][0], units[j - 1][-1] + 1]
 
-    def fits(s, i, j):
+    ranges = RangeMemory(rows, precision)  # stage_memory of any range, in O(1)
+
+    def fits(s, i, j):  # stage s = the layers of units i..j-1
         a, b = unit_parts(s, i, j)
-        fake = [0] * s + [a, b] + [b] * (stages - s - 1)  # stage s = layers [a, b)
-        mem = stage_memory(rows, fake, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero, dp=dp)
-        return mem["total"] <= device.memory
+        return ranges.total(a, b, s, stages, micro=micro, micro_batches=gas, zero_stage=zero, dp=dp) <= device.memory
 
     try:
         parts = compute_parts(rows, stages, "balanced", fits) if partition in ("balanced", "best", "") else \

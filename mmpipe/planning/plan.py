@@ -37,13 +37,15 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, fail, load_preset
 from ..data.args import DataArgs
-from ..data.dataset import ROW_FLAGS, row_text_len
+from ..data.dataset import ROW_FLAGS, dynamic, row_patches, row_text_len
 from ..flags import add_flags, from_namespace
 from ..model.args import ModelArgs
 from ..model.builder import check_lora_rank
+from ..model.costs import PatchRow
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
+from .images import parse_image_size, patch_row
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
 from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, asked
 
@@ -85,6 +87,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="with --calibrate: comma-separated variants to check, not fit (default: the last two)")
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: where the profile goes (default: device_profile.json beside RESULTS.json)")
+    p.add_argument("--image-size", default=None, metavar="WxH",
+                   help="dynamic-resolution presets (qwen2_vl): cost rows of --max-images images of this size in "
+                        "pixels, e.g. 1024x768, each resized to the image processor's grid as training resizes it "
+                        "(default: the preset's vision.image_size square)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
     add_flags(p, ModelArgs)
     add_flags(p, DataArgs, only=ROW_FLAGS)
@@ -132,9 +138,11 @@ def cpu_device() -> Device:
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
          precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False,
-         lora: Lora | None = None, schedule: str = BASELINE.name, images: int = 1) -> list[Layout]:
-    """images: a row's image slots (--max-images); global_batch and micros then count rows."""
-    rows = layer_costs(cfg, freeze, text_len, checkpointing, lora, images)
+         lora: Lora | None = None, schedule: str = BASELINE.name, images: int = 1,
+         patches: PatchRow | None = None) -> list[Layout]:
+    """images: a row's image slots (--max-images); global_batch and micros then count rows. patches: a
+    dynamic-resolution row's patch budget and image grids (mmpipe.planning.images.patch_row)."""
+    rows = layer_costs(cfg, freeze, text_len, checkpointing, lora, images, patches)
     profiles = {m: profile_layers(cfg, text_len, m, precision, images=images) for m in micros} if profile else {}
     layouts = []
     for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
@@ -189,11 +197,18 @@ def main_calibrate(args) -> int:
     return 0
 
 
-def _check_rows(args, cfg: ModelConfig) -> None:
-    """--text-len, --max-images, --pack: mmpipe train's check (row_text_len); --text-len defaults to what the
-    model's context leaves, as it does for `mmpipe train --data` on your own data."""
+def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
+    """--text-len, --max-images, --pack, --max-patches: mmpipe train's check (row_text_len, row_patches);
+    --text-len defaults to what the model's context leaves, as it does for `mmpipe train --data` on your own
+    data. A dynamic-resolution family's row (--image-size): its PatchRow; None for the others."""
     problems: list[str] = []
-    args.text_len = row_text_len(from_namespace(DataArgs, args, only=ROW_FLAGS), cfg, None, problems)
+    data = from_namespace(DataArgs, args, only=ROW_FLAGS)
+    args.text_len = row_text_len(data, cfg, None, problems)
+    max_patches = row_patches(data, cfg, problems)
+    size = None if args.image_size is None else parse_image_size(args.image_size)
+    if size and not dynamic(cfg):
+        problems.append(f"--image-size: the {cfg.family} family resizes every image to {cfg.vision.image_size} px "
+                        f"square; only a dynamic-resolution family (qwen2_vl) costs an image size")
     if problems:
         raise ConfigError("\n".join(problems))
     if args.pack and args.max_images is None:  # train derives them from the data (data.dataset.packed_image_slots)
@@ -201,6 +216,7 @@ def _check_rows(args, cfg: ModelConfig) -> None:
               "them: 'mmpipe: --pack: M image slots per row'); plan has no data and costs M = 1 - give that "
               "--max-images M here")
     args.max_images = args.max_images or 1
+    return patch_row(cfg, args.max_images, max_patches, size)
 
 
 def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora) -> str:
@@ -223,7 +239,10 @@ def main_plan(args) -> int:
         micros = [int(x) for x in args.micro.split(",") if x]
         freeze, lora = model_args.frozen_groups(), model_args.adapters()
         check_lora_rank(cfg, lora)  # as train's resolve: no rank above the narrowest adapted linear's
-        _check_rows(args, cfg)
+        patches = _check_rows(args, cfg)
+        if args.profile and patches:
+            raise ConfigError(f"--profile: not for a dynamic-resolution preset ({cfg.family}) yet; plan it from "
+                              f"--device's peak x --efficiency")
         if args.schedule not in PLAN_SCHEDULES:
             raise ConfigError(f"--schedule: {args.schedule!r} is not a schedule (valid: {', '.join(PLAN_SCHEDULES)})")
         if args.precision == "fp16" and args.zero != 1:
@@ -235,14 +254,14 @@ def main_plan(args) -> int:
     layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
                    text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
                    checkpointing=args.checkpointing, profile=args.profile, lora=lora, schedule=args.schedule,
-                   images=args.max_images)
+                   images=args.max_images, patches=patches)
     feasible = [lay for lay in layouts if lay.step]
-    length = row_positions(cfg, args.text_len, args.max_images)
+    length = row_positions(cfg, args.text_len, args.max_images, patches)
     if args.json:  # throughput: rows/s (samples/s unless packed); positions_per_s = rows/s x L, padding included
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput, "decoder_length": length,
                            "positions_per_s": lay.throughput * length} for lay in layouts], indent=1))
     else:
-        _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0)
+        _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0, patches)
     if not feasible:
         return fail(ConfigError(f"plan: no layout of {cfg.name} fits {gpus} x {device.memory / GiB:.0f} GiB at global "
                                 f"batch {args.global_batch} (try {fit_hints(args, micros, freeze, lora)})"))
@@ -254,33 +273,36 @@ def main_plan(args) -> int:
         best = feasible[0]
         sched = "" if best.schedule == BASELINE.name else f", schedule {best.schedule}"
         rows = (f"{'--pack ' if args.pack else ''}--max-images {args.max_images} "
-                if args.pack or args.max_images > 1 else "")
+                if args.pack or args.max_images > 1 else "") + (f"--max-patches {patches.patches} " if patches else "")
         print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro {best.micro} x GAS "
               f"{best.gas} = global batch {best.micro * best.gas * best.dp}{sched}); run it with mmpipe train "
               f"--ds-config {args.write_config} --dp {best.dp} {rows}--text-len {args.text_len}")
     return 0
 
 
-def _print(cfg, device, gpus, args, layouts, seconds) -> None:
+def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None = None) -> None:
     peak = (f"{device.peak_flops / 1e12:.0f} TFLOP/s" if device.peak_flops >= 1e12 else
             f"{device.peak_flops / 1e9:.1f} GFLOP/s")
     fixed = (f", + {device.microbatch_overhead * 1e3:.2f} ms per slot, + {device.step_overhead * 1e3:.2f} ms per step"
              if device.microbatch_overhead or device.step_overhead else "")
     fixed += f", + {device.split_overhead * 1e3:.2f} ms per zb-h1 W" if device.split_overhead else ""
+    image = (f"{cfg.vision.n_tokens} image tokens"
+             f"{f' (ViT on 1 + {cfg.vision.max_crops} crops)' if cfg.vision.max_crops else ''}")
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}{fixed}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
-          f"{cfg.vision.n_tokens} image tokens"
-          f"{f' (ViT on 1 + {cfg.vision.max_crops} crops)' if cfg.vision.max_crops else ''}, {args.precision}, "
-          f"ZeRO-{args.zero}"
+          f"{_patch_words(cfg, args, patches) if patches else image}, {args.precision}, ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}"
           f"{f', LoRA rank {args.lora} on {args.lora_groups} (base frozen)' if args.lora else ''}")
-    per_image, images = row_positions(cfg, 0), args.max_images  # an image's decoder positions N_dec, slots M
-    length = row_positions(cfg, args.text_len, images)
-    if images > 1 or args.pack:
-        print(f"decoder positions per row: {images} image slots x {per_image} + {args.text_len} text = {length}"
-              f"{'; rows hold several samples (--pack)' if args.pack else '; one sample per row'}; global batch "
-              f"and micro-batch count rows")
+    images = args.max_images  # image slots M
+    per_image = row_positions(cfg, 0) if not patches else 0  # an image's decoder positions N_dec
+    length = row_positions(cfg, args.text_len, images, patches)
+    rows = (f"{'; rows hold several samples (--pack)' if args.pack else '; one sample per row'}; global batch "
+            f"and micro-batch count rows")
+    if patches:
+        print(_patch_line(cfg, args, patches, length) + rows)
+    elif images > 1 or args.pack:
+        print(f"decoder positions per row: {images} image slots x {per_image} + {args.text_len} text = {length}" + rows)
     else:
         print(f"decoder positions per row: {per_image} image + {args.text_len} text = {length}, one sample per row")
     rate = (lambda lay: lay.throughput * length) if args.pack else (lambda lay: lay.throughput)
@@ -311,6 +333,23 @@ def _print(cfg, device, gpus, args, layouts, seconds) -> None:
                                                   if replayed else "")
                   + "".join(f" {r[s.short + '_memory_gib']:>7.2f}" for s in replayed))
     print(f"(planned in {seconds:.2f} s, nothing allocated)")
+
+
+def _patch_words(cfg, args, patches: PatchRow) -> str:
+    """The header's image part for a dynamic-resolution row: its images, their size and grid."""
+    _, h, w = patches.grids[0]
+    p, m = cfg.vision.patch_size, len(patches.grids)
+    size = f"{args.image_size} px -> " if args.image_size else ""
+    return (f"{m} image{'s' if m > 1 else ''} of {size}{w * p}x{h * p} px ({h} x {w} patches, "
+            f"{h * w // cfg.vision.merge_size ** 2} image tokens each)")
+
+
+def _patch_line(cfg, args, patches: PatchRow, length: int) -> str:
+    """A dynamic-resolution row's budgets: patches used of P, decoder positions of L."""
+    merge, m = cfg.vision.merge_size ** 2, len(patches.grids)
+    return (f"vision patches per row: {patches.used} of --max-patches {patches.patches} "
+            f"({1 - patches.used / patches.patches:.0%} padding); decoder positions per row: {m} x 2 brackets + "
+            f"{patches.patches // merge} image ({patches.used // merge} used) + {args.text_len} text = {length}")
 
 
 def _print_one(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s") -> None:
