@@ -16,13 +16,13 @@ from safetensors.torch import load_file, save_file
 from mmpipe.cli import main
 from mmpipe.config import ConfigError
 from mmpipe.hf.adapter import export_adapter
-from mmpipe.hf.qwen2_vl import export_hf, import_qwen2_vl, key_map
+from mmpipe.hf.qwen2_vl import config_from_hf, export_hf, import_qwen2_vl, key_map
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.lora import Lora, is_adapter, load_base
 from mmpipe.model.stage import StageTuple
 from mmpipe.runtime.checkpoint import load_reference
-from qwen_models import IMAGE, KINDS, encode, hf_logits, image, sample, save_qwen
+from qwen_models import IMAGE, KINDS, encode, hf_logits, image, qwen_config, sample, save_qwen
 
 TOL = 1e-4
 # (name, image sizes w x h): 4 x 4, 4 x 6 and 8 x 4 patch grids; two images of different sizes; text only
@@ -240,3 +240,19 @@ def test_bad_weights_and_rows_are_named(qwen, tmp_path):
     inputs[3] = inputs[3][:, 1:]
     with torch.no_grad(), pytest.raises(ValueError, match="3 image placeholder positions .* for 4 merged"):
         model(*inputs)
+
+
+@pytest.mark.parametrize("section, field, value, problem", [
+    ("text", "mrope_section", (2, 3, 2), "text.mrope_section: [2, 3, 2]: 3 sections summing to head_dim / 2 = 8"),
+    ("vision", "window_size", 50, "vision.window_size: 50 must be a multiple of patch_size x merge_size = 28"),
+    ("vision", "fullatt_blocks", (3,), "vision.fullatt_blocks: [3]: block indices of a 3-block tower"),
+    ("vision", "act", "quick_gelu", "vision.act: 'quick_gelu' with mlp 'swiglu' (valid: silu with swiglu"),
+    ("top", "vision_end_id", 500, "vision_end_id: 500 is not a token id of the 200-token vocabulary")])
+def test_config_checks_name_the_field(section, field, value, problem):
+    """A Qwen2.5 config with one bad field: one line naming it (mmpipe.config's qwen2_vl checks)."""
+    cfg = config_from_hf(qwen_config("qwen2_5"), "tiny")
+    bad = (dataclasses.replace(cfg, **{field: value}) if section == "top" else
+           dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{field: value})}))
+    with pytest.raises(ConfigError) as e:
+        bad.validate()
+    assert str(e.value).startswith(f"model config '{cfg.name}': {problem}") and "\n" not in str(e.value)
