@@ -110,8 +110,8 @@ def _llama_block(cfg, params, n, seq):  # the Phi block's, + gate/up/product of 
                 seq * t.dim)
 
 
-def _final_norm(cfg, params, n, seq):  # RMSNorm
-    return Cost(seq, 2.0 * params * seq, cfg.text.dim * seq + seq, seq, seq * cfg.text.dim)
+def _final_norm(cfg, params, n, seq):  # nn.RMSNorm: its input, the statistic, the normalised input (the weight's)
+    return Cost(seq, 2.0 * params * seq, 2 * cfg.text.dim * seq + seq, seq, seq * cfg.text.dim)
 
 
 def _lm_head(cfg, params, n, seq):  # + the fp32 logits of the loss's log-softmax
