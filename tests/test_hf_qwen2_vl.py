@@ -240,6 +240,8 @@ def test_bad_weights_and_rows_are_named(qwen, tmp_path):
     inputs[3] = inputs[3][:, 1:]
     with torch.no_grad(), pytest.raises(ValueError, match="3 image placeholder positions .* for 4 merged"):
         model(*inputs)
+    with torch.no_grad(), pytest.raises(ValueError, match="need each image slot's grid"):
+        model(*inputs[:4])  # no tiling
 
 
 @pytest.mark.parametrize("section, field, value, problem", [

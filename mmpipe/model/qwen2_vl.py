@@ -40,9 +40,12 @@ def _norm(v: VisionConfig) -> nn.Module:
     return nn.RMSNorm(v.dim, eps=v.ln_eps) if v.norm == "rmsnorm" else nn.LayerNorm(v.dim, eps=v.ln_eps)
 
 
-def used_grids(tiling: torch.Tensor, has_image: torch.Tensor) -> torch.Tensor:
-    """tiling [B, M, 3] with the unused slots' grids zeroed (has_image 0): the grids the row holds."""
-    return tiling * (has_image > 0)[..., None]
+def used_grids(t: StageTuple) -> torch.Tensor:
+    """t.tiling [B, M, 3] with the unused slots' grids zeroed (has_image 0): the grids the row holds."""
+    if t.tiling is None or t.tiling.dim() != 3 or t.tiling.shape[-1] != 3:
+        raise ValueError("the Qwen2-VL family's layers need each image slot's grid: the stage tuple's tiling "
+                         "long [B, M, 3] (t, h, w), last of its integer tensors")
+    return t.tiling * (t.has_image > 0)[..., None]
 
 
 class Patches(NamedTuple):
@@ -83,7 +86,7 @@ def vision_geometry(t: StageTuple, v: VisionConfig, full: bool):
     image's frame (and, full False, its window of merge units); padding patches see themselves only.
     The rotary turns each head's quarters by (row, col, row, col) x the frequencies of head_dim / 4."""
     B, P = t.hidden.shape[:2]
-    c = patch_coords(used_grids(t.tiling, t.has_image), P, v.merge_size)
+    c = patch_coords(used_grids(t), P, v.merge_size)
     allowed = _same(c.slot) & _same(c.frame) & (c.slot < t.tiling.shape[1])[:, :, None]
     if not full:
         unit = v.merge_size * (v.window_size // (v.patch_size * v.merge_size))  # patches per window side
@@ -214,7 +217,7 @@ class QwenEmbed(LlavaEmbed):
         t = StageTuple.unpack(args)  # hidden: merged image tokens [B, P / merge^2, D]
         emb = self.embed_tokens(t.input_ids)
         where = t.input_ids == self.image_token_id
-        have, want = where.sum(-1), used_grids(t.tiling, t.has_image).prod(-1).sum(-1) // self.unit
+        have, want = where.sum(-1), used_grids(t).prod(-1).sum(-1) // self.unit
         if not torch.equal(have, want):
             b = int((have != want).nonzero()[0, 0])
             raise ValueError(f"row {b}: {int(have[b])} image placeholder positions (id {self.image_token_id}) for "
@@ -236,7 +239,7 @@ class QwenBlock(LlamaBlock):
     def geometry(self, t: StageTuple, start: int, cache: dict | None):
         hd, theta = self.self_attn.head_dim, self.self_attn.theta
         if start == 0:
-            pos = mrope_positions(t.input_ids, t.segments, used_grids(t.tiling, t.has_image), self.token, self.merge)
+            pos = mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge)
             if cache is not None:
                 cache["rope_delta"] = rope_delta(pos, t.segments)
             return row_mask(t.segments), mrope_rotary(pos, hd, theta, self.section)
