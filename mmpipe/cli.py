@@ -18,6 +18,7 @@ from pathlib import Path
 logging.getLogger("DeepSpeed").addFilter(lambda r: "Setting accelerator to CPU" not in r.getMessage())
 
 from .bench.main import add_bench_args, main_bench  # noqa: E402
+from .check.main import CHECK_FILE, check_verdict  # noqa: E402
 from .cluster import hostfile  # noqa: E402
 from .cluster.ports import free_port  # noqa: E402
 from .cluster.slurm import add_slurm_args, main_slurm  # noqa: E402
@@ -37,7 +38,8 @@ from .runtime.curves import add_plot_args, main_plot  # noqa: E402
 from .runtime.feed import decoder_length  # noqa: E402
 
 
-def cmd_train(ns: argparse.Namespace) -> int:
+def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train") -> int:
+    """module: the rank entry the launcher starts (`mmpipe check` starts mmpipe.check.rank on the same ranks)."""
     args, la = from_namespace(TrainArgs, ns), from_namespace(LaunchArgs, ns)
     hosts = None
     if la.hostfile or la.include or la.exclude:
@@ -86,7 +88,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         where = _where(la, hosts, run, args, env, ns.dry_run)
     except ConfigError as e:
         return fail(e)
-    cmd = [launcher, *where, "--module", "mmpipe.train", *args.to_argv()]
+    cmd = [launcher, *where, "--module", module, *args.to_argv()]
     if ns.dry_run:
         return _train_plan(cmd, run, args, hosts)
     print("mmpipe: " + " ".join(cmd), flush=True)
@@ -125,6 +127,14 @@ def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None) -> int
         not_checked=f"ssh to the {len(hosts)} hosts (checked at launch)" if hosts and len(hosts) > 1 else None)
 
 
+def cmd_check(ns: argparse.Namespace) -> int:
+    """`mmpipe check`: train's checks and launch, the check ranks instead of training; exit from check.json."""
+    if not ns.dry_run:
+        (Path(ns.output_dir) / CHECK_FILE).unlink(missing_ok=True)  # an earlier check's verdict is not this one's
+    rc = cmd_train(ns, module="mmpipe.check.rank")
+    return rc if ns.dry_run or rc == 2 else check_verdict(Path(ns.output_dir), rc)
+
+
 def cmd_slurm(ns: argparse.Namespace) -> int:
     return main_slurm(ns, from_namespace(TrainArgs, ns))
 
@@ -157,6 +167,8 @@ def _slurm_flags(p: argparse.ArgumentParser) -> None:
 # name -> (help, declares the flags, runs the command)
 COMMANDS = {
     "train": ("train on this machine through the deepspeed launcher", _train_flags, cmd_train),
+    "check": ("run train's ranks as a check: env, links, pipeline == single device, loader (docs/check.md)",
+              _train_flags, cmd_check),
     "slurm": ("write (and --submit) an sbatch script that runs this training under Slurm", _slurm_flags, cmd_slurm),
     "presets": ("list the model presets", lambda p: None, cmd_presets),
     "plan": ("predict step time, memory and throughput of each PP x DP x micro layout", add_plan_args, main_plan),

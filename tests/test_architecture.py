@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "mmpipe"
 # lowest first: a module may import from its own layer and the layers before it (docs/architecture.md)
 LAYERS = [("config", "flags"), ("model",), ("data",), ("planning",), ("run_args",), ("run_config",), ("cluster",),
-          ("runtime",), ("hf",), ("inference",), ("bench", "train"), ("cli",)]
+          ("runtime",), ("hf",), ("inference",), ("bench", "train", "check"), ("cli",)]
 
 
 def _module(path: Path) -> str:

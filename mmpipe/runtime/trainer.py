@@ -195,6 +195,7 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
     checkpoint.make_loads_safe(engine)
+    grad_fault(engine, run.gas)  # a test hook, inert unless MMPIPE_FAULT names it
     install_wire(engine)  # only floats cross a stage boundary; before `instrument` copies the instruction map
     zb = install_schedule(engine, run.schedule)  # collective for zb-h1; before `instrument` copies the instruction map
     if zb and rank == 0:
@@ -388,6 +389,16 @@ def nan_fault(batches, start_step: int, gas: int):
         if inputs[0].is_floating_point() and bad_step is not None and start_step + k // gas + 1 == bad_step:
             inputs = (inputs[0] * float("nan"), *inputs[1:])
         yield inputs, labels
+
+
+def grad_fault(engine, gas: int) -> None:
+    """Test hook: MMPIPE_FAULT=grad-over-gas:STAGE scales stage STAGE's gradients by 1/GAS, the
+    silent DeepSpeed pipeline + accumulation bug (#8152) `mmpipe check` must catch. Unset in normal runs."""
+    spec = os.environ.get("MMPIPE_FAULT", "")
+    if spec.startswith("grad-over-gas:") and engine.stage_id == int(spec.split(":")[1]):
+        for p in engine.module.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g: g / gas)
 
 
 def truncate_logs(out: Path, step: int, position: int) -> None:

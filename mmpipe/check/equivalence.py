@@ -1,0 +1,200 @@
+"""Pipeline == single device, on the user's run: the model shrunk to at most 2 blocks per layer group
+(`shrunk`), everything else the run's (micro-batch, GAS, DP, stages, schedule, precision, ZeRO,
+freezing, LoRA, packing, data), trained STEPS steps through the trainer's own engine, stream and
+hooks (`pipeline_side`) and through the single-device reference loop's pieces (`reference_side`).
+Each step's loss and each stage's gradient norm are compared, relatively, against TOLERANCE[precision].
+
+The gradient norm is what catches a gradient that is wrong by a constant factor on one stage (e.g.
+1/GAS, DeepSpeed #8152): Adam nearly cancels such a factor, so the loss barely moves."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from bisect import bisect_right
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+from ..config import ConfigError, ModelConfig
+from ..data.batches import micro_batch_indices, rank_batches
+from ..data.dataset import prepare
+from ..model.builder import ReferenceModel, lm_loss
+from ..planning.partition import check_trainable, compute_parts, layer_table
+from ..run_args import TrainArgs
+from ..run_config import RunConfig
+from ..runtime.feed import run_dataset
+from ..runtime.reference import accumulate, clip_and_step, gradient_clipping, make_optimizer, make_scheduler
+from ..runtime.trainer import DataStream, Progress, build_engine
+
+STEPS = 3
+MAX_BLOCKS = 2
+# largest relative difference allowed (loss, gradient norm): fp32 is summation order only; bf16 / fp16
+# pipelines are compared with the fp32 reference, so their rounding counts too
+TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (3e-2, 1e-1), "fp16": (1e-2, 5e-2)}
+
+
+def shrunk(cfg: ModelConfig, blocks: int) -> ModelConfig:
+    """Every layer group with n_layers (the vision tower, the decoder) cut to at most `blocks` blocks;
+    block index lists of the group (e.g. a tower's full-attention blocks) keep the indices that remain."""
+    changes = {}
+    for f in dataclasses.fields(cfg):
+        sub = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sub) and hasattr(sub, "n_layers") and sub.n_layers > blocks:
+            kept = {g.name: tuple(i for i in getattr(sub, g.name) if i < blocks) for g in dataclasses.fields(sub)
+                    if g.name.endswith("_blocks") and isinstance(getattr(sub, g.name), tuple)}
+            changes[f.name] = dataclasses.replace(sub, n_layers=blocks, **kept)
+    return dataclasses.replace(cfg, **changes)
+
+
+def shrunk_run(run: RunConfig, args: TrainArgs) -> RunConfig:
+    """The run with its model shrunk: at most MAX_BLOCKS blocks per group, more only where the run has
+    more stages than the shrunk model could fill. Random weights (no --init-from: its layer files are
+    the full model's). Raises ConfigError when no shrunk model splits into the run's stages."""
+    checkpointing = int(run.ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0) or 0) > 0
+    method = str(args.partition or run.ds_config.get("pipeline", {}).get("partition", "best"))
+    method = "balanced" if method[:1].isdigit() else method  # explicit boundaries name the full model's layers
+    blocks, problem = MAX_BLOCKS, None
+    while True:
+        model = shrunk(run.model, blocks)
+        table = layer_table(model, run.freeze, run.text_len, checkpointing, run.lora, run.max_images)
+        try:
+            parts = compute_parts(table, run.stages, method)
+            check_trainable(table, parts)
+            return dataclasses.replace(run, model=model, layers=table, parts=parts, init_from=None)
+        except ConfigError as e:
+            problem = e
+        if model == run.model:
+            raise problem
+        blocks += 1
+
+
+def _stage_sq(module: torch.nn.Module) -> float | None:
+    """This stage's squared gradient norm (each parameter once: not a tied weight's pipe-replicated copy);
+    None where the optimizer keeps the gradients elsewhere (bf16 / ZeRO)."""
+    grads = [p.grad for p in module.parameters() if p.requires_grad and getattr(p, "model_parallel", True)]
+    if not grads or any(g is None for g in grads):
+        return None
+    return float(sum(g.detach().float().pow(2).sum() for g in grads))
+
+
+def pipeline_side(run: RunConfig, args: TrainArgs, rank: int) -> list[dict]:
+    """Collective: STEPS steps of the shrunk run through the trainer's engine (its fault hooks too).
+    Per step: the loss, this stage's squared gradient norm before the optimizer step and the global norm
+    DeepSpeed reports (where its optimizer computes one)."""
+    engine = build_engine(run, args, rank)
+    samples = prepare(run.data, run.model, args.output_dir, args.seed, verbose=False)
+    stream = DataStream(engine, run, args, samples, Progress())
+    seen, imap = [], dict(engine._INSTRUCTION_MAP)
+    step_fn = imap[ds_schedule.OptimizerStep]
+
+    def optimizer_step(self, *a, **kw):
+        sq = _stage_sq(self.module)
+        out = step_fn(self, *a, **kw)
+        seen.append({"stage_sq": sq, "global_norm": self.get_global_grad_norm()})
+        return out
+    imap[ds_schedule.OptimizerStep] = optimizer_step
+    engine.__dict__["_INSTRUCTION_MAP"] = imap
+    for _ in range(STEPS):  # one OptimizerStep per train_batch
+        loss = engine.train_batch(data_iter=stream.batches).item()
+        seen[-1]["loss"] = loss
+    stream.close()
+    return [dict(s, stage=engine.stage_id, dp=engine.grid.data_parallel_id) for s in seen]
+
+
+class AllReplicas:
+    """The batch sampler of every DP replica's micro-batches of a step, one after another: what one
+    device sees when it trains the whole step (GAS x DP micro-batches)."""
+
+    def __init__(self, run: RunConfig):
+        self.run = run
+
+    def __iter__(self):
+        step = 0
+        while True:
+            for d in range(self.run.dp):
+                yield from micro_batch_indices(step, self.run.micro, self.run.gas, d, self.run.dp)
+            step += 1
+
+
+def _to(x, dev: torch.device):
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(v, dev) for v in x)
+    return x.to(dev) if isinstance(x, torch.Tensor) else x
+
+
+def reference_side(run: RunConfig, seed: int, out_dir: str, dev: torch.device) -> list[dict]:
+    """STEPS steps of the shrunk run on one device in fp32 (mmpipe.runtime.reference's step, GAS x DP
+    micro-batches per step): per step the loss and each stage's squared gradient norm before clipping."""
+    model = ReferenceModel(run.model, seed=seed, freeze=run.freeze, lora=run.lora).to(dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(run.ds_config, params)
+    sched, clip = make_scheduler(run.ds_config, opt), gradient_clipping(run.ds_config)
+    stage_of = {}
+    for i, layer in enumerate(model):  # a tied weight counts on the first stage that holds it, as in the pipeline
+        for p in layer.parameters():
+            stage_of.setdefault(id(p), bisect_right(run.parts, i) - 1)
+    data = run_dataset(run, prepare(run.data, run.model, out_dir, seed, verbose=False),
+                       augment_seed=seed if run.data.augment else None)
+    batches = rank_batches(data, AllReplicas(run))
+    model.train()
+
+    def micro_loss():
+        inputs, labels = next(batches)
+        return lm_loss(model(*_to(inputs, dev)), _to(labels, dev))
+    steps = []
+    for _ in range(STEPS):
+        loss = accumulate(micro_loss, run.gas * run.dp)
+        sq = [0.0] * run.stages
+        for p in params:
+            if p.grad is not None:
+                sq[stage_of[id(p)]] += float(p.grad.detach().float().pow(2).sum())
+        clip_and_step(params, opt, sched, clip)
+        steps.append({"loss": loss, "stage_sq": sq})
+    return steps
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a) else math.inf
+
+
+def judge(run: RunConfig, pipe: list[list[dict]], ref: list[dict]) -> dict:
+    """pipe: every rank's pipeline_side rows. The largest relative loss and gradient-norm differences;
+    per stage where every stage's gradients were readable, else on DeepSpeed's global norm."""
+    tol_loss, tol_grad = TOLERANCE[run.precision]
+    replica0 = {r[0]["stage"]: r for r in pipe if r and r[0]["dp"] == 0}
+    loss_diff, grads = 0.0, []
+    for k, want in enumerate(ref):
+        loss_diff = max(loss_diff, _rel(replica0[0][k]["loss"], want["loss"]))
+        got_sq = [replica0[s][k]["stage_sq"] for s in range(run.stages)]
+        if all(g is not None for g in got_sq):
+            pairs = [(f"stage {s}", math.sqrt(g), math.sqrt(w))
+                     for s, (g, w) in enumerate(zip(got_sq, want["stage_sq"]))]
+        else:
+            pairs = [("global", replica0[0][k]["global_norm"] or math.nan, math.sqrt(sum(want["stage_sq"])))]
+        grads += [(_rel(g, w), k + 1, where, g, w) for where, g, w in pairs]
+    grad_diff, step, where, g, w = max(grads, key=lambda t: t[0])
+    ok = loss_diff <= tol_loss and grad_diff <= tol_grad
+    return {"ok": ok, "steps": len(ref), "blocks": _blocks(run.model), "max_loss_rel_diff": loss_diff,
+            "max_grad_norm_rel_diff": grad_diff, "tolerance": {"loss": tol_loss, "grad_norm": tol_grad},
+            "worst_grad_norm": {"step": step, "where": where, "pipeline": g, "reference": w},
+            "losses": {"pipeline": [s["loss"] for s in replica0[0]], "reference": [s["loss"] for s in ref]}}
+
+
+def _blocks(cfg: ModelConfig) -> dict:
+    return {f.name: getattr(cfg, f.name).n_layers for f in dataclasses.fields(cfg)
+            if hasattr(getattr(cfg, f.name), "n_layers")}
+
+
+def check(run: RunConfig, args: TrainArgs, rank: int, dev: torch.device) -> dict | None:
+    """Collective; the result on rank 0 (None elsewhere)."""
+    try:
+        small = shrunk_run(run, args)
+    except ConfigError as e:
+        return {"ok": False, "error": f"no shrunk model splits into {run.stages} stages: {e}"} if rank == 0 else None
+    rows = pipeline_side(small, args, rank)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    result = judge(small, every, reference_side(small, args.seed, args.output_dir, dev)) if rank == 0 else None
+    dist.barrier()
+    return result

@@ -1,0 +1,73 @@
+"""Rank 0's table and check.json: the ranks, the links, and one line per check (pass / FAIL)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..run_config import RunConfig
+from .main import CHECK_FILE
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def summaries(checks: dict) -> dict[str, str]:
+    """One line per check: what was measured against what."""
+    env, links, eq, loader = (checks.get(k) for k in ("env", "links", "equivalence", "loader"))
+    out = {"env": f"{env['ranks']} ranks, backend {env['backend']}" + "".join(f"; {p}" for p in env["problems"])}
+    slow = [r["name"] for r in links["rows"] if not r["ok"]]
+    out["links"] = (f"{len(links['rows'])} links" + (f"; slow: {', '.join(slow)}" if slow else "")
+                    if links["rows"] else "one rank: no link to measure")
+    out["equivalence"] = eq.get("error") or (
+        f"{eq['steps']} steps, {', '.join(f'{k} {v}' for k, v in eq['blocks'].items())} blocks: "
+        f"loss diff {eq['max_loss_rel_diff']:.1e} "
+        f"(tol {eq['tolerance']['loss']:.0e}), grad-norm diff {eq['max_grad_norm_rel_diff']:.1e} "
+        f"(tol {eq['tolerance']['grad_norm']:.0e}; worst: step {eq['worst_grad_norm']['step']} "
+        f"{eq['worst_grad_norm']['where']})")
+    need = loader["pipeline_rows_per_s"]
+    out["loader"] = (f"the loader feeds {loader['rows_per_s']:.1f} of the "
+                     f"{f'{need:.1f}' if need else 'unknown (no planner device)'} rows/s the pipeline can take "
+                     f"({loader['samples_per_s']:.1f} samples/s, {loader['workers']} workers)")
+    return out
+
+
+def render(run: RunConfig, ranks: list[dict], checks: dict) -> str:
+    title = (f"mmpipe check: {run.model.name}, {run.stages} stages x dp {run.dp}, micro {run.micro} x GAS {run.gas}, "
+             f"{run.precision}, ZeRO-{run.zero_stage}, schedule {run.schedule}")
+    rank_rows = [[r["rank"], r["host"], r["device"], "yes" if not r["precision_problem"] else "NO", r["torch"],
+                  r["deepspeed"], r["nccl"] or "-", r["backend"]] for r in ranks]
+    link_rows = [[r["name"], r["kind"], _bytes(r["bytes"]), f"{_bytes(r['bandwidth'])}/s",
+                  f"{r['latency_s'] * 1e6:.0f} us" if r["latency_s"] is not None else "-",
+                  "pass" if r["ok"] else "FAIL"]
+                 for r in checks["links"]["rows"]]
+    lines = summaries(checks)
+    parts = [title, "", _table(["rank", "host", "device", run.precision, "torch", "deepspeed", "nccl", "backend"],
+                               rank_rows)]
+    if link_rows:
+        parts += ["", _table(["link", "kind", "size", "bandwidth", "latency", "result"], link_rows)]
+    parts += ["", _table(["check", "result", "detail"],
+                         [[k, "pass" if c["ok"] else "FAIL", lines[k]] for k, c in checks.items()])]
+    return "\n".join(parts)
+
+
+def write(out: Path, run: RunConfig, ranks: list[dict], checks: dict) -> list[str]:
+    """Print the table, write check.json; the failed checks' names."""
+    failed = [k for k, c in checks.items() if not c["ok"]]
+    print(render(run, ranks, checks), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"ok": not failed, "failed": failed, "model": run.model.name, "stages": run.stages, "dp": run.dp,
+           "micro": run.micro, "gas": run.gas, "precision": run.precision, "ranks": ranks, "checks": checks,
+           "summary": summaries(checks)}
+    (out / CHECK_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return failed
