@@ -211,7 +211,8 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         data = problems.attempt(packed_image_slots, data, model, args.output_dir, args.seed) or data  # --pack alone
         checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
         # per row: --max-images image slots through the tower, M x N_dec + text_len decoder positions
-        table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images)
+        # (a dynamic-resolution family: its --max-patches P through the tower, 2 M + P / merge^2 + text_len)
+        table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images, data.max_patches)
         if lora is not None and not any(r.adapter_params for r in table):
             problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
                             f"group(s) of {model.name}")

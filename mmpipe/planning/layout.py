@@ -29,6 +29,7 @@ from .costmodel import (
     stage_seconds,
     stage_split_seconds,
 )
+from .images import patch_row
 from .partition import compute_parts, trainable_units
 from .schedule_registry import BASELINE, Schedule, asked
 
@@ -139,9 +140,11 @@ def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int]
 
 def predict_layout(cfg: ModelConfig, *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                    checkpointing: bool, text_len: int, device: Device, partition: str = "balanced",
-                   freeze: tuple[str, ...] = (), schedule: str = BASELINE.name, images: int = 1) -> Layout:
+                   freeze: tuple[str, ...] = (), schedule: str = BASELINE.name, images: int = 1,
+                   max_patches: int = 0) -> Layout:
     """The planner's prediction for one layout of cfg, as `mmpipe plan` computes it for that layout
-    (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows)."""
-    rows = layer_costs(cfg, freeze, text_len, checkpointing, images=images)
+    (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows; max_patches: a
+    dynamic-resolution row's --max-patches, 0 its default)."""
+    rows = layer_costs(cfg, freeze, text_len, checkpointing, images=images, patches=patch_row(cfg, images, max_patches))
     return plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=gas, precision=precision, zero=zero,
                        device=device, partition=partition, schedule=schedule)

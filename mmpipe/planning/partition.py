@@ -26,13 +26,15 @@ from deepspeed.runtime import utils as ds_utils
 from ..config import ConfigError, ModelConfig
 from ..model.lora import Lora
 from .costmodel import LayerCost, layer_costs
+from .images import patch_row
 
 
 def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
-                lora: Lora | None = None, images: int = 1) -> list[LayerCost]:
+                lora: Lora | None = None, images: int = 1, max_patches: int = 0) -> list[LayerCost]:
     """The run's layer costs per row: images = --max-images image slots (1: one-sample rows), the decoder
-    on images x N_dec + text_len positions (costmodel.layer_costs)."""
-    return layer_costs(cfg, freeze, text_len, checkpointing, lora, images)
+    on images x N_dec + text_len positions (costmodel.layer_costs). max_patches: a dynamic-resolution
+    family's --max-patches P (0: train's default), its images the preset's image_size, resized to fit."""
+    return layer_costs(cfg, freeze, text_len, checkpointing, lora, images, patch_row(cfg, images, max_patches))
 
 
 def trainable_units(table: list[LayerCost]) -> list[list[int]]:
