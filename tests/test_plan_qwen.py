@@ -162,3 +162,12 @@ def test_image_size_and_profile_are_refused_where_they_mean_nothing(capsys):
     assert main(["plan", "--preset", "qwen-tiny", "--profile"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mmpipe: error: --profile: not for a dynamic-resolution preset"), err
+
+
+def test_nothing_fits_names_the_rows_budgets_first(capsys):
+    from mmpipe.cli import main
+    assert main(["plan", "--preset", "qwen-tiny", "--gpus-per-node", "1", "--micro", "1", "--global-batch", "1",
+                 "--gpu-mem", "0.001", "--max-patches", "64", "--text-len", "40"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "(try a smaller --max-patches than 64 or --text-len than 40, --checkpointing" in err[0], err

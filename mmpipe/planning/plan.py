@@ -219,9 +219,11 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
     return patch_row(cfg, args.max_images, max_patches, size)
 
 
-def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora) -> str:
-    """What a plan with no fitting layout can try: only the levers not already pulled."""
-    hints = [] if args.checkpointing else ["--checkpointing"]
+def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora, patches: PatchRow | None = None) -> str:
+    """What a plan with no fitting layout can try: only the levers not already pulled (a dynamic-resolution
+    row: a smaller patch budget and text first, the P x P masks and L x L of every block scale with them)."""
+    hints = [f"a smaller --max-patches than {patches.patches} or --text-len than {args.text_len}"] if patches else []
+    hints += [] if args.checkpointing else ["--checkpointing"]
     hints += [] if args.zero >= 1 else ["--zero 1"]
     hints += ["smaller --micro"] if min(micros, default=1) > 1 else []
     hints += [] if "vision" in freeze else ["--freeze vision"]
@@ -264,7 +266,7 @@ def main_plan(args) -> int:
         _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0, patches)
     if not feasible:
         return fail(ConfigError(f"plan: no layout of {cfg.name} fits {gpus} x {device.memory / GiB:.0f} GiB at global "
-                                f"batch {args.global_batch} (try {fit_hints(args, micros, freeze, lora)})"))
+                                f"batch {args.global_batch} (try {fit_hints(args, micros, freeze, lora, patches)})"))
     if args.write_config and args.dry_run:
         print(f"mmpipe: dry run: would write {Path(args.write_config).resolve()} (the best layout's DeepSpeed JSON)")
     elif args.write_config:
