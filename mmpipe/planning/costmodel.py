@@ -54,7 +54,13 @@ boundary between the text embedding and the last CrossAttnBlock: `carried_elems`
 
 A layer that is frozen and sees no gradient (a frozen prefix) keeps nothing. With activation
 checkpointing, a checkpointed block keeps only its input (T x width) between forward and
-backward, plus one block's full set while it is recomputed.
+backward, plus, once per stage, one block's full set while it is recomputed (for the one
+micro-batch in its backward, not for every micro-batch in flight).
+
+A dynamic-resolution family (Qwen2-VL, cfg.layout.dynamic) has no fixed image: a row carries P
+patches (--max-patches) through the tower whatever its M image slots, and the decoder sees the
+data's L = 2 M + P / merge^2 + text_len positions; its vision rules (per_row) see the row's images
+(PatchRow: mmpipe.planning.images), so attention counts each image's own patches and windows.
 
 The rule of each layer kind is in mmpipe.model.costs; each family names its layers' rules
 (mmpipe.model.families), and LLaVA's layers are costed as the moondream layers of the same shape.
