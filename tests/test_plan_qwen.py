@@ -130,6 +130,7 @@ def test_plan_qwen2_5_vl_72b_fits_4_nodes_of_8_h100_without_allocating():
     assert fits and fits[0]["stages"] * fits[0]["dp"] == 32
     assert max(max(r["memory_gib"] for r in lay["stage_rows"]) for lay in fits) <= 75.0
     assert {lay["decoder_length"] for lay in layouts} == {4 * 2 + 16384 // 4 + 1024}
+    assert layouts[0]["max_patches"] == 16384 and layouts[0]["image_grids"] == [[1, 54, 74]] * 4
     assert int(proc.stderr.split("RSS_KB")[1]) / 1e6 < 2.0  # 73 B bf16 weights would be 147 GB
 
 

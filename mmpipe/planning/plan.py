@@ -260,8 +260,9 @@ def main_plan(args) -> int:
     feasible = [lay for lay in layouts if lay.step]
     length = row_positions(cfg, args.text_len, args.max_images, patches)
     if args.json:  # throughput: rows/s (samples/s unless packed); positions_per_s = rows/s x L, padding included
+        row = {"max_patches": patches.patches, "image_grids": [list(g) for g in patches.grids]} if patches else {}
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput, "decoder_length": length,
-                           "positions_per_s": lay.throughput * length} for lay in layouts], indent=1))
+                           "positions_per_s": lay.throughput * length, **row} for lay in layouts], indent=1))
     else:
         _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0, patches)
     if not feasible:
