@@ -127,7 +127,7 @@ class RowPlan:
         """First-fit over one chunk: each sample goes to the first open row with room for its positions,
         images and (dynamic families) patches, else opens a row; rows keep their opening order."""
         start = len(self._chunks) * self.chunk
-        # at most one row per sample: free positions and image slots of every row the chunk may open,
+        # at most one row per sample: free positions, image slots (and patches) of every row the chunk may open,
         # searched in C (a resume replays every chunk before its row: ~5 ms each, 1M samples ~5 s)
         room = np.full(self.chunk, self.shape.length, dtype=np.int64)
         slots = np.full(self.chunk, self.shape.max_images, dtype=np.int64)
