@@ -113,9 +113,9 @@ def test_image_size_is_the_image_processors_grid():
                                  merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size)
     for w, h in ((1024, 768), (300, 1200), (57, 41)):
         grid = tuple(proc(images=[Image.new("RGB", (w, h))], return_tensors="pt")["image_grid_thw"][0].tolist())
-        assert patch_row(cfg, 1, 65536, (w, h)).grids == (grid,), (w, h)
-    assert patch_row(cfg, 1, 65536, (1024, 768)).grids == ((1, 54, 74),)
-    small = patch_row(cfg, 4, 8192, (1024, 768))
+        assert patch_row(cfg, 1, 65536, [(w, h)]).grids == (grid,), (w, h)
+    assert patch_row(cfg, 1, 65536, [(1024, 768)]).grids == ((1, 54, 74),)
+    small = patch_row(cfg, 4, 8192, [(1024, 768)])
     assert len(small.grids) == 4 and small.used <= 8192 and all(h * w <= 2048 for _, h, w in small.grids)
 
 
@@ -172,3 +172,19 @@ def test_nothing_fits_names_the_rows_budgets_first(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "(try a smaller --max-patches than 64 or --text-len than 40, --checkpointing" in err[0], err
+
+
+def test_mixed_image_sizes_in_one_row(capsys):
+    """--image-size W1xH1,W2xH2: a row holds one image of each size (M defaults to their number), each resized
+    as the data resizes it (qwen-tiny, P = 64 over 2 images: at most 32 patches each, so 112x112 becomes 4 x 4);
+    more sizes than --max-images is one line."""
+    from mmpipe.cli import main
+    base = ["plan", "--preset", "qwen-tiny", "--gpus-per-node", "2", "--global-batch", "8", "--micro", "2",
+            "--max-patches", "64", "--text-len", "40"]
+    assert main(base + ["--image-size", "84x56,112x112", "--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)
+    assert layouts[0]["image_grids"] == [[1, 4, 6], [1, 4, 4]] and layouts[0]["decoder_length"] == 2 * 2 + 16 + 40
+    assert main(base + ["--image-size", "84x56,112x112,56x56", "--max-images", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "mmpipe: error: --image-size: 3 sizes for --max-images 2: a row holds one image of each (give --max-images 3 "
+        "or more)"]

@@ -2,7 +2,8 @@
 `mmpipe plan --image-size WxH` and `--max-patches P` -> the row's PatchRow (mmpipe.model.costs), through
 the data side's own rule (mmpipe.data.patches: transformers' Qwen2-VL smart_resize, called, not copied).
 
-A row holds --max-images M images of that size (default 1), each resized as training resizes it: to
+A row holds --max-images M images of that size (default 1; `--image-size 1024x768,512x512`: images of
+those sizes in turn, M default their number), each resized as training resizes it: to
 multiples of patch x merge px (28) between vision.min_pixels and vision.max_pixels, and, when M of them
 would not fit the row's P patches, further down to P / M each. E.g. qwen2.5-vl-72b, 1024x768, M = 4,
 P = 16384: 1036 x 756 px, a 54 x 74-patch grid, 3996 patches and 999 decoder positions each; 15984 of the
@@ -20,6 +21,11 @@ from ..data.records import BadRecord
 from ..model.costs import PatchRow
 
 
+def parse_image_sizes(text: str) -> list[tuple[int, int]]:
+    """'1024x768,512x512' -> [(1024, 768), (512, 512)] (parse_image_size of each)."""
+    return [parse_image_size(part) for part in (text or "").split(",")]
+
+
 def parse_image_size(text: str) -> tuple[int, int]:
     """'1024x768' -> (1024, 768): width x height in pixels, both >= 1; ConfigError in one line otherwise."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text or "")
@@ -29,17 +35,19 @@ def parse_image_size(text: str) -> tuple[int, int]:
 
 
 def patch_row(cfg: ModelConfig, images: int = 1, max_patches: int = 0,
-              size: tuple[int, int] | None = None) -> PatchRow | None:
-    """The row's patch budget and its `images` images of `size` (width, height; default the preset's
-    vision.image_size square), each grid as the data makes it (patch_rule(...).grid); None for a
+              sizes: list[tuple[int, int]] | None = None) -> PatchRow | None:
+    """The row's patch budget and its `images` images, of `sizes` (width, height) in turn (default the
+    preset's vision.image_size square), each grid as the data makes it (patch_rule(...).grid); None for a
     fixed-resolution family. ConfigError for a size the processor refuses (an aspect over 200:1)."""
     if not dynamic(cfg):
         return None
     v, images = cfg.vision, max(1, images)
     p = max_patches or default_max_patches(v, images)
-    width, height = size or (v.image_size, v.image_size)
-    try:
-        grid = patch_rule(cfg, p).grid(width, height, images)
-    except BadRecord as e:
-        raise ConfigError(f"--image-size {width}x{height}: {e} (--max-patches {p}, --max-images {images})") from None
-    return PatchRow(p, (grid,) * images)
+    sizes, rule, grids = sizes or [(v.image_size, v.image_size)], patch_rule(cfg, p), []
+    for width, height in (sizes[k % len(sizes)] for k in range(images)):
+        try:
+            grids.append(rule.grid(width, height, images))
+        except BadRecord as e:
+            raise ConfigError(f"--image-size {width}x{height}: {e} (--max-patches {p}, --max-images {images})"
+                              ) from None
+    return PatchRow(p, tuple(grids))

@@ -45,7 +45,7 @@ from ..model.costs import PatchRow
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
-from .images import parse_image_size, patch_row
+from .images import parse_image_sizes, patch_row
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
 from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, asked
 
@@ -87,9 +87,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="with --calibrate: comma-separated variants to check, not fit (default: the last two)")
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: where the profile goes (default: device_profile.json beside RESULTS.json)")
-    p.add_argument("--image-size", default=None, metavar="WxH",
+    p.add_argument("--image-size", default=None, metavar="WxH[,WxH...]",
                    help="dynamic-resolution presets (qwen2_vl): cost rows of --max-images images of this size in "
-                        "pixels, e.g. 1024x768, each resized to the image processor's grid as training resizes it "
+                        "pixels, e.g. 1024x768, each resized to the image processor's grid as training resizes it; "
+                        "several sizes: one image of each in turn, --max-images defaulting to their number "
                         "(default: the preset's vision.image_size square)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
     add_flags(p, ModelArgs)
@@ -202,13 +203,18 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
     --text-len defaults to what the model's context leaves, as it does for `mmpipe train --data` on your own
     data. A dynamic-resolution family's row (--image-size): its PatchRow; None for the others."""
     problems: list[str] = []
+    sizes = None if args.image_size is None else parse_image_sizes(args.image_size)
+    if sizes and not dynamic(cfg):
+        problems.append(f"--image-size: the {cfg.family} family resizes every image to {cfg.vision.image_size} px "
+                        f"square; only a dynamic-resolution family (qwen2_vl) costs an image size")
+    elif sizes and args.max_images is not None and args.max_images < len(sizes):
+        problems.append(f"--image-size: {len(sizes)} sizes for --max-images {args.max_images}: a row holds one image "
+                        f"of each (give --max-images {len(sizes)} or more)")
+    elif sizes and args.max_images is None:
+        args.max_images = len(sizes)  # a row holds one image of each size
     data = from_namespace(DataArgs, args, only=ROW_FLAGS)
     args.text_len = row_text_len(data, cfg, None, problems)
     max_patches = row_patches(data, cfg, problems)
-    size = None if args.image_size is None else parse_image_size(args.image_size)
-    if size and not dynamic(cfg):
-        problems.append(f"--image-size: the {cfg.family} family resizes every image to {cfg.vision.image_size} px "
-                        f"square; only a dynamic-resolution family (qwen2_vl) costs an image size")
     if problems:
         raise ConfigError("\n".join(problems))
     if args.pack and args.max_images is None:  # train derives them from the data (data.dataset.packed_image_slots)
@@ -216,7 +222,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
               "them: 'mmpipe: --pack: M image slots per row'); plan has no data and costs M = 1 - give that "
               "--max-images M here")
     args.max_images = args.max_images or 1
-    return patch_row(cfg, args.max_images, max_patches, size)
+    return patch_row(cfg, args.max_images, max_patches, sizes)
 
 
 def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora, patches: PatchRow | None = None) -> str:
@@ -339,12 +345,13 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
 
 
 def _patch_words(cfg, args, patches: PatchRow) -> str:
-    """The header's image part for a dynamic-resolution row: its images, their size and grid."""
-    _, h, w = patches.grids[0]
-    p, m = cfg.vision.patch_size, len(patches.grids)
-    size = f"{args.image_size} px -> " if args.image_size else ""
-    return (f"{m} image{'s' if m > 1 else ''} of {size}{w * p}x{h * p} px ({h} x {w} patches, "
-            f"{h * w // cfg.vision.merge_size ** 2} image tokens each)")
+    """The header's image part for a dynamic-resolution row: its images, each size's resized size and grid."""
+    p, m, merge = cfg.vision.patch_size, len(patches.grids), cfg.vision.merge_size ** 2
+    sizes = args.image_size.split(",") if args.image_size else [""]
+    kinds = dict.fromkeys((sizes[k % len(sizes)], g) for k, g in enumerate(patches.grids))  # in order, once each
+    words = [f"{f'{size} px -> ' if size else ''}{w * p}x{h * p} px ({h} x {w} patches, {t * h * w // merge} image "
+             f"tokens{' each' if len(kinds) == 1 and m > 1 else ''})" for size, (t, h, w) in kinds]
+    return f"{m} image{'s' if m > 1 else ''} " + ("of " + words[0] if len(kinds) == 1 else "(" + "; ".join(words) + ")")
 
 
 def _patch_line(cfg, args, patches: PatchRow, length: int) -> str:
