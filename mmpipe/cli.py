@@ -90,7 +90,7 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train") -> int:
         return fail(e)
     cmd = [launcher, *where, "--module", module, *args.to_argv()]
     if ns.dry_run:
-        return _train_plan(cmd, run, args, hosts)
+        return _train_plan(cmd, run, args, hosts, "train" if module == "mmpipe.train" else "check")
     print("mmpipe: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd, env=env)
 
@@ -112,11 +112,11 @@ def _where(la: LaunchArgs, hosts: dict | None, run, args: TrainArgs, env: dict, 
     return where + (["--include", la.include] if la.include else ["--exclude", la.exclude] if la.exclude else [])
 
 
-def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None) -> int:
-    """--dry-run: what `mmpipe train` would launch."""
+def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None, command: str = "train") -> int:
+    """--dry-run: what `mmpipe train` (or `mmpipe check`) would launch."""
     data = lambda d: d if d is None else "shapes (built-in)" if d.builtin else str(Path(d.name).resolve())  # noqa: E731
     return print_plan(
-        f"train {run.model.name}", launch=shlex.join(cmd),
+        f"{command} {run.model.name}", launch=shlex.join(cmd),
         layout=f"{run.stages} stages x dp {run.dp} = {run.stages * run.dp} ranks, micro {run.micro} x GAS {run.gas} "
                f"x dp {run.dp} = {run.train_batch} rows per step, schedule {run.schedule}",
         stages=f"layer boundaries {run.parts} ({len(run.layers)} layers)",

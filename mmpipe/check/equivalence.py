@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from bisect import bisect_right
 
 import torch
@@ -96,8 +97,9 @@ def pipeline_side(run: RunConfig, args: TrainArgs, rank: int) -> list[dict]:
     imap[ds_schedule.OptimizerStep] = optimizer_step
     engine.__dict__["_INSTRUCTION_MAP"] = imap
     for _ in range(STEPS):  # one OptimizerStep per train_batch
+        t0 = time.perf_counter()
         loss = engine.train_batch(data_iter=stream.batches).item()
-        seen[-1]["loss"] = loss
+        seen[-1].update(loss=loss, seconds=time.perf_counter() - t0)
     stream.close()
     return [dict(s, stage=engine.stage_id, dp=engine.grid.data_parallel_id) for s in seen]
 
@@ -175,10 +177,12 @@ def judge(run: RunConfig, pipe: list[list[dict]], ref: list[dict]) -> dict:
         grads += [(_rel(g, w), k + 1, where, g, w) for where, g, w in pairs]
     grad_diff, step, where, g, w = max(grads, key=lambda t: t[0])
     ok = loss_diff <= tol_loss and grad_diff <= tol_grad
+    later = [s["seconds"] for s in replica0[0][1:]]  # the first step allocates and exchanges shapes
     return {"ok": ok, "steps": len(ref), "blocks": _blocks(run.model), "max_loss_rel_diff": loss_diff,
             "max_grad_norm_rel_diff": grad_diff, "tolerance": {"loss": tol_loss, "grad_norm": tol_grad},
             "worst_grad_norm": {"step": step, "where": where, "pipeline": g, "reference": w},
-            "losses": {"pipeline": [s["loss"] for s in replica0[0]], "reference": [s["loss"] for s in ref]}}
+            "losses": {"pipeline": [s["loss"] for s in replica0[0]], "reference": [s["loss"] for s in ref]},
+            "pipeline_rows_per_s": run.micro * run.gas * len(later) / sum(later)}
 
 
 def _blocks(cfg: ModelConfig) -> dict:
@@ -196,5 +200,7 @@ def check(run: RunConfig, args: TrainArgs, rank: int, dev: torch.device) -> dict
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows)
     result = judge(small, every, reference_side(small, args.seed, args.output_dir, dev)) if rank == 0 else None
+    if result is not None:
+        result["full_model"] = small.model == run.model  # the run's model had no more blocks to cut
     dist.barrier()
     return result

@@ -1,6 +1,8 @@
 """The loader against the pipeline: the first stage's rows/s (and samples/s) with the run's data options
-(workers, crops, packing, image sizes), timed on rank 0, against the step rate the planner predicts
-for the run's full model and layout on this device. Passes when the loader keeps up."""
+(workers, crops, packing, image sizes), timed on rank 0, against the rows/s one pipeline replica takes:
+the planner's prediction for the run's full model and layout on this device, or, where the equivalence
+check trained the full model itself (a model of at most 2 blocks per group), that measured rate.
+Passes when the loader keeps up."""
 from __future__ import annotations
 
 import time
@@ -47,8 +49,9 @@ def predicted_rows_per_s(run: RunConfig, device: Device | None) -> float | None:
     return run.micro * run.gas / layout.step["step_s"] if layout.step else None
 
 
-def measure(run: RunConfig, seed: int, out_dir: str) -> dict:
-    """Rank 0: the first stage's loader timed after its first micro-batch (worker start-up excluded)."""
+def measure(run: RunConfig, seed: int, out_dir: str, measured: float | None = None) -> dict:
+    """Rank 0: the first stage's loader timed after its first micro-batch (worker start-up excluded).
+    measured: the pipeline's rows/s of the full model, where the equivalence check trained it."""
     samples = prepare(run.data, run.model, out_dir, seed, verbose=False)
     dataset = run_dataset(run, samples, first=True, last=run.stages == 1,
                           augment_seed=seed if run.data.augment else None)
@@ -65,7 +68,8 @@ def measure(run: RunConfig, seed: int, out_dir: str) -> dict:
     rows = [r for m in range(1, n + 1) for r in micro_batch_indices(m // run.gas, run.micro, run.gas, 0, run.dp)[
         m % run.gas]]
     per_row = sum(len(plan.row(r)) for r in rows) / len(rows) if plan is not None else 1.0
-    need = predicted_rows_per_s(run, planner_device())
+    need = measured or predicted_rows_per_s(run, planner_device())
     return {"ok": need is None or rows_s >= need, "rows_per_s": rows_s, "samples_per_s": rows_s * per_row,
             "samples_per_row": per_row, "pipeline_rows_per_s": need, "micro_batches_timed": n,
+            "pipeline_rate": "measured" if measured else "predicted",
             "workers": run.data.workers}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import deepspeed
@@ -36,17 +37,35 @@ def main(argv=None) -> int:
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if refuse_unsupported(run.precision, rank):
         return 2
-    env_result, ranks = env.check(run.precision)
-    link_rows = links.measure(run)
-    eq = equivalence.check(run, args, rank, links.device())
-    feed = loader.measure(run, args.seed, args.output_dir) if rank == 0 else None
+    clock = Clock()
+    env_result, ranks = clock(env.check, run.precision)
+    link_rows = clock(links.measure, run)
+    eq = clock(equivalence.check, run, args, rank, links.device())
+    full = eq.get("pipeline_rows_per_s") if rank == 0 and eq.get("full_model") else None
+    feed = clock(loader.measure, run, args.seed, args.output_dir, full) if rank == 0 else None
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         checks = {"env": env_result, "links": {"ok": all(r["ok"] for r in link_rows), "rows": link_rows},
                   "equivalence": eq, "loader": feed}
-        report.write(Path(args.output_dir), run, ranks, checks)
+        for c, seconds in zip(checks.values(), clock.seconds):
+            c["seconds"] = round(seconds, 2)
+        if report.write(Path(args.output_dir), run, ranks, checks):
+            return 1  # under srun (no front door): the job's exit status says it too
     return 0
+
+
+class Clock:
+    """Calls a check and keeps its wall seconds (check.json says where a check's minutes went)."""
+
+    def __init__(self):
+        self.seconds = []
+
+    def __call__(self, fn, *a):
+        t0 = time.perf_counter()
+        out = fn(*a)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def summaries(checks: dict) -> dict[str, str]:
     need = loader["pipeline_rows_per_s"]
     out["loader"] = (f"the loader feeds {loader['rows_per_s']:.1f} of the "
                      f"{f'{need:.1f}' if need else 'unknown (no planner device)'} rows/s the pipeline can take "
-                     f"({loader['samples_per_s']:.1f} samples/s, {loader['workers']} workers)")
+                     f"({loader['pipeline_rate']}; "
+                     f"{loader['samples_per_s']:.1f} samples/s, {loader['workers']} workers)")
     return out
 
 
