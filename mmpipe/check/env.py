@@ -16,7 +16,10 @@ VERSIONS = ("torch", "deepspeed", "nccl")
 
 def this_rank(precision: str) -> dict:
     dev = this_device()
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    nccl = None
+    if torch.cuda.is_available():  # a tuple (2, 21, 5) in torch 2.x, an int (2708) in older releases
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     return {"rank": dist.get_rank(), "host": socket.gethostname(), "device": dev.describe(),
             "precision": precision, "precision_problem": problem(precision, dev), "torch": torch.__version__,
             "deepspeed": deepspeed.__version__, "nccl": nccl, "backend": dist.get_backend()}

@@ -29,7 +29,8 @@ def planner_device() -> Device | None:
         return cpu_device()
     if not torch.cuda.is_available():
         return None
-    name, memory = torch.cuda.get_device_name().lower(), torch.cuda.get_device_properties(0).total_memory
+    here = torch.cuda.current_device()
+    name, memory = torch.cuda.get_device_name(here).lower(), torch.cuda.get_device_properties(here).total_memory
     found = [k for k in KNOWN_DEVICES if k.split("-")[0] in name]
     if len(found) > 1:
         found = [k for k in found if k.endswith("80gb") == (memory > 50e9)]
