@@ -23,6 +23,11 @@ from transformers import (
 
 VOCAB, IMAGE, VIDEO, START, END = 200, 190, 191, 192, 193
 KINDS = ("qwen2", "qwen2_5")
+SPECIALS = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", START: "<|vision_start|>", END: "<|vision_end|>",
+            194: "<|im_start|>", 195: "<|im_end|>", 0: "<|endoftext|>"}
+# Qwen's chat template without the default system turn
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PIXELS = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16)  # at most 16 merge units per image
 
 
@@ -93,3 +98,18 @@ def hf_logits(model, ids: torch.Tensor, pixels: torch.Tensor | None, grids: torc
                                         mm_token_type_ids=(ids == IMAGE).int()[None])
     with torch.no_grad():
         return model(input_ids=ids[None], **kw).logits[0]
+
+
+def save_tokenizer(path) -> None:
+    """A Qwen-like word-level tokenizer over the tiny vocabulary (token i is "wi", the specials at their ids),
+    no BOS, Qwen's chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    names = {**SPECIALS, 196: "user", 197: "assistant"}  # the template's roles: no unknown (= pad) id in a prompt
+    vocab = {names.get(i, f"w{i}"): i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=[v for k, v in SPECIALS.items() if k])
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)

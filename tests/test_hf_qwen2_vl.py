@@ -8,6 +8,7 @@ logits; `mmpipe import --hf` / `mmpipe export` do it from the command line."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -15,14 +16,28 @@ from safetensors.torch import load_file, save_file
 
 from mmpipe.cli import main
 from mmpipe.config import ConfigError
+from mmpipe.data.text import ConversationEncoder, image_text
+from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.hf.adapter import export_adapter
 from mmpipe.hf.qwen2_vl import config_from_hf, export_hf, import_qwen2_vl, key_map
-from mmpipe.inference.generate import generate
+from mmpipe.inference.generate import generate, with_images
 from mmpipe.model import ReferenceModel
 from mmpipe.model.lora import Lora, is_adapter, load_base
 from mmpipe.model.stage import StageTuple
 from mmpipe.runtime.checkpoint import load_reference
-from qwen_models import IMAGE, KINDS, encode, hf_logits, image, qwen_config, sample, save_qwen
+from qwen_models import (
+    END,
+    IMAGE,
+    KINDS,
+    START,
+    encode,
+    hf_logits,
+    image,
+    qwen_config,
+    sample,
+    save_qwen,
+    save_tokenizer,
+)
 
 TOL = 1e-4
 # (name, image sizes w x h): 4 x 4, 4 x 6 and 8 x 4 patch grids; two images of different sizes; text only
@@ -221,6 +236,33 @@ def test_import_and_export_commands(qwen, tmp_path, capsys):
     back = type(hf).from_pretrained(tmp_path / "back").eval()
     ids, px, grids = _sample(0)
     assert (hf_logits(back, ids, px, grids) - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL
+
+
+def test_generate_command_from_hf_dir_and_imported_run(qwen, tmp_path, capsys):
+    """`mmpipe generate` on an HF directory (and on its import) gives transformers' greedy answer to the prompt
+    it builds: the chat template, the image's bracketed block of its 2 x 3 merge units, the processor's patches."""
+    kind, d, hf, model, _ = qwen
+    shutil.copytree(d, tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    image(84, 56, seed=5).save(tmp_path / "img.png")
+    gen = ["generate", "--image", str(tmp_path / "img.png"), "--prompt", "w7 w8", "--max-new-tokens", "5"]
+    assert main(gen + ["--checkpoint", str(tmp_path / "hf")]) == 0
+    from_hf = capsys.readouterr().out.strip()
+    tok = load_tokenizer(str(tmp_path / "hf"))
+    ids, at = ConversationEncoder(tok, 512, markers=True, image_text=image_text(tok, model.cfg)).prompt(
+        [("user", "w7 w8")], n_images=1)
+    px, grids = encode([image(84, 56, seed=5)])
+    prompt = torch.tensor(with_images(ids, model.cfg, at, [tuple(grids[0].tolist())]))
+    assert [int((prompt == t).sum()) for t in (START, IMAGE, END)] == [1, 6, 1]
+    with torch.no_grad():
+        out = hf.generate(input_ids=prompt[None], pixel_values=px, image_grid_thw=grids, max_new_tokens=5,
+                          mm_token_type_ids=(prompt == IMAGE).int()[None], do_sample=False,
+                          eos_token_id=tok.eos_token_id)
+    assert from_hf == tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip() != ""
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert "tokenizer saved" in capsys.readouterr().out
+    assert main(gen + ["--checkpoint", str(tmp_path / "run"), "--no-cache"]) == 0
+    assert capsys.readouterr().out.strip() == from_hf
 
 
 def test_bad_weights_and_rows_are_named(qwen, tmp_path):

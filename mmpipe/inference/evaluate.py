@@ -11,10 +11,10 @@ import torch
 
 from ..config import ModelConfig
 from ..data.crops import stack_images
+from ..data.patches import default_max_patches
 from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from ..data.shapes import QUESTION_TYPES, ShapesVQA
-from ..data.text import placeholders, with_placeholders
-from .generate import in_vocab, placeholder_of
+from .generate import in_vocab, placeholder_of, stack_patches, with_images
 
 
 @torch.no_grad()
@@ -55,20 +55,22 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
              batch_size: int = 250, max_new_tokens: int = 4) -> dict:
     """Accuracy overall and per question type on the held-out 'eval' split (n_samples / 5 per type)."""
     model.eval()
-    held_out = ShapesSamples(cfg, seed, "eval")
+    dynamic = cfg.layout.dynamic  # Qwen2-VL: each image as its patches and grid (one image's patch budget)
+    held_out = ShapesSamples(cfg, seed, "eval", max_patches=default_max_patches(cfg.vision, 1) if dynamic else 0)
     data, tok = held_out.data, held_out.tok
     dtype = next(model.parameters()).dtype
     correct, total = defaultdict(int), defaultdict(int)
     for start in range(0, n_samples, batch_size):
         samples = [data.sample(i) for i in range(start, min(start + batch_size, n_samples))]
         images = [data.blank() if blank_images else data.render(s) for s in samples]
-        pixels, tiling = stack_images([held_out.transform(im) for im in images])  # multi-crop: + tiling
+        inputs = [held_out.transform(im) for im in images]  # multi-crop: Crops; dynamic: (patches, grid)
+        pixels, tiling = stack_patches(cfg, inputs) if dynamic else stack_images(inputs)  # multi-crop: + tiling
         pixels = pixels.to(dtype)
-        # LLaVA: the <image> placeholders where training puts them (the shapes set has no marker: after BOS)
-        prompts = [with_placeholders(ids, cfg, at) for ids, at in
-                   (held_out.encoder.prompt([("user", s.question)], n_images=1) for s in samples)]
+        # LLaVA, Qwen2-VL: the image's placeholders where training puts them (the shapes set has no marker: after BOS)
+        raw = [held_out.encoder.prompt([("user", s.question)], n_images=1) for s in samples]
+        prompts = [with_images(ids, cfg, at, [x[1]] if dynamic else ()) for (ids, at), x in zip(raw, inputs)]
         answers = greedy_generate(model, pixels, prompts, tok.eos_token_id, tok.pad_token_id, max_new_tokens,
-                                  SHAPES_TEXT_LEN + placeholders(cfg)[1], tiling, n_tokens=len(tok))
+                                  SHAPES_TEXT_LEN + len(prompts[0]) - len(raw[0][0]), tiling, n_tokens=len(tok))
         for s, a in zip(samples, answers):
             total[s.qtype] += 1
             correct[s.qtype] += int(tok.decode(a, skip_special_tokens=True).strip() == s.answer)

@@ -54,11 +54,14 @@ from PIL import Image
 
 from ..config import ConfigError, ModelConfig, config_from_dict, fail
 from ..data.crops import blank_image, make_transform, stack_images
+from ..data.packing import row_shape
+from ..data.patches import default_max_patches, patch_rule
 from ..data.records import BadRecord
-from ..data.text import ConversationEncoder, answer_id_of, with_placeholders
+from ..data.text import ConversationEncoder, answer_id_of, image_text, with_placeholders
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
 from ..hf.llava import hf_llava_config, load_hf_llava
+from ..hf.qwen2_vl import hf_qwen_config, import_qwen2_vl, is_qwen2_vl
 from ..model.rows import sample_rows
 from ..model.stage import StageTuple
 from ..runtime.checkpoint import latest_tag, load_reference
@@ -202,6 +205,38 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
     return out
 
 
+def patch_images(cfg: ModelConfig):
+    """A dynamic-resolution family's image reader for one image per prompt (the Qwen2-VL family): PIL image ->
+    (patches [t h w, patch_dim], grid), by the data side's PatchRule at one image's budget (mmpipe.data.patches)."""
+    return patch_rule(cfg, default_max_patches(cfg.vision, 1)).patches
+
+
+def stack_patches(cfg: ModelConfig, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """patch_images' (patches, grid) per prompt, None for a text-only one -> (pixels [B, P, patch_dim], tiling
+    [B, 1, 3]): one slot per row, its patches then zeros up to the batch's largest image (at least one merge
+    unit), its grid (0 0 0 without an image), as mmpipe.model.qwen2_vl reads them."""
+    unit = cfg.vision.merge_size ** 2
+    pixels = torch.zeros(len(images), max([unit] + [len(im[0]) for im in images if im is not None]),
+                         cfg.vision.patch_dim)
+    tiling = torch.zeros(len(images), 1, 3, dtype=torch.long)
+    for b, im in enumerate(images):
+        if im is not None:
+            pixels[b, :len(im[0])], tiling[b, 0] = im[0], torch.tensor(im[1])
+    return pixels, tiling
+
+
+def with_images(ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
+    """A prompt with its images' placeholders where training puts them: LLaVA's N (with_placeholders); a
+    dynamic family's bracketed block of each image's grid before ids[a] (a in image_at; None: after BOS)."""
+    if not cfg.layout.dynamic:
+        return with_placeholders(ids, cfg, image_at)
+    shape, out = row_shape(cfg, 1, 0), list(ids)
+    at = [1] * len(grids) if image_at is None or not len(image_at) else [int(a) for a in image_at]
+    for a, grid in sorted(zip(at, grids), reverse=True):  # last first: the earlier positions stay put
+        out[a:a] = shape.block(grid).tolist()
+    return out
+
+
 def length_buckets(lengths: list[int], batch_size: int) -> list[list[int]]:
     """Indices grouped into batches of equal prompt length (at most batch_size each), in order of first
     appearance: a KV cache of equal-length rows needs no padding, so each row decodes as it would alone."""
@@ -266,6 +301,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 def resolve_checkpoint(path: Path) -> tuple[ModelConfig, str, str | None]:
     """What load_checkpoint loads, resolved without reading a weight (also --dry-run's): (the model config,
     where its weights are, the checkpoint's own tokenizer directory or None). Raises ConfigError."""
+    if (path / "config.json").is_file() and is_qwen2_vl(path):
+        return hf_qwen_config(path)[1], f"{path.resolve()} (HF Qwen2-VL)", str(path)
     if (path / "config.json").is_file():
         return hf_llava_config(path)[1], f"{path.resolve()} (HF LLaVA)", str(path)
     run_dir = path if (path / "model.json").is_file() else path.parent
@@ -286,7 +323,7 @@ def load_checkpoint(path: Path):
     (its own tokenizer). Raises ConfigError."""
     cfg, _, own = resolve_checkpoint(path)
     if (path / "config.json").is_file():
-        return load_hf_llava(path), own
+        return (import_qwen2_vl(path)[0] if is_qwen2_vl(path) else load_hf_llava(path)), own
     ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     try:
         return load_reference(ckpt, cfg, merged=True), own
@@ -350,6 +387,23 @@ def _plan(args: argparse.Namespace, requests: list) -> int:
                       f"({len(tok)} tokens)", decoding=decoding(args))
 
 
+def _images(requests: list, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+    """Every request's image as the model takes it: (pixels, tiling, each prompt's image grids: a dynamic
+    family's, else none). An image that cannot be read: ConfigError naming it."""
+    dynamic = cfg.layout.dynamic
+    transform = patch_images(cfg) if dynamic else make_transform(cfg.vision)  # moondream multi-crop: Crops
+    images = []
+    for image, _, where in requests:
+        try:
+            images.append(transform(Image.open(image).convert("RGB")) if image else
+                          None if dynamic else blank_image(cfg.vision.image_size, cfg.vision.max_crops))
+        except OSError as e:
+            raise ConfigError(f"{where}: {image}: {e}") from None
+    if dynamic:
+        return (*stack_patches(cfg, images), [[im[1]] if im else [] for im in images])
+    return (*stack_images(images), [()] * len(images))
+
+
 def main_generate(args: argparse.Namespace) -> int:
     try:
         requests = _requests(args)
@@ -357,28 +411,21 @@ def main_generate(args: argparse.Namespace) -> int:
             return _plan(args, requests)
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         cfg = model.cfg
-        transform = make_transform(cfg.vision)  # moondream multi-crop: Crops, else one [3, S, S] crop
-        images = []
-        for image, _, where in requests:
-            try:
-                images.append(transform(Image.open(image).convert("RGB")) if image
-                              else blank_image(cfg.vision.image_size, cfg.vision.max_crops))
-            except OSError as e:
-                raise ConfigError(f"{where}: {image}: {e}") from None
-        pixels, tiling = stack_images(images)
+        pixels, tiling, grids = _images(requests, cfg)
+        # the LLaVA and Qwen2-VL families read the image from placeholders at the prompt's <image> marker (after
+        # BOS without one), as in training; other families take the prompt as it is
+        encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders,
+                                      image_text=image_text(tok, cfg))
     except ConfigError as e:
         return fail(e)
-    # the LLaVA family reads the image from N_img placeholders at the prompt's <image> marker (after BOS
-    # without one), as in training; other families take the prompt as it is
-    encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders)
     has_image = [image is not None for image, _, _ in requests]
     prompts = []
-    for (_, prompt, where), h in zip(requests, has_image):
+    for (_, prompt, where), h, g in zip(requests, has_image, grids):
         try:
             ids, image_at = encoder.prompt([("user", prompt)], n_images=int(h))
         except BadRecord as e:
             return fail(ConfigError(f"{where}: {e.reason}"))
-        prompts.append(with_placeholders(ids, cfg, image_at) if h else ids)
+        prompts.append(with_images(ids, cfg, image_at, g) if h else ids)
     kw = dict(eos_id=tok.eos_token_id, answer_id=answer_id_of(tok), n_tokens=len(tok),
               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     if args.no_cache:
