@@ -8,6 +8,7 @@ logits; `mmpipe import --hf` / `mmpipe export` do it from the command line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -263,6 +264,15 @@ def test_generate_command_from_hf_dir_and_imported_run(qwen, tmp_path, capsys):
     assert "tokenizer saved" in capsys.readouterr().out
     assert main(gen + ["--checkpoint", str(tmp_path / "run"), "--no-cache"]) == 0
     assert capsys.readouterr().out.strip() == from_hf
+    # `mmpipe eval` on records of the same question (the data side's prompt, patches and grid) answers alike
+    records = [{"image": "img.png", "conversations": [{"from": "human", "value": "<image>\nw7 w8"},
+                                                       {"from": "gpt", "value": "w9"}]},
+               {"conversations": [{"from": "human", "value": "w7 w8"}, {"from": "gpt", "value": "w9"}]}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(tmp_path / "data.jsonl"),
+                 "--out", str(tmp_path / "answers.jsonl"), "--max-new-tokens", "5"]) == 0
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [a["has_image"] for a in answers] == [True, False] and answers[0]["answer"] == from_hf
 
 
 def test_bad_weights_and_rows_are_named(qwen, tmp_path):

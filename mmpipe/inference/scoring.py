@@ -42,10 +42,19 @@ from ..data.crops import blank_image, stack_images
 from ..data.dataset import prepare_eval, resolve_data
 from ..data.packing import RowSet, sample_rowset
 from ..data.records import BadRecord
-from ..data.text import answer_id_of, with_placeholders
+from ..data.text import answer_id_of
 from ..flags import print_plan
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
-from .generate import decoding, empty_reason, generate_batch, length_buckets, load_checkpoint, resolve_checkpoint
+from .generate import (
+    decoding,
+    empty_reason,
+    generate_batch,
+    length_buckets,
+    load_checkpoint,
+    resolve_checkpoint,
+    stack_patches,
+    with_images,
+)
 
 METRICS = ("exact", "contains")
 TYPE_KEYS = ("type", "qtype", "question_type")  # a record's question type, if it names one
@@ -108,6 +117,7 @@ class Item:
     reference: list[int]   # the first answer's tokens, EOS dropped
     has_image: bool        # the record has an image (its pixels feed the teacher-forced loss)
     sees_image: bool       # the prompt holds it: its marker comes before the first answer
+    grid: tuple = ()       # its patch grid (t, h, w): a dynamic-resolution family's (Qwen2-VL)
 
 
 def split_record(ids: np.ndarray, target: np.ndarray, eos_id: int | None) -> tuple[list[int], list[int]]:
@@ -215,15 +225,20 @@ def _generate_all(args, model, tok, evalset, text_len: int):
         text, reference = split_record(enc.ids, enc.target, eos)
         # a block at image_at == len(text) closes the prompt: the first answer token is predicted from it
         sees = bool(n_images) and int(enc.image_at[0] if len(enc.image_at) else 1) <= len(text)
-        prompt = with_placeholders(text, cfg, enc.image_at[:1] if len(enc.image_at) else None) if sees else text
-        items.append(Item(pos, prompt, text, reference, bool(n_images), sees))
+        grids = [tuple(int(x) for x in g) for g in enc.grids[:1]]
+        prompt = with_images(text, cfg, enc.image_at[:1] if len(enc.image_at) else None, grids) if sees else text
+        items.append(Item(pos, prompt, text, reference, bool(n_images), sees, grids[0] if grids else ()))
     answers: list[list[int]] = [[] for _ in items]
     rows = sample_rowset(evalset, cfg, text_len, need_images=False)
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
-            pixels, tiling = stack_images([evalset.pixels(items[i].pos) if items[i].has_image
-                                           else blank_image(size, cfg.vision.max_crops) for i in batch])
+            if cfg.layout.dynamic:  # each record's patches and grid, one slot per row
+                pixels, tiling = stack_patches(cfg, [(evalset.pixels(items[i].pos), items[i].grid)
+                                                     if items[i].has_image else None for i in batch])
+            else:
+                pixels, tiling = stack_images([evalset.pixels(items[i].pos) if items[i].has_image
+                                               else blank_image(size, cfg.vision.max_crops) for i in batch])
             pixels = pixels.to(dtype)
             new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].sees_image for i in batch],
                                  eos_id=eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
