@@ -41,7 +41,7 @@ def _passed(proc, doc: dict, stages: int, dp: int) -> None:
     assert eq["losses"]["pipeline"] != eq["losses"]["reference"][:1] * 3  # it trained: the loss moved
     feed = doc["checks"]["loader"]
     assert feed["rows_per_s"] > 0 and feed["pipeline_rows_per_s"] > 0
-    assert "mmpipe check:" in proc.stdout and "the loader feeds" in proc.stdout  # the table
+    assert "check: " in proc.stdout and "the loader feeds" in proc.stdout  # the table
 
 
 def test_small_pp2_passes(tmp_path):
@@ -69,7 +69,8 @@ def test_planted_defects_are_named(tmp_path):
     norm; rank 2's sends slowed make the link 1 <-> 2 fail while 0 <-> 1 passes."""
     proc, doc = _check(tmp_path, "--preset", "small", "--stages", "3", MMPIPE_FAULT="grad-over-gas:0",
                        **{SLOW_ENV: "2:0.2"})
-    assert proc.returncode == 1 and doc["failed"] == ["links", "equivalence"], proc.stderr[-2000:]
+    # (the loader may fail too: 3 stages are predicted to take more rows/s than a loaded machine's loader gives)
+    assert proc.returncode == 1 and doc["failed"][:2] == ["links", "equivalence"], proc.stderr[-2000:]
     assert "mmpipe: check failed: links, equivalence" in proc.stderr
     eq = doc["checks"]["equivalence"]
     assert eq["worst_grad_norm"]["where"] == "stage 0" and eq["max_grad_norm_rel_diff"] > 0.5  # GAS 4: off by 3/4

@@ -44,7 +44,7 @@ def summaries(checks: dict) -> dict[str, str]:
 
 
 def render(run: RunConfig, ranks: list[dict], checks: dict) -> str:
-    title = (f"mmpipe check: {run.model.name}, {run.stages} stages x dp {run.dp}, micro {run.micro} x GAS {run.gas}, "
+    title = (f"check: {run.model.name}, {run.stages} stages x dp {run.dp}, micro {run.micro} x GAS {run.gas}, "
              f"{run.precision}, ZeRO-{run.zero_stage}, schedule {run.schedule}")
     rank_rows = [[r["rank"], r["host"], r["device"], "yes" if not r["precision_problem"] else "NO", r["torch"],
                   r["deepspeed"], r["nccl"] or "-", r["backend"]] for r in ranks]
