@@ -194,6 +194,8 @@ def hf_qwen_config(path: str | Path):
         hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:
         _fail(str(path), f"cannot read config.json ({' '.join(str(e).split())})")
+    if hf.model_type not in HF_CLASSES:
+        _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not one of {', '.join(HF_CLASSES)}")
     return hf, config_from_hf(hf, path.name, _processor(path))
 
 
