@@ -1,0 +1,150 @@
+"""The Qwen2-VL family through the pipeline (issue 32): `mmpipe train --preset qwen-tiny --pack` on a LLaVA-format
+set of images of mixed sizes and aspect ratios (grids differ within a row and a micro-batch), conversations
+with several images, text-only records. PP=2 (vision trained) and PP=4 (--freeze vision) equal the
+single-device reference loop (losses, weights; fp32, 1e-5), only floats cross the stage boundaries while every
+stage takes the grids from its own loader, the frozen tower stays bit-identical, and a PP=2 run cut at step 2
+and resumed is bit-identical to the uninterrupted one. Four launches in all."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import train_run, write_ds_config
+from mmpipe.data.batches import StepBatches, rank_batches
+from mmpipe.data.dataset import prepare
+from mmpipe.model import ReferenceModel
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.feed import run_dataset
+from mmpipe.runtime.reference import train_reference
+from test_qwen_data import WORDS, conv, save_tokenizer
+
+TOL = 1e-5
+STEPS, CUT, SEED = 4, 2, 5
+# (width, height): grids (t, h, w) 1x4x4, 1x4x6, 1x8x4, 1x6x8, 1x4x10, and 400x300 resized down by the processor
+SIZES = [(56, 56), (84, 56), (56, 112), (112, 84), (140, 56), (400, 300)]
+ANSWER_WORDS = WORDS[5:] + [f"w{i}" for i in range(40)]  # the tokenizer's plain words
+
+
+def _records(n: int) -> list[dict]:
+    """n conversations of 0 (text-only), 1, 2 or 3 images (distinct sizes), answers of 1..10 words."""
+    rnd = random.Random(0)
+    recs = []
+    for i in range(n):
+        answer = " ".join(rnd.choice(ANSWER_WORDS) for _ in range(1 + int(rnd.lognormvariate(0.8, 0.7)) % 10))
+        k = (0, 1, 2, 1, 3, 1)[i % 6]
+        if not k:
+            recs.append({"conversations": conv("what colour is it", answer)})
+            continue
+        images = [f"{j}.png" for j in rnd.sample(range(len(SIZES)), k)]
+        question = "what colour is " + " and ".join(["<image>"] * k)
+        recs.append({"image": images if k > 1 else images[0], "conversations": conv(question, answer)})
+    return recs
+
+
+@pytest.fixture(scope="module")
+def qwen_set(tmp_path_factory):
+    """(root, the arguments every run shares): the set, the tokenizer with the vision specials, a DeepSpeed
+    config of 2 rows x 2 micro-batches with a warm-up + cosine schedule fixed at STEPS (so the cut run's
+    schedule is the uninterrupted one's)."""
+    root = tmp_path_factory.mktemp("qwen_pipe")
+    rng = np.random.default_rng(0)
+    for k, (w, h) in enumerate(SIZES):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
+    (root / "data.json").write_text(json.dumps(_records(36)))
+    save_tokenizer(root / "tok")
+    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                         scheduler={"type": "WarmupCosineLR",
+                                    "params": {"total_num_steps": STEPS, "warmup_num_steps": 1,
+                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    args = ["--preset", "qwen-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
+            "--ds-config", str(ds), "--text-len", "48", "--pack", "--max-images", "4", "--max-patches", "128",
+            "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
+    return root, args
+
+
+def _resolved(qwen_set, *extra: str):
+    root, args = qwen_set
+    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref"), *extra]),
+                   world_size=1)
+
+
+def _reference(qwen_set, *extra: str):
+    run = _resolved(qwen_set, *extra)
+    return train_reference(run, seed=SEED, steps=STEPS, out_dir=str(qwen_set[0] / "ref"))
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_set):
+    return _reference(qwen_set)
+
+
+@pytest.fixture(scope="module")
+def reference_frozen(qwen_set):
+    return _reference(qwen_set, "--freeze", "vision")
+
+
+def _launch(qwen_set, name: str, *extra: str):
+    root, args = qwen_set
+    return train_run(root / name, *args, *extra).check()
+
+
+@pytest.fixture(scope="module")
+def pp2(qwen_set):
+    """Vision trained; also the uninterrupted run of the resume test."""
+    return _launch(qwen_set, "pp2", "--stages", "2", "--steps", str(STEPS))
+
+
+@pytest.fixture(scope="module")
+def pp4_frozen(qwen_set):
+    return _launch(qwen_set, "pp4", "--stages", "4", "--steps", str(STEPS), "--freeze", "vision")
+
+
+def test_rows_mix_grids_images_and_text_only(qwen_set):
+    """What the runs below train on: packed rows whose image grids differ within a row and within each
+    micro-batch, conversations of 2 and 3 images, text-only samples; and a later stage's loader (no images
+    decoded) gives the first stage's grids."""
+    run = _resolved(qwen_set)
+    samples = prepare(run.data, run.model, str(qwen_set[0] / "ref"), SEED, verbose=False)
+    first = rank_batches(run_dataset(run, samples), StepBatches(0, run.micro, run.gas, 0, 1))
+    later = rank_batches(run_dataset(run, samples, first=False), StepBatches(0, run.micro, run.gas, 0, 1))
+    images_per_sample, text_only, mixed_rows = set(), 0, 0
+    for _ in range(STEPS * run.gas):
+        (pixels, ids, has_image, segments, tiling), _ = next(first)
+        (ids2, has_image2, segments2, tiling2), _ = next(later)
+        assert torch.equal(tiling, tiling2) and torch.equal(ids, ids2) and torch.equal(segments, segments2)
+        assert pixels.shape == (2, 128, 1176) and tiling.shape == (2, 4, 3)
+        grids = [{tuple(g) for g in row.tolist() if any(g)} for row in tiling]
+        assert len(set.union(*grids)) >= 2  # grids differ within the micro-batch
+        mixed_rows += sum(len(g) >= 2 for g in grids)  # and within a row
+        for b in range(2):
+            n_samples = int(segments[b].max())
+            assert n_samples >= 2  # packed
+            counts = [int((has_image[b] == s).sum()) for s in range(1, n_samples + 1)]
+            images_per_sample.update(counts)
+            text_only += counts.count(0)
+    assert {0, 1, 2, 3} <= images_per_sample and text_only >= 2
+    assert mixed_rows >= STEPS * run.gas
+
+
+def _weights_equal_within(model, reference: ReferenceModel, tol: float) -> None:
+    ref = reference.state_dict()
+    for k, v in model.state_dict().items():
+        assert (v - ref[k]).abs().max().item() < tol, k
+
+
+@pytest.mark.parametrize("name, ref", [("pp2", "reference"), ("pp4_frozen", "reference_frozen")])
+def test_pipeline_equals_single_device(name, ref, request):
+    """PP=2 with the tower trained, PP=4 with it frozen: each step's loss and the final weights are the
+    reference loop's on the same rows (fp32, 1e-5)."""
+    run, (ref_model, ref_losses) = request.getfixturevalue(name), request.getfixturevalue(ref)
+    assert sorted(run.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
+    assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL)
+    got = torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg))
+    _weights_equal_within(got, ref_model, TOL)
