@@ -310,3 +310,15 @@ def test_config_checks_name_the_field(section, field, value, problem):
     with pytest.raises(ConfigError) as e:
         bad.validate()
     assert str(e.value).startswith(f"model config '{cfg.name}': {problem}") and "\n" not in str(e.value)
+
+
+def test_export_beside_the_builtin_tokenizer_writes_no_llava_processor(tmp_path):
+    """A run trained with the built-in tokenizer has its `<image>` as image_token_id; the export writes that
+    tokenizer (the image processor is export_hf's), never LLaVA's processor."""
+    from mmpipe.config import load_preset
+    from mmpipe.data.tokenizer import builtin_tokenizer
+    from mmpipe.hf.bundle import write_processor
+    tok = builtin_tokenizer(image_token=True)
+    cfg = dataclasses.replace(load_preset("qwen-tiny"), image_token_id=tok.convert_tokens_to_ids("<image>"))
+    assert write_processor(tok, cfg, tmp_path) == "tokenizer"
+    assert not (tmp_path / "processor_config.json").exists()

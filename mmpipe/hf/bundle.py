@@ -38,7 +38,8 @@ def image_processor(vision: VisionConfig):
 
 def write_processor(tok, cfg: ModelConfig, out: Path) -> str:
     """The run's tokenizer (and, LLaVA family, a LlavaProcessor around it) into out; says what it wrote."""
-    if not cfg.layout.placeholders or tok.convert_tokens_to_ids(IMAGE_TOKEN) != cfg.image_token_id:
+    if (not cfg.layout.placeholders or cfg.layout.dynamic  # Qwen2-VL: its image processor is export's (hf.qwen2_vl)
+            or tok.convert_tokens_to_ids(IMAGE_TOKEN) != cfg.image_token_id):
         tok.save_pretrained(out)  # no <image> placeholder at the model's id: no processor can expand it
         return "tokenizer"
     from transformers import LlavaProcessor
