@@ -3,6 +3,7 @@ backward, memory arithmetic that matches what autograd really keeps, plans in se
 allocated, and a written config that trains as is."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -14,7 +15,7 @@ import torch
 
 from conftest import ROOT, train_run
 from mmpipe.config import ConfigError, load_preset
-from mmpipe.model.builder import IGNORE_INDEX, layer_specs, lm_loss
+from mmpipe.model.builder import IGNORE_INDEX, TiedCall, layer_specs, lm_loss
 from mmpipe.model.rows import sample_rows
 from mmpipe.planning.costmodel import (
     KNOWN_DEVICES,
@@ -134,13 +135,42 @@ def test_activation_memory_matches_what_autograd_keeps():
         return make
 
     for i, (spec, row) in enumerate(zip(specs, rows)):
-        layer = spec.build()
-        labels = None
-        if row.name == "LMHead":
-            def labels(batch, out):
-                return torch.full(out.shape[:2], IGNORE_INDEX).index_fill_(1, torch.tensor([3]), 1)
-        measured = _saved_floats_per_sample(layer, args_for(i), labels)
+        labels = _one_label if row.name == "LMHead" else None
+        measured = _saved_floats_per_sample(spec.build(), args_for(i), labels)
         assert measured == row.act_elems, (i, row.name, measured, row.act_elems)
+
+
+def _one_label(batch, out):  # the loss's labels: one answer token per row
+    return torch.full(out.shape[:2], IGNORE_INDEX).index_fill_(1, torch.tensor([3]), 1)
+
+
+@pytest.mark.parametrize("text", [{}, {"n_kv_heads": 1, "qkv_bias": False, "tie_embeddings": False, "ff_dim": 48}],
+                         ids=["llava-tiny", "one-kv-head-no-bias-untied"])
+def test_llava_activation_memory_matches_what_autograd_keeps(text):
+    """Every LLaVA layer's act_elems (LlamaBlock: 9 D + 2 kv + 4 F per position + the row's geometry) equals
+    the floats autograd keeps: llava-tiny (GQA 4/2, qkv bias, tied head, F = 2 D), and 1 kv head, no bias,
+    an untied head and F = 1.5 D, so that the D, kv and F terms are told apart."""
+    cfg = load_preset("llava-tiny")
+    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, **text))
+    text_len, v, d = 12, cfg.vision, cfg.text.dim
+    rows = layer_costs(cfg, (), text_len)
+    length = rows[-1].tokens  # 16 <image> placeholders + 12 text
+    shapes = {"VisionBlock": (v.n_positions, v.dim), "Projector": (v.n_positions, v.dim),
+              "TextEmbed": (v.n_features, d), "PatchEmbed": (3, v.image_size, v.image_size)}
+
+    def ints(batch):
+        ids = torch.ones(batch, length, dtype=torch.long)
+        ids[:, 1:1 + v.n_features] = cfg.image_token_id
+        return sample_rows(cfg, ids)
+    for spec, row in zip(layer_specs(cfg), rows):
+        layer = TiedCall(spec.build(), spec.forward_fn) if getattr(spec, "forward_fn", None) else spec.build()
+        shape = shapes.get(row.name, (length, d))
+
+        def make(batch, shape=shape, grad=row.name != "PatchEmbed"):
+            return torch.randn(batch, *shape, requires_grad=grad), *ints(batch)
+        labels = _one_label if row.name == "LMHead" else None
+        measured = _saved_floats_per_sample(layer, make, labels)
+        assert measured == row.act_elems, (row.name, measured, row.act_elems)
 
 
 def test_state_memory_hand_arithmetic():

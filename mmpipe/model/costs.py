@@ -102,11 +102,17 @@ def _phi_block(cfg, params, n, seq):
                 seq * t.dim)
 
 
-def _llama_block(cfg, params, n, seq):  # the Phi block's, + gate/up/product of SwiGLU; rotary on whole heads
+def _llama_block(cfg, params, n, seq):
+    """LLaVA's LlamaBlock (mmpipe.model.llava; GQA, qkv bias or not), as autograd keeps it per position
+    (tests/test_plan.py): 9 D (x, each RMSNorm's normalised input and output, q after RoPE, attention out,
+    o_proj's input, x + attn) + 2 kv (k after RoPE, v: kv_heads x head_dim each) + 4 F (gate, silu, up,
+    product) + fp32 the two RMSNorms' statistics and the log-sum-exp (2 + H); the row's L x L mask and
+    rotary (_row_geometry). E.g. llava-1.5-7b: 9 x 4096 + 2 x 4096 + 4 x 11008 = 89088 values."""
     t = cfg.text
     act, fp32 = _row_geometry(seq, t.head_dim)
+    kv = t.kv_heads * t.head_dim
     return Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * t.dim,
-                (7 * t.dim + 3 * t.ff_dim) * seq + (2 + t.n_heads) * seq + act, (2 + t.n_heads) * seq + fp32,
+                (9 * t.dim + 2 * kv + 4 * t.ff_dim) * seq + (2 + t.n_heads) * seq + act, (2 + t.n_heads) * seq + fp32,
                 seq * t.dim)
 
 
@@ -118,6 +124,11 @@ def _lm_head(cfg, params, n, seq):  # + the fp32 logits of the loss's log-softma
     t = cfg.text
     return Cost(seq, 2.0 * params * seq, 2 * t.dim * seq + 2 * seq + t.vocab_size * seq,
                 2 * seq + t.vocab_size * seq, seq * t.vocab_size)
+
+
+def _linear_head(cfg, params, n, seq):  # LLaVA's head (its norm is FinalNorm): its input + the loss's fp32 logits
+    t = cfg.text
+    return Cost(seq, 2.0 * params * seq, (t.dim + t.vocab_size) * seq, t.vocab_size * seq, seq * t.vocab_size)
 
 
 PATCH_EMBED = LayerRule("PatchEmbed", _patch_embed, "pixels", embedding=True, per_crop=True)
@@ -132,6 +143,7 @@ DECODER_BLOCK = LayerRule("DecoderBlock", _phi_block, "sequence")
 LLAMA_BLOCK = LayerRule("LlamaBlock", _llama_block, "sequence")
 FINAL_NORM = LayerRule("FinalNorm", _final_norm, "sequence")
 LM_HEAD = LayerRule("LMHead", _lm_head, "sequence")
+LINEAR_HEAD = LayerRule("LMHead", _linear_head, "sequence")  # LLaVA's LMHeadLinear and tied head
 
 
 # ---- Qwen2-VL / Qwen2.5-VL (mmpipe.model.qwen2_vl): a row of P patches, images of any size ----------------

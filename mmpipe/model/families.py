@@ -73,7 +73,7 @@ LLAVA = Family(
     "llava", "prefix", llava_specs, (TowerBlock, LlamaBlock),
     {VisionEmbed: costs.PATCH_EMBED, TowerBlock: costs.VISION_BLOCK, LlavaProjector: costs.PROJECTOR,
      LlavaEmbed: costs.TEXT_EMBED, LlamaBlock: costs.LLAMA_BLOCK, FinalNorm: costs.FINAL_NORM,
-     LMHeadLinear: costs.LM_HEAD, tied_head: costs.LM_HEAD},
+     LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     hf_class="LlavaForConditionalGeneration", weight_names="hf")
 
