@@ -1,6 +1,9 @@
 """The model definition: shapes, masks, the stage contract, presets on the meta device, generation."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 from mmpipe.config import load_preset
@@ -22,6 +25,24 @@ def test_large_presets_build_on_meta_without_memory():
         layer = layer_specs(cfg)[30].build()
     assert all(p.is_meta for p in layer.parameters())
     assert 0.55e9 < sum(layer_param_counts(load_preset("moondream-0.5b"))) < 0.6e9
+
+
+def test_resolving_a_run_counts_parameters_without_their_values():
+    """Every process that resolves a run (the front door, each rank) counts each layer's parameters on
+    the meta device with shapes only (mmpipe.model.builder.shapes_only): the same counts as building
+    them there with their initialisation, for every preset, and in a fresh process neither
+    torch._dynamo (which meta initialisation ops import) nor torchvision (which only image-decoding
+    processes need) is imported by a whole dry run: ~5 s of CPU per process, paid by every launch."""
+    for name in ("tiny", "tiny-xattn", "moondream-0.5b", "llava-tiny", "llava-1.5-7b", "qwen-tiny", "qwen2-vl-2b"):
+        cfg = load_preset(name)  # every layer class of every family (Qwen2 and 2.5 towers, CLIP and SigLIP)
+        with torch.device("meta"):
+            plain = [sum(p.numel() for p in s.build().parameters()) for s in layer_specs(cfg)]
+        assert layer_param_counts(cfg) == plain, name
+    code = ("import sys; from mmpipe.cli import main; "
+            "rc = main(['train', '--preset', 'tiny', '--stages', '2', '--lora', '2', '--dry-run']); "
+            "print('imported', rc, [m for m in ('torch._dynamo', 'torchvision') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "imported 0 []" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
 def test_prefix_mask_is_bidirectional_over_bos_and_image_then_causal():

@@ -8,6 +8,7 @@ ImageTransform makes the [3, S, S] normalised float tensor the model reads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import threading
@@ -190,11 +191,16 @@ class ImageTransform:
     def __init__(self, vision: VisionConfig, resize: str = "pad", augment: bool = False):
         if resize not in RESIZE_MODES:
             raise ConfigError(f"--resize: '{resize}' is not a resize mode (valid: {', '.join(RESIZE_MODES)})")
-        self.size, self.resize, self.augment = vision.image_size, resize, augment
-        # imported here, not at the top: torchvision costs ~3 s of CPU per process (it imports its models
-        # and torch._dynamo), paid by every process that imports mmpipe.data, while only the ranks that
-        # decode images (the first stage, the loader's workers) use it
+        self.size, self.resize, self.augment, self.vision = vision.image_size, resize, augment, vision
+
+    @functools.cached_property
+    def pipelines(self):
+        """(transform, exact): torchvision's v2 pipelines, built at the first image. torchvision is imported
+        here, not at the top or in __init__: it costs ~3 s of CPU per process (it imports its models and
+        torch._dynamo), which every rank would pay for building its samples while only the ranks that
+        decode images (the first stage, the loader's workers) use it."""
         from torchvision.transforms import v2
+        vision, resize, augment = self.vision, self.resize, self.augment
         size = (vision.image_size, vision.image_size)
         steps: list = [v2.ToImage()]  # uint8 [3, H, W]
         if resize == "pad":
@@ -208,16 +214,16 @@ class ImageTransform:
         else:
             steps.append(v2.Resize(size, antialias=True))
         to_float = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(vision.mean), list(vision.std))]
-        self.transform = v2.Compose(steps + to_float)
         # an image already S x S needs no pad or resize: ~40% less time per image at 64 px
-        self.exact = v2.Compose([v2.ToImage(), *to_float])
+        return v2.Compose(steps + to_float), v2.Compose([v2.ToImage(), *to_float])
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
         if img.mode != "RGB":  # open_image already gives RGB; this keeps other callers correct
             img = to_rgb(img)
+        transform, exact = self.pipelines
         if not self.augment and img.size == (self.size, self.size):
-            return self.exact(img).as_subclass(torch.Tensor)
-        return self.transform(img).as_subclass(torch.Tensor)
+            return exact(img).as_subclass(torch.Tensor)
+        return transform(img).as_subclass(torch.Tensor)
 
 
 class _PadToSquare:

@@ -13,10 +13,13 @@ so both get identical weights whatever the stage count.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..config import ConfigError, ModelConfig
 from .families import family_of
@@ -122,9 +125,33 @@ class ReferenceModel(nn.Sequential):
         return self(pixel_values, *sample_rows(self.cfg, input_ids, has_image), tiling)
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """Under the meta device, initialisation returns its input unchanged: counting parameters reads
+    their shapes, never their values. torch runs some init ops on meta tensors (normal_, a tensor times
+    a scalar: nn.Embedding's init, a learned position table's randn x 0.02) through Python decompositions
+    whose first use imports torch._dynamo, ~1.6 s of CPU in every process that resolves a run (the
+    front door and each rank) for values nobody reads."""
+    INIT = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_, torch.Tensor.mul_,
+            torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul, torch.nn.init.normal_,
+            torch.nn.init.trunc_normal_, torch.nn.init.uniform_, torch.nn.init.zeros_, torch.nn.init.ones_,
+            torch.nn.init.constant_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.INIT:  # the tensor operand: an in-place op's target, or a product's shape
+            return next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Modules built inside have meta parameters of the right shapes and no values (counting only)."""
+    with torch.device("meta"), _ShapesOnly():
+        yield
+
+
 def layer_param_counts(cfg: ModelConfig) -> list[int]:
     """Parameters per layer, built on the meta device: no memory is allocated even for moondream-2b."""
-    with torch.device("meta"):
+    with shapes_only():
         return [sum(p.numel() for p in s.build().parameters()) for s in layer_specs(cfg)]
 
 
@@ -135,7 +162,7 @@ def check_lora_rank(cfg: ModelConfig, lora: Lora | None) -> None:
     if lora is None:
         return
     kinds = {(s.typename, repr(s.module_kwargs)): s for s in layer_specs(cfg)}  # the repeated blocks: one each
-    with torch.device("meta"):
+    with shapes_only():
         widths = [(min(m.in_features, m.out_features), f"{type(layer).__name__}.{n}", m.in_features, m.out_features)
                   for layer in (s.build() for s in kinds.values()) for n, m in adapted_linears(layer, lora)]
     if widths and lora.rank > min(widths)[0]:
@@ -149,5 +176,5 @@ def adapter_param_counts(cfg: ModelConfig, lora: Lora | None) -> list[int]:
     """LoRA adapter parameters per layer (0 without LoRA), counted on the meta device."""
     if lora is None:
         return [0] * len(layer_specs(cfg))
-    with torch.device("meta"):
+    with shapes_only():
         return [adapter_param_count(s.build(), lora) for s in layer_specs(cfg)]

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..data.packing import row_shape
 from ..data.text import decoder_positions
-from ..model.builder import adapter_param_counts, layer_param_counts, layer_specs
+from ..model.builder import adapter_param_counts, layer_param_counts, layer_specs, shapes_only
 from ..model.costs import Cost, PatchRow
 from ..model.families import family_of
 from ..model.lora import Lora
@@ -175,7 +175,7 @@ def linear_param_counts(cfg: ModelConfig) -> list[int]:
     """Per layer, the parameters of its nn.Linear modules (exactly that type, as the runtime's B/W
     split defers them), built on the meta device."""
     import torch
-    with torch.device("meta"):
+    with shapes_only():
         return [sum(p.numel() for m in spec.build().modules() if type(m) is torch.nn.Linear for p in m.parameters())
                 for spec in layer_specs(cfg)]
 
