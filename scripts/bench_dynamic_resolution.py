@@ -2,7 +2,7 @@
 family, side by side in one process, on a generated set of mixed image sizes (docs/dynamic_resolution.md).
 
     python scripts/bench_dynamic_resolution.py            # the docs' table: 192 samples, 5 repeats, ~5 min
-    python scripts/bench_dynamic_resolution.py --quick    # 24 samples, 2 repeats: a smoke run, ~40 s
+    python scripts/bench_dynamic_resolution.py --quick    # 24 samples, 2 repeats: a smoke run, under a minute
 
 The set (WORK = --work, default runs/bench_dynamic_resolution): --records LLaVA records, each one shapes image
 (mmpipe.data.shapes, drawn at 448 px, resized to its size) and its shapes question and answer. Each record's
