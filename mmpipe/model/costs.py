@@ -220,21 +220,10 @@ def _qwen_embed(cfg, params, n, seq, row):
     return Cost(seq, float(cfg.text.dim * seq), float(tokens * cfg.text.dim), 0.0, seq * cfg.text.dim)
 
 
-def _qwen_block(cfg, params, n, seq):
-    """The Qwen2 decoder block under multimodal rotary (3 x [L] positions, the same fp32 cos / sin [L, head_dim]
-    as RoPE): x, the norms' normalised inputs and outputs, the q / k / v input, q (D), k and v (kv heads),
-    attention out, the o_proj input, gate / silu / up / product (4 F); fp32 the two RMSNorms' statistics and
-    the log-sum-exp (2 + H); the row's L x L mask and rotary (_row_geometry). Measured on qwen-tiny."""
-    t = cfg.text
-    act, fp32 = _row_geometry(seq, t.head_dim)
-    kv = t.kv_heads * t.head_dim
-    return Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * t.dim,
-                (9 * t.dim + 2 * kv + 4 * t.ff_dim) * seq + (2 + t.n_heads) * seq + act, (2 + t.n_heads) * seq + fp32,
-                seq * t.dim)
-
-
 QWEN_PATCH_EMBED = LayerRule("QwenPatchEmbed", _qwen_patch_embed, "pixels", embedding=True, per_row=True)
 QWEN_VISION_BLOCK = LayerRule("QwenVisionBlock", _qwen_vision_block, "vision", per_row=True)
 QWEN_MERGER = LayerRule("QwenMerger", _qwen_merger, "vision", per_row=True)
 QWEN_EMBED = LayerRule("QwenEmbed", _qwen_embed, "image", embedding=True, per_row=True)
-QWEN_BLOCK = LayerRule("QwenBlock", _qwen_block, "sequence")
+# QwenBlock is LlamaBlock under multimodal rotary (3 x [L] positions, the same fp32 cos / sin [L, head_dim]):
+# autograd keeps the same tensors (measured on qwen-tiny, tests/test_plan_qwen.py)
+QWEN_BLOCK = LayerRule("QwenBlock", _llama_block, "sequence")

@@ -82,7 +82,7 @@ QWEN2_VL = Family(
     "qwen2_vl", "prefix", qwen2_vl_specs, (QwenVisionBlock, QwenBlock),
     {QwenPatchEmbed: costs.QWEN_PATCH_EMBED, QwenVisionBlock: costs.QWEN_VISION_BLOCK, QwenMerger: costs.QWEN_MERGER,
      QwenEmbed: costs.QWEN_EMBED, QwenBlock: costs.QWEN_BLOCK, FinalNorm: costs.FINAL_NORM,
-     LMHeadLinear: costs.LM_HEAD, tied_head: costs.LM_HEAD},
+     LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     hf_class="Qwen2VLForConditionalGeneration", weight_names="hf")  # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
 
 FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL)
