@@ -15,9 +15,11 @@ import torch
 from PIL import Image
 
 from conftest import train_run, write_ds_config
+from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.model import ReferenceModel
+from mmpipe.model.builder import layer_specs
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
@@ -51,8 +53,8 @@ def _records(n: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def qwen_set(tmp_path_factory):
     """(root, the arguments every run shares): the set, the tokenizer with the vision specials, a DeepSpeed
-    config of 2 rows x 2 micro-batches with a warm-up + cosine schedule fixed at STEPS (so the cut run's
-    schedule is the uninterrupted one's)."""
+    config of 2 rows x 2 micro-batches with a warm-up + cosine schedule of a fixed length (so the cut run's
+    schedule is the uninterrupted one's; twice the runs' steps, so the last step still moves the weights)."""
     root = tmp_path_factory.mktemp("qwen_pipe")
     rng = np.random.default_rng(0)
     for k, (w, h) in enumerate(SIZES):
@@ -61,7 +63,7 @@ def qwen_set(tmp_path_factory):
     save_tokenizer(root / "tok")
     ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
                          scheduler={"type": "WarmupCosineLR",
-                                    "params": {"total_num_steps": STEPS, "warmup_num_steps": 1,
+                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
                                                "warmup_type": "linear", "warmup_min_ratio": 0.5}})
     args = ["--preset", "qwen-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
             "--ds-config", str(ds), "--text-len", "48", "--pack", "--max-images", "4", "--max-patches", "128",
@@ -148,3 +150,46 @@ def test_pipeline_equals_single_device(name, ref, request):
     assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL)
     got = torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg))
     _weights_equal_within(got, ref_model, TOL)
+
+
+def test_only_floats_cross_and_later_stages_take_the_grids_from_their_loader(pp2, pp4_frozen):
+    """One float message per micro-batch forward, never an integer tensor, while a decoder block sits on every
+    stage after the first but PP=4's last: those stages compute their multimodal rotary positions from the
+    grids (tiling) their own loader gives (mmpipe.runtime.wire). Without them the runs fail; with zeroed grids
+    the first micro-batch's loss moves by ~5e-3, far outside the reference match above."""
+    kinds = [s.typename.__name__ for s in layer_specs(load_preset("qwen-tiny"))]
+    for run, with_blocks in ((pp2, [1]), (pp4_frozen, [1, 2])):
+        run.assert_only_floats_crossed(per_forward=1)
+        parts = run.summary["parts"]
+        assert len(parts) == run.summary["stages"] + 1 and "QwenVisionBlock" in kinds[parts[0]:parts[1]]
+        for stage in with_blocks:
+            assert "QwenBlock" in kinds[parts[stage]:parts[stage + 1]], (stage, parts)
+    shapes = {shape for r in range(3) for kind, _, shape in pp4_frozen.wire(r) if kind == "data"}
+    assert shapes == {"2x88x64"}, shapes  # [B, L, D_text] alone, L = 4 x 2 + 128 / 4 + 48
+
+
+def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp2, pp4_frozen, reference_frozen):
+    cfg = reference_frozen[0].cfg
+    init = ReferenceModel(cfg, seed=SEED)
+    frozen = load_reference(pp4_frozen.out / "checkpoints", cfg)
+    trained = load_reference(pp2.out / "checkpoints", cfg)
+    vision = [i for i, layer in enumerate(init) if getattr(layer, "group", None) == "vision"]
+    assert len(vision) == 1 + cfg.vision.n_layers and pp4_frozen.summary["freeze"] == ["vision"]
+    for i in vision:
+        for k, v in init[i].state_dict().items():
+            assert torch.equal(frozen[i].state_dict()[k], v), (i, k)
+            assert not torch.equal(trained[i].state_dict()[k], v), (i, k)
+    merger = vision[-1] + 1
+    assert not torch.equal(frozen[merger].mlp[0].weight, init[merger].mlp[0].weight)  # the rest trained
+
+
+def test_resume_is_bit_exact(qwen_set, pp2):
+    """PP=2 cut after step 2 (its checkpoint) and resumed to step 4: the uninterrupted run's losses and weights,
+    bit for bit (same rows, optimizer moments, LR schedule and RNG)."""
+    _launch(qwen_set, "cut", "--stages", "2", "--steps", str(CUT))
+    resumed = _launch(qwen_set, "cut", "--stages", "2", "--steps", str(STEPS), "--resume")
+    assert resumed.summary["start_step"] == CUT and [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
+    assert resumed.losses == pp2.losses
+    cfg = _resolved(qwen_set).model  # its vocabulary fitted to the tokenizer, as the runs' model.json
+    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict() for r in (resumed, pp2))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
