@@ -335,7 +335,9 @@ def _fit_to_tokenizer(model: ModelConfig, data: DataOptions, init_from: str | No
     if init_from:
         problems.attempt(check_init_tokenizer, model, data.tokenizer, run_tok)
         return model
-    if model.layout.placeholders:  # fresh weights: the placeholder is the tokenizer's <image>, added if missing
+    # fresh weights: the placeholder is the tokenizer's <image>, added if missing; a dynamic family's is its
+    # tokenizer's own (Qwen2-VL's <|image_pad|> at image_token_id, checked by mmpipe.data.text.image_text)
+    if model.layout.placeholders and not model.layout.dynamic:
         model = dataclasses.replace(model, image_token_id=add_image_token(data.tokenizer))
     n_vocab = len(data.tokenizer)
     if model.text.vocab_size >= n_vocab:

@@ -113,6 +113,10 @@ def test_rows_mix_grids_images_and_text_only(qwen_set):
     micro-batch, conversations of 2 and 3 images, text-only samples; and a later stage's loader (no images
     decoded) gives the first stage's grids."""
     run = _resolved(qwen_set)
+    m, tok = run.model, run.data.tokenizer
+    # the placeholders are the tokenizer's own vision tokens, as Qwen's processor makes them; nothing is added
+    assert [m.vision_start_id, m.image_token_id, m.vision_end_id] == tok.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]) and m.text.vocab_size == len(tok) == 200
     samples = prepare(run.data, run.model, str(qwen_set[0] / "ref"), SEED, verbose=False)
     first = rank_batches(run_dataset(run, samples), StepBatches(0, run.micro, run.gas, 0, 1))
     later = rank_batches(run_dataset(run, samples, first=False), StepBatches(0, run.micro, run.gas, 0, 1))
@@ -122,6 +126,8 @@ def test_rows_mix_grids_images_and_text_only(qwen_set):
         (ids2, has_image2, segments2, tiling2), _ = next(later)
         assert torch.equal(tiling, tiling2) and torch.equal(ids, ids2) and torch.equal(segments, segments2)
         assert pixels.shape == (2, 128, 1176) and tiling.shape == (2, 4, 3)
+        n_tokens = (tiling.prod(-1) * (has_image > 0)).sum(-1) // 4
+        assert torch.equal((ids == m.image_token_id).sum(-1), n_tokens) and has_image2.equal(has_image)
         grids = [{tuple(g) for g in row.tolist() if any(g)} for row in tiling]
         assert len(set.union(*grids)) >= 2  # grids differ within the micro-batch
         mixed_rows += sum(len(g) >= 2 for g in grids)  # and within a row
