@@ -1,9 +1,10 @@
 """The Qwen2-VL family through the pipeline (issue 32): `mmpipe train --preset qwen-tiny --pack` on a LLaVA-format
 set of images of mixed sizes and aspect ratios (grids differ within a row and a micro-batch), conversations
 with several images, text-only records. PP=2 (vision trained) and PP=4 (--freeze vision) equal the
-single-device reference loop (losses, weights; fp32, 1e-5), only floats cross the stage boundaries while every
-stage takes the grids from its own loader, the frozen tower stays bit-identical, and a PP=2 run cut at step 2
-and resumed is bit-identical to the uninterrupted one. Four launches in all."""
+single-device reference loop (losses, weights; fp32, 1e-5; the decoder's key biases 1e-4), only floats cross
+the stage boundaries while every stage takes the grids from its own loader, the frozen tower stays
+bit-identical, and a PP=2 run cut at step 2 and resumed is bit-identical to the uninterrupted one.
+Four launches in all."""
 from __future__ import annotations
 
 import json
@@ -111,8 +112,8 @@ def pp4_frozen(qwen_set):
 
 def test_rows_mix_grids_images_and_text_only(qwen_set):
     """What the runs below train on: packed rows whose image grids differ within a row and within each
-    micro-batch, conversations of 2 and 3 images, text-only samples; and a later stage's loader (no images
-    decoded) gives the first stage's grids."""
+    micro-batch, conversations of 2 and 3 images, text-only samples, each image's t h w / 4 placeholders the
+    tokenizer's own <|image_pad|>; and a later stage's loader (no images decoded) gives the first stage's grids."""
     run = _resolved(qwen_set)
     m, tok = run.model, run.data.tokenizer
     # the placeholders are the tokenizer's own vision tokens, as Qwen's processor makes them; nothing is added
