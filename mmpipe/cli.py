@@ -8,7 +8,6 @@ import logging
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -92,7 +91,22 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train") -> int:
     if ns.dry_run:
         return _train_plan(cmd, run, args, hosts, "train" if module == "mmpipe.train" else "check")
     print("mmpipe: " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd, env=env)
+    return _run_launcher(cmd, env)
+
+
+def _run_launcher(cmd: list[str], env: dict) -> int:
+    """Run `cmd` (the `deepspeed` command printed above) through DeepSpeed's own runner, called in this
+    process rather than as a new one: the same launch, without a fresh interpreter importing torch and
+    DeepSpeed again (~3.6 s of CPU per launch). The runner reads os.environ and exits with the launch's
+    failing status (SystemExit), as the `deepspeed` command does."""
+    from deepspeed.launcher import runner
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        runner.main(cmd[1:])
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    return 0
 
 
 def _where(la: LaunchArgs, hosts: dict | None, run, args: TrainArgs, env: dict, dry_run: bool) -> list[str]:
