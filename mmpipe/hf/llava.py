@@ -230,16 +230,24 @@ def load_hf_llava(path: str | Path, dtype=torch.float32) -> ReferenceModel:
     return import_llava(path, dtype)[0]
 
 
-def hf_llava_config(path: str | Path):
-    """An HF LlavaForConditionalGeneration directory's (HF config, mmpipe config); no weight is read."""
+def read_hf_config(path: Path, model_types: tuple[str, ...]):
+    """An HF directory's config.json (transformers' AutoConfig, local files only), or one line naming the
+    directory when it cannot be read or is not one of model_types."""
     from transformers import AutoConfig
-    path = Path(path)
     try:
         hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:
         _fail(str(path), f"cannot read config.json ({' '.join(str(e).split())})")
-    if hf.model_type != "llava":
-        _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not llava")
+    if hf.model_type not in model_types:
+        want = model_types[0] if len(model_types) == 1 else f"one of {', '.join(model_types)}"
+        _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not {want}")
+    return hf
+
+
+def hf_llava_config(path: str | Path):
+    """An HF LlavaForConditionalGeneration directory's (HF config, mmpipe config); no weight is read."""
+    path = Path(path)
+    hf = read_hf_config(path, ("llava",))
     return hf, config_from_hf(hf, path.name, *_preprocessor(path))
 
 

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, ModelConfig, TextConfig, VisionConfig
+from ..config import ModelConfig, TextConfig, VisionConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
-from .llava import CLIP_MEAN, CLIP_STD, ImportReport
+from .llava import CLIP_MEAN, CLIP_STD, ImportReport, _fail, read_hf_config
 from .safetensors_io import read_weights
 
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -38,10 +38,6 @@ PREFIX = {QwenPatchEmbed: "model.visual.patch_embed.", QwenVisionBlock: "model.v
           QwenMerger: "model.visual.merger.", QwenEmbed: "model.language_model.",
           QwenBlock: "model.language_model.layers.{}.", FinalNorm: "model.language_model.", LMHeadLinear: ""}
 DEFAULT_PIXELS = (56 * 56, 28 * 28 * 1280)  # transformers' Qwen2VLImageProcessor's min / max pixels
-
-
-def _fail(where: str, msg: str):
-    raise ConfigError(f"{where}: {msg}")
 
 
 def model_type(path: str | Path) -> str | None:
@@ -188,14 +184,8 @@ def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where
 
 def hf_qwen_config(path: str | Path):
     """An HF Qwen2-VL / Qwen2.5-VL directory's (HF config, mmpipe config); no weight is read."""
-    from transformers import AutoConfig
     path = Path(path)
-    try:
-        hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except Exception as e:
-        _fail(str(path), f"cannot read config.json ({' '.join(str(e).split())})")
-    if hf.model_type not in HF_CLASSES:
-        _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not one of {', '.join(HF_CLASSES)}")
+    hf = read_hf_config(path, tuple(HF_CLASSES))
     return hf, config_from_hf(hf, path.name, _processor(path))
 
 
