@@ -29,7 +29,7 @@ from ..run_config import resolve
 from ..runtime.feed import StepCounts, decoder_length, run_dataset
 from ..runtime.pipeline import VLMPipeline
 from ..runtime.steplog import StepLog
-from ..runtime.trainer import DTYPES, refuse_unsupported, setup_torch
+from ..runtime.trainer import DTYPES, join_process_group
 from .memory import write_peak
 
 
@@ -53,10 +53,8 @@ def main(argv=None) -> int:
         run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return fail(e)
-    setup_torch()
-    deepspeed.init_distributed()
-    rank = dist.get_rank()
-    if refuse_unsupported(run.precision, rank):
+    rank = join_process_group(run.precision)
+    if rank is None:
         return 2
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,15 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-import deepspeed
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 
 from ..cluster.hostfile import rank_threads
 from ..cluster.slurm_env import ranks_from_slurm
 from ..config import ConfigError, fail
 from ..run_config import resolve
-from ..runtime.trainer import refuse_unsupported, setup_torch
+from ..runtime.trainer import join_process_group
 from ..train import parse_args
 from . import env, equivalence, links, loader, report
 
@@ -30,12 +28,8 @@ def main(argv=None) -> int:
         run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return fail(e)
-    setup_torch()
-    deepspeed.init_distributed()
-    rank = dist.get_rank()
-    if get_accelerator().device_name() != "cpu":  # each rank on its own device (NCCL needs it before any collective)
-        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if refuse_unsupported(run.precision, rank):
+    rank = join_process_group(run.precision)
+    if rank is None:
         return 2
     clock = Clock()
     env_result, ranks = clock(env.check, run.precision)

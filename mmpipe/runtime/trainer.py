@@ -63,10 +63,8 @@ class Progress:
 def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
           evaluate: Callable[[Path], dict] | None = None) -> int:
     """evaluate(ckpt_dir) -> summary fields, run by rank 0 after training (the shapes set's held-out accuracy)."""
-    setup_torch()
-    deepspeed.init_distributed()
-    rank = dist.get_rank()
-    if refuse_unsupported(run.precision, rank):
+    rank = join_process_group(run.precision)
+    if rank is None:
         return 2
     out, ckpt_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
     prepare_output(out, run, rank)
@@ -158,6 +156,19 @@ def setup_torch() -> None:
     if get_accelerator().device_name() == "cpu":                         # ran 3x slower without it
         # the shared-memory all-reduce op only serves inference; skip its ~25 s JIT build
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def join_process_group(precision: str) -> int | None:
+    """Every rank entry's start (training, `mmpipe check`, a bench DP variant): torch set up, the process
+    group joined, each rank on its own device before any collective (NCCL needs it: else every rank of
+    a node would use device 0), and every rank's precision support gathered. The rank, or None when a
+    device cannot run `precision` (rank 0 printed why; exit 2)."""
+    setup_torch()
+    deepspeed.init_distributed()
+    if get_accelerator().device_name() != "cpu":
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank = dist.get_rank()
+    return None if refuse_unsupported(precision, rank) else rank
 
 
 def refuse_unsupported(precision: str, rank: int) -> bool:
