@@ -30,8 +30,9 @@ class ImageLayout:
 LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
            ("moondream", "cross_attention"): ImageLayout(cross_attention=True),
            ("llava", "prefix"): ImageLayout(placeholders=True),
-           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True)}
-FAMILIES = tuple(dict.fromkeys(family for family, _ in LAYOUTS))  # moondream, llava, qwen2_vl
+           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True),
+           ("llava_next", "prefix"): ImageLayout(placeholders=True, dynamic=True)}
+FAMILIES = tuple(dict.fromkeys(family for family, _ in LAYOUTS))  # moondream, llava, qwen2_vl, llava_next
 FUSIONS = tuple(dict.fromkeys(fusion for _, fusion in LAYOUTS))  # prefix, cross_attention
 
 
@@ -104,6 +105,13 @@ class VisionConfig:
     mlp: str = "gelu"
     min_pixels: int = 0
     max_pixels: int = 0
+    # LLaVA-NeXT / OneVision family (mmpipe.model.llava_next): any-resolution tiling. grid_pinpoints are HF's
+    # image_grid_pinpoints ([h, w] px, multiples of image_size): an image is encoded as its base crop plus
+    # the tiles of the pinpoint its aspect fits best; anyres_max is OneVision's "anyres_max_9" -> 9 (its
+    # features are bilinear-pooled past 9 x N; also: an image of a several-image sample is its base crop
+    # only), 0 for LLaVA-NeXT. `image_size` is the tower's crop (336 CLIP-L, 384 SigLIP).
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    anyres_max: int = 0
 
     @property
     def n_positions(self) -> int:  # tower tokens: CLIP adds the class token, e.g. 24^2 + 1 = 577
@@ -328,8 +336,20 @@ def _qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
+def _llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """LLaVA's checks (tower, decoder, <image>) plus the pinpoints: [h, w] pairs, multiples of the crop."""
+    v, S = cfg.vision, cfg.vision.image_size
+    ok = bool(v.grid_pinpoints) and all(len(p) == 2 and all(isinstance(x, int) and x > 0 and x % S == 0 for x in p)
+                                        for p in v.grid_pinpoints)
+    return _llava_checks(cfg) + [
+        (ok, "vision.grid_pinpoints", f"{[list(p) for p in v.grid_pinpoints]}: one or more [h, w] pairs in "
+         f"pixels, each a positive multiple of image_size {S}"),
+        (v.anyres_max >= 0, "vision.anyres_max", f"{v.anyres_max} must be >= 0 (0: LLaVA-NeXT, no pooling)"),
+    ]
+
+
 FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks,
-                 "qwen2_vl": _qwen2_vl_checks}  # by the model JSON's `family`
+                 "qwen2_vl": _qwen2_vl_checks, "llava_next": _llava_next_checks}  # by the model JSON's `family`
 
 
 def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:
@@ -344,13 +364,17 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
 def _build(cls, data: dict, where: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {unknown} (valid: {sorted(names)})")
-    try:
-        obj = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    try:  # JSON lists -> tuples, nested too (grid_pinpoints): the configs are frozen and hashable
+        obj = cls(**{k: _tuples(v) for k, v in data.items()})
     except TypeError as e:  # a missing required field
         raise ConfigError(f"{where}: {e}") from None
     return obj
