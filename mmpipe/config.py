@@ -345,6 +345,8 @@ def _llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (ok, "vision.grid_pinpoints", f"{[list(p) for p in v.grid_pinpoints]}: one or more [h, w] pairs in "
          f"pixels, each a positive multiple of image_size {S}"),
         (v.anyres_max >= 0, "vision.anyres_max", f"{v.anyres_max} must be >= 0 (0: LLaVA-NeXT, no pooling)"),
+        (v.n_features == v.n_tokens, "vision.feature_select", f"'{v.feature_select}' with a {v.kind} tower: tiles "
+         f"need one feature per patch (valid: default for clip, full for siglip)"),
     ]
 
 

@@ -227,3 +227,50 @@ QWEN_EMBED = LayerRule("QwenEmbed", _qwen_embed, "image", embedding=True, per_ro
 # QwenBlock is LlamaBlock under multimodal rotary (3 x [L] positions, the same fp32 cos / sin [L, head_dim]):
 # autograd keeps the same tensors (measured on qwen-tiny, tests/test_plan_qwen.py)
 QWEN_BLOCK = LayerRule("QwenBlock", _llama_block, "sequence")
+
+
+# ---- LLaVA-NeXT / OneVision (mmpipe.model.llava_next): a row of T crops, each image as base + tiles ----------
+
+@dataclass(frozen=True)
+class CropRow:
+    """An any-resolution row's vision side: its crop budget T (--max-tiles) and the tiling (orig_h, orig_w, rows,
+    cols) of each image it holds (1 + rows x cols crops each, rows = cols = 0: the base crop only; together at
+    most T, the rest zero crops the tower encodes all the same). E.g. llava-v1.6 (CLIP-L 336, pinpoints up to
+    2 x 2): T = 5 for one 672 x 672 image."""
+    crops: int
+    tilings: tuple[tuple[int, int, int, int], ...] = ()
+
+
+def _crops(cfg: ModelConfig, row: CropRow | None) -> int:
+    """The row's T crops; without a row, one image of the largest pinpoint's tiles (the base crop + them)."""
+    if row is not None:
+        return row.crops
+    S = cfg.vision.image_size
+    return 1 + max((h // S) * (w // S) for h, w in cfg.vision.grid_pinpoints)
+
+
+def _on_crops(rule):
+    """A per-crop rule of llava.py's tower run on the row's T crops: every term x T (attention within a crop)."""
+    def cost(cfg, params, n, seq, row):
+        k, n = _crops(cfg, row), cfg.vision.n_positions
+        c = rule(cfg, params, n, seq)
+        return Cost(c.tokens * k, c.fwd * k, c.act * k, c.fp32 * k, c.out * k)
+    return cost
+
+
+def _anyres_projector(cfg, params, n, seq, row):
+    """The projector on T x N features (the moondream projector's rule), then the row's [L, D] it scatters them
+    onto (the newline-joined features are views and one concatenation: one [L, D] more kept)."""
+    k, n = _crops(cfg, row), cfg.vision.n_features
+    c = _projector(cfg, params, n, seq)
+    return Cost(c.tokens * k, c.fwd * k, c.act * k + seq * cfg.text.dim, 0.0, seq * cfg.text.dim)
+
+
+def _anyres_embed(cfg, params, n, seq, row):  # the lookup; torch.where keeps only its bool mask
+    return _text_embed(cfg, params, n, seq)
+
+
+ANYRES_PATCH_EMBED = LayerRule("PatchEmbed", _on_crops(_patch_embed), "pixels", embedding=True, per_row=True)
+ANYRES_VISION_BLOCK = LayerRule("VisionBlock", _on_crops(_vision_block), "vision", per_row=True)
+ANYRES_PROJECTOR = LayerRule("AnyresProjector", _anyres_projector, "vision", per_row=True)
+ANYRES_EMBED = LayerRule("TextEmbed", _anyres_embed, "image", embedding=True, per_row=True)

@@ -8,6 +8,8 @@ through `family_of(cfg)` rather than by comparing the `family` / `fusion` string
                       placeholders (mmpipe.model.llava)
     QWEN2_VL          family qwen2_vl: Qwen2-VL / Qwen2.5-VL (by config), each image as many placeholders
                       as its grid gives, the grids kept to the head (mmpipe.model.qwen2_vl)
+    LLAVA_NEXT        family llava_next: LLaVA-NeXT / LLaVA-OneVision (by config), each image as its base crop
+                      and tiles in the row's crop slots, the tilings kept to the head (mmpipe.model.llava_next)
 
 Where the image enters the decoder and which fields a family checks are the config's to know
 (mmpipe.config.LAYOUTS, FAMILY_CHECKS, read as cfg.layout): the data side needs them too, and the
@@ -36,6 +38,7 @@ from .llava import (
     llava_specs,
     tied_head,
 )
+from .llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
 
 
@@ -85,7 +88,17 @@ QWEN2_VL = Family(
      LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     hf_class="Qwen2VLForConditionalGeneration", weight_names="hf")  # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
 
-FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL)
+# The tower, projector and embedding are costed on the row's T crops (costs.ANYRES_*, per_row: a CropRow)
+LLAVA_NEXT = Family(
+    "llava_next", "prefix", llava_next_specs, (TowerBlock, LlamaBlock),
+    {VisionEmbed: costs.ANYRES_PATCH_EMBED, TowerBlock: costs.ANYRES_VISION_BLOCK,
+     AnyresProjector: costs.ANYRES_PROJECTOR, AnyresEmbed: costs.ANYRES_EMBED, LlamaBlock: costs.LLAMA_BLOCK,
+     FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
+    tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
+    # LlavaOnevisionForConditionalGeneration's by config (vision.anyres_max > 0: mmpipe.hf.llava_next)
+    hf_class="LlavaNextForConditionalGeneration", weight_names="hf")
+
+FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT)
 
 
 def family_of(cfg: ModelConfig) -> Family:
