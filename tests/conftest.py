@@ -16,14 +16,51 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("test_cluster", "test_bench_cluster")
 
 
+# Seconds each group took in a clean-clone run of the suite (written by the run itself when
+# MMPIPE_FILE_SECONDS names a file: `MMPIPE_FILE_SECONDS=tests/file_seconds.json python -m pytest ...`).
+FILE_SECONDS = ROOT / "tests" / "file_seconds.json"
+
+
+def _group(name: str) -> str:
+    return "services" if name in SERVICES else name
+
+
+def pytest_configure(config):
+    # xdist hands out groups biggest-first by TEST COUNT unless told otherwise: a 1-test file that trains
+    # for minutes (test_learning) then starts last and runs alone at the end. We order by seconds instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's `--dist loadgroup` (the README's test command: two workers on two cores), a
     test file is one unit, so its module fixtures (reference runs shared by its tests) are built once,
-    and the service files share one worker. Serially this changes nothing."""
+    and the service files share one worker. The groups go out costliest first (longest processing time
+    first: the two workers then finish within about the cheapest groups' time of each other); a file
+    not measured yet counts as a minute. Serially this changes nothing but the order of the files."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
     for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("services" if name in SERVICES else name))
+        item.add_marker(pytest.mark.xdist_group(_group(item.module.__name__)))
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-seconds.get(_group(it.module.__name__), 60), order[id(it)]))
+
+
+def pytest_runtest_logreport(report):
+    """Each group's seconds (setup, call and teardown of its tests), summed where the reports arrive:
+    the xdist controller, or the one process of a serial run."""
+    group = _group(Path(report.nodeid.split("::")[0]).stem)
+    _seconds_by_group[group] = _seconds_by_group.get(group, 0.0) + report.duration
+
+
+_seconds_by_group: dict[str, float] = {}  # this process's sums (pytest_runtest_logreport)
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("MMPIPE_FILE_SECONDS")
+    if out and not hasattr(session.config, "workerinput"):  # the controller (or a serial run) writes it
+        Path(out).write_text(json.dumps({k: round(v) for k, v in sorted(_seconds_by_group.items(),
+                                                                         key=lambda kv: -kv[1])}, indent=1))
 
 
 def write_ds_config(path: Path, **overrides) -> Path:
