@@ -34,7 +34,8 @@ from .tokens import add_image_token
 
 HF_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 LEGACY = [(r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
-          (r"^vision_tower\.", "model.vision_tower."), (r"^multi_modal_projector\.", "model.multi_modal_projector.")]
+          (r"^vision_tower\.", "model.vision_tower."), (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+          (r"^image_newline$", "model.image_newline")]  # LLaVA-NeXT / OneVision (mmpipe.hf.llava_next)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 TEXT_TYPES = ("llama", "qwen2", "mistral")
 
@@ -112,10 +113,16 @@ def hf_config(cfg: ModelConfig):
                        tie_word_embeddings=t.tie_embeddings)
 
 
+def hf_model_class(hf):
+    """The transformers class of an HF config: LlavaConfig -> LlavaForConditionalGeneration (LlavaNext /
+    LlavaOnevision alike: mmpipe.hf.llava_next shares these names and this export)."""
+    import transformers
+    return getattr(transformers, type(hf).__name__.replace("Config", "ForConditionalGeneration"))
+
+
 def _hf_names(hf) -> list[str]:
-    from transformers import LlavaForConditionalGeneration
     with torch.device("meta"):
-        return list(LlavaForConditionalGeneration(hf).state_dict())
+        return list(hf_model_class(hf)(hf).state_dict())
 
 
 def key_map(cfg: ModelConfig, hf_names: list[str]) -> dict[str, str]:
@@ -131,8 +138,8 @@ def key_map(cfg: ModelConfig, hf_names: list[str]) -> dict[str, str]:
                 hf = tower + (sub if sub.startswith("pre_layrnorm") else "embeddings." + sub)
             elif isinstance(layer, TowerBlock):
                 hf = f"{tower}encoder.layers.{block[TowerBlock]}.{sub}"
-            elif isinstance(layer, LlavaProjector):
-                hf = "model.multi_modal_projector." + sub
+            elif isinstance(layer, LlavaProjector):  # LLaVA-NeXT's projector holds the model's image_newline
+                hf = ("model." if sub == "image_newline" else "model.multi_modal_projector.") + sub
             elif isinstance(layer, LlavaEmbed):
                 hf = lm + sub
             elif isinstance(layer, LlamaBlock):
@@ -188,7 +195,7 @@ def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, w
     for src, tensor in source.items():
         hf_name = canonical(src, known)
         if hf_name is None:
-            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a LlavaForConditionalGeneration")
+            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a {hf_model_class(hf).__name__}")
         mine = by_hf.get(hf_name)
         if mine is None:
             if hf_name == "lm_head.weight" and model.cfg.text.tie_embeddings:
@@ -292,12 +299,12 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
     return model, report
 
 
-def export_hf(model: ReferenceModel, out: str | Path) -> Path:
-    """Write an HF directory (config.json + model.safetensors) that from_pretrained loads."""
-    from transformers import LlavaForConditionalGeneration
+def export_hf(model: ReferenceModel, out: str | Path, hf=None) -> Path:
+    """Write an HF directory (config.json + model.safetensors) that from_pretrained loads; hf: the HF config
+    to write (default: hf_config's LlavaConfig; mmpipe.hf.llava_next gives its LlavaNext / OneVision one)."""
     cfg = model.cfg
-    hf = hf_config(cfg)
-    hf_model = LlavaForConditionalGeneration(hf)
+    hf = hf or hf_config(cfg)
+    hf_model = hf_model_class(hf)(hf)
     state = hf_model.state_dict()
     kmap = key_map(cfg, list(state))
     mine = model.state_dict()
