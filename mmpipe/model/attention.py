@@ -1,11 +1,27 @@
-"""Attention shared by the vision and text towers: fused qkv, SDPA, partial rotary, the rows' per-sample masks."""
+"""Attention shared by the vision and text towers: fused qkv, SDPA, partial rotary, the rows' per-sample masks.
+
+A decoder layer attends under its row's mask (row_attention, from the segments alone), one of:
+
+    None        every key (generation's new positions)
+    CAUSAL      one-sample rows: SDPA's is_causal fast path, no mask materialized
+    bool tensor [B, 1, L, L] row_mask, the dense reference: packed rows on CPU, the moondream prefix on CPU
+    BlockMask   packed rows (and the moondream prefix) on CUDA: FlexAttention skips cross-sample blocks
+
+and `attend` runs any of them, so a layer has one call whatever its row. Which path a device takes and
+why (the measured CPU costs) is in docs/attention.md; MMPIPE_ATTENTION=dense forces the reference mask
+on every row (attention_backend).
+"""
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..config import ConfigError
 
 
 def row_positions(segments: torch.Tensor) -> torch.Tensor:
@@ -41,17 +57,131 @@ def rotary_at(positions: torch.Tensor, rot_dim: int, theta: float):
 def row_geometry(segments: torch.Tensor, rot_dim: int, theta: float, prefix: torch.Tensor | None = None,
                  start: int = 0):
     """(mask, (cos, sin)) a decoder layer attends with, from the row's segments alone (mmpipe.model.stage).
-    start 0 (forward, generation's prefill): row_mask (prefix bool [B, L]: the moondream family's image
-    blocks, bidirectional with their sample's BOS) and each sample's own rotary positions. start > 0
-    (generation's new positions of a one-sample row, segments [B, T_new]): no mask, the new queries see
-    every key cached before them, and rotary positions start..start+T_new-1."""
+    start 0 (forward, generation's prefill): row_attention's mask (prefix bool [B, L]: the moondream family's
+    image blocks, bidirectional with their sample's BOS) and each sample's own rotary positions, both built
+    once per segments tensor and shared by every layer of the stage (row_cached). start > 0 (generation's
+    new positions of a one-sample row, segments [B, T_new]): no mask, the new queries see every key cached
+    before them, and rotary positions start..start+T_new-1."""
     if start:
         T = segments.shape[-1]
         return None, tuple(c[start:start + T] for c in rotary_cos_sin(start + T, rot_dim, theta, segments.device))
-    positions = row_positions(segments)
+    rotary = row_cached((segments,), ("rotary", rot_dim, theta),
+                        lambda: rotary_at(row_positions(segments), rot_dim, theta))
+    return row_attention(segments, prefix), rotary
+
+
+class _Causal:
+    def __repr__(self) -> str:
+        return "CAUSAL"
+
+
+CAUSAL = _Causal()  # the whole row is one causal sample (its padding, if any, at the end): is_causal=True
+BACKENDS = ("auto", "dense", "flex")  # MMPIPE_ATTENTION's values
+
+
+def attention_backend(device: torch.device) -> str:
+    """How rows attend on this device: one-sample rows CAUSAL, packed ones 'flex' (FlexAttention, compiled)
+    on CUDA or 'mask' (row_mask through SDPA) elsewhere: torch 2.14's FlexAttention has no backward on CPU,
+    and eager it materializes every score anyway (docs/attention.md). MMPIPE_ATTENTION=dense: the reference,
+    row_mask for every row, causal ones too; =flex: FlexAttention (CUDA only)."""
+    choice = os.environ.get("MMPIPE_ATTENTION", "auto")
+    if choice not in BACKENDS:
+        raise ConfigError(f"MMPIPE_ATTENTION={choice}: no such attention backend (valid: {', '.join(BACKENDS)})")
+    if choice == "flex" and device.type != "cuda":
+        raise ConfigError(f"MMPIPE_ATTENTION=flex: FlexAttention needs CUDA (torch's has no backward on "
+                          f"{device.type}); unset it or set dense")
+    return choice if choice != "auto" else ("flex" if device.type == "cuda" else "mask")
+
+
+def row_attention(segments: torch.Tensor, prefix: torch.Tensor | None = None):
+    """The mask a row's queries attend under (see the module docstring), once per segments (and prefix)
+    tensor: CAUSAL when every row is one sample with no bidirectional prefix beyond its BOS, else the
+    device's backend (attention_backend): a flex BlockMask or the dense row_mask (MMPIPE_ATTENTION=dense:
+    row_mask always). Each sample's first position joins the prefix (row_mask: a prefix needs its BOS).
+    Padding at a causal row's end attends causally to the sample before it, where row_mask gives it padding
+    only: its outputs differ, but no real position sees them and their labels are ignored, so losses and
+    gradients are the same."""
+    backend = attention_backend(segments.device)
+    tensors = (segments,) if prefix is None else (segments, prefix)
+    return row_cached(tensors, ("mask", backend), lambda: _row_attention(segments, prefix, backend))
+
+
+def _row_attention(segments: torch.Tensor, prefix: torch.Tensor | None, backend: str):
     if prefix is not None:
-        prefix = prefix | (positions == 0)
-    return row_mask(segments, prefix), rotary_at(positions, rot_dim, theta)
+        prefix = prefix | (row_positions(segments) == 0)
+    if backend != "dense" and one_sample_rows(segments, prefix):
+        return CAUSAL
+    return document_block_mask(segments, prefix) if backend == "flex" else row_mask(segments, prefix)
+
+
+def one_sample_rows(segments: torch.Tensor, prefix: torch.Tensor | None = None) -> bool:
+    """Every row is 1 .. 1 0 .. 0 (one sample, padding only at its end) and no position but a sample's first
+    is in the prefix: causal attention is then exactly the row's mask on every real position. One host sync."""
+    ok = (segments <= 1).all() & (segments[:, 1:] <= segments[:, :-1]).all()
+    if prefix is not None:
+        ok = ok & ~(prefix[:, 1:] & (segments[:, 1:] > 0)).any()
+    return bool(ok)
+
+
+def document_block_mask(segments: torch.Tensor, prefix: torch.Tensor | None = None):
+    """row_mask as a FlexAttention BlockMask [B, 1, L, L]: which 128 x 128 blocks hold any allowed pair (the
+    rest, the cross-sample blocks, are skipped) plus the pairwise rule for the partial ones. Built once per
+    row (row_attention caches it); its rule reads copies of segments / prefix, so that the cache entry dies
+    with the row's own tensors."""
+    from torch.nn.attention.flex_attention import create_block_mask  # imports torch._dynamo: only when used
+    seg = segments.clone()
+    pre = None if prefix is None else prefix.clone()
+
+    def causal(b, h, q, kv):
+        return (seg[b, q] == seg[b, kv]) & (q >= kv)
+
+    def with_prefix(b, h, q, kv):
+        return (seg[b, q] == seg[b, kv]) & ((q >= kv) | (pre[b, q] & pre[b, kv]))
+    B, L = segments.shape
+    return create_block_mask(causal if pre is None else with_prefix, B, None, L, L, device=segments.device)
+
+
+@functools.cache
+def flex_kernel(device_type: str):
+    """torch's flex_attention, compiled on CUDA (fused, block-sparse kernels); eager elsewhere (the math
+    reference: forward only on CPU in torch 2.14, the tests' and the benchmark's)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+    """q [B, H, T, Dh], k, v [B, H_kv, S, Dh] (grouped-query when H_kv < H: kv head j serves query heads
+    j*rep .. (j+1)*rep - 1) under a row_attention mask (module docstring) -> [B, H, T, Dh]."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is CAUSAL:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return flex_kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+_ROW_CACHE: dict = {}
+
+
+def row_cached(tensors: tuple, key: tuple, build):
+    """build(), once per identity (and in-place version) of `tensors`: what every layer of a stage derives
+    from the same micro-batch's integer tensors (mmpipe.model.stage: they never change from layer to layer).
+    An entry goes when any of its tensors is freed; at most 64 are kept."""
+    full = (*((id(t), t._version) for t in tensors), *key)
+    hit = _ROW_CACHE.get(full)
+    if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
+        return hit[1]
+    value = build()
+    while len(_ROW_CACHE) >= 64:
+        _ROW_CACHE.pop(next(iter(_ROW_CACHE)))
+    _ROW_CACHE[full] = ([weakref.ref(t, lambda _, k=full: _ROW_CACHE.pop(k, None)) for t in tensors], value)
+    return value
+
+
+def slot_prefix(input_ids: torch.Tensor, slot: int) -> torch.Tensor:
+    """input_ids == slot (the moondream family's image positions), once per input_ids tensor (row_cached),
+    so that row_attention finds the same prefix tensor in every layer."""
+    return row_cached((input_ids,), ("slot", slot), lambda: input_ids == slot)
 
 
 @functools.lru_cache(maxsize=16)
@@ -103,12 +233,7 @@ class FusedAttention(nn.Module):
             k, v = (a.view(B, T, self.n_kv_heads, -1).transpose(1, 2) for a in (k, v))  # [B, H_kv, T, Dh]
         if rotary is not None:
             q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
-        if cache is not None:
-            out = cached_attention(q, k, v, cache, mask)
-        elif self.n_kv_heads == self.n_heads:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, Dh]
-        else:
-            out = F.scaled_dot_product_attention(q, *repeat_kv(k, v, self.n_heads), attn_mask=mask)
+        out = attend(q, k, v, mask) if cache is None else cached_attention(q, k, v, cache, mask)  # [B, H, T, Dh]
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
@@ -122,19 +247,9 @@ class GeluMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int):
-    """k, v [B, H_kv, T, Dh] -> [B, n_heads, T, Dh], kv head j serving query heads j*rep .. (j+1)*rep - 1
-    (what SDPA's enable_gqa and moondream's attention do), e.g. 32 query heads / 8 kv heads: rep 4."""
-    rep = n_heads // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return k, v
-
-
 def cached_attention(q, k, v, cache: dict, mask):
-    """q [B, H, T_new, Dh]; k, v [B, H_kv, T_new, Dh] appended to the cache; GQA repeats K/V heads."""
+    """q [B, H, T_new, Dh]; k, v [B, H_kv, T_new, Dh] appended to the cache, then attend (GQA as there)."""
     if "k" in cache:
         k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
     cache["k"], cache["v"] = k, v
-    k, v = repeat_kv(k, v, q.shape[1])
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T_new, Dh]
+    return attend(q, k, v, mask)  # [B, H, T_new, Dh]

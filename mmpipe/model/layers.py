@@ -11,7 +11,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import FusedAttention, GeluMLP, row_geometry
+from .attention import FusedAttention, GeluMLP, row_geometry, slot_prefix
 from .crops import merge_crop_features
 from .rows import IMAGE_SLOT, place_images
 from .stage import StageTuple
@@ -162,7 +162,8 @@ class DecoderBlock(nn.Module):
     def run(self, t: StageTuple, start: int, cache: dict | None = None) -> torch.Tensor:
         """t.hidden [B, T, D] -> [B, T, D]: the whole row (forward, prefill: start 0) or generation's new
         positions start.. (mmpipe.model.attention.row_geometry)."""
-        mask, rotary = row_geometry(t.segments, self.rotary_dim, self.theta, t.input_ids == IMAGE_SLOT, start)
+        prefix = slot_prefix(t.input_ids, IMAGE_SLOT)  # BOS + image bidirectional
+        mask, rotary = row_geometry(t.segments, self.rotary_dim, self.theta, prefix, start)
         h = self.ln(t.hidden)
         return t.hidden + self.attn(h, mask=mask, rotary=rotary, cache=cache) + self.mlp(h)
 

@@ -21,7 +21,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import apply_partial_rotary, cached_attention, row_geometry
+from .attention import apply_partial_rotary, attend, cached_attention, row_geometry
 from .rows import place_images
 from .stage import StageTuple
 
@@ -160,7 +160,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
+            out = attend(q, k, v, mask)
         else:
             out = cached_attention(q, k, v, cache, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))

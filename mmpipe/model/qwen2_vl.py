@@ -29,7 +29,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig, VisionConfig
-from .attention import FusedAttention, row_mask, row_positions
+from .attention import FusedAttention, row_attention, row_positions
 from .llava import LlamaBlock, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
 from .stage import StageTuple
 
@@ -242,7 +242,7 @@ class QwenBlock(LlamaBlock):
             pos = mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge)
             if cache is not None:
                 cache["rope_delta"] = rope_delta(pos, t.segments)
-            return row_mask(t.segments), mrope_rotary(pos, hd, theta, self.section)
+            return row_attention(t.segments), mrope_rotary(pos, hd, theta, self.section)
         T = t.segments.shape[-1]
         pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
         return None, mrope_rotary(pos.expand(3, -1, -1), hd, theta, self.section)
