@@ -1,6 +1,9 @@
 """--schedule zb-h1 (mmpipe.runtime.schedule): the order is deadlock-free, bounded in memory and shorter
-than 1F1B's; in real runs it gives 1F1B's losses and weights (fp32, 1e-5) at PP=2 and PP=4, with DP=2,
---freeze vision and activation checkpointing, and with bf16 + ZeRO-1; a bad value is refused."""
+than 1F1B's; in real runs it gives the single-device reference's losses and weights (fp32, 1e-5) at PP=2
+and PP=4, with --freeze vision and activation checkpointing (the reference is what 1F1B is tested equal
+to in tests/test_pipeline_equivalence.py, and is computed here in-process instead of a second launch),
+and 1F1B's at DP=2 and with bf16 / fp16 + ZeRO-1, which the fp32 reference loop does not cover; a bad
+value is refused."""
 from __future__ import annotations
 
 import itertools
@@ -11,8 +14,12 @@ from deepspeed.accelerator import get_accelerator
 from conftest import mmpipe_train, train_run, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.planning.schedule_registry import BASELINE, SCHEDULES
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
 from mmpipe.runtime.schedule import INSTALLERS, ZeroBubbleH1Schedule, install, simulate, stage_orders
+from test_pipeline_equivalence import _max_weight_diff
 
 TOL = 1e-5
 STEPS = 4
@@ -101,20 +108,46 @@ def cfg(tmp_path_factory):
                                                        "warmup_type": "linear", "warmup_min_ratio": 0.1}})
 
 
-def _pair(tmp_path_factory, name, cfg, *extra, zb_cfg=None):
-    """The same run under 1f1b and zb-h1 (zb_cfg: a config whose pipeline.schedule picks zb-h1, no flag)."""
-    runs = {}
-    for schedule in ("1f1b", "zb-h1"):
-        args = _args(zb_cfg, None, *extra) if zb_cfg and schedule == "zb-h1" else _args(cfg, schedule, *extra)
-        runs[schedule] = train_run(tmp_path_factory.mktemp(f"{name}-{schedule}"), *args).check()
+def _pair(tmp_path_factory, name, cfg, *extra):
+    """The same run under 1f1b and zb-h1."""
+    runs = {s: train_run(tmp_path_factory.mktemp(f"{name}-{s}"), *_args(cfg, s, *extra)).check()
+            for s in ("1f1b", "zb-h1")}
     assert "mmpipe: schedule zb-h1:" in runs["zb-h1"].proc.stdout
     return runs
 
 
+def _assert_split(run) -> None:
+    """zb-h1 really split the backward: B and W per micro-batch on a stage with trainable linears, and
+    only the hidden state crossed the boundaries."""
+    run.assert_only_floats_crossed()
+    calls = [r["calls_per_step"] for r in run.summary["stage_timing"]["per_stage"]]
+    gas = run.summary["gradient_accumulation"]
+    assert any(c["backward"] == 2 * gas for c in calls), calls
+
+
+def _assert_equals_reference(tmp_path_factory, name, cfg, *extra, zb_cfg=None):
+    """The zb-h1 run (zb_cfg: a config whose pipeline.schedule picks it, no flag) against the fp32
+    single-device reference of the same run: losses and weights at 1e-5."""
+    args = _args(zb_cfg, None, *extra) if zb_cfg else _args(cfg, "zb-h1", *extra)
+    zb = train_run(tmp_path_factory.mktemp(f"{name}-zb-h1"), *args).check()
+    assert "mmpipe: schedule zb-h1:" in zb.proc.stdout
+    _assert_split(zb)
+    flags = dict(zip(extra[::2], extra[1::2]), **{"--stages": "1"})  # the same run on one device
+    run = resolve(TrainArgs.from_argv(_args(cfg, "1f1b", *(x for kv in flags.items() for x in kv))), world_size=1)
+    ref_model, ref_losses = train_reference(run, seed=3, steps=STEPS)
+    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3  # it trained
+    assert sorted(zb.losses) == list(range(1, STEPS + 1))
+    for step, ref in enumerate(ref_losses, start=1):
+        assert zb.losses[step] == pytest.approx(ref, abs=TOL), step
+    trained = load_reference(zb.out / "checkpoints", run.model)
+    assert _max_weight_diff(trained, ref_model, skip_key_bias=True) < TOL
+    return zb
+
+
 def _assert_same(runs, tol=TOL, weight_tol=TOL):
     a, b = runs["1f1b"], runs["zb-h1"]
-    for run in (a, b):
-        run.assert_only_floats_crossed()  # the hidden state alone, either schedule
+    a.assert_only_floats_crossed()  # the hidden state alone, either schedule
+    _assert_split(b)
     la, lb = a.losses, b.losses
     assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
     for step in la:
@@ -125,10 +158,6 @@ def _assert_same(runs, tol=TOL, weight_tol=TOL):
     sb = load_reference(b.out / "checkpoints", cfg).state_dict()
     diff = max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
     assert diff <= weight_tol
-    # zb-h1 really split the backward: B and W per micro-batch on a stage with trainable linears
-    calls = [r["calls_per_step"] for r in b.summary["stage_timing"]["per_stage"]]
-    gas = b.summary["gradient_accumulation"]
-    assert any(c["backward"] == 2 * gas for c in calls), calls
     return sa, sb
 
 
@@ -137,19 +166,18 @@ def test_pp2_fp32_equal(tmp_path_factory, cfg, tmp_path):
     zb = json.loads(cfg.read_text())
     zb["pipeline"]["schedule"] = "zb-h1"  # chosen in the DeepSpeed JSON this time
     (tmp_path / "zb.json").write_text(json.dumps(zb))
-    _assert_same(_pair(tmp_path_factory, "pp2", cfg, "--stages", "2", zb_cfg=tmp_path / "zb.json"))
+    _assert_equals_reference(tmp_path_factory, "pp2", cfg, "--stages", "2", zb_cfg=tmp_path / "zb.json")
 
 
 def test_pp2_freeze_vision_equal(tmp_path_factory, cfg):
-    runs = _pair(tmp_path_factory, "frozen", cfg, "--stages", "2", "--freeze", "vision")
-    _assert_same(runs)
-    assert runs["zb-h1"].summary["freeze"] == ["vision"]
+    zb = _assert_equals_reference(tmp_path_factory, "frozen", cfg, "--stages", "2", "--freeze", "vision")
+    assert zb.summary["freeze"] == ["vision"]
 
 
 def test_pp2_activation_checkpointing_equal(tmp_path_factory, tmp_path):
     ck = write_ds_config(tmp_path / "ck.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
                          pipeline={"stages": "auto", "partition": "best", "activation_checkpoint_interval": 1})
-    _assert_same(_pair(tmp_path_factory, "ckpt", ck, "--stages", "2"))
+    _assert_equals_reference(tmp_path_factory, "ckpt", ck, "--stages", "2")
 
 
 def test_pp2_bf16_zero1_equal(tmp_path_factory, tmp_path):
@@ -171,7 +199,7 @@ def test_pp2_fp16_zero1_equal(tmp_path_factory, tmp_path):
 
 
 def test_pp4_equal(tmp_path_factory, cfg):
-    _assert_same(_pair(tmp_path_factory, "pp4", cfg, "--stages", "4"))
+    _assert_equals_reference(tmp_path_factory, "pp4", cfg, "--stages", "4")
 
 
 def test_pp2_dp2_equal(tmp_path_factory, cfg):
