@@ -24,21 +24,22 @@ from .cluster.slurm import add_slurm_args, main_slurm  # noqa: E402
 from .config import ConfigError, fail, list_presets  # noqa: E402
 from .data.dataset import prepare, prepare_eval  # noqa: E402
 from .data.export import add_export_args, export_shapes  # noqa: E402
-from .flags import add_dry_run, add_flags, from_namespace, print_plan  # noqa: E402
+from .flags import add_dry_run, add_flags, from_namespace, print_plan, to_argv  # noqa: E402
 from .hf.commands import add_export_args as add_weights_export_args  # noqa: E402
 from .hf.commands import add_import_args, main_export, main_import  # noqa: E402
 from .inference.generate import add_generate_args, main_generate  # noqa: E402
 from .inference.scoring import add_eval_args, main_eval  # noqa: E402
 from .planning.plan import add_plan_args, main_plan  # noqa: E402
-from .run_args import LaunchArgs, TrainArgs  # noqa: E402
+from .run_args import CheckArgs, LaunchArgs, TrainArgs  # noqa: E402
 from .run_config import config_dp, requested_stages, resolve  # noqa: E402
 from .runtime import checkpoint, precision  # noqa: E402
 from .runtime.curves import add_plot_args, main_plot  # noqa: E402
 from .runtime.feed import decoder_length  # noqa: E402
 
 
-def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train") -> int:
-    """module: the rank entry the launcher starts (`mmpipe check` starts mmpipe.check.rank on the same ranks)."""
+def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple[str, ...] = ()) -> int:
+    """module: the rank entry the launcher starts (`mmpipe check` starts mmpipe.check.rank on the same ranks);
+    extra: flags for that entry beyond train's (check's own)."""
     args, la = from_namespace(TrainArgs, ns), from_namespace(LaunchArgs, ns)
     hosts = None
     if la.hostfile or la.include or la.exclude:
@@ -87,7 +88,7 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train") -> int:
         where = _where(la, hosts, run, args, env, ns.dry_run)
     except ConfigError as e:
         return fail(e)
-    cmd = [launcher, *where, "--module", module, *args.to_argv()]
+    cmd = [launcher, *where, "--module", module, *args.to_argv(), *extra]
     if ns.dry_run:
         return _train_plan(cmd, run, args, hosts, "train" if module == "mmpipe.train" else "check")
     print("mmpipe: " + " ".join(cmd), flush=True)
@@ -145,7 +146,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     """`mmpipe check`: train's checks and launch, the check ranks instead of training; exit from check.json."""
     if not ns.dry_run:
         (Path(ns.output_dir) / CHECK_FILE).unlink(missing_ok=True)  # an earlier check's verdict is not this one's
-    rc = cmd_train(ns, module="mmpipe.check.rank")
+    rc = cmd_train(ns, module="mmpipe.check.rank", extra=tuple(to_argv(from_namespace(CheckArgs, ns))))
     return rc if ns.dry_run or rc == 2 else check_verdict(Path(ns.output_dir), rc)
 
 
@@ -173,6 +174,11 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p, LaunchArgs)
 
 
+def _check_flags(p: argparse.ArgumentParser) -> None:
+    _train_flags(p)
+    add_flags(p, CheckArgs)
+
+
 def _slurm_flags(p: argparse.ArgumentParser) -> None:
     add_slurm_args(p)
     add_flags(p, TrainArgs)
@@ -182,7 +188,7 @@ def _slurm_flags(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     "train": ("train on this machine through the deepspeed launcher", _train_flags, cmd_train),
     "check": ("run train's ranks as a check: env, links, pipeline == single device, loader (docs/check.md)",
-              _train_flags, cmd_check),
+              _check_flags, cmd_check),
     "slurm": ("write (and --submit) an sbatch script that runs this training under Slurm", _slurm_flags, cmd_slurm),
     "presets": ("list the model presets", lambda p: None, cmd_presets),
     "plan": ("predict step time, memory and throughput of each PP x DP x micro layout", add_plan_args, main_plan),

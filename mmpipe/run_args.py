@@ -1,7 +1,8 @@
 """What a user asks of a training run, as code can build it: `TrainArgs` (every flag of
 `mmpipe train` and `python -m mmpipe.train`, declared once; the data and model flags it shares with
-`mmpipe plan` in their own dataclasses, DataArgs and ModelArgs) and `LaunchArgs` (the front door's
-own: where the ranks run). `mmpipe.run_config.resolve` turns TrainArgs into a checked RunConfig."""
+`mmpipe plan` in their own dataclasses, DataArgs and ModelArgs), `LaunchArgs` (the front door's
+own: where the ranks run) and `CheckArgs` (`mmpipe check`'s own). `mmpipe.run_config.resolve` turns
+TrainArgs into a checked RunConfig."""
 from __future__ import annotations
 
 import argparse
@@ -68,3 +69,10 @@ class LaunchArgs:
     include: str = flag("", "with --hostfile: only these hosts/slots, e.g. node1:0,1@node2")
     exclude: str = flag("", "with --hostfile: leave out these hosts/slots, e.g. node3")
     master_addr: str | None = flag(None, "with --hostfile: rendezvous host (default: the first active host)")
+
+
+@dataclass(frozen=True)
+class CheckArgs:
+    """`mmpipe check`'s own flags, beside train's (and `mmpipe slurm --command check`'s)."""
+    full_step: bool = flag(False, "also one real step of the FULL model on every stage: each rank's measured peak "
+                                  "memory against the planner's for its stage (docs/check.md)", group="check")

@@ -1,11 +1,14 @@
 """`mmpipe check` on the run's own ranks: the table and check.json, exit 0 when every check passes
-(small PP=2, llava-tiny PP=2 packed, PP=1 x DP=2), exit 1 naming a planted 1/GAS gradient on one stage
-(equivalence) and an artificially slowed rank (links), exit 2 with one line for bad input before any
-rank starts. Four launches in all: each costs ~30 s of CPU here."""
+(small PP=2 with --full-step, llava-tiny PP=2 packed, PP=1 x DP=2), exit 1 naming a planted 1/GAS
+gradient on one stage (equivalence) and an artificially slowed rank (links), exit 2 with one line for bad
+input before any rank starts; the device profile it writes is what `mmpipe plan --device-profile` plans
+with; `mmpipe slurm --command check` writes a script whose ranks are check's. Four launches in all: each
+costs ~30 s of CPU here."""
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,12 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from mmpipe.check import memory, rank
 from mmpipe.check.links import SLOW_ENV
 from mmpipe.cli import main
+from mmpipe.config import load_preset
+from mmpipe.planning.calibrate import load_profile
+from mmpipe.planning.costmodel import layer_costs
 from mmpipe.runtime import precision
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ["env", "links", "equivalence", "loader"]
+CHECKS = ["env", "links", "equivalence", "loader", "profile"]
 
 
 def _check(out: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -30,9 +37,9 @@ def _check(out: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProce
     return proc, json.loads(path.read_text())
 
 
-def _passed(proc, doc: dict, stages: int, dp: int) -> None:
+def _passed(proc, doc: dict, stages: int, dp: int, checks: list[str] = CHECKS) -> None:
     assert proc.returncode == 0 and doc["ok"] and doc["failed"] == [], proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert list(doc["checks"]) == CHECKS and (doc["stages"], doc["dp"]) == (stages, dp)
+    assert list(doc["checks"]) == checks and (doc["stages"], doc["dp"]) == (stages, dp)
     assert [r["rank"] for r in doc["ranks"]] == list(range(stages * dp))
     assert all(r["backend"] == "gloo" and r["deepspeed"] and r["precision_problem"] is None for r in doc["ranks"])
     eq = doc["checks"]["equivalence"]
@@ -44,11 +51,47 @@ def _passed(proc, doc: dict, stages: int, dp: int) -> None:
     assert "check: " in proc.stdout and "the loader feeds" in proc.stdout  # the table
 
 
-def test_small_pp2_passes(tmp_path):
-    proc, doc = _check(tmp_path, "--preset", "small", "--stages", "2")
-    _passed(proc, doc, 2, 1)
+def test_small_pp2_passes(tmp_path, capsys):
+    proc, doc = _check(tmp_path, "--preset", "small", "--stages", "2", "--full-step")
+    _passed(proc, doc, 2, 1, ["env", "links", "memory", *CHECKS[2:]])
     (link,) = doc["checks"]["links"]["rows"]  # stage 0 -> 1 at micro x positions x dim fp32
     assert link["kind"] == "p2p" and link["ranks"] == [0, 1] and link["bytes"] == 16 * 28 * 128 * 4
+    _full_step_measured(doc, proc.stdout)
+    _profile_plans(tmp_path, doc, capsys)
+
+
+def _full_step_measured(doc: dict, table: str) -> None:
+    """--full-step: one step of the full model on both stages, each rank's peak beside the planner's stage."""
+    mem = doc["checks"]["memory"]
+    assert mem["ran"] and [(r["rank"], r["stage"]) for r in mem["ranks"]] == [(0, 0), (1, 1)]
+    assert all(r["measured"] > 0 and r["how"] == "VmHWM - VmRSS before" and r["ok"] for r in mem["ranks"])
+    assert [r["predicted"] for r in mem["ranks"]] == mem["predicted_bytes"] and mem["tolerance"] == 3.0
+    assert "one step of the full model" in doc["summary"]["memory"] and "predicted  measured" in table
+
+
+def _profile_plans(out: Path, doc: dict, capsys) -> None:
+    """The device profile check wrote is calibrate's format, and `mmpipe plan --device-profile` plans with it:
+    a PP=1 layout's forward + backward is the measured layer-kind table's seconds for the whole model."""
+    prof = doc["checks"]["profile"]
+    path = out / "device_profile.json"
+    assert prof["ok"] and prof["path"] == str(path) and str(path) in doc["summary"]["profile"]
+    p = load_profile(str(path))
+    rows = layer_costs(load_preset("small"), (), 12)  # the built-in data's 12 text positions, micro 16
+    kinds = p["layer_kinds"]
+    table_s = sum((kinds[r.name]["forward_s"] + kinds[r.name]["backward_s"]) * 16 for r in rows)
+    assert table_s == pytest.approx(p["fit"]["model_seconds_per_micro"], rel=1e-9)
+    assert sum(r.flops for r in rows) * 16 / (p["peak_flops"]["fp32"] * p["efficiency"]["fp32"]) == \
+        pytest.approx(table_s, rel=1e-9)
+    args = ["plan", "--preset", "small", "--text-len", "12", "--gpus-per-node", "2", "--global-batch", "64", "--micro",
+            "16", "--precision", "fp32", "--json"]
+    assert main([*args, "--device-profile", str(path)]) == 0
+    calibrated = {g["stages"]: g for g in json.loads(capsys.readouterr().out)}
+    assert main([*args, "--device", "cpu"]) == 0
+    plain = {g["stages"]: g for g in json.loads(capsys.readouterr().out)}
+    (stage,) = calibrated[1]["stage_rows"]
+    assert (stage["forward_ms"] + stage["backward_ms"]) / 1e3 == pytest.approx(table_s, rel=1e-6)
+    assert calibrated[2]["step"]["p2p_s"] == pytest.approx(16 * 28 * 128 * 4 * 2 / p["link_bytes_per_s"], rel=1e-6)
+    assert calibrated[1]["step"]["step_s"] != pytest.approx(plain[1]["step"]["step_s"], rel=1e-3)
 
 
 def test_llava_tiny_packed_passes(tmp_path):
@@ -106,3 +149,35 @@ def test_unreachable_host_is_refused(tmp_path, capsys):
     lines = _refused(capsys, ["--hostfile", str(hf), "--output-dir", str(tmp_path / "o"), "--stages", "2"])
     assert len(lines) == 2 and "host mmpipe-no-such-host-a is not reachable" in lines[0]  # one line per host
     assert "mmpipe-no-such-host-b" in lines[1]
+
+
+def test_full_step_fails_over_the_prediction_and_does_not_run_what_cannot_fit():
+    """The memory verdict: a rank over predicted x tolerance + slack fails (named); a stage predicted over its
+    device fails without a step (nothing measured)."""
+    mib, gib, slack = 2 ** 20, 2 ** 30, memory.SLACK["cuda"]
+    rows = [{"rank": 0, "stage": 0, "measured": 400 * mib * 1.25 + slack + 1, "how": "max_memory_allocated"},
+            {"rank": 1, "stage": 1, "measured": 100 * mib * 1.25 + slack, "how": "max_memory_allocated"}]
+    got = memory.judge(rows, [400 * mib, 100 * mib], 80 * gib, "cuda")
+    assert [r["ok"] for r in got["ranks"]] == [False, True] and not got["ok"] and got["tolerance"] == 1.25
+    assert memory.judge(rows, [400 * mib, 100 * mib], 80 * gib, "cpu")["ok"]  # x3 on CPU
+    got = memory.judge([None, None], [90 * gib, 10 * gib], 80 * gib, "cuda")
+    assert not got["ok"] and not got["ran"]
+    assert got["error"] == "stage 0 predicted 90.0 GiB > the device's 80.0 GiB: not run"
+
+
+def test_slurm_writes_a_check_job(tmp_path, capsys):
+    """`mmpipe slurm --command check`: the script's srun starts check's rank entry with the run's flags and
+    check's own (no --resume, no requeue); --full-step without it is one line, exit 2."""
+    out = tmp_path / "o"
+    assert main(["slurm", "--command", "check", "--full-step", "--preset", "small", "--stages", "2", "--output-dir",
+                 str(out)]) == 0
+    script = (out / "slurm_job.sh").read_text()
+    (line,) = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    words = shlex.split(line)
+    assert words[2:5] == ["-u", "-m", "mmpipe.check.rank"] and "scontrol requeue" not in script
+    args, opts = rank.parse([w for w in words[5:] if w != "${RESUME[@]}"])
+    assert (args.preset, args.stages, args.output_dir, opts.full_step) == ("small", 2, str(out), True)
+    assert "RESUME=(--resume)" not in script
+    capsys.readouterr()
+    assert main(["slurm", "--full-step", "--preset", "small", "--output-dir", str(tmp_path / "t")]) == 2
+    assert capsys.readouterr().err.strip() == "mmpipe: error: --full-step: a check flag; give --command check"

@@ -35,12 +35,34 @@ def summaries(checks: dict) -> dict[str, str]:
         f"(tol {eq['tolerance']['loss']:.0e}), grad-norm diff {eq['max_grad_norm_rel_diff']:.1e} "
         f"(tol {eq['tolerance']['grad_norm']:.0e}; worst: step {eq['worst_grad_norm']['step']} "
         f"{eq['worst_grad_norm']['where']})")
+    for k, line in (("memory", _memory_line), ("profile", _profile_line)):
+        if checks.get(k) is not None:
+            out[k] = checks[k].get("error") or line(checks[k])
     need = loader["pipeline_rows_per_s"]
     out["loader"] = (f"the loader feeds {loader['rows_per_s']:.1f} of the "
                      f"{f'{need:.1f}' if need else 'unknown (no planner device)'} rows/s the pipeline can take "
                      f"({loader['pipeline_rate']}; "
                      f"{loader['samples_per_s']:.1f} samples/s, {loader['workers']} workers)")
     return out
+
+
+def _memory_line(m: dict) -> str:
+    worst = max(m["ranks"], key=lambda r: (r["measured"] or 0) / r["predicted"])
+    over = [f"rank {r['rank']}" for r in m["ranks"] if not r["ok"]]
+    return (f"one step of the full model: worst rank {worst['rank']} (stage {worst['stage']}) "
+            f"{_mib(worst['measured'])} of {_mib(worst['predicted'])} predicted ({worst['how']}; fails over "
+            f"x{m['tolerance']} + {_mib(m['slack_bytes'])})" + (f"; over: {', '.join(over)}" if over else ""))
+
+
+def _profile_line(p: dict) -> str:
+    return (f"{p['path']}: {p['precision']} efficiency {p['efficiency']:.3f} of {p['peak_flops'] / 1e9:.1f} GFLOP/s "
+            f"(slowest rank {p['slowest_rank']}: {p['model_seconds_per_micro'][p['slowest_rank']] * 1e3:.1f} ms per "
+            f"micro-batch, forward + backward), per-slot overhead {p['microbatch_overhead_s'] * 1e3:.1f} ms; "
+            f"mmpipe plan --device-profile {p['path']}")
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
 def render(run: RunConfig, ranks: list[dict], checks: dict) -> str:
@@ -57,6 +79,11 @@ def render(run: RunConfig, ranks: list[dict], checks: dict) -> str:
                                rank_rows)]
     if link_rows:
         parts += ["", _table(["link", "kind", "size", "bandwidth", "latency", "result"], link_rows)]
+    if (checks.get("memory") or {}).get("ranks"):
+        parts += ["", _table(["rank", "stage", "predicted", "measured", "ratio", "result"],
+                             [[r["rank"], r["stage"], _mib(r["predicted"]), _mib(r["measured"]),
+                               f"{r['measured'] / r['predicted']:.2f}" if r["measured"] is not None else "-",
+                               "pass" if r["ok"] else "FAIL"] for r in checks["memory"]["ranks"]])]
     parts += ["", _table(["check", "result", "detail"],
                          [[k, "pass" if c["ok"] else "FAIL", lines[k]] for k, c in checks.items()])]
     return "\n".join(parts)

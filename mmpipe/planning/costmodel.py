@@ -414,18 +414,21 @@ def replayed_step_seconds(schedule: Schedule, stage_times: list[tuple[float, flo
 
 
 def profile_layers(cfg: ModelConfig, text_len: int, micro: int, precision: str = "fp32", repeats: int = 5,
-                   threads: int = 1, images: int = 1) -> dict[str, tuple[float, float]]:
+                   threads: int = 1, images: int = 1, device: str | None = None) -> dict[str, tuple[float, float]]:
     """Measured (forward, backward) seconds per sample of each layer kind, trainable, at the run's
     micro-batch on this process's device, with `threads` threads (a rank's share: mmpipe train runs
     one per rank on CPU): the calibration `mmpipe plan --profile` uses instead of peak FLOP/s. images:
     a row's image slots (per-image layers timed on one image x M, the decoder on the row's positions).
     Backward is timed whole (input + weight gradients); stage_seconds scales it by each layer's
-    backward share (1 trainable, 1/2 frozen behind a trainable one, 0 frozen prefix)."""
+    backward share (1 trainable, 1/2 frozen behind a trainable one, 0 frozen prefix). device: where the
+    layers and inputs live (default the CPU; `mmpipe check` times each rank's own, e.g. cuda:1), the
+    accelerator synchronised around each timing (its kernels run asynchronously)."""
     import torch
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _profile(cfg, text_len, micro, precision, repeats, images)
+        with torch.device(device or "cpu"):  # the default device of every tensor and layer built inside
+            return _profile(cfg, text_len, micro, precision, repeats, images)
     finally:
         torch.set_num_threads(before)
 
@@ -459,6 +462,8 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
               "sequence": lambda: (floats(seq, t.dim), *ints),
               "sequence+image": lambda: (floats(seq, t.dim), floats(n_feat, t.dim, rows=micro * images), *ints)}
     family, out = family_of(cfg), {}
+    here = torch.empty(0).device
+    sync = torch.cuda.synchronize if here.type == "cuda" else (lambda: None)
     for spec in layer_specs(cfg):
         rule = family.cost_rule(spec)
         if rule.name in out:
@@ -467,11 +472,14 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
         fwd, bwd = [], []
         for k in range(repeats + 1):
             args = inputs[rule.takes]()
+            sync()
             t0 = time.perf_counter()
             y = spec.forward_fn(layer, args) if getattr(spec, "forward_fn", None) else layer(args)  # a tied head
             y = y[0] if isinstance(y, tuple) else y
+            sync()
             t1 = time.perf_counter()
             y.float().sum().backward()
+            sync()
             t2 = time.perf_counter()
             if k:  # the first call warms up allocator and kernels
                 fwd.append(t1 - t0)
