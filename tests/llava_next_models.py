@@ -101,3 +101,21 @@ def hf_logits(model, ids: torch.Tensor, pixels: torch.Tensor | None, sizes: torc
         kw["batch_num_images"] = torch.tensor([len(sizes)])
     with torch.no_grad():
         return model(input_ids=ids[None], **kw).logits[0]
+
+
+def tilings(kind: str, sizes: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Each image's (orig_h, orig_w, rows, cols): transformers' select_best_resolution over the pinpoints, in
+    crops; rows = cols = 0 where OneVision encodes the base crop only (an image of a several-image sample)."""
+    from transformers.image_processing_utils import select_best_resolution
+    out = []
+    for h, w in sizes.tolist():
+        rows, cols = (x // CROP for x in select_best_resolution((h, w), PINPOINTS))
+        out.append((h, w, 0, 0) if kind == "onevision" and len(sizes) > 1 else (h, w, rows, cols))
+    return out
+
+
+def feature_counts(model, pixels: torch.Tensor, sizes: torch.Tensor) -> list[int]:
+    """Decoder positions of each image as transformers' model lays its features out (get_image_features)."""
+    kw = {"batch_num_images": torch.tensor([len(sizes)])} if isinstance(model.config, LlavaOnevisionConfig) else {}
+    with torch.no_grad():
+        return [len(f) for f in model.model.get_image_features(pixels, sizes, return_dict=True, **kw).pooler_output]

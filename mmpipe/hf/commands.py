@@ -24,6 +24,9 @@ from ..runtime.checkpoint import latest_tag, load_reference
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map
+from .llava_next import export_hf as export_llava_next
+from .llava_next import hf_llava_next_config, import_llava_next, is_llava_next
+from .llava_next import key_map as llava_next_key_map
 from .moondream import REGION_FILE, export_moondream, import_moondream, load_region, save_region
 from .qwen2_vl import export_hf as export_qwen2_vl
 from .qwen2_vl import hf_qwen_config, import_qwen2_vl, is_qwen2_vl
@@ -31,12 +34,24 @@ from .qwen2_vl import key_map as qwen2_vl_key_map
 
 # the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory)
 HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf_config(cfg))), export_hf),
-         "Qwen2VLForConditionalGeneration": (qwen2_vl_key_map, export_qwen2_vl)}
+         "Qwen2VLForConditionalGeneration": (qwen2_vl_key_map, export_qwen2_vl),
+         "LlavaNextForConditionalGeneration": (llava_next_key_map, export_llava_next)}
+
+
+def hf_importer(path: str):
+    """(import function, HF config reader, label) for an HF directory, by its config.json's model_type (a
+    directory of none of them goes to the LLaVA importer, which says what it found)."""
+    if is_qwen2_vl(path):
+        return import_qwen2_vl, hf_qwen_config, "Qwen2-VL"
+    if is_llava_next(path):
+        return import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision"
+    return import_llava, hf_llava_config, "LLaVA"
 
 
 def add_import_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", help="a LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration or "
+    src.add_argument("--hf", help="a LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
+                                  "LlavaOnevisionForConditionalGeneration, Qwen2VLForConditionalGeneration or "
                                   "Qwen2_5_VLForConditionalGeneration directory (config.json + safetensors)")
     src.add_argument("--vision", help="a CLIP / SigLIP vision-model directory (with --lm: LLaVA stage-1 start)")
     src.add_argument("--moondream", help="a moondream .safetensors file (current or legacy names; needs --preset)")
@@ -73,7 +88,7 @@ def main_import(args: argparse.Namespace) -> int:
         if args.dry_run:
             return _import_plan(args)
         if args.hf:
-            model, report = (import_qwen2_vl if is_qwen2_vl(args.hf) else import_llava)(args.hf)
+            model, report = hf_importer(args.hf)[0](args.hf)
             note = report.summary()
         elif args.vision:
             model, report = import_parts(args.vision, args.lm, feature_layer=args.feature_layer,
@@ -117,9 +132,9 @@ def _import_plan(args: argparse.Namespace) -> int:
     """--dry-run: the source's config (or preset and tokenizer) read and checked; no weight read."""
     cfg = None
     if args.hf:
-        qwen = is_qwen2_vl(args.hf)
-        cfg = (hf_qwen_config if qwen else hf_llava_config)(args.hf)[1]
-        source = f"{Path(args.hf).resolve()} (HF {'Qwen2-VL' if qwen else 'LLaVA'})"
+        _, read, label = hf_importer(args.hf)
+        cfg = read(args.hf)[1]
+        source = f"{Path(args.hf).resolve()} (HF {label})"
     elif args.vision:
         for flag, d in (("--vision", args.vision), ("--lm", args.lm)):
             if not (Path(d) / "config.json").is_file():

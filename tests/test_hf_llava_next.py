@@ -1,0 +1,248 @@
+"""The llava_next family against transformers' LlavaNextForConditionalGeneration and
+LlavaOnevisionForConditionalGeneration (tiny, random, built here: tests/llava_next_models.py), imported through
+`mmpipe import --hf`: mmpipe's model gives HF's logits for images of three aspect ratios (a 1 x 2 tile grid, a
+2 x 1 one, a 2 x 2 one that OneVision pools past its cap), two images in one conversation (OneVision: base crops
+only) and a text-only sample; the same samples packed into one row (an unused slot, zero crops, padding
+positions) give each sample's logits; cached greedy decoding gives the uncached logits and HF's `generate`
+tokens; export loads back into transformers' class with equal logits; LoRA adapters load with peft.
+The rows are built from transformers' image processor outputs (pixel_values, image_sizes) by `row` below."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llava_next_models import (
+    CROP,
+    IMAGE,
+    KINDS,
+    encode,
+    feature_counts,
+    hf_config,
+    hf_logits,
+    image,
+    sample,
+    save_model,
+    tilings,
+)
+from mmpipe.cli import main
+from mmpipe.config import ConfigError
+from mmpipe.hf.adapter import export_adapter
+from mmpipe.hf.llava_next import config_from_hf, export_hf, import_llava_next, key_map
+from mmpipe.inference.generate import generate
+from mmpipe.model import ReferenceModel
+from mmpipe.model.llava_next import image_feature_count, pooled_shape
+from mmpipe.model.lora import Lora, is_adapter, load_base
+from mmpipe.runtime.checkpoint import load_reference
+from test_hf_qwen2_vl import _cached_logits
+
+TOL = 1e-4
+# (name, image sizes w x h): a 1 x 2 tile grid, 2 x 1, 2 x 2 (unpadded 6 x 8 features: OneVision pools them to
+# 4 x 6), two images (OneVision: base crops only), text only
+SAMPLES = [("wide", [(224, 100)]), ("tall", [(100, 224)]), ("big", [(150, 130)]), ("two", [(150, 90), (70, 70)]),
+           ("text", [])]
+
+
+def _sample(hf, kind: str, i: int):
+    """(input_ids [T], processor pixel_values, image_sizes, [(crops [1 + r c, 3, S, S], (h, w, r, c))]) of
+    SAMPLES[i]; each image's placeholders as many as HF's model lays features out for it."""
+    sizes = SAMPLES[i][1]
+    if not sizes:
+        return sample([], seed=i, words=5), None, None, []
+    px, hw = encode(kind, [image(w, h, seed=10 * i + k) for k, (w, h) in enumerate(sizes)])
+    images = [(px[k, :1 + r * c], (h, w, r, c)) for k, (h, w, r, c) in enumerate(tilings(kind, hw))]
+    return sample(feature_counts(hf, px, hw), seed=i), px, hw, images
+
+
+def row(samples, extra_crops: int = 2, extra_positions: int = 3, extra_slots: int = 1):
+    """One packed row of `samples` ((input_ids, images) each; segments 1, 2, ...) as the stage contract's first
+    input, and each sample's span: crops in slot order then zero crops up to T, unused slots, padding."""
+    ids = torch.cat([s[0] for s in samples] + [torch.zeros(extra_positions, dtype=torch.long)])[None]
+    segments, spans, at = torch.zeros_like(ids), [], 0
+    for k, s in enumerate(samples):
+        spans.append((at, at + len(s[0])))
+        segments[0, at:at + len(s[0])] = k + 1
+        at += len(s[0])
+    images = [(crops, tiling, k + 1) for k, s in enumerate(samples) for crops, tiling in s[1]]
+    M = max(len(images) + extra_slots, 1)
+    tiling, has_image = torch.zeros(1, M, 4, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
+    for j, (_, t, owner) in enumerate(images):
+        tiling[0, j], has_image[0, j] = torch.tensor(t), owner
+    crops = [c for c, _, _ in images]
+    n = sum(len(c) for c in crops)
+    pixels = torch.zeros(1, max(n + extra_crops, 1), 3, CROP, CROP)
+    if crops:
+        pixels[0, :n] = torch.cat(crops)
+    return (pixels, ids, has_image, segments, tiling), spans
+
+
+def alone(s):
+    return row([(s[0], s[3])], extra_crops=0, extra_positions=0, extra_slots=0)[0]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def llava_next(request, tmp_path_factory):
+    """(kind, HF directory, HF model, the mmpipe model `mmpipe import --hf` wrote, its run directory)."""
+    d = tmp_path_factory.mktemp(request.param)
+    hf = save_model(request.param, d / "hf")
+    assert main(["import", "--hf", str(d / "hf"), "--out", str(d / "run")]) == 0
+    cfg = import_llava_next(d / "hf")[0].cfg
+    return request.param, d / "hf", hf, load_reference(d / "run" / "checkpoints", cfg).eval(), d / "run"
+
+
+def test_import_gives_hf_logits(llava_next):
+    kind, d, hf, model, _ = llava_next
+    v = model.cfg.vision
+    assert (v.anyres_max, v.image_size, model.cfg.family) == (2 if kind == "onevision" else 0, CROP, "llava_next")
+    grids = {name: [t[2:] for _, t in _sample(hf, kind, i)[3]] for i, (name, _) in enumerate(SAMPLES)}
+    assert (grids["wide"], grids["tall"], grids["big"]) == ([(1, 2)], [(2, 1)], [(2, 2)])
+    assert (pooled_shape(v, 6, 8) is not None) == (kind == "onevision")  # "big"'s unpadded 6 x 8 features
+    for i, (name, _) in enumerate(SAMPLES):
+        s = _sample(hf, kind, i)
+        with torch.no_grad():
+            got = model(*alone(s))[0]
+        assert (got - hf_logits(hf, s[0], s[1], s[2])).abs().max().item() < TOL, name
+    with torch.no_grad():  # the image reaches the logits: another image, other logits
+        s = _sample(hf, kind, 2)
+        inputs = list(alone(s))
+        inputs[0] = inputs[0].flip(-1)
+        assert (model(*inputs) - model(*alone(s))).abs().max().item() > 1e-3
+
+
+def test_feature_counts_are_transformers(llava_next):
+    """image_feature_count (what the data side and the planner read) equals HF's layout for every sample image."""
+    kind, _, hf, model, _ = llava_next
+    for i in range(len(SAMPLES) - 1):
+        ids, px, hw, images = _sample(hf, kind, i)
+        assert [image_feature_count(model.cfg.vision, *t) for _, t in images] == feature_counts(hf, px, hw)
+
+
+def test_packed_row_gives_each_samples_logits(llava_next):
+    """Every sample in one row (two images in one sample, an unused slot, 2 zero crops, 3 padding positions):
+    each sample's logits are its own run's and HF's."""
+    kind, _, hf, model, _ = llava_next
+    samples = [_sample(hf, kind, i) for i in range(len(SAMPLES))]
+    inputs, spans = row([(s[0], s[3]) for s in samples])
+    with torch.no_grad():
+        packed = model(*inputs)[0]
+        for s, (a, b), (name, _) in zip(samples, spans, SAMPLES):
+            assert (packed[a:b] - model(*alone(s))[0]).abs().max().item() < TOL, name
+            assert (packed[a:b] - hf_logits(hf, s[0], s[1], s[2])).abs().max().item() < TOL, name
+
+
+def test_cached_decoding_equals_uncached_and_hf_generate(llava_next):
+    kind, _, hf, model, _ = llava_next
+    s = _sample(hf, kind, 3)  # two images
+    new = [5, 17, 33]
+    inputs = alone(s)
+    with torch.no_grad():
+        cached = _cached_logits(model, inputs, new)
+        for k in range(len(new) + 1):
+            longer = torch.cat([s[0], torch.tensor(new[:k], dtype=torch.long)])
+            full = model(inputs[0], longer[None], inputs[2], torch.ones(1, len(longer), dtype=torch.long), inputs[4])
+            assert (cached[k] - full[0, -1]).abs().max().item() < TOL, k
+    # one image through mmpipe's generate (a 1-slot row), cached and not, and HF's own greedy decoding
+    s = _sample(hf, kind, 2)
+    pixels, tiling = alone(s)[0], alone(s)[4]
+    kw = dict(eos_id=None, max_new_tokens=5, tiling=tiling)
+    mine = generate(model, pixels, s[0].tolist(), **kw)
+    assert mine == generate(model, pixels, s[0].tolist(), use_cache=False, **kw)
+    extra = {"batch_num_images": torch.tensor([1])} if kind == "onevision" else {}
+    with torch.no_grad():
+        out = hf.generate(input_ids=s[0][None], pixel_values=s[1], image_sizes=s[2], max_new_tokens=5,
+                          min_new_tokens=5, do_sample=False, **extra)
+    assert out[0, len(s[0]):].tolist() == mine
+
+
+def test_export_loads_in_transformers(llava_next, tmp_path):
+    kind, _, hf, model, run = llava_next
+    changed = ReferenceModel(model.cfg).eval()
+    changed.load_state_dict(model.state_dict())
+    with torch.no_grad():  # as if trained: the export must carry these weights, not the imported ones
+        g = torch.Generator().manual_seed(3)
+        for p in changed.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    export_hf(changed, tmp_path / "out")
+    back = type(hf).from_pretrained(tmp_path / "out").eval()
+    for i in (2, 3):  # tiles (OneVision: pooled); two images
+        s = _sample(hf, kind, i)
+        with torch.no_grad():
+            mine, before = changed(*alone(s))[0], model(*alone(s))[0]
+        assert (mine - hf_logits(back, s[0], s[1], s[2])).abs().max().item() < TOL
+        assert (mine - before).abs().max().item() > 1e-3
+    again, _ = import_llava_next(tmp_path / "out")  # the export (and its image processor) imports back as it was
+    fields = lambda v: (v.grid_pinpoints, v.anyres_max, v.image_size, v.mean, v.std, v.n_blocks_used)  # noqa: E731
+    assert fields(again.cfg.vision) == fields(changed.cfg.vision)  # the tower cut at its feature layer
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), changed.state_dict().values()))
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "cli")]) == 0  # the command's
+    assert (tmp_path / "cli" / "preprocessor_config.json").is_file()
+    s = _sample(hf, kind, 0)
+    back = type(hf).from_pretrained(tmp_path / "cli").eval()
+    assert (hf_logits(back, *s[:3]) - hf_logits(hf, *s[:3])).abs().max().item() < TOL
+
+
+def test_lora_adapters_load_with_peft(llava_next, tmp_path):
+    """Adapters on every group's linears (the tower's, the projector's, the decoder's) export as a peft adapter
+    of transformers' model, which then gives mmpipe's logits."""
+    from peft import PeftModel
+    kind, _, hf, model, _ = llava_next
+    adapted = ReferenceModel(model.cfg, lora=Lora(4, 8.0, groups=("vision", "projector", "text")))
+    for mine, theirs in zip(adapted, model):
+        load_base(mine, theirs.state_dict())
+    torch.manual_seed(5)
+    with torch.no_grad():  # peft starts B at zero (adapter = no-op); make them count
+        for name, p in adapted.named_parameters():
+            if is_adapter(name):
+                p.copy_(torch.randn_like(p) * 0.2)
+    export_adapter(adapted.eval(), tmp_path, key_map, export_hf)
+    peft_model = PeftModel.from_pretrained(type(hf).from_pretrained(tmp_path / "base"), tmp_path).eval()
+    s = _sample(hf, kind, 2)
+    with torch.no_grad():
+        want = adapted(*alone(s))[0]
+        assert (hf_logits(peft_model, *s[:3]) - want).abs().max().item() < TOL
+        assert (hf_logits(hf, *s[:3]) - want).abs().max().item() > 1e-2  # the adapters count
+
+
+def test_bad_weights_and_rows_are_named(llava_next, tmp_path):
+    kind, d, hf, model, _ = llava_next
+    weights = load_file(str(d / "model.safetensors"))
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    save_file({k: v for k, v in weights.items() if k != "image_newline"}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="no tensor for 'model.image_newline'"):
+        import_llava_next(tmp_path)
+    s = _sample(hf, kind, 0)
+    inputs = list(alone(s))
+    n = int((inputs[1] == IMAGE).sum())
+    inputs[1] = inputs[1].clone()
+    inputs[1][0, int((inputs[1][0] == IMAGE).nonzero()[0, 0])] = 7  # one placeholder fewer
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"row 0: {n - 1} image placeholder positions \(id {IMAGE}\) "
+                                                          rf"for {n} image features"):
+        model(*inputs)
+    with torch.no_grad(), pytest.raises(ValueError, match="crop budget"):
+        model(inputs[0][:, :2], *inputs[1:])  # a 1 x 2 grid's 3 crops in a row of 2
+    with torch.no_grad(), pytest.raises(ValueError, match="need each image slot's tiling"):
+        model(*inputs[:4])
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("grid_pinpoints", ((56, 100),), "vision.grid_pinpoints: [[56, 100]]: one or more [h, w] pairs in pixels, each "
+                                     "a positive multiple of image_size 56"),
+    ("grid_pinpoints", (), "vision.grid_pinpoints: []"),
+    ("anyres_max", -1, "vision.anyres_max: -1 must be >= 0"),
+    ("feature_select", "full", "vision.feature_select: 'full' with a clip tower: tiles need one feature per patch")])
+def test_config_checks_name_the_field(field, value, problem):
+    """A LLaVA-NeXT config with one bad field: one line naming it (mmpipe.config's llava_next checks)."""
+    cfg = config_from_hf(hf_config("next"), "tiny")
+    bad = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, **{field: value}))
+    with pytest.raises(ConfigError) as e:
+        bad.validate()
+    assert str(e.value).startswith(f"model config 'tiny': {problem}") and "\n" not in str(e.value)
+
+
+def test_unsupported_aspect_ratio_is_one_line():
+    hf = hf_config("onevision")
+    hf.vision_aspect_ratio = "anyres"
+    with pytest.raises(ConfigError, match="vision_aspect_ratio: 'anyres' .supported: anyres_max_N"):
+        config_from_hf(hf)
