@@ -258,7 +258,8 @@ def _args(root, data, preset: str, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("preset,images", [("tiny", None), ("llava-tiny", "3"), ("tiny-xattn", "4")])
 def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path):
-    """PP=1 and PP=2 packed runs == the single-device reference (losses, weights; 1e-5). The LLaVA
+    """A PP=2 packed run == the single-device reference (losses, weights; 1e-5): the rows cross a stage
+    boundary (PP=1 == the reference is tests/test_pipeline_equivalence.py's, on one-sample rows). The LLaVA
     run also carries the 2-image records (--max-images 3); the moondream run is --pack alone: its family
     takes one image per sample (the 2-image records are bad), and a row's image slots follow from the
     data: 40 text positions / ~10 per sample -> 4 slots, several samples a row. The cross-attention run
@@ -268,12 +269,11 @@ def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path):
     run = resolve(TrainArgs.from_argv(args + ["--stages", "1", "--output-dir", str(tmp_path / "ref")]), world_size=1)
     assert run.max_images == int(images or 4)
     model, ref = train_reference(run, seed=4, steps=3, out_dir=str(tmp_path / "ref"))
-    for stages in ("1", "2"):
-        r = train_run(tmp_path / f"pp{stages}", *args, "--stages", stages).check()
-        assert list(r.losses.values()) == pytest.approx(ref, abs=TOL)
-        got = torch.nn.Sequential(*load_reference(r.out / "checkpoints", run.model))
-        for (k, a), b in zip(model.state_dict().items(), got.state_dict().values()):
-            assert _weight_diff(k, a, b) < TOL, k
+    r = train_run(tmp_path / "pp2", *args, "--stages", "2").check()
+    assert list(r.losses.values()) == pytest.approx(ref, abs=TOL)
+    got = torch.nn.Sequential(*load_reference(r.out / "checkpoints", run.model))
+    for (k, a), b in zip(model.state_dict().items(), got.state_dict().values()):
+        assert _weight_diff(k, a, b) < TOL, k
     r.assert_only_floats_crossed()  # PP=2: input_ids, has_image [B, M] and segments come from each stage's loader
     s = r.summary["data"]
     assert s["samples_seen"] > 2 * s["rows_seen"] == 2 * 3 * 2 * 2  # 3 steps x 4 rows, > 2 samples per row
