@@ -41,6 +41,11 @@ class DataArgs:
                                    "budget, a multiple of merge_size^2; larger images are resized down to fit by the "
                                    "image processor's own rule (default: --max-images images at vision.max_pixels, "
                                    "docs/packing.md)", metavar="P", group=GROUP)
+    max_tiles: int | None = flag(None, "vision crops per row, the any-resolution family's (llava_next) crop budget: "
+                                 "each image's base crop and tiles; a sample needing more is a bad record, "
+                                 "too_many_tiles (default: room for --max-images images at the largest pinpoint; "
+                                 "OneVision: for one tiled image or --max-images base crops, docs/anyres.md)",
+                                 metavar="T", group=GROUP)
     max_image_pixels: int = flag(DEFAULT_MAX_PIXELS, "refuse larger images, a decompression-bomb guard "
                                  f"(default: {DEFAULT_MAX_PIXELS})", group=GROUP)
     resize: str = flag("pad", "pad to square with the mean colour, then resize (default), or squash to square",

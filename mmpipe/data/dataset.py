@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, ModelConfig
+from .anyres import default_max_tiles, image_rule, tile_rule, tiled
 from .args import DataArgs
 from .index import DataIndex, build_index, check_policy, describe, fingerprint, load_index
 from .patches import default_max_patches, patch_rule, per_image_patches
@@ -47,6 +48,8 @@ class DataOptions:
     max_patches: int = 0        # a dynamic family's row patch budget P (--max-patches, or its default); 0 otherwise
     auto_patches: bool = False  # P is the default for max_images: it follows them (packed_image_slots)
     image_text: str | None = None  # what an image marker becomes in the text (mmpipe.data.text.image_text)
+    max_tiles: int = 0          # the any-resolution family's row crop budget T (--max-tiles, or its default)
+    auto_tiles: bool = False    # T is the default for max_images: it follows them (packed_image_slots)
 
     @property
     def record_images(self) -> int:
@@ -95,14 +98,15 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
         problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
     if args.data_workers < 0:
         problems.append(f"--data-workers: {args.data_workers} must be >= 0")
-    max_patches = row_patches(args, cfg, problems)
+    max_patches, max_tiles = row_patches(args, cfg, problems), row_tiles(args, cfg, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
                        args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples,
                        max_images=args.max_images or 1, markers=markers,
                        auto_slots=args.pack and args.max_images is None, max_patches=max_patches,
-                       auto_patches=bool(max_patches) and args.max_patches is None, image_text=image_text)
+                       auto_patches=bool(max_patches) and args.max_patches is None, image_text=image_text,
+                       max_tiles=max_tiles, auto_tiles=bool(max_tiles) and args.max_tiles is None)
 
 
 def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[str]) -> str | None:
@@ -112,27 +116,48 @@ def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[s
                         "the Projector's stitching assumes; drop --augment or use --max-crops 0")
     if args.augment and dynamic(cfg):
         problems.append(f"--augment: the {cfg.family} family's images are resized by its image processor's own rule "
-                        f"(mmpipe.data.patches), which has no augmentation; drop --augment")
-    try:
-        return image_text(tok, cfg) if tok is not None and dynamic(cfg) else None
+                        f"(mmpipe.data.{'anyres' if tiled(cfg) else 'patches'}), which has no augmentation; drop "
+                        f"--augment")
+    try:  # the bracketed image text of a patched family (Qwen2-VL); tiles keep LLaVA's <image>
+        return image_text(tok, cfg) if tok is not None and patched(cfg) else None
     except ConfigError as e:
         problems.append(str(e))
         return None
 
 
-ROW_FLAGS = ("text_len", "max_images", "pack", "max_patches")  # the row's shape: the data flags `mmpipe plan` takes
+ROW_FLAGS = ("text_len", "max_images", "pack", "max_patches", "max_tiles")  # the row's shape: what `mmpipe plan` takes
 
 
 def dynamic(cfg: ModelConfig | None) -> bool:
-    """A dynamic-resolution family (Qwen2-VL): each image takes the positions its size gives."""
+    """A dynamic-resolution family (Qwen2-VL, LLaVA-NeXT's tiles): each image takes the positions its size gives."""
     return bool(cfg is not None and cfg.layout is not None and getattr(cfg.layout, "dynamic", False))
+
+
+def patched(cfg: ModelConfig | None) -> bool:
+    """A dynamic family of patches in a row's P budget (Qwen2-VL), not of any-resolution tiles."""
+    return dynamic(cfg) and not tiled(cfg)
+
+
+def row_tiles(args: DataArgs, cfg: ModelConfig | None, problems: list[str]) -> int:
+    """--max-tiles checked against the model: T for the any-resolution family (the flag, else default_max_tiles),
+    0 for the others (which refuse the flag). Appends a line per problem."""
+    given = getattr(args, "max_tiles", None)
+    if not tiled(cfg):
+        if given is not None and cfg is not None:
+            problems.append(f"--max-tiles: the {cfg.family} family has no image tiles; only an any-resolution family "
+                            f"(llava_next) takes a crop budget")
+        return 0
+    if given is not None and given < 1:
+        problems.append(f"--max-tiles: {given} must be >= 1 (crops per row: each image's base crop and its tiles)")
+        return 1
+    return given if given is not None else default_max_tiles(cfg, args.max_images or 1)
 
 
 def row_patches(args: DataArgs, cfg: ModelConfig | None, problems: list[str]) -> int:
     """--max-patches checked against the model: P for a dynamic family (the flag, else
     default_max_patches), 0 for the others (which refuse the flag). Appends a line per problem."""
     given = getattr(args, "max_patches", None)
-    if not dynamic(cfg):
+    if not patched(cfg):
         if given is not None and cfg is not None:
             problems.append(f"--max-patches: the {cfg.family} family's images are a fixed size; only a "
                             f"dynamic-resolution family (qwen2_vl) takes a patch budget")
@@ -166,8 +191,10 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
         # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
         # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
         n_image = cfg.n_image_positions + placeholders(cfg)[1] * max(1, args.max_images or 1)
-        if dynamic(cfg):  # each image's two brackets, and the placeholders of P patches: P / merge^2
+        if patched(cfg):  # each image's two brackets, and the placeholders of P patches: P / merge^2
             n_image = 2 * max(1, args.max_images or 1) + row_patches(args, cfg, []) // cfg.vision.merge_size ** 2
+        elif tiled(cfg):  # room for the largest sample's images (mmpipe.data.anyres.TileRule.row_budget)
+            n_image = tile_rule(cfg, 0).row_budget(max(1, args.max_images or 1))[1]
         room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
         if text_len is None:
             text_len = default_len or room
@@ -204,7 +231,8 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
         unit = cfg.vision.merge_size ** 2
         mean = sum(int(np.prod(enc.grids[:n], axis=1).sum()) for enc, n in sizes) / max(1, images)
         patches = max(per_image_patches(cfg.vision), math.ceil(slots * mean / unit) * unit)
-    return dataclasses.replace(opts, max_images=slots, max_patches=patches)
+    tiles = default_max_tiles(cfg, slots) if opts.auto_tiles else opts.max_tiles
+    return dataclasses.replace(opts, max_images=slots, max_patches=patches, max_tiles=tiles)
 
 
 def index_dir(out_dir: str | Path) -> Path:
@@ -217,13 +245,13 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     earlier call with the same fingerprint (the front door's, or the run being resumed), or
     builds it. Raises ConfigError for --bad-records strict with bad records, or no good record."""
     if opts.builtin:
-        return ShapesSamples(cfg, seed, max_patches=opts.max_patches)
+        return ShapesSamples(cfg, seed, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
     index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose)
     if opts.holdout:
         index = held_out_cut(index, opts.holdout, "train")
     return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
                           image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
-                          augment=opts.augment, max_patches=opts.max_patches)
+                          augment=opts.augment, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
 
 
 def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, shapes: int, *,
@@ -232,7 +260,7 @@ def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed:
     OUTPUT_DIR/eval_data/, built and checked as the training data's), or `shapes` samples of the
     built-in held-out split."""
     if opts.builtin:
-        return EvalSet(ShapesSamples(cfg, seed, "eval", opts.max_patches), shapes)
+        return EvalSet(ShapesSamples(cfg, seed, "eval", opts.max_patches, opts.max_tiles), shapes)
     if opts.holdout:  # --eval-split: the held-out part of the training data's own index
         index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose=False)
         index = held_out_cut(index, opts.holdout, "heldout")
@@ -240,7 +268,7 @@ def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed:
         index, source = _checked_index(opts, cfg, Path(out_dir) / "eval_data", verbose)
     ordered = IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
                              image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
-                             ordered=True, max_patches=opts.max_patches)
+                             ordered=True, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
     return EvalSet(ordered, len(index))
 
 
@@ -253,12 +281,18 @@ def held_out_cut(index: DataIndex, fraction: float, part: str) -> DataIndex:
     return index.subset(keep, f"{part}{fraction}")
 
 
+def _grid_key(rule, opts: DataOptions) -> list:
+    """What an index's grids (and its too_many_tiles refusals) depend on, for its fingerprint."""
+    if opts.max_tiles:
+        return [*dataclasses.astuple(dataclasses.replace(rule, row_tiles=0)), 0 if opts.auto_tiles else opts.max_tiles]
+    return [rule.factor, rule.min_pixels, [rule.cap(n) for n in range(1, opts.record_images + 1)]]
+
+
 def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool | str):
-    rule = patch_rule(cfg, opts.max_patches) if opts.max_patches else None
+    rule = image_rule(cfg, opts.max_patches, opts.max_tiles)
     # what the grids depend on: the rule's resize bounds for each image count a record may have (not P itself,
-    # which --pack's slots may raise without changing any grid)
-    grids = None if rule is None else [rule.factor, rule.min_pixels, [rule.cap(n) for n in
-                                                                      range(1, opts.record_images + 1)]]
+    # which --pack's slots may raise without changing any grid); tiles: the rule, T unless it follows the slots
+    grids = None if rule is None else _grid_key(rule, opts)
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels, opts.record_images,
                      opts.markers, grids)
     source = open_source(opts.spec)

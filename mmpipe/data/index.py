@@ -46,7 +46,8 @@ class DataIndex:
     image_at: np.ndarray   # int64 [sum of n_images]: Encoded.image_at, the token each image's block goes before
     stats: dict
     # int64 [sum of n_images, 3]: each image's patch grid (t, h, w) from its size alone (a dynamic-resolution
-    # family, mmpipe.data.patches); [0, 3] for the others
+    # family, mmpipe.data.patches); [sum of n_images, 5] (orig_h, orig_w, rows, cols, positions) for any-resolution
+    # tiles (mmpipe.data.anyres); [0, 3] for the others
     grids: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
 
     def __len__(self) -> int:
@@ -113,16 +114,17 @@ def _check(i: int):
             raise BadRecord("too_many_images", f"{len(rec.images)} images > --max-images {_W['max_images']}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
         sizes = [check_image(image, _W["image_root"], _W["max_pixels"]) for image in rec.images]
-        rule = _W["rule"]
-        grids = [rule.grid(w, h, len(sizes)) for w, h in sizes] if rule is not None else []
-        return i, enc.ids, enc.target, enc.truncated, enc.image_at, np.array(grids, dtype=np.int64).reshape(-1, 3)
+        rule = _W["rule"]  # PatchRule [n, 3] (t, h, w); TileRule [n, 5] (orig_h, orig_w, rows, cols, positions)
+        grids = rule.sample_grids(sizes) if rule is not None else np.zeros((0, 3), dtype=np.int64)
+        return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids
     except BadRecord as e:
         return i, getattr(e, "where", where), e.kind, e.reason
 
 
 def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int,
          workers: int, max_images: int = 1, rule=None) -> tuple[list, list]:
-    """rule: a dynamic family's PatchRule (mmpipe.data.patches), which gives each image's grid."""
+    """rule: a dynamic family's PatchRule (mmpipe.data.patches) or TileRule (mmpipe.data.anyres), which gives each
+    image's grid."""
     args = (source, encoder, image_root, max_pixels, max_images, rule)
     if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
         _init_worker(*args)
@@ -161,7 +163,7 @@ def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *,
         target=np.concatenate([g[2] for g in good]) if good else np.zeros(0, bool),
         n_images=n_images, image_offsets=np.concatenate([[0], np.cumsum(n_images)]).astype(np.int64),
         image_at=np.concatenate([np.zeros(0, np.int64), *(g[4] for g in good)]).astype(np.int64), stats=stats,
-        grids=np.concatenate([np.zeros((0, 3), np.int64), *(g[5] for g in good)]).astype(np.int64))
+        grids=np.concatenate([g[5] for g in good]).astype(np.int64) if good else np.zeros((0, 3), np.int64))
     check_policy(index, spec, policy)
     _save(index, out_dir)
     return index

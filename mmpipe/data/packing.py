@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 
 from ..model.builder import IGNORE_INDEX
 from ..model.rows import IMAGE_SLOT
+from .anyres import tile_rule, tiled
 from .crops import Crops, blank_image
 from .patches import default_max_patches
 
@@ -47,7 +48,10 @@ class RowShape:
     A dynamic-resolution family (max_patches P > 0, mmpipe.data.patches) adds a budget of P vision patches:
     an image of grid (t, h, w) takes t h w of them and a block of <|vision_start|>, t h w / merge^2
     placeholders, <|vision_end|>, so N = 2 (the brackets) and the placeholders get P / merge^2 positions:
-    L = M x 2 + P / merge^2 + text_len, e.g. M = 2, P = 64, text_len 40: 4 + 16 + 40 = 60."""
+    L = M x 2 + P / merge^2 + text_len, e.g. M = 2, P = 64, text_len 40: 4 + 16 + 40 = 60.
+    Any-resolution tiles (max_tiles T > 0, mmpipe.data.anyres) add a budget of T crops: an image of grid (orig_h,
+    orig_w, rows, cols, n) takes 1 + rows x cols of them and a block of n placeholders (no brackets, N = 0), and the
+    images get image_positions decoder positions, room for the largest sample: L = image_positions + text_len."""
     max_images: int
     image_len: int   # decoder positions per image (N)
     image_id: int    # the placeholder id of those positions (LLaVA: image_token_id; moondream: IMAGE_SLOT)
@@ -57,21 +61,50 @@ class RowShape:
     start_id: int = -1    # the block's brackets (vision_start_id, vision_end_id)
     end_id: int = -1
     patch_dim: int = 0    # floats per patch, C x T x p x p
+    max_tiles: int = 0    # T: vision crops per row (any-resolution tiles), 0 otherwise
+    image_positions: int = 0  # decoder positions for the row's images (any-resolution tiles)
+    crop: tuple = ()      # one crop's pixels (C, S, S) (any-resolution tiles)
 
     @property
     def length(self) -> int:
-        return self.max_images * self.image_len + self.text_len + self.max_patches // (self.merge * self.merge)
+        return (self.max_images * self.image_len + self.text_len + self.max_patches // (self.merge * self.merge)
+                + self.image_positions)
+
+    @property
+    def vision_budget(self) -> int:
+        """The row's vision units: P patches or T crops; 0 for a fixed-size family."""
+        return self.max_patches or self.max_tiles
+
+    def units(self, grid) -> int:
+        """Vision units one image of this grid takes: t h w patches, or 1 + rows x cols crops."""
+        return 1 + int(grid[2]) * int(grid[3]) if self.max_tiles else int(np.prod(grid))
+
+    def tiling(self, grid) -> tuple:
+        """A slot's `tiling`: the grid (t, h, w), or (orig_h, orig_w, rows, cols) of an any-resolution grid."""
+        return tuple(int(g) for g in grid[:4 if self.max_tiles else 3])
+
+    def block_len(self, grid) -> int:
+        """len(block(grid)), without building it."""
+        return int(grid[4]) if self.max_tiles else 2 + int(np.prod(grid)) // (self.merge * self.merge)
 
     def block(self, grid=None) -> np.ndarray:
-        """One image's decoder ids: N placeholders, or (dynamic) the bracketed block of its grid."""
+        """One image's decoder ids: N placeholders, (dynamic) the bracketed block of its grid, or (tiles) the
+        grid's n placeholders."""
+        if self.max_tiles:
+            return np.full(int(grid[4]), self.image_id, dtype=np.int64)
         if not self.max_patches:
             return np.full(self.image_len, self.image_id, dtype=np.int64)
         n = int(np.prod(grid)) // (self.merge * self.merge)
         return np.array([self.start_id, *[self.image_id] * n, self.end_id], dtype=np.int64)
 
 
-def row_shape(cfg, max_images: int, text_len: int, max_patches: int = 0) -> RowShape:
-    """max_patches: a dynamic family's P (0: the default for max_images, mmpipe.data.patches)."""
+def row_shape(cfg, max_images: int, text_len: int, max_patches: int = 0, max_tiles: int = 0) -> RowShape:
+    """max_patches: a dynamic family's P (0: the default for max_images, mmpipe.data.patches); max_tiles: the
+    any-resolution family's T (0: the default for max_images, mmpipe.data.anyres)."""
+    if tiled(cfg):
+        rule, v = tile_rule(cfg, max_tiles, max_images), cfg.vision
+        return RowShape(max_images, 0, cfg.image_token_id, text_len, max_tiles=rule.row_tiles,
+                        image_positions=rule.row_budget(max_images)[1], crop=(v.channels, v.image_size, v.image_size))
     if getattr(cfg.layout, "dynamic", False):
         v = cfg.vision
         return RowShape(max_images, 2, cfg.image_token_id, text_len, max_patches or default_max_patches(v, max_images),
@@ -90,7 +123,7 @@ def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np
     at = [int(a) for a in enc.image_at[:n_images]] or [1] * n_images  # unplaced: right after BOS
     pieces, targets, prev = [], [], 0
     for k, a in enumerate(at):
-        block = shape.block(enc.grids[k] if shape.max_patches else None)
+        block = shape.block(enc.grids[k] if shape.vision_budget else None)
         pieces += [enc.ids[prev:a], block]
         targets += [enc.target[prev:a], np.zeros(len(block), dtype=bool)]
         prev = a
@@ -131,7 +164,7 @@ class RowPlan:
         # searched in C (a resume replays every chunk before its row: ~5 ms each, 1M samples ~5 s)
         room = np.full(self.chunk, self.shape.length, dtype=np.int64)
         slots = np.full(self.chunk, self.shape.max_images, dtype=np.int64)
-        patches = np.full(self.chunk, self.shape.max_patches, dtype=np.int64)
+        patches = np.full(self.chunk, self.shape.vision_budget, dtype=np.int64)
         rows: list[list[int]] = []
         for pos in range(start, start + self.chunk):
             n, k, *g = self.size_of(pos)
@@ -180,7 +213,9 @@ class RowSet(Dataset):
     (multi-crop [M, 1 + K, 3, S, S] and tiling [M, 2]). Unused image slots hold blank images, which no
     placeholder reads. A dynamic family (shape.max_patches P): pixels [P, patch_dim], each used slot's
     patches in slot order then zeros, and tiling [M, 3], each slot's grid (t, h, w), 0 0 0 unused, on
-    every stage (the decoder's positions need it), from the index: no image is opened for it."""
+    every stage (the decoder's positions need it), from the index: no image is opened for it. Any-resolution
+    tiles (shape.max_tiles T): pixels [T, C, S, S], each used slot's crops then zero crops, and tiling [M, 4],
+    each slot's (orig_h, orig_w, rows, cols), likewise on every stage."""
 
     def __init__(self, samples, plan: RowPlan, *, image_size: int, max_crops: int = 0, need_images: bool = True,
                  need_labels: bool = True, norm: LossNorm | None = None, augment_seed: int | None = None):
@@ -204,7 +239,7 @@ class RowSet(Dataset):
             segments[end:end + len(s_ids)] = seg
             images += [(pos, k) for k in range(int(n_images))]
             owners += [seg] * int(n_images)
-            grids += [tuple(int(g) for g in grid) for grid in enc.grids[:int(n_images)]]
+            grids += list(enc.grids[:int(n_images)])
             end += len(s_ids)
         item = {"pos": r, "input_ids": ids, "segments": segments,  # has_image: each slot's segment, 0 unused
                 "has_image": np.array(owners + [0] * (M - len(images)), dtype=np.int64)}
@@ -213,8 +248,9 @@ class RowSet(Dataset):
             if self.norm is not None:
                 w = np.array([0.0] + self.norm.per_sample(r), dtype=np.float32)[segments]
                 item["weights"] = np.where(labels != IGNORE_INDEX, w, 0.0).astype(np.float32)
-        if self.shape.max_patches:
-            item["tiling"] = grids + [(0, 0, 0)] * (M - len(grids))  # M x (t, h, w)
+        if self.shape.vision_budget:  # M x (t, h, w), or M x (orig_h, orig_w, rows, cols)
+            item["tiling"] = [self.shape.tiling(g) for g in grids] + [(0,) * (4 if self.shape.max_tiles else 3)] * (
+                M - len(grids))
             if self.need_images:
                 item["pixels"] = self._patches(images)
         elif self.need_images:
@@ -228,11 +264,12 @@ class RowSet(Dataset):
         return item
 
     def _patches(self, images: list[tuple[int, int]]) -> torch.Tensor:
-        """[P, patch_dim]: the row's images' patches in slot order, zero padded (the sizes were checked by
-        the index, so they fill at most P)."""
+        """[P, patch_dim] (or [T, C, S, S]): the row's images' patches (crops) in slot order, zero padded (the
+        sizes were checked by the index, so they fill at most P, T)."""
         pieces = [self._image(pos, k) for pos, k in images]  # each checked against its grid (samples.pixels)
         used = sum(len(p) for p in pieces)
-        return torch.cat(pieces + [torch.zeros(self.shape.max_patches - used, self.shape.patch_dim)])
+        unit = self.shape.crop if self.shape.max_tiles else (self.shape.patch_dim,)
+        return torch.cat(pieces + [torch.zeros(self.shape.vision_budget - used, *unit)])
 
     def _image(self, pos: int, k: int) -> torch.Tensor | Crops:
         if self.augment_seed is not None:  # per sample and image: augmentation repeats exactly on resume
@@ -253,11 +290,12 @@ def sample_size(samples, shape: RowShape) -> Callable[[int], tuple]:
     family's adds its vision patches, (text + its blocks, images, patches), read from the grids."""
     def size(pos: int) -> tuple:
         enc, n_images = samples.tokens(pos)
-        if not shape.max_patches:
+        if not shape.vision_budget:
             return len(enc.ids) + int(n_images) * shape.image_len, int(n_images)
-        patches = int(np.prod(enc.grids[:n_images], axis=1).sum())
-        blocks = int(n_images) * shape.image_len + patches // (shape.merge * shape.merge)
-        return len(enc.ids) + blocks, int(n_images), patches
+        grids = enc.grids[:n_images]
+        units = sum(shape.units(g) for g in grids)
+        blocks = sum(shape.block_len(g) for g in grids)
+        return len(enc.ids) + blocks, int(n_images), units
     return size
 
 

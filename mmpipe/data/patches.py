@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .records import BadRecord
@@ -72,6 +73,10 @@ class PatchRule:
                                                 f"{grid[1] * grid[2]} patches > the {share} one of a sample's "
                                                 f"{n_images} image(s) may take (--max-patches, vision.max_pixels)")
         return grid
+
+    def sample_grids(self, sizes: list[tuple[int, int]]) -> np.ndarray:
+        """int64 [n, 3]: the grids of a sample's (width, height) images (each within its share of P)."""
+        return np.array([self.grid(w, h, len(sizes)) for w, h in sizes], dtype=np.int64).reshape(-1, 3)
 
     def patches(self, image, n_images: int = 1) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(patches float32 [t h w, patch_dim], grid) of a PIL image, as the processor makes them."""

@@ -25,7 +25,9 @@ BAD_KINDS = {
     "huge_image": "the image has more pixels than --max-image-pixels (decompression-bomb guard)",
     "corrupt_image": "the image bytes cannot be decoded",
     "too_many_patches": "the image's patch grid is larger than an image may take in a row (--max-patches)",
-    "bad_aspect": "the image's aspect ratio is beyond what the image processor takes (200:1)",
+    "too_many_tiles": "the sample's images make more crops (base crops + tiles) than a row holds (--max-tiles)",
+    "bad_aspect": "the image's aspect ratio is beyond what the image processor takes (200:1; any-resolution tiles: "
+                  "no feature left after unpadding)",
     "too_long": "the text does not fit the sequence budget (--text-len) with its first answer token",
 }
 

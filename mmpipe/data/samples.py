@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from .anyres import image_rule
 from .crops import Crops, make_transform
 from .images import open_image
 from .index import DataIndex
-from .patches import patch_rule
 from .records import BadRecord
 from .shapes import ShapesVQA
 from .sources import Source
@@ -30,13 +30,14 @@ SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in t
 
 class ShapesSamples:
     """The built-in set as an endless ordered stream: position p is ShapesVQA sample p. A dynamic family
-    (max_patches: its row's P) reads each S x S image's patches, its grid that of S x S."""
+    (max_patches: its row's P) reads each S x S image's patches, its grid that of S x S; any-resolution tiles
+    (max_tiles: the row's T) its crops."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, split: str = "train", max_patches: int = 0):
+    def __init__(self, cfg: ModelConfig, seed: int, split: str = "train", max_patches: int = 0, max_tiles: int = 0):
         self.data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, split, seed)
         self.tok = builtin_tokenizer()
         self.encoder = ConversationEncoder(self.tok, SHAPES_TEXT_LEN)
-        self.rule = patch_rule(cfg, max_patches) if max_patches else None
+        self.rule = image_rule(cfg, max_patches, max_tiles)
         self.transform = self.rule.patches if self.rule else make_transform(cfg.vision, resize="squash")
         self.grids = np.array([self.rule.grid(cfg.vision.image_size, cfg.vision.image_size)] if self.rule else
                               np.zeros((0, 3)), dtype=np.int64)
@@ -69,12 +70,13 @@ class IndexedSamples:
 
     def __init__(self, index: DataIndex, source: Source, cfg: ModelConfig, *, seed: int, pad_id: int,
                  image_root: str, max_pixels: int, resize: str = "pad", augment: bool = False, ordered: bool = False,
-                 max_patches: int = 0):
+                 max_patches: int = 0, max_tiles: int = 0):
         """ordered: position p is good record p in file order, no reshuffling (a validation set). max_patches:
-        a dynamic family's row budget P: images become patches by its PatchRule (mmpipe.data.patches)."""
+        a dynamic family's row budget P: images become patches by its PatchRule (mmpipe.data.patches);
+        max_tiles: any-resolution tiles' T: images become crops by its TileRule (mmpipe.data.anyres)."""
         self.index, self.source, self.seed, self.pad_id, self.ordered = index, source, seed, pad_id, ordered
         self.image_root, self.max_pixels = image_root, max_pixels
-        self.rule = patch_rule(cfg, max_patches) if max_patches else None
+        self.rule = image_rule(cfg, max_patches, max_tiles)
         self.transform = None if self.rule else make_transform(cfg.vision, resize=resize, augment=augment)
 
     @functools.lru_cache(maxsize=2)

@@ -78,7 +78,7 @@ from ..config import ModelConfig
 from ..data.packing import row_shape
 from ..data.text import decoder_positions
 from ..model.builder import adapter_param_counts, layer_param_counts, layer_specs, shapes_only
-from ..model.costs import Cost, PatchRow
+from ..model.costs import Cost, CropRow, PatchRow
 from ..model.families import family_of
 from ..model.lora import Lora
 from .images import patch_row
@@ -184,7 +184,10 @@ def _tokens(cfg: ModelConfig, text_len: int, images: int = 1, patches: PatchRow 
     """(n, seq) per row: the tower's tokens per image (LLaVA: CLIP's class token too) and the decoder's
     positions M x N_dec + text_len, e.g. 16 image + 12 text = 28, 16 <image> placeholders + 12 text for
     LLaVA, 12 when the image is attended to; M = 4 slots of 16 + 96 text = 160 (rows). A dynamic family's
-    row (patches): its P patches, and the data's L = M x 2 brackets + P / merge^2 + text_len."""
+    row (patches): its P patches, and the data's L = M x 2 brackets + P / merge^2 + text_len; an any-resolution
+    row (a CropRow): its T crops, and the data's L = the largest sample's image positions + text_len."""
+    if isinstance(patches, CropRow):
+        return patches.crops, row_shape(cfg, images, text_len, max_tiles=patches.crops).length
     if patches is not None:
         return patches.patches, row_shape(cfg, images, text_len, patches.patches).length
     per_image = decoder_positions(cfg, 0)  # N_dec: spliced image positions or LLaVA's placeholders (0: attended)

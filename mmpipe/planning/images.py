@@ -9,16 +9,22 @@ would not fit the row's P patches, further down to P / M each. E.g. qwen2.5-vl-7
 P = 16384: 1036 x 756 px, a 54 x 74-patch grid, 3996 patches and 999 decoder positions each; 15984 of the
 16384 patches used. Without --image-size the image is vision.image_size square (the presets: the largest
 the processor makes), without --max-patches P is train's default (mmpipe.data.patches.default_max_patches).
+
+The any-resolution family (LLaVA-NeXT / OneVision, vision.grid_pinpoints) -> the row's CropRow: its crop budget T
+(--max-tiles, default train's: mmpipe.data.anyres) and each image's tiling as transformers' processor picks it
+(select_best_resolution), e.g. llava-onevision-qwen2-72b, 1024x768: 2 x 3 tiles of 384 px, 7 crops and 6125
+decoder positions. Without --image-size the image is the largest pinpoint (the most tiles and positions).
 """
 from __future__ import annotations
 
 import re
 
 from ..config import ConfigError, ModelConfig
+from ..data.anyres import tile_rule, tiled
 from ..data.dataset import dynamic
 from ..data.patches import default_max_patches, patch_rule
 from ..data.records import BadRecord
-from ..model.costs import PatchRow
+from ..model.costs import CropRow, PatchRow
 
 
 def parse_image_sizes(text: str) -> list[tuple[int, int]]:
@@ -35,10 +41,13 @@ def parse_image_size(text: str) -> tuple[int, int]:
 
 
 def patch_row(cfg: ModelConfig, images: int = 1, max_patches: int = 0,
-              sizes: list[tuple[int, int]] | None = None) -> PatchRow | None:
+              sizes: list[tuple[int, int]] | None = None) -> PatchRow | CropRow | None:
     """The row's patch budget and its `images` images, of `sizes` (width, height) in turn (default the
     preset's vision.image_size square), each grid as the data makes it (patch_rule(...).grid); None for a
-    fixed-resolution family. ConfigError for a size the processor refuses (an aspect over 200:1)."""
+    fixed-resolution family. ConfigError for a size the processor refuses (an aspect over 200:1).
+    Any-resolution tiles: max_patches is the row's T crops (0: train's default), the result a CropRow."""
+    if tiled(cfg):
+        return crop_row(cfg, images, max_patches, sizes)
     if not dynamic(cfg):
         return None
     v, images = cfg.vision, max(1, images)
@@ -51,3 +60,39 @@ def patch_row(cfg: ModelConfig, images: int = 1, max_patches: int = 0,
             raise ConfigError(f"--image-size {width}x{height}: {e} (--max-patches {p}, --max-images {images})"
                               ) from None
     return PatchRow(p, tuple(grids))
+
+
+def crop_row(cfg: ModelConfig, images: int = 1, max_tiles: int = 0,
+             sizes: list[tuple[int, int]] | None = None) -> CropRow:
+    """The any-resolution row: T crops (max_tiles, 0: train's default for `images`) and its `images` images of
+    `sizes` in turn (default the largest pinpoint), each tiled as the data tiles it (TileRule.sample_grids);
+    ConfigError in one line for images the row cannot hold (too_many_tiles) or the tiles cannot take."""
+    images = max(1, images)
+    rule = tile_rule(cfg, max_tiles, images)
+    sizes = sizes or [max(((w, h) for h, w in rule.pinpoints), key=lambda s: s[0] * s[1])]
+    take = [sizes[k % len(sizes)] for k in range(images)]
+    try:
+        grids = rule.sample_grids(take)
+    except BadRecord as e:
+        raise ConfigError(f"--image-size {','.join(f'{w}x{h}' for w, h in sizes)}: {e} (--max-images {images})"
+                          ) from None
+    return CropRow(rule.row_tiles, tuple(tuple(int(x) for x in g[:4]) for g in grids))
+
+
+def crop_words(cfg: ModelConfig, args, row: CropRow) -> str:
+    """`mmpipe plan`'s header words for an any-resolution row: each size's tiles, crops and decoder positions."""
+    rule, m = tile_rule(cfg, row.crops, len(row.tilings)), len(row.tilings)
+    kinds = dict.fromkeys(row.tilings)  # in order, once each
+    words = [f"{w}x{h} px ({r} x {c} tiles of {rule.size} px, {1 + r * c} crops, "
+             f"{rule.count(h, w, m)} image tokens{' each' if len(kinds) == 1 and m > 1 else ''})"
+             for h, w, r, c in kinds]
+    return f"{m} image{'s' if m > 1 else ''} " + ("of " + words[0] if len(kinds) == 1 else "(" + "; ".join(words) + ")")
+
+
+def crop_line(cfg: ModelConfig, row: CropRow, text_len: int, length: int) -> str:
+    """An any-resolution row's budgets: crops used of T, image positions used of the row's."""
+    rule, m = tile_rule(cfg, row.crops, len(row.tilings)), len(row.tilings)
+    used = sum(1 + r * c for _, _, r, c in row.tilings)
+    tokens = sum(rule.count(h, w, m) for h, w, _, _ in row.tilings)
+    return (f"vision crops per row: {used} of --max-tiles {row.crops} ({1 - used / row.crops:.0%} padding); decoder "
+            f"positions per row: {length - text_len} image ({tokens} used) + {text_len} text = {length}")

@@ -37,15 +37,15 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, fail, load_preset
 from ..data.args import DataArgs
-from ..data.dataset import ROW_FLAGS, dynamic, row_patches, row_text_len
+from ..data.dataset import ROW_FLAGS, dynamic, row_patches, row_text_len, row_tiles
 from ..flags import add_flags, from_namespace
 from ..model.args import ModelArgs
 from ..model.builder import check_lora_rank
-from ..model.costs import PatchRow
+from ..model.costs import CropRow, PatchRow
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
-from .images import parse_image_sizes, patch_row
+from .images import crop_line, crop_words, parse_image_sizes, patch_row
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
 from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, asked
 
@@ -214,7 +214,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
         args.max_images = len(sizes)  # a row holds one image of each size
     data = from_namespace(DataArgs, args, only=ROW_FLAGS)
     args.text_len = row_text_len(data, cfg, None, problems)
-    max_patches = row_patches(data, cfg, problems)
+    max_patches = row_patches(data, cfg, problems) or row_tiles(data, cfg, problems)  # P, or tiles' T
     if problems:
         raise ConfigError("\n".join(problems))
     if args.pack and args.max_images is None:  # train derives them from the data (data.dataset.packed_image_slots)
@@ -228,7 +228,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
 def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora, patches: PatchRow | None = None) -> str:
     """What a plan with no fitting layout can try: only the levers not already pulled (a dynamic-resolution
     row: a smaller patch budget and text first, the P x P masks and L x L of every block scale with them)."""
-    hints = [f"a smaller --max-patches than {patches.patches} or --text-len than {args.text_len}"] if patches else []
+    hints = [f"a smaller {_budget(patches)} or --text-len than {args.text_len}"] if patches else []
     hints += [] if args.checkpointing else ["--checkpointing"]
     hints += [] if args.zero >= 1 else ["--zero 1"]
     hints += ["smaller --micro"] if min(micros, default=1) > 1 else []
@@ -266,7 +266,9 @@ def main_plan(args) -> int:
     feasible = [lay for lay in layouts if lay.step]
     length = row_positions(cfg, args.text_len, args.max_images, patches)
     if args.json:  # throughput: rows/s (samples/s unless packed); positions_per_s = rows/s x L, padding included
-        row = {"max_patches": patches.patches, "image_grids": [list(g) for g in patches.grids]} if patches else {}
+        row = ({"max_tiles": patches.crops, "image_tilings": [list(g) for g in patches.tilings]}
+               if isinstance(patches, CropRow) else
+               {"max_patches": patches.patches, "image_grids": [list(g) for g in patches.grids]} if patches else {})
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput, "decoder_length": length,
                            "positions_per_s": lay.throughput * length, **row} for lay in layouts], indent=1))
     else:
@@ -282,7 +284,7 @@ def main_plan(args) -> int:
         best = feasible[0]
         sched = "" if best.schedule == BASELINE.name else f", schedule {best.schedule}"
         rows = (f"{'--pack ' if args.pack else ''}--max-images {args.max_images} "
-                if args.pack or args.max_images > 1 else "") + (f"--max-patches {patches.patches} " if patches else "")
+                if args.pack or args.max_images > 1 else "") + (f"{_budget(patches, ' ')} " if patches else "")
         print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro {best.micro} x GAS "
               f"{best.gas} = global batch {best.micro * best.gas * best.dp}{sched}); run it with mmpipe train "
               f"--ds-config {args.write_config} --dp {best.dp} {rows}--text-len {args.text_len}")
@@ -308,7 +310,9 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
     length = row_positions(cfg, args.text_len, images, patches)
     rows = (f"{'; rows hold several samples (--pack)' if args.pack else '; one sample per row'}; global batch "
             f"and micro-batch count rows")
-    if patches:
+    if isinstance(patches, CropRow):
+        print(crop_line(cfg, patches, args.text_len, length) + rows)
+    elif patches:
         print(_patch_line(cfg, args, patches, length) + rows)
     elif images > 1 or args.pack:
         print(f"decoder positions per row: {images} image slots x {per_image} + {args.text_len} text = {length}" + rows)
@@ -344,8 +348,15 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
     print(f"(planned in {seconds:.2f} s, nothing allocated)")
 
 
+def _budget(row, between: str = " than ") -> str:
+    """The row's vision budget flag and value, e.g. '--max-patches than 16384', '--max-tiles 37'."""
+    return f"--max-tiles{between}{row.crops}" if isinstance(row, CropRow) else f"--max-patches{between}{row.patches}"
+
+
 def _patch_words(cfg, args, patches: PatchRow) -> str:
     """The header's image part for a dynamic-resolution row: its images, each size's resized size and grid."""
+    if isinstance(patches, CropRow):
+        return crop_words(cfg, args, patches)
     p, m, merge = cfg.vision.patch_size, len(patches.grids), cfg.vision.merge_size ** 2
     sizes = args.image_size.split(",") if args.image_size else [""]
     kinds = dict.fromkeys((sizes[k % len(sizes)], g) for k, g in enumerate(patches.grids))  # in order, once each

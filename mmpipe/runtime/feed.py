@@ -29,8 +29,9 @@ def decoder_length(run: RunConfig) -> int:
 
 
 def run_shape(run: RunConfig) -> RowShape:
-    """The run's row: --max-images slots, --text-len, and a dynamic family's patch budget (--max-patches)."""
-    return row_shape(run.model, run.max_images, run.text_len, run.data.max_patches)
+    """The run's row: --max-images slots, --text-len, and a dynamic family's patch budget (--max-patches) or the
+    any-resolution family's crop budget (--max-tiles)."""
+    return row_shape(run.model, run.max_images, run.text_len, run.data.max_patches, run.data.max_tiles)
 
 
 class StepCounts:
