@@ -20,6 +20,7 @@ from .config import ConfigError, ModelConfig, config_from_dict, load_preset, rea
 from .data.dataset import DataOptions, packed_image_slots, resolve_data
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
+from .model.attention import attention_choice
 from .model.builder import check_lora_rank
 from .model.families import family_of
 from .model.lora import Lora, read_lora
@@ -188,6 +189,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if data is not None and args.eval_split and eval_data is not None:
         data = dataclasses.replace(data, holdout=args.eval_split, part="train")
     _check_flags(args, problems)
+    problems.attempt(attention_choice)  # the ranks' MMPIPE_ATTENTION (mmpipe.model.attention)
     freeze = problems.attempt(args.frozen_groups) or ()
     lora = problems.attempt(args.adapters)
     if ds is None:

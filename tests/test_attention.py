@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmpipe.cli import main
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.model import attention
 from mmpipe.model.attention import CAUSAL, attend, document_block_mask, row_attention, row_mask
@@ -108,6 +109,13 @@ def test_backend_by_device_and_override(monkeypatch):
         monkeypatch.setenv("MMPIPE_ATTENTION", value)
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             backend(cpu)
+
+
+def test_train_refuses_an_unknown_backend_before_any_rank(monkeypatch, capsys):
+    monkeypatch.setenv("MMPIPE_ATTENTION", "fast")
+    assert main(["train", "--preset", "tiny", "--stages", "2", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "mmpipe: error: MMPIPE_ATTENTION=fast: no such attention backend (valid: auto, dense, flex)"]
 
 
 def test_flex_on_cpu_still_has_no_backward_in_torch():

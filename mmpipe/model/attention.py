@@ -79,14 +79,20 @@ CAUSAL = _Causal()  # the whole row is one causal sample (its padding, if any, a
 BACKENDS = ("auto", "dense", "flex")  # MMPIPE_ATTENTION's values
 
 
+def attention_choice() -> str:
+    """MMPIPE_ATTENTION (unset: auto), or ConfigError in one line (mmpipe train checks it before any rank)."""
+    choice = os.environ.get("MMPIPE_ATTENTION") or "auto"
+    if choice not in BACKENDS:
+        raise ConfigError(f"MMPIPE_ATTENTION={choice}: no such attention backend (valid: {', '.join(BACKENDS)})")
+    return choice
+
+
 def attention_backend(device: torch.device) -> str:
     """How rows attend on this device: one-sample rows CAUSAL, packed ones 'flex' (FlexAttention, compiled)
     on CUDA or 'mask' (row_mask through SDPA) elsewhere: torch 2.14's FlexAttention has no backward on CPU,
     and eager it materializes every score anyway (docs/attention.md). MMPIPE_ATTENTION=dense: the reference,
     row_mask for every row, causal ones too; =flex: FlexAttention (CUDA only)."""
-    choice = os.environ.get("MMPIPE_ATTENTION", "auto")
-    if choice not in BACKENDS:
-        raise ConfigError(f"MMPIPE_ATTENTION={choice}: no such attention backend (valid: {', '.join(BACKENDS)})")
+    choice = attention_choice()
     if choice == "flex" and device.type != "cuda":
         raise ConfigError(f"MMPIPE_ATTENTION=flex: FlexAttention needs CUDA (torch's has no backward on "
                           f"{device.type}); unset it or set dense")
