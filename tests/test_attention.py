@@ -29,7 +29,7 @@ def packed_segments(samples: int, rows: int = 2, pad: int = 17, seed: int = 0) -
     return out
 
 
-def qkv(rows: int, heads: int, kv_heads: int, dim: int = 8, seed: int = 1):
+def qkv(rows: int, heads: int, kv_heads: int, dim: int = 16, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(rows, h, L, dim, generator=g).requires_grad_() for h in (heads, kv_heads, kv_heads)]
 
@@ -56,7 +56,7 @@ def flex_on_cpu(monkeypatch):
 def test_flex_document_mask_equals_the_dense_mask_with_gradients(flex_on_cpu, samples, heads, kv_heads):
     segments = packed_segments(samples)
     q, k, v = qkv(2, heads, kv_heads)
-    upstream = torch.randn(2, heads, L, 8, generator=torch.Generator().manual_seed(2))
+    upstream = torch.randn(2, heads, L, 16, generator=torch.Generator().manual_seed(2))
     block = document_block_mask(segments)
     flex, dense = out_and_grads(block, q, k, v, upstream), out_and_grads(row_mask(segments), q, k, v, upstream)
     for name, a, b in zip(("out", "dq", "dk", "dv"), flex, dense):
@@ -65,12 +65,23 @@ def test_flex_document_mask_equals_the_dense_mask_with_gradients(flex_on_cpu, sa
         assert block.kv_num_blocks.sum() + block.full_kv_num_blocks.sum() < 2 * (1 + 2 + 3)
 
 
+def test_small_heads_attend_under_the_mask_the_block_mask_encodes():
+    """Compiled flex needs head dim >= 16 (llava-tiny has 8): such heads take dense_of(BlockMask), row_mask's."""
+    segments = packed_segments(8)
+    block = document_block_mask(segments)
+    assert torch.equal(attention.dense_of(block), row_mask(segments))
+    q, k, v = (t[..., :8] for t in qkv(2, 4, 2))  # no flex call: no CPU backward needed
+    upstream = torch.randn(2, 4, L, 8)
+    small, dense = out_and_grads(block, q, k, v, upstream), out_and_grads(row_mask(segments), q, k, v, upstream)
+    assert all(torch.equal(a, b) for a, b in zip(small, dense))
+
+
 def test_flex_keeps_the_moondream_prefix_bidirectional(flex_on_cpu):
     segments = packed_segments(2, rows=1)
     prefix = attention.row_positions(segments) == 0  # each sample's BOS (row_attention adds it)
     prefix[0, 1:20] = True  # and sample 1's image block after it
     q, k, v = qkv(1, 2, 2)
-    upstream = torch.randn(1, 2, L, 8)
+    upstream = torch.randn(1, 2, L, 16)
     flex = out_and_grads(document_block_mask(segments, prefix), q, k, v, upstream)
     dense = out_and_grads(row_mask(segments, prefix), q, k, v, upstream)
     assert all((a - b).abs().max() < 1e-5 for a, b in zip(flex, dense))
@@ -83,7 +94,7 @@ def test_one_sample_rows_take_the_causal_path_equal_to_the_mask():
     segments[0, 250:], segments[1, 290:] = 0, 0
     assert row_attention(segments) is CAUSAL
     q, k, v = qkv(2, 4, 2)
-    upstream = torch.randn(2, 4, L, 8) * (segments > 0)[:, None, :, None]  # labels ignore the padding
+    upstream = torch.randn(2, 4, L, 16) * (segments > 0)[:, None, :, None]  # labels ignore the padding
     causal, dense = out_and_grads(CAUSAL, q, k, v, upstream), out_and_grads(row_mask(segments), q, k, v, upstream)
     real = (segments > 0)[:, None, :, None]
     assert ((causal[0] - dense[0]) * real).abs().max() < 1e-5

@@ -161,9 +161,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torc
     gqa = k.shape[1] != q.shape[1]
     if mask is CAUSAL:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if mask is not None and not isinstance(mask, torch.Tensor) and q.shape[-1] < FLEX_MIN_HEAD_DIM:
+        mask = dense_of(mask)
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return flex_kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+FLEX_MIN_HEAD_DIM = 16  # compiled flex's kernels (tl.dot) need it: llava-tiny's 8 attends under dense_of
+
+
+def dense_of(block_mask) -> torch.Tensor:
+    """The bool [B, 1, L, L] a BlockMask encodes (its rule at every pair): row_mask's, for head dims flex
+    cannot compile; tiny models only, so it is rebuilt per call rather than kept."""
+    from torch.nn.attention.flex_attention import create_mask
+    B, _, Q, KV = block_mask.shape
+    return create_mask(block_mask.mask_mod, B, 1, Q, KV, block_mask.kv_num_blocks.device)
 
 
 _ROW_CACHE: dict = {}
