@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -81,11 +82,29 @@ def baseline(tmp_path_factory, data, ds_config) -> Run:
     return train_run(out, *_args(data, ds_config, "--stages", "2")).check()
 
 
+def _monitored_config(root: Path) -> Path:
+    """ds_config's batches with DeepSpeed's tensorboard and csv_monitor sections on, writing under root."""
+    return write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                           tensorboard={"enabled": True, "output_path": str(root / "tb"), "job_name": "run"},
+                           csv_monitor={"enabled": True, "output_path": str(root / "csv"), "job_name": "run"})
+
+
+@pytest.fixture(scope="module")
+def pp2_validated(tmp_path_factory, data) -> Run:
+    """PP=2 with validation and the monitors on: the (2, 1) layout below, the monitors' test and the
+    resume test's first part."""
+    root = tmp_path_factory.mktemp("pp2")
+    return train_run(root / "run", *_eval_args(data, _monitored_config(root), "--stages", "2")).check()
+
+
 @pytest.mark.parametrize("stages,dp", [(1, 1), (2, 1), (4, 1), (1, 2)])
 def test_validation_loss_equals_the_reference_and_training_is_untouched(tmp_path, data, ds_config, baseline,
-                                                                        stages, dp):
-    out = tmp_path / "run"
-    run = train_run(out, *_eval_args(data, ds_config, "--stages", str(stages), "--dp", str(dp))).check()
+                                                                        request, stages, dp):
+    if (stages, dp) == (2, 1):
+        run = request.getfixturevalue("pp2_validated")
+    else:
+        run = train_run(tmp_path / "run", *_eval_args(data, ds_config, "--stages", str(stages), "--dp", str(dp)))
+    out = run.check().out
     rows = _rows(out / "eval_log.csv")
     assert [int(r["step"]) for r in rows] == [2, 3]  # every 2 steps and at the end
     assert {(r["eval_samples"], r["eval_tokens"]) for r in rows} == {(rows[0]["eval_samples"], rows[0]["eval_tokens"])}
@@ -98,19 +117,15 @@ def test_validation_loss_equals_the_reference_and_training_is_untouched(tmp_path
     assert run.summary["eval_loss"] == float(rows[-1]["eval_loss"]) and run.summary["eval_step"] == STEPS
     if stages > 1:  # eval_batch's messages as well: each stage reads its integer tensors itself
         run.assert_only_floats_crossed(per_forward=None)
-    if (stages, dp) == (2, 1):  # the same layout without validation: bit-identical training
+    if (stages, dp) == (2, 1):  # the same layout without validation (nor monitors): bit-identical training
         assert run.losses == baseline.losses
 
 
-def test_monitors_receive_the_runs_numbers(tmp_path, data):
+def test_monitors_receive_the_runs_numbers(pp2_validated):
     """tensorboard and csv_monitor sections of the DeepSpeed JSON: DeepSpeed's own train_loss / lr,
     and mmpipe's throughput, validation loss and per-stage timing, keyed by samples trained."""
-    tb, csvd = tmp_path / "tb", tmp_path / "csv"
-    cfg = write_ds_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
-                          tensorboard={"enabled": True, "output_path": str(tb), "job_name": "run"},
-                          csv_monitor={"enabled": True, "output_path": str(csvd), "job_name": "run"})
-    out = tmp_path / "run"
-    train_run(out, *_eval_args(data, cfg, "--stages", "2")).check()
+    out = pp2_validated.out
+    tb, csvd = out.parent / "tb", out.parent / "csv"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb / "run"))
     acc.Reload()
@@ -148,12 +163,14 @@ def test_eval_split_holds_records_out_of_training(tmp_path, data, ds_config):
     assert len(trained) == 90 and not trained & held  # 12 steps x 8 = 96 positions: one epoch of the other 90
 
 
-def test_a_resumed_run_validates_each_step_once(tmp_path, data, ds_config):
-    """Validation after a resume appends to eval_log.csv; each validated step appears once."""
+def test_a_resumed_run_validates_each_step_once(tmp_path, data, pp2_validated):
+    """Validation after a resume appends to eval_log.csv; each validated step appears once. A copy of the
+    3-step PP=2 run (validated at 2 and 3) resumed to 5: validated again at 4 and 5 only."""
     out = tmp_path / "run"
-    train_run(out, *_eval_args(data, ds_config, "--stages", "2", "--steps", "2")).check()
-    train_run(out, *_eval_args(data, ds_config, "--stages", "2", "--steps", "4", "--resume")).check()
-    assert [int(r["step"]) for r in _rows(out / "eval_log.csv")] == [2, 4]
+    shutil.copytree(pp2_validated.out, out)
+    cfg = _monitored_config(tmp_path)
+    train_run(out, *_eval_args(data, cfg, "--stages", "2", "--steps", "5", "--resume")).check()
+    assert [int(r["step"]) for r in _rows(out / "eval_log.csv")] == [2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("extra,expect", [
