@@ -248,7 +248,9 @@ class ModelConfig:
             (self.cross_attn_gate_scale > 0, "cross_attn_gate_scale", f"{self.cross_attn_gate_scale} must be > 0"),
             (self.cross_attn_heads >= 0 and t.dim % (self.cross_attn_heads or t.n_heads) == 0, "cross_attn_heads",
              f"{self.cross_attn_heads}: text.dim {t.dim} must be divisible by it"),
-            (v.image_size % v.patch_size == 0, "vision.image_size",
+            # any-resolution towers may leave a remainder, as transformers' conv does (OneVision's SigLIP: 384 px
+            # / 14 -> 27 x 27 patches)
+            (v.image_size % v.patch_size == 0 or bool(v.grid_pinpoints), "vision.image_size",
              f"{v.image_size} is not a multiple of patch_size {v.patch_size}"),
             (v.dim % v.n_heads == 0, "vision.dim", f"{v.dim} is not divisible by n_heads {v.n_heads}"),
             (t.dim % t.n_heads == 0, "text.dim", f"{t.dim} is not divisible by n_heads {t.n_heads}"),
