@@ -31,6 +31,7 @@ from mmpipe.cli import main
 from mmpipe.config import ConfigError
 from mmpipe.hf.adapter import export_adapter
 from mmpipe.hf.llava_next import config_from_hf, export_hf, import_llava_next, key_map
+from mmpipe.hf.llava_next import hf_config as hf_config_of
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.llava_next import image_feature_count, pooled_shape
@@ -246,3 +247,14 @@ def test_unsupported_aspect_ratio_is_one_line():
     hf.vision_aspect_ratio = "anyres"
     with pytest.raises(ConfigError, match="vision_aspect_ratio: 'anyres' .supported: anyres_max_N"):
         config_from_hf(hf)
+
+
+def test_real_shapes_read():
+    """transformers' default configs (LLaVA-v1.6's CLIP-L 336 and 5 pinpoints; OneVision's SigLIP 384 px / 14,
+    27 x 27 patches, and anyres_max_9 over 36 pinpoints) read into valid configs that write back the class."""
+    from transformers import LlavaNextConfig, LlavaOnevisionConfig
+    for hf, want in ((LlavaNextConfig(image_token_id=31999), (336, 24, 576, 0, 5)),
+                     (LlavaOnevisionConfig(), (384, 27, 729, 9, 36))):
+        v = config_from_hf(hf).vision
+        assert (v.image_size, v.grid, v.n_features, v.anyres_max, len(v.grid_pinpoints)) == want
+        assert type(hf_config_of(config_from_hf(hf))) is type(hf)

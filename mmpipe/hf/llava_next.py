@@ -47,7 +47,7 @@ def config_from_hf(hf, name: str = "hf", mean=None, std=None) -> ModelConfig:
     decoder and projector, then the pinpoints and cap). Refuses what the layers do not implement."""
     if getattr(hf, "multimodal_projector_bias", True) is False:
         _fail("multimodal_projector_bias", "false: only the projector with biases is supported")
-    base = llava.config_from_hf(hf, name, mean, std)
+    base = llava.config_from_hf(hf, name, mean, std, check=False)
     pinpoints = tuple(tuple(int(x) for x in p) for p in hf.image_grid_pinpoints)
     vision = dataclasses.replace(base.vision, grid_pinpoints=pinpoints, anyres_max=_anyres_max(hf))
     cfg = dataclasses.replace(base, family="llava_next", vision=vision)
