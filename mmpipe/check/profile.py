@@ -48,10 +48,11 @@ def model_seconds(run: RunConfig, kinds: dict) -> float:
 
 def this_rank(run: RunConfig, dev: torch.device) -> dict:
     """This rank's layer-kind table (seconds per sample) and the model's seconds per micro-batch by it."""
-    if getattr(run.model.layout, "dynamic", False):
-        return {"rank": dist.get_rank(), "error": f"not for a dynamic-resolution preset ({run.model.family}) yet"}
-    kinds = profile_layers(run.model, run.text_len, run.micro, run.precision, threads=torch.get_num_threads(),
-                           images=run.max_images, device=str(dev))
+    try:
+        kinds = profile_layers(run.model, run.text_len, run.micro, run.precision, threads=torch.get_num_threads(),
+                               images=run.max_images, device=str(dev))
+    except RuntimeError as e:  # e.g. out of memory on a wide layer kind: named in the table, the other checks stand
+        return {"rank": dist.get_rank(), "error": str(e).splitlines()[0][:200]}
     return {"rank": dist.get_rank(), "kinds": kinds, "seconds": model_seconds(run, kinds)}
 
 
@@ -104,14 +105,18 @@ def _base_device(run: RunConfig, dev: torch.device) -> Device:
 
 def check(run: RunConfig, dev: torch.device, out_dir: str, link_rows: list[dict], small: RunConfig | None = None,
           measured_step: float | None = None) -> dict | None:
-    """Collective; rank 0 writes OUT_DIR/device_profile.json and returns the result (None elsewhere)."""
+    """Collective; rank 0 writes OUT_DIR/device_profile.json and returns the result (None elsewhere). A
+    dynamic-resolution preset is skipped (passes, no profile): profile_layers times fixed-size images only."""
+    if getattr(run.model.layout, "dynamic", False):
+        return {"ok": True, "skipped": f"no profile for a dynamic-resolution preset ({run.model.family}) yet"} \
+            if dist.get_rank() == 0 else None
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, this_rank(run, dev))
     if dist.get_rank() != 0:
         return None
     errors = [f"rank {r['rank']}: {r['error']}" for r in rows if "error" in r]
     if errors:
-        return {"ok": False, "error": errors[0]}
+        return {"ok": False, "error": "; ".join(errors)}
     slowest = max(rows, key=lambda r: r["seconds"])
     base = _base_device(run, dev)
     doc = profile_doc(run, slowest, base, link_rows, 0.0)

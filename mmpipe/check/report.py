@@ -37,7 +37,7 @@ def summaries(checks: dict) -> dict[str, str]:
         f"{eq['worst_grad_norm']['where']})")
     for k, line in (("memory", _memory_line), ("profile", _profile_line)):
         if checks.get(k) is not None:
-            out[k] = checks[k].get("error") or line(checks[k])
+            out[k] = checks[k].get("error") or checks[k].get("skipped") or line(checks[k])
     need = loader["pipeline_rows_per_s"]
     out["loader"] = (f"the loader feeds {loader['rows_per_s']:.1f} of the "
                      f"{f'{need:.1f}' if need else 'unknown (no planner device)'} rows/s the pipeline can take "
