@@ -12,7 +12,7 @@ the processor makes), without --max-patches P is train's default (mmpipe.data.pa
 
 The any-resolution family (LLaVA-NeXT / OneVision, vision.grid_pinpoints) -> the row's CropRow: its crop budget T
 (--max-tiles, default train's: mmpipe.data.anyres) and each image's tiling as transformers' processor picks it
-(select_best_resolution), e.g. llava-onevision-qwen2-72b, 1024x768: 2 x 3 tiles of 384 px, 7 crops and 6125
+(select_best_resolution), e.g. llava-onevision-qwen2-72b, 1024x768: 2 x 3 tiles of 384 px, 7 crops and 4725
 decoder positions. Without --image-size the image is the largest pinpoint (the most tiles and positions).
 """
 from __future__ import annotations
