@@ -1,9 +1,11 @@
 """A job dies — SIGKILL between checkpoints, a crash mid-save, a NaN batch — and loses at most the
-work since its last checkpoint, never a checkpoint; a checkpoint resumes under another stage count."""
+work since its last checkpoint, never a checkpoint; a clean stop resumes exactly, also under another
+stage count; a tampered checkpoint is refused."""
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,10 +88,25 @@ def test_killed_during_a_save_keeps_the_previous_checkpoint_latest(tmp_path, cfg
     assert resumed.summary["start_step"] == 2 and resumed.losses == uninterrupted.losses
 
 
-@pytest.mark.parametrize("stages", [1, 4])
-def test_resume_under_another_stage_count(tmp_path, cfg, uninterrupted, stages):
+@pytest.fixture(scope="module")
+def stopped_at_4(tmp_path_factory, cfg):
+    """A 2-stage run stopped cleanly after step 4 (the schedule fixed at 12 steps): each test resumes a copy."""
+    return train_run(tmp_path_factory.mktemp("cut") / "run", *_args(cfg, "--steps", "4")).check()
+
+
+@pytest.mark.parametrize("stages", [2, 1, 4])
+def test_resume_under_another_stage_count(tmp_path, cfg, uninterrupted, stopped_at_4, stages):
+    """A clean stop and --resume continues the step count and the loss curve: under the same stage count
+    every later loss is the uninterrupted run's, bit for bit, and the log has one row per step; under
+    another, the first loss after loading is (same weights, data position and LR)."""
     out = tmp_path / "run"
-    train_run(out, *_args(cfg, "--steps", "4")).check()  # 2 stages
+    shutil.copytree(stopped_at_4.out, out)
+    if stages == 2:
+        resumed = train_run(out, *_args(cfg, "--steps", "6", "--resume")).check()
+        assert resumed.summary["start_step"] == 4
+        assert [int(r["step"]) for r in resumed.rows] == list(range(1, 7))
+        assert resumed.losses == {s: uninterrupted.losses[s] for s in range(1, 7)}
+        return
     moved = train_run(out, *_args(cfg, "--steps", "5", "--resume", "--stages", str(stages))).check()
     assert f"this run is {stages} x dp 1" in moved.proc.stdout and "starts again from zero" in moved.proc.stdout
     assert moved.summary["start_step"] == 4 and moved.summary["stages"] == stages
@@ -138,15 +155,15 @@ class _RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_a_tampered_checkpoint_is_refused_not_run(tmp_path, cfg):
+def test_a_tampered_checkpoint_is_refused_not_run(tmp_path, cfg, stopped_at_4):
     out = tmp_path / "run"
-    train_run(out, *_args(cfg, "--steps", "2")).check()
-    victim = out / "checkpoints" / "step2" / "mp_rank_01_model_states.pt"
+    shutil.copytree(stopped_at_4.out, out)
+    victim = out / "checkpoints" / "step4" / "mp_rank_01_model_states.pt"
     state = torch.load(victim, weights_only=True)
     marker = tmp_path / "pwned"
     state["client_state"] = _RunsCode(marker)
     torch.save(state, victim)
-    proc = train_run(out, *_args(cfg, "--steps", "3", "--resume")).proc
+    proc = train_run(out, *_args(cfg, "--steps", "5", "--resume")).proc
     assert proc.returncode != 0 and not marker.exists()
     assert f"mmpipe: error: {victim}: refused to load: it holds objects other than tensors and plain data" in (
         proc.stdout + proc.stderr)
