@@ -144,6 +144,21 @@ def write_checkpoint(model, run_dir: Path) -> None:
         torch.save(layer.state_dict(), tag / f"layer_{i:02d}-model_states.pt")
 
 
+def refused(argv: list[str], capsys) -> list[str]:
+    """`mmpipe train ARGV` in this process, which must be refused at the front door (exit 2, before any
+    rank or launcher starts: the place every refusal of a flag, config or data set happens); its stderr
+    lines. In-process because a new interpreter costs ~4 s of imports for a one-line answer."""
+    from mmpipe.cli import main
+    capsys.readouterr()
+    try:
+        code = main(["train", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    return [ln for ln in err.splitlines() if ln.strip()]
+
+
 def train_run(out: Path, *args: str) -> Run:
     # every rank logs what it sends to the next / previous stage (Run.wire)
     return Run(out, mmpipe_train(["--output-dir", str(out), *args], MMPIPE_WIRE_LOG=str(out)))

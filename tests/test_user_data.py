@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import mmpipe_train, train_run, write_ds_config
+from conftest import refused, train_run, write_ds_config
 from fixtures_data import HUGE_LIMIT, write_fuzz_set
 from mmpipe.data.export import export_shapes
 from mmpipe.data.records import BAD_KINDS
@@ -76,13 +76,11 @@ def test_bad_records_are_counted_and_every_good_record_is_trained_on(tmp_path, s
     assert "15 skipped" in run.proc.stdout
 
 
-def test_strict_policy_stops_before_training_naming_file_line_and_reason(tmp_path):
+def test_strict_policy_stops_before_training_naming_file_line_and_reason(tmp_path, capsys):
     data, injected, _ = write_fuzz_set(tmp_path / "data")
-    proc = mmpipe_train(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "run"),
-                         "--text-len", "24", "--bad-records", "strict", "--steps", "2",
-                         "--max-image-pixels", str(HUGE_LIMIT)])
-    assert proc.returncode == 2
-    errors = proc.stderr.strip().splitlines()
+    errors = refused(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "run"),
+                      "--text-len", "24", "--bad-records", "strict", "--steps", "2",
+                      "--max-image-pixels", str(HUGE_LIMIT)], capsys)
     assert errors[0] == (f"mmpipe: error: --bad-records strict: {data}:2: corrupt_image: "
                          f"{tmp_path / 'data' / 'images' / 'corrupt.png'}: not a recognised image format")
     assert len(errors) == 11  # the first 10 bad records, then the counts by kind
@@ -92,11 +90,9 @@ def test_strict_policy_stops_before_training_naming_file_line_and_reason(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_dataset_of_only_bad_records_is_a_clear_error(tmp_path):
+def test_a_dataset_of_only_bad_records_is_a_clear_error(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"conversations": []}\nnot json\n')
-    proc = mmpipe_train(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "run")])
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+    assert refused(["--preset", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "run")], capsys) == [
         f"mmpipe: error: --data: every one of the 2 records of {data} is bad (1 bad_json, 1 missing_field); "
         f"first: {data}:1: missing_field: 'conversations' is missing or not a non-empty list"]
