@@ -131,4 +131,7 @@ def check(run: RunConfig, dev: torch.device, out_dir: str, link_rows: list[dict]
             "model_seconds_per_micro": {r["rank"]: r["seconds"] for r in rows},
             "median_seconds_per_micro": statistics.median(r["seconds"] for r in rows),
             "microbatch_overhead_s": doc["microbatch_overhead_s"], "link_bytes_per_s": doc["link_bytes_per_s"],
-            "allreduce_bytes_per_s": doc["allreduce_bytes_per_s"]}
+            "allreduce_bytes_per_s": doc["allreduce_bytes_per_s"],
+            # the row shape it was timed at: plan's own default --text-len is the model's context, not the data's
+            "plan_flags": f"--precision {run.precision} --micro {run.micro} --text-len {run.text_len}"
+                          + (f" --max-images {run.max_images}" if run.max_images > 1 else "")}

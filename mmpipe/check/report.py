@@ -58,7 +58,7 @@ def _profile_line(p: dict) -> str:
     return (f"{p['path']}: {p['precision']} efficiency {p['efficiency']:.3f} of {p['peak_flops'] / 1e9:.1f} GFLOP/s "
             f"(slowest rank {p['slowest_rank']}: {p['model_seconds_per_micro'][p['slowest_rank']] * 1e3:.1f} ms per "
             f"micro-batch, forward + backward), per-slot overhead {p['microbatch_overhead_s'] * 1e3:.1f} ms; "
-            f"mmpipe plan --device-profile {p['path']}")
+            f"mmpipe plan --device-profile {p['path']} {p['plan_flags']}")
 
 
 def _mib(n: float | None) -> str:
