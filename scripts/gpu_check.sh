@@ -34,7 +34,7 @@ else
   OUT=${MMPIPE_GPU_CHECK_OUT:-runs/gpu_check}
   DOC=${MMPIPE_GPU_CHECK_DOC:-docs/gpu.md}
   P2B=moondream-2b P7B=llava-1.5-7b TEXT2B=0 TEXT7B=${MMPIPE_GPU_CHECK_7B_LAYERS:-8}  # 0: the preset's own layers
-  MICRO=8 GAS=2 STEPS=8 WARMUP=3 RUN_TIMEOUT=110
+  MICRO=4 GAS=4 STEPS=8 WARMUP=3 RUN_TIMEOUT=110  # plan: moondream-2b 76 GiB at micro 4 (117 of 131 at micro 8)
   ATTN_ARGS=()
   T_CHECK=120 T_BENCH=250 T_ATTN=60  # + env and report: under 8 minutes
 fi

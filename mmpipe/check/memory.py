@@ -105,6 +105,8 @@ def step(run: RunConfig, args: TrainArgs, rank: int, dev: torch.device) -> dict:
            "how": peak.what if peak else why}
     del engine, stream
     gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the full model's blocks back to the device before the other checks
     return out
 
 
