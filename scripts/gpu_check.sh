@@ -63,9 +63,12 @@ env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %
        "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if gpu else f"CPU ({platform.processor() or platform.machine()})",
        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if gpu else None,
        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None, "bf16": bool(gpu and torch.cuda.is_bf16_supported())}
-if gpu:
-    q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
-    env["driver"] = q.stdout.strip() or None
+try:
+    q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                       text=True, timeout=20)
+    env["driver"] = q.stdout.strip().splitlines()[0] if gpu and q.stdout.strip() else None
+except (OSError, subprocess.TimeoutExpired):  # no nvidia-smi: the driver is left out, the rest stands
+    env["driver"] = None
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 print(env)
 EOF
