@@ -69,7 +69,13 @@ def crop_row(cfg: ModelConfig, images: int = 1, max_tiles: int = 0,
     ConfigError in one line for images the row cannot hold (too_many_tiles) or the tiles cannot take."""
     images = max(1, images)
     rule = tile_rule(cfg, max_tiles, images)
-    sizes = sizes or [max(((w, h) for h, w in rule.pinpoints), key=lambda s: s[0] * s[1])]
+    if not sizes:  # train's cost table: images of the largest pinpoint T holds, as many as it holds
+        crops = {(h, w): 1 + (h // rule.size) * (w // rule.size) for h, w in rule.pinpoints}
+        fits = sorted((p for p, n in crops.items() if n <= rule.row_tiles), key=lambda p: -p[0] * p[1])
+        if not fits:
+            return CropRow(rule.row_tiles, ())
+        h, w = fits[0]
+        sizes, images = [(w, h)], max(1, min(images, rule.row_tiles // crops[fits[0]]))
     take = [sizes[k % len(sizes)] for k in range(images)]
     try:
         grids = rule.sample_grids(take)
