@@ -79,13 +79,14 @@ def slot_overhead(run: RunConfig, small: RunConfig | None, measured_step: float 
     return max(0.0, (measured_step - lay.step["step_s"]) / lay.step["slots"]) if lay.step else 0.0
 
 
-def profile_doc(run: RunConfig, slowest: dict, base: Device, link_rows: list[dict], overhead: float) -> dict:
-    """The profile JSON (calibrate.profile_of's fields) from the slowest rank's table."""
+def profile_doc(run: RunConfig, slowest: dict, base: Device, link_rows: list[dict]) -> dict:
+    """The profile JSON (calibrate.profile_of's fields) from the slowest rank's table; its per-slot overhead 0
+    until check() sets it (slot_overhead predicts with the rest of this profile)."""
     flops = sum(r.flops for r in run.layers) * run.micro
     eff = flops / (base.peak_flops * slowest["seconds"])
     bw = {k: min((r["bandwidth"] for r in link_rows if r["kind"] == k), default=None) for k in ("p2p", "all-reduce")}
     return {"kind": PROFILE_KIND, "version": 1, "device": base.name, "peak_flops": {run.precision: base.peak_flops},
-            "efficiency": {run.precision: eff}, "microbatch_overhead_s": overhead, "step_overhead_s": 0.0,
+            "efficiency": {run.precision: eff}, "microbatch_overhead_s": 0.0, "step_overhead_s": 0.0,
             "split_overhead_s": 0.0, "memory_bytes": base.memory, "link_bytes_per_s": bw["p2p"] or base.link,
             "allreduce_bytes_per_s": bw["all-reduce"] or base.allreduce_link or base.link,
             "fit": {"source": "mmpipe check", "model": run.model.name, "micro": run.micro, "rank": slowest["rank"],
@@ -119,7 +120,7 @@ def check(run: RunConfig, dev: torch.device, out_dir: str, link_rows: list[dict]
         return {"ok": False, "error": "; ".join(errors)}
     slowest = max(rows, key=lambda r: r["seconds"])
     base = _base_device(run, dev)
-    doc = profile_doc(run, slowest, base, link_rows, 0.0)
+    doc = profile_doc(run, slowest, base, link_rows)
     doc["microbatch_overhead_s"] = slot_overhead(run, small, measured_step,
                                                  profile_device({**doc, "_path": ""}, run.precision))
     path = Path(out_dir) / PROFILE_FILE
