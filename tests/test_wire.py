@@ -72,3 +72,43 @@ def test_integer_tensors_of_a_batch():
     assert wire.integer_tensors((px, ids, flag)) == (ids, flag)
     assert wire.integer_tensors((ids, flag)) == (ids, flag)
     assert wire.integer_tensors(None) == () and wire.integer_tensors(px) == ()
+
+
+def test_every_tensor_of_a_loaded_batch_reaches_the_ranks_device():
+    """The load hook moves the whole (inputs, labels) batch, labels' (labels, weights) pair included, to the
+    engine's device (asynchronously from pinned memory on CUDA), and files the integer tensors it moved:
+    the meta device stands in for a GPU here."""
+    class Engine:
+        device = torch.device("meta")
+        _mmpipe_wire = wire._Wire(None, None)
+    pixels, ids = torch.zeros(2, 3, 4, 4), torch.ones(2, 5, dtype=torch.long)
+    has_image, segments = torch.ones(2, 1, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+    batch = ((pixels, ids, has_image, segments), (torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5)))
+    engine = Engine()
+    got = wire._next_batch(engine, lambda: batch)
+    flat = [*got[0], *got[1]]
+    assert len(flat) == 6 and all(t.device.type == "meta" for t in flat)
+    assert [t.shape for t in flat] == [t.shape for t in (*batch[0], *batch[1])]
+    assert [t.dtype for t in engine._mmpipe_wire.loaded] == [torch.long] * 3
+    assert all(t.device.type == "meta" for t in engine._mmpipe_wire.loaded)
+    assert wire._next_batch(engine, lambda: None) is None and engine._mmpipe_wire.loaded == ()
+
+
+def test_the_loader_pins_its_batches_when_asked(monkeypatch):
+    """A CUDA rank's loader (runtime.trainer.DataStream: pin_memory when the engine's device is cuda) hands
+    the DataLoader pin_memory, and a bf16 cast of the pixels is pinned again."""
+    from mmpipe.data import batches
+    seen, pinned = {}, []
+
+    class Loader:
+        def __init__(self, *a, **kw):
+            seen.update(kw)
+
+        def __iter__(self):
+            yield {"pos": torch.arange(2), "input_ids": torch.ones(2, 3, dtype=torch.long),
+                   "has_image": torch.ones(2, 1, dtype=torch.long), "segments": torch.ones(2, 3, dtype=torch.long),
+                   "pixels": torch.zeros(2, 3, 4, 4), "labels": torch.zeros(2, 3, dtype=torch.long)}
+    monkeypatch.setattr(batches, "DataLoader", Loader)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t.dtype) or t)
+    (inputs, _), = list(batches.rank_batches(None, None, dtype=torch.bfloat16, pin_memory=True))
+    assert seen["pin_memory"] is True and pinned == [torch.bfloat16] and inputs[0].dtype == torch.bfloat16

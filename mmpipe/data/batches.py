@@ -68,23 +68,27 @@ def _one_thread(_):
 
 
 def rank_batches(dataset: Dataset, sampler: StepBatches, *, workers: int = 0, prefetch: int = 4,
-                 dtype: torch.dtype = torch.float32, on_batch: Callable[[torch.Tensor], None] | None = None
-                 ) -> Iterator[tuple]:
+                 dtype: torch.dtype = torch.float32, on_batch: Callable[[torch.Tensor], None] | None = None,
+                 pin_memory: bool = False) -> Iterator[tuple]:
     """Endless ((pixel_values, input_ids, has_image, segments[, tiling]), labels) micro-batches in
     DeepSpeed's (inputs, labels) form; without images inputs is the integer tensors alone (what a stage
     after the first joins to the floats it receives, mmpipe.runtime.wire), labels None without labels, and
     (labels, weights) with loss weights (mmpipe.data.packing.LossNorm). Worker processes decode
     ahead (`prefetch` micro-batches each) and the DataLoader hands batches back in sampler order.
-    on_batch(positions) sees what is consumed, for --log-samples."""
+    on_batch(positions) sees what is consumed, for --log-samples. pin_memory (a CUDA rank): batches in
+    page-locked memory, so the rank's copy to its GPU can be asynchronous (mmpipe.runtime.wire.to_device)."""
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                         prefetch_factor=prefetch if workers else None, worker_init_fn=_one_thread if workers else None,
-                        persistent_workers=False)
+                        persistent_workers=False, pin_memory=pin_memory)
     for b in loader:
         if on_batch is not None:
             on_batch(b["pos"])
         # the stage tuple's order: floats, then input_ids, has_image, segments, tiling
         inputs = (b["input_ids"], b["has_image"], b["segments"]) + ((b["tiling"],) if "tiling" in b else ())
         if "pixels" in b:
-            inputs = (b["pixels"].to(dtype),) + inputs
+            pixels = b["pixels"].to(dtype)
+            if pin_memory and pixels is not b["pixels"]:  # the cast (bf16 / fp16 runs) made a pageable copy
+                pixels = pixels.pin_memory()
+            inputs = (pixels,) + inputs
         labels = (b["labels"], b["weights"]) if "weights" in b else b.get("labels")
         yield inputs, labels

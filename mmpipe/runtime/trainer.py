@@ -252,7 +252,8 @@ class DataStream:
                 self.seen.write("position,sample,row\n" if self.plan else "position,row\n")
         batches = rank_batches(dataset, StepBatches(progress.position, run.micro, run.gas, dp_rank, run.dp),
                                workers=run.data.workers if images else 0, dtype=DTYPES[run.precision],
-                               on_batch=self._log_seen if self.seen else None)
+                               on_batch=self._log_seen if self.seen else None,
+                               pin_memory=torch.device(engine.device).type == "cuda")
         self.batches = nan_fault(batches, progress.step, run.gas)
 
     def _log_seen(self, positions) -> None:

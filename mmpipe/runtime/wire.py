@@ -90,9 +90,22 @@ def _exec_forward(self, buffer_id):
         self.module.wire_ints = None
 
 
+def to_device(batch, device):
+    """A batch's tensors (nested in tuples, as (inputs, labels)) on the rank's device. non_blocking: from the
+    loader's pinned memory (mmpipe.data.batches.rank_batches, pin_memory on CUDA) the host-to-device copy
+    is queued on the stream and overlaps the work queued before it, where DeepSpeed's own load
+    (`.clone().to(device)`) would wait for it; the caching host allocator keeps the pinned buffer until the
+    copy is done. On the CPU it is the tensors themselves."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(t, device) for t in batch)
+    return batch
+
+
 def _next_batch(self, next_batch):
-    batch = next_batch()
-    self._mmpipe_wire.loaded = tuple(t.to(self.device) for t in integer_tensors(None if batch is None else batch[0]))
+    batch = to_device(next_batch(), self.device)
+    self._mmpipe_wire.loaded = integer_tensors(None if batch is None else batch[0])
     return batch
 
 
