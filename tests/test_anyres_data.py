@@ -74,7 +74,8 @@ def hf_processor(kind: str):
 def hf_placeholders(kind: str, images: list) -> list[int]:
     """Each image's placeholder count in the ids transformers' processor makes of '<image> and ... <image> what'."""
     proc = hf_processor(kind)
-    ids = proc(text=" and ".join(["<image>"] * len(images)) + " what", images=[images], return_tensors="pt").input_ids[0]
+    text = " and ".join(["<image>"] * len(images)) + " what"
+    ids = proc(text=text, images=[images], return_tensors="pt").input_ids[0]
     return runs(ids.numpy() == proc.image_token_id)
 
 
@@ -286,3 +287,14 @@ def test_reference_model_trains_on_a_packed_micro_batch(data, tmp_path):
     assert torch.isfinite(loss) and labels.ne(IGNORE_INDEX).sum() > 0
     assert next(model[0].parameters()).grad.abs().sum() > 0
 
+
+
+def test_pack_alone_sizes_slots_and_the_crop_budget_from_the_data(data, tmp_path):
+    """--pack, no --max-images / --max-tiles: the data's mean sample sets M (mmpipe.data.dataset.packed_image_slots)
+    and T follows it (M x 5 crops), on the same index: the index's refusals never depend on the slots chosen."""
+    from mmpipe.data.dataset import packed_image_slots
+    cfg, opts, samples = load(data, tmp_path, pack=True)
+    assert opts.auto_tiles and (opts.max_images, opts.max_tiles) == (1, 5)
+    packed = packed_image_slots(opts, cfg, tmp_path, seed=0)
+    assert packed.max_images > 1 and packed.max_tiles == 5 * packed.max_images
+    assert prepare(packed, cfg, tmp_path, seed=0, verbose=False).index.stats == samples.index.stats
