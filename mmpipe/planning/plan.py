@@ -214,7 +214,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
         args.max_images = len(sizes)  # a row holds one image of each size
     data = from_namespace(DataArgs, args, only=ROW_FLAGS)
     args.text_len = row_text_len(data, cfg, None, problems)
-    max_patches = row_patches(data, cfg, problems) or row_tiles(data, cfg, problems)  # P, or tiles' T
+    max_patches, max_tiles = row_patches(data, cfg, problems), row_tiles(data, cfg, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     if args.pack and args.max_images is None:  # train derives them from the data (data.dataset.packed_image_slots)
@@ -222,7 +222,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
               "them: 'mmpipe: --pack: M image slots per row'); plan has no data and costs M = 1 - give that "
               "--max-images M here")
     args.max_images = args.max_images or 1
-    return patch_row(cfg, args.max_images, max_patches, sizes)
+    return patch_row(cfg, args.max_images, max_patches or max_tiles, sizes)  # the row's P, or tiles' T
 
 
 def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora, patches: PatchRow | None = None) -> str:
