@@ -80,8 +80,9 @@ def image(w: int, h: int, seed: int) -> Image.Image:
 
 
 def encode(kind: str, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel_values [n, max crops, 3, 56, 56], image_sizes [n, 2] (h, w)) from transformers' image processor."""
-    out = processor(kind)(images=images, return_tensors="pt")
+    """(pixel_values [n, max crops, 3, 56, 56], image_sizes [n, 2] (h, w)) from transformers' image processor, the
+    images as one sample's (OneVision pads the base crop of an image of a several-image sample to a square)."""
+    out = processor(kind)(images=[images], return_tensors="pt")
     return out["pixel_values"], out["image_sizes"]
 
 
