@@ -107,6 +107,23 @@ def test_import_gives_hf_logits(qwen):
         assert (got - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL, name
 
 
+def test_geometry_is_built_once_per_micro_batch(qwen, monkeypatch):
+    """The tower's masks and rotary are built once per block kind (Qwen2.5: windowed and full) and the
+    decoder's multimodal positions once, for all blocks of a forward: they come from the integer tensors
+    alone, which no layer changes (mmpipe.model.attention.row_cached)."""
+    from mmpipe.model import qwen2_vl
+    kind, _, _, model, _ = qwen
+    calls = []
+    for name in ("vision_geometry", "mrope_positions"):
+        real = getattr(qwen2_vl, name)
+        monkeypatch.setattr(qwen2_vl, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    inputs = row([_sample(1)])[0]
+    with torch.no_grad():
+        model(*inputs)
+    assert sorted(calls) == ["mrope_positions"] + ["vision_geometry"] * (2 if kind == "qwen2_5" else 1)
+    assert model.cfg.vision.n_layers >= 2 and model.cfg.text.n_layers >= 2  # several blocks shared them
+
+
 def test_windows_and_positions_matter(qwen):
     """The tiny models see what the comparison relies on: Qwen2.5's windows (a 4 x 6 grid spans 2 windows of
     2 x 2 merge units) and the multimodal positions (an image's tokens at their grid positions)."""

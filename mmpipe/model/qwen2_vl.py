@@ -29,7 +29,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig, VisionConfig
-from .attention import FusedAttention, row_attention, row_positions
+from .attention import FusedAttention, row_attention, row_cached, row_positions
 from .llava import LlamaBlock, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
 from .stage import StageTuple
 
@@ -179,7 +179,10 @@ class QwenVisionBlock(nn.Module):
 
     def forward(self, args):
         t = StageTuple.unpack(args)
-        mask, rotary = vision_geometry(t, self.v, self.full)
+        used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
+        # once per micro-batch and block kind on this stage (window / full), not once per block
+        mask, rotary = row_cached((t.tiling, t.has_image), ("qwen-vision", t.hidden.shape[1], self.v, self.full),
+                                  lambda: vision_geometry(t, self.v, self.full))
         x = t.hidden + self.attn(self.norm1(t.hidden), mask=mask, rotary=rotary)
         return t._replace(hidden=x + self.mlp(self.norm2(x))).pack()
 
@@ -239,10 +242,16 @@ class QwenBlock(LlamaBlock):
     def geometry(self, t: StageTuple, start: int, cache: dict | None):
         hd, theta = self.self_attn.head_dim, self.self_attn.theta
         if start == 0:
-            pos = mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge)
+            used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
+            # the row's positions and rotary: once per micro-batch on this stage, shared by its blocks
+            pos, rotary = row_cached(
+                (t.input_ids, t.segments, t.tiling, t.has_image), ("mrope", self.token, self.merge, hd, theta,
+                                                                   self.section),
+                lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge),
+                         mrope_rotary(p, hd, theta, self.section)))
             if cache is not None:
                 cache["rope_delta"] = rope_delta(pos, t.segments)
-            return row_attention(t.segments), mrope_rotary(pos, hd, theta, self.section)
+            return row_attention(t.segments), rotary
         T = t.segments.shape[-1]
         pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
         return None, mrope_rotary(pos.expand(3, -1, -1), hd, theta, self.section)
