@@ -9,11 +9,14 @@ The rows are built from transformers' image processor outputs (pixel_values, ima
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hf_models import word_tokenizer
 from llava_next_models import (
     CROP,
     IMAGE,
@@ -29,6 +32,7 @@ from llava_next_models import (
 )
 from mmpipe.cli import main
 from mmpipe.config import ConfigError
+from mmpipe.data.dataset import prepare
 from mmpipe.hf.adapter import export_adapter
 from mmpipe.hf.llava_next import config_from_hf, export_hf, import_llava_next, key_map
 from mmpipe.hf.llava_next import hf_config as hf_config_of
@@ -36,10 +40,15 @@ from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.llava_next import image_feature_count, pooled_shape
 from mmpipe.model.lora import Lora, is_adapter, load_base
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.feed import run_dataset
 from test_hf_qwen2_vl import _cached_logits
 
 TOL = 1e-4
+TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}w4 {{ m['content'] }} w5 "
+            "{% else %}{{ m['content'] }} {{ eos_token }} {% endif %}{% endfor %}")
 # (name, image sizes w x h): a 1 x 2 tile grid, 2 x 1, 2 x 2 (unpadded 6 x 8 features: OneVision pools them to
 # 4 x 6), two images (OneVision: base crops only), text only
 SAMPLES = [("wide", [(224, 100)]), ("tall", [(100, 224)]), ("big", [(150, 130)]), ("two", [(150, 90), (70, 70)]),
@@ -85,9 +94,11 @@ def alone(s):
 
 @pytest.fixture(scope="module", params=KINDS)
 def llava_next(request, tmp_path_factory):
-    """(kind, HF directory, HF model, the mmpipe model `mmpipe import --hf` wrote, its run directory)."""
+    """(kind, HF directory, HF model, the mmpipe model `mmpipe import --hf` wrote, its run directory); the HF
+    directory carries a word-level tokenizer (w0..w99), which the import keeps in the run."""
     d = tmp_path_factory.mktemp(request.param)
     hf = save_model(request.param, d / "hf")
+    word_tokenizer(d / "hf", TEMPLATE)
     assert main(["import", "--hf", str(d / "hf"), "--out", str(d / "run")]) == 0
     cfg = import_llava_next(d / "hf")[0].cfg
     return request.param, d / "hf", hf, load_reference(d / "run" / "checkpoints", cfg).eval(), d / "run"
@@ -258,3 +269,33 @@ def test_real_shapes_read():
         v = config_from_hf(hf).vision
         assert (v.image_size, v.grid, v.n_features, v.anyres_max, len(v.grid_pinpoints)) == want
         assert type(hf_config_of(config_from_hf(hf))) is type(hf)
+
+
+def test_data_rows_give_hf_logits(llava_next, tmp_path):
+    """The data side's rows (mmpipe.data.anyres through run_dataset: crops, placeholders, tilings) of a LLaVA
+    .jsonl, for a run --init-from the import, give transformers' logits for each sample: the model and the data
+    agree on every grid, count and crop, OneVision's padded base crops of a two-image conversation included."""
+    kind, _, hf, model, run = llava_next
+    sizes = [w_h for _, images in SAMPLES for w_h in images]
+    for k, (w, h) in enumerate(sizes):
+        image(w, h, seed=k).save(tmp_path / f"{k}.png")
+    convs = [[{"from": "human", "value": "<image>\nw7 w8"}, {"from": "gpt", "value": "w9 w10"}],
+             [{"from": "human", "value": "<image> w6 <image>\nw7 w8"}, {"from": "gpt", "value": "w9 w10"}]]
+    records = [{"image": f"{k}.png", "conversations": convs[0]} for k in range(3)]
+    records.append({"image": ["3.png", "4.png"], "conversations": convs[1]})
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rc = resolve(TrainArgs.from_argv(["--init-from", str(run), "--data", str(tmp_path / "data.jsonl"), "--steps", "1",
+                                      "--eval-samples", "0", "--stages", "1", "--max-images", "2"]), world_size=1)
+    rows = run_dataset(rc, prepare(rc.data, rc.model, tmp_path / "out", 5, verbose=False), train=False)
+    seen = set()
+    for r in range(len(records)):
+        item = rows[r]
+        inputs = [torch.as_tensor(np.asarray(item[k]))[None] for k in ("input_ids", "has_image", "segments", "tiling")]
+        n, used = int((inputs[2] > 0).sum()), inputs[3][0][inputs[1][0] > 0]
+        files = [sizes.index((w, h)) for h, w, _, _ in used.tolist()]
+        seen.add(tuple(files))
+        px, hw = encode(kind, [image(*sizes[k], seed=k) for k in files])
+        with torch.no_grad():
+            got = model(torch.as_tensor(item["pixels"])[None], *inputs)[0, :n]
+        assert (got - hf_logits(hf, inputs[0][0, :n], px, hw)).abs().max().item() < TOL, files
+    assert seen == {(0,), (1,), (2,), (3, 4)}
