@@ -170,6 +170,15 @@ class Problems(list):
             raise ConfigError("\n".join(self))
 
 
+def _schedule(args: TrainArgs, pipe_cfg: dict, problems: Problems) -> str:
+    """--schedule, else the DeepSpeed JSON's pipeline.schedule, else 1F1B; a name not registered is a problem."""
+    schedule = args.schedule or pipe_cfg.get("schedule", BASELINE.name)
+    if schedule not in SCHEDULE_NAMES:
+        where = "--schedule" if args.schedule else "pipeline.schedule"
+        problems.append(f"{where}: {schedule!r} is not a schedule (valid: {', '.join(SCHEDULE_NAMES)})")
+    return schedule
+
+
 def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> RunConfig:
     """ds_config: the DeepSpeed JSON as a dict (copied, never changed); None reads args.ds_config."""
     problems = Problems()
@@ -197,10 +206,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
 
     pipe_cfg = ds.get("pipeline", {})
     stages = problems.attempt(_stages, args, ds) or 1
-    schedule = args.schedule or pipe_cfg.get("schedule", BASELINE.name)
-    if schedule not in SCHEDULE_NAMES:
-        where = "--schedule" if args.schedule else "pipeline.schedule"
-        problems.append(f"{where}: {schedule!r} is not a schedule (valid: {', '.join(SCHEDULE_NAMES)})")
+    schedule = _schedule(args, pipe_cfg, problems)
     if world_size % stages:
         problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
                         f"(data-parallel degree = world size / stages)")
