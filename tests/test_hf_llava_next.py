@@ -21,6 +21,7 @@ from llava_next_models import (
     CROP,
     IMAGE,
     KINDS,
+    VOCAB,
     encode,
     feature_counts,
     hf_config,
@@ -299,3 +300,56 @@ def test_data_rows_give_hf_logits(llava_next, tmp_path):
             got = model(torch.as_tensor(item["pixels"])[None], *inputs)[0, :n]
         assert (got - hf_logits(hf, inputs[0][0, :n], px, hw)).abs().max().item() < TOL, files
     assert seen == {(0,), (1,), (2,), (3, 4)}
+
+
+def _hf_prompt(hf, kind: str, tok, question: str, images: list) -> tuple[list[int], dict]:
+    """The generation prompt (chat template, BOS) with each image's placeholders at its <image> marker, as many
+    as transformers' model lays its features out, and HF's image inputs for it."""
+    from mmpipe.data.text import ConversationEncoder
+    ids, at = ConversationEncoder(tok, 512, markers=True).prompt([("user", question)], n_images=len(images))
+    return _with_blocks(hf, kind, ids, at, images)
+
+
+def _with_blocks(hf, kind: str, ids, at, images: list) -> tuple[list[int], dict]:
+    if not images:
+        return list(ids), {}
+    px, hw = encode(kind, images)
+    ids = list(ids)
+    for a, n in sorted(zip(at, feature_counts(hf, px, hw)), reverse=True):
+        ids[a:a] = [IMAGE] * n
+    extra = {"batch_num_images": torch.tensor([len(images)])} if kind == "onevision" else {}
+    return ids, dict(pixel_values=px, image_sizes=hw, **extra)
+
+
+def _hf_answer(hf, tok, prompt: list[int], inputs: dict, new: int) -> str:
+    """transformers' greedy answer, ids past the tokenizer never picked (as mmpipe's generate: in_vocab)."""
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                          eos_token_id=tok.eos_token_id, suppress_tokens=list(range(len(tok), VOCAB)), **inputs)
+    return tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip()
+
+
+def test_generate_command_from_hf_dir_and_imported_run(llava_next, tmp_path, capsys):
+    """`mmpipe generate` on the HF directory and on its import (cached, and --no-cache) gives transformers' greedy
+    answers: an image that tiles 1 x 2 (the processor's crops, the processor's count of placeholders at the
+    prompt's <image> marker) and a text-only prompt in one --records file; an image too thin for the tiles is
+    one line."""
+    from mmpipe.data.tokenizer import load_tokenizer
+    kind, d, hf, _, run = llava_next
+    image(224, 100, seed=5).save(tmp_path / "wide.png")
+    requests = [{"image": "wide.png", "prompt": "<image>\nw7 w8"}, {"image": None, "prompt": "w5 w6 w7"}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    tok = load_tokenizer(str(d))
+    assert tilings(kind, encode(kind, [image(224, 100, seed=5)])[1]) == [(100, 224, 1, 2)]
+    want = [_hf_answer(hf, tok, *_hf_prompt(hf, kind, tok, r["prompt"], [image(224, 100, seed=5)] if r["image"]
+                                            else []), 5) for r in requests]
+    assert all(want), want
+    gen = ["generate", "--records", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "5"]
+    for extra in (["--checkpoint", str(d)], ["--checkpoint", str(run)], ["--checkpoint", str(run), "--no-cache"]):
+        assert main(gen + extra) == 0
+        assert [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()] == want, extra
+    image(300, 2, seed=1).save(tmp_path / "thin.png")  # 1 x 2 tiles whose unpadding keeps no feature row
+    assert main(["generate", "--checkpoint", str(run), "--image", str(tmp_path / "thin.png"), "--prompt", "w7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mmpipe: error: --image: {tmp_path / 'thin.png'}: image 300x2:") and "bad_aspect" in err
+    assert err.count("\n") == 1

@@ -53,15 +53,16 @@ import torch
 from PIL import Image
 
 from ..config import ConfigError, ModelConfig, config_from_dict, fail
+from ..data.anyres import tile_rule, tiled
 from ..data.crops import blank_image, make_transform, stack_images
+from ..data.dataset import patched
 from ..data.packing import row_shape
 from ..data.patches import default_max_patches, patch_rule
 from ..data.records import BadRecord
 from ..data.text import ConversationEncoder, answer_id_of, image_text, with_placeholders
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
-from ..hf.llava import hf_llava_config, load_hf_llava
-from ..hf.qwen2_vl import hf_qwen_config, import_qwen2_vl, is_qwen2_vl
+from ..hf.commands import hf_importer
 from ..model.rows import sample_rows
 from ..model.stage import StageTuple
 from ..runtime.checkpoint import latest_tag, load_reference
@@ -206,28 +207,35 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id
 
 
 def patch_images(cfg: ModelConfig):
-    """A dynamic-resolution family's image reader for one image per prompt (the Qwen2-VL family): PIL image ->
-    (patches [t h w, patch_dim], grid), by the data side's PatchRule at one image's budget (mmpipe.data.patches)."""
+    """A dynamic-resolution family's image reader for one image per prompt, the data side's rule at one image's
+    budget: PIL image -> (patches [t h w, patch_dim], grid (t, h, w)) by Qwen2-VL's PatchRule (mmpipe.data.patches),
+    or (crops [1 + rows x cols, C, S, S], grid (orig_h, orig_w, rows, cols, n)) by any-resolution tiles' TileRule
+    (mmpipe.data.anyres: transformers' image processor; T = one image's default, so any image's tiles fit).
+    Both raise BadRecord for an image the rule refuses (_images makes it one line)."""
+    if tiled(cfg):
+        return tile_rule(cfg).patches
     return patch_rule(cfg, default_max_patches(cfg.vision, 1)).patches
 
 
 def stack_patches(cfg: ModelConfig, images: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """patch_images' (patches, grid) per prompt, None for a text-only one -> (pixels [B, P, patch_dim], tiling
-    [B, 1, 3]): one slot per row, its patches then zeros up to the batch's largest image (at least one merge
-    unit), its grid (0 0 0 without an image), as mmpipe.model.qwen2_vl reads them."""
-    unit = cfg.vision.merge_size ** 2
-    pixels = torch.zeros(len(images), max([unit] + [len(im[0]) for im in images if im is not None]),
-                         cfg.vision.patch_dim)
-    tiling = torch.zeros(len(images), 1, 3, dtype=torch.long)
+    """patch_images' (patches, grid) per prompt, None for a text-only one -> (pixels, tiling [B, 1, k]): one slot
+    per row, its patches (crops) then zeros up to the batch's largest image (at least one merge unit, one crop),
+    its slot tiling (RowShape.tiling; zeros without an image), as the model reads them: Qwen2-VL's pixels
+    [B, P, patch_dim] and (t, h, w); any-resolution tiles' [B, T, C, S, S] and (orig_h, orig_w, rows, cols)."""
+    shape = row_shape(cfg, 1, 0)
+    unit, least = (shape.crop, 1) if shape.max_tiles else ((shape.patch_dim,), cfg.vision.merge_size ** 2)
+    pixels = torch.zeros(len(images), max([least] + [len(im[0]) for im in images if im is not None]), *unit)
+    tiling = torch.zeros(len(images), 1, 4 if shape.max_tiles else 3, dtype=torch.long)
     for b, im in enumerate(images):
         if im is not None:
-            pixels[b, :len(im[0])], tiling[b, 0] = im[0], torch.tensor(im[1])
+            pixels[b, :len(im[0])], tiling[b, 0] = im[0], torch.tensor(shape.tiling(im[1]))
     return pixels, tiling
 
 
 def with_images(ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
     """A prompt with its images' placeholders where training puts them: LLaVA's N (with_placeholders); a
-    dynamic family's bracketed block of each image's grid before ids[a] (a in image_at; None: after BOS)."""
+    dynamic family's block of each image's grid (RowShape.block: Qwen2-VL's bracketed one, any-resolution tiles'
+    n placeholders, the processor's count) before ids[a] (a in image_at; None: after BOS)."""
     if not cfg.layout.dynamic:
         return with_placeholders(ids, cfg, image_at)
     shape, out = row_shape(cfg, 1, 0), list(ids)
@@ -280,7 +288,8 @@ def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="an mmpipe run directory (model.json + checkpoints/), a checkpoints/ directory, "
-                        "or a Hugging Face LlavaForConditionalGeneration directory")
+                        "or a Hugging Face directory `mmpipe import --hf` takes (LLaVA, LLaVA-NeXT, LLaVA-OneVision, "
+                        "Qwen2-VL, Qwen2.5-VL)")
     p.add_argument("--image", action="append", default=[],
                    help="an image file; repeat --image/--prompt for several (answered in batches, one JSON line each)")
     p.add_argument("--prompt", action="append", default=[], help="the user's question, one per --image")
@@ -300,11 +309,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_checkpoint(path: Path) -> tuple[ModelConfig, str, str | None]:
     """What load_checkpoint loads, resolved without reading a weight (also --dry-run's): (the model config,
-    where its weights are, the checkpoint's own tokenizer directory or None). Raises ConfigError."""
-    if (path / "config.json").is_file() and is_qwen2_vl(path):
-        return hf_qwen_config(path)[1], f"{path.resolve()} (HF Qwen2-VL)", str(path)
+    where its weights are, the checkpoint's own tokenizer directory or None). An HF directory is read by
+    `mmpipe import`'s dispatch (mmpipe.hf.commands.hf_importer: LLaVA, LLaVA-NeXT / OneVision, Qwen2-VL).
+    Raises ConfigError."""
     if (path / "config.json").is_file():
-        return hf_llava_config(path)[1], f"{path.resolve()} (HF LLaVA)", str(path)
+        _, read, label = hf_importer(path)
+        return read(path)[1], f"{path.resolve()} (HF {label})", str(path)
     run_dir = path if (path / "model.json").is_file() else path.parent
     ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not (run_dir / "model.json").is_file():
@@ -319,11 +329,11 @@ def resolve_checkpoint(path: Path) -> tuple[ModelConfig, str, str | None]:
 
 def load_checkpoint(path: Path):
     """(model, tokenizer directory or None) from an mmpipe run / checkpoints dir (the latest checkpoint,
-    whatever its stage count; the run's tokenizer/ if `mmpipe import` wrote one) or an HF LLaVA directory
-    (its own tokenizer). Raises ConfigError."""
+    whatever its stage count; the run's tokenizer/ if `mmpipe import` wrote one) or an HF directory of a family
+    `mmpipe import --hf` takes (its own tokenizer). Raises ConfigError."""
     cfg, _, own = resolve_checkpoint(path)
     if (path / "config.json").is_file():
-        return (import_qwen2_vl(path)[0] if is_qwen2_vl(path) else load_hf_llava(path)), own
+        return hf_importer(path)[0](path)[0], own
     ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     try:
         return load_reference(ckpt, cfg, merged=True), own
@@ -332,7 +342,7 @@ def load_checkpoint(path: Path):
 
 
 def _load(path: Path, tokenizer: str | None):
-    """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF LLaVA directory."""
+    """(model, tokenizer) from an mmpipe run / checkpoints dir or an HF directory."""
     model, own = load_checkpoint(path)
     # no --tokenizer: the checkpoint's own, and a problem with it is the checkpoint's
     return model, load_tokenizer(tokenizer or own, flag="--tokenizer" if tokenizer else "--checkpoint")
@@ -389,7 +399,8 @@ def _plan(args: argparse.Namespace, requests: list) -> int:
 
 def _images(requests: list, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None, list]:
     """Every request's image as the model takes it: (pixels, tiling, each prompt's image grids: a dynamic
-    family's, else none). An image that cannot be read: ConfigError naming it."""
+    family's, else none). An image that cannot be read, or that the family's image rule refuses (e.g. an aspect
+    ratio too extreme for its tiles, mmpipe.data.records.BAD_KINDS): ConfigError naming it."""
     dynamic = cfg.layout.dynamic
     transform = patch_images(cfg) if dynamic else make_transform(cfg.vision)  # moondream multi-crop: Crops
     images = []
@@ -399,6 +410,9 @@ def _images(requests: list, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tenso
                           None if dynamic else blank_image(cfg.vision.image_size, cfg.vision.max_crops))
         except OSError as e:
             raise ConfigError(f"{where}: {image}: {e}") from None
+        except BadRecord as e:
+            raise ConfigError(f"{where}: {image}: {e.reason}; {e.kind}: give an image the model's image processor "
+                              f"takes (crop or pad it)") from None
     if dynamic:
         return (*stack_patches(cfg, images), [[im[1]] if im else [] for im in images])
     return (*stack_images(images), [()] * len(images))
@@ -414,8 +428,8 @@ def main_generate(args: argparse.Namespace) -> int:
         pixels, tiling, grids = _images(requests, cfg)
         # the LLaVA and Qwen2-VL families read the image from placeholders at the prompt's <image> marker (after
         # BOS without one), as in training; other families take the prompt as it is
-        encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders,
-                                      image_text=image_text(tok, cfg))
+        encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders,  # tiles: <image>
+                                      image_text=image_text(tok, cfg) if patched(cfg) else None)
     except ConfigError as e:
         return fail(e)
     has_image = [image is not None for image, _, _ in requests]
