@@ -3,7 +3,9 @@ records of every bad kind mmpipe must count and leave out."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from typing import Callable
 
 from PIL import Image
 
@@ -67,3 +69,21 @@ def write_fuzz_set(root: Path, n_good: int = 40) -> tuple[Path, dict[str, int], 
     path.write_bytes(b"\n".join(body) + b"\n")
     bad = set(raw_lines)
     return path, injected, [i for i, b in enumerate(body) if b not in bad]
+
+
+def mixed_image_records(n: int, n_images: int, words: list[str],
+                        answer_len: Callable[[random.Random, int], int]) -> list[dict]:
+    """n LLaVA conversations of 0 (text-only), 1, 2 or 3 images (distinct files of 0.png .. {n_images - 1}.png),
+    record i's answer answer_len(rnd, i) words of `words` (the dynamic-resolution pipeline tests' sets)."""
+    rnd = random.Random(0)
+    recs = []
+    for i in range(n):
+        answer = " ".join(rnd.choice(words) for _ in range(answer_len(rnd, i)))
+        k = (0, 1, 2, 1, 3, 1)[i % 6]
+        if not k:
+            recs.append({"conversations": conv("what colour is it", answer, marker=False)})
+            continue
+        images = [f"{j}.png" for j in rnd.sample(range(n_images), k)]
+        question = "what colour is " + " and ".join(["<image>"] * k)
+        recs.append({"image": images if k > 1 else images[0], "conversations": conv(question, answer, marker=False)})
+    return recs

@@ -7,12 +7,12 @@ on stage 1). Two launches in all."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
 from conftest import train_run, write_ds_config
+from fixtures_data import mixed_image_records
 from llava_next_models import image
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
@@ -21,7 +21,7 @@ from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset
 from mmpipe.runtime.reference import train_reference
-from test_anyres_data import WORDS, conv, tokenizer
+from test_anyres_data import WORDS, tokenizer
 from test_qwen_pipeline import _weights_equal_within
 
 TOL = 1e-5
@@ -33,18 +33,7 @@ ANSWER_WORDS = WORDS[6:18]
 
 def _records(n: int) -> list[dict]:
     """n conversations of 0 (text-only), 1, 2 or 3 images (distinct sizes), answers of 1..6 words."""
-    rnd = random.Random(0)
-    recs = []
-    for i in range(n):
-        answer = " ".join(rnd.choice(ANSWER_WORDS) for _ in range(1 + i % 6))
-        k = (0, 1, 2, 1, 3, 1)[i % 6]
-        if not k:
-            recs.append({"conversations": conv("what colour is it", answer)})
-            continue
-        images = [f"{j}.png" for j in rnd.sample(range(len(SIZES)), k)]
-        question = "what colour is " + " and ".join(["<image>"] * k)
-        recs.append({"image": images if k > 1 else images[0], "conversations": conv(question, answer)})
-    return recs
+    return mixed_image_records(n, len(SIZES), ANSWER_WORDS, lambda rnd, i: 1 + i % 6)
 
 
 @pytest.fixture(scope="module")

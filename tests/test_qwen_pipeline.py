@@ -8,7 +8,6 @@ Four launches in all."""
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import torch
 from PIL import Image
 
 from conftest import train_run, write_ds_config
+from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
@@ -26,7 +26,7 @@ from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset
 from mmpipe.runtime.reference import train_reference
-from test_qwen_data import WORDS, conv, save_tokenizer
+from test_qwen_data import WORDS, save_tokenizer
 
 TOL = 1e-5
 KEY_BIAS_TOL = 1e-4
@@ -38,18 +38,8 @@ ANSWER_WORDS = WORDS[5:] + [f"w{i}" for i in range(40)]  # the tokenizer's plain
 
 def _records(n: int) -> list[dict]:
     """n conversations of 0 (text-only), 1, 2 or 3 images (distinct sizes), answers of 1..10 words."""
-    rnd = random.Random(0)
-    recs = []
-    for i in range(n):
-        answer = " ".join(rnd.choice(ANSWER_WORDS) for _ in range(1 + int(rnd.lognormvariate(0.8, 0.7)) % 10))
-        k = (0, 1, 2, 1, 3, 1)[i % 6]
-        if not k:
-            recs.append({"conversations": conv("what colour is it", answer)})
-            continue
-        images = [f"{j}.png" for j in rnd.sample(range(len(SIZES)), k)]
-        question = "what colour is " + " and ".join(["<image>"] * k)
-        recs.append({"image": images if k > 1 else images[0], "conversations": conv(question, answer)})
-    return recs
+    return mixed_image_records(n, len(SIZES), ANSWER_WORDS,
+                               lambda rnd, i: 1 + int(rnd.lognormvariate(0.8, 0.7)) % 10)
 
 
 @pytest.fixture(scope="module")
