@@ -310,13 +310,14 @@ def _hf_prompt(hf, kind: str, tok, question: str, images: list) -> tuple[list[in
     return _with_blocks(hf, kind, ids, at, images)
 
 
-def _with_blocks(hf, kind: str, ids, at, images: list) -> tuple[list[int], dict]:
+def _with_blocks(hf, kind: str, ids, at, images: list, fill=IMAGE) -> tuple[list, dict]:
+    """ids with image k's placeholders (HF's count, `fill`) before ids[at[k]]; HF's image inputs."""
     if not images:
         return list(ids), {}
     px, hw = encode(kind, images)
     ids = list(ids)
     for a, n in sorted(zip(at, feature_counts(hf, px, hw)), reverse=True):
-        ids[a:a] = [IMAGE] * n
+        ids[a:a] = [fill] * n
     extra = {"batch_num_images": torch.tensor([len(images)])} if kind == "onevision" else {}
     return ids, dict(pixel_values=px, image_sizes=hw, **extra)
 
@@ -353,3 +354,77 @@ def test_generate_command_from_hf_dir_and_imported_run(llava_next, tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith(f"mmpipe: error: --image: {tmp_path / 'thin.png'}: image 300x2:") and "bad_aspect" in err
     assert err.count("\n") == 1
+
+
+# a LLaVA .jsonl's records as (image files, question, answer): 1 x 2 tiles, 2 x 1, text only, two images
+RECORDS = [(["wide.png"], "<image>\nw7 w8", "w9 w10"), (["tall.png"], "w6 <image>\nw7", "w11"),
+           ([], "w5 w6", "w12 w13"), (["wide.png", "tall.png"], "<image> w6 <image>\nw7 w8", "w9")]
+PICTURES = {"wide.png": (224, 100, 5), "tall.png": (100, 224, 6), "thin.png": (300, 2, 1)}  # w, h, seed
+
+
+def _data(root, records) -> str:
+    for name, (w, h, seed) in PICTURES.items():
+        image(w, h, seed).save(root / name)
+    lines = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}],
+              **({"image": files if len(files) > 1 else files[0]} if files else {})} for files, q, a in records]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return str(root / "data.jsonl")
+
+
+def _hf_loss(hf, kind: str, tok, records) -> tuple[float, int]:
+    """transformers' teacher-forced cross-entropy summed over the records' answer tokens, and their count: each
+    record through the chat template with its images' placeholders (HF's count) at their markers."""
+    from mmpipe.data.text import ConversationEncoder
+    total, count = 0.0, 0
+    for files, q, a in records:
+        images = [image(*PICTURES[f]) for f in files]
+        enc = ConversationEncoder(tok, 512, markers=True).encode([("user", q), ("assistant", a)], len(images))
+        ids, inputs = _with_blocks(hf, kind, enc.ids.tolist(), enc.image_at, images)
+        target = torch.tensor(_with_blocks(hf, kind, enc.target.tolist(), enc.image_at, images, fill=False)[0])
+        logits = hf_logits(hf, torch.tensor(ids), inputs.get("pixel_values"), inputs.get("image_sizes"))
+        labels = torch.where(target[1:], torch.tensor(ids[1:]), -100)
+        total += torch.nn.functional.cross_entropy(logits[:-1], labels, reduction="sum").item()
+        count += int(target[1:].sum())
+    return total, count
+
+
+def test_eval_command_answers_and_loss(llava_next, tmp_path):
+    """`mmpipe eval` of the HF directory on a LLaVA .jsonl (1 x 2 and 2 x 1 tiles, text only, an image too thin to
+    tile): each good record's answer is transformers' greedy one and the validation loss its teacher-forced one
+    over the same answer tokens; the bad record is counted (bad_aspect), as training counts it."""
+    from mmpipe.data.tokenizer import load_tokenizer
+    kind, d, hf, _, _ = llava_next
+    data = _data(tmp_path, RECORDS[:3] + [(["thin.png"], "<image>\nw7", "w9")])
+    out = tmp_path / "eval" / "answers.jsonl"
+    assert main(["eval", "--checkpoint", str(d), "--data", data, "--out", str(out), "--max-new-tokens", "4",
+                 "--batch-size", "2"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    summary = json.loads(out.with_name("answers.summary.json").read_text())
+    assert (summary["n"], summary["bad_by_kind"]) == (3, {"bad_aspect": 1})
+    tok = load_tokenizer(str(d))
+    want = [_hf_answer(hf, tok, *_hf_prompt(hf, kind, tok, q, [image(*PICTURES[f]) for f in files]), 4)
+            for files, q, _ in RECORDS[:3]]
+    assert [x["answer"] for x in lines] == want and [x["has_image"] for x in lines] == [True, True, False]
+    loss, tokens = _hf_loss(hf, kind, tok, RECORDS[:3])
+    assert summary["answer_tokens"] == tokens and summary["val_loss"] == pytest.approx(loss / tokens, abs=TOL)
+
+
+def test_validation_rows_give_hf_loss(llava_next, tmp_path):
+    """Training's validation (--eval-data, runtime.validation) reads the data side's rows of the eval file
+    (run_dataset, train=False) and sums lm_loss_sum over them: on the single-device model that is transformers'
+    teacher-forced loss, a two-image conversation (OneVision: base crops only) included."""
+    from mmpipe.data.batches import collate
+    from mmpipe.data.dataset import prepare_eval
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.model.builder import lm_loss_sum
+    kind, d, hf, model, run = llava_next
+    data = _data(tmp_path, RECORDS)
+    rc = resolve(TrainArgs.from_argv(["--init-from", str(run), "--data", data, "--eval-data", data, "--steps", "1",
+                                      "--eval-samples", "0", "--stages", "1", "--max-images", "2"]), world_size=1)
+    evalset = prepare_eval(rc.eval_data, rc.model, tmp_path / "out", 0, 0, verbose=False)
+    rows = run_dataset(rc, evalset, train=False)
+    b = collate([rows[r] for r in range(evalset.size)])
+    with torch.no_grad():
+        got = lm_loss_sum(model(b["pixels"], b["input_ids"], b["has_image"], b["segments"], b["tiling"]), b["labels"])
+    loss, tokens = _hf_loss(hf, kind, load_tokenizer(str(d)), RECORDS)
+    assert evalset.answer_tokens() == tokens and got.item() == pytest.approx(loss, abs=TOL * tokens)
