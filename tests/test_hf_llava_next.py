@@ -390,17 +390,18 @@ def _hf_loss(hf, kind: str, tok, records) -> tuple[float, int]:
 
 def test_eval_command_answers_and_loss(llava_next, tmp_path):
     """`mmpipe eval` of the HF directory on a LLaVA .jsonl (1 x 2 and 2 x 1 tiles, text only, an image too thin to
-    tile): each good record's answer is transformers' greedy one and the validation loss its teacher-forced one
-    over the same answer tokens; the bad record is counted (bad_aspect), as training counts it."""
+    tile, two images): each good record's answer is transformers' greedy one and the validation loss its
+    teacher-forced one over the same answer tokens; the bad records are counted as training counts them (bad_aspect;
+    too_many_images: eval's rows have one image slot, as the Qwen2-VL family's)."""
     from mmpipe.data.tokenizer import load_tokenizer
     kind, d, hf, _, _ = llava_next
-    data = _data(tmp_path, RECORDS[:3] + [(["thin.png"], "<image>\nw7", "w9")])
+    data = _data(tmp_path, RECORDS + [(["thin.png"], "<image>\nw7", "w9")])
     out = tmp_path / "eval" / "answers.jsonl"
     assert main(["eval", "--checkpoint", str(d), "--data", data, "--out", str(out), "--max-new-tokens", "4",
                  "--batch-size", "2"]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     summary = json.loads(out.with_name("answers.summary.json").read_text())
-    assert (summary["n"], summary["bad_by_kind"]) == (3, {"bad_aspect": 1})
+    assert (summary["n"], summary["bad_by_kind"]) == (3, {"bad_aspect": 1, "too_many_images": 1})
     tok = load_tokenizer(str(d))
     want = [_hf_answer(hf, tok, *_hf_prompt(hf, kind, tok, q, [image(*PICTURES[f]) for f in files]), 4)
             for files, q, _ in RECORDS[:3]]

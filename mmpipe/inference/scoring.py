@@ -8,8 +8,10 @@ For every good record, in file order:
 
     prompt     the record's tokens up to its first answer token: exactly what training conditions
                the answer on (chat template, BOS; the LLaVA family's <image> placeholders at the
-               record's <image> marker, after BOS without one; a text-only record gets no image, as
-               in training, nor does a prompt whose marker only comes after the first answer)
+               record's <image> marker, after BOS without one: a dynamic family's block of the image's
+               grid, Qwen2-VL's bracketed patches or LLaVA-NeXT / OneVision's processor count for its
+               tiles; a text-only record gets no image, as in training, nor does a prompt whose marker
+               only comes after the first answer)
     reference  the first answer's tokens (the first assistant turn), EOS dropped, decoded
     answer     generated with the KV cache (mmpipe.inference.generate.generate_batch: greedy, or
                sampled with every record's generator seeded by --seed), decoded
@@ -19,7 +21,9 @@ Written: answers.jsonl (one line per record: row, prompt, reference, answer, sco
 type when the record names its question type, and `empty` saying why when the answer is empty) and
 answers.summary.json beside it (the metric overall and per type, n, bad records skipped, samples/s,
 and the teacher-forced validation loss: cross-entropy summed over every answer token of the same
-samples, over their count, as training's validation computes it).
+samples, over their count, as training's validation computes it). Rows hold one image slot
+(--max-images 1, as the eval data is indexed): a record of several images is a bad record,
+too_many_images (training's validation, with the run's --max-images, takes them).
 """
 from __future__ import annotations
 
@@ -70,7 +74,8 @@ DATA_FLAGS = ("data", "image_root", "tokenizer", "prompt_format", "bad_records",
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="an mmpipe run directory (model.json + checkpoints/), a checkpoints/ directory, "
-                        "or a Hugging Face LlavaForConditionalGeneration directory")
+                        "or a Hugging Face directory `mmpipe import --hf` takes (LLaVA, LLaVA-NeXT, LLaVA-OneVision, "
+                        "Qwen2-VL, Qwen2.5-VL)")
     fields = {f.name: f for f in dataclasses.fields(DataArgs)}
     for name in DATA_FLAGS:  # the training data flags, declared once in DataArgs
         md = fields[name].metadata
@@ -117,7 +122,7 @@ class Item:
     reference: list[int]   # the first answer's tokens, EOS dropped
     has_image: bool        # the record has an image (its pixels feed the teacher-forced loss)
     sees_image: bool       # the prompt holds it: its marker comes before the first answer
-    grid: tuple = ()       # its patch grid (t, h, w): a dynamic-resolution family's (Qwen2-VL)
+    grid: tuple = ()       # a dynamic family's image grid: Qwen2-VL's (t, h, w), tiles' (h, w, rows, cols, n)
 
 
 def split_record(ids: np.ndarray, target: np.ndarray, eos_id: int | None) -> tuple[list[int], list[int]]:
@@ -233,7 +238,7 @@ def _generate_all(args, model, tok, evalset, text_len: int):
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
-            if cfg.layout.dynamic:  # each record's patches and grid, one slot per row
+            if cfg.layout.dynamic:  # each record's patches (tiles: crops) and grid, one slot per row
                 pixels, tiling = stack_patches(cfg, [(evalset.pixels(items[i].pos), items[i].grid)
                                                      if items[i].has_image else None for i in batch])
             else:
