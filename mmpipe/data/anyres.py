@@ -112,7 +112,7 @@ class TileRule:
         PatchRule's, so a sample reads either rule). A several-image OneVision sample's image goes through the
         processor beside a 1 x 1 companion: the processor's own several-image path (pad to square, no tiles)."""
         images = [[image, _COMPANION()]] if self.base_only(n_images) else [image]
-        out = _image_processor(self)(images=images, return_tensors="pt")
+        out = hf_image_processor(self)(images=images, return_tensors="pt")
         grid = self.grid(image.width, image.height, n_images)
         crops = out["pixel_values"][0].float()
         if len(crops) != self.crops(grid):
@@ -148,7 +148,7 @@ def _COMPANION():
 
 
 @functools.lru_cache(maxsize=8)
-def _image_processor(rule: TileRule):
+def hf_image_processor(rule: TileRule):
     from transformers import LlavaNextImageProcessor, LlavaOnevisionImageProcessor
     common = dict(image_grid_pinpoints=[list(p) for p in rule.pinpoints], image_mean=list(rule.mean),
                   image_std=list(rule.std))
@@ -167,11 +167,11 @@ def _counter(rule: TileRule):
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<image>": 0}, unk_token="<image>")))
     if rule.anyres_max:
         from transformers import LlavaOnevisionVideoProcessor
-        return LlavaOnevisionProcessor(image_processor=_image_processor(rule), tokenizer=tok,
+        return LlavaOnevisionProcessor(image_processor=hf_image_processor(rule), tokenizer=tok,
                                        video_processor=LlavaOnevisionVideoProcessor(),
                                        num_image_tokens=rule.side ** 2, vision_feature_select_strategy=rule.select,
                                        vision_aspect_ratio=f"anyres_max_{rule.anyres_max}")
-    return LlavaNextProcessor(image_processor=_image_processor(rule), tokenizer=tok, patch_size=rule.patch,
+    return LlavaNextProcessor(image_processor=hf_image_processor(rule), tokenizer=tok, patch_size=rule.patch,
                               vision_feature_select_strategy=rule.select, num_additional_image_tokens=rule.extra)
 
 

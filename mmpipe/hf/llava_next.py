@@ -89,15 +89,10 @@ def import_llava_next(path: str | Path, dtype=torch.float32) -> tuple[ReferenceM
 
 
 def image_processor(cfg: ModelConfig):
-    """transformers' image processor of the generation at the model's crop, pinpoints, mean and std."""
-    from transformers import LlavaNextImageProcessor, LlavaOnevisionImageProcessor
-    v = cfg.vision
-    kw = dict(image_grid_pinpoints=[list(p) for p in v.grid_pinpoints], image_mean=list(v.mean),
-              image_std=list(v.std))
-    if v.anyres_max:
-        return LlavaOnevisionImageProcessor(size={"height": v.image_size, "width": v.image_size}, **kw)
-    return LlavaNextImageProcessor(size={"shortest_edge": v.image_size},
-                                   crop_size={"height": v.image_size, "width": v.image_size}, **kw)
+    """transformers' image processor of the generation at the model's crop, pinpoints, mean and std: the one
+    the data side cuts the crops with (mmpipe.data.anyres)."""
+    from ..data.anyres import hf_image_processor, tile_rule
+    return hf_image_processor(tile_rule(cfg))
 
 
 def export_hf(model: ReferenceModel, out: str | Path) -> Path:
