@@ -4,8 +4,10 @@ LlavaOnevisionForConditionalGeneration (tiny, random, built here: tests/llava_ne
 2 x 1 one, a 2 x 2 one that OneVision pools past its cap), two images in one conversation (OneVision: base crops
 only) and a text-only sample; the same samples packed into one row (an unused slot, zero crops, padding
 positions) give each sample's logits; cached greedy decoding gives the uncached logits and HF's `generate`
-tokens; export loads back into transformers' class with equal logits; LoRA adapters load with peft.
-The rows are built from transformers' image processor outputs (pixel_values, image_sizes) by `row` below."""
+tokens; export loads back into transformers' class with equal logits; LoRA adapters load with peft; `mmpipe
+generate` / `mmpipe eval` (from the HF directory or its import) give transformers' greedy answers and teacher-forced
+loss, as do training validation's rows. The rows are built from transformers' image processor outputs
+(pixel_values, image_sizes) by `row` below."""
 from __future__ import annotations
 
 import dataclasses
