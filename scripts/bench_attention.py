@@ -2,8 +2,9 @@
 
     python scripts/bench_attention.py               # the docs' numbers: 2048 positions, 3 repeats, ~2 min
     python scripts/bench_attention.py --quick       # 512 positions, 1 repeat: a smoke run, seconds
+    python scripts/bench_attention.py --device cuda --dtype bf16 --positions 8192   # scripts/gpu_check.sh's
 
-One call = forward + backward of attend(q, k, v, mask) for q, k, v [B, heads, L, head_dim] fp32 (the upstream
+One call = forward + backward of attend(q, k, v, mask) for q, k, v [B, heads, L, head_dim] (the upstream
 gradient random), each path on the same tensors:
 
     dense    SDPA under row_mask's bool [B, 1, L, L]: CPU's path for packed rows, and the reference
@@ -28,6 +29,7 @@ import warnings
 import torch
 
 from mmpipe.model.attention import CAUSAL, attend, document_block_mask, row_mask
+from mmpipe.runtime.trainer import DTYPES  # the precisions' names as runs spell them
 
 
 def row_segments(batch: int, positions: int, samples: int) -> torch.Tensor:
@@ -36,23 +38,34 @@ def row_segments(batch: int, positions: int, samples: int) -> torch.Tensor:
     return (torch.arange(positions) // per).clamp(max=samples - 1).add(1).expand(batch, -1).contiguous()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def one_call(mask, q, k, v, upstream) -> float:
-    """Wall seconds of attend's forward + backward."""
+    """Wall seconds of attend's forward + backward (the GPU synchronised around it)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    _sync(q.device)
     start = time.perf_counter()
     attend(q, k, v, mask).backward(upstream)
+    _sync(q.device)
     return time.perf_counter() - start
 
 
 def bench_rows(args, samples: int) -> dict:
-    segments = row_segments(args.batch, args.positions, samples)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    segments = row_segments(args.batch, args.positions, samples).to(device)
     document_block_mask(segments[:, :128])  # the first build pays one-off setup (imports, vmap)
+    _sync(device)
     start = time.perf_counter()
     block = document_block_mask(segments)
+    _sync(device)
     build = time.perf_counter() - start
     masks = {"dense": row_mask(segments), "flex": block, "causal": CAUSAL}
     g = torch.Generator().manual_seed(0)
-    q, k, v, up = (torch.randn(args.batch, args.heads, args.positions, args.head_dim, generator=g) for _ in range(4))
+    q, k, v, up = (torch.randn(args.batch, args.heads, args.positions, args.head_dim, generator=g).to(device, dtype)
+                   for _ in range(4))
     for mask in masks.values():  # warm-up
         one_call(mask, q, k, v, up)
     times = {name: [] for name in masks}
@@ -73,14 +86,18 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="512 positions, 1 repeat")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (flex compiled, as mmpipe runs it there)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     args = p.parse_args(argv)
     if args.quick:
         args.positions, args.repeats = 512, 1
     torch.set_num_threads(args.threads)
-    import torch.nn.attention.flex_attention as flex
-    flex._validate_device = lambda *a: None  # CPU backward: see the module docstring
-    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # it is, on purpose
-    print(f"B={args.batch} heads={args.heads} head_dim={args.head_dim} L={args.positions} fp32, "
+    if args.device == "cpu":
+        import torch.nn.attention.flex_attention as flex
+        flex._validate_device = lambda *a: None  # CPU backward: see the module docstring
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # on purpose
+    print(f"B={args.batch} heads={args.heads} head_dim={args.head_dim} L={args.positions} {args.dtype} "
+          f"on {args.device}, "
           f"{args.threads} thread(s), torch {torch.__version__}, median of {args.repeats}: fwd+bwd s (x dense)")
     for samples in (int(s) for s in args.samples.split(",")):
         r = bench_rows(args, samples)
