@@ -104,7 +104,7 @@ step bench "$T_BENCH" "$PY" -m mmpipe.cli bench "$OUT/sweep.json" --no-peers --o
 
 if [ -f scripts/bench_attention.py ]; then
   DEVICE_ARG=()
-  if [ "$CPU" != 1 ] && "$PY" scripts/bench_attention.py --help 2>/dev/null | grep -q -- '--device'; then DEVICE_ARG=(--device cuda); fi
+  if [ "$CPU" != 1 ]; then DEVICE_ARG=(--device cuda --dtype bf16); fi  # flex compiled, as runs use it there
   for n in 2048 8192; do
     if [ "$CPU" = 1 ] && [ "$n" = 8192 ]; then continue; fi  # --quick is its own size on CPU
     step "attention_$n" "$((T_ATTN / 2))" "$PY" scripts/bench_attention.py --positions "$n" --samples 1,8 \
