@@ -85,3 +85,29 @@ def word_tokenizer(path, template: str):
 def shifted(labels: torch.Tensor) -> torch.Tensor:
     """HF labels (the token at each position) -> mmpipe's (the token each position predicts next)."""
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def with_random_adapters(model, groups: tuple[str, ...] = ("vision", "projector", "text")):
+    """A ReferenceModel of model's weights with LoRA adapters (rank 4, alpha 8) on `groups`, the adapters
+    random (seed 5): peft starts B at zero, an adapter that changes nothing, so these make them count."""
+    from mmpipe.model import ReferenceModel
+    from mmpipe.model.lora import Lora, is_adapter, load_base
+    adapted = ReferenceModel(model.cfg, lora=Lora(4, 8.0, groups=groups))
+    for mine, theirs in zip(adapted, model):
+        load_base(mine, theirs.state_dict())
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if is_adapter(name):
+                p.copy_(torch.randn_like(p) * 0.2)
+    return adapted.eval()
+
+
+def peft_of(adapted, hf_class, out: Path, key_map, export_hf):
+    """adapted's adapters exported as a peft adapter (mmpipe.hf.adapter, with its base beside it) and loaded
+    by peft onto transformers' hf_class: the model a user of the export gets."""
+    from peft import PeftModel
+
+    from mmpipe.hf.adapter import export_adapter
+    export_adapter(adapted, out, key_map, export_hf)
+    return PeftModel.from_pretrained(hf_class.from_pretrained(out / "base"), out).eval()

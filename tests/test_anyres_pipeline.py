@@ -14,15 +14,12 @@ import torch
 from conftest import train_run, write_ds_config
 from fixtures_data import mixed_image_records
 from llava_next_models import image
-from mmpipe.data.batches import StepBatches, rank_batches
-from mmpipe.data.dataset import prepare
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
-from mmpipe.runtime.feed import run_dataset
 from mmpipe.runtime.reference import train_reference
 from test_anyres_data import WORDS, tokenizer
-from test_qwen_pipeline import _weights_equal_within
+from test_qwen_pipeline import _weights_equal_within, loaders_agree, sample_image_counts
 
 TOL = 1e-5
 STEPS, SEED, T = 3, 5, 12
@@ -79,23 +76,15 @@ def test_rows_mix_aspect_ratios_images_and_text_only(anyres_set):
     conversations of 2 and 3 images, text-only samples, each row's placeholders its images' counts; a later
     stage's loader (no image decoded) gives the first stage's tilings."""
     run = _resolved(anyres_set)
-    samples = prepare(run.data, run.model, str(anyres_set[0] / "ref"), SEED, verbose=False)
-    first = rank_batches(run_dataset(run, samples), StepBatches(0, run.micro, run.gas, 0, 1))
-    later = rank_batches(run_dataset(run, samples, first=False), StepBatches(0, run.micro, run.gas, 0, 1))
     images_per_sample, text_only, mixed_rows = set(), 0, 0
-    for _ in range(STEPS * run.gas):
-        (pixels, ids, has_image, segments, tiling), _ = next(first)
-        (ids2, has_image2, segments2, tiling2), _ = next(later)
-        assert torch.equal(tiling, tiling2) and torch.equal(ids, ids2) and torch.equal(segments, segments2)
-        assert pixels.shape == (2, T, 3, 56, 56) and tiling.shape == (2, 4, 4) and has_image2.equal(has_image)
+    for pixels, ids, has_image, segments, tiling in loaders_agree(run, anyres_set[0], SEED, STEPS):
+        assert pixels.shape == (2, T, 3, 56, 56) and tiling.shape == (2, 4, 4)
         crops = ((1 + tiling[..., 2] * tiling[..., 3]) * (has_image > 0)).sum(-1)
         assert (crops <= T).all() and all(not pixels[b, c:].any() for b, c in enumerate(crops.tolist()))
         grids = [{tuple(g[2:]) for g in row.tolist() if any(g)} for row in tiling]
         assert len(set.union(*grids)) >= 2  # tile grids differ within the micro-batch
         mixed_rows += sum(len(g) >= 2 for g in grids)  # and within a row
-        for b in range(2):
-            n_samples = int(segments[b].max())
-            counts = [int((has_image[b] == s).sum()) for s in range(1, n_samples + 1)]
+        for counts in sample_image_counts(has_image, segments):
             images_per_sample.update(counts)
             text_only += counts.count(0)
     assert {0, 1, 2, 3} <= images_per_sample and text_only >= 2 and mixed_rows >= STEPS

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_models import word_tokenizer
+from hf_models import peft_of, with_random_adapters, word_tokenizer
 from llava_next_models import (
     CROP,
     IMAGE,
@@ -36,13 +36,11 @@ from llava_next_models import (
 from mmpipe.cli import main
 from mmpipe.config import ConfigError
 from mmpipe.data.dataset import prepare
-from mmpipe.hf.adapter import export_adapter
 from mmpipe.hf.llava_next import config_from_hf, export_hf, import_llava_next, key_map
 from mmpipe.hf.llava_next import hf_config as hf_config_of
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
 from mmpipe.model.llava_next import image_feature_count, pooled_shape
-from mmpipe.model.lora import Lora, is_adapter, load_base
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
@@ -201,18 +199,9 @@ def test_export_loads_in_transformers(llava_next, tmp_path):
 def test_lora_adapters_load_with_peft(llava_next, tmp_path):
     """Adapters on every group's linears (the tower's, the projector's, the decoder's) export as a peft adapter
     of transformers' model, which then gives mmpipe's logits."""
-    from peft import PeftModel
     kind, _, hf, model, _ = llava_next
-    adapted = ReferenceModel(model.cfg, lora=Lora(4, 8.0, groups=("vision", "projector", "text")))
-    for mine, theirs in zip(adapted, model):
-        load_base(mine, theirs.state_dict())
-    torch.manual_seed(5)
-    with torch.no_grad():  # peft starts B at zero (adapter = no-op); make them count
-        for name, p in adapted.named_parameters():
-            if is_adapter(name):
-                p.copy_(torch.randn_like(p) * 0.2)
-    export_adapter(adapted.eval(), tmp_path, key_map, export_hf)
-    peft_model = PeftModel.from_pretrained(type(hf).from_pretrained(tmp_path / "base"), tmp_path).eval()
+    adapted = with_random_adapters(model)
+    peft_model = peft_of(adapted, type(hf), tmp_path, key_map, export_hf)
     s = _sample(hf, kind, 2)
     with torch.no_grad():
         want = adapted(*alone(s))[0]

@@ -15,15 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hf_models import peft_of, with_random_adapters
 from mmpipe.cli import main
 from mmpipe.config import ConfigError
 from mmpipe.data.text import ConversationEncoder, image_text
 from mmpipe.data.tokenizer import load_tokenizer
-from mmpipe.hf.adapter import export_adapter
 from mmpipe.hf.qwen2_vl import config_from_hf, export_hf, import_qwen2_vl, key_map
 from mmpipe.inference.generate import generate, with_images
 from mmpipe.model import ReferenceModel
-from mmpipe.model.lora import Lora, is_adapter, load_base
 from mmpipe.model.stage import StageTuple
 from mmpipe.runtime.checkpoint import load_reference
 from qwen_models import (
@@ -224,18 +223,9 @@ def test_export_loads_in_transformers(qwen, tmp_path):
 def test_lora_adapters_load_with_peft(qwen, tmp_path):
     """Adapters on every group's linears (the tower's fused qkv, the merger's mlp.0 / mlp.2, the decoder's
     projections) export as a peft adapter of transformers' model, which then gives mmpipe's logits."""
-    from peft import PeftModel
     kind, _, hf, model, _ = qwen
-    adapted = ReferenceModel(model.cfg, lora=Lora(4, 8.0, groups=("vision", "projector", "text")))
-    for mine, theirs in zip(adapted, model):
-        load_base(mine, theirs.state_dict())
-    torch.manual_seed(5)
-    with torch.no_grad():  # peft starts B at zero (adapter = no-op); make them count
-        for name, p in adapted.named_parameters():
-            if is_adapter(name):
-                p.copy_(torch.randn_like(p) * 0.2)
-    export_adapter(adapted.eval(), tmp_path, key_map, export_hf)
-    peft_model = PeftModel.from_pretrained(type(hf).from_pretrained(tmp_path / "base"), tmp_path).eval()
+    adapted = with_random_adapters(model)
+    peft_model = peft_of(adapted, type(hf), tmp_path, key_map, export_hf)
     ids, px, grids = _sample(3)
     with torch.no_grad():
         want = adapted(*row([(ids, px, grids)])[0])[0, :len(ids)]

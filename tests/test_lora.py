@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import LlavaForConditionalGeneration
 
 from conftest import fixed_schedule_config, refused, train_run, write_checkpoint
-from hf_models import batch, save_hf
+from hf_models import batch, save_hf, with_random_adapters
 from mmpipe.cli import main as cli
 from mmpipe.config import REGION_FILE, load_preset
 from mmpipe.hf.llava import import_llava
@@ -146,18 +146,10 @@ def adapted_llava(tmp_path_factory):
     d = tmp_path_factory.mktemp("llava_lora")
     save_hf("clip_qwen2", d / "hf")
     imported, _ = import_llava(d / "hf")
-    lora = Lora(4, 8.0, groups=("text", "projector"))
-    model = ReferenceModel(imported.cfg, lora=lora)
-    for mine, theirs in zip(model, imported):
-        load_base(mine, theirs.state_dict())
-    torch.manual_seed(5)
-    with torch.no_grad():  # peft starts B at zero (adapter = no-op); make them count
-        for name, p in model.named_parameters():
-            if is_adapter(name):
-                p.copy_(torch.randn_like(p) * 0.2)
+    model = with_random_adapters(imported, groups=("text", "projector"))
     write_checkpoint(model, d / "run")
-    (d / "run" / LORA_FILE).write_text(json.dumps(lora.to_dict()))
-    return d, model.eval()
+    (d / "run" / LORA_FILE).write_text(json.dumps(model.lora.to_dict()))
+    return d, model
 
 
 def test_merged_export_equals_adapter_model(adapted_llava):

@@ -5,19 +5,17 @@ allocating a weight. All on the meta device or llava-next-tiny."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from PIL import Image
 
-from conftest import ROOT
 from mmpipe.config import PRESET_DIR, load_preset
 from mmpipe.data.anyres import tile_rule
 from mmpipe.data.packing import row_shape
 from mmpipe.model.costs import CropRow
 from mmpipe.planning.costmodel import layer_costs
 from mmpipe.planning.images import crop_row
+from test_plan import plan_in_a_fresh_process
 from test_plan_qwen import _total
 
 ANYRES = ["llava-v1.6-mistral-7b", "llava-v1.6-vicuna-13b", "llava-onevision-qwen2-0.5b", "llava-onevision-qwen2-7b",
@@ -64,19 +62,14 @@ def test_a_row_costs_its_crop_budget_and_the_datas_length():
 
 
 def test_plan_llava_onevision_72b_fits_4_nodes_of_8_h100_without_allocating():
-    code = ("import resource, sys; from mmpipe.cli import main; "
-            f"rc = main({BIG_72B + ['--json']!r}); "
-            "print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    layouts = json.loads(proc.stdout[proc.stdout.index("["):])
+    layouts, rss_gb = plan_in_a_fresh_process(BIG_72B[1:])
     fits = [lay for lay in layouts if lay["step"]]
     assert fits and fits[0]["stages"] * fits[0]["dp"] == 32
     assert max(max(r["memory_gib"] for r in lay["stage_rows"]) for lay in fits) <= 75.0
     # one image: 6 x 6 pinpoints -> T = 37 crops; positions: 729 + the pooled bound 7938 + 162 newlines
     assert {lay["decoder_length"] for lay in layouts} == {729 + 7938 + 162 + 1024}
     assert layouts[0]["max_tiles"] == 37 and layouts[0]["image_tilings"] == [[768, 1024, 2, 3]]
-    assert int(proc.stderr.split("RSS_KB")[1]) / 1e6 < 2.0  # 73 B bf16 weights would be 147 GB
+    assert rss_gb < 2.0  # 73 B bf16 weights would be 147 GB
 
 
 def test_plan_prints_the_images_tiles_and_the_rows_budgets(capsys):

@@ -5,21 +5,18 @@ H100 in seconds without allocating a weight. All on the meta device or qwen-tiny
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT
 from mmpipe.config import PRESET_DIR, load_preset
 from mmpipe.data.packing import row_shape
 from mmpipe.model.builder import layer_param_counts, layer_specs
 from mmpipe.model.costs import PatchRow, attention_pairs
 from mmpipe.planning.costmodel import layer_costs
 from mmpipe.planning.images import patch_row
-from test_plan import _saved_floats_per_sample
+from test_plan import _saved_floats_per_sample, plan_in_a_fresh_process
 
 QWEN = ["qwen2-vl-2b", "qwen2-vl-7b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b", "qwen2.5-vl-72b"]
 BIG_72B = ["plan", "--preset", "qwen2.5-vl-72b", "--image-size", "1024x768", "--max-images", "4", "--max-patches",
@@ -120,18 +117,13 @@ def test_image_size_is_the_image_processors_grid():
 
 
 def test_plan_qwen2_5_vl_72b_fits_4_nodes_of_8_h100_without_allocating():
-    code = ("import resource, sys; from mmpipe.cli import main; "
-            f"rc = main({BIG_72B + ['--json']!r}); "
-            "print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    layouts = json.loads(proc.stdout[proc.stdout.index("["):])
+    layouts, rss_gb = plan_in_a_fresh_process(BIG_72B[1:])
     fits = [lay for lay in layouts if lay["step"]]
     assert fits and fits[0]["stages"] * fits[0]["dp"] == 32
     assert max(max(r["memory_gib"] for r in lay["stage_rows"]) for lay in fits) <= 75.0
     assert {lay["decoder_length"] for lay in layouts} == {4 * 2 + 16384 // 4 + 1024}
     assert layouts[0]["max_patches"] == 16384 and layouts[0]["image_grids"] == [[1, 54, 74]] * 4
-    assert int(proc.stderr.split("RSS_KB")[1]) / 1e6 < 2.0  # 73 B bf16 weights would be 147 GB
+    assert rss_gb < 2.0  # 73 B bf16 weights would be 147 GB
 
 
 def test_plan_prints_the_images_grid_and_the_rows_budgets(capsys):

@@ -109,28 +109,39 @@ def test_rows_mix_grids_images_and_text_only(qwen_set):
     # the placeholders are the tokenizer's own vision tokens, as Qwen's processor makes them; nothing is added
     assert [m.vision_start_id, m.image_token_id, m.vision_end_id] == tok.convert_tokens_to_ids(
         ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]) and m.text.vocab_size == len(tok) == 200
-    samples = prepare(run.data, run.model, str(qwen_set[0] / "ref"), SEED, verbose=False)
-    first = rank_batches(run_dataset(run, samples), StepBatches(0, run.micro, run.gas, 0, 1))
-    later = rank_batches(run_dataset(run, samples, first=False), StepBatches(0, run.micro, run.gas, 0, 1))
     images_per_sample, text_only, mixed_rows = set(), 0, 0
-    for _ in range(STEPS * run.gas):
-        (pixels, ids, has_image, segments, tiling), _ = next(first)
-        (ids2, has_image2, segments2, tiling2), _ = next(later)
-        assert torch.equal(tiling, tiling2) and torch.equal(ids, ids2) and torch.equal(segments, segments2)
+    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen_set[0], SEED, STEPS):
         assert pixels.shape == (2, 128, 1176) and tiling.shape == (2, 4, 3)
         n_tokens = (tiling.prod(-1) * (has_image > 0)).sum(-1) // 4
-        assert torch.equal((ids == m.image_token_id).sum(-1), n_tokens) and has_image2.equal(has_image)
+        assert torch.equal((ids == m.image_token_id).sum(-1), n_tokens)
         grids = [{tuple(g) for g in row.tolist() if any(g)} for row in tiling]
         assert len(set.union(*grids)) >= 2  # grids differ within the micro-batch
         mixed_rows += sum(len(g) >= 2 for g in grids)  # and within a row
-        for b in range(2):
-            n_samples = int(segments[b].max())
-            assert n_samples >= 2  # packed
-            counts = [int((has_image[b] == s).sum()) for s in range(1, n_samples + 1)]
+        for counts in sample_image_counts(has_image, segments):
+            assert len(counts) >= 2  # packed
             images_per_sample.update(counts)
             text_only += counts.count(0)
     assert {0, 1, 2, 3} <= images_per_sample and text_only >= 2
     assert mixed_rows >= STEPS * run.gas
+
+
+def loaders_agree(run, root, seed: int, steps: int):
+    """The first `steps` x GAS micro-batches of the first stage's loader, each checked against a later stage's
+    (no image decoded): the same integer tensors. Yields the first's (pixels, input_ids, has_image, segments,
+    tiling)."""
+    samples = prepare(run.data, run.model, str(root / "ref"), seed, verbose=False)
+    first = rank_batches(run_dataset(run, samples), StepBatches(0, run.micro, run.gas, 0, 1))
+    later = rank_batches(run_dataset(run, samples, first=False), StepBatches(0, run.micro, run.gas, 0, 1))
+    for _ in range(steps * run.gas):
+        (inputs, _), (ints, _) = next(first), next(later)
+        assert len(inputs) == 5 and all(torch.equal(a, b) for a, b in zip(inputs[1:], ints, strict=True))
+        yield inputs
+
+
+def sample_image_counts(has_image, segments) -> list[list[int]]:
+    """Per row of a micro-batch: each of its samples' image counts (has_image holds each slot's sample)."""
+    return [[int((has_image[b] == s).sum()) for s in range(1, int(segments[b].max()) + 1)]
+            for b in range(has_image.shape[0])]
 
 
 def _weights_equal_within(model, reference: ReferenceModel, tol: float) -> None:
