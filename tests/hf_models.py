@@ -111,3 +111,16 @@ def peft_of(adapted, hf_class, out: Path, key_map, export_hf):
     from mmpipe.hf.adapter import export_adapter
     export_adapter(adapted, out, key_map, export_hf)
     return PeftModel.from_pretrained(hf_class.from_pretrained(out / "base"), out).eval()
+
+
+def perturbed(model):
+    """A copy of a ReferenceModel with every weight moved (seeded): as if trained, so an export that carried
+    the imported weights instead would show."""
+    from mmpipe.model import ReferenceModel
+    changed = ReferenceModel(model.cfg).eval()
+    changed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in changed.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return changed

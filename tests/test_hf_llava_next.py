@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_models import peft_of, with_random_adapters, word_tokenizer
+from hf_models import peft_of, perturbed, with_random_adapters, word_tokenizer
 from llava_next_models import (
     CROP,
     IMAGE,
@@ -39,7 +39,6 @@ from mmpipe.data.dataset import prepare
 from mmpipe.hf.llava_next import config_from_hf, export_hf, import_llava_next, key_map
 from mmpipe.hf.llava_next import hf_config as hf_config_of
 from mmpipe.inference.generate import generate
-from mmpipe.model import ReferenceModel
 from mmpipe.model.llava_next import image_feature_count, pooled_shape
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -171,12 +170,7 @@ def test_cached_decoding_equals_uncached_and_hf_generate(llava_next):
 
 def test_export_loads_in_transformers(llava_next, tmp_path):
     kind, _, hf, model, run = llava_next
-    changed = ReferenceModel(model.cfg).eval()
-    changed.load_state_dict(model.state_dict())
-    with torch.no_grad():  # as if trained: the export must carry these weights, not the imported ones
-        g = torch.Generator().manual_seed(3)
-        for p in changed.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    changed = perturbed(model)  # as if trained: the export must carry these weights, not the imported ones
     export_hf(changed, tmp_path / "out")
     back = type(hf).from_pretrained(tmp_path / "out").eval()
     for i in (2, 3):  # tiles (OneVision: pooled); two images

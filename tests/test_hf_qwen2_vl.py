@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_models import peft_of, with_random_adapters
+from hf_models import peft_of, perturbed, with_random_adapters
 from mmpipe.cli import main
 from mmpipe.config import ConfigError
 from mmpipe.data.text import ConversationEncoder, image_text
@@ -201,12 +201,7 @@ def test_cached_decoding_equals_uncached_and_hf_generate(qwen):
 
 def test_export_loads_in_transformers(qwen, tmp_path):
     kind, _, hf, model, _ = qwen
-    changed = ReferenceModel(model.cfg).eval()
-    changed.load_state_dict(model.state_dict())
-    with torch.no_grad():  # as if trained: the export must carry these weights, not the imported ones
-        g = torch.Generator().manual_seed(3)
-        for p in changed.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    changed = perturbed(model)  # as if trained: the export must carry these weights, not the imported ones
     export_hf(changed, tmp_path / "out")
     assert (tmp_path / "out" / "preprocessor_config.json").is_file()
     back = type(hf).from_pretrained(tmp_path / "out").eval()  # Qwen2.5-VL's class for the SwiGLU tower
