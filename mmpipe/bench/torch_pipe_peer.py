@@ -43,6 +43,10 @@ class TupleStage(nn.Module):
         self.layers = layers
 
     def forward(self, *xs):
+        # torch's pipelining receives each micro-batch into buffers it reuses, and c10d's recv does not bump a
+        # tensor's version: the layers' per-micro-batch geometry (mmpipe.model.attention.row_cached, keyed on
+        # the integer tensors' identity and version) would be the previous micro-batch's. Fresh integers here.
+        xs = tuple(t if t.is_floating_point() else t.clone() for t in xs)
         return self.layers(tuple(xs) if len(xs) > 1 else xs[0])
 
 

@@ -185,7 +185,9 @@ _ROW_CACHE: dict = {}
 def row_cached(tensors: tuple, key: tuple, build):
     """build(), once per identity (and in-place version) of `tensors`: what every layer of a stage derives
     from the same micro-batch's integer tensors (mmpipe.model.stage: they never change from layer to layer).
-    An entry goes when any of its tensors is freed; at most 64 are kept."""
+    An entry goes when any of its tensors is freed; at most 64 are kept. A caller that refills such a tensor
+    in place without bumping its version (c10d's recv into a reused buffer, as torch.distributed.pipelining
+    does) must hand the layers a fresh one (mmpipe.bench.torch_pipe_peer.TupleStage)."""
     full = (*((id(t), 0 if t.is_inference() else t._version) for t in tensors), *key)  # inference: no version
     hit = _ROW_CACHE.get(full)
     if hit is not None and all(r() is t for r, t in zip(hit[0], tensors)):
