@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..model.llava_next import image_crops
 from .records import BadRecord
 
 
@@ -76,8 +77,8 @@ class TileRule:
             if unpadded == 0:
                 raise BadRecord("bad_aspect", f"image {width}x{height}: its {rows} x {cols} tiles keep no feature "
                                               f"row or column after unpadding (aspect too extreme for the pinpoints)")
-        if 1 + rows * cols > self.row_tiles:
-            raise BadRecord("too_many_tiles", f"image {width}x{height} makes {1 + rows * cols} crops (base + "
+        if image_crops(rows, cols) > self.row_tiles:
+            raise BadRecord("too_many_tiles", f"image {width}x{height} makes {image_crops(rows, cols)} crops (base + "
                                               f"{rows} x {cols} tiles) > the row's {self.row_tiles} (--max-tiles)")
         return height, width, rows, cols, self.count(height, width, n_images)
 
@@ -100,8 +101,8 @@ class TileRule:
 
     @staticmethod
     def crops(grid) -> int:
-        """Crops the tower encodes for one image: its base crop and its rows x cols tiles."""
-        return 1 + int(grid[2]) * int(grid[3])
+        """Crops the tower encodes for one image of this grid (mmpipe.model.llava_next.image_crops)."""
+        return image_crops(int(grid[2]), int(grid[3]))
 
     @staticmethod
     def positions(grid) -> int:

@@ -55,8 +55,9 @@ def pooled_shape(v: VisionConfig, H: int, W: int) -> tuple[int, int] | None:
     return (int(H // ratio), int(W // ratio)) if ratio > 1.1 else None
 
 
-def image_crops(rows: int, cols: int) -> int:
-    """Crops the tower encodes for one image: its base crop and its rows x cols tiles (0 x 0: the base only)."""
+def image_crops(rows, cols):
+    """Crops the tower encodes for one image: its base crop and its rows x cols tiles (0 x 0: the base only);
+    ints, or tensors of them (a row's slots)."""
     return 1 + rows * cols
 
 
@@ -75,7 +76,7 @@ def row_crops(tiling: torch.Tensor, has_image: torch.Tensor) -> torch.Tensor:
     if tiling is None or tiling.dim() != 3 or tiling.shape[-1] != 4:
         raise ValueError("the llava_next family's layers need each image slot's tiling: the stage tuple's tiling "
                          "long [B, M, 4] (orig_h, orig_w, rows, cols), last of its integer tensors")
-    return (1 + tiling[..., 2] * tiling[..., 3]) * (has_image > 0)
+    return image_crops(tiling[..., 2], tiling[..., 3]) * (has_image > 0)
 
 
 class AnyresProjector(LlavaProjector):
