@@ -130,13 +130,19 @@ class _ShapesOnly(TorchFunctionMode):
     their shapes, never their values. torch runs some init ops on meta tensors (normal_, a tensor times
     a scalar: nn.Embedding's init, a learned position table's randn x 0.02) through Python decompositions
     whose first use imports torch._dynamo, ~1.6 s of CPU in every process that resolves a run (the
-    front door and each rank) for values nobody reads."""
+    front door and each rank) for values nobody reads. A random draw on meta (torch.randn: PatchEmbed's
+    position table) goes through torch._refs, whose pin_memory check imports sympy (~1 s): it becomes
+    torch.empty, the same meta tensor."""
     INIT = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_, torch.Tensor.mul_,
             torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.mul, torch.nn.init.normal_,
             torch.nn.init.trunc_normal_, torch.nn.init.uniform_, torch.nn.init.zeros_, torch.nn.init.ones_,
             torch.nn.init.constant_}
 
+    DRAWS = {torch.randn, torch.rand}
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.DRAWS:
+            return torch.empty(*args, **(kwargs or {}))
         if func in self.INIT:  # the tensor operand: an in-place op's target, or a product's shape
             return next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor))
         return func(*args, **(kwargs or {}))
