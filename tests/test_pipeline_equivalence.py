@@ -1,5 +1,7 @@
 """Pipeline == single device: same seed and data give the same losses and weights for the
-reference loop, PP=1, PP=2 and PP=4; the gradient crosses the stage boundary; --freeze holds."""
+reference loop, PP=1, PP=2 and PP=4; the gradient crosses the stage boundary; --freeze holds.
+Three launches: PP=4 runs with --freeze vision and is compared with the reference loop frozen alike,
+so one run carries both guarantees."""
 from __future__ import annotations
 
 import pytest
@@ -21,11 +23,20 @@ def _run_args(ds_config, *extra):
             "--seed", "3", *extra]
 
 
+def _reference(equivalence_config, *extra):
+    run = resolve(TrainArgs.from_argv(_run_args(equivalence_config, "--stages", "1", *extra)), world_size=1)
+    return train_reference(run, seed=3, steps=EQUIV_STEPS)
+
+
 @pytest.fixture(scope="module")
 def reference(equivalence_config):
-    args = TrainArgs.from_argv(_run_args(equivalence_config, "--stages", "1"))
-    run = resolve(args, world_size=1)
-    return train_reference(run, seed=3, steps=EQUIV_STEPS)
+    return _reference(equivalence_config)
+
+
+@pytest.fixture(scope="module")
+def reference_frozen(equivalence_config):
+    """The reference loop with --freeze vision: what the frozen PP=4 run must equal."""
+    return _reference(equivalence_config, "--freeze", "vision")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +51,9 @@ def pp2(tmp_path_factory, equivalence_config):
 
 @pytest.fixture(scope="module")
 def pp4(tmp_path_factory, equivalence_config):
-    """4 stages: middle stages receive (float, int) tuples and pass them on."""
-    return train_run(tmp_path_factory.mktemp("pp4"), *_run_args(equivalence_config, "--stages", "4")).check()
+    """4 stages: middle stages receive (float, int) tuples and pass them on; --freeze vision."""
+    return train_run(tmp_path_factory.mktemp("pp4"),
+                     *_run_args(equivalence_config, "--stages", "4", "--freeze", "vision")).check()
 
 
 def _max_weight_diff(a: torch.nn.Module, b: torch.nn.Module, skip_key_bias: bool = False) -> float:
@@ -60,17 +72,16 @@ def _max_weight_diff(a: torch.nn.Module, b: torch.nn.Module, skip_key_bias: bool
     return max(diffs)
 
 
-def test_losses_match_reference(reference, pp1, pp2, pp4):
-    _, ref_losses = reference
-    assert len(ref_losses) == EQUIV_STEPS
+def test_losses_match_reference(reference, reference_frozen, pp1, pp2, pp4):
     assert pp4.summary["stages"] == 4 and len(pp4.summary["parts"]) == 5
-    for run in (pp1, pp2, pp4):
+    for run, (_, ref_losses) in ((pp1, reference), (pp2, reference), (pp4, reference_frozen)):
+        assert len(ref_losses) == EQUIV_STEPS
         losses = run.losses
         assert sorted(losses) == list(range(1, EQUIV_STEPS + 1))
         for step, ref in enumerate(ref_losses, start=1):
             assert losses[step] == pytest.approx(ref, abs=TOL), (run.out, step)
-    # the run really trained: the loss moved
-    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3
+        # the run really trained: the loss moved
+        assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3
 
 
 def test_only_floats_cross_stage_boundaries(pp2, pp4):
@@ -81,10 +92,9 @@ def test_only_floats_cross_stage_boundaries(pp2, pp4):
     assert {shape for kind, _, shape in pp4.wire(2) if kind == "data"} == {"4x28x32"}  # a middle stage's [B, T, D]
 
 
-def test_weights_match_reference(reference, pp1, pp2, pp4):
-    ref_model, _ = reference
+def test_weights_match_reference(reference, reference_frozen, pp1, pp2, pp4):
     cfg = load_preset("tiny")
-    for run in (pp1, pp2, pp4):
+    for run, (ref_model, _) in ((pp1, reference), (pp2, reference), (pp4, reference_frozen)):
         model = load_reference(run.out / "checkpoints", cfg)
         assert _max_weight_diff(model, ref_model, skip_key_bias=True) < TOL
 
@@ -99,11 +109,12 @@ def test_pp2_puts_vision_on_stage0_and_its_weights_change(pp2):
         assert _max_weight_diff(init[idx], trained[idx]) > 0, f"vision layer {idx} did not train"
 
 
-def test_freeze_vision_keeps_vision_bit_identical(tmp_path, equivalence_config):
-    run = train_run(tmp_path, *_run_args(equivalence_config, "--stages", "2", "--freeze", "vision")).check()
+def test_freeze_vision_keeps_vision_bit_identical(pp4):
+    """The PP=4 run's tower is bit-identical to its initial weights."""
+    run = pp4
     cfg = load_preset("tiny")
     init = ReferenceModel(cfg, seed=3)
-    trained = load_reference(tmp_path / "checkpoints", cfg)
+    trained = load_reference(run.out / "checkpoints", cfg)
     n_vision = cfg.vision.n_layers + 2
     for idx in range(n_vision):
         for k, v in init[idx].state_dict().items():
