@@ -4,10 +4,11 @@ with several images, text-only records. PP=2 (vision trained) and PP=4 (--freeze
 single-device reference loop (losses, weights; fp32, 1e-5; the decoder's key biases 1e-4), only floats cross
 the stage boundaries while every stage takes the grids from its own loader, the frozen tower stays
 bit-identical, and a PP=2 run cut at step 2 and resumed is bit-identical to the uninterrupted one.
-Four launches in all."""
+Three launches in all: the cut run is a copy of the uninterrupted one as its step-2 checkpoint left it."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -91,8 +92,8 @@ def _launch(qwen_set, name: str, *extra: str):
 
 @pytest.fixture(scope="module")
 def pp2(qwen_set):
-    """Vision trained; also the uninterrupted run of the resume test."""
-    return _launch(qwen_set, "pp2", "--stages", "2", "--steps", str(STEPS))
+    """Vision trained; also the uninterrupted run of the resume test, so it checkpoints at the cut too."""
+    return _launch(qwen_set, "pp2", "--stages", "2", "--steps", str(STEPS), "--save-every", str(CUT))
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +199,16 @@ def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp2, pp4_frozen, 
 
 def test_resume_is_bit_exact(qwen_set, pp2):
     """PP=2 cut after step 2 (its checkpoint) and resumed to step 4: the uninterrupted run's losses and weights,
-    bit for bit (same rows, optimizer moments, LR schedule and RNG)."""
-    _launch(qwen_set, "cut", "--stages", "2", "--steps", str(CUT))
+    bit for bit (same rows, optimizer moments, LR schedule and RNG). The cut run is the uninterrupted run's
+    directory as its step-2 checkpoint left it (a run stopped there: `latest` step2, two logged steps, no later
+    checkpoint, no summary), so it costs no launch of its own; the resume is a launch."""
+    cut = qwen_set[0] / "cut"
+    shutil.copytree(pp2.out, cut)
+    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
+    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
+    (cut / "summary.json").unlink()
+    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
+    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))  # the header and steps 1, 2
     resumed = _launch(qwen_set, "cut", "--stages", "2", "--steps", str(STEPS), "--resume")
     assert resumed.summary["start_step"] == CUT and [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
     assert resumed.losses == pp2.losses
