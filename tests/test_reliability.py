@@ -1,6 +1,8 @@
 """A job dies — SIGKILL between checkpoints, a crash mid-save, a NaN batch — and loses at most the
 work since its last checkpoint, never a checkpoint; a clean stop resumes exactly, also under another
-stage count; a tampered checkpoint is refused."""
+stage count; a tampered checkpoint is refused. Runs carry two stories where they can (the SIGKILLed
+run's resume is the one killed mid-save; the clean stop's exact resume meets the skipped NaN batch; the
+NaN-stopped run resumes under 4 stages): each launch costs ~20 s of CPU before its first step."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, Run, fixed_schedule_config, train_run
+from conftest import ROOT, Run, fixed_schedule_config, mmpipe_train, train_run
 from mmpipe.config import load_preset
 from mmpipe.runtime.checkpoint import latest_tag, load_reference
 
@@ -47,45 +49,46 @@ def _tree_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def test_sigkill_between_checkpoints_then_resume_equals_the_uninterrupted_run(tmp_path, cfg, uninterrupted):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
-           *_args(cfg, "--steps", str(STEPS), "--save-every", "3")]
+def _sigkill_rank1_after(cmd: list[str], out: Path, rows: int) -> int:
+    """Start `cmd`; once its log has `rows` steps, SIGKILL the last stage's rank, as the OOM killer would.
+    Returns how many steps the run had logged when it died."""
     job = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = out / "train_log.csv"
     deadline = time.time() + 300
-    while time.time() < deadline and (not log.is_file() or len(log.read_text().splitlines()) < 1 + 4):
-        time.sleep(0.01)  # wait for step 4: past the step-3 checkpoint
-    # SIGKILL the last stage's rank, as the OOM killer would
+    while time.time() < deadline and (not log.is_file() or len(log.read_text().splitlines()) < 1 + rows):
+        time.sleep(0.01)
     rank1 = subprocess.run(["pgrep", "-f", f"mmpipe.train --local_rank=1 .*{out}"], capture_output=True, text=True)
     os.kill(int(rank1.stdout.split()[0]), signal.SIGKILL)
     job.communicate(timeout=120)
     assert job.returncode != 0 and not (out / "summary.json").exists()
-    killed_at = len(log.read_text().splitlines()) - 1
+    return len(log.read_text().splitlines()) - 1
+
+
+def test_sigkill_then_a_kill_during_a_save_lose_only_the_work_since_the_last_checkpoint(tmp_path, cfg, uninterrupted):
+    """A rank SIGKILLed between checkpoints, then the resumed run killed in the middle of its next save:
+    each time the last committed checkpoint stays `latest` (the half-written one never does, the previous
+    one loads whole), and the next --resume removes the half-written one and continues from the last good
+    step with every loss of the uninterrupted run, bit for bit (fp32, CPU), one row per step."""
+    out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    train = [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
+             *_args(cfg, "--steps", str(STEPS), "--save-every", "3")]
+    killed_at = _sigkill_rank1_after(train, out, 4)  # step 4: past the step-3 checkpoint
     assert killed_at < STEPS, "the run finished before the kill"
-    last_good = int(latest_tag(out / "checkpoints")[4:])
+    last_good = int(latest_tag(ckpt)[4:])
     assert 3 <= last_good <= killed_at and last_good % 3 == 0
-    resumed = train_run(out, *_args(cfg, "--steps", str(STEPS), "--resume")).check()
-    assert resumed.summary["start_step"] == last_good
-    # one row per step, and every loss exactly the uninterrupted run's (fp32, CPU: bit for bit)
-    assert [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
-    assert resumed.losses == uninterrupted.losses
-
-
-def test_killed_during_a_save_keeps_the_previous_checkpoint_latest(tmp_path, cfg, uninterrupted):
-    out = tmp_path / "run"
-    crashed = Run(out, subprocess.run(
-        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
-         *_args(cfg, "--steps", str(STEPS), "--save-every", "2")],
-        cwd=ROOT, env=_env(MMPIPE_FAULT="kill-in-save:4:1"), capture_output=True, text=True, timeout=300))
-    assert crashed.proc.returncode != 0
-    ckpt = out / "checkpoints"
-    assert latest_tag(ckpt) == "step2" and (ckpt / ".tmp-step4").is_dir()
+    mid_save = last_good + 3  # the resumed run's first save: rank 1 dies after writing its files
+    crashed = subprocess.run([*train, "--resume"], cwd=ROOT, env=_env(MMPIPE_FAULT=f"kill-in-save:{mid_save}:1"),
+                             capture_output=True, text=True, timeout=300)
+    assert crashed.returncode != 0 and not (out / "summary.json").exists()
+    assert latest_tag(ckpt) == f"step{last_good}" and (ckpt / f".tmp-step{mid_save}").is_dir()
     model = load_reference(ckpt, load_preset("tiny"))  # the previous checkpoint loads, whole
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    resumed = train_run(out, *_args(cfg, "--steps", str(STEPS), "--save-every", "2", "--resume")).check()
-    assert "removed" in resumed.proc.stdout and not (ckpt / ".tmp-step4").exists()
-    assert resumed.summary["start_step"] == 2 and resumed.losses == uninterrupted.losses
+    resumed = train_run(out, *_args(cfg, "--steps", str(STEPS), "--save-every", "3", "--resume")).check()
+    assert f".tmp-step{mid_save}, a checkpoint whose save did not finish" in resumed.proc.stdout
+    assert not (ckpt / f".tmp-step{mid_save}").exists()
+    assert resumed.summary["start_step"] == last_good
+    assert [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
+    assert resumed.losses == uninterrupted.losses
 
 
 @pytest.fixture(scope="module")
@@ -94,28 +97,48 @@ def stopped_at_4(tmp_path_factory, cfg):
     return train_run(tmp_path_factory.mktemp("cut") / "run", *_args(cfg, "--steps", "4")).check()
 
 
-@pytest.mark.parametrize("stages", [2, 1, 4])
-def test_resume_under_another_stage_count(tmp_path, cfg, uninterrupted, stopped_at_4, stages):
-    """A clean stop and --resume continues the step count and the loss curve: under the same stage count
-    every later loss is the uninterrupted run's, bit for bit, and the log has one row per step; under
-    another, the first loss after loading is (same weights, data position and LR)."""
-    out = tmp_path / "run"
-    shutil.copytree(stopped_at_4.out, out)
-    if stages == 2:
-        resumed = train_run(out, *_args(cfg, "--steps", "6", "--resume")).check()
-        assert resumed.summary["start_step"] == 4
-        assert [int(r["step"]) for r in resumed.rows] == list(range(1, 7))
-        assert resumed.losses == {s: uninterrupted.losses[s] for s in range(1, 7)}
-        return
-    moved = train_run(out, *_args(cfg, "--steps", "5", "--resume", "--stages", str(stages))).check()
+def _assert_moved(moved: Run, stages: int, uninterrupted: Run) -> None:
+    """A 2-stage run's step-4 checkpoint resumed under `stages` for step 5: said so, the optimizer's moments
+    start again, and the same weights, data position and LR give the 2-stage run's step-5 loss and LR."""
     assert f"this run is {stages} x dp 1" in moved.proc.stdout and "starts again from zero" in moved.proc.stdout
     assert moved.summary["start_step"] == 4 and moved.summary["stages"] == stages
-    # same weights, data position and LR: the first loss after loading is the 2-stage run's
     assert moved.losses[5] == uninterrupted.losses[5]
     assert moved.rows[-1]["lr"] == uninterrupted.rows[4]["lr"]
 
 
-def test_nan_batch_stops_the_run_and_leaves_the_last_checkpoint_untouched(tmp_path, cfg):
+def test_clean_stop_resumes_exactly_then_a_nan_batch_is_skipped_and_counted_when_configured(
+        tmp_path, cfg, uninterrupted, stopped_at_4):
+    """A clean stop and --resume under the same stage count continues the step count and the loss curve:
+    every later loss is the uninterrupted run's, bit for bit, and the log has one row per step. The resumed
+    run, with --nonfinite skip, then meets a NaN batch at step 7: skipped and counted, no update, the
+    schedule held, the run goes on."""
+    out = tmp_path / "run"
+    shutil.copytree(stopped_at_4.out, out)
+    args = _args(cfg, "--steps", "8", "--resume", "--nonfinite", "skip")
+    resumed = Run(out, mmpipe_train(["--output-dir", str(out), *args], MMPIPE_FAULT="nan-batch:7")).check()
+    assert resumed.summary["start_step"] == 4
+    rows = resumed.rows
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert all(resumed.losses[s] == uninterrupted.losses[s] for s in range(1, 7))
+    assert resumed.summary["nonfinite_steps"] == 1 and resumed.summary["skipped_steps"] == 0
+    assert [r["skipped"] for r in rows] == ["", "", "", "", "", "", "nonfinite", ""]
+    assert rows[6]["lr"] == rows[5]["lr"] != rows[7]["lr"]  # the skipped step did not advance the schedule
+    # no update at step 7: step 8 sees step 6's weights, as the uninterrupted run's step 7 did
+    assert resumed.losses[8] != uninterrupted.losses[8]
+
+
+def test_resume_under_another_stage_count(tmp_path, cfg, uninterrupted, stopped_at_4):
+    """A clean stop resumed under 1 stage (4 stages: the NaN-stop test's resume): the first loss after
+    loading is the 2-stage run's (same weights, data position and LR)."""
+    out = tmp_path / "run"
+    shutil.copytree(stopped_at_4.out, out)
+    _assert_moved(train_run(out, *_args(cfg, "--steps", "5", "--resume", "--stages", "1")).check(), 1, uninterrupted)
+
+
+def test_nan_batch_stops_the_run_and_its_last_checkpoint_resumes_untouched_under_4_stages(tmp_path, cfg,
+                                                                                         uninterrupted):
+    """A NaN loss stops the run before any further checkpoint; `latest` (step 4) is resumed as it was
+    written, here under 4 stages (test_resume_under_another_stage_count's third stage count)."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
                            *_args(cfg, "--steps", str(STEPS), "--save-every", "2")],
@@ -127,22 +150,9 @@ def test_nan_batch_stops_the_run_and_leaves_the_last_checkpoint_untouched(tmp_pa
     assert latest_tag(ckpt) == "step4" and sorted(p.name for p in ckpt.iterdir()) == ["latest", "step2", "step4"]
     digest = _tree_digest(ckpt / "step4")
     # what was written at step 4 is what a fresh load reads: nothing after it touched the files
-    resumed = train_run(out, *_args(cfg, "--steps", "5", "--resume")).check()
-    assert resumed.summary["start_step"] == 4 and _tree_digest(ckpt / "step4") == digest
-
-
-def test_nan_batch_skipped_and_counted_when_configured(tmp_path, cfg, uninterrupted):
-    run = Run(tmp_path / "run", subprocess.run(
-        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(tmp_path / "run"),
-         *_args(cfg, "--steps", "6", "--nonfinite", "skip")],
-        cwd=ROOT, env=_env(MMPIPE_FAULT="nan-batch:5"), capture_output=True, text=True, timeout=300)).check()
-    assert run.summary["nonfinite_steps"] == 1 and run.summary["skipped_steps"] == 0
-    rows = run.rows
-    assert [r["skipped"] for r in rows] == ["", "", "", "", "nonfinite", ""]
-    assert rows[4]["lr"] == rows[3]["lr"] != rows[5]["lr"]  # the skipped step did not advance the schedule
-    # no update at step 5: step 6 sees step 4's weights, as the uninterrupted run's step 5 did
-    assert run.losses[6] != uninterrupted.losses[6]
-    assert all(run.losses[s] == uninterrupted.losses[s] for s in range(1, 5))
+    moved = train_run(out, *_args(cfg, "--steps", "5", "--resume", "--stages", "4")).check()
+    assert _tree_digest(ckpt / "step4") == digest
+    _assert_moved(moved, 4, uninterrupted)
 
 
 class _RunsCode:
