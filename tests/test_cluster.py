@@ -18,7 +18,10 @@ from conftest import ROOT, Run, fixed_schedule_config, train_run
 from mmpipe.cluster.ports import free_port
 from services import slurm_cluster, ssh_cluster
 
-STEPS = 300  # ~50 ms a step on tiny: long enough to preempt mid-run, ~15 s of training
+STEPS = 120  # ~50-90 ms a step on tiny (by load): ~6-11 s of training, the single-host reference's too
+# the preemption tests signal once the run has logged this many steps; the signal lands a few steps later
+# (3 on a loaded machine here), so the run is still training with 110 steps (5+ s) to spare
+SIGNAL_AFTER = 10
 
 
 @pytest.fixture(scope="module")
@@ -106,25 +109,12 @@ def slurm(tmp_path_factory):
         yield dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def test_slurm_submit_trains_a_two_stage_pipeline(tmp_path, cfg, slurm, single_host):
-    out = tmp_path / "run"
-    job = _submit(slurm, out, cfg, 20)
-    st = _wait_job(slurm, job)
-    log = (out / f"slurm-{job}.out").read_text()
-    assert st["JobState"] == "COMPLETED", log[-3000:]
-    run = Run(out, None)
-    assert (out / "summary.json").is_file(), log[-3000:]
-    # two srun tasks became rank 0 and 1 of a 2-stage pipeline, without any launcher of ours
-    assert run.summary["stages"] == 2 and run.summary["dp"] == 1
-    assert "mmpipe: done" in log
-    ref = single_host.losses
-    assert run.losses == {s: ref[s] for s in range(1, 21)}
-
-
-def test_slurm_preempted_job_checkpoints_requeues_and_resumes(tmp_path, cfg, slurm, single_host):
+def test_slurm_submit_trains_a_two_stage_pipeline_preempted_requeued_and_resumed(tmp_path, cfg, slurm, single_host):
+    """`mmpipe slurm --submit`: two srun tasks become the 2-stage pipeline's ranks, without any launcher of
+    ours; USR1 mid-run stops it after a step with a checkpoint, Slurm requeues the job, and it resumes."""
     out = tmp_path / "run"
     job = _submit(slurm, out, cfg, STEPS)
-    _wait_rows(out / "train_log.csv", 20)
+    _wait_rows(out / "train_log.csv", SIGNAL_AFTER)
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
     deadline = time.time() + 120
     while time.time() < deadline:  # through REQUEUED / COMPLETING back to the queue
@@ -138,15 +128,18 @@ def test_slurm_preempted_job_checkpoints_requeues_and_resumes(tmp_path, cfg, slu
     st = _wait_job(slurm, job, timeout=400)
     log = (out / f"slurm-{job}.out").read_text()
     assert st["JobState"] == "COMPLETED", log[-4000:]
-    stopped = re.search(r"mmpipe: SIGUSR1: stopped after step (\d+) of 300", log)
+    stopped = re.search(rf"mmpipe: SIGUSR1: stopped after step (\d+) of {STEPS}", log)
     assert stopped, log[-4000:]
     k = int(stopped[1])
-    assert 20 <= k < STEPS
+    assert SIGNAL_AFTER <= k < STEPS
     assert f"requeueing job {job}" in log
     assert int(st["Restarts"]) == 1
     run = Run(out, None)
     assert (out / "summary.json").is_file(), log[-4000:]
     assert run.summary["start_step"] == k  # resumed from the preemption checkpoint, not from scratch
+    # two srun tasks became rank 0 and 1 of a 2-stage pipeline
+    assert run.summary["stages"] == 2 and run.summary["dp"] == 1
+    assert "mmpipe: done" in log
     # every step exactly once, and the same losses as the uninterrupted run: nothing lost or repeated
     assert [int(r["step"]) for r in run.rows] == list(range(1, STEPS + 1))
     assert run.losses == single_host.losses
@@ -159,7 +152,7 @@ def test_sigterm_under_the_deepspeed_launcher_checkpoints_and_resumes(tmp_path, 
     job = subprocess.Popen([sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out), *_args(cfg, STEPS)],
                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_rows(out / "train_log.csv", 20)
+    _wait_rows(out / "train_log.csv", SIGNAL_AFTER)
     ranks = subprocess.run(["pgrep", "-f", f"mmpipe.train --local_rank=.*{out}"], capture_output=True, text=True)
     found = {int(p) for p in ranks.stdout.split()}
     pids = [p for p in found if psutil.Process(p).ppid() not in found]  # not the ranks' loader workers
@@ -167,7 +160,7 @@ def test_sigterm_under_the_deepspeed_launcher_checkpoints_and_resumes(tmp_path, 
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     text, _ = job.communicate(timeout=120)
-    stopped = re.search(r"mmpipe: SIGTERM: stopped after step (\d+) of 300", text)
+    stopped = re.search(rf"mmpipe: SIGTERM: stopped after step (\d+) of {STEPS}", text)
     assert stopped, text[-3000:]
     k = int(stopped[1])
     assert job.returncode != 0 and not (out / "summary.json").exists()
