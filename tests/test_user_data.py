@@ -9,15 +9,14 @@ import pytest
 
 from conftest import refused, train_run, write_ds_config
 from fixtures_data import HUGE_LIMIT, write_fuzz_set
-from mmpipe.data.export import export_shapes
 from mmpipe.data.records import BAD_KINDS
 
-STEPS = 6
+STEPS = 10  # two epochs of write_fuzz_set's 40 good records
 
 
 @pytest.fixture(scope="module")
 def small_batches(tmp_path_factory):
-    """4 micro x 2 GAS = 8 samples per step; a fixed 6-step schedule, so a resumed run follows the same one."""
+    """4 micro x 2 GAS = 8 samples per step; a fixed STEPS-step schedule, so a resumed run follows the same one."""
     d = tmp_path_factory.mktemp("cfg")
     return write_ds_config(
         d / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
@@ -35,45 +34,35 @@ def _args(cfg, data, *extra):
             "--stages", "2", "--text-len", "24", "--log-samples", *extra]
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return export_shapes(tmp_path_factory.mktemp("llava"), "llava-jsonl", 20)  # 20 records: 2.5 steps an epoch
-
-
-def test_llava_jsonl_trains_in_a_2_stage_pipeline_and_resumes_at_the_next_sample(tmp_path, llava, small_batches):
-    full = train_run(tmp_path / "full", *_args(small_batches, llava, "--steps", str(STEPS))).check()
+def test_llava_jsonl_with_bad_records_trains_on_every_good_one_and_resumes_at_the_next_sample(tmp_path,
+                                                                                                 small_batches):
+    """One run carries both: the bad records are counted and left out, every good record is trained on
+    once an epoch, and a run stopped half-way and resumed sees exactly the same samples."""
+    data, injected, good_rows = write_fuzz_set(tmp_path / "data")  # 40 good records: 5 steps an epoch
+    args = _args(small_batches, data, "--max-image-pixels", str(HUGE_LIMIT))
+    full = train_run(tmp_path / "full", *args, "--steps", str(STEPS)).check()
     s = full.summary
-    assert s["stages"] == 2 and s["data"]["good"] == 20 and s["data"]["bad"] == 0
-    assert s["data"]["epochs"] == pytest.approx(STEPS * 8 / 20)
-    # 6 steps x 8 = 48 positions in order; every epoch (20 positions) visits each record once
+    assert s["stages"] == 2 and s["data"]["bad_by_kind"] == injected
+    assert s["data"]["good"] == len(good_rows) and s["data"]["records"] == len(good_rows) + sum(injected.values())
+    assert s["data"]["with_image"] == len(good_rows) - 2
+    assert s["data"]["epochs"] == pytest.approx(STEPS * 8 / len(good_rows))
+    listed = [json.loads(line) for line in (full.out / "data" / "bad_records.jsonl").read_text().splitlines()]
+    assert len(listed) == sum(injected.values()) and all(b["where"].startswith(str(data) + ":") for b in listed)
+    assert "15 skipped" in full.proc.stdout
+    # 10 steps x 8 = 80 positions in order; every epoch (40 positions) visits each good record once
     seen = _seen(full.out)
     assert [p for p, _ in seen] == list(range(STEPS * 8))
     for e in range(2):
-        assert sorted(r for _, r in seen[20 * e:20 * (e + 1)]) == list(range(20))
-    assert [r for _, r in seen[:20]] != list(range(20))  # shuffled, deterministically by (seed, epoch)
+        assert sorted(r for _, r in seen[40 * e:40 * (e + 1)]) == good_rows
+    assert [r for _, r in seen[:40]] != good_rows  # shuffled, deterministically by (seed, epoch)
 
     half = STEPS // 2
-    train_run(tmp_path / "resumed", *_args(small_batches, llava, "--steps", str(half), "--save-every", "1")).check()
-    resumed = train_run(tmp_path / "resumed", *_args(small_batches, llava, "--steps", str(STEPS), "--resume")).check()
+    train_run(tmp_path / "resumed", *args, "--steps", str(half), "--save-every", "1").check()
+    resumed = train_run(tmp_path / "resumed", *args, "--steps", str(STEPS), "--resume").check()
     assert resumed.summary["start_step"] == half
     assert _seen(resumed.out) == seen  # nothing repeated, nothing skipped
     for step, loss in full.losses.items():
         assert resumed.losses[step] == pytest.approx(loss, abs=1e-6), step
-
-
-def test_bad_records_are_counted_and_every_good_record_is_trained_on(tmp_path, small_batches):
-    data, injected, good_rows = write_fuzz_set(tmp_path / "data")
-    steps = len(good_rows) // 8  # 40 good records / 8 per step = exactly one epoch
-    run = train_run(tmp_path / "run", *_args(small_batches, data, "--steps", str(steps),
-                                             "--max-image-pixels", str(HUGE_LIMIT))).check()
-    d = run.summary["data"]
-    assert d["bad_by_kind"] == injected
-    assert d["good"] == len(good_rows) and d["records"] == len(good_rows) + sum(injected.values())
-    assert d["with_image"] == len(good_rows) - 2
-    assert sorted(r for _, r in _seen(run.out)) == good_rows
-    listed = [json.loads(line) for line in (run.out / "data" / "bad_records.jsonl").read_text().splitlines()]
-    assert len(listed) == sum(injected.values()) and all(b["where"].startswith(str(data) + ":") for b in listed)
-    assert "15 skipped" in run.proc.stdout
 
 
 def test_strict_policy_stops_before_training_naming_file_line_and_reason(tmp_path, capsys):
