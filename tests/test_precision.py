@@ -65,18 +65,24 @@ def test_front_door_passes_what_the_device_runs(monkeypatch, capsys, tmp_path):
     assert rc == 2 and "deepspeed launcher not found" in capsys.readouterr().err
 
 
-def test_this_device_asks_deepspeeds_accelerator_and_the_fake_reaches_it():
-    # in subprocesses: the fake sets answers on DeepSpeed's accelerator singleton, which
-    # deepspeed.initialize asks as well
-    code = ("from mmpipe.runtime import precision; from deepspeed.accelerator import get_accelerator as g; "
-            "d = precision.this_device(); print(d.kind, d.fp16, d.bf16, bool(g().is_fp16_supported()))")
+def test_this_device_asks_deepspeeds_accelerator_and_the_fake_reaches_it(monkeypatch):
+    """In this process (a fresh interpreter per answer cost ~3 s of imports each): the fake sets answers on
+    DeepSpeed's accelerator singleton, which deepspeed.initialize asks as well; after each answer the
+    singleton's own answers are restored, as a new process would start with them."""
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
 
     def ask(**env) -> list[str]:
-        proc = subprocess.run([sys.executable, "-c", code], env=_env(**env), cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
-        return proc.stdout.splitlines()[-1].split()  # DeepSpeed's accelerator warning comes first
-    from deepspeed.accelerator import get_accelerator
-    real = str(bool(get_accelerator().is_fp16_supported()))
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            try:
+                d = precision.this_device()
+                return [d.kind, str(d.fp16), str(d.bf16), str(bool(get_accelerator().is_fp16_supported()))]
+            finally:
+                for name in ("is_fp16_supported", "is_bf16_supported"):
+                    vars(acc).pop(name, None)  # what the fake set on the instance: the class's answers again
+    real = str(bool(acc.is_fp16_supported()))
     assert ask() == ["cpu", real, "True", real]
     assert ask(MMPIPE_FAKE_ACCELERATOR="fp16=1,bf16=0") == ["cpu", "True", "False", "True"]
     assert ask(MMPIPE_FAKE_ACCELERATOR="fp16=0") == ["cpu", "False", "True", "False"]
