@@ -194,25 +194,38 @@ def test_state_memory_hand_arithmetic():
     assert last["activations"] == sum(r.act_bytes("fp32") for r in rows[5:]) * 3 * 1  # min(2 - 1, 4) = 1
 
 
-def plan_in_a_fresh_process(argv: list[str]) -> tuple[list[dict], float]:
-    """`mmpipe plan ARGV --json` in a new interpreter: (the layouts, its peak resident memory in GB), the memory
-    a model's weights would blow through if plan allocated them. No timing is asserted (a shared machine's
-    load decides it; `mmpipe plan` prints its own time)."""
-    code = ("import resource, sys; from mmpipe.cli import main; "
-            f"rc = main({['plan', *argv, '--json']!r}); "
-            "print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+def plan_in_a_fresh_process(presets: list[str], argv: list[str]) -> dict[str, tuple[list[dict], float]]:
+    """`mmpipe plan --preset P ARGV --json` for each preset in turn, in one new interpreter: per preset (the
+    layouts, the interpreter's peak resident memory in GB once it is planned), the memory a model's weights
+    would blow through if plan allocated them (the peak so far: each preset's bound holds for all before it).
+    No timing is asserted (a shared machine's load decides it; `mmpipe plan` prints its own time)."""
+    code = ("import contextlib, io, resource, sys; from mmpipe.cli import main\n"
+            f"for p in {presets!r}:\n"
+            "    buf = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(buf):\n"
+            f"        rc = main(['plan', '--preset', p, *{argv!r}, '--json'])\n"
+            "    out = buf.getvalue()\n"
+            "    print('PLAN', p, rc, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, out[out.index('['):]"
+            ".replace(chr(10), ' '))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout[proc.stdout.index("["):]), int(proc.stderr.split("RSS_KB")[1]) / 1e6
+    got = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PLAN "):
+            _, preset, rc, rss_kb, layouts = line.split(" ", 4)
+            assert rc == "0", (preset, proc.stderr[-2000:])
+            got[preset] = json.loads(layouts), int(rss_kb) / 1e6
+    assert list(got) == presets, proc.stdout[-2000:]
+    return got
 
 
-@pytest.mark.parametrize("preset", ["moondream-2b", "vlm-7b"])
-def test_plan_does_not_allocate_the_model(preset):
-    layouts, rss_gb = plan_in_a_fresh_process(["--preset", preset, "--device", "a100-80gb"])
-    fits = [lay for lay in layouts if lay["step"]]
-    assert fits and fits[0]["throughput"] >= max(lay["throughput"] for lay in layouts)
-    weights_gb = {"moondream-2b": 1.86e9, "vlm-7b": 7.0e9}[preset] * 4 / 1e9
-    assert rss_gb < min(2.0, weights_gb / 3)  # the fp32 weights alone would be 7.4 / 28 GB
+def test_plan_does_not_allocate_the_model():
+    planned = plan_in_a_fresh_process(["moondream-2b", "vlm-7b"], ["--device", "a100-80gb"])
+    for preset, (layouts, rss_gb) in planned.items():
+        fits = [lay for lay in layouts if lay["step"]]
+        assert fits and fits[0]["throughput"] >= max(lay["throughput"] for lay in layouts)
+        weights_gb = {"moondream-2b": 1.86e9, "vlm-7b": 7.0e9}[preset] * 4 / 1e9
+        assert rss_gb < min(2.0, weights_gb / 3), preset  # the fp32 weights alone would be 7.4 / 28 GB
 
 
 def test_nothing_fits_is_a_clear_error(capsys):
@@ -225,12 +238,22 @@ def test_nothing_fits_is_a_clear_error(capsys):
                                "optimizer state for the base), more --nodes)"]
 
 
-def test_the_planned_config_trains_as_written(tmp_path):
+def plan_here(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """`mmpipe plan ARGV` in this process (a new interpreter costs ~4 s of imports): its exit status and output."""
+    from mmpipe.cli import main
+    capsys.readouterr()
+    try:
+        rc = main(["plan", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["mmpipe", "plan", *argv], rc, out, err)
+
+
+def test_the_planned_config_trains_as_written(tmp_path, capsys):
     out = tmp_path / "ds.json"
-    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "plan", "--preset", "tiny", "--device", "cpu",
-                           "--gpus-per-node", "2", "--global-batch", "32", "--text-len", "12", "--precision", "fp32",
-                           "--zero", "0", "--write-config", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = plan_here(capsys, "--preset", "tiny", "--device", "cpu", "--gpus-per-node", "2", "--global-batch", "32",
+                     "--text-len", "12", "--precision", "fp32", "--zero", "0", "--write-config", str(out))
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(out.read_text())
     stages = cfg["pipeline"]["stages"]
@@ -333,15 +356,14 @@ def test_plan_layout_default_is_1f1b_and_both_recommends_the_faster():
     assert both.schedule == faster and both.step is both.predictions[faster]
 
 
-def _plan(*argv):
-    return subprocess.run([sys.executable, "-m", "mmpipe.cli", "plan", "--preset", "small", "--device", "a100-80gb",
-                           "--gpus-per-node", "4", "--global-batch", "64", "--micro", "4,8", *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def _plan(capsys, *argv):
+    return plan_here(capsys, "--preset", "small", "--device", "a100-80gb", "--gpus-per-node", "4", "--global-batch",
+                     "64", "--micro", "4,8", *argv)
 
 
-def test_plan_schedule_both_names_both_and_writes_the_choice(tmp_path):
+def test_plan_schedule_both_names_both_and_writes_the_choice(tmp_path, capsys):
     out = tmp_path / "ds.json"
-    proc = _plan("--schedule", "both", "--write-config", str(out))
+    proc = _plan(capsys, "--schedule", "both", "--write-config", str(out))
     assert proc.returncode == 0, proc.stderr
     header = next(ln for ln in proc.stdout.splitlines() if ln.lstrip().startswith("PP"))
     assert "1f1b s" in header and "zb-h1 s" in header and "faster" in header
@@ -351,14 +373,14 @@ def test_plan_schedule_both_names_both_and_writes_the_choice(tmp_path):
     best = next(ln for ln in proc.stdout.splitlines() if ln.startswith("best:"))
     written = json.loads(out.read_text())
     assert best.endswith(f"schedule {written['pipeline']['schedule']}")
-    js = json.loads(_plan("--schedule", "both", "--json").stdout)
+    js = json.loads(_plan(capsys, "--schedule", "both", "--json").stdout)
     assert all(set(lay["predictions"]) == {"1f1b", "zb-h1"} and lay["schedule"] in ("1f1b", "zb-h1") for lay in js)
-    default = json.loads(_plan("--json").stdout)
+    default = json.loads(_plan(capsys, "--json").stdout)
     assert all(lay["schedule"] == "1f1b" and set(lay["predictions"]) == {"1f1b"} for lay in default)
 
 
-def test_plan_refuses_a_bad_schedule():
-    proc = _plan("--schedule", "gpipe")
+def test_plan_refuses_a_bad_schedule(capsys):
+    proc = _plan(capsys, "--schedule", "gpipe")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "mmpipe: error: --schedule: 'gpipe' is not a schedule (valid: 1f1b, zb-h1, both)"], proc.stderr
