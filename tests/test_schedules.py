@@ -1,12 +1,14 @@
 """--schedule zb-h1 (mmpipe.runtime.schedule): the order is deadlock-free, bounded in memory and shorter
 than 1F1B's; in real runs it gives the single-device reference's losses and weights (fp32, 1e-5) at PP=2
-and PP=4, with --freeze vision and activation checkpointing (the reference is what 1F1B is tested equal
-to in tests/test_pipeline_equivalence.py, and is computed here in-process instead of a second launch),
-and 1F1B's at DP=2 and with bf16 / fp16 + ZeRO-1, which the fp32 reference loop does not cover; a bad
-value is refused."""
+(chosen in the DeepSpeed JSON, with activation checkpointing), at PP=4 with --freeze vision, and at DP=2
+(against one replica accumulating twice); the reference is what 1F1B is tested equal to in
+tests/test_pipeline_equivalence.py (and, two replicas as one at twice the GAS, in tests/test_packing.py),
+computed here in-process instead of a second launch; with bf16 / fp16 + ZeRO-1, which the fp32 reference
+loop does not cover, it gives 1F1B's; a bad value is refused."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from deepspeed.accelerator import get_accelerator
@@ -125,15 +127,17 @@ def _assert_split(run) -> None:
     assert any(c["backward"] == 2 * gas for c in calls), calls
 
 
-def _assert_equals_reference(tmp_path_factory, name, cfg, *extra, zb_cfg=None):
+def _assert_equals_reference(tmp_path_factory, name, cfg, *extra, zb_cfg=None, ref_cfg=None):
     """The zb-h1 run (zb_cfg: a config whose pipeline.schedule picks it, no flag) against the fp32
-    single-device reference of the same run: losses and weights at 1e-5."""
+    single-device reference of the same run (ref_cfg: its config, when not cfg): losses and weights at 1e-5."""
     args = _args(zb_cfg, None, *extra) if zb_cfg else _args(cfg, "zb-h1", *extra)
     zb = train_run(tmp_path_factory.mktemp(f"{name}-zb-h1"), *args).check()
     assert "mmpipe: schedule zb-h1:" in zb.proc.stdout
     _assert_split(zb)
     flags = dict(zip(extra[::2], extra[1::2]), **{"--stages": "1"})  # the same run on one device
-    run = resolve(TrainArgs.from_argv(_args(cfg, "1f1b", *(x for kv in flags.items() for x in kv))), world_size=1)
+    flags.pop("--dp", None)  # one replica: ref_cfg accumulates the replicas' micro-batches
+    argv = _args(ref_cfg or cfg, "1f1b", *(x for kv in flags.items() for x in kv))
+    run = resolve(TrainArgs.from_argv(argv), world_size=1)
     ref_model, ref_losses = train_reference(run, seed=3, steps=STEPS)
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3  # it trained
     assert sorted(zb.losses) == list(range(1, STEPS + 1))
@@ -161,23 +165,13 @@ def _assert_same(runs, tol=TOL, weight_tol=TOL):
     return sa, sb
 
 
-def test_pp2_fp32_equal(tmp_path_factory, cfg, tmp_path):
-    import json
+def test_pp2_schedule_from_the_json_with_activation_checkpointing_equal(tmp_path_factory, cfg, tmp_path):
+    """pipeline.schedule picks zb-h1 (no flag), and activation_checkpoint_interval recomputes each
+    layer's forward inside the split backward; PP=2 without checkpointing: test_pp2_dp2_equal."""
     zb = json.loads(cfg.read_text())
-    zb["pipeline"]["schedule"] = "zb-h1"  # chosen in the DeepSpeed JSON this time
+    zb["pipeline"].update(schedule="zb-h1", activation_checkpoint_interval=1)
     (tmp_path / "zb.json").write_text(json.dumps(zb))
     _assert_equals_reference(tmp_path_factory, "pp2", cfg, "--stages", "2", zb_cfg=tmp_path / "zb.json")
-
-
-def test_pp2_freeze_vision_equal(tmp_path_factory, cfg):
-    zb = _assert_equals_reference(tmp_path_factory, "frozen", cfg, "--stages", "2", "--freeze", "vision")
-    assert zb.summary["freeze"] == ["vision"]
-
-
-def test_pp2_activation_checkpointing_equal(tmp_path_factory, tmp_path):
-    ck = write_ds_config(tmp_path / "ck.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
-                         pipeline={"stages": "auto", "partition": "best", "activation_checkpoint_interval": 1})
-    _assert_equals_reference(tmp_path_factory, "ckpt", ck, "--stages", "2")
 
 
 def test_pp2_bf16_zero1_equal(tmp_path_factory, tmp_path):
@@ -198,12 +192,21 @@ def test_pp2_fp16_zero1_equal(tmp_path_factory, tmp_path):
     assert runs["zb-h1"].summary["skipped_steps"] == runs["1f1b"].summary["skipped_steps"]
 
 
-def test_pp4_equal(tmp_path_factory, cfg):
-    _assert_equals_reference(tmp_path_factory, "pp4", cfg, "--stages", "4")
+def test_pp4_freeze_vision_equal(tmp_path_factory, cfg):
+    """4 stages, the vision tower frozen: stages whose linears take no gradient run F and B only."""
+    zb = _assert_equals_reference(tmp_path_factory, "pp4", cfg, "--stages", "4", "--freeze", "vision")
+    assert zb.summary["freeze"] == ["vision"]
 
 
-def test_pp2_dp2_equal(tmp_path_factory, cfg):
-    _assert_same(_pair(tmp_path_factory, "dp2", cfg, "--stages", "2", "--dp", "2"))
+def test_pp2_dp2_equal(tmp_path_factory, cfg, tmp_path):
+    """Two replicas at GAS 4 train on the same samples per step as one at GAS 8 (micro-batch m of
+    replica d is the slice m x 2 + d), so the reference at GAS 8 is the DP=2 run's."""
+    gas8 = json.loads(cfg.read_text())
+    gas8["gradient_accumulation_steps"] *= 2
+    (tmp_path / "gas8.json").write_text(json.dumps(gas8))
+    zb = _assert_equals_reference(tmp_path_factory, "dp2", cfg, "--stages", "2", "--dp", "2",
+                                  ref_cfg=tmp_path / "gas8.json")
+    assert zb.summary["dp"] == 2
 
 
 def test_bad_schedule_refused(tmp_path, capsys, cfg):
