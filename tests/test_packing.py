@@ -256,8 +256,20 @@ def _args(root, data, preset: str, *extra: str) -> list[str]:
             "--pack", "--eval-samples", "0", "--seed", "4", "--steps", "3", "--data-workers", "0", *extra]
 
 
+def _llava_args(root, data, *extra: str) -> list[str]:
+    """The LLaVA PP=2 run with the 2-image records (--max-images 3), logging the samples it trains on."""
+    return _args(root, data, "llava-tiny", "--max-images", "3", "--log-samples", "--stages", "2", *extra)
+
+
+@pytest.fixture(scope="module")
+def llava_pp2(pack_data, tmp_path_factory):
+    """The packed LLaVA PP=2 run: the reference test's LLaVA case and the resume test's uninterrupted run."""
+    root = tmp_path_factory.mktemp("llava_pp2")
+    return train_run(root / "pp2", *_llava_args(root, pack_data[1])).check()
+
+
 @pytest.mark.parametrize("preset,images", [("tiny", None), ("llava-tiny", "3"), ("tiny-xattn", "4")])
-def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path):
+def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path, request):
     """A PP=2 packed run == the single-device reference (losses, weights; 1e-5): the rows cross a stage
     boundary (PP=1 == the reference is tests/test_pipeline_equivalence.py's, on one-sample rows). The LLaVA
     run also carries the 2-image records (--max-images 3); the moondream run is --pack alone: its family
@@ -269,7 +281,10 @@ def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path):
     run = resolve(TrainArgs.from_argv(args + ["--stages", "1", "--output-dir", str(tmp_path / "ref")]), world_size=1)
     assert run.max_images == int(images or 4)
     model, ref = train_reference(run, seed=4, steps=3, out_dir=str(tmp_path / "ref"))
-    r = train_run(tmp_path / "pp2", *args, "--stages", "2").check()
+    if preset == "llava-tiny":
+        r = request.getfixturevalue("llava_pp2")  # the same run, its samples logged for the resume test
+    else:
+        r = train_run(tmp_path / "pp2", *args, "--stages", "2").check()
     assert list(r.losses.values()) == pytest.approx(ref, abs=TOL)
     got = torch.nn.Sequential(*load_reference(r.out / "checkpoints", run.model))
     for (k, a), b in zip(model.state_dict().items(), got.state_dict().values()):
@@ -306,16 +321,17 @@ def test_packed_dp2_equals_one_replica_accumulating_twice(pack_data, tmp_path):
         assert _weight_diff(k, a, b) < TOL, k
 
 
-def test_packed_resume_trains_on_the_same_rows(pack_data, tmp_path):
+def test_packed_resume_trains_on_the_same_rows(pack_data, llava_pp2, tmp_path):
+    """The LLaVA PP=2 run stopped after step 1 and resumed to 3: the same losses, the same rows."""
     root, data = pack_data
-    args = _args(tmp_path, data, "llava-tiny", "--max-images", "2", "--log-samples", "--stages", "2")
-    full = train_run(tmp_path / "full", *args, "--steps", "4").check()
-    train_run(tmp_path / "cut", *args, "--steps", "2").check()
-    resumed = train_run(tmp_path / "cut", *args, "--steps", "4", "--resume").check()
-    assert resumed.losses == pytest.approx(full.losses, abs=TOL)
+    args = _llava_args(tmp_path, data)
+    train_run(tmp_path / "cut", *args, "--steps", "1").check()
+    resumed = train_run(tmp_path / "cut", *args, "--resume").check()
+    assert resumed.summary["start_step"] == 1
+    assert resumed.losses == pytest.approx(llava_pp2.losses, abs=TOL)
 
     def seen(run):
         with open(run.out / "samples_dp0.csv") as f:
             return [(r["position"], r["sample"], r["row"]) for r in csv.DictReader(f)]
-    assert seen(resumed) == seen(full)
-    assert len(seen(full)) > 4 * 4  # more samples than rows
+    assert seen(resumed) == seen(llava_pp2)
+    assert len(seen(llava_pp2)) > 3 * 4  # more samples than rows (3 steps x 4 rows)
