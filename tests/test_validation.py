@@ -1,7 +1,8 @@
 """Validation during training: the pipeline's validation loss (DeepSpeed's eval_batch on every stage
 and DP rank) equals the single-device reference model's mean over the set's answer tokens, at
-PP=1, 2, 4 and DP=2; training losses are bit-identical with validation on and off; the monitors
-configured in the DeepSpeed JSON (tensorboard, csv_monitor) receive the run's numbers."""
+PP=2 and PP=4 (DP=1), PP=1 x DP=2, and PP=1 x DP=1 (the --eval-split run); training losses are
+bit-identical with validation on and off; the monitors configured in the DeepSpeed JSON
+(tensorboard, csv_monitor) receive the run's numbers."""
 from __future__ import annotations
 
 import csv
@@ -97,7 +98,7 @@ def pp2_validated(tmp_path_factory, data) -> Run:
     return train_run(root / "run", *_eval_args(data, _monitored_config(root), "--stages", "2")).check()
 
 
-@pytest.mark.parametrize("stages,dp", [(1, 1), (2, 1), (4, 1), (1, 2)])
+@pytest.mark.parametrize("stages,dp", [(2, 1), (4, 1), (1, 2)])  # PP=1 DP=1: test_eval_split_holds_...
 def test_validation_loss_equals_the_reference_and_training_is_untouched(tmp_path, data, ds_config, baseline,
                                                                         request, stages, dp):
     if (stages, dp) == (2, 1):
@@ -146,14 +147,20 @@ def test_monitors_receive_the_runs_numbers(pp2_validated):
 
 
 def test_eval_split_holds_records_out_of_training(tmp_path, data, ds_config):
-    """--eval-split 0.25 of 120 records: 30 held out, the same for every seed; none of them trained on."""
+    """--eval-split 0.25 of 120 records: 30 held out, the same for every seed; none of them trained on.
+    The run is the PP=1 DP=1 layout of the validation-loss test: its loss equals the reference's."""
     out = tmp_path / "run"
-    argv = _args(data, ds_config, "--eval-split", "0.25", "--log-samples")
-    train_run(out, *argv, "--stages", "2", "--steps", "12").check()
-    assert [int(r["step"]) for r in _rows(out / "eval_log.csv")] == [12]  # at the end
+    argv = _args(data, ds_config, "--eval-split", "0.25", "--log-samples", "--stages", "1")
+    run = train_run(out, *argv, "--steps", "12").check()
+    rows = _rows(out / "eval_log.csv")
+    assert [int(r["step"]) for r in rows] == [12]  # at the end
+    assert run.summary["eval_loss"] == float(rows[0]["eval_loss"]) and run.summary["eval_step"] == 12
+    assert int(rows[0]["eval_samples"]) == 30
+    ref = reference_eval_loss(out, [*argv, "--output-dir", str(out)], 12)
+    assert float(rows[0]["eval_loss"]) == pytest.approx(ref, abs=1e-5)
 
     def held_out(seed: str) -> set[int]:
-        run = resolve(TrainArgs.from_argv([*argv, "--output-dir", str(out), "--seed", seed, "--stages", "1"]),
+        run = resolve(TrainArgs.from_argv([*argv, "--output-dir", str(out), "--seed", seed]),
                       world_size=1)
         evalset = prepare_eval(run.eval_data, run.model, out, int(seed), 0, verbose=False)
         return {evalset.row(p) for p in range(evalset.size)}
