@@ -32,6 +32,7 @@ from .sweep import Sweep, Variant
 
 # a run that did not finish is a failure of the sweep; these are answers
 NOT_FAILED = ("ok", "unsupported", "refused", "pending")
+PLOTS_EVERY_S = 60  # a long sweep's pictures stay current; a tiny one draws them once, at its end
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -189,6 +190,7 @@ def run_here(sw: Sweep, variants: list[Variant], peer_list: list[str], out: Path
             "warmup_steps": sw.warmup_steps, "data": sw.data, "machine": machine(), "command": plan["command"],
             "mode": plan["mode"]}
     rows, t0 = [], time.perf_counter()
+    drawn = t0  # the PNGs: redrawn at most once a minute while the sweep runs, and at its end
     items = plan["items"]
     print(f"mmpipe bench: {len(variants)} variants x {sw.repeats} repeats + {len(peer_list)} peers on {device}; "
           f"results in {out}", flush=True)
@@ -214,7 +216,9 @@ def run_here(sw: Sweep, variants: list[Variant], peer_list: list[str], out: Path
         progress(f"{row['samples_per_s']:.1f} samples/s, step {row['step_time_s'] * 1e3:.1f} ms, loss "
                  f"{row['final_loss']:.4f}" if row["status"] == "ok" else f"{row['status']}: {row['reason']}",
                  row["name"])
-        write_all(rows, out, meta, sw.targets)  # partial results survive an interrupted sweep
+        draw = i == len(items) or time.perf_counter() - drawn >= PLOTS_EVERY_S
+        write_all(rows, out, meta, sw.targets, plots=draw)  # partial results survive an interrupted sweep
+        drawn = time.perf_counter() if draw else drawn
     print((out / "results.md").read_text(), flush=True)
     print(f"mmpipe bench: results.csv, results.json, results.md, throughput.png, memory.png, bubble.png, "
           f"predicted.png in {out}", flush=True)

@@ -167,12 +167,15 @@ def prediction_table(rows: list[dict], meta: dict) -> list[str]:
     return lines
 
 
-def write_all(rows: list[dict], out: Path, meta: dict, target_spec: dict | None) -> dict:
+def write_all(rows: list[dict], out: Path, meta: dict, target_spec: dict | None, plots: bool = True) -> dict:
+    """results.csv / .json / .md, and the PNGs unless `plots` is False (a sweep's rows in between: drawing
+    them costs ~1.3 s of CPU a time, more than a tiny variant's training)."""
     rows = predict.add_predictions(rows, meta)  # at report time: collected results get them too
     tgt = targets(rows, target_spec)
     write_csv(rows, out / "results.csv")
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgt,
                                                   "medians": medians(rows)}, indent=2) + "\n")
     (out / "results.md").write_text(markdown(rows, tgt, meta))
-    plot_all(rows, out, target_spec)
+    if plots:
+        plot_all(rows, out, target_spec)
     return {"targets": tgt, "rows": rows}
