@@ -117,7 +117,8 @@ def test_image_size_is_the_image_processors_grid():
 
 
 def test_plan_qwen2_5_vl_72b_fits_4_nodes_of_8_h100_without_allocating():
-    layouts, rss_gb = plan_in_a_fresh_process(BIG_72B[1:])
+    preset = BIG_72B[2]  # plan --preset P ...
+    layouts, rss_gb = plan_in_a_fresh_process([preset], BIG_72B[3:])[preset]
     fits = [lay for lay in layouts if lay["step"]]
     assert fits and fits[0]["stages"] * fits[0]["dp"] == 32
     assert max(max(r["memory_gib"] for r in lay["stage_rows"]) for lay in fits) <= 75.0
