@@ -77,8 +77,9 @@ class TileRule:
             if unpadded == 0:
                 raise BadRecord("bad_aspect", f"image {width}x{height}: its {rows} x {cols} tiles keep no feature "
                                               f"row or column after unpadding (aspect too extreme for the pinpoints)")
-        if image_crops(rows, cols) > self.row_tiles:
-            raise BadRecord("too_many_tiles", f"image {width}x{height} makes {image_crops(rows, cols)} crops (base + "
+        crops = image_crops(rows, cols)
+        if crops > self.row_tiles:
+            raise BadRecord("too_many_tiles", f"image {width}x{height} makes {crops} crops (base + "
                                               f"{rows} x {cols} tiles) > the row's {self.row_tiles} (--max-tiles)")
         return height, width, rows, cols, self.count(height, width, n_images)
 
