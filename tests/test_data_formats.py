@@ -420,6 +420,35 @@ def test_text_only_llava_records(tmp_path):
     assert with_image["has_image"].tolist() == [1] and with_image["pixels"].abs().sum() > 0
 
 
+def test_video_records_are_bad_records_for_image_families(tmp_path):
+    """A record carrying a video (a 'video' / 'videos' field or a <video> marker) is refused for a family that
+    reads images only (every family today: Family.media), counted and listed with its reason: before, its
+    text trained silently without the clip. In a LLaVA conversation and in an image-text pair (a video
+    caption), for the moondream and LLaVA families."""
+    export_shapes(tmp_path, "pairs-csv", 1)
+    text_only = [{"from": "human", "value": "what shape is red"}, {"from": "gpt", "value": "circle"}]
+    with_marker = [{"from": "human", "value": "<video>\nwhat happens"}, {"from": "gpt", "value": "circle"}]
+    path = write_jsonl(tmp_path / "video.jsonl", [
+        {"id": "t", "conversations": text_only},
+        {"id": "v", "video": "clips/a.mp4", "conversations": text_only},
+        {"id": "m", "conversations": with_marker},
+        {"id": "i", "image": "images/00000.png", "videos": ["clips/b.mp4"], "conversations": MULTI_TURN[:2]}])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"image": "images/00000.png", "text": "circle"},
+                                                  {"video": "clips/a.mp4", "text": "a red circle moves"}])
+    for preset, data, good, refused in (("small", path, [0], [2, 3, 4]), ("llava-tiny", path, [0], [2, 3, 4]),
+                                        ("small", pairs, [0], [2])):
+        run, samples = load(tmp_path / preset / data.stem, data, "--preset", preset)
+        assert samples.index.rows.tolist() == good, (preset, data.name)
+        assert samples.index.stats["bad_by_kind"] == {"unsupported_media": len(refused)}
+        bad = [json.loads(line) for line in
+               (tmp_path / preset / data.stem / "run/data/bad_records.jsonl").read_text().splitlines()]
+        assert [int(b["where"].rsplit(":", 1)[1]) for b in bad] == refused
+        family = run.model.family
+        assert all(b["kind"] == "unsupported_media" and f"the {family} family reads image only" in b["reason"]
+                   for b in bad), bad
+        assert "a <video> marker" in bad[1]["reason"] if data == path else "'video' field" in bad[0]["reason"]
+
+
 # ---- 5. tokenizer directory errors ---------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["file", "missing", "empty_dir", "garbage_dir"])

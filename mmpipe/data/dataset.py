@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, ModelConfig
+from ..model.families import family_of
 from .anyres import default_max_tiles, image_rule, tile_rule, tiled
 from .args import DataArgs
-from .index import DataIndex, build_index, check_policy, describe, fingerprint, load_index
+from .index import DataIndex, Reads, build_index, check_policy, describe, fingerprint, load_index
 from .patches import default_max_patches, patch_rule, per_image_patches
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
@@ -303,7 +304,7 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
                                       image_text=opts.image_text)
         index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp,
-                            max_images=opts.record_images, rule=rule)
+                            max_images=opts.record_images, rule=rule, reads=Reads(family_of(cfg).media, cfg.family))
     else:
         check_policy(index, opts.spec, opts.bad_records)
     if verbose == "always" or (verbose and built):

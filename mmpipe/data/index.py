@@ -98,9 +98,9 @@ def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pix
 _W: dict = {}
 
 
-def _init_worker(source, encoder, image_root, max_pixels, max_images, rule=None):
+def _init_worker(source, encoder, image_root, max_pixels, max_images, rule=None, reads=None):
     _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels, max_images=max_images,
-              rule=rule)
+              rule=rule, reads=reads or Reads())
 
 
 def _check(i: int):
@@ -108,7 +108,7 @@ def _check(i: int):
     [n, 3], a dynamic family's, from each image's size), (i, where, kind, reason) for a bad one."""
     where = f"record {i}"
     try:
-        rec = _W["source"].record(i)
+        rec = _W["source"].record(i, _W["reads"].media, _W["reads"].family)
         where = rec.where
         if len(rec.images) > _W["max_images"]:
             raise BadRecord("too_many_images", f"{len(rec.images)} images > --max-images {_W['max_images']}")
@@ -121,11 +121,20 @@ def _check(i: int):
         return i, getattr(e, "where", where), e.kind, e.reason
 
 
+@dataclass(frozen=True)
+class Reads:
+    """What the model family reads of a record besides text (mmpipe.model.families.Family.media), and its name for
+    the refusal. Not in the index fingerprint: an index built before a family read more keeps its decisions, so a
+    run resumed on it reads the same records (nothing it took is refused mid-run)."""
+    media: tuple[str, ...] = ("image",)
+    family: str = "model's"
+
+
 def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int,
-         workers: int, max_images: int = 1, rule=None) -> tuple[list, list]:
+         workers: int, max_images: int = 1, rule=None, reads: Reads | None = None) -> tuple[list, list]:
     """rule: a dynamic family's PatchRule (mmpipe.data.patches) or TileRule (mmpipe.data.anyres), which gives each
-    image's grid."""
-    args = (source, encoder, image_root, max_pixels, max_images, rule)
+    image's grid; reads: what a record may carry (a video for an image-only family is a bad record)."""
+    args = (source, encoder, image_root, max_pixels, max_images, rule, reads)
     if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
         _init_worker(*args)
         results = [_check(i) for i in range(len(source))]
@@ -138,8 +147,9 @@ def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixe
 
 
 def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *, max_pixels: int, policy: str,
-                out_dir: Path, workers: int, fp: str, max_images: int = 1, rule=None) -> DataIndex:
-    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images, rule)
+                out_dir: Path, workers: int, fp: str, max_images: int = 1, rule=None,
+                reads: Reads | None = None) -> DataIndex:
+    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images, rule, reads)
     counts = Counter(kind for _, _, kind, _ in bad)
     n_images = np.array([len(g[4]) for g in good], dtype=np.int64)
     stats = {"fingerprint": fp, "records": len(source), "good": len(good), "bad": len(bad),

@@ -28,8 +28,49 @@ BAD_KINDS = {
     "too_many_tiles": "the sample's images make more crops (base crops + tiles) than a row holds (--max-tiles)",
     "bad_aspect": "the image's aspect ratio is beyond what the image processor takes (200:1; any-resolution tiles: "
                   "no feature left after unpadding)",
+    "unsupported_media": "the record carries media its model family does not read (a video for an image-only family)",
     "too_long": "the text does not fit the sequence budget (--text-len) with its first answer token",
 }
+
+
+# What a record may carry besides text, by the names a family declares (mmpipe.model.families.Family.media):
+# each kind's record fields and its marker in the text. A record with a kind its family does not read is a bad
+# record (unsupported_media), never trained as the text around it.
+MEDIA_FIELDS = {"image": ("image",), "video": ("video", "videos")}
+MEDIA_MARKERS = {"image": "<image>", "video": "<video>"}
+
+
+def carried_media(raw: dict, columns: dict) -> dict[str, str]:
+    """{kind: what shows it} for each media kind a raw record carries: a non-empty field (the data config's column
+    name where it maps the kind, e.g. its image column) or the kind's marker in any text value of the record."""
+    found = {}
+    for kind, names in MEDIA_FIELDS.items():
+        names = (columns.get(kind, names[0]), *names[1:])
+        field_name = next((n for n in names if raw.get(n) not in (None, "", [])), None)
+        if field_name is not None:
+            found[kind] = f"its '{field_name}' field"
+        elif MEDIA_MARKERS[kind] in _texts(raw):
+            found[kind] = f"a {MEDIA_MARKERS[kind]} marker"
+    return found
+
+
+def _texts(value) -> str:
+    """Every string inside a raw record (conversation turns, captions, prompts), joined: where markers can be."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "\n".join(_texts(v) for v in value.values())
+    if isinstance(value, list):
+        return "\n".join(_texts(v) for v in value)
+    return ""
+
+
+def refuse_unread_media(raw: dict, columns: dict, media: tuple[str, ...], family: str) -> None:
+    """BadRecord unsupported_media if the record carries a media kind outside `media` (the family's)."""
+    for kind, shown_by in carried_media(raw, columns).items():
+        if kind not in media:
+            raise BadRecord("unsupported_media", f"the record carries a {kind} ({shown_by}); the {family} family "
+                                                 f"reads {' and '.join(media) or 'text'} only")
 
 
 class BadRecord(Exception):

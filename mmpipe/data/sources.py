@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError
-from .records import BadRecord, Record
+from .records import BadRecord, Record, refuse_unread_media
 from .text import IMAGE_MARKER
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -237,11 +237,15 @@ class Source:
     def raw(self, i: int) -> tuple[str, dict]:
         raise NotImplementedError
 
-    def record(self, i: int) -> Record:
+    def record(self, i: int, media: tuple[str, ...] | None = None, family: str = "") -> Record:
+        """media: what the model family reads (Family.media), checked where the index is built; None (a record
+        the index already took) checks nothing more."""
         where, raw = self.raw(i)
         try:
             if not isinstance(raw, dict):
                 raise BadRecord("missing_field", f"record is a {type(raw).__name__}, not an object")
+            if media is not None:
+                refuse_unread_media(raw, self.spec.columns, media, family)
             images = image_list(raw.get(self.spec.columns["image"]), f"'{self.spec.columns['image']}'")
             has_conv = self.spec.columns["conversations"] in raw
             if self.spec.format == "llava" or (self.spec.format == "hf" and has_conv):

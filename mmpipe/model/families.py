@@ -58,6 +58,9 @@ class Family:
     # "moondream" (moondream's one safetensors file, with moondream's region head beside the weights), or
     # None: no model outside mmpipe has its layers (cross-attention fusion), so no export and no import
     weight_names: str | None = "moondream"
+    # what its records may carry besides text (mmpipe.data.records.MEDIA_FIELDS' kinds); a record with anything
+    # else is a bad record, unsupported_media, counted with its reason, never trained as the text around it
+    media: tuple[str, ...] = ("image",)
 
     def cost_rule(self, spec: LayerSpec) -> costs.LayerRule:
         return self.cost_rules[getattr(spec, "forward_fn", None) or spec.typename]
