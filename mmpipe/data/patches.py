@@ -79,7 +79,10 @@ class PatchRule:
         return np.array([self.grid(w, h, len(sizes)) for w, h in sizes], dtype=np.int64).reshape(-1, 3)
 
     def patches(self, image, n_images: int = 1) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """(patches float32 [t h w, patch_dim], grid) of a PIL image, as the processor makes them."""
+        """(patches float32 [t h w, patch_dim], grid) of a PIL image, as the processor makes them; BadRecord for an
+        image `grid` refuses (checked first: the processor's own refusal is a bare ValueError, e.g. `mmpipe
+        generate` on an image no index has checked)."""
+        self.grid(image.width, image.height, n_images)
         out = _processor(self, self.cap(n_images))(images=[image], return_tensors="pt")
         return out["pixel_values"].float(), tuple(int(g) for g in out["image_grid_thw"][0])
 
