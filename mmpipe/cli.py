@@ -12,6 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 # The front door only checks and launches; keep its refusals to the one line each. DeepSpeed
 # announces its CPU fallback at import, and the ranks it starts still say so in their logs.
 logging.getLogger("DeepSpeed").addFilter(lambda r: "Setting accelerator to CPU" not in r.getMessage())
@@ -29,6 +31,7 @@ from .hf.commands import add_export_args as add_weights_export_args  # noqa: E40
 from .hf.commands import add_import_args, main_export, main_import  # noqa: E402
 from .inference.generate import add_generate_args, main_generate  # noqa: E402
 from .inference.scoring import add_eval_args, main_eval  # noqa: E402
+from .model.attention import attention_backend  # noqa: E402
 from .planning.plan import add_plan_args, main_plan  # noqa: E402
 from .run_args import CheckArgs, LaunchArgs, TrainArgs  # noqa: E402
 from .run_config import config_dp, requested_stages, resolve  # noqa: E402
@@ -68,7 +71,11 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
             print(f"mmpipe: --pack: {run.max_images} image slots per row of {decoder_length(run)} positions "
                   f"(--text-len {run.text_len} / the data's mean sample text; --max-images N sets them)", flush=True)
         if hosts is None:  # local ranks use this machine's accelerator; remote hosts check in their ranks
-            precision.check(run.precision)
+            device = precision.this_device()
+            precision.check(run.precision, device)
+            # MMPIPE_ATTENTION=flex without CUDA: the attention module's own rule, here rather than at every
+            # rank's first attention (a traceback per rank, the one line buried in the launcher's log)
+            attention_backend(torch.device(device.kind))
     except ConfigError as e:
         return fail(e)
     # read and check every record once, before any rank starts; the ranks reuse the indexes (a dry

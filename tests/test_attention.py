@@ -129,6 +129,29 @@ def test_train_refuses_an_unknown_backend_before_any_rank(monkeypatch, capsys):
         "mmpipe: error: MMPIPE_ATTENTION=fast: no such attention backend (valid: auto, dense, flex)"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_flex_without_cuda_is_refused_at_the_front_door(monkeypatch, capsys, tmp_path):
+    """MMPIPE_ATTENTION=flex on a CPU machine: `mmpipe train` / `check` (local ranks), `generate` and `eval` (this
+    process) refuse it in attention_backend's own line, exit 2, before any rank starts or weight is read (not
+    at each rank's first attention: a traceback per rank with the line buried mid-log)."""
+    monkeypatch.setenv("MMPIPE_ATTENTION", "flex")
+    with pytest.raises(ConfigError) as rule:
+        attention.attention_backend(torch.device("cpu"))
+    want = [f"mmpipe: error: {rule.value}"]
+    assert "FlexAttention needs CUDA" in want[0]
+    monkeypatch.setattr("mmpipe.cli._run_launcher", lambda *a: pytest.fail("a rank was launched"))
+    (tmp_path / "im.png").write_bytes(b"")  # generate checks the file exists; no pixel is read before the refusal
+    for argv in (["train", "--preset", "tiny", "--stages", "2", "--output-dir", str(tmp_path / "run")],
+                 ["check", "--preset", "tiny", "--stages", "2", "--output-dir", str(tmp_path / "check")],
+                 ["train", "--preset", "tiny", "--stages", "2", "--dry-run"],
+                 ["generate", "--checkpoint", str(tmp_path / "none"), "--image", str(tmp_path / "im.png"),
+                  "--prompt", "what"],
+                 ["eval", "--checkpoint", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"),
+                  "--out", str(tmp_path / "answers.jsonl")]):
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.splitlines() == want, argv
+
+
 def test_flex_on_cpu_still_has_no_backward_in_torch():
     """Why CPU trains on the dense mask (besides eager flex's cost, docs/attention.md): if torch gains a CPU
     backward this fails, and the choice in attention_backend deserves a new measurement."""

@@ -63,6 +63,7 @@ from ..data.text import ConversationEncoder, answer_id_of, image_text, with_plac
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
 from ..hf.commands import hf_importer
+from ..model.attention import attention_backend
 from ..model.rows import sample_rows
 from ..model.stage import StageTuple
 from ..runtime.checkpoint import latest_tag, load_reference
@@ -348,6 +349,16 @@ def _load(path: Path, tokenizer: str | None):
     return model, load_tokenizer(tokenizer or own, flag="--tokenizer" if tokenizer else "--checkpoint")
 
 
+# where generate and eval run the model: load_reference and the HF importers load it to this process's CPU
+DEVICE = torch.device("cpu")
+
+
+def check_attention() -> None:
+    """MMPIPE_ATTENTION by the attention module's own rule on DEVICE (flex needs CUDA): ConfigError in one line
+    before any weight is read, rather than at the model's first attention as a traceback."""
+    attention_backend(DEVICE)
+
+
 def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
     """(image path or None, prompt, where) for every --image/--prompt pair and --records line."""
     if len(args.image) != len(args.prompt):
@@ -421,6 +432,7 @@ def _images(requests: list, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tenso
 def main_generate(args: argparse.Namespace) -> int:
     try:
         requests = _requests(args)
+        check_attention()
         if args.dry_run:
             return _plan(args, requests)
         model, tok = _load(Path(args.checkpoint), args.tokenizer)

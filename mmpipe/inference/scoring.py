@@ -50,6 +50,7 @@ from ..data.text import answer_id_of
 from ..flags import print_plan
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
 from .generate import (
+    check_attention,
     decoding,
     empty_reason,
     generate_batch,
@@ -158,6 +159,7 @@ def _checked(args: argparse.Namespace):
     if args.data == "shapes":
         raise ConfigError("--data: give a data file (`mmpipe export-shapes --out DIR` writes the built-in set "
                           "to one)")
+    check_attention()
     cfg, weights, own_tokenizer = resolve_checkpoint(Path(args.checkpoint))
     data_args = DataArgs(**{name: getattr(args, name) for name in DATA_FLAGS})
     opts = resolve_data(data_args, cfg, run_tokenizer=own_tokenizer)
