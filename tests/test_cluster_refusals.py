@@ -198,3 +198,28 @@ def test_hostfile_script_runs_one_host_without_ssh(tmp_path):
     assert bad.returncode == 2 and "deepspeed " not in bad.stdout
     assert bad.stderr.strip().splitlines() == ["deepspeed_hostfile.sh: --hostfile: " + str(tmp_path / "bad")
                                                + ":1: a has slots=0; slots must be >= 1"]
+
+
+def test_check_job_neither_resumes_nor_requeues(tmp_path, capsys):
+    """`mmpipe slurm --command check` (docs/check.md: the check job neither resumes nor requeues): its script asks
+    Slurm for no requeue and no USR1, never adds --resume, touches no preemption marker and says nothing of
+    requeueing; its exit status is srun's, the check's verdict. Training's script, same flags, keeps all of it."""
+    for command in ("check", "train"):
+        assert main(_slurm(tmp_path / command, "--stages", "2", "--command", command)) == 0
+    capsys.readouterr()
+    check, train = ((tmp_path / c / "o" / "slurm_job.sh").read_text() for c in ("check", "train"))
+    preemption = ("#SBATCH --requeue", "#SBATCH --signal=USR1@120", "RESUME", "--resume", "preempted", "requeue",
+                  "SIGTERM")
+    assert [w for w in preemption if w in train] == list(preemption)
+    assert [w for w in preemption if w in check.replace("#SBATCH --no-requeue", "")] == []
+    assert "#SBATCH --no-requeue" in check.splitlines() and "--signal" not in check
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "srun").write_text("#!/bin/sh\necho \"$@\"\nexit 1\n")  # a check that failed: rank 0 exits 1
+    (bin_ / "scontrol").write_text("#!/bin/sh\necho node7\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="node7")
+    r = subprocess.run(["bash", str(tmp_path / "check" / "o" / "slurm_job.sh")], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and r.stdout.split()[2:4] == ["-m", "mmpipe.check.rank"], r.stdout + r.stderr
