@@ -83,10 +83,12 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
     try:
         with tempfile.TemporaryDirectory() as scratch:
             index_dir = scratch if ns.dry_run else args.output_dir
+            real = args.output_dir if ns.dry_run else None  # the bad-record list the report names: a run's
             if not run.data.builtin:
-                prepare(run.data, run.model, index_dir, args.seed, verbose="always")
+                prepare(run.data, run.model, index_dir, args.seed, verbose="always", run_dir=real)
             if run.eval_data is not None and not run.eval_data.builtin:
-                prepare_eval(run.eval_data, run.model, index_dir, args.seed, args.eval_samples, verbose="always")
+                prepare_eval(run.eval_data, run.model, index_dir, args.seed, args.eval_samples, verbose="always",
+                             run_dir=real)
         launcher = shutil.which("deepspeed")
         if launcher is None:
             raise ConfigError("deepspeed launcher not found on PATH (pip install deepspeed)")

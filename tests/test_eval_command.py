@@ -174,3 +174,31 @@ def test_eval_llava_family_and_refusals(tmp_path, data, capsys):
         assert mmpipe_eval(*argv, "--out", str(tmp_path / "refused" / "answers.jsonl")) == 2
         err = capsys.readouterr().err
         assert err.startswith("mmpipe: error: " + start), err
+
+
+def test_eval_names_the_bad_record_list_by_its_path(tmp_path, data, capsys, monkeypatch):
+    """More bad records than the report shows one per line (10): the last line names the list by the absolute path
+    the run wrote (--out relative, as typed), which holds every one; a dry run, which keeps no list, names where a
+    run writes it; --bad-records strict's refusal names it too."""
+    from mmpipe.data.index import SHOW_BAD
+    write_checkpoint(ReferenceModel(load_preset("tiny").with_vocab(len(builtin_tokenizer())), seed=3), tmp_path / "m")
+    held = data[1]
+    bad = [dict(BAD, id=f"bad{i}") for i in range(SHOW_BAD + 4)]
+    records = [json.loads(line) for line in held.read_text().splitlines()][:2] + bad
+    (tmp_path / "many_bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.chdir(tmp_path)
+    argv = ["--checkpoint", "m", "--data", "many_bad.jsonl", "--image-root", str(held.parent), "--out",
+            "eval/answers.jsonl", "--max-new-tokens", "1"]
+    listed = tmp_path / "eval" / "eval_data" / "bad_records.jsonl"
+    capsys.readouterr()
+    assert mmpipe_eval(*argv, "--dry-run") == 0
+    assert f"mmpipe: data: ... 4 more; all 14 listed in {listed} once run without --dry-run (a dry run keeps no " \
+           f"list)\n" in capsys.readouterr().out and not listed.exists()
+    assert mmpipe_eval(*argv) == 0
+    assert f"mmpipe: data: ... 4 more; all 14 listed in {listed}\n" in capsys.readouterr().out
+    assert [json.loads(line)["where"].endswith(f":{3 + i}") for i, line in
+            enumerate(listed.read_text().splitlines())] == [True] * 14
+    assert mmpipe_eval(*argv, "--bad-records", "strict") == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"mmpipe: error: --bad-records strict: ... and 4 more; 14 bad records in all: 14 missing_image; " \
+                   f"all listed in {listed}"

@@ -75,7 +75,8 @@ def test_strict_policy_stops_before_training_naming_file_line_and_reason(tmp_pat
     assert len(errors) == 11  # the first 10 bad records, then the counts by kind
     n = sum(injected.values())
     kinds = ", ".join(f"{injected[k]} {k}" for k in BAD_KINDS if k in injected)
-    assert errors[-1] == f"mmpipe: error: --bad-records strict: ... and {n - 10} more; {n} bad records in all: {kinds}"
+    assert errors[-1] == (f"mmpipe: error: --bad-records strict: ... and {n - 10} more; {n} bad records in all: "
+                          f"{kinds}; all listed in {tmp_path / 'run' / 'data' / 'bad_records.jsonl'}")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

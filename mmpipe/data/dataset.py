@@ -19,7 +19,7 @@ from ..config import ConfigError, ModelConfig
 from ..model.families import family_of
 from .anyres import default_max_tiles, image_rule, tile_rule, tiled
 from .args import DataArgs
-from .index import DataIndex, Reads, build_index, check_policy, describe, fingerprint, load_index
+from .index import DataIndex, Reads, bad_list, build_index, check_policy, describe, fingerprint, load_index
 from .patches import default_max_patches, patch_rule, per_image_patches
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
@@ -240,14 +240,17 @@ def index_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "data"
 
 
-def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, *, verbose: bool | str = True):
+def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, *, verbose: bool | str = True,
+            run_dir: str | Path | None = None):
     """The samples of this run. verbose: print the data report (when the index is built, or always
     if verbose == "always"). For user data, reads the index OUTPUT_DIR/data/ written by an
     earlier call with the same fingerprint (the front door's, or the run being resumed), or
-    builds it. Raises ConfigError for --bad-records strict with bad records, or no good record."""
+    builds it. Raises ConfigError for --bad-records strict with bad records, or no good record.
+    run_dir: a dry run's out_dir is scratch; the report names the bad-record list a run writes under run_dir."""
     if opts.builtin:
         return ShapesSamples(cfg, seed, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
-    index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose)
+    index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose,
+                                   None if run_dir is None else index_dir(run_dir))
     if opts.holdout:
         index = held_out_cut(index, opts.holdout, "train")
     return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
@@ -256,17 +259,18 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
 
 
 def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, shapes: int, *,
-                 verbose: bool | str = True) -> EvalSet:
+                 verbose: bool | str = True, run_dir: str | Path | None = None) -> EvalSet:
     """The validation set: every good record of --eval-data in file order (its index in
     OUTPUT_DIR/eval_data/, built and checked as the training data's), or `shapes` samples of the
-    built-in held-out split."""
+    built-in held-out split. run_dir: as prepare's."""
     if opts.builtin:
         return EvalSet(ShapesSamples(cfg, seed, "eval", opts.max_patches, opts.max_tiles), shapes)
     if opts.holdout:  # --eval-split: the held-out part of the training data's own index
         index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose=False)
         index = held_out_cut(index, opts.holdout, "heldout")
     else:
-        index, source = _checked_index(opts, cfg, Path(out_dir) / "eval_data", verbose)
+        index, source = _checked_index(opts, cfg, Path(out_dir) / "eval_data", verbose,
+                                       None if run_dir is None else Path(run_dir) / "eval_data")
     ordered = IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
                              image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
                              ordered=True, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
@@ -289,7 +293,9 @@ def _grid_key(rule, opts: DataOptions) -> list:
     return [rule.factor, rule.min_pixels, [rule.cap(n) for n in range(1, opts.record_images + 1)]]
 
 
-def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool | str):
+def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool | str, shown: Path | None = None):
+    """shown: the index directory a run without --dry-run uses, when d is a dry run's scratch."""
+    listed = bad_list(shown or d, kept=shown is None)  # where the report and strict's refusal say the list is
     rule = image_rule(cfg, opts.max_patches, opts.max_tiles)
     # what the grids depend on: the rule's resize bounds for each image count a record may have (not P itself,
     # which --pack's slots may raise without changing any grid); tiles: the rule, T unless it follows the slots
@@ -304,10 +310,11 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
                                       image_text=opts.image_text)
         index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp,
-                            max_images=opts.record_images, rule=rule, reads=Reads(family_of(cfg).media, cfg.family))
+                            max_images=opts.record_images, rule=rule, reads=Reads(family_of(cfg).media, cfg.family),
+                            listed=listed)
     else:
-        check_policy(index, opts.spec, opts.bad_records)
+        check_policy(index, opts.spec, opts.bad_records, listed)
     if verbose == "always" or (verbose and built):
-        for line in describe(index.stats):
+        for line in describe(index.stats, listed):
             print(f"mmpipe: {line}", flush=True)
     return index, source

@@ -148,7 +148,8 @@ def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixe
 
 def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *, max_pixels: int, policy: str,
                 out_dir: Path, workers: int, fp: str, max_images: int = 1, rule=None,
-                reads: Reads | None = None) -> DataIndex:
+                reads: Reads | None = None, listed: str = "") -> DataIndex:
+    """listed: where the user finds every bad record (bad_list), for --bad-records strict's refusal."""
     good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images, rule, reads)
     counts = Counter(kind for _, _, kind, _ in bad)
     n_images = np.array([len(g[4]) for g in good], dtype=np.int64)
@@ -174,7 +175,7 @@ def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *,
         n_images=n_images, image_offsets=np.concatenate([[0], np.cumsum(n_images)]).astype(np.int64),
         image_at=np.concatenate([np.zeros(0, np.int64), *(g[4] for g in good)]).astype(np.int64), stats=stats,
         grids=np.concatenate([g[5] for g in good]).astype(np.int64) if good else np.zeros((0, 3), np.int64))
-    check_policy(index, spec, policy)
+    check_policy(index, spec, policy, listed)
     _save(index, out_dir)
     return index
 
@@ -188,7 +189,16 @@ def _unknown_share(good: list, tok) -> float:
     return float(sum(int((g[1] == tok.unk_token_id).sum()) for g in good) / n)
 
 
-def check_policy(index: DataIndex, spec: DataSpec, policy: str) -> None:
+def bad_list(index_dir: Path, kept: bool = True) -> str:
+    """Where every bad record is listed, as the user can open it: index_dir's bad_records.jsonl by its absolute path
+    (the printed lines show the first SHOW_BAD only). kept False: a dry run, whose index directory is scratch,
+    deleted after; index_dir is the one a run without --dry-run writes."""
+    path = (Path(index_dir) / "bad_records.jsonl").resolve()
+    return f"in {path}" if kept else f"in {path} once run without --dry-run (a dry run keeps no list)"
+
+
+def check_policy(index: DataIndex, spec: DataSpec, policy: str, listed: str = "") -> None:
+    """listed: bad_list's words, named by strict's refusal."""
     s = index.stats
     name = spec.path or ", ".join(spec.data_files)
     if s["good"] == 0:
@@ -198,7 +208,8 @@ def check_policy(index: DataIndex, spec: DataSpec, policy: str) -> None:
         lines = [f"--bad-records strict: {b['where']}: {b['kind']}: {b['reason']}" for b in s["first_bad"]]
         more = s["bad"] - len(lines)
         total = f"{s['bad']} bad records in all: {_kinds(s)}"
-        last = "--bad-records strict: " + (f"... and {more} more; " if more else "") + total
+        last = "--bad-records strict: " + (f"... and {more} more; " if more else "") + total + \
+            (f"; all listed {listed}" if listed else "")
         raise ConfigError("\n".join(lines + [last]))
 
 
@@ -211,8 +222,9 @@ def _first(s: dict) -> str:
     return f"{b['where']}: {b['kind']}: {b['reason']}"
 
 
-def describe(stats: dict) -> list[str]:
-    """The data report printed before training: counts, then the first bad records one per line."""
+def describe(stats: dict, listed: str = "in bad_records.jsonl") -> list[str]:
+    """The data report printed before training: counts, then the first bad records one per line, and where the
+    rest are (listed: bad_list's words)."""
     images = stats.get("images", stats["with_image"])  # an index of several images per record says how many
     lines = [f"data: {stats['good']} of {stats['records']} records usable ({stats['with_image']} with an image"
              + (f", {images} images" if images != stats["with_image"] else "") + ")"
@@ -226,7 +238,7 @@ def describe(stats: dict) -> list[str]:
                      f"({why})")
     lines += [f"data: skipped {b['where']}: {b['kind']}: {b['reason']}" for b in stats["first_bad"]]
     if stats["bad"] > len(stats["first_bad"]):
-        lines.append(f"data: ... {stats['bad'] - len(stats['first_bad'])} more in bad_records.jsonl")
+        lines.append(f"data: ... {stats['bad'] - len(stats['first_bad'])} more; all {stats['bad']} listed {listed}")
     return lines
 
 

@@ -176,7 +176,8 @@ def _loaded(args: argparse.Namespace):
     with tempfile.TemporaryDirectory() as scratch:  # a dry run checks the records where nothing is kept
         if not args.dry_run:
             out.parent.mkdir(parents=True, exist_ok=True)
-        evalset = prepare_eval(opts, cfg, scratch if args.dry_run else out.parent, seed=0, shapes=0, verbose="always")
+        evalset = prepare_eval(opts, cfg, scratch if args.dry_run else out.parent, seed=0, shapes=0, verbose="always",
+                               run_dir=out.parent if args.dry_run else None)
         if args.dry_run:
             print_plan(f"eval: {evalset.size} records", model=f"{cfg.name} ({cfg.family})", weights=weights,
                        data=Path(opts.name).resolve(), decoding=decoding(args), metric=args.metric,
