@@ -25,6 +25,18 @@ def _tokenizer(path):
     return word_tokenizer(path, TEMPLATE)
 
 
+def exported_ids(out) -> list[tuple]:
+    """(bos, eos, pad) of an HF export as transformers reads them: its config's text config, and its
+    generation_config.json, whose eos is where transformers' generate stops."""
+    from transformers import AutoConfig, GenerationConfig
+    text, gen = AutoConfig.from_pretrained(out).get_text_config(), GenerationConfig.from_pretrained(out)
+    return [(c.bos_token_id, c.eos_token_id, c.pad_token_id) for c in (text, gen)]
+
+
+def ids_of(tok) -> list[tuple]:
+    return [(tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)] * 2
+
+
 def test_import_generate_export_llava(tmp_path, capsys):
     hf_dir = tmp_path / "hf"
     hf = save_hf("siglip_llama", hf_dir)
@@ -53,6 +65,7 @@ def test_import_generate_export_llava(tmp_path, capsys):
     with torch.no_grad():
         assert (back(input_ids=x, pixel_values=pixels).logits - model.one_per_row(pixels, x)).abs().max().item() < 1e-4
     assert "with the run's tokenizer" in capsys.readouterr().out
+    assert exported_ids(tmp_path / "back") == ids_of(tok) == [(1, 2, 0)] * 2  # the tokenizer's, stop included
     assert main(gen + ["--checkpoint", str(tmp_path / "back")]) == 0  # the run's tokenizer rode along
     assert capsys.readouterr().out.strip() == from_hf
     assert main(["export", "--checkpoint", str(run), "--format", "safetensors",
@@ -93,6 +106,7 @@ def test_exported_builtin_llava_run_is_a_checkpoint(tmp_path, capsys):
     from transformers import AutoProcessor
 
     from conftest import write_checkpoint
+    from mmpipe.data.tokenizer import builtin_tokenizer
     cfg = dataclasses.replace(load_preset("llava-tiny"), image_token_id=36).with_vocab(64)
     write_checkpoint(ReferenceModel(cfg, seed=3), tmp_path / "run")
     Image.new("RGB", (32, 32), (10, 200, 30)).save(tmp_path / "img.png")
@@ -103,6 +117,8 @@ def test_exported_builtin_llava_run_is_a_checkpoint(tmp_path, capsys):
     out = tmp_path / "exported-llava"
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
     assert "tokenizer and processor" in capsys.readouterr().out
+    # the built-in tokenizer's ids (a Qwen2-shaped decoder: transformers' Qwen2Config has none of its own)
+    assert exported_ids(out) == ids_of(builtin_tokenizer(image_token=True)) == [(1, 2, 0)] * 2
     assert main(gen + [str(out)]) == 0
     assert capsys.readouterr().out == from_run
     processor = AutoProcessor.from_pretrained(out)

@@ -44,6 +44,7 @@ from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset
+from test_hf_cli import exported_ids
 from test_hf_qwen2_vl import _cached_logits
 
 TOL = 1e-4
@@ -172,6 +173,7 @@ def test_export_loads_in_transformers(llava_next, tmp_path):
     kind, _, hf, model, run = llava_next
     changed = perturbed(model)  # as if trained: the export must carry these weights, not the imported ones
     export_hf(changed, tmp_path / "out")
+    assert exported_ids(tmp_path / "out") == [(None, None, None)] * 2  # no tokenizer given: no class default
     back = type(hf).from_pretrained(tmp_path / "out").eval()
     for i in (2, 3):  # tiles (OneVision: pooled); two images
         s = _sample(hf, kind, i)
@@ -185,6 +187,7 @@ def test_export_loads_in_transformers(llava_next, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), changed.state_dict().values()))
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "cli")]) == 0  # the command's
     assert (tmp_path / "cli" / "preprocessor_config.json").is_file()
+    assert exported_ids(tmp_path / "cli") == [(1, 2, 0)] * 2  # the run's tokenizer's (w1, w2, w0), stop included
     s = _sample(hf, kind, 0)
     back = type(hf).from_pretrained(tmp_path / "cli").eval()
     assert (hf_logits(back, *s[:3]) - hf_logits(hf, *s[:3])).abs().max().item() < TOL

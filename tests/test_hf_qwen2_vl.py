@@ -38,6 +38,7 @@ from qwen_models import (
     save_qwen,
     save_tokenizer,
 )
+from test_hf_cli import exported_ids, ids_of
 
 TOL = 1e-4
 # (name, image sizes w x h): 4 x 4, 4 x 6 and 8 x 4 patch grids; two images of different sizes; text only
@@ -204,6 +205,8 @@ def test_export_loads_in_transformers(qwen, tmp_path):
     changed = perturbed(model)  # as if trained: the export must carry these weights, not the imported ones
     export_hf(changed, tmp_path / "out")
     assert (tmp_path / "out" / "preprocessor_config.json").is_file()
+    # no tokenizer given: no special id, rather than Qwen2VLConfig's 151643 / 151645 in a 200-token vocabulary
+    assert exported_ids(tmp_path / "out") == [(None, None, None)] * 2
     back = type(hf).from_pretrained(tmp_path / "out").eval()  # Qwen2.5-VL's class for the SwiGLU tower
     ids, px, grids = _sample(3)
     with torch.no_grad():
@@ -229,14 +232,20 @@ def test_lora_adapters_load_with_peft(qwen, tmp_path):
 
 
 def test_import_and_export_commands(qwen, tmp_path, capsys):
+    """The import and the export; the export's config declares the run's tokenizer's special ids (Qwen's: no
+    BOS, EOS <|im_end|>), so transformers' generate stops where `mmpipe generate` does."""
     kind, d, hf, model, _ = qwen
-    assert main(["import", "--hf", str(d), "--out", str(tmp_path / "run")]) == 0
+    shutil.copytree(d, tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
     assert "imported qwen2_vl model" in capsys.readouterr().out
     run = load_reference(tmp_path / "run" / "checkpoints", model.cfg)
     for k, v in model.state_dict().items():
         assert torch.equal(v, run.state_dict()[k]), k
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
     back = type(hf).from_pretrained(tmp_path / "back").eval()
+    tok = load_tokenizer(str(tmp_path / "hf"))
+    assert exported_ids(tmp_path / "back") == ids_of(tok) == [(None, 195, 0)] * 2
     ids, px, grids = _sample(0)
     assert (hf_logits(back, ids, px, grids) - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL
 

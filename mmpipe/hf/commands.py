@@ -32,7 +32,8 @@ from .qwen2_vl import export_hf as export_qwen2_vl
 from .qwen2_vl import hf_qwen_config, import_qwen2_vl, is_qwen2_vl
 from .qwen2_vl import key_map as qwen2_vl_key_map
 
-# the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory)
+# the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory,
+# whose third argument is the run's tokenizer: its special ids go into the config)
 HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf_config(cfg))), export_hf),
          "Qwen2VLForConditionalGeneration": (qwen2_vl_key_map, export_qwen2_vl),
          "LlavaNextForConditionalGeneration": (llava_next_key_map, export_llava_next)}
@@ -219,11 +220,12 @@ def main_export(args: argparse.Namespace) -> int:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
     wrote = ""
     if args.format == "peft":
-        export_adapter(model, args.out, *HF_IO[family_of(cfg).hf_class])
+        names, export = HF_IO[family_of(cfg).hf_class]
+        export_adapter(model, args.out, names, lambda m, out: export(m, out, tok))
         wrote = write_processor(tok, cfg, Path(args.out) / "base")  # OUT/base serves as a checkpoint too
         write_processor(tok, cfg, Path(args.out))
     elif args.format == "hf":
-        HF_IO[family_of(cfg).hf_class][1](model, args.out)
+        HF_IO[family_of(cfg).hf_class][1](model, args.out, tok)
         wrote = write_processor(tok, cfg, Path(args.out))
     else:
         from safetensors.torch import save_file

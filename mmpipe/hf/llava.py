@@ -95,8 +95,21 @@ def config_from_hf(hf, name: str = "hf", mean=None, std=None, check: bool = True
     return cfg
 
 
-def hf_config(cfg: ModelConfig):
-    """mmpipe LLaVA config -> LlavaConfig of the exported model (tower cut at the feature layer)."""
+def token_ids(tok, vocab_size: int) -> dict[str, int | None]:
+    """The bos / eos / pad ids an export declares (its text config's, and so its generation_config.json's, which
+    transformers' generate stops at): the tokenizer's own, as `mmpipe generate` uses them. An id the tokenizer
+    lacks, one outside the vocabulary, and every id when no tokenizer is known are None: never an HF class's
+    default (Qwen2-VL's 151643 / 151645, Llama's 1 / 2), which names another model's tokens."""
+    ids = {}
+    for name in ("bos", "eos", "pad"):
+        i = getattr(tok, f"{name}_token_id", None)
+        ids[f"{name}_token_id"] = i if isinstance(i, int) and 0 <= i < vocab_size else None
+    return ids
+
+
+def hf_config(cfg: ModelConfig, tok=None):
+    """mmpipe LLaVA config -> LlavaConfig of the exported model (tower cut at the feature layer), with tok's
+    special token ids (token_ids)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config, SiglipVisionConfig
     v, t = cfg.vision, cfg.text
     act = {"quick_gelu": "quick_gelu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[v.act]
@@ -109,7 +122,8 @@ def hf_config(cfg: ModelConfig):
     text = text_cls(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
                     num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, vocab_size=t.vocab_size,
                     max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps, tie_word_embeddings=t.tie_embeddings,
-                    rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta}, **extra)
+                    rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta},
+                    **token_ids(tok, t.vocab_size), **extra)
     return LlavaConfig(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
                        vision_feature_layer=-1, vision_feature_select_strategy=v.feature_select,
                        tie_word_embeddings=t.tie_embeddings)
@@ -301,11 +315,12 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
     return model, report
 
 
-def export_hf(model: ReferenceModel, out: str | Path, hf=None) -> Path:
-    """Write an HF directory (config.json + model.safetensors) that from_pretrained loads; hf: the HF config
-    to write (default: hf_config's LlavaConfig; mmpipe.hf.llava_next gives its LlavaNext / OneVision one)."""
+def export_hf(model: ReferenceModel, out: str | Path, tok=None, hf=None) -> Path:
+    """Write an HF directory (config.json + model.safetensors) that from_pretrained loads; tok: the run's
+    tokenizer, whose special ids the config declares (token_ids); hf: the HF config to write (default:
+    hf_config's LlavaConfig; mmpipe.hf.llava_next gives its LlavaNext / OneVision one)."""
     cfg = model.cfg
-    hf = hf or hf_config(cfg)
+    hf = hf or hf_config(cfg, tok)
     hf_model = hf_model_class(hf)(hf)
     state = hf_model.state_dict()
     kmap = key_map(cfg, list(state))

@@ -55,11 +55,11 @@ def config_from_hf(hf, name: str = "hf", mean=None, std=None) -> ModelConfig:
     return cfg
 
 
-def hf_config(cfg: ModelConfig):
+def hf_config(cfg: ModelConfig, tok=None):
     """mmpipe llava_next config -> the HF config of its generation (OneVision when vision.anyres_max > 0), its
-    tower cut at the feature layer as mmpipe.hf.llava.hf_config cuts it."""
+    tower cut at the feature layer and tok's special ids in its text config, as mmpipe.hf.llava.hf_config."""
     from transformers import LlavaNextConfig, LlavaOnevisionConfig
-    base, v = llava.hf_config(cfg), cfg.vision
+    base, v = llava.hf_config(cfg, tok), cfg.vision
     common = dict(vision_config=base.vision_config, text_config=base.text_config, image_token_id=cfg.image_token_id,
                   image_grid_pinpoints=[list(p) for p in v.grid_pinpoints], vision_feature_layer=-1,
                   vision_feature_select_strategy=v.feature_select, tie_word_embeddings=cfg.text.tie_embeddings)
@@ -95,8 +95,9 @@ def image_processor(cfg: ModelConfig):
     return hf_image_processor(tile_rule(cfg))
 
 
-def export_hf(model: ReferenceModel, out: str | Path) -> Path:
-    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads."""
-    out = llava.export_hf(model, out, hf_config(model.cfg))
+def export_hf(model: ReferenceModel, out: str | Path, tok=None) -> Path:
+    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads;
+    tok: the run's tokenizer, whose special ids the config declares (mmpipe.hf.llava.token_ids)."""
+    out = llava.export_hf(model, out, hf=hf_config(model.cfg, tok))
     image_processor(model.cfg).save_pretrained(out)
     return out

@@ -28,7 +28,7 @@ from ..config import ModelConfig, TextConfig, VisionConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
-from .llava import CLIP_MEAN, CLIP_STD, ImportReport, _fail, read_hf_config
+from .llava import CLIP_MEAN, CLIP_STD, ImportReport, _fail, read_hf_config, token_ids
 from .safetensors_io import read_weights
 
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -109,8 +109,10 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
     return cfg
 
 
-def hf_config(cfg: ModelConfig):
-    """mmpipe Qwen2-VL-family config -> the HF config of its generation (Qwen2.5-VL: the SwiGLU tower)."""
+def hf_config(cfg: ModelConfig, tok=None):
+    """mmpipe Qwen2-VL-family config -> the HF config of its generation (Qwen2.5-VL: the SwiGLU tower), with tok's
+    special ids in its text config (mmpipe.hf.llava.token_ids: without them, transformers' class defaults,
+    151643 / 151645, name tokens of a 151k vocabulary)."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
     v, t = cfg.vision, cfg.text
     v25 = v.mlp == "swiglu"
@@ -126,7 +128,7 @@ def hf_config(cfg: ModelConfig):
                 num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, vocab_size=t.vocab_size,
                 max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps, tie_word_embeddings=t.tie_embeddings,
                 rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta,
-                                 "mrope_section": list(t.mrope_section)})
+                                 "mrope_section": list(t.mrope_section)}, **token_ids(tok, t.vocab_size))
     return (Qwen2_5_VLConfig if v25 else Qwen2VLConfig)(
         vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
         vision_start_token_id=cfg.vision_start_id, vision_end_token_id=cfg.vision_end_id,
@@ -205,11 +207,12 @@ def image_processor(v: VisionConfig):
                                  image_mean=list(v.mean), image_std=list(v.std))
 
 
-def export_hf(model: ReferenceModel, out: str | Path) -> Path:
-    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads."""
+def export_hf(model: ReferenceModel, out: str | Path, tok=None) -> Path:
+    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads;
+    tok: the run's tokenizer, whose special ids the config declares."""
     import transformers
     cfg = model.cfg
-    hf = hf_config(cfg)
+    hf = hf_config(cfg, tok)
     hf_model = getattr(transformers, HF_CLASSES[hf.model_type])(hf)
     mine, theirs = model.state_dict(), hf_model.state_dict()
     state = {h: mine[m].detach().to(theirs[h].dtype) for m, h in key_map(cfg).items()}
