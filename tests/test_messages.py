@@ -53,3 +53,31 @@ def test_unknown_tokens_warning_names_the_builtin_only_when_it_is_used():
     own = "\n".join(describe({**stats, "builtin_tokenizer": False}))
     assert "92% of text tokens" in builtin and "built-in one knows only the shapes words" in builtin
     assert "92% of text tokens" in own and "built-in" not in own and "trained with" in own
+
+
+def test_pack_alone_says_what_images_a_record_may_have(tmp_path, capsys):
+    """--pack without --max-images, a LLaVA-family preset (<image> markers): the rows get several image slots,
+    but the index keeps one image a record (the slots are read from it). The front door's slot line and a 2-image
+    record's too_many_images reason name that one limit in the same words, never a `--max-images 1` the user did
+    not give; --max-images 2 takes the record."""
+    import json
+
+    from mmpipe.data.export import export_shapes
+    export_shapes(tmp_path, "pairs-csv", 3)  # images/00000.png .. 00002.png
+    ask = [{"from": "human", "value": "<image>\nwhat shape is red"}, {"from": "gpt", "value": "circle"}]
+    records = [{"image": f"images/0000{k}.png", "conversations": ask} for k in range(3)]
+    records.insert(1, {"image": ["images/00000.png", "images/00001.png"], "conversations": [
+        {"from": "human", "value": "<image> and <image>\nwhat shape is red"}, {"from": "gpt", "value": "circle"}]})
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["train", "--preset", "llava-tiny", "--data", str(tmp_path / "data.jsonl"), "--pack", "--dry-run",
+            "--output-dir", str(tmp_path / "run")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    (slots,) = [ln for ln in out if ln.startswith("mmpipe: --pack: ")]
+    (skipped,) = [ln for ln in out if "too_many_images:" in ln]
+    assert int(slots.split()[2]) > 1  # "N image slots per row": the rows could hold the record's 2 images
+    limit = slots.split("images a record may have: ", 1)[1]
+    assert limit.startswith("1 (--pack alone") and "--max-images N" in limit
+    assert skipped == f"mmpipe: data: skipped {tmp_path / 'data.jsonl'}:2: too_many_images: 2 images > {limit}"
+    assert main(argv + ["--max-images", "2"]) == 0
+    assert "too_many_images" not in capsys.readouterr().out

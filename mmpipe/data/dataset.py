@@ -60,6 +60,16 @@ class DataOptions:
         return self.max_images if self.markers and not self.auto_slots else 1
 
     @property
+    def image_limit(self) -> str:
+        """record_images and what sets it, as too_many_images' reason and the front door's --pack line both say it:
+        --max-images N only where that flag is the limit; under --pack alone the rows' M image slots are not (the
+        index they are read from keeps one image a record), nor for a family without <image> markers."""
+        if self.markers and not self.auto_slots:
+            return f"--max-images {self.max_images}"
+        return "1 (" + ("--pack alone packs one-image samples; --max-images N takes records of up to N" if self.markers
+                        else "a family without <image> markers takes one image a record") + ")"
+
+    @property
     def builtin(self) -> bool:
         return self.spec is None
 
@@ -311,7 +321,7 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
         index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp,
                             max_images=opts.record_images, rule=rule, reads=Reads(family_of(cfg).media, cfg.family),
-                            listed=listed)
+                            listed=listed, image_limit=opts.image_limit)
     else:
         check_policy(index, opts.spec, opts.bad_records, listed)
     if verbose == "always" or (verbose and built):

@@ -98,9 +98,9 @@ def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pix
 _W: dict = {}
 
 
-def _init_worker(source, encoder, image_root, max_pixels, max_images, rule=None, reads=None):
+def _init_worker(source, encoder, image_root, max_pixels, max_images, rule=None, reads=None, image_limit=None):
     _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels, max_images=max_images,
-              rule=rule, reads=reads or Reads())
+              rule=rule, reads=reads or Reads(), image_limit=image_limit or f"--max-images {max_images}")
 
 
 def _check(i: int):
@@ -111,7 +111,7 @@ def _check(i: int):
         rec = _W["source"].record(i, _W["reads"].media, _W["reads"].family)
         where = rec.where
         if len(rec.images) > _W["max_images"]:
-            raise BadRecord("too_many_images", f"{len(rec.images)} images > --max-images {_W['max_images']}")
+            raise BadRecord("too_many_images", f"{len(rec.images)} images > {_W['image_limit']}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
         sizes = [check_image(image, _W["image_root"], _W["max_pixels"]) for image in rec.images]
         rule = _W["rule"]  # PatchRule [n, 3] (t, h, w); TileRule [n, 5] (orig_h, orig_w, rows, cols, positions)
@@ -131,10 +131,12 @@ class Reads:
 
 
 def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int,
-         workers: int, max_images: int = 1, rule=None, reads: Reads | None = None) -> tuple[list, list]:
+         workers: int, max_images: int = 1, rule=None, reads: Reads | None = None,
+         image_limit: str | None = None) -> tuple[list, list]:
     """rule: a dynamic family's PatchRule (mmpipe.data.patches) or TileRule (mmpipe.data.anyres), which gives each
-    image's grid; reads: what a record may carry (a video for an image-only family is a bad record)."""
-    args = (source, encoder, image_root, max_pixels, max_images, rule, reads)
+    image's grid; reads: what a record may carry (a video for an image-only family is a bad record); image_limit:
+    max_images as too_many_images names it, what sets it (default: --max-images N)."""
+    args = (source, encoder, image_root, max_pixels, max_images, rule, reads, image_limit)
     if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
         _init_worker(*args)
         results = [_check(i) for i in range(len(source))]
@@ -148,9 +150,10 @@ def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixe
 
 def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *, max_pixels: int, policy: str,
                 out_dir: Path, workers: int, fp: str, max_images: int = 1, rule=None,
-                reads: Reads | None = None, listed: str = "") -> DataIndex:
-    """listed: where the user finds every bad record (bad_list), for --bad-records strict's refusal."""
-    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images, rule, reads)
+                reads: Reads | None = None, listed: str = "", image_limit: str | None = None) -> DataIndex:
+    """listed: where the user finds every bad record (bad_list), for --bad-records strict's refusal; image_limit:
+    as scan's."""
+    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images, rule, reads, image_limit)
     counts = Counter(kind for _, _, kind, _ in bad)
     n_images = np.array([len(g[4]) for g in good], dtype=np.int64)
     stats = {"fingerprint": fp, "records": len(source), "good": len(good), "bad": len(bad),
