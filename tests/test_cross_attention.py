@@ -13,9 +13,10 @@ from conftest import EQUIV_STEPS, train_run
 from mmpipe.config import load_preset
 from mmpipe.inference.generate import generate
 from mmpipe.model import ReferenceModel
+from mmpipe.model.builder import bound
 from mmpipe.model.cross_attention import CrossAttnBlock
 from mmpipe.model.rows import sample_rows
-from mmpipe.model.stage import StageTuple
+from mmpipe.model.stage import StageTuple, unpack_out
 from mmpipe.planning.costmodel import layer_costs
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -90,13 +91,13 @@ def test_vision_weights_train_through_two_boundaries(runs):
 def _plain_decoder_logits(model, ids, has_image):
     """The language model alone: the same embedding, decoder blocks and head, no cross-attention."""
     t = StageTuple(torch.zeros(ids.shape[0], 1, model.cfg.text.dim), *sample_rows(model.cfg, ids, has_image))
-    x = t.pack()
-    for layer in model:
+    for layer in model:  # each layer's own tuple fields are those of its place in the list: run them by name
         if type(layer).__name__ == "CrossAttnTextEmbed":
-            x = StageTuple.unpack(layer(x))._replace(vision=None).pack()
-        elif type(layer).__name__ in ("DecoderBlock", "LMHead"):
-            x = layer(x)
-    return x
+            t = unpack_out(layer, layer(t.pack()))._replace(vision=None)
+        elif type(layer).__name__ == "DecoderBlock":
+            t = t._replace(hidden=layer.run(t, 0))
+        elif type(layer).__name__ == "LMHead":
+            return layer.decode(t, {}, 0)
 
 
 def test_zero_gates_give_the_plain_decoder():
@@ -178,7 +179,7 @@ def test_cross_attention_activations_match_what_autograd_keeps():
     cfg = load_preset(PRESET)
     text_len, n, d = 12, cfg.vision.n_tokens, cfg.text.dim
     row = next(r for r in layer_costs(cfg, (), text_len) if r.name == "CrossAttnBlock")
-    layer = CrossAttnBlock(cfg)
+    layer = bound(CrossAttnBlock(cfg), cfg, 6)  # the first CrossAttnBlock's place: it takes the image
 
     def make(batch):
         return (torch.randn(batch, text_len, d, requires_grad=True), torch.randn(batch, n, d, requires_grad=True),

@@ -12,7 +12,7 @@ from PIL import Image
 
 from mmpipe.config import PRESET_DIR, load_preset
 from mmpipe.data.packing import row_shape
-from mmpipe.model.builder import layer_param_counts, layer_specs
+from mmpipe.model.builder import bound, layer_param_counts, layer_specs
 from mmpipe.model.costs import PatchRow, attention_pairs
 from mmpipe.planning.costmodel import layer_costs
 from mmpipe.planning.images import patch_row
@@ -91,12 +91,12 @@ def test_activation_memory_matches_what_autograd_keeps():
         return ids, torch.ones(batch, 2, dtype=torch.long), segments, grids.expand(batch, 2, 3).clone()
     shapes = {"QwenPatchEmbed": (P, cfg.vision.patch_dim), "QwenVisionBlock": (P, cfg.vision.dim),
               "QwenMerger": (P, cfg.vision.dim), "QwenEmbed": (P // 4, cfg.text.dim)}
-    for spec, row in zip(layer_specs(cfg)[:-1], rows):  # the head's loss is test_plan's
+    for i, (spec, row) in enumerate(zip(layer_specs(cfg)[:-1], rows)):  # the head's loss is test_plan's
         shape = shapes.get(row.name, (L, cfg.text.dim))
 
         def make(batch, shape=shape, grad=row.name != "QwenPatchEmbed"):
             return torch.randn(batch, *shape, requires_grad=grad), *ints(batch)
-        assert _saved_floats_per_sample(spec.build(), make) == row.act_elems, row.name
+        assert _saved_floats_per_sample(bound(spec.build(), cfg, i), make) == row.act_elems, row.name
 
 
 def test_image_size_is_the_image_processors_grid():

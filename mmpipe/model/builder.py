@@ -25,6 +25,7 @@ from ..config import ConfigError, ModelConfig
 from .families import family_of
 from .lora import Lora, adapted_linears, adapter_param_count, add_adapters
 from .rows import sample_rows
+from .stage import bind_fields
 
 IGNORE_INDEX = -100
 FREEZE_GROUPS = ("vision", "projector", "text")
@@ -32,6 +33,18 @@ FREEZE_GROUPS = ("vision", "projector", "text")
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     return family_of(cfg).layers(cfg)
+
+
+def bind_layer_fields(layers, cfg: ModelConfig, start: int = 0) -> None:
+    """Each built layer (global index start + k) learns the stage tuple fields it takes and returns, from
+    its family's schema (mmpipe.model.stage): the reference, the pipeline's stages and generation alike."""
+    bind_fields(layers, family_of(cfg).fields(cfg), [s.typename for s in layer_specs(cfg)], start)
+
+
+def bound(layer, cfg: ModelConfig, i: int):
+    """Layer i of cfg's list, built alone (a measurement, a test), told the stage tuple fields of its place."""
+    bind_layer_fields([layer], cfg, i)
+    return layer
 
 
 def layer_group(spec: LayerSpec) -> str:
@@ -106,6 +119,7 @@ class ReferenceModel(nn.Sequential):
     def __init__(self, cfg: ModelConfig, seed: int = 1234, freeze: tuple[str, ...] = (), lora: Lora | None = None):
         super().__init__(*_build_all(layer_specs(cfg), seed))
         self.cfg, self.lora = cfg, lora
+        bind_layer_fields(self, cfg)
         apply_freeze(self, freeze)
         for i, layer in enumerate(self):
             add_adapters(layer, i, lora, seed)

@@ -34,7 +34,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import GeluMLP
 from .layers import DecoderBlock, LMHead, TextEmbed, vision_specs
-from .stage import StageTuple
+from .stage import StageTuple, unpack_in, unpack_out
 
 
 class CrossAttention(nn.Module):
@@ -99,7 +99,7 @@ class CrossAttnBlock(nn.Module):
         return x + keep * torch.tanh(self.gate_scale * self.mlp_gate) * self.mlp(self.ln2(x))
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         x = self.fuse(t, self.attn.image_kv(t.vision, t.hidden.shape[0]))
         return t._replace(hidden=x, vision=None if self.last else t.vision).pack()
 
@@ -115,7 +115,7 @@ class CrossAttnTextEmbed(TextEmbed):
     """Token embedding of a text-only sequence; the projected image moves to the `vision` field."""
 
     def forward(self, args):
-        t = StageTuple.unpack(args)  # hidden: the projected images [B x M, N_img, D]
+        t = unpack_in(self, args)  # hidden: the projected images [B x M, N_img, D]
         emb = self.wte(t.input_ids)  # [B, L, D]: the text alone
         if not emb.requires_grad and torch.is_grad_enabled():
             # a frozen embedding's output is off the autograd graph, and DeepSpeed runs backward on
@@ -127,7 +127,7 @@ class CrossAttnTextEmbed(TextEmbed):
         """Cached generation: the prompt as in forward; afterwards only the new tokens, with the
         image kept from the prompt's call (the blocks after need it on every step)."""
         if start == 0:
-            out = StageTuple.unpack(self(t.pack()))
+            out = unpack_out(self, self(t.pack()))
             cache["image"] = out.vision
             return out
         return t._replace(hidden=self.wte(t.input_ids), vision=cache["image"])

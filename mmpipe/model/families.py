@@ -40,6 +40,18 @@ from .llava import (
 )
 from .llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
+from .stage import ROW, StageField
+
+# the integer tensor of each image slot's layout (mmpipe.model.stage): moondream multi-crop's tiling (rows, cols),
+# read and dropped by the Projector; the dynamic families' grids / tilings, kept to the head
+CROP_TILING = StageField("tiling", False, dropped_by=Projector)
+KEPT_TILING = StageField("tiling", False)
+# the cross-attention family's projected images, made by its text embedding, dropped after its last reader
+CARRIED_VISION = StageField("vision", True, made_by=CrossAttnTextEmbed, dropped_by=CrossAttnBlock)
+
+
+def _moondream_fields(cfg: ModelConfig, *carried: StageField) -> tuple[StageField, ...]:
+    return ROW + carried + ((CROP_TILING,) if cfg.vision.max_crops else ())
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,9 @@ class Family:
     # what its records may carry besides text (mmpipe.data.records.MEDIA_FIELDS' kinds); a record with anything
     # else is a bad record, unsupported_media, counted with its reason, never trained as the text around it
     media: tuple[str, ...] = ("image",)
+    # the stage tuple's fields (mmpipe.model.stage.StageField): the row's four, then what the family carries
+    fields: Callable[[ModelConfig], tuple[StageField, ...]] = field(default=lambda cfg: ROW, repr=False,
+                                                                     compare=False)
 
     def cost_rule(self, spec: LayerSpec) -> costs.LayerRule:
         return self.cost_rules[getattr(spec, "forward_fn", None) or spec.typename]
@@ -70,11 +85,12 @@ _MOONDREAM_COSTS = {PatchEmbed: costs.PATCH_EMBED, VisionBlock: costs.VISION_BLO
                     Projector: costs.PROJECTOR, TextEmbed: costs.TEXT_EMBED, DecoderBlock: costs.DECODER_BLOCK,
                     LMHead: costs.LM_HEAD}
 
-MOONDREAM = Family("moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS)
+MOONDREAM = Family("moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS,
+                   fields=_moondream_fields)
 CROSS_ATTENTION = Family(
     "moondream", "cross_attention", cross_attention_specs, (VisionBlock, DecoderBlock, CrossAttnBlock),
     {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK},
-    weight_names=None)
+    weight_names=None, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION))
 LLAVA = Family(
     "llava", "prefix", llava_specs, (TowerBlock, LlamaBlock),
     {VisionEmbed: costs.PATCH_EMBED, TowerBlock: costs.VISION_BLOCK, LlavaProjector: costs.PROJECTOR,
@@ -89,7 +105,8 @@ QWEN2_VL = Family(
     {QwenPatchEmbed: costs.QWEN_PATCH_EMBED, QwenVisionBlock: costs.QWEN_VISION_BLOCK, QwenMerger: costs.QWEN_MERGER,
      QwenEmbed: costs.QWEN_EMBED, QwenBlock: costs.QWEN_BLOCK, FinalNorm: costs.FINAL_NORM,
      LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
-    hf_class="Qwen2VLForConditionalGeneration", weight_names="hf")  # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
+    # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
+    hf_class="Qwen2VLForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,))
 
 # The tower, projector and embedding are costed on the row's T crops (costs.ANYRES_*, per_row: a CropRow)
 LLAVA_NEXT = Family(
@@ -99,7 +116,7 @@ LLAVA_NEXT = Family(
      FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     # LlavaOnevisionForConditionalGeneration's by config (vision.anyres_max > 0: mmpipe.hf.llava_next)
-    hf_class="LlavaNextForConditionalGeneration", weight_names="hf")
+    hf_class="LlavaNextForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,))
 
 FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT)
 

@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from .attention import FusedAttention, GeluMLP, row_geometry, slot_prefix
 from .crops import merge_crop_features
 from .rows import IMAGE_SLOT, place_images
-from .stage import StageTuple
+from .stage import StageTuple, unpack_in, unpack_out
 
 
 class PatchEmbed(nn.Module):
@@ -32,7 +32,7 @@ class PatchEmbed(nn.Module):
         self.pos_emb = nn.Parameter(torch.randn(1, v.n_tokens, v.dim) * 0.02)
 
     def forward(self, inputs):
-        t = StageTuple.unpack(inputs)  # hidden: the pixels
+        t = unpack_in(self, inputs)  # hidden: the pixels
         x = t.hidden.to(self.linear.weight.dtype)  # DeepSpeed casts the model, never the inputs
         x = x.flatten(0, x.dim() - 4)  # image / crop slots: [B, M, S, C, H, W] -> [B M S, C, H, W]
         B, C, H, W = x.shape
@@ -55,7 +55,7 @@ class VisionBlock(nn.Module):
         self.mlp = GeluMLP(v.dim, v.ff_dim)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         x = t.hidden  # [B, N_img, D_vision]
         x = x + self.attn(self.ln1(x))
         x = x + self.mlp(self.ln2(x))
@@ -71,7 +71,7 @@ class VisionNorm(nn.Module):
         self.ln = nn.LayerNorm(cfg.vision.dim, eps=cfg.vision.ln_eps)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         return t._replace(hidden=self.ln(t.hidden)).pack()
 
 
@@ -105,7 +105,7 @@ class Projector(nn.Module):
             self.image_pos = nn.Parameter(torch.randn(cfg.vision.n_tokens, cfg.text.dim))  # [N_img, D_text]
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         x = t.hidden  # [B, N_img, D_vision]; multi-crop [B x slots, N_img, D_vision]
         if t.tiling is not None:  # [B (x M), slots, N_img, D_vision] -> [B (x M), N_img, 2 D_vision]
             x = merge_crop_features(x.view(-1, self.slots, *x.shape[1:]), t.tiling.reshape(-1, 2), self.margin)
@@ -128,14 +128,14 @@ class TextEmbed(nn.Module):
         self.wte = nn.Embedding(cfg.text.vocab_size, cfg.text.dim)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)  # hidden: the images [B x M, N_img, D]; input_ids [B, L], image blocks in place
+        t = unpack_in(self, args)  # hidden: the images [B x M, N_img, D]; input_ids [B, L], image blocks in place
         emb = self.wte(t.input_ids.clamp(min=0))  # [B, L, D]; IMAGE_SLOT positions are overwritten
         return t._replace(hidden=place_images(emb, t.input_ids, t.hidden, t.has_image, IMAGE_SLOT)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
         """Cached generation (mmpipe.inference.generate): the prompt as in forward, the image in place;
         afterwards only the new tokens, whose positions follow it."""
-        return StageTuple.unpack(self(t.pack())) if start == 0 else t._replace(hidden=self.wte(t.input_ids))
+        return unpack_out(self, self(t.pack())) if start == 0 else t._replace(hidden=self.wte(t.input_ids))
 
 
 class DecoderBlock(nn.Module):
@@ -152,7 +152,7 @@ class DecoderBlock(nn.Module):
         self.mlp = GeluMLP(t.dim, t.ff_dim)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         return t._replace(hidden=self.run(t, 0)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
@@ -179,7 +179,7 @@ class LMHead(nn.Module):
         self.linear = nn.Linear(cfg.text.dim, cfg.text.vocab_size)
 
     def forward(self, args):
-        x = StageTuple.unpack(args).hidden
+        x = unpack_in(self, args).hidden
         return self.linear(self.ln(x))
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import apply_partial_rotary, attend, cached_attention, row_geometry
 from .rows import place_images
-from .stage import StageTuple
+from .stage import StageTuple, unpack_in, unpack_out
 
 ACTS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
         "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}  # CLIP's
@@ -44,7 +44,7 @@ class VisionEmbed(nn.Module):
             self.pre_layrnorm = nn.LayerNorm(v.dim, eps=v.ln_eps)
 
     def forward(self, inputs):
-        t = StageTuple.unpack(inputs)  # hidden: pixels [B, M, C, H, W] -> B x M images
+        t = unpack_in(self, inputs)  # hidden: pixels [B, M, C, H, W] -> B x M images
         pixels = t.hidden.flatten(0, t.hidden.dim() - 4)
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [B, D, H/p, W/p]
         x = x.flatten(2).transpose(1, 2)  # [B, N_patch, D], row-major over the grid
@@ -92,7 +92,7 @@ class TowerBlock(nn.Module):
         self.mlp = TowerMLP(v.dim, v.ff_dim, v.act)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         x = t.hidden + self.self_attn(self.layer_norm1(t.hidden))
         return t._replace(hidden=x + self.mlp(self.layer_norm2(x))).pack()
 
@@ -108,7 +108,7 @@ class LlavaProjector(nn.Module):
         self.linear_2 = nn.Linear(cfg.proj_inner_dim, cfg.text.dim)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         x = t.hidden[:, 1:] if self.drop_first else t.hidden
         return t._replace(hidden=self.linear_2(F.gelu(self.linear_1(x)))).pack()
 
@@ -127,17 +127,17 @@ class LlavaEmbed(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=0.02)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)  # hidden: image features [B (x M), N_feat, D]; input_ids [B, T] with placeholders
+        t = unpack_in(self, args)  # hidden: image features [B (x M), N_feat, D]; input_ids [B, T] with placeholders
         emb = self.embed_tokens(t.input_ids)  # [B, T, D]
         return t._replace(hidden=place_images(emb, t.input_ids, t.hidden, t.has_image, self.image_token_id)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
-        return StageTuple.unpack(self(t.pack())) if start == 0 else t._replace(hidden=self.embed_tokens(t.input_ids))
+        return unpack_out(self, self(t.pack())) if start == 0 else t._replace(hidden=self.embed_tokens(t.input_ids))
 
 
 def tied_head(embed: LlavaEmbed, args) -> torch.Tensor:
     """The LM head sharing the input embedding: hidden [B, T, D] @ E^T -> logits [B, T, V]."""
-    return F.linear(StageTuple.unpack(args).hidden, embed.embed_tokens.weight)
+    return F.linear(args[0], embed.embed_tokens.weight)
 
 
 class LlamaAttention(nn.Module):
@@ -189,7 +189,7 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(t.dim, t.ff_dim)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         return t._replace(hidden=self.run(t, 0)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
@@ -216,11 +216,11 @@ class FinalNorm(nn.Module):
         self.norm = nn.RMSNorm(cfg.text.dim, eps=cfg.text.ln_eps)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         return t._replace(hidden=self.norm(t.hidden)).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int):
-        return StageTuple.unpack(self(t.pack()))
+        return unpack_out(self, self(t.pack()))
 
 
 class LMHeadLinear(nn.Module):
@@ -233,7 +233,7 @@ class LMHeadLinear(nn.Module):
         self.lm_head = nn.Linear(cfg.text.dim, cfg.text.vocab_size, bias=False)
 
     def forward(self, args):
-        return self.lm_head(StageTuple.unpack(args).hidden)
+        return self.lm_head(unpack_in(self, args).hidden)
 
     def decode(self, t: StageTuple, cache: dict, start: int):
         return self(t.pack())

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import ModelConfig, VisionConfig
 from .llava import LlavaEmbed, LlavaProjector, TowerBlock, VisionEmbed, decoder_specs
-from .stage import StageTuple
+from .stage import unpack_in
 
 
 def unpad_box(h: int, w: int, H: int, W: int) -> tuple[int, int, int, int]:
@@ -89,9 +89,9 @@ class AnyresProjector(LlavaProjector):
         self.image_newline = nn.Parameter(torch.randn(cfg.text.dim) / math.sqrt(cfg.text.dim))  # HF's init
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         B = t.input_ids.shape[0]
-        x = StageTuple.unpack(super().forward(args)).hidden  # [B x T, N, D]
+        x = super().forward(args)[0]  # [B x T, N, D]
         x = x.view(B, -1, *x.shape[1:])
         crops = row_crops(t.tiling, t.has_image)
         where = t.input_ids == self.token
@@ -136,7 +136,7 @@ class AnyresEmbed(LlavaEmbed):
     their embedding. The same module is the tied head (mmpipe.model.llava.tied_head); decode: LlavaEmbed's."""
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         emb = self.embed_tokens(t.input_ids)
         where = (t.input_ids == self.image_token_id)[..., None]
         return t._replace(hidden=torch.where(where, t.hidden.to(emb.dtype), emb)).pack()

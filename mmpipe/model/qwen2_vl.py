@@ -31,7 +31,7 @@ from torch import nn
 from ..config import ModelConfig, VisionConfig
 from .attention import FusedAttention, row_attention, row_cached, row_positions
 from .llava import LlamaBlock, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
-from .stage import StageTuple
+from .stage import StageTuple, unpack_in
 
 VISION_THETA = 10000.0  # the tower's 2D rotary base (transformers' vision rope_parameters)
 
@@ -159,7 +159,7 @@ class QwenPatchEmbed(nn.Module):
         self.proj = nn.Conv3d(v.channels, v.dim, k, stride=k, bias=False)
 
     def forward(self, inputs):
-        t = StageTuple.unpack(inputs)
+        t = unpack_in(self, inputs)
         w = self.proj.weight
         return t._replace(hidden=F.linear(t.hidden.to(w.dtype), w.flatten(1))).pack()
 
@@ -178,7 +178,7 @@ class QwenVisionBlock(nn.Module):
         self.mlp = SwiGLU(v.dim, v.ff_dim, bias=True) if v.mlp == "swiglu" else TowerMLP(v.dim, v.ff_dim, v.act)
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
         # once per micro-batch and block kind on this stage (window / full), not once per block
         mask, rotary = row_cached((t.tiling, t.has_image), ("qwen-vision", t.hidden.shape[1], self.v, self.full),
@@ -201,7 +201,7 @@ class QwenMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(wide, wide), nn.GELU(), nn.Linear(wide, cfg.text.dim))
 
     def forward(self, args):
-        t = StageTuple.unpack(args)
+        t = unpack_in(self, args)
         x = self.ln_q(t.hidden)
         B, P, D = x.shape
         return t._replace(hidden=self.mlp(x.reshape(B, P // self.unit, self.unit * D))).pack()
@@ -217,7 +217,7 @@ class QwenEmbed(LlavaEmbed):
         self.unit = cfg.vision.merge_size ** 2
 
     def forward(self, args):
-        t = StageTuple.unpack(args)  # hidden: merged image tokens [B, P / merge^2, D]
+        t = unpack_in(self, args)  # hidden: merged image tokens [B, P / merge^2, D]
         emb = self.embed_tokens(t.input_ids)
         where = t.input_ids == self.image_token_id
         have, want = where.sum(-1), used_grids(t).prod(-1).sum(-1) // self.unit

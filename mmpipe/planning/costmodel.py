@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..data.packing import row_shape
 from ..data.text import decoder_positions
-from ..model.builder import adapter_param_counts, layer_param_counts, layer_specs, shapes_only
+from ..model.builder import adapter_param_counts, bound, layer_param_counts, layer_specs, shapes_only
 from ..model.costs import Cost, CropRow, PatchRow
 from ..model.families import family_of
 from ..model.lora import Lora
@@ -467,11 +467,11 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
     family, out = family_of(cfg), {}
     here = torch.empty(0).device
     sync = torch.cuda.synchronize if here.type == "cuda" else (lambda: None)
-    for spec in layer_specs(cfg):
+    for i, spec in enumerate(layer_specs(cfg)):
         rule = family.cost_rule(spec)
         if rule.name in out:
             continue
-        layer = spec.build().to(dtype)
+        layer = bound(spec.build().to(dtype), cfg, i)
         fwd, bwd = [], []
         for k in range(repeats + 1):
             args = inputs[rule.takes]()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import PipelineModule
 
-from ..model.builder import apply_freeze, layer_specs, lm_loss
+from ..model.builder import apply_freeze, bind_layer_fields, layer_specs, lm_loss
 from ..model.families import family_of
 from ..model.layers import Projector
 from ..model.lora import add_adapters
@@ -36,6 +36,7 @@ class VLMPipeline(PipelineModule):
             checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
         apply_freeze(self.forward_funcs, run.freeze)
+        bind_layer_fields(self.forward_funcs, run.model, self._local_start)
         for offset, layer in enumerate(self.forward_funcs):  # layer i's adapters seeded as in the reference
             if isinstance(layer, torch.nn.Module):
                 add_adapters(layer, self._local_start + offset, run.lora, seed)
@@ -67,8 +68,8 @@ class VLMPipeline(PipelineModule):
                                    "install mmpipe.runtime.wire on the engine (trainer.build_engine does)")
             x = x + tuple(self.wire_ints)
         out = super().forward(x)
-        if self.stage_id < self.num_stages - 1:
-            out = tuple(t for t in out if t.is_floating_point())
+        if self.stage_id < self.num_stages - 1:  # the floats of the last layer's fields (packed first)
+            out = out[:sum(f.floating for f in self.forward_funcs[-1].__dict__["stage_out"])]
         return out
 
     def _partition_layers(self, method="mmpipe"):
