@@ -65,7 +65,7 @@ from ..flags import print_plan
 from ..hf.commands import hf_importer
 from ..model.attention import attention_backend
 from ..model.rows import sample_rows
-from ..model.stage import StageTuple
+from ..model.stage import unpack_in
 from ..runtime.checkpoint import latest_tag, load_reference
 
 
@@ -144,7 +144,7 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
     enc = (pixels, *sample_rows(model.cfg, ids, has_image)) + (() if tiling is None else (tiling,))  # tiling last
     for layer in list(model)[:first]:
         enc = layer(enc)  # the image side, once
-    t = StageTuple.unpack(enc)
+    t = unpack_in(model[first], enc)  # the fields the decoder's first layer takes
     decoder = list(model)[first:]
     caches: list[dict] = [{} for _ in decoder]
     out: list[list[int]] = [[] for _ in range(B)]
