@@ -3,6 +3,7 @@ HF dir and from the run dir gives HF's own greedy answer, `mmpipe export` back t
 one safetensors file in the family's names; bad input is one error line."""
 from __future__ import annotations
 
+import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
@@ -134,3 +135,26 @@ def test_exported_builtin_llava_run_is_a_checkpoint(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mmpipe: error: --checkpoint: {out} holds no tokenizer") and "--tokenizer DIR" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("config_class, kind", [("Qwen3VLConfig", "qwen3_vl"), ("Gemma3Config", "gemma3")])
+def test_unread_model_type_is_one_line_naming_the_read_ones(tmp_path, capsys, config_class, kind):
+    """An HF directory of a model type no importer reads (transformers' own config.json of a Qwen3-VL, a Gemma3):
+    `mmpipe import --hf` (and its --dry-run) and `mmpipe generate` say in one line, exit 2, that this type is not
+    read (yet) and which are (mmpipe.hf.commands.HF_READERS, the importers' own model_types)."""
+    import transformers
+
+    from mmpipe.hf.commands import HF_READERS
+    getattr(transformers, config_class)().save_pretrained(tmp_path / "hf")
+    Image.new("RGB", (32, 32)).save(tmp_path / "img.png")
+    read = ["llava", "llava_next", "llava_onevision", "qwen2_5_vl", "qwen2_vl"]
+    assert sorted(HF_READERS) == read
+    want = (f"mmpipe: error: {tmp_path / 'hf' / 'config.json'}: model_type '{kind}' is not one mmpipe reads (yet); "
+            f"it reads {', '.join(read)}\n")
+    for cmd in (["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")],
+                ["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), "--dry-run"],
+                ["generate", "--checkpoint", str(tmp_path / "hf"), "--image", str(tmp_path / "img.png"),
+                 "--prompt", "w7"]):
+        assert main(cmd) == 2, cmd
+        assert capsys.readouterr().err == want, cmd
+    assert not (tmp_path / "run").exists()

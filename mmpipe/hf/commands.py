@@ -21,15 +21,16 @@ from ..model.builder import ReferenceModel
 from ..model.families import family_of
 from ..model.lora import read_lora
 from ..runtime.checkpoint import latest_tag, load_reference
+from . import llava, llava_next, qwen2_vl
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map
 from .llava_next import export_hf as export_llava_next
-from .llava_next import hf_llava_next_config, import_llava_next, is_llava_next
+from .llava_next import hf_llava_next_config, import_llava_next
 from .llava_next import key_map as llava_next_key_map
 from .moondream import REGION_FILE, export_moondream, import_moondream, load_region, save_region
 from .qwen2_vl import export_hf as export_qwen2_vl
-from .qwen2_vl import hf_qwen_config, import_qwen2_vl, is_qwen2_vl
+from .qwen2_vl import hf_qwen_config, import_qwen2_vl, model_type
 from .qwen2_vl import key_map as qwen2_vl_key_map
 
 # the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory,
@@ -39,14 +40,25 @@ HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf
          "LlavaNextForConditionalGeneration": (llava_next_key_map, export_llava_next)}
 
 
-def hf_importer(path: str):
-    """(import function, HF config reader, label) for an HF directory, by its config.json's model_type (a
-    directory of none of them goes to the LLaVA importer, which says what it found)."""
-    if is_qwen2_vl(path):
-        return import_qwen2_vl, hf_qwen_config, "Qwen2-VL"
-    if is_llava_next(path):
-        return import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision"
-    return import_llava, hf_llava_config, "LLaVA"
+# the readers of HF directories, by config.json's model_type: (import function, HF config reader, label); each
+# module's HF_CLASSES names the model_types its importer takes
+HF_READERS = {mt: reader for module, reader in (
+    (llava, (import_llava, hf_llava_config, "LLaVA")),
+    (llava_next, (import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision")),
+    (qwen2_vl, (import_qwen2_vl, hf_qwen_config, "Qwen2-VL"))) for mt in module.HF_CLASSES}
+
+
+def hf_importer(path: str | Path):
+    """(import function, HF config reader, label) for an HF directory, by its config.json's model_type. A
+    model_type no reader takes (a Qwen3-VL, a Gemma3) is one line naming the types that are read; a directory
+    whose model_type cannot be read goes to the LLaVA importer, which says what it found."""
+    kind = model_type(path)
+    if kind is None:
+        return HF_READERS["llava"]
+    if kind not in HF_READERS:
+        raise ConfigError(f"{Path(path) / 'config.json'}: model_type '{kind}' is not one mmpipe reads (yet); "
+                          f"it reads {', '.join(sorted(HF_READERS))}")
+    return HF_READERS[kind]
 
 
 def add_import_args(p: argparse.ArgumentParser) -> None:

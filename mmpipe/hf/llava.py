@@ -38,6 +38,7 @@ LEGACY = [(r"^language_model\.model\.", "model.language_model."), (r"^language_m
           (r"^image_newline$", "model.image_newline")]  # LLaVA-NeXT / OneVision (mmpipe.hf.llava_next)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 TEXT_TYPES = ("llama", "qwen2", "mistral")
+HF_CLASSES = {"llava": "LlavaForConditionalGeneration"}  # the model_type this importer reads
 
 
 def _fail(where: str, msg: str):
@@ -270,7 +271,7 @@ def read_hf_config(path: Path, model_types: tuple[str, ...]):
 def hf_llava_config(path: str | Path):
     """An HF LlavaForConditionalGeneration directory's (HF config, mmpipe config); no weight is read."""
     path = Path(path)
-    hf = read_hf_config(path, ("llava",))
+    hf = read_hf_config(path, tuple(HF_CLASSES))
     return hf, config_from_hf(hf, path.name, *_preprocessor(path))
 
 

@@ -21,15 +21,10 @@ from ..config import ModelConfig
 from ..model.builder import ReferenceModel
 from . import llava
 from .llava import ImportReport, _fail, _preprocessor, read_hf_config
-from .qwen2_vl import model_type
 from .safetensors_io import read_weights
 
 HF_CLASSES = {"llava_next": "LlavaNextForConditionalGeneration",
               "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
-
-
-def is_llava_next(path: str | Path) -> bool:
-    return model_type(path) in HF_CLASSES
 
 
 def _anyres_max(hf) -> int:

@@ -43,13 +43,10 @@ DEFAULT_PIXELS = (56 * 56, 28 * 28 * 1280)  # transformers' Qwen2VLImageProcesso
 def model_type(path: str | Path) -> str | None:
     """config.json's model_type, or None when there is none to read (the LLaVA importer then says why)."""
     try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        kind = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def is_qwen2_vl(path: str | Path) -> bool:
-    return model_type(path) in HF_CLASSES
+    return kind if isinstance(kind, str) else None  # a list or number is no type: transformers' reader says so
 
 
 def _processor(path: Path) -> dict:
