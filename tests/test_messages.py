@@ -3,6 +3,8 @@ flag already in effect, a default never produces a refusal of flags the user did
 report never prints an empty value."""
 from __future__ import annotations
 
+import pytest
+
 from mmpipe.bench.report import markdown
 from mmpipe.cli import main
 from mmpipe.data.index import describe
@@ -81,3 +83,46 @@ def test_pack_alone_says_what_images_a_record_may_have(tmp_path, capsys):
     assert skipped == f"mmpipe: data: skipped {tmp_path / 'data.jsonl'}:2: too_many_images: 2 images > {limit}"
     assert main(argv + ["--max-images", "2"]) == 0
     assert "too_many_images" not in capsys.readouterr().out
+
+
+def test_tied_weight_sync_leaves_no_autograd_warning(tmp_path, monkeypatch):
+    """DeepSpeed's PipelineModule broadcasts each tied weight (llava-tiny's, qwen-tiny's embedding = head) from its
+    first stage; done in grad mode, torch's autograd fallback for c10d::broadcast_ makes the first backward through
+    the weight warn "may lead to silently incorrect behavior" on every rank holding a copy (seen in the llava-tiny
+    check and qwen-tiny runs). VLMPipeline makes that copy under no_grad: the weight is copied as before, the
+    gradient is the same, and no warning is given. On a one-rank gloo group, in this process."""
+    import types
+    import warnings
+
+    import deepspeed.comm
+    import torch
+    import torch.distributed as tdist
+    from deepspeed.pipe import PipelineModule
+
+    from mmpipe.runtime.pipeline import VLMPipeline
+    if tdist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    sent = []
+    monkeypatch.setattr(deepspeed.comm, "broadcast", lambda tensor, src, group=None, async_op=False: (
+        sent.append(tensor), tdist.broadcast(tensor, src)))  # DeepSpeed's own call, on torch's group of one
+
+    def sync_then_backward(sync) -> tuple[list[str], torch.Tensor]:
+        embed = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(8, 4))
+        holder = VLMPipeline.__new__(VLMPipeline)
+        torch.nn.Module.__init__(holder)
+        holder.tied_comms = {"embed": {"module": embed, "weight_attr": ["embed_tokens.weight"], "ranks": [0],
+                                       "group": None}}
+        sync(holder)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            embed.embed_tokens(torch.tensor([1, 3])).pow(2).sum().backward()
+        weight = embed.embed_tokens.weight
+        assert sent[-1] is weight and torch.equal(weight.grad[[1, 3]], 2 * weight.detach()[[1, 3]])
+        return [str(w.message) for w in seen if "c10d::broadcast_" in str(w.message)]
+
+    try:
+        assert len(sync_then_backward(PipelineModule._synchronize_tied_weights)) == 1  # DeepSpeed's: the warning
+        assert sync_then_backward(VLMPipeline._synchronize_tied_weights) == []
+    finally:
+        tdist.destroy_process_group()

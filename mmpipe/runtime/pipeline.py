@@ -72,6 +72,17 @@ class VLMPipeline(PipelineModule):
             out = out[:sum(f.floating for f in self.forward_funcs[-1].__dict__["stage_out"])]
         return out
 
+    def _synchronize_tied_weights(self):
+        """DeepSpeed's copy of each tied weight (the LLaVA / Qwen2-VL families' embedding = head) from its first
+        stage to the others holding it (in PipelineModule.__init__ and load_state_dir), under no_grad. DeepSpeed
+        broadcasts the Parameter in grad mode: c10d::broadcast_ has no autograd kernel, so torch's fallback hooks
+        the leaf and its first backward, on every rank holding a tied copy (the first and last stage), warns that
+        backprop through broadcast_ "may lead to silently incorrect behavior". Nothing backprops through it: it
+        sets the weight's value before any forward, the gradient flows from the forward's own ops, and the tied
+        copies' gradients are summed by DeepSpeed's all-reduce (docs/pipeline.md). A value copy, as an init is."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     def _partition_layers(self, method="mmpipe"):
         self.parts = self._mmpipe_parts
         stage = self._topo.get_coord(self.global_rank).pipe
