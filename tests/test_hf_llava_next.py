@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -204,6 +205,21 @@ def test_lora_adapters_load_with_peft(llava_next, tmp_path):
         want = adapted(*alone(s))[0]
         assert (hf_logits(peft_model, *s[:3]) - want).abs().max().item() < TOL
         assert (hf_logits(hf, *s[:3]) - want).abs().max().item() > 1e-2  # the adapters count
+
+
+def test_import_without_preprocessor_config_says_which_defaults_it_took(llava_next, tmp_path, capsys):
+    """Imported without its preprocessor_config.json, the model gets its tower's default mean / std (CLIP's, or
+    SigLIP's 0.5) instead of the processor's, and the import's summary line says so; with it, no such note."""
+    kind, d, _, model, _ = llava_next
+    assert "by default" not in import_llava_next(d)[1].summary()
+    shutil.copytree(d, tmp_path / "hf", ignore=shutil.ignore_patterns("preprocessor_config.json"))
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    taken = "CLIP's image_mean / image_std" if kind == "next" else "image_mean / image_std 0.5 (SigLIP's)"
+    assert (f"; no preprocessor_config.json: took {taken} by default; tokenizer saved) -> {tmp_path / 'run'}\n"
+            in capsys.readouterr().out)
+    mean = json.loads((tmp_path / "run" / "model.json").read_text())["vision"]["mean"]
+    assert mean != list(model.cfg.vision.mean) and mean == ([0.48145466, 0.4578275, 0.40821073] if kind == "next"
+                                                            else [0.5] * 3)
 
 
 def test_bad_weights_and_rows_are_named(llava_next, tmp_path):

@@ -250,6 +250,25 @@ def test_import_and_export_commands(qwen, tmp_path, capsys):
     assert (hf_logits(back, ids, px, grids) - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL
 
 
+def test_import_without_preprocessor_config_says_which_defaults_it_took(qwen, tmp_path, capsys):
+    """The tiny model's processor allows at most 28 x 28 x 16 pixels: imported without its
+    preprocessor_config.json it gets transformers' 1003520 and CLIP's mean / std, and the import's summary line
+    says so (the file and the defaults), as it names a key the file lacks; with the whole file, no such note."""
+    kind, d, _, model, report = qwen
+    assert "by default" not in report.summary()
+    shutil.copytree(d, tmp_path / "hf", ignore=shutil.ignore_patterns("preprocessor_config.json"))
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert ("; no preprocessor_config.json: took min_pixels 3136, max_pixels 1003520, CLIP's image_mean / image_std "
+            f"by default) -> {tmp_path / 'run'}\n") in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "model.json").read_text())["vision"]["max_pixels"] == 1003520
+    settings = json.loads((d / "preprocessor_config.json").read_text())
+    settings.pop("max_pixels", None)  # the bound in either spelling (transformers 5 writes size's)
+    settings.get("size", {}).pop("longest_edge", None)
+    (tmp_path / "hf" / "preprocessor_config.json").write_text(json.dumps(settings))
+    assert import_qwen2_vl(tmp_path / "hf")[1].summary().endswith(
+        "; preprocessor_config.json has no max_pixels: took max_pixels 1003520 by default")
+
+
 def test_generate_command_from_hf_dir_and_imported_run(qwen, tmp_path, capsys):
     """`mmpipe generate` on an HF directory (and on its import) gives transformers' greedy answer to the prompt
     it builds: the chat template, the image's bracketed block of its 2 x 3 merge units, the processor's patches."""

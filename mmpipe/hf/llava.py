@@ -193,10 +193,12 @@ class ImportReport:
     mapped: int = 0
     unused: list[str] = field(default_factory=list)  # in the source, not needed by the model
     tokenizer: object = None  # stage-1 import: the LM's tokenizer with <image> added (save it with the model)
+    notes: list[str] = field(default_factory=list)  # what the import took by default (processor_defaults)
 
     def summary(self) -> str:
         return (f"{self.mapped} tensors mapped, {len(self.unused)} unused by the model"
-                + (f" ({', '.join(self.unused[:4])}{', ...' if len(self.unused) > 4 else ''})" if self.unused else ""))
+                + (f" ({', '.join(self.unused[:4])}{', ...' if len(self.unused) > 4 else ''})" if self.unused else "")
+                + "".join(f"; {n}" for n in self.notes))
 
 
 def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, where: str,
@@ -241,13 +243,49 @@ def source_tensor(source: dict, known: set[str], hf_name: str):
     return next((t for k, t in source.items() if canonical(k, known) == hf_name), None)
 
 
+def processor_settings(path: Path) -> tuple[dict, str | None]:
+    """(the directory's image processor settings, the file they came from): preprocessor_config.json, or the
+    image_processor section of a processor's processor_config.json (what `mmpipe export` writes); ({}, None)
+    when neither is there. A file that is not a JSON object is one line naming it."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            d = json.loads(f.read_text())
+        except ValueError as e:
+            _fail(str(f), f"not JSON ({e})")
+        d = d.get("image_processor", {}) if name == "processor_config.json" and isinstance(d, dict) else d
+        if not isinstance(d, dict):
+            _fail(str(f), "not a JSON object of image processor settings")
+        return d, name
+    return {}, None
+
+
 def _preprocessor(path: Path):
-    """(image_mean, image_std) of the directory's image processor: preprocessor_config.json, or the
-    image_processor section of a processor's processor_config.json (what `mmpipe export` writes)."""
-    f, g = path / "preprocessor_config.json", path / "processor_config.json"
-    d = (json.loads(f.read_text()) if f.is_file() else
-         json.loads(g.read_text()).get("image_processor", {}) if g.is_file() else {})
+    """(image_mean, image_std) of the directory's image processor (processor_settings); None where it has none."""
+    d = processor_settings(path)[0]
     return d.get("image_mean"), d.get("image_std")
+
+
+def stats_defaults(settings: dict, clip: bool = True) -> tuple[list[str], list[str]]:
+    """(image_mean / image_std keys the settings lack, the defaults config_from_hf takes for them, in words)."""
+    keys = [k for k in ("image_mean", "image_std") if not settings.get(k)]
+    what = " / ".join(keys)
+    return keys, [f"CLIP's {what}" if clip else f"{what} 0.5 (SigLIP's)"] if keys else []
+
+
+def processor_defaults(path: Path, taken) -> list[str]:
+    """The import summary's note on the image processor settings taken by default for want of the directory's
+    own (a model fed other resize bounds or statistics than it was trained with answers worse, and nothing else
+    would say so), as a list for ImportReport.notes: taken(settings) -> (the keys missing, the defaults taken in
+    words); [] when none is."""
+    settings, source = processor_settings(path)
+    keys, words = taken(settings)
+    if not keys:
+        return []
+    where = "no preprocessor_config.json" if source is None else f"{source} has no {', '.join(keys)}"
+    return [f"{where}: took {', '.join(words)} by default"]
 
 
 def load_hf_llava(path: str | Path, dtype=torch.float32) -> ReferenceModel:
@@ -281,6 +319,7 @@ def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel,
     hf, cfg = hf_llava_config(path)
     model = ReferenceModel(cfg).to(dtype)
     report = import_weights(model, read_weights(path), hf, str(path))
+    report.notes += processor_defaults(path, lambda d: stats_defaults(d, cfg.vision.kind == "clip"))
     return model, report
 
 
@@ -310,6 +349,7 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
     for k, t in read_weights(lm_dir).items():  # model.* and lm_head.weight
         source[re.sub(r"^model\.", "model.language_model.", k)] = t
     report = import_weights(model, source, hf, f"{vision_dir} + {lm_dir}", fresh=("model.multi_modal_projector.",))
+    report.notes += processor_defaults(vision_dir, lambda d: stats_defaults(d, cfg.vision.kind == "clip"))
     if tok is not None:
         add_image_token(tok, model)
         report.tokenizer = tok

@@ -80,7 +80,10 @@ def import_llava_next(path: str | Path, dtype=torch.float32) -> tuple[ReferenceM
     path = Path(path)
     hf, cfg = hf_llava_next_config(path)
     model = ReferenceModel(cfg).to(dtype)
-    return model, llava.import_weights(model, read_weights(path), hf, str(path))
+    report = llava.import_weights(model, read_weights(path), hf, str(path))
+    clip = cfg.vision.kind == "clip"
+    report.notes += llava.processor_defaults(path, lambda d: llava.stats_defaults(d, clip))
+    return model, report
 
 
 def image_processor(cfg: ModelConfig):

@@ -28,7 +28,17 @@ from ..config import ModelConfig, TextConfig, VisionConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
-from .llava import CLIP_MEAN, CLIP_STD, ImportReport, _fail, read_hf_config, token_ids
+from .llava import (
+    CLIP_MEAN,
+    CLIP_STD,
+    ImportReport,
+    _fail,
+    processor_defaults,
+    processor_settings,
+    read_hf_config,
+    stats_defaults,
+    token_ids,
+)
 from .safetensors_io import read_weights
 
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -49,12 +59,22 @@ def model_type(path: str | Path) -> str | None:
     return kind if isinstance(kind, str) else None  # a list or number is no type: transformers' reader says so
 
 
-def _processor(path: Path) -> dict:
-    """The directory's image processor settings: preprocessor_config.json, or processor_config.json's
-    image_processor section; {} when neither is there."""
-    f, g = path / "preprocessor_config.json", path / "processor_config.json"
-    return (json.loads(f.read_text()) if f.is_file() else
-            json.loads(g.read_text()).get("image_processor", {}) if g.is_file() else {})
+def _bounds(proc: dict) -> tuple[int | None, int | None]:
+    """The image processor's (min_pixels, max_pixels): its own keys, else its size's shortest / longest edge
+    (which newer transformers write); None where it has neither."""
+    size = proc.get("size") if isinstance(proc.get("size"), dict) else {}  # older processors: one int
+    return proc.get("min_pixels") or size.get("shortest_edge"), proc.get("max_pixels") or size.get("longest_edge")
+
+
+def _defaults_taken(proc: dict) -> tuple[list[str], list[str]]:
+    """(the settings proc lacks, the defaults _vision takes for them in words): for processor_defaults."""
+    keys, words = [], []
+    for key, got, default in zip(("min_pixels", "max_pixels"), _bounds(proc), DEFAULT_PIXELS):
+        if not got:
+            keys.append(key)
+            words.append(f"{key} {default}")
+    more = stats_defaults(proc)
+    return keys + more[0], words + more[1]
 
 
 def _vision(hf, proc: dict) -> VisionConfig:
@@ -62,9 +82,7 @@ def _vision(hf, proc: dict) -> VisionConfig:
     theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
     if theta != VISION_THETA:
         _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
-    size = proc.get("size") or {}
-    lo = int(proc.get("min_pixels") or size.get("shortest_edge") or DEFAULT_PIXELS[0])
-    hi = int(proc.get("max_pixels") or size.get("longest_edge") or DEFAULT_PIXELS[1])
+    lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
     unit = vc.patch_size * vc.spatial_merge_size
     dim = vc.hidden_size if v25 else vc.embed_dim
     return VisionConfig(
@@ -185,7 +203,7 @@ def hf_qwen_config(path: str | Path):
     """An HF Qwen2-VL / Qwen2.5-VL directory's (HF config, mmpipe config); no weight is read."""
     path = Path(path)
     hf = read_hf_config(path, tuple(HF_CLASSES))
-    return hf, config_from_hf(hf, path.name, _processor(path))
+    return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
 
 
 def import_qwen2_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
@@ -193,7 +211,9 @@ def import_qwen2_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceMod
     path = Path(path)
     _, cfg = hf_qwen_config(path)
     model = ReferenceModel(cfg).to(dtype)
-    return model, import_weights(model, read_weights(path), str(path))
+    report = import_weights(model, read_weights(path), str(path))
+    report.notes += processor_defaults(path, _defaults_taken)
+    return model, report
 
 
 def image_processor(v: VisionConfig):
