@@ -322,7 +322,8 @@ def test_bad_weights_and_rows_are_named(qwen, tmp_path):
     inputs[3] = inputs[3][:, 1:]
     with torch.no_grad(), pytest.raises(ValueError, match="3 image placeholder positions .* for 4 merged"):
         model(*inputs)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"stage tuple: expected \(hidden, input_ids, has_image, segments, tiling\), got 4"):
+    fields = r"\(hidden, input_ids, has_image, segments, tiling\)"
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"stage tuple: expected {fields}, got 4"):
         model(*inputs[:4])  # no tiling
 
 
