@@ -12,7 +12,7 @@ mechanism: a field made by one layer and dropped after its last reader, so no bo
 The schemas (mmpipe.model.families):
 
     moondream          hidden | input_ids, has_image, segments [, tiling: multi-crop, dropped by the Projector]
-    cross_attention    hidden, vision (made by CrossAttnTextEmbed, dropped after the last CrossAttnBlock) | the same ints
+    cross_attention    hidden, vision (made by CrossAttnTextEmbed, dropped after the last CrossAttnBlock) | the ints
     llava              hidden | input_ids, has_image, segments
     qwen2_vl           hidden | input_ids, has_image, segments, tiling (each slot's grid t, h, w; kept to the head)
     llava_next         hidden | input_ids, has_image, segments, tiling (each slot's orig_h, orig_w, rows, cols; kept)
