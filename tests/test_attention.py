@@ -3,6 +3,8 @@ FlexAttention's document mask for packed rows (CUDA's path; run here in eager, g
 is_causal for one-sample rows, the moondream prefix keeping its mask, one mask per row for all layers."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -129,10 +131,13 @@ def test_train_refuses_an_unknown_backend_before_any_rank(monkeypatch, capsys):
         "mmpipe: error: MMPIPE_ATTENTION=fast: no such attention backend (valid: auto, dense, flex)"]
 
 
+SWEEP = Path(__file__).resolve().parent.parent / "ds_configs/sweeps/default.json"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 def test_flex_without_cuda_is_refused_at_the_front_door(monkeypatch, capsys, tmp_path):
-    """MMPIPE_ATTENTION=flex on a CPU machine: `mmpipe train` / `check` (local ranks), `generate` and `eval` (this
-    process) refuse it in attention_backend's own line, exit 2, before any rank starts or weight is read (not
+    """MMPIPE_ATTENTION=flex on a CPU machine: `mmpipe train` / `check` / `bench` (local ranks), `generate` and `eval`
+    (this process) refuse it in attention_backend's own line, exit 2, before any rank starts or weight is read (not
     at each rank's first attention: a traceback per rank with the line buried mid-log)."""
     monkeypatch.setenv("MMPIPE_ATTENTION", "flex")
     with pytest.raises(ConfigError) as rule:
@@ -147,7 +152,8 @@ def test_flex_without_cuda_is_refused_at_the_front_door(monkeypatch, capsys, tmp
                  ["generate", "--checkpoint", str(tmp_path / "none"), "--image", str(tmp_path / "im.png"),
                   "--prompt", "what"],
                  ["eval", "--checkpoint", str(tmp_path / "none"), "--data", str(tmp_path / "none.jsonl"),
-                  "--out", str(tmp_path / "answers.jsonl")]):
+                  "--out", str(tmp_path / "answers.jsonl")],
+                 ["bench", str(SWEEP), "--output-dir", str(tmp_path / "bench")]):
         assert main(argv) == 2, argv
         assert capsys.readouterr().err.splitlines() == want, argv
 

@@ -17,9 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from ..cluster import hostfile, slurm
 from ..config import ConfigError, fail
 from ..flags import print_plan
+from ..model.attention import attention_backend
+from ..runtime import precision
 from . import cluster
 from . import collect as collect_mod
 from . import sweep as sweep_mod
@@ -108,6 +112,8 @@ def main_bench(args: argparse.Namespace) -> int:
             env = hostfile.with_rank_threads(dict(os.environ))
             hosts = cluster.hostfile_hosts(args.hostfile, args.include, args.exclude, env, ssh=not args.dry_run)
             cluster.check_hostfile(hosts, variants)
+        else:  # local ranks: MMPIPE_ATTENTION=flex without CUDA refused here, not once per variant's first attention
+            attention_backend(torch.device(precision.this_device().kind))
     except ConfigError as e:
         return fail(e)
     items = cluster.plan_items(sw, variants, peer_list)
