@@ -32,8 +32,38 @@ LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
            ("llava", "prefix"): ImageLayout(placeholders=True),
            ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True),
            ("llava_next", "prefix"): ImageLayout(placeholders=True, dynamic=True)}
-FAMILIES = tuple(dict.fromkeys(family for family, _ in LAYOUTS))  # moondream, llava, qwen2_vl, llava_next
-FUSIONS = tuple(dict.fromkeys(fusion for _, fusion in LAYOUTS))  # prefix, cross_attention
+# Families from outside the package (mmpipe.model.families.register): modules named in this variable (comma
+# separated, importable on every rank: the launcher passes the environment on) and the "mmpipe.families" entry
+# points of installed packages, imported once, the first time a config asks which families exist.
+PLUGINS_ENV = "MMPIPE_FAMILIES"
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Import every family module from outside the package once; each registers itself on import. A module that
+    does not import is a ConfigError naming it."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True  # before importing: a plugin's own import of mmpipe.config must not recurse here
+    import importlib
+    import os
+    from importlib.metadata import entry_points
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"{PLUGINS_ENV}: family module '{name}' does not import ({e})") from None
+    for ep in entry_points(group="mmpipe.families"):
+        ep.load()
+
+
+def known_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(families, fusions) a model JSON may name: the built-in ones (moondream, llava, qwen2_vl, llava_next;
+    prefix, cross_attention) and those registered from outside."""
+    load_plugins()
+    return tuple(dict.fromkeys(f for f, _ in LAYOUTS)), tuple(dict.fromkeys(fusion for _, fusion in LAYOUTS))
 
 
 class ConfigError(ValueError):
@@ -208,6 +238,8 @@ class ModelConfig:
     @property
     def layout(self) -> ImageLayout | None:
         """Where this family puts the image (LAYOUTS); None for an unknown family / fusion (validate refuses it)."""
+        if (self.family, self.fusion) not in LAYOUTS:
+            load_plugins()
         return LAYOUTS.get((self.family, self.fusion))
 
     @property
@@ -241,9 +273,10 @@ class ModelConfig:
 
     def validate(self) -> None:
         v, t = self.vision, self.text
+        families, fusions = known_families()
         checks = [
-            _known(self.family, FAMILIES, "family"),
-            _known(self.fusion, FUSIONS, "fusion"),
+            _known(self.family, families, "family"),
+            _known(self.fusion, fusions, "fusion"),
             (self.cross_attn_every >= 1, "cross_attn_every", f"{self.cross_attn_every} must be >= 1"),
             (self.cross_attn_gate_scale > 0, "cross_attn_gate_scale", f"{self.cross_attn_gate_scale} must be > 0"),
             (self.cross_attn_heads >= 0 and t.dim % (self.cross_attn_heads or t.n_heads) == 0, "cross_attn_heads",

@@ -23,7 +23,7 @@ from typing import Callable
 
 from deepspeed.pipe import LayerSpec
 
-from ..config import ModelConfig
+from ..config import FAMILY_CHECKS, LAYOUTS, ImageLayout, ModelConfig, load_plugins
 from . import costs
 from .cross_attention import CrossAttnBlock, CrossAttnTextEmbed, cross_attention_specs
 from .layers import DecoderBlock, LMHead, PatchEmbed, Projector, TextEmbed, VisionBlock, VisionNorm, moondream_specs
@@ -118,10 +118,27 @@ LLAVA_NEXT = Family(
     # LlavaOnevisionForConditionalGeneration's by config (vision.anyres_max > 0: mmpipe.hf.llava_next)
     hf_class="LlavaNextForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,))
 
-FAMILIES = (MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT)
+FAMILIES = [MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT]
+
+
+def register(family: Family, layout: ImageLayout, checks: Callable[[ModelConfig], list] | None = None) -> Family:
+    """A family from outside the package: its record, where its decoder finds the image (the config's and the data
+    side's ImageLayout) and its config checks ((ok, field, message) per check), so that a model JSON naming its
+    (family, fusion) validates, builds, plans and trains like a built-in one. A module that calls this on import
+    is the whole family: name it in MMPIPE_FAMILIES or as a "mmpipe.families" entry point (mmpipe.config.
+    load_plugins). Registering a (family, fusion) that exists is an error: a plugin cannot replace a family."""
+    key = (family.family, family.fusion)
+    if key in LAYOUTS:
+        raise ValueError(f"model family {family.family}/{family.fusion} is registered already")
+    LAYOUTS[key] = layout
+    if checks is not None:
+        FAMILY_CHECKS[family.family] = checks
+    FAMILIES.append(family)
+    return family
 
 
 def family_of(cfg: ModelConfig) -> Family:
+    load_plugins()
     for f in FAMILIES:
         if (f.family, f.fusion) == (cfg.family, cfg.fusion):
             return f
