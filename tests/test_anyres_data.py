@@ -135,7 +135,7 @@ def test_default_budgets_hold_the_largest_sample():
     assert tile_rule(config("onevision"), 0, 4).row_budget(4) == (5, 68)
     assert tile_rule(config("onevision"), 0, 1).row_budget(1) == (5, 62)
     shape = row_shape(config("next"), 2, 40)
-    assert (shape.max_tiles, shape.length, shape.crop) == (10, 176 + 40, (3, CROP, CROP))
+    assert (shape.vision_budget, shape.length, shape.images.crop) == (10, 176 + 40, (3, CROP, CROP))
 
 
 def conv(*turns: str) -> list[dict]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import train_run
-from mmpipe.data.packing import RowShape, sample_sequence
+from mmpipe.data.packing import FixedBlocks, RowShape, sample_sequence
 from mmpipe.data.text import Encoded
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -24,7 +24,7 @@ def _args(cfg, *extra):
 
 def test_placeholders_after_bos_and_text_only_without():
     e = Encoded(np.array([1, 7, 8, 9, 2]), np.array([False, False, False, True, True]))
-    shape = RowShape(max_images=1, image_len=3, image_id=50, text_len=6)
+    shape = RowShape(max_images=1, text_len=6, images=FixedBlocks(image_len=3, image_id=50))
     ids, labels = sample_sequence(e, 1, shape)
     assert ids.tolist() == [1, 50, 50, 50, 7, 8, 9, 2]
     assert labels.tolist() == [-100] * 5 + [9, 2, -100]  # position p predicts p + 1's token

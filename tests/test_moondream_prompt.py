@@ -31,7 +31,7 @@ from mmpipe.cli import main
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.data.args import DataArgs
 from mmpipe.data.dataset import prepare_eval, resolve_data
-from mmpipe.data.packing import RowShape, sample_sequence
+from mmpipe.data.packing import FixedBlocks, RowShape, sample_sequence
 from mmpipe.data.records import BadRecord
 from mmpipe.data.text import ConversationEncoder, answer_id_of
 from mmpipe.data.tokenizer import MOONDREAM, MOONDREAM_COMMIT, MOONDREAM_TEMPLATE, load_tokenizer, uses_moondream_ids
@@ -98,7 +98,7 @@ def test_query_sample_ids_and_labels_are_moondreams(tok):
     assert enc.target.tolist() == [False] * len(QUERY) + [True] * (len(A_IDS) + 1)  # the answer and EOS only
     assert ConversationEncoder(tok, 40).prompt_ids([("user", Q)]) == QUERY  # what generation continues from
     # in the row: image after BOS (16 positions for tiny), text token j predicted from n_img + j - 1
-    input_ids, labels = sample_sequence(enc, 1, RowShape(1, 16, IMAGE_SLOT, 40))
+    input_ids, labels = sample_sequence(enc, 1, RowShape(1, 40, FixedBlocks(16, IMAGE_SLOT)))
     assert input_ids.tolist() == enc.ids[:1].tolist() + [IMAGE_SLOT] * 16 + enc.ids[1:].tolist()
     assert {int(p): int(v) for p, v in enumerate(labels) if v != -100} == {16 + 10 - 1: 42, 16 + 11 - 1: 0}
 

@@ -43,76 +43,147 @@ LOSS_NORMS = ("token", "sample")
 
 
 @dataclass(frozen=True)
+class FixedBlocks:
+    """Images of one size: each takes N decoder positions, a block of one id (moondream's spliced image tokens,
+    IMAGE_SLOT; LLaVA's image_token_id placeholders). No vision budget: the slots' pixels are fixed-size images."""
+    image_len: int  # N
+    image_id: int
+    budget = 0
+    tiling_width = 0
+
+    def positions(self, max_images: int) -> int:
+        return max_images * self.image_len
+
+    def block(self, grid=None) -> np.ndarray:
+        return np.full(self.image_len, self.image_id, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class PatchBlocks:
+    """A dynamic-resolution family's images (mmpipe.data.patches): a budget of P vision patches per row; an image
+    of grid (t, h, w) takes t h w of them and a block of <|vision_start|>, t h w / merge^2 placeholders,
+    <|vision_end|>, so each image has 2 positions of its own (the brackets) and the placeholders share
+    P / merge^2: M x 2 + P / merge^2 positions, e.g. M = 2, P = 64, merge 2: 4 + 16."""
+    budget: int       # P
+    merge: int        # patches per placeholder, along each side
+    image_id: int
+    start_id: int     # the block's brackets (vision_start_id, vision_end_id)
+    end_id: int
+    patch_dim: int    # floats per patch, C x T x p x p
+    tiling_width = 3  # a slot's grid (t, h, w)
+
+    @property
+    def least(self) -> int:
+        """The fewest patches an image takes: one placeholder's merge x merge."""
+        return self.merge * self.merge
+
+    def positions(self, max_images: int) -> int:
+        return max_images * 2 + self.budget // (self.merge * self.merge)
+
+    @property
+    def unit(self) -> tuple:
+        return (self.patch_dim,)
+
+    def units(self, grid) -> int:
+        return int(np.prod(grid))
+
+    def block_len(self, grid) -> int:
+        return 2 + int(np.prod(grid)) // (self.merge * self.merge)
+
+    def block(self, grid) -> np.ndarray:
+        n = int(np.prod(grid)) // (self.merge * self.merge)
+        return np.array([self.start_id, *[self.image_id] * n, self.end_id], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class TileBlocks:
+    """Any-resolution tiles (mmpipe.data.anyres): a budget of T crops per row; an image of grid (orig_h, orig_w,
+    rows, cols, n) takes 1 + rows x cols of them and a block of n placeholders (no brackets), and the row's images
+    share image_positions decoder positions, room for its largest sample."""
+    budget: int           # T
+    image_positions: int
+    image_id: int
+    crop: tuple           # one crop's pixels (C, S, S)
+    tiling_width = 4      # a slot's (orig_h, orig_w, rows, cols)
+    least = 1             # the fewest crops an image takes: its base crop
+
+    def positions(self, max_images: int) -> int:
+        return self.image_positions
+
+    @property
+    def unit(self) -> tuple:
+        return self.crop
+
+    def units(self, grid) -> int:
+        return 1 + int(grid[2]) * int(grid[3])
+
+    def block_len(self, grid) -> int:
+        return int(grid[4])
+
+    def block(self, grid) -> np.ndarray:
+        return np.full(int(grid[4]), self.image_id, dtype=np.int64)
+
+
+@dataclass(frozen=True)
 class RowShape:
-    """One row's fixed shape: M image slots of N decoder positions each, plus text_len text positions.
-    A dynamic-resolution family (max_patches P > 0, mmpipe.data.patches) adds a budget of P vision patches:
-    an image of grid (t, h, w) takes t h w of them and a block of <|vision_start|>, t h w / merge^2
-    placeholders, <|vision_end|>, so N = 2 (the brackets) and the placeholders get P / merge^2 positions:
-    L = M x 2 + P / merge^2 + text_len, e.g. M = 2, P = 64, text_len 40: 4 + 16 + 40 = 60.
-    Any-resolution tiles (max_tiles T > 0, mmpipe.data.anyres) add a budget of T crops: an image of grid (orig_h,
-    orig_w, rows, cols, n) takes 1 + rows x cols of them and a block of n placeholders (no brackets, N = 0), and the
-    images get image_positions decoder positions, room for the largest sample: L = image_positions + text_len."""
+    """One row's fixed shape: M image slots and text_len text positions; `images` says what an image takes
+    (FixedBlocks: N positions each; PatchBlocks / TileBlocks: a share of the row's vision budget, P patches or
+    T crops, and the positions of its grid's block). L = images.positions(M) + text_len, e.g. llava-tiny at M = 4,
+    text_len 96: 4 x 16 + 96 = 160."""
     max_images: int
-    image_len: int   # decoder positions per image (N)
-    image_id: int    # the placeholder id of those positions (LLaVA: image_token_id; moondream: IMAGE_SLOT)
     text_len: int
-    max_patches: int = 0  # P: vision patches per row, 0 for a fixed-size family
-    merge: int = 1        # patches per placeholder, along each side
-    start_id: int = -1    # the block's brackets (vision_start_id, vision_end_id)
-    end_id: int = -1
-    patch_dim: int = 0    # floats per patch, C x T x p x p
-    max_tiles: int = 0    # T: vision crops per row (any-resolution tiles), 0 otherwise
-    image_positions: int = 0  # decoder positions for the row's images (any-resolution tiles)
-    crop: tuple = ()      # one crop's pixels (C, S, S) (any-resolution tiles)
+    images: FixedBlocks | PatchBlocks | TileBlocks
 
     @property
     def length(self) -> int:
-        return (self.max_images * self.image_len + self.text_len + self.max_patches // (self.merge * self.merge)
-                + self.image_positions)
+        return self.images.positions(self.max_images) + self.text_len
 
     @property
     def vision_budget(self) -> int:
-        """The row's vision units: P patches or T crops; 0 for a fixed-size family."""
-        return self.max_patches or self.max_tiles
+        """The row's vision units: P patches or T crops; 0 for fixed-size images."""
+        return self.images.budget
+
+    @property
+    def image_len(self) -> int:
+        """Decoder positions per fixed-size image (0 where images take a budget's share instead)."""
+        return getattr(self.images, "image_len", 0)
+
+    @property
+    def image_id(self) -> int:
+        return self.images.image_id
 
     def units(self, grid) -> int:
         """Vision units one image of this grid takes: t h w patches, or 1 + rows x cols crops."""
-        return 1 + int(grid[2]) * int(grid[3]) if self.max_tiles else int(np.prod(grid))
+        return self.images.units(grid)
 
     def tiling(self, grid) -> tuple:
         """A slot's `tiling`: the grid (t, h, w), or (orig_h, orig_w, rows, cols) of an any-resolution grid."""
-        return tuple(int(g) for g in grid[:4 if self.max_tiles else 3])
+        return tuple(int(g) for g in grid[:self.images.tiling_width])
 
     def block_len(self, grid) -> int:
         """len(block(grid)), without building it."""
-        return int(grid[4]) if self.max_tiles else 2 + int(np.prod(grid)) // (self.merge * self.merge)
+        return self.images.block_len(grid)
 
     def block(self, grid=None) -> np.ndarray:
-        """One image's decoder ids: N placeholders, (dynamic) the bracketed block of its grid, or (tiles) the
-        grid's n placeholders."""
-        if self.max_tiles:
-            return np.full(int(grid[4]), self.image_id, dtype=np.int64)
-        if not self.max_patches:
-            return np.full(self.image_len, self.image_id, dtype=np.int64)
-        n = int(np.prod(grid)) // (self.merge * self.merge)
-        return np.array([self.start_id, *[self.image_id] * n, self.end_id], dtype=np.int64)
+        """One image's decoder ids: N placeholders, the bracketed block of its grid, or its grid's n placeholders."""
+        return self.images.block(grid)
 
 
 def row_shape(cfg, max_images: int, text_len: int, max_patches: int = 0, max_tiles: int = 0) -> RowShape:
     """max_patches: a dynamic family's P (0: the default for max_images, mmpipe.data.patches); max_tiles: the
     any-resolution family's T (0: the default for max_images, mmpipe.data.anyres)."""
+    v = cfg.vision
     if tiled(cfg):
-        rule, v = tile_rule(cfg, max_tiles, max_images), cfg.vision
-        return RowShape(max_images, 0, cfg.image_token_id, text_len, max_tiles=rule.row_tiles,
-                        image_positions=rule.row_budget(max_images)[1], crop=(v.channels, v.image_size, v.image_size))
+        rule = tile_rule(cfg, max_tiles, max_images)
+        return RowShape(max_images, text_len, TileBlocks(rule.row_tiles, rule.row_budget(max_images)[1],
+                                                         cfg.image_token_id, (v.channels, v.image_size, v.image_size)))
     if getattr(cfg.layout, "dynamic", False):
-        v = cfg.vision
-        return RowShape(max_images, 2, cfg.image_token_id, text_len, max_patches or default_max_patches(v, max_images),
-                        v.merge_size, cfg.vision_start_id, cfg.vision_end_id,
-                        v.channels * v.temporal_patch_size * v.patch_size ** 2)
+        return RowShape(max_images, text_len, PatchBlocks(
+            max_patches or default_max_patches(v, max_images), v.merge_size, cfg.image_token_id, cfg.vision_start_id,
+            cfg.vision_end_id, v.channels * v.temporal_patch_size * v.patch_size ** 2))
     if cfg.layout.placeholders:  # LLaVA: the features overwrite image_token_id placeholders
-        return RowShape(max_images, cfg.vision.n_features, cfg.image_token_id, text_len)
-    return RowShape(max_images, cfg.n_image_positions, IMAGE_SLOT, text_len)
+        return RowShape(max_images, text_len, FixedBlocks(v.n_features, cfg.image_token_id))
+    return RowShape(max_images, text_len, FixedBlocks(cfg.n_image_positions, IMAGE_SLOT))
 
 
 def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np.ndarray]:
@@ -211,10 +282,10 @@ class RowSet(Dataset):
     """Row position -> the row's tensors (the one layout, mmpipe.model.stage): input_ids, labels,
     segments, loss weights [L]; has_image [M] (each slot's segment, 0 unused); pixels [M, 3, S, S]
     (multi-crop [M, 1 + K, 3, S, S] and tiling [M, 2]). Unused image slots hold blank images, which no
-    placeholder reads. A dynamic family (shape.max_patches P): pixels [P, patch_dim], each used slot's
+    placeholder reads. A dynamic family (PatchBlocks, P): pixels [P, patch_dim], each used slot's
     patches in slot order then zeros, and tiling [M, 3], each slot's grid (t, h, w), 0 0 0 unused, on
     every stage (the decoder's positions need it), from the index: no image is opened for it. Any-resolution
-    tiles (shape.max_tiles T): pixels [T, C, S, S], each used slot's crops then zero crops, and tiling [M, 4],
+    tiles (TileBlocks, T): pixels [T, C, S, S], each used slot's crops then zero crops, and tiling [M, 4],
     each slot's (orig_h, orig_w, rows, cols), likewise on every stage."""
 
     def __init__(self, samples, plan: RowPlan, *, image_size: int, max_crops: int = 0, need_images: bool = True,
@@ -249,7 +320,7 @@ class RowSet(Dataset):
                 w = np.array([0.0] + self.norm.per_sample(r), dtype=np.float32)[segments]
                 item["weights"] = np.where(labels != IGNORE_INDEX, w, 0.0).astype(np.float32)
         if self.shape.vision_budget:  # M x (t, h, w), or M x (orig_h, orig_w, rows, cols)
-            item["tiling"] = [self.shape.tiling(g) for g in grids] + [(0,) * (4 if self.shape.max_tiles else 3)] * (
+            item["tiling"] = [self.shape.tiling(g) for g in grids] + [(0,) * self.shape.images.tiling_width] * (
                 M - len(grids))
             if self.need_images:
                 item["pixels"] = self._patches(images)
@@ -268,8 +339,7 @@ class RowSet(Dataset):
         sizes were checked by the index, so they fill at most P, T)."""
         pieces = [self._image(pos, k) for pos, k in images]  # each checked against its grid (samples.pixels)
         used = sum(len(p) for p in pieces)
-        unit = self.shape.crop if self.shape.max_tiles else (self.shape.patch_dim,)
-        return torch.cat(pieces + [torch.zeros(self.shape.vision_budget - used, *unit)])
+        return torch.cat(pieces + [torch.zeros(self.shape.vision_budget - used, *self.shape.images.unit)])
 
     def _image(self, pos: int, k: int) -> torch.Tensor | Crops:
         if self.augment_seed is not None:  # per sample and image: augmentation repeats exactly on resume

@@ -224,9 +224,10 @@ def stack_patches(cfg: ModelConfig, images: list) -> tuple[torch.Tensor, torch.T
     its slot tiling (RowShape.tiling; zeros without an image), as the model reads them: Qwen2-VL's pixels
     [B, P, patch_dim] and (t, h, w); any-resolution tiles' [B, T, C, S, S] and (orig_h, orig_w, rows, cols)."""
     shape = row_shape(cfg, 1, 0)
-    unit, least = (shape.crop, 1) if shape.max_tiles else ((shape.patch_dim,), cfg.vision.merge_size ** 2)
-    pixels = torch.zeros(len(images), max([least] + [len(im[0]) for im in images if im is not None]), *unit)
-    tiling = torch.zeros(len(images), 1, 4 if shape.max_tiles else 3, dtype=torch.long)
+    blocks = shape.images
+    pixels = torch.zeros(len(images), max([blocks.least] + [len(im[0]) for im in images if im is not None]),
+                         *blocks.unit)
+    tiling = torch.zeros(len(images), 1, blocks.tiling_width, dtype=torch.long)
     for b, im in enumerate(images):
         if im is not None:
             pixels[b, :len(im[0])], tiling[b, 0] = im[0], torch.tensor(shape.tiling(im[1]))
