@@ -96,5 +96,5 @@ def test_images_the_row_cannot_hold_are_one_line(capsys):
     assert err == ["mmpipe: error: --max-tiles: 0 must be >= 1 (crops per row: each image's base crop and its tiles)"]
     assert main(["plan", "--preset", "qwen-tiny", "--max-tiles", "4"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "mmpipe: error: --max-tiles: the qwen2_vl family has no image tiles; only an any-resolution family "
-        "(llava_next) takes a crop budget"]
+        "mmpipe: error: --max-tiles: the qwen2_vl family's images take a patch budget (--max-patches); only the "
+        "llava_next family takes a crop budget"]

@@ -32,11 +32,6 @@ from ..model.llava_next import image_crops
 from .records import BadRecord
 
 
-def tiled(cfg) -> bool:
-    """The any-resolution family: the config has pinpoints (vision.grid_pinpoints)."""
-    return bool(cfg is not None and getattr(cfg.vision, "grid_pinpoints", ()))
-
-
 @dataclass(frozen=True)
 class TileRule:
     """The image processor's settings for one run: everything a tiling, a crop or a count depends on."""
@@ -188,12 +183,3 @@ def tile_rule(cfg, max_tiles: int = 0, max_images: int = 1) -> TileRule:
 def default_max_tiles(cfg, max_images: int) -> int:
     """--max-tiles when not given: room for any one sample of max_images images (module docstring)."""
     return tile_rule(cfg, 0, max_images).row_tiles
-
-
-def image_rule(cfg, max_patches: int = 0, max_tiles: int = 0):
-    """A run's image rule: any-resolution tiles' TileRule (T = max_tiles, 0: one image's default), a dynamic
-    family's PatchRule (its P, max_patches > 0), else None (a fixed-size family's transform)."""
-    if tiled(cfg):
-        return tile_rule(cfg, max_tiles)
-    from .patches import patch_rule
-    return patch_rule(cfg, max_patches) if max_patches else None

@@ -17,13 +17,14 @@ import numpy as np
 
 from ..config import ConfigError, ModelConfig
 from ..model.families import family_of
-from .anyres import default_max_tiles, image_rule, tile_rule, tiled
+from .anyres import default_max_tiles
 from .args import DataArgs
+from .image_kinds import image_kind, row_budgets
 from .index import DataIndex, Reads, bad_list, build_index, check_policy, describe, fingerprint, load_index
-from .patches import default_max_patches, patch_rule, per_image_patches
+from .patches import per_image_patches
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
-from .text import ConversationEncoder, image_text, placeholders
+from .text import ConversationEncoder, placeholders
 from .tokenizer import builtin_tokenizer, load_tokenizer
 
 
@@ -109,7 +110,7 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
         problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
     if args.data_workers < 0:
         problems.append(f"--data-workers: {args.data_workers} must be >= 0")
-    max_patches, max_tiles = row_patches(args, cfg, problems), row_tiles(args, cfg, problems)
+    max_patches, max_tiles = row_budgets(args, cfg, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
@@ -125,12 +126,12 @@ def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[s
     if args.augment and cfg is not None and cfg.vision.max_crops:
         problems.append("--augment: multi-crop images (vision.max_crops) are cut by moondream's fixed rule, which "
                         "the Projector's stitching assumes; drop --augment or use --max-crops 0")
-    if args.augment and dynamic(cfg):
+    kind = image_kind(cfg)
+    if args.augment and not kind.augment:
         problems.append(f"--augment: the {cfg.family} family's images are resized by its image processor's own rule "
-                        f"(mmpipe.data.{'anyres' if tiled(cfg) else 'patches'}), which has no augmentation; drop "
-                        f"--augment")
-    try:  # the bracketed image text of a patched family (Qwen2-VL); tiles keep LLaVA's <image>
-        return image_text(tok, cfg) if tok is not None and patched(cfg) else None
+                        f"({kind.name}: mmpipe.data.image_kinds), which has no augmentation; drop --augment")
+    try:  # the bracketed image text of a family of patches (Qwen2-VL); tiles keep LLaVA's <image>
+        return kind.marker_text(tok, cfg) if tok is not None else None
     except ConfigError as e:
         problems.append(str(e))
         return None
@@ -140,49 +141,8 @@ ROW_FLAGS = ("text_len", "max_images", "pack", "max_patches", "max_tiles")  # th
 
 
 def dynamic(cfg: ModelConfig | None) -> bool:
-    """A dynamic-resolution family (Qwen2-VL, LLaVA-NeXT's tiles): each image takes the positions its size gives."""
-    return bool(cfg is not None and cfg.layout is not None and getattr(cfg.layout, "dynamic", False))
-
-
-def patched(cfg: ModelConfig | None) -> bool:
-    """A dynamic family of patches in a row's P budget (Qwen2-VL), not of any-resolution tiles."""
-    return dynamic(cfg) and not tiled(cfg)
-
-
-def row_tiles(args: DataArgs, cfg: ModelConfig | None, problems: list[str]) -> int:
-    """--max-tiles checked against the model: T for the any-resolution family (the flag, else default_max_tiles),
-    0 for the others (which refuse the flag). Appends a line per problem."""
-    given = getattr(args, "max_tiles", None)
-    if not tiled(cfg):
-        if given is not None and cfg is not None:
-            problems.append(f"--max-tiles: the {cfg.family} family has no image tiles; only an any-resolution family "
-                            f"(llava_next) takes a crop budget")
-        return 0
-    if given is not None and given < 1:
-        problems.append(f"--max-tiles: {given} must be >= 1 (crops per row: each image's base crop and its tiles)")
-        return 1
-    return given if given is not None else default_max_tiles(cfg, args.max_images or 1)
-
-
-def row_patches(args: DataArgs, cfg: ModelConfig | None, problems: list[str]) -> int:
-    """--max-patches checked against the model: P for a dynamic family (the flag, else
-    default_max_patches), 0 for the others (which refuse the flag). Appends a line per problem."""
-    given = getattr(args, "max_patches", None)
-    if not patched(cfg):
-        if given is not None and cfg is not None:
-            problems.append(f"--max-patches: the {cfg.family} family's images are a fixed size; only a "
-                            f"dynamic-resolution family (qwen2_vl) takes a patch budget")
-        return 0
-    v, unit = cfg.vision, cfg.vision.merge_size ** 2
-    p = given if given is not None else default_max_patches(v, args.max_images or 1)
-    least = patch_rule(cfg, p).min_pixels // v.patch_size ** 2
-    if given is not None and (given < least or given % unit):
-        problems.append(f"--max-patches: {given} must be a multiple of merge_size^2 = {unit} and at least {least} "
-                        f"(vision.min_pixels {v.min_pixels} / patch_size^2: the smallest image's patches)")
-    elif p < least:
-        problems.append(f"--max-patches: the model's vision.max_pixels ({v.max_pixels}) leaves no patch budget; "
-                        f"give --max-patches P (a multiple of {unit}, at least {least})")
-    return p
+    """Images of any size, each taking the positions its size gives (a kind with a row budget: patches, tiles)."""
+    return cfg is not None and image_kind(cfg).flag is not None
 
 
 def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | None, problems: list[str]) -> int | None:
@@ -201,11 +161,7 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
     if cfg is not None:
         # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
         # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
-        n_image = cfg.n_image_positions + placeholders(cfg)[1] * max(1, args.max_images or 1)
-        if patched(cfg):  # each image's two brackets, and the placeholders of P patches: P / merge^2
-            n_image = 2 * max(1, args.max_images or 1) + row_patches(args, cfg, []) // cfg.vision.merge_size ** 2
-        elif tiled(cfg):  # room for the largest sample's images (mmpipe.data.anyres.TileRule.row_budget)
-            n_image = tile_rule(cfg, 0).row_budget(max(1, args.max_images or 1))[1]
+        n_image = image_kind(cfg).sample_positions(cfg, args.max_images or 1, max(row_budgets(args, cfg, [])))
         room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
         if text_len is None:
             text_len = default_len or room
@@ -306,7 +262,7 @@ def _grid_key(rule, opts: DataOptions) -> list:
 def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool | str, shown: Path | None = None):
     """shown: the index directory a run without --dry-run uses, when d is a dry run's scratch."""
     listed = bad_list(shown or d, kept=shown is None)  # where the report and strict's refusal say the list is
-    rule = image_rule(cfg, opts.max_patches, opts.max_tiles)
+    rule = image_kind(cfg).rule(cfg, opts.max_patches or opts.max_tiles)
     # what the grids depend on: the rule's resize bounds for each image count a record may have (not P itself,
     # which --pack's slots may raise without changing any grid); tiles: the rule, T unless it follows the slots
     grids = None if rule is None else _grid_key(rule, opts)

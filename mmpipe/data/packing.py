@@ -33,95 +33,12 @@ import torch
 from torch.utils.data import Dataset
 
 from ..model.builder import IGNORE_INDEX
-from ..model.rows import IMAGE_SLOT
-from .anyres import tile_rule, tiled
+from .blocks import FixedBlocks, PatchBlocks, TileBlocks
 from .crops import Crops, blank_image
-from .patches import default_max_patches
+from .image_kinds import image_kind
 
 CHUNK = 1024  # sample positions packed together: first-fit looks at most this far ahead
 LOSS_NORMS = ("token", "sample")
-
-
-@dataclass(frozen=True)
-class FixedBlocks:
-    """Images of one size: each takes N decoder positions, a block of one id (moondream's spliced image tokens,
-    IMAGE_SLOT; LLaVA's image_token_id placeholders). No vision budget: the slots' pixels are fixed-size images."""
-    image_len: int  # N
-    image_id: int
-    budget = 0
-    tiling_width = 0
-
-    def positions(self, max_images: int) -> int:
-        return max_images * self.image_len
-
-    def block(self, grid=None) -> np.ndarray:
-        return np.full(self.image_len, self.image_id, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class PatchBlocks:
-    """A dynamic-resolution family's images (mmpipe.data.patches): a budget of P vision patches per row; an image
-    of grid (t, h, w) takes t h w of them and a block of <|vision_start|>, t h w / merge^2 placeholders,
-    <|vision_end|>, so each image has 2 positions of its own (the brackets) and the placeholders share
-    P / merge^2: M x 2 + P / merge^2 positions, e.g. M = 2, P = 64, merge 2: 4 + 16."""
-    budget: int       # P
-    merge: int        # patches per placeholder, along each side
-    image_id: int
-    start_id: int     # the block's brackets (vision_start_id, vision_end_id)
-    end_id: int
-    patch_dim: int    # floats per patch, C x T x p x p
-    tiling_width = 3  # a slot's grid (t, h, w)
-
-    @property
-    def least(self) -> int:
-        """The fewest patches an image takes: one placeholder's merge x merge."""
-        return self.merge * self.merge
-
-    def positions(self, max_images: int) -> int:
-        return max_images * 2 + self.budget // (self.merge * self.merge)
-
-    @property
-    def unit(self) -> tuple:
-        return (self.patch_dim,)
-
-    def units(self, grid) -> int:
-        return int(np.prod(grid))
-
-    def block_len(self, grid) -> int:
-        return 2 + int(np.prod(grid)) // (self.merge * self.merge)
-
-    def block(self, grid) -> np.ndarray:
-        n = int(np.prod(grid)) // (self.merge * self.merge)
-        return np.array([self.start_id, *[self.image_id] * n, self.end_id], dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class TileBlocks:
-    """Any-resolution tiles (mmpipe.data.anyres): a budget of T crops per row; an image of grid (orig_h, orig_w,
-    rows, cols, n) takes 1 + rows x cols of them and a block of n placeholders (no brackets), and the row's images
-    share image_positions decoder positions, room for its largest sample."""
-    budget: int           # T
-    image_positions: int
-    image_id: int
-    crop: tuple           # one crop's pixels (C, S, S)
-    tiling_width = 4      # a slot's (orig_h, orig_w, rows, cols)
-    least = 1             # the fewest crops an image takes: its base crop
-
-    def positions(self, max_images: int) -> int:
-        return self.image_positions
-
-    @property
-    def unit(self) -> tuple:
-        return self.crop
-
-    def units(self, grid) -> int:
-        return 1 + int(grid[2]) * int(grid[3])
-
-    def block_len(self, grid) -> int:
-        return int(grid[4])
-
-    def block(self, grid) -> np.ndarray:
-        return np.full(int(grid[4]), self.image_id, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -170,20 +87,9 @@ class RowShape:
 
 
 def row_shape(cfg, max_images: int, text_len: int, max_patches: int = 0, max_tiles: int = 0) -> RowShape:
-    """max_patches: a dynamic family's P (0: the default for max_images, mmpipe.data.patches); max_tiles: the
-    any-resolution family's T (0: the default for max_images, mmpipe.data.anyres)."""
-    v = cfg.vision
-    if tiled(cfg):
-        rule = tile_rule(cfg, max_tiles, max_images)
-        return RowShape(max_images, text_len, TileBlocks(rule.row_tiles, rule.row_budget(max_images)[1],
-                                                         cfg.image_token_id, (v.channels, v.image_size, v.image_size)))
-    if getattr(cfg.layout, "dynamic", False):
-        return RowShape(max_images, text_len, PatchBlocks(
-            max_patches or default_max_patches(v, max_images), v.merge_size, cfg.image_token_id, cfg.vision_start_id,
-            cfg.vision_end_id, v.channels * v.temporal_patch_size * v.patch_size ** 2))
-    if cfg.layout.placeholders:  # LLaVA: the features overwrite image_token_id placeholders
-        return RowShape(max_images, text_len, FixedBlocks(v.n_features, cfg.image_token_id))
-    return RowShape(max_images, text_len, FixedBlocks(cfg.n_image_positions, IMAGE_SLOT))
+    """The row of cfg's images (mmpipe.data.image_kinds): max_patches / max_tiles, the row budget of a family whose
+    images take one (0: the default for max_images; at most one of them is given)."""
+    return RowShape(max_images, text_len, image_kind(cfg).blocks(cfg, max_images, max_patches or max_tiles))
 
 
 def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np.ndarray]:

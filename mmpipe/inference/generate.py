@@ -53,13 +53,11 @@ import torch
 from PIL import Image
 
 from ..config import ConfigError, ModelConfig, config_from_dict, fail
-from ..data.anyres import tile_rule, tiled
 from ..data.crops import blank_image, make_transform, stack_images
-from ..data.dataset import patched
+from ..data.image_kinds import image_kind
 from ..data.packing import row_shape
-from ..data.patches import default_max_patches, patch_rule
 from ..data.records import BadRecord
-from ..data.text import ConversationEncoder, answer_id_of, image_text, with_placeholders
+from ..data.text import ConversationEncoder, answer_id_of, with_placeholders
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
 from ..hf.commands import hf_importer
@@ -213,9 +211,8 @@ def patch_images(cfg: ModelConfig):
     or (crops [1 + rows x cols, C, S, S], grid (orig_h, orig_w, rows, cols, n)) by any-resolution tiles' TileRule
     (mmpipe.data.anyres: transformers' image processor; T = one image's default, so any image's tiles fit).
     Both raise BadRecord for an image the rule refuses (_images makes it one line)."""
-    if tiled(cfg):
-        return tile_rule(cfg).patches
-    return patch_rule(cfg, default_max_patches(cfg.vision, 1)).patches
+    kind = image_kind(cfg)
+    return kind.rule(cfg, kind.budget(cfg, None, 1, [])).patches
 
 
 def stack_patches(cfg: ModelConfig, images: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,7 +439,7 @@ def main_generate(args: argparse.Namespace) -> int:
         # the LLaVA and Qwen2-VL families read the image from placeholders at the prompt's <image> marker (after
         # BOS without one), as in training; other families take the prompt as it is
         encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders,  # tiles: <image>
-                                      image_text=image_text(tok, cfg) if patched(cfg) else None)
+                                      image_text=image_kind(cfg).marker_text(tok, cfg))
     except ConfigError as e:
         return fail(e)
     has_image = [image is not None for image, _, _ in requests]

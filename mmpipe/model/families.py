@@ -73,6 +73,9 @@ class Family:
     # what its records may carry besides text (mmpipe.data.records.MEDIA_FIELDS' kinds); a record with anything
     # else is a bad record, unsupported_media, counted with its reason, never trained as the text around it
     media: tuple[str, ...] = ("image",)
+    # the kind of its images, the data side's rule for them (mmpipe.data.image_kinds): spliced (a fixed-size image
+    # after BOS), placeholders (on <image> placeholder ids), patches (any size, a row's patch budget), tiles
+    images: str = "spliced"
     # the stage tuple's fields (mmpipe.model.stage.StageField): the row's four, then what the family carries
     fields: Callable[[ModelConfig], tuple[StageField, ...]] = field(default=lambda cfg: ROW, repr=False,
                                                                      compare=False)
@@ -97,7 +100,7 @@ LLAVA = Family(
      LlavaEmbed: costs.TEXT_EMBED, LlamaBlock: costs.LLAMA_BLOCK, FinalNorm: costs.FINAL_NORM,
      LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
-    hf_class="LlavaForConditionalGeneration", weight_names="hf")
+    hf_class="LlavaForConditionalGeneration", weight_names="hf", images="placeholders")
 
 # Its vision layers are costed on the row's patch budget (costs.QWEN_*, per_row: mmpipe.planning.costmodel)
 QWEN2_VL = Family(
@@ -106,7 +109,8 @@ QWEN2_VL = Family(
      QwenEmbed: costs.QWEN_EMBED, QwenBlock: costs.QWEN_BLOCK, FinalNorm: costs.FINAL_NORM,
      LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
-    hf_class="Qwen2VLForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,))
+    hf_class="Qwen2VLForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),
+    images="patches")
 
 # The tower, projector and embedding are costed on the row's T crops (costs.ANYRES_*, per_row: a CropRow)
 LLAVA_NEXT = Family(
@@ -116,7 +120,8 @@ LLAVA_NEXT = Family(
      FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     # LlavaOnevisionForConditionalGeneration's by config (vision.anyres_max > 0: mmpipe.hf.llava_next)
-    hf_class="LlavaNextForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,))
+    hf_class="LlavaNextForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),
+    images="tiles")
 
 FAMILIES = [MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 
 from ..config import ConfigError, ModelConfig
-from ..data.anyres import tile_rule, tiled
-from ..data.dataset import dynamic
+from ..data.anyres import tile_rule
+from ..data.image_kinds import image_kind
 from ..data.patches import default_max_patches, patch_rule
 from ..data.records import BadRecord
 from ..model.costs import CropRow, PatchRow
@@ -46,10 +46,11 @@ def patch_row(cfg: ModelConfig, images: int = 1, max_patches: int = 0,
     preset's vision.image_size square), each grid as the data makes it (patch_rule(...).grid); None for a
     fixed-resolution family. ConfigError for a size the processor refuses (an aspect over 200:1).
     Any-resolution tiles: max_patches is the row's T crops (0: train's default), the result a CropRow."""
-    if tiled(cfg):
-        return crop_row(cfg, images, max_patches, sizes)
-    if not dynamic(cfg):
-        return None
+    row = {"tiles": crop_row, "patches": _patch_row}.get(image_kind(cfg).name)  # fixed-size images: no row
+    return None if row is None else row(cfg, images, max_patches, sizes)
+
+
+def _patch_row(cfg: ModelConfig, images: int, max_patches: int, sizes: list[tuple[int, int]] | None) -> PatchRow:
     v, images = cfg.vision, max(1, images)
     p = max_patches or default_max_patches(v, images)
     sizes, rule, grids = sizes or [(v.image_size, v.image_size)], patch_rule(cfg, p), []

@@ -37,7 +37,8 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, fail, load_preset
 from ..data.args import DataArgs
-from ..data.dataset import ROW_FLAGS, dynamic, row_patches, row_text_len, row_tiles
+from ..data.dataset import ROW_FLAGS, dynamic, row_text_len
+from ..data.image_kinds import row_budgets
 from ..flags import add_flags, from_namespace
 from ..model.args import ModelArgs
 from ..model.builder import check_lora_rank
@@ -199,7 +200,7 @@ def main_calibrate(args) -> int:
 
 
 def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
-    """--text-len, --max-images, --pack, --max-patches: mmpipe train's check (row_text_len, row_patches);
+    """--text-len, --max-images, --pack, --max-patches: mmpipe train's check (row_text_len, row_budgets);
     --text-len defaults to what the model's context leaves, as it does for `mmpipe train --data` on your own
     data. A dynamic-resolution family's row (--image-size): its PatchRow; None for the others."""
     problems: list[str] = []
@@ -214,7 +215,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
         args.max_images = len(sizes)  # a row holds one image of each size
     data = from_namespace(DataArgs, args, only=ROW_FLAGS)
     args.text_len = row_text_len(data, cfg, None, problems)
-    max_patches, max_tiles = row_patches(data, cfg, problems), row_tiles(data, cfg, problems)
+    max_patches, max_tiles = row_budgets(data, cfg, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     if args.pack and args.max_images is None:  # train derives them from the data (data.dataset.packed_image_slots)

@@ -1,0 +1,162 @@
+"""A family's images on the data side, one object each behind one protocol: the single place that knows which
+rule a model's images follow. Every other module asks `image_kind(cfg)`, never the family's name or a layout flag.
+
+The family names its kind (mmpipe.model.families.Family.images); the kinds live here, above model/, because
+they call the data side's rules (transformers' image processors, the crop and placeholder counts):
+
+    spliced       a fixed-size image of N tokens spliced after BOS (moondream; the cross-attention family, N = 0)
+    placeholders  a fixed-size image on N <image> placeholder ids at its marker (LLaVA)
+    patches       an image of any size as its grid of patches in the row's budget of P (--max-patches), a
+                  bracketed block of placeholders (Qwen2-VL / Qwen2.5-VL; mmpipe.data.patches)
+    tiles         an image of any size as its base crop and tiles in the row's budget of T crops (--max-tiles),
+                  a block of placeholders (LLaVA-NeXT / OneVision; mmpipe.data.anyres)
+
+What a kind answers: its row budget's flag (None: fixed-size images have none) and the budget a run gets, the
+grid rule of its images (None: fixed size), the positions a sample's images take (the text's room in the
+context), a row's image blocks (mmpipe.data.packing.RowShape), what an image marker becomes in the text, and
+whether --augment applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..model.families import FAMILIES, family_of
+from ..model.rows import IMAGE_SLOT
+from .anyres import default_max_tiles, tile_rule
+from .blocks import FixedBlocks, PatchBlocks, TileBlocks
+from .patches import default_max_patches, patch_rule
+from .text import image_text
+
+BUDGET_FLAGS = ("max_patches", "max_tiles")  # DataArgs' row budgets: the kind takes at most one
+
+
+@dataclass(frozen=True)
+class Spliced:
+    name = "spliced"
+    flag = None
+    augment = True
+    describe = "images are a fixed size"
+
+    def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
+        return 0
+
+    def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
+        return None
+
+    def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
+        """One image a sample, after BOS (several only fill a packed row's slots)."""
+        return cfg.n_image_positions
+
+    def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
+        return FixedBlocks(cfg.n_image_positions, IMAGE_SLOT)
+
+    def marker_text(self, tok, cfg: ModelConfig) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Placeholders(Spliced):
+    name = "placeholders"
+
+    def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
+        """A block of N placeholders for each of up to M images: e.g. 576 x 2 = 1152 for two CLIP-336 images."""
+        return cfg.vision.n_features * max(1, max_images)
+
+    def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
+        return FixedBlocks(cfg.vision.n_features, cfg.image_token_id)
+
+
+@dataclass(frozen=True)
+class Patches:
+    name = "patches"
+    flag = "max_patches"
+    augment = False  # the image processor's own resize rule has no augmentation
+    describe = "images take a patch budget (--max-patches)"
+
+    def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
+        """P: --max-patches, else room for M images at vision.max_pixels; a line per problem."""
+        v, unit = cfg.vision, cfg.vision.merge_size ** 2
+        p = given if given is not None else default_max_patches(v, max_images)
+        least = patch_rule(cfg, p).min_pixels // v.patch_size ** 2
+        if given is not None and (given < least or given % unit):
+            problems.append(f"--max-patches: {given} must be a multiple of merge_size^2 = {unit} and at least {least} "
+                            f"(vision.min_pixels {v.min_pixels} / patch_size^2: the smallest image's patches)")
+        elif p < least:
+            problems.append(f"--max-patches: the model's vision.max_pixels ({v.max_pixels}) leaves no patch budget; "
+                            f"give --max-patches P (a multiple of {unit}, at least {least})")
+        return p
+
+    def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
+        return patch_rule(cfg, budget) if budget else None
+
+    def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
+        """Each image's two brackets and the placeholders of P patches: 2 M + P / merge^2."""
+        return 2 * max(1, max_images) + budget // cfg.vision.merge_size ** 2
+
+    def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
+        v = cfg.vision
+        patch_dim = v.channels * v.temporal_patch_size * v.patch_size ** 2  # floats per patch, C x T x p x p
+        return PatchBlocks(budget or default_max_patches(v, max_images), v.merge_size, cfg.image_token_id,
+                           cfg.vision_start_id, cfg.vision_end_id, patch_dim)
+
+    def marker_text(self, tok, cfg: ModelConfig) -> str | None:
+        return image_text(tok, cfg)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    name = "tiles"
+    flag = "max_tiles"
+    augment = False
+    describe = "images take a crop budget (--max-tiles)"
+
+    def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
+        """T: --max-tiles, else room for any one sample of M images (mmpipe.data.anyres)."""
+        if given is not None and given < 1:
+            problems.append(f"--max-tiles: {given} must be >= 1 (crops per row: each image's base crop and its tiles)")
+            return 1
+        return given if given is not None else default_max_tiles(cfg, max_images)
+
+    def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
+        return tile_rule(cfg, budget, max_images)
+
+    def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
+        """Room for the largest sample's images (TileRule.row_budget)."""
+        return tile_rule(cfg, 0).row_budget(max(1, max_images))[1]
+
+    def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
+        rule, v = tile_rule(cfg, budget, max_images), cfg.vision
+        return TileBlocks(rule.row_tiles, rule.row_budget(max_images)[1], cfg.image_token_id,
+                          (v.channels, v.image_size, v.image_size))
+
+    def marker_text(self, tok, cfg: ModelConfig) -> str | None:
+        return None  # LLaVA's <image> marks the place; its block is the grid's placeholders
+
+
+KINDS = {k.name: k for k in (Spliced(), Placeholders(), Patches(), Tiles())}
+BUDGET_NOUNS = {"max_patches": "a patch budget", "max_tiles": "a crop budget"}
+
+
+def image_kind(cfg: ModelConfig | None):
+    """The kind of cfg's images (fixed-size spliced images for no model: the built-in shapes set's default)."""
+    return KINDS["spliced"] if cfg is None else KINDS[family_of(cfg).images]
+
+
+def row_budgets(args, cfg: ModelConfig | None, problems: list[str]) -> tuple[int, int]:
+    """(max_patches, max_tiles): the row budget cfg's kind takes (its flag, else its default for --max-images) and
+    0 for the other; a budget flag the kind does not take is refused, naming the families that take it. Appends a
+    line per problem."""
+    kind, out = image_kind(cfg), {}
+    for flag in BUDGET_FLAGS:
+        given = getattr(args, flag, None)
+        if cfg is not None and flag == kind.flag:
+            out[flag] = kind.budget(cfg, given, args.max_images or 1, problems)
+            continue
+        out[flag] = 0
+        if given is not None and cfg is not None:
+            takers = [f.family for f in FAMILIES if KINDS[f.images].flag == flag]
+            who = f"the {takers[0]} family takes" if len(takers) == 1 else f"the {', '.join(takers)} families take"
+            problems.append(f"--{flag.replace('_', '-')}: the {cfg.family} family's {kind.describe}; only "
+                            f"{who} {BUDGET_NOUNS[flag]}")
+    return out["max_patches"], out["max_tiles"]
