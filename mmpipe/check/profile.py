@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..data.image_kinds import image_kind
 from ..planning.calibrate import PROFILE_KIND, load_profile, profile_device
 from ..planning.costmodel import Device, profile_layers, stage_seconds
 from ..planning.layout import CPU_LINK, plan_layout
@@ -108,7 +109,7 @@ def check(run: RunConfig, dev: torch.device, out_dir: str, link_rows: list[dict]
           measured_step: float | None = None) -> dict | None:
     """Collective; rank 0 writes OUT_DIR/device_profile.json and returns the result (None elsewhere). A
     dynamic-resolution preset is skipped (passes, no profile): profile_layers times fixed-size images only."""
-    if getattr(run.model.layout, "dynamic", False):
+    if image_kind(run.model).flag is not None:  # images of any size, in a row budget
         return {"ok": True, "skipped": f"no profile for a dynamic-resolution preset ({run.model.family}) yet"} \
             if dist.get_rank() == 0 else None
     rows = [None] * dist.get_world_size()

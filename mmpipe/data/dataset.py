@@ -19,7 +19,7 @@ from ..config import ConfigError, ModelConfig
 from ..model.families import family_of
 from .anyres import default_max_tiles
 from .args import DataArgs
-from .image_kinds import image_kind, row_budgets
+from .image_kinds import image_kind, image_rule, row_budgets
 from .index import DataIndex, Reads, bad_list, build_index, check_policy, describe, fingerprint, load_index
 from .patches import per_image_patches
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
@@ -252,20 +252,14 @@ def held_out_cut(index: DataIndex, fraction: float, part: str) -> DataIndex:
     return index.subset(keep, f"{part}{fraction}")
 
 
-def _grid_key(rule, opts: DataOptions) -> list:
-    """What an index's grids (and its too_many_tiles refusals) depend on, for its fingerprint."""
-    if opts.max_tiles:
-        return [*dataclasses.astuple(dataclasses.replace(rule, row_tiles=0)), 0 if opts.auto_tiles else opts.max_tiles]
-    return [rule.factor, rule.min_pixels, [rule.cap(n) for n in range(1, opts.record_images + 1)]]
-
-
 def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool | str, shown: Path | None = None):
     """shown: the index directory a run without --dry-run uses, when d is a dry run's scratch."""
     listed = bad_list(shown or d, kept=shown is None)  # where the report and strict's refusal say the list is
-    rule = image_kind(cfg).rule(cfg, opts.max_patches or opts.max_tiles)
+    rule = image_rule(cfg, opts.max_patches, opts.max_tiles)
     # what the grids depend on: the rule's resize bounds for each image count a record may have (not P itself,
     # which --pack's slots may raise without changing any grid); tiles: the rule, T unless it follows the slots
-    grids = None if rule is None else _grid_key(rule, opts)
+    grids = None if rule is None else image_kind(cfg).grid_key(rule, opts.record_images,
+                                                                0 if opts.auto_tiles else opts.max_tiles)
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels, opts.record_images,
                      opts.markers, grids)
     source = open_source(opts.spec)

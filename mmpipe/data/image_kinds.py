@@ -18,6 +18,7 @@ whether --augment applies.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -103,6 +104,11 @@ class Patches:
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
         return image_text(tok, cfg)
 
+    def grid_key(self, rule, record_images: int, budget: int) -> list:
+        """What an index's grids depend on, for its fingerprint: the rule's resize bounds for each image count a
+        record may have (not P itself, which --pack's slots may raise without changing any grid)."""
+        return [rule.factor, rule.min_pixels, [rule.cap(n) for n in range(1, record_images + 1)]]
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -133,6 +139,11 @@ class Tiles:
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
         return None  # LLaVA's <image> marks the place; its block is the grid's placeholders
 
+    def grid_key(self, rule, record_images: int, budget: int) -> list:
+        """What an index's grids and its too_many_tiles refusals depend on: the rule and T (budget: 0 where T
+        follows the slots)."""
+        return [*dataclasses.astuple(dataclasses.replace(rule, row_tiles=0)), budget]
+
 
 KINDS = {k.name: k for k in (Spliced(), Placeholders(), Patches(), Tiles())}
 BUDGET_NOUNS = {"max_patches": "a patch budget", "max_tiles": "a crop budget"}
@@ -160,3 +171,16 @@ def row_budgets(args, cfg: ModelConfig | None, problems: list[str]) -> tuple[int
             problems.append(f"--{flag.replace('_', '-')}: the {cfg.family} family's {kind.describe}; only "
                             f"{who} {BUDGET_NOUNS[flag]}")
     return out["max_patches"], out["max_tiles"]
+
+
+def image_rule(cfg: ModelConfig, max_patches: int = 0, max_tiles: int = 0):
+    """The grid rule of cfg's images at the row budget of its kind's flag (None for fixed-size images)."""
+    kind = image_kind(cfg)
+    return kind.rule(cfg, {"max_patches": max_patches, "max_tiles": max_tiles}.get(kind.flag, 0))
+
+
+def one_image_budget(cfg: ModelConfig) -> dict:
+    """The budget flag of cfg's kind at one image's default ({} for fixed-size images): one slot per row, as
+    evaluation and generation read an image."""
+    kind = image_kind(cfg)
+    return {kind.flag: kind.budget(cfg, None, 1, [])} if kind.flag else {}

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from .crops import Crops, make_transform
-from .image_kinds import image_kind
+from .image_kinds import image_rule
 from .images import open_image
 from .index import DataIndex
 from .records import BadRecord
@@ -37,7 +37,7 @@ class ShapesSamples:
         self.data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, split, seed)
         self.tok = builtin_tokenizer()
         self.encoder = ConversationEncoder(self.tok, SHAPES_TEXT_LEN)
-        self.rule = image_kind(cfg).rule(cfg, max_patches or max_tiles)
+        self.rule = image_rule(cfg, max_patches, max_tiles)
         self.transform = self.rule.patches if self.rule else make_transform(cfg.vision, resize="squash")
         self.grids = np.array([self.rule.grid(cfg.vision.image_size, cfg.vision.image_size)] if self.rule else
                               np.zeros((0, 3)), dtype=np.int64)
@@ -76,7 +76,7 @@ class IndexedSamples:
         max_tiles: any-resolution tiles' T: images become crops by its TileRule (mmpipe.data.anyres)."""
         self.index, self.source, self.seed, self.pad_id, self.ordered = index, source, seed, pad_id, ordered
         self.image_root, self.max_pixels = image_root, max_pixels
-        self.rule = image_kind(cfg).rule(cfg, max_patches or max_tiles)
+        self.rule = image_rule(cfg, max_patches, max_tiles)
         self.transform = None if self.rule else make_transform(cfg.vision, resize=resize, augment=augment)
 
     @functools.lru_cache(maxsize=2)

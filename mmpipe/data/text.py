@@ -223,13 +223,13 @@ def placeholders(cfg) -> tuple[int, int]:
 
 
 def image_text(tok, cfg) -> str | None:
-    """What an image marker becomes in the rendered text for a dynamic-resolution family (ConversationEncoder's
-    image_text): the tokenizer's own tokens at the config's vision_start_id, image_token_id and vision_end_id,
-    e.g. Qwen2-VL's '<|vision_start|><|image_pad|><|vision_end|>', which must tokenise to exactly those ids.
-    None for other families and for the built-in tokenizer, whose one special `<image>` token marks the
-    place instead (its block's ids are the config's all the same, mmpipe.data.packing.sample_sequence).
+    """What an image marker becomes in the rendered text for a family of patches (ConversationEncoder's
+    image_text; mmpipe.data.image_kinds asks it for those only): the tokenizer's own tokens at the config's
+    vision_start_id, image_token_id and vision_end_id, e.g. Qwen2-VL's '<|vision_start|><|image_pad|><|vision_end|>',
+    which must tokenise to exactly those ids. None for the built-in tokenizer, whose one special `<image>` token
+    marks the place instead (its block's ids are the config's all the same, mmpipe.data.packing.sample_sequence).
     Raises ConfigError in one line for a tokenizer without them."""
-    if not getattr(cfg.layout, "dynamic", False) or getattr(tok, "chat_template", None) == BUILTIN_TEMPLATE:
+    if getattr(tok, "chat_template", None) == BUILTIN_TEMPLATE:
         return None
     ids = [cfg.vision_start_id, cfg.image_token_id, cfg.vision_end_id]
     names = tok.convert_ids_to_tokens(ids) if all(0 <= i < len(tok) for i in ids) else None

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..data.crops import stack_images
-from ..data.patches import default_max_patches
+from ..data.image_kinds import one_image_budget
 from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from ..data.shapes import QUESTION_TYPES, ShapesVQA
 from .generate import in_vocab, placeholder_of, stack_patches, with_images
@@ -55,8 +55,9 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
              batch_size: int = 250, max_new_tokens: int = 4) -> dict:
     """Accuracy overall and per question type on the held-out 'eval' split (n_samples / 5 per type)."""
     model.eval()
-    dynamic = cfg.layout.dynamic  # Qwen2-VL: each image as its patches and grid (one image's patch budget)
-    held_out = ShapesSamples(cfg, seed, "eval", max_patches=default_max_patches(cfg.vision, 1) if dynamic else 0)
+    budget = one_image_budget(cfg)  # Qwen2-VL, NeXT: each image as its patches (crops) and grid, one image's budget
+    dynamic = bool(budget)
+    held_out = ShapesSamples(cfg, seed, "eval", **budget)
     data, tok = held_out.data, held_out.tok
     dtype = next(model.parameters()).dtype
     correct, total = defaultdict(int), defaultdict(int)

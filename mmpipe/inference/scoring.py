@@ -44,6 +44,7 @@ from ..data.args import DataArgs
 from ..data.batches import collate
 from ..data.crops import blank_image, stack_images
 from ..data.dataset import prepare_eval, resolve_data
+from ..data.image_kinds import image_kind
 from ..data.packing import RowSet, sample_rowset
 from ..data.records import BadRecord
 from ..data.text import answer_id_of
@@ -241,7 +242,7 @@ def _generate_all(args, model, tok, evalset, text_len: int):
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
-            if cfg.layout.dynamic:  # each record's patches (tiles: crops) and grid, one slot per row
+            if image_kind(cfg).flag is not None:  # each record's patches (tiles: crops) and grid, one slot per row
                 pixels, tiling = stack_patches(cfg, [(evalset.pixels(items[i].pos), items[i].grid)
                                                      if items[i].has_image else None for i in batch])
             else:
