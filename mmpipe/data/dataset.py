@@ -20,7 +20,7 @@ from ..model.families import family_of
 from .anyres import default_max_tiles
 from .args import DataArgs
 from .image_kinds import image_kind, image_rule, row_budgets
-from .index import DataIndex, Reads, bad_list, build_index, check_policy, describe, fingerprint, load_index
+from .index import DataIndex, RecordChecks, bad_list, build_index, check_policy, describe, fingerprint, load_index
 from .patches import per_image_patches
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
 from .sources import DataSpec, data_spec, open_source
@@ -268,10 +268,10 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
     if built:
         encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong, markers=opts.markers,
                                       image_text=opts.image_text)
-        index = build_index(opts.spec, source, encoder, max_pixels=opts.max_pixels, policy=opts.bad_records, out_dir=d,
-                            workers=max(1, min(opts.workers, os.cpu_count() or 1)), fp=fp,
-                            max_images=opts.record_images, rule=rule, reads=Reads(family_of(cfg).media, cfg.family),
-                            listed=listed, image_limit=opts.image_limit)
+        checks = RecordChecks(opts.spec.image_root, opts.max_pixels, opts.record_images, rule, family_of(cfg).media,
+                              cfg.family, opts.image_limit)
+        index = build_index(source, encoder, checks, policy=opts.bad_records, out_dir=d, fp=fp, listed=listed,
+                            workers=max(1, min(opts.workers, os.cpu_count() or 1)))
     else:
         check_policy(index, opts.spec, opts.bad_records, listed)
     if verbose == "always" or (verbose and built):

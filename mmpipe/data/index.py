@@ -98,45 +98,48 @@ def fingerprint(spec: DataSpec, tokenizer, text_len: int, overlong: str, max_pix
 _W: dict = {}
 
 
-def _init_worker(source, encoder, image_root, max_pixels, max_images, rule=None, reads=None, image_limit=None):
-    _W.update(source=source, encoder=encoder, image_root=image_root, max_pixels=max_pixels, max_images=max_images,
-              rule=rule, reads=reads or Reads(), image_limit=image_limit or f"--max-images {max_images}")
+def _init_worker(source, encoder, checks):
+    _W.update(source=source, encoder=encoder, checks=checks)
 
 
 def _check(i: int):
     """-> (i, ids, target, truncated, image_at, grids) for a good record (len(image_at): its images; grids
     [n, 3], a dynamic family's, from each image's size), (i, where, kind, reason) for a bad one."""
-    where = f"record {i}"
+    where, c = f"record {i}", _W["checks"]
     try:
-        rec = _W["source"].record(i, _W["reads"].media, _W["reads"].family)
+        rec = _W["source"].record(i, c.media, c.family)
         where = rec.where
-        if len(rec.images) > _W["max_images"]:
-            raise BadRecord("too_many_images", f"{len(rec.images)} images > {_W['image_limit']}")
+        if len(rec.images) > c.max_images:
+            limit = c.image_limit or f"--max-images {c.max_images}"
+            raise BadRecord("too_many_images", f"{len(rec.images)} images > {limit}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
-        sizes = [check_image(image, _W["image_root"], _W["max_pixels"]) for image in rec.images]
-        rule = _W["rule"]  # PatchRule [n, 3] (t, h, w); TileRule [n, 5] (orig_h, orig_w, rows, cols, positions)
-        grids = rule.sample_grids(sizes) if rule is not None else np.zeros((0, 3), dtype=np.int64)
+        sizes = [check_image(image, c.image_root, c.max_pixels) for image in rec.images]
+        # PatchRule [n, 3] (t, h, w); TileRule [n, 5] (orig_h, orig_w, rows, cols, positions)
+        grids = c.rule.sample_grids(sizes) if c.rule is not None else np.zeros((0, 3), dtype=np.int64)
         return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids
     except BadRecord as e:
         return i, getattr(e, "where", where), e.kind, e.reason
 
 
 @dataclass(frozen=True)
-class Reads:
-    """What the model family reads of a record besides text (mmpipe.model.families.Family.media), and its name for
-    the refusal. Not in the index fingerprint: an index built before a family read more keeps its decisions, so a
-    run resumed on it reads the same records (nothing it took is refused mid-run)."""
+class RecordChecks:
+    """What every record is checked against, once, when the index is built. media / family: what the model family
+    reads of a record besides text (mmpipe.model.families.Family.media) and its name for the refusal; not in the
+    index fingerprint, so an index built before a family read more keeps its decisions and a run resumed on it
+    reads the same records (nothing it took is refused mid-run). rule: a dynamic family's PatchRule
+    (mmpipe.data.patches) or TileRule (mmpipe.data.anyres), which gives each image's grid. image_limit: max_images
+    as too_many_images names it, what sets it (default: --max-images N)."""
+    image_root: str
+    max_pixels: int
+    max_images: int = 1
+    rule: object = None
     media: tuple[str, ...] = ("image",)
     family: str = "model's"
+    image_limit: str | None = None
 
 
-def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixels: int,
-         workers: int, max_images: int = 1, rule=None, reads: Reads | None = None,
-         image_limit: str | None = None) -> tuple[list, list]:
-    """rule: a dynamic family's PatchRule (mmpipe.data.patches) or TileRule (mmpipe.data.anyres), which gives each
-    image's grid; reads: what a record may carry (a video for an image-only family is a bad record); image_limit:
-    max_images as too_many_images names it, what sets it (default: --max-images N)."""
-    args = (source, encoder, image_root, max_pixels, max_images, rule, reads, image_limit)
+def scan(source: Source, encoder: ConversationEncoder, checks: RecordChecks, workers: int) -> tuple[list, list]:
+    args = (source, encoder, checks)
     if workers <= 1 or len(source) < 256:  # a pool costs more than it saves on a small file
         _init_worker(*args)
         results = [_check(i) for i in range(len(source))]
@@ -148,12 +151,11 @@ def scan(source: Source, encoder: ConversationEncoder, image_root: str, max_pixe
     return good, bad
 
 
-def build_index(spec: DataSpec, source: Source, encoder: ConversationEncoder, *, max_pixels: int, policy: str,
-                out_dir: Path, workers: int, fp: str, max_images: int = 1, rule=None,
-                reads: Reads | None = None, listed: str = "", image_limit: str | None = None) -> DataIndex:
-    """listed: where the user finds every bad record (bad_list), for --bad-records strict's refusal; image_limit:
-    as scan's."""
-    good, bad = scan(source, encoder, spec.image_root, max_pixels, workers, max_images, rule, reads, image_limit)
+def build_index(source: Source, encoder: ConversationEncoder, checks: RecordChecks, *, policy: str, out_dir: Path,
+                workers: int, fp: str, listed: str = "") -> DataIndex:
+    """listed: where the user finds every bad record (bad_list), for --bad-records strict's refusal."""
+    spec = source.spec
+    good, bad = scan(source, encoder, checks, workers)
     counts = Counter(kind for _, _, kind, _ in bad)
     n_images = np.array([len(g[4]) for g in good], dtype=np.int64)
     stats = {"fingerprint": fp, "records": len(source), "good": len(good), "bad": len(bad),
