@@ -216,9 +216,9 @@ def breakdown(samples, dataset, run, n: int) -> dict:
         from mmpipe.data.images import open_image
         rows = [samples.row(p) for p in positions]
         recs = clock("record re-read (JSON parse + checks)", lambda p: samples.source.record(rows[p]))
-        imgs = clock("image open + PNG decode + RGB", lambda p: open_image(recs[p].image, samples.image_root,
-                                                                           samples.max_pixels))
-        clock("transform (pad/resize/normalise)", lambda p: samples.transform(imgs[p]))
+        imgs = clock("image open + PNG decode + RGB", lambda p: open_image(recs[p].image, samples.reader.image_root,
+                                                                           samples.reader.max_pixels))
+        clock("transform (pad/resize/normalise)", lambda p: samples.reader.transform(imgs[p]))
     else:  # the built-in set renders its images
         clock("pixels (render + transform)", samples.pixels)
     items = clock("RowSet.__getitem__ (all of the above)", dataset.__getitem__)

@@ -82,7 +82,7 @@ def test_two_image_record_indexes_its_images_at_their_markers(tmp_path):
     # pixels(pos, k): image k, in marker order
     p = position_of_row(samples, 0)
     for k in range(2):
-        want = samples.transform(Image.open(tmp_path / IMG[k]).convert("RGB"))
+        want = samples.reader.transform(Image.open(tmp_path / IMG[k]).convert("RGB"))
         assert torch.equal(samples.pixels(p, k), want)
     assert not torch.equal(samples.pixels(p, 0), samples.pixels(p, 1))
     # a cut of the index keeps each record's images with it

@@ -22,7 +22,7 @@ from .args import DataArgs
 from .image_kinds import image_kind, image_rule, row_budgets
 from .index import DataIndex, RecordChecks, bad_list, build_index, check_policy, describe, fingerprint, load_index
 from .patches import per_image_patches
-from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples
+from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples, image_reader
 from .sources import DataSpec, data_spec, open_source
 from .text import ConversationEncoder, placeholders
 from .tokenizer import builtin_tokenizer, load_tokenizer
@@ -219,9 +219,9 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
                                    None if run_dir is None else index_dir(run_dir))
     if opts.holdout:
         index = held_out_cut(index, opts.holdout, "train")
-    return IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
-                          image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
-                          augment=opts.augment, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
+    reader = image_reader(cfg, opts.spec.image_root, opts.max_pixels, resize=opts.resize, augment=opts.augment,
+                          budgets=(opts.max_patches, opts.max_tiles))
+    return IndexedSamples(index, source, reader, seed=seed, pad_id=opts.tokenizer.pad_token_id)
 
 
 def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int, shapes: int, *,
@@ -237,9 +237,9 @@ def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed:
     else:
         index, source = _checked_index(opts, cfg, Path(out_dir) / "eval_data", verbose,
                                        None if run_dir is None else Path(run_dir) / "eval_data")
-    ordered = IndexedSamples(index, source, cfg, seed=seed, pad_id=opts.tokenizer.pad_token_id,
-                             image_root=opts.spec.image_root, max_pixels=opts.max_pixels, resize=opts.resize,
-                             ordered=True, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
+    reader = image_reader(cfg, opts.spec.image_root, opts.max_pixels, resize=opts.resize,
+                          budgets=(opts.max_patches, opts.max_tiles))
+    ordered = IndexedSamples(index, source, reader, seed=seed, pad_id=opts.tokenizer.pad_token_id, ordered=True)
     return EvalSet(ordered, len(index))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -65,19 +66,33 @@ class ShapesSamples:
         return pos
 
 
+@dataclass(frozen=True)
+class ImageReader:
+    """How a record's images become the model's pixels: opened under image_root with the pixel guard, then the
+    family's grid rule (a dynamic family's PatchRule: patches, mmpipe.data.patches; any-resolution tiles'
+    TileRule: crops, mmpipe.data.anyres) or, for fixed-size images, the transform (resize, --augment)."""
+    image_root: str
+    max_pixels: int
+    rule: object = None
+    transform: object = None
+
+
+def image_reader(cfg: ModelConfig, image_root: str, max_pixels: int, *, resize: str = "pad", augment: bool = False,
+                 budgets: tuple[int, int] = (0, 0)) -> ImageReader:
+    """budgets: (max_patches, max_tiles), the row's."""
+    rule = image_rule(cfg, *budgets)
+    return ImageReader(image_root, max_pixels, rule,
+                       None if rule else make_transform(cfg.vision, resize=resize, augment=augment))
+
+
 class IndexedSamples:
     """A user dataset's good records, reshuffled every epoch by (seed, epoch)."""
 
-    def __init__(self, index: DataIndex, source: Source, cfg: ModelConfig, *, seed: int, pad_id: int,
-                 image_root: str, max_pixels: int, resize: str = "pad", augment: bool = False, ordered: bool = False,
-                 max_patches: int = 0, max_tiles: int = 0):
-        """ordered: position p is good record p in file order, no reshuffling (a validation set). max_patches:
-        a dynamic family's row budget P: images become patches by its PatchRule (mmpipe.data.patches);
-        max_tiles: any-resolution tiles' T: images become crops by its TileRule (mmpipe.data.anyres)."""
+    def __init__(self, index: DataIndex, source: Source, reader: ImageReader, *, seed: int, pad_id: int,
+                 ordered: bool = False):
+        """ordered: position p is good record p in file order, no reshuffling (a validation set)."""
         self.index, self.source, self.seed, self.pad_id, self.ordered = index, source, seed, pad_id, ordered
-        self.image_root, self.max_pixels = image_root, max_pixels
-        self.rule = image_rule(cfg, max_patches, max_tiles)
-        self.transform = None if self.rule else make_transform(cfg.vision, resize=resize, augment=augment)
+        self.reader, self.rule = reader, reader.rule
 
     @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
@@ -102,9 +117,9 @@ class IndexedSamples:
             rec = self.source.record(row)
             if k >= len(rec.images):
                 raise IndexError(f"record {row} has {len(rec.images)} image(s), not an image {k}")
-            image = open_image(rec.images[k], self.image_root, self.max_pixels)
+            image = open_image(rec.images[k], self.reader.image_root, self.reader.max_pixels)
             if self.rule is None:
-                return self.transform(image)
+                return self.reader.transform(image)
             patches, grid = self.rule.patches(image, len(rec.images))
             if grid != tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k]):
                 raise BadRecord("image_grid", f"image {k} gives grid {grid}, the index recorded another")
