@@ -12,6 +12,7 @@ import torch
 from conftest import EQUIV_STEPS, train_run
 from mmpipe.config import load_preset
 from mmpipe.inference.generate import generate
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
 from mmpipe.model.builder import bound
 from mmpipe.model.cross_attention import CrossAttnBlock
@@ -136,7 +137,7 @@ def test_cached_generation_equals_uncached():
     answers = []
     for img in pixels:
         for prompt in ([1, 7, 9], [1, 4, 11, 12, 13, 5]):
-            cached, plain = (generate(model, img, prompt, eos_id=None, max_new_tokens=10, use_cache=c)
+            cached, plain = (generate(model, img, prompt, Sampling(eos_id=None, max_new_tokens=10), use_cache=c)
                              for c in (True, False))
             assert len(cached) == 10 and cached == plain
             answers.append(tuple(cached))
@@ -150,7 +151,7 @@ def test_cached_generation_equals_uncached():
         return kv(self, t, cache, start)
     CrossAttnBlock.decode = counting
     try:
-        generate(model, pixels[0], [1, 7], eos_id=None, max_new_tokens=4)
+        generate(model, pixels[0], [1, 7], Sampling(eos_id=None, max_new_tokens=4))
     finally:
         CrossAttnBlock.decode = kv
     # 2 cross-attention layers x 4 calls: keys / values computed on each layer's first call only

@@ -22,6 +22,7 @@ from mmpipe.data.shapes import ShapesVQA
 from mmpipe.data.text import ConversationEncoder, with_placeholders
 from mmpipe.data.tokenizer import builtin_tokenizer
 from mmpipe.inference.generate import generate, load_checkpoint
+from mmpipe.inference.sampling import Sampling
 from mmpipe.inference.scoring import normalise, score
 from mmpipe.model import ReferenceModel
 
@@ -79,8 +80,9 @@ def one_at_a_time(model, held: Path, max_new_tokens: int) -> list[str]:
             prompt = with_placeholders(prompt, cfg, image_at)
         else:
             pixels = torch.zeros(1, 3, cfg.vision.image_size, cfg.vision.image_size)
-        new = generate(model, pixels, prompt, eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens,
-                       has_image=has_image, n_tokens=len(tok))  # only the tokenizer's text ids, as generate picks
+        sampling = Sampling(eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens,
+                            n_tokens=len(tok))  # only the tokenizer's text ids, as generate picks
+        new = generate(model, pixels, prompt, sampling, has_image=has_image)
         answers.append(tok.decode(new, skip_special_tokens=True).strip())
     return answers
 

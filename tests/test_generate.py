@@ -20,6 +20,7 @@ from mmpipe.config import load_preset
 from mmpipe.data.text import ConversationEncoder, with_placeholders
 from mmpipe.data.tokenizer import builtin_tokenizer
 from mmpipe.inference.generate import generate, generate_batch
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
 
 
@@ -33,13 +34,14 @@ def test_cached_equals_uncached_greedy_and_sampled():
     torch.manual_seed(0)
     pixels = torch.randn(1, 3, 32, 32)
     for prompt in ([1, 7, 9], [1, 4, 11, 12, 13, 5]):
-        greedy = [generate(model, pixels, prompt, eos_id=None, max_new_tokens=12, use_cache=c) for c in (True, False)]
+        greedy = [generate(model, pixels, prompt, Sampling(eos_id=None, max_new_tokens=12), use_cache=c)
+                  for c in (True, False)]
         assert len(greedy[0]) == 12 and greedy[0] == greedy[1]
-        sampled = [generate(model, pixels, prompt, eos_id=None, max_new_tokens=12, temperature=1.5, top_k=20,
-                            seed=3, use_cache=c) for c in (True, False)]
+        sampled = [generate(model, pixels, prompt, Sampling(eos_id=None, max_new_tokens=12, temperature=1.5, top_k=20,
+                                                            seed=3), use_cache=c) for c in (True, False)]
         assert sampled[0] == sampled[1]
     # sampling really samples: another seed gives another continuation for at least one of 4 seeds
-    runs = {tuple(generate(model, pixels, [1, 7, 9], eos_id=None, max_new_tokens=12, temperature=1.5, seed=s))
+    runs = {tuple(generate(model, pixels, [1, 7, 9], Sampling(eos_id=None, max_new_tokens=12, temperature=1.5, seed=s)))
             for s in range(4)}
     assert len(runs) > 1
 
@@ -47,10 +49,10 @@ def test_cached_equals_uncached_greedy_and_sampled():
 def test_stops_at_eos():
     model = _model()
     pixels = torch.randn(1, 3, 32, 32)
-    free = generate(model, pixels, [1, 7], eos_id=None, max_new_tokens=8)
+    free = generate(model, pixels, [1, 7], Sampling(eos_id=None, max_new_tokens=8))
     stop = free[3]
     first = free.index(stop)
-    assert generate(model, pixels, [1, 7], eos_id=stop, max_new_tokens=8) == free[:first]
+    assert generate(model, pixels, [1, 7], Sampling(eos_id=stop, max_new_tokens=8)) == free[:first]
 
 
 def test_cli_generates_from_a_checkpoint_dir(tmp_path, capsys):
@@ -100,28 +102,26 @@ def _requests(cfg):
 def test_batched_equals_one_at_a_time(preset):
     model = _family_model(preset)
     pixels, prompts, has_image = _requests(model.cfg)
-    one = [generate(model, pixels[i:i + 1], p, eos_id=None, max_new_tokens=6, has_image=h)
-           for i, (p, h) in enumerate(zip(prompts, has_image))]
-    assert generate_batch(model, pixels, prompts, has_image, eos_id=None, max_new_tokens=6, batch_size=3) == one
+    greedy = Sampling(eos_id=None, max_new_tokens=6)
+    one = [generate(model, pixels[i:i + 1], p, greedy, has_image=h) for i, (p, h) in enumerate(zip(prompts, has_image))]
+    assert generate_batch(model, pixels, prompts, greedy, has_image=has_image, batch_size=3) == one
     assert [len(a) for a in one] == [6] * 8 and len({tuple(a) for a in one}) > 1
     # the text-only rows really are text-only: with the image flag on, their answers differ somewhere
-    assert one[2] != generate(model, pixels[0:1], with_placeholders(prompts[2], model.cfg), eos_id=None,
-                              max_new_tokens=6) or one[5] != generate(model, pixels[0:1], with_placeholders(
-                                  prompts[5], model.cfg), eos_id=None, max_new_tokens=6)
+    assert one[2] != generate(model, pixels[0:1], with_placeholders(prompts[2], model.cfg), greedy) or \
+        one[5] != generate(model, pixels[0:1], with_placeholders(prompts[5], model.cfg), greedy)
     # each row stops at its own EOS: a token some rows produce and others do not
     eos = one[0][2]
     stopped = [a[:a.index(eos)] if eos in a else a for a in one]
     assert any(len(a) < 6 for a in stopped) and generate_batch(
-        model, pixels, prompts, has_image, eos_id=eos, max_new_tokens=6, batch_size=8) == stopped
-    assert stopped == [generate(model, pixels[i:i + 1], p, eos_id=eos, max_new_tokens=6, has_image=h)
+        model, pixels, prompts, Sampling(eos_id=eos, max_new_tokens=6), has_image=has_image, batch_size=8) == stopped
+    assert stopped == [generate(model, pixels[i:i + 1], p, Sampling(eos_id=eos, max_new_tokens=6), has_image=h)
                        for i, (p, h) in enumerate(zip(prompts, has_image))]
     # sampled: every row draws from its own generator seeded like generate's
-    kw = dict(eos_id=None, max_new_tokens=6, temperature=1.5, top_k=20, seed=3)
-    assert generate_batch(model, pixels, prompts, has_image, batch_size=4, **kw) == [
-        generate(model, pixels[i:i + 1], p, has_image=h, **kw) for i, (p, h) in enumerate(zip(prompts, has_image))]
+    sampled = Sampling(eos_id=None, max_new_tokens=6, temperature=1.5, top_k=20, seed=3)
+    assert generate_batch(model, pixels, prompts, sampled, has_image=has_image, batch_size=4) == [
+        generate(model, pixels[i:i + 1], p, sampled, has_image=h) for i, (p, h) in enumerate(zip(prompts, has_image))]
     # and uncached, recomputing the whole sequence, agrees for the text-only rows too
-    assert generate(model, pixels[2:3], prompts[2], eos_id=None, max_new_tokens=6, has_image=False,
-                    use_cache=False) == one[2]
+    assert generate(model, pixels[2:3], prompts[2], greedy, has_image=False, use_cache=False) == one[2]
 
 
 def test_cli_generates_many_in_batches(tmp_path, capsys):
@@ -146,7 +146,7 @@ def test_cli_generates_many_in_batches(tmp_path, capsys):
     # the text-only record: the prompt alone, no image (what generate gives with has_image=False)
     tok = builtin_tokenizer()
     prompt = ConversationEncoder(tok, 64).prompt_ids([("user", questions[0])])
-    want = generate(model, torch.zeros(1, 3, 32, 32), prompt, eos_id=tok.eos_token_id, max_new_tokens=5,
+    want = generate(model, torch.zeros(1, 3, 32, 32), prompt, Sampling(eos_id=tok.eos_token_id, max_new_tokens=5),
                     has_image=False)
     assert lines[3]["answer"] == tok.decode(want, skip_special_tokens=True).strip()
     # refusals: one line each, exit 2
@@ -170,12 +170,14 @@ def test_never_picks_an_id_past_the_tokenizer(tmp_path, capsys):
         model[-1].linear.bias[n:] = 100.0  # the padding would win every pick...
         model[-1].linear.bias[word] = 50.0  # ...over the best real token
     pixels, prompt = torch.zeros(1, 3, 32, 32), [1, 7, 9]
-    assert all(t >= n for t in generate(model, pixels, prompt, eos_id=None, max_new_tokens=3, has_image=False))
-    for kw in (dict(), dict(use_cache=False), dict(temperature=1.5, top_k=70, seed=1)):
-        assert generate(model, pixels, prompt, eos_id=None, max_new_tokens=3, has_image=False, n_tokens=n,
-                        **kw) == [word] * 3
-    assert generate_batch(model, pixels.repeat(2, 1, 1, 1), [prompt, prompt], [False, False], eos_id=None,
-                          max_new_tokens=3, n_tokens=n) == [[word] * 3] * 2
+    assert all(t >= n for t in generate(model, pixels, prompt, Sampling(eos_id=None, max_new_tokens=3),
+                                        has_image=False))
+    for use_cache, sampled in ((True, {}), (False, {}), (True, dict(temperature=1.5, top_k=70, seed=1))):
+        assert generate(model, pixels, prompt, Sampling(eos_id=None, max_new_tokens=3, n_tokens=n, **sampled),
+                        has_image=False, use_cache=use_cache) == [word] * 3
+    assert generate_batch(model, pixels.repeat(2, 1, 1, 1), [prompt, prompt],
+                          Sampling(eos_id=None, max_new_tokens=3, n_tokens=n), has_image=[False, False]
+                          ) == [[word] * 3] * 2
     write_checkpoint(model, tmp_path)
     (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "what shape is red"}) + "\n")
     base = ["generate", "--checkpoint", str(tmp_path), "--records", str(tmp_path / "text.jsonl"),

@@ -20,6 +20,7 @@ from mmpipe.cluster.ports import free_port
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.hf.llava import export_hf, import_llava
 from mmpipe.inference.generate import generate
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import layer_param_counts, lm_loss
 from mmpipe.planning.costmodel import layer_costs
 from mmpipe.runtime.checkpoint import load_reference
@@ -84,8 +85,8 @@ def test_cached_generation_equals_uncached(hf_dir):
     model, _ = import_llava(d)
     px, ids, _ = batch(kind, B=1)
     prompt = ids[0, :-2].tolist()
-    cached = generate(model, px, prompt, eos_id=None, max_new_tokens=10)
-    assert cached == generate(model, px, prompt, eos_id=None, max_new_tokens=10, use_cache=False)
+    cached = generate(model, px, prompt, Sampling(eos_id=None, max_new_tokens=10))
+    assert cached == generate(model, px, prompt, Sampling(eos_id=None, max_new_tokens=10), use_cache=False)
     # and HF's own greedy decoding agrees
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([prompt]), pixel_values=px, max_new_tokens=10, do_sample=False,

@@ -40,6 +40,7 @@ from mmpipe.data.dataset import prepare
 from mmpipe.hf.llava_next import config_from_hf, export_hf, import_llava_next, key_map
 from mmpipe.hf.llava_next import hf_config as hf_config_of
 from mmpipe.inference.generate import generate
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model.llava_next import image_feature_count, pooled_shape
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -160,9 +161,9 @@ def test_cached_decoding_equals_uncached_and_hf_generate(llava_next):
     # one image through mmpipe's generate (a 1-slot row), cached and not, and HF's own greedy decoding
     s = _sample(hf, kind, 2)
     pixels, tiling = alone(s)[0], alone(s)[4]
-    kw = dict(eos_id=None, max_new_tokens=5, tiling=tiling)
-    mine = generate(model, pixels, s[0].tolist(), **kw)
-    assert mine == generate(model, pixels, s[0].tolist(), use_cache=False, **kw)
+    greedy = Sampling(eos_id=None, max_new_tokens=5)
+    mine = generate(model, pixels, s[0].tolist(), greedy, tiling=tiling)
+    assert mine == generate(model, pixels, s[0].tolist(), greedy, use_cache=False, tiling=tiling)
     extra = {"batch_num_images": torch.tensor([1])} if kind == "onevision" else {}
     with torch.no_grad():
         out = hf.generate(input_ids=s[0][None], pixel_values=s[1], image_sizes=s[2], max_new_tokens=5,

@@ -22,6 +22,7 @@ from mmpipe.data.text import ConversationEncoder, image_text
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.hf.qwen2_vl import config_from_hf, export_hf, import_qwen2_vl, key_map
 from mmpipe.inference.generate import generate, with_images
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
 from mmpipe.model.stage import unpack_in
 from mmpipe.runtime.checkpoint import load_reference
@@ -190,9 +191,9 @@ def test_cached_decoding_equals_uncached_and_hf_generate(qwen):
     # one image through mmpipe's generate (a 1-slot row), cached and not, and HF's own greedy decoding
     ids, px, grids = _sample(2)
     pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
-    kw = dict(eos_id=None, max_new_tokens=5, tiling=grids[None])
-    mine = generate(model, pixels, ids.tolist(), **kw)
-    assert mine == generate(model, pixels, ids.tolist(), use_cache=False, **kw)
+    greedy = Sampling(eos_id=None, max_new_tokens=5)
+    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
+    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
     with torch.no_grad():
         out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
                           mm_token_type_ids=(ids == IMAGE).int()[None], max_new_tokens=5, min_new_tokens=5,

@@ -9,6 +9,7 @@ import torch
 from mmpipe.config import load_preset
 from mmpipe.data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from mmpipe.inference.evaluate import greedy_generate
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel, StageTuple, layer_param_counts, layer_specs
 from mmpipe.model.attention import row_mask
 from mmpipe.model.rows import IMAGE_SLOT, sample_rows
@@ -97,7 +98,7 @@ def test_batched_generation_equals_one_at_a_time():
     samples = [data.sample(i) for i in range(10)]  # prompts of different lengths
     pix = torch.stack([held_out.transform(data.render(s)) for s in samples])
     prompts = [held_out.encoder.prompt_ids([("user", s.question)]) for s in samples]
-    args = (tok.eos_token_id, tok.pad_token_id, 3, SHAPES_TEXT_LEN)
+    args = (Sampling(eos_id=tok.eos_token_id, max_new_tokens=3), tok.pad_token_id, SHAPES_TEXT_LEN)
     batched = greedy_generate(model, pix, prompts, *args)
     single = [greedy_generate(model, pix[i:i + 1], [p], *args)[0] for i, p in enumerate(prompts)]
     assert batched == single and any(batched)

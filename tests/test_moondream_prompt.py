@@ -38,6 +38,7 @@ from mmpipe.data.tokenizer import MOONDREAM, MOONDREAM_COMMIT, MOONDREAM_TEMPLAT
 from mmpipe.hf.moondream import export_moondream
 from mmpipe.inference import generate as gen_mod
 from mmpipe.inference.generate import generate, generate_batch
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
 from mmpipe.model.rows import IMAGE_SLOT
 from mmpipe.run_args import TrainArgs
@@ -155,16 +156,16 @@ def _model(seed: int = 3) -> ReferenceModel:
 
 def test_answer_id_is_masked_after_the_first_token():
     model, px = _model(), torch.zeros(1, 3, 32, 32)
-    free = generate(model, px, QUERY, eos_id=0, max_new_tokens=4)
+    free = generate(model, px, QUERY, Sampling(eos_id=0, max_new_tokens=4))
     assert free == [3, 3, 3, 3]  # unmasked, the marker wins every step
+    with_mask = Sampling(eos_id=0, max_new_tokens=4, answer_id=3)
     for use_cache in (True, False):  # moondream: the prompt's pick as it is, then never 3 again
-        got = generate(model, px, QUERY, eos_id=0, max_new_tokens=4, answer_id=3, use_cache=use_cache)
+        got = generate(model, px, QUERY, with_mask, use_cache=use_cache)
         assert got == [3, 46, 46, 46]
     # batched rows and sampling keep the mask (a sampled row never draws 3 after its first token)
-    assert generate_batch(model, px.repeat(2, 1, 1, 1), [QUERY, CAPTION], eos_id=0, max_new_tokens=4,
-                          answer_id=3) == [[3, 46, 46, 46]] * 2
+    assert generate_batch(model, px.repeat(2, 1, 1, 1), [QUERY, CAPTION], with_mask) == [[3, 46, 46, 46]] * 2
     kw = dict(eos_id=0, max_new_tokens=8, temperature=50.0, top_k=3, seed=1)  # 3 likely, not certain
-    free, masked = generate(model, px, QUERY, **kw), generate(model, px, QUERY, answer_id=3, **kw)
+    free, masked = generate(model, px, QUERY, Sampling(**kw)), generate(model, px, QUERY, Sampling(answer_id=3, **kw))
     assert 3 in free[1:] and 3 not in masked[1:] and len(masked) == 8
     assert masked[0] == free[0]  # the first draw sees the same (unmasked) logits
 
@@ -200,9 +201,9 @@ def test_import_keeps_the_tokenizer_and_generate_feeds_the_template(imported, mo
     seen = []
     real = gen_mod._decode_rows
 
-    def spy(model, pixels, ids, has_image, **kw):
-        seen.append((ids.tolist(), kw["answer_id"]))
-        return real(model, pixels, ids, has_image, **kw)
+    def spy(model, pixels, ids, has_image, sampling, **kw):
+        seen.append((ids.tolist(), sampling.answer_id))
+        return real(model, pixels, ids, has_image, sampling, **kw)
 
     monkeypatch.setattr(gen_mod, "_decode_rows", spy)
     rc, out, err = _cli("generate", "--checkpoint", str(run), "--image", str(imported / "red.png"), "--prompt", Q,

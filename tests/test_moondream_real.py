@@ -32,6 +32,7 @@ from mmpipe.config import ConfigError, config_from_dict, load_preset
 from mmpipe.data.crops import CropTransform, stack_images
 from mmpipe.hf.moondream import LAYOUTS, REGION_NAMES, export_moondream, import_moondream, key_map
 from mmpipe.inference.generate import generate
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
 from mmpipe.model.attention import apply_partial_rotary, row_geometry
 from mmpipe.model.layers import DecoderBlock
@@ -133,7 +134,7 @@ def test_logits_and_greedy_tokens_equal_moondreams(small):
     assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
     # moondream's greedy decoding (KV cache; it stops at eos 0, never reached here)
     for use_cache in (True, False):
-        assert generate(model, px, PROMPT, eos_id=0, max_new_tokens=len(REF["greedy_tokens"]),
+        assert generate(model, px, PROMPT, Sampling(eos_id=0, max_new_tokens=len(REF["greedy_tokens"])),
                         use_cache=use_cache) == REF["greedy_tokens"]
 
 
@@ -158,8 +159,8 @@ def test_multi_tile_image_logits_and_greedy_tokens_equal_moondreams(small):
     single = REF["logits"]  # and it is not the one-tile answer: the local crops matter
     assert (got[:1] - torch.tensor(single[:1])).abs().max() > 1e-2
     for use_cache in (True, False):
-        assert generate(model, px, PROMPT, eos_id=0, max_new_tokens=len(ref["greedy_tokens"]), use_cache=use_cache,
-                        tiling=tiling) == ref["greedy_tokens"]
+        assert generate(model, px, PROMPT, Sampling(eos_id=0, max_new_tokens=len(ref["greedy_tokens"])),
+                        use_cache=use_cache, tiling=tiling) == ref["greedy_tokens"]
 
 
 @pytest.mark.parametrize("layout_in", LAYOUTS)
@@ -260,9 +261,9 @@ def test_gqa_cached_generation_equals_full_forward():
     model = ReferenceModel(_gqa_cfg(1), seed=3).eval()  # one kv head for 4 query heads (multi-query)
     pixels_ = torch.randn(1, 3, 32, 32)
     for prompt in ([1, 7, 9], [1, 4, 11, 12, 13, 5]):
-        cached = generate(model, pixels_, prompt, eos_id=None, max_new_tokens=10)
-        assert len(cached) == 10 and cached == generate(model, pixels_, prompt, eos_id=None, max_new_tokens=10,
-                                                         use_cache=False)
+        greedy = Sampling(eos_id=None, max_new_tokens=10)
+        cached = generate(model, pixels_, prompt, greedy)
+        assert len(cached) == 10 and cached == generate(model, pixels_, prompt, greedy, use_cache=False)
 
 
 def test_config_refuses_what_the_layers_cannot_run():

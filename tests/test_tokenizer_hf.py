@@ -13,6 +13,7 @@ from mmpipe.data.text import ConversationEncoder, with_placeholders
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.hf.tokens import add_image_token
 from mmpipe.inference.generate import generate
+from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "USER:", "ASSISTANT:", "what", "colour", "is", "it", "red", "blue"]
@@ -58,7 +59,7 @@ def test_placeholder_added_and_embedding_resized(tmp_path):
     assert logits.shape == (1, len(ids), n + 1)
     # the image reaches the text through the placeholders
     assert not torch.allclose(logits, model.one_per_row(pixels + 1, torch.tensor([ids])))
-    assert len(generate(model, pixels, ids, eos_id=None, max_new_tokens=3)) == 3
+    assert len(generate(model, pixels, ids, Sampling(eos_id=None, max_new_tokens=3))) == 3
 
 
 def test_placeholder_already_present_keeps_the_vocabulary(tmp_path):

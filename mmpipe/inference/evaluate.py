@@ -14,17 +14,19 @@ from ..data.crops import stack_images
 from ..data.image_kinds import one_image_budget
 from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from ..data.shapes import QUESTION_TYPES, ShapesVQA
-from .generate import in_vocab, placeholder_of, stack_patches, with_images
+from .generate import placeholder_of, stack_patches, with_images
+from .sampling import Sampling
 
 
 @torch.no_grad()
-def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]], eos_id: int, pad_id: int,
-                    max_new_tokens: int, text_len: int, tiling: torch.Tensor | None = None,
-                    n_tokens: int | None = None) -> list[list[int]]:
+def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]], sampling: Sampling, pad_id: int,
+                    text_len: int, tiling: torch.Tensor | None = None) -> list[list[int]]:
     """Batched greedy decoding with right padding: causal attention after the image prefix means
     the pads to the right of a prompt never influence it, so prompts of any length share a batch.
-    text_len: the input_ids width (LLaVA: the prompts' placeholders included). n_tokens: the
-    tokenizer's size; the vocabulary's padding past it is never picked."""
+    sampling: a greedy one (its EOS, length bound, answer-id mask and tokenizer size: the vocabulary's padding
+    past it is never picked). text_len: the input_ids width (LLaVA: the prompts' placeholders included)."""
+    if not sampling.greedy:
+        raise ValueError(f"greedy_generate: {sampling.describe()}: greedy decoding only (generate_batch samples)")
     n_img = model.cfg.n_image_positions  # 0 when the image is attended to, not spliced
     B = len(prompts)
     ids = torch.full((B, text_len), pad_id, dtype=torch.long)
@@ -34,15 +36,15 @@ def greedy_generate(model, pixel_values: torch.Tensor, prompts: list[list[int]],
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     rows = torch.arange(B)
-    for _ in range(max_new_tokens):
+    for step in range(sampling.max_new_tokens):
         if done.all() or lengths.max() >= text_len:
             break
         logits = model.one_per_row(pixel_values, ids, None, tiling)  # [B, N_img + text_len, V]
         # text token j sits at decoder position n_img + j
-        nxt = in_vocab(logits[rows, n_img + lengths - 1], n_tokens, placeholder_of(model)).argmax(-1)
+        nxt = sampling.masked(logits[rows, n_img + lengths - 1], step, placeholder_of(model)).argmax(-1)
         for b in range(B):
             if not done[b]:
-                if nxt[b].item() == eos_id:
+                if nxt[b].item() == sampling.eos_id:
                     done[b] = True
                 else:
                     out[b].append(nxt[b].item())
@@ -60,6 +62,7 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
     held_out = ShapesSamples(cfg, seed, "eval", **budget)
     data, tok = held_out.data, held_out.tok
     dtype = next(model.parameters()).dtype
+    sampling = Sampling(eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens, n_tokens=len(tok))
     correct, total = defaultdict(int), defaultdict(int)
     for start in range(0, n_samples, batch_size):
         samples = [data.sample(i) for i in range(start, min(start + batch_size, n_samples))]
@@ -70,8 +73,8 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
         # LLaVA, Qwen2-VL: the image's placeholders where training puts them (the shapes set has no marker: after BOS)
         raw = [held_out.encoder.prompt([("user", s.question)], n_images=1) for s in samples]
         prompts = [with_images(ids, cfg, at, [x[1]] if dynamic else ()) for (ids, at), x in zip(raw, inputs)]
-        answers = greedy_generate(model, pixels, prompts, tok.eos_token_id, tok.pad_token_id, max_new_tokens,
-                                  SHAPES_TEXT_LEN + len(prompts[0]) - len(raw[0][0]), tiling, n_tokens=len(tok))
+        answers = greedy_generate(model, pixels, prompts, sampling, tok.pad_token_id,
+                                  SHAPES_TEXT_LEN + len(prompts[0]) - len(raw[0][0]), tiling)
         for s, a in zip(samples, answers):
             total[s.qtype] += 1
             correct[s.qtype] += int(tok.decode(a, skip_special_tokens=True).strip() == s.answer)

@@ -35,10 +35,14 @@ a new family add the method; nothing here changes.
 Batches (`generate_batch`, `mmpipe generate` with several --image/--prompt pairs or --records,
 `mmpipe eval`): prompts are grouped by length (`length_buckets`), so a batch's rows share their
 positions and no padding enters any row's cache or attention; each row stops at its own EOS and
-samples from its own generator seeded with --seed. A row's answer is therefore the one generate()
+samples from its own generator seeded with --seed (Sampling.seed). A row's answer is therefore the one generate()
 gives it alone (tests/test_generate.py, every family).
 
-answer_id (moondream's prompt format, mmpipe.data.text.answer_id_of): as moondream's
+How tokens are picked is one value, mmpipe.inference.sampling.Sampling (EOS, the length bound, greedy or
+temperature / top-k / seed, the answer-id mask, the tokenizer's size), which generate, generate_batch and the
+commands (Sampling.from_args) pass along whole.
+
+Sampling.answer_id (moondream's prompt format, mmpipe.data.text.answer_id_of): as moondream's
 `_generate_answer` does, the first new token is picked from the prompt's logits as they are, and
 every later step sets answer_id's logit to -inf before picking (tests/test_moondream_prompt.py).
 """
@@ -57,7 +61,7 @@ from ..data.crops import blank_image, make_transform, stack_images
 from ..data.image_kinds import image_kind
 from ..data.packing import row_shape
 from ..data.records import BadRecord
-from ..data.text import ConversationEncoder, answer_id_of, with_placeholders
+from ..data.text import ConversationEncoder, with_placeholders
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
 from ..hf.commands import hf_importer
@@ -65,6 +69,7 @@ from ..model.attention import attention_backend
 from ..model.rows import sample_rows
 from ..model.stage import unpack_in
 from ..runtime.checkpoint import latest_tag, load_reference
+from .sampling import Sampling
 
 
 def _split(model) -> int:
@@ -75,69 +80,20 @@ def _split(model) -> int:
     raise ValueError(f"{type(model[0]).__name__}...: no layer of this model supports cached decoding")
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]: argmax at temperature 0, else a sample from the top_k."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
-
-
-def _generators(temperature: float, seed: int, n: int) -> list[torch.Generator | None]:
-    """One sampling generator per row, each seeded with `seed`: a row samples exactly as it would alone."""
-    return [torch.Generator().manual_seed(seed) if temperature > 0 else None for _ in range(n)]
-
-
-def _masked(logits: torch.Tensor, answer_id: int | None, step: int, n_tokens: int | None = None,
-            placeholder: int | None = None) -> torch.Tensor:
-    """logits [B, V] of new token number `step` (0: the first, from the prompt), with answer_id's logit at
-    -inf from the second token on: moondream masks it on its decode steps, not on the prompt's prefill.
-    n_tokens (the tokenizer's size): only text ids, at every step (in_vocab)."""
-    logits = in_vocab(logits, n_tokens, placeholder)
-    if answer_id is None or step == 0:
-        return logits
-    return logits.index_fill(-1, torch.tensor([answer_id], device=logits.device), float("-inf"))
-
-
-def in_vocab(logits: torch.Tensor, n_tokens: int | None, placeholder: int | None = None) -> torch.Tensor:
-    """logits [..., V] with every id that is no text token at -inf: those from n_tokens on (the vocabulary
-    is padded past the tokenizer, ModelConfig.with_vocab; such an id decodes to nothing) and the LLaVA
-    family's image placeholder (placeholder_of: it marks image positions, never an answer's; a run's
-    tokenizer may lack it, its export's has it). n_tokens None: the logits as they are."""
-    if n_tokens is None:
-        return logits
-    never = torch.arange(logits.shape[-1], device=logits.device) >= n_tokens
-    if placeholder is not None:
-        never[placeholder] = True
-    return logits.masked_fill(never, float("-inf"))
-
-
 def placeholder_of(model) -> int | None:
     """The image placeholder id of a model whose prompts carry one (the LLaVA family), else None."""
     return model.cfg.image_token_id if model.cfg.layout.placeholders else None
 
 
-def _pick_rows(logits: torch.Tensor, temperature: float, top_k: int, gens: list) -> torch.Tensor:
-    """logits [B, V] -> [B]; sampling draws each row from its own generator (as one-row _pick would)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    return torch.cat([_pick(logits[b:b + 1], temperature, top_k, g) for b, g in enumerate(gens)])
-
-
 @torch.no_grad()
-def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torch.Tensor, *, eos_id: int | None,
-                 max_new_tokens: int, temperature: float, top_k: int, seed: int,
-                 tiling: torch.Tensor | None = None, answer_id: int | None = None,
-                 n_tokens: int | None = None) -> list[list[int]]:
+def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torch.Tensor, sampling: Sampling,
+                 tiling: torch.Tensor | None = None) -> list[list[int]]:
     """The KV-cached loop for B prompts whose rows have one length L (sample_rows): pixels [B, C, H, W],
     ids [B, T], has_image [B]. Every row is its own sequence at the same positions, so no padding enters
     any row's attention; a row that has produced EOS keeps being fed EOS (its output ignored) until every
     row is done."""
-    B = ids.shape[0]
-    gens = _generators(temperature, seed, B)
+    B, eos_id = ids.shape[0], sampling.eos_id
+    gens = sampling.generators(B)
     first = _split(model)
     enc = (pixels, *sample_rows(model.cfg, ids, has_image)) + (() if tiling is None else (tiling,))  # tiling last
     for layer in list(model)[:first]:
@@ -148,14 +104,13 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     start = 0
-    for step in range(max_new_tokens):
+    for step in range(sampling.max_new_tokens):
         x = t
         for layer, cache in zip(decoder, caches):
             x = layer.decode(x, cache, start)
         logits = x  # [B, T_new, V]
         start += logits.shape[1]
-        nxt = _pick_rows(_masked(logits[:, -1], answer_id, step, n_tokens, placeholder_of(model)), temperature,
-                         top_k, gens)
+        nxt = sampling.pick(sampling.masked(logits[:, -1], step, placeholder_of(model)), gens)
         for b, tok in enumerate(nxt.tolist()):
             if done[b]:
                 continue
@@ -172,33 +127,28 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
 
 
 @torch.no_grad()
-def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], *, eos_id: int | None,
-             max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0, seed: int = 0,
-             use_cache: bool = True, has_image: bool = True, tiling: torch.Tensor | None = None,
-             answer_id: int | None = None, n_tokens: int | None = None) -> list[int]:
-    """New token ids for one image + prompt (stops after EOS, which is not returned).
+def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], sampling: Sampling, *,
+             use_cache: bool = True, has_image: bool = True, tiling: torch.Tensor | None = None) -> list[int]:
+    """New token ids for one image + prompt, decoded as `sampling` says (mmpipe.inference.sampling: EOS, which
+    stops it and is not returned, the length bound, greedy or sampled, moondream's answer-id mask, the
+    tokenizer's size).
     use_cache=False reruns the whole model on the growing sequence each step (the reference).
     has_image=False: a text-only prompt, as training sees one (pixel_values a blank image no position
     reads: moondream's text follows BOS at position 1, as moondream's own; LLaVA: no placeholders).
     Multi-crop models: pixel_values [1, 1 + max_crops, C, H, W] and tiling [1, 2]
-    (mmpipe.data.crops.stack_images). answer_id: never produced after the first new token (moondream's
-    prompt format; module docstring). n_tokens: the
-    tokenizer's size; no id from it on is ever produced (the vocabulary's padding; `_masked`)."""
+    (mmpipe.data.crops.stack_images)."""
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
     flag = torch.full((1,), int(has_image), dtype=torch.long)
     pixels = pixel_values.to(next(model.parameters()).dtype)
     if use_cache:
-        return _decode_rows(model, pixels, ids, flag, eos_id=eos_id, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, seed=seed, tiling=tiling, answer_id=answer_id,
-                            n_tokens=n_tokens)[0]
-    gen = _generators(temperature, seed, 1)[0]
+        return _decode_rows(model, pixels, ids, flag, sampling, tiling=tiling)[0]
+    gens = sampling.generators(1)
     out: list[int] = []
-    for step in range(max_new_tokens):
-        logits = _masked(model.one_per_row(pixels, ids, flag, tiling)[:, -1], answer_id, step, n_tokens,
-                         placeholder_of(model))
-        nxt = _pick(logits, temperature, top_k, gen)
-        if eos_id is not None and nxt.item() == eos_id:
+    for step in range(sampling.max_new_tokens):
+        logits = sampling.masked(model.one_per_row(pixels, ids, flag, tiling)[:, -1], step, placeholder_of(model))
+        nxt = sampling.pick(logits, gens)
+        if sampling.eos_id is not None and nxt.item() == sampling.eos_id:
             break
         out.append(nxt.item())
         ids = torch.cat([ids, nxt[:, None]], dim=1)
@@ -254,14 +204,13 @@ def length_buckets(lengths: list[int], batch_size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], has_image=None, *,
-                   eos_id: int | None, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-                   seed: int = 0, batch_size: int = 16, progress=None, tiling: torch.Tensor | None = None,
-                   answer_id: int | None = None, n_tokens: int | None = None) -> list[list[int]]:
+def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], sampling: Sampling, *,
+                   has_image=None, batch_size: int = 16, progress=None, tiling: torch.Tensor | None = None
+                   ) -> list[list[int]]:
     """generate() for many prompts at once: pixel_values [N, C, H, W], prompts N token-id lists,
     has_image N bools (default: all True) -> N answers in the prompts' order, each the tokens
-    generate(model, pixel_values[i:i+1], prompts[i], ..., has_image=has_image[i]) gives (greedy; a sampled
-    row draws from its own generator seeded with `seed`, as generate does). Prompts are batched by
+    generate(model, pixel_values[i:i+1], prompts[i], sampling, has_image=has_image[i]) gives (greedy; a sampled
+    row draws from its own generator seeded with sampling.seed, as generate does). Prompts are batched by
     length (length_buckets; the row's length: moondream's image positions count); each row stops at its own
     EOS. progress(n): called after each batch of n."""
     model.eval()
@@ -271,10 +220,7 @@ def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], 
     n_img = model.cfg.n_image_positions
     for idx in length_buckets([len(p) + n_img * int(f) for p, f in zip(prompts, flags)], batch_size):
         answers = _decode_rows(model, pixels[idx], torch.tensor([prompts[i] for i in idx], dtype=torch.long),
-                               flags[idx], eos_id=eos_id, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_k=top_k, seed=seed,
-                               tiling=None if tiling is None else tiling[idx], answer_id=answer_id,
-                               n_tokens=n_tokens)
+                               flags[idx], sampling, tiling=None if tiling is None else tiling[idx])
         for i, a in zip(idx, answers):
             out[i] = a
         if progress is not None:
@@ -391,11 +337,6 @@ def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
     return out
 
 
-def decoding(args: argparse.Namespace) -> str:
-    return ("greedy" if args.temperature <= 0 else f"temperature {args.temperature}, top-k {args.top_k}, "
-            f"seed {args.seed}") + f", at most {args.max_new_tokens} new tokens"
-
-
 def _plan(args: argparse.Namespace, requests: list) -> int:
     """--dry-run: the checkpoint and tokenizer resolved (no weight read), the requests checked."""
     cfg, weights, own = resolve_checkpoint(Path(args.checkpoint))
@@ -403,7 +344,7 @@ def _plan(args: argparse.Namespace, requests: list) -> int:
     images = sum(image is not None for image, _, _ in requests)
     return print_plan(f"generate: {len(requests)} prompt(s), {images} with an image", model=f"{cfg.name} "
                       f"({cfg.family})", weights=weights, tokenizer=f"{args.tokenizer or own or 'built-in'} "
-                      f"({len(tok)} tokens)", decoding=decoding(args))
+                      f"({len(tok)} tokens)", decoding=Sampling.from_args(args, tok).plan())
 
 
 def _images(requests: list, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None, list]:
@@ -450,14 +391,14 @@ def main_generate(args: argparse.Namespace) -> int:
         except BadRecord as e:
             return fail(ConfigError(f"{where}: {e.reason}"))
         prompts.append(with_images(ids, cfg, image_at, g) if h else ids)
-    kw = dict(eos_id=tok.eos_token_id, answer_id=answer_id_of(tok), n_tokens=len(tok),
-              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    sampling = Sampling.from_args(args, tok)
     if args.no_cache:
-        new = [generate(model, pixels[i:i + 1], p, use_cache=False, has_image=h,
-                        tiling=None if tiling is None else tiling[i:i + 1], **kw)
+        new = [generate(model, pixels[i:i + 1], p, sampling, use_cache=False, has_image=h,
+                        tiling=None if tiling is None else tiling[i:i + 1])
                for i, (p, h) in enumerate(zip(prompts, has_image))]
     else:
-        new = generate_batch(model, pixels, prompts, has_image, batch_size=args.batch_size, tiling=tiling, **kw)
+        new = generate_batch(model, pixels, prompts, sampling, has_image=has_image, batch_size=args.batch_size,
+                             tiling=tiling)
     answers = [tok.decode(a, skip_special_tokens=True).strip() for a in new]
     for (_, _, where), a, answer in zip(requests, new, answers):
         if not answer:  # say why on stderr: stdout stays the answers alone

@@ -47,12 +47,10 @@ from ..data.dataset import prepare_eval, resolve_data
 from ..data.image_kinds import image_kind
 from ..data.packing import RowSet, sample_rowset
 from ..data.records import BadRecord
-from ..data.text import answer_id_of
 from ..flags import print_plan
 from ..model.builder import IGNORE_INDEX, lm_loss_sum
 from .generate import (
     check_attention,
-    decoding,
     empty_reason,
     generate_batch,
     length_buckets,
@@ -61,6 +59,7 @@ from .generate import (
     stack_patches,
     with_images,
 )
+from .sampling import Sampling
 
 METRICS = ("exact", "contains")
 TYPE_KEYS = ("type", "qtype", "question_type")  # a record's question type, if it names one
@@ -181,7 +180,8 @@ def _loaded(args: argparse.Namespace):
                                run_dir=out.parent if args.dry_run else None)
         if args.dry_run:
             print_plan(f"eval: {evalset.size} records", model=f"{cfg.name} ({cfg.family})", weights=weights,
-                       data=Path(opts.name).resolve(), decoding=decoding(args), metric=args.metric,
+                       data=Path(opts.name).resolve(), decoding=Sampling.from_args(args, opts.tokenizer).plan(),
+                       metric=args.metric,
                        answers=out.resolve(), summary=summary_path(out).resolve())
             return None
     model, _ = load_checkpoint(Path(args.checkpoint))
@@ -207,13 +207,14 @@ def main_eval(args: argparse.Namespace) -> int:
         return 0
     model, tok, evalset, text_len = loaded
     model.eval()
+    sampling = Sampling.from_args(args, tok)
     started = time.perf_counter()
-    items, answers, loss_sum, loss_tokens = _generate_all(args, model, tok, evalset, text_len)
+    items, answers, loss_sum, loss_tokens = _generate_all(args, model, sampling, evalset, text_len)
     seconds = time.perf_counter() - started
     lines = _scored_lines(args, tok, evalset, items, answers)
     out = Path(args.out)
     out.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    summary = _summary(args, lines, evalset, loss_sum, loss_tokens, seconds, out)
+    summary = _summary(args, sampling, lines, evalset, loss_sum, loss_tokens, seconds, out)
     summary_path(out).write_text(json.dumps(summary, indent=2) + "\n")
     types = "".join(f", {q} {v[args.metric]:.3f}" for q, v in summary["per_type"].items())
     print(f"mmpipe: eval: {args.metric} {summary[args.metric]:.3f} ({summary['correct']}/{summary['n']}{types}); "
@@ -223,10 +224,10 @@ def main_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_all(args, model, tok, evalset, text_len: int):
-    """Every record's prompt and reference, the generated answers (batches of equal-length prompts)
-    and the teacher-forced loss sum and answer-token count over the same batches."""
-    cfg, eos = model.cfg, tok.eos_token_id
+def _generate_all(args, model, sampling: Sampling, evalset, text_len: int):
+    """Every record's prompt and reference, the generated answers (batches of equal-length prompts, decoded as
+    `sampling` says) and the teacher-forced loss sum and answer-token count over the same batches."""
+    cfg, eos = model.cfg, sampling.eos_id
     dtype, size = next(model.parameters()).dtype, cfg.vision.image_size
     items = []
     for pos in range(evalset.size):
@@ -249,11 +250,8 @@ def _generate_all(args, model, tok, evalset, text_len: int):
                 pixels, tiling = stack_images([evalset.pixels(items[i].pos) if items[i].has_image
                                                else blank_image(size, cfg.vision.max_crops) for i in batch])
             pixels = pixels.to(dtype)
-            new = generate_batch(model, pixels, [items[i].prompt for i in batch], [items[i].sees_image for i in batch],
-                                 eos_id=eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, seed=args.seed, batch_size=len(batch), tiling=tiling,
-                                 answer_id=answer_id_of(tok),  # moondream's prompt format: its answer-id mask
-                                 n_tokens=len(tok))  # never an id past the tokenizer (the vocabulary's padding)
+            new = generate_batch(model, pixels, [items[i].prompt for i in batch], sampling,
+                                 has_image=[items[i].sees_image for i in batch], batch_size=len(batch), tiling=tiling)
             for i, a in zip(batch, new):
                 answers[i] = a
             s, n = _loss(model, rows, [items[i].pos for i in batch], pixels, tiling)
@@ -279,7 +277,8 @@ def _scored_lines(args, tok, evalset, items, answers) -> list[dict]:
     return lines
 
 
-def _summary(args, lines: list[dict], evalset, loss_sum: float, loss_tokens: int, seconds: float, out: Path) -> dict:
+def _summary(args, sampling: Sampling, lines: list[dict], evalset, loss_sum: float, loss_tokens: int,
+             seconds: float, out: Path) -> dict:
     hits: dict[str, list[int]] = defaultdict(list)
     for line in lines:
         if "type" in line:
@@ -292,6 +291,4 @@ def _summary(args, lines: list[dict], evalset, loss_sum: float, loss_tokens: int
             "val_loss": loss_sum / max(1, loss_tokens), "answer_tokens": loss_tokens,
             "samples_per_s": n / max(seconds, 1e-9), "seconds": round(seconds, 3),
             "checkpoint": str(args.checkpoint), "data": str(args.data), "answers": str(out),
-            "decoding": "greedy" if args.temperature <= 0 else
-            {"temperature": args.temperature, "top_k": args.top_k, "seed": args.seed},
-            "max_new_tokens": args.max_new_tokens}
+            "decoding": sampling.to_json(), "max_new_tokens": sampling.max_new_tokens}
