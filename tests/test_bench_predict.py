@@ -285,7 +285,11 @@ def test_profile_without_the_precision_is_refused(tmp_path, capsys):
                  str(tmp_path / "p.json")]) == 0
     capsys.readouterr()
     _one_error(capsys, ["plan", "--preset", "small", "--device-profile", str(tmp_path / "p.json"), "--precision",
-                        "bf16"], "calibrated for fp32 only, not --precision bf16")
+                        "bf16"], "calibrated for fp32 only, not --precision bf16 (plan with --precision fp32, or "
+                                 "calibrate on a sweep with bf16 variants)")
+    # without --precision it plans at the one precision the profile holds, not plan's default bf16
+    assert main(["plan", "--preset", "small", "--device-profile", str(tmp_path / "p.json")]) == 0
+    assert ", fp32, ZeRO-1" in capsys.readouterr().out.splitlines()[0]
     (tmp_path / "text").write_text("not json")
     _one_error(capsys, ["plan", "--device-profile", str(tmp_path / "text")], "not valid JSON")
 

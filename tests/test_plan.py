@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import random
+import shlex
 import subprocess
 import sys
 
@@ -262,7 +263,7 @@ def test_the_planned_config_trains_as_written(tmp_path, capsys):
     dp = int(best.split(" x dp ")[1].split(",")[0])
     assert cfg["train_batch_size"] == 32 == dp * cfg["train_micro_batch_size_per_gpu"] * cfg[
         "gradient_accumulation_steps"]
-    assert f"run it with mmpipe train --ds-config {out} --dp {dp} --text-len 12" in proc.stdout
+    assert f"run it with mmpipe train --preset tiny --ds-config {out} --dp {dp} --text-len 12" in proc.stdout
     run = train_run(tmp_path / "run", "--preset", "tiny", "--ds-config", str(out), "--steps", "2",
                     "--eval-samples", "0").check()
     s = run.summary
@@ -441,3 +442,78 @@ def test_plan_checks_the_shared_flags_as_train_does(capsys):
         assert capsys.readouterr().err.strip().splitlines() == [f"mmpipe: error: {e.value}"], bad
     assert main(base + ["--json"]) == 0  # small: 64 positions, 16 image tokens -> text 48
     assert {lay["decoder_length"] for lay in json.loads(capsys.readouterr().out)} == {16 + 48}
+
+
+# the printed run command of --write-config (issue 46 item 2): models whose preset is not train's default, with the
+# row and model flags a user plans with; each must run as printed
+WRITTEN_PLANS = {
+    "qwen2.5-vl-72b": ["--device", "h100-80gb", "--gpus-per-node", "8", "--nodes", "4", "--global-batch", "128",
+                       "--micro", "1", "--image-size", "1024x768", "--max-images", "4", "--max-patches", "16384",
+                       "--text-len", "1024", "--checkpointing"],
+    "llava-v1.6-mistral-7b": ["--image-size", "1024x768,300x1200", "--max-tiles", "10", "--text-len", "512"],
+    "llava-1.5-7b": ["--device", "h100-80gb", "--gpus-per-node", "8", "--global-batch", "64", "--text-len", "1024",
+                     "--max-images", "2", "--pack", "--freeze", "vision", "--lora", "16"],
+    "moondream-2b": ["--device", "a100-80gb", "--gpus-per-node", "2", "--global-batch", "64", "--max-crops", "6",
+                     "--text-len", "128"],
+}
+
+
+@pytest.mark.parametrize("preset", list(WRITTEN_PLANS))
+def test_the_printed_train_command_runs_the_plan_as_planned(preset, tmp_path, capsys):
+    """`mmpipe plan --write-config` prints the `mmpipe train` command that runs the plan: run as printed (a dry
+    run: these models do not fit here) it takes the planned model, layout and rows, not train's default preset."""
+    from mmpipe.cli import main
+    out = tmp_path / "ds.json"
+    proc = plan_here(capsys, "--preset", preset, *WRITTEN_PLANS[preset], "--write-config", str(out))
+    assert proc.returncode == 0, proc.stderr
+    printed = proc.stdout.strip().splitlines()[-1].split("; run it with mmpipe train ", 1)[1]
+    argv = shlex.split(printed)
+    assert argv[:2] == ["--preset", preset], printed
+    planned = json.loads(out.read_text())["pipeline"]
+    capsys.readouterr()
+    assert main(["train", *argv, "--dry-run"]) == 0, capsys.readouterr().err
+    said = capsys.readouterr().out
+    assert f"mmpipe: dry run: train {preset} " in said
+    best = next(ln for ln in proc.stdout.splitlines() if ln.startswith("best:"))
+    assert f"layout: {best.split(': ')[1].split(',')[0]} = " in said, (best, said)  # '16 stages x dp 2'
+    bounds = [int(b) for b in planned["partition"].split(",")] if planned["partition"] != "balanced" else []
+    assert f"layer boundaries [0, {''.join(f'{b}, ' for b in bounds)}" in said
+    for flag in ("--image-size", "--checkpointing", "--device", "--nodes", "--global-batch", "--micro"):
+        assert flag not in argv  # plan's own flags: train takes them from the config it wrote, or has none
+    given = WRITTEN_PLANS[preset]
+    for flag in ("--text-len", "--max-images", "--max-patches", "--max-tiles", "--freeze", "--lora", "--max-crops"):
+        if flag in given:  # each row and model flag the plan was given, with its value
+            assert argv[argv.index(flag) + 1] == given[given.index(flag) + 1], flag
+    assert ("--pack" in argv) == ("--pack" in given)
+
+
+def _check_profile(path, precision: str = "fp32") -> None:
+    """A device profile as `mmpipe check --preset small --stages 2` writes it on fp32 ranks (mmpipe.check.profile's
+    own profile_doc of the run, its layer-kind table a made-up one: plan reads the fitted terms, not the table)."""
+    from mmpipe.check.profile import profile_doc
+    run = resolve(TrainArgs(preset="small", stages=2, eval_samples=0), world_size=2)
+    kinds = {r.name: (1e-4, 2e-4) for r in run.layers}
+    slowest = {"rank": 1, "kinds": kinds, "seconds": 0.05}
+    doc = profile_doc(run, slowest, Device("cpu", 9e10, 16 * 2 ** 30, 5e9), [])
+    assert doc["fit"]["source"] == "mmpipe check" and list(doc["efficiency"]) == [precision]
+    path.write_text(json.dumps(doc))
+
+
+def test_a_profile_check_wrote_plans_at_its_own_precision(tmp_path, capsys):
+    """docs/check.md's `mmpipe plan --device-profile runs/check/device_profile.json ...` without --precision plans
+    at the precision the check ran (fp32 here, where plan's own default is bf16); another precision is refused
+    in one line whose advice fits a profile check wrote (plan at fp32, or rerun the check at bf16)."""
+    path = tmp_path / "device_profile.json"
+    _check_profile(path)
+    doc = ["--device-profile", str(path), "--preset", "small", "--text-len", "12", "--micro", "16"]
+    proc = plan_here(capsys, *doc)
+    assert proc.returncode == 0, proc.stderr
+    header = proc.stdout.splitlines()[0]
+    assert header.startswith("small on 8 x cpu (calibrated) ") and ", fp32, ZeRO-1" in header, header
+    proc = plan_here(capsys, *doc, "--precision", "bf16")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"mmpipe: error: --device-profile: {path}: calibrated for fp32 only, not --precision bf16 (plan with "
+        f"--precision fp32, or rerun mmpipe check with a bf16 --ds-config)"]
+    proc = plan_here(capsys, "--preset", "small", "--text-len", "12", "--micro", "16")  # no profile: plan's bf16
+    assert proc.returncode == 0 and ", bf16, ZeRO-1" in proc.stdout.splitlines()[0], proc.stdout[:300]

@@ -148,11 +148,21 @@ def test_a_bad_image_size_is_one_line(bad, capsys):
 
 
 def test_image_size_and_profile_are_refused_where_they_mean_nothing(capsys):
+    """--image-size on a fixed-size family is one line naming the families that do take it: every family whose
+    images take any size in a row budget (the registry's, so a new one is named too), each of which plans it."""
     from mmpipe.cli import main
-    assert main(["plan", "--preset", "llava-tiny", "--image-size", "64x64"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "mmpipe: error: --image-size: the llava family resizes every image to 32 px square; only a "
-        "dynamic-resolution family (qwen2_vl) costs an image size"]
+    from mmpipe.data.image_kinds import KINDS
+    from mmpipe.model.families import FAMILIES
+    takers = sorted({f.family for f in FAMILIES if KINDS[f.images].flag is not None})
+    assert takers == ["llava_next", "qwen2_vl"]
+    for preset, px in (("llava-tiny", 32), ("llava-1.5-7b", 336)):
+        assert main(["plan", "--preset", preset, "--image-size", "64x64"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"mmpipe: error: --image-size: the llava family resizes every image to {px} px square; only the qwen2_vl "
+            f"and llava_next families (images of any size in a row budget) cost an image size"]
+    for preset in ("qwen-tiny", "llava-next-tiny"):  # the families named: each costs an image size
+        assert main(["plan", "--preset", preset, "--image-size", "64x64", "--gpus-per-node", "1"]) == 0, preset
+        assert load_preset(preset).family in takers and "64x64 px" in capsys.readouterr().out
     assert main(["plan", "--preset", "qwen-tiny", "--profile"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mmpipe: error: --profile: not for a dynamic-resolution preset"), err

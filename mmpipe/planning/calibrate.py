@@ -46,6 +46,7 @@ from .schedule_registry import BASELINE, row_schedule
 
 PROFILE_KIND = "mmpipe-device-profile"
 PRECISIONS = ("fp32", "bf16", "fp16")
+CHECK_SOURCE = "mmpipe check"  # a profile's fit.source when `mmpipe check` wrote it (mmpipe.check.profile)
 
 
 # ---- the sweep's results --------------------------------------------------------------------------
@@ -334,7 +335,8 @@ def profile_of(result: dict) -> dict:
 def load_profile(path: str) -> dict:
     """A device profile written by --calibrate, checked field by field."""
     where = f"--device-profile: {path}"
-    prof = read_json(path, where, "not found (write one with mmpipe plan --calibrate RESULTS.json)")
+    prof = read_json(path, where, "not found (mmpipe check writes one in its --output-dir; mmpipe plan --calibrate "
+                                 "RESULTS.json writes one from a sweep)")
     if not isinstance(prof, dict) or prof.get("kind") != PROFILE_KIND:
         raise ConfigError(f"{where}: not a device profile (no \"kind\": \"{PROFILE_KIND}\"; write one with "
                           f"mmpipe plan --calibrate RESULTS.json)")
@@ -361,11 +363,33 @@ def load_profile(path: str) -> dict:
     return prof
 
 
+def from_check(prof: dict) -> bool:
+    """Whether `mmpipe check` measured this profile (on a run's own ranks, at that run's one precision)."""
+    return isinstance(prof.get("fit"), dict) and prof["fit"].get("source") == CHECK_SOURCE
+
+
+def profile_precision(prof: dict) -> str:
+    """The precision `mmpipe plan --device-profile` plans at without --precision: plan's default bf16 where the
+    profile holds it, else the profile's one precision (a profile `mmpipe check` wrote on fp32 ranks plans at
+    fp32); ConfigError in one line for a profile of several precisions that lacks bf16."""
+    held = list(prof["efficiency"])
+    if "bf16" in held or len(held) == 1:
+        return "bf16" if "bf16" in held else held[0]
+    raise ConfigError(f"--device-profile: {prof['_path']}: calibrated for {', '.join(held)}: give --precision "
+                      f"(one of them)")
+
+
 def profile_device(prof: dict, precision: str) -> Device:
     """The calibrated Device for a precision the profile was fitted on."""
     if precision not in prof["efficiency"]:
-        raise ConfigError(f"--device-profile: {prof['_path']}: calibrated for {', '.join(prof['efficiency'])} only, "
-                          f"not --precision {precision} (calibrate on a sweep with {precision} variants)")
+        held = ", ".join(prof["efficiency"])
+        # the way to a profile at another precision depends on what wrote this one: check measures the run's own
+        # precision (its DeepSpeed config), a calibration fits the precisions its sweep ran
+        again = (f"rerun mmpipe check with a {precision} --ds-config" if from_check(prof) else
+                 f"calibrate on a sweep with {precision} variants")
+        instead = " or ".join(f"--precision {k}" for k in prof["efficiency"])
+        raise ConfigError(f"--device-profile: {prof['_path']}: calibrated for {held} only, not --precision "
+                          f"{precision} (plan with {instead}, or {again})")
     return Device(f"{prof['device']} (calibrated)", float(prof["peak_flops"][precision]), float(prof["memory_bytes"]),
                   float(prof["link_bytes_per_s"]), float(prof["efficiency"][precision]),
                   microbatch_overhead=float(prof["microbatch_overhead_s"]),

@@ -21,10 +21,22 @@ import re
 
 from ..config import ConfigError, ModelConfig
 from ..data.anyres import tile_rule
-from ..data.image_kinds import image_kind
+from ..data.image_kinds import KINDS, image_kind
 from ..data.patches import default_max_patches, patch_rule
 from ..data.records import BadRecord
 from ..model.costs import CropRow, PatchRow
+from ..model.families import FAMILIES
+
+
+def sized_families() -> list[str]:
+    """The families whose images take any size in a row budget (a kind with a budget flag: Qwen2-VL's patches,
+    LLaVA-NeXT's tiles), from the family registry: those `--image-size` costs and `mmpipe check` has no profile for."""
+    return list(dict.fromkeys(f.family for f in FAMILIES if KINDS[f.images].flag is not None))
+
+
+def families_words(names: list[str]) -> str:
+    """['a'] -> 'the a family'; ['a', 'b'] -> 'the a and b families'."""
+    return f"the {names[0]} family" if len(names) == 1 else f"the {', '.join(names[:-1])} and {names[-1]} families"
 
 
 def parse_image_sizes(text: str) -> list[tuple[int, int]]:

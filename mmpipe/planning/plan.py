@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -39,14 +40,14 @@ from ..config import ConfigError, ModelConfig, fail, load_preset
 from ..data.args import DataArgs
 from ..data.dataset import ROW_FLAGS, dynamic, row_text_len
 from ..data.image_kinds import row_budgets
-from ..flags import add_flags, from_namespace
+from ..flags import add_flags, from_namespace, to_argv
 from ..model.args import ModelArgs
 from ..model.builder import check_lora_rank
 from ..model.costs import CropRow, PatchRow
 from ..model.lora import Lora
-from .calibrate import calibrate, load_profile, profile_device, profile_of, read_results, report
+from .calibrate import calibrate, load_profile, profile_device, profile_of, profile_precision, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
-from .images import crop_line, crop_words, parse_image_sizes, patch_row
+from .images import crop_line, crop_words, families_words, parse_image_sizes, patch_row, sized_families
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
 from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, asked
 
@@ -67,7 +68,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=256, help="samples per optimizer step (rows with --pack)")
     p.add_argument("--micro", default="1,2,4,8,16", help="micro-batch sizes to consider (rows with --pack)")
-    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="default: bf16; with --device-profile, the profile's precision when it holds one only (a "
+                        "profile `mmpipe check` wrote holds its run's)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
     p.add_argument("--schedule", default=BASELINE.name, metavar="|".join(PLAN_SCHEDULES),
@@ -89,8 +92,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-profile", default=None, metavar="FILE",
                    help="with --calibrate: where the profile goes (default: device_profile.json beside RESULTS.json)")
     p.add_argument("--image-size", default=None, metavar="WxH[,WxH...]",
-                   help="dynamic-resolution presets (qwen2_vl): cost rows of --max-images images of this size in "
-                        "pixels, e.g. 1024x768, each resized to the image processor's grid as training resizes it; "
+                   help=f"presets whose images take any size ({', '.join(sized_families())}): cost rows of "
+                        "--max-images images of this size in pixels, e.g. 1024x768, each resized or tiled as "
+                        "training does it; "
                         "several sizes: one image of each in turn, --max-images defaulting to their number "
                         "(default: the preset's vision.image_size square)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
@@ -99,8 +103,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def device_from_args(args) -> Device:
+    """The Device to plan on; sets args.precision when it was not given (bf16, or the device profile's)."""
     if getattr(args, "device_profile", None):
-        base = profile_device(load_profile(args.device_profile), args.precision)
+        prof = load_profile(args.device_profile)
+        args.precision = args.precision or profile_precision(prof)
+        base = profile_device(prof, args.precision)
     elif args.device == "cpu":
         base = cpu_device()
     elif args.device in KNOWN_DEVICES:
@@ -115,6 +122,7 @@ def device_from_args(args) -> Device:
                  args.link_gbps * 1e9 if args.link_gbps else base.link,
                  args.efficiency if args.efficiency else base.efficiency,
                  base.microbatch_overhead, base.step_overhead, base.allreduce_link, base.split_overhead)
+    args.precision = args.precision or "bf16"
     missing = [n for n, v in (("--peak-tflops", dev.peak_flops), ("--gpu-mem", dev.memory), ("--link-gbps", dev.link))
                if v <= 0]
     if missing:
@@ -207,7 +215,8 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
     sizes = None if args.image_size is None else parse_image_sizes(args.image_size)
     if sizes and not dynamic(cfg):
         problems.append(f"--image-size: the {cfg.family} family resizes every image to {cfg.vision.image_size} px "
-                        f"square; only a dynamic-resolution family (qwen2_vl) costs an image size")
+                        f"square; only {families_words(sized_families())} (images of any size in a row budget) "
+                        f"cost an image size")
     elif sizes and args.max_images is not None and args.max_images < len(sizes):
         problems.append(f"--image-size: {len(sizes)} sizes for --max-images {args.max_images}: a row holds one image "
                         f"of each (give --max-images {len(sizes)} or more)")
@@ -284,12 +293,22 @@ def main_plan(args) -> int:
                                                                 args.checkpointing), indent=2) + "\n")
         best = feasible[0]
         sched = "" if best.schedule == BASELINE.name else f", schedule {best.schedule}"
-        rows = (f"{'--pack ' if args.pack else ''}--max-images {args.max_images} "
-                if args.pack or args.max_images > 1 else "") + (f"{_budget(patches, ' ')} " if patches else "")
         print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro {best.micro} x GAS "
               f"{best.gas} = global batch {best.micro * best.gas * best.dp}{sched}); run it with mmpipe train "
-              f"--ds-config {args.write_config} --dp {best.dp} {rows}--text-len {args.text_len}")
+              f"{shlex.join(train_flags(args, model_args, best, patches))}")
     return 0
+
+
+def train_flags(args, model_args: ModelArgs, best: Layout, patches: PatchRow | None) -> list[str]:
+    """The `mmpipe train` flags that run the plan as planned: the preset (train's default is another model), the
+    written config (precision, ZeRO, checkpointing, schedule, batch sizes, partition) and its DP, the model
+    flags the plan was given (--freeze, --lora..., --max-crops) and the row's shape (--pack, --max-images, the
+    vision budget, --text-len), each as train spells it."""
+    rows = ([*(["--pack"] if args.pack else []), "--max-images", str(args.max_images)]
+            if args.pack or args.max_images > 1 else [])
+    rows += _budget(patches, " ").split() if patches else []
+    return ["--preset", args.preset, "--ds-config", args.write_config, "--dp", str(best.dp), *to_argv(model_args),
+            *rows, "--text-len", str(args.text_len)]
 
 
 def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None = None) -> None:
