@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from ..data.image_kinds import image_kind
-from ..planning.calibrate import PROFILE_KIND, load_profile, profile_device
+from ..planning.calibrate import CHECK_SOURCE, PROFILE_KIND, load_profile, profile_device
 from ..planning.costmodel import Device, profile_layers, stage_seconds
+from ..planning.images import families_words, sized_families
 from ..planning.layout import CPU_LINK, plan_layout
 from ..planning.schedule_registry import BASELINE
 from ..run_config import RunConfig
@@ -90,7 +91,7 @@ def profile_doc(run: RunConfig, slowest: dict, base: Device, link_rows: list[dic
             "efficiency": {run.precision: eff}, "microbatch_overhead_s": 0.0, "step_overhead_s": 0.0,
             "split_overhead_s": 0.0, "memory_bytes": base.memory, "link_bytes_per_s": bw["p2p"] or base.link,
             "allreduce_bytes_per_s": bw["all-reduce"] or base.allreduce_link or base.link,
-            "fit": {"source": "mmpipe check", "model": run.model.name, "micro": run.micro, "rank": slowest["rank"],
+            "fit": {"source": CHECK_SOURCE, "model": run.model.name, "micro": run.micro, "rank": slowest["rank"],
                     "model_seconds_per_micro": slowest["seconds"], "measured_links": [k for k, v in bw.items() if v]},
             "layer_kinds": {k: {"forward_s": f, "backward_s": b} for k, (f, b) in slowest["kinds"].items()},
             "machine": {"host": platform.node(), "threads": torch.get_num_threads()}}
@@ -105,13 +106,25 @@ def _base_device(run: RunConfig, dev: torch.device) -> Device:
                   CPU_LINK)
 
 
+def skip_reason(model) -> str | None:
+    """Why no profile is written for this model (None: one is): profile_layers times a fixed-size image of each
+    layer kind, and a family whose images take any size in a row budget (the registry's: Qwen2-VL's patches,
+    LLaVA-NeXT's tiles) has no one image size to time its tower at."""
+    kind = image_kind(model)
+    if kind.flag is None:
+        return None
+    return (f"no profile for the {model.family} family yet: its images take any size in a row budget "
+            f"(--{kind.flag.replace('_', '-')}) and the profile times fixed-size images only "
+            f"({families_words(sized_families())} write none)")
+
+
 def check(run: RunConfig, dev: torch.device, out_dir: str, link_rows: list[dict], small: RunConfig | None = None,
           measured_step: float | None = None) -> dict | None:
-    """Collective; rank 0 writes OUT_DIR/device_profile.json and returns the result (None elsewhere). A
-    dynamic-resolution preset is skipped (passes, no profile): profile_layers times fixed-size images only."""
-    if image_kind(run.model).flag is not None:  # images of any size, in a row budget
-        return {"ok": True, "skipped": f"no profile for a dynamic-resolution preset ({run.model.family}) yet"} \
-            if dist.get_rank() == 0 else None
+    """Collective; rank 0 writes OUT_DIR/device_profile.json and returns the result (None elsewhere). A family
+    whose images take any size is skipped (passes, no profile; skip_reason says why)."""
+    why = skip_reason(run.model)
+    if why:
+        return {"ok": True, "skipped": why} if dist.get_rank() == 0 else None
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, this_rank(run, dev))
     if dist.get_rank() != 0:
