@@ -4,9 +4,21 @@
 command, backslash continuations joined, `# comments` and anything after `&&`, `;`, `|`, `>` dropped)
 and every inline code span that starts with `mmpipe ` (a fragment of prose). `Checker` checks them
 page by page: every command's flags against the parser (`check_flags`), and a whole command with
-nothing left to the reader through `mmpipe ... --dry-run` in a sandbox (`run`)."""
+nothing left to the reader through `mmpipe ... --dry-run` in a sandbox (`run`); `mmpipe plan` runs as
+written (it allocates nothing and takes well under a second), and the `mmpipe train` command a
+`--write-config` prints is then dry-run as printed.
+
+Transcripts (`TRANSCRIPT`): a fenced block whose first line is `$ mmpipe plan ...` (backslash continuations
+allowed) shows that command and, in the rest of the block, what it prints (stdout, then stderr). The
+command runs and its output must equal the block's lines (`compare`), trailing spaces aside, except:
+  - a line that is only `...` stands for any number of lines left out (the next shown line is matched at its
+    first occurrence after it);
+  - `...` inside a line stands for any text left out of that line (e.g. a long partition list cut short);
+  - the wall time in `(planned in 2.21 s, nothing allocated)` is not compared (`VOLATILE`).
+A transcript whose output differs in anything else is stale: a problem, naming the first line that differs."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -19,10 +31,11 @@ from pathlib import Path
 from mmpipe import cli
 from mmpipe.config import list_presets
 from mmpipe.data.export import export_shapes
+from mmpipe.flags import add_flags
 from mmpipe.model.builder import FREEZE_GROUPS
 from mmpipe.model.lora import LORA_FILE, Lora
-from mmpipe.run_args import TrainArgs
-from mmpipe.run_config import resolve
+from mmpipe.run_args import LaunchArgs, TrainArgs
+from mmpipe.run_config import requested_stages, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -31,7 +44,12 @@ SHELL_OPS = {"&&", "||", ";", "|", ">", ">>", "<"}
 NUMBER = re.compile(r"^-?[\d.:,]+$")  # -2, 0.5, 4:00:00, 16,8: a value, never a path or a flag
 PATH = re.compile(r"/|\.(json|jsonl|png|jpg|safetensors|csv|parquet)$")  # a word that names a file
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(\.[a-z]+)?$")  # RUN, DIR, HOSTFILE, RESULTS.json
-REAL = {"export-shapes", "presets"}  # they write what later commands read, in seconds: they run, not dry
+REAL = {"export-shapes", "presets", "plan"}  # they write what later commands read, or print what a page shows,
+# in seconds: they run as written, not dry (plan allocates nothing either way; run as written it writes its
+# --write-config file in the sandbox and its printed train command can be run)
+TRANSCRIPT = re.compile(r"^\$ mmpipe plan\b")  # a fenced block's first line: the block is the command's transcript
+VOLATILE = [(re.compile(r"\(planned in \d+(\.\d+)? s,"), "(planned in <wall time> s,")]  # varies run to run
+RUN_IT = "; run it with mmpipe train "  # how plan --write-config prints the command that runs the plan
 REAL_N = "16"  # export-shapes runs with --n at most this: later commands need its files, not 500 of them
 # whole commands a page shows being refused (its words -> what the one-line refusal must say): exit 2 passes
 REFUSALS = {"train --preset small-xattn --pack": "reads its image through cross-attention"}
@@ -39,6 +57,7 @@ RUN_FLAGS = {"--checkpoint", "--init-from"}  # a run directory (fixture: model.j
 DATA_FLAGS = {"--data", "--eval-data"}  # records (fixture: a small LLaVA export)
 IMAGE_FLAGS = {"--image"}  # an image (fixture: a small PNG)
 WRITES_RUN = {"train": "--output-dir", "import": "--out"}  # where a command leaves a run directory
+PROFILE_FILE = "device_profile.json"  # what `mmpipe check` leaves in its --output-dir (mmpipe.check.profile)
 STAND_IN = "llava-tiny"  # the model of a run whose preset no command on the page names (an HF import)
 
 
@@ -47,6 +66,7 @@ class DocCommand:
     where: str  # "docs/hf.md:55"
     argv: list[str]  # the words after `mmpipe`
     block: bool  # a whole command in a fenced block, else an inline fragment of prose
+    shown: list[str] | None = None  # a transcript's output lines as the page shows them (TRANSCRIPT), else None
 
     def __str__(self) -> str:
         return f"{self.where}: mmpipe {shlex.join(self.argv)}"
@@ -77,9 +97,14 @@ def _split(fragment: str) -> list[str]:
 
 def extract(text: str, source: str) -> list[DocCommand]:
     out, fenced, pending, start = [], False, "", 0
+    first, indent, transcript = False, 0, None  # the block's first logical line is next; its fence's indent
     for n, line in enumerate(text.splitlines(), 1):
         if line.lstrip().startswith("```"):
-            fenced, pending = not fenced, ""
+            fenced, pending, transcript = not fenced, "", None
+            first, indent = fenced, len(line) - len(line.lstrip())
+            continue
+        if transcript is not None:  # the rest of a transcript block is what its command printed
+            transcript.shown.append(line[min(indent, len(line) - len(line.lstrip())):].rstrip())
             continue
         if fenced:
             start = start if pending else n
@@ -87,9 +112,13 @@ def extract(text: str, source: str) -> list[DocCommand]:
             if pending.endswith("\\"):
                 pending = pending[:-1] + " "
                 continue
-            words, pending = _words(pending), ""
+            words, logical, pending = _words(pending), pending.strip(), ""
             if words:
                 out.append(DocCommand(f"{source}:{start}", words, True))
+                if first and TRANSCRIPT.match(logical):
+                    transcript = out[-1]
+                    transcript.shown = []
+            first = False
         else:
             out += [DocCommand(f"{source}:{n}", _split(m.group(1)), False)
                     for m in re.finditer(r"`mmpipe ([^`]+)`", line)]
@@ -148,6 +177,7 @@ class Checker:
     problems: list[str] = field(default_factory=list)
     presets: dict[str, str] = field(default_factory=dict)  # run directory -> the preset of its model
     loras: dict[str, str] = field(default_factory=dict)  # run directory -> its --lora rank
+    checks: dict[str, list[str]] = field(default_factory=dict)  # a `mmpipe check`'s --output-dir -> its flags
 
     def __post_init__(self):
         self.sandbox.mkdir(parents=True, exist_ok=True)
@@ -200,6 +230,9 @@ class Checker:
             fmt = "llava-jsonl" if target.suffix == ".jsonl" else "llava-json"
             made = export_shapes(target.parent, fmt, 8)
             made.rename(target)
+        elif flag == "--device-profile" and target.name == PROFILE_FILE and \
+                os.path.normpath(Path(path).parent) in self.checks:  # the page's `mmpipe check` wrote it
+            write_check_profile(target, self.checks[os.path.normpath(Path(path).parent)])
         elif flag in IMAGE_FLAGS:
             from PIL import Image
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +242,10 @@ class Checker:
         return True
 
     def _note_writes(self, argv: list[str]) -> None:
-        """The run directory a train / import command leaves, and its model's preset, for later commands."""
+        """The run directory a train / import command leaves, and its model's preset, for later commands; the
+        output directory of a check (its device profile)."""
+        if argv[:1] == ["check"]:
+            self.checks[os.path.normpath(_value(argv, "--output-dir") or "runs/default")] = argv[1:]
         flag = WRITES_RUN.get(argv[0] if argv else "")
         out = _value(argv, flag) if flag else None
         if out is None:
@@ -225,6 +261,27 @@ class Checker:
         argv = [*cmd.argv, "--dry-run"]
         if cmd.argv[0] in REAL:
             argv = [min(w, REAL_N, key=int) if argv[i - 1] == "--n" else w for i, w in enumerate(cmd.argv)]
+        rc, out, err = self._main(argv)
+        self.ran.append(str(cmd))
+        said = " ".join((err or out).strip().splitlines()[-1:])
+        refusal = REFUSALS.get(shlex.join(cmd.argv))
+        if refusal is not None and (rc != 2 or refusal not in said):
+            self.problems.append(f"{cmd}: the page shows a refusal ({refusal!r}); got exit {rc}: {said}")
+        elif refusal is None and rc != 0:
+            self.problems.append(f"{cmd}: exit {rc}: {said}")
+        if cmd.shown is not None:
+            stale = compare(cmd.shown, (out + err).splitlines())
+            if stale:
+                self.problems.append(f"{cmd}: stale transcript: {stale}")
+        printed = next((ln.split(RUN_IT, 1)[1] for ln in out.splitlines() if RUN_IT in ln), None)
+        if rc == 0 and printed is not None:  # plan --write-config: the train command it prints must run as printed
+            rc, out, err = self._main(["train", *shlex.split(printed), "--dry-run"])
+            if rc != 0:
+                said = " ".join((err or out).strip().splitlines()[-1:])
+                self.problems.append(f"{cmd}: the command it prints, mmpipe train {printed}: exit {rc}: {said}")
+
+    def _main(self, argv: list[str]) -> tuple[int, str, str]:
+        """`mmpipe ARGV` in this process, in the sandbox: its exit status, stdout and stderr."""
         out, err = io.StringIO(), io.StringIO()
         here = Path.cwd()
         try:
@@ -236,13 +293,50 @@ class Checker:
                     rc = e.code
         finally:
             os.chdir(here)
-        self.ran.append(str(cmd))
-        said = " ".join((err.getvalue() or out.getvalue()).strip().splitlines()[-1:])
-        refusal = REFUSALS.get(shlex.join(cmd.argv))
-        if refusal is not None and (rc != 2 or refusal not in said):
-            self.problems.append(f"{cmd}: the page shows a refusal ({refusal!r}); got exit {rc}: {said}")
-        elif refusal is None and rc != 0:
-            self.problems.append(f"{cmd}: exit {rc}: {said}")
+        return rc, out.getvalue(), err.getvalue()
+
+
+def _steady(line: str) -> str:
+    """A line without its trailing spaces and with what varies run to run (VOLATILE) masked."""
+    for pattern, mask in VOLATILE:
+        line = pattern.sub(mask, line)
+    return line.rstrip()
+
+
+def _matches(shown: str, line: str) -> bool:
+    """A shown line against a printed one: equal, `...` inside the shown line standing for any text."""
+    parts = [re.escape(p) for p in _steady(shown).split("...")]
+    return re.fullmatch(".*".join(parts), _steady(line)) is not None
+
+
+def compare(shown: list[str], printed: list[str]) -> str | None:
+    """None when the printed lines are what a transcript shows (the module's conventions), else the first
+    difference in words: the shown line, and what was printed there."""
+    while shown and not shown[-1].strip():  # a block's or an output's trailing blank lines say nothing
+        shown = shown[:-1]
+    while printed and not printed[-1].strip():
+        printed = printed[:-1]
+    j, skipping = 0, False
+    for n, want in enumerate(shown):
+        if want.strip() == "...":
+            skipping = True
+            continue
+        if skipping:
+            k = next((k for k in range(j, len(printed)) if _matches(want, printed[k])), None)
+            if k is None:
+                return f"shown line {n + 1} {want.strip()!r} is not printed after line {j} (the command printed " \
+                       f"{len(printed)} lines)"
+            j, skipping = k + 1, False
+            continue
+        if j >= len(printed):
+            return f"shown line {n + 1} {want.strip()!r}: the command printed only {len(printed)} lines"
+        if not _matches(want, printed[j]):
+            return f"shown line {n + 1} {want.strip()!r}, printed {printed[j].strip()!r}"
+        j += 1
+    if not skipping and j < len(printed):
+        return f"the command printed {len(printed) - j} more lines than shown, from {printed[j].strip()!r} (end the " \
+               f"block with a '...' line to leave them out)"
+    return None
 
 
 def write_run(run: Path, preset: str, lora_rank: str | None = None) -> None:
@@ -256,6 +350,25 @@ def write_run(run: Path, preset: str, lora_rank: str | None = None) -> None:
     if lora_rank:
         lora = Lora.parse(int(lora_rank), None, 0.0, "text", "", FREEZE_GROUPS)
         (run / LORA_FILE).write_text(json.dumps(lora.to_dict()))
+
+
+def write_check_profile(path: Path, check_flags: list[str]) -> None:
+    """device_profile.json as `mmpipe check CHECK_FLAGS` writes it: mmpipe.check.profile's own profile_doc of the
+    check's run, this process's layer-kind table (costmodel.profile_layers, ~0.1 s for `small`) standing in for
+    the slowest rank's, no links measured (the device's own figures)."""
+    from mmpipe.check.profile import model_seconds, profile_doc
+    from mmpipe.check.rank import parse
+    from mmpipe.planning.costmodel import profile_layers
+    from mmpipe.planning.plan import cpu_device
+    launch = argparse.ArgumentParser(add_help=False)  # the front door's own flags, not the ranks'
+    add_flags(launch, LaunchArgs)
+    ns, rest = launch.parse_known_args(check_flags)
+    args, _ = parse(rest)
+    run = resolve(args, world_size=(ns.dp or 1) * requested_stages(args))
+    kinds = profile_layers(run.model, run.text_len, run.micro, run.precision, images=run.max_images)
+    doc = profile_doc(run, {"rank": 0, "kinds": kinds, "seconds": model_seconds(run, kinds)}, cpu_device(), [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def check_page(page: Path, sandbox: Path) -> Checker:

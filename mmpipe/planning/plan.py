@@ -289,8 +289,13 @@ def main_plan(args) -> int:
     if args.write_config and args.dry_run:
         print(f"mmpipe: dry run: would write {Path(args.write_config).resolve()} (the best layout's DeepSpeed JSON)")
     elif args.write_config:
-        Path(args.write_config).write_text(json.dumps(ds_config(feasible[0], args.precision, args.zero,
-                                                                args.checkpointing), indent=2) + "\n")
+        out = Path(args.write_config)
+        try:  # a folder the config goes in is made, as --output-dir's are; one that cannot be is one line
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(ds_config(feasible[0], args.precision, args.zero, args.checkpointing),
+                                      indent=2) + "\n")
+        except OSError as e:
+            return fail(ConfigError(f"--write-config: cannot write {out}: {e.strerror or e}"))
         best = feasible[0]
         sched = "" if best.schedule == BASELINE.name else f", schedule {best.schedule}"
         print(f"mmpipe: wrote {args.write_config} ({best.stages} stages x dp {best.dp}, micro {best.micro} x GAS "
