@@ -517,3 +517,13 @@ def test_a_profile_check_wrote_plans_at_its_own_precision(tmp_path, capsys):
         f"--precision fp32, or rerun mmpipe check with a bf16 --ds-config)"]
     proc = plan_here(capsys, "--preset", "small", "--text-len", "12", "--micro", "16")  # no profile: plan's bf16
     assert proc.returncode == 0 and ", bf16, ZeRO-1" in proc.stdout.splitlines()[0], proc.stdout[:300]
+
+
+def test_write_config_makes_its_folder_and_a_path_it_cannot_write_is_one_line(tmp_path, capsys):
+    argv = ["--preset", "small", "--device", "a100-80gb", "--gpus-per-node", "2", "--global-batch", "32"]
+    assert plan_here(capsys, *argv, "--write-config", str(tmp_path / "new" / "ds.json")).returncode == 0
+    assert json.loads((tmp_path / "new" / "ds.json").read_text())["train_batch_size"] == 32
+    (tmp_path / "file").write_text("")
+    proc = plan_here(capsys, *argv, "--write-config", str(tmp_path / "file" / "ds.json"))  # under a file: no folder
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"mmpipe: error: --write-config: cannot write {tmp_path / 'file' / 'ds.json'}: ")
