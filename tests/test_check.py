@@ -92,6 +92,9 @@ def _profile_plans(out: Path, doc: dict, capsys) -> None:
     assert (stage["forward_ms"] + stage["backward_ms"]) / 1e3 == pytest.approx(table_s, rel=1e-6)
     assert calibrated[2]["step"]["p2p_s"] == pytest.approx(16 * 28 * 128 * 4 * 2 / p["link_bytes_per_s"], rel=1e-6)
     assert calibrated[1]["step"]["step_s"] != pytest.approx(plain[1]["step"]["step_s"], rel=1e-3)
+    # docs/check.md's command as written, no --precision: the profile's fp32, not plan's default bf16
+    assert main(["plan", "--device-profile", str(path), "--preset", "small", "--text-len", "12", "--micro", "16"]) == 0
+    assert ", fp32, ZeRO-1" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_the_families_without_a_profile_are_named_in_the_row_and_in_check_md():
