@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
            ("moondream", "cross_attention"): ImageLayout(cross_attention=True),
            ("llava", "prefix"): ImageLayout(placeholders=True),
            ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True),
-           ("llava_next", "prefix"): ImageLayout(placeholders=True, dynamic=True)}
+           ("llava_next", "prefix"): ImageLayout(placeholders=True, dynamic=True),
+           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True)}
 # Families from outside the package (mmpipe.model.families.register): modules named in this variable (comma
 # separated, importable on every rank: the launcher passes the environment on) and the "mmpipe.families" entry
 # points of installed packages, imported once, the first time a config asks which families exist.
@@ -142,6 +144,11 @@ class VisionConfig:
     # only), 0 for LLaVA-NeXT. `image_size` is the tower's crop (336 CLIP-L, 384 SigLIP).
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     anyres_max: int = 0
+    # Qwen3-VL family (mmpipe.model.qwen3_vl): the tower blocks whose outputs DeepStack merges and adds to the
+    # outputs of decoder layers 0, 1, ... (Qwen3-VL-8B: (8, 16, 24) of 27 blocks), and the learned position
+    # table's size, a square side^2 bilinearly resampled to each image's grid (2304 = 48^2)
+    deepstack_indexes: tuple[int, ...] = ()
+    num_position_embeddings: int = 0
 
     @property
     def n_positions(self) -> int:  # tower tokens: CLIP adds the class token, e.g. 24^2 + 1 = 577
@@ -196,6 +203,12 @@ class TextConfig:
     # Qwen2-VL family: multimodal rotary, the head's rotary frequencies in 3 sections rotated by the
     # temporal, height and width position (Qwen: (16, 24, 24), summing to head_dim / 2)
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL family: the sections interleaved over the frequencies (t h w t h w ..., transformers'
+    # mrope_interleaved) instead of in 3 blocks, RMSNorms on each head's q and k, and a head width of its own
+    # (attn_head_dim; Qwen3-VL-4B: 2560 / 32 heads = 80, but 128; 0: dim / n_heads)
+    mrope_interleaved: bool = False
+    qk_norm: bool = False
+    attn_head_dim: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -203,7 +216,7 @@ class TextConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def rotary_dim(self) -> int:  # e.g. 64 * 0.5 = 32 of each 64-wide head
@@ -385,8 +398,30 @@ def _llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks,
-                 "qwen2_vl": _qwen2_vl_checks, "llava_next": _llava_next_checks}  # by the model JSON's `family`
+def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen2-VL's checks (no windows in Qwen3-VL's tower) plus DeepStack's indexes, one per decoder layer it adds
+    to, and the square position table."""
+    v, t = cfg.vision, cfg.text
+    side = math.isqrt(v.num_position_embeddings)
+    return _qwen2_vl_checks(cfg) + [
+        (all(0 <= i < v.n_layers for i in v.deepstack_indexes) and list(v.deepstack_indexes)
+         == sorted(set(v.deepstack_indexes)), "vision.deepstack_indexes",
+         f"{list(v.deepstack_indexes)}: increasing block indices of a {v.n_layers}-block tower"),
+        (len(v.deepstack_indexes) <= min(t.n_layers, MAX_DEEPSTACK), "vision.deepstack_indexes",
+         f"{len(v.deepstack_indexes)} sets for decoder layers 0..{len(v.deepstack_indexes) - 1}: at most "
+         f"{min(t.n_layers, MAX_DEEPSTACK)} (the decoder's {t.n_layers} layers, mmpipe's {MAX_DEEPSTACK})"),
+        (side >= 2 and side * side == v.num_position_embeddings, "vision.num_position_embeddings",
+         f"{v.num_position_embeddings} is not a square table of side >= 2 (Qwen3-VL: 2304 = 48^2)"),
+        (v.window_size == 0, "vision.window_size", f"{v.window_size}: Qwen3-VL's tower has no windows (valid: 0)"),
+        (v.norm == "layernorm" and v.mlp == "gelu", "vision.mlp",
+         f"'{v.mlp}' / norm '{v.norm}': Qwen3-VL's tower is LayerNorm + fc1 / fc2 (valid: gelu / layernorm)"),
+    ]
+
+
+MAX_DEEPSTACK = 8  # DeepStack sets a model may carry (mmpipe.model.qwen3_vl makes a layer class per set)
+
+FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks, "qwen2_vl": _qwen2_vl_checks,
+                 "llava_next": _llava_next_checks, "qwen3_vl": _qwen3_vl_checks}  # by the model JSON's `family`
 
 
 def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:

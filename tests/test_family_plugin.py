@@ -76,7 +76,8 @@ def test_unregistered_family_is_one_line(preset):
     """Without MMPIPE_FAMILIES the model JSON names a family mmpipe does not know; a module that does not import is
     named too. Each one line, exit 2, before any rank starts."""
     env = {k: v for k, v in os.environ.items() if k != "MMPIPE_FAMILIES"}
-    for extra, want in (({}, "'toy_carry' is not a known family (valid: moondream, llava, qwen2_vl, llava_next)"),
+    for extra, want in (({}, "'toy_carry' is not a known family (valid: moondream, llava, qwen2_vl, llava_next, "
+                             "qwen3_vl)"),
                         ({"MMPIPE_FAMILIES": "no_such_family_module"},
                          "MMPIPE_FAMILIES: family module 'no_such_family_module' does not import")):
         proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--preset", preset, "--dry-run"],

@@ -21,7 +21,7 @@ from ..model.builder import ReferenceModel
 from ..model.families import family_of
 from ..model.lora import read_lora
 from ..runtime.checkpoint import latest_tag, load_reference
-from . import llava, llava_next, qwen2_vl
+from . import llava, llava_next, qwen2_vl, qwen3_vl
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map
@@ -32,12 +32,16 @@ from .moondream import REGION_FILE, export_moondream, import_moondream, load_reg
 from .qwen2_vl import export_hf as export_qwen2_vl
 from .qwen2_vl import hf_qwen_config, import_qwen2_vl, model_type
 from .qwen2_vl import key_map as qwen2_vl_key_map
+from .qwen3_vl import export_hf as export_qwen3_vl
+from .qwen3_vl import hf_qwen3_config, import_qwen3_vl
+from .qwen3_vl import key_map as qwen3_vl_key_map
 
 # the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory,
 # whose third argument is the run's tokenizer: its special ids go into the config)
 HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf_config(cfg))), export_hf),
          "Qwen2VLForConditionalGeneration": (qwen2_vl_key_map, export_qwen2_vl),
-         "LlavaNextForConditionalGeneration": (llava_next_key_map, export_llava_next)}
+         "LlavaNextForConditionalGeneration": (llava_next_key_map, export_llava_next),
+         "Qwen3VLForConditionalGeneration": (qwen3_vl_key_map, export_qwen3_vl)}
 
 
 # the readers of HF directories, by config.json's model_type: (import function, HF config reader, label); each
@@ -45,7 +49,8 @@ HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf
 HF_READERS = {mt: reader for module, reader in (
     (llava, (import_llava, hf_llava_config, "LLaVA")),
     (llava_next, (import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision")),
-    (qwen2_vl, (import_qwen2_vl, hf_qwen_config, "Qwen2-VL"))) for mt in module.HF_CLASSES}
+    (qwen2_vl, (import_qwen2_vl, hf_qwen_config, "Qwen2-VL")),
+    (qwen3_vl, (import_qwen3_vl, hf_qwen3_config, "Qwen3-VL"))) for mt in module.HF_CLASSES}
 
 
 def hf_importer(path: str | Path):

@@ -274,3 +274,22 @@ ANYRES_PATCH_EMBED = LayerRule("PatchEmbed", _on_crops(_patch_embed), "pixels", 
 ANYRES_VISION_BLOCK = LayerRule("VisionBlock", _on_crops(_vision_block), "vision", per_row=True)
 ANYRES_PROJECTOR = LayerRule("AnyresProjector", _anyres_projector, "vision", per_row=True)
 ANYRES_EMBED = LayerRule("TextEmbed", _anyres_embed, "image", embedding=True, per_row=True)
+
+
+# ---- Qwen3-VL (mmpipe.model.qwen3_vl): Qwen2-VL's rules, plus DeepStack's mergers and adds ------------------
+
+def _deepstack_merger(cfg, params, n, seq, row):
+    """The merger's rule on the row's P patches (its norm runs on the merged 4 d vectors: the same elements);
+    what a boundary after it sends is the tower's hidden state, P x d, passed on unchanged. The set it makes,
+    P / merge^2 x D_text, rides in the stage tuple to its add (not yet counted at boundaries: docs/qwen3_vl.md)."""
+    c = _qwen_merger(cfg, params, n, seq, row)
+    return Cost(n, c.fwd, c.act, c.fp32, n * cfg.vision.dim)
+
+
+def _deepstack_add(cfg, params, n, seq):
+    """One add of D per image position (at most seq), no weights; keeps nothing (the gather's indices only)."""
+    return Cost(seq, float(cfg.text.dim * seq), 0.0, 0.0, seq * cfg.text.dim)
+
+
+DEEPSTACK_MERGER = LayerRule("DeepstackMerger", _deepstack_merger, "vision", per_row=True)
+DEEPSTACK_ADD = LayerRule("DeepstackAdd", _deepstack_add, "sequence")

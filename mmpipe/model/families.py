@@ -8,6 +8,8 @@ through `family_of(cfg)` rather than by comparing the `family` / `fusion` string
                       placeholders (mmpipe.model.llava)
     QWEN2_VL          family qwen2_vl: Qwen2-VL / Qwen2.5-VL (by config), each image as many placeholders
                       as its grid gives, the grids kept to the head (mmpipe.model.qwen2_vl)
+    QWEN3_VL          family qwen3_vl: Qwen3-VL dense, Qwen2-VL's rows plus DeepStack's carried feature sets
+                      (mmpipe.model.qwen3_vl)
     LLAVA_NEXT        family llava_next: LLaVA-NeXT / LLaVA-OneVision (by config), each image as its base crop
                       and tiles in the row's crop slots, the tilings kept to the head (mmpipe.model.llava_next)
 
@@ -40,6 +42,17 @@ from .llava import (
 )
 from .llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
+from .qwen3_vl import (
+    DEEPSTACK_ADDS,
+    DEEPSTACK_MERGERS,
+    Qwen3Block,
+    Qwen3Embed,
+    Qwen3Merger,
+    Qwen3PatchEmbed,
+    Qwen3VisionBlock,
+    deepstack_fields,
+    qwen3_vl_specs,
+)
 from .stage import ROW, StageField
 
 # the integer tensor of each image slot's layout (mmpipe.model.stage): moondream multi-crop's tiling (rows, cols),
@@ -123,7 +136,17 @@ LLAVA_NEXT = Family(
     hf_class="LlavaNextForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),
     images="tiles")
 
-FAMILIES = [MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT]
+# Qwen2-VL's rules for the same shapes; DeepStack's sets are carried fields, one per merger / add pair
+QWEN3_VL = Family(
+    "qwen3_vl", "prefix", qwen3_vl_specs, (Qwen3VisionBlock, Qwen3Block),
+    {Qwen3PatchEmbed: costs.QWEN_PATCH_EMBED, Qwen3VisionBlock: costs.QWEN_VISION_BLOCK,
+     Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, Qwen3Block: costs.QWEN_BLOCK,
+     FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
+     **{m: costs.DEEPSTACK_MERGER for m in DEEPSTACK_MERGERS}, **{a: costs.DEEPSTACK_ADD for a in DEEPSTACK_ADDS}},
+    hf_class="Qwen3VLForConditionalGeneration", weight_names="hf",
+    fields=lambda cfg: ROW + deepstack_fields(cfg) + (KEPT_TILING,), images="patches")
+
+FAMILIES = [MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN3_VL]
 
 
 def register(family: Family, layout: ImageLayout, checks: Callable[[ModelConfig], list] | None = None) -> Family:

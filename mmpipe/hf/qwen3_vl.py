@@ -1,0 +1,195 @@
+"""Qwen3-VL (dense) in and out of Hugging Face: Qwen3VLForConditionalGeneration directories <-> mmpipe's layer
+list (mmpipe.model.qwen3_vl).
+
+Names: "<layer index>.<sub-name>" <-> transformers', a prefix per layer class, except the patch embedding, whose
+learned position table is the tower's own (model.visual.pos_embed), e.g. for a 2-block tower with DeepStack
+after block 0:
+
+    0.proj.weight                 <->  model.visual.patch_embed.proj.weight
+    0.pos_embed.weight            <->  model.visual.pos_embed.weight
+    2.norm.weight                 <->  model.visual.deepstack_merger_list.0.norm.weight
+    4.linear_fc1.weight           <->  model.visual.merger.linear_fc1.weight
+    6.self_attn.q_norm.weight     <->  model.language_model.layers.0.self_attn.q_norm.weight
+
+Every source tensor is mapped (a tied lm_head must equal the input embedding) or the import fails naming it;
+so does a missing or misshapen one. transformers' Qwen3-VL always interleaves its multimodal rotary (its
+rope_parameters' mrope_interleaved is not read), so the import does too.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, TextConfig, VisionConfig
+from ..model.builder import ReferenceModel
+from ..model.llava import FinalNorm, LMHeadLinear
+from ..model.qwen2_vl import VISION_THETA
+from ..model.qwen3_vl import (
+    DeepstackMerger,
+    Qwen3Block,
+    Qwen3Embed,
+    Qwen3Merger,
+    Qwen3PatchEmbed,
+    Qwen3VisionBlock,
+)
+from .llava import CLIP_MEAN, CLIP_STD, ImportReport, _fail, processor_settings, read_hf_config
+from .qwen2_vl import _bounds, image_processor
+from .safetensors_io import read_weights
+
+HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
+DEFAULT_PIXELS = (65536, 16777216)  # Qwen3-VL's preprocessor_config: size shortest_edge / longest_edge
+ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # transformers' tower activations -> mmpipe's
+
+
+def _prefix(layer, k: int) -> str:
+    """The HF prefix of the k-th layer of its class."""
+    if isinstance(layer, DeepstackMerger):
+        return f"model.visual.deepstack_merger_list.{layer.index}."
+    return {Qwen3PatchEmbed: "model.visual.patch_embed.", Qwen3VisionBlock: f"model.visual.blocks.{k}.",
+            Qwen3Merger: "model.visual.merger.", Qwen3Embed: "model.language_model.",
+            Qwen3Block: f"model.language_model.layers.{k}.", FinalNorm: "model.language_model.",
+            LMHeadLinear: ""}[type(layer)]
+
+
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """mmpipe name -> HF name for every weight of the mmpipe model (a tied head and DeepStack's adds have none)."""
+    with torch.device("meta"):
+        model = ReferenceModel(cfg)
+    out, seen = {}, {}
+    for i, layer in enumerate(model):
+        if not layer.state_dict():
+            continue
+        k = seen.get(type(layer), 0)
+        seen[type(layer)] = k + 1
+        for sub in layer.state_dict():
+            name = ("model.visual." + sub if isinstance(layer, Qwen3PatchEmbed) and sub.startswith("pos_embed.")
+                    else _prefix(layer, k) + sub)
+            out[f"{i}.{sub}"] = name
+    return out
+
+
+def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfig:
+    """A Qwen3VLConfig (+ its image processor's settings) -> the mmpipe config; refuses what the layers do not
+    implement, and a DeepStack index beyond the tower (one line, from the config's checks)."""
+    tc, vc, proc = hf.text_config, hf.vision_config, proc or {}
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        _fail("text_config.rope_parameters", f"rope_type '{rope['rope_type']}' (RoPE scaling) is not supported")
+    if getattr(tc, "attention_bias", False):
+        _fail("text_config.attention_bias", "true: Qwen3's attention has no bias in mmpipe's layers")
+    if tc.hidden_act != "silu":
+        _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
+    if vc.hidden_act not in ACTS:
+        _fail("vision_config.hidden_act", f"'{vc.hidden_act}' (supported: {', '.join(ACTS)})")
+    if vc.out_hidden_size != tc.hidden_size:
+        _fail("vision_config", f"the merger's output width {vc.out_hidden_size} is not the decoder's hidden_size "
+                               f"{tc.hidden_size}")
+    theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
+    if theta != VISION_THETA:
+        _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
+    lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
+    unit = vc.patch_size * vc.spatial_merge_size
+    vision = VisionConfig(
+        image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=vc.hidden_size,
+        n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size, channels=vc.in_channels,
+        mean=tuple(proc.get("image_mean") or CLIP_MEAN), std=tuple(proc.get("image_std") or CLIP_STD), ln_eps=1e-6,
+        act=ACTS[vc.hidden_act], temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+        min_pixels=lo, max_pixels=hi, deepstack_indexes=tuple(vc.deepstack_visual_indexes),
+        num_position_embeddings=vc.num_position_embeddings)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    text = TextConfig(
+        dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
+        ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
+        partial_rotary_factor=1.0, rope_theta=float(rope.get("rope_theta", 5000000.0)), ln_eps=tc.rms_norm_eps,
+        n_kv_heads=tc.num_key_value_heads,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
+        mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))), mrope_interleaved=True, qk_norm=True,
+        attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim)
+    cfg = ModelConfig(name=name, family="qwen3_vl", vision=vision, text=text,
+                      proj_inner_dim=vision.dim * vision.merge_size ** 2, image_token_id=hf.image_token_id,
+                      vision_start_id=hf.vision_start_token_id, vision_end_id=hf.vision_end_token_id)
+    cfg.validate()
+    return cfg
+
+
+def hf_config(cfg: ModelConfig, tok=None):
+    """mmpipe Qwen3-VL config -> transformers' Qwen3VLConfig, with tok's special ids in its text config."""
+    from transformers import Qwen3VLConfig
+
+    from .llava import token_ids
+    v, t = cfg.vision, cfg.text
+    act = {mine: theirs for theirs, mine in ACTS.items()}[v.act]
+    vision = dict(depth=v.n_layers, hidden_size=v.dim, intermediate_size=v.ff_dim, num_heads=v.n_heads,
+                  in_channels=v.channels, patch_size=v.patch_size, spatial_merge_size=v.merge_size,
+                  temporal_patch_size=v.temporal_patch_size, out_hidden_size=t.dim, hidden_act=act,
+                  num_position_embeddings=v.num_position_embeddings,
+                  deepstack_visual_indexes=list(v.deepstack_indexes))
+    text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
+                num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, head_dim=t.head_dim,
+                vocab_size=t.vocab_size, max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps,
+                tie_word_embeddings=t.tie_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta,
+                                 "mrope_section": list(t.mrope_section), "mrope_interleaved": True},
+                **token_ids(tok, t.vocab_size))
+    return Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
+                         vision_start_token_id=cfg.vision_start_id, vision_end_token_id=cfg.vision_end_id,
+                         tie_word_embeddings=t.tie_embeddings)
+
+
+def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where: str) -> ImportReport:
+    """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
+    by_hf = {h: m for m, h in key_map(model.cfg).items()}
+    state, report, embed = model.state_dict(), ImportReport(), "model.language_model.embed_tokens.weight"
+    for name, tensor in source.items():
+        if name == "lm_head.weight" and model.cfg.text.tie_embeddings:
+            if embed in source and not torch.equal(source[embed], tensor):
+                _fail(where, f"tensor '{name}': the config ties embeddings but it differs from the input embedding")
+            report.mapped += 1
+            continue
+        if name not in by_hf:
+            _fail(where, f"tensor '{name}' {tuple(tensor.shape)} matches no weight of a {HF_CLASSES['qwen3_vl']}")
+        mine = by_hf[name]
+        if tuple(state[mine].shape) != tuple(tensor.shape):
+            _fail(where, f"tensor '{name}' has shape {tuple(tensor.shape)}, the model expects "
+                         f"{tuple(state[mine].shape)}")
+        state[mine] = tensor.to(state[mine].dtype)
+        report.mapped += 1
+    missing = sorted(set(by_hf) - set(source))
+    if missing:
+        _fail(where, f"no tensor for '{missing[0]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    model.load_state_dict(state)
+    return report
+
+
+def hf_qwen3_config(path: str | Path):
+    """An HF Qwen3-VL directory's (HF config, mmpipe config); no weight is read."""
+    path = Path(path)
+    hf = read_hf_config(path, tuple(HF_CLASSES))
+    return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
+
+
+def import_qwen3_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF Qwen3VLForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    path = Path(path)
+    _, cfg = hf_qwen3_config(path)
+    model = ReferenceModel(cfg).to(dtype)
+    return model, import_weights(model, read_weights(path), str(path))
+
+
+def export_hf(model: ReferenceModel, out: str | Path, tok=None) -> Path:
+    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads."""
+    from transformers import Qwen3VLForConditionalGeneration
+    cfg = model.cfg
+    hf_model = Qwen3VLForConditionalGeneration(hf_config(cfg, tok))
+    mine, theirs = model.state_dict(), hf_model.state_dict()
+    state = {h: mine[m].detach().to(theirs[h].dtype) for m, h in key_map(cfg).items()}
+    if cfg.text.tie_embeddings:
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    hf_model.load_state_dict(state, strict=True)
+    out = Path(out)
+    hf_model.save_pretrained(out)
+    if cfg.vision.max_pixels:
+        image_processor(cfg.vision).save_pretrained(out)
+    return out
