@@ -252,3 +252,23 @@ def test_tiny_preset_trains(tmp_path):
     for i, layer in enumerate(model):
         if isinstance(layer, q3.DeepstackMerger):
             assert not torch.equal(layer.linear_fc1.weight, start[f"{i}.linear_fc1.weight"]), type(layer).__name__
+
+
+@pytest.mark.parametrize("preset, published", [("qwen3-vl-2b", 2.13e9), ("qwen3-vl-4b", 4.44e9),
+                                               ("qwen3-vl-8b", 8.77e9), ("qwen3-vl-32b", 33.4e9)])
+def test_presets_have_the_published_parameter_counts(preset, published):
+    """The dense presets' shapes (built on the meta device, a tied head counted once) give the released models'
+    totals, as the Hub's model pages show them (2.13 B, 4.44 B, 8.77 B, 33.4 B), within 1%; and transformers'
+    Qwen3VLConfig of each preset is the model it builds (mmpipe.hf.qwen3_vl.hf_config: the same count)."""
+    from test_docs import _parameters
+    mine = _parameters(preset)
+    assert abs(mine / published - 1) < 0.01, (preset, mine)
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from mmpipe.hf.qwen3_vl import hf_config
+    with torch.device("meta"):
+        theirs = Qwen3VLForConditionalGeneration(hf_config(load_preset(preset)))
+    seen = {}
+    for p in theirs.parameters():  # a tied lm_head is the embedding's tensor, counted once
+        seen[id(p)] = p.numel()
+    assert sum(seen.values()) == mine
