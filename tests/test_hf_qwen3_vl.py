@@ -19,10 +19,10 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from hf_models import perturbed
+from hf_models import peft_of, perturbed, with_random_adapters
 from mmpipe.cli import main
 from mmpipe.config import ConfigError, load_preset
-from mmpipe.hf.qwen3_vl import export_hf, import_qwen3_vl
+from mmpipe.hf.qwen3_vl import export_hf, import_qwen3_vl, key_map
 from mmpipe.inference.generate import generate
 from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
@@ -188,6 +188,20 @@ def test_export_loads_in_transformers(qwen3, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), changed.state_dict().values()))
 
 
+def test_lora_adapters_load_with_peft(qwen3, tmp_path):
+    """Adapters on every group's linears (the tower's fused qkv and fc1 / fc2, the final and DeepStack mergers'
+    fc1 / fc2, the decoder's projections) export as a peft adapter of transformers' model, which then gives
+    mmpipe's logits."""
+    _, hf, model, _ = qwen3
+    adapted = with_random_adapters(model)
+    peft_model = peft_of(adapted, type(hf), tmp_path, key_map, export_hf)
+    ids, px, grids = _sample(3)
+    with torch.no_grad():
+        want = adapted(*row([(ids, px, grids)])[0])[0, :len(ids)]
+        assert (hf_logits(peft_model, ids, px, grids) - want).abs().max().item() < TOL
+        assert (hf_logits(hf, ids, px, grids) - want).abs().max().item() > 1e-2  # the adapters count
+
+
 def test_import_and_export_commands(qwen3, tmp_path, capsys):
     d, hf, model, _ = qwen3
     shutil.copytree(d, tmp_path / "hf")
@@ -201,6 +215,44 @@ def test_import_and_export_commands(qwen3, tmp_path, capsys):
     back = type(hf).from_pretrained(tmp_path / "back").eval()
     ids, px, grids = _sample(0)
     assert (hf_logits(back, ids, px, grids) - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL
+
+
+def test_generate_command_from_hf_dir_and_imported_run(qwen3, tmp_path, capsys):
+    """`mmpipe generate` on an HF directory (and on its import) gives transformers' greedy answer to the prompt it
+    builds (the chat template, the image's bracketed block of its 2 x 3 merge units, the processor's patches at
+    patch 16); `mmpipe eval` on a record of the same question answers alike."""
+    from mmpipe.data.text import ConversationEncoder, image_text
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.inference.generate import with_images
+    d, hf, model, _ = qwen3
+    shutil.copytree(d, tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    image(96, 64, seed=5).save(tmp_path / "img.png")
+    gen = ["generate", "--image", str(tmp_path / "img.png"), "--prompt", "w7 w8", "--max-new-tokens", "5"]
+    assert main(gen + ["--checkpoint", str(tmp_path / "hf")]) == 0
+    from_hf = capsys.readouterr().out.strip()
+    tok = load_tokenizer(str(tmp_path / "hf"))
+    ids, at = ConversationEncoder(tok, 512, markers=True, image_text=image_text(tok, model.cfg)).prompt(
+        [("user", "w7 w8")], n_images=1)
+    px, grids = encode([image(96, 64, seed=5)])
+    prompt = torch.tensor(with_images(ids, model.cfg, at, [tuple(grids[0].tolist())]))
+    assert int((prompt == IMAGE).sum()) == 6
+    with torch.no_grad():
+        out = hf.generate(input_ids=prompt[None], pixel_values=px, image_grid_thw=grids, max_new_tokens=5,
+                          mm_token_type_ids=(prompt == IMAGE).int()[None], do_sample=False,
+                          eos_token_id=tok.eos_token_id)
+    assert from_hf == tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip() != ""
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main(gen + ["--checkpoint", str(tmp_path / "run"), "--no-cache"]) == 0
+    assert capsys.readouterr().out.strip() == from_hf
+    records = [{"image": "img.png", "conversations": [{"from": "human", "value": "<image>\nw7 w8"},
+                                                       {"from": "gpt", "value": "w9"}]}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(tmp_path / "data.jsonl"),
+                 "--out", str(tmp_path / "answers.jsonl"), "--max-new-tokens", "5"]) == 0
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert answers[0]["answer"] == from_hf
 
 
 def test_deepstack_index_beyond_the_tower_is_one_line(tmp_path, capsys):
