@@ -381,6 +381,10 @@ def _qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
          f"{t.partial_rotary_factor}: multimodal rotary turns the whole head (valid: 1.0)"),
         (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2, "text.mrope_section",
          f"{list(t.mrope_section)}: 3 sections summing to head_dim / 2 = {t.head_dim // 2}"),
+        # Qwen3-VL's fields (family qwen3_vl, which runs these checks too): the qwen2_vl layers would ignore them
+        (cfg.family != "qwen2_vl" or not (t.mrope_interleaved or t.qk_norm or v.deepstack_indexes),
+         "family", "qwen2_vl with Qwen3-VL's text.mrope_interleaved / qk_norm / vision.deepstack_indexes, which its "
+         "layers do not read (valid: family qwen3_vl)"),
     ]
 
 

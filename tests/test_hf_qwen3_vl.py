@@ -274,6 +274,15 @@ def test_deepstack_index_beyond_the_tower_is_one_line(tmp_path, capsys):
                             "at most 2 (the decoder's 2 layers, mmpipe's 8)")
 
 
+def test_qwen3_fields_on_a_qwen2_vl_config_are_refused():
+    """A qwen2_vl config asking for Qwen3-VL's interleaved rotary would train with the blocked one: one line."""
+    cfg = load_preset("qwen-tiny")
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, mrope_interleaved=True)).validate()
+    assert str(e.value).startswith("model config 'qwen-tiny': family: qwen2_vl with Qwen3-VL's") and \
+        "\n" not in str(e.value)
+
+
 def test_tiny_preset_trains(tmp_path):
     """qwen3-vl-tiny trains on packed rows of images of mixed sizes and text-only samples (the single-device loop):
     the loss falls, and every DeepStack merger's weights move (their sets reach the loss)."""
