@@ -333,3 +333,40 @@ def test_presets_have_the_published_parameter_counts(preset, published):
     for p in theirs.parameters():  # a tied lm_head is the embedding's tensor, counted once
         seen[id(p)] = p.numel()
     assert sum(seen.values()) == mine
+
+
+def test_data_side_gives_the_processors_patches_and_counts_bad_images(tmp_path):
+    """The data side reaches the family through its image kind (patches): qwen3-vl-tiny's rule gives transformers'
+    image processor's grids and patches at patch 16 (1536 values each), and a record whose image needs more patches
+    than the row holds is counted with its reason, never trained, never a traceback."""
+    from transformers import Qwen2VLImageProcessor
+
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.patches import patch_rule
+    from test_qwen_data import conv
+    from test_qwen_data import save_tokenizer as save_data_tokenizer
+    cfg, v = load_preset("qwen3-vl-tiny"), load_preset("qwen3-vl-tiny").vision
+    ref = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=v.min_pixels,
+                                max_pixels=v.max_pixels, image_mean=list(v.mean), image_std=list(v.std))
+    rule = patch_rule(cfg, 64)
+    # 64 x 64 -> 4 x 4 patches; 96 x 64 -> 4 x 6; 400 x 300 resized down to at most 128 x 128 px: 6 x 8
+    for (w, h), want in (((64, 64), (1, 4, 4)), ((96, 64), (1, 4, 6)), ((400, 300), (1, 6, 8))):
+        img = image(w, h, seed=w)
+        theirs = ref(images=[img], return_tensors="pt")
+        patches, grid = rule.patches(img)
+        assert grid == tuple(theirs["image_grid_thw"][0].tolist()) == want, (w, h)
+        assert patches.shape == (np.prod(grid), PATCH_DIM) and torch.equal(patches, theirs["pixel_values"])
+    image(64, 64, seed=1).save(tmp_path / "a.png")
+    image(24, 2000, seed=2).save(tmp_path / "thin.png")
+    records = [{"image": "a.png", "conversations": conv("<image>\nwhat colour is it", "red")},
+               {"image": "thin.png", "conversations": conv("<image> what colour", "red")}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    save_data_tokenizer(tmp_path / "tok")
+    args = DataArgs(data=str(tmp_path / "data.jsonl"), tokenizer=str(tmp_path / "tok"), text_len=40, data_workers=0,
+                    max_images=1, max_patches=64)
+    samples = prepare(resolve_data(args, cfg), cfg, tmp_path / "out", seed=0, verbose=False)
+    stats = samples.index.stats
+    assert (stats["good"], stats["bad"]) == (1, 1), stats
+    bad = json.loads((tmp_path / "out" / "data" / "bad_records.jsonl").read_text().splitlines()[0])
+    assert bad["kind"] == "too_many_patches" and "24x2000" in bad["reason"] and "--max-patches" in bad["reason"], bad
