@@ -255,6 +255,19 @@ def test_generate_command_from_hf_dir_and_imported_run(qwen3, tmp_path, capsys):
     assert answers[0]["answer"] == from_hf
 
 
+def test_import_without_preprocessor_config_says_which_defaults_it_took(qwen3, tmp_path, capsys):
+    """Without its preprocessor_config.json the import takes Qwen3-VL's processor defaults (65536 .. 16777216 px,
+    mean / std 0.5) and its summary line says so; with the file, no such note."""
+    d, _, _, report = qwen3
+    assert "by default" not in report.summary()
+    shutil.copytree(d, tmp_path / "hf", ignore=shutil.ignore_patterns("preprocessor_config.json"))
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert ("; no preprocessor_config.json: took min_pixels 65536, max_pixels 16777216, image_mean / image_std 0.5 "
+            f"(SigLIP's) by default) -> {tmp_path / 'run'}\n") in capsys.readouterr().out
+    vision = json.loads((tmp_path / "run" / "model.json").read_text())["vision"]
+    assert (vision["max_pixels"], vision["mean"]) == (16777216, [0.5, 0.5, 0.5])
+
+
 def test_deepstack_index_beyond_the_tower_is_one_line(tmp_path, capsys):
     """A checkpoint whose DeepStack indexes exceed its tower's 5 blocks: `mmpipe import --hf` (and --dry-run) says
     so in one line, exit 2, and writes nothing."""

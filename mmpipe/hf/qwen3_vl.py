@@ -34,13 +34,25 @@ from ..model.qwen3_vl import (
     Qwen3PatchEmbed,
     Qwen3VisionBlock,
 )
-from .llava import CLIP_MEAN, CLIP_STD, ImportReport, _fail, processor_settings, read_hf_config
+from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config, stats_defaults
 from .qwen2_vl import _bounds, image_processor
 from .safetensors_io import read_weights
 
 HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
 DEFAULT_PIXELS = (65536, 16777216)  # Qwen3-VL's preprocessor_config: size shortest_edge / longest_edge
 ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # transformers' tower activations -> mmpipe's
+STATS = (0.5, 0.5, 0.5)  # Qwen3-VL's image_mean and image_std (SigLIP's), taken where the processor has none
+
+
+def _defaults_taken(proc: dict) -> tuple[list[str], list[str]]:
+    """(the settings proc lacks, the defaults config_from_hf takes for them in words): for processor_defaults."""
+    keys, words = [], []
+    for key, got, default in zip(("min_pixels", "max_pixels"), _bounds(proc), DEFAULT_PIXELS):
+        if not got:
+            keys.append(key)
+            words.append(f"{key} {default}")
+    more = stats_defaults(proc, clip=False)
+    return keys + more[0], words + more[1]
 
 
 def _prefix(layer, k: int) -> str:
@@ -94,7 +106,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
     vision = VisionConfig(
         image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=vc.hidden_size,
         n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size, channels=vc.in_channels,
-        mean=tuple(proc.get("image_mean") or CLIP_MEAN), std=tuple(proc.get("image_std") or CLIP_STD), ln_eps=1e-6,
+        mean=tuple(proc.get("image_mean") or STATS), std=tuple(proc.get("image_std") or STATS), ln_eps=1e-6,
         act=ACTS[vc.hidden_act], temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
         min_pixels=lo, max_pixels=hi, deepstack_indexes=tuple(vc.deepstack_visual_indexes),
         num_position_embeddings=vc.num_position_embeddings)
@@ -175,7 +187,9 @@ def import_qwen3_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceMod
     path = Path(path)
     _, cfg = hf_qwen3_config(path)
     model = ReferenceModel(cfg).to(dtype)
-    return model, import_weights(model, read_weights(path), str(path))
+    report = import_weights(model, read_weights(path), str(path))
+    report.notes += processor_defaults(path, _defaults_taken)  # the summary line says which it took
+    return model, report
 
 
 def export_hf(model: ReferenceModel, out: str | Path, tok=None) -> Path:
