@@ -102,6 +102,22 @@ def test_import_gives_hf_logits(qwen3):
         assert (got - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL, name
 
 
+def test_tied_head_imports_and_exports(tmp_path):
+    """A tied checkpoint (the 2B / 4B releases' lm_head is the input embedding): imported, one tensor serves both
+    (the head is mmpipe's tied layer), the logits are HF's, and the export loads back with them."""
+    hf = save_qwen3(tmp_path / "hf", tie=True)
+    model, _ = import_qwen3_vl(tmp_path / "hf")
+    model.eval()
+    assert model.cfg.text.tie_embeddings
+    ids, px, grids = _sample(1)
+    with torch.no_grad():
+        got = model(*row([(ids, px, grids)])[0])[0, :len(ids)]
+    assert (got - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL
+    back = type(hf).from_pretrained(export_hf(model, tmp_path / "out")).eval()
+    assert back.lm_head.weight.data_ptr() == back.model.language_model.embed_tokens.weight.data_ptr()
+    assert (got - hf_logits(back, ids, px, grids)).abs().max().item() < TOL
+
+
 def test_packed_row_gives_each_samples_logits(qwen3):
     """Every sample in one row (two images in sample 4, an unused slot, 12 padding patches, 3 padding
     positions): each sample's logits are its own run's and HF's; DeepStack adds each image's sets at its own
