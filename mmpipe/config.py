@@ -381,11 +381,16 @@ def _qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
          f"{t.partial_rotary_factor}: multimodal rotary turns the whole head (valid: 1.0)"),
         (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2, "text.mrope_section",
          f"{list(t.mrope_section)}: 3 sections summing to head_dim / 2 = {t.head_dim // 2}"),
-        # Qwen3-VL's fields (family qwen3_vl, which runs these checks too): the qwen2_vl layers would ignore them
-        (cfg.family != "qwen2_vl" or not (t.mrope_interleaved or t.qk_norm or v.deepstack_indexes),
-         "family", "qwen2_vl with Qwen3-VL's text.mrope_interleaved / qk_norm / vision.deepstack_indexes, which its "
-         "layers do not read (valid: family qwen3_vl)"),
     ]
+
+
+def _qwen2_vl_only_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """The Qwen2-VL family's checks, and none of Qwen3-VL's fields, which its layers would ignore."""
+    v, t = cfg.vision, cfg.text
+    return _qwen2_vl_checks(cfg) + [
+        (not (t.mrope_interleaved or t.qk_norm or v.deepstack_indexes), "family",
+         "qwen2_vl with Qwen3-VL's text.mrope_interleaved / qk_norm / vision.deepstack_indexes, which its layers do "
+         "not read (valid: family qwen3_vl)")]
 
 
 def _llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
@@ -424,7 +429,7 @@ def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
 
 MAX_DEEPSTACK = 8  # DeepStack sets a model may carry (mmpipe.model.qwen3_vl makes a layer class per set)
 
-FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks, "qwen2_vl": _qwen2_vl_checks,
+FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks, "qwen2_vl": _qwen2_vl_only_checks,
                  "llava_next": _llava_next_checks, "qwen3_vl": _qwen3_vl_checks}  # by the model JSON's `family`
 
 
