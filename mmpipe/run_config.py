@@ -26,7 +26,7 @@ from .model.families import family_of
 from .model.lora import Lora, read_lora
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
-from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES
+from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES, Schedule, schedule_named
 from .run_args import TrainArgs
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -77,7 +77,7 @@ class RunConfig:
     init_from: str | None = None  # a run directory whose latest checkpoint's weights start this run
     eval_data: DataOptions | None = None  # --eval-data: the validation set, read like the training data
     lora: Lora | None = None  # --lora: adapters on these groups' linears, their base frozen (mmpipe.model.lora)
-    schedule: str = BASELINE.name  # --schedule / pipeline.schedule: a name in planning.schedule_registry
+    schedule: Schedule = BASELINE  # --schedule / pipeline.schedule: its record (planning.schedule_registry)
     pack: bool = False  # --pack: several samples per row (mmpipe.data.packing)
     loss_norm: str = "token"  # --loss-norm: one of mmpipe.data.packing.LOSS_NORMS
 
@@ -170,13 +170,16 @@ class Problems(list):
             raise ConfigError("\n".join(self))
 
 
-def _schedule(args: TrainArgs, pipe_cfg: dict, problems: Problems) -> str:
-    """--schedule, else the DeepSpeed JSON's pipeline.schedule, else 1F1B; a name not registered is a problem."""
-    schedule = args.schedule or pipe_cfg.get("schedule", BASELINE.name)
-    if schedule not in SCHEDULE_NAMES:
+def _schedule(args: TrainArgs, pipe_cfg: dict, problems: Problems) -> Schedule:
+    """--schedule, else the DeepSpeed JSON's pipeline.schedule, else 1F1B, as its record; a name not
+    registered is a problem."""
+    name = args.schedule or pipe_cfg.get("schedule", BASELINE.name)
+    try:
+        return schedule_named(name)
+    except ValueError:
         where = "--schedule" if args.schedule else "pipeline.schedule"
-        problems.append(f"{where}: {schedule!r} is not a schedule (valid: {', '.join(SCHEDULE_NAMES)})")
-    return schedule
+        problems.append(f"{where}: {name!r} is not a schedule (valid: {', '.join(SCHEDULE_NAMES)})")
+        return BASELINE
 
 
 def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> RunConfig:

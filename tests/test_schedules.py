@@ -12,15 +12,16 @@ import json
 
 import pytest
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe import schedule as ds
 
 from conftest import refused, train_run, write_ds_config
 from mmpipe.config import load_preset
-from mmpipe.planning.schedule_registry import BASELINE, SCHEDULES
+from mmpipe.planning.schedule_registry import BASELINE, ONE_F_ONE_B, SCHEDULES, ZB_H1, schedule_named
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
-from mmpipe.runtime.schedule import INSTALLERS, ZeroBubbleH1Schedule, install, simulate, stage_orders
+from mmpipe.runtime.schedule import OrderSchedule, install, simulate, stage_orders
 from test_pipeline_equivalence import _max_weight_diff, assert_vision_frozen
 
 TOL = 1e-5
@@ -70,7 +71,7 @@ def test_zb_h1_order_is_complete_bounded_and_deadlock_free(p, m):
                 assert done["F"] - done[kinds[-1]] <= p
                 if i == p - 1 and op.kind == "F":  # the last stage's loss is consumed by the very next B
                     assert order[n + 1].kind == "B" and order[n + 1].mb == op.mb
-        schedules = [ZeroBubbleH1Schedule(m, p, i, weights) for i in range(p)]
+        schedules = [OrderSchedule(m, p, i, weights, ZB_H1) for i in range(p)]
         _run_stream([s.stream for s in schedules])
         for s in schedules:
             assert s.buffers <= max(2, p)
@@ -86,13 +87,35 @@ def test_zb_h1_shortens_the_unit_timeline():
     assert simulate(4, 8, [True] * 4)["makespan"] == 29  # 1F1B: 33; the no-bubble bound: 24
 
 
-def test_every_schedule_has_its_runtime_half_and_an_unknown_name_is_refused():
-    """The records (planning/) and the engine hooks (runtime/) are two tables, for the layering: a
-    schedule registered without its hook would otherwise fail only when a run asks for it."""
-    assert set(INSTALLERS) == set(SCHEDULES)
-    assert install(None, BASELINE.name) is None  # DeepSpeed's own TrainSchedule: the engine untouched
+def _compute(schedule) -> list[tuple[str, int | None]]:
+    """A PipeSchedule's compute instructions per step, in order: (kind, micro-batch where it says)."""
+    return [(type(c).__name__, c.kwargs.get("micro_batch_id")) for cmds in schedule.steps() for c in cmds
+            if isinstance(c, (ds.ForwardPass, ds.BackwardPass))]
+
+
+def test_every_schedule_runs_from_its_record_and_an_unknown_name_is_refused():
+    """A record's order is all the runtime needs: the one translator (OrderSchedule) turns any record's
+    order into a complete, deadlock-free instruction stream, so a new schedule is a record, no engine
+    code. 1F1B stays DeepSpeed's own TrainSchedule (install leaves the engine alone), and its order put
+    through the translator gives TrainSchedule's own forward / backward sequence on every stage."""
+    for sched in SCHEDULES:
+        for p, m in [(1, 3), (2, 4), (3, 5), (4, 8)]:
+            weights = [True] * p
+            streams = [OrderSchedule(m, p, i, weights, sched) for i in range(p)]
+            _run_stream([s.stream for s in streams])
+            for s in streams:
+                kinds = [k for k, _ in _compute(s)]
+                assert kinds.count("ForwardPass") == m
+                split = ["BackwardInput", "BackwardWeight"] if sched.split_backward else ["BackwardPass"]
+                assert all(kinds.count(k) == m for k in split) and set(kinds) == {"ForwardPass", *split}
+    for p, m in itertools.product([1, 2, 3, 4], [1, 2, 3, 4, 5, 8]):
+        for i in range(p):
+            ours = [k for k, _ in _compute(OrderSchedule(m, p, i, [True] * p, ONE_F_ONE_B))]
+            assert ours == [k for k, _ in _compute(ds.TrainSchedule(m, p, i))], (p, m, i)
+    assert BASELINE.deepspeed_native and install(None, BASELINE) is None  # the engine untouched
+    assert not ZB_H1.deepspeed_native and str(ZB_H1) == "zb-h1" and schedule_named("zb-h1") is ZB_H1
     with pytest.raises(ValueError, match=r"unknown schedule 'gpipe' \(valid: 1f1b, zb-h1\)"):
-        install(None, "gpipe")
+        schedule_named("gpipe")
 
 
 def _args(cfg, schedule, *extra):

@@ -73,7 +73,7 @@ def _matmul_peak(dev: torch.device, dtype: torch.dtype) -> float:
 
 def slot_overhead(run: RunConfig, small: RunConfig | None, measured_step: float | None, dev: Device) -> float:
     """Seconds per slot the equivalence run's measured step took beyond dev's prediction for it (>= 0)."""
-    if small is None or not measured_step or run.schedule != BASELINE.name:
+    if small is None or not measured_step or run.schedule is not BASELINE:
         return 0.0
     lay = plan_layout(small.layers, stages=small.stages, dp=small.dp, micro=small.micro, gas=small.gas,
                       precision=small.precision, zero=min(small.zero_stage, 1), device=dev,

@@ -403,9 +403,9 @@ def replayed_step_seconds(schedule: Schedule, stage_times: list[tuple[float, flo
     base = pipeline_step_seconds([(f, b + w) for f, b, w in stage_times], m, boundary_bytes, grad_bytes, dp, device)
     extra = (base["p2p_s"] + device.microbatch_overhead) / 2  # per micro-batch: half with F, half with B
     times = [(f + extra, b + extra, w) for f, b, w in stage_times]
-    one = predict(BASELINE.name, m, times, weight_stages)
+    one = predict(BASELINE, m, times, weight_stages)
     split = [device.split_overhead if has_w and schedule.split_backward else 0.0 for has_w in weight_stages]
-    own = predict(schedule.name, m, [(f, b, w + o) for (f, b, w), o in zip(times, split)], weight_stages)
+    own = predict(schedule, m, [(f, b, w + o) for (f, b, w), o in zip(times, split)], weight_stages)
     saved = one["makespan"] - own["makespan"]
     saved = 0.0 if abs(saved) <= 1e-9 * one["makespan"] else saved  # the same sums added in another order (P = 1)
     span = base["slots"] * (base["slot_s"] + base["p2p_s"] + device.microbatch_overhead)  # 1F1B's compute span

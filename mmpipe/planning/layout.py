@@ -49,7 +49,7 @@ class Layout:
     stage_rows: list[dict]
     step: dict | None
     reason: str = ""
-    schedule: str = BASELINE.name  # the schedule `step` is for: the one asked for, or with 'both' the faster one
+    schedule: str = BASELINE.name  # the name of the schedule `step` is for: the one asked for, or the faster one
     predictions: dict = field(default_factory=dict)  # schedule -> its step dict, for every schedule asked for
 
     @property
@@ -59,11 +59,12 @@ class Layout:
 
 def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                 device: Device, measured: dict | None = None, partition: str = "balanced",
-                schedule: str = BASELINE.name) -> Layout:
+                schedule: Schedule | tuple[Schedule, ...] | str = BASELINE) -> Layout:
     """One layout, predicted. partition: 'balanced' (or 'best') is the min-max split that also fits
     device.memory (what `mmpipe plan` searches); any other method ('uniform', 'parameters',
-    boundaries '3,7') is cut as `mmpipe train` cuts it, whatever the memory says. schedule: a name in
-    schedule_registry.NAMES or 'both' (the split is the same: it is chosen with 1F1B's memory)."""
+    boundaries '3,7') is cut as `mmpipe train` cuts it, whatever the memory says. schedule: the record
+    (or records) to predict, or a name in schedule_registry.SCHEDULE_NAMES or 'both' (the split is the
+    same: it is chosen with 1F1B's memory). The Layout names the one `step` is for."""
     units = trainable_units(rows)
     if stages > len(units):
         return Layout(stages, dp, micro, gas, None, [], None,
@@ -110,10 +111,10 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
         sched, mem = ask[0], own[ask[0].name]["memory_gib"]
         s = max(range(stages), key=lambda i: mem[i])
         return Layout(stages, dp, micro, gas, parts, stage_rows, None,
-                      f"{sched.name} holds {own[sched.name]['in_flight'][s]} micro-batches on stage {s}: "
+                      f"{sched} holds {own[sched.name]['in_flight'][s]} micro-batches on stage {s}: "
                       f"{mem[s]:.1f} GiB > {device.memory / GiB:.0f} GiB", sched.name, predictions)
-    chosen = min(fitting, key=lambda s: predictions[s.name]["step_s"]).name  # a tie: the earlier, the baseline
-    return Layout(stages, dp, micro, gas, parts, stage_rows, predictions[chosen], "", chosen, predictions)
+    chosen = min(fitting, key=lambda s: predictions[s.name]["step_s"])  # a tie: the earlier, the baseline
+    return Layout(stages, dp, micro, gas, parts, stage_rows, predictions[chosen.name], "", chosen.name, predictions)
 
 
 def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int], stage_rows: list[dict], *,
@@ -140,8 +141,8 @@ def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int]
 
 def predict_layout(cfg: ModelConfig, *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                    checkpointing: bool, text_len: int, device: Device, partition: str = "balanced",
-                   freeze: tuple[str, ...] = (), schedule: str = BASELINE.name, images: int = 1,
-                   max_patches: int = 0) -> Layout:
+                   freeze: tuple[str, ...] = (), schedule: Schedule | tuple[Schedule, ...] | str = BASELINE,
+                   images: int = 1, max_patches: int = 0) -> Layout:
     """The planner's prediction for one layout of cfg, as `mmpipe plan` computes it for that layout
     (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows; max_patches: a
     dynamic-resolution row's --max-patches, 0 its default)."""

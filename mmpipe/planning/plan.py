@@ -49,7 +49,7 @@ from .calibrate import calibrate, load_profile, profile_device, profile_of, prof
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
 from .images import crop_line, crop_words, families_words, parse_image_sizes, patch_row, sized_families
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
-from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, asked
+from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, Schedule, asked
 
 PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH)
 
@@ -148,7 +148,7 @@ def cpu_device() -> Device:
 
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
          precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False,
-         lora: Lora | None = None, schedule: str = BASELINE.name, images: int = 1,
+         lora: Lora | None = None, schedule: tuple[Schedule, ...] = (BASELINE,), images: int = 1,
          patches: PatchRow | None = None) -> list[Layout]:
     """images: a row's image slots (--max-images); global_batch and micros then count rows. patches: a
     dynamic-resolution row's patch budget and image grids (mmpipe.planning.images.patch_row)."""
@@ -271,7 +271,7 @@ def main_plan(args) -> int:
     t0 = time.perf_counter()
     layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
                    text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
-                   checkpointing=args.checkpointing, profile=args.profile, lora=lora, schedule=args.schedule,
+                   checkpointing=args.checkpointing, profile=args.profile, lora=lora, schedule=asked(args.schedule),
                    images=args.max_images, patches=patches)
     feasible = [lay for lay in layouts if lay.step]
     length = row_positions(cfg, args.text_len, args.max_images, patches)

@@ -1,44 +1,59 @@
-"""The pipeline schedules, one `Schedule` record each: what differs between them, asked through the
-record rather than by comparing the `--schedule` / `pipeline.schedule` strings.
+"""The pipeline schedules, one `Schedule` record each: everything that differs between them is a
+field of the record, and the record itself, not its name, is what the planner, the bench and the
+runtime pass around (`--schedule` / `pipeline.schedule` / a sweep variant's "schedule" are looked up
+here once, at the edge: `schedule_named`, `asked`).
 
     ONE_F_ONE_B   1f1b: DeepSpeed's own TrainSchedule; the planner's closed form (the baseline)
     ZB_H1         zb-h1: zero-bubble ZB-H1, the backward split into B and W (docs/schedules.md)
 
-The names are declared here once: `mmpipe train --schedule` (mmpipe.run_args, checked in
-run_config.resolve), `mmpipe plan --schedule` and a sweep variant's "schedule" read SCHEDULE_NAMES.
+A record carries its order generator, `orders(p, m, weight_stages, times)`: each stage's F, B (and
+W) ops in the order it runs them (mmpipe.planning.orders). The planner replays that order with
+predicted seconds (schedules.predict); the runtime (mmpipe.runtime.schedule.OrderSchedule) turns
+the same order, whatever schedule made it, into DeepSpeed instructions: no per-schedule runtime
+code. The one exception is `deepspeed_native`: 1F1B runs as DeepSpeed's own TrainSchedule, the
+engine untouched (its order here is what the planner replays; it equals DeepSpeed's in the
+micro-batches each stage holds, P - s).
 
-Each record is the planning half of the schedule; its runtime half (the DeepSpeed PipeSchedule and
-instruction handlers that make an engine run it) is mmpipe.runtime.schedule.INSTALLERS[record].
-It is not a field here because this module sits in planning/, below run_args (which builds the flag
-from SCHEDULE_NAMES) and runtime/: a field holding the engine hook would pull DeepSpeed's engine and torch
-into the planner and the argument parser, an upward import (tests/test_architecture.py), and a
-lazy look-up by module path would be the same dependency, hidden. tests/test_schedules.py checks
-that every record has its runtime half.
-
-A new schedule: its order in mmpipe.planning.schedules (stage_orders, if it is not 1F1B's or
-ZB-H1's), a record below, its installer in mmpipe.runtime.schedule.
+A new schedule: its order generator (a function like orders.zb_h1_orders) and a record below.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from .orders import Op, one_f_one_b_orders, zb_h1_orders
+
+# (stages p, micro-batches m, weight_stages[i]: stage i has weight-gradient work, times[i] = (F, B, W) or
+# None for unit times) -> each stage's ops in order, with simulated start / end
+OrderGenerator = Callable[..., list[list[Op]]]
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """One pipeline schedule: its name and what the planner, the calibration and the runtime ask of it."""
+    """One pipeline schedule: its name, its order and what the planner, the calibration and the runtime ask of it."""
     name: str   # --schedule, the DeepSpeed JSON's pipeline.schedule, a bench variant's and results row's "schedule"
     short: str  # its label in `mmpipe plan`'s columns and stage-row keys ('zb GiB', zb_memory_gib)
-    # B (input gradient) and W (weight gradients) as separate ops. The planner replays the order
-    # schedules.stage_orders makes with split=this, holds memory at that order's peak micro-batches in
-    # flight (up to P on a stage with W, against 1F1B's P - s), and adds the device's split_overhead to
-    # every W: the one term a variant of a splitting schedule fits in `mmpipe plan --calibrate`
-    # (calibrate.fit_split, on top of the baseline's fit). The runtime splits the trainable linears'
-    # backward and stashes (input, grad_output) from B to W (mmpipe.runtime.schedule).
+    # B (input gradient) and W (weight gradients) as separate ops. The planner replays the order with
+    # split=this, holds memory at that order's peak micro-batches in flight (up to P on a stage with W,
+    # against 1F1B's P - s), and adds the device's split_overhead to every W: the one term a variant
+    # of a splitting schedule fits in `mmpipe plan --calibrate` (calibrate.fit_split, on top of the
+    # baseline's fit). The runtime splits the trainable linears' backward and stashes
+    # (input, grad_output) from B to W (mmpipe.runtime.schedule).
     split_backward: bool
+    order: OrderGenerator  # its order generator; call it as `orders(...)`
+    # the runtime leaves the engine's own TrainSchedule in place instead of translating `orders`
+    deepspeed_native: bool = False
+
+    def orders(self, stages: int, micro_batches: int, weight_stages, times=None) -> list[list[Op]]:
+        """Each stage's compute ops (F, B, W) in the order this schedule runs them (unit times by default)."""
+        return self.order(stages, micro_batches, weight_stages, times)
+
+    def __str__(self) -> str:  # messages and f-strings print the name
+        return self.name
 
 
-ONE_F_ONE_B = Schedule("1f1b", "1f1b", split_backward=False)
-ZB_H1 = Schedule("zb-h1", "zb", split_backward=True)
+ONE_F_ONE_B = Schedule("1f1b", "1f1b", split_backward=False, order=one_f_one_b_orders, deepspeed_native=True)
+ZB_H1 = Schedule("zb-h1", "zb", split_backward=True, order=zb_h1_orders)
 
 SCHEDULES = (ONE_F_ONE_B, ZB_H1)  # the baseline first: plan's columns and predictions follow this order
 SCHEDULE_NAMES = tuple(s.name for s in SCHEDULES)
@@ -50,16 +65,22 @@ BASELINE = ONE_F_ONE_B
 BOTH = "both"  # `mmpipe plan --schedule both`: every schedule, side by side, recommending the faster
 
 
-def schedule_named(name: str) -> Schedule:
+def schedule_named(name: str | Schedule) -> Schedule:
+    """The record of a name (a record is itself); an unknown name is a ValueError naming the valid ones."""
+    if isinstance(name, Schedule):
+        return name
     for s in SCHEDULES:
         if s.name == name:
             return s
     raise ValueError(f"unknown schedule {name!r} (valid: {', '.join(SCHEDULE_NAMES)})")
 
 
-def asked(name: str) -> tuple[Schedule, ...]:
-    """The schedules `mmpipe plan --schedule name` predicts: that one, or with 'both' every one."""
-    return SCHEDULES if name == BOTH else (schedule_named(name),)
+def asked(which: str | Schedule | tuple[Schedule, ...]) -> tuple[Schedule, ...]:
+    """The schedules a prediction is asked for: a record, several, or `mmpipe plan --schedule`'s
+    name ('both': every one)."""
+    if isinstance(which, tuple):
+        return which
+    return SCHEDULES if which == BOTH else (schedule_named(which),)
 
 
 def row_schedule(name: object) -> Schedule:

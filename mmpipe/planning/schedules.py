@@ -1,18 +1,8 @@
-"""Pipeline schedules as pure timing: the order each stage runs its forward (F), input-backward (B)
-and weight-backward (W) ops in, and how long a step takes when that order runs with given times.
-No torch, no DeepSpeed: `mmpipe plan --schedule` predicts with it (mmpipe.planning.costmodel), and
-the ZB-H1 schedule that runs inside DeepSpeed (mmpipe.runtime.schedule) takes its order from it.
-
-How the ZB-H1 order is made (`stage_orders`): a list-scheduling simulation of all stages with unit
-times F = B = W = 1 (a linear layer's three matmuls cost the same: 2 FLOPs per weight per token
-each), where a free stage does, in priority, the ready B (it unblocks the stage upstream), else
-the next F if its input is there and fewer than p micro-batches are in flight on the stage
-(forward done, W not done: 1F1B's peak, reached on its stage 0, so memory stays at 1F1B's bound),
-else a pending W. With W deferred this way the B's run up the pipeline at the pace of B alone, and
-each stage fills its drain with the W's it held back. In units: p = 2, m = 4: 1F1B takes
-(m + p - 1) x 3 = 15, ZB-H1 13 = 3m + (p - 1) (the paper's (p - 1)(F + B - W) bubble), the
-no-bubble bound 3m = 12; p = 4, m = 8: 33, 29 (the paper's hand-made order: 27), 24 (`simulate`).
-split=False gives 1F1B's order from the same priorities (B and W one op, p - i in flight on stage i).
+"""Pipeline schedules as pure timing: how long a step takes when a schedule's order (each stage's
+forward (F), input-backward (B) and weight-backward (W) ops, mmpipe.planning.orders, made by the
+generator its `Schedule` record carries) runs with given times. No torch, no DeepSpeed: `mmpipe plan
+--schedule` predicts with it (mmpipe.planning.costmodel), and the runtime (mmpipe.runtime.schedule)
+turns the same per-stage streams into DeepSpeed instructions.
 
 How the order becomes per-stage streams (`stage_streams`): p2p is blocking (a send waits for the
 matching receive), so each message gets one time T - the simulated start of the op that consumes
@@ -25,83 +15,17 @@ How long it takes with real times (`replay`): the runtime computes its order onc
 then runs it with whatever the ops really cost. `replay` runs the streams that way: each stage
 works through its stream in order, a compute op takes its stage's F, B or W seconds, a message
 completes when both ends have reached it (blocking p2p, the transfer itself free). With unit times
-it reproduces `simulate`'s makespan (15 and 13 above); with unequal ones it also shows the waits
-the blocking sends add when a stage reaches a message later than the unit order expected.
+it reproduces `simulate`'s makespan (p = 2, m = 4: 15 and 13, mmpipe.planning.orders); with
+unequal ones it also shows the waits the blocking sends add when a stage reaches a message later
+than the unit order expected.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .orders import Op, one_f_one_b_orders, stage_orders, zb_h1_orders
+from .schedule_registry import Schedule, schedule_named
 
-from .schedule_registry import schedule_named
-
-
-@dataclass
-class Op:
-    kind: str  # "F", "B" or "W"
-    mb: int
-    start: float = 0.0
-    end: float = 0.0
-
-
-def stage_orders(stages: int, micro_batches: int, weight_stages: list[bool] | tuple[bool, ...],
-                 times: list[tuple[float, float, float]] | None = None, split: bool = True) -> list[list[Op]]:
-    """Each stage's compute ops in order, with simulated start/end times.
-
-    times[i] = (F, B, W) of stage i (default 1, 1, 1; a stage without W work: W's time joins B).
-    split=False is 1F1B: B and W as one op (DeepSpeed's BackwardPass), same priorities and bound."""
-    p, m = stages, micro_batches
-    times = times or [(1.0, 1.0, 1.0)] * p
-    dur = []
-    for i in range(p):
-        f, b, w = times[i]
-        has_w = split and weight_stages[i]
-        dur.append({"F": f, "B": b if has_w else b + (w if weight_stages[i] else 0.0), "W": w})
-    has_w = [split and weight_stages[i] for i in range(p)]
-    # micro-batches in flight (forward done, W - or, without W, B - not done): 1F1B holds p - i on
-    # stage i; ZB-H1 lets every stage hold up to p, 1F1B's peak (stage 0's), so memory stays at
-    # 1F1B's bound while the later stages can hold W's back into their drain
-    limit = [p if split else p - i for i in range(p)]
-    f_end = [[None] * m for _ in range(p)]  # when F(k) on stage i ended
-    b_end = [[None] * m for _ in range(p)]
-    nf, nb, nw = [0] * p, [0] * p, [0] * p
-    free = [0.0] * p
-    orders: list[list[Op]] = [[] for _ in range(p)]
-    t = 0.0
-    while any(nw[i] < m if has_w[i] else nb[i] < m for i in range(p)):
-        for i in range(p):
-            if free[i] > t:
-                continue
-            op = None
-            k = nb[i]
-            if k < nf[i]:  # B(k) needs F(k) here and B(k) downstream
-                ready = f_end[i][k] if i == p - 1 else b_end[i + 1][k]
-                if ready is not None and ready <= t:
-                    op = Op("B", k)
-            in_flight = nf[i] - (nw[i] if has_w[i] else nb[i])
-            if op is None and nf[i] < m and in_flight < limit[i]:
-                ready = 0.0 if i == 0 else f_end[i - 1][nf[i]]
-                if ready is not None and ready <= t:
-                    op = Op("F", nf[i])
-            if op is None and has_w[i] and nw[i] < nb[i]:
-                op = Op("W", nw[i])
-            if op is None:
-                continue
-            op.start, op.end = t, t + dur[i][op.kind]
-            free[i] = op.end
-            if op.kind == "F":
-                f_end[i][op.mb] = op.end
-                nf[i] += 1
-            elif op.kind == "B":
-                b_end[i][op.mb] = op.end
-                nb[i] += 1
-            else:
-                nw[i] += 1
-            orders[i].append(op)
-        later = [free[i] for i in range(p) if free[i] > t]
-        if not later:
-            raise RuntimeError(f"pipeline order stalled at t={t} (p={p}, m={m})")  # cannot happen: a bug
-        t = min(later)
-    return orders
+__all__ = ["Op", "one_f_one_b_orders", "peak_in_flight", "predict", "replay", "simulate", "stage_orders",
+           "stage_streams", "zb_h1_orders"]
 
 
 def simulate(stages: int, micro_batches: int, weight_stages, times=None, split: bool = True) -> dict:
@@ -191,15 +115,16 @@ def peak_in_flight(order: list[Op], has_w: bool) -> int:
     return peak
 
 
-def predict(schedule: str, micro_batches: int, times: list[tuple[float, float, float]],
+def predict(schedule: Schedule | str, micro_batches: int, times: list[tuple[float, float, float]],
             weight_stages: list[bool]) -> dict:
-    """`schedule`'s step (a name in schedule_registry.SCHEDULE_NAMES) on len(times) stages, times[i] =
-    (F, B, W) seconds of stage i (W 0 where weight_stages[i] is False): the order the runtime runs
-    (the unit-time order; 1F1B: split=False, B and W one op of B + W seconds) replayed with these
-    times. Also the order's peak micro-batches in flight per stage."""
-    p, split = len(times), schedule_named(schedule).split_backward
+    """`schedule`'s step (a record, or a name in schedule_registry.SCHEDULE_NAMES) on len(times) stages,
+    times[i] = (F, B, W) seconds of stage i (W 0 where weight_stages[i] is False): the order the
+    runtime runs (the record's unit-time `orders`; 1F1B: B and W one op of B + W seconds) replayed
+    with these times. Also the order's peak micro-batches in flight per stage."""
+    schedule = schedule_named(schedule)  # a name from outside (a test, a caller's flag): its record
+    p, split = len(times), schedule.split_backward
     weight_stages = [bool(w) for w in weight_stages]
-    orders = stage_orders(p, micro_batches, weight_stages, split=split)
+    orders = schedule.orders(p, micro_batches, weight_stages)
     durations = [{"F": f, "B": b if split and weight_stages[i] else b + w, "W": w}
                  for i, (f, b, w) in enumerate(times)]
     out = replay(stage_streams(orders), durations)

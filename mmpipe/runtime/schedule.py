@@ -1,33 +1,38 @@
-"""The zero-bubble ZB-H1 schedule inside DeepSpeed's PipelineEngine (`--schedule zb-h1`).
+"""Any schedule's order, run inside DeepSpeed's PipelineEngine (`--schedule`).
 
 DeepSpeed 0.19.8 runs one training schedule, 1F1B (`TrainSchedule`), whose backward pass computes
-the gradients for the stage's input AND its weights before the input gradient goes upstream. ZB-H1
-(Qi et al., ICLR 2024, arXiv 2401.10241) splits it: B, the input gradient, sent upstream at once,
-and W, the weight gradients, deferred into time the stage would otherwise spend waiting. Here:
+the gradients for the stage's input AND its weights before the input gradient goes upstream. A
+`Schedule` record (mmpipe.planning.schedule_registry) carries its own order instead: per stage, its
+forward (F), backward or input-backward (B) and weight-backward (W) ops, with the messages between
+the stages placed at one global time each (mmpipe.planning.schedules.stage_streams, deadlock-free with
+DeepSpeed's blocking p2p). This module is the one translator from such an order to DeepSpeed
+instructions, whichever schedule made it:
 
-* `ZeroBubbleH1Schedule`, a `PipeSchedule` yielding DeepSpeed instruction lists, with two new
-  instructions: `BackwardInput` (B) and `BackwardWeight` (W). Everything else is DeepSpeed's own
-  instruction set and handlers: LoadMicroBatch, ForwardPass, the four blocking p2p instructions,
-  ReduceTiedGrads, ReduceGrads, OptimizerStep (so ZeRO-1, bf16/fp16 and clipping are untouched).
+* `OrderSchedule`, a `PipeSchedule` yielding DeepSpeed instruction lists for one stage's stream.
+  F is LoadMicroBatch (first and last stage) + ForwardPass; messages are the four blocking p2p
+  instructions; the step ends with ReduceTiedGrads, ReduceGrads, OptimizerStep (so ZeRO-1,
+  bf16/fp16 and clipping are untouched). B is DeepSpeed's BackwardPass, or, for a schedule that
+  splits the backward (`split_backward`: ZB-H1, Qi et al., ICLR 2024, arXiv 2401.10241), the two new
+  instructions `BackwardInput` (B) and `BackwardWeight` (W).
 * The B/W split: every trainable `nn.Linear` of this stage runs through `_DeferredLinear`, whose
   backward computes only the input gradient and stashes (input, grad_output); W computes
   grad_W = g^T x and grad_b = sum(g) from the stash and hands them to autograd on the parameter
   leaves (so DeepSpeed's gradient hooks fire as in a normal backward). Every other parameter
   (norms, embeddings, positions) takes its gradient in B. A frozen linear is left alone (autograd
-  computes its input gradient only), and a stage with no trainable linear gets no W at all: the
-  schedule is then 1F1B's order with B as the whole backward.
-* `install(engine, "zb-h1")`: the engine instance's `_train_schedule` and `_INSTRUCTION_MAP`
-  gain the schedule and the two handlers (the class, and every other engine, are untouched).
+  computes its input gradient only), and a stage with no trainable linear gets no W at all: its
+  order is then the schedule's with B as the whole backward.
+* `install(engine, schedule)`: the engine instance's `_train_schedule` (and, for a split, its
+  `_INSTRUCTION_MAP`, with the two handlers) run the record's order; the class, and every other
+  engine, are untouched. A `deepspeed_native` record (1F1B) installs nothing: DeepSpeed's own
+  TrainSchedule runs.
 
-The order (`stage_orders`, a unit-time list-scheduling simulation: the ready B first, else the next F
-while fewer than p micro-batches are in flight, else a pending W) and the per-stage streams with
-each message placed at one global time (`stage_streams`, deadlock-free with DeepSpeed's blocking
-p2p) are pure timing and live in mmpipe.planning.schedules, where `mmpipe plan --schedule` also
-replays them with predicted per-stage times; this module turns them into DeepSpeed instructions.
+The orders themselves (`stage_orders`: a unit-time list-scheduling simulation; ZB-H1's: the ready B
+first, else the next F while fewer than p micro-batches are in flight, else a pending W) are pure
+timing and live in mmpipe.planning.schedules, where `mmpipe plan --schedule` also replays them with
+predicted per-stage times.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,10 +41,10 @@ import torch.nn.functional as F
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ..planning.schedule_registry import ONE_F_ONE_B, ZB_H1, Schedule, schedule_named
+from ..planning.schedule_registry import ZB_H1, Schedule
 from ..planning.schedules import Op, simulate, stage_orders, stage_streams
 
-__all__ = ["BackwardInput", "BackwardWeight", "Op", "ZeroBubbleH1Schedule", "install", "simulate", "stage_orders",
+__all__ = ["BackwardInput", "BackwardWeight", "Op", "OrderSchedule", "install", "simulate", "stage_orders",
            "stage_streams"]
 
 
@@ -66,13 +71,15 @@ def _live_buffers(stream: list[tuple]) -> int:
     return max(sum(1 for mb in first if first[mb] <= n <= last[mb]) for n in range(len(stream)))
 
 
-class ZeroBubbleH1Schedule(ds.PipeSchedule):
-    """ZB-H1 for one stage. weight_stages[i]: whether stage i has deferred weight gradients (W)."""
+class OrderSchedule(ds.PipeSchedule):
+    """`schedule`'s order for one stage, as DeepSpeed instructions. weight_stages[i]: whether stage i
+    has weight-gradient work (W, for a schedule that splits the backward; else a longer B)."""
 
-    def __init__(self, micro_batches, stages, stage_id, weight_stages=None):
+    def __init__(self, micro_batches, stages, stage_id, weight_stages=None, schedule: Schedule = ZB_H1):
         super().__init__(micro_batches, stages, stage_id)
+        self.schedule = schedule
         self.weight_stages = tuple(weight_stages) if weight_stages is not None else (True,) * stages
-        orders = stage_orders(stages, micro_batches, self.weight_stages)
+        orders = schedule.orders(stages, micro_batches, self.weight_stages)
         self.stream = stage_streams(orders)[stage_id]
         self.buffers = max(2, _live_buffers(self.stream))  # DeepSpeed's TrainSchedule also keeps >= 2
 
@@ -96,6 +103,8 @@ class ZeroBubbleH1Schedule(ds.PipeSchedule):
                     if self.is_first_stage or self.is_last_stage:
                         cmds.append(ds.LoadMicroBatch(buf))
                     cmds.append(ds.ForwardPass(buf))
+                elif kind == "B" and not self.schedule.split_backward:
+                    cmds.append(ds.BackwardPass(buf))
                 elif kind == "B":
                     cmds.append(BackwardInput(buf, micro_batch_id=mb))
                 else:
@@ -210,31 +219,24 @@ def _weight_stages(engine, has_w: bool) -> list[bool]:
     return [bool(x) for x in out]
 
 
-def install(engine, schedule: str) -> dict | None:
-    """Make `engine` (a PipelineEngine, after deepspeed.initialize) run `schedule`, a registered name
-    (mmpipe.planning.schedule_registry). Collective for zb-h1 (every stage of the pipeline calls it).
-    Returns what was installed, None for DeepSpeed's 1F1B."""
-    installer = INSTALLERS[schedule_named(schedule)]
-    return None if installer is None else installer(engine)
-
-
-def _install_zb_h1(engine) -> dict:
-    """ZeroBubbleH1Schedule and the B / W handlers on this engine instance; the trainable linears deferred."""
-    stash = WeightStash()
-    n = sum(defer_weight_grads(layer, stash) for layer in engine.module.forward_funcs
-            if isinstance(layer, torch.nn.Module))
-    weight_stages = _weight_stages(engine, n > 0)
+def install(engine, schedule: Schedule) -> dict | None:
+    """Make `engine` (a PipelineEngine, after deepspeed.initialize) run `schedule`'s order. Collective
+    for a translated schedule (every stage of the pipeline calls it: which stages have W work).
+    Returns what was installed, None for a `deepspeed_native` one (DeepSpeed's own 1F1B)."""
+    if schedule.deepspeed_native:
+        return None
     d = engine.__dict__
-    d["_mmpipe_stash"] = stash
-    d["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, BackwardInput: _exec_backward_input,
-                             BackwardWeight: _exec_backward_weight}
-    d["_train_schedule"] = lambda: ZeroBubbleH1Schedule(engine.micro_batches, engine.num_stages, engine.stage_id,
-                                                        weight_stages)
-    return {"schedule": ZB_H1.name, "deferred_linears": n, "weight_stages": weight_stages}
-
-
-# The runtime half of each schedule record: what makes an engine run it (None: DeepSpeed's own
-# TrainSchedule, the engine's default). A table here, not a field of the record, because the records
-# sit in planning/, below run_args and this layer: a field holding these would import DeepSpeed's engine
-# into the planner and the flag parser (mmpipe.planning.schedule_registry's docstring).
-INSTALLERS: dict[Schedule, Callable[..., dict] | None] = {ONE_F_ONE_B: None, ZB_H1: _install_zb_h1}
+    layers = [layer for layer in engine.module.forward_funcs if isinstance(layer, torch.nn.Module)]
+    if schedule.split_backward:  # the trainable linears' weight gradients deferred from B to W
+        stash = WeightStash()
+        n = sum(defer_weight_grads(layer, stash) for layer in layers)
+        d["_mmpipe_stash"] = stash
+        d["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, BackwardInput: _exec_backward_input,
+                                 BackwardWeight: _exec_backward_weight}
+    else:  # one backward per micro-batch, DeepSpeed's own; the weight stages only time the order
+        n = sum(type(m) is torch.nn.Linear and m.weight.requires_grad for layer in layers for m in layer.modules())
+    weight_stages = _weight_stages(engine, n > 0)
+    d["_train_schedule"] = lambda: OrderSchedule(engine.micro_batches, engine.num_stages, engine.stage_id,
+                                                 weight_stages, schedule)
+    return {"schedule": schedule.name, "deferred_linears": n if schedule.split_backward else 0,
+            "weight_stages": weight_stages}

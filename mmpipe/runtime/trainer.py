@@ -208,7 +208,7 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     checkpoint.make_loads_safe(engine)
     grad_fault(engine, run.gas)  # a test hook, inert unless MMPIPE_FAULT names it
     install_wire(engine)  # only floats cross a stage boundary; before `instrument` copies the instruction map
-    zb = install_schedule(engine, run.schedule)  # collective for zb-h1; before `instrument` copies the instruction map
+    zb = install_schedule(engine, run.schedule)  # collective unless native; before `instrument` copies the instr. map
     if zb and rank == 0:
         print(f"mmpipe: schedule {zb['schedule']}: stage 0 defers {zb['deferred_linears']} linears' weight gradients; "
               f"stages with W work {[i for i, w in enumerate(zb['weight_stages']) if w]}", flush=True)
