@@ -102,6 +102,10 @@ def test_tiny_sweep_end_to_end(tmp_path):
     ({"variants": [{"name": "a", "stagez": 2}]}, "variants[0]: unknown key 'stagez'"),
     ({"variants": [{"name": "a", "precision": "fp8"}]}, "variants[0].precision: 'fp8'"),
     ({"variants": [{"name": "a", "schedule": "zbv"}]}, "variants[0].schedule: 'zbv' must be 1f1b or zb-h1"),
+    ({"variants": [{"name": "a", "freeze": "vison"}]}, "variants[0].freeze: 'vison' must be '' (nothing frozen) or "
+                                                       "comma-separated groups of vision, projector, text"),
+    ({"base": {"freeze": ["vision"]}, "variants": [{"name": "a"}]}, "base.freeze: ['vision'] must be ''"),
+    ({"grid": {"freeze": ["", "vision,"]}}, "grid.freeze: 'vision,' must be ''"),
     ({"grid": {"stages": []}}, "grid.stages: must be a non-empty list"),
     ({"grid": {"stages": [1]}, "stepz": 3}, "stepz: unknown key"),
     ({"variants": [{"name": "a"}], "steps": 3, "warmup_steps": 3}, "warmup_steps: 3 leaves no measured step"),
@@ -173,3 +177,49 @@ def test_default_sweep_parses():
     from mmpipe.bench.sweep import load
     sw = load(str(ROOT / "ds_configs" / "sweeps" / "default.json"))
     assert sw.targets == {"pp1": "pp1", "pp2": "pp2", "hf_base": "pp1"} and max(v.world for v in sw.variants) == 2
+
+
+def test_freeze_reaches_the_runs_names_the_grid_and_is_measured_per_stage(tmp_path):
+    """A variant's freeze is its runs' --freeze (checked by mmpipe train's own rules: a stage left without a
+    trainable parameter is refused, recorded, not fatal), a grid names it, and the row carries the per-stage
+    timing a schedule or partition comparison reads (parts, idle, forward / backward per micro-batch)."""
+    from mmpipe.bench.run_variant import check, measure, train_args
+    from mmpipe.bench.sweep import parse
+    sw = parse({"base": {"preset": "small", "stages": 4, "partition": "uniform"},
+                "grid": {"freeze": ["", "vision"], "schedule": ["1f1b", "zb-h1"]}})
+    assert [v.name for v in sw.variants] == ["trainable_1f1b", "trainable_zb-h1", "frozen-vision_1f1b",
+                                             "frozen-vision_zb-h1"]
+    argv = train_args(sw.variants[2], sw, tmp_path, tmp_path / "ds.json").to_argv()
+    assert argv[argv.index("--freeze") + 1] == "vision"
+    assert "--freeze" not in train_args(sw.variants[0], sw, tmp_path, tmp_path / "ds.json").to_argv()
+    assert check(sw.variants[0], sw, tmp_path / "a") is None
+    status, reason = check(sw.variants[2], sw, tmp_path / "b")
+    assert status == "refused" and "would hold no trainable parameter" in reason
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_log.csv").write_text("step,samples_per_s,useful_tokens_per_s,positions_per_s\n" +
+                                       "".join(f"{i},100,2800,2800\n" for i in range(1, 5)))
+    stages = [{"idle_fraction": 0.2, "forward_ms_per_micro": 6.0, "backward_ms_per_micro": 10.0, "step_ms": 3.0},
+              {"idle_fraction": 0.3, "forward_ms_per_micro": 8.0, "backward_ms_per_micro": 12.0, "step_ms": 4.0}]
+    (run / "summary.json").write_text(json.dumps({"train_batch": 64, "decoder_length": 28, "parts": [0, 7, 11],
+                                                  "stage_timing": {"per_stage": stages, "max_over_mean": 1.1}}))
+    v = parse({"variants": [{"name": "z", "stages": 2, "freeze": "vision", "schedule": "zb-h1"}]}).variants[0]
+    row = measure(v, sw, run, None)
+    assert row["parts"] == [0, 7, 11] and row["stage_idle"] == [0.2, 0.3] and row["optimizer_ms"] == 4.0
+    assert row["stage_forward_ms_per_micro"] == [6.0, 8.0] and row["stage_backward_ms_per_micro"] == [10.0, 12.0]
+
+
+@pytest.mark.parametrize("name", ["zb_cells", "zb_cells_pp4", "partition", "schedules"])
+def test_shipped_sweeps_parse_and_freeze_what_the_docs_say(name):
+    """The sweep files that replaced scripts/bench_schedules.py and scripts/bench_partition.py (docs/schedules.md,
+    docs/partition_benchmark.md): each cell a variant, vision trainable and frozen."""
+    from mmpipe.bench.sweep import load
+    sw = load(str(ROOT / "ds_configs" / "sweeps" / f"{name}.json"))
+    if name != "schedules":
+        assert {v.freeze for v in sw.variants} == {"", "vision"} and all(v.data_workers == 0 for v in sw.variants)
+    if name.startswith("zb_cells"):
+        assert len(sw.variants) == 8 and {(v.gas, v.schedule) for v in sw.variants} == {
+            (g, s) for g in (4, 8) for s in ("1f1b", "zb-h1")}
+    if name == "partition":
+        assert {(v.stages, v.partition) for v in sw.variants if v.preset == "small"} == {
+            (s, m) for s in (2, 4) for m in ("balanced", "uniform", "parameters")}

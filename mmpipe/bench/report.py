@@ -14,11 +14,12 @@ from .plots import plot_all
 # decoder positions (no padding), positions_per_s every computed position (rows x positions per row / s)
 COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "zero", "precision",
            "micro", "gas", "checkpointing", "partition", "data_workers", "pack", "max_images", "text_len", "schedule",
-           "world",
+           "freeze", "world",
            "train_batch", "measured_steps", "samples_per_s", "samples_per_s_iqr", "useful_tokens_per_s",
            "useful_tokens_per_s_iqr", "positions_per_s", "positions_per_s_iqr", "padding_share", "step_time_s",
            "peak_mem_mb_max", "peak_mem_mb_per_rank", "bubble_measured", "bubble_theory", "stage_imbalance",
-           "achieved_flops", "mfu", "final_loss", "wall_s", *predict.COLUMNS]
+           "parts", "stage_idle", "stage_forward_ms_per_micro", "stage_backward_ms_per_micro", "achieved_flops", "mfu",
+           "final_loss", "wall_s", *predict.COLUMNS]
 
 
 def _fmt(v):

@@ -24,7 +24,7 @@ def peer_base(name: str, rep: int, sw: Sweep) -> tuple[dict, Variant]:
     stages = PEER_RANKS[name]  # ranks; torch_pipe_zb: 4 stages in a V over its 2 ranks
     row = {"kind": "peer", "repeat": rep, **shape.to_dict(), "name": f"peer_{name}", "engine": name, "stages": stages,
            "dp": 1, "zero": None, "world": stages, "pack": False, "max_images": 1,
-           "schedule": PEER_SCHEDULES.get(name)}
+           "schedule": PEER_SCHEDULES.get(name), "freeze": ""}  # the peers train every layer
     like = Variant(name=row["name"], preset=shape.preset, stages=stages, micro=shape.micro, gas=shape.gas,
                    data_workers=shape.data_workers, text_len=shape.text_len, max_images=1)
     return row, like

@@ -48,7 +48,7 @@ def ds_config(v: Variant, resolve_copy: bool = False) -> dict:
 def train_args(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> TrainArgs:
     return TrainArgs(preset=v.preset, ds_config=str(cfg_path), stages=v.stages, steps=sweep.steps, output_dir=str(out),
                      eval_samples=0, keep_checkpoints=1, data_workers=v.data_workers, data=sweep.data, pack=v.pack,
-                     max_images=v.max_images, text_len=v.text_len)
+                     max_images=v.max_images, text_len=v.text_len, freeze=v.freeze)
 
 
 def check(v: Variant, sweep: Sweep, out: Path, this_device: bool = True) -> tuple[str, str] | None:
@@ -134,6 +134,7 @@ def measure(v: Variant, sweep: Sweep, out: Path, peak_flops: float | None) -> di
         m = json.loads(p.read_text()) if p.is_file() else {}
         mem.append(m.get("max_memory_allocated_bytes") or m.get("peak_rss_bytes"))
     timing = summary.get("stage_timing") or {}
+    per_stage = timing.get("per_stage") or []
     achieved = flops * rows_per_s  # the model's FLOPs on every computed position, padding included
     (s_med, s_iqr), (u_med, u_iqr), (p_med, p_iqr) = _median_iqr(sps), _median_iqr(ups), _median_iqr(pps)
     return {
@@ -148,6 +149,12 @@ def measure(v: Variant, sweep: Sweep, out: Path, peak_flops: float | None) -> di
         "bubble_measured": timing.get("measured_bubble"),
         "bubble_theory": (v.stages - 1) / (v.gas + v.stages - 1),
         "stage_imbalance": timing.get("max_over_mean"),
+        # per stage, from summary.json's stage_timing (mmpipe.runtime.timing; a schedule's B + W is its backward)
+        "parts": summary.get("parts"),
+        "stage_idle": [r.get("idle_fraction") for r in per_stage] or None,
+        "stage_forward_ms_per_micro": [r.get("forward_ms_per_micro") for r in per_stage] or None,
+        "stage_backward_ms_per_micro": [r.get("backward_ms_per_micro") for r in per_stage] or None,
+        "optimizer_ms": max((r["step_ms"] for r in per_stage if r.get("step_ms") is not None), default=None),
         "achieved_flops": achieved,
         "mfu": achieved / (peak_flops * v.world) if peak_flops else None,
         "final_loss": summary.get("final_loss"),

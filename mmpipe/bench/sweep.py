@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError, read_json
+from ..model.builder import FREEZE_GROUPS
 from ..planning.costmodel import KNOWN_DEVICES
 from ..planning.schedule_registry import BASELINE, SCHEDULE_NAMES
 
@@ -39,10 +40,12 @@ VARIANT_FIELDS = {
                  "an integer >= 2, or null for the data's default (mmpipe train --text-len)"),
     "schedule": (lambda v: v in SCHEDULE_NAMES,
                  f"{' or '.join(SCHEDULE_NAMES)} (mmpipe train --schedule, docs/schedules.md)"),
+    "freeze": (lambda v: isinstance(v, str) and (v == "" or all(g in FREEZE_GROUPS for g in v.split(","))),
+               f"'' (nothing frozen) or comma-separated groups of {', '.join(FREEZE_GROUPS)} (mmpipe train --freeze)"),
 }
 VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
                     "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe", "pack": False,
-                    "max_images": None, "text_len": None, "schedule": BASELINE.name}
+                    "max_images": None, "text_len": None, "schedule": BASELINE.name, "freeze": ""}
 PEERS = ("hf", "torch_pipe", "torch_pipe_zb")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "data", "_comment"}
@@ -68,6 +71,7 @@ class Variant:
     # train's rule (1; with pack, mmpipe.data.dataset.packed_image_slots)
     text_len: int | None = None  # --text-len; None: the data's default (the shapes set's 12)
     schedule: str = BASELINE.name  # the DeepSpeed JSON's pipeline.schedule (--schedule): 1f1b or zb-h1
+    freeze: str = ""  # --freeze: comma-separated groups (vision, projector, text) whose weights do not train
 
     @property
     def world(self) -> int:
@@ -128,6 +132,8 @@ def _auto_name(d: dict, keys) -> str:
             parts.append("tldefault")
         elif k == "max_images" and v is None:
             parts.append("imgauto")
+        elif k == "freeze":
+            parts.append("frozen-" + v.replace(",", "-") if v else "trainable")
         else:
             parts.append(f"{short.get(k, k)}{v}")
     return "_".join(parts) or "base"
