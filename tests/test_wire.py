@@ -8,6 +8,7 @@ import pytest
 import torch
 from deepspeed.runtime.pipe import schedule as ds
 
+from mmpipe.planning.schedule_registry import ZB_H1
 from mmpipe.runtime import schedule as zb
 from mmpipe.runtime import wire
 
@@ -19,7 +20,7 @@ def _steps(schedule) -> list[list]:
 @pytest.mark.parametrize("make", [
     lambda s: ds.TrainSchedule(micro_batches=5, stages=4, stage_id=s),
     lambda s: ds.InferenceSchedule(micro_batches=5, stages=4, stage_id=s),
-    lambda s: zb.ZeroBubbleH1Schedule(5, 4, s),
+    lambda s: zb.OrderSchedule(5, 4, s),  # zb-h1's order (OrderSchedule's default record)
 ], ids=["1f1b", "inference", "zb-h1"])
 def test_every_stage_loads_each_micro_batch_before_its_forward(make):
     for stage in range(4):
@@ -57,7 +58,7 @@ class _Engine:
 @pytest.mark.parametrize("wire_first", [True, False])
 def test_composes_with_zb_h1_in_either_order(wire_first):
     engine = _Engine()
-    installs = [wire.install, lambda e: zb.install(e, "zb-h1")]
+    installs = [wire.install, lambda e: zb.install(e, ZB_H1)]
     for install in installs if wire_first else installs[::-1]:
         install(engine)
     m = engine._INSTRUCTION_MAP

@@ -175,9 +175,17 @@ def canonical(name: str) -> str:
 
 def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where: str) -> ImportReport:
     """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
-    by_hf = {h: m for m, h in key_map(model.cfg).items()}
+    return load_named(model, source, where, key_map(model.cfg), HF_CLASSES["qwen2_vl"], canonical)
+
+
+def load_named(model: ReferenceModel, source: dict[str, torch.Tensor], where: str, names: dict[str, str],
+               hf_class: str, rename=lambda name: name) -> ImportReport:
+    """The Qwen families' import (Qwen2/2.5-VL, Qwen3-VL): names, mmpipe's weight -> the HF tensor (the family's
+    key map); rename, a source name as the key map spells it (older checkpoints' prefixes). Every source tensor
+    mapped and every weight filled, a tied head checked equal to the embedding; else one line naming the tensor."""
+    by_hf = {h: m for m, h in names.items()}
     state, report, embed = model.state_dict(), ImportReport(), "model.language_model.embed_tokens.weight"
-    source = {canonical(k): (k, t) for k, t in source.items()}
+    source = {rename(k): (k, t) for k, t in source.items()}
     for name, (src, tensor) in source.items():
         if name == "lm_head.weight" and model.cfg.text.tie_embeddings:
             if embed in source and not torch.equal(source[embed][1], tensor):
@@ -185,7 +193,7 @@ def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where
             report.mapped += 1
             continue
         if name not in by_hf:
-            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a {HF_CLASSES['qwen2_vl']}")
+            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a {hf_class}")
         mine = by_hf[name]
         if tuple(state[mine].shape) != tuple(tensor.shape):
             _fail(where, f"tensor '{src}' has shape {tuple(tensor.shape)}, "

@@ -35,7 +35,7 @@ from ..model.qwen3_vl import (
     Qwen3VisionBlock,
 )
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config, stats_defaults
-from .qwen2_vl import _bounds, image_processor
+from .qwen2_vl import _bounds, image_processor, load_named
 from .safetensors_io import read_weights
 
 HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
@@ -152,27 +152,7 @@ def hf_config(cfg: ModelConfig, tok=None):
 
 def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where: str) -> ImportReport:
     """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
-    by_hf = {h: m for m, h in key_map(model.cfg).items()}
-    state, report, embed = model.state_dict(), ImportReport(), "model.language_model.embed_tokens.weight"
-    for name, tensor in source.items():
-        if name == "lm_head.weight" and model.cfg.text.tie_embeddings:
-            if embed in source and not torch.equal(source[embed], tensor):
-                _fail(where, f"tensor '{name}': the config ties embeddings but it differs from the input embedding")
-            report.mapped += 1
-            continue
-        if name not in by_hf:
-            _fail(where, f"tensor '{name}' {tuple(tensor.shape)} matches no weight of a {HF_CLASSES['qwen3_vl']}")
-        mine = by_hf[name]
-        if tuple(state[mine].shape) != tuple(tensor.shape):
-            _fail(where, f"tensor '{name}' has shape {tuple(tensor.shape)}, the model expects "
-                         f"{tuple(state[mine].shape)}")
-        state[mine] = tensor.to(state[mine].dtype)
-        report.mapped += 1
-    missing = sorted(set(by_hf) - set(source))
-    if missing:
-        _fail(where, f"no tensor for '{missing[0]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    model.load_state_dict(state)
-    return report
+    return load_named(model, source, where, key_map(model.cfg), HF_CLASSES["qwen3_vl"])
 
 
 def hf_qwen3_config(path: str | Path):
