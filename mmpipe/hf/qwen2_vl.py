@@ -68,12 +68,18 @@ def _bounds(proc: dict) -> tuple[int | None, int | None]:
 
 def _defaults_taken(proc: dict) -> tuple[list[str], list[str]]:
     """(the settings proc lacks, the defaults _vision takes for them in words): for processor_defaults."""
+    return pixel_defaults_taken(proc, DEFAULT_PIXELS, clip=True)
+
+
+def pixel_defaults_taken(proc: dict, pixels: tuple[int, int], clip: bool) -> tuple[list[str], list[str]]:
+    """A Qwen family's (settings proc lacks, the defaults taken in words): min / max pixels (the family's
+    defaults), then the mean / std (CLIP's, or 0.5's with clip False: mmpipe.hf.llava.stats_defaults)."""
     keys, words = [], []
-    for key, got, default in zip(("min_pixels", "max_pixels"), _bounds(proc), DEFAULT_PIXELS):
+    for key, got, default in zip(("min_pixels", "max_pixels"), _bounds(proc), pixels):
         if not got:
             keys.append(key)
             words.append(f"{key} {default}")
-    more = stats_defaults(proc)
+    more = stats_defaults(proc, clip=clip)
     return keys + more[0], words + more[1]
 
 

@@ -34,8 +34,8 @@ from ..model.qwen3_vl import (
     Qwen3PatchEmbed,
     Qwen3VisionBlock,
 )
-from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config, stats_defaults
-from .qwen2_vl import _bounds, image_processor, load_named
+from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
+from .qwen2_vl import _bounds, image_processor, load_named, pixel_defaults_taken
 from .safetensors_io import read_weights
 
 HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
@@ -46,13 +46,7 @@ STATS = (0.5, 0.5, 0.5)  # Qwen3-VL's image_mean and image_std (SigLIP's), taken
 
 def _defaults_taken(proc: dict) -> tuple[list[str], list[str]]:
     """(the settings proc lacks, the defaults config_from_hf takes for them in words): for processor_defaults."""
-    keys, words = [], []
-    for key, got, default in zip(("min_pixels", "max_pixels"), _bounds(proc), DEFAULT_PIXELS):
-        if not got:
-            keys.append(key)
-            words.append(f"{key} {default}")
-    more = stats_defaults(proc, clip=False)
-    return keys + more[0], words + more[1]
+    return pixel_defaults_taken(proc, DEFAULT_PIXELS, clip=False)
 
 
 def _prefix(layer, k: int) -> str:
