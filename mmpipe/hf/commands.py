@@ -10,31 +10,36 @@ from __future__ import annotations
 
 import argparse
 import json
+from itertools import chain
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from ..config import ConfigError, config_from_dict, fail, load_preset
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
-from ..model.builder import ReferenceModel
 from ..model.families import family_of
 from ..model.lora import read_lora
 from ..runtime.checkpoint import latest_tag, load_reference
 from . import llava, llava_next, qwen2_vl, qwen3_vl
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
-from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map
+from .export import planned
+from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map, read_llava
 from .llava_next import export_hf as export_llava_next
-from .llava_next import hf_llava_next_config, import_llava_next
+from .llava_next import hf_llava_next_config, import_llava_next, read_llava_next
 from .llava_next import key_map as llava_next_key_map
-from .moondream import REGION_FILE, export_moondream, import_moondream, load_region, save_region
+from .moondream import REGION_FILE, export_moondream, load_region, read_moondream, region_in_layout
+from .moondream import key_map as moondream_key_map
 from .qwen2_vl import export_hf as export_qwen2_vl
-from .qwen2_vl import hf_qwen_config, import_qwen2_vl, model_type
+from .qwen2_vl import hf_qwen_config, import_qwen2_vl, model_type, read_qwen2_vl
 from .qwen2_vl import key_map as qwen2_vl_key_map
 from .qwen3_vl import export_hf as export_qwen3_vl
-from .qwen3_vl import hf_qwen3_config, import_qwen3_vl
+from .qwen3_vl import hf_qwen3_config, import_qwen3_vl, read_qwen3_vl
 from .qwen3_vl import key_map as qwen3_vl_key_map
+from .safetensors_io import DEFAULT_SHARD_SIZE, parse_size, write_sharded
+from .stream import ModelLayers, RunLayers, renamed_tensors
 
 # the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory,
 # whose third argument is the run's tokenizer: its special ids go into the config)
@@ -44,26 +49,38 @@ HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf
          "Qwen3VLForConditionalGeneration": (qwen3_vl_key_map, export_qwen3_vl)}
 
 
-# the readers of HF directories, by config.json's model_type: (import function, HF config reader, label); each
-# module's HF_CLASSES names the model_types its importer takes
-HF_READERS = {mt: reader for module, reader in (
-    (llava, (import_llava, hf_llava_config, "LLaVA")),
-    (llava_next, (import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision")),
-    (qwen2_vl, (import_qwen2_vl, hf_qwen_config, "Qwen2-VL")),
-    (qwen3_vl, (import_qwen3_vl, hf_qwen3_config, "Qwen3-VL"))) for mt in module.HF_CLASSES}
+# the readers of HF directories, by config.json's model_type: (import function -> (model, report), HF config
+# reader, label, reader -> mmpipe.hf.stream.Imported: what `mmpipe import` writes layer by layer); each module's
+# HF_CLASSES names the model_types its importer takes
+READERS = {mt: reader for module, reader in (
+    (llava, (import_llava, hf_llava_config, "LLaVA", read_llava)),
+    (llava_next, (import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision", read_llava_next)),
+    (qwen2_vl, (import_qwen2_vl, hf_qwen_config, "Qwen2-VL", read_qwen2_vl)),
+    (qwen3_vl, (import_qwen3_vl, hf_qwen3_config, "Qwen3-VL", read_qwen3_vl))) for mt in module.HF_CLASSES}
+HF_READERS = {mt: r[:3] for mt, r in READERS.items()}
 
 
 def hf_importer(path: str | Path):
-    """(import function, HF config reader, label) for an HF directory, by its config.json's model_type. A
-    model_type no reader takes (a Qwen3-VL, a Gemma3) is one line naming the types that are read; a directory
-    whose model_type cannot be read goes to the LLaVA importer, which says what it found."""
+    """(import function, HF config reader, label) for an HF directory, by its config.json's model_type."""
+    return HF_READERS[_hf_kind(path)]
+
+
+def hf_reader(path: str | Path):
+    """The reader that decides an HF directory's import without reading its weights (Imported), by model_type."""
+    return READERS[_hf_kind(path)][3]
+
+
+def _hf_kind(path: str | Path) -> str:
+    """The READERS key of an HF directory: its config.json's model_type. A model_type no reader takes (a Gemma3)
+    is one line naming the types that are read; a directory whose model_type cannot be read goes to the LLaVA
+    importer, which says what it found."""
     kind = model_type(path)
     if kind is None:
-        return HF_READERS["llava"]
-    if kind not in HF_READERS:
+        return "llava"
+    if kind not in READERS:
         raise ConfigError(f"{Path(path) / 'config.json'}: model_type '{kind}' is not one mmpipe reads (yet); "
-                          f"it reads {', '.join(sorted(HF_READERS))}")
-    return HF_READERS[kind]
+                          f"it reads {', '.join(sorted(READERS))}")
+    return kind
 
 
 def add_import_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +112,10 @@ def save_run(model, out: Path, tag: str = "imported") -> Path:
 
 
 def main_import(args: argparse.Namespace) -> int:
-    tok = None
+    """The weights are decided from the source's headers first (every problem found before anything is
+    written), then written one layer at a time in the source's dtype (mmpipe.hf.stream.Imported.save); the LLaVA
+    stage-1 start (--vision, --lm), whose projector is new and vocabulary grows, builds its model in memory."""
+    tok, report = None, None
     try:
         if args.tokenizer and not args.moondream:
             raise ConfigError("--tokenizer: only with --moondream (an HF directory brings its own tokenizer)")
@@ -106,32 +126,35 @@ def main_import(args: argparse.Namespace) -> int:
         if args.dry_run:
             return _import_plan(args)
         if args.hf:
-            model, report = hf_importer(args.hf)[0](args.hf)
-            note = report.summary()
+            got = hf_reader(args.hf)(args.hf)
+            report, note = got.report, got.report.summary()
         elif args.vision:
             model, report = import_parts(args.vision, args.lm, feature_layer=args.feature_layer,
                                          feature_select=args.feature_select)
             note = report.summary() + "; projector freshly initialised"
         else:
-            from safetensors.torch import load_file
-
-            model = ReferenceModel(load_preset(args.preset))
-            tok = _moondream_tokenizer(args, model.cfg)  # checked before anything is written
-            region = import_moondream(model, load_file(args.moondream), args.moondream)
-            note = f"all tensors mapped, region head {'-> ' + REGION_FILE if region else 'absent'}"
+            cfg = load_preset(args.preset)
+            tok = _moondream_tokenizer(args, cfg)  # checked before anything is written
+            got = read_moondream(cfg, args.moondream)
+            note = f"all tensors mapped, region head {'-> ' + REGION_FILE if got.extra else 'absent'}"
             if tok is None:  # generate would fall back to the built-in tokenizer, whose ids mean nothing here
                 note += "; no tokenizer (--tokenizer DIR keeps moondream's in the run)"
     except (ConfigError, FileNotFoundError, OSError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(str(e)))
-    save_run(model, Path(args.out))
-    if args.moondream and region:  # no pipeline layer holds it; export puts it back (mmpipe.hf.moondream)
-        save_region(region, Path(args.out))
+    out = Path(args.out)
+    if args.vision:
+        save_run(model, out)
+    else:
+        got.save(out)
+        for name, tensors in got.extra.items():  # moondream's region head: no pipeline layer holds it; export
+            save_file(tensors, str(out / name))  # puts it back (mmpipe.hf.moondream)
+    cfg = model.cfg if args.vision else got.cfg
     if tok is None:  # moondream's was loaded and checked above
-        tok = _tokenizer_of(args, report if not args.moondream else None)
+        tok = _tokenizer_of(args, report)
     if tok is not None:  # `mmpipe generate --checkpoint OUT` reads it from OUT/tokenizer
-        tok.save_pretrained(Path(args.out) / "tokenizer")
+        tok.save_pretrained(out / "tokenizer")
         note += "; tokenizer saved"
-    print(f"mmpipe: imported {model.cfg.family} model ({note}) -> {args.out}")
+    print(f"mmpipe: imported {cfg.family} model ({note}) -> {args.out}")
     return 0
 
 
@@ -186,6 +209,11 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
                         "merged into both. peft: a LoRA run's adapters alone, as a peft adapter directory with the "
                         "unmerged base in OUT/base (LLaVA family; docs/lora.md)")
     p.add_argument("--layout", choices=("current", "legacy"), default="current", help="moondream names to write")
+    p.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE,
+                   help=f"--format hf / peft: the largest weight file, e.g. 5GB or 500MB (default "
+                        f"{DEFAULT_SHARD_SIZE}, transformers' own); more weights go in model-0000k-of-0000N"
+                        f".safetensors shards with model.safetensors.index.json. Export holds one layer in memory, "
+                        f"whatever the size")
     p.add_argument("--region", help=f"moondream family: the region head to write with the weights, a {REGION_FILE} "
                                     f"or the import run holding it (default: CHECKPOINT/{REGION_FILE} if present)")
 
@@ -199,6 +227,30 @@ def consolidated(model, layout: str = "current", region=None) -> dict[str, torch
         names = HF_IO[fam.hf_class][0](model.cfg)
         return {h: state[m].detach().contiguous() for m, h in names.items()}
     return export_moondream(model, layout, region)
+
+
+def _layers(run: Path, cfg, fmt: str):
+    """The run's layers to export: read one file at a time (mmpipe.hf.stream.RunLayers), or for a LoRA run, whose
+    adapters are merged into (or, peft, kept beside) the base weights, its single-device model in memory."""
+    ckpt = run / "checkpoints"
+    if fmt == "peft" or read_lora(run) is not None:
+        return ModelLayers(load_reference(ckpt, cfg, merged=fmt != "peft"))
+    tag = latest_tag(ckpt)
+    if tag is None:
+        raise FileNotFoundError(f"no checkpoint in {ckpt} (no 'latest' file)")
+    return RunLayers(ckpt / tag, cfg)
+
+
+def write_consolidated(layers, out: Path, layout: str = "current", region=None) -> Path:
+    """--format safetensors: every weight once in one file, in the family's ecosystem names (as consolidated),
+    written one layer at a time (mmpipe.hf.safetensors_io.write_sharded, no shard limit)."""
+    cfg = layers.cfg
+    fam = family_of(cfg)
+    names = HF_IO[fam.hf_class][0](cfg) if fam.weight_names == "hf" else moondream_key_map(cfg, layout)
+    extra = region_in_layout(region or {}, layout)
+    entries = planned(layers, names) + [(n, t.dtype, tuple(t.shape)) for n, t in extra.items()]
+    write_sharded(out.parent, entries, chain(renamed_tensors(layers, names), extra.items()), None, single=out.name)
+    return out
 
 
 def _export_plan(args: argparse.Namespace, run: Path, cfg) -> int:
@@ -227,8 +279,9 @@ def main_export(args: argparse.Namespace) -> int:
             raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
         if args.dry_run:
             return _export_plan(args, run, cfg)
+        parse_size(args.shard_size)  # checked before anything is read or written
         tok = run_tokenizer(run, cfg) if args.format in ("hf", "peft") else None  # checked before writing
-        model = load_reference(run / "checkpoints", cfg, merged=args.format != "peft")
+        layers = _layers(run, cfg, args.format)
         region_src = Path(args.region) if args.region else run / REGION_FILE
         moondream_names = family_of(cfg).weight_names == "moondream"  # they carry moondream's region head
         region = (load_region(region_src, cfg.text.dim) if args.format == "safetensors" and moondream_names
@@ -238,16 +291,15 @@ def main_export(args: argparse.Namespace) -> int:
     wrote = ""
     if args.format == "peft":
         names, export = HF_IO[family_of(cfg).hf_class]
-        export_adapter(model, args.out, names, lambda m, out: export(m, out, tok))
+        export_adapter(layers.model, args.out, names,
+                       lambda m, out: export(m, out, tok, shard_size=args.shard_size))
         wrote = write_processor(tok, cfg, Path(args.out) / "base")  # OUT/base serves as a checkpoint too
         write_processor(tok, cfg, Path(args.out))
     elif args.format == "hf":
-        HF_IO[family_of(cfg).hf_class][1](model, args.out, tok)
+        HF_IO[family_of(cfg).hf_class][1](layers, args.out, tok, shard_size=args.shard_size)
         wrote = write_processor(tok, cfg, Path(args.out))
     else:
-        from safetensors.torch import save_file
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        save_file(consolidated(model, args.layout, region), args.out)
+        write_consolidated(layers, Path(args.out), args.layout, region)
     if region is None and moondream_names:
         print(f"mmpipe: note: no region head ({run / REGION_FILE} absent, no --region): moondream's legacy loader "
               f"needs one, its current loader leaves it uninitialised")

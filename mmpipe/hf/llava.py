@@ -29,7 +29,9 @@ from ..config import ConfigError, ModelConfig, TextConfig, VisionConfig
 from ..data.tokenizer import load_tokenizer
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock, VisionEmbed
-from .safetensors_io import read_weights
+from .export import hf_meta_state, hf_model_class, write_hf
+from .safetensors_io import Joined, Renamed, as_weights, open_weights
+from .stream import Imported, meta_model
 from .tokens import add_image_token
 
 HF_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
@@ -130,16 +132,8 @@ def hf_config(cfg: ModelConfig, tok=None):
                        tie_word_embeddings=t.tie_embeddings)
 
 
-def hf_model_class(hf):
-    """The transformers class of an HF config: LlavaConfig -> LlavaForConditionalGeneration (LlavaNext /
-    LlavaOnevision alike: mmpipe.hf.llava_next shares these names and this export)."""
-    import transformers
-    return getattr(transformers, type(hf).__name__.replace("Config", "ForConditionalGeneration"))
-
-
 def _hf_names(hf) -> list[str]:
-    with torch.device("meta"):
-        return list(hf_model_class(hf)(hf).state_dict())
+    return list(hf_meta_state(hf))
 
 
 def key_map(cfg: ModelConfig, hf_names: list[str]) -> dict[str, str]:
@@ -147,7 +141,7 @@ def key_map(cfg: ModelConfig, hf_names: list[str]) -> dict[str, str]:
     patch = "embeddings.patch_embedding.weight"
     tower = next(k for k in hf_names if k.endswith(patch))[:-len(patch)]
     lm, out = "model.language_model.", {}
-    model = _meta_model(cfg)
+    model = meta_model(cfg)
     block = {TowerBlock: 0, LlamaBlock: 0}
     for i, layer in enumerate(model):
         for sub in layer.state_dict():
@@ -173,11 +167,6 @@ def key_map(cfg: ModelConfig, hf_names: list[str]) -> dict[str, str]:
     return out
 
 
-def _meta_model(cfg: ModelConfig) -> ReferenceModel:
-    with torch.device("meta"):
-        return ReferenceModel(cfg)
-
-
 def canonical(name: str, known: set[str]) -> str | None:
     """A source tensor name in the installed transformers' layout, or None when it fits nothing."""
     candidates = [name]
@@ -201,46 +190,54 @@ class ImportReport:
                 + "".join(f"; {n}" for n in self.notes))
 
 
-def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], hf, where: str,
-                   fresh: tuple[str, ...] = ()) -> ImportReport:
-    """Load HF-named tensors into the mmpipe model; every source tensor is mapped or reported.
-    Weights whose HF name starts with one of `fresh` keep their initialisation (a new projector)."""
+def plan_weights(cfg: ModelConfig, source, hf, where: str,
+                 fresh: tuple[str, ...] = ()) -> tuple[dict[str, str], ImportReport]:
+    """(mmpipe name -> source name, report), from the source's names and shapes alone (a lazy source reads no
+    weight here but a tied head's and its embedding, compared): every source tensor mapped or reported unused.
+    Weights whose HF name starts with one of `fresh` are left out (a new projector keeps its initialisation)."""
+    source = as_weights(source)
     names = _hf_names(hf)
-    kmap = key_map(model.cfg, names)
+    kmap = key_map(cfg, names)
     by_hf = {h: m for m, h in kmap.items()}
     known = set(names)
-    report, state = ImportReport(), model.state_dict()
-    seen = set()
-    for src, tensor in source.items():
+    shapes = {k: tuple(t.shape) for k, t in meta_model(cfg).state_dict().items()}
+    report, assign = ImportReport(), {}
+    for src in source:
         hf_name = canonical(src, known)
         if hf_name is None:
-            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a {hf_model_class(hf).__name__}")
+            _fail(where, f"tensor '{src}' {source.shape(src)} matches no weight of a {hf_model_class(hf).__name__}")
         mine = by_hf.get(hf_name)
         if mine is None:
-            if hf_name == "lm_head.weight" and model.cfg.text.tie_embeddings:
-                emb = source_tensor(source, known, "model.language_model.embed_tokens.weight")
-                if emb is not None and not torch.equal(emb, tensor):
+            if hf_name == "lm_head.weight" and cfg.text.tie_embeddings:
+                emb = next((k for k in source if canonical(k, known) == "model.language_model.embed_tokens.weight"),
+                           None)
+                if emb is not None and not torch.equal(source[emb], source[src]):
                     _fail(where, f"tensor '{src}': the config ties embeddings but it differs from the input embedding")
                 report.mapped += 1
                 continue
             report.unused.append(src)
             continue
-        if tuple(state[mine].shape) != tuple(tensor.shape):
-            _fail(where, f"tensor '{src}' has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(state[mine].shape)}")
-        state[mine] = tensor.to(state[mine].dtype)
-        seen.add(mine)
+        if source.shape(src) != shapes[mine]:
+            _fail(where, f"tensor '{src}' has shape {source.shape(src)}, the model expects {shapes[mine]}")
+        assign[mine] = src
         report.mapped += 1
-    missing = sorted(m for m in set(kmap) - seen if not kmap[m].startswith(fresh))
+    missing = sorted(m for m in set(kmap) - set(assign) if not kmap[m].startswith(fresh))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         _fail(where, f"no tensor for '{kmap[missing[0]]}'{more}")
+    return assign, report
+
+
+def import_weights(model: ReferenceModel, source, hf, where: str, fresh: tuple[str, ...] = ()) -> ImportReport:
+    """Load HF-named tensors into the mmpipe model (plan_weights, then each weight copied in, cast to the
+    model's dtype)."""
+    source = as_weights(source)
+    assign, report = plan_weights(model.cfg, source, hf, where, fresh)
+    state = model.state_dict()
+    for mine, src in assign.items():
+        state[mine] = source[src].to(state[mine].dtype)
     model.load_state_dict(state)
     return report
-
-
-def source_tensor(source: dict, known: set[str], hf_name: str):
-    return next((t for k, t in source.items() if canonical(k, known) == hf_name), None)
 
 
 def processor_settings(path: Path) -> tuple[dict, str | None]:
@@ -313,14 +310,21 @@ def hf_llava_config(path: str | Path):
     return hf, config_from_hf(hf, path.name, *_preprocessor(path))
 
 
-def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
-    """An HF LlavaForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+def read_llava(path: str | Path) -> Imported:
+    """An HF LlavaForConditionalGeneration directory, decided from its config and tensor headers (no weight read
+    yet): save it layer by layer (Imported.save) or as a model (Imported.model)."""
     path = Path(path)
     hf, cfg = hf_llava_config(path)
-    model = ReferenceModel(cfg).to(dtype)
-    report = import_weights(model, read_weights(path), hf, str(path))
+    source = open_weights(path)
+    assign, report = plan_weights(cfg, source, hf, str(path))
     report.notes += processor_defaults(path, lambda d: stats_defaults(d, cfg.vision.kind == "clip"))
-    return model, report
+    return Imported(cfg, assign, source, report)
+
+
+def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF LlavaForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    got = read_llava(path)
+    return got.model(dtype), got.report
 
 
 def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: int = -2,
@@ -343,11 +347,9 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
                      tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)))
     cfg = config_from_hf(hf, lm_dir.name, *_preprocessor(vision_dir))
     model = ReferenceModel(cfg, seed=seed).to(dtype)
-    source = {}
-    for k, t in read_weights(vision_dir).items():  # vision_model.*
-        source["model.vision_tower." + re.sub(r"^vision_model\.", "", k)] = t
-    for k, t in read_weights(lm_dir).items():  # model.* and lm_head.weight
-        source[re.sub(r"^model\.", "model.language_model.", k)] = t
+    vision = Renamed(open_weights(vision_dir), lambda k: "model.vision_tower." + re.sub(r"^vision_model\.", "", k))
+    lm = Renamed(open_weights(lm_dir), lambda k: re.sub(r"^model\.", "model.language_model.", k))  # and lm_head
+    source = Joined(vision, lm)
     report = import_weights(model, source, hf, f"{vision_dir} + {lm_dir}", fresh=("model.multi_modal_projector.",))
     report.notes += processor_defaults(vision_dir, lambda d: stats_defaults(d, cfg.vision.kind == "clip"))
     if tok is not None:
@@ -356,33 +358,21 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
     return model, report
 
 
-def export_hf(model: ReferenceModel, out: str | Path, tok=None, hf=None) -> Path:
-    """Write an HF directory (config.json + model.safetensors) that from_pretrained loads; tok: the run's
-    tokenizer, whose special ids the config declares (token_ids); hf: the HF config to write (default:
-    hf_config's LlavaConfig; mmpipe.hf.llava_next gives its LlavaNext / OneVision one)."""
-    cfg = model.cfg
+def export_hf(source, out: str | Path, tok=None, hf=None, shard_size=None) -> Path:
+    """Write an HF directory (config.json, generation_config.json, the weights sharded) that from_pretrained
+    loads, one layer in memory at a time (mmpipe.hf.export.write_hf); source: a model or a run's layers
+    (mmpipe.hf.stream). tok: the run's tokenizer, whose special ids the config declares (token_ids); hf: the HF
+    config to write (default: hf_config's LlavaConfig; mmpipe.hf.llava_next gives its LlavaNext / OneVision one).
+    The tower is cut at the feature layer; its unused post-LayerNorm is written as the identity."""
+    cfg = source.cfg
     hf = hf or hf_config(cfg, tok)
-    hf_model = hf_model_class(hf)(hf)
-    state = hf_model.state_dict()
-    kmap = key_map(cfg, list(state))
-    mine = model.state_dict()
-    filled = set()
-    for m, h in kmap.items():
-        state[h] = mine[m].detach().to(state[h].dtype)
-        filled.add(h)
-    for k in state:  # the cut tower's unused post-LayerNorm: identity
-        if "post_layernorm" in k:
-            state[k] = torch.ones_like(state[k]) if k.endswith("weight") else torch.zeros_like(state[k])
-            filled.add(k)
-    if cfg.text.tie_embeddings:
-        filled.add("lm_head.weight")
-    left = sorted(set(state) - filled)
-    if left:
-        raise RuntimeError(f"export: no mmpipe weight for HF tensor '{left[0]}'")
-    hf_model.load_state_dict(state, strict=True)
-    out = Path(out)
-    hf_model.save_pretrained(out)
-    return out
+
+    def identity(name: str, shape: tuple, dtype):
+        if "post_layernorm" not in name:
+            return None
+        return (torch.ones if name.endswith("weight") else torch.zeros)(shape, dtype=dtype)
+
+    return write_hf(source, out, hf, key_map(cfg, _hf_names(hf)), identity, shard_size)
 
 
 def load_into_pipeline(pipe, model: ReferenceModel) -> int:

@@ -21,7 +21,8 @@ from ..config import ModelConfig
 from ..model.builder import ReferenceModel
 from . import llava
 from .llava import ImportReport, _fail, _preprocessor, read_hf_config
-from .safetensors_io import read_weights
+from .safetensors_io import open_weights
+from .stream import Imported
 
 HF_CLASSES = {"llava_next": "LlavaNextForConditionalGeneration",
               "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
@@ -75,15 +76,21 @@ def hf_llava_next_config(path: str | Path):
     return hf, config_from_hf(hf, path.name, *_preprocessor(path))
 
 
-def import_llava_next(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
-    """An HF LlavaNext / LlavaOnevision ForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+def read_llava_next(path: str | Path) -> Imported:
+    """An HF LlavaNext / LlavaOnevision directory, decided from its config and tensor headers (no weight read)."""
     path = Path(path)
     hf, cfg = hf_llava_next_config(path)
-    model = ReferenceModel(cfg).to(dtype)
-    report = llava.import_weights(model, read_weights(path), hf, str(path))
+    source = open_weights(path)
+    assign, report = llava.plan_weights(cfg, source, hf, str(path))
     clip = cfg.vision.kind == "clip"
     report.notes += llava.processor_defaults(path, lambda d: llava.stats_defaults(d, clip))
-    return model, report
+    return Imported(cfg, assign, source, report)
+
+
+def import_llava_next(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF LlavaNext / LlavaOnevision ForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    got = read_llava_next(path)
+    return got.model(dtype), got.report
 
 
 def image_processor(cfg: ModelConfig):
@@ -93,9 +100,10 @@ def image_processor(cfg: ModelConfig):
     return hf_image_processor(tile_rule(cfg))
 
 
-def export_hf(model: ReferenceModel, out: str | Path, tok=None) -> Path:
-    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads;
-    tok: the run's tokenizer, whose special ids the config declares (mmpipe.hf.llava.token_ids)."""
-    out = llava.export_hf(model, out, hf=hf_config(model.cfg, tok))
-    image_processor(model.cfg).save_pretrained(out)
+def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
+    """Write an HF directory (config.json, the weights sharded, its image processor) that from_pretrained loads,
+    one layer in memory at a time; source: a model or a run's layers; tok: the run's tokenizer, whose special ids
+    the config declares (mmpipe.hf.llava.token_ids)."""
+    out = llava.export_hf(source, out, hf=hf_config(source.cfg, tok), shard_size=shard_size)
+    image_processor(source.cfg).save_pretrained(out)
     return out

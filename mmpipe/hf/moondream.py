@@ -28,6 +28,8 @@ import torch
 from ..config import REGION_FILE, ConfigError, ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.layers import DecoderBlock, LMHead, PatchEmbed, Projector, TextEmbed, VisionBlock, VisionNorm
+from .safetensors_io import as_weights, open_file
+from .stream import Imported, meta_model
 
 LAYOUTS = ("current", "legacy")
 REGION_PREFIXES = {"current": "model.region.", "legacy": "region_model."}
@@ -81,8 +83,7 @@ def key_map(cfg: ModelConfig, layout: str = "current") -> dict[str, str]:
     """mmpipe name -> moondream name for every tensor of the moondream-family model."""
     if layout not in LAYOUTS:
         raise ConfigError(f"moondream layout '{layout}' (valid: {', '.join(LAYOUTS)})")
-    with torch.device("meta"):
-        model = ReferenceModel(cfg)
+    model = meta_model(cfg)
     out, count = {}, {VisionBlock: 0, DecoderBlock: 0}
     for idx, layer in enumerate(model):
         table = _NAMES[layout][type(layer)]
@@ -112,12 +113,13 @@ def split_region(source: dict[str, torch.Tensor], layout: str, text_dim: int,
     moondream does not have, is refused naming it."""
     names = {mine if layout == "current" else legacy: (mine, layout == "legacy" and t)
              for mine, (legacy, t) in REGION_NAMES.items()}
+    source = as_weights(source)
     found = {n for n in source if n.startswith(REGION_PREFIXES[layout])}
     if not found:
         return {}
     for n in sorted(found):
         if n not in names:
-            raise ConfigError(f"{where}: tensor '{n}' {tuple(source[n].shape)} is not part of moondream's region head")
+            raise ConfigError(f"{where}: tensor '{n}' {source.shape(n)} is not part of moondream's region head")
     missing = [n for n in names if n not in found]
     if missing:
         raise ConfigError(f"{where}: region head incomplete: no tensor for '{missing[0]}'"
@@ -137,29 +139,49 @@ def region_in_layout(region: dict[str, torch.Tensor], layout: str) -> dict[str, 
     return {REGION_NAMES[n][0]: (v.t().contiguous() if REGION_NAMES[n][1] else v) for n, v in region.items()}
 
 
-def import_moondream(model: ReferenceModel, source: dict[str, torch.Tensor],
-                     where: str = "moondream") -> dict[str, torch.Tensor]:
-    """Load moondream-named tensors into the model; returns the region head's tensors (current names,
-    their own dtype; {} when the source has none), which no layer holds."""
+def plan_moondream(cfg: ModelConfig, source, where: str = "moondream") -> tuple[dict[str, str], dict]:
+    """(mmpipe name -> source name, the region head's tensors in current names and their own dtype, {} when the
+    source has none), from the source's names and shapes: a lazy source reads only the region head here."""
+    source = as_weights(source)
     layout = detect_layout(source)
-    region = split_region(source, layout, model.cfg.text.dim, where)
-    kmap = key_map(model.cfg, layout)
+    region = split_region(source, layout, cfg.text.dim, where)
+    kmap = key_map(cfg, layout)
     by_src = {s: m for m, s in kmap.items()}
-    state = model.state_dict()
-    for name, tensor in source.items():
+    shapes = {k: tuple(t.shape) for k, t in meta_model(cfg).state_dict().items()}
+    assign = {}
+    for name in source:
         mine = by_src.get(name)
         if mine is None:
             if name.startswith(REGION_PREFIXES[layout]):
                 continue
-            raise ConfigError(f"{where}: tensor '{name}' {tuple(tensor.shape)} matches no weight of the model")
-        if tuple(tensor.shape) != tuple(state[mine].shape):
-            raise ConfigError(f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, the model expects "
-                              f"{tuple(state[mine].shape)}")
-        state[mine] = tensor.to(state[mine].dtype)
+            raise ConfigError(f"{where}: tensor '{name}' {source.shape(name)} matches no weight of the model")
+        if source.shape(name) != shapes[mine]:
+            raise ConfigError(f"{where}: tensor '{name}' has shape {source.shape(name)}, the model expects "
+                              f"{shapes[mine]}")
+        assign[mine] = name
     missing = sorted(set(by_src) - set(source))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ConfigError(f"{where}: no tensor for '{missing[0]}'{more}")
+    return assign, region
+
+
+def read_moondream(cfg: ModelConfig, path: str | Path) -> Imported:
+    """A moondream .safetensors file for the model shape cfg, decided from its header (Imported.save writes the
+    layers one at a time); the region head rides in Imported.extra as REGION_FILE."""
+    source = open_file(path)
+    assign, region = plan_moondream(cfg, source, str(path))
+    return Imported(cfg, assign, source, None, {REGION_FILE: region} if region else {})
+
+
+def import_moondream(model: ReferenceModel, source, where: str = "moondream") -> dict[str, torch.Tensor]:
+    """Load moondream-named tensors into the model; returns the region head's tensors (current names,
+    their own dtype; {} when the source has none), which no layer holds."""
+    source = as_weights(source)
+    assign, region = plan_moondream(model.cfg, source, where)
+    state = model.state_dict()
+    for mine, name in assign.items():
+        state[mine] = source[name].to(state[mine].dtype)
     model.load_state_dict(state)
     return region
 

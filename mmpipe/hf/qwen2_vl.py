@@ -28,6 +28,7 @@ from ..config import ModelConfig, TextConfig, VisionConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
+from .export import write_hf
 from .llava import (
     CLIP_MEAN,
     CLIP_STD,
@@ -39,7 +40,8 @@ from .llava import (
     stats_defaults,
     token_ids,
 )
-from .safetensors_io import read_weights
+from .safetensors_io import as_weights, open_weights
+from .stream import Imported, meta_model
 
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 LEGACY = [(r"^visual\.", "model.visual."), (r"^model\.(?!visual\.|language_model\.)", "model.language_model.")]
@@ -158,8 +160,7 @@ def hf_config(cfg: ModelConfig, tok=None):
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
     """mmpipe name -> HF name for every weight of the mmpipe model (a tied head has none of its own)."""
-    with torch.device("meta"):
-        model = ReferenceModel(cfg)
+    model = meta_model(cfg)
     out, seen = {}, {}
     for i, layer in enumerate(model):
         if not layer.state_dict():  # a tied head's later use (builder.TiedCall)
@@ -179,38 +180,49 @@ def canonical(name: str) -> str:
     return name
 
 
-def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where: str) -> ImportReport:
+def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
     """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
-    return load_named(model, source, where, key_map(model.cfg), HF_CLASSES["qwen2_vl"], canonical)
+    return fill(model, source, *plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen2_vl"],
+                                           canonical))
 
 
-def load_named(model: ReferenceModel, source: dict[str, torch.Tensor], where: str, names: dict[str, str],
-               hf_class: str, rename=lambda name: name) -> ImportReport:
-    """The Qwen families' import (Qwen2/2.5-VL, Qwen3-VL): names, mmpipe's weight -> the HF tensor (the family's
-    key map); rename, a source name as the key map spells it (older checkpoints' prefixes). Every source tensor
-    mapped and every weight filled, a tied head checked equal to the embedding; else one line naming the tensor."""
+def fill(model: ReferenceModel, source, assign: dict[str, str], report: ImportReport) -> ImportReport:
+    """Copy the assigned source tensors into the model, each cast to the model's dtype."""
+    state = model.state_dict()
+    for mine, src in assign.items():
+        state[mine] = source[src].to(state[mine].dtype)
+    model.load_state_dict(state)
+    return report
+
+
+def plan_named(cfg: ModelConfig, source, where: str, names: dict[str, str], hf_class: str,
+               rename=lambda name: name) -> tuple[dict[str, str], ImportReport]:
+    """The Qwen families' import plan (Qwen2/2.5-VL, Qwen3-VL): (mmpipe name -> source name, report), from the
+    source's names and shapes (a lazy source reads only a tied head and its embedding, compared). names: mmpipe's
+    weight -> the HF tensor (the family's key map); rename: a source name as the key map spells it (older
+    checkpoints' prefixes). Every source tensor mapped and every weight filled; else one line naming the tensor."""
+    source = as_weights(source)
     by_hf = {h: m for m, h in names.items()}
-    state, report, embed = model.state_dict(), ImportReport(), "model.language_model.embed_tokens.weight"
-    source = {rename(k): (k, t) for k, t in source.items()}
-    for name, (src, tensor) in source.items():
-        if name == "lm_head.weight" and model.cfg.text.tie_embeddings:
-            if embed in source and not torch.equal(source[embed][1], tensor):
+    shapes = {k: tuple(t.shape) for k, t in meta_model(cfg).state_dict().items()}
+    report, assign, embed = ImportReport(), {}, "model.language_model.embed_tokens.weight"
+    renamed = {rename(k): k for k in source}
+    for name, src in renamed.items():
+        if name == "lm_head.weight" and cfg.text.tie_embeddings:
+            if embed in renamed and not torch.equal(source[renamed[embed]], source[src]):
                 _fail(where, f"tensor '{src}': the config ties embeddings but it differs from the input embedding")
             report.mapped += 1
             continue
         if name not in by_hf:
-            _fail(where, f"tensor '{src}' {tuple(tensor.shape)} matches no weight of a {hf_class}")
+            _fail(where, f"tensor '{src}' {source.shape(src)} matches no weight of a {hf_class}")
         mine = by_hf[name]
-        if tuple(state[mine].shape) != tuple(tensor.shape):
-            _fail(where, f"tensor '{src}' has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(state[mine].shape)}")
-        state[mine] = tensor.to(state[mine].dtype)
+        if source.shape(src) != shapes[mine]:
+            _fail(where, f"tensor '{src}' has shape {source.shape(src)}, the model expects {shapes[mine]}")
+        assign[mine] = src
         report.mapped += 1
-    missing = sorted(set(by_hf) - set(source))
+    missing = sorted(set(by_hf) - set(renamed))
     if missing:
         _fail(where, f"no tensor for '{missing[0]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    model.load_state_dict(state)
-    return report
+    return assign, report
 
 
 def hf_qwen_config(path: str | Path):
@@ -220,14 +232,20 @@ def hf_qwen_config(path: str | Path):
     return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
 
 
-def import_qwen2_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
-    """An HF Qwen2VL / Qwen2_5_VL ForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+def read_qwen2_vl(path: str | Path) -> Imported:
+    """An HF Qwen2VL / Qwen2_5_VL directory, decided from its config and tensor headers (no weight read yet)."""
     path = Path(path)
     _, cfg = hf_qwen_config(path)
-    model = ReferenceModel(cfg).to(dtype)
-    report = import_weights(model, read_weights(path), str(path))
+    source = open_weights(path)
+    assign, report = plan_named(cfg, source, str(path), key_map(cfg), HF_CLASSES["qwen2_vl"], canonical)
     report.notes += processor_defaults(path, _defaults_taken)
-    return model, report
+    return Imported(cfg, assign, source, report)
+
+
+def import_qwen2_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF Qwen2VL / Qwen2_5_VL ForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    got = read_qwen2_vl(path)
+    return got.model(dtype), got.report
 
 
 def image_processor(v: VisionConfig):
@@ -238,20 +256,12 @@ def image_processor(v: VisionConfig):
                                  image_mean=list(v.mean), image_std=list(v.std))
 
 
-def export_hf(model: ReferenceModel, out: str | Path, tok=None) -> Path:
-    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads;
+def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
+    """Write an HF directory (config.json, generation_config.json, the weights sharded, its image processor) that
+    from_pretrained loads, one layer in memory at a time; source: a model or a run's layers (mmpipe.hf.stream);
     tok: the run's tokenizer, whose special ids the config declares."""
-    import transformers
-    cfg = model.cfg
-    hf = hf_config(cfg, tok)
-    hf_model = getattr(transformers, HF_CLASSES[hf.model_type])(hf)
-    mine, theirs = model.state_dict(), hf_model.state_dict()
-    state = {h: mine[m].detach().to(theirs[h].dtype) for m, h in key_map(cfg).items()}
-    if cfg.text.tie_embeddings:
-        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
-    hf_model.load_state_dict(state, strict=True)
-    out = Path(out)
-    hf_model.save_pretrained(out)
+    cfg = source.cfg
+    out = write_hf(source, out, hf_config(cfg, tok), key_map(cfg), shard_size=shard_size)
     if cfg.vision.max_pixels:
         image_processor(cfg.vision).save_pretrained(out)
     return out

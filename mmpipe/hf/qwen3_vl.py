@@ -34,9 +34,11 @@ from ..model.qwen3_vl import (
     Qwen3PatchEmbed,
     Qwen3VisionBlock,
 )
+from .export import write_hf
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
-from .qwen2_vl import _bounds, image_processor, load_named, pixel_defaults_taken
-from .safetensors_io import read_weights
+from .qwen2_vl import _bounds, fill, image_processor, pixel_defaults_taken, plan_named
+from .safetensors_io import open_weights
+from .stream import Imported, meta_model
 
 HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
 DEFAULT_PIXELS = (65536, 16777216)  # Qwen3-VL's preprocessor_config: size shortest_edge / longest_edge
@@ -61,8 +63,7 @@ def _prefix(layer, k: int) -> str:
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
     """mmpipe name -> HF name for every weight of the mmpipe model (a tied head and DeepStack's adds have none)."""
-    with torch.device("meta"):
-        model = ReferenceModel(cfg)
+    model = meta_model(cfg)
     out, seen = {}, {}
     for i, layer in enumerate(model):
         if not layer.state_dict():
@@ -144,9 +145,9 @@ def hf_config(cfg: ModelConfig, tok=None):
                          tie_word_embeddings=t.tie_embeddings)
 
 
-def import_weights(model: ReferenceModel, source: dict[str, torch.Tensor], where: str) -> ImportReport:
+def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
     """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
-    return load_named(model, source, where, key_map(model.cfg), HF_CLASSES["qwen3_vl"])
+    return fill(model, source, *plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen3_vl"]))
 
 
 def hf_qwen3_config(path: str | Path):
@@ -156,28 +157,28 @@ def hf_qwen3_config(path: str | Path):
     return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
 
 
-def import_qwen3_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
-    """An HF Qwen3VLForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+def read_qwen3_vl(path: str | Path) -> Imported:
+    """An HF Qwen3VLForConditionalGeneration directory, decided from its config and tensor headers (no weight
+    read yet): save it layer by layer (Imported.save) or as a model (Imported.model)."""
     path = Path(path)
     _, cfg = hf_qwen3_config(path)
-    model = ReferenceModel(cfg).to(dtype)
-    report = import_weights(model, read_weights(path), str(path))
+    source = open_weights(path)
+    assign, report = plan_named(cfg, source, str(path), key_map(cfg), HF_CLASSES["qwen3_vl"])
     report.notes += processor_defaults(path, _defaults_taken)  # the summary line says which it took
-    return model, report
+    return Imported(cfg, assign, source, report)
 
 
-def export_hf(model: ReferenceModel, out: str | Path, tok=None) -> Path:
-    """Write an HF directory (config.json + model.safetensors + its image processor) that from_pretrained loads."""
-    from transformers import Qwen3VLForConditionalGeneration
-    cfg = model.cfg
-    hf_model = Qwen3VLForConditionalGeneration(hf_config(cfg, tok))
-    mine, theirs = model.state_dict(), hf_model.state_dict()
-    state = {h: mine[m].detach().to(theirs[h].dtype) for m, h in key_map(cfg).items()}
-    if cfg.text.tie_embeddings:
-        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
-    hf_model.load_state_dict(state, strict=True)
-    out = Path(out)
-    hf_model.save_pretrained(out)
+def import_qwen3_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF Qwen3VLForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    got = read_qwen3_vl(path)
+    return got.model(dtype), got.report
+
+
+def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
+    """Write an HF directory (config.json, generation_config.json, the weights sharded, its image processor) that
+    from_pretrained loads, one layer in memory at a time; source: a model or a run's layers (mmpipe.hf.stream)."""
+    cfg = source.cfg
+    out = write_hf(source, out, hf_config(cfg, tok), key_map(cfg), shard_size=shard_size)
     if cfg.vision.max_pixels:
         image_processor(cfg.vision).save_pretrained(out)
     return out
