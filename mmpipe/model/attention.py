@@ -6,6 +6,7 @@ A decoder layer attends under its row's mask (row_attention, from the segments a
     CAUSAL      one-sample rows: SDPA's is_causal fast path, no mask materialized
     bool tensor [B, 1, L, L] row_mask, the dense reference: packed rows on CPU, the moondream prefix on CPU
     BlockMask   packed rows (and the moondream prefix) on CUDA: FlexAttention skips cross-sample blocks
+    Split       a vision tower's images and windows (segment_split): each segment's own SDPA, equal sizes batched
 
 and `attend` runs any of them, so a layer has one call whatever its row. Which path a device takes and
 why (the measured CPU costs) is in docs/attention.md; MMPIPE_ATTENTION=dense forces the reference mask
@@ -158,6 +159,8 @@ def flex_kernel(device_type: str):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
     """q [B, H, T, Dh], k, v [B, H_kv, S, Dh] (grouped-query when H_kv < H: kv head j serves query heads
     j*rep .. (j+1)*rep - 1) under a row_attention mask (module docstring) -> [B, H, T, Dh]."""
+    if isinstance(mask, Split):
+        return mask.attend(q, k, v)
     gqa = k.shape[1] != q.shape[1]
     if mask is CAUSAL:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -166,6 +169,67 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torc
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return flex_kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+class Split:
+    """Block-diagonal attention as a split: a row's positions, cut into segments that attend only within
+    themselves, as one batched SDPA per segment size (a group: idx long [n, s], the flattened b * P + p
+    positions of n segments of s each, in their order in the row) and `alone`, the positions that attend
+    to themselves only (their output is their v). Computes sum s^2 scores, not P^2, and keeps no mask.
+    E.g. a row of 4 images of 32 x 32 patches in Qwen2.5's windowed blocks: one group [64, 64] (16 windows
+    of 8 x 8 patches per image), 64 x 64^2 = 262144 scores where the dense mask computes 4096^2 = 16.8 M.
+    The stage's tensors keep their fixed [B, P, D] shape; only the batches inside follow the images."""
+
+    def __init__(self, groups: list[torch.Tensor], alone: torch.Tensor, causal: bool = False):
+        self.groups, self.alone, self.causal = groups, alone, causal
+        self.inv = torch.argsort(torch.cat([g.flatten() for g in groups] + [alone]))  # back to row order
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, P, Dh], k, v [B, H_kv, P, Dh] -> [B, H, P, Dh]."""
+        B, H, P, Dh = q.shape
+        flat = [a.transpose(1, 2).reshape(B * P, a.shape[1], Dh) for a in (q, k, v)]  # [B P, heads, Dh]
+        outs = []
+        for idx in self.groups:
+            n, s = idx.shape
+            qg, kg, vg = (a.index_select(0, idx.flatten()).view(n, s, a.shape[1], Dh).transpose(1, 2) for a in flat)
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=self.causal, enable_gqa=kg.shape[1] != H)
+            outs.append(o.transpose(1, 2).reshape(n * s, H, Dh))
+        v_alone = flat[2].index_select(0, self.alone)
+        outs.append(v_alone if v_alone.shape[1] == H else v_alone.repeat_interleave(H // v_alone.shape[1], dim=1))
+        return torch.cat(outs).index_select(0, self.inv).view(B, P, H, Dh).transpose(1, 2)
+
+
+def segment_split(seg: torch.Tensor, causal: bool = False) -> Split:
+    """seg long [B, P]: each position's segment id (ids unique across the batch; -1: attends to itself only)
+    -> the Split that attends within segments, each segment's positions in row order (causal: as in the
+    row). One host sync (the segment sizes decide the batches): build it once per micro-batch (row_cached)."""
+    flat = seg.flatten()
+    real = (flat >= 0).nonzero().squeeze(1)
+    order = real[torch.argsort(flat[real], stable=True)]  # positions grouped by segment, row order within
+    _, sizes = torch.unique_consecutive(flat[order], return_counts=True)
+    starts = sizes.cumsum(0) - sizes
+    groups = [order[starts[sizes == s][:, None] + torch.arange(s, device=seg.device)]
+              for s in sizes.unique().tolist()]
+    return Split(groups, (flat < 0).nonzero().squeeze(1), causal)
+
+
+def segment_attention(seg: torch.Tensor, causal: bool = False):
+    """What a tower's positions attend under, from their segment ids (segment_split's seg): the Split on
+    every device, or split_mask under MMPIPE_ATTENTION=dense (the reference the Split is tested equal to).
+    The tower's segments are its images and windows (mmpipe.model.qwen2_vl.vision_geometry); flex is not
+    used here: the split already skips every cross-segment score, on CUDA with SDPA's fused kernels."""
+    if attention_choice() == "dense":
+        return split_mask(seg) if not causal else split_mask(seg) & torch.ones(
+            seg.shape[-1], seg.shape[-1], dtype=torch.bool, device=seg.device).tril()
+    return segment_split(seg, causal)
+
+
+def split_mask(seg: torch.Tensor) -> torch.Tensor:
+    """The dense reference of segment_split(seg): bool [B, 1, P, P], True where both positions are in one
+    segment, or on the diagonal (a -1 position sees itself only)."""
+    P = seg.shape[-1]
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg >= 0)[:, :, None]
+    return (same | torch.eye(P, dtype=torch.bool, device=seg.device))[:, None]
 
 
 FLEX_MIN_HEAD_DIM = 16  # compiled flex's kernels (tl.dot) need it: llava-tiny's 8 attends under dense_of

@@ -185,19 +185,25 @@ def attention_pairs(v, row: PatchRow, full: bool) -> int:
 
 
 def _qwen_vision_block(cfg, params, n, seq, row, full=True):
-    """n = P patches per row. Forward: the linears over P, attention 4 d x the pairs it needs (attention_pairs:
-    per image, per window; mmpipe's reference path masks a dense P x P attention, which computes all P^2).
-    Kept, as autograd keeps them (qwen-tiny, measured by tests/test_plan_qwen.py): x, norm1's output (RMSNorm:
-    and its normalised input), the qkv input, q k v, attention out, the proj input, x2, norm2's, the MLP input
-    (11 d with RMSNorm, 9 d with LayerNorm), the MLP's (SwiGLU: gate, silu, up, product: 4 f; QuickGELU: fc1,
-    sigmoid, product: 3 f), the SDPA mask [P, P] as the query's dtype, and fp32: the norms' statistics (1 or
-    2 each), the log-sum-exp (h), the 2D rotary cos and sin (2 x head_dim)."""
+    """n = P patches per row. Forward: the linears over P, attention 4 d x the pairs it computes (attention_pairs:
+    per image, per window; the layers' Split batches each segment size through SDPA, so these pairs and no
+    others, tests/test_vision_attention.py). Kept, as autograd keeps them (qwen-tiny, measured by
+    tests/test_plan_qwen.py): per patch x, norm1's output (RMSNorm: and its normalised input), the proj input,
+    x2, norm2's, the MLP input (7 d with RMSNorm, 5 d with LayerNorm), the MLP's (SwiGLU: gate, silu, up,
+    product: 4 f; QuickGELU: fc1, sigmoid, product: 3 f), fp32 the norms' statistics (1 or 2 each) and the 2D
+    rotary cos and sin (2 x head_dim); per patch in an image (row.used) the gathered q, k, v and SDPA's output
+    (4 d) and fp32 log-sum-exp (h): a padding patch's output is its v, kept by nothing. No P x P mask (the
+    MMPIPE_ATTENTION=dense reference keeps one more, P^2 as the query's dtype, and computes all P^2 pairs).
+    E.g. Qwen2.5-VL-7B's tower (d 1280, f 3420, h 16) at P = 16384 holding 15984 patches: (7 x 1280 + 4 x 3420 +
+    2 + 2 x 80) x 16384 + (4 x 1280 + 16) x 15984 = 456 M values per row and block."""
     v = cfg.vision
     rms = v.norm == "rmsnorm"
     mlp = 4 if v.mlp == "swiglu" else (3 if v.act == "quick_gelu" else 2)
-    fp32 = (2 if rms else 4) + v.n_heads + 2 * (v.dim // v.n_heads)
+    fp32 = (2 if rms else 4) + 2 * (v.dim // v.n_heads)
+    used = min(row.used, n)
     fwd = 2.0 * params * n + 4.0 * v.dim * attention_pairs(v, row, full)
-    return Cost(n, fwd, ((11 if rms else 9) * v.dim + mlp * v.ff_dim + fp32) * n + n * n, fp32 * n, n * v.dim)
+    act = ((7 if rms else 5) * v.dim + mlp * v.ff_dim + fp32) * n + (4 * v.dim + v.n_heads) * used
+    return Cost(n, fwd, act, fp32 * n + v.n_heads * used, n * v.dim)
 
 
 def _qwen_patch_embed(cfg, params, n, seq, row):  # the patch matrix [P, C T p p] the matmul saw

@@ -15,8 +15,11 @@ and stays in the stage tuple to the head (mmpipe.model.stage):
                         ids and grids, as transformers' get_rope_index), causal within each sample
     FinalNorm, head     mmpipe.model.llava's (tied when text.tie_embeddings)
 
-Attention is masked densely ([B, 1, P, P] from the grids): no window permutation is needed, as masked
-attention is permutation-equivariant and the merger reads 4 consecutive patches either way.
+Attention runs per segment (an image's frame, or a window): each patch's segment id from the grids
+(vision_segments), the segments gathered into batches of equal size for SDPA (attention.Split), the outputs
+put back in the row's order, so no window permutation of the hidden state is needed and the merger reads 4
+consecutive patches as before; MMPIPE_ATTENTION=dense masks one dense [B, 1, P, P] attention instead, the
+reference (docs/vision_attention.md).
 Parameter names follow transformers' modules, so mmpipe.hf.qwen2_vl maps them one to one.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig, VisionConfig
-from .attention import FusedAttention, row_attention, row_cached, row_positions
+from .attention import FusedAttention, attention_choice, row_attention, row_cached, row_positions, segment_attention
 from .llava import LlamaBlock, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
 from .stage import StageTuple, unpack_in
 
@@ -77,26 +80,42 @@ def patch_coords(grids: torch.Tensor, P: int, merge: int) -> Patches:
     return Patches(slot, within // hw, row, col)
 
 
-def _same(a: torch.Tensor) -> torch.Tensor:
-    return a[:, :, None] == a[:, None, :]
+def vision_segments(c: Patches, M: int, v: VisionConfig, full: bool) -> torch.Tensor:
+    """Each patch's attention segment, long [B, P], ids unique across the batch: its image's frame, and in a
+    windowed block (full False) its window of window_size / patch_size patches a side (Qwen2.5: 112 / 14 = 8,
+    i.e. 4 x 4 merge units of 2 x 2: 64 patches, edge windows smaller); -1 for padding (sees itself only).
+    E.g. a 54 x 74-patch image: one segment of 3996 in a full block, 7 x 10 windows (54 = 6 x 8 + 6 rows,
+    74 = 9 x 8 + 2 columns) in a windowed one."""
+    B, P = c.slot.shape
+    unit = v.merge_size * (v.window_size // (v.patch_size * v.merge_size)) if not full else 0
+    b = torch.arange(B, device=c.slot.device)[:, None].expand(B, P)
+    key = [b, c.slot, c.frame] + ([c.row // unit, c.col // unit] if unit else [])
+    _, seg = torch.unique(torch.stack(key, -1).flatten(0, 1), dim=0, return_inverse=True)
+    return torch.where(c.slot < M, seg.view(B, P), -1)
 
 
 def vision_geometry(t: StageTuple, v: VisionConfig, full: bool):
-    """(mask bool [B, 1, P, P], (cos, sin) [B, 1, P, head_dim]) of a vision block: attention within each
-    image's frame (and, full False, its window of merge units); padding patches see themselves only.
-    The rotary turns each head's quarters by (row, col, row, col) x the frequencies of head_dim / 4."""
+    """(mask, (cos, sin) [B, 1, P, head_dim]) of a vision block: attention within each image's frame (and,
+    full False, its window of merge units), padding patches seeing themselves only (vision_segments); the
+    mask is attention.segment_attention's: a Split (each segment's own SDPA, sizes batched) or, under
+    MMPIPE_ATTENTION=dense, the reference bool [B, 1, P, P]. The rotary turns each head's quarters by
+    (row, col, row, col) x the frequencies of head_dim / 4."""
     B, P = t.hidden.shape[:2]
     c = patch_coords(used_grids(t), P, v.merge_size)
-    allowed = _same(c.slot) & _same(c.frame) & (c.slot < t.tiling.shape[1])[:, :, None]
-    if not full:
-        unit = v.merge_size * (v.window_size // (v.patch_size * v.merge_size))  # patches per window side
-        allowed = allowed & _same(c.row // unit) & _same(c.col // unit)
-    allowed = allowed | torch.eye(P, dtype=torch.bool, device=allowed.device)
+    mask = segment_attention(vision_segments(c, t.tiling.shape[1], v, full))
     half = v.dim // v.n_heads // 2
     inv = 1.0 / (VISION_THETA ** (torch.arange(0, half, 2, device=t.hidden.device, dtype=torch.float32) / half))
     f = torch.cat([c.row[..., None] * inv, c.col[..., None] * inv], dim=-1)  # [B, P, head_dim / 2]
     emb = torch.cat([f, f], dim=-1)[:, None]
-    return allowed[:, None], (emb.cos(), emb.sin())
+    return mask, (emb.cos(), emb.sin())
+
+
+def vision_attention(t: StageTuple, v: VisionConfig, full: bool):
+    """vision_geometry once per micro-batch, block kind (window / full) and backend on this stage, shared by
+    its blocks (row_cached on the grids)."""
+    used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
+    return row_cached((t.tiling, t.has_image), ("qwen-vision", t.hidden.shape[1], v, full, attention_choice()),
+                      lambda: vision_geometry(t, v, full))
 
 
 def mrope_positions(ids: torch.Tensor, segments: torch.Tensor, grids: torch.Tensor, token: int,
@@ -179,10 +198,7 @@ class QwenVisionBlock(nn.Module):
 
     def forward(self, args):
         t = unpack_in(self, args)
-        used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
-        # once per micro-batch and block kind on this stage (window / full), not once per block
-        mask, rotary = row_cached((t.tiling, t.has_image), ("qwen-vision", t.hidden.shape[1], self.v, self.full),
-                                  lambda: vision_geometry(t, self.v, self.full))
+        mask, rotary = vision_attention(t, self.v, self.full)
         x = t.hidden + self.attn(self.norm1(t.hidden), mask=mask, rotary=rotary)
         return t._replace(hidden=x + self.mlp(self.norm2(x))).pack()
 

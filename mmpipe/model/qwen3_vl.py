@@ -7,7 +7,7 @@ Layer list (`qwen3_vl_specs`), Qwen3-VL-8B as the example (tower 27 blocks of 11
     Qwen3PatchEmbed       pixels [B, P, 3 x 2 x 16 x 16 = 1536] -> [B, P, 1152]: the Conv3d (with bias) as one
                           matmul, plus the 48 x 48 learned position table resampled (bilinear, corners aligned,
                           as transformers' get_vision_interpolation_indices_and_weights) to each image's grid
-    Qwen3VisionBlock x 27 LayerNorm, fused qkv with 2D rotary (Qwen2-VL's vision_geometry: within each image),
+    Qwen3VisionBlock x 27 LayerNorm, fused qkv with 2D rotary (Qwen2-VL's vision_attention: within each image),
                           linear_fc1 / linear_fc2 (gelu tanh)
     DeepstackMerger<k>    after block deepstack_indexes[k]: norm over the merged 4 x 1152, fc1 GELU fc2 ->
                           the carried float field deepstack_k [B, P / 4, 4096]; hidden passes unchanged
@@ -34,7 +34,7 @@ from torch import nn
 from ..config import MAX_DEEPSTACK, ModelConfig
 from .attention import FusedAttention, apply_partial_rotary, attend, cached_attention, row_attention, row_cached
 from .llava import ACTS, LlamaAttention, decoder_specs
-from .qwen2_vl import QwenBlock, QwenEmbed, mrope_positions, patch_coords, rope_delta, used_grids, vision_geometry
+from .qwen2_vl import QwenBlock, QwenEmbed, mrope_positions, patch_coords, rope_delta, used_grids, vision_attention
 from .stage import StageField, StageTuple, unpack_in, unpack_out
 
 
@@ -100,9 +100,7 @@ class Qwen3VisionBlock(nn.Module):
 
     def forward(self, args):
         t = unpack_in(self, args)
-        used_grids(t)
-        mask, rotary = row_cached((t.tiling, t.has_image), ("qwen-vision", t.hidden.shape[1], self.v, True),
-                                  lambda: vision_geometry(t, self.v, True))
+        mask, rotary = vision_attention(t, self.v, True)
         x = t.hidden + self.attn(self.norm1(t.hidden), mask=mask, rotary=rotary)
         return t._replace(hidden=x + self.mlp(self.norm2(x))).pack()
 
