@@ -24,10 +24,30 @@ def hf_model_class(hf):
     return getattr(transformers, type(hf).__name__.replace("Config", "ForConditionalGeneration"))
 
 
-def hf_meta_state(hf) -> dict[str, torch.Tensor]:
+def hf_meta_model(hf):
     """transformers' model of hf built on the meta device: its weight names and shapes, no memory."""
     with torch.device("meta"):
-        return hf_model_class(hf)(hf).state_dict()
+        return hf_model_class(hf)(hf)
+
+
+def hf_meta_state(hf) -> dict[str, torch.Tensor]:
+    return hf_meta_model(hf).state_dict()
+
+
+def saved_names(model) -> dict[str, str]:
+    """transformers' name of each weight in the module -> the name its save_pretrained writes: transformers 5
+    saves in a checkpoint's original layout (e.g. Qwen2-VL's model.language_model.layers.0.* as model.layers.0.*,
+    revert_weight_conversion), and an export writes what transformers would. A conversion that is more than a
+    renaming (tensors merged or split) is refused naming the weight."""
+    from transformers.core_model_loading import revert_weight_conversion
+    out = {}
+    for k, t in model.state_dict().items():
+        got = list(revert_weight_conversion(model, {k: t}))
+        if len(got) != 1:
+            raise RuntimeError(f"export: transformers saves '{k}' of a {type(model).__name__} as {got}, not one "
+                               f"renamed tensor; mmpipe writes only renamings")
+        out[k] = got[0]
+    return out
 
 
 def planned(layers, names: dict[str, str]) -> list[tuple[str, torch.dtype, tuple]]:
@@ -53,7 +73,8 @@ def write_hf(source, out: str | Path, hf, names: dict[str, str], made=None, shar
     max_bytes = parse_size(shard_size or DEFAULT_SHARD_SIZE)
     entries = planned(layers, names)
     dtype = dominant(entries)
-    theirs = hf_meta_state(hf)
+    meta = hf_meta_model(hf)
+    theirs, saved = meta.state_dict(), saved_names(meta)
     tied = bool(getattr(hf, "tie_word_embeddings", False))
     given = {n: shape for n, _, shape in entries}
     for n, shape in given.items():
@@ -75,7 +96,10 @@ def write_hf(source, out: str | Path, hf, names: dict[str, str], made=None, shar
     hf.architectures = [hf_model_class(hf).__name__]
     hf.save_pretrained(out)
     _generation_config(hf).save_pretrained(out)
-    write_sharded(out, entries, chain(renamed_tensors(layers, names), extra.items()), max_bytes)
+    entries = [(saved[n], dt, shape) for n, dt, shape in entries]
+    # map, not a generator expression: its loop variable would keep the last tensor alive into the next layer
+    tensors = map(lambda item: (saved[item[0]], item[1]), chain(renamed_tensors(layers, names), extra.items()))
+    write_sharded(out, entries, tensors, max_bytes)
     return out
 
 

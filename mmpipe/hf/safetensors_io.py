@@ -227,6 +227,7 @@ def write_sharded(out: Path, entries: list[tuple[str, torch.dtype, tuple]], tens
                 handle.write(_header([entries[j] for j in shards[k_open]]))
             if t.numel():
                 handle.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del t  # not held while the next tensor (perhaps the next layer's file) is read
     finally:
         if handle:
             handle.close()

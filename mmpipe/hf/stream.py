@@ -118,6 +118,6 @@ def renamed_tensors(layers, names: dict[str, str]) -> Iterator[tuple[str, torch.
     "<layer>.<sub>" -> the name to write."""
     for i in layers.layers:
         state = layers.load(i)
-        for sub, t in state.items():
-            yield names[f"{i}.{sub}"], t
+        for sub in list(state):
+            yield names[f"{i}.{sub}"], state.pop(sub)  # the writer's reference is the last one
         del state

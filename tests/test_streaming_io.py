@@ -1,0 +1,232 @@
+"""Streaming import and export (mmpipe.hf.stream, mmpipe.hf.export, mmpipe.hf.safetensors_io): bf16 sharded
+checkpoints of every family go through `mmpipe import` -> `mmpipe export` bit-equal in their dtype; an import
+holds one layer's tensors (counted, live bytes), an export one layer file; --init-from opens only the rank's
+layer files and fills fp32 layers with the bf16 files' values; a missing shard or a bad --shard-size is one line."""
+from __future__ import annotations
+
+import json
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+from deepspeed.pipe import TiedLayerSpec
+from safetensors.torch import load_file, save_file
+
+from mmpipe.cli import main
+from mmpipe.config import load_preset
+from mmpipe.hf import stream
+from mmpipe.hf.moondream import export_moondream
+from mmpipe.hf.safetensors_io import INDEX, LazyWeights, open_weights
+from mmpipe.model.builder import ReferenceModel, layer_specs
+from mmpipe.runtime import trainer
+
+FAMILIES = ("qwen2", "qwen2_5", "qwen3", "llava", "llava_next")
+
+
+def _hf_model(family: str):
+    """transformers' own tiny model of the family (tests/*_models.py configs), random weights."""
+    import transformers
+
+    from hf_models import llava_config
+    from llava_next_models import hf_config as next_config
+    from qwen3_models import qwen3_config
+    from qwen_models import qwen_config
+    cfg = {"qwen2": lambda: qwen_config("qwen2"), "qwen2_5": lambda: qwen_config("qwen2_5"),
+           "qwen3": lambda: qwen3_config(tie=True), "llava": lambda: llava_config("siglip_llama"),
+           "llava_next": lambda: next_config("next")}[family]()
+    return getattr(transformers, type(cfg).__name__.replace("Config", "ForConditionalGeneration"))(cfg)
+
+
+def save_bf16(family: str, out, shard: str = "40KB", seed: int = 0) -> dict[str, torch.Tensor]:
+    """The family's tiny model in bf16, saved sharded (save_pretrained's max_shard_size) as a user's download
+    would be; every weight but an identity post-LayerNorm perturbed so a mix-up shows. Returns its tensors."""
+    torch.manual_seed(seed)
+    model = _hf_model(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "post_layernorm" not in name:  # LLaVA's export writes the cut tower's as the identity
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size=shard)
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def read_dir(d) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_is_bit_equal_in_bf16(family, tmp_path, capsys):
+    """import -> export of a sharded bf16 checkpoint gives the source's tensors, bf16, bit for bit: the layer
+    files in between are bf16 too (no fp32 copy), and the export is sharded again at --shard-size."""
+    source = save_bf16(family, tmp_path / "hf")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2  # really sharded
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    layers = list((tmp_path / "run" / "checkpoints" / "imported").glob("layer_*"))
+    assert {t.dtype for f in layers for t in torch.load(f, weights_only=True).values()} == {torch.bfloat16}
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                 "--shard-size", "30KB"]) == 0
+    index = json.loads((tmp_path / "out" / INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    back = read_dir(tmp_path / "out")
+    assert set(index["weight_map"]) == set(back)
+    # what is not written back: the tower past the feature layer and SigLIP's pooling head (LLaVA-NeXT, LLaVA),
+    # which the import reported unused; a tied lm_head, which save_pretrained drops on both sides
+    unused = {k for k in source if k not in back}
+    assert all(".layers.2." in k or ".head." in k for k in unused), sorted(unused)[:4]
+    assert (family == "llava_next") == any(".layers.2." in k for k in unused)
+    for k, t in back.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, source[k]), k
+
+
+def test_moondream_round_trip_is_bit_equal(tmp_path):
+    """--moondream FILE -> --format safetensors: the same tensors in bf16 (one file, streamed)."""
+    model = ReferenceModel(load_preset("tiny"), seed=3).to(torch.bfloat16)
+    source = export_moondream(model)
+    save_file(source, str(tmp_path / "md.safetensors"))
+    assert main(["import", "--moondream", str(tmp_path / "md.safetensors"), "--preset", "tiny",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--format", "safetensors",
+                 "--out", str(tmp_path / "back.safetensors")]) == 0
+    back = load_file(str(tmp_path / "back.safetensors"))
+    assert set(back) == set(source)
+    assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], source[k]) for k in source)
+
+
+class LiveBytes:
+    """Counts the bytes of tensors a LazyWeights read that are still referenced (a weakref finalizer per tensor)."""
+
+    def __init__(self):
+        self.live, self.peak = 0, 0
+
+    def loaded(self, name, t):
+        n = t.numel() * t.element_size()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._freed, n)
+
+    def _freed(self, n):
+        self.live -= n
+
+
+def test_import_holds_one_layer_of_live_tensors(tmp_path, monkeypatch):
+    """A sharded import never holds more than one layer plus one shard of read tensors: at each layer file
+    saved, exactly that layer's bytes are live (nothing of earlier layers), and the peak over the whole import
+    (the tied head's check reads the head and the embedding) is at most the largest layer plus the largest
+    shard. Reading every shard into one dict, as before, holds the whole checkpoint and fails both."""
+    save_bf16("qwen2_5", tmp_path / "hf", shard="20KB")
+    shards = [f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors")]
+    total = sum(shards)
+    counter, at_save = LiveBytes(), []
+    opened = open_weights
+
+    def counting(path):
+        w = opened(path)
+        w.loaded = counter.loaded
+        return w
+
+    def save(state, path):
+        at_save.append((counter.live, sum(t.numel() * t.element_size() for t in state.values())))
+        torch_save(state, path)
+
+    torch_save = torch.save
+    monkeypatch.setattr("mmpipe.hf.qwen2_vl.open_weights", counting)
+    monkeypatch.setattr(stream.torch, "save", save)
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert len(at_save) > 5 and all(live == layer for live, layer in at_save), at_save
+    largest_layer = max(layer for _, layer in at_save)
+    assert 0 < counter.peak <= largest_layer + max(shards) < total / 2
+    assert counter.live == 0
+
+
+def test_export_reads_one_layer_file_at_a_time(tmp_path, monkeypatch):
+    """Export holds at most one layer's tensors: each layer file's tensors are released before the next is read."""
+    save_bf16("qwen2", tmp_path / "hf")
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    counter, sizes = LiveBytes(), []
+    load = stream.RunLayers.load
+
+    def counted(self, idx):
+        state = load(self, idx)
+        sizes.append(sum(t.numel() * t.element_size() for t in state.values()))
+        for t in state.values():
+            counter.loaded(None, t)
+        return state
+
+    monkeypatch.setattr(stream.RunLayers, "load", counted)
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                 "--shard-size", "20KB"]) == 0
+    assert len(sizes) > 5 and counter.peak == max(sizes) and counter.live == 0
+
+
+def _stage(model: ReferenceModel, start: int):
+    """What load_run_weights reads of a DeepSpeed PipelineModule holding layers start.. (the last stage): its
+    layers, where they start, the tied module it keeps a copy of, the layer specs."""
+    specs = layer_specs(model.cfg)
+    tied = {s.key: model[i] for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and i < start
+            and any(isinstance(t, TiedLayerSpec) and t.key == s.key for t in specs[start:])}
+    return SimpleNamespace(forward_funcs=list(model)[start:], _local_start=start, tied_modules=tied,
+                           _layer_specs=specs)
+
+
+def test_init_from_opens_only_the_ranks_layers_and_casts_bf16(tmp_path, monkeypatch):
+    """--init-from on the last stage (decoder blocks and head) opens that stage's layer files and the tied
+    embedding's (its copy of the head), nothing else; fp32 layers get the bf16 files' values exactly (what the
+    fp32 files of the same source held before: bf16 -> fp32 is exact)."""
+    source = save_bf16("qwen2_5", tmp_path / "hf")
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    cfg = json.loads((tmp_path / "run" / "model.json").read_text())
+    from mmpipe.config import config_from_dict
+    model = ReferenceModel(config_from_dict(cfg, "run"), seed=9)
+    specs = layer_specs(model.cfg)
+    embed = next(i for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec))
+    start = embed + 1  # the stage of the decoder blocks and the head, whose weight is the embedding's
+    opened = []
+    load = torch.load
+
+    def spy(path, *a, **kw):
+        opened.append(int(str(path).split("layer_")[1][:2]))
+        return load(path, *a, **kw)
+
+    monkeypatch.setattr(trainer.torch, "load", spy)
+    n = trainer.load_run_weights(_stage(model, start), tmp_path / "run" / "checkpoints")
+    own = [i for i in range(start, len(model)) if model[i].state_dict()]
+    assert sorted(opened) == sorted(own + [embed]) and n == len(own) and embed < start
+    from mmpipe.hf.qwen2_vl import canonical, key_map
+    source = {canonical(k): t for k, t in source.items()}  # transformers saves the checkpoint's original names
+    for mine, hf in key_map(model.cfg).items():
+        i = int(mine.split(".")[0])
+        if i in own or i == embed:
+            got = model.state_dict()[mine]
+            assert got.dtype == torch.float32 and torch.equal(got, source[hf].float()), mine
+
+
+def test_missing_shard_and_bad_shard_size_are_one_line(tmp_path, capsys):
+    save_bf16("qwen2", tmp_path / "hf", shard="40KB")
+    gone = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    gone.unlink()
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mmpipe: error: {tmp_path / 'hf'}: the index names shard {gone.name}, which is missing"]
+    assert not (tmp_path / "run").exists()
+    model = ReferenceModel(load_preset("tiny"))
+    from mmpipe.hf.commands import save_run
+    save_run(model, tmp_path / "md")
+    assert main(["export", "--checkpoint", str(tmp_path / "md"), "--format", "safetensors", "--out",
+                 str(tmp_path / "x.safetensors"), "--shard-size", "lots"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "mmpipe: error: --shard-size: 'lots' is not a size (e.g. 5GB, 500MB, 2GiB)"]
+
+
+def test_lazy_weights_read_headers_only(tmp_path):
+    """Opening a sharded directory reads no tensor: shapes and dtypes come from the headers."""
+    source = save_bf16("qwen2", tmp_path / "hf")
+    w = open_weights(tmp_path / "hf")
+    reads = []
+    w.loaded = lambda name, t: reads.append(name)
+    assert isinstance(w, LazyWeights) and set(w) == set(source) and reads == []
+    k = next(iter(source))
+    assert w.shape(k) == tuple(source[k].shape) and w.dtype(k) == torch.bfloat16
+    assert torch.equal(w[k], source[k]) and reads == [k]
