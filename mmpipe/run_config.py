@@ -224,7 +224,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         # per row: --max-images image slots through the tower, M x N_dec + text_len decoder positions
         # (a dynamic-resolution family: its --max-patches P through the tower, 2 M + P / merge^2 + text_len)
         table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images,
-                            data.max_patches or data.max_tiles)  # the row's vision budget: P patches or T crops
+                            data.vision_budget)  # the row's vision budget: P patches or T crops
         if lora is not None and not any(r.adapter_params for r in table):
             problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
                             f"group(s) of {model.name}")

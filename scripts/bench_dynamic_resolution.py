@@ -150,7 +150,7 @@ def build_rows(cfg, path: Path, work: Path, flags: tuple, n: int, micro: int, se
     samples = prepare(opts, cfg, work / f"index_{path.stem}", seed=seed, verbose=False)
     if len(samples.index) != n:
         raise SystemExit(f"{path}: {len(samples.index)} good records of {n}; see {work}/index_{path.stem}/data/")
-    shape = row_shape(cfg, opts.max_images, opts.text_len, opts.max_patches)
+    shape = row_shape(cfg, opts.max_images, opts.text_len, opts.vision_budget)
     size = sample_size(samples, shape)
     plan = RowPlan(size, shape, pack=True, chunk=n)  # one chunk: the rows hold the n samples, each once
     rows = next(r for r in range(n + 1) if plan.samples_before(r) == n)
@@ -160,7 +160,7 @@ def build_rows(cfg, path: Path, work: Path, flags: tuple, n: int, micro: int, se
     load_s = time.perf_counter() - t0
     encs = [samples.tokens(pos)[0] for pos in range(n)]
     return {"batches": batches, "rows": rows, "row_positions": shape.length, "max_images": shape.max_images,
-            "text_len": shape.text_len, "max_patches": shape.max_patches, "load_s": load_s,
+            "text_len": shape.text_len, "max_patches": opts.vision_budget, "load_s": load_s,
             "samples": [samples.row(pos) for pos in range(n)],
             "own_patches": sum(size(pos)[2] for pos in range(n)),
             "own_positions": sum(size(pos)[0] for pos in range(n)),

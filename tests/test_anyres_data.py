@@ -181,8 +181,8 @@ def names_of(record: dict) -> list[str]:
 
 def test_packed_rows_hold_each_samples_placeholders_crops_and_tilings(data, tmp_path):
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_tiles=T, pack=True)
-    shape = row_shape(cfg, 2, opts.text_len, 0, opts.max_tiles)
-    assert (opts.max_tiles, shape.length) == (T, 2 * 88 + 40)
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
+    assert (opts.vision_budget, shape.length) == (T, 2 * 88 + 40)
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
     rows = RowSet(samples, plan, image_size=CROP)
     files = {name: Image.open(data / name).convert("RGB") for name in SIZES}
@@ -214,7 +214,7 @@ def test_packed_rows_hold_each_samples_placeholders_crops_and_tilings(data, tmp_
 
 def test_later_stage_rows_carry_the_tilings_without_decoding_an_image(data, tmp_path, monkeypatch):
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_tiles=T)
-    shape = row_shape(cfg, 2, opts.text_len, 0, opts.max_tiles)
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     plan = RowPlan(sample_size(samples, shape), shape, pack=False)
     first = [RowSet(samples, plan, image_size=CROP)[r] for r in range(len(GOOD))]
 
@@ -234,8 +234,8 @@ def test_later_stage_rows_carry_the_tilings_without_decoding_an_image(data, tmp_
 def test_onevision_rows_give_a_several_image_samples_images_their_base_crop_only(data, tmp_path):
     """The record of two images: tilings (h, w, 0, 0), one crop and 16 + 1 positions each, as transformers has it."""
     cfg, opts, samples = load(data, tmp_path, "onevision", max_images=2)
-    assert opts.max_tiles == 5  # one tiled image (1 + 4) or two base crops
-    shape = row_shape(cfg, 2, opts.text_len, 0, opts.max_tiles)
+    assert opts.vision_budget == 5  # one tiled image (1 + 4) or two base crops
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False), image_size=CROP)
     pos = next(p for p in range(len(samples.index)) if samples.row(p) == 1)  # two big images: good here
     item = rows[pos]
@@ -281,7 +281,7 @@ def test_reference_model_trains_on_a_packed_micro_batch(data, tmp_path):
     from mmpipe.model import IGNORE_INDEX, ReferenceModel
     from mmpipe.model.builder import lm_loss
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_tiles=T, pack=True)
-    shape = row_shape(cfg, 2, opts.text_len, 0, opts.max_tiles)
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True), image_size=CROP)
     inputs, labels = next(rank_batches(rows, StepBatches(0, 2, 1, 0, 1)))
     assert [tuple(x.shape) for x in inputs] == [(2, T, 3, CROP, CROP), (2, shape.length), (2, 2), (2, shape.length),
@@ -299,7 +299,7 @@ def test_pack_alone_sizes_slots_and_the_crop_budget_from_the_data(data, tmp_path
     and T follows it (M x 5 crops), on the same index: the index's refusals never depend on the slots chosen."""
     from mmpipe.data.dataset import packed_image_slots
     cfg, opts, samples = load(data, tmp_path, pack=True)
-    assert opts.auto_tiles and (opts.max_images, opts.max_tiles) == (1, 5)
+    assert opts.auto_budget and (opts.max_images, opts.vision_budget) == (1, 5)
     packed = packed_image_slots(opts, cfg, tmp_path, seed=0)
-    assert packed.max_images > 1 and packed.max_tiles == 5 * packed.max_images
+    assert packed.max_images > 1 and packed.vision_budget == 5 * packed.max_images
     assert prepare(packed, cfg, tmp_path, seed=0, verbose=False).index.stats == samples.index.stats

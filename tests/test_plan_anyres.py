@@ -58,7 +58,7 @@ def test_a_row_costs_its_crop_budget_and_the_datas_length():
     two = layer_costs(cfg, (), 40, images=2, patches=CropRow(10, ((40, 100, 1, 2), (56, 56, 1, 1))))
     assert one[0].tokens == 5 * 17 and two[0].tokens == 10 * 17
     assert one[-1].tokens == row_shape(cfg, 1, 40).length == 88 + 40
-    assert two[-1].tokens == row_shape(cfg, 2, 40, max_tiles=10).length == 2 * 88 + 40
+    assert two[-1].tokens == row_shape(cfg, 2, 40, 10).length == 2 * 88 + 40
 
 
 def test_plan_llava_onevision_72b_fits_4_nodes_of_8_h100_without_allocating():

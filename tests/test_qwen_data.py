@@ -121,8 +121,8 @@ def expected_ids(tok, record: dict, grids: list) -> list[int]:
 
 def test_packed_rows_hold_each_samples_tokens_labels_patches_and_grids(data, tmp_path):
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_patches=P, pack=True)
-    assert opts.max_patches == P and opts.image_text == "<|vision_start|><|image_pad|><|vision_end|>"
-    shape = row_shape(cfg, 2, opts.text_len, opts.max_patches)
+    assert opts.vision_budget == P and opts.image_text == "<|vision_start|><|image_pad|><|vision_end|>"
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     assert shape.length == 2 * 2 + P // 4 + 40
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
     rows = RowSet(samples, plan, image_size=cfg.vision.image_size)
@@ -161,7 +161,7 @@ def test_packed_rows_hold_each_samples_tokens_labels_patches_and_grids(data, tmp
 
 def test_later_stage_rows_carry_the_grids_without_decoding_an_image(data, tmp_path, monkeypatch):
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_patches=P)
-    shape = row_shape(cfg, 2, opts.text_len, opts.max_patches)
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     plan = RowPlan(sample_size(samples, shape), shape, pack=False)
     first = [RowSet(samples, plan, image_size=0)[r] for r in range(len(GOOD))]
 
@@ -210,8 +210,8 @@ def test_builtin_tokenizer_puts_the_image_block_after_bos():
     cfg = load_preset("qwen-tiny")
     opts = resolve_data(DataArgs(), cfg)
     samples = prepare(opts, cfg, "unused", seed=0)
-    shape = row_shape(cfg, 1, opts.text_len, opts.max_patches)
-    assert opts.max_patches == 64 and shape.length == 2 + 16 + opts.text_len
+    shape = row_shape(cfg, 1, opts.text_len, opts.vision_budget)
+    assert opts.vision_budget == 64 and shape.length == 2 + 16 + opts.text_len
     item = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False), image_size=112)[0]
     assert item["input_ids"][1:19].tolist() == [START] + [PAD] * 16 + [END] and item["tiling"] == [(1, 8, 8)]
     assert item["pixels"].shape == (64, 1176) and item["pixels"].abs().sum() > 0
@@ -236,7 +236,7 @@ def test_reference_model_trains_on_a_packed_micro_batch(data, tmp_path):
     from mmpipe.model import ReferenceModel
     from mmpipe.model.builder import lm_loss
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_patches=P, pack=True)
-    shape = row_shape(cfg, 2, opts.text_len, opts.max_patches)
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True), image_size=0)
     inputs, labels = next(rank_batches(rows, StepBatches(0, 2, 1, 0, 1)))
     assert [tuple(x.shape) for x in inputs] == [(2, P, 1176), (2, shape.length), (2, 2), (2, shape.length), (2, 2, 3)]
@@ -252,7 +252,7 @@ def test_pack_alone_sizes_slots_and_patches_from_the_data(data, tmp_path):
     short texts give M = 3 slots and P = 3 x 80 / 3 = 80 patches (above one 64-patch image): L = 6 + 20 + 40."""
     from mmpipe.data.dataset import packed_image_slots
     cfg, opts, _ = load(data, tmp_path, pack=True)
-    assert opts.auto_slots and opts.auto_patches and opts.max_patches == 64
+    assert opts.auto_slots and opts.auto_budget and opts.vision_budget == 64
     opts = packed_image_slots(opts, cfg, tmp_path, seed=0)
-    assert (opts.max_images, opts.max_patches) == (3, 80)
-    assert row_shape(cfg, opts.max_images, opts.text_len, opts.max_patches).length == 66
+    assert (opts.max_images, opts.vision_budget) == (3, 80)
+    assert row_shape(cfg, opts.max_images, opts.text_len, opts.vision_budget).length == 66

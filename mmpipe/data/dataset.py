@@ -17,11 +17,9 @@ import numpy as np
 
 from ..config import ConfigError, ModelConfig
 from ..model.families import family_of
-from .anyres import default_max_tiles
 from .args import DataArgs
-from .image_kinds import image_kind, image_rule, row_budgets
+from .image_kinds import BUDGET_FLAGS, budget_given, image_kind, image_rule, row_budget
 from .index import DataIndex, RecordChecks, bad_list, build_index, check_policy, describe, fingerprint, load_index
-from .patches import per_image_patches
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples, image_reader
 from .sources import DataSpec, data_spec, open_source
 from .text import ConversationEncoder, placeholders
@@ -47,11 +45,11 @@ class DataOptions:
     max_images: int = 1         # --max-images: image slots per row (record_images: a record's limit)
     markers: bool = False       # <image> markers place the images (the LLaVA family), else after BOS
     auto_slots: bool = False    # --pack without --max-images: max_images follows from the data (packed_image_slots)
-    max_patches: int = 0        # a dynamic family's row patch budget P (--max-patches, or its default); 0 otherwise
-    auto_patches: bool = False  # P is the default for max_images: it follows them (packed_image_slots)
+    # the row's vision budget in its image kind's unit (mmpipe.data.image_kinds): a family of patches' P, of tiles'
+    # T crops (its flag, or its default for max_images); 0 for fixed-size images
+    vision_budget: int = 0
+    auto_budget: bool = False   # the budget is the default for max_images: it follows them (packed_image_slots)
     image_text: str | None = None  # what an image marker becomes in the text (mmpipe.data.text.image_text)
-    max_tiles: int = 0          # the any-resolution family's row crop budget T (--max-tiles, or its default)
-    auto_tiles: bool = False    # T is the default for max_images: it follows them (packed_image_slots)
 
     @property
     def record_images(self) -> int:
@@ -110,15 +108,14 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
         problems.append(f"--max-image-pixels: {args.max_image_pixels} must be >= 1")
     if args.data_workers < 0:
         problems.append(f"--data-workers: {args.data_workers} must be >= 0")
-    max_patches, max_tiles = row_budgets(args, cfg, problems)
+    budget = row_budget(args, cfg, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     return DataOptions(args.data, spec, tok, text_len or SHAPES_TEXT_LEN, args.bad_records, args.overlong,
                        args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples,
                        max_images=args.max_images or 1, markers=markers,
-                       auto_slots=args.pack and args.max_images is None, max_patches=max_patches,
-                       auto_patches=bool(max_patches) and args.max_patches is None, image_text=image_text,
-                       max_tiles=max_tiles, auto_tiles=bool(max_tiles) and args.max_tiles is None)
+                       auto_slots=args.pack and args.max_images is None, vision_budget=budget,
+                       auto_budget=bool(budget) and not budget_given(args, cfg), image_text=image_text)
 
 
 def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[str]) -> str | None:
@@ -137,7 +134,7 @@ def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[s
         return None
 
 
-ROW_FLAGS = ("text_len", "max_images", "pack", "max_patches", "max_tiles")  # the row's shape: what `mmpipe plan` takes
+ROW_FLAGS = ("text_len", "max_images", "pack", *BUDGET_FLAGS)  # the row's shape: what `mmpipe plan` takes
 
 
 def dynamic(cfg: ModelConfig | None) -> bool:
@@ -161,7 +158,7 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
     if cfg is not None:
         # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
         # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
-        n_image = image_kind(cfg).sample_positions(cfg, args.max_images or 1, max(row_budgets(args, cfg, [])))
+        n_image = image_kind(cfg).sample_positions(cfg, args.max_images or 1, row_budget(args, cfg, []))
         room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
         if text_len is None:
             text_len = default_len or room
@@ -183,9 +180,8 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
     E.g. one-image samples of 22 text positions, text_len 96: M = round(96 / 22) = 4, L = 4 N + 96, about
     4 samples a row; with one slot (the unpacked default) a row could never hold a second image sample.
     Read from the token index of the first SLOT_SAMPLES stream positions (no image is opened), so every
-    rank derives the same M. Text-only data keeps M = 1. A dynamic family without --max-patches gets the
-    patches of M mean images at the same rate, P = M x g (g the mean image's patches, read from the index's
-    grids), at least one image at vision.max_pixels, e.g. M = 4 images of 300 patches: P = 1200."""
+    rank derives the same M. Text-only data keeps M = 1. A row budget the user did not set follows M by its
+    kind's rule (ImageKind.follow: a family of patches' P = M mean images' patches, tiles' T room for M)."""
     if not opts.auto_slots:
         return opts
     samples = prepare(opts, cfg, out_dir, seed, verbose=False)
@@ -193,13 +189,8 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
     text = sum(len(enc.ids) for enc, _ in sizes)
     images = sum(int(n) for _, n in sizes)
     slots = max(1, round(images * opts.text_len / text))
-    patches = opts.max_patches
-    if opts.auto_patches:
-        unit = cfg.vision.merge_size ** 2
-        mean = sum(int(np.prod(enc.grids[:n], axis=1).sum()) for enc, n in sizes) / max(1, images)
-        patches = max(per_image_patches(cfg.vision), math.ceil(slots * mean / unit) * unit)
-    tiles = default_max_tiles(cfg, slots) if opts.auto_tiles else opts.max_tiles
-    return dataclasses.replace(opts, max_images=slots, max_patches=patches, max_tiles=tiles)
+    budget = image_kind(cfg).follow(cfg, slots, sizes) if opts.auto_budget else opts.vision_budget
+    return dataclasses.replace(opts, max_images=slots, vision_budget=budget)
 
 
 def index_dir(out_dir: str | Path) -> Path:
@@ -214,13 +205,13 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
     builds it. Raises ConfigError for --bad-records strict with bad records, or no good record.
     run_dir: a dry run's out_dir is scratch; the report names the bad-record list a run writes under run_dir."""
     if opts.builtin:
-        return ShapesSamples(cfg, seed, max_patches=opts.max_patches, max_tiles=opts.max_tiles)
+        return ShapesSamples(cfg, seed, budget=opts.vision_budget)
     index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose,
                                    None if run_dir is None else index_dir(run_dir))
     if opts.holdout:
         index = held_out_cut(index, opts.holdout, "train")
     reader = image_reader(cfg, opts.spec.image_root, opts.max_pixels, resize=opts.resize, augment=opts.augment,
-                          budgets=(opts.max_patches, opts.max_tiles))
+                          budget=opts.vision_budget)
     return IndexedSamples(index, source, reader, seed=seed, pad_id=opts.tokenizer.pad_token_id)
 
 
@@ -230,15 +221,14 @@ def prepare_eval(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed:
     OUTPUT_DIR/eval_data/, built and checked as the training data's), or `shapes` samples of the
     built-in held-out split. run_dir: as prepare's."""
     if opts.builtin:
-        return EvalSet(ShapesSamples(cfg, seed, "eval", opts.max_patches, opts.max_tiles), shapes)
+        return EvalSet(ShapesSamples(cfg, seed, "eval", opts.vision_budget), shapes)
     if opts.holdout:  # --eval-split: the held-out part of the training data's own index
         index, source = _checked_index(opts, cfg, index_dir(out_dir), verbose=False)
         index = held_out_cut(index, opts.holdout, "heldout")
     else:
         index, source = _checked_index(opts, cfg, Path(out_dir) / "eval_data", verbose,
                                        None if run_dir is None else Path(run_dir) / "eval_data")
-    reader = image_reader(cfg, opts.spec.image_root, opts.max_pixels, resize=opts.resize,
-                          budgets=(opts.max_patches, opts.max_tiles))
+    reader = image_reader(cfg, opts.spec.image_root, opts.max_pixels, resize=opts.resize, budget=opts.vision_budget)
     ordered = IndexedSamples(index, source, reader, seed=seed, pad_id=opts.tokenizer.pad_token_id, ordered=True)
     return EvalSet(ordered, len(index))
 
@@ -255,11 +245,11 @@ def held_out_cut(index: DataIndex, fraction: float, part: str) -> DataIndex:
 def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool | str, shown: Path | None = None):
     """shown: the index directory a run without --dry-run uses, when d is a dry run's scratch."""
     listed = bad_list(shown or d, kept=shown is None)  # where the report and strict's refusal say the list is
-    rule = image_rule(cfg, opts.max_patches, opts.max_tiles)
+    rule = image_rule(cfg, opts.vision_budget)
     # what the grids depend on: the rule's resize bounds for each image count a record may have (not P itself,
     # which --pack's slots may raise without changing any grid); tiles: the rule, T unless it follows the slots
     grids = None if rule is None else image_kind(cfg).grid_key(rule, opts.record_images,
-                                                                0 if opts.auto_tiles else opts.max_tiles)
+                                                                0 if opts.auto_budget else opts.vision_budget)
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels, opts.record_images,
                      opts.markers, grids)
     source = open_source(opts.spec)

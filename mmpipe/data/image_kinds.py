@@ -19,14 +19,17 @@ whether --augment applies.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..config import ModelConfig
 from ..model.families import FAMILIES, family_of
 from ..model.rows import IMAGE_SLOT
 from .anyres import default_max_tiles, tile_rule
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
-from .patches import default_max_patches, patch_rule
+from .patches import default_max_patches, patch_rule, per_image_patches
 from .text import image_text
 
 BUDGET_FLAGS = ("max_patches", "max_tiles")  # DataArgs' row budgets: the kind takes at most one
@@ -42,6 +45,10 @@ class Spliced:
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
         return 0
 
+    def follow(self, cfg: ModelConfig, slots: int, sizes: list) -> int:
+        """The budget when it follows --pack's image slots (mmpipe.data.dataset.packed_image_slots): none."""
+        return 0
+
     def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
         return None
 
@@ -54,6 +61,10 @@ class Spliced:
 
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
         return None
+
+    def row_json(self, row) -> dict:
+        """`mmpipe plan --json`'s row fields: the budget flag and the images' grids (none for fixed-size images)."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,14 @@ class Patches:
                             f"give --max-patches P (a multiple of {unit}, at least {least})")
         return p
 
+    def follow(self, cfg: ModelConfig, slots: int, sizes: list) -> int:
+        """P for M = slots images at the data's rate, P = M x g (g the mean image's patches, from the sizes' index
+        grids: [(Encoded, images)]), at least one image at vision.max_pixels, e.g. M = 4 images of 300 patches:
+        P = 1200."""
+        unit, images = cfg.vision.merge_size ** 2, sum(int(n) for _, n in sizes)
+        mean = sum(int(np.prod(enc.grids[:n], axis=1).sum()) for enc, n in sizes) / max(1, images)
+        return max(per_image_patches(cfg.vision), math.ceil(slots * mean / unit) * unit)
+
     def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
         return patch_rule(cfg, budget) if budget else None
 
@@ -103,6 +122,9 @@ class Patches:
 
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
         return image_text(tok, cfg)
+
+    def row_json(self, row) -> dict:
+        return {self.flag: row.patches, "image_grids": [list(g) for g in row.grids]}
 
     def grid_key(self, rule, record_images: int, budget: int) -> list:
         """What an index's grids depend on, for its fingerprint: the rule's resize bounds for each image count a
@@ -124,6 +146,10 @@ class Tiles:
             return 1
         return given if given is not None else default_max_tiles(cfg, max_images)
 
+    def follow(self, cfg: ModelConfig, slots: int, sizes: list) -> int:
+        """T for M = slots images: room for any one sample of them."""
+        return default_max_tiles(cfg, slots)
+
     def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
         return tile_rule(cfg, budget, max_images)
 
@@ -138,6 +164,9 @@ class Tiles:
 
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
         return None  # LLaVA's <image> marks the place; its block is the grid's placeholders
+
+    def row_json(self, row) -> dict:
+        return {self.flag: row.crops, "image_tilings": [list(g) for g in row.tilings]}
 
     def grid_key(self, rule, record_images: int, budget: int) -> list:
         """What an index's grids and its too_many_tiles refusals depend on: the rule and T (budget: 0 where T
@@ -154,33 +183,35 @@ def image_kind(cfg: ModelConfig | None):
     return KINDS["spliced"] if cfg is None else KINDS[family_of(cfg).images]
 
 
-def row_budgets(args, cfg: ModelConfig | None, problems: list[str]) -> tuple[int, int]:
-    """(max_patches, max_tiles): the row budget cfg's kind takes (its flag, else its default for --max-images) and
-    0 for the other; a budget flag the kind does not take is refused, naming the families that take it. Appends a
-    line per problem."""
-    kind, out = image_kind(cfg), {}
+def row_budget(args, cfg: ModelConfig | None, problems: list[str]) -> int:
+    """The one row budget of cfg's kind, in its unit (P patches, T crops; 0 for fixed-size images): its flag, else
+    its default for --max-images. A budget flag the kind does not take is refused, naming the families that take
+    it. Appends a line per problem."""
+    kind, budget = image_kind(cfg), 0
     for flag in BUDGET_FLAGS:
         given = getattr(args, flag, None)
         if cfg is not None and flag == kind.flag:
-            out[flag] = kind.budget(cfg, given, args.max_images or 1, problems)
-            continue
-        out[flag] = 0
-        if given is not None and cfg is not None:
+            budget = kind.budget(cfg, given, args.max_images or 1, problems)
+        elif given is not None and cfg is not None:
             takers = [f.family for f in FAMILIES if KINDS[f.images].flag == flag]
             who = f"the {takers[0]} family takes" if len(takers) == 1 else f"the {', '.join(takers)} families take"
             problems.append(f"--{flag.replace('_', '-')}: the {cfg.family} family's {kind.describe}; only "
                             f"{who} {BUDGET_NOUNS[flag]}")
-    return out["max_patches"], out["max_tiles"]
+    return budget
 
 
-def image_rule(cfg: ModelConfig, max_patches: int = 0, max_tiles: int = 0):
-    """The grid rule of cfg's images at the row budget of its kind's flag (None for fixed-size images)."""
+def budget_given(args, cfg: ModelConfig | None) -> bool:
+    """Whether the user set cfg's kind's budget flag (else it is the default and follows the image slots)."""
     kind = image_kind(cfg)
-    return kind.rule(cfg, {"max_patches": max_patches, "max_tiles": max_tiles}.get(kind.flag, 0))
+    return kind.flag is not None and getattr(args, kind.flag, None) is not None
 
 
-def one_image_budget(cfg: ModelConfig) -> dict:
-    """The budget flag of cfg's kind at one image's default ({} for fixed-size images): one slot per row, as
-    evaluation and generation read an image."""
-    kind = image_kind(cfg)
-    return {kind.flag: kind.budget(cfg, None, 1, [])} if kind.flag else {}
+def image_rule(cfg: ModelConfig, budget: int = 0):
+    """The grid rule of cfg's images at the row budget of its kind (None for fixed-size images)."""
+    return image_kind(cfg).rule(cfg, budget)
+
+
+def one_image_budget(cfg: ModelConfig) -> int:
+    """cfg's kind's budget at one image's default (0 for fixed-size images): one slot per row, as evaluation and
+    generation read an image."""
+    return image_kind(cfg).budget(cfg, None, 1, [])

@@ -86,10 +86,10 @@ class RowShape:
         return self.images.block(grid)
 
 
-def row_shape(cfg, max_images: int, text_len: int, max_patches: int = 0, max_tiles: int = 0) -> RowShape:
-    """The row of cfg's images (mmpipe.data.image_kinds): max_patches / max_tiles, the row budget of a family whose
-    images take one (0: the default for max_images; at most one of them is given)."""
-    return RowShape(max_images, text_len, image_kind(cfg).blocks(cfg, max_images, max_patches or max_tiles))
+def row_shape(cfg, max_images: int, text_len: int, budget: int = 0) -> RowShape:
+    """The row of cfg's images (mmpipe.data.image_kinds): budget, the row's vision budget in its kind's unit
+    (P patches, T crops; 0: the default for max_images)."""
+    return RowShape(max_images, text_len, image_kind(cfg).blocks(cfg, max_images, budget))
 
 
 def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np.ndarray]:

@@ -30,15 +30,15 @@ SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in t
 
 
 class ShapesSamples:
-    """The built-in set as an endless ordered stream: position p is ShapesVQA sample p. A dynamic family
-    (max_patches: its row's P) reads each S x S image's patches, its grid that of S x S; any-resolution tiles
-    (max_tiles: the row's T) its crops."""
+    """The built-in set as an endless ordered stream: position p is ShapesVQA sample p. A family whose images take
+    a row budget (its image kind's unit: a family of patches' P, tiles' T crops) reads each S x S image as its
+    rule makes it: patches or crops, its grid that of S x S."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, split: str = "train", max_patches: int = 0, max_tiles: int = 0):
+    def __init__(self, cfg: ModelConfig, seed: int, split: str = "train", budget: int = 0):
         self.data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, split, seed)
         self.tok = builtin_tokenizer()
         self.encoder = ConversationEncoder(self.tok, SHAPES_TEXT_LEN)
-        self.rule = image_rule(cfg, max_patches, max_tiles)
+        self.rule = image_rule(cfg, budget)
         self.transform = self.rule.patches if self.rule else make_transform(cfg.vision, resize="squash")
         self.grids = np.array([self.rule.grid(cfg.vision.image_size, cfg.vision.image_size)] if self.rule else
                               np.zeros((0, 3)), dtype=np.int64)
@@ -78,9 +78,9 @@ class ImageReader:
 
 
 def image_reader(cfg: ModelConfig, image_root: str, max_pixels: int, *, resize: str = "pad", augment: bool = False,
-                 budgets: tuple[int, int] = (0, 0)) -> ImageReader:
-    """budgets: (max_patches, max_tiles), the row's."""
-    rule = image_rule(cfg, *budgets)
+                 budget: int = 0) -> ImageReader:
+    """budget: the row's vision budget (mmpipe.data.image_kinds)."""
+    rule = image_rule(cfg, budget)
     return ImageReader(image_root, max_pixels, rule,
                        None if rule else make_transform(cfg.vision, resize=resize, augment=augment))
 

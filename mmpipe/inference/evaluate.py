@@ -59,7 +59,7 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
     model.eval()
     budget = one_image_budget(cfg)  # Qwen2-VL, NeXT: each image as its patches (crops) and grid, one image's budget
     dynamic = bool(budget)
-    held_out = ShapesSamples(cfg, seed, "eval", **budget)
+    held_out = ShapesSamples(cfg, seed, "eval", budget)
     data, tok = held_out.data, held_out.tok
     dtype = next(model.parameters()).dtype
     sampling = Sampling(eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens, n_tokens=len(tok))

@@ -187,7 +187,7 @@ def _tokens(cfg: ModelConfig, text_len: int, images: int = 1, patches: PatchRow 
     row (patches): its P patches, and the data's L = M x 2 brackets + P / merge^2 + text_len; an any-resolution
     row (a CropRow): its T crops, and the data's L = the largest sample's image positions + text_len."""
     if isinstance(patches, CropRow):
-        return patches.crops, row_shape(cfg, images, text_len, max_tiles=patches.crops).length
+        return patches.crops, row_shape(cfg, images, text_len, patches.crops).length
     if patches is not None:
         return patches.patches, row_shape(cfg, images, text_len, patches.patches).length
     per_image = decoder_positions(cfg, 0)  # N_dec: spliced image positions or LLaVA's placeholders (0: attended)

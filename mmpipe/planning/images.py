@@ -22,7 +22,7 @@ import re
 from ..config import ConfigError, ModelConfig
 from ..data.anyres import tile_rule
 from ..data.image_kinds import KINDS, image_kind
-from ..data.patches import default_max_patches, patch_rule
+from ..data.patches import patch_rule
 from ..data.records import BadRecord
 from ..model.costs import CropRow, PatchRow
 from ..model.families import FAMILIES
@@ -52,19 +52,19 @@ def parse_image_size(text: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def patch_row(cfg: ModelConfig, images: int = 1, max_patches: int = 0,
+def patch_row(cfg: ModelConfig, images: int = 1, budget: int = 0,
               sizes: list[tuple[int, int]] | None = None) -> PatchRow | CropRow | None:
     """The row's patch budget and its `images` images, of `sizes` (width, height) in turn (default the
     preset's vision.image_size square), each grid as the data makes it (patch_rule(...).grid); None for a
     fixed-resolution family. ConfigError for a size the processor refuses (an aspect over 200:1).
-    Any-resolution tiles: max_patches is the row's T crops (0: train's default), the result a CropRow."""
+    budget: the row's, in its kind's unit (P patches; tiles: T crops, the result a CropRow; 0: train's default)."""
     row = {"tiles": crop_row, "patches": _patch_row}.get(image_kind(cfg).name)  # fixed-size images: no row
-    return None if row is None else row(cfg, images, max_patches, sizes)
+    return None if row is None else row(cfg, images, budget, sizes)
 
 
-def _patch_row(cfg: ModelConfig, images: int, max_patches: int, sizes: list[tuple[int, int]] | None) -> PatchRow:
+def _patch_row(cfg: ModelConfig, images: int, budget: int, sizes: list[tuple[int, int]] | None) -> PatchRow:
     v, images = cfg.vision, max(1, images)
-    p = max_patches or default_max_patches(v, images)
+    p = budget or image_kind(cfg).budget(cfg, None, images, [])
     sizes, rule, grids = sizes or [(v.image_size, v.image_size)], patch_rule(cfg, p), []
     for width, height in (sizes[k % len(sizes)] for k in range(images)):
         try:
@@ -75,13 +75,13 @@ def _patch_row(cfg: ModelConfig, images: int, max_patches: int, sizes: list[tupl
     return PatchRow(p, tuple(grids))
 
 
-def crop_row(cfg: ModelConfig, images: int = 1, max_tiles: int = 0,
+def crop_row(cfg: ModelConfig, images: int = 1, budget: int = 0,
              sizes: list[tuple[int, int]] | None = None) -> CropRow:
-    """The any-resolution row: T crops (max_tiles, 0: train's default for `images`) and its `images` images of
+    """The any-resolution row: T crops (budget, 0: train's default for `images`) and its `images` images of
     `sizes` in turn (default the largest pinpoint), each tiled as the data tiles it (TileRule.sample_grids);
     ConfigError in one line for images the row cannot hold (too_many_tiles) or the tiles cannot take."""
     images = max(1, images)
-    rule = tile_rule(cfg, max_tiles, images)
+    rule = tile_rule(cfg, budget, images)
     if not sizes:  # train's cost table: images of the largest pinpoint T holds, as many as it holds
         crops = {(h, w): 1 + (h // rule.size) * (w // rule.size) for h, w in rule.pinpoints}
         fits = sorted((p for p, n in crops.items() if n <= rule.row_tiles), key=lambda p: -p[0] * p[1])

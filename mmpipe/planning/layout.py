@@ -142,10 +142,10 @@ def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int]
 def predict_layout(cfg: ModelConfig, *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                    checkpointing: bool, text_len: int, device: Device, partition: str = "balanced",
                    freeze: tuple[str, ...] = (), schedule: Schedule | tuple[Schedule, ...] | str = BASELINE,
-                   images: int = 1, max_patches: int = 0) -> Layout:
+                   images: int = 1, budget: int = 0) -> Layout:
     """The planner's prediction for one layout of cfg, as `mmpipe plan` computes it for that layout
-    (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows; max_patches: a
-    dynamic-resolution row's --max-patches, 0 its default)."""
-    rows = layer_costs(cfg, freeze, text_len, checkpointing, images=images, patches=patch_row(cfg, images, max_patches))
+    (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows; budget: the row's vision budget,
+    0 its default)."""
+    rows = layer_costs(cfg, freeze, text_len, checkpointing, images=images, patches=patch_row(cfg, images, budget))
     return plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=gas, precision=precision, zero=zero,
                        device=device, partition=partition, schedule=schedule)

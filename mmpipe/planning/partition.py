@@ -30,12 +30,12 @@ from .images import patch_row
 
 
 def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
-                lora: Lora | None = None, images: int = 1, max_patches: int = 0) -> list[LayerCost]:
+                lora: Lora | None = None, images: int = 1, budget: int = 0) -> list[LayerCost]:
     """The run's layer costs per row: images = --max-images image slots (1: one-sample rows), the decoder
-    on images x N_dec + text_len positions (costmodel.layer_costs). max_patches: a dynamic-resolution
-    family's --max-patches P (0: train's default), its images the preset's image_size, resized to fit; the
-    any-resolution family's --max-tiles T (its images the largest pinpoint, mmpipe.planning.images.crop_row)."""
-    return layer_costs(cfg, freeze, text_len, checkpointing, lora, images, patch_row(cfg, images, max_patches))
+    on images x N_dec + text_len positions (costmodel.layer_costs). budget: the row's vision budget in its image
+    kind's unit (0: train's default): a family of patches' P, its images the preset's image_size, resized to fit;
+    tiles' T crops, its images the largest pinpoint (mmpipe.planning.images.crop_row)."""
+    return layer_costs(cfg, freeze, text_len, checkpointing, lora, images, patch_row(cfg, images, budget))
 
 
 def trainable_units(table: list[LayerCost]) -> list[list[int]]:

@@ -38,8 +38,8 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, fail, load_preset
 from ..data.args import DataArgs
-from ..data.dataset import ROW_FLAGS, dynamic, row_text_len
-from ..data.image_kinds import row_budgets
+from ..data.dataset import ROW_FLAGS, row_text_len
+from ..data.image_kinds import image_kind, row_budget
 from ..flags import add_flags, from_namespace, to_argv
 from ..model.args import ModelArgs
 from ..model.builder import check_lora_rank
@@ -208,12 +208,12 @@ def main_calibrate(args) -> int:
 
 
 def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
-    """--text-len, --max-images, --pack, --max-patches: mmpipe train's check (row_text_len, row_budgets);
+    """--text-len, --max-images, --pack, --max-patches: mmpipe train's check (row_text_len, row_budget);
     --text-len defaults to what the model's context leaves, as it does for `mmpipe train --data` on your own
     data. A dynamic-resolution family's row (--image-size): its PatchRow; None for the others."""
     problems: list[str] = []
     sizes = None if args.image_size is None else parse_image_sizes(args.image_size)
-    if sizes and not dynamic(cfg):
+    if sizes and image_kind(cfg).flag is None:  # fixed-size images: no size to cost
         problems.append(f"--image-size: the {cfg.family} family resizes every image to {cfg.vision.image_size} px "
                         f"square; only {families_words(sized_families())} (images of any size in a row budget) "
                         f"cost an image size")
@@ -224,7 +224,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
         args.max_images = len(sizes)  # a row holds one image of each size
     data = from_namespace(DataArgs, args, only=ROW_FLAGS)
     args.text_len = row_text_len(data, cfg, None, problems)
-    max_patches, max_tiles = row_budgets(data, cfg, problems)
+    budget = row_budget(data, cfg, problems)
     if problems:
         raise ConfigError("\n".join(problems))
     if args.pack and args.max_images is None:  # train derives them from the data (data.dataset.packed_image_slots)
@@ -232,7 +232,7 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
               "them: 'mmpipe: --pack: M image slots per row'); plan has no data and costs M = 1 - give that "
               "--max-images M here")
     args.max_images = args.max_images or 1
-    return patch_row(cfg, args.max_images, max_patches or max_tiles, sizes)  # the row's P, or tiles' T
+    return patch_row(cfg, args.max_images, budget, sizes)  # the row's P, or tiles' T
 
 
 def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora, patches: PatchRow | None = None) -> str:
@@ -276,9 +276,7 @@ def main_plan(args) -> int:
     feasible = [lay for lay in layouts if lay.step]
     length = row_positions(cfg, args.text_len, args.max_images, patches)
     if args.json:  # throughput: rows/s (samples/s unless packed); positions_per_s = rows/s x L, padding included
-        row = ({"max_tiles": patches.crops, "image_tilings": [list(g) for g in patches.tilings]}
-               if isinstance(patches, CropRow) else
-               {"max_patches": patches.patches, "image_grids": [list(g) for g in patches.grids]} if patches else {})
+        row = image_kind(cfg).row_json(patches)  # the row's budget flag and its images' grids or tilings
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput, "decoder_length": length,
                            "positions_per_s": lay.throughput * length, **row} for lay in layouts], indent=1))
     else:
@@ -323,7 +321,7 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
              if device.microbatch_overhead or device.step_overhead else "")
     fixed += f", + {device.split_overhead * 1e3:.2f} ms per zb-h1 W" if device.split_overhead else ""
     image = (f"{cfg.vision.n_tokens} image tokens"
-             f"{f' (ViT on 1 + {cfg.vision.max_crops} crops)' if cfg.vision.max_crops else ''}")
+             f"{f' (ViT on {cfg.vision.crop_slots} crops)' if cfg.vision.crop_slots > 1 else ''}")
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}{fixed}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "

@@ -29,9 +29,8 @@ def decoder_length(run: RunConfig) -> int:
 
 
 def run_shape(run: RunConfig) -> RowShape:
-    """The run's row: --max-images slots, --text-len, and a dynamic family's patch budget (--max-patches) or the
-    any-resolution family's crop budget (--max-tiles)."""
-    return row_shape(run.model, run.max_images, run.text_len, run.data.max_patches, run.data.max_tiles)
+    """The run's row: --max-images slots, --text-len, and its vision budget (a family of patches' P, tiles' T)."""
+    return row_shape(run.model, run.max_images, run.text_len, run.data.vision_budget)
 
 
 class StepCounts:
