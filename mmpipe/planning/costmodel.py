@@ -16,7 +16,9 @@ row holds the data decides, not the cost model.
                     layer behind a trainable one (input gradients only: they must reach the
                     trainable layers before it); 0 for a frozen prefix, e.g. a frozen ViT in front
                     of the first trainable layer, which runs no backward at all. The embeddings
-                    (pixels, token ids in) have no input gradient: 1x if trainable, else 0
+                    (pixels, token ids in) have no input gradient: 1x if trainable, else 0; nor has a
+                    trained DeepStack merger on a frozen tower (a branch: the tower's blocks after it
+                    stay a frozen prefix)
     recompute       + forward again for a checkpointed block (activation checkpointing)
     W FLOPs         the part of the backward ZB-H1 defers (`--schedule zb-h1`, docs/schedules.md):
                     the weight gradients of the layer's trainable nn.Linear modules, g^T x, which
@@ -48,16 +50,22 @@ for mmpipe's own layers (tests compare it with torch's saved-tensor hooks on the
                                                        per-sample gate products (cross_attention
                                                        fusion, whose decoder T is the text alone)
 
-Cross-attention fusion also sends the projected image (N x D per sample) across every stage
-boundary between the text embedding and the last CrossAttnBlock: `carried_elems`, counted in
-`boundary_elems` with the layer's own output.
+A family that carries features beside `hidden` in its stage tuple (mmpipe.model.stage: a float field made
+by one layer, dropped after its last reader) sends each across every stage boundary between its maker and
+that reader: `carried_elems`, counted in `boundary_elems` with the layer's own output (`_carry`, from the
+family's fields, the schema the runtime binds). Each such field is one projected image set of the row, its
+image tokens x D_text: cross-attention fusion's image (M x N x D, from the text embedding to the last
+CrossAttnBlock), Qwen3-VL's DeepStack sets (P / merge^2 x D each, deepstack_k from its merger to the add after
+decoder layer k), e.g. qwen3-vl-8b at P = 16384: 4096 x 4096 per set, 3 of them (x 2 bytes in bf16 = 96 MiB per
+row) at a boundary inside the tower after the last merger or before decoder layer 0's add, 1 after decoder
+layer 1's add, none after decoder layer 2's.
 
 A layer that is frozen and sees no gradient (a frozen prefix) keeps nothing. With activation
 checkpointing, a checkpointed block keeps only its input (T x width) between forward and
 backward, plus, once per stage, one block's full set while it is recomputed (for the one
 micro-batch in its backward, not for every micro-batch in flight).
 
-A dynamic-resolution family (Qwen2-VL, cfg.layout.dynamic) has no fixed image: a row carries P
+A dynamic-resolution family (Qwen2-VL, image kind patches) has no fixed image: a row carries P
 patches (--max-patches) through the tower whatever its M image slots, and the decoder sees the
 data's L = 2 M + P / merge^2 + text_len positions; its vision rules (per_row) see the row's images
 (PatchRow: mmpipe.planning.images), so attention counts each image's own patches and windows.
@@ -78,9 +86,10 @@ from ..config import ModelConfig
 from ..data.packing import row_shape
 from ..data.text import decoder_positions
 from ..model.builder import adapter_param_counts, bound, layer_param_counts, layer_specs, shapes_only
-from ..model.costs import Cost, CropRow, PatchRow
+from ..model.costs import DEEPSTACK_MERGER, Cost, CropRow, PatchRow
 from ..model.families import family_of
 from ..model.lora import Lora
+from ..model.stage import HIDDEN, live_fields
 from .images import patch_row
 from .schedule_registry import BASELINE, Schedule
 
@@ -102,7 +111,7 @@ class LayerCost:
     act_elems: float       # activation elements kept for the backward, per sample, full (no checkpointing)
     act_fp32_elems: float  # of which always fp32 (LN statistics, softmax statistics, loss logits)
     out_elems: float       # the layer's output per sample: what a checkpointed block keeps, what crosses a boundary
-    carried_elems: float = 0.0  # the image riding along in the stage tuple (cross-attention fusion), per sample
+    carried_elems: float = 0.0  # carried feature sets riding along in the stage tuple after it, per sample (_carry)
     embedding: bool = False  # pixels / token ids in: its full backward is 1x forward (weight gradients only)
     adapter_params: int = 0  # LoRA: the adapters' parameters, the layer's only trainable ones (in `params` too)
     w_flops: float = 0.0  # per sample, of bwd_flops: the trainable linears' weight gradients (ZB-H1's W)
@@ -142,7 +151,7 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
     family = family_of(cfg)
     patches = patches or patch_row(cfg, images)
     n, seq = _tokens(cfg, text_len, images, patches)
-    rows, image_users, seen_trainable = [], [], False
+    rows, seen_trainable = [], False
     frozen = set(freeze) | set(lora.groups if lora else ())
     counts = zip(layer_param_counts(cfg), adapter_param_counts(cfg, lora), linear_param_counts(cfg))
     for spec, (params, adapters, linear) in zip(layer_specs(cfg), counts):
@@ -151,11 +160,15 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         c = rule.cost_of(cfg, params, n, seq, patches, spec.module_kwargs)
         if rule.takes in PER_IMAGE_INPUTS and not rule.per_row:
             c = _per_image(c, images)
-        if rule.embedding:  # inputs are pixels / token ids: weight gradients only
+        # a DeepStack merger branches off the tower's hidden state and passes it on unchanged: trained, it puts
+        # its own set on the graph but not the tower's stream, so behind a frozen prefix (--freeze vision) it has
+        # only weight gradients, and the frozen blocks after it stay a prefix that runs no backward
+        branch = rule is DEEPSTACK_MERGER
+        if rule.embedding or (branch and not seen_trainable):  # no input gradient: weight gradients only
             bwd = c.fwd if trainable else 0.0
         else:
             bwd = 2.0 * c.fwd if trainable and not adapters else (c.fwd if seen_trainable or adapters else 0.0)
-        seen_trainable |= trainable
+        seen_trainable |= trainable and not branch
         fwd = c.fwd + 2.0 * adapters * c.tokens  # the adapters' two thin matmuls per adapted linear
         bwd += 4.0 * adapters * c.tokens if adapters else 0.0
         recompute = checkpointing and spec.typename in family.checkpointable and bwd > 0
@@ -163,12 +176,10 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         # linear weights over N tokens: W = 2 (4d^2 + 2df) N of its backward 2 (2 (4d^2 + 2df) N + 4 N^2 d)
         w_params = adapters if adapters else (linear if trainable else 0)
         w = min(2.0 * w_params * c.tokens, bwd)
-        if rule.uses_image:
-            image_users.append(len(rows))
         rows.append(LayerCost(rule.name, group, params + adapters, trainable, c.tokens, fwd, bwd, recompute,
                               float(c.act), float(c.fp32), float(c.out), embedding=rule.embedding,
                               adapter_params=adapters, w_flops=w))
-    return _carry_image(rows, image_users, n * cfg.text.dim)
+    return _carry(cfg, rows, _image_set_elems(cfg, n, images, patches))
 
 
 def linear_param_counts(cfg: ModelConfig) -> list[int]:
@@ -206,14 +217,24 @@ def _per_image(c: Cost, images: int) -> Cost:
     return Cost(c.tokens * images, c.fwd * images, c.act * images, c.fp32 * images, c.out * images)
 
 
-def _carry_image(rows: list[LayerCost], users: list[int], image_elems: float) -> list[LayerCost]:
-    """Cross-attention fusion: the outputs from the first layer that uses the image beside the sequence
-    (the text embedding, which moves it into the stage tuple) up to, not including, the last (the last
-    CrossAttnBlock, which drops it) also carry the projected image [N, D] to the next layer."""
-    if not users:
-        return rows
-    return [dataclasses.replace(r, carried_elems=float(image_elems)) if users[0] <= i < users[-1] else r
-            for i, r in enumerate(rows)]
+def _image_set_elems(cfg: ModelConfig, n: int, images: int, patches: PatchRow | CropRow | None) -> int:
+    """One carried feature set of a row: its image tokens x D_text. A dynamic-resolution row: P / merge^2 merged
+    tokens whatever its images (Qwen3-VL's DeepStack sets, [B, P / 4, D]; qwen3-vl-tiny at P = 128: 32 x 64);
+    else M image slots of n tokens each (cross-attention's image, [B x M, N, D])."""
+    if isinstance(patches, PatchRow):
+        return patches.patches // cfg.vision.merge_size ** 2 * cfg.text.dim
+    return images * n * cfg.text.dim
+
+
+def _carry(cfg: ModelConfig, rows: list[LayerCost], set_elems: int) -> list[LayerCost]:
+    """Each layer's carried_elems: the float fields besides hidden live in the tuple leaving it (the family's schema
+    through mmpipe.model.stage.live_fields, as the runtime binds them), one image set each. E.g. qwen3-vl-tiny's
+    list (DeepStack after tower blocks 0, 1, 3): after DeepstackMerger0 1 set, after DeepstackMerger1 2, from
+    DeepstackMerger2 through decoder layer 0 3, after DeepstackAdd0 2, after DeepstackAdd1 1, from DeepstackAdd2 on
+    none; the cross-attention family's 1 from its text embedding up to its last CrossAttnBlock."""
+    live = live_fields(family_of(cfg).fields(cfg), [s.typename for s in layer_specs(cfg)])
+    carried = [sum(f.floating and f.name != HIDDEN.name for f in out) for out in live[1:]]
+    return [dataclasses.replace(r, carried_elems=float(k * set_elems)) if k else r for r, k in zip(rows, carried)]
 
 
 # ---- memory per stage ---------------------------------------------------------------------------
