@@ -5,6 +5,10 @@ model_states.pt (DeepSpeed's per-layer layout, which is what `mmpipe generate` a
 mmpipe.runtime.checkpoint.load_reference read), and tokenizer/ when the weights come with one (an HF
 directory's, or moondream's from --tokenizer, saved in moondream's prompt format). Export reads any
 run's latest checkpoint, whatever its stage count.
+
+Both stream (mmpipe.hf.stream): import writes one layer at a time in the source's dtype, export reads one layer
+file at a time and writes shards as the tensors come (mmpipe.hf.export); neither holds the model, so a 72B
+checkpoint imports on a node with far less memory than its 144 GB (docs/import_memory.md).
 """
 from __future__ import annotations
 
