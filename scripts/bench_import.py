@@ -80,8 +80,8 @@ def generate(size: str, out: Path, shard_bytes: int, seed: int = 0) -> tuple[int
 def measured(argv: list[str], code: str | None = None) -> tuple[float, float]:
     """(peak RSS in GB, wall seconds) of a command in a child of its own; code: another checkout's mmpipe."""
     env = dict(os.environ, PYTHONPATH=code) if code else None
-    t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", WRAP, *argv], capture_output=True, text=True, env=env)
+    t = time.perf_counter()  # cwd: `python -m` puts it first on sys.path, before PYTHONPATH
+    res = subprocess.run([sys.executable, "-c", WRAP, *argv], capture_output=True, text=True, env=env, cwd=code)
     wall = time.perf_counter() - t
     kib, rc = res.stdout.strip().splitlines()[-1].split()
     if rc != "0":
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     mmpipe = [sys.executable, "-m", "mmpipe.cli"]
     rows = []
     for size in args.sizes.split(","):
-        work = Path(args.work) / size
+        work = Path(args.work).resolve() / size
         shutil.rmtree(work, ignore_errors=True)
         params, nbytes = generate(size, work / "hf", parse_size(args.shard_size))
         gb = nbytes / 1e9
