@@ -22,18 +22,17 @@ class ImageLayout:
     spliced: bool = False          # its N_img tokens are decoder positions right after BOS (moondream)
     placeholders: bool = False     # it overwrites <image> placeholder ids inside input_ids (LLaVA)
     cross_attention: bool = False  # the sequence is text only; cross-attention layers read it beside
-    # each image takes as many decoder positions as its grid gives (h x w / merge^2; Qwen2-VL) instead of
-    # a fixed N, and the stage tuple's `tiling` (each slot's grid) is kept to the head
-    dynamic: bool = False
+    # How many positions each image takes (a fixed N, or as many as its grid gives) is its family's image kind's
+    # to say (mmpipe.data.image_kinds), what its stage tuple carries its stage fields' (Family.fields).
 
 
 # The known model families, by the model JSON's (family, fusion), and where each puts the image
 LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
            ("moondream", "cross_attention"): ImageLayout(cross_attention=True),
            ("llava", "prefix"): ImageLayout(placeholders=True),
-           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True),
-           ("llava_next", "prefix"): ImageLayout(placeholders=True, dynamic=True),
-           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True, dynamic=True)}
+           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True),
+           ("llava_next", "prefix"): ImageLayout(placeholders=True),
+           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True)}
 # Families from outside the package (mmpipe.model.families.register): modules named in this variable (comma
 # separated, importable on every rank: the launcher passes the environment on) and the "mmpipe.families" entry
 # points of installed packages, imported once, the first time a config asks which families exist.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
 from .data.dataset import DataOptions, packed_image_slots, resolve_data
+from .data.image_kinds import image_kind
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.attention import attention_choice
@@ -347,9 +348,9 @@ def _fit_to_tokenizer(model: ModelConfig, data: DataOptions, init_from: str | No
     if init_from:
         problems.attempt(check_init_tokenizer, model, data.tokenizer, run_tok)
         return model
-    # fresh weights: the placeholder is the tokenizer's <image>, added if missing; a dynamic family's is its
+    # fresh weights: LLaVA's placeholder is the tokenizer's <image>, added if missing; a family of grids' is its
     # tokenizer's own (Qwen2-VL's <|image_pad|> at image_token_id, checked by mmpipe.data.text.image_text)
-    if model.layout.placeholders and not model.layout.dynamic:
+    if image_kind(model).image_token:
         model = dataclasses.replace(model, image_token_id=add_image_token(data.tokenizer))
     n_vocab = len(data.tokenizer)
     if model.text.vocab_size >= n_vocab:

@@ -155,7 +155,7 @@ def build_rows(cfg, path: Path, work: Path, flags: tuple, n: int, micro: int, se
     plan = RowPlan(size, shape, pack=True, chunk=n)  # one chunk: the rows hold the n samples, each once
     rows = next(r for r in range(n + 1) if plan.samples_before(r) == n)
     t0 = time.perf_counter()
-    batches = list(rank_batches(RowSet(samples, plan, image_size=0),
+    batches = list(rank_batches(RowSet(samples, plan),
                                 [list(range(r, min(r + micro, rows))) for r in range(0, rows, micro)]))
     load_s = time.perf_counter() - t0
     encs = [samples.tokens(pos)[0] for pos in range(n)]

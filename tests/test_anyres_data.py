@@ -184,7 +184,7 @@ def test_packed_rows_hold_each_samples_placeholders_crops_and_tilings(data, tmp_
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     assert (opts.vision_budget, shape.length) == (T, 2 * 88 + 40)
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
-    rows = RowSet(samples, plan, image_size=CROP)
+    rows = RowSet(samples, plan)
     files = {name: Image.open(data / name).convert("RGB") for name in SIZES}
     seen, r = [], 0
     while len(seen) < len(GOOD):
@@ -216,13 +216,13 @@ def test_later_stage_rows_carry_the_tilings_without_decoding_an_image(data, tmp_
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_tiles=T)
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     plan = RowPlan(sample_size(samples, shape), shape, pack=False)
-    first = [RowSet(samples, plan, image_size=CROP)[r] for r in range(len(GOOD))]
+    first = [RowSet(samples, plan)[r] for r in range(len(GOOD))]
 
     def no_decoding(*a, **k):
         raise AssertionError("a later stage opened an image")
     monkeypatch.setattr(images_module.Image, "open", no_decoding)
     monkeypatch.setattr("mmpipe.data.samples.open_image", no_decoding)
-    later = RowSet(samples, plan, image_size=CROP, need_images=False)
+    later = RowSet(samples, plan, need_images=False)
     for r, want in enumerate(first):
         item = later[r]
         assert "pixels" not in item and item["tiling"] == want["tiling"]
@@ -236,7 +236,7 @@ def test_onevision_rows_give_a_several_image_samples_images_their_base_crop_only
     cfg, opts, samples = load(data, tmp_path, "onevision", max_images=2)
     assert opts.vision_budget == 5  # one tiled image (1 + 4) or two base crops
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
-    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False), image_size=CROP)
+    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False))
     pos = next(p for p in range(len(samples.index)) if samples.row(p) == 1)  # two big images: good here
     item = rows[pos]
     assert item["tiling"] == [(100, 40, 0, 0), (56, 56, 0, 0)]
@@ -282,7 +282,7 @@ def test_reference_model_trains_on_a_packed_micro_batch(data, tmp_path):
     from mmpipe.model.builder import lm_loss
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_tiles=T, pack=True)
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
-    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True), image_size=CROP)
+    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True))
     inputs, labels = next(rank_batches(rows, StepBatches(0, 2, 1, 0, 1)))
     assert [tuple(x.shape) for x in inputs] == [(2, T, 3, CROP, CROP), (2, shape.length), (2, 2), (2, shape.length),
                                                 (2, 2, 4)]

@@ -22,7 +22,7 @@ from conftest import ROOT, train_run, write_ds_config
 from hf_models import IMAGE_TOKEN, n_features, save_hf
 from mmpipe.config import config_from_dict, load_preset
 from mmpipe.data.batches import collate
-from mmpipe.data.crops import make_transform
+from mmpipe.data.crops import blank_image, make_transform
 from mmpipe.data.packing import LossNorm, RowPlan, RowSet, answer_counts, row_shape, sample_rowset, sample_size
 from mmpipe.data.text import Encoded
 from mmpipe.hf.llava import import_llava
@@ -85,7 +85,7 @@ def _packed(samples, cfg, n: int, text_len: int, max_images: int = 4, mode: str 
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=n)
     rows = next(r for r in range(1, n + 1) if sum(len(plan.row(i)) for i in range(r)) == n)
     norm = LossNorm(mode, rows, 1, 1, answer_counts(samples, plan))
-    data = RowSet(samples, plan, image_size=cfg.vision.image_size, max_crops=max_crops, norm=norm)
+    data = RowSet(samples, plan, blank=blank_image(cfg.vision.image_size, max_crops), norm=norm)
     return collate([data[r] for r in range(rows)]), [plan.row(r) for r in range(rows)]
 
 

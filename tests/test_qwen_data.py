@@ -125,7 +125,7 @@ def test_packed_rows_hold_each_samples_tokens_labels_patches_and_grids(data, tmp
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     assert shape.length == 2 * 2 + P // 4 + 40
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
-    rows = RowSet(samples, plan, image_size=cfg.vision.image_size)
+    rows = RowSet(samples, plan)
     ref = {name: processor(cfg, cap)(images=[Image.open(data / name).convert("RGB")], return_tensors="pt")
            for name, cap in (("a.png", 12544), ("b.png", 48 * 196), ("c.png", 48 * 196), ("d.png", 12544))}
     seen, r = [], 0
@@ -163,13 +163,13 @@ def test_later_stage_rows_carry_the_grids_without_decoding_an_image(data, tmp_pa
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_patches=P)
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     plan = RowPlan(sample_size(samples, shape), shape, pack=False)
-    first = [RowSet(samples, plan, image_size=0)[r] for r in range(len(GOOD))]
+    first = [RowSet(samples, plan)[r] for r in range(len(GOOD))]
 
     def no_decoding(*a, **k):
         raise AssertionError("a later stage opened an image")
     monkeypatch.setattr(images_module.Image, "open", no_decoding)
     monkeypatch.setattr("mmpipe.data.samples.open_image", no_decoding)
-    later = RowSet(samples, plan, image_size=0, need_images=False)
+    later = RowSet(samples, plan, need_images=False)
     for r, want in enumerate(first):
         item = later[r]
         assert "pixels" not in item and item["tiling"] == want["tiling"]
@@ -212,7 +212,7 @@ def test_builtin_tokenizer_puts_the_image_block_after_bos():
     samples = prepare(opts, cfg, "unused", seed=0)
     shape = row_shape(cfg, 1, opts.text_len, opts.vision_budget)
     assert opts.vision_budget == 64 and shape.length == 2 + 16 + opts.text_len
-    item = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False), image_size=112)[0]
+    item = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False))[0]
     assert item["input_ids"][1:19].tolist() == [START] + [PAD] * 16 + [END] and item["tiling"] == [(1, 8, 8)]
     assert item["pixels"].shape == (64, 1176) and item["pixels"].abs().sum() > 0
 
@@ -237,7 +237,7 @@ def test_reference_model_trains_on_a_packed_micro_batch(data, tmp_path):
     from mmpipe.model.builder import lm_loss
     cfg, opts, samples = load(data, tmp_path, max_images=2, max_patches=P, pack=True)
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
-    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True), image_size=0)
+    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True))
     inputs, labels = next(rank_batches(rows, StepBatches(0, 2, 1, 0, 1)))
     assert [tuple(x.shape) for x in inputs] == [(2, P, 1176), (2, shape.length), (2, 2), (2, shape.length), (2, 2, 3)]
     model = ReferenceModel(cfg, seed=0)

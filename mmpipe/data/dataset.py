@@ -120,13 +120,10 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
 
 def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[str]) -> str | None:
     """--augment against the family's image rule; the text an image marker becomes (text.image_text)."""
-    if args.augment and cfg is not None and cfg.vision.max_crops:
-        problems.append("--augment: multi-crop images (vision.max_crops) are cut by moondream's fixed rule, which "
-                        "the Projector's stitching assumes; drop --augment or use --max-crops 0")
     kind = image_kind(cfg)
-    if args.augment and not kind.augment:
-        problems.append(f"--augment: the {cfg.family} family's images are resized by its image processor's own rule "
-                        f"({kind.name}: mmpipe.data.image_kinds), which has no augmentation; drop --augment")
+    refusal = kind.augment_refusal(cfg) if args.augment and cfg is not None else None
+    if refusal:
+        problems.append(refusal)
     try:  # the bracketed image text of a family of patches (Qwen2-VL); tiles keep LLaVA's <image>
         return kind.marker_text(tok, cfg) if tok is not None else None
     except ConfigError as e:

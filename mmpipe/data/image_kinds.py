@@ -13,8 +13,10 @@ they call the data side's rules (transformers' image processors, the crop and pl
 
 What a kind answers: its row budget's flag (None: fixed-size images have none) and the budget a run gets, the
 grid rule of its images (None: fixed size), the positions a sample's images take (the text's room in the
-context), a row's image blocks (mmpipe.data.packing.RowShape), what an image marker becomes in the text, and
-whether --augment applies.
+context), a row's image blocks (mmpipe.data.packing.RowShape), what an image marker becomes in the text, why
+--augment does not apply (None: it does), a row's blank image slot, and the generation inputs: one image as the
+model reads it (`one_image`), a batch of them with one slot per prompt (`stack`), and a prompt with its images'
+placeholders (`with_images`).
 """
 from __future__ import annotations
 
@@ -27,10 +29,13 @@ import numpy as np
 from ..config import ModelConfig
 from ..model.families import FAMILIES, family_of
 from ..model.rows import IMAGE_SLOT
+import torch
+
 from .anyres import default_max_tiles, tile_rule
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
+from .crops import blank_image, make_transform, stack_images
 from .patches import default_max_patches, patch_rule, per_image_patches
-from .text import image_text
+from .text import image_text, with_placeholders
 
 BUDGET_FLAGS = ("max_patches", "max_tiles")  # DataArgs' row budgets: the kind takes at most one
 
@@ -39,8 +44,42 @@ BUDGET_FLAGS = ("max_patches", "max_tiles")  # DataArgs' row budgets: the kind t
 class Spliced:
     name = "spliced"
     flag = None
-    augment = True
     describe = "images are a fixed size"
+    # its placeholder is the tokenizer's <image> (LLaVA's), added to the tokenizer of fresh weights and expanded by
+    # transformers' LlavaProcessor in an export; a family of grids has its tokenizer's own (Qwen2-VL's <|image_pad|>)
+    image_token = False
+
+    def placeholder_id(self, cfg: ModelConfig) -> int | None:
+        """The id of the image placeholders its prompts carry (decoding never picks it), None without them."""
+        return None
+
+    def augment_refusal(self, cfg: ModelConfig) -> str | None:
+        """Why --augment cannot apply (None: it can): moondream multi-crop's crops are cut by its fixed rule."""
+        return (None if cfg.vision.crop_slots == 1 else
+                "--augment: multi-crop images (vision.max_crops) are cut by moondream's fixed rule, which the "
+                "Projector's stitching assumes; drop --augment or use --max-crops 0")
+
+    def blank(self, cfg: ModelConfig):
+        """An unused image slot's pixels (zeros no placeholder reads; multi-crop: Crops of zeros, tiled 1 x 1)."""
+        return blank_image(cfg.vision.image_size, cfg.vision.max_crops)
+
+    def one_image(self, cfg: ModelConfig):
+        """PIL image -> the model's pixels for one image: [3, S, S], or moondream multi-crop's Crops."""
+        return make_transform(cfg.vision)
+
+    def input(self, pixels, grid):
+        """What `stack` takes for one image read by a sample source (pixels, and its grid for a kind of grids)."""
+        return pixels
+
+    def stack(self, cfg: ModelConfig, images: list) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+        """one_image's outputs, None for a prompt without an image -> (pixels [B, 3, S, S] (multi-crop
+        [B, 1 + K, 3, S, S]), tiling (multi-crop's [B, 2], else None), each prompt's grids: none)."""
+        blank = self.blank(cfg)
+        return (*stack_images([blank if im is None else im for im in images]), [()] * len(images))
+
+    def with_images(self, ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
+        """A prompt with the image placeholders training puts there: LLaVA's N a block (none for moondream)."""
+        return with_placeholders(ids, cfg, image_at)
 
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
         return 0
@@ -70,6 +109,10 @@ class Spliced:
 @dataclass(frozen=True)
 class Placeholders(Spliced):
     name = "placeholders"
+    image_token = True
+
+    def placeholder_id(self, cfg: ModelConfig) -> int | None:
+        return cfg.image_token_id
 
     def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
         """A block of N placeholders for each of up to M images: e.g. 576 x 2 = 1152 for two CLIP-336 images."""
@@ -79,11 +122,58 @@ class Placeholders(Spliced):
         return FixedBlocks(cfg.vision.n_features, cfg.image_token_id)
 
 
+class Budgeted:
+    """A kind whose images of any size fill a row budget by a grid rule: generation reads one image a prompt at one
+    image's default budget, stacked one slot a row, its grid's block in the prompt."""
+    image_token = False
+
+    def placeholder_id(self, cfg: ModelConfig) -> int | None:
+        return cfg.image_token_id
+
+    def augment_refusal(self, cfg: ModelConfig) -> str | None:
+        return (f"--augment: the {cfg.family} family's images are resized by its image processor's own rule "
+                f"({self.name}: mmpipe.data.image_kinds), which has no augmentation; drop --augment")
+
+    def blank(self, cfg: ModelConfig):
+        return None  # unused slots hold no patches: the row's budget is zero padded
+
+    def one_image(self, cfg: ModelConfig):
+        """PIL image -> (patches [n, patch_dim] or crops [1 + rows x cols, C, S, S], grid), by the rule at one
+        image's default budget (any one image fits); BadRecord for an image the rule refuses."""
+        return self.rule(cfg, self.budget(cfg, None, 1, [])).patches
+
+    def input(self, pixels, grid):
+        return pixels, grid
+
+    def stack(self, cfg: ModelConfig, images: list) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """one_image's (patches, grid) per prompt, None for a text-only one -> (pixels, tiling [B, 1, k], grids):
+        one slot a row, its patches (crops) then zeros up to the batch's largest image (at least one merge unit,
+        one crop), its slot tiling (zeros without an image), as the model reads them: Qwen2-VL's pixels
+        [B, P, patch_dim] and (t, h, w); any-resolution tiles' [B, T, C, S, S] and (orig_h, orig_w, rows, cols)."""
+        blocks = self.blocks(cfg, 1, 0)
+        pixels = torch.zeros(len(images), max([blocks.least] + [len(im[0]) for im in images if im is not None]),
+                             *blocks.unit)
+        tiling = torch.zeros(len(images), 1, blocks.tiling_width, dtype=torch.long)
+        for b, im in enumerate(images):
+            if im is not None:
+                pixels[b, :len(im[0])] = im[0]
+                tiling[b, 0] = torch.tensor([int(g) for g in im[1][:blocks.tiling_width]])
+        return pixels, tiling, [[im[1]] if im is not None else [] for im in images]
+
+    def with_images(self, ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
+        """The block of each image's grid (Qwen2-VL's bracketed one, tiles' n placeholders) before ids[a] (a in
+        image_at; None or empty: after BOS)."""
+        blocks, out = self.blocks(cfg, 1, 0), list(ids)
+        at = [1] * len(grids) if image_at is None or not len(image_at) else [int(a) for a in image_at]
+        for a, grid in sorted(zip(at, grids), reverse=True):  # last first: the earlier positions stay put
+            out[a:a] = blocks.block(grid).tolist()
+        return out
+
+
 @dataclass(frozen=True)
-class Patches:
+class Patches(Budgeted):
     name = "patches"
     flag = "max_patches"
-    augment = False  # the image processor's own resize rule has no augmentation
     describe = "images take a patch budget (--max-patches)"
 
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
@@ -133,10 +223,9 @@ class Patches:
 
 
 @dataclass(frozen=True)
-class Tiles:
+class Tiles(Budgeted):
     name = "tiles"
     flag = "max_tiles"
-    augment = False
     describe = "images take a crop budget (--max-tiles)"
 
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from ..model.builder import IGNORE_INDEX
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
-from .crops import Crops, blank_image
+from .crops import Crops, stack_images
 from .image_kinds import image_kind
 
 CHUNK = 1024  # sample positions packed together: first-fit looks at most this far ahead
@@ -194,10 +194,12 @@ class RowSet(Dataset):
     tiles (TileBlocks, T): pixels [T, C, S, S], each used slot's crops then zero crops, and tiling [M, 4],
     each slot's (orig_h, orig_w, rows, cols), likewise on every stage."""
 
-    def __init__(self, samples, plan: RowPlan, *, image_size: int, max_crops: int = 0, need_images: bool = True,
-                 need_labels: bool = True, norm: LossNorm | None = None, augment_seed: int | None = None):
+    def __init__(self, samples, plan: RowPlan, *, blank=None, need_images: bool = True, need_labels: bool = True,
+                 norm: LossNorm | None = None, augment_seed: int | None = None):
+        """blank: an unused image slot's pixels, the image kind's (mmpipe.data.image_kinds); None for a kind of
+        row budgets, whose unused slots hold no patches."""
         self.samples, self.plan, self.shape = samples, plan, plan.shape
-        self.image_size, self.max_crops, self.norm, self.augment_seed = image_size, max_crops, norm, augment_seed
+        self.blank, self.norm, self.augment_seed = blank, norm, augment_seed
         self.need_images, self.need_labels = need_images, need_labels
 
     def __len__(self):
@@ -231,13 +233,10 @@ class RowSet(Dataset):
             if self.need_images:
                 item["pixels"] = self._patches(images)
         elif self.need_images:
-            px = [self._image(pos, k) for pos, k in images]
-            px += [blank_image(self.image_size, self.max_crops) for _ in range(M - len(images))]
-            if self.max_crops:
-                item["pixels"] = torch.stack([p.pixels for p in px])  # [M, 1 + K, 3, S, S]
-                item["tiling"] = [p.tiling for p in px]  # M x (rows, cols)
-            else:
-                item["pixels"] = torch.stack(px)  # [M, 3, S, S]
+            px = [self._image(pos, k) for pos, k in images] + [self.blank] * (M - len(images))
+            item["pixels"], tiling = stack_images(px)  # [M, 3, S, S]; multi-crop [M, 1 + K, 3, S, S] and its tiling
+            if tiling is not None:
+                item["tiling"] = tiling.tolist()  # M x (rows, cols)
         return item
 
     def _patches(self, images: list[tuple[int, int]]) -> torch.Tensor:
@@ -279,5 +278,5 @@ def sample_rowset(samples, cfg, text_len: int, **kw) -> RowSet:
     """One sample per row with one image slot (no --pack, --max-images 1): the smallest rows, e.g. the
     teacher-forced loss of `mmpipe eval` (mmpipe.inference.scoring). kw: RowSet's."""
     shape = row_shape(cfg, 1, text_len)
-    return RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False), image_size=cfg.vision.image_size,
-                  max_crops=cfg.vision.max_crops, **kw)
+    return RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False),
+                  blank=image_kind(cfg).blank(cfg), **kw)

@@ -1,4 +1,4 @@
-"""Dynamic-resolution images (the Qwen2-VL family, cfg.layout.dynamic): an image -> its patch grid and
+"""Dynamic-resolution images (the Qwen2-VL family, image kind patches): an image -> its patch grid and
 its flattened patches, through transformers' own Qwen2VLImageProcessor (its resize rule smart_resize,
 min / max pixels, its patch order), which this module calls rather than copies.
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from ..config import ModelConfig, VisionConfig
+from ..data.image_kinds import image_kind
 from ..data.tokenizer import IMAGE_TOKEN, builtin_tokenizer, load_tokenizer
 from .llava import hf_config
 
@@ -38,7 +39,7 @@ def image_processor(vision: VisionConfig):
 
 def write_processor(tok, cfg: ModelConfig, out: Path) -> str:
     """The run's tokenizer (and, LLaVA family, a LlavaProcessor around it) into out; says what it wrote."""
-    if (not cfg.layout.placeholders or cfg.layout.dynamic  # Qwen2-VL: its image processor is export's (hf.qwen2_vl)
+    if (not image_kind(cfg).image_token  # Qwen2-VL, NeXT: their image processor is export's (hf.qwen2_vl, llava_next)
             or tok.convert_tokens_to_ids(IMAGE_TOKEN) != cfg.image_token_id):
         tok.save_pretrained(out)  # no <image> placeholder at the model's id: no processor can expand it
         return "tokenizer"

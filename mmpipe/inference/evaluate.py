@@ -10,11 +10,10 @@ from collections import defaultdict
 import torch
 
 from ..config import ModelConfig
-from ..data.crops import stack_images
-from ..data.image_kinds import one_image_budget
+from ..data.image_kinds import image_kind, one_image_budget
 from ..data.samples import SHAPES_TEXT_LEN, ShapesSamples
 from ..data.shapes import QUESTION_TYPES, ShapesVQA
-from .generate import placeholder_of, stack_patches, with_images
+from .generate import placeholder_of, with_images
 from .sampling import Sampling
 
 
@@ -57,9 +56,8 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
              batch_size: int = 250, max_new_tokens: int = 4) -> dict:
     """Accuracy overall and per question type on the held-out 'eval' split (n_samples / 5 per type)."""
     model.eval()
-    budget = one_image_budget(cfg)  # Qwen2-VL, NeXT: each image as its patches (crops) and grid, one image's budget
-    dynamic = bool(budget)
-    held_out = ShapesSamples(cfg, seed, "eval", budget)
+    # Qwen2-VL, NeXT: each image as its patches (crops) and grid, one image's budget
+    held_out, kind = ShapesSamples(cfg, seed, "eval", one_image_budget(cfg)), image_kind(cfg)
     data, tok = held_out.data, held_out.tok
     dtype = next(model.parameters()).dtype
     sampling = Sampling(eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens, n_tokens=len(tok))
@@ -68,11 +66,11 @@ def evaluate(model, cfg: ModelConfig, *, seed: int, n_samples: int = 1000, blank
         samples = [data.sample(i) for i in range(start, min(start + batch_size, n_samples))]
         images = [data.blank() if blank_images else data.render(s) for s in samples]
         inputs = [held_out.transform(im) for im in images]  # multi-crop: Crops; dynamic: (patches, grid)
-        pixels, tiling = stack_patches(cfg, inputs) if dynamic else stack_images(inputs)  # multi-crop: + tiling
+        pixels, tiling, grids = kind.stack(cfg, inputs)  # multi-crop: + tiling; a kind of grids: + each grid
         pixels = pixels.to(dtype)
         # LLaVA, Qwen2-VL: the image's placeholders where training puts them (the shapes set has no marker: after BOS)
         raw = [held_out.encoder.prompt([("user", s.question)], n_images=1) for s in samples]
-        prompts = [with_images(ids, cfg, at, [x[1]] if dynamic else ()) for (ids, at), x in zip(raw, inputs)]
+        prompts = [with_images(ids, cfg, at, g) for (ids, at), g in zip(raw, grids)]
         answers = greedy_generate(model, pixels, prompts, sampling, tok.pad_token_id,
                                   SHAPES_TEXT_LEN + len(prompts[0]) - len(raw[0][0]), tiling)
         for s, a in zip(samples, answers):

@@ -57,11 +57,9 @@ import torch
 from PIL import Image
 
 from ..config import ConfigError, ModelConfig, config_from_dict, fail
-from ..data.crops import blank_image, make_transform, stack_images
 from ..data.image_kinds import image_kind
-from ..data.packing import row_shape
 from ..data.records import BadRecord
-from ..data.text import ConversationEncoder, with_placeholders
+from ..data.text import ConversationEncoder
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
 from ..hf.commands import hf_importer
@@ -82,7 +80,7 @@ def _split(model) -> int:
 
 def placeholder_of(model) -> int | None:
     """The image placeholder id of a model whose prompts carry one (the LLaVA family), else None."""
-    return model.cfg.image_token_id if model.cfg.layout.placeholders else None
+    return image_kind(model.cfg).placeholder_id(model.cfg)
 
 
 @torch.no_grad()
@@ -155,43 +153,11 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], sampling:
     return out
 
 
-def patch_images(cfg: ModelConfig):
-    """A dynamic-resolution family's image reader for one image per prompt, the data side's rule at one image's
-    budget: PIL image -> (patches [t h w, patch_dim], grid (t, h, w)) by Qwen2-VL's PatchRule (mmpipe.data.patches),
-    or (crops [1 + rows x cols, C, S, S], grid (orig_h, orig_w, rows, cols, n)) by any-resolution tiles' TileRule
-    (mmpipe.data.anyres: transformers' image processor; T = one image's default, so any image's tiles fit).
-    Both raise BadRecord for an image the rule refuses (_images makes it one line)."""
-    kind = image_kind(cfg)
-    return kind.rule(cfg, kind.budget(cfg, None, 1, [])).patches
-
-
-def stack_patches(cfg: ModelConfig, images: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """patch_images' (patches, grid) per prompt, None for a text-only one -> (pixels, tiling [B, 1, k]): one slot
-    per row, its patches (crops) then zeros up to the batch's largest image (at least one merge unit, one crop),
-    its slot tiling (RowShape.tiling; zeros without an image), as the model reads them: Qwen2-VL's pixels
-    [B, P, patch_dim] and (t, h, w); any-resolution tiles' [B, T, C, S, S] and (orig_h, orig_w, rows, cols)."""
-    shape = row_shape(cfg, 1, 0)
-    blocks = shape.images
-    pixels = torch.zeros(len(images), max([blocks.least] + [len(im[0]) for im in images if im is not None]),
-                         *blocks.unit)
-    tiling = torch.zeros(len(images), 1, blocks.tiling_width, dtype=torch.long)
-    for b, im in enumerate(images):
-        if im is not None:
-            pixels[b, :len(im[0])], tiling[b, 0] = im[0], torch.tensor(shape.tiling(im[1]))
-    return pixels, tiling
-
-
 def with_images(ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
-    """A prompt with its images' placeholders where training puts them: LLaVA's N (with_placeholders); a
-    dynamic family's block of each image's grid (RowShape.block: Qwen2-VL's bracketed one, any-resolution tiles'
-    n placeholders, the processor's count) before ids[a] (a in image_at; None: after BOS)."""
-    if not cfg.layout.dynamic:
-        return with_placeholders(ids, cfg, image_at)
-    shape, out = row_shape(cfg, 1, 0), list(ids)
-    at = [1] * len(grids) if image_at is None or not len(image_at) else [int(a) for a in image_at]
-    for a, grid in sorted(zip(at, grids), reverse=True):  # last first: the earlier positions stay put
-        out[a:a] = shape.block(grid).tolist()
-    return out
+    """A prompt with its images' placeholders where training puts them (the image kind's with_images): LLaVA's N
+    a block; a kind of grids' block of each image's grid (Qwen2-VL's bracketed one, any-resolution tiles' n
+    placeholders, the processor's count) before ids[a] (a in image_at; None: after BOS)."""
+    return image_kind(cfg).with_images(ids, cfg, image_at, grids)
 
 
 def length_buckets(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -351,21 +317,17 @@ def _images(requests: list, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tenso
     """Every request's image as the model takes it: (pixels, tiling, each prompt's image grids: a dynamic
     family's, else none). An image that cannot be read, or that the family's image rule refuses (e.g. an aspect
     ratio too extreme for its tiles, mmpipe.data.records.BAD_KINDS): ConfigError naming it."""
-    dynamic = cfg.layout.dynamic
-    transform = patch_images(cfg) if dynamic else make_transform(cfg.vision)  # moondream multi-crop: Crops
-    images = []
+    kind = image_kind(cfg)
+    transform, images = kind.one_image(cfg), []  # moondream multi-crop: Crops; a kind of grids: (patches, grid)
     for image, _, where in requests:
         try:
-            images.append(transform(Image.open(image).convert("RGB")) if image else
-                          None if dynamic else blank_image(cfg.vision.image_size, cfg.vision.max_crops))
+            images.append(transform(Image.open(image).convert("RGB")) if image else None)
         except OSError as e:
             raise ConfigError(f"{where}: {image}: {e}") from None
         except BadRecord as e:
             raise ConfigError(f"{where}: {image}: {e.reason}; {e.kind}: give an image the model's image processor "
                               f"takes (crop or pad it)") from None
-    if dynamic:
-        return (*stack_patches(cfg, images), [[im[1]] if im else [] for im in images])
-    return (*stack_images(images), [()] * len(images))
+    return kind.stack(cfg, images)
 
 
 def main_generate(args: argparse.Namespace) -> int:

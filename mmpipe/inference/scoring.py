@@ -42,7 +42,6 @@ from tqdm import tqdm
 from ..config import ConfigError, fail
 from ..data.args import DataArgs
 from ..data.batches import collate
-from ..data.crops import blank_image, stack_images
 from ..data.dataset import prepare_eval, resolve_data
 from ..data.image_kinds import image_kind
 from ..data.packing import RowSet, sample_rowset
@@ -56,7 +55,6 @@ from .generate import (
     length_buckets,
     load_checkpoint,
     resolve_checkpoint,
-    stack_patches,
     with_images,
 )
 from .sampling import Sampling
@@ -228,7 +226,7 @@ def _generate_all(args, model, sampling: Sampling, evalset, text_len: int):
     """Every record's prompt and reference, the generated answers (batches of equal-length prompts, decoded as
     `sampling` says) and the teacher-forced loss sum and answer-token count over the same batches."""
     cfg, eos = model.cfg, sampling.eos_id
-    dtype, size = next(model.parameters()).dtype, cfg.vision.image_size
+    dtype, kind = next(model.parameters()).dtype, image_kind(cfg)
     items = []
     for pos in range(evalset.size):
         enc, n_images = evalset.tokens(pos)
@@ -243,12 +241,9 @@ def _generate_all(args, model, sampling: Sampling, evalset, text_len: int):
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
-            if image_kind(cfg).flag is not None:  # each record's patches (tiles: crops) and grid, one slot per row
-                pixels, tiling = stack_patches(cfg, [(evalset.pixels(items[i].pos), items[i].grid)
-                                                     if items[i].has_image else None for i in batch])
-            else:
-                pixels, tiling = stack_images([evalset.pixels(items[i].pos) if items[i].has_image
-                                               else blank_image(size, cfg.vision.max_crops) for i in batch])
+            # each record's image (a kind of grids: its patches or crops and grid), one slot per row
+            pixels, tiling, _ = kind.stack(cfg, [kind.input(evalset.pixels(items[i].pos), items[i].grid)
+                                                 if items[i].has_image else None for i in batch])
             pixels = pixels.to(dtype)
             new = generate_batch(model, pixels, [items[i].prompt for i in batch], sampling,
                                  has_image=[items[i].sees_image for i in batch], batch_size=len(batch), tiling=tiling)

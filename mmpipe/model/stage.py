@@ -54,7 +54,7 @@ floats first (`pack` order, as the first stage's inputs and each stage's rebuilt
                                   local-crop tiling (rows, cols), from the first input to the Projector, which
                                   stitches the local crops with it; hidden is then
                                   [B x M x (1 + max_crops), N_img, D_vision].
-               long  [B, M, 3]   the Qwen2-VL family (cfg.layout.dynamic): each slot's grid (t, h, w) in patches
+               long  [B, M, 3]   the Qwen2-VL family (image kind patches): each slot's grid (t, h, w) in patches
                                   (0 0 0 unused), KEPT to the head: the tower's masks and rotary and the decoder's
                                   multimodal positions read it, so every stage's loader gives it (from the index's
                                   image sizes, no image decoded); hidden is [B, P, patch_dim] pixel patches, slot

@@ -1,4 +1,4 @@
-"""The vision side of a dynamic-resolution row for the planner (the Qwen2-VL family, cfg.layout.dynamic):
+"""The vision side of a dynamic-resolution row for the planner (the Qwen2-VL family, image kind patches):
 `mmpipe plan --image-size WxH` and `--max-patches P` -> the row's PatchRow (mmpipe.model.costs), through
 the data side's own rule (mmpipe.data.patches: transformers' Qwen2-VL smart_resize, called, not copied).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch.utils.data import Dataset
 
+from ..data.image_kinds import image_kind
 from ..data.packing import LossNorm, RowPlan, RowSet, RowShape, answer_counts, row_shape, sample_size
 from ..run_config import RunConfig
 
@@ -14,11 +15,11 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
     """first: the rank reads images; last: labels (and, when train, loss weights). train=False
     (validation, the bench peers): unpacked rows, labels alone (validation divides its loss sum by
     the set's tokens; the peers take the per-micro-batch mean)."""
-    v, shape = run.model.vision, run_shape(run)
+    shape = run_shape(run)
     plan = RowPlan(sample_size(samples, shape), shape, pack=run.pack and train)
     norm = (LossNorm(run.loss_norm, run.train_batch, run.gas, run.dp, answer_counts(samples, plan))
             if train and last else None)
-    return RowSet(samples, plan, image_size=v.image_size, max_crops=v.max_crops, need_images=first,
+    return RowSet(samples, plan, blank=image_kind(run.model).blank(run.model), need_images=first,
                   need_labels=last, norm=norm, augment_seed=augment_seed)
 
 
