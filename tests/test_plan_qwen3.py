@@ -5,14 +5,16 @@ those the layout's p2p time uses, and `--partition balanced` is free to cut insi
 decoder's first layers. In-process, no launches."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.model import qwen3_vl as q3
 from mmpipe.model.builder import layer_specs
-from mmpipe.planning.costmodel import BYTES, layer_costs
+from mmpipe.planning.costmodel import BYTES, KNOWN_DEVICES, layer_costs
 from mmpipe.planning.images import patch_row
+from mmpipe.planning.layout import plan_layout
 from mmpipe.planning.partition import compute_parts
 
 P, IMAGES, TEXT = 128, 4, 48  # qwen3-vl-tiny's row: --max-patches, --max-images, --text-len
@@ -62,6 +64,13 @@ def test_boundary_elements_are_the_real_stage_tuples_floats():
     last_add = kinds.index(q3.DEEPSTACK_ADDS[2])
     assert all(r.carried_elems == 0 for r in rows[last_add:])  # dropped: no later stage pays for a set
     assert [r.carried_elems // s for r in rows[:last_add]] == [0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 2, 2, 1, 1]
+    # the layout's p2p time is the busiest boundary's bytes there and back: tests/test_qwen3_vl_pipeline.py's PP=4
+    # cuts 5, 11, 13 at 2 rows of fp32, the cut at 11 the busiest: 11776 x 2 x 4 = 94208 bytes, / 450 GB/s, x 2
+    device = KNOWN_DEVICES["h100-80gb"]
+    layout = plan_layout(rows, stages=4, dp=1, micro=2, gas=2, precision="fp32", zero=0, device=device,
+                         partition="5,11,13")
+    assert layout.parts == [0, 5, 11, 13, len(rows)]
+    assert layout.step["p2p_s"] == pytest.approx((L * 64 + 3 * s) * 2 * 4 * 2 / device.link, rel=1e-12)
 
 
 def test_qwen3_vl_32b_boundary_bytes_at_1024x768():
