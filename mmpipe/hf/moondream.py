@@ -195,11 +195,6 @@ def export_moondream(model: ReferenceModel, layout: str = "current",
     return {**out, **region_in_layout(region or {}, layout)}
 
 
-def save_region(region: dict[str, torch.Tensor], run: Path) -> None:
-    from safetensors.torch import save_file
-    save_file(region, str(run / REGION_FILE))
-
-
 def load_region(path: Path, text_dim: int) -> dict[str, torch.Tensor]:
     """The region head from a REGION_FILE, or from a run directory holding one (checked as on import)."""
     from safetensors.torch import load_file

@@ -211,6 +211,9 @@ def write_sharded(out: Path, entries: list[tuple[str, torch.dtype, tuple]], tens
     files = ([out / single] if len(shards) == 1 else
              [out / f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     out.mkdir(parents=True, exist_ok=True)
+    if single == SINGLE:  # an earlier export's weights in the same directory would be read beside these
+        for stale in [out / SINGLE, out / INDEX, *out.glob("model-?????-of-?????.safetensors")]:
+            stale.unlink(missing_ok=True)
     where = {i: k for k, shard in enumerate(shards) for i in shard}
     it, handle, k_open = iter(tensors), None, -1
     try:

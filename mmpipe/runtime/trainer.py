@@ -374,7 +374,9 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progre
 
 def load_run_weights(pipe, ckpt_dir: Path) -> int:
     """--init-from: this stage's layers (and its copy of a tied module) from the latest checkpoint of
-    another run, read per layer file (any stage count wrote them). Weights only: the optimizer and
+    another run, read per layer file (any stage count wrote them): a rank opens only its own layers' files
+    (tests/test_streaming_io.py counts them). A file's dtype need not be the run's: an import keeps its
+    source's (bf16), and load_state_dict's copy casts (bf16 -> fp32 exactly). Weights only: the optimizer and
     schedule start fresh. Returns the layers loaded."""
     d = ckpt_dir / checkpoint.latest_tag(ckpt_dir)
 
