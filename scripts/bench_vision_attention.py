@@ -1,0 +1,192 @@
+"""CPU cost of the vision tower's attention within images and windows (docs/vision_attention.md):
+
+    python scripts/bench_vision_attention.py            # the docs' table: P = 1k .. 8k, ~10 min on 1 thread
+    python scripts/bench_vision_attention.py --quick    # P = 256, 512, 3 blocks of width 256: a smoke run
+    python scripts/bench_vision_attention.py --decoder  # the decoder's packed rows: dense mask vs split
+
+Tower: Qwen2.5-VL-7B's vision blocks (width 1280, 16 heads, SwiGLU 3420, RMSNorm; --blocks of them, windowed
+ones first, the last full: e.g. 3 = two windowed + one full), one row of P patches filled with images of
+32 x 32 = 1024 patches (P / 1024 images, 16 windows of 8 x 8 patches each in a windowed block). For each P, two
+backends in turn, each in a fresh process (so its peak memory is its own):
+
+    split    the default: attention.Split, each image's (window's) own SDPA, equal sizes batched
+    dense    MMPIPE_ATTENTION=dense: one bool [1, 1, P, P] mask per block kind, SDPA over all P^2 pairs
+
+A case = forward + backward of the blocks (loss: sum of squares of the output); its seconds are the least of
+--repeats after one warm-up call (the machine is shared: the least is the one others disturbed least), its
+peak the process's resident-memory high-water mark (VmHWM) over the resident size before the first call.
+Both backends' outputs and input gradients are saved and compared here (max abs difference).
+torch.set_num_threads(--threads, default 1): the machine is shared.
+
+--decoder: one decoder attention call (q, k, v [1, 28, L, 128], Qwen2.5-VL-7B's decoder heads) forward +
+backward on a packed row of 4 to 16 samples of unequal lengths and 1/16 padding: the dense row_mask (the CPU
+path) against attention.sample_split, the block-diagonal split by sample (causal within each), interleaved,
+the order turning each repeat, median of --repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+IMAGE_SIDE = 32  # patches a side: 1024 patches per image, cut into 4 x 4 windows of 8 x 8 patches (--quick: 16)
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def tower(width: int, blocks: int):
+    """(cfg, blocks): qwen2.5-vl-7b's tower (--quick: a narrower one), windowed blocks then one full."""
+    from mmpipe.config import load_preset
+    from mmpipe.model.builder import bound, layer_specs
+    cfg = load_preset("qwen2.5-vl-7b")
+    if width != cfg.vision.dim:
+        cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, dim=width, ff_dim=width * 2,
+                                                                    n_heads=width // 64))
+    specs = layer_specs(cfg)
+    full = [i for i, s in enumerate(specs) if s.module_kwargs.get("full") is True]
+    windowed = [i for i, s in enumerate(specs) if s.module_kwargs.get("full") is False]
+    idx = windowed[:blocks - 1] + full[:1]
+    torch.manual_seed(0)
+    return cfg, [bound(specs[i].build(), cfg, i) for i in idx]
+
+
+def case(P: int, width: int, blocks: int, repeats: int, out: str, side: int) -> dict:
+    """One backend (MMPIPE_ATTENTION as set) at P patches, in this process: P / side^2 images of side x side."""
+    cfg, layers = tower(width, blocks)
+    n = P // side ** 2
+    grids = torch.tensor([[[1, side, side]] * n])
+    ints = (torch.zeros(1, 8, dtype=torch.long), torch.ones(1, n, dtype=torch.long),
+            torch.ones(1, 8, dtype=torch.long), grids)
+    hidden = torch.randn(1, P, cfg.vision.dim, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        for m in layers:
+            m.zero_grad(set_to_none=True)
+        h = hidden.clone().requires_grad_()
+        args = (h, *ints)
+        for m in layers:
+            args = m(args)
+        args[0].pow(2).sum().backward()
+        return args[0].detach(), h.grad
+    before = _rss_kib("VmRSS")
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        y, g = step()
+        times.append(time.perf_counter() - t0)
+        del y, g  # the next call's peak is its own
+    y, g = step()
+    torch.save({"out": y, "grad": g}, out)
+    return {"seconds": min(times[1:]), "peak_mib": (_rss_kib("VmHWM") - before) / 1024}
+
+
+def run_tower(args) -> None:
+    sizes = [256, 512] if args.quick else [1024, 2048, 4096, 8192]
+    width, side = (256, IMAGE_SIDE // 2) if args.quick else (1280, IMAGE_SIDE)
+    rows, tmp = [], tempfile.mkdtemp()
+    for P in sizes:
+        res = {}
+        for backend in ("split", "dense"):
+            path = f"{tmp}/{backend}{P}.pt"
+            env = dict(os.environ, MMPIPE_ATTENTION="dense" if backend == "dense" else "auto",
+                       OMP_NUM_THREADS=str(args.threads))
+            cmd = [sys.executable, __file__, "--case", str(P), "--width", str(width), "--blocks", str(args.blocks),
+                   "--repeats", str(args.repeats), "--threads", str(args.threads), "--out", path, "--side", str(side)]
+            res[backend] = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True,
+                                                     text=True).stdout.splitlines()[-1])
+            print(f"  P={P} {backend}: {res[backend]}", file=sys.stderr, flush=True)
+        a, b = torch.load(f"{tmp}/split{P}.pt"), torch.load(f"{tmp}/dense{P}.pt")
+        diff = max((a[k] - b[k]).abs().max().item() for k in ("out", "grad"))
+        rows.append((P, res["split"], res["dense"], diff))
+    s0, d0 = rows[0][1]["seconds"], rows[0][2]["seconds"]
+    print(f"{args.blocks} blocks of width {width} ({args.blocks - 1} windowed, 1 full), images of "
+          f"{side}x{side} patches, {args.threads} thread(s), least of {args.repeats}")
+    print("| P | split s | split / P0 | dense s | dense / P0 | dense / split | split peak MiB | dense peak MiB "
+          "| max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for P, s, d, diff in rows:
+        print(f"| {P} | {s['seconds']:.2f} | {s['seconds'] / s0:.2f}x | {d['seconds']:.2f} | {d['seconds'] / d0:.2f}x "
+              f"| {d['seconds'] / s['seconds']:.2f}x | {s['peak_mib']:.0f} | {d['peak_mib']:.0f} | {diff:.1e} |")
+
+
+def packed_segments(L: int, samples: int, seed: int = 0) -> torch.Tensor:
+    """[1, L]: `samples` samples of unequal lengths (uniform shares, each at least L / (4 samples)), then 1/16
+    padding (segment 0)."""
+    g = torch.Generator().manual_seed(seed)
+    real = L - L // 16
+    w = torch.rand(samples, generator=g) + 0.25
+    ends = (w.cumsum(0) / w.sum() * real).long()
+    ends[-1] = real
+    seg = torch.searchsorted(ends, torch.arange(L), right=True) + 1
+    return torch.where(torch.arange(L) < real, seg, 0)[None]
+
+
+def run_decoder(args) -> None:
+    from mmpipe.model.attention import attend, row_mask, sample_split
+    H, Dh = 28, 128
+    sizes = [(512, 4)] if args.quick else [(2048, 4), (2048, 8), (4096, 8), (4096, 16)]
+    print(f"decoder attention, q k v [1, {H}, L, {Dh}] fp32, {args.threads} thread(s), median of {args.repeats}")
+    print("| L | samples | dense mask s | split s | split / dense | build: mask s | build: split s | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for L, samples in sizes:
+        seg = packed_segments(L, samples)
+        t0 = time.perf_counter()
+        mask = row_mask(seg)
+        t_mask = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        split = sample_split(seg)  # padding (0) is its own causal segment, as in row_mask
+        t_split = time.perf_counter() - t0
+        g = torch.Generator().manual_seed(L + samples)
+        q, k, v, up = (torch.randn(1, H, L, Dh, generator=g) for _ in range(4))
+        times, outs = {"dense": [], "split": []}, {}
+        for r in range(args.repeats):
+            for name in (("dense", "split") if r % 2 == 0 else ("split", "dense")):
+                qq, kk, vv = (a.clone().requires_grad_() for a in (q, k, v))
+                t0 = time.perf_counter()
+                o = attend(qq, kk, vv, mask if name == "dense" else split)
+                (o * up).sum().backward()
+                times[name].append(time.perf_counter() - t0)
+                outs[name] = (o.detach(), qq.grad)
+        diff = max((a - b).abs().max().item() for a, b in zip(outs["dense"], outs["split"]))
+        d, s = statistics.median(times["dense"]), statistics.median(times["split"])
+        print(f"| {L} | {samples} | {d:.3f} | {s:.3f} | {s / d:.2f}x | {t_mask:.4f} | {t_split:.4f} | {diff:.1e} |",
+              flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--decoder", action="store_true")
+    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--case", type=int, help=argparse.SUPPRESS)  # a child: one backend at this P
+    p.add_argument("--width", type=int, default=1280, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--side", type=int, default=IMAGE_SIDE, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.case:
+        print(json.dumps(case(args.case, args.width, args.blocks, args.repeats, args.out, args.side)))
+    elif args.decoder:
+        run_decoder(args)
+    else:
+        run_tower(args)
+
+
+if __name__ == "__main__":
+    main()
