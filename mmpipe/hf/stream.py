@@ -91,7 +91,7 @@ class RunLayers:
         return out
 
     def load(self, idx: int) -> dict[str, torch.Tensor]:
-        return torch.load(layer_file(self.dir, idx), map_location="cpu", weights_only=True)
+        return torch.load(layer_file(self.dir, idx), map_location="cpu", weights_only=True, mmap=True)
 
 
 class ModelLayers:
