@@ -3,6 +3,7 @@
     python scripts/bench_vision_attention.py            # the docs' table: P = 1k .. 8k, ~10 min on 1 thread
     python scripts/bench_vision_attention.py --quick    # P = 256, 512, 3 blocks of width 256: a smoke run
     python scripts/bench_vision_attention.py --decoder  # the decoder's packed rows: dense mask vs split
+    python scripts/bench_vision_attention.py --planner  # the planner's tower at 72B, P = 16384: split vs dense
 
 Tower: Qwen2.5-VL-7B's vision blocks (width 1280, 16 heads, SwiGLU 3420, RMSNorm; --blocks of them, windowed
 ones first, the last full: e.g. 3 = two windowed + one full), one row of P patches filled with images of
@@ -13,7 +14,8 @@ backends in turn, each in a fresh process (so its peak memory is its own):
     dense    MMPIPE_ATTENTION=dense: one bool [1, 1, P, P] mask per block kind, SDPA over all P^2 pairs
 
 A case = forward + backward of the blocks (loss: sum of squares of the output); its seconds are the least of
---repeats after one warm-up call (the machine is shared: the least is the one others disturbed least), its
+--repeats after one warm-up call, in CPU seconds of the process (time.process_time: on one thread the work
+done, which the shared machine's other load disturbs far less than wall time; the wall seconds beside), its
 peak the process's resident-memory high-water mark (VmHWM) over the resident size before the first call.
 Both backends' outputs and input gradients are saved and compared here (max abs difference).
 torch.set_num_threads(--threads, default 1): the machine is shared.
@@ -21,7 +23,7 @@ torch.set_num_threads(--threads, default 1): the machine is shared.
 --decoder: one decoder attention call (q, k, v [1, 28, L, 128], Qwen2.5-VL-7B's decoder heads) forward +
 backward on a packed row of 4 to 16 samples of unequal lengths and 1/16 padding: the dense row_mask (the CPU
 path) against attention.sample_split, the block-diagonal split by sample (causal within each), interleaved,
-the order turning each repeat, median of --repeats.
+the order turning each repeat, median CPU seconds (time.process_time) of --repeats.
 """
 from __future__ import annotations
 
@@ -83,15 +85,16 @@ def case(P: int, width: int, blocks: int, repeats: int, out: str, side: int) -> 
         args[0].pow(2).sum().backward()
         return args[0].detach(), h.grad
     before = _rss_kib("VmRSS")
-    times = []
+    times, walls = [], []
     for _ in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0, w0 = time.process_time(), time.perf_counter()
         y, g = step()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
+        walls.append(time.perf_counter() - w0)
         del y, g  # the next call's peak is its own
     y, g = step()
     torch.save({"out": y, "grad": g}, out)
-    return {"seconds": min(times[1:]), "peak_mib": (_rss_kib("VmHWM") - before) / 1024}
+    return {"seconds": min(times[1:]), "wall": min(walls[1:]), "peak_mib": (_rss_kib("VmHWM") - before) / 1024}
 
 
 def run_tower(args) -> None:
@@ -115,12 +118,13 @@ def run_tower(args) -> None:
     s0, d0 = rows[0][1]["seconds"], rows[0][2]["seconds"]
     print(f"{args.blocks} blocks of width {width} ({args.blocks - 1} windowed, 1 full), images of "
           f"{side}x{side} patches, {args.threads} thread(s), least of {args.repeats}")
-    print("| P | split s | split / P0 | dense s | dense / P0 | dense / split | split peak MiB | dense peak MiB "
-          "| max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| P | split CPU s | split / P=first | dense CPU s | dense / P=first | dense / split | split wall s "
+          "| dense wall s | split peak MiB | dense peak MiB | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for P, s, d, diff in rows:
         print(f"| {P} | {s['seconds']:.2f} | {s['seconds'] / s0:.2f}x | {d['seconds']:.2f} | {d['seconds'] / d0:.2f}x "
-              f"| {d['seconds'] / s['seconds']:.2f}x | {s['peak_mib']:.0f} | {d['peak_mib']:.0f} | {diff:.1e} |")
+              f"| {d['seconds'] / s['seconds']:.2f}x | {s['wall']:.2f} | {d['wall']:.2f} | {s['peak_mib']:.0f} "
+              f"| {d['peak_mib']:.0f} | {diff:.1e} |")
 
 
 def packed_segments(L: int, samples: int, seed: int = 0) -> torch.Tensor:
@@ -139,7 +143,7 @@ def run_decoder(args) -> None:
     from mmpipe.model.attention import attend, row_mask, sample_split
     H, Dh = 28, 128
     sizes = [(512, 4)] if args.quick else [(2048, 4), (2048, 8), (4096, 8), (4096, 16)]
-    print(f"decoder attention, q k v [1, {H}, L, {Dh}] fp32, {args.threads} thread(s), median of {args.repeats}")
+    print(f"decoder attention, q k v [1, {H}, L, {Dh}] fp32, {args.threads} thread(s), median CPU s of {args.repeats}")
     print("| L | samples | dense mask s | split s | split / dense | build: mask s | build: split s | max abs diff |")
     print("|---|---|---|---|---|---|---|---|")
     for L, samples in sizes:
@@ -156,10 +160,10 @@ def run_decoder(args) -> None:
         for r in range(args.repeats):
             for name in (("dense", "split") if r % 2 == 0 else ("split", "dense")):
                 qq, kk, vv = (a.clone().requires_grad_() for a in (q, k, v))
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 o = attend(qq, kk, vv, mask if name == "dense" else split)
                 (o * up).sum().backward()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(time.process_time() - t0)
                 outs[name] = (o.detach(), qq.grad)
         diff = max((a - b).abs().max().item() for a, b in zip(outs["dense"], outs["split"]))
         d, s = statistics.median(times["dense"]), statistics.median(times["split"])
@@ -167,10 +171,50 @@ def run_decoder(args) -> None:
               flush=True)
 
 
+def run_planner(args) -> None:
+    """The planner's tower of qwen2.5-vl-72b on one h100-80gb (989 TFLOP/s at 45%), bf16, one row of P = 16384
+    patches holding 4 images of 1024x768 px (54 x 74 patches each): per block kind, the forward / backward ms
+    per row and the activation GiB it keeps (no checkpointing), as the cost model counts the split (attention
+    pairs per image and window, no mask) beside what the dense reference runs (all P^2 pairs, and keeps the
+    P x P mask and the padding patches' q, k, v, out: + P^2 + (4 d + h) x padding values)."""
+    from mmpipe.config import load_preset
+    from mmpipe.model.costs import attention_pairs
+    from mmpipe.planning.costmodel import KNOWN_DEVICES, layer_costs
+    from mmpipe.planning.images import patch_row
+    cfg, dev = load_preset("qwen2.5-vl-72b"), KNOWN_DEVICES["h100-80gb"]
+    v, rate = cfg.vision, dev.peak_flops * dev.efficiency
+    row = patch_row(cfg, 4, 16384, [(1024, 768)])
+    P, pad = row.patches, row.patches - row.used
+    rows = [r for r in layer_costs(cfg, (), 1024, images=4, patches=row) if r.group == "vision"][1:]  # the blocks
+    kinds = {"windowed": rows[0], "full": rows[7]}  # Qwen2.5: block 7 is full
+    print(f"qwen2.5-vl-72b tower, P = {P} ({row.used} used by {len(row.grids)} images of "
+          f"{row.grids[0][1]} x {row.grids[0][2]} patches), h100-80gb at 45%, bf16, per row")
+    print("| block | pairs: split | pairs: dense | fwd ms: split | fwd ms: dense | bwd ms: split | bwd ms: dense "
+          "| act GiB: split | act GiB: dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    tower = {"split": [0.0, 0.0], "dense": [0.0, 0.0]}
+    for name, r in kinds.items():
+        pairs = attention_pairs(v, row, name == "full")
+        extra = 4.0 * v.dim * (P * P - pairs)  # forward FLOPs the dense path adds; the backward twice that
+        f, b = r.fwd_flops / rate * 1e3, r.bwd_flops / rate * 1e3
+        fd, bd = (r.fwd_flops + extra) / rate * 1e3, (r.bwd_flops + 2 * extra) / rate * 1e3
+        act = r.act_bytes("bf16") / 2 ** 30
+        act_dense = act + (P * P + (4 * v.dim + v.n_heads) * pad) * 2 / 2 ** 30
+        count = sum(1 for x in rows if x.fwd_flops == r.fwd_flops)
+        for k, (a, c) in (("split", (f, b)), ("dense", (fd, bd))):
+            tower[k][0] += a * count
+            tower[k][1] += c * count
+        print(f"| {name} (x{count}) | {pairs:,} | {P * P:,} | {f:.2f} | {fd:.2f} | {b:.2f} | {bd:.2f} | {act:.2f} "
+              f"| {act_dense:.2f} |")
+    for k, (f, b) in tower.items():
+        print(f"tower ({len(rows)} blocks), {k}: forward {f:.1f} ms, backward {b:.1f} ms per row")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--decoder", action="store_true")
+    p.add_argument("--planner", action="store_true")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
@@ -182,6 +226,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.case:
         print(json.dumps(case(args.case, args.width, args.blocks, args.repeats, args.out, args.side)))
+    elif args.planner:
+        run_planner(args)
     elif args.decoder:
         run_decoder(args)
     else:
