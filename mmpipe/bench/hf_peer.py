@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     a = peer_args(argv)
     torch.set_num_threads(1)
     from transformers import LlavaForConditionalGeneration
-    run = resolved(a.preset, 1, a.micro, a.gas, 1, a.steps, a.data_workers, a.data, a.text_len)
+    run = resolved(a, 1, 1)
     hf = hf_model_config(run.model)
     torch.manual_seed(a.seed)
     model = LlavaForConditionalGeneration(hf).train()

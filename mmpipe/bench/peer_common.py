@@ -29,13 +29,13 @@ def peer_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolved(preset: str, stages: int, micro: int, gas: int, world: int, steps: int, data_workers: int = 2,
-             data: str = "shapes", text_len: int | None = None):
-    """mmpipe's RunConfig for these shapes (stage boundaries, text length, data, optimizer recipe;
-    the LR schedule spans `steps`, as a variant's `--steps` makes it); never packed."""
-    cfg = ds_config(Variant(name="peer", preset=preset, stages=stages, micro=micro, gas=gas))
-    args = TrainArgs(preset=preset, stages=stages, steps=steps, data_workers=data_workers, data=data,
-                     text_len=text_len)
+def resolved(a, stages: int, world: int):
+    """mmpipe's RunConfig for a peer's flags `a` (preset, micro, gas, steps, data_workers, data, text_len) in
+    `stages` stages of `world` ranks (stage boundaries, text length, data, optimizer recipe; the LR schedule spans
+    a.steps, as a variant's `--steps` makes it); never packed."""
+    cfg = ds_config(Variant(name="peer", preset=a.preset, stages=stages, micro=a.micro, gas=a.gas))
+    args = TrainArgs(preset=a.preset, stages=stages, steps=a.steps, data_workers=a.data_workers, data=a.data,
+                     text_len=a.text_len)
     return resolve(args, world_size=world, ds_config=cfg)
 
 

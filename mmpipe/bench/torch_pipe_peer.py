@@ -134,7 +134,7 @@ def main(argv=None) -> int:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = resolved(a.preset, world, a.micro, a.gas, world, a.steps, a.data_workers, a.data, a.text_len)
+    run = resolved(a, world, world)
     samples = peer_samples(run, a.seed, a.out)
     if schedule_name == "zbv":
         schedule, stage_mods, ints = zbv_schedule(run, a.seed, rank, world, samples)

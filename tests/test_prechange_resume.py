@@ -1,0 +1,38 @@
+"""A checkpoint saved before the family object (issue 40: named stage fields, image kinds, schedules as records)
+resumes with today's code and goes on bit for bit as the old code did: one run of each family, PP=2, from
+tests/fixtures/prechange/ (made by tests/fixtures/make_prechange_checkpoints.py from commit bc9da67). The step
+after the checkpoint must give the old code's loss (its logged digits) and its weights (a digest of every tensor
+of every layer file). One launch each (~20 s of start-up); the cross-attention family's carried vision and the
+dynamic families' tilings are the stage fields the change renamed."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import train_run
+
+FIXTURES = Path(__file__).parent / "fixtures"
+_spec = importlib.util.spec_from_file_location("make_prechange", FIXTURES / "make_prechange_checkpoints.py")
+make = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make)
+EXPECTED = json.loads((make.HERE / "expected.json").read_text())
+
+
+@pytest.mark.parametrize("preset", make.PRESETS)
+def test_a_prechange_checkpoint_resumes_bit_for_bit(tmp_path, preset):
+    out = tmp_path / "run"
+    with tarfile.open(make.HERE / f"{preset}.tar.gz") as tar:
+        tar.extractall(out, filter="data")
+    cfg = make.ds_config(Path(__file__).resolve().parents[1], tmp_path / "ds.json")
+    run = train_run(out, *make.train_args(preset, cfg, out)[:-2], "--resume").check()
+    assert run.summary["start_step"] == make.KEPT
+    with open(out / "train_log.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    want = EXPECTED["runs"][preset]
+    assert (int(last["step"]), last["loss"]) == (make.STEPS, want["loss"])
+    assert make.digest(out / "checkpoints" / f"step{make.STEPS}") == want["weights"]
