@@ -196,13 +196,13 @@ def test_qwen_image_the_processor_refuses_is_one_line(tmp_path, capsys):
     """A Qwen2-VL-family checkpoint given a 2000x5 image (an aspect over the processor's 200:1): one line naming
     the image and the kind training and eval count it as (bad_aspect, the data side's own check), exit 2, not
     transformers' ValueError."""
-    from mmpipe.data.patches import default_max_patches, patch_rule
+    from mmpipe.data.patches import default_patch_budget, patch_rule
     from mmpipe.data.records import BadRecord
     cfg = load_preset("qwen-tiny")
     write_checkpoint(ReferenceModel(cfg, seed=0), tmp_path / "run")
     Image.new("RGB", (2000, 5), (200, 30, 30)).save(tmp_path / "thin.png")
     with pytest.raises(BadRecord) as data_side:
-        patch_rule(cfg, default_max_patches(cfg.vision, 1)).grid(2000, 5)
+        patch_rule(cfg, default_patch_budget(cfg.vision, 1)).grid(2000, 5)
     assert data_side.value.kind == "bad_aspect"
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--image", str(tmp_path / "thin.png"),

@@ -51,7 +51,7 @@ class TileRule:
         return self.size // self.patch
 
     @property
-    def max_tiles(self) -> int:  # the largest pinpoint's tiles, e.g. 2 x 2 = 4 (llava-v1.6), 6 x 6 (OneVision)
+    def most_tiles(self) -> int:  # the largest pinpoint's tiles, e.g. 2 x 2 = 4 (llava-v1.6), 6 x 6 (OneVision)
         return max((h // self.size) * (w // self.size) for h, w in self.pinpoints)
 
     def base_only(self, n_images: int) -> bool:
@@ -133,7 +133,7 @@ class TileRule:
     def row_budget(self, max_images: int) -> tuple[int, int]:
         """(crops, image positions) of the largest sample of max_images images (module docstring): T's default
         and the row's image positions."""
-        m, tiles, most = max(1, max_images), 1 + self.max_tiles, self.image_positions()
+        m, tiles, most = max(1, max_images), 1 + self.most_tiles, self.image_positions()
         if self.anyres_max:
             return max(tiles, m), max(most, m * self.count(self.size, self.size, 2))
         return m * tiles, m * most
@@ -172,14 +172,14 @@ def _counter(rule: TileRule):
                               vision_feature_select_strategy=rule.select, num_additional_image_tokens=rule.extra)
 
 
-def tile_rule(cfg, max_tiles: int = 0, max_images: int = 1) -> TileRule:
-    """The run's rule; max_tiles 0: T's default for max_images images (TileRule.row_budget)."""
+def tile_rule(cfg, budget: int = 0, max_images: int = 1) -> TileRule:
+    """The run's rule at the row's T crops (budget; 0: T's default for max_images images, TileRule.row_budget)."""
     v = cfg.vision
     rule = TileRule(v.image_size, v.patch_size, v.channels, tuple(tuple(p) for p in v.grid_pinpoints), v.anyres_max,
-                    v.feature_select, int(v.kind == "clip"), max_tiles or 1, tuple(v.mean), tuple(v.std))
-    return rule if max_tiles else dataclasses.replace(rule, row_tiles=rule.row_budget(max_images)[0])
+                    v.feature_select, int(v.kind == "clip"), budget or 1, tuple(v.mean), tuple(v.std))
+    return rule if budget else dataclasses.replace(rule, row_tiles=rule.row_budget(max_images)[0])
 
 
-def default_max_tiles(cfg, max_images: int) -> int:
+def default_tile_budget(cfg, max_images: int) -> int:
     """--max-tiles when not given: room for any one sample of max_images images (module docstring)."""
     return tile_rule(cfg, 0, max_images).row_tiles

@@ -31,10 +31,10 @@ from ..model.families import FAMILIES, family_of
 from ..model.rows import IMAGE_SLOT
 import torch
 
-from .anyres import default_max_tiles, tile_rule
+from .anyres import default_tile_budget, tile_rule
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
 from .crops import blank_image, make_transform, stack_images
-from .patches import default_max_patches, patch_rule, per_image_patches
+from .patches import default_patch_budget, patch_rule, per_image_patches
 from .text import image_text, with_placeholders
 
 BUDGET_FLAGS = ("max_patches", "max_tiles")  # DataArgs' row budgets: the kind takes at most one
@@ -179,7 +179,7 @@ class Patches(Budgeted):
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
         """P: --max-patches, else room for M images at vision.max_pixels; a line per problem."""
         v, unit = cfg.vision, cfg.vision.merge_size ** 2
-        p = given if given is not None else default_max_patches(v, max_images)
+        p = given if given is not None else default_patch_budget(v, max_images)
         least = patch_rule(cfg, p).min_pixels // v.patch_size ** 2
         if given is not None and (given < least or given % unit):
             problems.append(f"--max-patches: {given} must be a multiple of merge_size^2 = {unit} and at least {least} "
@@ -207,7 +207,7 @@ class Patches(Budgeted):
     def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
         v = cfg.vision
         patch_dim = v.channels * v.temporal_patch_size * v.patch_size ** 2  # floats per patch, C x T x p x p
-        return PatchBlocks(budget or default_max_patches(v, max_images), v.merge_size, cfg.image_token_id,
+        return PatchBlocks(budget or default_patch_budget(v, max_images), v.merge_size, cfg.image_token_id,
                            cfg.vision_start_id, cfg.vision_end_id, patch_dim)
 
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
@@ -233,11 +233,11 @@ class Tiles(Budgeted):
         if given is not None and given < 1:
             problems.append(f"--max-tiles: {given} must be >= 1 (crops per row: each image's base crop and its tiles)")
             return 1
-        return given if given is not None else default_max_tiles(cfg, max_images)
+        return given if given is not None else default_tile_budget(cfg, max_images)
 
     def follow(self, cfg: ModelConfig, slots: int, sizes: list) -> int:
         """T for M = slots images: room for any one sample of them."""
-        return default_max_tiles(cfg, slots)
+        return default_tile_budget(cfg, slots)
 
     def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
         return tile_rule(cfg, budget, max_images)

@@ -106,15 +106,15 @@ def per_image_patches(vision) -> int:
     return vision.max_pixels // (vision.patch_size ** 2) // unit * unit
 
 
-def default_max_patches(vision, max_images: int) -> int:
+def default_patch_budget(vision, max_images: int) -> int:
     """--max-patches when not given: room for max_images images at the largest size (module docstring)."""
     return max(1, max_images) * per_image_patches(vision)
 
 
-def patch_rule(cfg, max_patches: int) -> PatchRule:
+def patch_rule(cfg, budget: int) -> PatchRule:
     """The run's rule. The lower bound is at least one merge unit (min_pixels 0 would let smart_resize
     round a small image's side to 0)."""
     v = cfg.vision
     factor = v.patch_size * v.merge_size
     return PatchRule(v.patch_size, v.merge_size, v.temporal_patch_size, v.channels, max(v.min_pixels, factor * factor),
-                     v.max_pixels, max_patches, tuple(v.mean), tuple(v.std))
+                     v.max_pixels, budget, tuple(v.mean), tuple(v.std))

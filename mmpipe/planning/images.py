@@ -8,7 +8,7 @@ multiples of patch x merge px (28) between vision.min_pixels and vision.max_pixe
 would not fit the row's P patches, further down to P / M each. E.g. qwen2.5-vl-72b, 1024x768, M = 4,
 P = 16384: 1036 x 756 px, a 54 x 74-patch grid, 3996 patches and 999 decoder positions each; 15984 of the
 16384 patches used. Without --image-size the image is vision.image_size square (the presets: the largest
-the processor makes), without --max-patches P is train's default (mmpipe.data.patches.default_max_patches).
+the processor makes), without --max-patches P is train's default (mmpipe.data.patches.default_patch_budget).
 
 The any-resolution family (LLaVA-NeXT / OneVision, vision.grid_pinpoints) -> the row's CropRow: its crop budget T
 (--max-tiles, default train's: mmpipe.data.anyres) and each image's tiling as transformers' processor picks it
