@@ -31,7 +31,7 @@ from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock, VisionEmbed
 from .export import hf_meta_state, hf_model_class, write_hf
 from .safetensors_io import Joined, Renamed, as_weights, open_weights
-from .stream import Imported, meta_model
+from .stream import Imported, fill, meta_model
 from .tokens import add_image_token
 
 HF_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
@@ -233,10 +233,7 @@ def import_weights(model: ReferenceModel, source, hf, where: str, fresh: tuple[s
     model's dtype)."""
     source = as_weights(source)
     assign, report = plan_weights(model.cfg, source, hf, where, fresh)
-    state = model.state_dict()
-    for mine, src in assign.items():
-        state[mine] = source[src].to(state[mine].dtype)
-    model.load_state_dict(state)
+    fill(model, source, assign)
     return report
 
 

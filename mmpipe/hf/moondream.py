@@ -29,7 +29,7 @@ from ..config import REGION_FILE, ConfigError, ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.layers import DecoderBlock, LMHead, PatchEmbed, Projector, TextEmbed, VisionBlock, VisionNorm
 from .safetensors_io import as_weights, open_file
-from .stream import Imported, meta_model
+from .stream import Imported, fill, meta_model
 
 LAYOUTS = ("current", "legacy")
 REGION_PREFIXES = {"current": "model.region.", "legacy": "region_model."}
@@ -179,10 +179,7 @@ def import_moondream(model: ReferenceModel, source, where: str = "moondream") ->
     their own dtype; {} when the source has none), which no layer holds."""
     source = as_weights(source)
     assign, region = plan_moondream(model.cfg, source, where)
-    state = model.state_dict()
-    for mine, name in assign.items():
-        state[mine] = source[name].to(state[mine].dtype)
-    model.load_state_dict(state)
+    fill(model, source, assign)
     return region
 
 

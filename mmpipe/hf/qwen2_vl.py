@@ -41,7 +41,7 @@ from .llava import (
     token_ids,
 )
 from .safetensors_io import as_weights, open_weights
-from .stream import Imported, meta_model
+from .stream import Imported, fill, meta_model
 
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 LEGACY = [(r"^visual\.", "model.visual."), (r"^model\.(?!visual\.|language_model\.)", "model.language_model.")]
@@ -182,16 +182,9 @@ def canonical(name: str) -> str:
 
 def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
     """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
-    return fill(model, source, *plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen2_vl"],
-                                           canonical))
-
-
-def fill(model: ReferenceModel, source, assign: dict[str, str], report: ImportReport) -> ImportReport:
-    """Copy the assigned source tensors into the model, each cast to the model's dtype."""
-    state = model.state_dict()
-    for mine, src in assign.items():
-        state[mine] = source[src].to(state[mine].dtype)
-    model.load_state_dict(state)
+    source = as_weights(source)
+    assign, report = plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen2_vl"], canonical)
+    fill(model, source, assign)
     return report
 
 

@@ -36,9 +36,9 @@ from ..model.qwen3_vl import (
 )
 from .export import write_hf
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
-from .qwen2_vl import _bounds, fill, image_processor, pixel_defaults_taken, plan_named
-from .safetensors_io import open_weights
-from .stream import Imported, meta_model
+from .qwen2_vl import _bounds, image_processor, pixel_defaults_taken, plan_named
+from .safetensors_io import as_weights, open_weights
+from .stream import Imported, fill, meta_model
 
 HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
 DEFAULT_PIXELS = (65536, 16777216)  # Qwen3-VL's preprocessor_config: size shortest_edge / longest_edge
@@ -147,7 +147,10 @@ def hf_config(cfg: ModelConfig, tok=None):
 
 def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
     """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
-    return fill(model, source, *plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen3_vl"]))
+    source = as_weights(source)
+    assign, report = plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen3_vl"])
+    fill(model, source, assign)
+    return report
 
 
 def hf_qwen3_config(path: str | Path):

@@ -54,8 +54,7 @@ class Imported:
     def model(self, dtype=torch.float32) -> ReferenceModel:
         """A single-device model with the weights, in dtype (every tensor cast as it is copied in)."""
         model = ReferenceModel(self.cfg).to(dtype)
-        for idx, subs in self.by_layer().items():
-            model[idx].load_state_dict({sub: self.source[src] for sub, src in subs.items()})
+        fill(model, self.source, self.assign)
         return model
 
     def save(self, out: Path, tag: str = "imported") -> Path:
@@ -69,6 +68,15 @@ class Imported:
             del state  # the next layer's tensors are read only now
         (out / "checkpoints" / "latest").write_text(tag)
         return out
+
+
+def fill(model: ReferenceModel, source, assign: dict[str, str]) -> None:
+    """Copy each assigned source tensor (mmpipe name -> source name) into the model, cast to its dtype, one
+    tensor read at a time."""
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for mine, src in assign.items():
+            params[mine].copy_(source[src])
 
 
 class RunLayers:
