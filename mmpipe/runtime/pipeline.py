@@ -70,6 +70,10 @@ class VLMPipeline(PipelineModule):
         out = super().forward(x)
         if self.stage_id < self.num_stages - 1:  # the floats of the last layer's fields (packed first)
             out = out[:sum(f.floating for f in self.forward_funcs[-1].__dict__["stage_out"])]
+            if torch.is_grad_enabled():  # a cut inside a frozen tower after a trained DeepStack merger: the
+                # tower's hidden carries no graph, yet DeepSpeed's backward takes every float this stage sent
+                # (with the next stage's gradient for it); a leaf of it takes that gradient and goes nowhere
+                out = tuple(t if t.requires_grad else t.detach().requires_grad_() for t in out)
         return out
 
     def _synchronize_tied_weights(self):
