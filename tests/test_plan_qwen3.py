@@ -115,3 +115,23 @@ def test_balanced_cuts_inside_the_tower_and_between_the_first_decoder_layers():
     blocks = [i for i, k in enumerate(kinds) if k is q3.Qwen3Block]
     assert any(0 < b < kinds.index(q3.DEEPSTACK_MERGERS[2]) for b in parts), parts
     assert any(blocks[0] < b <= blocks[2] for b in parts), parts
+
+
+def test_plan_prints_the_fixed_first_stage_beside_its_own_split(capsys):
+    """`mmpipe plan` on Qwen3-VL prints, beside its best layout, the same layout with stage 0 fixed where other
+    trainers must cut (the tower and decoder layers 0..2 with DeepStack's last add: layers 0..38 of qwen3-vl-32b),
+    the other stages balanced: the step and stage 0 the same model predicts for that split; no such line for a
+    family without the rule (Qwen2.5-VL)."""
+    from mmpipe.cli import main
+    from mmpipe.model.families import family_of
+    cfg = load_preset("qwen3-vl-32b")
+    kinds = [s.typename for s in layer_specs(cfg)]
+    first = family_of(cfg).fixed_first_stage(layer_specs(cfg))
+    assert kinds[first - 1] is q3.DEEPSTACK_ADDS[2] and kinds[:first].count(q3.Qwen3Block) == 3  # 3 sets
+    argv = ["plan", "--device", "h100-80gb", "--gpus-per-node", "8", "--nodes", "2", "--image-size", "1024x768",
+            "--max-patches", "3072", "--text-len", "1024"]
+    assert main([*argv, "--preset", "qwen3-vl-32b"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("stage 0 fixed"))
+    assert line.startswith(f"stage 0 fixed at layers 0..{first - 1} ") and "the other 7 balanced: step " in line
+    assert main([*argv, "--preset", "qwen2.5-vl-32b"]) == 0
+    assert "stage 0 fixed" not in capsys.readouterr().out

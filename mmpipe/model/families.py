@@ -92,6 +92,10 @@ class Family:
     # the stage tuple's fields (mmpipe.model.stage.StageField): the row's four, then what the family carries
     fields: Callable[[ModelConfig], tuple[StageField, ...]] = field(default=lambda cfg: ROW, repr=False,
                                                                      compare=False)
+    # where other trainers must cut: the layers they keep on stage 0 (a layer list -> how many), which `mmpipe plan`
+    # costs beside its own split (None: no such rule). Qwen3-VL: the tower and decoder layers 0..2 with DeepStack's
+    # last add (Megatron-Bridge injects DeepStack on the first stage only; QwenLM/Qwen3-VL#1497)
+    fixed_first_stage: Callable[[list[LayerSpec]], int] | None = field(default=None, repr=False, compare=False)
 
     def cost_rule(self, spec: LayerSpec) -> costs.LayerRule:
         return self.cost_rules[getattr(spec, "forward_fn", None) or spec.typename]
@@ -144,7 +148,8 @@ QWEN3_VL = Family(
      FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
      **{m: costs.DEEPSTACK_MERGER for m in DEEPSTACK_MERGERS}, **{a: costs.DEEPSTACK_ADD for a in DEEPSTACK_ADDS}},
     hf_class="Qwen3VLForConditionalGeneration", weight_names="hf",
-    fields=lambda cfg: ROW + deepstack_fields(cfg) + (KEPT_TILING,), images="patches")
+    fields=lambda cfg: ROW + deepstack_fields(cfg) + (KEPT_TILING,), images="patches",
+    fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS))
 
 FAMILIES = [MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN3_VL]
 

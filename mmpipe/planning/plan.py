@@ -42,7 +42,8 @@ from ..data.dataset import ROW_FLAGS, row_text_len
 from ..data.image_kinds import image_kind, row_budget
 from ..flags import add_flags, from_namespace, to_argv
 from ..model.args import ModelArgs
-from ..model.builder import check_lora_rank
+from ..model.builder import check_lora_rank, layer_specs
+from ..model.families import family_of
 from ..model.costs import CropRow, PatchRow
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, profile_precision, read_results, report
@@ -280,7 +281,8 @@ def main_plan(args) -> int:
         print(json.dumps([{**lay.__dict__, "throughput": lay.throughput, "decoder_length": length,
                            "positions_per_s": lay.throughput * length, **row} for lay in layouts], indent=1))
     else:
-        _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0, patches)
+        beside = fixed_first_stage(cfg, args, feasible[0] if feasible else None, device, freeze, lora, patches)
+        _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0, patches, beside)
     if not feasible:
         return fail(ConfigError(f"plan: no layout of {cfg.name} fits {gpus} x {device.memory / GiB:.0f} GiB at global "
                                 f"batch {args.global_batch} (try {fit_hints(args, micros, freeze, lora, patches)})"))
@@ -314,7 +316,31 @@ def train_flags(args, model_args: ModelArgs, best: Layout, patches: PatchRow | N
             *rows, "--text-len", str(args.text_len)]
 
 
-def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None = None) -> None:
+def fixed_first_stage(cfg: ModelConfig, args, best: Layout | None, device: Device, freeze: tuple[str, ...], lora,
+                      patches: PatchRow | None) -> str:
+    """The best layout with stage 0 fixed where other trainers must cut (Family.fixed_first_stage: Qwen3-VL's
+    tower and decoder layers 0..2), the other stages balanced as plan balances them, predicted by the same model:
+    the line `mmpipe plan` prints beside its own split; '' for a family without such a rule or a one-stage best."""
+    rule = family_of(cfg).fixed_first_stage
+    if rule is None or best is None or best.stages < 2:
+        return ""
+    rows = layer_costs(cfg, freeze, args.text_len, args.checkpointing, lora, args.max_images, patches)
+    first = rule(layer_specs(cfg))
+    kw = dict(dp=best.dp, micro=best.micro, gas=best.gas, precision=args.precision, zero=args.zero, device=device)
+    rest = plan_layout(rows[first:], stages=best.stages - 1, **kw)  # its own memory per stage: stage index + 1
+    head = f"stage 0 fixed at layers 0..{first - 1} (where other trainers cut {cfg.family}: Family.fixed_first_stage)"
+    if not rest.parts:
+        return f"{head}: the other {best.stages - 1} stages cannot hold layers {first}..{len(rows) - 1} ({rest.reason})"
+    fixed = plan_layout(rows, stages=best.stages, partition=",".join(str(first + p) for p in rest.parts[:-1]), **kw)
+    s0, fits = fixed.stage_rows[0], fixed.stage_rows[0]["memory_gib"] * GiB <= device.memory
+    return (f"{head}, the other {best.stages - 1} balanced: step {fixed.step['step_s']:.3f} s against "
+            f"{best.step['step_s']:.3f} s; its stage 0 {s0['memory_gib']:.2f} GiB"
+            f"{'' if fits else f' (over {device.memory / GiB:.0f} GiB: it does not fit)'}, fwd {s0['forward_ms']:.2f} "
+            f"+ bwd {s0['backward_ms']:.2f} ms against the best's slowest stage "
+            f"{max(r['forward_ms'] + r['backward_ms'] for r in best.stage_rows):.2f} ms")
+
+
+def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None = None, beside: str = "") -> None:
     peak = (f"{device.peak_flops / 1e12:.0f} TFLOP/s" if device.peak_flops >= 1e12 else
             f"{device.peak_flops / 1e9:.1f} GFLOP/s")
     fixed = (f", + {device.microbatch_overhead * 1e3:.2f} ms per slot, + {device.step_overhead * 1e3:.2f} ms per step"
@@ -368,6 +394,8 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
                   f"{r['backward_ms']:>8.2f}" + (f" {r['input_backward_ms']:>8.2f} {r['weight_backward_ms']:>8.2f}"
                                                   if replayed else "")
                   + "".join(f" {r[s.short + '_memory_gib']:>7.2f}" for s in replayed))
+    if beside:
+        print(beside)
     print(f"(planned in {seconds:.2f} s, nothing allocated)")
 
 
