@@ -347,7 +347,7 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
              if device.microbatch_overhead or device.step_overhead else "")
     fixed += f", + {device.split_overhead * 1e3:.2f} ms per zb-h1 W" if device.split_overhead else ""
     image = (f"{cfg.vision.n_tokens} image tokens"
-             f"{f' (ViT on {cfg.vision.crop_slots} crops)' if cfg.vision.crop_slots > 1 else ''}")
+             f"{f' (ViT on 1 + {cfg.vision.crop_slots - 1} crops)' if cfg.vision.crop_slots > 1 else ''}")
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}{fixed}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
           f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
