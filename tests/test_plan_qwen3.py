@@ -135,3 +135,14 @@ def test_plan_prints_the_fixed_first_stage_beside_its_own_split(capsys):
     assert line.startswith(f"stage 0 fixed at layers 0..{first - 1} ") and "the other 7 balanced: step " in line
     assert main([*argv, "--preset", "qwen2.5-vl-32b"]) == 0
     assert "stage 0 fixed" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset", ["qwen3-vl-2b", "qwen3-vl-32b"])
+def test_checks_shrunk_model_keeps_a_deepstack_set(preset):
+    """`mmpipe check`'s shrunk model (2 blocks a group) keeps a DeepStack tap inside its shrunk tower, so a set
+    still goes from a merger to a decoder add (it refused to validate: the taps at 5, 11, 17 of a 2-block tower)."""
+    from mmpipe.check.equivalence import shrunk
+    small = shrunk(load_preset(preset), 2)
+    assert small.vision.n_layers == small.text.n_layers == 2 and small.vision.deepstack_indexes == (1,)
+    kinds = [s.typename for s in layer_specs(small)]
+    assert q3.DEEPSTACK_MERGERS[0] in kinds and q3.DEEPSTACK_ADDS[0] in kinds

@@ -37,15 +37,17 @@ TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (1e-2, 3e-2), "fp16": (1e-2, 3e-2)}
 
 def shrunk(cfg: ModelConfig, blocks: int) -> ModelConfig:
     """Every layer group with n_layers (the vision tower, the decoder) cut to at most `blocks` blocks;
-    block index lists of the group (e.g. Qwen2.5-VL's full-attention blocks among windowed ones) keep the
-    indices that remain, or the last block when none does, so each kind of block still runs. Validated."""
+    block index lists of the group (Qwen2.5-VL's full-attention blocks among windowed ones, Qwen3-VL's DeepStack
+    taps) keep the indices that remain, or the last block when none does, so each kind of block still runs (a
+    DeepStack set still crosses the cut). Validated."""
     changes = {}
     for f in dataclasses.fields(cfg):
         sub = getattr(cfg, f.name)
         if dataclasses.is_dataclass(sub) and hasattr(sub, "n_layers") and sub.n_layers > blocks:
             kept = {g.name: tuple(i for i in getattr(sub, g.name) if i < blocks) or (blocks - 1,)
                     for g in dataclasses.fields(sub)
-                    if g.name.endswith("_blocks") and isinstance(getattr(sub, g.name), tuple) and getattr(sub, g.name)}
+                    if g.name.endswith(("_blocks", "_indexes")) and isinstance(getattr(sub, g.name), tuple)
+                    and getattr(sub, g.name)}
             changes[f.name] = dataclasses.replace(sub, n_layers=blocks, **kept)
     small = dataclasses.replace(cfg, **changes)
     small.validate()
