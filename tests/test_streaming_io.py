@@ -230,3 +230,43 @@ def test_lazy_weights_read_headers_only(tmp_path):
     k = next(iter(source))
     assert w.shape(k) == tuple(source[k].shape) and w.dtype(k) == torch.bfloat16
     assert torch.equal(w[k], source[k]) and reads == [k]
+
+
+@pytest.mark.parametrize("kind", ["clip_qwen2", "siglip_llama"])  # tied embeddings; an untied head grown too
+def test_stage1_start_streams_in_bf16_as_the_model_import(tmp_path, kind):
+    """`mmpipe import --vision --lm` (LLaVA's stage-1 start) streams too: bf16 tower and LM give bf16 layer files,
+    the fresh projector is the seeded one (fp32, as built), <image> is added and the embedding grown; the run
+    loads to import_parts' model, exactly but for the new row, whose mean is rounded to bf16."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, CLIPVisionModel, PreTrainedTokenizerFast, SiglipVisionModel
+
+    from hf_models import llava_config
+    from mmpipe.hf.llava import import_parts
+    from mmpipe.runtime.checkpoint import load_reference
+    c = llava_config(kind)
+    torch.manual_seed(4)
+    tower = (CLIPVisionModel if kind == "clip_qwen2" else SiglipVisionModel)(c.vision_config)
+    tower.to(torch.bfloat16).save_pretrained(tmp_path / "tower")
+    AutoModelForCausalLM.from_config(c.text_config).to(torch.bfloat16).save_pretrained(tmp_path / "lm")
+    vocab = {f"w{i}": i for i in range(c.text_config.vocab_size)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w3")), bos_token="w1",
+                            eos_token="w2", unk_token="w3").save_pretrained(tmp_path / "lm")
+    assert main(["import", "--vision", str(tmp_path / "tower"), "--lm", str(tmp_path / "lm"),
+                 "--out", str(tmp_path / "run")]) == 0
+    want, _ = import_parts(tmp_path / "tower", tmp_path / "lm", seed=1234)
+    from mmpipe.config import config_from_dict
+    cfg = config_from_dict(json.loads((tmp_path / "run" / "model.json").read_text()), "run")
+    assert (cfg.text.vocab_size, cfg.image_token_id) == (want.cfg.text.vocab_size, want.cfg.image_token_id)
+    assert cfg.text.vocab_size > c.text_config.vocab_size  # <image> (and the tokenizer's pad) grew it
+    files = {int(f.name[6:8]): torch.load(f, weights_only=True)
+             for f in (tmp_path / "run" / "checkpoints" / "imported").glob("layer_*")}
+    assert {t.dtype for i, s in files.items() for t in s.values()} == {torch.bfloat16, torch.float32}
+    assert {i for i, s in files.items() if any(t.dtype == torch.float32 for t in s.values())} == {3}  # projector
+    got = load_reference(tmp_path / "run" / "checkpoints", cfg)
+    new_row = c.text_config.vocab_size
+    for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items()):
+        if name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight"):
+            assert torch.equal(a[:new_row], b[:new_row]) and torch.equal(a[new_row:], b[new_row:].bfloat16().float())
+        else:
+            assert torch.equal(a, b), name
+    assert (tmp_path / "run" / "tokenizer").is_dir()

@@ -30,7 +30,7 @@ from . import llava, llava_next, qwen2_vl, qwen3_vl
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .export import planned
-from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, import_parts, key_map, read_llava
+from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, key_map, read_llava, read_parts
 from .llava_next import export_hf as export_llava_next
 from .llava_next import hf_llava_next_config, import_llava_next, read_llava_next
 from .llava_next import key_map as llava_next_key_map
@@ -117,8 +117,7 @@ def save_run(model, out: Path, tag: str = "imported") -> Path:
 
 def main_import(args: argparse.Namespace) -> int:
     """The weights are decided from the source's headers first (every problem found before anything is
-    written), then written one layer at a time in the source's dtype (mmpipe.hf.stream.Imported.save); the LLaVA
-    stage-1 start (--vision, --lm), whose projector is new and vocabulary grows, builds its model in memory."""
+    written), then written one layer at a time in the source's dtype (mmpipe.hf.stream.Imported.save)."""
     tok, report = None, None
     try:
         if args.tokenizer and not args.moondream:
@@ -133,9 +132,8 @@ def main_import(args: argparse.Namespace) -> int:
             got = hf_reader(args.hf)(args.hf)
             report, note = got.report, got.report.summary()
         elif args.vision:
-            model, report = import_parts(args.vision, args.lm, feature_layer=args.feature_layer,
-                                         feature_select=args.feature_select)
-            note = report.summary() + "; projector freshly initialised"
+            got = read_parts(args.vision, args.lm, feature_layer=args.feature_layer, feature_select=args.feature_select)
+            report, note = got.report, got.report.summary() + "; projector freshly initialised"
         else:
             cfg = load_preset(args.preset)
             tok = _moondream_tokenizer(args, cfg)  # checked before anything is written
@@ -146,13 +144,10 @@ def main_import(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError, OSError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(str(e)))
     out = Path(args.out)
-    if args.vision:
-        save_run(model, out)
-    else:
-        got.save(out)
-        for name, tensors in got.extra.items():  # moondream's region head: no pipeline layer holds it; export
-            save_file(tensors, str(out / name))  # puts it back (mmpipe.hf.moondream)
-    cfg = model.cfg if args.vision else got.cfg
+    got.save(out)
+    for name, tensors in got.extra.items():  # moondream's region head: no pipeline layer holds it; export
+        save_file(tensors, str(out / name))  # puts it back (mmpipe.hf.moondream)
+    cfg = got.cfg
     if tok is None:  # moondream's was loaded and checked above
         tok = _tokenizer_of(args, report)
     if tok is not None:  # `mmpipe generate --checkpoint OUT` reads it from OUT/tokenizer

@@ -18,6 +18,7 @@ an identity post-LayerNorm, no pooling head): the same function as the imported 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -27,12 +28,12 @@ import torch
 
 from ..config import ConfigError, ModelConfig, TextConfig, VisionConfig
 from ..data.tokenizer import load_tokenizer
-from ..model.builder import ReferenceModel
+from ..model.builder import ReferenceModel, build_layer, layer_specs
 from ..model.llava import FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock, VisionEmbed
 from .export import hf_meta_state, hf_model_class, write_hf
 from .safetensors_io import Joined, Renamed, as_weights, open_weights
 from .stream import Imported, fill, meta_model
-from .tokens import add_image_token
+from .tokens import add_image_token, grown, image_token
 
 HF_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 LEGACY = [(r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
@@ -324,6 +325,28 @@ def import_llava(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel,
     return got.model(dtype), got.report
 
 
+PROJECTOR = ("model.multi_modal_projector.",)  # the stage-1 start's fresh weights (HF names)
+
+
+def _parts(vision_dir: Path, lm_dir: Path, feature_layer: int, feature_select: str, image_token_id: int | None):
+    """The stage-1 start's (HF config, mmpipe config, lazy source in LLaVA's names, the LM's tokenizer or None
+    when image_token_id is given, where)."""
+    from transformers import AutoConfig, LlavaConfig
+    vc, tc = (AutoConfig.from_pretrained(d, local_files_only=True) for d in (vision_dir, lm_dir))
+    vc = getattr(vc, "vision_config", vc)  # a full CLIP / SigLIP directory: its vision half
+    tok = None
+    if image_token_id is None:
+        tok = load_tokenizer(str(lm_dir))
+        image_token_id = tc.vocab_size - 1  # placeholder until the token is added
+    hf = LlavaConfig(vision_config=vc.to_dict(), text_config=tc.to_dict(), image_token_id=image_token_id,
+                     vision_feature_layer=feature_layer, vision_feature_select_strategy=feature_select,
+                     tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)))
+    cfg = config_from_hf(hf, lm_dir.name, *_preprocessor(vision_dir))
+    vision = Renamed(open_weights(vision_dir), lambda k: "model.vision_tower." + re.sub(r"^vision_model\.", "", k))
+    lm = Renamed(open_weights(lm_dir), lambda k: re.sub(r"^model\.", "model.language_model.", k))  # and lm_head
+    return hf, cfg, Joined(vision, lm), tok, f"{vision_dir} + {lm_dir}"
+
+
 def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: int = -2,
                  feature_select: str = "default", image_token_id: int | None = None, seed: int = 1234,
                  dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
@@ -331,28 +354,36 @@ def import_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: i
     causal-LM directory (Llama / Qwen2 / Mistral ForCausalLM), with a freshly initialised projector
     (layer seed + index, as every mmpipe layer). Without image_token_id, <image> is added to the
     LM directory's tokenizer and the vocabulary grown (mmpipe.hf.tokens.add_image_token)."""
-    from transformers import AutoConfig, LlavaConfig
     vision_dir, lm_dir = Path(vision_dir), Path(lm_dir)
-    vc, tc = (AutoConfig.from_pretrained(d, local_files_only=True) for d in (vision_dir, lm_dir))
-    vc = getattr(vc, "vision_config", vc)  # a full CLIP / SigLIP directory: its vision half
-    tok = None
-    if image_token_id is None:
-        tok = load_tokenizer(str(lm_dir))
-        image_token_id = tc.vocab_size - 1  # placeholder until the token is added below
-    hf = LlavaConfig(vision_config=vc.to_dict(), text_config=tc.to_dict(), image_token_id=image_token_id,
-                     vision_feature_layer=feature_layer, vision_feature_select_strategy=feature_select,
-                     tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)))
-    cfg = config_from_hf(hf, lm_dir.name, *_preprocessor(vision_dir))
+    hf, cfg, source, tok, where = _parts(vision_dir, lm_dir, feature_layer, feature_select, image_token_id)
     model = ReferenceModel(cfg, seed=seed).to(dtype)
-    vision = Renamed(open_weights(vision_dir), lambda k: "model.vision_tower." + re.sub(r"^vision_model\.", "", k))
-    lm = Renamed(open_weights(lm_dir), lambda k: re.sub(r"^model\.", "model.language_model.", k))  # and lm_head
-    source = Joined(vision, lm)
-    report = import_weights(model, source, hf, f"{vision_dir} + {lm_dir}", fresh=("model.multi_modal_projector.",))
+    report = import_weights(model, source, hf, where, fresh=PROJECTOR)
     report.notes += processor_defaults(vision_dir, lambda d: stats_defaults(d, cfg.vision.kind == "clip"))
     if tok is not None:
         add_image_token(tok, model)
         report.tokenizer = tok
     return model, report
+
+
+def read_parts(vision_dir: str | Path, lm_dir: str | Path, *, feature_layer: int = -2,
+               feature_select: str = "default", seed: int = 1234) -> Imported:
+    """import_parts decided from the headers, for Imported.save (one layer at a time, the sources' dtype): the
+    projector built alone as ReferenceModel(cfg, seed) builds it (fp32), <image> added to the LM's tokenizer and,
+    when that grows the vocabulary, the embedding and an untied head grown by rows at the mean of theirs."""
+    vision_dir, lm_dir = Path(vision_dir), Path(lm_dir)
+    hf, cfg0, source, tok, where = _parts(vision_dir, lm_dir, feature_layer, feature_select, None)
+    assign, report = plan_weights(cfg0, source, hf, where, fresh=PROJECTOR)
+    report.notes += processor_defaults(vision_dir, lambda d: stats_defaults(d, cfg0.vision.kind == "clip"))
+    token_id, vocab = image_token(tok, cfg0.text.vocab_size)
+    report.tokenizer, extra = tok, vocab - cfg0.text.vocab_size
+    cfg = dataclasses.replace(cfg0.with_vocab(vocab), image_token_id=token_id)
+    specs, made = layer_specs(cfg), {}
+    for i, layer in enumerate(meta_model(cfg0)):
+        if isinstance(layer, LlavaProjector):
+            made[i] = lambda state, i=i: build_layer(specs[i], i, seed).state_dict()
+        elif extra and isinstance(layer, (LlavaEmbed, LMHeadLinear)) and layer.state_dict():
+            made[i] = lambda state: {k: grown(t, extra) for k, t in state.items()}
+    return Imported(cfg, assign, source, report, made=made)
 
 
 def export_hf(source, out: str | Path, tok=None, hf=None, shard_size=None) -> Path:

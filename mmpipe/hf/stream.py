@@ -13,7 +13,7 @@ mmap'ed), `ModelLayers` serves a model already in memory; mmpipe.hf.export renam
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,25 +36,32 @@ def layer_file(d: Path, idx: int) -> Path:
 @dataclass
 class Imported:
     """An import, decided but not yet read: cfg, assign (mmpipe name "<layer>.<sub>" -> source name), the
-    source (lazy), the report (mmpipe.hf.llava.ImportReport) and `extra` files to write beside the layers
-    (moondream's region head: name -> tensors)."""
+    source (lazy), the report (mmpipe.hf.llava.ImportReport), `extra` files to write beside the layers
+    (moondream's region head: name -> tensors) and `made`: layer index -> a function of the layer's read
+    tensors giving its state (LLaVA's stage-1 start: a fresh projector, an embedding grown by <image>'s row)."""
     cfg: ModelConfig
     assign: dict[str, str]
     source: object
     report: object
     extra: dict = field(default_factory=dict)
+    made: dict[int, Callable[[dict], dict]] = field(default_factory=dict)
 
     def by_layer(self) -> dict[int, dict[str, str]]:
-        out: dict[int, dict[str, str]] = {}
+        out: dict[int, dict[str, str]] = {i: {} for i in self.made}
         for mine, src in self.assign.items():
             idx, sub = mine.split(".", 1)
             out.setdefault(int(idx), {})[sub] = src
         return out
 
+    def layer(self, idx: int, subs: dict[str, str]) -> dict[str, torch.Tensor]:
+        state = {sub: self.source[src] for sub, src in subs.items()}
+        return self.made[idx](state) if idx in self.made else state
+
     def model(self, dtype=torch.float32) -> ReferenceModel:
         """A single-device model with the weights, in dtype (every tensor cast as it is copied in)."""
         model = ReferenceModel(self.cfg).to(dtype)
-        fill(model, self.source, self.assign)
+        for idx, subs in self.by_layer().items():
+            model[idx].load_state_dict(self.layer(idx, subs))
         return model
 
     def save(self, out: Path, tag: str = "imported") -> Path:
@@ -63,7 +70,7 @@ class Imported:
         d.mkdir(parents=True, exist_ok=True)
         (out / "model.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         for idx, subs in sorted(self.by_layer().items()):
-            state = {sub: self.source[src] for sub, src in subs.items()}
+            state = self.layer(idx, subs)
             torch.save(state, layer_file(d, idx))
             del state  # the next layer's tensors are read only now
         (out / "checkpoints" / "latest").write_text(tag)
