@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from mmpipe.config import load_preset
-from mmpipe.model import attention
+from mmpipe.model import attention, qwen2_vl
 from mmpipe.model.attention import Split, row_mask, sample_split, segment_split, split_mask
 from mmpipe.model.builder import bound, layer_specs
 from mmpipe.model.costs import PatchRow, attention_pairs
-from mmpipe.model.qwen2_vl import patch_coords, vision_segments
+from mmpipe.model.qwen2_vl import patch_coords, vision_geometry, vision_segments
+from mmpipe.model.stage import StageTuple
 
 TOL = 1e-5
 
@@ -99,8 +100,8 @@ def test_tower_blocks_split_equal_dense(preset, monkeypatch):
     assert [getattr(m, "full", True) for m in layers] == ([False, True] if preset == "qwen-tiny" else [True, True])
     hidden, ints = _tower_row(cfg)
     built = []
-    real = attention.split_mask
-    monkeypatch.setattr(attention, "split_mask", lambda *a: built.append(1) or real(*a))
+    real = qwen2_vl.dense_vision_mask
+    monkeypatch.setattr(qwen2_vl, "dense_vision_mask", lambda *a: built.append(1) or real(*a))
     split = _run(layers, hidden, ints, dense=False, monkeypatch=monkeypatch)
     assert not built
     dense = _run(layers, hidden, ints, dense=True, monkeypatch=monkeypatch)
@@ -130,12 +131,17 @@ def test_split_computes_the_pairs_the_planner_counts(full):
 
 
 def test_dense_backend_is_the_reference_mask(monkeypatch):
-    """MMPIPE_ATTENTION=dense gives the tower a bool mask (the reference), anything else the Split."""
-    seg = torch.tensor([[0, 0, -1, 1]])
-    monkeypatch.setenv("MMPIPE_ATTENTION", "dense")
-    mask = attention.segment_attention(seg)
-    assert isinstance(mask, torch.Tensor) and mask[0, 0].tolist() == [
-        [True, True, False, False], [True, True, False, False], [False, False, True, False],
-        [False, False, False, True]]
-    monkeypatch.delenv("MMPIPE_ATTENTION")
-    assert isinstance(attention.segment_attention(seg), Split)
+    """MMPIPE_ATTENTION=dense gives the tower the pairwise bool mask (the reference, built apart from the
+    segment ids), anything else the Split; the two agree pair by pair (split_mask of the segments)."""
+    cfg = load_preset("qwen-tiny")
+    hidden, ints = _tower_row(cfg)
+    t = StageTuple(hidden, ints[0], ints[1], ints[2], tiling=ints[3])
+    for full in (False, True):
+        monkeypatch.setenv("MMPIPE_ATTENTION", "dense")
+        mask, _ = vision_geometry(t, cfg.vision, full)
+        monkeypatch.delenv("MMPIPE_ATTENTION")
+        split, _ = vision_geometry(t, cfg.vision, full)
+        assert isinstance(mask, torch.Tensor) and isinstance(split, Split)
+        seg = vision_segments(patch_coords(torch.tensor(GRIDS), P, 2), 3, cfg.vision, full)
+        assert torch.equal(mask, split_mask(seg))
+        assert mask.sum() == P * 2 + sum(g.shape[0] * (g.shape[1] ** 2 - g.shape[1]) for g in split.groups)

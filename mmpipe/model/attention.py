@@ -213,17 +213,9 @@ def segment_split(seg: torch.Tensor, causal: bool = False) -> Split:
     return Split(groups, (flat < 0).nonzero().squeeze(1), causal)
 
 
-def segment_attention(seg: torch.Tensor):
-    """What a tower's positions attend under, from their segment ids (segment_split's seg): the Split on
-    every device, or split_mask under MMPIPE_ATTENTION=dense (the reference the Split is tested equal to).
-    The tower's segments are its images and windows (mmpipe.model.qwen2_vl.vision_segments); flex is not
-    used here: the split already skips every cross-segment score, on CUDA through SDPA's fused kernels."""
-    return split_mask(seg) if attention_choice() == "dense" else segment_split(seg)
-
-
 def sample_split(segments: torch.Tensor) -> Split:
     """A decoder row's segments [B, L] (1, 2, ... per sample, 0 padding) as a causal Split by sample: row_mask's
-    attention (padding causal among the row's padding) without its L x L mask. Measured 2.4x-3.6x faster than
+    attention (padding causal among the row's padding) without its L x L mask. Measured 2.2x-3.1x faster than
     the dense mask on CPU for packed rows (docs/vision_attention.md), not yet the decoder's path."""
     ids = segments + (segments.amax() + 1) * torch.arange(segments.shape[0], device=segments.device)[:, None]
     return segment_split(ids, causal=True)

@@ -32,7 +32,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig, VisionConfig
-from .attention import FusedAttention, attention_choice, row_attention, row_cached, row_positions, segment_attention
+from .attention import FusedAttention, attention_choice, row_attention, row_cached, row_positions, segment_split
 from .llava import LlamaBlock, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
 from .stage import StageTuple, unpack_in
 
@@ -94,15 +94,30 @@ def vision_segments(c: Patches, M: int, v: VisionConfig, full: bool) -> torch.Te
     return torch.where(c.slot < M, seg.view(B, P), -1)
 
 
+def _same(a: torch.Tensor) -> torch.Tensor:
+    return a[:, :, None] == a[:, None, :]
+
+
+def dense_vision_mask(c: Patches, M: int, v: VisionConfig, full: bool) -> torch.Tensor:
+    """bool [B, 1, P, P], the reference (MMPIPE_ATTENTION=dense), built pairwise from the coordinates, apart
+    from vision_segments: same slot and frame (and window), padding patches seeing themselves only."""
+    allowed = _same(c.slot) & _same(c.frame) & (c.slot < M)[:, :, None]
+    if not full:
+        unit = v.merge_size * (v.window_size // (v.patch_size * v.merge_size))  # patches per window side
+        allowed = allowed & _same(c.row // unit) & _same(c.col // unit)
+    return (allowed | torch.eye(c.slot.shape[1], dtype=torch.bool, device=allowed.device))[:, None]
+
+
 def vision_geometry(t: StageTuple, v: VisionConfig, full: bool):
     """(mask, (cos, sin) [B, 1, P, head_dim]) of a vision block: attention within each image's frame (and,
-    full False, its window of merge units), padding patches seeing themselves only (vision_segments); the
-    mask is attention.segment_attention's: a Split (each segment's own SDPA, sizes batched) or, under
-    MMPIPE_ATTENTION=dense, the reference bool [B, 1, P, P]. The rotary turns each head's quarters by
-    (row, col, row, col) x the frequencies of head_dim / 4."""
+    full False, its window of merge units), padding patches seeing themselves only. The mask is a Split of
+    vision_segments (each segment's own SDPA, sizes batched: attention.segment_split) or, under
+    MMPIPE_ATTENTION=dense, the reference bool [B, 1, P, P] (dense_vision_mask). The rotary turns each head's
+    quarters by (row, col, row, col) x the frequencies of head_dim / 4."""
     B, P = t.hidden.shape[:2]
-    c = patch_coords(used_grids(t), P, v.merge_size)
-    mask = segment_attention(vision_segments(c, t.tiling.shape[1], v, full))
+    c, M = patch_coords(used_grids(t), P, v.merge_size), t.tiling.shape[1]
+    dense = attention_choice() == "dense"
+    mask = dense_vision_mask(c, M, v, full) if dense else segment_split(vision_segments(c, M, v, full))
     half = v.dim // v.n_heads // 2
     inv = 1.0 / (VISION_THETA ** (torch.arange(0, half, 2, device=t.hidden.device, dtype=torch.float32) / half))
     f = torch.cat([c.row[..., None] * inv, c.col[..., None] * inv], dim=-1)  # [B, P, head_dim / 2]
