@@ -10,6 +10,8 @@
 #   env        GPU name, driver, torch / CUDA / NCCL / DeepSpeed versions, date
 #   check      mmpipe check, small PP=1, bf16 (ds_configs/zero1_bf16.json), --full-step: env, equivalence against
 #              the fp32 reference, loader, max_memory_allocated against the planner, a device profile
+#   check_qwen3_vl  mmpipe check of qwen3-vl-2b (CPU: qwen3-vl-tiny), PP=1 bf16: its shrunk model keeps a DeepStack
+#              tap (2 tower blocks, 2 decoder layers), equivalence against the fp32 reference on the device
 #   bench      mmpipe bench, PP=1 bf16 steps of moondream-2b and of LLaVA-1.5-7B's stack cut to
 #              MMPIPE_GPU_CHECK_7B_LAYERS decoder layers (a model JSON derived from the preset; the whole 7B's
 #              20 bytes per parameter of bf16 + Adam states do not fit one 141 GB GPU): step time and MFU,
@@ -29,14 +31,16 @@ if [ "$CPU" = 1 ]; then
   # the CPU stand-ins: `small` for moondream-2b, `llava-tiny` for the 7B stack, both cut to 1 decoder layer (the cut
   # JSON path runs as on the GPU); bigger models' Adam states do not fit a small shared machine
   P2B=small P7B=llava-tiny TEXT2B=1 TEXT7B=1 MICRO=4 GAS=2 STEPS=4 WARMUP=1 RUN_TIMEOUT=300 ATTN_ARGS=(--quick)
-  T_CHECK=300 T_BENCH=900 T_ATTN=300
+  T_CHECK=300 T_BENCH=900 T_ATTN=300 PQ3=qwen3-vl-tiny Q3ROW=(--max-patches 256 --text-len 64) T_QWEN3=300
 else
   OUT=${MMPIPE_GPU_CHECK_OUT:-runs/gpu_check}
   DOC=${MMPIPE_GPU_CHECK_DOC:-docs/gpu.md}
   P2B=moondream-2b P7B=llava-1.5-7b TEXT2B=0 TEXT7B=${MMPIPE_GPU_CHECK_7B_LAYERS:-8}  # 0: the preset's own layers
   MICRO=4 GAS=4 STEPS=8 WARMUP=3 RUN_TIMEOUT=110  # plan: moondream-2b 76 GiB at micro 4 (117 of 131 at micro 8)
   ATTN_ARGS=()
-  T_CHECK=120 T_BENCH=250 T_ATTN=60  # + env and report: under 8 minutes
+  T_CHECK=120 T_BENCH=220 T_ATTN=60 T_QWEN3=70  # + env and report: under 9 minutes
+  # a row of 1024 patches (the default, room for one image at max_pixels, is 65536: 6 GB of pixels a micro-batch)
+  PQ3=qwen3-vl-2b Q3ROW=(--max-patches 1024 --text-len 256)
 fi
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
@@ -75,6 +79,8 @@ EOF
 
 step check "$T_CHECK" "$PY" -m mmpipe.cli check --preset small --stages 1 --ds-config ds_configs/zero1_bf16.json \
   --full-step --output-dir "$OUT/check"
+step check_qwen3_vl "$T_QWEN3" "$PY" -m mmpipe.cli check --preset "$PQ3" --stages 1 "${Q3ROW[@]}" \
+  --ds-config ds_configs/zero1_bf16.json --output-dir "$OUT/check_qwen3_vl"
 
 # the bench's sweep: the 2B preset as shipped, the 7B one with its decoder cut (a model JSON derived from the preset)
 step sweep 60 "$PY" - "$OUT" "$P2B:$TEXT2B" "$P7B:$TEXT7B" "$MICRO" "$GAS" "$STEPS" "$WARMUP" "$RUN_TIMEOUT" <<'EOF'
@@ -142,13 +148,15 @@ lines = ["# mmpipe on one GPU" + (" (CPU REHEARSAL: not GPU numbers)" if cpu els
          table(["step", "exit", "seconds", "result"],
                [[s["step"], s["exit"], s["seconds"], "ok" if s["exit"] == "0" else "FAILED (124: timed out)"
                  if s["exit"] != "missing" else s["log"]] for s in status])]
-chk = load(out / "check" / "check.json")
-lines += ["", "## mmpipe check (small, PP=1, bf16, ZeRO-1, --full-step)", ""]
-if chk:
-    lines += [table(["check", "result", "detail"], [[k, "pass" if c.get("ok") else "FAIL", chk["summary"].get(k, "")]
-                                                    for k, c in chk["checks"].items()])]
-else:
-    lines += ["No check.json: the check did not finish (see check.log)."]
+for name, title in (("check", "small, PP=1, bf16, ZeRO-1, --full-step"),
+                    ("check_qwen3_vl", "Qwen3-VL's shrunk model with a DeepStack tap, PP=1, bf16, ZeRO-1")):
+    chk = load(out / name / "check.json")
+    lines += ["", f"## mmpipe check ({title})", ""]
+    if chk:
+        lines += [table(["check", "result", "detail"], [[k, "pass" if c.get("ok") else "FAIL",
+                                                         chk["summary"].get(k, "")] for k, c in chk["checks"].items()])]
+    else:
+        lines += [f"No check.json: the check did not finish (see {name}.log)."]
 res = load(out / "bench" / "results.json")
 lines += ["", "## PP=1 bf16 steps against the planner", ""]
 if res:
