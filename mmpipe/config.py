@@ -32,7 +32,8 @@ LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
            ("llava", "prefix"): ImageLayout(placeholders=True),
            ("qwen2_vl", "prefix"): ImageLayout(placeholders=True),
            ("llava_next", "prefix"): ImageLayout(placeholders=True),
-           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True)}
+           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True),
+           ("qwen3_5", "prefix"): ImageLayout(placeholders=True)}
 # Families from outside the package (mmpipe.model.families.register): modules named in this variable (comma
 # separated, importable on every rank: the launcher passes the environment on) and the "mmpipe.families" entry
 # points of installed packages, imported once, the first time a config asks which families exist.
@@ -208,6 +209,16 @@ class TextConfig:
     mrope_interleaved: bool = False
     qk_norm: bool = False
     attn_head_dim: int = 0
+    # Qwen3.5 family (mmpipe.model.qwen3_5): each decoder layer's kind, "linear_attention" (Gated DeltaNet) or
+    # "full_attention" (transformers' layer_types, one per layer; Qwen3.5: 3 linear then 1 full, repeated), and the
+    # linear layers' geometry: key / value heads and their widths, the short convolution's kernel (Qwen3.5-9B:
+    # 16 / 32 heads of 128 / 128, kernel 4)
+    layer_types: tuple[str, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -426,10 +437,32 @@ def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
+def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen3-VL's tower checks without DeepStack, the partial interleaved rotary (sections summing to rotary_dim / 2,
+    Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), and the layer pattern with the linear layers' geometry."""
+    v, t = cfg.vision, cfg.text
+    kinds = ("linear_attention", "full_attention")
+    checks = [c for c in _qwen3_vl_checks(cfg) if c[1] not in ("text.partial_rotary_factor", "text.mrope_section")]
+    linear = "linear_attention" in t.layer_types
+    return checks + [
+        (not v.deepstack_indexes, "vision.deepstack_indexes",
+         f"{list(v.deepstack_indexes)}: Qwen3.5's tower has no DeepStack (valid: [])"),
+        (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.rotary_dim // 2, "text.mrope_section",
+         f"{list(t.mrope_section)}: 3 sections summing to rotary_dim / 2 = {t.rotary_dim // 2}"),
+        (len(t.layer_types) == t.n_layers and all(k in kinds for k in t.layer_types), "text.layer_types",
+         f"{len(t.layer_types)} layer kinds for {t.n_layers} decoder layers (each one of {', '.join(kinds)})"),
+        (not linear or min(t.linear_key_heads, t.linear_key_dim, t.linear_value_dim, t.linear_conv_kernel) > 0
+         and t.linear_value_heads % max(t.linear_key_heads, 1) == 0, "text.linear_value_heads",
+         f"{t.linear_value_heads} value heads / {t.linear_key_heads} key heads of {t.linear_key_dim} / "
+         f"{t.linear_value_dim}, kernel {t.linear_conv_kernel}: all > 0, value heads a multiple of key heads"),
+    ]
+
+
 MAX_DEEPSTACK = 8  # DeepStack sets a model may carry (mmpipe.model.qwen3_vl makes a layer class per set)
 
 FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks, "qwen2_vl": _qwen2_vl_only_checks,
-                 "llava_next": _llava_next_checks, "qwen3_vl": _qwen3_vl_checks}  # by the model JSON's `family`
+                 "llava_next": _llava_next_checks, "qwen3_vl": _qwen3_vl_checks,
+                 "qwen3_5": _qwen3_5_checks}  # by the model JSON's `family`
 
 
 def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:

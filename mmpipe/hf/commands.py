@@ -26,7 +26,7 @@ from ..flags import print_plan
 from ..model.families import family_of
 from ..model.lora import read_lora
 from ..runtime.checkpoint import latest_tag, load_reference
-from . import llava, llava_next, qwen2_vl, qwen3_vl
+from . import llava, llava_next, qwen2_vl, qwen3_5, qwen3_vl
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .export import planned
@@ -39,6 +39,9 @@ from .moondream import key_map as moondream_key_map
 from .qwen2_vl import export_hf as export_qwen2_vl
 from .qwen2_vl import hf_qwen_config, import_qwen2_vl, model_type, read_qwen2_vl
 from .qwen2_vl import key_map as qwen2_vl_key_map
+from .qwen3_5 import export_hf as export_qwen3_5
+from .qwen3_5 import hf_qwen3_5_config, import_qwen3_5, read_qwen3_5
+from .qwen3_5 import key_map as qwen3_5_key_map
 from .qwen3_vl import export_hf as export_qwen3_vl
 from .qwen3_vl import hf_qwen3_config, import_qwen3_vl, read_qwen3_vl
 from .qwen3_vl import key_map as qwen3_vl_key_map
@@ -50,7 +53,8 @@ from .stream import ModelLayers, RunLayers, renamed_tensors
 HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf_config(cfg))), export_hf),
          "Qwen2VLForConditionalGeneration": (qwen2_vl_key_map, export_qwen2_vl),
          "LlavaNextForConditionalGeneration": (llava_next_key_map, export_llava_next),
-         "Qwen3VLForConditionalGeneration": (qwen3_vl_key_map, export_qwen3_vl)}
+         "Qwen3VLForConditionalGeneration": (qwen3_vl_key_map, export_qwen3_vl),
+         "Qwen3_5ForConditionalGeneration": (qwen3_5_key_map, export_qwen3_5)}
 
 
 # the readers of HF directories, by config.json's model_type: (import function -> (model, report), HF config
@@ -60,7 +64,8 @@ READERS = {mt: reader for module, reader in (
     (llava, (import_llava, hf_llava_config, "LLaVA", read_llava)),
     (llava_next, (import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision", read_llava_next)),
     (qwen2_vl, (import_qwen2_vl, hf_qwen_config, "Qwen2-VL", read_qwen2_vl)),
-    (qwen3_vl, (import_qwen3_vl, hf_qwen3_config, "Qwen3-VL", read_qwen3_vl))) for mt in module.HF_CLASSES}
+    (qwen3_vl, (import_qwen3_vl, hf_qwen3_config, "Qwen3-VL", read_qwen3_vl)),
+    (qwen3_5, (import_qwen3_5, hf_qwen3_5_config, "Qwen3.5", read_qwen3_5))) for mt in module.HF_CLASSES}
 HF_READERS = {mt: r[:3] for mt, r in READERS.items()}
 
 

@@ -1,0 +1,186 @@
+"""Qwen3.5 (dense) in and out of Hugging Face: Qwen3_5ForConditionalGeneration directories <-> mmpipe's layer list
+(mmpipe.model.qwen3_5).
+
+Names: "<layer index>.<sub-name>" <-> transformers', a prefix per layer class, the decoder layers numbered across
+both kinds (a linear layer's sub-names are under linear_attn, a full one's under self_attn), e.g. for a 1-block tower
+and decoder layers linear, full:
+
+    0.proj.weight                        <->  model.visual.patch_embed.proj.weight
+    0.pos_embed.weight                   <->  model.visual.pos_embed.weight
+    2.linear_fc1.weight                  <->  model.visual.merger.linear_fc1.weight
+    4.linear_attn.A_log                  <->  model.language_model.layers.0.linear_attn.A_log
+    5.self_attn.q_proj.weight            <->  model.language_model.layers.1.self_attn.q_proj.weight
+
+Every source tensor is mapped (a tied lm_head must equal the input embedding) or the import fails naming it, except
+the multi-token-prediction head (mtp.*), which transformers does not load either; a missing or misshapen tensor fails.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, TextConfig, VisionConfig
+from ..model.builder import ReferenceModel
+from ..model.llava import LMHeadLinear
+from ..model.qwen2_vl import VISION_THETA
+from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm
+from ..model.qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
+from .export import write_hf
+from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
+from .qwen2_vl import _bounds, image_processor, pixel_defaults_taken, plan_named
+from .qwen3_vl import ACTS, DEFAULT_PIXELS, STATS
+from .safetensors_io import LazyWeights, as_weights, open_weights
+from .stream import Imported, fill, meta_model
+
+HF_CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
+DECODER = (DeltaNetBlock, GatedAttentionBlock)
+
+
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """mmpipe name -> HF name for every weight of the mmpipe model (a tied head has none)."""
+    model = meta_model(cfg)
+    out, seen = {}, {}
+    for i, layer in enumerate(model):
+        if not layer.state_dict():
+            continue
+        kind = DECODER if isinstance(layer, DECODER) else type(layer)  # both kinds count as decoder layers
+        k = seen.get(kind, 0)
+        seen[kind] = k + 1
+        prefix = ("model.visual.patch_embed." if isinstance(layer, Qwen3PatchEmbed) else
+                  f"model.visual.blocks.{k}." if isinstance(layer, Qwen3VisionBlock) else
+                  "model.visual.merger." if isinstance(layer, Qwen3Merger) else
+                  f"model.language_model.layers.{k}." if isinstance(layer, DECODER) else
+                  "model.language_model." if isinstance(layer, (Qwen3Embed, Qwen35FinalNorm)) else
+                  "" if isinstance(layer, LMHeadLinear) else None)
+        if prefix is None:
+            raise ValueError(f"layer {i} ({type(layer).__name__}) has no Qwen3.5 name")
+        for sub in layer.state_dict():
+            out[f"{i}.{sub}"] = ("model.visual." + sub if isinstance(layer, Qwen3PatchEmbed)
+                                 and sub.startswith("pos_embed.") else prefix + sub)
+    return out
+
+
+def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfig:
+    """A Qwen3_5Config (+ its image processor's settings) -> the mmpipe config; refuses what the layers do not
+    implement, and a layer pattern that does not match the layer count (one line, from the config's checks)."""
+    tc, vc, proc = hf.text_config, hf.vision_config, proc or {}
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        _fail("text_config.rope_parameters", f"rope_type '{rope['rope_type']}' (RoPE scaling) is not supported")
+    if getattr(tc, "attention_bias", False):
+        _fail("text_config.attention_bias", "true: Qwen3.5's attention has no bias in mmpipe's layers")
+    if tc.hidden_act != "silu":
+        _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
+    if vc.hidden_act not in ACTS:
+        _fail("vision_config.hidden_act", f"'{vc.hidden_act}' (supported: {', '.join(ACTS)})")
+    if vc.out_hidden_size != tc.hidden_size:
+        _fail("vision_config", f"the merger's output width {vc.out_hidden_size} is not the decoder's hidden_size "
+                               f"{tc.hidden_size}")
+    theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
+    if theta != VISION_THETA:
+        _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
+    lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
+    unit = vc.patch_size * vc.spatial_merge_size
+    vision = VisionConfig(
+        image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=vc.hidden_size,
+        n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size, channels=vc.in_channels,
+        mean=tuple(proc.get("image_mean") or STATS), std=tuple(proc.get("image_std") or STATS), ln_eps=1e-6,
+        act=ACTS[vc.hidden_act], temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+        min_pixels=lo, max_pixels=hi, num_position_embeddings=vc.num_position_embeddings)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    text = TextConfig(
+        dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
+        ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", 0.25))),
+        rope_theta=float(rope.get("rope_theta", 10000000.0)), ln_eps=tc.rms_norm_eps,
+        n_kv_heads=tc.num_key_value_heads,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
+        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))), mrope_interleaved=True, qk_norm=True,
+        attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim,
+        layer_types=tuple(tc.layer_types), linear_key_heads=tc.linear_num_key_heads,
+        linear_value_heads=tc.linear_num_value_heads, linear_key_dim=tc.linear_key_head_dim,
+        linear_value_dim=tc.linear_value_head_dim, linear_conv_kernel=tc.linear_conv_kernel_dim)
+    cfg = ModelConfig(name=name, family="qwen3_5", vision=vision, text=text,
+                      proj_inner_dim=vision.dim * vision.merge_size ** 2, image_token_id=hf.image_token_id,
+                      vision_start_id=hf.vision_start_token_id, vision_end_id=hf.vision_end_token_id)
+    cfg.validate()
+    return cfg
+
+
+def hf_config(cfg: ModelConfig, tok=None):
+    """mmpipe Qwen3.5 config -> transformers' Qwen3_5Config, with tok's special ids in its text config."""
+    from transformers import Qwen3_5Config
+
+    from .llava import token_ids
+    v, t = cfg.vision, cfg.text
+    act = {mine: theirs for theirs, mine in ACTS.items()}[v.act]
+    vision = dict(depth=v.n_layers, hidden_size=v.dim, intermediate_size=v.ff_dim, num_heads=v.n_heads,
+                  in_channels=v.channels, patch_size=v.patch_size, spatial_merge_size=v.merge_size,
+                  temporal_patch_size=v.temporal_patch_size, out_hidden_size=t.dim, hidden_act=act,
+                  num_position_embeddings=v.num_position_embeddings)
+    text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
+                num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, head_dim=t.head_dim,
+                vocab_size=t.vocab_size, max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps,
+                tie_word_embeddings=t.tie_embeddings, layer_types=list(t.layer_types),
+                linear_conv_kernel_dim=t.linear_conv_kernel, linear_key_head_dim=t.linear_key_dim,
+                linear_value_head_dim=t.linear_value_dim, linear_num_key_heads=t.linear_key_heads,
+                linear_num_value_heads=t.linear_value_heads,
+                rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta,
+                                 "mrope_section": list(t.mrope_section), "mrope_interleaved": True,
+                                 "partial_rotary_factor": t.partial_rotary_factor},
+                **token_ids(tok, t.vocab_size))
+    return Qwen3_5Config(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
+                         vision_start_token_id=cfg.vision_start_id, vision_end_token_id=cfg.vision_end_id,
+                         tie_word_embeddings=t.tie_embeddings)
+
+
+def _without_mtp(source):
+    """The source less its multi-token-prediction head (mtp.*: the released checkpoints carry one, transformers'
+    Qwen3_5ForConditionalGeneration ignores it on load, and so does the import)."""
+    if isinstance(source, LazyWeights):
+        return LazyWeights({k: f for k, f in source.files.items() if not k.startswith("mtp.")})
+    return {k: v for k, v in as_weights(source).items() if not k.startswith("mtp.")}
+
+
+def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
+    """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
+    source = as_weights(_without_mtp(source))
+    assign, report = plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen3_5"])
+    fill(model, source, assign)
+    return report
+
+
+def hf_qwen3_5_config(path: str | Path):
+    """An HF Qwen3.5 directory's (HF config, mmpipe config); no weight is read."""
+    path = Path(path)
+    hf = read_hf_config(path, tuple(HF_CLASSES))
+    return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
+
+
+def read_qwen3_5(path: str | Path) -> Imported:
+    """An HF Qwen3_5ForConditionalGeneration directory, decided from its config and tensor headers (no weight read
+    yet): save it layer by layer (Imported.save) or as a model (Imported.model)."""
+    path = Path(path)
+    _, cfg = hf_qwen3_5_config(path)
+    source = _without_mtp(open_weights(path))
+    assign, report = plan_named(cfg, source, str(path), key_map(cfg), HF_CLASSES["qwen3_5"])
+    report.notes += processor_defaults(path, lambda proc: pixel_defaults_taken(proc, DEFAULT_PIXELS, clip=False))
+    return Imported(cfg, assign, source, report)
+
+
+def import_qwen3_5(path: str | Path, dtype=torch.float32) -> tuple[ReferenceModel, ImportReport]:
+    """An HF Qwen3_5ForConditionalGeneration directory -> (mmpipe single-device model, report)."""
+    got = read_qwen3_5(path)
+    return got.model(dtype), got.report
+
+
+def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
+    """Write an HF directory (config.json, generation_config.json, the weights sharded, its image processor) that
+    from_pretrained loads, one layer in memory at a time; source: a model or a run's layers (mmpipe.hf.stream)."""
+    cfg = source.cfg
+    out = write_hf(source, out, hf_config(cfg, tok), key_map(cfg), shard_size=shard_size)
+    if cfg.vision.max_pixels:
+        image_processor(cfg.vision).save_pretrained(out)
+    return out

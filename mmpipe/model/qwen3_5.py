@@ -1,0 +1,309 @@
+"""The Qwen3.5 layers (dense): Qwen3-VL's tower without DeepStack (its layers, imported), and a hybrid decoder whose
+layers are Gated DeltaNet (linear attention) or gated full attention as text.layer_types says.
+
+Layer list (`qwen3_5_specs`), Qwen3.5-9B's decoder as the example (32 layers of 4096: 3 linear then 1 full, x 8):
+
+    Qwen3PatchEmbed, Qwen3VisionBlock x n, Qwen3Merger   mmpipe.model.qwen3_vl's (the same math, no DeepStack)
+    Qwen3Embed             Qwen2-VL's: the merged tokens onto the <|image_pad|> placeholders
+    DeltaNetBlock          zero-centred RMSNorm (x (1 + w)), Gated DeltaNet (below), RMSNorm, SwiGLU
+    GatedAttentionBlock    zero-centred RMSNorm, attention whose q_proj also gives a per-channel output gate
+                           (sigmoid), q / k zero-centred RMSNorms per head, the interleaved multimodal rotary on the
+                           first rotary_dim of each head (256 x 0.25 = 64), causal within each sample
+    ZeroCentredNorm        the final norm
+    head                   tied or untied (mmpipe.model.llava's)
+
+Gated DeltaNet, per layer (Qwen3.5-9B: 16 key heads of 128, 32 value heads of 128, kernel 4):
+
+    qkv = silu(causal depthwise conv over the row (kernel K) of in_proj_qkv(x))  -> q, k [Hk, dk], v [Hv, dv]
+    q, k l2-normed per head, q x dk^-1/2; each key head serves Hv / Hk consecutive value heads
+    beta = sigmoid(in_proj_b x), alpha = exp(g), g = -exp(A_log) softplus(in_proj_a x + dt_bias)     [Hv]
+    S_t = alpha_t S_{t-1} + k_t beta_t (v_t - alpha_t S_{t-1}^T k_t)^T      the per-head state S [dk, dv]
+    o_t = S_t^T q_t; out_proj(RMSNorm(o_t) w silu(in_proj_z x))
+
+Packed rows (several samples in a row, `segments`): exact per sample. The convolution's taps are masked by segment
+equality (a tap t - j counts only when position t - j is in t's sample). The recurrence restarts every sample at a
+zero state by the gate: alpha = 0 at each sample start (g = -inf there), which is the delta rule's own way to forget.
+A -inf inside the chunked form's cumulative log-decay would give -inf - -inf = NaN, so `chunk_delta_rule` takes
+that limit exactly instead: every decay product that spans a sample start is 0 (masks on the within-chunk pairs, on
+the carried state's read and on its carry to the next chunk), the rest are the finite products of the sample's own
+gates. One chunked kernel thus serves packed rows, single samples and generation (an initial state). Parameter
+names follow transformers' Qwen3_5ForConditionalGeneration (mmpipe.hf.qwen3_5 maps them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import apply_partial_rotary, attend, cached_attention, row_attention, row_cached
+from .llava import LlamaBlock, SwiGLU, decoder_specs
+from .qwen2_vl import mrope_positions, rope_delta, used_grids
+from .qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock, interleaved_rotary
+from .stage import StageTuple, unpack_in, unpack_out
+
+CHUNK = 64  # positions per chunk of the delta rule (transformers' and flash-linear-attention's default)
+
+
+class ZeroCentredNorm(nn.Module):
+    """RMSNorm whose weight starts at 0 and scales by (1 + w), in fp32 (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedNorm(nn.Module):
+    """RMSNorm of each value head's output (weight from 1), times silu(z) (transformers' Qwen3_5RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * y.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
+
+
+def sample_starts(segments: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: a position whose segment differs from the one before it (and position 0): where the recurrence
+    restarts. E.g. segments [1 1 1 2 2 0 0] -> [T F F T F T F] (padding is a run of its own)."""
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return starts
+
+
+def chunk_delta_rule(q, k, v, g, beta, starts=None, state=None, chunk: int = CHUNK):
+    """The gated delta rule, chunked: q, k [B, L, H, dk] (l2-normed, q scaled), v [B, L, H, dv], g, beta [B, L, H]
+    (log decay <= 0, write strength), starts bool [B, L] (the state is zeroed before these positions: alpha = 0
+    there; None: no restart), state [B, H, dk, dv] carried in (None: zeros). -> (o [B, L, H, dv], final state).
+
+    Per chunk of C positions with log-decay prefix sums c (c_i = g_1 + .. + g_i in the chunk) and runs (positions
+    with no start between them): the within-chunk delta rule is the unit lower-triangular system
+    (I + tril(beta_i k_i.k_j G_ij, -1)) [U | W] = [beta V | beta K exp(c) r], G_ij = exp(c_i - c_j) when j <= i in
+    one run, else 0, and r_i = 1 when i is in the run the carried state S belongs to (no start in the chunk up to
+    i); then V' = U - W S, o = (Q exp(c) r) S + (Q K^T . G) V', S <- S exp(c_C) r_C + (K exp(c_C - c) m)^T V', m_j =
+    1 when j is in the chunk's last run. Python loops over chunks (L / 64), never over positions."""
+    B, L, H, dk = k.shape
+    dv = v.shape[-1]
+    dt = q.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    starts = torch.zeros(B, L, dtype=torch.bool, device=q.device) if starts is None else starts
+    pad = (-L) % chunk  # zero k, v, beta and g past the end: the padded positions leave the state as it is
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+        starts = F.pad(starts, (0, pad))
+    n = (L + pad) // chunk
+    # [B, H, n, C, d] and [B, H, n, C]
+    q, k, v = (x.transpose(1, 2).reshape(B, H, n, chunk, -1) for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).reshape(B, H, n, chunk) for x in (g, beta))
+    run = starts.reshape(B, 1, n, chunk).long().cumsum(-1)  # run index within the chunk, 0 = the carried state's
+    c = g.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    same = (run[..., :, None] == run[..., None, :]) & lower  # [B, 1, n, C, C]: j <= i, one run
+    G = (c[..., :, None] - c[..., None, :]).masked_fill(~same, float("-inf")).exp()
+    r = (run == 0).float()  # [B, 1, n, C]
+    last = (run == run[..., -1:]).float()
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * G  # its diagonal beta_i |k_i|^2 is not read: unitriangular
+    U = torch.linalg.solve_triangular(A, vb, upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(A, kb * (c.exp() * r)[..., None], upper=False, unitriangular=True)
+    qs = q * (c.exp() * r)[..., None]
+    inner = (q @ k.transpose(-1, -2)) * G
+    kc = k * ((c[..., -1:] - c).exp() * last)[..., None]
+    carry = (c[..., -1].exp() * r[..., -1])[..., None, None]  # [B, H, n, 1, 1]
+    S = torch.zeros(B, H, dk, dv, device=q.device) if state is None else state.float()
+    out = []
+    for i in range(n):
+        vi = U[:, :, i] - W[:, :, i] @ S
+        out.append(qs[:, :, i] @ S + inner[:, :, i] @ vi)
+        S = S * carry[:, :, i] + kc[:, :, i].transpose(-1, -2) @ vi
+    o = torch.stack(out, 2).reshape(B, H, n * chunk, dv)[:, :, :L].transpose(1, 2)
+    return o.to(dt), S
+
+
+def segment_conv(x: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor | None,
+                 past: torch.Tensor | None = None):
+    """The causal depthwise convolution of x [B, L, C] with weight [C, 1, K] (out_t = sum_j w[K-1-j] x_{t-j}), a tap
+    t - j counted only when it is in t's sample (segments [B, L]; None: all one sample), then silu. past [B, K-1, C]:
+    the inputs before x (generation), one sample with it. K shifted copies, one per tap: K = 4 multiplies a row."""
+    K, L = weight.shape[-1], x.shape[1]
+    w = weight[:, 0].to(x.dtype)  # [C, K]
+    full = x if past is None else torch.cat([past.to(x.dtype), x], 1)
+    P = full.shape[1] - L  # inputs before x's first position
+    out = x * w[:, K - 1]
+    for j in range(1, K):
+        shifted = F.pad(full, (0, 0, j, 0))[:, P:P + L]  # x_{t-j}, zeros before the first input
+        if segments is not None and past is None:
+            ok = torch.zeros_like(segments, dtype=torch.bool)
+            ok[:, j:] = segments[:, j:] == segments[:, :-j]
+            shifted = shifted * ok[..., None].to(x.dtype)
+        out = out + shifted * w[:, K - 1 - j]
+    return F.silu(out)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer (module docstring), transformers' parameter names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = cfg.text
+        self.hk, self.hv, self.dk, self.dv = t.linear_key_heads, t.linear_value_heads, t.linear_key_dim, \
+            t.linear_value_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        conv = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(conv, conv, t.linear_conv_kernel, groups=conv, bias=False,
+                                padding=t.linear_conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.empty(self.hv).uniform_(0.01, 16).log())
+        self.norm = GatedNorm(self.dv, t.ln_eps)
+        self.out_proj = nn.Linear(self.value_dim, t.dim, bias=False)
+        self.in_proj_qkv = nn.Linear(t.dim, conv, bias=False)
+        self.in_proj_z = nn.Linear(t.dim, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(t.dim, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(t.dim, self.hv, bias=False)
+
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None, cache: dict | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. segments [B, T]: the row's samples (forward, prefill); with a cache holding
+        "conv" / "state" (generation's later steps) the T new positions continue the cached sample."""
+        B, T, _ = x.shape
+        K = self.conv1d.kernel_size[0]
+        mixed = self.in_proj_qkv(x)
+        past = None if cache is None else cache.get("conv")
+        state = None if cache is None else cache.get("state")
+        qkv = segment_conv(mixed, self.conv1d.weight, segments, past)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        rep = self.hv // self.hk  # each key head serves rep consecutive value heads
+        q, k = (self._l2(a.reshape(B, T, self.hk, self.dk)).repeat_interleave(rep, 2) for a in (q, k))
+        q = q * self.dk ** -0.5
+        v = v.reshape(B, T, self.hv, self.dv)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        starts = sample_starts(segments) if state is None and segments is not None else None
+        o, S = chunk_delta_rule(q, k, v, g, beta, starts, state)
+        if cache is not None:  # generation: one sample per row, its last K - 1 inputs and state go on
+            cache["conv"] = (mixed if past is None else torch.cat([past, mixed], 1))[:, -(K - 1):]
+            cache["state"] = S
+        z = self.in_proj_z(x).view(B, T, self.hv, self.dv)
+        return self.out_proj(self.norm(o, z).reshape(B, T, -1))
+
+    @staticmethod
+    def _l2(x: torch.Tensor) -> torch.Tensor:
+        """x / sqrt(|x|^2 + 1e-6) per head, in fp32 (flash-linear-attention's l2norm, as transformers uses it)."""
+        x = x.float()
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: q_proj gives each head [q | gate] (2 x head_dim), the output is
+    o_proj(attention x sigmoid(gate)); q / k zero-centred RMSNorms per head; rotary on the first rotary_dim."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = cfg.text
+        self.n_heads, self.kv_heads, self.head_dim, self.theta = t.n_heads, t.kv_heads, t.head_dim, t.rope_theta
+        self.q_proj = nn.Linear(t.dim, 2 * t.n_heads * t.head_dim, bias=False)
+        self.k_proj = nn.Linear(t.dim, t.kv_heads * t.head_dim, bias=False)
+        self.v_proj = nn.Linear(t.dim, t.kv_heads * t.head_dim, bias=False)
+        self.o_proj = nn.Linear(t.n_heads * t.head_dim, t.dim, bias=False)
+        self.q_norm, self.k_norm = ZeroCentredNorm(t.head_dim, t.ln_eps), ZeroCentredNorm(t.head_dim, t.ln_eps)
+
+    def forward(self, x, mask, rotary, cache: dict | None = None):
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
+        out = attend(q, k, v, mask) if cache is None else cached_attention(q, k, v, cache, mask)
+        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
+
+
+class Qwen35Block(LlamaBlock):
+    """The residual frame both layer kinds share: x + mixer(norm x), then x + SwiGLU(norm x), zero-centred norms."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        t = self.text = cfg.text
+        self.token, self.merge = cfg.image_token_id, cfg.vision.merge_size
+        self.input_layernorm = ZeroCentredNorm(t.dim, t.ln_eps)
+        self.post_attention_layernorm = ZeroCentredNorm(t.dim, t.ln_eps)
+        self.mlp = SwiGLU(t.dim, t.ff_dim)
+
+    def run(self, t: StageTuple, start: int, cache: dict | None = None):
+        x = t.hidden + self.mix(self.input_layernorm(t.hidden), t, start, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeltaNetBlock(Qwen35Block):
+    """A linear-attention decoder layer (Gated DeltaNet): per-sample exact on packed rows (module docstring).
+    Generation: the prefill keeps the last K - 1 conv inputs and the state, each step continues them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.linear_attn = GatedDeltaNet(cfg)
+
+    def mix(self, x, t: StageTuple, start: int, cache: dict | None):
+        return self.linear_attn(x, t.segments if start == 0 else None, cache)
+
+
+class GatedAttentionBlock(Qwen35Block):
+    """A full-attention decoder layer: causal within each sample, Qwen3-VL's multimodal positions (the row's grids)
+    under the interleaved rotary on the first rotary_dim of each head; cached decoding keeps the rope delta."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.self_attn = GatedAttention(cfg)
+
+    def mix(self, x, t: StageTuple, start: int, cache: dict | None):
+        return self.self_attn(x, *self.geometry(t, start, cache), cache)
+
+    def geometry(self, t: StageTuple, start: int, cache: dict | None):
+        rd, theta, text = self.text.rotary_dim, self.text.rope_theta, self.text
+        if start == 0:
+            used_grids(t)
+            pos, rotary = row_cached(
+                (t.input_ids, t.segments, t.tiling, t.has_image),
+                ("mrope3.5", self.token, self.merge, rd, theta, text.mrope_section),
+                lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge),
+                         interleaved_rotary(p, rd, theta, text.mrope_section)))
+            if cache is not None:
+                cache["rope_delta"] = rope_delta(pos, t.segments)
+            return row_attention(t.segments), rotary
+        T = t.segments.shape[-1]
+        pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
+        return None, interleaved_rotary(pos.expand(3, -1, -1), rd, theta, text.mrope_section)
+
+
+class Qwen35FinalNorm(nn.Module):
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = ZeroCentredNorm(cfg.text.dim, cfg.text.ln_eps)
+
+    def forward(self, args):
+        t = unpack_in(self, args)
+        return t._replace(hidden=self.norm(t.hidden)).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return unpack_out(self, self(t.pack()))
+
+
+BLOCKS = {"linear_attention": DeltaNetBlock, "full_attention": GatedAttentionBlock}
+
+
+def qwen3_5_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    v, t = cfg.vision, cfg.text
+    tower = [LayerSpec(Qwen3PatchEmbed, cfg)] + [LayerSpec(Qwen3VisionBlock, cfg) for _ in range(v.n_layers)]
+    text = decoder_specs(cfg, Qwen3Embed)  # [embed, block x n, FinalNorm, head]: blocks and norm replaced
+    text[1:1 + t.n_layers] = [LayerSpec(BLOCKS[kind], cfg) for kind in t.layer_types]
+    text[1 + t.n_layers] = LayerSpec(Qwen35FinalNorm, cfg)
+    return tower + [LayerSpec(Qwen3Merger, cfg)] + text
