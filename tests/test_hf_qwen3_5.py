@@ -1,0 +1,242 @@
+"""The Qwen3.5 family (dense) against transformers' Qwen3_5ForConditionalGeneration (tiny, random, built here:
+tests/qwen3_5_models.py; decoder layers linear, linear, full, linear): imported, mmpipe's model gives HF's logits for
+single images, two images of different sizes in one conversation and a text-only sample; the samples packed into one
+row give each sample's logits alone (transformers' own on each sample alone: its torch path has no sample
+boundaries, and given the packed row it differs, by the amount docs/qwen3_5.md quotes); a state or a convolution
+carried across a sample boundary changes the next sample's logits; the chunked delta rule equals a per-position
+recurrence written here; cached greedy decoding gives HF's `generate` tokens; the export loads back; a layer pattern
+that does not match the layer count is one line. In-process, no launches."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mmpipe.cli import main
+from mmpipe.config import ConfigError, load_preset
+from mmpipe.hf.qwen3_5 import export_hf, import_qwen3_5
+from mmpipe.inference.generate import generate
+from mmpipe.inference.sampling import Sampling
+from mmpipe.model import ReferenceModel
+from mmpipe.model import qwen3_5 as q35
+from mmpipe.runtime.checkpoint import load_reference
+from qwen3_5_models import LAYER_TYPES, qwen3_5_config, save_qwen3_5
+from qwen_models import IMAGE, hf_logits, save_tokenizer
+from test_hf_qwen2_vl import _cached_logits
+from test_hf_qwen3_vl import SAMPLES, _sample, row
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_5")
+    hf = save_qwen3_5(d)
+    model, report = import_qwen3_5(d)
+    return d, hf, model.eval(), report
+
+
+def test_import_gives_hf_logits(qwen3_5):
+    """Single images of 3 sizes, two images of different sizes in one conversation, text only: HF's logits."""
+    d, hf, model, report = qwen3_5
+    assert report.mapped == len(load_file(str(d / "model.safetensors")))
+    t = model.cfg.text
+    assert t.layer_types == tuple(LAYER_TYPES) and (t.rotary_dim, t.head_dim) == (12, 48)
+    kinds = [type(layer).__name__ for layer in model]
+    assert kinds.count("DeltaNetBlock") == 3 and kinds.count("GatedAttentionBlock") == 1
+    for i, (name, _) in enumerate(SAMPLES):
+        ids, px, grids = _sample(i)
+        with torch.no_grad():
+            got = model(*row([(ids, px, grids)])[0])[0, :len(ids)]
+        assert (got - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL, name
+
+
+def _packed(model):
+    """(every sample, the packed row's inputs, each sample's span, the packed logits)."""
+    samples = [_sample(i) for i in range(len(SAMPLES))]
+    inputs, spans = row(samples, extra_patches=12)
+    with torch.no_grad():
+        return samples, inputs, spans, model(*inputs)[0]
+
+
+def test_packed_row_gives_each_samples_logits(qwen3_5):
+    """Every sample in one row (90 positions: two chunks of 64, a chunk edge inside a sample; an unused slot, padding
+    patches and positions): each sample's logits are its own run's and transformers' on that sample alone."""
+    _, hf, model, _ = qwen3_5
+    samples, inputs, spans, packed = _packed(model)
+    assert inputs[1].shape[1] > q35.CHUNK and any(a < q35.CHUNK < b for a, b in spans)
+    with torch.no_grad():
+        for (ids, px, grids), (a, b), (name, _) in zip(samples, spans, SAMPLES):
+            alone = model(*row([(ids, px, grids)], extra_patches=0, extra_positions=0, extra_slots=0)[0])[0]
+            assert (packed[a:b] - alone).abs().max().item() < TOL, name
+            assert (packed[a:b] - hf_logits(hf, ids, px, grids)).abs().max().item() < TOL, name
+
+
+def _no_restart(segments):
+    """sample_starts as if the row were one sample: only position 0 restarts the recurrence."""
+    starts = torch.zeros_like(segments, dtype=torch.bool)
+    starts[:, 0] = True
+    return starts
+
+
+def test_state_or_conv_carried_across_a_boundary_changes_the_next_sample(qwen3_5, monkeypatch):
+    """The per-sample exactness is not vacuous: with the recurrent state carried into the next sample (its restart
+    taken away), or with the convolution reading the previous sample's last positions, every sample after the first
+    changes by more than 1e-3, the first not at all."""
+    _, _, model, _ = qwen3_5
+    _, inputs, spans, want = _packed(model)
+    conv = q35.segment_conv
+    for name, patch in (("state", ("sample_starts", _no_restart)),
+                        ("conv", ("segment_conv", lambda x, w, seg, past=None: conv(x, w, None, past)))):
+        with monkeypatch.context() as m:
+            m.setattr(q35, *patch)
+            with torch.no_grad():
+                got = model(*inputs)[0]
+        (a, b), later = spans[0], spans[1:]
+        assert (got[a:b] - want[a:b]).abs().max().item() < 1e-6, name
+        for (a, b), (sample, _) in zip(later, SAMPLES[1:]):
+            assert (got[a:b] - want[a:b]).abs().max().item() > 1e-3, (name, sample)
+
+
+def naive_delta_rule(q, k, v, g, beta, starts, state=None):
+    """The gated delta rule one position at a time (the definition): S <- 0 at a start, then S <- alpha S,
+    S <- S + k (beta (v - S^T k))^T, o = S^T q."""
+    B, L, H, dk = k.shape
+    S = torch.zeros(B, H, dk, v.shape[-1], dtype=torch.float64) if state is None else state.double()
+    out = []
+    for t in range(L):
+        S = S * (~starts[:, t]).double()[:, None, None, None] * g[:, t].double().exp()[..., None, None]
+        kt, vt = k[:, t].double(), v[:, t].double()
+        delta = (vt - (S * kt[..., None]).sum(-2)) * beta[:, t].double()[..., None]
+        S = S + kt[..., None] * delta[..., None, :]
+        out.append((S * q[:, t].double()[..., None]).sum(-2))
+    return torch.stack(out, 1), S
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_chunked_delta_rule_equals_the_per_position_recurrence(chunk):
+    """chunk_delta_rule on two rows of 50 positions with sample starts inside and on chunk edges (8, 16), from a
+    zero and from a given state: the per-position recurrence's outputs and final state within 1e-5. Row 0's first
+    run continues the given state (no start at 0), row 1 restarts at 0: the state reaches row 0's first 8 outputs
+    only."""
+    torch.manual_seed(0)
+    B, L, H, dk, dv = 2, 50, 3, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(B, L, H, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(B, L, H, dk), dim=-1)
+    v, beta = torch.randn(B, L, H, dv), torch.rand(B, L, H)
+    g = -torch.rand(B, L, H) * 0.3
+    starts = torch.zeros(B, L, dtype=torch.bool)
+    starts[0, [8, 13, 16, 40]] = True
+    starts[1, [0, 5, 6, 31]] = True
+    outs = []
+    for state in (None, torch.randn(B, H, dk, dv)):
+        o, S = q35.chunk_delta_rule(q, k, v, g, beta, starts, state, chunk=chunk)
+        want_o, want_S = naive_delta_rule(q, k, v, g, beta, starts, state)
+        assert (o.double() - want_o).abs().max().item() < 1e-5
+        assert (S.double() - want_S).abs().max().item() < 1e-5
+        outs.append(o)
+    assert (outs[1][0, :8] - outs[0][0, :8]).abs().max().item() > 1e-3
+    assert torch.allclose(outs[1][0, 8:], outs[0][0, 8:], atol=1e-6) and torch.allclose(outs[1][1], outs[0][1],
+                                                                                         atol=1e-6)
+    # a restart is what isolates the samples: without the starts the outputs after the first differ
+    o_all, _ = q35.chunk_delta_rule(q, k, v, g, beta, None, None, chunk=chunk)
+    assert (o_all[0, 8:] - o[0, 8:]).abs().max().item() > 1e-3
+
+
+def test_transformers_torch_path_differs_on_the_packed_row(qwen3_5):
+    """The reason the reference is each sample alone: transformers given the packed row as one sequence (its torch
+    path has no sample boundaries: the recurrence, the convolution and, for its attention, the causal mask run on
+    across samples) gives every later sample other logits, by more than 0.1."""
+    _, hf, model, _ = qwen3_5
+    samples, _, spans, packed = _packed(model)
+    ids = torch.cat([s[0] for s in samples])
+    px = torch.cat([s[1] for s in samples if s[1] is not None])
+    grids = torch.cat([s[2] for s in samples if s[2] is not None])
+    theirs = hf_logits(hf, ids, px, grids)
+    worst = [(theirs[a:b] - packed[a:b]).abs().max().item() for a, b in spans]
+    assert worst[0] < TOL and min(worst[1:]) > 0.1, worst
+
+
+def test_cached_decoding_equals_uncached_and_hf_generate(qwen3_5):
+    """Prefill then one position at a time: a KV cache for the full-attention layer, the last 3 conv inputs and
+    the recurrent state for the linear ones: the uncached logits, and transformers' greedy `generate` tokens."""
+    _, hf, model, _ = qwen3_5
+    ids, px, grids = _sample(3)  # two images: the rope delta carries both blocks' offsets
+    new = [5, 17, 33]
+    inputs = row([(ids, px, grids)], extra_patches=4, extra_positions=0, extra_slots=0)[0]
+    with torch.no_grad():
+        cached = _cached_logits(model, inputs, new)
+        for k in range(len(new) + 1):
+            longer = torch.cat([ids, torch.tensor(new[:k], dtype=torch.long)])
+            full = model(inputs[0], longer[None], inputs[2], torch.ones(1, len(longer), dtype=torch.long), inputs[4])
+            assert (cached[k] - full[0, -1]).abs().max().item() < TOL, k
+    ids, px, grids = _sample(2)
+    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
+    greedy = Sampling(eos_id=None, max_new_tokens=6)
+    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
+    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
+                          mm_token_type_ids=(ids == IMAGE).int()[None], max_new_tokens=6, min_new_tokens=6,
+                          do_sample=False)
+    assert out[0, len(ids):].tolist() == mine
+
+
+def test_export_loads_in_transformers_and_the_import_command(qwen3_5, tmp_path, capsys):
+    """`mmpipe import --hf` writes the imported weights; the export loads in transformers with mmpipe's logits (after
+    a perturbation, so the exported weights are the model's) and imports back to the same weights."""
+    from hf_models import perturbed
+    d, hf, model, _ = qwen3_5
+    shutil.copytree(d, tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    assert "imported qwen3_5 model" in capsys.readouterr().out
+    run = load_reference(tmp_path / "run" / "checkpoints", model.cfg)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, run.state_dict()[k]), k
+    changed = perturbed(model)
+    export_hf(changed, tmp_path / "out")
+    back = type(hf).from_pretrained(tmp_path / "out").eval()
+    ids, px, grids = _sample(3)
+    with torch.no_grad():
+        mine = changed(*row([(ids, px, grids)])[0])[0, :len(ids)]
+    assert (mine - hf_logits(back, ids, px, grids)).abs().max().item() < TOL
+    again, _ = import_qwen3_5(tmp_path / "out")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), changed.state_dict().values()))
+
+
+def test_layer_pattern_not_matching_the_layer_count_is_one_line(tmp_path, capsys):
+    """A checkpoint listing 3 layer kinds for 4 layers: `mmpipe import --hf` says so in one line, exit 2 (transformers'
+    own config class refuses it as the directory is read); a model JSON of the same mismatch is refused by the
+    family's config check."""
+    hf = qwen3_5_config()
+    hf.text_config.layer_types = LAYER_TYPES[:3]
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`num_hidden_layers` (4) must be equal to the number of `layer_types` (3)" in err
+    assert not (tmp_path / "run").exists()
+    cfg = load_preset("qwen3.5-tiny")
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, n_layers=5)).validate()
+    assert "text.layer_types: 4 layer kinds for 5 decoder layers" in str(e.value)
+
+
+def test_tiny_preset_runs_a_packed_row_and_trains_a_step():
+    """qwen3.5-tiny builds (3 linear + 1 full layer), runs a packed row of two samples and backpropagates into every
+    Gated DeltaNet parameter (the decays A_log and dt_bias, the conv, the gates)."""
+    cfg = load_preset("qwen3.5-tiny")
+    model = ReferenceModel(cfg, seed=0)
+    L, P = 20, 16
+    ids = torch.randint(3, 190, (1, L))
+    ids[0, 3:7] = cfg.image_token_id  # a 4 x 4-patch image: 4 merged tokens
+    segments = torch.tensor([[1] * 12 + [2] * 6 + [0] * 2])
+    tiling = torch.tensor([[[1, 4, 4]]])
+    logits = model(torch.randn(1, P, cfg.vision.patch_dim), ids, torch.tensor([[1]]), segments, tiling)
+    logits.float().pow(2).mean().backward()
+    for name, p in model.named_parameters():
+        if "linear_attn" in name:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
