@@ -270,3 +270,33 @@ def test_stage1_start_streams_in_bf16_as_the_model_import(tmp_path, kind):
         else:
             assert torch.equal(a, b), name
     assert (tmp_path / "run" / "tokenizer").is_dir()
+
+
+def test_lora_run_exports_merged_layer_by_layer(tmp_path):
+    """A LoRA run's export merges each layer alone (MergedRunLayers): the same tensors, bit for bit, as the whole
+    model merged in memory (load_reference(merged=True)), and one layer file read at a time."""
+    from hf_models import with_random_adapters
+    from mmpipe.hf.commands import save_run
+    from mmpipe.model.lora import LORA_FILE
+    from mmpipe.runtime.checkpoint import load_reference
+    save_bf16("qwen2", tmp_path / "hf")
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base")]) == 0
+    base = load_reference(tmp_path / "base" / "checkpoints", _cfg(tmp_path / "base"))
+    adapted = with_random_adapters(base, groups=("vision", "text"))
+    save_run(adapted, tmp_path / "run")
+    (tmp_path / "run" / LORA_FILE).write_text(json.dumps(adapted.lora.to_dict()))
+    want = load_reference(tmp_path / "run" / "checkpoints", base.cfg, merged=True).state_dict()
+    layers = stream.MergedRunLayers(tmp_path / "run" / "checkpoints" / "imported", base.cfg, adapted.lora)
+    metas = layers.metas()
+    for i in layers.layers:
+        got = layers.load(i)
+        assert list(got) == list(metas[i]) and all(got[k].dtype == metas[i][k][0] for k in got)
+        assert all(torch.equal(t, want[f"{i}.{k}"]) for k, t in got.items()), i
+    assert any(not torch.equal(want[k], base.state_dict()[k]) for k in want)  # the adapters changed something
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    assert set(read_dir(tmp_path / "out")) == set(read_dir(tmp_path / "hf"))
+
+
+def _cfg(run):
+    from mmpipe.config import config_from_dict
+    return config_from_dict(json.loads((run / "model.json").read_text()), run.name)

@@ -46,7 +46,7 @@ from .qwen3_vl import export_hf as export_qwen3_vl
 from .qwen3_vl import hf_qwen3_config, import_qwen3_vl, read_qwen3_vl
 from .qwen3_vl import key_map as qwen3_vl_key_map
 from .safetensors_io import DEFAULT_SHARD_SIZE, parse_size, write_sharded
-from .stream import ModelLayers, RunLayers, renamed_tensors
+from .stream import MergedRunLayers, ModelLayers, RunLayers, renamed_tensors
 
 # the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory,
 # whose third argument is the run's tokenizer: its special ids go into the config)
@@ -234,15 +234,17 @@ def consolidated(model, layout: str = "current", region=None) -> dict[str, torch
 
 
 def _layers(run: Path, cfg, fmt: str):
-    """The run's layers to export: read one file at a time (mmpipe.hf.stream.RunLayers), or for a LoRA run, whose
-    adapters are merged into (or, peft, kept beside) the base weights, its single-device model in memory."""
+    """The run's layers to export, read one file at a time (mmpipe.hf.stream.RunLayers; a LoRA run's merged
+    layer by layer, MergedRunLayers); --format peft, whose adapters go beside an unmerged base through peft's
+    own model, the single-device model in memory."""
     ckpt = run / "checkpoints"
-    if fmt == "peft" or read_lora(run) is not None:
-        return ModelLayers(load_reference(ckpt, cfg, merged=fmt != "peft"))
+    if fmt == "peft":
+        return ModelLayers(load_reference(ckpt, cfg))
     tag = latest_tag(ckpt)
     if tag is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt} (no 'latest' file)")
-    return RunLayers(ckpt / tag, cfg)
+    lora = read_lora(run)
+    return RunLayers(ckpt / tag, cfg) if lora is None else MergedRunLayers(ckpt / tag, cfg, lora)
 
 
 def write_consolidated(layers, out: Path, layout: str = "current", region=None) -> Path:

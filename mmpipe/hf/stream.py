@@ -4,11 +4,13 @@ Import: an importer decides, from the source's names and shapes alone (mmpipe.hf
 reads only headers), which source tensor fills each mmpipe weight (`Imported.assign`). `Imported.save` then
 reads one layer's tensors, saves them as that layer's file in the source's dtype (bf16 in, bf16 layer files
 out: DeepSpeed's engine and load_state_dict cast on load, as for any checkpoint) and drops them before the
-next layer: the peak is the largest layer (Qwen2.5-VL-72B: the 152k x 8192 embedding, 2.5 GB of bf16) however
-large the model. `Imported.model` fills a single-device model instead (tests, small models).
+next layer: the peak is the largest layer (Qwen2.5-VL-72B: the embedding, 152064 x 8192 x 2 B = 2.49 GB of
+bf16, against 144 GB for the whole checkpoint) however large the model. `Imported.model` fills a single-device
+model instead (tests, small models).
 
 Export: `RunLayers` reads a run's layer files one at a time (a plan pass reads only their shapes and dtypes,
-mmap'ed), `ModelLayers` serves a model already in memory; mmpipe.hf.export renames and writes them.
+mmap'ed), `MergedRunLayers` a LoRA run's with each layer's adapters merged as it is read, `ModelLayers` serves a
+model already in memory; mmpipe.hf.export renames and writes them.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..model.builder import ReferenceModel, shapes_only
+from ..model.builder import ReferenceModel, build_layer, layer_specs, shapes_only
+from ..model.lora import add_adapters, base_name, is_adapter, merge_adapters
 
 
 def meta_model(cfg: ModelConfig) -> ReferenceModel:
@@ -107,6 +110,36 @@ class RunLayers:
 
     def load(self, idx: int) -> dict[str, torch.Tensor]:
         return torch.load(layer_file(self.dir, idx), map_location="cpu", weights_only=True, mmap=True)
+
+
+class MergedRunLayers(RunLayers):
+    """A LoRA run's layers with their adapters folded into the base weights (W += (alpha / r) B A, as
+    load_reference(merged=True)), one layer at a time: a layer file with adapters is loaded into that layer built
+    alone with them, merged, and handed over under the base model's names."""
+
+    def __init__(self, ckpt: Path, cfg: ModelConfig, lora):
+        super().__init__(ckpt, cfg)
+        self.lora, self.specs, self.plain = lora, layer_specs(cfg), meta_model(cfg)
+
+    def metas(self):
+        """The merged names and shapes (the plain layer's), each in its base weight's dtype."""
+        out = {}
+        for i, files in super().metas().items():
+            dtypes = {base_name(k): dt for k, (dt, _) in files.items() if not is_adapter(k)}
+            out[i] = {k: (dtypes[k], tuple(t.shape)) for k, t in self.plain[i].state_dict().items()}
+        return out
+
+    def load(self, idx: int) -> dict[str, torch.Tensor]:
+        state = super().load(idx)
+        if not any(is_adapter(k) for k in state):
+            return state
+        dtypes = {base_name(k): t.dtype for k, t in state.items() if not is_adapter(k)}
+        layer = build_layer(self.specs[idx], idx, 0)  # fp32; every value is then the file's
+        add_adapters(layer, idx, self.lora, 0)
+        layer.load_state_dict(state)
+        del state
+        # merged in fp32, handed over in the base weights' own dtype (what metas planned)
+        return {k: t.detach().to(dtypes[k]) for k, t in merge_adapters(layer).state_dict().items()}
 
 
 class ModelLayers:
