@@ -25,12 +25,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..config import ModelConfig
 from ..model.families import FAMILIES, family_of
 from ..model.rows import IMAGE_SLOT
-import torch
-
 from .anyres import default_tile_budget, tile_rule
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
 from .crops import blank_image, make_transform, stack_images
