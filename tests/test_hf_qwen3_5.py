@@ -240,3 +240,54 @@ def test_tiny_preset_runs_a_packed_row_and_trains_a_step():
     for name, p in model.named_parameters():
         if "linear_attn" in name:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_tiny_preset_trains_on_packed_rows(tmp_path):
+    """qwen3.5-tiny trains through the data side (LLaVA records, images of mixed sizes and text-only samples packed
+    into rows, the `patches` kind) on the single-device loop: the loss falls and every linear layer's decay (A_log)
+    moves."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from conftest import write_ds_config
+    from fixtures_data import mixed_image_records
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
+    from mmpipe.runtime.reference import train_reference
+    from test_qwen_data import WORDS
+    from test_qwen_data import save_tokenizer as save_data_tokenizer
+    sizes = [(64, 64), (96, 64), (64, 128), (128, 96)]
+    rng = np.random.default_rng(0)
+    for k, (w, h) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"{k}.png")
+    records = mixed_image_records(12, len(sizes), WORDS[5:], lambda rnd, i: 1 + i % 5)
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    save_data_tokenizer(tmp_path / "tok")
+    ds = write_ds_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+                         optimizer={"type": "AdamW", "params": {"lr": 3e-3}})
+    args = ["--preset", "qwen3.5-tiny", "--data", str(tmp_path / "data.json"), "--tokenizer", str(tmp_path / "tok"),
+            "--ds-config", str(ds), "--text-len", "48", "--pack", "--max-images", "3", "--max-patches", "96",
+            "--eval-samples", "0", "--seed", "3", "--data-workers", "0", "--stages", "1",
+            "--output-dir", str(tmp_path / "out")]
+    run = resolve(TrainArgs.from_argv(args), world_size=1)
+    start = ReferenceModel(run.model, seed=3).state_dict()
+    model, losses = train_reference(run, seed=3, steps=8, out_dir=str(tmp_path / "out"))
+    assert all(np.isfinite(losses)) and min(losses[-3:]) < losses[0], losses
+    moved = [not torch.equal(layer.linear_attn.A_log, start[f"{i}.linear_attn.A_log"])
+             for i, layer in enumerate(model) if isinstance(layer, q35.DeltaNetBlock)]
+    assert moved == [True] * 3, moved
+
+
+def test_transformers_model_of_the_preset_has_mmpipes_parameter_count():
+    """mmpipe.hf.qwen3_5.hf_config of qwen3.5-tiny builds transformers' model (on the meta device) with exactly
+    mmpipe's parameter count, a tied head counted once."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from mmpipe.hf.qwen3_5 import hf_config
+    from test_docs import _parameters
+    with torch.device("meta"):
+        theirs = Qwen3_5ForConditionalGeneration(hf_config(load_preset("qwen3.5-tiny")))
+    seen = {id(p): p.numel() for p in theirs.parameters()}
+    assert sum(seen.values()) == _parameters("qwen3.5-tiny") == 288424
