@@ -91,7 +91,7 @@ def chunk_delta_rule(q, k, v, g, beta, starts=None, state=None, chunk: int = CHU
     1 when j is in the chunk's last run. Python loops over chunks (L / 64), never over positions."""
     B, L, H, dk = k.shape
     dv = v.shape[-1]
-    dt = q.dtype
+    dt = v.dtype  # the layer's dtype (q, k come l2-normed in fp32)
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     starts = torch.zeros(B, L, dtype=torch.bool, device=q.device) if starts is None else starts
     pad = (-L) % chunk  # zero k, v, beta and g past the end: the padded positions leave the state as it is
