@@ -307,3 +307,20 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(qwen3_5):
     assert mine.dtype == torch.bfloat16
     err, their_err = ((x.float() - want).abs().max().item() for x in (mine, theirs))
     assert err < 2 * their_err + 1e-3, (err, their_err)
+
+
+def test_lora_adapters_load_with_peft(qwen3_5, tmp_path):
+    """Adapters on every group's linears (the tower's, the merger's, the full-attention and the Gated DeltaNet
+    projections) export as a peft adapter of transformers' model, which then gives mmpipe's logits."""
+    from hf_models import peft_of, with_random_adapters
+    from mmpipe.hf.qwen3_5 import key_map
+    _, hf, model, _ = qwen3_5
+    adapted = with_random_adapters(model)
+    names = [n for n, _ in adapted.named_parameters() if "lora_A" in n]
+    assert any("linear_attn.in_proj_qkv" in n for n in names) and any("self_attn.q_proj" in n for n in names)
+    peft_model = peft_of(adapted, type(hf), tmp_path, key_map, export_hf)
+    ids, px, grids = _sample(3)
+    with torch.no_grad():
+        want = adapted(*row([(ids, px, grids)])[0])[0, :len(ids)]
+        assert (hf_logits(peft_model, ids, px, grids) - want).abs().max().item() < TOL
+        assert (hf_logits(hf, ids, px, grids) - want).abs().max().item() > 1e-2  # the adapters count
