@@ -21,7 +21,7 @@ from mmpipe.hf.safetensors_io import INDEX, LazyWeights, open_weights
 from mmpipe.model.builder import ReferenceModel, layer_specs
 from mmpipe.runtime import trainer
 
-FAMILIES = ("qwen2", "qwen2_5", "qwen3", "llava", "llava_next")
+FAMILIES = ("qwen2", "qwen2_5", "qwen3", "qwen3_5", "llava", "llava_next")
 
 
 def _hf_model(family: str):
@@ -30,11 +30,12 @@ def _hf_model(family: str):
 
     from hf_models import llava_config
     from llava_next_models import hf_config as next_config
+    from qwen3_5_models import qwen3_5_config
     from qwen3_models import qwen3_config
     from qwen_models import qwen_config
     cfg = {"qwen2": lambda: qwen_config("qwen2"), "qwen2_5": lambda: qwen_config("qwen2_5"),
-           "qwen3": lambda: qwen3_config(tie=True), "llava": lambda: llava_config("siglip_llama"),
-           "llava_next": lambda: next_config("next")}[family]()
+           "qwen3": lambda: qwen3_config(tie=True), "qwen3_5": qwen3_5_config,
+           "llava": lambda: llava_config("siglip_llama"), "llava_next": lambda: next_config("next")}[family]()
     return getattr(transformers, type(cfg).__name__.replace("Config", "ForConditionalGeneration"))(cfg)
 
 
