@@ -324,3 +324,35 @@ def test_lora_adapters_load_with_peft(qwen3_5, tmp_path):
         want = adapted(*row([(ids, px, grids)])[0])[0, :len(ids)]
         assert (hf_logits(peft_model, ids, px, grids) - want).abs().max().item() < TOL
         assert (hf_logits(hf, ids, px, grids) - want).abs().max().item() > 1e-2  # the adapters count
+
+
+def test_generate_command_from_hf_dir_and_imported_run(qwen3_5, tmp_path, capsys):
+    """`mmpipe generate` on an HF directory (and on its import) gives transformers' greedy answer to the prompt it
+    builds (the chat template, the image's bracketed block of its 2 x 3 merge units, the processor's patches)."""
+    from mmpipe.data.text import ConversationEncoder, image_text
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.inference.generate import with_images
+    from qwen3_models import encode
+    from qwen_models import image
+    d, hf, model, _ = qwen3_5
+    shutil.copytree(d, tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    image(96, 64, seed=5).save(tmp_path / "img.png")
+    gen = ["generate", "--image", str(tmp_path / "img.png"), "--prompt", "w7 w8", "--max-new-tokens", "5"]
+    assert main(gen + ["--checkpoint", str(tmp_path / "hf")]) == 0
+    from_hf = capsys.readouterr().out.strip()
+    tok = load_tokenizer(str(tmp_path / "hf"))
+    ids, at = ConversationEncoder(tok, 512, markers=True, image_text=image_text(tok, model.cfg)).prompt(
+        [("user", "w7 w8")], n_images=1)
+    px, grids = encode([image(96, 64, seed=5)])
+    prompt = torch.tensor(with_images(ids, model.cfg, at, [tuple(grids[0].tolist())]))
+    assert int((prompt == IMAGE).sum()) == 6
+    with torch.no_grad():
+        out = hf.generate(input_ids=prompt[None], pixel_values=px, image_grid_thw=grids, max_new_tokens=5,
+                          mm_token_type_ids=(prompt == IMAGE).int()[None], do_sample=False,
+                          eos_token_id=tok.eos_token_id)
+    assert from_hf == tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip() != ""
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main(gen + ["--checkpoint", str(tmp_path / "run"), "--no-cache"]) == 0
+    assert capsys.readouterr().out.strip() == from_hf
