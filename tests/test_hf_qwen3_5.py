@@ -356,3 +356,20 @@ def test_generate_command_from_hf_dir_and_imported_run(qwen3_5, tmp_path, capsys
     capsys.readouterr()
     assert main(gen + ["--checkpoint", str(tmp_path / "run"), "--no-cache"]) == 0
     assert capsys.readouterr().out.strip() == from_hf
+
+
+def test_multi_token_prediction_head_is_skipped_as_transformers_skips_it(qwen3_5, tmp_path):
+    """The released checkpoints carry a multi-token-prediction head (mtp.*) that Qwen3_5ForConditionalGeneration does
+    not build: the import skips it (any other unknown tensor still fails, naming it), to the same weights."""
+    from safetensors.torch import save_file
+    d, _, model, _ = qwen3_5
+    shutil.copytree(d, tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    extra = {"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.randn(64)}
+    save_file({**tensors, **extra}, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    got, _ = import_qwen3_5(tmp_path / "hf")
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
+    save_file({**tensors, "visual.extra.weight": torch.randn(2)}, str(tmp_path / "hf" / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="tensor 'visual.extra.weight' .* matches no weight"):
+        import_qwen3_5(tmp_path / "hf")
