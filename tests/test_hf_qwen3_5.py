@@ -373,3 +373,24 @@ def test_multi_token_prediction_head_is_skipped_as_transformers_skips_it(qwen3_5
               metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="tensor 'visual.extra.weight' .* matches no weight"):
         import_qwen3_5(tmp_path / "hf")
+
+
+def test_linear_layer_cost_is_linear_in_positions_and_counts_the_kernels_matmuls():
+    """The cost model's Gated DeltaNet rule: its forward FLOPs double with the positions (no L x L term), where a
+    full-attention layer's more than double; its delta-rule term less the two triangular solves (C (dk + dv) per
+    head and position) is exactly the matmul FLOPs torch's counter counts in chunk_delta_rule."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mmpipe.model import costs
+    cfg = load_preset("qwen3.5-tiny")
+    t = cfg.text
+    lin = [q35.DELTANET_BLOCK.cost_of(cfg, 1000, 0, L).fwd for L in (2048, 4096)]
+    full = [costs.QWEN_BLOCK.cost_of(cfg, 1000, 0, L).fwd for L in (2048, 4096)]
+    assert lin[1] == 2 * lin[0] and full[1] > 2.5 * full[0]
+    hv, dk, dv, C, L = t.linear_value_heads, t.linear_key_dim, t.linear_value_dim, q35.CHUNK, 256
+    x = [torch.randn(1, L, hv, d) for d in (dk, dk, dv)]
+    with FlopCounterMode(display=False) as counter:
+        q35.chunk_delta_rule(*x, -torch.rand(1, L, hv), torch.rand(1, L, hv))
+    conv = 2 * t.linear_key_heads * dk + hv * dv
+    rule = q35.DELTANET_BLOCK.cost_of(cfg, 0, 0, L).fwd - 2 * t.linear_conv_kernel * conv * L
+    assert counter.get_total_flops() == rule - hv * L * C * (dk + dv)

@@ -44,7 +44,7 @@ from .llava import (
 )
 from .llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
-from .qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, qwen3_5_specs
+from .qwen3_5 import DELTANET_BLOCK, DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, qwen3_5_specs
 from .qwen3_vl import (
     DEEPSTACK_ADDS,
     DEEPSTACK_MERGERS,
@@ -154,12 +154,12 @@ QWEN3_VL = Family(
     fields=lambda cfg: ROW + deepstack_fields(cfg) + (KEPT_TILING,), images="patches",
     fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS))
 
-# Qwen3-VL's tower without DeepStack; the linear-attention layers are costed as attention blocks of their width for
-# now (their own rule, linear in positions, is issue 45's open part: docs/qwen3_5.md)
+# Qwen3-VL's tower without DeepStack; a linear-attention layer is costed by its own rule, linear in positions
+# (mmpipe.model.qwen3_5.DELTANET_BLOCK), a full-attention one as a Qwen block
 QWEN3_5 = Family(
     "qwen3_5", "prefix", qwen3_5_specs, (Qwen3VisionBlock, DeltaNetBlock, GatedAttentionBlock),
     {Qwen3PatchEmbed: costs.QWEN_PATCH_EMBED, Qwen3VisionBlock: costs.QWEN_VISION_BLOCK,
-     Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, DeltaNetBlock: costs.QWEN_BLOCK,
+     Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, DeltaNetBlock: DELTANET_BLOCK,
      GatedAttentionBlock: costs.QWEN_BLOCK, Qwen35FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD,
      tied_head: costs.LINEAR_HEAD},
     hf_class="Qwen3_5ForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),

@@ -37,6 +37,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig
+from . import costs
 from .attention import apply_partial_rotary, attend, cached_attention, row_attention, row_cached
 from .llava import LlamaBlock, SwiGLU, decoder_specs
 from .qwen2_vl import mrope_positions, rope_delta, used_grids
@@ -298,6 +299,30 @@ class Qwen35FinalNorm(nn.Module):
 
 
 BLOCKS = {"linear_attention": DeltaNetBlock, "full_attention": GatedAttentionBlock}
+
+
+def _deltanet_block(cfg: ModelConfig, params: int, n: int, seq: int) -> costs.Cost:
+    """A Gated DeltaNet layer's cost per sample of seq positions: linear in seq (no L x L term, no mask).
+    FLOPs: 2 x params x seq (the projections and the MLP), the short convolution 2 K per channel, and per value head
+    and position the chunked delta rule at chunk C: C (5 dk + 3 dv) for the within-chunk matrices (k_beta k^T, q k^T:
+    2 C dk each; the two triangular solves: C dk + C dv; (q k^T) V': 2 C dv) + 6 dk dv for the carried state's read,
+    correction and update. E.g. Qwen3.5-9B's 32 value heads of 128 at C = 64: 32 x (64 x 1024 + 98304) = 5.2 MFLOPs a
+    position, against 4 x L x 4096 = 134 MFLOPs for a full layer's scores at L = 8192.
+    Activations (an estimate, not yet measured against autograd as tests/test_plan.py measures LlamaBlock's): per
+    position 6 D + 4 F (residuals, norms, MLP), 3 conv channels (projection, conv, silu), q / k before and after the
+    l2 norm (4 Hv dk, repeated to the value heads), v, z, o and the gated norm (4 Hv dv), g and beta, the chunk's
+    three C x C matrices per head (3 Hv C), U and W (Hv (dk + dv)) and the carried state (Hv dk dv / C); the kernel's
+    own tensors in fp32."""
+    t = cfg.text
+    hv, dk, dv, K, C = t.linear_value_heads, t.linear_key_dim, t.linear_value_dim, t.linear_conv_kernel, CHUNK
+    conv = 2 * t.linear_key_heads * dk + hv * dv
+    fwd = 2.0 * params * seq + 2.0 * K * conv * seq + hv * seq * (C * (5 * dk + 3 * dv) + 6 * dk * dv)
+    kernel = 4 * hv * dk + 3 * hv * C + hv * (dk + dv) + hv * dk * dv / C
+    act = (6 * t.dim + 4 * t.ff_dim + 3 * conv + 4 * hv * dv + 2 * hv + kernel) * seq
+    return costs.Cost(seq, fwd, act, (2 + hv + kernel) * seq, seq * t.dim)
+
+
+DELTANET_BLOCK = costs.LayerRule("DeltaNetBlock", _deltanet_block, "sequence")
 
 
 def qwen3_5_specs(cfg: ModelConfig) -> list[LayerSpec]:
