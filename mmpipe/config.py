@@ -209,11 +209,11 @@ class TextConfig:
     mrope_interleaved: bool = False
     qk_norm: bool = False
     attn_head_dim: int = 0
-    # Qwen3.5 family (mmpipe.model.qwen3_5): each decoder layer's kind, "linear_attention" (Gated DeltaNet) or
-    # "full_attention" (transformers' layer_types, one per layer; Qwen3.5: 3 linear then 1 full, repeated), and the
-    # linear layers' geometry: key / value heads and their widths, the short convolution's kernel (Qwen3.5-9B:
-    # 16 / 32 heads of 128 / 128, kernel 4)
-    layer_types: tuple[str, ...] = ()
+    # Qwen3.5 family (mmpipe.model.qwen3_5): the decoder layers that are full attention, the others Gated DeltaNet
+    # (transformers' layer_types as indices; Qwen3.5: every 4th, 3, 7, 11, ...: a shrunk model keeps one of each
+    # kind, mmpipe.check.equivalence.shrunk), and the linear layers' geometry: key / value heads and their widths, the
+    # short convolution's kernel (Qwen3.5-9B: 16 / 32 heads of 128 / 128, kernel 4)
+    full_attention_indexes: tuple[int, ...] = ()
     linear_key_heads: int = 0
     linear_value_heads: int = 0
     linear_key_dim: int = 0
@@ -441,16 +441,16 @@ def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """Qwen3-VL's tower checks without DeepStack, the partial interleaved rotary (sections summing to rotary_dim / 2,
     Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), and the layer pattern with the linear layers' geometry."""
     v, t = cfg.vision, cfg.text
-    kinds = ("linear_attention", "full_attention")
+    full = list(t.full_attention_indexes)
     checks = [c for c in _qwen3_vl_checks(cfg) if c[1] not in ("text.partial_rotary_factor", "text.mrope_section")]
-    linear = "linear_attention" in t.layer_types
+    linear = len(full) < t.n_layers
     return checks + [
         (not v.deepstack_indexes, "vision.deepstack_indexes",
          f"{list(v.deepstack_indexes)}: Qwen3.5's tower has no DeepStack (valid: [])"),
         (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.rotary_dim // 2, "text.mrope_section",
          f"{list(t.mrope_section)}: 3 sections summing to rotary_dim / 2 = {t.rotary_dim // 2}"),
-        (len(t.layer_types) == t.n_layers and all(k in kinds for k in t.layer_types), "text.layer_types",
-         f"{len(t.layer_types)} layer kinds for {t.n_layers} decoder layers (each one of {', '.join(kinds)})"),
+        (all(0 <= i < t.n_layers for i in full) and full == sorted(set(full)), "text.full_attention_indexes",
+         f"{full}: increasing layer indices of a {t.n_layers}-layer decoder"),
         (not linear or min(t.linear_key_heads, t.linear_key_dim, t.linear_value_dim, t.linear_conv_kernel) > 0
          and t.linear_value_heads % max(t.linear_key_heads, 1) == 0, "text.linear_value_heads",
          f"{t.linear_value_heads} value heads / {t.linear_key_heads} key heads of {t.linear_key_dim} / "

@@ -44,7 +44,8 @@ def test_import_gives_hf_logits(qwen3_5):
     d, hf, model, report = qwen3_5
     assert report.mapped == len(load_file(str(d / "model.safetensors")))
     t = model.cfg.text
-    assert t.layer_types == tuple(LAYER_TYPES) and (t.rotary_dim, t.head_dim) == (12, 48)
+    assert q35.layer_types(t) == tuple(LAYER_TYPES) and t.full_attention_indexes == (2,)
+    assert (t.rotary_dim, t.head_dim) == (12, 48)
     kinds = [type(layer).__name__ for layer in model]
     assert kinds.count("DeltaNetBlock") == 3 and kinds.count("GatedAttentionBlock") == 1
     for i, (name, _) in enumerate(SAMPLES):
@@ -210,8 +211,8 @@ def test_export_loads_in_transformers_and_the_import_command(qwen3_5, tmp_path, 
 
 def test_layer_pattern_not_matching_the_layer_count_is_one_line(tmp_path, capsys):
     """A checkpoint listing 3 layer kinds for 4 layers: `mmpipe import --hf` says so in one line, exit 2 (transformers'
-    own config class refuses it as the directory is read); a model JSON of the same mismatch is refused by the
-    family's config check."""
+    own config class refuses it as the directory is read); a model JSON whose full-attention layer is past its
+    decoder is refused by the family's config check, in one line."""
     hf = qwen3_5_config()
     hf.text_config.layer_types = LAYER_TYPES[:3]
     hf.save_pretrained(tmp_path / "hf")
@@ -221,8 +222,20 @@ def test_layer_pattern_not_matching_the_layer_count_is_one_line(tmp_path, capsys
     assert not (tmp_path / "run").exists()
     cfg = load_preset("qwen3.5-tiny")
     with pytest.raises(ConfigError) as e:
-        dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, n_layers=5)).validate()
-    assert "text.layer_types: 4 layer kinds for 5 decoder layers" in str(e.value)
+        dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, n_layers=3)).validate()
+    assert str(e.value) == ("model config 'qwen3.5-tiny': text.full_attention_indexes: [3]: increasing layer indices "
+                            "of a 3-layer decoder")
+
+
+def test_shrunk_model_keeps_one_layer_of_each_kind():
+    """`mmpipe check`'s shrunk model (at most 2 blocks per group) keeps a linear and a full-attention layer: the full
+    layers are index lists (text.full_attention_indexes), which the shrink keeps where they remain or moves to the
+    last block (qwen3.5-tiny: full at 3 of 4 -> at 1 of 2)."""
+    from mmpipe.check.equivalence import shrunk
+    small = shrunk(load_preset("qwen3.5-tiny"), 2)
+    assert q35.layer_types(small.text) == ("linear_attention", "full_attention")
+    kinds = [type(layer).__name__ for layer in ReferenceModel(small)]
+    assert kinds.count("DeltaNetBlock") == 1 and kinds.count("GatedAttentionBlock") == 1
 
 
 def test_tiny_preset_runs_a_packed_row_and_trains_a_step():

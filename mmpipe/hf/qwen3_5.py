@@ -25,7 +25,7 @@ from ..config import ModelConfig, TextConfig, VisionConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA
-from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm
+from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, layer_types
 from ..model.qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
 from .export import write_hf
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
@@ -73,6 +73,10 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         _fail("text_config.attention_bias", "true: Qwen3.5's attention has no bias in mmpipe's layers")
     if tc.hidden_act != "silu":
         _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
+    kinds = list(getattr(tc, "layer_types", None) or [])
+    if len(kinds) != tc.num_hidden_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
+        _fail("text_config.layer_types", f"{len(kinds)} kinds {sorted(set(kinds))} for {tc.num_hidden_layers} layers "
+                                         f"(one per layer: linear_attention or full_attention)")
     if vc.hidden_act not in ACTS:
         _fail("vision_config.hidden_act", f"'{vc.hidden_act}' (supported: {', '.join(ACTS)})")
     if vc.out_hidden_size != tc.hidden_size:
@@ -99,7 +103,8 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
         mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))), mrope_interleaved=True, qk_norm=True,
         attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim,
-        layer_types=tuple(tc.layer_types), linear_key_heads=tc.linear_num_key_heads,
+        full_attention_indexes=tuple(i for i, kind in enumerate(kinds) if kind == "full_attention"),
+        linear_key_heads=tc.linear_num_key_heads,
         linear_value_heads=tc.linear_num_value_heads, linear_key_dim=tc.linear_key_head_dim,
         linear_value_dim=tc.linear_value_head_dim, linear_conv_kernel=tc.linear_conv_kernel_dim)
     cfg = ModelConfig(name=name, family="qwen3_5", vision=vision, text=text,
@@ -123,7 +128,7 @@ def hf_config(cfg: ModelConfig, tok=None):
     text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
                 num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, head_dim=t.head_dim,
                 vocab_size=t.vocab_size, max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps,
-                tie_word_embeddings=t.tie_embeddings, layer_types=list(t.layer_types),
+                tie_word_embeddings=t.tie_embeddings, layer_types=list(layer_types(t)),
                 linear_conv_kernel_dim=t.linear_conv_kernel, linear_key_head_dim=t.linear_key_dim,
                 linear_value_head_dim=t.linear_value_dim, linear_num_key_heads=t.linear_key_heads,
                 linear_num_value_heads=t.linear_value_heads,

@@ -1,5 +1,5 @@
 """The Qwen3.5 layers (dense): Qwen3-VL's tower without DeepStack (its layers, imported), and a hybrid decoder whose
-layers are Gated DeltaNet (linear attention) or gated full attention as text.layer_types says.
+layers are Gated DeltaNet (linear attention) or, at text.full_attention_indexes, gated full attention.
 
 Layer list (`qwen3_5_specs`), Qwen3.5-9B's decoder as the example (32 layers of 4096: 3 linear then 1 full, x 8):
 
@@ -301,6 +301,12 @@ class Qwen35FinalNorm(nn.Module):
 BLOCKS = {"linear_attention": DeltaNetBlock, "full_attention": GatedAttentionBlock}
 
 
+def layer_types(text) -> tuple[str, ...]:
+    """Each decoder layer's kind as transformers' layer_types spells it, from text.full_attention_indexes."""
+    return tuple("full_attention" if i in text.full_attention_indexes else "linear_attention"
+                 for i in range(text.n_layers))
+
+
 def _deltanet_block(cfg: ModelConfig, params: int, n: int, seq: int) -> costs.Cost:
     """A Gated DeltaNet layer's cost per sample of seq positions: linear in seq (no L x L term, no mask).
     FLOPs: 2 x params x seq (the projections and the MLP), the short convolution 2 K per channel, and per value head
@@ -329,6 +335,6 @@ def qwen3_5_specs(cfg: ModelConfig) -> list[LayerSpec]:
     v, t = cfg.vision, cfg.text
     tower = [LayerSpec(Qwen3PatchEmbed, cfg)] + [LayerSpec(Qwen3VisionBlock, cfg) for _ in range(v.n_layers)]
     text = decoder_specs(cfg, Qwen3Embed)  # [embed, block x n, FinalNorm, head]: blocks and norm replaced
-    text[1:1 + t.n_layers] = [LayerSpec(BLOCKS[kind], cfg) for kind in t.layer_types]
+    text[1:1 + t.n_layers] = [LayerSpec(BLOCKS[kind], cfg) for kind in layer_types(t)]
     text[1 + t.n_layers] = LayerSpec(Qwen35FinalNorm, cfg)
     return tower + [LayerSpec(Qwen3Merger, cfg)] + text
