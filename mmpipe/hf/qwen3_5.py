@@ -16,21 +16,19 @@ the multi-token-prediction head (mtp.*), which transformers does not load either
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, TextConfig, VisionConfig
+from ..config import ModelConfig, TextConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import LMHeadLinear
-from ..model.qwen2_vl import VISION_THETA
 from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, layer_types
 from ..model.qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
 from .export import write_hf
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
-from .qwen2_vl import _bounds, image_processor, pixel_defaults_taken, plan_named
-from .qwen3_vl import ACTS, DEFAULT_PIXELS, STATS
+from .qwen2_vl import image_processor, pixel_defaults_taken, plan_named
+from .qwen3_vl import DEFAULT_PIXELS, hf_tower, tower_config
 from .safetensors_io import LazyWeights, as_weights, open_weights
 from .stream import Imported, fill, meta_model
 
@@ -77,22 +75,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
     if len(kinds) != tc.num_hidden_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
         _fail("text_config.layer_types", f"{len(kinds)} kinds {sorted(set(kinds))} for {tc.num_hidden_layers} layers "
                                          f"(one per layer: linear_attention or full_attention)")
-    if vc.hidden_act not in ACTS:
-        _fail("vision_config.hidden_act", f"'{vc.hidden_act}' (supported: {', '.join(ACTS)})")
-    if vc.out_hidden_size != tc.hidden_size:
-        _fail("vision_config", f"the merger's output width {vc.out_hidden_size} is not the decoder's hidden_size "
-                               f"{tc.hidden_size}")
-    theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
-    if theta != VISION_THETA:
-        _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
-    lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
-    unit = vc.patch_size * vc.spatial_merge_size
-    vision = VisionConfig(
-        image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=vc.hidden_size,
-        n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size, channels=vc.in_channels,
-        mean=tuple(proc.get("image_mean") or STATS), std=tuple(proc.get("image_std") or STATS), ln_eps=1e-6,
-        act=ACTS[vc.hidden_act], temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
-        min_pixels=lo, max_pixels=hi, num_position_embeddings=vc.num_position_embeddings)
+    vision = tower_config(vc, tc, proc)  # Qwen3-VL's tower, without DeepStack
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     text = TextConfig(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
@@ -119,12 +102,8 @@ def hf_config(cfg: ModelConfig, tok=None):
     from transformers import Qwen3_5Config
 
     from .llava import token_ids
-    v, t = cfg.vision, cfg.text
-    act = {mine: theirs for theirs, mine in ACTS.items()}[v.act]
-    vision = dict(depth=v.n_layers, hidden_size=v.dim, intermediate_size=v.ff_dim, num_heads=v.n_heads,
-                  in_channels=v.channels, patch_size=v.patch_size, spatial_merge_size=v.merge_size,
-                  temporal_patch_size=v.temporal_patch_size, out_hidden_size=t.dim, hidden_act=act,
-                  num_position_embeddings=v.num_position_embeddings)
+    t = cfg.text
+    vision = hf_tower(cfg)
     text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
                 num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, head_dim=t.head_dim,
                 vocab_size=t.vocab_size, max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps,

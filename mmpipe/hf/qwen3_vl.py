@@ -77,6 +77,38 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
+def tower_config(vc, tc, proc: dict, **extra) -> VisionConfig:
+    """The Qwen3-VL tower of an HF vision config (Qwen3-VL's, and Qwen3.5's, which is the same tower) and its image
+    processor's settings -> mmpipe's VisionConfig (extra: the family's own fields); refuses, one line each, what the
+    layers do not implement."""
+    if vc.hidden_act not in ACTS:
+        _fail("vision_config.hidden_act", f"'{vc.hidden_act}' (supported: {', '.join(ACTS)})")
+    if vc.out_hidden_size != tc.hidden_size:
+        _fail("vision_config", f"the merger's output width {vc.out_hidden_size} is not the decoder's hidden_size "
+                               f"{tc.hidden_size}")
+    theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
+    if theta != VISION_THETA:
+        _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
+    lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
+    unit = vc.patch_size * vc.spatial_merge_size
+    return VisionConfig(
+        image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=vc.hidden_size,
+        n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size, channels=vc.in_channels,
+        mean=tuple(proc.get("image_mean") or STATS), std=tuple(proc.get("image_std") or STATS), ln_eps=1e-6,
+        act=ACTS[vc.hidden_act], temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+        min_pixels=lo, max_pixels=hi, num_position_embeddings=vc.num_position_embeddings, **extra)
+
+
+def hf_tower(cfg: ModelConfig) -> dict:
+    """tower_config's inverse: the HF vision config's fields of mmpipe's Qwen3-VL tower."""
+    v = cfg.vision
+    act = {mine: theirs for theirs, mine in ACTS.items()}[v.act]
+    return dict(depth=v.n_layers, hidden_size=v.dim, intermediate_size=v.ff_dim, num_heads=v.n_heads,
+                in_channels=v.channels, patch_size=v.patch_size, spatial_merge_size=v.merge_size,
+                temporal_patch_size=v.temporal_patch_size, out_hidden_size=cfg.text.dim, hidden_act=act,
+                num_position_embeddings=v.num_position_embeddings)
+
+
 def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfig:
     """A Qwen3VLConfig (+ its image processor's settings) -> the mmpipe config; refuses what the layers do not
     implement, and a DeepStack index beyond the tower (one line, from the config's checks)."""
@@ -88,23 +120,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         _fail("text_config.attention_bias", "true: Qwen3's attention has no bias in mmpipe's layers")
     if tc.hidden_act != "silu":
         _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
-    if vc.hidden_act not in ACTS:
-        _fail("vision_config.hidden_act", f"'{vc.hidden_act}' (supported: {', '.join(ACTS)})")
-    if vc.out_hidden_size != tc.hidden_size:
-        _fail("vision_config", f"the merger's output width {vc.out_hidden_size} is not the decoder's hidden_size "
-                               f"{tc.hidden_size}")
-    theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
-    if theta != VISION_THETA:
-        _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
-    lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
-    unit = vc.patch_size * vc.spatial_merge_size
-    vision = VisionConfig(
-        image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=vc.hidden_size,
-        n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size, channels=vc.in_channels,
-        mean=tuple(proc.get("image_mean") or STATS), std=tuple(proc.get("image_std") or STATS), ln_eps=1e-6,
-        act=ACTS[vc.hidden_act], temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
-        min_pixels=lo, max_pixels=hi, deepstack_indexes=tuple(vc.deepstack_visual_indexes),
-        num_position_embeddings=vc.num_position_embeddings)
+    vision = tower_config(vc, tc, proc, deepstack_indexes=tuple(vc.deepstack_visual_indexes))
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     text = TextConfig(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
@@ -127,12 +143,7 @@ def hf_config(cfg: ModelConfig, tok=None):
 
     from .llava import token_ids
     v, t = cfg.vision, cfg.text
-    act = {mine: theirs for theirs, mine in ACTS.items()}[v.act]
-    vision = dict(depth=v.n_layers, hidden_size=v.dim, intermediate_size=v.ff_dim, num_heads=v.n_heads,
-                  in_channels=v.channels, patch_size=v.patch_size, spatial_merge_size=v.merge_size,
-                  temporal_patch_size=v.temporal_patch_size, out_hidden_size=t.dim, hidden_act=act,
-                  num_position_embeddings=v.num_position_embeddings,
-                  deepstack_visual_indexes=list(v.deepstack_indexes))
+    vision = dict(hf_tower(cfg), deepstack_visual_indexes=list(v.deepstack_indexes))
     text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
                 num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, head_dim=t.head_dim,
                 vocab_size=t.vocab_size, max_position_embeddings=t.max_context, rms_norm_eps=t.ln_eps,
