@@ -200,8 +200,8 @@ def test_bad_patch_budget_is_one_line(data, tmp_path, flags, message):
 
 
 def test_other_families_refuse_a_patch_budget():
-    with pytest.raises(ConfigError, match="the llava family's images are a fixed size; only the qwen2_vl, qwen3_vl "
-                                          "families take a patch budget"):
+    with pytest.raises(ConfigError, match="the llava family's images are a fixed size; only the qwen2_vl, qwen3_vl, "
+                                          "qwen3_5 families take a patch budget"):
         resolve_data(DataArgs(max_patches=64), load_preset("llava-tiny"))
 
 
