@@ -272,20 +272,26 @@ class QwenBlock(LlamaBlock):
 
     def geometry(self, t: StageTuple, start: int, cache: dict | None):
         hd, theta = self.self_attn.head_dim, self.self_attn.theta
-        if start == 0:
-            used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
-            # the row's positions and rotary: once per micro-batch on this stage, shared by its blocks
-            pos, rotary = row_cached(
-                (t.input_ids, t.segments, t.tiling, t.has_image), ("mrope", self.token, self.merge, hd, theta,
-                                                                   self.section),
-                lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge),
-                         mrope_rotary(p, hd, theta, self.section)))
-            if cache is not None:
-                cache["rope_delta"] = rope_delta(pos, t.segments)
-            return row_attention(t.segments), rotary
-        T = t.segments.shape[-1]
-        pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
-        return None, mrope_rotary(pos.expand(3, -1, -1), hd, theta, self.section)
+        return mrope_geometry(t, start, cache, self.token, self.merge, ("mrope", hd, theta, self.section),
+                              lambda pos: mrope_rotary(pos, hd, theta, self.section))
+
+
+def mrope_geometry(t: StageTuple, start: int, cache: dict | None, token: int, merge: int, key: tuple, rotary):
+    """A multimodal-rotary decoder block's (mask, rotary) (the Qwen2-VL, Qwen3-VL and Qwen3.5 families; rotary:
+    positions [3, B, L] -> the block's cos / sin, key: what that rotary depends on). The prefill's row positions
+    and rotary are built once per micro-batch on this stage and shared by its blocks, and store the row's rope
+    delta in the layer's cache; a cached step's new positions are start + delta."""
+    if start == 0:
+        used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
+        pos, rot = row_cached(
+            (t.input_ids, t.segments, t.tiling, t.has_image), (*key, token, merge),
+            lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), token, merge), rotary(p)))
+        if cache is not None:
+            cache["rope_delta"] = rope_delta(pos, t.segments)
+        return row_attention(t.segments), rot
+    T = t.segments.shape[-1]
+    pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
+    return None, rotary(pos.expand(3, -1, -1))
 
 
 def qwen2_vl_specs(cfg: ModelConfig) -> list[LayerSpec]:

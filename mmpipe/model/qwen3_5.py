@@ -38,9 +38,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import costs
-from .attention import apply_partial_rotary, attend, cached_attention, row_attention, row_cached
+from .attention import apply_partial_rotary, attend, cached_attention
 from .llava import LlamaBlock, SwiGLU, decoder_specs
-from .qwen2_vl import mrope_positions, rope_delta, used_grids
+from .qwen2_vl import mrope_geometry
 from .qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock, interleaved_rotary
 from .stage import StageTuple, unpack_in, unpack_out
 
@@ -267,20 +267,9 @@ class GatedAttentionBlock(Qwen35Block):
         return self.self_attn(x, *self.geometry(t, start, cache), cache)
 
     def geometry(self, t: StageTuple, start: int, cache: dict | None):
-        rd, theta, text = self.text.rotary_dim, self.text.rope_theta, self.text
-        if start == 0:
-            used_grids(t)
-            pos, rotary = row_cached(
-                (t.input_ids, t.segments, t.tiling, t.has_image),
-                ("mrope3.5", self.token, self.merge, rd, theta, text.mrope_section),
-                lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge),
-                         interleaved_rotary(p, rd, theta, text.mrope_section)))
-            if cache is not None:
-                cache["rope_delta"] = rope_delta(pos, t.segments)
-            return row_attention(t.segments), rotary
-        T = t.segments.shape[-1]
-        pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
-        return None, interleaved_rotary(pos.expand(3, -1, -1), rd, theta, text.mrope_section)
+        rd, theta, section = self.text.rotary_dim, self.text.rope_theta, self.text.mrope_section
+        return mrope_geometry(t, start, cache, self.token, self.merge, ("mrope3.5", rd, theta, section),
+                              lambda pos: interleaved_rotary(pos, rd, theta, section))
 
 
 class Qwen35FinalNorm(nn.Module):

@@ -32,9 +32,9 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import MAX_DEEPSTACK, ModelConfig
-from .attention import FusedAttention, apply_partial_rotary, attend, cached_attention, row_attention, row_cached
+from .attention import FusedAttention, apply_partial_rotary, attend, cached_attention, row_cached
 from .llava import ACTS, LlamaAttention, decoder_specs
-from .qwen2_vl import QwenBlock, QwenEmbed, mrope_positions, patch_coords, rope_delta, used_grids, vision_attention
+from .qwen2_vl import QwenBlock, QwenEmbed, mrope_geometry, patch_coords, used_grids, vision_attention
 from .stage import StageField, StageTuple, unpack_in, unpack_out
 
 
@@ -246,19 +246,9 @@ class Qwen3Block(QwenBlock):
 
     def geometry(self, t: StageTuple, start: int, cache: dict | None):
         hd, theta = self.self_attn.head_dim, self.self_attn.theta
-        if start == 0:
-            used_grids(t)
-            pos, rotary = row_cached(
-                (t.input_ids, t.segments, t.tiling, t.has_image),
-                ("mrope3", self.token, self.merge, hd, theta, self.section, self.text.mrope_interleaved),
-                lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), self.token, self.merge),
-                         text_rotary(self.text, p, hd, theta)))
-            if cache is not None:
-                cache["rope_delta"] = rope_delta(pos, t.segments)
-            return row_attention(t.segments), rotary
-        T = t.segments.shape[-1]
-        pos = start + torch.arange(T, device=t.segments.device) + cache["rope_delta"][:, None]  # [B, T]
-        return None, text_rotary(self.text, pos.expand(3, -1, -1), hd, theta)
+        return mrope_geometry(t, start, cache, self.token, self.merge,
+                              ("mrope3", hd, theta, self.section, self.text.mrope_interleaved),
+                              lambda pos: text_rotary(self.text, pos, hd, theta))
 
 
 def qwen3_vl_specs(cfg: ModelConfig) -> list[LayerSpec]:
