@@ -253,8 +253,13 @@ def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
     """Write an HF directory (config.json, generation_config.json, the weights sharded, its image processor) that
     from_pretrained loads, one layer in memory at a time; source: a model or a run's layers (mmpipe.hf.stream);
     tok: the run's tokenizer, whose special ids the config declares."""
-    cfg = source.cfg
-    out = write_hf(source, out, hf_config(cfg, tok), key_map(cfg), shard_size=shard_size)
-    if cfg.vision.max_pixels:
-        image_processor(cfg.vision).save_pretrained(out)
+    return write_with_processor(source, out, hf_config(source.cfg, tok), key_map(source.cfg), shard_size)
+
+
+def write_with_processor(source, out: str | Path, hf, names: dict[str, str], shard_size=None) -> Path:
+    """A family of patches' HF directory (Qwen2-VL's, Qwen3-VL's, Qwen3.5's): write_hf of its config `hf` and
+    names, and beside it the Qwen2-VL image processor at the tower's pixel bounds."""
+    out = write_hf(source, out, hf, names, shard_size=shard_size)
+    if source.cfg.vision.max_pixels:
+        image_processor(source.cfg.vision).save_pretrained(out)
     return out

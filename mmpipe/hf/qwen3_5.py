@@ -25,9 +25,8 @@ from ..model.builder import ReferenceModel
 from ..model.llava import LMHeadLinear
 from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, layer_types
 from ..model.qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
-from .export import write_hf
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
-from .qwen2_vl import image_processor, pixel_defaults_taken, plan_named
+from .qwen2_vl import pixel_defaults_taken, plan_named, write_with_processor
 from .qwen3_vl import DEFAULT_PIXELS, hf_tower, tower_config
 from .safetensors_io import LazyWeights, as_weights, open_weights
 from .stream import Imported, fill, meta_model
@@ -163,8 +162,4 @@ def import_qwen3_5(path: str | Path, dtype=torch.float32) -> tuple[ReferenceMode
 def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
     """Write an HF directory (config.json, generation_config.json, the weights sharded, its image processor) that
     from_pretrained loads, one layer in memory at a time; source: a model or a run's layers (mmpipe.hf.stream)."""
-    cfg = source.cfg
-    out = write_hf(source, out, hf_config(cfg, tok), key_map(cfg), shard_size=shard_size)
-    if cfg.vision.max_pixels:
-        image_processor(cfg.vision).save_pretrained(out)
-    return out
+    return write_with_processor(source, out, hf_config(source.cfg, tok), key_map(source.cfg), shard_size)
