@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from qwen3_models import processor
+from qwen3_models import perturbed, processor
 from qwen_models import END, IMAGE, START, VIDEO, VOCAB
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -35,26 +35,18 @@ def qwen3_5_config(tie: bool = False, layer_types=None) -> Qwen3_5Config:
                          vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=tie)
 
 
+def _deltanet(name: str, p) -> None:
+    """Gated DeltaNet's parameters, perturbed after Qwen3-VL's rules (tests/qwen3_models.perturbed)."""
+    if name.endswith("A_log"):
+        p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())  # slow decays: a long memory
+    elif "in_proj_b" in name or "in_proj_a" in name or "conv1d" in name:
+        p.mul_(5)  # the write strengths, decays and conv taps vary from position to position
+
+
 def save_qwen3_5(out: Path, seed: int = 0, tie: bool = False):
     """The tiny model (and its image processor) saved to out; returns the model, in eval mode."""
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(qwen3_5_config(tie)).eval()
-    with torch.no_grad():  # HF's init leaves norms at 0 (x (1 + w)) or 1 and biases at 0: perturb them
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            if "q_proj" in name or "k_proj" in name:
-                p.mul_(8)  # std 0.02 makes attention ~uniform, blind to positions and masks
-            elif name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-                p[: 2 * p.shape[0] // 3].mul_(8)  # the tower's q and k rows
-            elif "linear_fc2.weight" in name and "merger" in name:
-                p.mul_(10)  # image tokens as loud as text ones
-            elif name.endswith("pos_embed.weight"):
-                p.mul_(20)  # the learned positions as loud as the patches
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())  # slow decays: a long memory
-            elif "in_proj_b" in name or "in_proj_a" in name or "conv1d" in name:
-                p.mul_(5)  # the write strengths, decays and conv taps vary from position to position
+    model = perturbed(Qwen3_5ForConditionalGeneration(qwen3_5_config(tie)).eval(), _deltanet)
     model.save_pretrained(out)
     processor().save_pretrained(out)
     return model

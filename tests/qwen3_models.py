@@ -33,11 +33,11 @@ def qwen3_config(tie: bool = False) -> Qwen3VLConfig:
                          vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=tie)
 
 
-def save_qwen3(out: Path, seed: int = 0, tie: bool = False):
-    """The tiny model (and its image processor) saved to out; returns the model, in eval mode."""
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(qwen3_config(tie)).eval()
-    with torch.no_grad():  # HF's init leaves norms at 1 / biases at 0: perturb them so a mix-up shows
+def perturbed(model, more=lambda name, p: None):
+    """A Qwen3-VL-towered model (Qwen3-VL's, Qwen3.5's) made to show a mix-up: HF's init leaves norms at 1 (or 0)
+    and biases at 0, and its std 0.02 makes attention ~uniform; more(name, p): the family's own rules for the
+    parameters none of these touch, in the same pass (so the random draws keep their order)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
@@ -49,6 +49,15 @@ def save_qwen3(out: Path, seed: int = 0, tie: bool = False):
                 p.mul_(10)  # image tokens (and DeepStack's sets) as loud as text ones
             elif name.endswith("pos_embed.weight"):
                 p.mul_(20)  # the learned positions as loud as the patches, so their resampling shows
+            else:
+                more(name, p)
+    return model
+
+
+def save_qwen3(out: Path, seed: int = 0, tie: bool = False):
+    """The tiny model (and its image processor) saved to out; returns the model, in eval mode."""
+    torch.manual_seed(seed)
+    model = perturbed(Qwen3VLForConditionalGeneration(qwen3_config(tie)).eval())
     model.save_pretrained(out)
     processor().save_pretrained(out)
     return model
