@@ -302,14 +302,17 @@ class ModelConfig:
             _known(self.fusion, fusions, "fusion"),
             (self.cross_attn_every >= 1, "cross_attn_every", f"{self.cross_attn_every} must be >= 1"),
             (self.cross_attn_gate_scale > 0, "cross_attn_gate_scale", f"{self.cross_attn_gate_scale} must be > 0"),
-            (self.cross_attn_heads >= 0 and t.dim % (self.cross_attn_heads or t.n_heads) == 0, "cross_attn_heads",
+            (self.cross_attn_heads >= 0 and (self.fusion != "cross_attention"
+                                             or t.dim % (self.cross_attn_heads or t.n_heads) == 0), "cross_attn_heads",
              f"{self.cross_attn_heads}: text.dim {t.dim} must be divisible by it"),
             # any-resolution towers may leave a remainder, as transformers' conv does (OneVision's SigLIP: 384 px
             # / 14 -> 27 x 27 patches)
             (v.image_size % v.patch_size == 0 or bool(v.grid_pinpoints), "vision.image_size",
              f"{v.image_size} is not a multiple of patch_size {v.patch_size}"),
             (v.dim % v.n_heads == 0, "vision.dim", f"{v.dim} is not divisible by n_heads {v.n_heads}"),
-            (t.dim % t.n_heads == 0, "text.dim", f"{t.dim} is not divisible by n_heads {t.n_heads}"),
+            # a head width of its own (attn_head_dim: Qwen3-VL, Qwen3.5) frees the width from the heads
+            (bool(t.attn_head_dim) or t.dim % t.n_heads == 0, "text.dim",
+             f"{t.dim} is not divisible by n_heads {t.n_heads} (or set text.attn_head_dim)"),
             (t.rotary_dim % 2 == 0 and t.rotary_dim > 0, "text.partial_rotary_factor",
              f"gives rotary dim {t.rotary_dim}; it must be even and > 0"),
             (self.prefix_len < t.max_context, "text.max_context",
