@@ -1,0 +1,163 @@
+"""Qwen3.5 through the pipeline (issue 45): `mmpipe train --preset qwen3.5-tiny --pack` on a LLaVA-format set of
+images of mixed sizes and text-only records, several samples per row, so every Gated DeltaNet layer restarts its
+convolution and its recurrent state at sample starts inside a row (rows of 88 positions: the delta rule's chunk edge
+at 64 falls inside a row too) on whichever stage it lands.
+
+qwen3.5-tiny's layer list (tower of 2 blocks; decoder layers linear, linear, linear, full):
+
+     0 Qwen3PatchEmbed   1, 2 tower blocks   3 Qwen3Merger   4 Qwen3Embed   5, 6, 7 DeltaNetBlock
+     8 GatedAttentionBlock   9 Qwen35FinalNorm   10 head
+
+Two configurations, each equal to the single-device reference loop (losses and weights, fp32, 1e-5):
+
+- PP=4, cuts 5, 6, 8: tower + embedding | linear layer 0 | linear layers 1, 2 | the full-attention layer and head
+  (a cut before the first linear layer, one between two linear layers, one between a linear and the full layer);
+- PP=2, cut 8: between the last linear layer and the full one; checkpointed at step 2, and that checkpoint resumed
+  to step 3 is bit-identical to the uninterrupted run.
+
+Only `hidden` crosses a cut: a linear layer's state lives inside the layer and restarts at each sample, so no
+recurrent state or convolution window travels between stages. Three launches in all (PP=4, PP=2, the resume): the
+cut run is a copy of PP=2's directory as its step-2 checkpoint left it (tests/test_qwen3_vl_pipeline.py's way)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import train_run, write_ds_config
+from fixtures_data import mixed_image_records
+from mmpipe.config import load_preset
+from mmpipe.model import qwen3_5 as q35
+from mmpipe.model.builder import layer_specs
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
+from test_qwen_data import WORDS, save_tokenizer
+from test_qwen_pipeline import _weights_equal_within, loaders_agree
+
+TOL = 1e-5
+STEPS, CUT, SEED = 3, 2, 7
+SIZES = [(64, 64), (96, 64), (64, 128), (128, 96)]  # grids 1x4x4, 1x4x6, 1x8x4, 1x6x8 at patch 16
+ANSWER_WORDS = WORDS[5:] + [f"w{i}" for i in range(40)]
+P, TEXT, IMAGES = 128, 48, 4  # --max-patches, --text-len, --max-images
+L = 2 * IMAGES + P // 4 + TEXT  # decoder positions per row: 2 specials per slot + 128 / 4 merged tokens + text = 88
+PARTS = {4: [5, 6, 8], 2: [8]}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_set(tmp_path_factory):
+    """(root, the arguments every run shares): 2 rows x 2 micro-batches a step, a warm-up + cosine schedule fixed at
+    twice the runs' steps (so the resumed run's schedule is the uninterrupted one's)."""
+    root = tmp_path_factory.mktemp("qwen3_5_pipe")
+    rng = np.random.default_rng(0)
+    for k, (w, h) in enumerate(SIZES):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
+    records = mixed_image_records(24, len(SIZES), ANSWER_WORDS,
+                                  lambda rnd, i: 1 + int(rnd.lognormvariate(0.8, 0.7)) % 10)
+    (root / "data.json").write_text(json.dumps(records))
+    save_tokenizer(root / "tok")  # the vision specials at 197 .. 199, qwen3.5-tiny's ids
+    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                         scheduler={"type": "WarmupCosineLR",
+                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
+                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    args = ["--preset", "qwen3.5-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
+            "--ds-config", str(ds), "--text-len", str(TEXT), "--pack", "--max-images", str(IMAGES),
+            "--max-patches", str(P), "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
+    return root, args
+
+
+def _resolved(qwen3_5_set):
+    root, args = qwen3_5_set
+    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_5_set):
+    return train_reference(_resolved(qwen3_5_set), seed=SEED, steps=STEPS, out_dir=str(qwen3_5_set[0] / "ref"))
+
+
+def _launch(qwen3_5_set, name: str, stages: int, *extra: str):
+    root, args = qwen3_5_set
+    return train_run(root / name, *args, "--stages", str(stages), "--steps", str(STEPS),
+                     "--partition", ",".join(map(str, PARTS[stages])), *extra).check()
+
+
+@pytest.fixture(scope="module")
+def pp4(qwen3_5_set):
+    return _launch(qwen3_5_set, "pp4", 4)
+
+
+@pytest.fixture(scope="module")
+def pp2(qwen3_5_set):
+    """Also the uninterrupted run of the resume test, so it checkpoints at the cut too."""
+    return _launch(qwen3_5_set, "pp2", 2, "--save-every", str(CUT))
+
+
+def test_the_cuts_fall_between_the_layer_kinds():
+    """The explicit cuts fall where the names say on qwen3.5-tiny's layer list (a changed list would otherwise
+    silently move them): 5 between the embedding and the first linear layer, 6 between two linear layers, 8 between
+    the last linear layer and the full-attention one."""
+    kinds = [s.typename for s in layer_specs(load_preset("qwen3.5-tiny"))]
+    assert kinds[4:10] == [q35.Qwen3Embed, q35.DeltaNetBlock, q35.DeltaNetBlock, q35.DeltaNetBlock,
+                           q35.GatedAttentionBlock, q35.Qwen35FinalNorm]
+
+
+def test_rows_pack_several_samples(qwen3_5_set):
+    """What the runs train on: every row holds at least two samples (so a linear layer restarts inside it), rows mix
+    image grids and text-only samples, and a later stage's loader gives the first stage's integer tensors."""
+    run = _resolved(qwen3_5_set)
+    grids, text_only = set(), 0
+    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen3_5_set[0], SEED, STEPS):
+        assert pixels.shape == (2, P, 3 * 2 * 16 * 16) and ids.shape == (2, L)
+        for b in range(2):
+            n = int(segments[b].max())
+            assert n >= 2, segments[b]
+            text_only += sum(int((has_image[b] == s).sum()) == 0 for s in range(1, n + 1))
+        grids |= {tuple(g) for g in tiling.reshape(-1, 3).tolist() if any(g)}
+    assert len(grids) >= 3 and text_only >= 1
+
+
+@pytest.mark.parametrize("name", ["pp4", "pp2"])
+def test_pipeline_equals_single_device(name, reference, request):
+    """PP=4 (cuts 5, 6, 8) and PP=2 (cut 8): each step's loss and the final weights are the reference loop's on the
+    same packed rows (fp32, 1e-5)."""
+    run, (ref_model, ref_losses) = request.getfixturevalue(name), reference
+    assert run.summary["parts"] == [0, *PARTS[run.summary["stages"]], len(ref_model)]
+    assert sorted(run.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
+    assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL)
+    got = torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg))
+    _weights_equal_within(got, ref_model, TOL)
+
+
+def test_only_hidden_crosses(pp4, pp2):
+    """One float message per cut and micro-batch, the row's hidden [2, 88, 64]: no recurrent state, convolution
+    window or integer tensor crosses (the segments, ids and grids come from each stage's own loader)."""
+    row = f"2x{L}x64"
+    for run in (pp4, pp2):
+        run.assert_only_floats_crossed(per_forward=1)
+        for rank in range(run.summary["stages"]):
+            assert {shape for kind, _, shape in run.wire(rank) if kind == "data"} == {row}, rank
+
+
+def test_resume_is_bit_exact(qwen3_5_set, pp2):
+    """PP=2 cut after step 2 (its checkpoint) and resumed to step 3: the uninterrupted run's losses and weights, bit
+    for bit (same rows, optimizer moments, LR schedule and RNG)."""
+    cut = qwen3_5_set[0] / "cut"
+    shutil.copytree(pp2.out, cut)
+    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
+    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
+    (cut / "summary.json").unlink()
+    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
+    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))  # the header and steps 1, 2
+    resumed = _launch(qwen3_5_set, "cut", 2, "--resume")
+    assert resumed.summary["start_step"] == CUT and [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
+    assert resumed.losses == pp2.losses
+    cfg = _resolved(qwen3_5_set).model
+    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
+                 for r in (resumed, pp2))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
