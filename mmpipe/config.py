@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,23 +18,18 @@ VISION_ACTS = ("gelu_tanh", "gelu", "quick_gelu")
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """Where a model family's decoder finds the image: what the config and the data need to know of a
-    family. The rest of it (layers, checkpointing, costs) is its mmpipe.model.families.Family."""
+    """What the config and the data need to know of a model family: where its decoder finds the image, and the
+    classes of its model JSON's "vision" and "text" sections (the fields its layers read). The rest of it (layers,
+    checkpointing, costs) is its mmpipe.model.families.Family."""
     spliced: bool = False          # its N_img tokens are decoder positions right after BOS (moondream)
     placeholders: bool = False     # it overwrites <image> placeholder ids inside input_ids (LLaVA)
     cross_attention: bool = False  # the sequence is text only; cross-attention layers read it beside
+    vision: type | None = None     # its "vision" section's class (VisionConfig or a subclass; None: VisionConfig)
+    text: type | None = None       # its "text" section's class (TextConfig or a subclass)
     # How many positions each image takes (a fixed N, or as many as its grid gives) is its family's image kind's
     # to say (mmpipe.data.image_kinds), what its stage tuple carries its stage fields' (Family.fields).
 
 
-# The known model families, by the model JSON's (family, fusion), and where each puts the image
-LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True),
-           ("moondream", "cross_attention"): ImageLayout(cross_attention=True),
-           ("llava", "prefix"): ImageLayout(placeholders=True),
-           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True),
-           ("llava_next", "prefix"): ImageLayout(placeholders=True),
-           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True),
-           ("qwen3_5", "prefix"): ImageLayout(placeholders=True)}
 # Families from outside the package (mmpipe.model.families.register): modules named in this variable (comma
 # separated, importable on every rank: the launcher passes the environment on) and the "mmpipe.families" entry
 # points of installed packages, imported once, the first time a config asks which families exist.
@@ -91,8 +87,12 @@ def read_json(path: str | Path, where: str, missing: str):
         raise ConfigError(f"{where}: not valid JSON ({e})") from None
 
 
+# The model JSON's "vision" and "text" sections, one class per family (ImageLayout.vision / .text names it): a
+# section holds the fields its family's layers read and nothing else, so a field another family reads is refused as
+# unknown instead of ignored. The base classes hold what every tower / decoder has; a family's class adds its own.
 @dataclass(frozen=True)
 class VisionConfig:
+    """What every tower has: square crops (or the largest square image) cut into patches, a ViT of n_layers."""
     image_size: int  # square crop, pixels
     patch_size: int
     dim: int
@@ -104,71 +104,22 @@ class VisionConfig:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     ln_eps: float = 1e-6
-    # LLaVA family only: the tower ("siglip": no class token; "clip": class token + pre-LayerNorm),
-    # its MLP activation, which hidden state feeds the projector (HF's vision_feature_layer: -2 is
-    # the second to last layer's output, LLaVA-1.5) and whether the first token is dropped
-    # ("default", CLIP's class token) or kept ("full").
-    kind: str = "siglip"
-    act: str = "gelu_tanh"
-    feature_layer: int = -1
-    feature_select: str = "full"
-    # Moondream family: how many crop features each image token concatenates before the projector.
-    # moondream2 feeds [global crop, pooled local crops] side by side, so its proj_mlp.fc1 reads
-    # 2 x dim (2 x 1152 = 2304; 0.5B: 2 x 720 = 1440). 1: the projector reads the tower's output as is.
-    crop_features: int = 1
-    # Moondream family, multi-crop (moondream2: 12): each image is encoded as a global crop plus up to
-    # max_crops overlapping local crops of image_size px (mmpipe.data.crops), in 1 + max_crops fixed
-    # slots per sample; the projector reads [global, stitched-and-pooled locals]. 0: one crop per image.
-    # overlap_margin: patches each local crop shares with a neighbour on each side (moondream: 4).
-    max_crops: int = 0
-    overlap_margin: int = 4
-    # Qwen2-VL family (mmpipe.model.qwen2_vl): a patch spans temporal_patch_size frames (Qwen: 2, an image is
-    # 2 identical frames; patch_dim 3 x 2 x 14 x 14 = 1176), merge_size^2 neighbouring patches become one
-    # decoder token (Qwen: 2), window attention over window_size px (Qwen2.5: 112; 0: every block full)
-    # except in the fullatt_blocks (Qwen2.5: 7, 15, 23, 31), norm "layernorm" / "rmsnorm" (Qwen2.5), mlp
-    # "gelu" (fc1 / fc2 with `act`, Qwen2: quick_gelu) or "swiglu" (gate / up / down with bias, act silu:
-    # Qwen2.5), and the image processor's resize bounds in pixels (0: none). `dim` is the tower's width
-    # (embed_dim, 1280) and image_size the largest square image the bounds allow (what plan costs by default).
-    temporal_patch_size: int = 1
-    merge_size: int = 1
-    window_size: int = 0
-    fullatt_blocks: tuple[int, ...] = ()
-    norm: str = "layernorm"
-    mlp: str = "gelu"
-    min_pixels: int = 0
-    max_pixels: int = 0
-    # LLaVA-NeXT / OneVision family (mmpipe.model.llava_next): any-resolution tiling. grid_pinpoints are HF's
-    # image_grid_pinpoints ([h, w] px, multiples of image_size): an image is encoded as its base crop plus
-    # the tiles of the pinpoint its aspect fits best; anyres_max is OneVision's "anyres_max_9" -> 9 (its
-    # features are bilinear-pooled past 9 x N; also: an image of a several-image sample is its base crop
-    # only), 0 for LLaVA-NeXT. `image_size` is the tower's crop (336 CLIP-L, 384 SigLIP).
-    grid_pinpoints: tuple[tuple[int, int], ...] = ()
-    anyres_max: int = 0
-    # Qwen3-VL family (mmpipe.model.qwen3_vl): the tower blocks whose outputs DeepStack merges and adds to the
-    # outputs of decoder layers 0, 1, ... (Qwen3-VL-8B: (8, 16, 24) of 27 blocks), and the learned position
-    # table's size, a square side^2 bilinearly resampled to each image's grid (2304 = 48^2)
-    deepstack_indexes: tuple[int, ...] = ()
-    num_position_embeddings: int = 0
 
     @property
-    def n_positions(self) -> int:  # tower tokens: CLIP adds the class token, e.g. 24^2 + 1 = 577
-        return self.n_tokens + (self.kind == "clip")
+    def n_positions(self) -> int:  # tower tokens (CLIP adds its class token: ClipVision)
+        return self.n_tokens
 
     @property
-    def n_features(self) -> int:  # LLaVA image features (= <image> placeholders), e.g. 577 - 1 = 576
-        return self.n_positions - (self.feature_select == "default")
+    def n_features(self) -> int:  # image features the projector reads per crop
+        return self.n_positions
 
     @property
-    def n_blocks_used(self) -> int:  # blocks up to the feature layer, e.g. 24 layers at -2: 23
-        return self.feature_layer % (self.n_layers + 1)
+    def crop_slots(self) -> int:  # images the tower encodes per sample (moondream2's 1 + 12: CropVision)
+        return 1
 
     @property
-    def crop_slots(self) -> int:  # images the tower encodes per sample: 1 + 12 = 13 for moondream2
-        return 1 + self.max_crops if self.max_crops else 1
-
-    @property
-    def proj_in_dim(self) -> int:  # the projector's input width, e.g. 2 x 1152 = 2304 (moondream2)
-        return self.crop_features * self.dim
+    def proj_in_dim(self) -> int:  # the projector's input width (moondream2's 2 x 1152: CropVision)
+        return self.dim
 
     @property
     def grid(self) -> int:
@@ -179,12 +130,108 @@ class VisionConfig:
         return self.grid * self.grid
 
     @property
-    def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 = 588; Qwen: x 2 frames = 1176
+    def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 = 588 (Qwen's 2 frames: PatchVision)
+        return self.patch_size * self.patch_size * self.channels
+
+
+@dataclass(frozen=True)
+class CropVision(VisionConfig):
+    """The moondream family's tower (both fusions): SigLIP-shaped, GELU-tanh, with moondream2's multi-crop."""
+    # How many crop features each image token concatenates before the projector. moondream2 feeds [global crop,
+    # pooled local crops] side by side, so its proj_mlp.fc1 reads 2 x dim (2 x 1152 = 2304; 0.5B: 2 x 720 = 1440).
+    # 1: the projector reads the tower's output as is.
+    crop_features: int = 1
+    # Multi-crop (moondream2: 12): each image is encoded as a global crop plus up to max_crops overlapping local
+    # crops of image_size px (mmpipe.data.crops), in 1 + max_crops fixed slots per sample; the projector reads
+    # [global, stitched-and-pooled locals]. 0: one crop per image. overlap_margin: patches each local crop shares
+    # with a neighbour on each side (moondream: 4).
+    max_crops: int = 0
+    overlap_margin: int = 4
+
+    @property
+    def crop_slots(self) -> int:  # 1 + 12 = 13 for moondream2
+        return 1 + self.max_crops if self.max_crops else 1
+
+    @property
+    def proj_in_dim(self) -> int:  # e.g. 2 x 1152 = 2304 (moondream2)
+        return self.crop_features * self.dim
+
+
+@dataclass(frozen=True)
+class ClipVision(VisionConfig):
+    """The LLaVA family's tower: "siglip" (no class token) or "clip" (class token + pre-LayerNorm), its MLP
+    activation, which hidden state feeds the projector (HF's vision_feature_layer: -2 is the second to last layer's
+    output, LLaVA-1.5) and whether the first token is dropped ("default", CLIP's class token) or kept ("full")."""
+    kind: str = "siglip"
+    act: str = "gelu_tanh"
+    feature_layer: int = -1
+    feature_select: str = "full"
+
+    @property
+    def n_positions(self) -> int:  # CLIP adds the class token, e.g. 24^2 + 1 = 577
+        return self.n_tokens + (self.kind == "clip")
+
+    @property
+    def n_features(self) -> int:  # LLaVA image features (= <image> placeholders), e.g. 577 - 1 = 576
+        return self.n_positions - (self.feature_select == "default")
+
+    @property
+    def n_blocks_used(self) -> int:  # blocks up to the feature layer, e.g. 24 layers at -2: 23
+        return self.feature_layer % (self.n_layers + 1)
+
+
+@dataclass(frozen=True)
+class AnyresVision(ClipVision):
+    """The LLaVA-NeXT / OneVision family (mmpipe.model.llava_next): LLaVA's tower with any-resolution tiling.
+    grid_pinpoints are HF's image_grid_pinpoints ([h, w] px, multiples of image_size): an image is encoded as its
+    base crop plus the tiles of the pinpoint its aspect fits best; anyres_max is OneVision's "anyres_max_9" -> 9 (its
+    features are bilinear-pooled past 9 x N; also: an image of a several-image sample is its base crop only), 0 for
+    LLaVA-NeXT. `image_size` is the tower's crop (336 CLIP-L, 384 SigLIP)."""
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    anyres_max: int = 0
+
+
+@dataclass(frozen=True)
+class PatchVision(VisionConfig):
+    """The Qwen2-VL / Qwen2.5-VL family's tower (mmpipe.model.qwen2_vl): a patch spans temporal_patch_size frames
+    (Qwen: 2, an image is 2 identical frames; patch_dim 3 x 2 x 14 x 14 = 1176), merge_size^2 neighbouring patches
+    become one decoder token (Qwen: 2), window attention over window_size px (Qwen2.5: 112; 0: every block full)
+    except in the fullatt_blocks (Qwen2.5: 7, 15, 23, 31), norm "layernorm" / "rmsnorm" (Qwen2.5), mlp "gelu"
+    (fc1 / fc2 with `act`, Qwen2: quick_gelu) or "swiglu" (gate / up / down with bias, act silu: Qwen2.5), and the
+    image processor's resize bounds in pixels (0: none). `dim` is the tower's width (embed_dim, 1280) and image_size
+    the largest square image the bounds allow (what plan costs by default)."""
+    act: str = "gelu_tanh"
+    temporal_patch_size: int = 1
+    merge_size: int = 1
+    window_size: int = 0
+    fullatt_blocks: tuple[int, ...] = ()
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+    @property
+    def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 x 2 frames = 1176
         return self.patch_size * self.patch_size * self.channels * self.temporal_patch_size
 
 
 @dataclass(frozen=True)
+class Qwen3Vision(PatchVision):
+    """The Qwen3.5 family's tower (Qwen3-VL's without DeepStack): Qwen2-VL's, no windows, plus a learned position
+    table of num_position_embeddings = side^2 bilinearly resampled to each image's grid (2304 = 48^2)."""
+    num_position_embeddings: int = 0
+
+
+@dataclass(frozen=True)
+class DeepstackVision(Qwen3Vision):
+    """The Qwen3-VL family's tower (mmpipe.model.qwen3_vl): the blocks whose outputs DeepStack merges and adds to
+    the outputs of decoder layers 0, 1, ... (Qwen3-VL-8B: (8, 16, 24) of 27 blocks)."""
+    deepstack_indexes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class TextConfig:
+    """What every decoder has (moondream's Phi blocks read no more)."""
     dim: int
     n_layers: int
     n_heads: int
@@ -194,31 +241,10 @@ class TextConfig:
     partial_rotary_factor: float = 0.5  # Phi: rotary on the first half of each head
     rope_theta: float = 10000.0
     ln_eps: float = 1e-5
-    # Grouped-query attention: key/value heads (0: n_heads), in both families. LLaVA family only
-    # (Llama / Qwen2 / Mistral decoders): Qwen2's bias on q/k/v, input embedding and LM head sharing
-    # one matrix (TiedLayerSpec).
+    # Grouped-query attention: key/value heads (0: n_heads), and a head width of its own (attn_head_dim, HF's
+    # head_dim; Qwen3-VL-4B: 2560 / 32 heads = 80, but 128; 0: dim / n_heads)
     n_kv_heads: int = 0
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    # Qwen2-VL family: multimodal rotary, the head's rotary frequencies in 3 sections rotated by the
-    # temporal, height and width position (Qwen: (16, 24, 24), summing to head_dim / 2)
-    mrope_section: tuple[int, ...] = ()
-    # Qwen3-VL family: the sections interleaved over the frequencies (t h w t h w ..., transformers'
-    # mrope_interleaved) instead of in 3 blocks, RMSNorms on each head's q and k, and a head width of its own
-    # (attn_head_dim; Qwen3-VL-4B: 2560 / 32 heads = 80, but 128; 0: dim / n_heads)
-    mrope_interleaved: bool = False
-    qk_norm: bool = False
     attn_head_dim: int = 0
-    # Qwen3.5 family (mmpipe.model.qwen3_5): the decoder layers that are full attention, the others Gated DeltaNet
-    # (transformers' layer_types as indices; Qwen3.5: every 4th, 3, 7, 11, ...: a shrunk model keeps one of each
-    # kind, mmpipe.check.equivalence.shrunk), and the linear layers' geometry: key / value heads and their widths, the
-    # short convolution's kernel (Qwen3.5-9B: 16 / 32 heads of 128 / 128, kernel 4)
-    full_attention_indexes: tuple[int, ...] = ()
-    linear_key_heads: int = 0
-    linear_value_heads: int = 0
-    linear_key_dim: int = 0
-    linear_value_dim: int = 0
-    linear_conv_kernel: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -231,6 +257,80 @@ class TextConfig:
     @property
     def rotary_dim(self) -> int:  # e.g. 64 * 0.5 = 32 of each 64-wide head
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+@dataclass(frozen=True)
+class LlamaText(TextConfig):
+    """The LLaVA families' decoders (Llama / Qwen2 / Mistral): Qwen2's bias on q/k/v, input embedding and LM head
+    sharing one matrix (TiedLayerSpec)."""
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class MropeText(LlamaText):
+    """The Qwen2-VL family's decoder: multimodal rotary, the head's rotary frequencies in 3 sections rotated by the
+    temporal, height and width position (Qwen: (16, 24, 24), summing to head_dim / 2)."""
+    mrope_section: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts decoder's MLP (issue 43; mmpipe.model.moe, docs/moe.md): the model JSON's "text": {...,
+    "moe": {...}}. Every decoder layer's MLP is `experts` SwiGLU experts of width ff_dim (transformers'
+    moe_intermediate_size), each token sent to its top_k by a softmax router, their weights renormalised to sum 1
+    (norm_topk; Qwen3-VL-MoE always does), with the load-balancing loss x aux_coef (router_aux_loss_coef; 0.001)
+    added to the LM loss. Qwen3-VL-30B-A3B: 128 experts, top 8, ff_dim 768."""
+    experts: int
+    top_k: int
+    ff_dim: int
+    aux_coef: float = 0.001
+    norm_topk: bool = True
+
+    def checks(self, cfg: "ModelConfig") -> list[tuple[bool, str, str]]:
+        return [(cfg.family == "qwen3_vl", "text.moe",
+                 f"the {cfg.family} family has no MoE decoder blocks (valid: qwen3_vl)"),
+                (not getattr(cfg.text, "tie_embeddings", False), "text.moe",
+                 "with tie_embeddings: an MoE model's head is untied here (as Qwen3-VL-MoE's releases are)"),
+                (self.experts >= 1 and self.ff_dim >= 1, "text.moe.experts",
+                 f"{self.experts} experts of ff_dim {self.ff_dim}: both must be >= 1"),
+                (1 <= self.top_k <= self.experts, "text.moe.top_k",
+                 f"{self.top_k} must be between 1 and the {self.experts} experts"),
+                (self.aux_coef >= 0, "text.moe.aux_coef", f"{self.aux_coef} must be >= 0")]
+
+
+@dataclass(frozen=True)
+class Qwen3Text(MropeText):
+    """The Qwen3-VL family's decoder: the sections interleaved over the frequencies (t h w t h w ..., transformers'
+    mrope_interleaved) instead of in 3 blocks, and RMSNorms on each head's q and k."""
+    mrope_interleaved: bool = False
+    qk_norm: bool = False
+    moe: MoeConfig | None = None  # a mixture-of-experts decoder (MoeConfig; None: dense)
+
+
+@dataclass(frozen=True)
+class HybridText(Qwen3Text):
+    """The Qwen3.5 family's decoder (mmpipe.model.qwen3_5): the layers that are full attention, the others Gated
+    DeltaNet (transformers' layer_types as indices; Qwen3.5: every 4th, 3, 7, 11, ...: a shrunk model keeps one of
+    each kind, mmpipe.check.equivalence.shrunk), and the linear layers' geometry: key / value heads and their widths,
+    the short convolution's kernel (Qwen3.5-9B: 16 / 32 heads of 128 / 128, kernel 4)."""
+    full_attention_indexes: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+
+
+
+# The known model families, by the model JSON's (family, fusion): where each puts the image, its sections
+LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True, vision=CropVision, text=TextConfig),
+           ("moondream", "cross_attention"): ImageLayout(cross_attention=True, vision=CropVision, text=TextConfig),
+           ("llava", "prefix"): ImageLayout(placeholders=True, vision=ClipVision, text=LlamaText),
+           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, vision=PatchVision, text=MropeText),
+           ("llava_next", "prefix"): ImageLayout(placeholders=True, vision=AnyresVision, text=LlamaText),
+           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True, vision=DeepstackVision, text=Qwen3Text),
+           ("qwen3_5", "prefix"): ImageLayout(placeholders=True, vision=Qwen3Vision, text=HybridText)}
 
 
 @dataclass(frozen=True)
@@ -319,6 +419,7 @@ class ModelConfig:
              f"{t.max_context} leaves no room for text after the {self.prefix_len}-token image prefix"),
         ]
         checks += FAMILY_CHECKS.get(self.family, lambda cfg: [])(self)
+        checks += t.moe.checks(self) if getattr(t, "moe", None) else []  # MoeConfig's
         for ok, field, msg in checks:
             if not ok:
                 raise ConfigError(f"model config '{self.name}': {field}: {msg}")
@@ -342,8 +443,6 @@ def _llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (0 <= cfg.image_token_id < t.vocab_size, "image_token_id",
          f"{cfg.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
         (cfg.layout is not None, "fusion", f"'{cfg.fusion}': the LLaVA family places the image on placeholders"),
-        (v.crop_features == 1 and v.max_crops == 0, "vision.crop_features",
-         f"{v.crop_features} / max_crops {v.max_crops}: LLaVA's projector reads one crop's features (valid: 1 / 0)"),
     ]
 
 
@@ -387,23 +486,12 @@ def _qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (v.image_size % unit == 0, "vision.image_size", f"{v.image_size} is not a multiple of {unit}"),
         (0 <= v.min_pixels and (not v.max_pixels or v.min_pixels <= v.max_pixels), "vision.min_pixels",
          f"{v.min_pixels} must be between 0 and max_pixels {v.max_pixels}"),
-        (v.crop_features == 1 and v.max_crops == 0, "vision.max_crops",
-         f"{v.max_crops}: Qwen2-VL resizes an image to its own grid, no crops (valid: 0)"),
         (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
         (t.rotary_dim == t.head_dim, "text.partial_rotary_factor",
          f"{t.partial_rotary_factor}: multimodal rotary turns the whole head (valid: 1.0)"),
         (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2, "text.mrope_section",
          f"{list(t.mrope_section)}: 3 sections summing to head_dim / 2 = {t.head_dim // 2}"),
     ]
-
-
-def _qwen2_vl_only_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
-    """The Qwen2-VL family's checks, and none of Qwen3-VL's fields, which its layers would ignore."""
-    v, t = cfg.vision, cfg.text
-    return _qwen2_vl_checks(cfg) + [
-        (not (t.mrope_interleaved or t.qk_norm or v.deepstack_indexes), "family",
-         "qwen2_vl with Qwen3-VL's text.mrope_interleaved / qk_norm / vision.deepstack_indexes, which its layers do "
-         "not read (valid: family qwen3_vl)")]
 
 
 def _llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
@@ -420,18 +508,11 @@ def _llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
-    """Qwen2-VL's checks (no windows in Qwen3-VL's tower) plus DeepStack's indexes, one per decoder layer it adds
-    to, and the square position table."""
-    v, t = cfg.vision, cfg.text
+def _qwen3_tower_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen2-VL's checks (no windows in Qwen3-VL's tower) plus the square position table."""
+    v = cfg.vision
     side = math.isqrt(v.num_position_embeddings)
     return _qwen2_vl_checks(cfg) + [
-        (all(0 <= i < v.n_layers for i in v.deepstack_indexes) and list(v.deepstack_indexes)
-         == sorted(set(v.deepstack_indexes)), "vision.deepstack_indexes",
-         f"{list(v.deepstack_indexes)}: increasing block indices of a {v.n_layers}-block tower"),
-        (len(v.deepstack_indexes) <= min(t.n_layers, MAX_DEEPSTACK), "vision.deepstack_indexes",
-         f"{len(v.deepstack_indexes)} sets for decoder layers 0..{len(v.deepstack_indexes) - 1}: at most "
-         f"{min(t.n_layers, MAX_DEEPSTACK)} (the decoder's {t.n_layers} layers, mmpipe's {MAX_DEEPSTACK})"),
         (side >= 2 and side * side == v.num_position_embeddings, "vision.num_position_embeddings",
          f"{v.num_position_embeddings} is not a square table of side >= 2 (Qwen3-VL: 2304 = 48^2)"),
         (v.window_size == 0, "vision.window_size", f"{v.window_size}: Qwen3-VL's tower has no windows (valid: 0)"),
@@ -440,16 +521,27 @@ def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
-    """Qwen3-VL's tower checks without DeepStack, the partial interleaved rotary (sections summing to rotary_dim / 2,
-    Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), and the layer pattern with the linear layers' geometry."""
+def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen3's tower checks plus DeepStack's indexes, one per decoder layer it adds to."""
     v, t = cfg.vision, cfg.text
+    return _qwen3_tower_checks(cfg) + [
+        (all(0 <= i < v.n_layers for i in v.deepstack_indexes) and list(v.deepstack_indexes)
+         == sorted(set(v.deepstack_indexes)), "vision.deepstack_indexes",
+         f"{list(v.deepstack_indexes)}: increasing block indices of a {v.n_layers}-block tower"),
+        (len(v.deepstack_indexes) <= min(t.n_layers, MAX_DEEPSTACK), "vision.deepstack_indexes",
+         f"{len(v.deepstack_indexes)} sets for decoder layers 0..{len(v.deepstack_indexes) - 1}: at most "
+         f"{min(t.n_layers, MAX_DEEPSTACK)} (the decoder's {t.n_layers} layers, mmpipe's {MAX_DEEPSTACK})"),
+    ]
+
+
+def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen3's tower checks, the partial interleaved rotary (sections summing to rotary_dim / 2,
+    Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), and the layer pattern with the linear layers' geometry."""
+    t = cfg.text
     full = list(t.full_attention_indexes)
-    checks = [c for c in _qwen3_vl_checks(cfg) if c[1] not in ("text.partial_rotary_factor", "text.mrope_section")]
+    checks = [c for c in _qwen3_tower_checks(cfg) if c[1] not in ("text.partial_rotary_factor", "text.mrope_section")]
     linear = len(full) < t.n_layers
     return checks + [
-        (not v.deepstack_indexes, "vision.deepstack_indexes",
-         f"{list(v.deepstack_indexes)}: Qwen3.5's tower has no DeepStack (valid: [])"),
         (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.rotary_dim // 2, "text.mrope_section",
          f"{list(t.mrope_section)}: 3 sections summing to rotary_dim / 2 = {t.rotary_dim // 2}"),
         (all(0 <= i < t.n_layers for i in full) and full == sorted(set(full)), "text.full_attention_indexes",
@@ -463,17 +555,25 @@ def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
 
 MAX_DEEPSTACK = 8  # DeepStack sets a model may carry (mmpipe.model.qwen3_vl makes a layer class per set)
 
-FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks, "qwen2_vl": _qwen2_vl_only_checks,
+FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks, "qwen2_vl": _qwen2_vl_checks,
                  "llava_next": _llava_next_checks, "qwen3_vl": _qwen3_vl_checks,
                  "qwen3_5": _qwen3_5_checks}  # by the model JSON's `family`
 
 
 def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:
     """--max-crops N: the model with at most N local crops per image (a smaller budget, same weights)."""
+    if not isinstance(model.vision, CropVision):
+        raise ConfigError(f"--max-crops: the {model.family} family has no crops to limit (moondream's multi-crop)")
     if not 0 <= max_crops <= model.vision.max_crops:
         raise ConfigError(f"--max-crops: {max_crops} must be between 0 and the model's vision.max_crops "
                           f"{model.vision.max_crops}" + ("" if model.vision.max_crops else " (one crop per image)"))
     return dataclasses.replace(model, vision=dataclasses.replace(model.vision, max_crops=max_crops))
+
+
+def widen(cls: type, section, **extra):
+    """`section` (a VisionConfig / TextConfig) as the subclass `cls`, its fields kept and cls's own set from extra
+    (LLaVA's tower read by the LLaVA-NeXT importer, then its pinpoints)."""
+    return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(section)}, **extra)
 
 
 def list_presets() -> list[str]:
@@ -484,16 +584,54 @@ def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
-def _build(cls, data: dict, where: str):
+def _declared(base: type) -> dict[str, object]:
+    """Every field the sections derived from `base` declare (plugins' included), with its default: what a model.json
+    written before the per-family sections holds for the fields of other families (it was one class of all of them)."""
+    out, todo = {}, [base]
+    while todo:
+        cls = todo.pop()
+        out.update({f.name: f.default for f in dataclasses.fields(cls)})
+        todo += cls.__subclasses__()
+    return out
+
+
+def _build(cls, data: dict, where: str, family: str = ""):
+    """A section from its JSON dict: lists become tuples, a dict for a dataclass field becomes that dataclass. A field
+    another family's section declares is dropped when it holds that field's default (an older model.json wrote every
+    family's fields), refused when it does not: the family's layers would not read it."""
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    base = next(c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c))
+    declared = _declared(base) if base is not cls else {}
+    foreign = sorted(k for k in set(data) - names if k in declared)
+    set_foreign = [k for k in foreign if _tuples(data[k]) != declared[k]]
+    if set_foreign:
+        raise ConfigError(f"{where}: {set_foreign}: not a field of the {family} family's section, whose layers would "
+                          f"not read it (valid: {sorted(names)})")
+    unknown = sorted(set(data) - names - set(foreign))
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {unknown} (valid: {sorted(names)})")
-    try:  # JSON lists -> tuples, nested too (grid_pinpoints): the configs are frozen and hashable
-        obj = cls(**{k: _tuples(v) for k, v in data.items()})
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for k in names & set(data):
+        sub = [t for t in (hints[k], *typing.get_args(hints[k])) if dataclasses.is_dataclass(t)]
+        values[k] = (_build(sub[0], data[k], f"{where}.{k}", family) if sub and isinstance(data[k], dict)
+                     else _tuples(data[k]))  # JSON lists -> tuples, nested too: the configs are frozen and hashable
+    try:
+        return cls(**values)
     except TypeError as e:  # a missing required field
         raise ConfigError(f"{where}: {e}") from None
-    return obj
+
+
+def _layout(family: str, fusion: str, where: str) -> ImageLayout:
+    """The (family, fusion)'s layout, or the line naming which of the two is not known."""
+    families, fusions = known_families()
+    for ok, field, msg in (_known(family, families, "family"), _known(fusion, fusions, "fusion")):
+        if not ok:
+            raise ConfigError(f"{where}: {field}: {msg}")
+    if (family, fusion) not in LAYOUTS:
+        raise ConfigError(f"{where}: fusion: '{fusion}' is not a fusion of the {family} family (valid: "
+                          f"{', '.join(u for f, u in LAYOUTS if f == family)})")
+    return LAYOUTS[(family, fusion)]
 
 
 def config_from_dict(data: dict, name: str) -> ModelConfig:
@@ -511,11 +649,13 @@ def config_from_dict(data: dict, name: str) -> ModelConfig:
     g = data.get("cross_attn_gate_scale", 1.0)
     if not isinstance(g, (int, float)) or isinstance(g, bool):
         raise ConfigError(f"model config '{name}': cross_attn_gate_scale: {g!r} is not a number")
+    family, fusion = data.get("family", "moondream"), data.get("fusion", "prefix")
+    layout = _layout(family, fusion, f"model config '{name}'")
     cfg = ModelConfig(
         name=name,
-        family=data.get("family", "moondream"),
-        vision=_build(VisionConfig, data["vision"], f"model config '{name}': vision"),
-        text=_build(TextConfig, data["text"], f"model config '{name}': text"),
+        family=family,
+        vision=_build(layout.vision or VisionConfig, data["vision"], f"model config '{name}': vision", family),
+        text=_build(layout.text or TextConfig, data["text"], f"model config '{name}': text", family),
         proj_inner_dim=int(data.get("proj_inner_dim", 4 * data["text"].get("dim", 0))),
         **{k: data[k] for k in ("fusion", "cross_attn_every", "cross_attn_heads", "cross_attn_gate_scale",
                                 "image_token_id", "vision_start_id", "vision_end_id") if k in data},

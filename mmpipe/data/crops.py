@@ -179,9 +179,9 @@ class CropTransform:
 
 
 def make_transform(vision: VisionConfig, resize: str = "pad", augment: bool = False):
-    """The image transform a model's config asks for: moondream multi-crop (vision.max_crops > 0:
-    CropTransform, PIL image -> Crops) or one crop (ImageTransform, PIL image -> [3, S, S])."""
-    if vision.max_crops:
+    """The image transform a model's config asks for: moondream multi-crop (vision.max_crops > 0, so more than one
+    crop slot: CropTransform, PIL image -> Crops) or one crop (ImageTransform, PIL image -> [3, S, S])."""
+    if vision.crop_slots > 1:
         return CropTransform(vision, vision.max_crops, vision.overlap_margin)
     return ImageTransform(vision, resize=resize, augment=augment)
 

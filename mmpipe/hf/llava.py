@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, ModelConfig, TextConfig, VisionConfig
+from ..config import ClipVision, ConfigError, LlamaText, ModelConfig
 from ..data.tokenizer import load_tokenizer
 from ..model.builder import ReferenceModel, build_layer, layer_specs
 from ..model.llava import FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock, VisionEmbed
@@ -77,14 +77,14 @@ def config_from_hf(hf, name: str = "hf", mean=None, std=None, check: bool = True
     if tc.model_type == "mistral" and getattr(tc, "sliding_window", None):
         _fail("text_config.sliding_window", f"{tc.sliding_window}: sliding-window attention is not implemented")
     clip = vc.model_type == "clip_vision_model"
-    vision = VisionConfig(
+    vision = ClipVision(
         image_size=vc.image_size, patch_size=vc.patch_size, dim=vc.hidden_size, n_layers=vc.num_hidden_layers,
         n_heads=vc.num_attention_heads, ff_dim=vc.intermediate_size, channels=vc.num_channels,
         mean=tuple(mean or (CLIP_MEAN if clip else (0.5,) * 3)), std=tuple(std or (CLIP_STD if clip else (0.5,) * 3)),
         ln_eps=vc.layer_norm_eps, kind="clip" if clip else "siglip", act=HF_ACTS[vc.hidden_act], feature_layer=layer,
         feature_select=hf.vision_feature_select_strategy)
     tie = bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
-    text = TextConfig(
+    text = LlamaText(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads, ff_dim=tc.intermediate_size,
         vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings, partial_rotary_factor=1.0,
         rope_theta=_rope_theta(tc), ln_eps=tc.rms_norm_eps, n_kv_heads=tc.num_key_value_heads,

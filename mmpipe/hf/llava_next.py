@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import AnyresVision, ModelConfig, widen
 from ..model.builder import ReferenceModel
 from . import llava
 from .llava import ImportReport, _fail, _preprocessor, read_hf_config
@@ -45,7 +45,7 @@ def config_from_hf(hf, name: str = "hf", mean=None, std=None) -> ModelConfig:
         _fail("multimodal_projector_bias", "false: only the projector with biases is supported")
     base = llava.config_from_hf(hf, name, mean, std, check=False)
     pinpoints = tuple(tuple(int(x) for x in p) for p in hf.image_grid_pinpoints)
-    vision = dataclasses.replace(base.vision, grid_pinpoints=pinpoints, anyres_max=_anyres_max(hf))
+    vision = widen(AnyresVision, base.vision, grid_pinpoints=pinpoints, anyres_max=_anyres_max(hf))
     cfg = dataclasses.replace(base, family="llava_next", vision=vision)
     cfg.validate()
     return cfg

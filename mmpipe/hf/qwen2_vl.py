@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, TextConfig, VisionConfig
+from ..config import ModelConfig, MropeText, PatchVision
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
@@ -85,7 +85,7 @@ def pixel_defaults_taken(proc: dict, pixels: tuple[int, int], clip: bool) -> tup
     return keys + more[0], words + more[1]
 
 
-def _vision(hf, proc: dict) -> VisionConfig:
+def _vision(hf, proc: dict) -> PatchVision:
     vc, v25 = hf.vision_config, hf.model_type == "qwen2_5_vl"
     theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
     if theta != VISION_THETA:
@@ -93,7 +93,7 @@ def _vision(hf, proc: dict) -> VisionConfig:
     lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
     unit = vc.patch_size * vc.spatial_merge_size
     dim = vc.hidden_size if v25 else vc.embed_dim
-    return VisionConfig(
+    return PatchVision(
         image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=dim,
         n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size if v25 else int(dim * vc.mlp_ratio),
         channels=vc.in_channels, mean=tuple(proc.get("image_mean") or CLIP_MEAN),
@@ -117,7 +117,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
     out = hf.vision_config.hidden_size if hf.model_type == "qwen2_vl" else hf.vision_config.out_hidden_size
     if out != tc.hidden_size:
         _fail("vision_config", f"the merger's output width {out} is not the decoder's hidden_size {tc.hidden_size}")
-    text = TextConfig(
+    text = MropeText(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
         ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
         partial_rotary_factor=1.0, rope_theta=float(rope.get("rope_theta", 1000000.0)), ln_eps=tc.rms_norm_eps,
@@ -241,7 +241,7 @@ def import_qwen2_vl(path: str | Path, dtype=torch.float32) -> tuple[ReferenceMod
     return got.model(dtype), got.report
 
 
-def image_processor(v: VisionConfig):
+def image_processor(v: PatchVision):
     """transformers' Qwen2VLImageProcessor at the model's patch, merge, resize bounds, mean and std."""
     from transformers import Qwen2VLImageProcessor
     return Qwen2VLImageProcessor(min_pixels=v.min_pixels, max_pixels=v.max_pixels, patch_size=v.patch_size,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, TextConfig
+from ..config import HybridText, ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import LMHeadLinear
 from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, layer_types
@@ -76,7 +76,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
                                          f"(one per layer: linear_attention or full_attention)")
     vision = tower_config(vc, tc, proc)  # Qwen3-VL's tower, without DeepStack
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    text = TextConfig(
+    text = HybridText(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
         ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", 0.25))),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, TextConfig, VisionConfig
+from ..config import DeepstackVision, ModelConfig, Qwen3Text, Qwen3Vision
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA
@@ -76,9 +76,9 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def tower_config(vc, tc, proc: dict, **extra) -> VisionConfig:
+def tower_config(vc, tc, proc: dict, cls: type = Qwen3Vision, **extra) -> Qwen3Vision:
     """The Qwen3-VL tower of an HF vision config (Qwen3-VL's, and Qwen3.5's, which is the same tower) and its image
-    processor's settings -> mmpipe's VisionConfig (extra: the family's own fields); refuses, one line each, what the
+    processor's settings -> the family's vision section `cls` (extra: its own fields); refuses, one line each, what the
     layers do not implement."""
     if vc.hidden_act not in ACTS:
         _fail("vision_config.hidden_act", f"'{vc.hidden_act}' (supported: {', '.join(ACTS)})")
@@ -90,7 +90,7 @@ def tower_config(vc, tc, proc: dict, **extra) -> VisionConfig:
         _fail("vision_config.rope_parameters", f"rope_theta {theta}: the tower's 2D rotary uses {VISION_THETA}")
     lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
     unit = vc.patch_size * vc.spatial_merge_size
-    return VisionConfig(
+    return cls(
         image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=vc.hidden_size,
         n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size, channels=vc.in_channels,
         mean=tuple(proc.get("image_mean") or STATS), std=tuple(proc.get("image_std") or STATS), ln_eps=1e-6,
@@ -119,9 +119,9 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         _fail("text_config.attention_bias", "true: Qwen3's attention has no bias in mmpipe's layers")
     if tc.hidden_act != "silu":
         _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
-    vision = tower_config(vc, tc, proc, deepstack_indexes=tuple(vc.deepstack_visual_indexes))
+    vision = tower_config(vc, tc, proc, DeepstackVision, deepstack_indexes=tuple(vc.deepstack_visual_indexes))
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    text = TextConfig(
+    text = Qwen3Text(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
         ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
         partial_rotary_factor=1.0, rope_theta=float(rope.get("rope_theta", 5000000.0)), ln_eps=tc.rms_norm_eps,

@@ -53,7 +53,7 @@ class VLMPipeline(PipelineModule):
         for p in self.parameters():
             p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
         # the multi-crop tiling is read by the Projector alone: a later stage that holds it loads images for it
-        self.reads_images = self.stage_id == 0 or bool(run.model.vision.max_crops and any(
+        self.reads_images = self.stage_id == 0 or bool(run.model.vision.crop_slots > 1 and any(
             isinstance(layer, Projector) for layer in self.forward_funcs))
 
     def forward(self, forward_input):
