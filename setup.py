@@ -22,6 +22,8 @@ setup(
         "safetensors>=0.4",
         "peft>=0.17,<0.22",  # --lora: its LoRA layers inside the pipeline layers (mmpipe.model.lora)
         "tqdm>=4.66",
+        # video clips (mmpipe.data.video): PyAV's wheels bundle FFmpeg, and torchvision >= 0.26 decodes no video
+        "av>=14",
     ],
     extras_require={
         "tensorboard": ["tensorboard>=2.14"],  # the DeepSpeed config's "tensorboard" monitor section

@@ -28,6 +28,9 @@ BAD_KINDS = {
     "too_many_tiles": "the sample's images make more crops (base crops + tiles) than a row holds (--max-tiles)",
     "bad_aspect": "the image's aspect ratio is beyond what the image processor takes (200:1; any-resolution tiles: "
                   "no feature left after unpadding)",
+    "bad_video": "the video file is missing or cannot be opened or decoded",
+    "empty_video": "the video has no video stream, no frames, or too few frames for one temporal patch",
+    "video_marker": "<video> markers in the user turns disagree with the record's videos (one marker per video)",
     "unsupported_media": "the record carries media its model family does not read (a video for an image-only family)",
     "too_long": "the text does not fit the sequence budget (--text-len) with its first answer token",
 }

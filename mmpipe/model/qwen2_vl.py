@@ -44,11 +44,24 @@ def _norm(v: VisionConfig) -> nn.Module:
 
 
 def used_grids(t: StageTuple) -> torch.Tensor:
-    """t.tiling [B, M, 3] with the unused slots' grids zeroed (has_image 0): the grids the row holds."""
-    if t.tiling is None or t.tiling.dim() != 3 or t.tiling.shape[-1] != 3:
+    """t.tiling [B, M, 3] (or [B, M, 4]: clips' time steps, time_steps) with the unused slots' grids zeroed
+    (has_image 0): the grids (t, h, w) the row holds."""
+    if t.tiling is None or t.tiling.dim() != 3 or t.tiling.shape[-1] not in (3, 4):
         raise ValueError("the Qwen2-VL family's layers need each image slot's grid: the stage tuple's tiling "
-                         "long [B, M, 3] (t, h, w), last of its integer tensors")
-    return t.tiling * (t.has_image > 0)[..., None]
+                         "long [B, M, 3] (t, h, w) or [B, M, 4] (t, h, w, time step), last of its integer tensors")
+    return t.tiling[..., :3] * (t.has_image > 0)[..., None]
+
+
+def time_steps(t: StageTuple) -> torch.Tensor | None:
+    """float32 [B, M]: each slot's temporal rotary step, the 4th tiling column's float32 bits (None: a tiling of
+    3 columns, the temporal index itself). Qwen2.5-VL's clip of sampled_fps advances its temporal position by
+    tokens_per_second x temporal_patch_size / sampled_fps per temporal patch, which transformers floors after a
+    float32 product (get_vision_position_ids); the step rides in an integer column as its exact float32 bits
+    (mmpipe.data.video.step_bits) because only floats that are activations cross stages, and the integer
+    tensors every stage loads must carry the clip's value unrounded. An image slot's step is irrelevant (t = 1)."""
+    if t.tiling is None or t.tiling.shape[-1] != 4:
+        return None
+    return t.tiling[..., 3].to(torch.int32).view(torch.float32)
 
 
 class Patches(NamedTuple):
@@ -134,12 +147,15 @@ def vision_attention(t: StageTuple, v: VisionConfig, full: bool):
 
 
 def mrope_positions(ids: torch.Tensor, segments: torch.Tensor, grids: torch.Tensor, token: int,
-                    merge: int) -> torch.Tensor:
+                    merge: int, steps: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's multimodal positions long [3, B, L] (temporal, height, width), per sample from 0 as
     transformers' get_rope_index: a text token is one more than the position before it (all three
     alike); an image block starting at s gives its merged token (f, r, c) positions (s + f, s + r, s + c)
     and the text after it continues at s + max(h, w) / merge. The k-th block of image tokens in a row is
-    the row's k-th used slot (grids: used_grids); padding (segment 0) gets positions no one attends to."""
+    the row's k-th used slot (grids: used_grids); padding (segment 0) gets positions no one attends to.
+    steps (time_steps, float32 [B, M]): a clip's temporal patch f sits at s + floor(f x its slot's step) instead
+    of s + f (Qwen2.5-VL's absolute time); the text after the block still continues at s + max(h, w) / merge,
+    whatever the clip's length, as transformers' get_rope_index does."""
     B, L = ids.shape
     rp = row_positions(segments)  # index within its sample
     img = (ids == token) & (segments > 0)
@@ -159,7 +175,10 @@ def mrope_positions(ids: torch.Tensor, segments: torch.Tensor, grids: torch.Tens
     base = torch.where(img, rp - within, rp) + before - before.gather(1, start)
     zero = torch.zeros_like(base)
     k = within % hw
-    return torch.stack([base + torch.where(img, within // hw, zero), base + torch.where(img, k // lw, zero),
+    frame = within // hw
+    if steps is not None:  # float32 as transformers multiplies, then floored (.long()) as it does
+        frame = (frame.float() * steps.gather(1, slot)).long()
+    return torch.stack([base + torch.where(img, frame, zero), base + torch.where(img, k // lw, zero),
                         base + torch.where(img, k % lw, zero)])
 
 
@@ -285,7 +304,8 @@ def mrope_geometry(t: StageTuple, start: int, cache: dict | None, token: int, me
         used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
         pos, rot = row_cached(
             (t.input_ids, t.segments, t.tiling, t.has_image), (*key, token, merge),
-            lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), token, merge), rotary(p)))
+            lambda: (p := mrope_positions(t.input_ids, t.segments, used_grids(t), token, merge, time_steps(t)),
+                     rotary(p)))
         if cache is not None:
             cache["rope_delta"] = rope_delta(pos, t.segments)
         return row_attention(t.segments), rot

@@ -1,0 +1,212 @@
+"""Clips for the Qwen2-VL family (image kind patches): a video file -> its grid at index time, from the container's
+metadata alone, and its patches when a row is built, through transformers' own Qwen2VLVideoProcessor (its frame
+sampling `sample_frames`, its resize rule `smart_resize`, its patch order), which this module calls rather than
+copies. Decoding is PyAV's (`av` on PyPI; its wheels bundle FFmpeg, so it installs on a fresh machine; docs/video.md
+says why not torchvision or decord).
+
+A clip of F frames at r fps and W x H pixels:
+
+- frames: the processor samples `fps` frames a second (Qwen2.5-VL's 2.0), at least min_frames and at most
+  max_frames, floored to a multiple of temporal_patch_size (2): n frames, uniformly spaced (sample_frames);
+- frame size: smart_resize of H x W between min_pixels and a per-frame bound, the clip's share of the row's P patches
+  over its n / 2 temporal patches (and vision.max_pixels), so a long clip is sampled into smaller frames, never
+  truncated; a clip whose smallest frames still exceed its share is a bad record (too_many_patches);
+- grid (t, h, w) = (n / 2, h' / p, w' / p) patches, t h w / merge^2 decoder positions;
+- Qwen2.5-VL's temporal rotary step: tokens_per_second x temporal_patch_size / sampled_fps positions per temporal
+  patch, sampled_fps = n / F x r (transformers' VideoMetadata.sampled_fps), carried to the decoder as its float32
+  bits (step_bits; mmpipe.model.qwen2_vl.time_steps reads them back).
+
+Nothing here decodes at index time: `probe` opens the container and reads its stream header (frame count, or its
+duration x rate where the container does not store a count: Matroska / WebM), so later stages know every clip's
+grid and positions without decoding it, as images' grids come from their size alone (mmpipe.data.patches).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .patches import PatchRule
+from .records import BadRecord
+
+DEFAULT_FPS = 2.0        # Qwen2.5-VL's and Qwen3-VL's preprocessor_config.json ("fps": 2.0)
+DEFAULT_MIN_FRAMES = 4   # Qwen2VLVideoProcessor's defaults
+DEFAULT_MAX_FRAMES = 768
+
+
+@dataclass(frozen=True)
+class ClipInfo:
+    """What a container's header says of its first video stream."""
+    frames: int
+    fps: float
+    width: int
+    height: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.fps
+
+
+def probe(path) -> ClipInfo:
+    """The clip's frame count, rate and size from its container, without decoding a frame; BadRecord bad_video for a
+    file PyAV cannot open, empty_video for one without a video stream (an MP4 written with no frame has none) or a
+    stream of no frames."""
+    import av
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise BadRecord("empty_video", f"video {path}: no video stream (no frame written)")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            frames = int(stream.frames)
+            if not frames and rate and container.duration:  # Matroska / WebM store no count: duration x rate
+                frames = round(container.duration / av.time_base * float(rate))
+            width, height = stream.codec_context.width, stream.codec_context.height
+    except BadRecord:
+        raise
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise BadRecord("bad_video", f"video {path}: {' '.join(str(e).split())}") from None
+    if frames <= 0 or not rate or not width or not height:
+        raise BadRecord("empty_video", f"video {path}: {frames} frames at {rate} fps, {width}x{height} in its header")
+    return ClipInfo(frames, float(rate), width, height)
+
+
+def step_bits(step: float) -> int:
+    """A float32 step as the int32 of its bits, a tiling entry (mmpipe.model.qwen2_vl.time_steps reads it back)."""
+    return int(torch.tensor(step, dtype=torch.float32).view(torch.int32))
+
+
+@dataclass(frozen=True)
+class Clip:
+    """A clip as the index records it: the frames sampled, the grid, the temporal rotary step (float32)."""
+    indices: tuple[int, ...]
+    grid: tuple[int, int, int]
+    step: float
+    seconds_per_grid: float  # temporal_patch_size / sampled_fps (transformers' second_per_grid_ts)
+
+    @property
+    def tiling(self) -> tuple[int, int, int, int]:
+        """The slot's tiling: (t, h, w, step's float32 bits)."""
+        return (*self.grid, step_bits(self.step))
+
+
+@dataclass(frozen=True)
+class VideoRule:
+    """The video processor's settings for one run: the image rule (patch, merge, temporal, pixels, P) and the
+    frame sampling. tokens_per_second: Qwen2.5-VL's vision_config.tokens_per_second (the absolute-time temporal
+    rotary), 0 for Qwen2-VL, whose temporal position is the temporal patch's index (step 1)."""
+    image: PatchRule
+    fps: float = DEFAULT_FPS
+    min_frames: int = DEFAULT_MIN_FRAMES
+    max_frames: int = DEFAULT_MAX_FRAMES
+    tokens_per_second: int = 0
+
+    def sample(self, info: ClipInfo) -> np.ndarray:
+        """The frame indices the processor samples from the clip (its sample_frames on the header's metadata);
+        BadRecord empty_video for a clip too short to give one temporal patch."""
+        from transformers.video_utils import VideoMetadata
+        meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height,
+                             duration=info.seconds)
+        try:
+            idx = _processor(self, 0).sample_frames(meta, fps=self.fps)
+        except (ValueError, ZeroDivisionError) as e:  # fewer frames than a temporal patch: num_frames 0
+            raise BadRecord("empty_video", f"video of {info.frames} frames at {info.fps:g} fps: no "
+                                           f"{self.image.temporal} frames to sample ({' '.join(str(e).split())})")
+        if len(idx) < self.image.temporal:
+            raise BadRecord("empty_video", f"video of {info.frames} frames at {info.fps:g} fps: {len(idx)} frames "
+                                           f"sampled, fewer than a temporal patch ({self.image.temporal})")
+        return np.asarray(idx, dtype=np.int64)
+
+    def frame_cap(self, temporal_patches: int, n_media: int = 1) -> int:
+        """max_pixels of one frame: the clip's share of P (PatchRule.cap) over its temporal patches, down to whole
+        merge units."""
+        unit = self.image.merge * self.image.merge * self.image.patch * self.image.patch
+        return self.image.cap(n_media) // max(1, temporal_patches) // unit * unit
+
+    def clip(self, info: ClipInfo, n_media: int = 1) -> Clip:
+        """The clip's sampled frames, grid and step, by the processor's rules; BadRecord for a clip they refuse or
+        one whose smallest frames exceed its share of the row."""
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
+        idx = self.sample(info)
+        r = self.image
+        t = math.ceil(len(idx) / r.temporal)  # the processor pads a last odd frame by repeating it
+        cap = self.frame_cap(t, n_media)
+        try:
+            h, w = smart_resize(info.height, info.width, factor=r.factor, min_pixels=r.min_pixels,
+                                max_pixels=max(cap, r.factor * r.factor))
+        except ValueError as e:  # the processor's 200:1 aspect limit
+            raise BadRecord("bad_aspect", f"video {info.width}x{info.height}: {' '.join(str(e).split())}") from None
+        grid = (t, h // r.patch, w // r.patch)
+        share = r.cap(n_media) // (r.patch * r.patch)
+        if grid[0] * grid[1] * grid[2] > share:
+            raise BadRecord("too_many_patches", f"video {info.width}x{info.height}, {len(idx)} frames sampled: a "
+                                                f"{'x'.join(map(str, grid))} patch grid, {int(np.prod(grid))} patches "
+                                                f"> the {share} one of a sample's {n_media} media may take "
+                                                f"(--max-patches, vision.max_pixels)")
+        sampled_fps = len(idx) / info.frames * info.fps  # transformers' VideoMetadata.sampled_fps
+        seconds = float(np.float32(r.temporal / sampled_fps))  # second_per_grid_ts, a float32 tensor in transformers
+        step = float(np.float32(self.tokens_per_second * np.float32(seconds))) if self.tokens_per_second else 1.0
+        return Clip(tuple(int(i) for i in idx), grid, step, seconds)
+
+    def patches(self, path, clip: Clip, n_media: int = 1) -> torch.Tensor:
+        """float32 [t h w, patch_dim]: the clip's sampled frames decoded (PyAV) and made into patches by the
+        processor, at the frame bound its index grid was made with; BadRecord bad_video if the file no longer
+        decodes to them."""
+        frames = decode(path, clip.indices)
+        out = _processor(self, self.frame_cap(clip.grid[0], n_media))(videos=[frames], return_tensors="pt")
+        got = tuple(int(g) for g in out["video_grid_thw"][0])
+        if got != clip.grid:
+            raise BadRecord("bad_video", f"video {path}: decodes to a {got} grid, its index says {clip.grid}")
+        return out["pixel_values_videos"].float()
+
+
+@functools.lru_cache(maxsize=16)
+def _processor(rule: VideoRule, max_pixels: int):
+    """transformers' video processor at the run's settings; frames are sampled at index time (sample), so the call
+    takes exactly the decoded frames (do_sample_frames False)."""
+    from transformers import Qwen2VLVideoProcessor
+    r = rule.image
+    return Qwen2VLVideoProcessor(patch_size=r.patch, merge_size=r.merge, temporal_patch_size=r.temporal,
+                                 min_pixels=r.min_pixels, max_pixels=max(max_pixels, r.factor * r.factor),
+                                 image_mean=list(r.mean), image_std=list(r.std), fps=rule.fps,
+                                 min_frames=rule.min_frames, max_frames=rule.max_frames, do_sample_frames=False,
+                                 cap_pixels_per_frame=False)
+
+
+def decode(path, indices) -> np.ndarray:
+    """uint8 [n, H, W, 3]: the frames at `indices` (sorted, as sample gives them), decoded in one pass with PyAV
+    (a frame index is its place in decoding order); BadRecord bad_video for a file that stops short or fails."""
+    import av
+    want, out = sorted(set(int(i) for i in indices)), {}
+    try:
+        with av.open(str(path)) as container:
+            for k, frame in enumerate(container.decode(video=0)):
+                if k in want:
+                    out[k] = frame.to_ndarray(format="rgb24")
+                if k >= want[-1]:
+                    break
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise BadRecord("bad_video", f"video {path}: {' '.join(str(e).split())}") from None
+    if len(out) < len(want):
+        raise BadRecord("bad_video", f"video {path}: decoded {len(out)} of the {len(want)} frames its header promised")
+    return np.stack([out[int(i)] for i in indices])
+
+
+def record_clips(videos: list, marker_count: int, root, rule: VideoRule, n_media: int = 1) -> list[tuple]:
+    """[(path, ClipInfo, Clip)] of a LLaVA-style record's `"video"` paths (relative to root) against its user turns'
+    <video> markers, from the headers alone; BadRecord video_marker where the markers and the videos disagree (a
+    marker without a clip, a clip without a marker), else each clip's own refusal (probe, VideoRule.clip)."""
+    from pathlib import Path
+    if marker_count != len(videos):
+        raise BadRecord("video_marker", f"{marker_count} <video> marker(s) for {len(videos)} video(s)")
+    out = []
+    for v in videos:
+        path = Path(root) / v
+        if not path.is_file():
+            raise BadRecord("bad_video", f"video {v}: no such file under {root}")
+        info = probe(path)
+        out.append((path, info, rule.clip(info, n_media)))
+    return out

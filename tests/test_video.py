@@ -1,0 +1,207 @@
+"""Video (issue 44, first slice): clips written here with PyAV (tests/video_clips.py) in two containers / codecs;
+index time reads each clip's frames, rate and size from its header and gives the grid transformers' own video
+processor gives after decoding and sampling the file itself; unreadable, zero-frame and marker-less clips are bad
+records with their reasons; the tiny random Qwen2.5-VL (transformers' class, tests/qwen_models.py) gives
+transformers' logits (1e-4) for a clip alone, a clip and an image in one conversation, and two clips of different
+lengths and frame sizes packed in one row, under its absolute-time temporal rotary."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mmpipe.data.patches import PatchRule
+from mmpipe.data.records import BadRecord
+from mmpipe.data.video import VideoRule, probe, record_clips, step_bits
+from mmpipe.hf.qwen2_vl import import_qwen2_vl
+from qwen_models import END, IMAGE, PIXELS, START, VIDEO, encode, image, save_qwen
+from video_clips import moving_square, write_clip, write_empty
+
+TOL = 1e-4
+P = 256  # the row's patch budget in these tests
+# (name, frames, width, height, fps, format): 7 frames at 3 fps sample 4 (2 temporal patches, sampled_fps 12 / 7,
+# a step of 4 x 2 / (12 / 7) = 4.67 positions: 0, 4); 13 frames at 3 fps sample 8, their frames bounded to their
+# share of P over 4 temporal patches (84 x 56 -> 56 x 28), step 4.33: 0, 4, 8, 13 (3 x 4.3333335 in float32, floored
+# as transformers does)
+CLIPS = [("short", 7, 56, 56, 3, "mp4"), ("long", 13, 84, 56, 3, "mkv")]
+
+
+def _rule(tokens_per_second: int) -> VideoRule:
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # the processor's CLIP
+    image_rule = PatchRule(14, 2, 2, 3, PIXELS["min_pixels"], PIXELS["max_pixels"], P, mean, std)
+    return VideoRule(image_rule, tokens_per_second=tokens_per_second)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clips")
+    out = {}
+    for k, (name, n, w, h, fps, fmt) in enumerate(CLIPS):
+        write_clip(d / f"{name}.{fmt}", moving_square(n, w, h, seed=k), fps)
+        out[name] = d / f"{name}.{fmt}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen2_5")
+    hf = save_qwen("qwen2_5", d)
+    model, _ = import_qwen2_vl(d)
+    return hf, model.eval()
+
+
+def _reference(path, rule: VideoRule, frame_cap: int):
+    """transformers' own video processor on every frame of the file (decoded here with PyAV, counted by decoding):
+    its fps sampling and resize at the same frame bound -> (pixel_values_videos, video_grid_thw [1, 3],
+    second_per_grid_ts float32 [1]) as Qwen2_5_VLProcessor makes them (temporal_patch_size / the sampled frames'
+    fps). (transformers' own PyAV reader, video_utils.read_video_pyav, takes the header's frame count, which
+    Matroska does not store: it reads 0 frames there.)"""
+    import av
+    from transformers import Qwen2VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+    with av.open(str(path)) as c:
+        rate = float(c.streams.video[0].average_rate)
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    meta = VideoMetadata(total_num_frames=len(frames), fps=rate, width=frames.shape[2], height=frames.shape[1],
+                         duration=len(frames) / rate)
+    proc = Qwen2VLVideoProcessor(min_pixels=PIXELS["min_pixels"], max_pixels=frame_cap, do_sample_frames=True,
+                                 fps=rule.fps, cap_pixels_per_frame=False)
+    out = proc(videos=[frames], video_metadata=[meta], return_metadata=True, return_tensors="pt")
+    seconds = torch.tensor([2 / out["video_metadata"][0].sampled_fps], dtype=torch.float32)
+    return out["pixel_values_videos"], out["video_grid_thw"], seconds
+
+
+def test_header_gives_the_processors_grid_in_both_containers(clips):
+    """probe reads frames / fps / size without decoding (Matroska stores no frame count: duration x rate), and the
+    index's grid and sampled frames are what transformers' processor makes of the file after decoding it."""
+    rule = _rule(4)
+    for name, n, w, h, fps, _ in CLIPS:
+        info = probe(clips[name])
+        assert (info.frames, info.fps, info.width, info.height) == (n, fps, w, h), name
+        clip = rule.clip(info)
+        px, grid, seconds = _reference(clips[name], rule, rule.frame_cap(clip.grid[0]))
+        assert clip.grid == tuple(grid[0].tolist()), name
+        assert clip.seconds_per_grid == seconds.item(), name
+        got = rule.patches(clips[name], clip)
+        assert torch.equal(got, px.float()), name
+    short, long = (rule.clip(probe(clips[c])) for c in ("short", "long"))
+    assert (short.grid, len(short.indices), long.grid, len(long.indices)) == ((2, 4, 4), 4, (4, 2, 4), 8)
+
+
+def test_bad_clips_are_bad_records_with_their_reasons(tmp_path, clips):
+    rule = _rule(4)
+    (tmp_path / "junk.mp4").write_bytes(b"not a video")
+    write_empty(tmp_path / "empty.mp4")
+    write_clip(tmp_path / "one.mp4", moving_square(1, 56, 56), 3)  # one frame: no temporal patch of 2
+    cases = {"junk.mp4": "bad_video", "empty.mp4": "empty_video", "one.mp4": "empty_video", "gone.mp4": "bad_video"}
+    for name, kind in cases.items():
+        with pytest.raises(BadRecord) as e:
+            record_clips([name], 1, tmp_path, rule)
+        assert e.value.kind == kind, (name, e.value.reason)
+    with pytest.raises(BadRecord) as e:  # a <video> marker without a clip
+        record_clips([], 1, clips["short"].parent, rule)
+    assert e.value.kind == "video_marker"
+    got = record_clips([clips["short"].name], 1, clips["short"].parent, rule)
+    assert got[0][2].grid == (2, 4, 4)
+
+
+def _row(samples, extra_patches: int = 8, extra_positions: int = 3):
+    """One packed row of samples [(mmpipe ids, [(patches, tiling of 4)])] and each sample's span: the stage
+    contract's first input with a 4-column tiling (t, h, w, the step's float32 bits) and an unused slot."""
+    ids = torch.cat([s[0] for s in samples])
+    L = len(ids) + extra_positions
+    segments, spans, at = torch.zeros(1, L, dtype=torch.long), [], 0
+    for k, s in enumerate(samples):
+        segments[0, at:at + len(s[0])] = k + 1
+        spans.append((at, at + len(s[0])))
+        at += len(s[0])
+    media = [(k + 1, px, til) for k, s in enumerate(samples) for px, til in s[1]]
+    M = len(media) + 1
+    tiling, has_image = torch.zeros(1, M, 4, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
+    for j, (owner, _, til) in enumerate(media):
+        tiling[0, j], has_image[0, j] = torch.tensor(til), owner
+    n = sum(len(px) for _, px, _ in media)
+    pixels = torch.zeros(1, n + extra_patches, 1176)
+    pixels[0, :n] = torch.cat([px for _, px, _ in media])
+    input_ids = torch.cat([ids, torch.zeros(extra_positions, dtype=torch.long)])[None]
+    return (pixels, input_ids, has_image, segments, tiling), spans
+
+
+def _conversation(items, seed: int):
+    """(mmpipe ids, HF ids, HF mm_token_type_ids): 3 text tokens, then per item ("image" | "video", grid) its
+    bracketed block (mmpipe: image placeholders for both, which the embedding replaces alike; HF: <|video_pad|> and
+    type 2 for a clip) and 3 more text tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ours, theirs, types = [torch.randint(3, 180, (3,), generator=g)], [], []
+    theirs.append(ours[0])
+    types.append(torch.zeros(3, dtype=torch.int))
+    for kind, grid in items:
+        n = int(torch.tensor(grid).prod()) // 4
+        text = torch.randint(3, 180, (3,), generator=g)
+        pad = IMAGE if kind == "image" else VIDEO
+        ours += [torch.tensor([START] + [IMAGE] * n + [END]), text]
+        theirs += [torch.tensor([START] + [pad] * n + [END]), text]
+        types += [torch.tensor([0] + [1 if kind == "image" else 2] * n + [0], dtype=torch.int),
+                  torch.zeros(3, dtype=torch.int)]
+    return torch.cat(ours), torch.cat(theirs), torch.cat(types)
+
+
+def _case(clips, rule, names, with_image: bool, seed: int):
+    """One conversation's mmpipe sample and transformers' logits: the clips `names` (then an image)."""
+    media, hf_kw, items = [], {}, []
+    vids, grids, secs = [], [], []
+    for name in names:
+        clip = rule.clip(probe(clips[name]))
+        px, grid, seconds = _reference(clips[name], rule, rule.frame_cap(clip.grid[0]))
+        media.append((rule.patches(clips[name], clip), clip.tiling))
+        items.append(("video", clip.grid))
+        vids.append(px)
+        grids.append(grid)
+        secs.append(seconds)
+    if names:
+        hf_kw.update(pixel_values_videos=torch.cat(vids), video_grid_thw=torch.cat(grids),
+                     second_per_grid_ts=torch.cat(secs))
+    if with_image:
+        px, grid = encode([image(84, 56, seed=seed)])
+        media.append((px, (*grid[0].tolist(), 0)))  # an image's step is never read (t = 1)
+        items.append(("image", tuple(grid[0].tolist())))
+        hf_kw.update(pixel_values=px, image_grid_thw=grid)
+    ours, theirs, types = _conversation(items, seed)
+    return (ours, media), theirs, types, hf_kw
+
+
+def _hf_logits(hf, ids, types, kw):
+    with torch.no_grad():
+        return hf(input_ids=ids[None], mm_token_type_ids=types[None], **kw).logits[0]
+
+
+def test_qwen2_5_clip_logits_equal_transformers(qwen25, clips):
+    """A clip alone, a clip and an image in one conversation, and two clips of different lengths and frame sizes
+    (2 x 4 x 4 and 4 x 2 x 4 patches, steps 4.67 and 4.33), each alone and all packed in one row."""
+    hf, model = qwen25
+    rule = _rule(hf.config.vision_config.tokens_per_second)
+    cases = [_case(clips, rule, ["short"], False, 1), _case(clips, rule, ["long"], True, 2),
+             _case(clips, rule, ["short", "long"], False, 3)]
+    wants = [_hf_logits(hf, theirs, types, kw) for _, theirs, types, kw in cases]
+    for (ours, _, _, _), want in zip(cases, wants):
+        with torch.no_grad():
+            got = model(*_row([ours])[0])[0, :len(ours[0])]
+        assert (got - want).abs().max().item() < TOL
+    inputs, spans = _row([c[0] for c in cases])
+    with torch.no_grad():
+        got = model(*inputs)[0]
+    for (a, b), want in zip(spans, wants):
+        assert (got[a:b] - want).abs().max().item() < TOL
+
+
+def test_absolute_time_positions_matter(qwen25, clips):
+    """The clip's temporal step reaches the logits: the same clip read as Qwen2-VL's temporal index (step 1.0)
+    differs from transformers' Qwen2.5-VL by more than 1e-3, so the equality above is the rule's, not luck."""
+    hf, model = qwen25
+    rule = _rule(hf.config.vision_config.tokens_per_second)
+    (ours, media), theirs, types, kw = _case(clips, rule, ["long"], False, 4)
+    want = _hf_logits(hf, theirs, types, kw)
+    media = [(px, (*til[:3], step_bits(1.0))) for px, til in media]
+    with torch.no_grad():
+        got = model(*_row([(ours, media)])[0])[0, :len(ours)]
+    assert (got - want).abs().max().item() > 1e-3
