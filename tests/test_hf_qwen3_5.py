@@ -407,3 +407,29 @@ def test_linear_layer_cost_is_linear_in_positions_and_counts_the_kernels_matmuls
     conv = 2 * t.linear_key_heads * dk + hv * dv
     rule = q35.DELTANET_BLOCK.cost_of(cfg, 0, 0, L).fwd - 2 * t.linear_conv_kernel * conv * L
     assert counter.get_total_flops() == rule - hv * L * C * (dk + dv)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-9b", "qwen3.5-27b"])
+def test_presets_have_the_published_parameter_counts(preset):
+    """The released sizes' presets (built on the meta device) hold transformers' model of their config exactly
+    (mmpipe.hf.qwen3_5.hf_config), and with the multi-token-prediction head the checkpoints also carry (mtp.*: one
+    full-attention layer, a 2D -> D fc and 3 norms, which transformers and the import skip) they are the published
+    totals (the preset's `_params`: the released weights' bf16 bytes / 2, its `_source` says where) within 1%;
+    e.g. qwen3.5-27b 27.357 B + 0.425 B = 27.782 B for the 55.56 GB of its weights."""
+    import json
+
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from mmpipe.config import PRESET_DIR
+    from mmpipe.hf.qwen3_5 import hf_config
+    from mmpipe.model.builder import layer_param_counts, layer_specs
+    from test_docs import _parameters
+    cfg, mine = load_preset(preset), _parameters(preset)
+    with torch.device("meta"):
+        theirs = Qwen3_5ForConditionalGeneration(hf_config(cfg))
+    assert sum({id(p): p.numel() for p in theirs.parameters()}.values()) == mine
+    kinds = [s.typename for s in layer_specs(cfg)]
+    D = cfg.text.dim
+    mtp = layer_param_counts(cfg)[kinds.index(q35.GatedAttentionBlock)] + 2 * D * D + 3 * D
+    published = float(json.loads((PRESET_DIR / f"{preset}.json").read_text())["_params"].rstrip("B")) * 1e9
+    assert abs((mine + mtp) / published - 1) < 0.01, (preset, mine, mtp)
