@@ -100,12 +100,13 @@ def hf_logits(model, ids: torch.Tensor, pixels: torch.Tensor | None, grids: torc
         return model(input_ids=ids[None], **kw).logits[0]
 
 
-def save_tokenizer(path) -> None:
+def save_tokenizer(path, words: dict[int, str] | None = None) -> None:
     """A Qwen-like word-level tokenizer over the tiny vocabulary (token i is "wi", the specials at their ids),
-    no BOS, Qwen's chat template."""
+    no BOS, Qwen's chat template; words: more words at ids of their own (e.g. Qwen3-VL's timestamps)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    names = {**SPECIALS, 196: "user", 197: "assistant"}  # the template's roles: no unknown (= pad) id in a prompt
+    # the template's roles: no unknown (= pad) id in a prompt
+    names = {**SPECIALS, 196: "user", 197: "assistant", **(words or {})}
     vocab = {names.get(i, f"w{i}"): i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -22,6 +22,7 @@ grid and positions without decoding it, as images' grids come from their size al
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ class VideoRule:
         meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height,
                              duration=info.seconds)
         try:
-            idx = _processor(self, 0).sample_frames(meta, fps=self.fps)
+            idx = self.processor(None).sample_frames(meta, fps=self.fps)
         except (ValueError, ZeroDivisionError) as e:  # fewer frames than a temporal patch: num_frames 0
             raise BadRecord("empty_video", f"video of {info.frames} frames at {info.fps:g} fps: no "
                                            f"{self.image.temporal} frames to sample ({' '.join(str(e).split())})")
@@ -129,14 +130,11 @@ class VideoRule:
     def clip(self, info: ClipInfo, n_media: int = 1) -> Clip:
         """The clip's sampled frames, grid and step, by the processor's rules; BadRecord for a clip they refuse or
         one whose smallest frames exceed its share of the row."""
-        from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
         idx = self.sample(info)
         r = self.image
         t = math.ceil(len(idx) / r.temporal)  # the processor pads a last odd frame by repeating it
-        cap = self.frame_cap(t, n_media)
         try:
-            h, w = smart_resize(info.height, info.width, factor=r.factor, min_pixels=r.min_pixels,
-                                max_pixels=max(cap, r.factor * r.factor))
+            h, w = self.frame_size(info, len(idx), n_media)
         except ValueError as e:  # the processor's 200:1 aspect limit
             raise BadRecord("bad_aspect", f"video {info.width}x{info.height}: {' '.join(str(e).split())}") from None
         grid = (t, h // r.patch, w // r.patch)
@@ -151,16 +149,87 @@ class VideoRule:
         step = float(np.float32(self.tokens_per_second * np.float32(seconds))) if self.tokens_per_second else 1.0
         return Clip(tuple(int(i) for i in idx), grid, step, seconds)
 
+    def frame_size(self, info: ClipInfo, frames: int, n_media: int = 1) -> tuple[int, int]:
+        """(h', w') of the clip's frames: Qwen2VLVideoProcessor's smart_resize at the per-frame bound frame_cap."""
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
+        r = self.image
+        cap = self.frame_cap(math.ceil(frames / r.temporal), n_media)
+        return smart_resize(info.height, info.width, factor=r.factor, min_pixels=r.min_pixels,
+                            max_pixels=max(cap, r.factor * r.factor))
+
+    def processor(self, clip: Clip | None, n_media: int = 1):
+        """transformers' video processor at the clip's frame bound (None: any bound, for its sample_frames)."""
+        return _processor(self, self.frame_cap(clip.grid[0], n_media) if clip else 0)
+
     def patches(self, path, clip: Clip, n_media: int = 1) -> torch.Tensor:
         """float32 [t h w, patch_dim]: the clip's sampled frames decoded (PyAV) and made into patches by the
         processor, at the frame bound its index grid was made with; BadRecord bad_video if the file no longer
         decodes to them."""
         frames = decode(path, clip.indices)
-        out = _processor(self, self.frame_cap(clip.grid[0], n_media))(videos=[frames], return_tensors="pt")
+        out = self.processor(clip, n_media)(videos=[frames], return_tensors="pt")
         got = tuple(int(g) for g in out["video_grid_thw"][0])
         if got != clip.grid:
             raise BadRecord("bad_video", f"video {path}: decodes to a {got} grid, its index says {clip.grid}")
         return out["pixel_values_videos"].float()
+
+
+@dataclass(frozen=True)
+class Qwen3VideoRule(VideoRule):
+    """Qwen3-VL's clips, through transformers' Qwen3VLVideoProcessor: its sample_frames (frames spread evenly from the
+    first to the last, any count: an odd last temporal patch repeats its frame), its smart_resize, which bounds the
+    whole clip's pixels (the clip's share of P x p^2 x temporal_patch_size: its frames' pixels), and no temporal
+    rotary step: each temporal patch is a block of its own after its timestamp text (timestamps), so a clip takes
+    t slots of grid (1, h, w) in a row (frame_grids)."""
+
+    def frame_size(self, info: ClipInfo, frames: int, n_media: int = 1) -> tuple[int, int]:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+        r = self.image
+        return smart_resize(frames, info.height, info.width, temporal_factor=r.temporal, factor=r.factor,
+                            min_pixels=r.min_pixels, max_pixels=self.clip_pixels(n_media))
+
+    def clip_pixels(self, n_media: int = 1) -> int:
+        """The clip's pixels over all its frames: its share of P in patches x p^2 x temporal_patch_size."""
+        return self.image.cap(n_media) * self.image.temporal
+
+    def clip(self, info: ClipInfo, n_media: int = 1) -> Clip:
+        c = super().clip(info, n_media)
+        return dataclasses.replace(c, step=0.0)  # no absolute-time rotary: the timestamps say the time
+
+    def processor(self, clip: Clip | None, n_media: int = 1):
+        return _qwen3_processor(self, self.clip_pixels(n_media))
+
+    def timestamps(self, info: ClipInfo, clip: Clip) -> list[str]:
+        """The text before each temporal patch's block, as Qwen3VLProcessor writes it (its replace_video_token on the
+        clip's grid and sampled frames): e.g. ['<0.3 seconds>', '<1.2 seconds>']."""
+        from transformers import Qwen3VLProcessor
+        from transformers.video_utils import VideoMetadata
+        meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height,
+                             frames_indices=list(clip.indices))
+        # replace_video_token reads only the processor's markers and its video processor's merge / temporal sizes:
+        # a processor object without a tokenizer serves, with the markers blank so only the timestamps remain
+        proc = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
+        proc.video_processor, proc.vision_start_token, proc.vision_end_token, proc.video_token = \
+            self.processor(clip), "", "", ""
+        grid = torch.tensor([[clip.grid[0], self.image.merge, self.image.merge]])
+        text = proc.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
+        return [f"<{part}" for part in text.split("<")[1:]]
+
+    @staticmethod
+    def frame_grids(clip: Clip) -> list[tuple[int, int, int]]:
+        """The clip's slots in a row: one (1, h, w) per temporal patch, as transformers' Qwen3-VL get_rope_index
+        splits a video's grid; the tower attends within each frame either way."""
+        return [(1, *clip.grid[1:])] * clip.grid[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _qwen3_processor(rule: VideoRule, clip_pixels: int):
+    from transformers import Qwen3VLVideoProcessor
+    r = rule.image
+    return Qwen3VLVideoProcessor(patch_size=r.patch, merge_size=r.merge, temporal_patch_size=r.temporal,
+                                 size={"shortest_edge": r.min_pixels, "longest_edge": clip_pixels},
+                                 image_mean=list(r.mean), image_std=list(r.std), fps=rule.fps,
+                                 min_frames=rule.min_frames, max_frames=rule.max_frames, do_sample_frames=False,
+                                 cap_pixels_per_frame=False)
 
 
 @functools.lru_cache(maxsize=16)

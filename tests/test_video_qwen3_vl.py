@@ -1,0 +1,168 @@
+"""Video for Qwen3-VL (issue 44, first slice): a clip's grid and patches by transformers' Qwen3VLVideoProcessor, its
+timestamps (`<t seconds>` before each temporal patch's block) as transformers' Qwen3VLProcessor writes them, and the
+tiny random Qwen3-VL (transformers' class, tests/qwen3_models.py) giving transformers' logits (1e-4) for a clip
+alone, a clip and an image in one conversation, and two clips of different lengths and frame sizes packed in one
+row. A clip takes one slot of grid (1, h, w) per temporal patch (mmpipe.data.video.Qwen3VideoRule.frame_grids)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mmpipe.data.patches import PatchRule
+from mmpipe.data.video import Qwen3VideoRule, probe
+from mmpipe.hf.qwen3_vl import import_qwen3_vl
+from qwen3_models import PIXELS, encode, save_qwen3
+from qwen_models import END, IMAGE, START, VIDEO, image, save_tokenizer
+from video_clips import moving_square, write_clip
+
+TOL = 1e-4
+P = 256
+PATCH_DIM = 3 * 2 * 16 * 16
+# (name, frames, width, height, fps, format): 7 frames at 3 fps sample 4 (linspace 0, 2, 4, 6: 2 temporal patches);
+# 13 frames at 3 fps sample 8 (4 temporal patches) of 96 x 64 px, resized to the clip's pixel bound (P x 256 x 2)
+CLIPS = [("short", 7, 64, 64, 3, "mp4"), ("long", 13, 96, 64, 3, "mkv")]
+# the timestamps' words get ids of their own (180...), so the ids say which text stands before each frame:
+# short's frames (0, 2), (4, 6); long's (0, 2), (3, 5), (7, 9), (10, 12) at 3 fps, each pair's mean time
+STAMPS = {180 + k: w for k, w in enumerate(["<0.3", "<1.7", "<1.3", "<2.7", "<3.7", "seconds>"])}
+
+
+def _rule() -> Qwen3VideoRule:
+    image_rule = PatchRule(16, 2, 2, 3, PIXELS["min_pixels"], PIXELS["max_pixels"], P, (0.5,) * 3, (0.5,) * 3)
+    return Qwen3VideoRule(image_rule)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_video")
+    clips = {}
+    for k, (name, n, w, h, fps, fmt) in enumerate(CLIPS):
+        write_clip(d / f"{name}.{fmt}", moving_square(n, w, h, seed=k), fps)
+        clips[name] = d / f"{name}.{fmt}"
+    hf = save_qwen3(d / "model")
+    model, _ = import_qwen3_vl(d / "model")
+    save_tokenizer(d / "tok", STAMPS)
+    from transformers import AutoTokenizer
+    return clips, hf, model.eval(), AutoTokenizer.from_pretrained(d / "tok")
+
+
+def _hf_processor(tok, rule: Qwen3VideoRule):
+    """transformers' Qwen3VLProcessor over the tiny tokenizer: its own frame sampling (do_sample_frames), resize at
+    the clip's pixel bound, and prompt expansion with timestamps."""
+    from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    from qwen3_models import processor as image_processor
+    video = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                  image_std=[0.5] * 3, do_sample_frames=True, fps=rule.fps, cap_pixels_per_frame=False,
+                                  size={"shortest_edge": PIXELS["min_pixels"], "longest_edge": rule.clip_pixels()})
+    return Qwen3VLProcessor(image_processor=image_processor(), tokenizer=tok, video_processor=video)
+
+
+def _decoded(path):
+    """Every frame of the file (PyAV) and transformers' VideoMetadata from the decoded count (its own PyAV reader
+    takes the header's count, which Matroska does not store)."""
+    import av
+    from transformers.video_utils import VideoMetadata
+    with av.open(str(path)) as c:
+        rate = float(c.streams.video[0].average_rate)
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    return frames, VideoMetadata(total_num_frames=len(frames), fps=rate, width=frames.shape[2],
+                                 height=frames.shape[1], duration=len(frames) / rate)
+
+
+def _case(setup, names, with_image: bool, seed: int):
+    """One conversation of the clips `names` (then an image): mmpipe's (ids, [(patches, grid)]) built from the index
+    side (probe, the rule's clip, its timestamps tokenized, its patches) and transformers' (input_ids,
+    mm_token_type_ids, processor outputs) from its processor on the decoded frames and the text's markers."""
+    clips, _, _, tok = setup
+    rule = _rule()
+    words = [f"w{10 + 3 * seed + k}" for k in range(3)]
+    text, ours, media = " ".join(words), tok(" ".join(words))["input_ids"], []
+    videos, metas, images = [], [], []
+    for name in names:
+        info = probe(clips[name])
+        clip = rule.clip(info)
+        px = rule.patches(clips[name], clip)
+        per = clip.grid[1] * clip.grid[2]
+        for k, (stamp, grid) in enumerate(zip(rule.timestamps(info, clip), rule.frame_grids(clip))):
+            ours += tok(stamp)["input_ids"] + [START] + [IMAGE] * (per // 4) + [END]
+            media.append((px[k * per:(k + 1) * per], grid))
+        ours += tok(" w7")["input_ids"]
+        text += " <|vision_start|><|video_pad|><|vision_end|> w7"
+        frames, meta = _decoded(clips[name])
+        videos.append(frames)
+        metas.append(meta)
+    if with_image:
+        im = image(96, 64, seed=seed)
+        px, grid = encode([im])
+        ours += [START] + [IMAGE] * (int(grid.prod()) // 4) + [END] + tok(" w8")["input_ids"]
+        media.append((px, tuple(grid[0].tolist())))
+        text += " <|vision_start|><|image_pad|><|vision_end|> w8"
+        images.append(im)
+    kw = dict(videos=videos, video_metadata=metas) if videos else {}
+    out = _hf_processor(tok, rule)(text=[text], images=images or None, return_tensors="pt", **kw)
+    return (torch.tensor(ours), media), out
+
+
+def _row(samples, extra_patches: int = 8, extra_positions: int = 3):
+    """One packed row (segments 1, 2, ...) of samples [(ids, [(patches, grid)])] with an unused slot, zero patch
+    padding and padding positions; each sample's span."""
+    ids = torch.cat([s[0] for s in samples])
+    L = len(ids) + extra_positions
+    segments, spans, at = torch.zeros(1, L, dtype=torch.long), [], 0
+    for k, s in enumerate(samples):
+        segments[0, at:at + len(s[0])] = k + 1
+        spans.append((at, at + len(s[0])))
+        at += len(s[0])
+    media = [(k + 1, px, g) for k, s in enumerate(samples) for px, g in s[1]]
+    M = len(media) + 1
+    tiling, has_image = torch.zeros(1, M, 3, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
+    for j, (owner, _, g) in enumerate(media):
+        tiling[0, j], has_image[0, j] = torch.tensor(g), owner
+    n = sum(len(px) for _, px, _ in media)
+    pixels = torch.zeros(1, n + extra_patches, PATCH_DIM)
+    pixels[0, :n] = torch.cat([px for _, px, _ in media])
+    input_ids = torch.cat([ids, torch.zeros(extra_positions, dtype=torch.long)])[None]
+    return (pixels, input_ids, has_image, segments, tiling), spans
+
+
+def test_clip_grid_patches_and_timestamps_are_transformers(setup):
+    """The index side's sampled frames, grid and patches, and the timestamp text, are what transformers' processor
+    makes of the decoded file and writes into the prompt: mmpipe's ids equal its input_ids, <|video_pad|> read as
+    the image placeholder (the embedding replaces both alike)."""
+    clips, _, _, tok = setup
+    rule = _rule()
+    for name in ("short", "long"):
+        (ours, media), out = _case(setup, [name], False, 0)
+        theirs = out["input_ids"][0].clone()
+        theirs[theirs == VIDEO] = IMAGE
+        assert torch.equal(ours, theirs), name
+        assert not (ours == 0).any()  # no unknown word: each timestamp is its own id
+        assert torch.equal(torch.cat([px for px, _ in media]), out["pixel_values_videos"].float()), name
+    info = probe(clips["short"])
+    clip = rule.clip(info)
+    assert (clip.indices, clip.grid) == ((0, 2, 4, 6), (2, 4, 4))
+    assert rule.timestamps(info, clip) == ["<0.3 seconds>", "<1.7 seconds>"]  # frames (0, 2) and (4, 6) at 3 fps
+
+
+def test_qwen3_clip_logits_equal_transformers(setup):
+    """A clip alone, a clip and an image, two clips of different lengths and frame sizes: each alone and all three
+    packed in one row give transformers' logits."""
+    _, hf, model, _ = setup
+    cases = [_case(setup, ["short"], False, 1), _case(setup, ["long"], True, 2),
+             _case(setup, ["short", "long"], False, 3)]
+    wants = []
+    for _, out in cases:
+        kw = {k: out[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                  "mm_token_type_ids") if k in out}
+        with torch.no_grad():
+            wants.append(hf(input_ids=out["input_ids"], **kw).logits[0])
+    for (ours, _), want in zip(cases, wants):
+        with torch.no_grad():
+            got = model(*_row([ours])[0])[0, :len(ours[0])]
+        assert got.shape == want.shape and (got - want).abs().max().item() < TOL
+    inputs, spans = _row([c[0] for c in cases])
+    with torch.no_grad():
+        got = model(*inputs)[0]
+    for (a, b), want in zip(spans, wants):
+        assert (got[a:b] - want).abs().max().item() < TOL
