@@ -288,9 +288,7 @@ class MoeConfig:
     norm_topk: bool = True
 
     def checks(self, cfg: "ModelConfig") -> list[tuple[bool, str, str]]:
-        return [(cfg.family == "qwen3_vl", "text.moe",
-                 f"the {cfg.family} family has no MoE decoder blocks (valid: qwen3_vl)"),
-                (not getattr(cfg.text, "tie_embeddings", False), "text.moe",
+        return [(not getattr(cfg.text, "tie_embeddings", False), "text.moe",
                  "with tie_embeddings: an MoE model's head is untied here (as Qwen3-VL-MoE's releases are)"),
                 (self.experts >= 1 and self.ff_dim >= 1, "text.moe.experts",
                  f"{self.experts} experts of ff_dim {self.ff_dim}: both must be >= 1"),
@@ -542,6 +540,7 @@ def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     checks = [c for c in _qwen3_tower_checks(cfg) if c[1] not in ("text.partial_rotary_factor", "text.mrope_section")]
     linear = len(full) < t.n_layers
     return checks + [
+        (t.moe is None, "text.moe", "Qwen3.5's decoder has no MoE blocks yet (issue 43: Qwen3-VL's has)"),
         (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.rotary_dim // 2, "text.mrope_section",
          f"{list(t.mrope_section)}: 3 sections summing to rotary_dim / 2 = {t.rotary_dim // 2}"),
         (all(0 <= i < t.n_layers for i in full) and full == sorted(set(full)), "text.full_attention_indexes",

@@ -25,6 +25,7 @@ import torch
 from ..config import DeepstackVision, ModelConfig, Qwen3Text, Qwen3Vision
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
+from ..model.moe import MoeHead, Qwen3MoeBlock
 from ..model.qwen2_vl import VISION_THETA
 from ..model.qwen3_vl import (
     DeepstackMerger,
@@ -35,11 +36,13 @@ from ..model.qwen3_vl import (
     Qwen3VisionBlock,
 )
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
+from .moe import hf_moe_fields, moe_from_hf
 from .qwen2_vl import _bounds, pixel_defaults_taken, plan_named, write_with_processor
 from .safetensors_io import as_weights, open_weights
 from .stream import Imported, fill, meta_model
 
-HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
+HF_CLASSES = {"qwen3_vl": "Qwen3VLForConditionalGeneration",
+              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # text.moe (mmpipe.hf.moe, docs/moe.md)
 DEFAULT_PIXELS = (65536, 16777216)  # Qwen3-VL's preprocessor_config: size shortest_edge / longest_edge
 ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # transformers' tower activations -> mmpipe's
 STATS = (0.5, 0.5, 0.5)  # Qwen3-VL's image_mean and image_std (SigLIP's), taken where the processor has none
@@ -57,7 +60,7 @@ def _prefix(layer, k: int) -> str:
     return {Qwen3PatchEmbed: "model.visual.patch_embed.", Qwen3VisionBlock: f"model.visual.blocks.{k}.",
             Qwen3Merger: "model.visual.merger.", Qwen3Embed: "model.language_model.",
             Qwen3Block: f"model.language_model.layers.{k}.", FinalNorm: "model.language_model.",
-            LMHeadLinear: ""}[type(layer)]
+            LMHeadLinear: "", Qwen3MoeBlock: f"model.language_model.layers.{k}.", MoeHead: ""}[type(layer)]
 
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
@@ -128,7 +131,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         n_kv_heads=tc.num_key_value_heads,
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
         mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))), mrope_interleaved=True, qk_norm=True,
-        attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim)
+        attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim, moe=moe_from_hf(tc))
     cfg = ModelConfig(name=name, family="qwen3_vl", vision=vision, text=text,
                       proj_inner_dim=vision.dim * vision.merge_size ** 2, image_token_id=hf.image_token_id,
                       vision_start_id=hf.vision_start_token_id, vision_end_id=hf.vision_end_token_id)
@@ -138,7 +141,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
 
 def hf_config(cfg: ModelConfig, tok=None):
     """mmpipe Qwen3-VL config -> transformers' Qwen3VLConfig, with tok's special ids in its text config."""
-    from transformers import Qwen3VLConfig
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     from .llava import token_ids
     v, t = cfg.vision, cfg.text
@@ -149,10 +152,11 @@ def hf_config(cfg: ModelConfig, tok=None):
                 tie_word_embeddings=t.tie_embeddings,
                 rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta,
                                  "mrope_section": list(t.mrope_section), "mrope_interleaved": True},
-                **token_ids(tok, t.vocab_size))
-    return Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
-                         vision_start_token_id=cfg.vision_start_id, vision_end_token_id=cfg.vision_end_id,
-                         tie_word_embeddings=t.tie_embeddings)
+                **token_ids(tok, t.vocab_size), **(hf_moe_fields(t.moe) if t.moe else {}))
+    return (Qwen3VLMoeConfig if t.moe else Qwen3VLConfig)(
+        vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
+        vision_start_token_id=cfg.vision_start_id, vision_end_token_id=cfg.vision_end_id,
+        tie_word_embeddings=t.tie_embeddings)
 
 
 def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:

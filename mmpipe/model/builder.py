@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from ..config import ConfigError, ModelConfig
 from .families import family_of
 from .lora import Lora, adapted_linears, adapter_param_count, add_adapters
+from .moe import split_aux
 from .rows import sample_rows
 from .stage import bind_fields
 
@@ -66,7 +67,11 @@ def lm_loss(logits: torch.Tensor, labels) -> torch.Tensor:
     """The training loss. logits [B, T, V]; labels [B, T], the token each position should predict next,
     IGNORE_INDEX everywhere but answer tokens: the mean cross-entropy over the micro-batch's labelled
     positions. labels (labels, weights [B, T] float): the sum of cross-entropy x weight, the weights
-    of mmpipe.data.packing.LossNorm making the step's loss a mean over the global batch (--loss-norm)."""
+    of mmpipe.data.packing.LossNorm making the step's loss a mean over the global batch (--loss-norm).
+    An MoE model's head gives (logits, aux_coef x its load-balancing loss): added (mmpipe.model.moe)."""
+    logits, aux = split_aux(logits)
+    if aux is not None:
+        return lm_loss(logits, labels) + aux
     if isinstance(labels, (tuple, list)):
         labels, weights = labels
         ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
@@ -78,6 +83,7 @@ def lm_loss(logits: torch.Tensor, labels) -> torch.Tensor:
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The SUM of cross-entropy over labelled positions: validation divides by the set's answer
     tokens, so micro-batches with more answer tokens weigh more (mmpipe.runtime.validation)."""
+    logits = split_aux(logits)[0]  # an MoE head's auxiliary loss is a training term, not validation's
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 

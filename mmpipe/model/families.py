@@ -43,6 +43,7 @@ from .llava import (
     tied_head,
 )
 from .llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
+from .moe import MOE_BLOCK, MoeHead, Qwen3MoeBlock, moe_fields, qwen3_vl_layers
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
 from .qwen3_5 import DELTANET_BLOCK, DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, qwen3_5_specs
 from .qwen3_vl import (
@@ -54,7 +55,6 @@ from .qwen3_vl import (
     Qwen3PatchEmbed,
     Qwen3VisionBlock,
     deepstack_fields,
-    qwen3_vl_specs,
 )
 from .stage import ROW, StageField
 
@@ -145,13 +145,14 @@ LLAVA_NEXT = Family(
 
 # Qwen2-VL's rules for the same shapes; DeepStack's sets are carried fields, one per merger / add pair
 QWEN3_VL = Family(
-    "qwen3_vl", "prefix", qwen3_vl_specs, (Qwen3VisionBlock, Qwen3Block),
+    "qwen3_vl", "prefix", qwen3_vl_layers, (Qwen3VisionBlock, Qwen3Block, Qwen3MoeBlock),
     {Qwen3PatchEmbed: costs.QWEN_PATCH_EMBED, Qwen3VisionBlock: costs.QWEN_VISION_BLOCK,
      Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, Qwen3Block: costs.QWEN_BLOCK,
      FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
-     **{m: costs.DEEPSTACK_MERGER for m in DEEPSTACK_MERGERS}, **{a: costs.DEEPSTACK_ADD for a in DEEPSTACK_ADDS}},
+     **{m: costs.DEEPSTACK_MERGER for m in DEEPSTACK_MERGERS}, **{a: costs.DEEPSTACK_ADD for a in DEEPSTACK_ADDS},
+     Qwen3MoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
     hf_class="Qwen3VLForConditionalGeneration", weight_names="hf",
-    fields=lambda cfg: ROW + deepstack_fields(cfg) + (KEPT_TILING,), images="patches",
+    fields=lambda cfg: ROW + deepstack_fields(cfg) + moe_fields(cfg) + (KEPT_TILING,), images="patches",
     fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS))
 
 # Qwen3-VL's tower without DeepStack; a linear-attention layer is costed by its own rule, linear in positions

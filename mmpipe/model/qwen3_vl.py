@@ -251,14 +251,15 @@ class Qwen3Block(QwenBlock):
                               lambda pos: text_rotary(self.text, pos, hd, theta))
 
 
-def qwen3_vl_specs(cfg: ModelConfig) -> list[LayerSpec]:
+def qwen3_vl_specs(cfg: ModelConfig, block: type = Qwen3Block) -> list[LayerSpec]:
+    """block: the decoder block's class (mmpipe.model.moe's sparse one for an MoE model)."""
     v = cfg.vision
     tower = [LayerSpec(Qwen3PatchEmbed, cfg)]
     for i in range(v.n_layers):
         tower.append(LayerSpec(Qwen3VisionBlock, cfg))
         if i in v.deepstack_indexes:
             tower.append(LayerSpec(DEEPSTACK_MERGERS[v.deepstack_indexes.index(i)], cfg))
-    text = decoder_specs(cfg, Qwen3Embed, Qwen3Block)  # [embed, block x n, FinalNorm, head]
+    text = decoder_specs(cfg, Qwen3Embed, block)  # [embed, block x n, FinalNorm, head]
     for k in reversed(range(len(v.deepstack_indexes))):
         text.insert(2 + k, LayerSpec(DEEPSTACK_ADDS[k], cfg))  # right after decoder layer k
     return tower + [LayerSpec(Qwen3Merger, cfg)] + text

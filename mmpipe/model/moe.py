@@ -1,0 +1,218 @@
+"""Mixture-of-experts decoder blocks (issue 43; docs/moe.md): Qwen3-VL-MoE's sparse MLP as a pipeline layer.
+
+A block is the Qwen3-VL decoder block (mmpipe.model.qwen3_vl.Qwen3Block: attention, q / k norms, interleaved
+multimodal rotary) whose MLP is `text.moe.experts` SwiGLU experts behind a softmax top-k router, with
+transformers' Qwen3VLMoe names and layouts, so import and export move tensors unchanged:
+
+    mlp.gate.weight             [E, D]          the router: logits = x W^T, softmax in fp32, top k, the k weights
+                                                renormalised to sum 1 (moe.norm_topk), cast back to x's dtype
+    mlp.experts.gate_up_proj    [E, 2 F, D]     expert e: gate, up = x W_e^T split in two halves; silu(gate) x up
+    mlp.experts.down_proj       [E, D, F]       expert e: h W_e^T
+
+Dispatch drops no token: every (token, choice) pair is sorted by expert (a stable argsort of the flat top-k
+indices) and each expert multiplies exactly its contiguous run, however long; no capacity, no padding. The runs go
+through torch's grouped matmul (F.grouped_mm, one kernel for all experts, per-expert offsets on the device: no host
+sync) where torch has one for the device and dtype, else a loop over the experts that received tokens (the runs'
+lengths read once on the host). Both give the same output and gradients (tests/test_moe.py).
+
+The load-balancing loss is transformers' load_balancing_loss_func over all layers of the micro-batch's real
+positions (segments > 0; padding masked as transformers' attention_mask does):
+
+    aux = E x sum_e (c_e / N) (p_e / N),  c_e: top-k choices of expert e summed over layers and positions,
+                                          p_e: router probability of e summed likewise, N = layers x positions
+
+It is not a sum of per-layer losses (c and p are summed over layers before the product), so each block adds its
+layer's per-row sums to the float stage field `moe_stats` [B, 2, E] (row b: c_e, p_e), made by the first MoE
+block and kept to the head; a stage boundary sends it as one more float tensor (2 E floats a row; c has no
+gradient, p carries the router's). The head (MoeHead) returns (logits, aux_coef x aux) and
+mmpipe.model.builder.lm_loss adds the second to the LM loss: one loss on the last stage, whose backward reaches
+every stage's routers through `moe_stats`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec
+from torch import nn
+
+from ..config import ModelConfig
+from . import costs
+from .llava import LMHeadLinear
+from .qwen3_vl import Qwen3Block, qwen3_vl_specs
+from .stage import StageField, StageTuple, unpack_in
+
+DISPATCH = ("auto", "grouped", "loop")
+
+
+def grouped_mm_ok(x: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul serves x's device and dtype: torch >= 2.10's F.grouped_mm runs on the CPU
+    (fp32, bf16; checked here, torch 2.14.1) and on CUDA in bf16 from compute capability 9.0 (H100); elsewhere the
+    loop over experts."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+class TopKRouter(nn.Module):
+    """x [N, D] -> (probs fp32 [N, E], top-k expert ids [N, k], their weights [N, k] in x's dtype)."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, norm_topk: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, dim).normal_(0.0, 0.02))
+        self.top_k, self.norm_topk = top_k, norm_topk
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        probs = logits.softmax(-1, dtype=torch.float32)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        return probs, idx, top.to(logits.dtype)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as transformers stores them: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
+
+    def __init__(self, dim: int, ff_dim: int, experts: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ff_dim, dim).normal_(0.0, 0.02))
+        self.down_proj = nn.Parameter(torch.empty(experts, dim, ff_dim).normal_(0.0, 0.02))
+        self.dispatch = "auto"  # tests pin "grouped" or "loop"
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D]; idx, weights [N, k] -> [N, D]: each token's k experts' outputs, weighted and summed."""
+        E, k = self.gate_up_proj.shape[0], idx.shape[-1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order within each
+        token = order // k
+        counts = torch.bincount(flat, minlength=E)
+        xs = x[token]
+        grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_ok(x))
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)  # end of each expert's run; an empty run is an empty group
+            gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            ys = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        else:
+            parts, start = [], 0
+            for e, n in enumerate(counts.tolist()):  # only the experts that have tokens run
+                if n:
+                    gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                    parts.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                    start += n
+            ys = torch.cat(parts)
+        ys = ys * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+
+class SparseMoe(nn.Module):
+    """The block's MLP: router `gate` and `experts` (transformers' names). forward -> (y [B, L, D], the layer's
+    per-row statistics [B, 2, E] fp32: top-k counts and router probability sums over the row's real positions)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t, m = cfg.text, cfg.text.moe
+        self.gate = TopKRouter(t.dim, m.experts, m.top_k, m.norm_topk)
+        self.experts = Experts(t.dim, m.ff_dim, m.experts)
+
+    def forward(self, x: torch.Tensor, real: torch.Tensor):
+        B, L, D = x.shape
+        probs, idx, w = self.gate(x.reshape(-1, D))
+        y = self.experts(x.reshape(-1, D), idx, w).view(B, L, D)
+        E, m = probs.shape[-1], real.reshape(-1, 1).to(probs.dtype)  # [B L, 1]
+        counts = torch.zeros_like(probs).scatter_add_(1, idx, m.expand_as(idx).contiguous())
+        stats = torch.stack([counts.view(B, L, E).sum(1), (probs * m).view(B, L, E).sum(1)], dim=1)
+        return y, stats
+
+
+class Qwen3MoeBlock(Qwen3Block):
+    """Qwen3Block with the sparse MLP; adds its layer's router statistics to the carried `moe_stats`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.mlp = SparseMoe(cfg)
+
+    def run_moe(self, t: StageTuple, start: int, cache: dict | None = None):
+        mask, rotary = self.geometry(t, start, cache)
+        x = t.hidden + self.self_attn(self.input_layernorm(t.hidden), mask, rotary, cache)
+        y, stats = self.mlp(self.post_attention_layernorm(x), t.segments > 0)
+        return x + y, stats
+
+    def forward(self, args):
+        t = unpack_in(self, args)
+        hidden, stats = self.run_moe(t, 0)
+        carried = t.moe_stats
+        return t._replace(hidden=hidden, moe_stats=stats if carried is None else carried + stats).pack()
+
+    def run(self, t: StageTuple, start: int, cache: dict | None = None):
+        return self.run_moe(t, start, cache)[0]  # generation (LlamaBlock.decode): no loss, no statistics
+
+
+MOE_STATS = StageField("moe_stats", True, made_by=Qwen3MoeBlock)  # kept to the head, which reads it
+
+
+def aux_loss(stats: torch.Tensor, real_positions: torch.Tensor, layers: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func from the summed statistics: stats [B, 2, E] (counts, probabilities),
+    real_positions: the micro-batch's real positions (a tensor), layers: the MoE layers that added to stats."""
+    s = stats.sum(0)
+    n = (real_positions * layers).clamp(min=1).to(s.dtype)
+    return s.shape[-1] * ((s[0] / n) * (s[1] / n)).sum()
+
+
+class MoeHead(LMHeadLinear):
+    """The untied head of an MoE model: (logits [B, L, V], aux_coef x the micro-batch's load-balancing loss)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.layers, self.coef = cfg.text.n_layers, cfg.text.moe.aux_coef
+
+    def forward(self, args):
+        t = unpack_in(self, args)
+        aux = aux_loss(t.moe_stats, (t.segments > 0).sum(), self.layers)
+        return self.lm_head(t.hidden), self.coef * aux
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return self.lm_head(t.hidden)
+
+
+def split_aux(out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A head's output -> (logits, the weighted auxiliary loss or None): MoeHead returns both, other heads logits."""
+    return (out[0], out[1]) if isinstance(out, (tuple, list)) else (out, None)
+
+
+def qwen3_vl_moe_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    """Qwen3-VL's layer list with every decoder block sparse and the head that returns the auxiliary loss."""
+    specs = qwen3_vl_specs(cfg, block=Qwen3MoeBlock)
+    assert specs[-1].typename is LMHeadLinear, "an MoE model's head is untied (MoeConfig.checks)"
+    return specs[:-1] + [LayerSpec(MoeHead, cfg)]
+
+
+def qwen3_vl_layers(cfg: ModelConfig) -> list[LayerSpec]:
+    """The qwen3_vl family's layer list: sparse when the text config has an moe section, else dense."""
+    return qwen3_vl_moe_specs(cfg) if getattr(cfg.text, "moe", None) else qwen3_vl_specs(cfg)
+
+
+def moe_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
+    return (MOE_STATS,) if getattr(cfg.text, "moe", None) else ()
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """One expert's weights: 3 D F (gate, up, down)."""
+    return 3 * cfg.text.dim * cfg.text.moe.ff_dim
+
+
+def _moe_block(cfg, params, n, seq):
+    """A first cut (docs/moe.md): the dense block's rule on the ACTIVE parameters (the router and top_k of the E
+    experts each position runs) and top_k experts' activations in place of one MLP's; the dispatch's sort and the
+    gathered copies of x (top_k x D a position) counted, no all-to-all (no expert parallelism yet)."""
+    m, t = cfg.text.moe, cfg.text
+    active = params - (m.experts - m.top_k) * expert_params(cfg)
+    dense = costs._llama_block(cfg, active, n, seq)
+    extra = (m.top_k * (t.dim + 4 * m.ff_dim) - 4 * t.ff_dim + 2 * m.experts) * seq
+    return costs.Cost(dense.tokens, dense.fwd, dense.act + extra, dense.fp32 + m.experts * seq, dense.out)
+
+
+MOE_BLOCK = costs.LayerRule("Qwen3MoeBlock", _moe_block, "sequence")
