@@ -121,10 +121,13 @@ def chunk_delta_rule(q, k, v, g, beta, starts=None, state=None, chunk: int = CHU
     carry = (c[..., -1].exp() * r[..., -1])[..., None, None]  # [B, H, n, 1, 1]
     S = torch.zeros(B, H, dk, dv, device=q.device) if state is None else state.float()
     out = []
-    for i in range(n):
-        vi = U[:, :, i] - W[:, :, i] @ S
-        out.append(qs[:, :, i] @ S + inner[:, :, i] @ vi)
-        S = S * carry[:, :, i] + kc[:, :, i].transpose(-1, -2) @ vi
+    # unbind, not [:, :, i]: an indexed chunk's backward writes a zero tensor of the whole [.., n, ..] for each
+    # chunk (n x L values: quadratic in the positions), unbind's backward stacks the n chunks' gradients once
+    chunks = zip(*(x.unbind(2) for x in (U, W, qs, inner, kc, carry)))
+    for u, w, qc, qk, kci, cr in chunks:
+        vi = u - w @ S
+        out.append(qc @ S + qk @ vi)
+        S = S * cr + kci.transpose(-1, -2) @ vi
     o = torch.stack(out, 2).reshape(B, H, n * chunk, dv)[:, :, :L].transpose(1, 2)
     return o.to(dt), S
 
