@@ -171,8 +171,9 @@ class MoeHead(LMHeadLinear):
 
     def forward(self, args):
         t = unpack_in(self, args)
-        aux = aux_loss(t.moe_stats, (t.segments > 0).sum(), self.layers)
-        return self.lm_head(t.hidden), self.coef * aux
+        aux = self.coef * aux_loss(t.moe_stats, (t.segments > 0).sum(), self.layers)
+        self.last_aux = aux.detach()  # what the pipeline reports as the micro-batch's aux_loss (VLMPipeline)
+        return self.lm_head(t.hidden), aux
 
     def decode(self, t: StageTuple, cache: dict, start: int):
         return self.lm_head(t.hidden)

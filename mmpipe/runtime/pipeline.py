@@ -36,6 +36,7 @@ class VLMPipeline(PipelineModule):
             checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
         apply_freeze(self.forward_funcs, run.freeze)
+        self.moe = getattr(run.model.text, "moe", None) is not None  # its head reports the aux loss
         bind_layer_fields(self.forward_funcs, run.model, self._local_start)
         for offset, layer in enumerate(self.forward_funcs):  # layer i's adapters seeded as in the reference
             if isinstance(layer, torch.nn.Module):
@@ -75,6 +76,16 @@ class VLMPipeline(PipelineModule):
                 # (with the next stage's gradient for it); a leaf of it takes that gradient and goes nowhere
                 out = tuple(t if t.requires_grad else t.detach().requires_grad_() for t in out)
         return out
+
+    def get_additional_losses(self):
+        """An MoE model's load-balancing term (aux_coef x aux, mmpipe.model.moe.MoeHead) of the micro-batch just run,
+        under DeepSpeed's name for such: the engine sums it over the step's micro-batches on the last stage, scales
+        by 1 / GAS, averages over DP and broadcasts it with the loss (engine.agg_additional_losses), so every rank
+        logs it; the other stages give a placeholder of the same keys (the broadcast's size). None: a dense model."""
+        if not getattr(self, "moe", False):
+            return None
+        last = self.forward_funcs[-1] if self.stage_id == self.num_stages - 1 else None
+        return {"aux_loss": getattr(last, "last_aux", None) if last is not None else torch.zeros(())}
 
     def _synchronize_tied_weights(self):
         """DeepSpeed's copy of each tied weight (the LLaVA / Qwen2-VL families' embedding = head) from its first

@@ -36,7 +36,7 @@ class StepLog:
     """
 
     def __init__(self, out: Path, train_batch: int, positions_per_row: int, *, append: bool = False,
-                 enabled: bool = True):
+                 enabled: bool = True, aux: bool = False):
         self.out, self.train_batch, self.positions_per_row = Path(out), train_batch, positions_per_row
         self.enabled = enabled
         self.times: list[float] = []
@@ -47,7 +47,8 @@ class StepLog:
         if enabled:
             self.out.mkdir(parents=True, exist_ok=True)
             self._file = open(self.out / "train_log.csv", "a" if append else "w", newline="")
-            self._csv = csv.DictWriter(self._file, CSV_FIELDS)
+            # aux (an MoE model, mmpipe.model.moe): loss = lm_loss + aux_loss, the load-balancing term apart
+            self._csv = csv.DictWriter(self._file, CSV_FIELDS + (["lm_loss", "aux_loss"] if aux else []))
             if self._file.tell() == 0:
                 self._csv.writeheader()
         self.t_start = time.perf_counter()
@@ -60,7 +61,8 @@ class StepLog:
         return time.perf_counter() - self.t_start
 
     def step(self, step: int, loss: float, dt: float, *, samples: int | None = None, useful: int | None = None,
-             lr: float | None = None, skipped: str = "", loss_scale: float | None = None) -> None:
+             lr: float | None = None, skipped: str = "", loss_scale: float | None = None,
+             aux_loss: float | None = None) -> None:
         """Step `step` took dt seconds and trained `samples` real samples holding `useful` decoder
         positions of their own (feed.StepCounts over its rows; needed where the log is enabled, ignored
         elsewhere). lr: None where the caller has no schedule to report (peers); loss_scale: fp16 only.
@@ -74,8 +76,9 @@ class StepLog:
         self.samples.append(samples)
         self.useful.append(useful)
         rates = self.rates()
+        moe = {} if aux_loss is None else {"lm_loss": repr(loss - aux_loss), "aux_loss": repr(aux_loss)}
         self._csv.writerow({
-            "step": step, "loss": repr(loss), "lr": "" if lr is None else f"{lr:.6g}",
+            **moe, "step": step, "loss": repr(loss), "lr": "" if lr is None else f"{lr:.6g}",
             "samples_per_s": f"{rates['samples_per_s']:.1f}",
             "useful_tokens_per_s": f"{rates['useful_tokens_per_s']:.0f}",
             "positions_per_s": f"{rates['positions_per_s']:.0f}",

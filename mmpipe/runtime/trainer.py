@@ -77,7 +77,8 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     guard = install_skip(engine) if args.nonfinite == "skip" else None
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
     positions = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
-    log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume)
+    log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume,
+                  aux=getattr(run.model.text, "moe", None) is not None)  # MoE: lm_loss and aux_loss columns
     counts = StepCounts(run, samples, stream.plan) if rank == 0 else None  # each step's samples, useful positions
     validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
     announce(run, rank)
@@ -89,7 +90,8 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
         loss, dt, skipped = run_step(engine, stream.batches, guard, progress, run.train_batch)
         n, useful = counts(first_row, run.train_batch) if counts else (None, None)
         log.step(step, loss, dt, samples=n, useful=useful, lr=engine.get_lr()[0], skipped=skipped,
-                 loss_scale=engine.optimizer.loss_scale if run.precision == "fp16" else None)
+                 loss_scale=engine.optimizer.loss_scale if run.precision == "fp16" else None,
+                 aux_loss=float(engine.agg_additional_losses["aux_loss"]) if engine.agg_additional_losses else None)
         if not math.isfinite(loss) and not skipped and run.precision != "fp16":  # fp16: the loss scaler's business
             report_nonfinite(step, loss, run, ckpt_dir, start, rank)
             return 3

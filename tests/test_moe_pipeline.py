@@ -1,0 +1,160 @@
+"""A Qwen3-VL-MoE model through the pipeline (issue 43, first slice; docs/moe.md): qwen3-vl-tiny's shape with every
+decoder MLP 8 experts of width 32, top 2, untied head, the family's aux coefficient 0.001, trained with --pack on
+tests/test_qwen3_vl_pipeline.py's LLaVA records of mixed image sizes (2 rows x 2 micro-batches a step, fp32).
+
+Its layer list (19 layers) and the cut, 13, after decoder layer 1 (layers 10, 12 on stage 0; 14, 16 on stage 1):
+
+     0 Qwen3PatchEmbed ... 8 Qwen3Merger  9 Qwen3Embed  10 moe decoder 0  11 DeepstackAdd0  12 moe decoder 1 |
+    13 DeepstackAdd1  14 moe decoder 2  15 DeepstackAdd2  16 moe decoder 3  17 FinalNorm  18 MoeHead
+
+so the float stage field moe_stats (the routers' per-row counts and probability sums of decoder layers 0 and 1)
+crosses the cut beside hidden and DeepStack's sets 1 and 2, and the load-balancing loss's gradient flows back
+through it to stage 0's routers. One PP=2 launch, checkpointed at step 2, and its resume from there:
+
+- each step's loss, its LM part and its auxiliary part (train_log.csv's loss, lm_loss, aux_loss) equal the
+  single-device loop's (1e-5), and so do the final weights, routers and experts included;
+- only floats cross, moe_stats [2, 2, 8] among them, once per micro-batch each way;
+- the resume from step 2 gives the uninterrupted run's losses and weights bit for bit."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import train_run, write_ds_config
+from fixtures_data import mixed_image_records
+from mmpipe.config import load_preset
+from mmpipe.model import moe
+from mmpipe.model.builder import layer_specs
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
+from test_qwen3_vl_pipeline import ANSWER_WORDS, IMAGES, SIZES, TEXT, P
+from test_qwen_data import save_tokenizer
+from test_qwen_pipeline import _weights_equal_within
+
+TOL = 1e-5
+STEPS, CUT, SEED, GAS = 4, 2, 5, 2
+L = 2 * IMAGES + P // 4 + TEXT  # 88 decoder positions a row
+EXPERTS, TOP_K, EXPERT_FF = 8, 2, 32
+
+
+@pytest.fixture(scope="module")
+def moe_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_pipe")
+    rng = np.random.default_rng(0)
+    for k, (w, h) in enumerate(SIZES):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
+    records = mixed_image_records(36, len(SIZES), ANSWER_WORDS,
+                                  lambda rnd, i: 1 + int(rnd.lognormvariate(0.8, 0.7)) % 10)
+    (root / "data.json").write_text(json.dumps(records))
+    save_tokenizer(root / "tok")
+    model = load_preset("qwen3-vl-tiny").to_dict()
+    model["text"].update(tie_embeddings=False, moe=dict(experts=EXPERTS, top_k=TOP_K, ff_dim=EXPERT_FF))
+    (root / "qwen3-vl-moe-tiny.json").write_text(json.dumps(model))
+    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=GAS,
+                         scheduler={"type": "WarmupCosineLR",
+                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
+                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    args = ["--preset", str(root / "qwen3-vl-moe-tiny.json"), "--data", str(root / "data.json"),
+            "--tokenizer", str(root / "tok"), "--ds-config", str(ds), "--text-len", str(TEXT), "--pack",
+            "--max-images", str(IMAGES), "--max-patches", str(P), "--eval-samples", "0", "--seed", str(SEED),
+            "--data-workers", "0"]
+    return root, args
+
+
+def _resolved(moe_set):
+    root, args = moe_set
+    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
+
+
+@pytest.fixture(scope="module")
+def reference(moe_set, monkeypatch_module):
+    """The single-device loop, and each step's auxiliary term: the mean over its micro-batches of what the head gave
+    (as DeepSpeed averages the loss)."""
+    seen = []
+    forward = moe.MoeHead.forward
+
+    def recording(self, args):
+        out = forward(self, args)
+        seen.append(out[1].item())
+        return out
+    monkeypatch_module.setattr(moe.MoeHead, "forward", recording)
+    model, losses = train_reference(_resolved(moe_set), seed=SEED, steps=STEPS, out_dir=str(moe_set[0] / "ref"))
+    aux = [sum(seen[GAS * s:GAS * (s + 1)]) / GAS for s in range(STEPS)]
+    return model, losses, aux
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _launch(moe_set, name: str, *extra: str):
+    root, args = moe_set
+    return train_run(root / name, *args, "--stages", "2", "--steps", str(STEPS), "--partition", "13",
+                     *extra).check()
+
+
+@pytest.fixture(scope="module")
+def pp2(moe_set):
+    return _launch(moe_set, "pp2", "--save-every", str(CUT))
+
+
+def test_the_cut_falls_between_two_pairs_of_moe_blocks(moe_set):
+    kinds = [s.typename for s in layer_specs(_resolved(moe_set).model)]
+    blocks = [i for i, k in enumerate(kinds) if k is moe.Qwen3MoeBlock]
+    assert blocks == [10, 12, 14, 16] and kinds[-1] is moe.MoeHead
+
+
+def test_pipeline_equals_single_device_loss_aux_and_weights(pp2, reference):
+    ref_model, ref_losses, ref_aux = reference
+    rows = pp2.rows
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(ref_losses, abs=TOL)
+    assert [float(r["aux_loss"]) for r in rows] == pytest.approx(ref_aux, abs=TOL)
+    assert [float(r["lm_loss"]) for r in rows] == pytest.approx([a - b for a, b in zip(ref_losses, ref_aux)], abs=TOL)
+    assert all(a > 1e-3 * 0.5 for a in ref_aux)  # coef 0.001 x aux (1 when balanced): present in every step
+    got = torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg))
+    _weights_equal_within(got, ref_model, TOL)
+    init = type(ref_model)(ref_model.cfg, seed=SEED)
+    for i in (10, 12, 14, 16):  # every stage's routers and experts trained
+        for name in ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            assert not torch.equal(got[i].state_dict()[name], init[i].state_dict()[name]), (i, name)
+
+
+def test_only_floats_cross_and_moe_stats_is_one_of_them(pp2):
+    """Cut 13 (after decoder layer 1, before DeepStack's add 1): hidden 2x88x64, sets 1 and 2 (2x32x64 each) and
+    moe_stats 2x2x8, forward from rank 0 and their gradients back from rank 1, once per micro-batch."""
+    cut = [f"2x{L}x64", "2x32x64", "2x32x64", f"2x2x{EXPERTS}"]
+    pp2.assert_only_floats_crossed(per_forward=len(cut))
+    micro = GAS * STEPS
+    for rank in (0, 1):
+        sent = [shape for kind, _, shape in pp2.wire(rank) if kind == "data"]
+        assert Counter(sent) == Counter(cut * micro), (rank, Counter(sent))
+
+
+def test_resume_is_bit_exact(moe_set, pp2):
+    cut = moe_set[0] / "cut"
+    shutil.copytree(pp2.out, cut)
+    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
+    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
+    (cut / "summary.json").unlink()
+    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
+    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))
+    resumed = _launch(moe_set, "cut", "--resume")
+    assert resumed.summary["start_step"] == CUT
+    assert resumed.rows == [{**r, **{k: resumed.rows[i][k] for k in ("samples_per_s", "useful_tokens_per_s",
+                                                                      "positions_per_s", "elapsed_s")}}
+                            for i, r in enumerate(pp2.rows)]  # loss, lm_loss, aux_loss, lr: every step equal
+    cfg = _resolved(moe_set).model
+    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
+                 for r in (resumed, pp2))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
