@@ -209,6 +209,10 @@ class PatchVision(VisionConfig):
     mlp: str = "gelu"
     min_pixels: int = 0
     max_pixels: int = 0
+    # Qwen2.5-VL's absolute-time temporal rotary for clips (vision_config.tokens_per_second, its releases: 2): a clip's
+    # temporal patch f sits at f x tokens_per_second x temporal_patch_size / sampled fps (mmpipe.data.video);
+    # 0: Qwen2-VL's temporal index f (and the rows' tiling keeps 3 columns)
+    tokens_per_second: int = 0
 
     @property
     def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 x 2 frames = 1176

@@ -205,3 +205,102 @@ def test_absolute_time_positions_matter(qwen25, clips):
     with torch.no_grad():
         got = model(*_row([(ours, media)])[0])[0, :len(ours)]
     assert (got - want).abs().max().item() > 1e-3
+
+
+def _conv(*turns: str) -> list[dict]:
+    return [{"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]
+
+
+# LLaVA-style records: a clip alone, a clip then an image, two clips of different lengths and frame sizes, an image
+# alone; then the bad ones: an unreadable clip, a <video> marker without a clip, a zero-frame clip
+GOOD = [{"video": "short.mp4", "conversations": _conv("<video>\nw5 w6", "w7")},
+        {"video": "long.mkv", "image": "a.png", "conversations": _conv("w8 <video> w9 <image>", "w10 w11")},
+        {"video": ["long.mkv", "short.mp4"], "conversations": _conv("<video> w12 <video> w13", "w14")},
+        {"image": "a.png", "conversations": _conv("<image> w15", "w16")}]
+BAD = [("bad_video", {"video": "junk.mp4", "conversations": _conv("<video> w5", "w6")}),
+       ("video_marker", {"conversations": _conv("<video> w5", "w6")}),
+       ("empty_video", {"video": "empty.mp4", "conversations": _conv("<video> w5", "w6")})]
+
+
+def test_llava_video_records_pack_into_rows_with_transformers_logits(qwen25, clips, tmp_path):
+    """The data path end to end: LLaVA records with "video" paths and <video> markers are indexed from the clips'
+    headers (bad ones counted with their reasons), packed into rows of P patches beside images (two media a row's
+    slots), and each sample of each row gives transformers' logits: the row's patches, grids and steps (the tiling's
+    4th column) are transformers' processor's and get_rope_index's for the files."""
+    import json
+    import re
+
+    from transformers import Qwen2VLImageProcessor
+
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
+    from mmpipe.data.patches import patch_rule
+    from mmpipe.data.video import video_rule
+    from qwen_models import save_tokenizer
+    from video_clips import write_empty
+    hf, model = qwen25
+    root = clips["short"].parent
+    image(84, 56, seed=7).save(root / "a.png")
+    (root / "junk.mp4").write_bytes(b"not a video")
+    write_empty(root / "empty.mp4")
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GOOD + [r for _, r in BAD]))
+    save_tokenizer(root / "tok")
+    cfg = model.cfg
+    assert cfg.vision.tokens_per_second == hf.config.vision_config.tokens_per_second == 4  # imported
+    args = DataArgs(data=str(root / "data.jsonl"), tokenizer=str(root / "tok"), text_len=40, data_workers=0,
+                    max_images=2, max_patches=P, pack=True)
+    opts = resolve_data(args, cfg)
+    samples = prepare(opts, cfg, tmp_path / "index", seed=0, verbose=False)
+    stats = samples.index.stats
+    assert (stats["good"], stats["bad_by_kind"]) == (len(GOOD), {k: 1 for k, _ in BAD})
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
+    plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
+    rows = RowSet(samples, plan)
+    rule = video_rule(patch_rule(cfg, P))
+    seen, r = [], 0
+    while len(seen) < len(GOOD):
+        item, positions = rows[r], plan.row(r)
+        seen += positions
+        inputs = (item["pixels"][None].float(), torch.as_tensor(item["input_ids"])[None],
+                  torch.as_tensor(item["has_image"])[None], torch.as_tensor(item["segments"])[None],
+                  torch.as_tensor(item["tiling"])[None])
+        assert inputs[-1].shape[-1] == 4  # (t, h, w, step bits)
+        with torch.no_grad():
+            got = model(*inputs)[0]
+        for seg, pos in enumerate(positions, start=1):
+            record = GOOD[samples.row(pos)]
+            where = torch.as_tensor(np.flatnonzero(item["segments"] == seg))
+            ids = inputs[1][0, where]
+            videos = record.get("video", [])
+            videos = videos if isinstance(videos, list) else [videos]
+            kinds = re.findall(r"<(video|image)>", record["conversations"][0]["value"])  # the media in order
+            n = len(kinds)
+            kw, types, theirs = {}, torch.zeros_like(ids, dtype=torch.int), ids.clone()
+            starts = torch.nonzero(ids == START).flatten().tolist()
+            vids, secs, grids = [], [], []
+            for block, kind in zip(starts, kinds, strict=True):
+                if kind == "video":
+                    path = root / videos[len(vids)]
+                    clip = rule.clip(probe(path), n)
+                    px, grid, seconds = _reference(path, rule, rule.frame_cap(clip.grid[0], n))
+                    vids.append(px)
+                    grids.append(grid)
+                    secs.append(seconds)
+                    size = int(grid.prod()) // 4
+                    theirs[block + 1:block + 1 + size] = VIDEO
+                    types[block + 1:block + 1 + size] = 2
+                else:
+                    cap = rule.image.cap(n)
+                    out = Qwen2VLImageProcessor(min_pixels=PIXELS["min_pixels"], max_pixels=cap)(
+                        images=[image(84, 56, seed=7)], return_tensors="pt")
+                    kw.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+                    size = int(out["image_grid_thw"].prod()) // 4
+                    types[block + 1:block + 1 + size] = 1
+            if vids:
+                kw.update(pixel_values_videos=torch.cat(vids), video_grid_thw=torch.cat(grids),
+                          second_per_grid_ts=torch.cat(secs))
+            want = _hf_logits(hf, theirs, types, kw)
+            assert (got[where] - want).abs().max().item() < TOL, record
+        r += 1
+    assert sorted(seen) == list(range(len(GOOD))) and r < len(GOOD)  # packed: clips and images share rows

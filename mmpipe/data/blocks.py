@@ -38,7 +38,12 @@ class PatchBlocks:
     start_id: int     # the block's brackets (vision_start_id, vision_end_id)
     end_id: int
     patch_dim: int    # floats per patch, C x T x p x p
-    tiling_width = 3  # a slot's grid (t, h, w)
+    time_column: bool = False  # a slot's tiling has a 4th column, a clip's temporal rotary step (PatchRule.grid_width)
+
+    @property
+    def tiling_width(self) -> int:
+        """A slot's grid (t, h, w)[, step]."""
+        return 4 if self.time_column else 3
 
     @property
     def least(self) -> int:
@@ -53,13 +58,13 @@ class PatchBlocks:
         return (self.patch_dim,)
 
     def units(self, grid) -> int:
-        return int(np.prod(grid))
+        return int(np.prod(grid[:3]))  # (t, h, w): a 4th column is a clip's step, no size
 
     def block_len(self, grid) -> int:
-        return 2 + int(np.prod(grid)) // (self.merge * self.merge)
+        return 2 + self.units(grid) // (self.merge * self.merge)
 
     def block(self, grid) -> np.ndarray:
-        n = int(np.prod(grid)) // (self.merge * self.merge)
+        n = self.units(grid) // (self.merge * self.merge)
         return np.array([self.start_id, *[self.image_id] * n, self.end_id], dtype=np.int64)
 
 

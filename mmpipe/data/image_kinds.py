@@ -156,7 +156,8 @@ class Budgeted:
         for b, im in enumerate(images):
             if im is not None:
                 pixels[b, :len(im[0])] = im[0]
-                tiling[b, 0] = torch.tensor([int(g) for g in im[1][:blocks.tiling_width]])
+                vals = [int(g) for g in im[1][:blocks.tiling_width]]  # an image's grid: no clip step column
+                tiling[b, 0, :len(vals)] = torch.tensor(vals)
         return pixels, tiling, [[im[1]] if im is not None else [] for im in images]
 
     def with_images(self, ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
@@ -193,7 +194,7 @@ class Patches(Budgeted):
         grids: [(Encoded, images)]), at least one image at vision.max_pixels, e.g. M = 4 images of 300 patches:
         P = 1200."""
         unit, images = cfg.vision.merge_size ** 2, sum(int(n) for _, n in sizes)
-        mean = sum(int(np.prod(enc.grids[:n], axis=1).sum()) for enc, n in sizes) / max(1, images)
+        mean = sum(int(np.prod(enc.grids[:n, :3], axis=1).sum()) for enc, n in sizes) / max(1, images)
         return max(per_image_patches(cfg.vision), math.ceil(slots * mean / unit) * unit)
 
     def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
@@ -207,7 +208,7 @@ class Patches(Budgeted):
         v = cfg.vision
         patch_dim = v.channels * v.temporal_patch_size * v.patch_size ** 2  # floats per patch, C x T x p x p
         return PatchBlocks(budget or default_patch_budget(v, max_images), v.merge_size, cfg.image_token_id,
-                           cfg.vision_start_id, cfg.vision_end_id, patch_dim)
+                           cfg.vision_start_id, cfg.vision_end_id, patch_dim, bool(v.tokens_per_second))
 
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
         return image_text(tok, cfg)
@@ -218,7 +219,9 @@ class Patches(Budgeted):
     def grid_key(self, rule, record_images: int, budget: int) -> list:
         """What an index's grids depend on, for its fingerprint: the rule's resize bounds for each image count a
         record may have (not P itself, which --pack's slots may raise without changing any grid)."""
-        return [rule.factor, rule.min_pixels, [rule.cap(n) for n in range(1, record_images + 1)]]
+        key = [rule.factor, rule.min_pixels, [rule.cap(n) for n in range(1, record_images + 1)]]
+        # clips' steps (a 4th grid column) follow tokens_per_second; an index without them keeps its old key
+        return key + ([rule.tokens_per_second] if rule.tokens_per_second else [])
 
 
 @dataclass(frozen=True)

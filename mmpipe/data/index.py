@@ -26,10 +26,11 @@ import numpy as np
 
 from ..config import ConfigError
 from .images import check_image
-from .records import BAD_KINDS, BadRecord
+from .records import BAD_KINDS, BadRecord, VideoRef
 from .sources import DataSpec, Source
 from .text import ConversationEncoder
 from .tokenizer import BUILTIN_TEMPLATE
+from .video import media_grids
 
 INDEX_VERSION = 2  # 2: n_images and image_at per record (1: a bool has_image)
 SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
@@ -113,8 +114,12 @@ def _check(i: int):
             limit = c.image_limit or f"--max-images {c.max_images}"
             raise BadRecord("too_many_images", f"{len(rec.images)} images > {limit}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
+        if any(isinstance(m, VideoRef) for m in rec.images):  # clips among the images (a family that reads them)
+            grids = media_grids(rec.images, c.rule, c.image_root, c.max_pixels)
+            return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids
         sizes = [check_image(image, c.image_root, c.max_pixels) for image in rec.images]
-        # PatchRule [n, 3] (t, h, w); TileRule [n, 5] (orig_h, orig_w, rows, cols, positions)
+        # PatchRule [n, 3] (t, h, w) (or 4: a clip's step column, PatchRule.grid_width); TileRule [n, 5] (orig_h,
+        # orig_w, rows, cols, positions)
         grids = c.rule.sample_grids(sizes) if c.rule is not None else np.zeros((0, 3), dtype=np.int64)
         return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids
     except BadRecord as e:

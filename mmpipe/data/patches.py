@@ -40,6 +40,13 @@ class PatchRule:
     row_patches: int  # P, --max-patches
     mean: tuple
     std: tuple
+    tokens_per_second: int = 0  # vision.tokens_per_second: clips' absolute-time rotary (mmpipe.data.video)
+
+    @property
+    def grid_width(self) -> int:
+        """Columns of an index grid and a slot's tiling: (t, h, w), and a clip's temporal rotary step (its float32
+        bits, mmpipe.data.video.step_bits; 0 for an image) where the family scales time (tokens_per_second > 0)."""
+        return 4 if self.tokens_per_second else 3
 
     @property
     def factor(self) -> int:  # the resized sides are multiples of this, e.g. 14 x 2 = 28
@@ -75,8 +82,10 @@ class PatchRule:
         return grid
 
     def sample_grids(self, sizes: list[tuple[int, int]]) -> np.ndarray:
-        """int64 [n, 3]: the grids of a sample's (width, height) images (each within its share of P)."""
-        return np.array([self.grid(w, h, len(sizes)) for w, h in sizes], dtype=np.int64).reshape(-1, 3)
+        """int64 [n, grid_width]: the grids of a sample's (width, height) images (each within its share of P), a
+        zero step column where the grids have one (an image's temporal position is 0 whatever the step)."""
+        grids = np.array([self.grid(w, h, len(sizes)) for w, h in sizes], dtype=np.int64).reshape(-1, 3)
+        return np.pad(grids, ((0, 0), (0, self.grid_width - 3)))
 
     def patches(self, image, n_images: int = 1) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(patches float32 [t h w, patch_dim], grid) of a PIL image, as the processor makes them; BadRecord for an
@@ -117,4 +126,4 @@ def patch_rule(cfg, budget: int) -> PatchRule:
     v = cfg.vision
     factor = v.patch_size * v.merge_size
     return PatchRule(v.patch_size, v.merge_size, v.temporal_patch_size, v.channels, max(v.min_pixels, factor * factor),
-                     v.max_pixels, budget, tuple(v.mean), tuple(v.std))
+                     v.max_pixels, budget, tuple(v.mean), tuple(v.std), v.tokens_per_second)

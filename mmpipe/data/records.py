@@ -76,6 +76,13 @@ def refuse_unread_media(raw: dict, columns: dict, media: tuple[str, ...], family
                                                  f"reads {' and '.join(media) or 'text'} only")
 
 
+@dataclass(frozen=True)
+class VideoRef:
+    """A clip in a record's media list (Record.images, at its <video> marker's place among the images): its path,
+    relative to the image root. Read by a family whose media include video (mmpipe.data.video)."""
+    path: str
+
+
 class BadRecord(Exception):
     """One record refused, with the reason as one line. kind is a key of BAD_KINDS."""
 
@@ -90,7 +97,8 @@ class Record:
     where: str                     # "data/train.jsonl:17", "parquet[42]"
     messages: list[tuple[str, str]]  # (role, text), role "user" | "assistant", starting with user
     images: list[Any] = field(default_factory=list)  # each a path (relative to the image root), bytes, an
-    # HF {"bytes", "path"} dict or a PIL image; image k belongs at the k-th <image> marker
+    # HF {"bytes", "path"} dict or a PIL image; image k belongs at the k-th <image> marker (a clip: a VideoRef,
+    # its <video> marker made an <image> one, mmpipe.data.sources.with_videos)
     meta: dict = field(default_factory=dict)
 
     @property

@@ -20,11 +20,12 @@ from .crops import Crops, make_transform
 from .image_kinds import image_rule
 from .images import open_image
 from .index import DataIndex
-from .records import BadRecord
+from .records import BadRecord, VideoRef
 from .shapes import ShapesVQA
 from .sources import Source
 from .text import ConversationEncoder, Encoded
 from .tokenizer import builtin_tokenizer
+from .video import clip_patches
 
 SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in the top-left + cyan + EOS, is 10 tokens
 
@@ -117,11 +118,14 @@ class IndexedSamples:
             rec = self.source.record(row)
             if k >= len(rec.images):
                 raise IndexError(f"record {row} has {len(rec.images)} image(s), not an image {k}")
+            if isinstance(rec.images[k], VideoRef):  # a clip at its marker's place: its sampled frames' patches
+                return clip_patches(rec.images[k], self.rule, self.reader.image_root, len(rec.images),
+                                    self.index.grids_of(self.entry(pos))[k])
             image = open_image(rec.images[k], self.reader.image_root, self.reader.max_pixels)
             if self.rule is None:
                 return self.reader.transform(image)
             patches, grid = self.rule.patches(image, len(rec.images))
-            if grid != tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k]):
+            if grid != tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k][:3]):
                 raise BadRecord("image_grid", f"image {k} gives grid {grid}, the index recorded another")
             return patches
         except BadRecord as e:

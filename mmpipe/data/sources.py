@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError
-from .records import BadRecord, Record, refuse_unread_media
+from .records import MEDIA_FIELDS, MEDIA_MARKERS, BadRecord, Record, VideoRef, refuse_unread_media
 from .text import IMAGE_MARKER
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -199,6 +199,41 @@ def conversation_record(where: str, raw: dict, images: list, columns: dict) -> R
     return Record(where, messages, images)
 
 
+def with_videos(raw: dict, columns: dict, images: list, videos: list) -> tuple[dict, list]:
+    """A conversation's clips among its images: (raw with each <video> marker made an <image> one, the media in the
+    order of their markers, a clip a VideoRef), so the encoder, the index and the rows place a clip where its marker
+    is, as an image. BadRecord video_marker where the <video> markers and the clips disagree in number, or a marker
+    is in an answer."""
+    turns = raw.get(columns["conversations"])
+    if not isinstance(turns, list):
+        return raw, images  # conversation_record says what is wrong
+    video, image = MEDIA_MARKERS["video"], MEDIA_MARKERS["image"]
+    order, new_turns = [], []
+    for k, t in enumerate(turns):
+        text = t.get("value", t.get("content")) if isinstance(t, dict) else None
+        if not isinstance(text, str):
+            new_turns.append(t)
+            continue
+        if video in text and ROLES.get(t.get("from", t.get("role"))) == "assistant":
+            raise BadRecord("video_marker", f"turn {k} (assistant) holds a {video} marker; videos go in user turns")
+        at = 0
+        while (i := min((j for j in (text.find(image, at), text.find(video, at)) if j >= 0), default=-1)) >= 0:
+            order.append("video" if text.startswith(video, i) else "image")
+            at = i + 1
+        key = "value" if "value" in t else "content"
+        new_turns.append({**t, key: text.replace(video, image)})
+    if order.count("video") != len(videos):
+        raise BadRecord("video_marker", f"the record has {len(videos)} video(s) but {order.count('video')} {video} "
+                                        f"marker(s) in its user turns (need one per video)")
+    pending_images, pending_videos, media = list(images), [VideoRef(v) for v in videos], []
+    for kind in order:
+        pool = pending_videos if kind == "video" else pending_images
+        if pool:
+            media.append(pool.pop(0))
+    # images beyond their markers stay (conversation_record counts them against the markers and refuses)
+    return {**raw, columns["conversations"]: new_turns}, media + pending_images
+
+
 def image_list(value, what: str) -> list:
     """A record's image field -> its image references: none ("" / null / []), one, or a list of several."""
     if value in ("", None):
@@ -248,7 +283,17 @@ class Source:
                 refuse_unread_media(raw, self.spec.columns, media, family)
             images = image_list(raw.get(self.spec.columns["image"]), f"'{self.spec.columns['image']}'")
             has_conv = self.spec.columns["conversations"] in raw
-            if self.spec.format == "llava" or (self.spec.format == "hf" and has_conv):
+            conversation = self.spec.format == "llava" or (self.spec.format == "hf" and has_conv)
+            if media is None or "video" in media:  # a family that reads clips (refused above for the others)
+                names = (self.spec.columns.get("video", MEDIA_FIELDS["video"][0]), *MEDIA_FIELDS["video"][1:])
+                videos = [v for n in names for v in image_list(raw.get(n), f"'{n}'")]
+                if videos and not conversation:
+                    raise BadRecord("unsupported_media", "a video in an image-text pair is not read yet: give it as a "
+                                                         "conversation with a <video> marker")
+                if videos or (conversation and MEDIA_MARKERS["video"] in json.dumps(raw.get(
+                        self.spec.columns["conversations"]))):
+                    raw, images = with_videos(raw, self.spec.columns, images, videos)
+            if conversation:
                 return conversation_record(where, raw, images, self.spec.columns)
             return pair_record(where, raw, images, self.spec.columns, self.spec.prompt)
         except BadRecord as e:

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -268,7 +269,6 @@ def record_clips(videos: list, marker_count: int, root, rule: VideoRule, n_media
     """[(path, ClipInfo, Clip)] of a LLaVA-style record's `"video"` paths (relative to root) against its user turns'
     <video> markers, from the headers alone; BadRecord video_marker where the markers and the videos disagree (a
     marker without a clip, a clip without a marker), else each clip's own refusal (probe, VideoRule.clip)."""
-    from pathlib import Path
     if marker_count != len(videos):
         raise BadRecord("video_marker", f"{marker_count} <video> marker(s) for {len(videos)} video(s)")
     out = []
@@ -279,3 +279,40 @@ def record_clips(videos: list, marker_count: int, root, rule: VideoRule, n_media
         info = probe(path)
         out.append((path, info, rule.clip(info, n_media)))
     return out
+
+
+def video_rule(image_rule: PatchRule) -> VideoRule:
+    """The run's clip rule from its image rule (Qwen2-VL's sampling defaults, the model's tokens_per_second)."""
+    return VideoRule(image_rule, tokens_per_second=image_rule.tokens_per_second)
+
+
+def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> np.ndarray:
+    """int64 [n, rule.grid_width]: the grids of a sample's images and clips (VideoRef) in their order, each within its
+    share of P (the sample's n media share the row as n images do): an image's from its size (the columns after
+    (t, h, w) zero), a clip's from its container header (and its step's float32 bits where the rule scales time),
+    nothing decoded. BadRecord for a medium its rule refuses."""
+    from .images import check_image
+    from .records import VideoRef
+    n, clips, out = len(media), video_rule(rule), []
+    for m in media:
+        if isinstance(m, VideoRef):
+            path = Path(image_root or ".") / m.path
+            if not path.is_file():
+                raise BadRecord("bad_video", f"video {m.path}: no such file under {image_root or '.'}")
+            out.append(clips.clip(probe(path), n).tiling[:rule.grid_width])
+        else:
+            w, h = check_image(m, image_root, max_pixels)
+            out.append((*rule.grid(w, h, n), 0)[:rule.grid_width])
+    return np.array(out, dtype=np.int64).reshape(-1, rule.grid_width)
+
+
+def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.Tensor:
+    """A record's clip (VideoRef) as the model reads it: its patches, the frames sampled again from the header and
+    decoded; BadRecord bad_video if they no longer give the index's grid."""
+    clips = video_rule(rule)
+    path = Path(image_root or ".") / ref.path
+    clip = clips.clip(probe(path), n_media)
+    if tuple(clip.tiling[:len(grid)]) != tuple(int(g) for g in grid):
+        raise BadRecord("bad_video", f"video {ref.path}: gives grid {clip.tiling[:len(grid)]}, the index recorded "
+                                     f"{tuple(int(g) for g in grid)}")
+    return clips.patches(path, clip, n_media)

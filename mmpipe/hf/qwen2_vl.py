@@ -100,7 +100,8 @@ def _vision(hf, proc: dict) -> PatchVision:
         std=tuple(proc.get("image_std") or CLIP_STD), ln_eps=1e-6, act=vc.hidden_act,
         temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
         window_size=vc.window_size if v25 else 0, fullatt_blocks=tuple(vc.fullatt_block_indexes) if v25 else (),
-        norm="rmsnorm" if v25 else "layernorm", mlp="swiglu" if v25 else "gelu", min_pixels=lo, max_pixels=hi)
+        norm="rmsnorm" if v25 else "layernorm", mlp="swiglu" if v25 else "gelu", min_pixels=lo, max_pixels=hi,
+        tokens_per_second=int(vc.tokens_per_second) if v25 else 0)
 
 
 def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfig:
@@ -145,7 +146,8 @@ def hf_config(cfg: ModelConfig, tok=None):
     common = dict(depth=v.n_layers, num_heads=v.n_heads, in_channels=v.channels, patch_size=v.patch_size,
                   spatial_merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size, hidden_act=v.act)
     vision = (dict(common, hidden_size=v.dim, intermediate_size=v.ff_dim, out_hidden_size=t.dim,
-                   window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_blocks)) if v25 else
+                   window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_blocks),
+                   **({"tokens_per_second": v.tokens_per_second} if v.tokens_per_second else {})) if v25 else
               dict(common, embed_dim=v.dim, hidden_size=t.dim, mlp_ratio=v.ff_dim // v.dim))
     text = dict(hidden_size=t.dim, intermediate_size=t.ff_dim, num_hidden_layers=t.n_layers,
                 num_attention_heads=t.n_heads, num_key_value_heads=t.kv_heads, vocab_size=t.vocab_size,

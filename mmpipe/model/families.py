@@ -130,7 +130,7 @@ QWEN2_VL = Family(
      LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
     # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
     hf_class="Qwen2VLForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),
-    images="patches")
+    images="patches", media=("image", "video"))  # clips: mmpipe.data.video (Qwen2.5-VL's absolute-time rotary)
 
 # The tower, projector and embedding are costed on the row's T crops (costs.ANYRES_*, per_row: a CropRow)
 LLAVA_NEXT = Family(
