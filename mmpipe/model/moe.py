@@ -75,37 +75,73 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored as transformers stores them: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
+    """E SwiGLU experts stored as transformers stores them: gate_up_proj [E, 2F, D], down_proj [E, D, F]; after
+    `shard(group)`, this rank's E / ep of them, the others' reached through an all-to-all (expert parallelism)."""
 
     def __init__(self, dim: int, ff_dim: int, experts: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ff_dim, dim).normal_(0.0, 0.02))
         self.down_proj = nn.Parameter(torch.empty(experts, dim, ff_dim).normal_(0.0, 0.02))
         self.dispatch = "auto"  # tests pin "grouped" or "loop"
+        self.experts, self.ep = experts, None  # ep: (process group, its size) once sharded
+
+    def shard(self, group) -> None:
+        """Keep experts [r E / n, (r + 1) E / n) of the n ranks of `group` (r: this rank's place in it): built whole
+        under the layer's seed, as the single-device model builds them, then cut, so EP == single device."""
+        import torch.distributed as dist
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        if self.experts % n:
+            raise ValueError(f"{self.experts} experts do not split over {n} expert-parallel ranks")
+        per = self.experts // n
+        with torch.no_grad():
+            self.gate_up_proj = nn.Parameter(self.gate_up_proj[r * per:(r + 1) * per].clone())
+            self.down_proj = nn.Parameter(self.down_proj[r * per:(r + 1) * per].clone())
+        self.ep = (group, n)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, D]; idx, weights [N, k] -> [N, D]: each token's k experts' outputs, weighted and summed."""
-        E, k = self.gate_up_proj.shape[0], idx.shape[-1]
+        k = idx.shape[-1]
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order within each
         token = order // k
-        counts = torch.bincount(flat, minlength=E)
+        counts = torch.bincount(flat, minlength=self.experts)
         xs = x[token]
-        grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_ok(x))
+        ys = self.run(xs, counts) if self.ep is None else self.exchange(xs, counts)
+        ys = ys * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+    def run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on xs [n, D], grouped by expert: counts[e] rows for local expert e, in order."""
+        grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_ok(xs))
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)  # end of each expert's run; an empty run is an empty group
             gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            ys = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        else:
-            parts, start = [], 0
-            for e, n in enumerate(counts.tolist()):  # only the experts that have tokens run
-                if n:
-                    gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                    parts.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-                    start += n
-            ys = torch.cat(parts)
-        ys = ys * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        parts, start = [], 0
+        for e, n in enumerate(counts.tolist()):  # only the experts that have tokens run
+            if n:
+                gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                parts.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                start += n
+        return torch.cat(parts) if parts else xs.new_zeros(0, self.down_proj.shape[1])
+
+    def exchange(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: xs (grouped by global expert, so each owner's rows are one contiguous run) to the
+        ranks owning their experts, through them, and back, by two differentiable all-to-alls of uneven splits
+        (every row goes, however many: no capacity). The owner regroups what it receives (by source, then expert)
+        by expert for `run`, and puts the results back in the order they came."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+        group, n = self.ep
+        per = self.experts // n
+        got = torch.empty_like(counts)  # [n x per]: what each source rank sends to each of my experts
+        dist.all_to_all_single(got, counts, group=group)
+        send, recv = counts.view(n, per).sum(1).tolist(), got.view(n, per).sum(1).tolist()
+        xr = all_to_all_single(xs.new_empty(sum(recv), xs.shape[1]), xs.contiguous(), recv, send, group=group)
+        local = torch.arange(per, device=xs.device).repeat(n).repeat_interleave(got)  # each received row's expert
+        perm = local.argsort(stable=True)
+        yr = self.run(xr[perm], torch.bincount(local, minlength=per))[perm.argsort()]
+        return all_to_all_single(xs.new_empty(xs.shape[0], yr.shape[1]), yr.contiguous(), send, recv, group=group)
 
 
 class SparseMoe(nn.Module):
