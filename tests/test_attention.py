@@ -1,6 +1,7 @@
 """The decoder's attention paths (mmpipe.model.attention, docs/attention.md) against the dense-mask reference:
-FlexAttention's document mask for packed rows (CUDA's path; run here in eager, gradients included), SDPA's
-is_causal for one-sample rows, the moondream prefix keeping its mask, one mask per row for all layers."""
+FlexAttention's document mask for packed rows (CUDA's path; run here in eager, gradients included), the causal
+split by sample for packed rows (CPU's path), SDPA's is_causal for one-sample rows, the moondream prefix keeping
+its mask on CPU, one mask (or split) per row for all layers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from mmpipe.cli import main
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.model import attention
-from mmpipe.model.attention import CAUSAL, attend, document_block_mask, row_attention, row_mask
+from mmpipe.model.attention import CAUSAL, Split, attend, document_block_mask, row_attention, row_mask, sample_split
 from mmpipe.model.layers import DecoderBlock
 from mmpipe.model.llava import LlamaBlock
 from mmpipe.model.rows import IMAGE_SLOT
@@ -103,18 +104,54 @@ def test_one_sample_rows_take_the_causal_path_equal_to_the_mask():
     assert all((a - b).abs().max() < 1e-5 for a, b in zip(causal[1:], dense[1:]))
 
 
+@pytest.mark.parametrize("samples", [2, 8])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_cpu_split_by_sample_equals_the_dense_mask_with_gradients(samples, heads, kv_heads):
+    """CPU's packed rows: each sample's own causal SDPA (sample_split, what row_attention gives on CPU), padding
+    causal among the row's padding as row_mask has it, equals the dense mask, output and q, k, v gradients,
+    within 1e-5 (fp32), on two rows of different cuts."""
+    segments = packed_segments(samples)
+    split = row_attention(segments)
+    assert isinstance(split, Split) and split.causal and len(split.alone) == 0
+    q, k, v = qkv(2, heads, kv_heads)
+    upstream = torch.randn(2, heads, L, 16, generator=torch.Generator().manual_seed(2))
+    fast, dense = out_and_grads(split, q, k, v, upstream), out_and_grads(row_mask(segments), q, k, v, upstream)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fast, dense):
+        assert (a - b).abs().max() < 1e-5, (name, (a - b).abs().max())
+
+
+def test_the_split_groups_samples_by_length_and_keeps_no_mask():
+    """Equal lengths share one SDPA (rows of 5, 7, 5 + 3 padding and 11, 9: groups of 3, 5 (two), 7, 9, 11),
+    and the backward keeps no L x L tensor, where the dense mask keeps one (as SDPA's float mask: L^2 values)."""
+    segments = torch.tensor([[1] * 5 + [2] * 7 + [3] * 5 + [0] * 3, [1] * 11 + [2] * 9])
+    split = sample_split(segments)
+    assert sorted((g.shape[1], g.shape[0]) for g in split.groups) == [(3, 1), (5, 2), (7, 1), (9, 1), (11, 1)]
+    for mask, keeps_square in ((split, False), (row_mask(segments), True)):
+        q, k, v = (torch.randn(2, 4, 20, 8, requires_grad=True) for _ in range(3))
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            attend(q, k, v, mask)
+        assert any(s[-2:] == (20, 20) for s in shapes) == keeps_square, shapes
+
+
 def test_which_rows_keep_a_mask():
+    """On CPU: one-sample rows causal, packed rows the split by sample, a moondream image prefix (bidirectional
+    past its BOS) the dense mask; a prefix of BOS alone is causal, packed or not."""
     one = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     assert row_attention(one) is CAUSAL
-    assert isinstance(row_attention(torch.tensor([[1, 1, 2, 0]])), torch.Tensor)  # packed
+    packed = torch.tensor([[1, 1, 2, 0], [1, 2, 2, 2]])
+    assert isinstance(row_attention(packed), Split)
     image = torch.tensor([[False, True, True, False], [False] * 4])  # moondream: image after BOS
     assert isinstance(row_attention(one, image), torch.Tensor)  # bidirectional prefix: its mask stays
-    assert row_attention(one, torch.zeros(2, 4, dtype=torch.bool)) is CAUSAL  # text-only: BOS alone is causal
+    assert isinstance(row_attention(packed, image), torch.Tensor)
+    text_only = torch.zeros(2, 4, dtype=torch.bool)
+    assert row_attention(one, text_only) is CAUSAL  # text-only: BOS alone is causal
+    assert isinstance(row_attention(packed, text_only), Split)
 
 
 def test_backend_by_device_and_override(monkeypatch):
     cpu, cuda, backend = torch.device("cpu"), torch.device("cuda"), attention.attention_backend
-    assert (backend(cpu), backend(cuda)) == ("mask", "flex")
+    assert (backend(cpu), backend(cuda)) == ("split", "flex")
     monkeypatch.setenv("MMPIPE_ATTENTION", "dense")  # the reference: a mask for one-sample rows too
     assert backend(cuda) == "dense" and isinstance(row_attention(torch.ones(1, 4).long()), torch.Tensor)
     for value, msg in (("fast", "MMPIPE_ATTENTION=fast: no such attention backend (valid: auto, dense, flex)"),
@@ -183,20 +220,23 @@ def _run_blocks(blocks, t: StageTuple, seed: int = 3):
 
 @pytest.mark.parametrize("preset,block", [("llava-tiny", LlamaBlock), ("tiny", DecoderBlock)])
 def test_decoder_blocks_equal_the_reference_and_build_one_mask_per_row(monkeypatch, preset, block):
-    """A stack of decoder blocks over one-sample rows (causal path) and packed rows (dense mask, built once
-    for all blocks) equals MMPIPE_ATTENTION=dense (row_mask every row, the reference), gradients too."""
+    """A stack of decoder blocks over one-sample rows (causal path) and packed rows (CPU: LLaVA's the split by
+    sample, moondream's image prefix the dense mask; built once for all blocks) equals MMPIPE_ATTENTION=dense
+    (row_mask every row, the reference), gradients too."""
     cfg = load_preset(preset)
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(block(cfg) for _ in range(3))
     built = []
-    monkeypatch.setattr(attention, "row_mask", lambda *a: built.append(1) or row_mask(*a))
+    monkeypatch.setattr(attention, "row_mask", lambda *a: built.append("mask") or row_mask(*a))
+    monkeypatch.setattr(attention, "sample_split", lambda *a: built.append("split") or sample_split(*a))
     for segments in (torch.tensor([[1] * 20 + [0] * 4, [1] * 24]), torch.tensor([[1] * 9 + [2] * 11 + [0] * 4] * 2)):
         ids = torch.randint(1, 40, segments.shape)
         ids[:, 1:5] = IMAGE_SLOT if preset == "tiny" else 1  # moondream: an image block after each row's BOS
         t = StageTuple(torch.randn(2, 24, cfg.text.dim), ids, torch.ones(2, 1, dtype=torch.long), segments)
         built.clear()
         fast = _run_blocks(blocks, t)
-        assert len(built) == (0 if preset == "llava-tiny" and segments.max() == 1 else 1)
+        want = ["mask"] if preset == "tiny" else [] if segments.max() == 1 else ["split"]
+        assert built == want, (preset, built)
         monkeypatch.setenv("MMPIPE_ATTENTION", "dense")
         reference = _run_blocks(blocks, t._replace(segments=segments.clone(), input_ids=ids.clone()))
         monkeypatch.delenv("MMPIPE_ATTENTION")

@@ -9,7 +9,7 @@ import torch
 
 from mmpipe.config import load_preset
 from mmpipe.model import attention, qwen2_vl
-from mmpipe.model.attention import Split, row_mask, sample_split, segment_split, split_mask
+from mmpipe.model.attention import Split, segment_split, split_mask
 from mmpipe.model.builder import bound, layer_specs
 from mmpipe.model.costs import PatchRow, attention_pairs
 from mmpipe.model.qwen2_vl import patch_coords, vision_geometry, vision_segments
@@ -42,19 +42,6 @@ def test_split_equals_its_dense_mask(kv_heads):
     k, v = torch.randn(B, kv_heads, P, 8), torch.randn(B, kv_heads, P, 8)
     up = torch.randn(B, H, P, 8)
     for a, b in zip(_out_and_grads(split, q, k, v, up), _out_and_grads(split_mask(seg), q, k, v, up)):
-        torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
-
-
-def test_sample_split_equals_the_decoders_row_mask():
-    """The decoder's packed rows (item 3's candidate): a causal split by sample, padding causal among the row's
-    padding, equals row_mask (the CPU path), outputs and gradients, with grouped-query heads."""
-    torch.manual_seed(1)
-    segments = torch.tensor([[1] * 5 + [2] * 7 + [3] * 5 + [0] * 3, [1] * 11 + [2] * 9])
-    q, k, v = torch.randn(2, 4, 20, 8), torch.randn(2, 2, 20, 8), torch.randn(2, 2, 20, 8)
-    up = torch.randn(2, 4, 20, 8)
-    split = sample_split(segments)
-    assert split.causal and len(split.alone) == 0 and sorted(g.shape[1] for g in split.groups) == [3, 5, 7, 9, 11]
-    for a, b in zip(_out_and_grads(split, q, k, v, up), _out_and_grads(row_mask(segments), q, k, v, up)):
         torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
 
 

@@ -4,9 +4,11 @@ A decoder layer attends under its row's mask (row_attention, from the segments a
 
     None        every key (generation's new positions)
     CAUSAL      one-sample rows: SDPA's is_causal fast path, no mask materialized
-    bool tensor [B, 1, L, L] row_mask, the dense reference: packed rows on CPU, the moondream prefix on CPU
+    Split       packed rows on CPU (sample_split: each sample's own is_causal SDPA), and a vision tower's images
+                and windows (segment_split): each segment's own SDPA, equal sizes batched, no mask
+    bool tensor [B, 1, L, L] row_mask, the dense reference (MMPIPE_ATTENTION=dense), and the moondream prefix
+                on CPU (bidirectional within the prefix, causal after it: not one causal SDPA per sample)
     BlockMask   packed rows (and the moondream prefix) on CUDA: FlexAttention skips cross-sample blocks
-    Split       a vision tower's images and windows (segment_split): each segment's own SDPA, equal sizes batched
 
 and `attend` runs any of them, so a layer has one call whatever its row. Which path a device takes and
 why (the measured CPU costs) is in docs/attention.md; MMPIPE_ATTENTION=dense forces the reference mask
@@ -90,24 +92,26 @@ def attention_choice() -> str:
 
 def attention_backend(device: torch.device) -> str:
     """How rows attend on this device: one-sample rows CAUSAL, packed ones 'flex' (FlexAttention, compiled)
-    on CUDA or 'mask' (row_mask through SDPA) elsewhere: torch 2.14's FlexAttention has no backward on CPU,
-    and eager it materializes every score anyway (docs/attention.md). MMPIPE_ATTENTION=dense: the reference,
-    row_mask for every row, causal ones too; =flex: FlexAttention (CUDA only)."""
+    on CUDA or 'split' elsewhere (sample_split; a moondream image prefix: row_mask through SDPA): torch 2.14's
+    FlexAttention has no backward on CPU, and there the split by sample measured faster than the dense mask
+    (docs/attention.md). MMPIPE_ATTENTION=dense: the reference, row_mask for every row, causal ones too;
+    =flex: FlexAttention (CUDA only)."""
     choice = attention_choice()
     if choice == "flex" and device.type != "cuda":
         raise ConfigError(f"MMPIPE_ATTENTION=flex: FlexAttention needs CUDA (torch's has no backward on "
                           f"{device.type}); unset it or set dense")
-    return choice if choice != "auto" else ("flex" if device.type == "cuda" else "mask")
+    return choice if choice != "auto" else ("flex" if device.type == "cuda" else "split")
 
 
 def row_attention(segments: torch.Tensor, prefix: torch.Tensor | None = None):
     """The mask a row's queries attend under (see the module docstring), once per segments (and prefix)
     tensor: CAUSAL when every row is one sample with no bidirectional prefix beyond its BOS, else the
-    device's backend (attention_backend): a flex BlockMask or the dense row_mask (MMPIPE_ATTENTION=dense:
-    row_mask always). Each sample's first position joins the prefix (row_mask: a prefix needs its BOS).
-    Padding at a causal row's end attends causally to the sample before it, where row_mask gives it padding
-    only: its outputs differ, but no real position sees them and their labels are ignored, so losses and
-    gradients are the same."""
+    device's backend (attention_backend): a flex BlockMask, or on CPU the causal split by sample (the dense
+    row_mask where a prefix reaches past a sample's BOS; MMPIPE_ATTENTION=dense: row_mask always).
+    Each sample's first position joins the prefix (row_mask: a prefix needs its BOS). Padding at a causal
+    row's end attends causally to the sample before it, where row_mask gives it padding only: its outputs
+    differ, but no real position sees them and their labels are ignored, so losses and gradients are the
+    same."""
     backend = attention_backend(segments.device)
     tensors = (segments,) if prefix is None else (segments, prefix)
     return row_cached(tensors, ("mask", backend), lambda: _row_attention(segments, prefix, backend))
@@ -118,7 +122,11 @@ def _row_attention(segments: torch.Tensor, prefix: torch.Tensor | None, backend:
         prefix = prefix | (row_positions(segments) == 0)
     if backend != "dense" and one_sample_rows(segments, prefix):
         return CAUSAL
-    return document_block_mask(segments, prefix) if backend == "flex" else row_mask(segments, prefix)
+    if backend == "flex":
+        return document_block_mask(segments, prefix)
+    if backend == "split" and (prefix is None or not (prefix & (row_positions(segments) > 0)).any()):
+        return sample_split(segments)  # causal within each sample: a prefix of BOS alone is causal too
+    return row_mask(segments, prefix)
 
 
 def one_sample_rows(segments: torch.Tensor, prefix: torch.Tensor | None = None) -> bool:
@@ -215,8 +223,8 @@ def segment_split(seg: torch.Tensor, causal: bool = False) -> Split:
 
 def sample_split(segments: torch.Tensor) -> Split:
     """A decoder row's segments [B, L] (1, 2, ... per sample, 0 padding) as a causal Split by sample: row_mask's
-    attention (padding causal among the row's padding) without its L x L mask. Measured 2.2x-3.1x faster than
-    the dense mask on CPU for packed rows (docs/vision_attention.md), not yet the decoder's path."""
+    attention (padding causal among the row's padding, as row_mask has it) without its L x L mask. CPU's path for
+    packed rows (row_attention): faster than the dense mask there, measured (docs/attention.md)."""
     ids = segments + (segments.amax() + 1) * torch.arange(segments.shape[0], device=segments.device)[:, None]
     return segment_split(ids, causal=True)
 

@@ -87,14 +87,17 @@ def _cross_attn_block(cfg, params, n, seq):
     return Cost(seq, fwd, act, (4 + h) * seq, seq * t.dim)
 
 
-def _row_geometry(seq: int, rot_dim: int) -> tuple[float, float]:
+def _row_geometry(seq: int, rot_dim: int, mask: bool = True) -> tuple[float, float]:
     """(act, fp32) a decoder block keeps for its row's own geometry (mmpipe.model.attention.row_geometry):
-    SDPA's per-row L x L mask, as the query's dtype, and the fp32 rotary cos and sin at each sample's own
-    positions, 2 x L x rot_dim (e.g. tiny at L = 28, rot_dim 8: 784 + 448 per row)."""
-    return seq * seq + 2.0 * rot_dim * seq, 2.0 * rot_dim * seq
+    the fp32 rotary cos and sin at each sample's own positions, 2 x L x rot_dim, and with `mask` SDPA's
+    per-row L x L mask, as the query's dtype (e.g. tiny at L = 28, rot_dim 8: 784 + 448 per row)."""
+    return (seq * seq if mask else 0) + 2.0 * rot_dim * seq, 2.0 * rot_dim * seq
 
 
 def _phi_block(cfg, params, n, seq):
+    """The moondream-shaped DecoderBlock. Its row keeps an L x L mask on CPU: the image prefix (bidirectional
+    past BOS) attends under the dense row_mask there; on CUDA (a BlockMask) and in the cross-attention family's
+    text rows (causal, or the split by sample) it is an upper bound by L x L (docs/attention.md)."""
     t = cfg.text
     act, fp32 = _row_geometry(seq, t.rotary_dim)
     return Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * t.dim,
@@ -106,10 +109,13 @@ def _llama_block(cfg, params, n, seq):
     """LLaVA's LlamaBlock (mmpipe.model.llava; GQA, qkv bias or not), as autograd keeps it per position
     (tests/test_plan.py): 9 D (x, each RMSNorm's normalised input and output, q after RoPE, attention out,
     o_proj's input, x + attn) + 2 kv (k after RoPE, v: kv_heads x head_dim each) + 4 F (gate, silu, up,
-    product) + fp32 the two RMSNorms' statistics and the log-sum-exp (2 + H); the row's L x L mask and
-    rotary (_row_geometry). E.g. llava-1.5-7b: 9 x 4096 + 2 x 4096 + 4 x 11008 = 89088 values."""
+    product) + fp32 the two RMSNorms' statistics and the log-sum-exp (2 + H); the row's rotary (_row_geometry).
+    No L x L mask: one-sample rows attend causally, packed rows by sample (CPU: the split, whose gathered q, k, v
+    and outputs replace those above one for one; CUDA: a BlockMask, a few KiB), docs/attention.md; only the
+    MMPIPE_ATTENTION=dense reference keeps L^2 more, and CUDA heads under 16 wide (llava-tiny). E.g.
+    llava-1.5-7b: 9 x 4096 + 2 x 4096 + 4 x 11008 = 89088 values."""
     t = cfg.text
-    act, fp32 = _row_geometry(seq, t.head_dim)
+    act, fp32 = _row_geometry(seq, t.head_dim, mask=False)
     kv = t.kv_heads * t.head_dim
     return Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * t.dim,
                 (9 * t.dim + 2 * kv + 4 * t.ff_dim) * seq + (2 + t.n_heads) * seq + act, (2 + t.n_heads) * seq + fp32,
