@@ -166,3 +166,82 @@ def test_qwen3_clip_logits_equal_transformers(setup):
         got = model(*inputs)[0]
     for (a, b), want in zip(spans, wants):
         assert (got[a:b] - want).abs().max().item() < TOL
+
+
+def _conv(*turns: str) -> list[dict]:
+    return [{"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]
+
+
+# LLaVA-style records: a clip alone, a clip then an image, two clips of different lengths and frame sizes, an image
+# alone; clips take a slot per temporal patch (2 and 4 here), so a row has 6 slots
+GOOD = [{"video": "short.mp4", "conversations": _conv("<video>\nw5 w6", "w7")},
+        {"video": "long.mkv", "image": "a.png", "conversations": _conv("w8 <video> w9 <image>", "w10 w11")},
+        {"video": ["long.mkv", "short.mp4"], "conversations": _conv("<video> w12 <video> w13", "w14")},
+        {"image": "a.png", "conversations": _conv("<image> w15", "w16")}]
+
+
+def test_llava_video_records_pack_into_rows_with_transformers_ids_and_logits(setup, tmp_path):
+    """The data path end to end for Qwen3-VL: LLaVA records with clips are indexed from the headers, each clip's
+    marker made its timestamps and a slot per temporal patch, packed into rows beside images; each sample's ids
+    equal what transformers' Qwen3VLProcessor makes of the chat-templated conversation (<|video_pad|> read as
+    <|image_pad|>), and its logits transformers'."""
+    import json
+    import re
+
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
+    clips, hf, model, tok = setup
+    root = clips["short"].parent
+    image(96, 64, seed=7).save(root / "a.png")
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GOOD))
+    cfg = model.cfg
+    args = DataArgs(data=str(root / "data.jsonl"), tokenizer=str(root / "tok"), text_len=64,
+                    data_workers=0, max_images=6, max_patches=P, pack=True)
+    opts = resolve_data(args, cfg)
+    samples = prepare(opts, cfg, tmp_path / "index", seed=0, verbose=False)
+    assert samples.index.stats["good"] == len(GOOD), samples.index.stats
+    shape = row_shape(cfg, 6, opts.text_len, opts.vision_budget)
+    plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
+    rows = RowSet(samples, plan)
+    rule = _rule()
+    blocks = {kind: f"<|vision_start|><|{kind}_pad|><|vision_end|>" for kind in ("video", "image")}
+    seen, r = [], 0
+    while len(seen) < len(GOOD):
+        item, positions = rows[r], plan.row(r)
+        seen += positions
+        inputs = (item["pixels"][None].float(), torch.as_tensor(item["input_ids"])[None],
+                  torch.as_tensor(item["has_image"])[None], torch.as_tensor(item["segments"])[None],
+                  torch.as_tensor(item["tiling"])[None])
+        with torch.no_grad():
+            got = model(*inputs)[0]
+        for seg, pos in enumerate(positions, start=1):
+            record = GOOD[samples.row(pos)]
+            where = torch.as_tensor(np.flatnonzero(item["segments"] == seg))
+            kinds = re.findall(r"<(video|image)>", record["conversations"][0]["value"])
+            videos = record.get("video", [])
+            videos = videos if isinstance(videos, list) else [videos]
+            msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"].strip()}
+                    for t in record["conversations"]]
+            for kind in ("video", "image"):
+                msgs[0]["content"] = msgs[0]["content"].replace(f"<{kind}>", blocks[kind])
+            text = tok.apply_chat_template(msgs, tokenize=False)
+            decoded = [_decoded(root / v) for v in videos]
+            kw = dict(videos=[d[0] for d in decoded], video_metadata=[d[1] for d in decoded]) if videos else {}
+            proc = _hf_processor(tok, rule)
+            proc.video_processor.size = {"shortest_edge": PIXELS["min_pixels"],
+                                         "longest_edge": rule.clip_pixels(len(kinds))}
+            cap = rule.image.cap(len(kinds))
+            proc.image_processor.size = {"shortest_edge": PIXELS["min_pixels"], "longest_edge": cap}
+            out = proc(text=[text], images=[image(96, 64, seed=7)] if "image" in kinds else None,
+                       return_tensors="pt", **kw)
+            theirs = out["input_ids"][0].clone()
+            theirs[theirs == VIDEO] = IMAGE
+            assert inputs[1][0, where].tolist() == theirs.tolist(), record
+            hf_kw = {k: out[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                         "mm_token_type_ids") if k in out}
+            with torch.no_grad():
+                want = hf(input_ids=out["input_ids"], **hf_kw).logits[0]
+            assert (got[where] - want).abs().max().item() < TOL, record
+        r += 1
+    assert sorted(seen) == list(range(len(GOOD))) and r < len(GOOD)  # packed: clips and images share rows

@@ -28,9 +28,9 @@ from ..config import ConfigError
 from .images import check_image
 from .records import BAD_KINDS, BadRecord, VideoRef
 from .sources import DataSpec, Source
-from .text import ConversationEncoder
+from .text import IMAGE_MARKER, ConversationEncoder
 from .tokenizer import BUILTIN_TEMPLATE
-from .video import media_grids
+from .video import media_grids, with_timestamps
 
 INDEX_VERSION = 2  # 2: n_images and image_at per record (1: a bool has_image)
 SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
@@ -110,6 +110,10 @@ def _check(i: int):
     try:
         rec = _W["source"].record(i, c.media, c.family)
         where = rec.where
+        rec = with_timestamps(rec, c.rule, c.image_root, IMAGE_MARKER)  # Qwen3-VL: a slot per temporal patch
+        if len(rec.images) > c.max_images and any(isinstance(m, VideoRef) and m.frame >= 0 for m in rec.images):
+            raise BadRecord("too_many_images", f"{len(rec.images)} image slots (a Qwen3-VL clip takes one per "
+                                               f"temporal patch) > {c.image_limit or f'--max-images {c.max_images}'}")
         if len(rec.images) > c.max_images:
             limit = c.image_limit or f"--max-images {c.max_images}"
             raise BadRecord("too_many_images", f"{len(rec.images)} images > {limit}")

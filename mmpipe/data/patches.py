@@ -41,6 +41,7 @@ class PatchRule:
     mean: tuple
     std: tuple
     tokens_per_second: int = 0  # vision.tokens_per_second: clips' absolute-time rotary (mmpipe.data.video)
+    timestamps: bool = False  # Qwen3-VL's tower: clips by its video processor, timestamps as text (mmpipe.data.video)
 
     @property
     def grid_width(self) -> int:
@@ -123,7 +124,8 @@ def default_patch_budget(vision, max_images: int) -> int:
 def patch_rule(cfg, budget: int) -> PatchRule:
     """The run's rule. The lower bound is at least one merge unit (min_pixels 0 would let smart_resize
     round a small image's side to 0)."""
+    from ..config import Qwen3Vision
     v = cfg.vision
     factor = v.patch_size * v.merge_size
     return PatchRule(v.patch_size, v.merge_size, v.temporal_patch_size, v.channels, max(v.min_pixels, factor * factor),
-                     v.max_pixels, budget, tuple(v.mean), tuple(v.std), v.tokens_per_second)
+                     v.max_pixels, budget, tuple(v.mean), tuple(v.std), v.tokens_per_second, isinstance(v, Qwen3Vision))

@@ -79,8 +79,10 @@ def refuse_unread_media(raw: dict, columns: dict, media: tuple[str, ...], family
 @dataclass(frozen=True)
 class VideoRef:
     """A clip in a record's media list (Record.images, at its <video> marker's place among the images): its path,
-    relative to the image root. Read by a family whose media include video (mmpipe.data.video)."""
+    relative to the image root. Read by a family whose media include video (mmpipe.data.video). frame j >= 0: the
+    clip's j-th temporal patch alone, a slot of its own (Qwen3-VL's clips, mmpipe.data.video.with_timestamps)."""
     path: str
+    frame: int = -1
 
 
 class BadRecord(Exception):

@@ -23,9 +23,9 @@ from .index import DataIndex
 from .records import BadRecord, VideoRef
 from .shapes import ShapesVQA
 from .sources import Source
-from .text import ConversationEncoder, Encoded
+from .text import IMAGE_MARKER, ConversationEncoder, Encoded
 from .tokenizer import builtin_tokenizer
-from .video import clip_patches
+from .video import clip_patches, media_count, with_timestamps
 
 SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in the top-left + cyan + EOS, is 10 tokens
 
@@ -115,16 +115,16 @@ class IndexedSamples:
         """Image k of the sample (in the order of its <image> markers)."""
         row = self.row(pos)
         try:
-            rec = self.source.record(row)
+            rec = with_timestamps(self.source.record(row), self.rule, self.reader.image_root, IMAGE_MARKER)
             if k >= len(rec.images):
                 raise IndexError(f"record {row} has {len(rec.images)} image(s), not an image {k}")
             if isinstance(rec.images[k], VideoRef):  # a clip at its marker's place: its sampled frames' patches
-                return clip_patches(rec.images[k], self.rule, self.reader.image_root, len(rec.images),
+                return clip_patches(rec.images[k], self.rule, self.reader.image_root, media_count(rec.images),
                                     self.index.grids_of(self.entry(pos))[k])
             image = open_image(rec.images[k], self.reader.image_root, self.reader.max_pixels)
             if self.rule is None:
                 return self.reader.transform(image)
-            patches, grid = self.rule.patches(image, len(rec.images))
+            patches, grid = self.rule.patches(image, media_count(rec.images))  # a clip shares P as one medium
             if grid != tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k][:3]):
                 raise BadRecord("image_grid", f"image {k} gives grid {grid}, the index recorded another")
             return patches

@@ -282,37 +282,99 @@ def record_clips(videos: list, marker_count: int, root, rule: VideoRule, n_media
 
 
 def video_rule(image_rule: PatchRule) -> VideoRule:
-    """The run's clip rule from its image rule (Qwen2-VL's sampling defaults, the model's tokens_per_second)."""
+    """The run's clip rule from its image rule: Qwen3-VL's (its tower) or Qwen2-VL's, at the processors' sampling
+    defaults and the model's tokens_per_second."""
+    if image_rule.timestamps:
+        return Qwen3VideoRule(image_rule)
     return VideoRule(image_rule, tokens_per_second=image_rule.tokens_per_second)
+
+
+def media_count(media: list) -> int:
+    """A sample's media as they share the row's P: each image, each clip once (its temporal patches' slots too)."""
+    from .records import VideoRef
+    return sum(1 for m in media if not isinstance(m, VideoRef) or m.frame <= 0)
 
 
 def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> np.ndarray:
     """int64 [n, rule.grid_width]: the grids of a sample's images and clips (VideoRef) in their order, each within its
-    share of P (the sample's n media share the row as n images do): an image's from its size (the columns after
-    (t, h, w) zero), a clip's from its container header (and its step's float32 bits where the rule scales time),
-    nothing decoded. BadRecord for a medium its rule refuses."""
+    share of P (a sample's media share the row as its images do, media_count): an image's from its size (the
+    columns after (t, h, w) zero), a clip's from its container header (and its step's float32 bits where the rule
+    scales time; a Qwen3-VL clip's temporal patch j, its own slot: (1, h, w)), nothing decoded. BadRecord for a
+    medium its rule refuses."""
     from .images import check_image
     from .records import VideoRef
-    n, clips, out = len(media), video_rule(rule), []
+    n, clips, out = media_count(media), video_rule(rule), []
     for m in media:
         if isinstance(m, VideoRef):
-            path = Path(image_root or ".") / m.path
-            if not path.is_file():
-                raise BadRecord("bad_video", f"video {m.path}: no such file under {image_root or '.'}")
-            out.append(clips.clip(probe(path), n).tiling[:rule.grid_width])
+            tiling = clips.clip(probe(_clip_path(m, image_root)), n).tiling
+            out.append(((1, *tiling[1:3]) if m.frame >= 0 else tiling)[:rule.grid_width])
         else:
             w, h = check_image(m, image_root, max_pixels)
             out.append((*rule.grid(w, h, n), 0)[:rule.grid_width])
     return np.array(out, dtype=np.int64).reshape(-1, rule.grid_width)
 
 
-def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.Tensor:
-    """A record's clip (VideoRef) as the model reads it: its patches, the frames sampled again from the header and
-    decoded; BadRecord bad_video if they no longer give the index's grid."""
-    clips = video_rule(rule)
+def _clip_path(ref, image_root) -> Path:
     path = Path(image_root or ".") / ref.path
+    if not path.is_file():
+        raise BadRecord("bad_video", f"video {ref.path}: no such file under {image_root or '.'}")
+    return path
+
+
+def with_timestamps(rec, rule: PatchRule, image_root, marker: str):
+    """Qwen3-VL's clips in a record (rule.timestamps; else rec unchanged): each clip's marker becomes, per temporal
+    patch, its timestamp text and a marker of its own (`<0.3 seconds><image><1.7 seconds><image>`), and the clip
+    its temporal patches (VideoRef frame j), so the text is tokenized with the timestamps in place, as
+    Qwen3VLProcessor writes the prompt, and each temporal patch is a slot of grid (1, h, w). The k-th marker of the
+    user turns is the k-th medium (mmpipe.data.sources.with_videos)."""
+    import dataclasses as dc
+
+    from .records import VideoRef
+    if not getattr(rule, "timestamps", False) or not any(isinstance(m, VideoRef) and m.frame < 0 for m in rec.images):
+        return rec
+    clips, n = video_rule(rule), media_count(rec.images)
+    texts, media = [], []
+    for m in rec.images:
+        if isinstance(m, VideoRef) and m.frame < 0:
+            info = probe(_clip_path(m, image_root))
+            clip = clips.clip(info, n)
+            texts.append("".join(f"{stamp}{marker}" for stamp in clips.timestamps(info, clip)))
+            media += [VideoRef(m.path, j) for j in range(clip.grid[0])]
+        else:
+            texts.append(marker)
+            media.append(m)
+    k, messages = 0, []
+    for role, text in rec.messages:
+        parts = text.split(marker)
+        if role == "user" and len(parts) > 1:
+            out = parts[0]
+            for part in parts[1:]:
+                out += (texts[k] if k < len(texts) else marker) + part
+                k += 1
+            text = out
+        messages.append((role, text))
+    return dc.replace(rec, messages=messages, images=media)
+
+
+@functools.lru_cache(maxsize=2)
+def _clip_patches(path: Path, rule: PatchRule, n_media: int) -> tuple[tuple, torch.Tensor]:
+    """(the clip's tiling, its patches): cached, so a Qwen3-VL clip's temporal-patch slots, read one after the other
+    for its row, decode it once."""
+    clips = video_rule(rule)
     clip = clips.clip(probe(path), n_media)
-    if tuple(clip.tiling[:len(grid)]) != tuple(int(g) for g in grid):
-        raise BadRecord("bad_video", f"video {ref.path}: gives grid {clip.tiling[:len(grid)]}, the index recorded "
-                                     f"{tuple(int(g) for g in grid)}")
-    return clips.patches(path, clip, n_media)
+    return clip.tiling, clips.patches(path, clip, n_media)
+
+
+def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.Tensor:
+    """A record's clip (VideoRef) as the model reads it: its patches (a Qwen3-VL temporal patch's: its share of
+    them), the frames sampled again from the header and decoded; BadRecord bad_video if they no longer give the
+    index's grid."""
+    tiling, patches = _clip_patches(_clip_path(ref, image_root), rule, n_media)
+    want = tuple(int(g) for g in grid)
+    got = ((1, *tiling[1:3]) if ref.frame >= 0 else tiling)[:len(want)]
+    if tuple(got) != want:
+        raise BadRecord("bad_video", f"video {ref.path}: gives grid {got}, the index recorded {want}")
+    if ref.frame < 0:
+        return patches
+    per = tiling[1] * tiling[2]
+    return patches[ref.frame * per:(ref.frame + 1) * per]

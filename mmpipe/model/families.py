@@ -153,6 +153,7 @@ QWEN3_VL = Family(
      Qwen3MoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
     hf_class="Qwen3VLForConditionalGeneration", weight_names="hf",
     fields=lambda cfg: ROW + deepstack_fields(cfg) + moe_fields(cfg) + (KEPT_TILING,), images="patches",
+    media=("image", "video"),  # clips: a slot per temporal patch after its timestamp text (mmpipe.data.video)
     fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS))
 
 # Qwen3-VL's tower without DeepStack; a linear-attention layer is costed by its own rule, linear in positions
