@@ -1,0 +1,78 @@
+"""Clips through the pipeline (issue 44): `mmpipe train --pack` at PP=2 on LLaVA records of clips (MP4 / H.264 and
+Matroska / Motion JPEG, 7 and 13 frames), images and text, the qwen-tiny model with Qwen2.5-VL's absolute-time rotary
+(vision.tokens_per_second 2, so every row's tiling carries the clips' steps), rows mixing clips and images, equals the
+single-device reference loop (losses and weights, fp32, 1e-5; the decoder's key biases 1e-4 as in
+tests/test_qwen_pipeline.py), and only floats cross the stage boundary. One launch."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import mmpipe
+from conftest import train_run, write_ds_config
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
+from test_qwen_data import save_tokenizer
+from test_qwen_pipeline import _weights_equal_within, loaders_agree
+from video_clips import moving_square, write_clip
+
+TOL = 1e-5
+STEPS, SEED = 3, 5
+
+
+def _conv(question: str, answer: str) -> list[dict]:
+    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+
+
+# a clip, a clip then an image, two clips, an image, text: 5 kinds x 3 = 15 records, answers of 1..3 words
+KINDS = [{"video": "short.mp4", "conversations": _conv("<video>\nwhat colour is it", "red")},
+         {"video": "long.mkv", "image": "a.png", "conversations": _conv("<video> and <image> what", "blue and green")},
+         {"video": ["long.mkv", "short.mp4"], "conversations": _conv("<video> is it <video>", "green")},
+         {"image": "a.png", "conversations": _conv("<image> what colour", "red and blue")},
+         {"conversations": _conv("what colour is it", "blue")}]
+
+
+@pytest.fixture(scope="module")
+def video_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video_pipe")
+    write_clip(root / "short.mp4", moving_square(7, 56, 56, seed=0), 3)
+    write_clip(root / "long.mkv", moving_square(13, 84, 56, seed=1), 3)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(root / "a.png")
+    (root / "data.json").write_text(json.dumps(KINDS * 3))
+    save_tokenizer(root / "tok")
+    preset = json.loads((Path(mmpipe.__file__).parent / "presets" / "qwen-tiny.json").read_text())
+    preset["vision"]["tokens_per_second"] = 2
+    (root / "model.json").write_text(json.dumps(preset))
+    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                         scheduler={"type": "WarmupCosineLR",
+                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
+                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    args = ["--preset", str(root / "model.json"), "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
+            "--ds-config", str(ds), "--text-len", "48", "--pack", "--max-images", "2", "--max-patches", "128",
+            "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
+    return root, args
+
+
+def test_pipeline_with_clips_equals_single_device(video_set):
+    root, args = video_set
+    run = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
+    assert run.model.vision.tokens_per_second == 2
+    mixed = 0
+    for _, _, has_image, _, tiling in loaders_agree(run, root, SEED, STEPS):  # a later stage's grids: the same
+        assert tiling.shape[-1] == 4  # (t, h, w, step bits)
+        used = tiling[..., 0] * (has_image > 0)
+        mixed += int(((used > 1).any(-1) & (used == 1).any(-1)).sum())  # a clip and an image in one row
+    assert mixed >= 1
+    ref_model, ref_losses = train_reference(run, seed=SEED, steps=STEPS, out_dir=str(root / "ref"))
+    pp2 = train_run(root / "pp2", *args, "--stages", "2", "--steps", str(STEPS)).check()
+    assert sorted(pp2.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
+    assert list(pp2.losses.values()) == pytest.approx(ref_losses, abs=TOL)
+    _weights_equal_within(torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg)), ref_model, TOL)
+    pp2.assert_only_floats_crossed()
