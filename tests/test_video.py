@@ -304,3 +304,28 @@ def test_llava_video_records_pack_into_rows_with_transformers_logits(qwen25, cli
             assert (got[where] - want).abs().max().item() < TOL, record
         r += 1
     assert sorted(seen) == list(range(len(GOOD))) and r < len(GOOD)  # packed: clips and images share rows
+
+
+def test_parquet_video_column(clips, tmp_path):
+    """A parquet file's "video" column (paths) and <video> markers in its conversations: the clip's grid and step in
+    the index, as from a LLaVA file; a row without a clip stays text-only."""
+    import dataclasses
+
+    import pandas as pd
+
+    from mmpipe.config import load_preset
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from test_qwen_data import save_tokenizer
+    root = clips["short"].parent
+    pd.DataFrame([{"video": "short.mp4", "conversations": _conv("<video> what", "red")},
+                  {"video": None, "conversations": _conv("what colour", "red")}]).to_parquet(tmp_path / "d.parquet")
+    save_tokenizer(tmp_path / "tok")
+    cfg = load_preset("qwen-tiny")
+    cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, tokens_per_second=2))
+    args = DataArgs(data=str(tmp_path / "d.parquet"), image_root=str(root), tokenizer=str(tmp_path / "tok"),
+                    text_len=40, data_workers=0)
+    samples = prepare(resolve_data(args, cfg), cfg, tmp_path / "index", seed=0, verbose=False)
+    assert samples.index.n_images.tolist() == [1, 0]
+    # 2 temporal patches of 4 x 4; step 2 x 2 / (12 / 7) = 2.33 positions a temporal patch, as float32 bits
+    assert samples.index.grids.tolist() == [[2, 4, 4, step_bits(np.float32(2 * np.float32(2 / (4 / 7 * 3))))]]
