@@ -2,7 +2,6 @@
 
     python scripts/bench_vision_attention.py            # the docs' table: P = 1k .. 8k, ~10 min on 1 thread
     python scripts/bench_vision_attention.py --quick    # P = 256, 512, 3 blocks of width 256: a smoke run
-    python scripts/bench_vision_attention.py --decoder  # the decoder's packed rows: dense mask vs split
     python scripts/bench_vision_attention.py --planner  # the planner's tower at 72B, P = 16384: split vs dense
 
 Tower: Qwen2.5-VL-7B's vision blocks (width 1280, 16 heads, SwiGLU 3420, RMSNorm; --blocks of them, windowed
@@ -20,10 +19,7 @@ peak the process's resident-memory high-water mark (VmHWM) over the resident siz
 Both backends' outputs and input gradients are saved and compared here (max abs difference).
 torch.set_num_threads(--threads, default 1): the machine is shared.
 
---decoder: one decoder attention call (q, k, v [1, 28, L, 128], Qwen2.5-VL-7B's decoder heads) forward +
-backward on a packed row of 4 to 16 samples of unequal lengths and 1/16 padding: the dense row_mask (the CPU
-path) against attention.sample_split, the block-diagonal split by sample (causal within each), interleaved,
-the order turning each repeat, median CPU seconds (time.process_time) of --repeats.
+The decoder's packed rows (dense mask against the split by sample) are scripts/bench_attention.py --packed.
 """
 from __future__ import annotations
 
@@ -31,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -127,50 +122,6 @@ def run_tower(args) -> None:
               f"| {d['peak_mib']:.0f} | {diff:.1e} |")
 
 
-def packed_segments(L: int, samples: int, seed: int = 0) -> torch.Tensor:
-    """[1, L]: `samples` samples of unequal lengths (uniform shares, each at least L / (4 samples)), then 1/16
-    padding (segment 0)."""
-    g = torch.Generator().manual_seed(seed)
-    real = L - L // 16
-    w = torch.rand(samples, generator=g) + 0.25
-    ends = (w.cumsum(0) / w.sum() * real).long()
-    ends[-1] = real
-    seg = torch.searchsorted(ends, torch.arange(L), right=True) + 1
-    return torch.where(torch.arange(L) < real, seg, 0)[None]
-
-
-def run_decoder(args) -> None:
-    from mmpipe.model.attention import attend, row_mask, sample_split
-    H, Dh = 28, 128
-    sizes = [(512, 4)] if args.quick else [(2048, 4), (2048, 8), (4096, 8), (4096, 16)]
-    print(f"decoder attention, q k v [1, {H}, L, {Dh}] fp32, {args.threads} thread(s), median CPU s of {args.repeats}")
-    print("| L | samples | dense mask s | split s | split / dense | build: mask s | build: split s | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    for L, samples in sizes:
-        seg = packed_segments(L, samples)
-        t0 = time.perf_counter()
-        mask = row_mask(seg)
-        t_mask = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        split = sample_split(seg)  # padding (0) is its own causal segment, as in row_mask
-        t_split = time.perf_counter() - t0
-        g = torch.Generator().manual_seed(L + samples)
-        q, k, v, up = (torch.randn(1, H, L, Dh, generator=g) for _ in range(4))
-        times, outs = {"dense": [], "split": []}, {}
-        for r in range(args.repeats):
-            for name in (("dense", "split") if r % 2 == 0 else ("split", "dense")):
-                qq, kk, vv = (a.clone().requires_grad_() for a in (q, k, v))
-                t0 = time.process_time()
-                o = attend(qq, kk, vv, mask if name == "dense" else split)
-                (o * up).sum().backward()
-                times[name].append(time.process_time() - t0)
-                outs[name] = (o.detach(), qq.grad)
-        diff = max((a - b).abs().max().item() for a, b in zip(outs["dense"], outs["split"]))
-        d, s = statistics.median(times["dense"]), statistics.median(times["split"])
-        print(f"| {L} | {samples} | {d:.3f} | {s:.3f} | {s / d:.2f}x | {t_mask:.4f} | {t_split:.4f} | {diff:.1e} |",
-              flush=True)
-
-
 def run_planner(args) -> None:
     """The planner's tower of qwen2.5-vl-72b on one h100-80gb (989 TFLOP/s at 45%), bf16, one row of P = 16384
     patches holding 4 images of 1024x768 px (54 x 74 patches each): per block kind, the forward / backward ms
@@ -213,7 +164,6 @@ def run_planner(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--decoder", action="store_true")
     p.add_argument("--planner", action="store_true")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2)
@@ -228,8 +178,6 @@ def main() -> None:
         print(json.dumps(case(args.case, args.width, args.blocks, args.repeats, args.out, args.side)))
     elif args.planner:
         run_planner(args)
-    elif args.decoder:
-        run_decoder(args)
     else:
         run_tower(args)
 
