@@ -1,15 +1,20 @@
 """Streaming import and export (mmpipe.hf.stream, mmpipe.hf.export, mmpipe.hf.safetensors_io): bf16 sharded
 checkpoints of every family go through `mmpipe import` -> `mmpipe export` bit-equal in their dtype; an import
 holds one layer's tensors (counted, live bytes), an export one layer file; --init-from opens only the rank's
-layer files and fills fp32 layers with the bf16 files' values; a missing shard or a bad --shard-size is one line."""
+layer files, each once (a stand-in stage, and two real gloo ranks of DeepSpeed's PipelineModule), and fills fp32
+layers with the bf16 files' values; a missing shard or a bad --shard-size is one line."""
 from __future__ import annotations
 
 import json
+import os
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from deepspeed.pipe import TiedLayerSpec
 from safetensors.torch import load_file, save_file
 
@@ -201,6 +206,63 @@ def test_init_from_opens_only_the_ranks_layers_and_casts_bf16(tmp_path, monkeypa
         if i in own or i == embed:
             got = model.state_dict()[mine]
             assert got.dtype == torch.float32 and torch.equal(got, source[hf].float()), mine
+
+
+def _init_rank(rank: int, store: str, run_dir: str, parts: list[int], out: str):
+    """One of two gloo ranks: the real PipelineModule (VLMPipeline, DeepSpeed's own partition into this rank's
+    stage) loads --init-from's weights; saves the layer files it opened, where its stage starts, and its state."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    trainer.setup_torch()  # as every rank entry: one thread, DeepSpeed's shared-memory op not JIT-built
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    import deepspeed
+    deepspeed.init_distributed()  # DeepSpeed's comm over the group joined above
+    from mmpipe.config import config_from_dict
+    from mmpipe.runtime.pipeline import VLMPipeline
+    cfg = config_from_dict(json.loads((Path(run_dir) / "model.json").read_text()), "run")
+    run = SimpleNamespace(model=cfg, stages=2, parts=parts, ds_config={}, freeze=(), lora=None, ep=1)
+    pipe = VLMPipeline(run, seed=9)
+    opened, load = [], torch.load
+
+    def spy(path, *a, **kw):
+        opened.append(int(str(path).split("layer_")[1][:2]))
+        return load(path, *a, **kw)
+    trainer.torch.load = spy  # this process's own module: nothing to undo
+    n = trainer.load_run_weights(pipe, Path(run_dir) / "checkpoints")
+    torch.save({"opened": opened, "n": n, "start": pipe._local_start, "count": len(pipe.forward_funcs),
+                "state": {k: v for k, v in pipe.state_dict().items()}}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_init_from_on_two_pipeline_ranks_each_opens_only_its_own_layer_files(tmp_path):
+    """Two real ranks (gloo, DeepSpeed's PipelineModule cut [0, cut) / [cut, n)) start from an imported Qwen2.5-VL:
+    rank 0 opens exactly its own layers' files (the tower, the embedding, the first decoder blocks), rank 1 its own
+    and the tied embedding's (its copy of the head), no file twice; together they read every file that holds a
+    weight, and each rank's weights equal the bf16 files' (fp32 copies, exact)."""
+    save_bf16("qwen2_5", tmp_path / "hf")
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    from mmpipe.config import config_from_dict
+    cfg = config_from_dict(json.loads((tmp_path / "run" / "model.json").read_text()), "run")
+    specs = layer_specs(cfg)
+    embed = next(i for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec))
+    cut, n = embed + 2, len(specs)  # stage 0: the tower, the embedding and one decoder block
+    mp.start_processes(_init_rank, args=(str(tmp_path / "store"), str(tmp_path / "run"), [0, cut, n], str(tmp_path)),
+                       nprocs=2, start_method="fork")
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    files = {int(f.name[6:8]) for f in (tmp_path / "run" / "checkpoints" / "imported").glob("layer_*")}
+    model = ReferenceModel(cfg, seed=9)
+    weighted = {i for i in range(n) if model[i].state_dict()}
+    assert files == weighted
+    assert (got[0]["start"], got[0]["count"], got[1]["start"], got[1]["count"]) == (0, cut, cut, n - cut)
+    assert got[0]["opened"] == sorted(i for i in weighted if i < cut) and embed in got[0]["opened"]
+    assert got[1]["opened"] == sorted(i for i in weighted if i >= cut) + [embed]
+    assert got[0]["n"] + got[1]["n"] == len(weighted)
+    for r in (0, 1):
+        for key, value in got[r]["state"].items():  # DeepSpeed's "<layer>.<param>", tied ones "tied_modules.<key>."
+            layer = embed if key.startswith("tied_modules.") else int(key.split(".")[0])
+            name = key.split(".", 2)[2] if key.startswith("tied_modules.") else key.split(".", 1)[1]
+            want = torch.load(tmp_path / "run" / "checkpoints" / "imported" / f"layer_{layer:02d}-model_states.pt",
+                              weights_only=True)[name]
+            assert value.dtype == torch.float32 and torch.equal(value, want.float()), (r, key)
 
 
 def test_missing_shard_and_bad_shard_size_are_one_line(tmp_path, capsys):

@@ -386,12 +386,15 @@ def load_run_weights(pipe, ckpt_dir: Path) -> int:
         path = d / f"layer_{idx:02d}-model_states.pt"
         load_base(module, torch.load(path, map_location="cpu", weights_only=True))  # adapters (LoRA) keep theirs
 
-    n = 0
+    n, loaded = 0, set()
     for offset, layer in enumerate(pipe.forward_funcs):
         if isinstance(layer, torch.nn.Module) and layer.state_dict():
             load(layer, pipe._local_start + offset)
+            loaded.add(id(layer))
             n += 1
     for key, module in pipe.tied_modules.items():  # the head's copy on a stage without the embedding
+        if id(module) in loaded:  # DeepSpeed lists the tied module on the stage that holds it too: read once
+            continue
         load(module, next(i for i, s in enumerate(pipe._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == key))
     return n
 
