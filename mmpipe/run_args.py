@@ -29,6 +29,8 @@ class TrainArgs(DataArgs, ModelArgs):
                                  "1..P-1 (default: the config's pipeline.partition, 'best' = balanced)")
     schedule: str | None = flag(None, f"pipeline schedule: {' | '.join(SCHEDULE_NAMES)} (default: the config's "
                                 f"pipeline.schedule, else {BASELINE.name}; docs/schedules.md)")
+    ep: int = flag(1, "expert-parallel ranks: an MoE model's experts split over groups of EP data-parallel ranks "
+                   "of each stage, tokens exchanged by all-to-all; EP divides DP (default: 1; docs/moe.md)")
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")

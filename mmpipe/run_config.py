@@ -81,6 +81,7 @@ class RunConfig:
     schedule: Schedule = BASELINE  # --schedule / pipeline.schedule: its record (planning.schedule_registry)
     pack: bool = False  # --pack: several samples per row (mmpipe.data.packing)
     loss_norm: str = "token"  # --loss-norm: one of mmpipe.data.packing.LOSS_NORMS
+    ep: int = 1  # --ep: expert-parallel ranks (mmpipe.runtime.experts)
 
     @property
     def text_len(self) -> int:
@@ -216,6 +217,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
                         f"(data-parallel degree = world size / stages)")
     dp = max(1, world_size // stages)
     zero_stage, precision = _check_ds(ds, args, problems)
+    _check_ep(args, model, dp, ds, zero_stage, precision, problems)
     micro, gas = problems.attempt(_batch_sizes, ds, dp) or (1, 1)
     parts, table = [], []
     if model is not None and data is not None:
@@ -246,7 +248,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     return RunConfig(model=model, ds_config=ds, ds_config_path=ds_path, stages=stages, dp=dp, micro=micro, gas=gas,
                      parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
-                     schedule=schedule, pack=args.pack, loss_norm=args.loss_norm)
+                     schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep)
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
@@ -288,6 +290,29 @@ def _eval_split(args: TrainArgs, data: DataOptions | None, problems: Problems) -
     elif data is not None:
         return dataclasses.replace(data, holdout=args.eval_split, part="heldout", augment=False, log_samples=False)
     return None
+
+
+def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precision: str, problems: Problems) -> None:
+    """--ep N (docs/moe.md): N >= 1; above 1 only for an MoE model whose experts and DP it divides, and (this first
+    slice) only where the expert shards' gradients are handled: fp32, ZeRO 0, no clipping (DeepSpeed 0.19.8's clip
+    counts every rank's norm as the whole model's), no --resume (a shard's optimizer moments are saved by DP rank 0
+    alone)."""
+    ep, moe = args.ep, getattr(model.text, "moe", None) if model is not None else None
+    if ep < 1:
+        problems.append(f"--ep: {ep} must be >= 1")
+    if ep <= 1 or model is None:
+        return
+    if moe is None:
+        problems.append(f"--ep: {ep} on {model.name}, a dense model (no text.moe): expert parallelism splits experts")
+        return
+    if dp % ep:
+        problems.append(f"--ep: {ep} does not divide the {dp} data-parallel replicas (world size / stages)")
+    if moe.experts % ep:
+        problems.append(f"--ep: {ep} does not divide {model.name}'s {moe.experts} experts")
+    if zero_stage != 0 or precision != "fp32" or ds.get("gradient_clipping", 1.0) or args.resume:
+        problems.append(f"--ep: {ep} runs with fp32, zero_optimization.stage 0, gradient_clipping 0 and without "
+                        f"--resume for now (here: {precision}, ZeRO {zero_stage}, gradient_clipping "
+                        f"{ds.get('gradient_clipping', 1.0)}{', --resume' if args.resume else ''}; docs/moe.md)")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

@@ -45,9 +45,8 @@ L = 2 * IMAGES + P // 4 + TEXT  # 88 decoder positions a row
 EXPERTS, TOP_K, EXPERT_FF = 8, 2, 32
 
 
-@pytest.fixture(scope="module")
-def moe_set(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_pipe")
+def write_moe_set(root) -> list[str]:
+    """The records, images, tokenizer and model JSON under root; the arguments every run takes but --ds-config."""
     rng = np.random.default_rng(0)
     for k, (w, h) in enumerate(SIZES):
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
@@ -58,15 +57,20 @@ def moe_set(tmp_path_factory):
     model = load_preset("qwen3-vl-tiny").to_dict()
     model["text"].update(tie_embeddings=False, moe=dict(experts=EXPERTS, top_k=TOP_K, ff_dim=EXPERT_FF))
     (root / "qwen3-vl-moe-tiny.json").write_text(json.dumps(model))
+    return ["--preset", str(root / "qwen3-vl-moe-tiny.json"), "--data", str(root / "data.json"),
+            "--tokenizer", str(root / "tok"), "--text-len", str(TEXT), "--pack", "--max-images", str(IMAGES),
+            "--max-patches", str(P), "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def moe_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_pipe")
+    args = write_moe_set(root)
     ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=GAS,
                          scheduler={"type": "WarmupCosineLR",
                                     "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
                                                "warmup_type": "linear", "warmup_min_ratio": 0.5}})
-    args = ["--preset", str(root / "qwen3-vl-moe-tiny.json"), "--data", str(root / "data.json"),
-            "--tokenizer", str(root / "tok"), "--ds-config", str(ds), "--text-len", str(TEXT), "--pack",
-            "--max-images", str(IMAGES), "--max-patches", str(P), "--eval-samples", "0", "--seed", str(SEED),
-            "--data-workers", "0"]
-    return root, args
+    return root, [*args, "--ds-config", str(ds)]
 
 
 def _resolved(moe_set):

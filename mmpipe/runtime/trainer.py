@@ -39,6 +39,7 @@ from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from . import checkpoint, rng
 from .curves import plot_runs
+from .experts import install as install_experts
 from .feed import StepCounts, decoder_length, run_dataset
 from .guard import install_skip
 from .pipeline import VLMPipeline
@@ -208,6 +209,8 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
     checkpoint.make_loads_safe(engine)
+    if pipe.expert_shards:  # --ep: shards reduced over their own groups, gathered whole for a save
+        install_experts(engine, pipe.expert_shards, run.dp)
     grad_fault(engine, run.gas)  # a test hook, inert unless MMPIPE_FAULT names it
     install_wire(engine)  # only floats cross a stage boundary; before `instrument` copies the instruction map
     zb = install_schedule(engine, run.schedule)  # collective unless native; before `instrument` copies the instr. map
