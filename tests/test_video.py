@@ -329,3 +329,25 @@ def test_parquet_video_column(clips, tmp_path):
     assert samples.index.n_images.tolist() == [1, 0]
     # 2 temporal patches of 4 x 4; step 2 x 2 / (12 / 7) = 2.33 positions a temporal patch, as float32 bits
     assert samples.index.grids.tolist() == [[2, 4, 4, step_bits(np.float32(2 * np.float32(2 / (4 / 7 * 3))))]]
+
+
+def test_plan_costs_a_clip(capsys):
+    """`mmpipe plan --video-frames N --video-size WxH`: the row's clip as the data side makes it (the family's video
+    processor rules): qwen2.5-vl-7b, 16 frames of 448 x 448 sampled -> one 8 x 32 x 32 grid, 2048 image tokens and 2
+    brackets; qwen3-vl-tiny's clip a (1, h, w) slot per temporal patch; a family without clips: one line, exit 2."""
+    import json
+
+    from mmpipe.cli import main
+    common = ["--device", "h100-80gb", "--json"]
+    assert main(["plan", "--preset", "qwen2.5-vl-7b", "--gpus-per-node", "8", "--global-batch", "256",
+                 "--video-frames", "16", "--video-size", "448x448", "--max-patches", "8192", "--text-len", "256",
+                 *common]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out[0]["image_grids"] == [[8, 32, 32]] and out[0]["decoder_length"] == 2 + 2048 + 256
+    assert main(["plan", "--preset", "qwen3-vl-tiny", "--video-frames", "8", "--video-size", "64x64",
+                 "--image-size", "96x64", "--max-patches", "256", "--text-len", "32", *common]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out[0]["image_grids"] == [[1, 4, 6]] + [[1, 4, 4]] * 4  # the image, then the clip's 4 temporal patches
+    assert main(["plan", "--preset", "llava-tiny", "--video-frames", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mmpipe: error: --video-frames: the llava family reads no clips; only the qwen2_vl and qwen3_vl families do")

@@ -115,3 +115,24 @@ def crop_line(cfg: ModelConfig, row: CropRow, text_len: int, length: int) -> str
     tokens = sum(rule.count(h, w, m) for h, w, _, _ in row.tilings)
     return (f"vision crops per row: {used} of --max-tiles {row.crops} ({1 - used / row.crops:.0%} padding); decoder "
             f"positions per row: {length - text_len} image ({tokens} used) + {text_len} text = {length}")
+
+
+def clip_row(cfg: ModelConfig, patches: int, frames: int, size: tuple[int, int], images: int,
+             sizes: list[tuple[int, int]] | None) -> PatchRow:
+    """`mmpipe plan --video-frames N --video-size WxH`: a row of P = `patches` holding `images` images of `sizes` (in
+    turn) and one clip of N frames of W x H sampled, the images and the clip sharing P as images + 1 media, each made
+    by the data side's own rules: the images' as patch_row's, the clip's by mmpipe.data.video (the family's video
+    processor's sampling and resize): its grid (t, h, w), or Qwen3-VL's t slots of (1, h, w), after the images.
+    ConfigError for an image or a clip the rules refuse."""
+    from ..data.video import ClipInfo, video_rule
+    rule = patch_rule(cfg, patches)
+    clips, n, grids = video_rule(rule), images + 1, []
+    try:
+        for width, height in ((sizes or [])[k % len(sizes)] for k in range(images)) if sizes else ():
+            grids.append(rule.grid(width, height, n))
+        clip = clips.clip(ClipInfo(frames, clips.fps, *size), n)  # N frames at the sampling rate: N sampled
+    except BadRecord as e:
+        raise ConfigError(f"--video-frames {frames} --video-size {size[0]}x{size[1]}: {e} (--max-patches {patches}, "
+                          f"{images} image(s) beside the clip)") from None
+    frame_slots = [(1, *clip.grid[1:])] * clip.grid[0] if rule.timestamps else [clip.grid]
+    return PatchRow(patches, tuple(grids) + tuple(frame_slots))

@@ -48,7 +48,16 @@ from ..model.families import family_of
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, profile_precision, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
-from .images import crop_line, crop_words, families_words, parse_image_sizes, patch_row, sized_families
+from .images import (
+    clip_row,
+    crop_line,
+    crop_words,
+    families_words,
+    parse_image_size,
+    parse_image_sizes,
+    patch_row,
+    sized_families,
+)
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Layout, plan_layout
 from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, SCHEDULES, Schedule, asked
 
@@ -97,6 +106,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "--max-images images of this size in pixels, e.g. 1024x768, each resized or tiled as "
                         "training does it; "
                         "several sizes: one image of each in turn, --max-images defaulting to their number "
+                        "(default: the preset's vision.image_size square)")
+    p.add_argument("--video-frames", type=int, default=None, metavar="N",
+                   help="presets that read clips (the Qwen2-VL and Qwen3-VL families): cost rows holding one clip "
+                        "of N frames sampled, beside --max-images images of --image-size (docs/video.md)")
+    p.add_argument("--video-size", default=None, metavar="WxH",
+                   help="with --video-frames: the clip's frame size in pixels, resized as training resizes it "
                         "(default: the preset's vision.image_size square)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
     add_flags(p, ModelArgs)
@@ -223,6 +238,10 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
                         f"of each (give --max-images {len(sizes)} or more)")
     elif sizes and args.max_images is None:
         args.max_images = len(sizes)  # a row holds one image of each size
+    video = _check_video(args, cfg, problems)
+    images = (args.max_images or 0) if sizes else 0  # images beside the clip: only those given a size
+    if video:  # the clip is one more medium of the row: the default P and the shares count it
+        args.max_images = images + 1
     data = from_namespace(DataArgs, args, only=ROW_FLAGS)
     args.text_len = row_text_len(data, cfg, None, problems)
     budget = row_budget(data, cfg, problems)
@@ -233,7 +252,27 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
               "them: 'mmpipe: --pack: M image slots per row'); plan has no data and costs M = 1 - give that "
               "--max-images M here")
     args.max_images = args.max_images or 1
+    if video:
+        row = clip_row(cfg, patch_row(cfg, max(1, images), budget, sizes).patches, *video, images, sizes)
+        args.video_slots = len(row.grids) - images  # a Qwen3-VL clip takes a slot per temporal patch
+        args.max_images = len(row.grids)
+        return row
     return patch_row(cfg, args.max_images, budget, sizes)  # the row's P, or tiles' T
+
+
+def _check_video(args, cfg: ModelConfig, problems: list[str]) -> tuple[int, tuple[int, int]] | None:
+    """--video-frames N and --video-size WxH -> (N, (W, H)), None without them; a line per problem."""
+    frames, size = getattr(args, "video_frames", None), getattr(args, "video_size", None)
+    if frames is None and size is None:
+        return None
+    if "video" not in family_of(cfg).media:
+        readers = [f.family for f in FAMILIES if "video" in f.media]
+        problems.append(f"--video-frames: the {cfg.family} family reads no clips; only {families_words(readers)} do")
+        return None
+    if frames is None or frames < 2:
+        problems.append(f"--video-frames: {frames} must be given and at least 2 (a temporal patch of 2 frames)")
+        return None
+    return frames, parse_image_size(size) if size else (cfg.vision.image_size, cfg.vision.image_size)
 
 
 def fit_hints(args, micros: list[int], freeze: tuple[str, ...], lora, patches: PatchRow | None = None) -> str:
@@ -409,6 +448,18 @@ def _patch_words(cfg, args, patches: PatchRow) -> str:
     if isinstance(patches, CropRow):
         return crop_words(cfg, args, patches)
     p, m, merge = cfg.vision.patch_size, len(patches.grids), cfg.vision.merge_size ** 2
+    if getattr(args, "video_frames", None):  # the row's last grids are its clip's (clip_row)
+        slots = args.video_slots
+        clip = patches.grids[-slots:]
+        _, h, w = clip[0]
+        temporal = sum(g[0] for g in clip)
+        images = PatchRow(patches.patches, patches.grids[:m - slots])
+        size = args.video_size or "vision.image_size"
+        words = (f"a clip of {args.video_frames} frames of {size} px -> {temporal} temporal patches of {w * p}x{h * p} "
+                 f"px ({temporal} x {h} x {w} patches, {temporal * h * w // merge} image tokens"
+                 f"{f', {slots} slots' if slots > 1 else ''})")
+        return words + (f" + {_patch_words(cfg, argparse.Namespace(**{**vars(args), 'video_frames': None}), images)}"
+                        if images.grids else "")
     sizes = args.image_size.split(",") if args.image_size else [""]
     kinds = dict.fromkeys((sizes[k % len(sizes)], g) for k, g in enumerate(patches.grids))  # in order, once each
     words = [f"{f'{size} px -> ' if size else ''}{w * p}x{h * p} px ({h} x {w} patches, {t * h * w // merge} image "
