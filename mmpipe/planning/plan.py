@@ -44,7 +44,7 @@ from ..flags import add_flags, from_namespace, to_argv
 from ..model.args import ModelArgs
 from ..model.builder import check_lora_rank, layer_specs
 from ..model.costs import CropRow, PatchRow
-from ..model.families import family_of
+from ..model.families import FAMILIES, family_of
 from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, profile_precision, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
