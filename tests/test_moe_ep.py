@@ -109,6 +109,8 @@ def test_pp1_dp2_ep2_equals_single_device(tmp_path, monkeypatch):
     ep = train_run(tmp_path / "ep2", *args, "--ds-config", _ds(tmp_path / "gas2.json", 2), "--stages", "1",
                    "--dp", "2", "--ep", "2", "--steps", str(STEPS)).check()
     assert ep.summary["dp"] == 2
+    for rank, experts in ((0, "0..3"), (1, "4..7")):  # each rank held half the experts: the all-to-all ran
+        assert f"mmpipe: rank {rank}: experts {experts} of 8 in each MoE block (--ep 2)" in ep.proc.stdout
     assert [float(r["loss"]) for r in ep.rows] == pytest.approx(ref_losses, abs=1e-5)
     assert [float(r["aux_loss"]) for r in ep.rows] == pytest.approx(ref_aux, abs=1e-5)
     got = torch.nn.Sequential(*load_reference(ep.out / "checkpoints", run.model))

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from ..model.moe import Experts
 
 
-def shard_experts(layers, topo, ep: int) -> list[tuple[torch.nn.Parameter, object]]:
-    """Split every Experts module of this stage's layers over its EP group; (parameter, expert-data-parallel group)
-    of each shard. Collective over the world (every rank creates every group, in one order)."""
+def shard_experts(layers, topo, ep: int) -> tuple[list[tuple[torch.nn.Parameter, object]], object]:
+    """Split every Experts module of this stage's layers over its EP group: ((parameter, expert-data-parallel group)
+    of each shard, the EP group). Collective over the world (every rank creates every group, in one order)."""
     stages, dp, me = topo.get_dim("pipe"), topo.get_dim("data"), dist.get_rank()
     ep_group = edp_group = None
     for s in range(stages):
@@ -52,7 +52,7 @@ def shard_experts(layers, topo, ep: int) -> list[tuple[torch.nn.Parameter, objec
                     # (deepspeed/runtime/engine.py _broadcast_model, ds_optim_param: its OptimizedLinear's mark)
                     w.ds_optim_param = True
                     shards.append((w, edp_group))
-    return shards
+    return shards, ep_group
 
 
 @contextlib.contextmanager

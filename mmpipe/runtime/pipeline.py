@@ -39,7 +39,8 @@ class VLMPipeline(PipelineModule):
         apply_freeze(self.forward_funcs, run.freeze)
         self.moe = getattr(run.model.text, "moe", None) is not None  # its head reports the aux loss
         # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it)
-        self.expert_shards = shard_experts(self.forward_funcs, self._topo, run.ep) if run.ep > 1 else []
+        self.expert_shards, self.expert_shards_group = (shard_experts(self.forward_funcs, self._topo, run.ep)
+                                                        if run.ep > 1 else ([], None))
         bind_layer_fields(self.forward_funcs, run.model, self._local_start)
         for offset, layer in enumerate(self.forward_funcs):  # layer i's adapters seeded as in the reference
             if isinstance(layer, torch.nn.Module):

@@ -211,6 +211,10 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     checkpoint.make_loads_safe(engine)
     if pipe.expert_shards:  # --ep: shards reduced over their own groups, gathered whole for a save
         install_experts(engine, pipe.expert_shards, run.dp)
+        per = pipe.expert_shards[0][0].shape[0]
+        first = per * dist.get_rank(pipe.expert_shards_group)
+        print(f"mmpipe: rank {rank}: experts {first}..{first + per - 1} of {run.model.text.moe.experts} in each MoE "
+              f"block (--ep {run.ep})", flush=True)
     grad_fault(engine, run.gas)  # a test hook, inert unless MMPIPE_FAULT names it
     install_wire(engine)  # only floats cross a stage boundary; before `instrument` copies the instruction map
     zb = install_schedule(engine, run.schedule)  # collective unless native; before `instrument` copies the instr. map
