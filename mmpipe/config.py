@@ -404,7 +404,7 @@ class ModelConfig:
             _known(self.fusion, fusions, "fusion"),
             (self.cross_attn_every >= 1, "cross_attn_every", f"{self.cross_attn_every} must be >= 1"),
             (self.cross_attn_gate_scale > 0, "cross_attn_gate_scale", f"{self.cross_attn_gate_scale} must be > 0"),
-            (self.cross_attn_heads >= 0 and (self.fusion != "cross_attention"
+            (self.cross_attn_heads >= 0 and (not self.cross_attn_layers
                                              or t.dim % (self.cross_attn_heads or t.n_heads) == 0), "cross_attn_heads",
              f"{self.cross_attn_heads}: text.dim {t.dim} must be divisible by it"),
             # any-resolution towers may leave a remainder, as transformers' conv does (OneVision's SigLIP: 384 px
@@ -604,7 +604,7 @@ def _build(cls, data: dict, where: str, family: str = ""):
     family's fields), refused when it does not: the family's layers would not read it."""
     names = {f.name for f in dataclasses.fields(cls)}
     base = next(c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c))
-    declared = _declared(base) if base is not cls else {}
+    declared = _declared(base)
     foreign = sorted(k for k in set(data) - names if k in declared)
     set_foreign = [k for k in foreign if _tuples(data[k]) != declared[k]]
     if set_foreign:
@@ -632,8 +632,8 @@ def _layout(family: str, fusion: str, where: str) -> ImageLayout:
         if not ok:
             raise ConfigError(f"{where}: {field}: {msg}")
     if (family, fusion) not in LAYOUTS:
-        raise ConfigError(f"{where}: fusion: '{fusion}' is not a fusion of the {family} family (valid: "
-                          f"{', '.join(u for f, u in LAYOUTS if f == family)})")
+        raise ConfigError(f"{where}: fusion: '{fusion}' is not a fusion of the {family} family (valid family/fusion: "
+                          f"{', '.join(f'{f}/{u}' for f, u in LAYOUTS)})")
     return LAYOUTS[(family, fusion)]
 
 

@@ -439,7 +439,7 @@ def check_init_tokenizer(cfg: ModelConfig, tok, source: str | None) -> None:
     if len(tok) > cfg.text.vocab_size:
         raise ConfigError(f"--init-from: {where} has {len(tok)} tokens, more than the model's vocabulary "
                           f"({cfg.text.vocab_size}); give the tokenizer the weights were trained with (--tokenizer)")
-    if cfg.layout.placeholders:
+    if image_kind(cfg).markers:
         tid = tok.get_vocab().get(IMAGE_TOKEN)
         if tid is not None and tid != cfg.image_token_id:
             raise ConfigError(f"--init-from: {where} has {IMAGE_TOKEN} at id {tid}, the model's placeholder is "

@@ -17,9 +17,10 @@ from conftest import train_run, write_checkpoint, write_ds_config
 from mmpipe.cli import main as cli_main
 from mmpipe.config import load_preset
 from mmpipe.data.export import export_shapes
+from mmpipe.data.image_kinds import image_kind
 from mmpipe.data.images import ImageTransform
 from mmpipe.data.shapes import ShapesVQA
-from mmpipe.data.text import ConversationEncoder, with_placeholders
+from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import builtin_tokenizer
 from mmpipe.inference.generate import generate, load_checkpoint
 from mmpipe.inference.sampling import Sampling
@@ -67,8 +68,8 @@ def one_at_a_time(model, held: Path, max_new_tokens: int) -> list[str]:
     built-in tokenizer's generation prompt, the image (none for a text-only record) at its <image> marker
     (the LLaVA family; the moondream family splices it after BOS)."""
     cfg = model.cfg
-    tok = builtin_tokenizer(image_token=bool(cfg.layout.placeholders))
-    encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders)
+    tok = builtin_tokenizer(image_token=image_kind(cfg).markers)
+    encoder = ConversationEncoder(tok, cfg.text.max_context, markers=image_kind(cfg).markers)
     answers = []
     for r in map(json.loads, held.read_text().splitlines()):
         if r.get("id") == "bad":
@@ -77,7 +78,7 @@ def one_at_a_time(model, held: Path, max_new_tokens: int) -> list[str]:
         prompt, image_at = encoder.prompt([("user", r["conversations"][0]["value"])], n_images=int(has_image))
         if has_image:
             pixels = ImageTransform(cfg.vision)(Image.open(held.parent / r["image"]).convert("RGB"))[None]
-            prompt = with_placeholders(prompt, cfg, image_at)
+            prompt = image_kind(cfg).with_images(prompt, cfg, image_at)
         else:
             pixels = torch.zeros(1, 3, cfg.vision.image_size, cfg.vision.image_size)
         sampling = Sampling(eos_id=tok.eos_token_id, max_new_tokens=max_new_tokens,

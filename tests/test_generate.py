@@ -17,7 +17,8 @@ from PIL import Image
 from conftest import ROOT, write_checkpoint
 from mmpipe.cli import main
 from mmpipe.config import load_preset
-from mmpipe.data.text import ConversationEncoder, with_placeholders
+from mmpipe.data.image_kinds import image_kind
+from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import builtin_tokenizer
 from mmpipe.inference.generate import generate, generate_batch
 from mmpipe.inference.sampling import Sampling
@@ -76,7 +77,7 @@ def _family_model(preset: str):
     the image would not count), llava-tiny (<image> placeholders, the built-in tokenizer's id 36, as a
     fresh LLaVA run on it gets)."""
     cfg = load_preset(preset)
-    if cfg.layout.placeholders:
+    if image_kind(cfg).markers:
         cfg = dataclasses.replace(cfg, image_token_id=len(builtin_tokenizer(image_token=True)) - 1)
     model = ReferenceModel(cfg.with_vocab(64), seed=5)
     with torch.no_grad():
@@ -91,7 +92,7 @@ def _requests(cfg):
     texts = [[1, 7, 9], [1, 4, 11, 12], [1, 8, 9], [1, 4, 11, 12, 13, 5], [1, 7, 10], [1, 5, 6, 7], [1, 7, 9],
              [1, 9, 9]]
     has_image = [True, True, False, True, True, False, True, False]
-    prompts = [with_placeholders(t, cfg) if h else t for t, h in zip(texts, has_image)]
+    prompts = [image_kind(cfg).with_images(t, cfg, None) if h else t for t, h in zip(texts, has_image)]
     g = torch.Generator().manual_seed(1)
     pixels = torch.randn(len(texts), 3, cfg.vision.image_size, cfg.vision.image_size, generator=g)
     pixels[[not h for h in has_image]] = 0  # text-only: the zero image training gives them
@@ -107,8 +108,9 @@ def test_batched_equals_one_at_a_time(preset):
     assert generate_batch(model, pixels, prompts, greedy, has_image=has_image, batch_size=3) == one
     assert [len(a) for a in one] == [6] * 8 and len({tuple(a) for a in one}) > 1
     # the text-only rows really are text-only: with the image flag on, their answers differ somewhere
-    assert one[2] != generate(model, pixels[0:1], with_placeholders(prompts[2], model.cfg), greedy) or \
-        one[5] != generate(model, pixels[0:1], with_placeholders(prompts[5], model.cfg), greedy)
+    kind = image_kind(model.cfg)
+    assert one[2] != generate(model, pixels[0:1], kind.with_images(prompts[2], model.cfg, None), greedy) or \
+        one[5] != generate(model, pixels[0:1], kind.with_images(prompts[5], model.cfg, None), greedy)
     # each row stops at its own EOS: a token some rows produce and others do not
     eos = one[0][2]
     stopped = [a[:a.index(eos)] if eos in a else a for a in one]

@@ -12,9 +12,10 @@ from PIL import Image
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import export_shapes
+from mmpipe.data.image_kinds import image_kind
 from mmpipe.data.packing import sample_rowset
 from mmpipe.data.records import BadRecord
-from mmpipe.data.text import ConversationEncoder, placeholders, with_placeholders
+from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import builtin_tokenizer
 from mmpipe.model import IGNORE_INDEX
 from mmpipe.model.rows import IMAGE_SLOT
@@ -137,7 +138,7 @@ def test_one_image_llava_block_sits_at_its_marker_and_moondream_keeps_it_after_b
     want_ids, want_at, _ = expected(one(IMG[0], "what shape is <image> red"))
     assert want_at == [5]  # [BOS] question: what shape is | <image> | red ...
     run, samples = load(tmp_path / "llava", data, "--preset", "llava-tiny", "--text-len", "12")
-    token, n_ph = placeholders(run.model)
+    token, n_ph = run.model.image_token_id, run.model.vision.n_features
     enc, n_images = samples.tokens(0)
     assert n_images == 1 and enc.ids.tolist() == want_ids and enc.image_at.tolist() == want_at
     item = sample_rowset(samples, run.model, 12)[0]
@@ -174,8 +175,8 @@ def test_truncation_keeps_every_image_marker_and_prompts_place_the_image():
     ids, at = ConversationEncoder(tok, 64, markers=True).prompt([("user", "what shape <image> is red")], n_images=1)
     assert tok.convert_ids_to_tokens(ids) == ["[BOS]", "question:", "what", "shape", "is", "red"] and at == [4]
     cfg = load_preset("llava-tiny")  # 16 placeholders of id 63
-    assert with_placeholders(ids, cfg, at) == ids[:4] + [63] * 16 + ids[4:]
-    assert with_placeholders(ids, cfg) == ids[:1] + [63] * 16 + ids[1:]  # no place given: after BOS
+    assert image_kind(cfg).with_images(ids, cfg, at) == ids[:4] + [63] * 16 + ids[4:]
+    assert image_kind(cfg).with_images(ids, cfg, None) == ids[:1] + [63] * 16 + ids[1:]  # no place given: after BOS
     assert ConversationEncoder(tok, 64, markers=True).prompt([("user", "what shape is red")], n_images=1)[1] == [1]
 
 

@@ -23,6 +23,7 @@ from hf_models import IMAGE_TOKEN, n_features, save_hf
 from mmpipe.config import config_from_dict, load_preset
 from mmpipe.data.batches import collate
 from mmpipe.data.crops import blank_image, make_transform
+from mmpipe.data.image_kinds import image_kind
 from mmpipe.data.packing import LossNorm, RowPlan, RowSet, answer_counts, row_shape, sample_rowset, sample_size
 from mmpipe.data.text import Encoded
 from mmpipe.hf.llava import import_llava
@@ -40,7 +41,7 @@ WORDS = "red green blue yellow cyan magenta circle square triangle left right to
 
 def _model_cfg(preset: str):
     cfg = load_preset(preset)
-    return dataclasses.replace(cfg, image_token_id=cfg.text.vocab_size - 1) if cfg.layout.placeholders else cfg
+    return dataclasses.replace(cfg, image_token_id=cfg.text.vocab_size - 1) if image_kind(cfg).markers else cfg
 
 
 class LongTail:

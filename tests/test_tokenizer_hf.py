@@ -9,7 +9,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from mmpipe.config import load_preset
-from mmpipe.data.text import ConversationEncoder, with_placeholders
+from mmpipe.data.image_kinds import image_kind
+from mmpipe.data.text import ConversationEncoder
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.hf.tokens import add_image_token
 from mmpipe.inference.generate import generate
@@ -52,7 +53,7 @@ def test_placeholder_added_and_embedding_resized(tmp_path):
     # the chat template renders the prompt; N placeholders follow BOS; the (tied) head has n + 1 logits
     prompt = ConversationEncoder(tok, 64).prompt_ids([("user", "what colour is it")])
     assert tok.convert_ids_to_tokens(prompt) == ["<s>", "USER:", "what", "colour", "is", "it", "ASSISTANT:"]
-    ids = with_placeholders(prompt, model.cfg)
+    ids = image_kind(model.cfg).with_images(prompt, model.cfg, None)
     assert ids.count(n) == model.cfg.vision.n_features
     pixels = torch.randn(1, 3, 32, 32)
     logits = model.one_per_row(pixels, torch.tensor([ids]))

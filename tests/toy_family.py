@@ -8,21 +8,31 @@ BOS) with one carried feature, as DeepStack carries its sets to the decoder laye
 SummaryEmbed embeds the row as TextEmbed does and makes `summary`, each row's mean projected image token
 [B, 1, D]; SummaryAdd, after the first decoder block, adds it (gated) at every position and is its last reader,
 so the stage tuple carries it from the embedding to there and no further. A pipeline cut between the two sends
-it as a second float. Imported by name (MMPIPE_FAMILIES=toy_family, this folder on PYTHONPATH), it registers
-itself: mmpipe's own code names no part of it.
+it as a second float. Its model JSON's "text" section is its own (ToyText: the gate's starting value besides a
+decoder's fields), so a field of its layers is declared here too. Imported by name (MMPIPE_FAMILIES=toy_family, this
+folder on PYTHONPATH), it registers itself: mmpipe's own code names no part of it.
 """
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from mmpipe.config import FAMILY_CHECKS, LAYOUTS, ModelConfig
+from mmpipe.config import FAMILY_CHECKS, LAYOUTS, ModelConfig, TextConfig
 from mmpipe.model import costs
 from mmpipe.model.families import MOONDREAM, Family, register
 from mmpipe.model.layers import DecoderBlock, LMHead, TextEmbed, VisionBlock, vision_specs
 from mmpipe.model.rows import IMAGE_SLOT, place_images
 from mmpipe.model.stage import ROW, StageField, unpack_in
+
+
+@dataclass(frozen=True)
+class ToyText(TextConfig):
+    """Its decoder section: moondream's decoder fields, and SummaryAdd's starting gate."""
+    summary_gate: float = 0.5
 
 
 class SummaryEmbed(TextEmbed):
@@ -46,7 +56,7 @@ class SummaryAdd(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = nn.Parameter(torch.full((1,), 0.5))
+        self.gate = nn.Parameter(torch.full((1,), cfg.text.summary_gate))
 
     def forward(self, args):
         t = unpack_in(self, args)
@@ -62,9 +72,10 @@ def toy_specs(cfg: ModelConfig) -> list[LayerSpec]:
 SUMMARY = StageField("summary", True, made_by=SummaryEmbed, dropped_by=SummaryAdd)
 ADD_RULE = costs.LayerRule("SummaryAdd", costs.FINAL_NORM.cost, "sequence")
 
-# where its decoder finds the image and its config checks: moondream's (the image spliced after BOS)
+# where its decoder finds the image and its config checks: moondream's (the image spliced after BOS); its own text
+# section
 TOY = register(
     Family("toy_carry", "prefix", toy_specs, (VisionBlock, DecoderBlock),
            {**MOONDREAM.cost_rules, SummaryEmbed: costs.TEXT_EMBED, SummaryAdd: ADD_RULE}, weight_names=None,
            fields=lambda cfg: ROW + (SUMMARY,)),
-    LAYOUTS[("moondream", "prefix")], FAMILY_CHECKS["moondream"])
+    dataclasses.replace(LAYOUTS[("moondream", "prefix")], text=ToyText), FAMILY_CHECKS["moondream"])

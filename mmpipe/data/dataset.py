@@ -22,7 +22,7 @@ from .image_kinds import BUDGET_FLAGS, budget_given, image_kind, image_rule, row
 from .index import DataIndex, RecordChecks, bad_list, build_index, check_policy, describe, fingerprint, load_index
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples, image_reader
 from .sources import DataSpec, data_spec, open_source
-from .text import ConversationEncoder, placeholders
+from .text import ConversationEncoder
 from .tokenizer import builtin_tokenizer, load_tokenizer
 
 
@@ -96,12 +96,12 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
                         f"is written in; train it on your own data (--data)")
     else:
         try:
-            image_token = cfg is not None and cfg.layout.placeholders  # LLaVA's <image>
+            image_token = image_kind(cfg).markers  # the built-in tokenizer's <image>, to write markers
             tok = (load_tokenizer(path, args.prompt_format) if path or args.prompt_format == "moondream"
                    else builtin_tokenizer(image_token=image_token))
         except ConfigError as e:
             problems.append(str(e))
-    markers = bool(cfg is not None and cfg.layout is not None and cfg.layout.placeholders)
+    markers = image_kind(cfg).markers
     text_len = row_text_len(args, cfg, SHAPES_TEXT_LEN if args.data == "shapes" else None, problems)
     image_text = _image_checks(args, cfg, tok, problems)
     if args.max_image_pixels < 1:
@@ -143,12 +143,12 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
     """--max-images, --pack and --text-len against the model, the one check `mmpipe train` (resolve_data)
     and `mmpipe plan` make; appends a line per problem. Returns the row's text length: --text-len, else
     default_len, else what the model's context leaves after BOS + the images."""
-    markers = bool(cfg is not None and cfg.layout is not None and cfg.layout.placeholders)
+    markers = image_kind(cfg).markers
     if args.max_images is not None and args.max_images < 1:
         problems.append(f"--max-images: {args.max_images} must be >= 1")
     elif (args.max_images or 1) > 1 and cfg is not None and not markers and not args.pack:
         # without markers one image per sample; --max-images then only sizes a packed row's image slots
-        how = f"({cfg.fusion}) attends to one image" if cfg.layout.cross_attention else "splices one image after BOS"
+        how = f"({cfg.fusion}) attends to one image" if cfg.cross_attn_layers else "splices one image after BOS"
         problems.append(f"--max-images: {args.max_images}: the {cfg.family} family {how}; several images per "
                         f"sample need the LLaVA family (with --pack it sizes a row's image slots)")
     text_len = args.text_len
@@ -161,8 +161,7 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
             text_len = default_len or room
         if text_len < 2 or text_len > room:
             problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
-                            f"{cfg.text.max_context} - {n_image} image "
-                            f"{'placeholders' if placeholders(cfg)[1] else 'tokens'})")
+                            f"{cfg.text.max_context} - {n_image} image positions)")
     return text_len
 
 

@@ -43,6 +43,10 @@ BUDGET_FLAGS = ("max_patches", "max_tiles")  # DataArgs' row budgets: the kind t
 class Spliced:
     name = "spliced"
     flag = None
+    # a sample's text carries its images' markers, a block of the family's placeholders at each (so several images a
+    # sample; the built-in tokenizer then holds an <image> token to write them): not for spliced images, which go
+    # after BOS whatever the text says
+    markers = False
     describe = "images are a fixed size"
     # its placeholder is the tokenizer's <image> (LLaVA's), added to the tokenizer of fresh weights and expanded by
     # transformers' LlavaProcessor in an export; a family of grids has its tokenizer's own (Qwen2-VL's <|image_pad|>)
@@ -60,7 +64,7 @@ class Spliced:
 
     def blank(self, cfg: ModelConfig):
         """An unused image slot's pixels (zeros no placeholder reads; multi-crop: Crops of zeros, tiled 1 x 1)."""
-        return blank_image(cfg.vision.image_size, cfg.vision.max_crops)
+        return blank_image(cfg.vision.image_size, cfg.vision.crop_slots - 1)
 
     def one_image(self, cfg: ModelConfig):
         """PIL image -> the model's pixels for one image: [3, S, S], or moondream multi-crop's Crops."""
@@ -77,8 +81,8 @@ class Spliced:
         return (*stack_images([blank if im is None else im for im in images]), [()] * len(images))
 
     def with_images(self, ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
-        """A prompt with the image placeholders training puts there: LLaVA's N a block (none for moondream)."""
-        return with_placeholders(ids, cfg, image_at)
+        """A prompt with the image placeholders training puts there: none (the model splices the image)."""
+        return list(ids)
 
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
         return 0
@@ -109,9 +113,14 @@ class Spliced:
 class Placeholders(Spliced):
     name = "placeholders"
     image_token = True
+    markers = True
 
     def placeholder_id(self, cfg: ModelConfig) -> int | None:
         return cfg.image_token_id
+
+    def with_images(self, ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
+        """A prompt with N placeholders a block at each image marker (after BOS without one): LLaVA's 576."""
+        return with_placeholders(ids, cfg.image_token_id, cfg.vision.n_features, image_at)
 
     def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
         """A block of N placeholders for each of up to M images: e.g. 576 x 2 = 1152 for two CLIP-336 images."""
@@ -125,6 +134,7 @@ class Budgeted:
     """A kind whose images of any size fill a row budget by a grid rule: generation reads one image a prompt at one
     image's default budget, stacked one slot a row, its grid's block in the prompt."""
     image_token = False
+    markers = True
 
     def placeholder_id(self, cfg: ModelConfig) -> int | None:
         return cfg.image_token_id

@@ -13,7 +13,7 @@ with the built-in template (word-level, one token per word):
 Images are not text tokens. The moondream family splices its image after the first token (BOS)
 in the model, so the `<image>` markers of LLaVA-style data are removed here (their count was
 checked when the record was read). The LLaVA family reads each image from a block of placeholder
-ids inside input_ids (`placeholders(cfg)`: vision.n_features copies of image_token_id), and, as
+ids inside input_ids (its image kind's block: vision.n_features copies of image_token_id), and, as
 Hugging Face's LLaVA processor does, at the image's `<image>` marker: with `markers=True` the
 markers stay in the rendered text, are located after tokenisation and taken out of the ids, and
 Encoded.image_at[k] says before which text token image k's block goes. Without markers (pairs, the
@@ -76,7 +76,7 @@ class ConversationEncoder:
     def __init__(self, tokenizer, text_len: int, overlong: str = "skip", *, markers: bool = False,
                  image_text: str | None = None):
         """markers: keep `<image>` markers in the rendered text and place each image at its own (the LLaVA
-        family, cfg.layout.placeholders); False: strip them, every image goes after BOS. image_text: what a
+        family: its image kind's `markers`); False: strip them, every image goes after BOS. image_text: what a
         marker becomes in the rendered text, the tokenizer's own special tokens for an image (Qwen2-VL's
         <|vision_start|><|image_pad|><|vision_end|>, mmpipe.data.text.image_text), so the text around it
         tokenises as the model's processor has it; a record without markers gets one per image at the start
@@ -213,15 +213,6 @@ def answer_id_of(tok) -> int | None:
     return MOONDREAM.answer_id if uses_moondream_ids(tok) else None
 
 
-def placeholders(cfg) -> tuple[int, int]:
-    """(token id, count) of the image placeholders a sample with an image carries in input_ids:
-    (image_token_id, vision.n_features) for the LLaVA family, e.g. (32000, 576); (-1, 0) otherwise
-    (the image is spliced in by the model, or attended to)."""
-    if not cfg.layout.placeholders:
-        return -1, 0
-    return cfg.image_token_id, cfg.vision.n_features
-
-
 def image_text(tok, cfg) -> str | None:
     """What an image marker becomes in the rendered text for a family of patches (ConversationEncoder's
     image_text; mmpipe.data.image_kinds asks it for those only): the tokenizer's own tokens at the config's
@@ -240,17 +231,10 @@ def image_text(tok, cfg) -> str | None:
     return "".join(names)
 
 
-def decoder_positions(cfg, text_len: int) -> int:
-    """Decoder positions per sample, pads included: spliced image + placeholders + text, e.g.
-    moondream-shaped 16 + 0 + 12 = 28, LLaVA-shaped 0 + 16 + 12 = 28."""
-    return cfg.n_image_positions + placeholders(cfg)[1] + text_len
-
-
-def with_placeholders(ids: list[int], cfg, image_at=None) -> list[int]:
-    """A prompt (BOS first) with the family's image placeholders (none outside LLaVA): one block before
-    ids[a] for each a in image_at (ConversationEncoder.prompt's), or after BOS when image_at is None.
-    E.g. ids [1, 5, 6, 7], image_at [2], 3 placeholders of id 50 -> [1, 5, 50, 50, 50, 6, 7]."""
-    token, n = placeholders(cfg)
+def with_placeholders(ids: list[int], token: int, n: int, image_at=None) -> list[int]:
+    """A prompt (BOS first) with a block of n placeholders of id `token` (a fixed-size image kind's block:
+    mmpipe.data.image_kinds) before ids[a] for each a in image_at (ConversationEncoder.prompt's), or after BOS when
+    image_at is None. E.g. ids [1, 5, 6, 7], image_at [2], 3 placeholders of id 50 -> [1, 5, 50, 50, 50, 6, 7]."""
     out = list(ids)
     for a in sorted((1,) if image_at is None else (int(a) for a in image_at), reverse=True):  # last first: the
         out[a:a] = [token] * n  # earlier positions stay where image_at says

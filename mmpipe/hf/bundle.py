@@ -25,7 +25,7 @@ def run_tokenizer(run: Path, cfg: ModelConfig):
     own = run / "tokenizer"
     if own.is_dir():
         return load_tokenizer(str(own), flag="--checkpoint")
-    return builtin_tokenizer(image_token=bool(cfg.layout.placeholders))
+    return builtin_tokenizer(image_token=image_kind(cfg).markers)
 
 
 def image_processor(vision: VisionConfig):

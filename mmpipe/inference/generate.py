@@ -133,7 +133,7 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], sampling:
     use_cache=False reruns the whole model on the growing sequence each step (the reference).
     has_image=False: a text-only prompt, as training sees one (pixel_values a blank image no position
     reads: moondream's text follows BOS at position 1, as moondream's own; LLaVA: no placeholders).
-    Multi-crop models: pixel_values [1, 1 + max_crops, C, H, W] and tiling [1, 2]
+    Multi-crop models: pixel_values [1, vision.crop_slots, C, H, W] and tiling [1, 2]
     (mmpipe.data.crops.stack_images)."""
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
@@ -339,10 +339,11 @@ def main_generate(args: argparse.Namespace) -> int:
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         cfg = model.cfg
         pixels, tiling, grids = _images(requests, cfg)
-        # the LLaVA and Qwen2-VL families read the image from placeholders at the prompt's <image> marker (after
-        # BOS without one), as in training; other families take the prompt as it is
-        encoder = ConversationEncoder(tok, cfg.text.max_context, markers=cfg.layout.placeholders,  # tiles: <image>
-                                      image_text=image_kind(cfg).marker_text(tok, cfg))
+        # a kind of markers reads the image from placeholders at the prompt's <image> marker (after BOS without
+        # one), as in training; other families take the prompt as it is
+        kind = image_kind(cfg)
+        encoder = ConversationEncoder(tok, cfg.text.max_context, markers=kind.markers,
+                                      image_text=kind.marker_text(tok, cfg))
     except ConfigError as e:
         return fail(e)
     has_image = [image is not None for image, _, _ in requests]

@@ -133,7 +133,7 @@ class ReferenceModel(nn.Sequential):
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, has_image: torch.Tensor,
                 segments: torch.Tensor, tiling: torch.Tensor | None = None) -> torch.Tensor:
         """The stage contract's first input (mmpipe.model.stage; one prompt per row: mmpipe.model.rows.sample_rows);
-        tiling for multi-crop (pixel_values [B, M, 1 + max_crops, C, H, W]). -> logits [B, L, V]."""
+        tiling for multi-crop (pixel_values [B, M, vision.crop_slots, C, H, W]). -> logits [B, L, V]."""
         inputs = (pixel_values, input_ids, has_image, segments) + (() if tiling is None else (tiling,))
         return super().forward(inputs)
 

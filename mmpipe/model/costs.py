@@ -35,15 +35,15 @@ class LayerRule:
     takes: str  # its input, for profiling: pixels, vision, image, sequence or sequence+image
     embedding: bool = False   # pixels / token ids in: no input gradient, only weight gradients
     uses_image: bool = False  # reads the image beside the sequence (the stage tuple's `vision`)
-    per_crop: bool = False    # runs once per crop slot: moondream multi-crop multiplies it by 1 + max_crops
+    per_crop: bool = False    # runs once per crop slot: moondream multi-crop multiplies it by vision.crop_slots
     # runs on the row's patch budget (dynamic resolution): n = P per row, never x image slots; its cost
     # function takes the row's PatchRow and the layer's spec kwargs after (cfg, params, n, seq)
     per_row: bool = False
 
     def cost_of(self, cfg: ModelConfig, params: int, n: int, seq: int, row: "PatchRow | None" = None,
                 kwargs: dict | None = None) -> Cost:
-        """The layer's cost per sample; a per-crop layer of a multi-crop model (vision.max_crops > 0)
-        encodes 1 + max_crops crops of n tokens each (moondream2: 13 x 729 = 9477 tokens per sample),
+        """The layer's cost per sample; a per-crop layer of a multi-crop model (vision.crop_slots > 1)
+        encodes crop_slots crops of n tokens each (moondream2: 13 x 729 = 9477 tokens per sample),
         so every term scales by the slots (attention too: each crop attends only within itself).
         A per_row rule gets the row's images (row) and the layer's own kwargs (e.g. full=False)."""
         if self.per_row:

@@ -67,7 +67,7 @@ CARRIED_VISION = StageField("vision", True, made_by=CrossAttnTextEmbed, dropped_
 
 
 def _moondream_fields(cfg: ModelConfig, *carried: StageField) -> tuple[StageField, ...]:
-    return ROW + carried + ((CROP_TILING,) if cfg.vision.max_crops else ())
+    return ROW + carried + ((CROP_TILING,) if cfg.vision.crop_slots > 1 else ())
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from .stage import StageTuple, unpack_in, unpack_out
 
 class PatchEmbed(nn.Module):
     """pixels [B, C, H, W] -> linear patch embedding + learned positions, no CLS token (SigLIP).
-    Multi-crop (moondream2): pixels [B, 1 + max_crops, C, H, W] and the tiling; every crop slot is
+    Multi-crop (moondream2): pixels [B, K, C, H, W] (K = vision.crop_slots) and the tiling; every crop slot is
     embedded as an image of its own, and the tiling rides along. pixels [B, M, C, H, W] (multi-crop
-    [B, M, 1 + max_crops, C, H, W]) -> B x M (x crops) images [B x M (x crops), N_img, D]."""
+    [B, M, K, C, H, W]) -> B x M (x crops) images [B x M (x crops), N_img, D]."""
     group = "vision"
 
     def __init__(self, cfg: ModelConfig):
@@ -87,10 +87,10 @@ class Projector(nn.Module):
     questions stayed at chance (docs/models.md).
 
     vision.crop_features 2 (moondream2): fc1 reads [global crop features, pooled local crop features]
-    per image token, 2 x D_vision. With vision.max_crops > 0 the tower has encoded 1 + max_crops crop
+    per image token, 2 x D_vision. With vision.crop_slots K > 1 the tower has encoded K crop
     slots per sample and the stage tuple carries their tiling: the local crops are stitched without
     their overlaps and pooled to the global grid (mmpipe.model.crops.merge_crop_features), so the
-    padding slots are never read and get no gradient. With max_crops 0 the tower encodes one crop
+    padding slots are never read and get no gradient. With one slot the tower encodes one crop
     whose features fill both halves, [g, g]: exactly moondream's input for an image it covers with
     one tile (either side <= 378 px), whose one local crop is then the same 378 x 378 resize as the
     global crop, stitched whole and pooled 27 x 27 -> 27 x 27, the identity."""

@@ -50,10 +50,10 @@ floats first (`pack` order, as the first stage's inputs and each stage's rebuilt
     segments   long  [B, L]      1, 2, ... the sample each position belongs to, 0 for padding: per sample,
                                   causal attention (moondream: BOS + image block bidirectional) and rotary
                                   positions from 0; never across samples of a row.
-    tiling     long  [B, M, 2]   moondream multi-crop only (vision.max_crops > 0): each image slot's
+    tiling     long  [B, M, 2]   moondream multi-crop only (vision.crop_slots > 1): each image slot's
                                   local-crop tiling (rows, cols), from the first input to the Projector, which
                                   stitches the local crops with it; hidden is then
-                                  [B x M x (1 + max_crops), N_img, D_vision].
+                                  [B x M x crop_slots, N_img, D_vision].
                long  [B, M, 3]   the Qwen2-VL family (image kind patches): each slot's grid (t, h, w) in patches
                                   (0 0 0 unused), KEPT to the head: the tower's masks and rotary and the decoder's
                                   multimodal positions read it, so every stage's loader gives it (from the index's
@@ -71,7 +71,7 @@ positions 1, 2, ...: moondream itself gives a text-only prompt no image position
 The vision tower sees B x M (x crop slots) images; an unused slot holds a blank image no placeholder reads.
 
 The pipeline's first input is (pixel_values float [B, M, C, H, W], input_ids, has_image, segments)
-(multi-crop: pixel_values [B, M, 1 + max_crops, C, H, W] and tiling last); a later stage's
+(multi-crop: pixel_values [B, M, crop_slots, C, H, W] and tiling last); a later stage's
 loader gives it the same integer tensors without pixel_values (multi-crop: tiling only where the
 Projector runs, which then decodes the images for it); labels go to the last stage through
 DeepSpeed's (inputs, labels) data contract, never through here.

@@ -83,8 +83,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..data.image_kinds import image_kind
 from ..data.packing import row_shape
-from ..data.text import decoder_positions
 from ..model.builder import adapter_param_counts, bound, layer_param_counts, layer_specs, shapes_only
 from ..model.costs import DEEPSTACK_MERGER, Cost, CropRow, PatchRow
 from ..model.families import family_of
@@ -201,7 +201,7 @@ def _tokens(cfg: ModelConfig, text_len: int, images: int = 1, patches: PatchRow 
         return patches.crops, row_shape(cfg, images, text_len, patches.crops).length
     if patches is not None:
         return patches.patches, row_shape(cfg, images, text_len, patches.patches).length
-    per_image = decoder_positions(cfg, 0)  # N_dec: spliced image positions or LLaVA's placeholders (0: attended)
+    per_image = image_kind(cfg).sample_positions(cfg, 1, 0)  # N_dec: spliced positions or <image>s (0: attended)
     return family_of(cfg).tower_tokens(cfg), images * per_image + text_len
 
 
@@ -510,7 +510,7 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
                 bwd.append(t2 - t1)
         fwd.sort()
         bwd.sort()
-        crops = cfg.vision.crop_slots if rule.per_crop else 1  # timed on one crop; multi-crop runs 1 + max_crops
+        crops = cfg.vision.crop_slots if rule.per_crop else 1  # timed on one crop; multi-crop runs crop_slots
         crops *= images if rule.takes in PER_IMAGE_INPUTS else 1  # timed on one image; a row carries M
         out[rule.name] = (fwd[len(fwd) // 2] / micro * crops, bwd[len(bwd) // 2] / micro * crops)
     return out

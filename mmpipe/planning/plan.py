@@ -389,7 +389,7 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
              f"{f' (ViT on 1 + {cfg.vision.crop_slots - 1} crops)' if cfg.vision.crop_slots > 1 else ''}")
     print(f"{cfg.name} on {gpus} x {device.name} ({peak} at {device.efficiency:.0%}{fixed}, "
           f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {args.global_batch}, "
-          f"text {args.text_len} {'attending to' if cfg.layout.cross_attention else '+'} "
+          f"text {args.text_len} {'attending to' if cfg.cross_attn_layers else '+'} "
           f"{_patch_words(cfg, args, patches) if patches else image}, {args.precision}, ZeRO-{args.zero}"
           f"{', checkpointing' if args.checkpointing else ''}{', frozen: ' + args.freeze if args.freeze else ''}"
           f"{f', LoRA rank {args.lora} on {args.lora_groups} (base frozen)' if args.lora else ''}")
