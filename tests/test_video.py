@@ -351,3 +351,22 @@ def test_plan_costs_a_clip(capsys):
     assert main(["plan", "--preset", "llava-tiny", "--video-frames", "8"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "mmpipe: error: --video-frames: the llava family reads no clips; only the qwen2_vl and qwen3_vl families do")
+
+
+def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(qwen25, clips):
+    """mmpipe's cached greedy decoding (the layers' decode, the rope delta of a clip whose temporal positions run past
+    its h and w) on the 13-frame clip gives transformers' `generate` tokens, and equals the uncached reference."""
+    from mmpipe.inference.generate import generate
+    from mmpipe.inference.sampling import Sampling
+    hf, model = qwen25
+    rule = _rule(hf.config.vision_config.tokens_per_second)
+    (ours, media), theirs, types, kw = _case(clips, rule, ["long"], False, 5)
+    px, tiling = media[0]
+    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
+    greedy = Sampling(eos_id=None, max_new_tokens=5)
+    mine = generate(model, pixels, ours.tolist(), greedy, tiling=torch.tensor([[tiling]]))
+    assert mine == generate(model, pixels, ours.tolist(), greedy, use_cache=False, tiling=torch.tensor([[tiling]]))
+    with torch.no_grad():
+        out = hf.generate(input_ids=theirs[None], mm_token_type_ids=types[None], max_new_tokens=5, min_new_tokens=5,
+                          do_sample=False, **kw)
+    assert out[0, len(theirs):].tolist() == mine

@@ -245,3 +245,21 @@ def test_llava_video_records_pack_into_rows_with_transformers_ids_and_logits(set
             assert (got[where] - want).abs().max().item() < TOL, record
         r += 1
     assert sorted(seen) == list(range(len(GOOD))) and r < len(GOOD)  # packed: clips and images share rows
+
+
+def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(setup):
+    """mmpipe's cached greedy decoding on the 13-frame clip (4 temporal-patch slots after their timestamps) gives
+    transformers' `generate` tokens, and equals the uncached reference."""
+    from mmpipe.inference.generate import generate
+    from mmpipe.inference.sampling import Sampling
+    _, hf, model, _ = setup
+    (ours, media), out = _case(setup, ["long"], False, 6)
+    pixels = torch.cat([torch.cat([px for px, _ in media]), torch.zeros(4, PATCH_DIM)])[None]
+    tiling = torch.tensor([[g for _, g in media]])
+    greedy = Sampling(eos_id=None, max_new_tokens=5)
+    mine = generate(model, pixels, ours.tolist(), greedy, tiling=tiling)
+    assert mine == generate(model, pixels, ours.tolist(), greedy, use_cache=False, tiling=tiling)
+    kw = {k: out[k] for k in ("pixel_values_videos", "video_grid_thw", "mm_token_type_ids")}
+    with torch.no_grad():
+        got = hf.generate(input_ids=out["input_ids"], max_new_tokens=5, min_new_tokens=5, do_sample=False, **kw)
+    assert got[0, out["input_ids"].shape[1]:].tolist() == mine
