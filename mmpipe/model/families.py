@@ -45,7 +45,14 @@ from .llava import (
 from .llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
 from .moe import MOE_BLOCK, MoeHead, Qwen3MoeBlock, moe_fields, qwen3_vl_layers
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
-from .qwen3_5 import DELTANET_BLOCK, DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, qwen3_5_specs
+from .qwen3_5 import (
+    DELTANET_BLOCK,
+    GATED_ATTENTION_BLOCK,
+    DeltaNetBlock,
+    GatedAttentionBlock,
+    Qwen35FinalNorm,
+    qwen3_5_specs,
+)
 from .qwen3_vl import (
     DEEPSTACK_ADDS,
     DEEPSTACK_MERGERS,
@@ -156,13 +163,14 @@ QWEN3_VL = Family(
     media=("image", "video"),  # clips: a slot per temporal patch after its timestamp text (mmpipe.data.video)
     fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS))
 
-# Qwen3-VL's tower without DeepStack; a linear-attention layer is costed by its own rule, linear in positions
-# (mmpipe.model.qwen3_5.DELTANET_BLOCK), a full-attention one as a Qwen block
+# Qwen3-VL's tower without DeepStack; each decoder layer kind by its own rule (mmpipe.model.qwen3_5): a
+# linear-attention layer linear in positions (DELTANET_BLOCK), a full one with its output gate and its heads' own
+# width (GATED_ATTENTION_BLOCK)
 QWEN3_5 = Family(
     "qwen3_5", "prefix", qwen3_5_specs, (Qwen3VisionBlock, DeltaNetBlock, GatedAttentionBlock),
     {Qwen3PatchEmbed: costs.QWEN_PATCH_EMBED, Qwen3VisionBlock: costs.QWEN_VISION_BLOCK,
      Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, DeltaNetBlock: DELTANET_BLOCK,
-     GatedAttentionBlock: costs.QWEN_BLOCK, Qwen35FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD,
+     GatedAttentionBlock: GATED_ATTENTION_BLOCK, Qwen35FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD,
      tied_head: costs.LINEAR_HEAD},
     hf_class="Qwen3_5ForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),
     images="patches")

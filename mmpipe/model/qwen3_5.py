@@ -306,20 +306,45 @@ def _deltanet_block(cfg: ModelConfig, params: int, n: int, seq: int) -> costs.Co
     2 C dk each; the two triangular solves: C dk + C dv; (q k^T) V': 2 C dv) + 6 dk dv for the carried state's read,
     correction and update. E.g. Qwen3.5-9B's 32 value heads of 128 at C = 64: 32 x (64 x 1024 + 98304) = 5.2 MFLOPs a
     position, against 4 x L x 4096 = 134 MFLOPs for a full layer's scores at L = 8192.
-    Activations (an estimate, not yet measured against autograd as tests/test_plan.py measures LlamaBlock's): per
-    position 6 D + 4 F (residuals, norms, MLP), 3 conv channels (projection, conv, silu), q / k before and after the
-    l2 norm (4 Hv dk, repeated to the value heads), v, z, o and the gated norm (4 Hv dv), g and beta, the chunk's
-    three C x C matrices per head (3 Hv C), U and W (Hv (dk + dv)) and the carried state (Hv dk dv / C); the kernel's
-    own tensors in fp32."""
+    Activations: what autograd keeps, counted (tests/test_hf_qwen3_5.py measures it exactly, fp32, and the fp32 part of
+    a bf16 layer). Per position: 6 D (residuals, the two norms' fp32 input and output) + 4 F (MLP) + 5 conv channels
+    (the projection, the three masked taps, the conv before silu) + 6 Hv dv (v, z, o, the gated norm's steps) + 2 Hk dk
+    (q, k before the l2 norm) + 4 Hv + 2 Hk + 5 (beta, g, the norms' statistics). Per position of the row padded to
+    whole chunks (Lp): 5 Hv C (the decay matrix, the two within-chunk products, a chunk's q k^T in the loop), 8 Hv dk
+    and 3 Hv dv (q, k, k beta and its decayed copies, W; v beta, U, the corrected values), 7 Hv + 2 (decays, masks);
+    the loop's per-chunk keys (3 n - 2 of Hv x dk x C: a chunk's own, its decayed copy past the first) and the carried
+    state twice a chunk (2 Hv dk dv); per row n (Hv + 1) + (n - 1) Hv. In a bf16 layer the delta rule, the l2 and
+    RMS norms stay fp32: all the chunk terms, 6 D, 4 Hv dv, 2 Hk dk, 3 Hv + 2 Hk + 2 a position."""
     t = cfg.text
-    hv, dk, dv, K, C = t.linear_value_heads, t.linear_key_dim, t.linear_value_dim, t.linear_conv_kernel, CHUNK
-    conv = 2 * t.linear_key_heads * dk + hv * dv
+    hv, hk, dk, dv, K, C = (t.linear_value_heads, t.linear_key_heads, t.linear_key_dim, t.linear_value_dim,
+                            t.linear_conv_kernel, CHUNK)
+    conv = 2 * hk * dk + hv * dv
     fwd = 2.0 * params * seq + 2.0 * K * conv * seq + hv * seq * (C * (5 * dk + 3 * dv) + 6 * dk * dv)
-    kernel = 4 * hv * dk + 3 * hv * C + hv * (dk + dv) + hv * dk * dv / C
-    act = (6 * t.dim + 4 * t.ff_dim + 3 * conv + 4 * hv * dv + 2 * hv + kernel) * seq
-    return costs.Cost(seq, fwd, act, (2 + hv + kernel) * seq, seq * t.dim)
+    chunks = -(-seq // C)
+    kernel = chunks * C * (5 * hv * C + 8 * hv * dk + 3 * hv * dv + 7 * hv + 2) + (3 * chunks - 2) * hv * dk * C \
+        + chunks * (2 * hv * dk * dv + hv + 1) + (chunks - 1) * hv
+    act = (6 * t.dim + 4 * t.ff_dim + 5 * conv + 6 * hv * dv + 2 * hk * dk + 4 * hv + 2 * hk + 5) * seq + kernel
+    fp32 = (6 * t.dim + 4 * hv * dv + 2 * hk * dk + 3 * hv + 2 * hk + 2) * seq + kernel
+    return costs.Cost(seq, fwd, act, fp32, seq * t.dim)
 
 
+def _gated_attention_block(cfg: ModelConfig, params: int, n: int, seq: int) -> costs.Cost:
+    """A gated full-attention layer's cost per sample of seq positions. FLOPs: 2 x params x seq (q_proj's output gate
+    included) + 4 L^2 W for the scores and their weighted sum at the heads' width W = heads x head_dim (Qwen3.5-27B:
+    6144 for a 5120-wide model). Activations, counted as autograd keeps them on CPU's split by sample (tests/
+    test_hf_qwen3_5.py measures them exactly): per position 6 D + 7 W (q through its norm and rotary, the split's
+    gathered q and output, the gate, its sigmoid, their product) + 4 kv (k likewise, v) + 4 F + the rotary's cos and
+    sin (2 rotary_dim) + 2 + 2 H + kv heads (the statistics of the norms and the softmax); in a bf16 layer 6 D + 3 W +
+    3 kv + 2 rotary_dim + 2 + 2 H + kv heads of them stay fp32 (the norms compute in fp32)."""
+    t = cfg.text
+    w, kv, rd = t.n_heads * t.head_dim, t.kv_heads * t.head_dim, t.rotary_dim
+    stats = 2 + 2 * t.n_heads + t.kv_heads
+    act = (6 * t.dim + 7 * w + 4 * kv + 4 * t.ff_dim + 2 * rd + stats) * seq
+    fp32 = (6 * t.dim + 3 * w + 3 * kv + 2 * rd + stats) * seq
+    return costs.Cost(seq, 2.0 * params * seq + 4.0 * seq * seq * w, act, fp32, seq * t.dim)
+
+
+GATED_ATTENTION_BLOCK = costs.LayerRule("GatedAttentionBlock", _gated_attention_block, "sequence")
 DELTANET_BLOCK = costs.LayerRule("DeltaNetBlock", _deltanet_block, "sequence")
 
 
