@@ -105,9 +105,10 @@ def test_bad_clips_are_bad_records_with_their_reasons(tmp_path, clips):
     assert got[0][2].grid == (2, 4, 4)
 
 
-def _row(samples, extra_patches: int = 8, extra_positions: int = 3):
+def _row(samples, extra_patches: int = 8, extra_positions: int = 3, width: int = 4):
     """One packed row of samples [(mmpipe ids, [(patches, tiling of 4)])] and each sample's span: the stage
-    contract's first input with a 4-column tiling (t, h, w, the step's float32 bits) and an unused slot."""
+    contract's first input with a 4-column tiling (t, h, w, the step's float32 bits; width 3: without the steps) and
+    an unused slot."""
     ids = torch.cat([s[0] for s in samples])
     L = len(ids) + extra_positions
     segments, spans, at = torch.zeros(1, L, dtype=torch.long), [], 0
@@ -117,9 +118,9 @@ def _row(samples, extra_patches: int = 8, extra_positions: int = 3):
         at += len(s[0])
     media = [(k + 1, px, til) for k, s in enumerate(samples) for px, til in s[1]]
     M = len(media) + 1
-    tiling, has_image = torch.zeros(1, M, 4, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
+    tiling, has_image = torch.zeros(1, M, width, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
     for j, (owner, _, til) in enumerate(media):
-        tiling[0, j], has_image[0, j] = torch.tensor(til), owner
+        tiling[0, j], has_image[0, j] = torch.tensor(til[:width]), owner
     n = sum(len(px) for _, px, _ in media)
     pixels = torch.zeros(1, n + extra_patches, 1176)
     pixels[0, :n] = torch.cat([px for _, px, _ in media])
@@ -370,3 +371,19 @@ def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(qwen25, cl
         out = hf.generate(input_ids=theirs[None], mm_token_type_ids=types[None], max_new_tokens=5, min_new_tokens=5,
                           do_sample=False, **kw)
     assert out[0, len(theirs):].tolist() == mine
+
+
+def test_qwen2_vl_clip_takes_the_temporal_index(clips, tmp_path):
+    """Qwen2-VL (transformers' Qwen2VLForConditionalGeneration, no tokens_per_second): imported with
+    vision.tokens_per_second 0, a clip's rows keep 3 tiling columns and its temporal patch f sits at f, and the
+    logits equal transformers' for a clip and an image in one conversation."""
+    hf = save_qwen("qwen2", tmp_path)
+    model, _ = import_qwen2_vl(tmp_path)
+    assert model.cfg.vision.tokens_per_second == 0
+    rule = _rule(0)
+    (ours, media), theirs, types, kw = _case(clips, rule, ["long"], True, 8)
+    assert media[0][1][3] == step_bits(1.0)  # the clip's step: 1, its temporal index
+    kw.pop("second_per_grid_ts")  # Qwen2-VL's forward takes none
+    with torch.no_grad():
+        got = model(*_row([(ours, media)], width=3)[0])[0, :len(ours)]
+    assert (got - _hf_logits(hf.eval(), theirs, types, kw)).abs().max().item() < TOL
