@@ -422,9 +422,9 @@ def test_text_only_llava_records(tmp_path):
 
 def test_video_records_are_bad_records_for_image_families(tmp_path):
     """A record carrying a video (a 'video' / 'videos' field or a <video> marker) is refused for a family that
-    reads images only (all but the Qwen2-VL and Qwen3-VL families: Family.media), counted and listed with its reason: before, its
-    text trained silently without the clip. In a LLaVA conversation and in an image-text pair (a video
-    caption), for the moondream and LLaVA families."""
+    reads images only (all but the Qwen2-VL and Qwen3-VL families: Family.media), counted and listed with its
+    reason: before, its text trained silently without the clip. In a LLaVA conversation and in an image-text pair
+    (a video caption), for the moondream and LLaVA families."""
     export_shapes(tmp_path, "pairs-csv", 1)
     text_only = [{"from": "human", "value": "what shape is red"}, {"from": "gpt", "value": "circle"}]
     with_marker = [{"from": "human", "value": "<video>\nwhat happens"}, {"from": "gpt", "value": "circle"}]
