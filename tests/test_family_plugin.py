@@ -34,7 +34,7 @@ CUT = "7"
 def preset(tmp_path_factory) -> str:
     cfg = json.loads((ROOT / "mmpipe/presets/tiny.json").read_text())
     path = tmp_path_factory.mktemp("toy") / "toy-carry.json"
-    path.write_text(json.dumps({**cfg, "family": "toy_carry", "text": {**cfg["text"], "summary_gate": 0.25}}))
+    path.write_text(json.dumps({**cfg, "family": "toy_carry"}))
     return str(path)
 
 
@@ -50,10 +50,13 @@ def _env() -> dict:
 
 def test_toy_family_pp2_equals_reference(preset, equivalence_config, tmp_path):
     cfg = load_preset(preset)
-    # its own text section: the gate starts where its model JSON says; moondream's section has no such field
-    assert isinstance(cfg.text, toy_family.ToyText) and ReferenceModel(cfg, seed=3)[7].gate.item() == 0.25
+    # its own text section: the gate starts where its model JSON says (default 0.5); moondream's has no such field
+    data = json.loads(Path(preset).read_text())
+    data["text"]["summary_gate"] = 0.25
+    gated = config_from_dict(data, "toy")
+    assert isinstance(cfg.text, toy_family.ToyText) and ReferenceModel(gated, seed=3)[7].gate.item() == 0.25
     with pytest.raises(ConfigError, match=r"text: \['summary_gate'\]: not a field of the moondream family's"):
-        config_from_dict({**json.loads(Path(preset).read_text()), "family": "moondream"}, "md")
+        config_from_dict({**data, "family": "moondream"}, "md")
     assert [s.typename for s in layer_specs(cfg)][5:8] == [toy_family.SummaryEmbed, toy_family.DecoderBlock,
                                                           toy_family.SummaryAdd]
     run = resolve(TrainArgs.from_argv(_args(preset, equivalence_config, "--stages", "1")), world_size=1)
