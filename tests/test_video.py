@@ -235,6 +235,7 @@ def test_llava_video_records_pack_into_rows_with_transformers_logits(qwen25, cli
 
     from mmpipe.data.args import DataArgs
     from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.index import describe
     from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
     from mmpipe.data.patches import patch_rule
     from mmpipe.data.video import video_rule
@@ -255,6 +256,11 @@ def test_llava_video_records_pack_into_rows_with_transformers_logits(qwen25, cli
     samples = prepare(opts, cfg, tmp_path / "index", seed=0, verbose=False)
     stats = samples.index.stats
     assert (stats["good"], stats["bad_by_kind"]) == (len(GOOD), {k: 1 for k, _ in BAD})
+    # the data report: 4 clips (7 + 13 + 13 + 7 frames, 4 + 8 + 8 + 4 sampled at 2 fps); the 13-frame clip's 84 x 56
+    # frames made 56 x 28 to fit its share of the row (both times), the 7-frame clip's 56 x 56 kept
+    assert describe(stats)[1] == ("data: 4 clips: 24 of their 40 frames sampled (the family's video processor's fps "
+                                  "rule); 2 clips' frames made smaller than their own size (vision.max_pixels, their "
+                                  "share of the row's --max-patches)")
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
     rows = RowSet(samples, plan)

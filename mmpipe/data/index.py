@@ -30,7 +30,7 @@ from .records import BAD_KINDS, BadRecord, VideoRef
 from .sources import DataSpec, Source
 from .text import IMAGE_MARKER, ConversationEncoder
 from .tokenizer import BUILTIN_TEMPLATE
-from .video import media_grids, with_timestamps
+from .video import CLIP_COUNTS, media_grids, with_timestamps
 
 INDEX_VERSION = 2  # 2: n_images and image_at per record (1: a bool has_image)
 SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
@@ -104,8 +104,9 @@ def _init_worker(source, encoder, checks):
 
 
 def _check(i: int):
-    """-> (i, ids, target, truncated, image_at, grids) for a good record (len(image_at): its images; grids
-    [n, 3], a dynamic family's, from each image's size), (i, where, kind, reason) for a bad one."""
+    """-> (i, ids, target, truncated, image_at, grids, clip counts or None) for a good record (len(image_at): its
+    images; grids [n, 3], a dynamic family's, from each image's size; clip counts: video.media_grids'), (i, where,
+    kind, reason) for a bad one."""
     where, c = f"record {i}", _W["checks"]
     try:
         rec = _W["source"].record(i, c.media, c.family)
@@ -119,13 +120,13 @@ def _check(i: int):
             raise BadRecord("too_many_images", f"{len(rec.images)} images > {limit}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
         if any(isinstance(m, VideoRef) for m in rec.images):  # clips among the images (a family that reads them)
-            grids = media_grids(rec.images, c.rule, c.image_root, c.max_pixels)
-            return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids
+            grids, clips = media_grids(rec.images, c.rule, c.image_root, c.max_pixels)
+            return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids, clips
         sizes = [check_image(image, c.image_root, c.max_pixels) for image in rec.images]
         # PatchRule [n, 3] (t, h, w) (or 4: a clip's step column, PatchRule.grid_width); TileRule [n, 5] (orig_h,
         # orig_w, rows, cols, positions)
         grids = c.rule.sample_grids(sizes) if c.rule is not None else np.zeros((0, 3), dtype=np.int64)
-        return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids
+        return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids, None
     except BadRecord as e:
         return i, getattr(e, "where", where), e.kind, e.reason
 
@@ -155,7 +156,7 @@ def scan(source: Source, encoder: ConversationEncoder, checks: RecordChecks, wor
     else:
         with mp.get_context("fork").Pool(workers, _init_worker, args) as pool:
             results = list(pool.imap(_check, range(len(source)), chunksize=64))
-    good = [r for r in results if len(r) == 6]
+    good = [r for r in results if len(r) == 7]
     bad = [r for r in results if len(r) == 4]
     return good, bad
 
@@ -174,6 +175,8 @@ def build_index(source: Source, encoder: ConversationEncoder, checks: RecordChec
              "unknown_token_share": _unknown_share(good, encoder.tok),
              "builtin_tokenizer": getattr(encoder.tok, "chat_template", None) == BUILTIN_TEMPLATE,
              "first_bad": [{"where": w, "kind": k, "reason": r} for _, w, k, r in bad[:SHOW_BAD]]}
+    if any(g[6] for g in good):  # clips: what the report says of them (video.CLIP_COUNTS)
+        stats.update({k: sum(g[6][k] for g in good if g[6]) for k in CLIP_COUNTS})
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f"bad_records.jsonl.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -244,6 +247,11 @@ def describe(stats: dict, listed: str = "in bad_records.jsonl") -> list[str]:
              + (f", {images} images" if images != stats["with_image"] else "") + ")"
              + (f", {stats['truncated']} truncated" if stats["truncated"] else "")
              + (f"; {stats['bad']} skipped: {_kinds(stats)}" if stats["bad"] else "")]
+    if stats.get("clips"):
+        resized = (f"; {stats['clips_resized']} clips' frames made smaller than their own size (vision.max_pixels, "
+                   f"their share of the row's --max-patches)" if stats["clips_resized"] else "")
+        lines.append(f"data: {stats['clips']} clips: {stats['clip_frames_sampled']} of their {stats['clip_frames']} "
+                     f"frames sampled (the family's video processor's fps rule){resized}")
     if stats.get("unknown_token_share", 0) > 0.05:
         why = ("the built-in one knows only the shapes words; give --tokenizer DIR"
                if stats.get("builtin_tokenizer", True)  # an index written before the key: the old wording

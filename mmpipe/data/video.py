@@ -295,23 +295,34 @@ def media_count(media: list) -> int:
     return sum(1 for m in media if not isinstance(m, VideoRef) or m.frame <= 0)
 
 
-def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> np.ndarray:
-    """int64 [n, rule.grid_width]: the grids of a sample's images and clips (VideoRef) in their order, each within its
-    share of P (a sample's media share the row as its images do, media_count): an image's from its size (the
-    columns after (t, h, w) zero), a clip's from its container header (and its step's float32 bits where the rule
-    scales time; a Qwen3-VL clip's temporal patch j, its own slot: (1, h, w)), nothing decoded. BadRecord for a
-    medium its rule refuses."""
+def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
+    """(int64 [n, rule.grid_width], clip counts): the grids of a sample's images and clips (VideoRef) in their order,
+    each within its share of P (a sample's media share the row as its images do, media_count): an image's from its
+    size (the columns after (t, h, w) zero), a clip's from its container header (and its step's float32 bits where
+    the rule scales time; a Qwen3-VL clip's temporal patch j, its own slot: (1, h, w)), nothing decoded; and what the
+    data report says of the clips (CLIP_COUNTS: clips, their frames, the frames sampled, the clips whose frames were
+    made smaller than their own size). BadRecord for a medium its rule refuses."""
     from .images import check_image
     from .records import VideoRef
-    n, clips, out = media_count(media), video_rule(rule), []
+    n, clips, out, counts = media_count(media), video_rule(rule), [], dict.fromkeys(CLIP_COUNTS, 0)
     for m in media:
         if isinstance(m, VideoRef):
-            tiling = clips.clip(probe(_clip_path(m, image_root)), n).tiling
-            out.append(((1, *tiling[1:3]) if m.frame >= 0 else tiling)[:rule.grid_width])
+            info = probe(_clip_path(m, image_root))
+            clip = clips.clip(info, n)
+            out.append(((1, *clip.grid[1:]) if m.frame >= 0 else clip.tiling)[:rule.grid_width])
+            if m.frame <= 0:  # a clip once, not once per temporal-patch slot
+                frame_px = clip.grid[1] * clip.grid[2] * rule.patch * rule.patch
+                for key, add in zip(CLIP_COUNTS, (1, info.frames, len(clip.indices),
+                                                  int(frame_px < info.width * info.height))):
+                    counts[key] += add
         else:
             w, h = check_image(m, image_root, max_pixels)
             out.append((*rule.grid(w, h, n), 0)[:rule.grid_width])
-    return np.array(out, dtype=np.int64).reshape(-1, rule.grid_width)
+    return np.array(out, dtype=np.int64).reshape(-1, rule.grid_width), counts
+
+
+# the index's clip counts (DataIndex.stats), summed over the good records: mmpipe.data.index.describe's line
+CLIP_COUNTS = ("clips", "clip_frames", "clip_frames_sampled", "clips_resized")
 
 
 def _clip_path(ref, image_root) -> Path:
