@@ -393,3 +393,34 @@ def test_qwen2_vl_clip_takes_the_temporal_index(clips, tmp_path):
     with torch.no_grad():
         got = model(*_row([(ours, media)], width=3)[0])[0, :len(ours)]
     assert (got - _hf_logits(hf.eval(), theirs, types, kw)).abs().max().item() < TOL
+
+
+def test_generate_command_answers_on_a_clip(qwen25, clips, tmp_path, capsys):
+    """`mmpipe generate --video PATH --prompt TEXT` on an HF directory gives transformers' greedy answer to the prompt
+    training builds (the chat template, the clip's bracketed block at the start of the user turn) on the processor's
+    own sampled frames and time steps."""
+    from mmpipe.cli import main
+    from mmpipe.data.text import ConversationEncoder, image_text
+    from mmpipe.data.tokenizer import load_tokenizer
+    from qwen_models import processor, save_tokenizer
+    hf, model = qwen25
+    d = tmp_path / "hf"
+    hf.save_pretrained(d)
+    processor().save_pretrained(d)
+    save_tokenizer(d)
+    gen = ["generate", "--checkpoint", str(d), "--video", str(clips["long"]), "--prompt", "w7 w8",
+           "--max-new-tokens", "5"]
+    assert main(gen) == 0
+    answer = capsys.readouterr().out.strip()
+    tok = load_tokenizer(str(d))
+    ids, at = ConversationEncoder(tok, 512, markers=True, image_text=image_text(tok, model.cfg)).prompt(
+        [("user", "<image>\nw7 w8")], n_images=1)
+    rule = _rule(hf.config.vision_config.tokens_per_second)
+    px, grid, seconds = _reference(clips["long"], rule, rule.frame_cap(4))
+    a = int(at[0])
+    prompt = torch.tensor(ids[:a] + [START] + [VIDEO] * (int(grid.prod()) // 4) + [END] + ids[a:])
+    with torch.no_grad():
+        out = hf.generate(input_ids=prompt[None], pixel_values_videos=px, video_grid_thw=grid,
+                          second_per_grid_ts=seconds, mm_token_type_ids=(prompt == VIDEO).int()[None] * 2,
+                          max_new_tokens=5, do_sample=False, eos_token_id=tok.eos_token_id)
+    assert answer == tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip() != ""

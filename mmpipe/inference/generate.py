@@ -204,6 +204,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", default=[],
                    help="an image file; repeat --image/--prompt for several (answered in batches, one JSON line each)")
     p.add_argument("--prompt", action="append", default=[], help="the user's question, one per --image")
+    p.add_argument("--video", default=None, metavar="PATH",
+                   help="a clip (the Qwen2-VL and Qwen3-VL families), with one --prompt and no --image: its frames "
+                        "sampled and its prompt built as training builds a clip's (docs/video.md)")
     p.add_argument("--records", default=None,
                    help="a JSONL file of {\"image\": path, \"prompt\": text} (image paths relative to the file; "
                         "no image: a text-only prompt), answered in batches, one JSON line each")
@@ -270,7 +273,14 @@ def check_attention() -> None:
 
 
 def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
-    """(image path or None, prompt, where) for every --image/--prompt pair and --records line."""
+    """(image path or None, prompt, where) for every --image/--prompt pair and --records line (--video: its one
+    prompt, the clip read by _video)."""
+    if getattr(args, "video", None):
+        if args.image or args.records or len(args.prompt) != 1:
+            raise ConfigError("--video: give one --prompt and no --image or --records beside it")
+        if not Path(args.video).is_file():
+            raise ConfigError(f"--video: {args.video} is not a file")
+        return [(None, args.prompt[0], "--video")]
     if len(args.image) != len(args.prompt):
         raise ConfigError(f"--image / --prompt: {len(args.image)} images but {len(args.prompt)} prompts; give them "
                           f"in pairs")
@@ -330,6 +340,35 @@ def _images(requests: list, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tenso
     return kind.stack(cfg, images)
 
 
+def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -> list[int]:
+    """--video: the clip's answer. The clip as training reads it (mmpipe.data.video at one medium's default budget:
+    its sampled frames' patches and grid; Qwen3-VL: its timestamps in the prompt and a slot per temporal patch),
+    the prompt with its block(s) where training puts them; ConfigError for a clip the family does not read or its
+    rule refuses."""
+    from ..data.image_kinds import image_rule, one_image_budget
+    from ..data.records import Record, VideoRef
+    from ..data.text import IMAGE_MARKER
+    from ..data.video import clip_patches, media_count, media_grids, with_timestamps
+    from ..model.families import family_of
+    cfg, path = model.cfg, Path(args.video)
+    if "video" not in family_of(cfg).media:
+        raise ConfigError(f"--video: the {cfg.family} family reads no clips")
+    rule = image_rule(cfg, one_image_budget(cfg))
+    try:
+        rec = with_timestamps(Record("--video", [("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")],
+                                     [VideoRef(path.name)]), rule, path.parent, IMAGE_MARKER)
+        grids, _ = media_grids(rec.images, rule, path.parent, 0)
+        n = media_count(rec.images)
+        patches = torch.cat([clip_patches(m, rule, path.parent, n, g) for m, g in zip(rec.images, grids)])
+        ids, image_at = encoder.prompt(rec.messages, n_images=len(rec.images))
+    except BadRecord as e:
+        raise ConfigError(f"--video: {path}: {e.kind}: {e.reason}") from None
+    pixels = torch.cat([patches, torch.zeros(rule.merge ** 2, patches.shape[1])])[None]  # a padding merge unit
+    prompt = with_images(ids, cfg, image_at, [tuple(int(x) for x in g) for g in grids])
+    return generate(model, pixels, prompt, Sampling.from_args(args, tok), use_cache=not args.no_cache,
+                    tiling=torch.as_tensor(grids)[None])
+
+
 def main_generate(args: argparse.Namespace) -> int:
     try:
         requests = _requests(args)
@@ -338,6 +377,16 @@ def main_generate(args: argparse.Namespace) -> int:
             return _plan(args, requests)
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
         cfg = model.cfg
+        if getattr(args, "video", None):
+            kind = image_kind(cfg)
+            encoder = ConversationEncoder(tok, cfg.text.max_context, markers=kind.markers,
+                                          image_text=kind.marker_text(tok, cfg))
+            new = _video(args, model, tok, encoder)
+            answer = tok.decode(new, skip_special_tokens=True).strip()
+            if not answer:
+                print(f"mmpipe: generate: --video: empty answer: {empty_reason(new)}", file=sys.stderr, flush=True)
+            print(answer)
+            return 0
         pixels, tiling, grids = _images(requests, cfg)
         # a kind of markers reads the image from placeholders at the prompt's <image> marker (after BOS without
         # one), as in training; other families take the prompt as it is
