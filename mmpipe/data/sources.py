@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError
-from .records import MEDIA_FIELDS, MEDIA_MARKERS, BadRecord, Record, VideoRef, refuse_unread_media
+from .records import MEDIA_FIELDS, MEDIA_MARKERS, BadRecord, Record, VideoRef, carried_media, refuse_unread_media
 from .text import IMAGE_MARKER
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -290,8 +290,7 @@ class Source:
                 if videos and not conversation:
                     raise BadRecord("unsupported_media", "a video in an image-text pair is not read yet: give it as a "
                                                          "conversation with a <video> marker")
-                if videos or (conversation and MEDIA_MARKERS["video"] in json.dumps(raw.get(
-                        self.spec.columns["conversations"]))):
+                if videos or (conversation and "video" in carried_media(raw, self.spec.columns)):  # or a marker
                     raw, images = with_videos(raw, self.spec.columns, images, videos)
             if conversation:
                 return conversation_record(where, raw, images, self.spec.columns)
