@@ -101,6 +101,28 @@ def test_export_loads_in_transformers_with_equal_logits(hf_moe, tmp_path):
     assert (got - hf_logits(back, ids, px, grids)).abs().max().item() < TOL
 
 
+def test_transposed_expert_layout_imports_as_transformers_reads_it(hf_moe, tmp_path):
+    """A checkpoint whose experts are stored transposed ([E, D, 2F], [E, F, D]: the layout transformers 5 still reads,
+    transposing on load) imports to the same weights, and transformers' own load of it gives the same logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    d, hf, model, _ = hf_moe
+    legacy = tmp_path / "legacy"
+    shutil.copytree(d, legacy)
+    tensors = load_file(str(d / "model.safetensors"))
+    flipped = {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in tensors.items()}
+    assert flipped["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (EXPERTS, 64, 2 * EXPERT_FF)
+    save_file(flipped, str(legacy / "model.safetensors"), metadata={"format": "pt"})
+    got = hf_reader(legacy)(legacy).model().eval()
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), model.state_dict().values()))
+    theirs = Qwen3VLMoeForConditionalGeneration.from_pretrained(legacy).eval()
+    ids, px, grids = _sample(0)
+    with torch.no_grad():
+        mine = got(*row([(ids, px, grids)])[0])[0][0, :len(ids)]
+    assert (mine - hf_logits(theirs, ids, px, grids)).abs().max().item() < TOL
+
+
 def _block(cfg=None):
     cfg = cfg or tiny_moe()
     i = next(k for k, s in enumerate(layer_specs(cfg)) if s.typename is moe.Qwen3MoeBlock)

@@ -36,7 +36,7 @@ from ..model.qwen3_vl import (
     Qwen3VisionBlock,
 )
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
-from .moe import hf_moe_fields, moe_from_hf
+from .moe import expert_layout, hf_moe_fields, moe_from_hf
 from .qwen2_vl import _bounds, pixel_defaults_taken, plan_named, write_with_processor
 from .safetensors_io import as_weights, open_weights
 from .stream import Imported, fill, meta_model
@@ -161,7 +161,7 @@ def hf_config(cfg: ModelConfig, tok=None):
 
 def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
     """Load HF-named tensors into the mmpipe model: every source tensor mapped, every weight filled."""
-    source = as_weights(source)
+    source = expert_layout(as_weights(source), model.cfg)  # an MoE checkpoint's experts in either layout
     assign, report = plan_named(model.cfg, source, where, key_map(model.cfg), HF_CLASSES["qwen3_vl"])
     fill(model, source, assign)
     return report
@@ -179,7 +179,7 @@ def read_qwen3_vl(path: str | Path) -> Imported:
     read yet): save it layer by layer (Imported.save) or as a model (Imported.model)."""
     path = Path(path)
     _, cfg = hf_qwen3_config(path)
-    source = open_weights(path)
+    source = expert_layout(open_weights(path), cfg)  # an MoE checkpoint's experts in either layout (mmpipe.hf.moe)
     assign, report = plan_named(cfg, source, str(path), key_map(cfg), HF_CLASSES["qwen3_vl"])
     report.notes += processor_defaults(path, _defaults_taken)  # the summary line says which it took
     return Imported(cfg, assign, source, report)
