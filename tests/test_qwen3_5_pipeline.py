@@ -10,10 +10,11 @@ qwen3.5-tiny's layer list (tower of 2 blocks; decoder layers linear, linear, lin
 
 Two configurations, each equal to the single-device reference loop (losses and weights, fp32, 1e-5):
 
-- PP=4, cuts 5, 6, 8: tower + embedding | linear layer 0 | linear layers 1, 2 | the full-attention layer and head
-  (a cut before the first linear layer, one between two linear layers, one between a linear and the full layer);
-- PP=2, cut 8: between the last linear layer and the full one; checkpointed at step 2, and that checkpoint resumed
-  to step 3 is bit-identical to the uninterrupted run.
+- PP=4, cuts 5, 6, 8, everything trained: tower + embedding | linear layer 0 | linear layers 1, 2 | the
+  full-attention layer and head (a cut before the first linear layer, one between two linear layers, one between a
+  linear and the full layer);
+- PP=2, cut 8, the tower frozen (--freeze vision): between the last linear layer and the full one; checkpointed at
+  step 2, and that checkpoint resumed to step 3 is bit-identical to the uninterrupted run.
 
 Only `hidden` crosses a cut: a linear layer's state lives inside the layer and restarts at each sample, so no
 recurrent state or convolution window travels between stages. Three launches in all (PP=4, PP=2, the resume): the
@@ -31,6 +32,7 @@ from PIL import Image
 from conftest import train_run, write_ds_config
 from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
+from mmpipe.model import ReferenceModel
 from mmpipe.model import qwen3_5 as q35
 from mmpipe.model.builder import layer_specs
 from mmpipe.run_args import TrainArgs
@@ -71,14 +73,24 @@ def qwen3_5_set(tmp_path_factory):
     return root, args
 
 
-def _resolved(qwen3_5_set):
+def _resolved(qwen3_5_set, *extra: str):
     root, args = qwen3_5_set
-    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
+    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref"), *extra]),
+                   world_size=1)
+
+
+def _reference(qwen3_5_set, *extra: str):
+    return train_reference(_resolved(qwen3_5_set, *extra), seed=SEED, steps=STEPS, out_dir=str(qwen3_5_set[0] / "ref"))
 
 
 @pytest.fixture(scope="module")
 def reference(qwen3_5_set):
-    return train_reference(_resolved(qwen3_5_set), seed=SEED, steps=STEPS, out_dir=str(qwen3_5_set[0] / "ref"))
+    return _reference(qwen3_5_set)
+
+
+@pytest.fixture(scope="module")
+def reference_frozen(qwen3_5_set):
+    return _reference(qwen3_5_set, "--freeze", "vision")
 
 
 def _launch(qwen3_5_set, name: str, stages: int, *extra: str):
@@ -94,8 +106,8 @@ def pp4(qwen3_5_set):
 
 @pytest.fixture(scope="module")
 def pp2(qwen3_5_set):
-    """Also the uninterrupted run of the resume test, so it checkpoints at the cut too."""
-    return _launch(qwen3_5_set, "pp2", 2, "--save-every", str(CUT))
+    """Tower frozen; also the uninterrupted run of the resume test, so it checkpoints at the cut too."""
+    return _launch(qwen3_5_set, "pp2", 2, "--freeze", "vision", "--save-every", str(CUT))
 
 
 def test_the_cuts_fall_between_the_layer_kinds():
@@ -122,11 +134,11 @@ def test_rows_pack_several_samples(qwen3_5_set):
     assert len(grids) >= 3 and text_only >= 1
 
 
-@pytest.mark.parametrize("name", ["pp4", "pp2"])
-def test_pipeline_equals_single_device(name, reference, request):
-    """PP=4 (cuts 5, 6, 8) and PP=2 (cut 8): each step's loss and the final weights are the reference loop's on the
-    same packed rows (fp32, 1e-5)."""
-    run, (ref_model, ref_losses) = request.getfixturevalue(name), reference
+@pytest.mark.parametrize("name, ref", [("pp4", "reference"), ("pp2", "reference_frozen")])
+def test_pipeline_equals_single_device(name, ref, request):
+    """PP=4 (cuts 5, 6, 8) and PP=2 (cut 8, tower frozen): each step's loss and the final weights are the reference
+    loop's on the same packed rows (fp32, 1e-5)."""
+    run, (ref_model, ref_losses) = request.getfixturevalue(name), request.getfixturevalue(ref)
     assert run.summary["parts"] == [0, *PARTS[run.summary["stages"]], len(ref_model)]
     assert sorted(run.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
     assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL)
@@ -144,6 +156,27 @@ def test_only_hidden_crosses(pp4, pp2):
             assert {shape for kind, _, shape in run.wire(rank) if kind == "data"} == {row}, rank
 
 
+def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp4, pp2, reference_frozen):
+    """--freeze vision keeps the patch embedding and the tower's blocks at their initial weights through the
+    pipeline, while the merger and every Gated DeltaNet layer train; with the tower trained every tower tensor
+    moves."""
+    cfg = reference_frozen[0].cfg
+    init = ReferenceModel(cfg, seed=SEED)
+    frozen, trained = (load_reference(r.out / "checkpoints", cfg) for r in (pp2, pp4))
+    vision = [i for i, layer in enumerate(init) if getattr(layer, "group", None) == "vision"]
+    assert len(vision) == 1 + cfg.vision.n_layers and pp2.summary["freeze"] == ["vision"]
+    for i in vision:
+        for k, v in init[i].state_dict().items():
+            assert torch.equal(frozen[i].state_dict()[k], v), (i, k)
+            assert not torch.equal(trained[i].state_dict()[k], v), (i, k)
+    for i, layer in enumerate(init):
+        if isinstance(layer, q35.Qwen3Merger):
+            assert not torch.equal(frozen[i].linear_fc1.weight, layer.linear_fc1.weight), i
+        if isinstance(layer, q35.DeltaNetBlock):  # its decays and its short convolution
+            assert not torch.equal(frozen[i].linear_attn.A_log, layer.linear_attn.A_log), i
+            assert not torch.equal(frozen[i].linear_attn.conv1d.weight, layer.linear_attn.conv1d.weight), i
+
+
 def test_resume_is_bit_exact(qwen3_5_set, pp2):
     """PP=2 cut after step 2 (its checkpoint) and resumed to step 3: the uninterrupted run's losses and weights, bit
     for bit (same rows, optimizer moments, LR schedule and RNG)."""
@@ -154,7 +187,7 @@ def test_resume_is_bit_exact(qwen3_5_set, pp2):
     (cut / "summary.json").unlink()
     log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
     (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))  # the header and steps 1, 2
-    resumed = _launch(qwen3_5_set, "cut", 2, "--resume")
+    resumed = _launch(qwen3_5_set, "cut", 2, "--freeze", "vision", "--resume")
     assert resumed.summary["start_step"] == CUT and [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
     assert resumed.losses == pp2.losses
     cfg = _resolved(qwen3_5_set).model
