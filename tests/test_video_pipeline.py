@@ -2,10 +2,12 @@
 Matroska / Motion JPEG, 7 and 13 frames), images and text, the qwen-tiny model with Qwen2.5-VL's absolute-time rotary
 (vision.tokens_per_second 2, so every row's tiling carries the clips' steps), rows mixing clips and images, equals the
 single-device reference loop (losses and weights, fp32, 1e-5; the decoder's key biases 1e-4 as in
-tests/test_qwen_pipeline.py), and only floats cross the stage boundary. One launch."""
+tests/test_qwen_pipeline.py), and only floats cross the stage boundary; cut at step 2 and resumed, it is the
+uninterrupted run bit for bit. Two launches."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from test_qwen_pipeline import _weights_equal_within, loaders_agree
 from video_clips import moving_square, write_clip
 
 TOL = 1e-5
-STEPS, SEED = 3, 5
+STEPS, CUT, SEED = 3, 2, 5
 
 
 def _conv(question: str, answer: str) -> list[dict]:
@@ -60,7 +62,14 @@ def video_set(tmp_path_factory):
     return root, args
 
 
-def test_pipeline_with_clips_equals_single_device(video_set):
+@pytest.fixture(scope="module")
+def pp2(video_set):
+    """PP=2, checkpointing at step CUT too (the resume test's cut)."""
+    root, args = video_set
+    return train_run(root / "pp2", *args, "--stages", "2", "--steps", str(STEPS), "--save-every", str(CUT)).check()
+
+
+def test_pipeline_with_clips_equals_single_device(video_set, pp2):
     root, args = video_set
     run = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
     assert run.model.vision.tokens_per_second == 2
@@ -71,8 +80,26 @@ def test_pipeline_with_clips_equals_single_device(video_set):
         mixed += int(((used > 1).any(-1) & (used == 1).any(-1)).sum())  # a clip and an image in one row
     assert mixed >= 1
     ref_model, ref_losses = train_reference(run, seed=SEED, steps=STEPS, out_dir=str(root / "ref"))
-    pp2 = train_run(root / "pp2", *args, "--stages", "2", "--steps", str(STEPS)).check()
     assert sorted(pp2.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
     assert list(pp2.losses.values()) == pytest.approx(ref_losses, abs=TOL)
     _weights_equal_within(torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg)), ref_model, TOL)
     pp2.assert_only_floats_crossed()
+
+
+def test_resume_with_clips_is_bit_exact(video_set, pp2):
+    """PP=2 cut after step CUT (its checkpoint) and resumed: the uninterrupted run's losses and weights, bit for bit
+    (the same rows of clips, optimizer moments, schedule and RNG). The cut run is the uninterrupted one's directory
+    as its step-CUT checkpoint left it, as in tests/test_qwen_pipeline.py; the resume is one launch."""
+    root, args = video_set
+    cut = root / "cut"
+    shutil.copytree(pp2.out, cut)
+    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
+    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
+    (cut / "summary.json").unlink()
+    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
+    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))
+    resumed = train_run(cut, *args, "--stages", "2", "--steps", str(STEPS), "--resume").check()
+    assert resumed.summary["start_step"] == CUT and resumed.losses == pp2.losses
+    cfg = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1).model
+    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict() for r in (resumed, pp2))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
