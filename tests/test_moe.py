@@ -232,3 +232,17 @@ def test_moe_on_a_family_without_moe_blocks_is_refused():
         d["text"]["moe"] = dataclasses.asdict(MoeConfig(experts=8, top_k=2, ff_dim=16))
         with pytest.raises(ConfigError, match="moe"):
             config_from_dict(d, preset)
+
+
+def test_cost_rule_counts_the_active_parameters():
+    """The planner's rule for an MoE block (mmpipe.model.moe.MOE_BLOCK): its FLOPs are the dense block's on the
+    parameters a token runs through, the attention, norms, router and top_k of the experts: the same block built
+    with top_k experts holds those, but for the router's rows of the other E - top_k."""
+    from mmpipe.model import costs
+    cfg, seq = tiny_moe(), 88
+    total = sum(p.numel() for p in moe.Qwen3MoeBlock(cfg).parameters())
+    only_k = sum(p.numel() for p in moe.Qwen3MoeBlock(tiny_moe(experts=TOP_K)).parameters())
+    active = only_k + (EXPERTS - TOP_K) * cfg.text.dim
+    assert active < total / 2
+    got = moe.MOE_BLOCK.cost_of(cfg, total, 0, seq)
+    assert got.fwd == costs._llama_block(cfg, active, 0, seq).fwd
