@@ -18,6 +18,8 @@
 #              peak memory, each beside the planner's prediction (docs/benchmarks.md's columns)
 #   attention  scripts/bench_attention.py at 2048 and 8192 positions, packed (8 samples) vs one-sample rows, if
 #              that script exists (on the GPU where it takes --device)
+#   delta_rule_fla  Qwen3.5's Gated DeltaNet: flash-linear-attention's chunked kernel (cu_seqlens at the sample
+#              starts) equal to the torch path, output, gradients and packed-row logits; skipped without fla
 #   report     OUT/gpu.md (DOC): the tables of what was measured, from whatever the steps left
 #
 # Environment: MMPIPE_GPU_CHECK_OUT (runs/gpu_check), MMPIPE_GPU_CHECK_DOC (docs/gpu.md), MMPIPE_GPU_CHECK_7B_LAYERS (8).
@@ -119,6 +121,10 @@ if [ -f scripts/bench_attention.py ]; then
 else
   printf 'attention\tmissing\t0\tscripts/bench_attention.py does not exist\n' >> "$STATUS"
 fi
+
+# Qwen3.5's Gated DeltaNet through flash-linear-attention's kernel against the torch path (skipped, and said so in
+# the log, where CUDA or the fla package is missing: it is not a dependency, install it beforehand to check it)
+step delta_rule_fla 120 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_hf_qwen3_5.py -k "fla or cu_seqlens"
 
 step report 60 "$PY" - "$OUT" "$DOC" "$CPU" <<'EOF'
 import csv, json, sys

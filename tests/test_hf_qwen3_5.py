@@ -529,3 +529,58 @@ def test_plan_costs_each_decoder_layer_kind_by_its_own_rule(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "DeltaNetBlock" in out and "GatedAttentionBlock" in out and "QwenBlock" not in out, out
+
+
+def test_cu_seqlens_marks_every_sample_start_of_every_row():
+    """flash-linear-attention's kernel (the CUDA path, where `fla` imports) takes a batch of rows as one list of
+    sequences: q35.cu_seqlens lays the rows end to end and starts a sequence at every sample start the torch path
+    restarts at (padding a run of its own). On CPU tensors the torch path runs."""
+    segments = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 2, 2, 2, 2, 3, 3]])
+    assert q35.cu_seqlens(q35.sample_starts(segments)).tolist() == [0, 3, 5, 8, 10, 14, 16]
+    assert not q35.use_fla(torch.zeros(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or q35.fla_chunk_gated_delta_rule() is None,
+                    reason="flash-linear-attention's kernel needs CUDA and the fla package")
+def test_fla_kernel_equals_the_torch_path():
+    """On CUDA, flash-linear-attention's chunked gated delta rule with the rows' sample starts as cu_seqlens gives the
+    torch path's output and gradients (q, k, v, log decays, write strengths) on two packed rows of 300 positions
+    (restarts inside chunks, on a chunk edge, padding runs), fp32; its Triton dots may round through TF32, hence
+    2e-3 of the largest value; and the tiny model's packed-row logits on either path agree as closely."""
+    torch.manual_seed(0)
+    B, L, H, dk, dv = 2, 300, 4, 32, 48
+    segments = torch.ones(B, L, dtype=torch.long)
+    segments[0, 64:], segments[0, 150:], segments[0, 280:] = 2, 3, 0
+    segments[1, 37:], segments[1, 200:] = 2, 3
+    starts = q35.sample_starts(segments).cuda()
+    q, k = (torch.nn.functional.normalize(torch.randn(B, L, H, dk, device="cuda"), dim=-1) for _ in range(2))
+    q = q * dk ** -0.5
+    v = torch.randn(B, L, H, dv, device="cuda")
+    g = -torch.rand(B, L, H, device="cuda") * 0.3
+    beta = torch.rand(B, L, H, device="cuda")
+    grad = torch.randn(B, L, H, dv, device="cuda")
+    outs, grads = [], []
+    for fn in (lambda *a: q35.chunk_delta_rule(*a, starts)[0], lambda *a: q35.fla_delta_rule(*a, starts)):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o = fn(*inputs)
+        o.backward(grad)
+        outs.append(o.detach())
+        grads.append([x.grad for x in inputs])
+    assert (outs[0] - outs[1]).abs().max() <= 2e-3 * outs[0].abs().max()
+    for name, a, b in zip("q k v g beta".split(), *grads):
+        assert (a - b).abs().max() <= 2e-3 * a.abs().max(), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or q35.fla_chunk_gated_delta_rule() is None,
+                    reason="flash-linear-attention's kernel needs CUDA and the fla package")
+def test_fla_path_gives_the_torch_paths_packed_row_logits(qwen3_5, monkeypatch):
+    """The imported tiny model on CUDA: its packed row's logits through flash-linear-attention's kernel are the torch
+    path's (MMPIPE_DELTA_RULE=torch) within 2e-3 of their largest."""
+    import copy
+    model = copy.deepcopy(qwen3_5[2]).cuda()  # the module's fixture stays on CPU for the other tests
+    args = [x.cuda() for x in row([_sample(i) for i in range(len(SAMPLES))])[0]]
+    with torch.no_grad():
+        fla = model(*args)
+        monkeypatch.setenv("MMPIPE_DELTA_RULE", "torch")
+        ref = model(*args)
+    assert (fla - ref).abs().max() <= 2e-3 * ref.abs().max()

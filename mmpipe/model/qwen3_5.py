@@ -26,10 +26,15 @@ zero state by the gate: alpha = 0 at each sample start (g = -inf there), which i
 A -inf inside the chunked form's cumulative log-decay would give -inf - -inf = NaN, so `chunk_delta_rule` takes
 that limit exactly instead: every decay product that spans a sample start is 0 (masks on the within-chunk pairs, on
 the carried state's read and on its carry to the next chunk), the rest are the finite products of the sample's own
-gates. One chunked kernel thus serves packed rows, single samples and generation (an initial state). Parameter
-names follow transformers' Qwen3_5ForConditionalGeneration (mmpipe.hf.qwen3_5 maps them).
+gates. One chunked kernel thus serves packed rows, single samples and generation (an initial state). On CUDA, where
+flash-linear-attention (`fla`) imports, the training forward runs its chunked kernel instead, the rows' sample starts
+as its cu_seqlens (`fla_delta_rule`; tested equal to this torch path where both run). Parameter names follow
+transformers' Qwen3_5ForConditionalGeneration (mmpipe.hf.qwen3_5 maps them).
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +137,47 @@ def chunk_delta_rule(q, k, v, g, beta, starts=None, state=None, chunk: int = CHU
     return o.to(dt), S
 
 
+def cu_seqlens(starts: torch.Tensor) -> torch.Tensor:
+    """The rows of starts [B, L] (bool, every row's position 0 a start: sample_starts) laid end to end as one sequence
+    list, flash-attention's way: int64 [N + 1] of each run's first position in the flattened B x L and B x L at the
+    end, e.g. [[T F F T], [T F T F]] -> [0, 3, 4, 6, 8]. Padding is a run of its own, as in the torch path."""
+    first = starts.reshape(-1).nonzero().squeeze(1)
+    return torch.cat([first, first.new_tensor([starts.numel()])]).long()
+
+
+@functools.cache
+def fla_chunk_gated_delta_rule():
+    """flash-linear-attention's chunked gated delta rule (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`, Triton,
+    CUDA) where the `fla` package imports, else None. Not a dependency of mmpipe: installed by whoever wants it."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or installed without a working Triton: the torch path serves
+        return None
+    return chunk_gated_delta_rule
+
+
+def use_fla(x: torch.Tensor) -> bool:
+    """The training forward runs flash-linear-attention's kernel on CUDA when it imports (MMPIPE_DELTA_RULE=torch
+    keeps the torch path, the reference it is tested equal to: tests/test_hf_qwen3_5.py)."""
+    return x.is_cuda and os.environ.get("MMPIPE_DELTA_RULE", "") != "torch" and fla_chunk_gated_delta_rule() is not None
+
+
+def fla_delta_rule(q, k, v, g, beta, starts: torch.Tensor | None) -> torch.Tensor:
+    """chunk_delta_rule's output from flash-linear-attention's kernel (no state in or out: the training forward):
+    every row's samples become sequences of one flattened batch (cu_seqlens at each sample start), which the kernel
+    restarts from a zero state, as the torch path's gate does. q is scaled already (scale 1), q, k l2-normed; q, k
+    and beta run in v's dtype, the log decays g in fp32."""
+    B, L, H, _ = q.shape
+    if starts is None:  # each row one sequence
+        starts = torch.zeros(B, L, dtype=torch.bool, device=q.device)
+        starts[:, 0] = True
+    flat = [x.reshape(1, B * L, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    q, k, v = (x.to(v.dtype) for x in flat[:3])
+    o, _ = fla_chunk_gated_delta_rule()(q, k, v, flat[3].float(), flat[4].to(v.dtype), scale=1.0,
+                                         cu_seqlens=cu_seqlens(starts))
+    return o.reshape(B, L, H, -1)
+
+
 def segment_conv(x: torch.Tensor, weight: torch.Tensor, segments: torch.Tensor | None,
                  past: torch.Tensor | None = None):
     """The causal depthwise convolution of x [B, L, C] with weight [C, 1, K] (out_t = sum_j w[K-1-j] x_{t-j}), a tap
@@ -190,7 +236,10 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         starts = sample_starts(segments) if state is None and segments is not None else None
-        o, S = chunk_delta_rule(q, k, v, g, beta, starts, state)
+        if cache is None and use_fla(x):  # training on CUDA with flash-linear-attention: its kernel, no state kept
+            o, S = fla_delta_rule(q, k, v, g, beta, starts), None
+        else:
+            o, S = chunk_delta_rule(q, k, v, g, beta, starts, state)
         if cache is not None:  # generation: one sample per row, its last K - 1 inputs and state go on
             cache["conv"] = (mixed if past is None else torch.cat([past, mixed], 1))[:, -(K - 1):]
             cache["state"] = S
