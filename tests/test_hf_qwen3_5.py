@@ -531,12 +531,14 @@ def test_plan_costs_each_decoder_layer_kind_by_its_own_rule(capsys):
     assert "DeltaNetBlock" in out and "GatedAttentionBlock" in out and "QwenBlock" not in out, out
 
 
-def test_cu_seqlens_marks_every_sample_start_of_every_row():
+def test_cu_seqlens_marks_every_sample_start_of_every_row(monkeypatch):
     """flash-linear-attention's kernel (the CUDA path, where `fla` imports) takes a batch of rows as one list of
     sequences: q35.cu_seqlens lays the rows end to end and starts a sequence at every sample start the torch path
-    restarts at (padding a run of its own). On CPU tensors the torch path runs."""
+    restarts at (padding a run of its own). On CPU tensors the torch path runs, MMPIPE_DELTA_RULE=fla or not."""
     segments = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 2, 2, 2, 2, 3, 3]])
     assert q35.cu_seqlens(q35.sample_starts(segments)).tolist() == [0, 3, 5, 8, 10, 14, 16]
+    assert not q35.use_fla(torch.zeros(1))
+    monkeypatch.setenv("MMPIPE_DELTA_RULE", "fla")
     assert not q35.use_fla(torch.zeros(1))
 
 
@@ -574,13 +576,14 @@ def test_fla_kernel_equals_the_torch_path():
 @pytest.mark.skipif(not torch.cuda.is_available() or q35.fla_chunk_gated_delta_rule() is None,
                     reason="flash-linear-attention's kernel needs CUDA and the fla package")
 def test_fla_path_gives_the_torch_paths_packed_row_logits(qwen3_5, monkeypatch):
-    """The imported tiny model on CUDA: its packed row's logits through flash-linear-attention's kernel are the torch
-    path's (MMPIPE_DELTA_RULE=torch) within 2e-3 of their largest."""
+    """The imported tiny model on CUDA: its packed row's logits through flash-linear-attention's kernel
+    (MMPIPE_DELTA_RULE=fla) are the torch path's within 2e-3 of their largest."""
     import copy
     model = copy.deepcopy(qwen3_5[2]).cuda()  # the module's fixture stays on CPU for the other tests
     args = [x.cuda() for x in row([_sample(i) for i in range(len(SAMPLES))])[0]]
     with torch.no_grad():
-        fla = model(*args)
-        monkeypatch.setenv("MMPIPE_DELTA_RULE", "torch")
         ref = model(*args)
+        monkeypatch.setenv("MMPIPE_DELTA_RULE", "fla")
+        assert q35.use_fla(args[0])
+        fla = model(*args)
     assert (fla - ref).abs().max() <= 2e-3 * ref.abs().max()

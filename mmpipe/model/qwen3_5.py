@@ -26,9 +26,10 @@ zero state by the gate: alpha = 0 at each sample start (g = -inf there), which i
 A -inf inside the chunked form's cumulative log-decay would give -inf - -inf = NaN, so `chunk_delta_rule` takes
 that limit exactly instead: every decay product that spans a sample start is 0 (masks on the within-chunk pairs, on
 the carried state's read and on its carry to the next chunk), the rest are the finite products of the sample's own
-gates. One chunked kernel thus serves packed rows, single samples and generation (an initial state). On CUDA, where
-flash-linear-attention (`fla`) imports, the training forward runs its chunked kernel instead, the rows' sample starts
-as its cu_seqlens (`fla_delta_rule`; tested equal to this torch path where both run). Parameter names follow
+gates. One chunked kernel thus serves packed rows, single samples and generation (an initial state). On CUDA with
+MMPIPE_DELTA_RULE=fla, where flash-linear-attention (`fla`) imports, the training forward runs its chunked kernel
+instead, the rows' sample starts as its cu_seqlens (`fla_delta_rule`; its test against this torch path, the
+reference, skips without a GPU). Parameter names follow
 transformers' Qwen3_5ForConditionalGeneration (mmpipe.hf.qwen3_5 maps them).
 """
 from __future__ import annotations
@@ -157,9 +158,10 @@ def fla_chunk_gated_delta_rule():
 
 
 def use_fla(x: torch.Tensor) -> bool:
-    """The training forward runs flash-linear-attention's kernel on CUDA when it imports (MMPIPE_DELTA_RULE=torch
-    keeps the torch path, the reference it is tested equal to: tests/test_hf_qwen3_5.py)."""
-    return x.is_cuda and os.environ.get("MMPIPE_DELTA_RULE", "") != "torch" and fla_chunk_gated_delta_rule() is not None
+    """The training forward runs flash-linear-attention's kernel with MMPIPE_DELTA_RULE=fla, on CUDA, where it
+    imports. Opt-in: its test against the torch path (tests/test_hf_qwen3_5.py, scripts/gpu_check.sh) has not run on
+    a GPU yet; once it has, this may become CUDA's default."""
+    return x.is_cuda and os.environ.get("MMPIPE_DELTA_RULE", "") == "fla" and fla_chunk_gated_delta_rule() is not None
 
 
 def fla_delta_rule(q, k, v, g, beta, starts: torch.Tensor | None) -> torch.Tensor:
@@ -236,7 +238,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         starts = sample_starts(segments) if state is None and segments is not None else None
-        if cache is None and use_fla(x):  # training on CUDA with flash-linear-attention: its kernel, no state kept
+        if cache is None and use_fla(x):  # training on CUDA, MMPIPE_DELTA_RULE=fla: its kernel, no state kept
             o, S = fla_delta_rule(q, k, v, g, beta, starts), None
         else:
             o, S = chunk_delta_rule(q, k, v, g, beta, starts, state)
