@@ -245,12 +245,15 @@ def test_layer_pattern_not_matching_the_layer_count_is_one_line(tmp_path, capsys
 def test_shrunk_model_keeps_one_layer_of_each_kind():
     """`mmpipe check`'s shrunk model (at most 2 blocks per group) keeps a linear and a full-attention layer: the full
     layers are index lists (text.full_attention_indexes), which the shrink keeps where they remain or moves to the
-    last block (qwen3.5-tiny: full at 3 of 4 -> at 1 of 2)."""
+    last block (qwen3.5-tiny: full at 3 of 4 -> at 1 of 2; the released sizes' 8 or 16 full layers likewise)."""
     from mmpipe.check.equivalence import shrunk
     small = shrunk(load_preset("qwen3.5-tiny"), 2)
     assert q35.layer_types(small.text) == ("linear_attention", "full_attention")
     kinds = [type(layer).__name__ for layer in ReferenceModel(small)]
     assert kinds.count("DeltaNetBlock") == 1 and kinds.count("GatedAttentionBlock") == 1
+    for preset in ("qwen3.5-9b", "qwen3.5-27b"):
+        kinds = [s.typename for s in layer_specs(shrunk(load_preset(preset), 2))]
+        assert kinds.count(q35.DeltaNetBlock) == 1 and kinds.count(q35.GatedAttentionBlock) == 1, preset
 
 
 def test_tiny_preset_runs_a_packed_row_and_trains_a_step():
