@@ -246,3 +246,21 @@ def test_cost_rule_counts_the_active_parameters():
     assert active < total / 2
     got = moe.MOE_BLOCK.cost_of(cfg, total, 0, seq)
     assert got.fwd == costs._llama_block(cfg, active, 0, seq).fwd
+
+
+def test_generation_gives_hf_generate_tokens(hf_moe):
+    """mmpipe's KV-cached greedy decoding (each layer's decode: the MoE block's run, the head's logits alone) and the
+    uncached one give transformers' generate tokens on an image prompt."""
+    from mmpipe.inference.generate import generate
+    from mmpipe.inference.sampling import Sampling
+    _, hf, model, _ = hf_moe
+    ids, px, grids = _sample(2)
+    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
+    greedy = Sampling(eos_id=None, max_new_tokens=5)
+    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
+    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
+                          mm_token_type_ids=(ids == hf.config.image_token_id).int()[None], max_new_tokens=5,
+                          min_new_tokens=5, do_sample=False)
+    assert out[0, len(ids):].tolist() == mine

@@ -142,7 +142,7 @@ class ReferenceModel(nn.Sequential):
         """Logits [B, L, V] of one prompt per row: input_ids [B, T] (BOS first; LLaVA: placeholders in place),
         has_image [B] (default: all), turned into rows by mmpipe.model.rows.sample_rows (moondream: L = N_img + T,
         the image after BOS; LLaVA, cross-attention: L = T)."""
-        return self(pixel_values, *sample_rows(self.cfg, input_ids, has_image), tiling)
+        return split_aux(self(pixel_values, *sample_rows(self.cfg, input_ids, has_image), tiling))[0]  # MoE: logits
 
 
 class _ShapesOnly(TorchFunctionMode):
