@@ -131,9 +131,10 @@ def _assert_overflow_accounting(run: Run) -> None:
     assert run.summary["skipped_steps"] == 1
     rows = run.rows
     assert [r["skipped"] for r in rows] == ["", "", "fp16_overflow", ""]
-    # the scale starts at 2^8, halves at the overflow (hysteresis 1), and the LR schedule holds still
+    # the scale starts at 2^8, halves at the overflow (hysteresis 1), and the LR schedule holds still: the step
+    # after the skipped one uses the skipped step's rate (each row's lr is the rate its step used)
     assert [float(r["loss_scale"]) for r in rows] == [256, 256, 128, 128]
-    assert rows[2]["lr"] == rows[1]["lr"] != rows[3]["lr"]
+    assert rows[3]["lr"] == rows[2]["lr"] != rows[1]["lr"]
 
 
 def _fp16_kernels() -> bool:

@@ -103,7 +103,7 @@ def _assert_moved(moved: Run, stages: int, uninterrupted: Run) -> None:
     assert f"this run is {stages} x dp 1" in moved.proc.stdout and "starts again from zero" in moved.proc.stdout
     assert moved.summary["start_step"] == 4 and moved.summary["stages"] == stages
     assert moved.losses[5] == uninterrupted.losses[5]
-    assert moved.rows[-1]["lr"] == uninterrupted.rows[4]["lr"]
+    assert moved.rows[-1]["lr"] == uninterrupted.rows[4]["lr"]  # the rate step 5 used, both runs
 
 
 def test_clean_stop_resumes_exactly_then_a_nan_batch_is_skipped_and_counted_when_configured(
@@ -122,7 +122,7 @@ def test_clean_stop_resumes_exactly_then_a_nan_batch_is_skipped_and_counted_when
     assert all(resumed.losses[s] == uninterrupted.losses[s] for s in range(1, 7))
     assert resumed.summary["nonfinite_steps"] == 1 and resumed.summary["skipped_steps"] == 0
     assert [r["skipped"] for r in rows] == ["", "", "", "", "", "", "nonfinite", ""]
-    assert rows[6]["lr"] == rows[5]["lr"] != rows[7]["lr"]  # the skipped step did not advance the schedule
+    assert rows[7]["lr"] == rows[6]["lr"] != rows[5]["lr"]  # the skipped step did not advance the schedule
     # no update at step 7: step 8 sees step 6's weights, as the uninterrupted run's step 7 did
     assert resumed.losses[8] != uninterrupted.losses[8]
 

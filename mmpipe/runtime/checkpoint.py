@@ -268,6 +268,9 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
         engine.global_steps, engine.global_samples = state["step"], state["samples"]
         if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            # DeepSpeed's schedulers load their counter only: the optimizer's groups, not loaded here, would keep
+            # the initial rate (0 at a warm-up's start) for the next update; set them to the counter's rate
+            engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
         notes.append(f"warning: {tag} was written by {state['stages']} stages x dp {state['dp']} (parts "
                      f"{state['parts']}, {state['precision']}), this run is {run.stages} x dp {run.dp} (parts "
                      f"{run.parts}, {run.precision}): weights, step {state['step']}, data position and LR schedule "
