@@ -183,6 +183,9 @@ class Qwen3MoeBlock(Qwen3Block):
         carried = t.moe_stats
         return t._replace(hidden=hidden, moe_stats=stats if carried is None else carried + stats).pack()
 
+    def run(self, t: StageTuple, start: int, cache: dict | None = None):
+        return self.run_moe(t, start, cache)[0]  # LlamaBlock's interface, the statistics left out
+
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
         """Cached generation: as forward, so the tuple keeps the schema's moe_stats for the layers after (whose
         decode may run their forward on it); nothing reads it there."""
