@@ -264,3 +264,19 @@ def test_generation_gives_hf_generate_tokens(hf_moe):
                           mm_token_type_ids=(ids == hf.config.image_token_id).int()[None], max_new_tokens=5,
                           min_new_tokens=5, do_sample=False)
     assert out[0, len(ids):].tolist() == mine
+
+
+def test_cli_import_and_export_round_trip(hf_moe, tmp_path):
+    """`mmpipe import --hf` writes an MoE run (model.json with text.moe, layer files of whole experts) and
+    `mmpipe export` of it loads in transformers as a Qwen3VLMoeForConditionalGeneration with the same tensors."""
+    import json
+
+    from mmpipe.cli import main
+    d, hf, _, _ = hf_moe
+    assert main(["import", "--hf", str(d), "--out", str(tmp_path / "run")]) == 0
+    moe_json = json.loads((tmp_path / "run" / "model.json").read_text())["text"]["moe"]
+    assert moe_json == dict(experts=EXPERTS, top_k=TOP_K, ff_dim=EXPERT_FF, aux_coef=0.001, norm_topk=True)
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    back = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "out")
+    sd = back.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in hf.state_dict().items())
