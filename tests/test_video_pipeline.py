@@ -103,3 +103,18 @@ def test_resume_with_clips_is_bit_exact(video_set, pp2):
     cfg = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1).model
     got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict() for r in (resumed, pp2))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_loader_check_reports_clips_per_second(video_set):
+    """`mmpipe check`'s loader check on the clip set (rank 0's measure, in process, against a given pipeline rate):
+    clips/s beside rows/s and samples/s, at the set's clips per sample (12 clips in 15 records: 3 x (1 + 1 + 2))."""
+    from mmpipe.check.loader import measure
+    from mmpipe.check.report import summaries
+    root, args = video_set
+    run = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "check")]), world_size=1)
+    got = measure(run, SEED, str(root / "check"), measured=1.0)
+    assert got["clips_per_s"] == pytest.approx(got["samples_per_s"] * 12 / 15)
+    checks = {"loader": got, "env": {"ranks": 1, "backend": "gloo", "problems": []}, "links": {"rows": []},
+              "equivalence": {"error": "not run"}}
+    line = summaries(checks)["loader"]
+    assert f"{got['clips_per_s']:.1f} clips/s at the set's clips per sample" in line

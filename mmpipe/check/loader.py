@@ -70,7 +70,11 @@ def measure(run: RunConfig, seed: int, out_dir: str, measured: float | None = No
         m % run.gas]]
     per_row = sum(len(plan.row(r)) for r in rows) / len(rows) if plan is not None else 1.0
     need = measured or predicted_rows_per_s(run, planner_device())
+    # clips (docs/video.md): decoding them is where a loader falls behind; their rate at the set's clips per sample
+    stats = getattr(getattr(samples, "index", None), "stats", {})
+    clips = stats.get("clips", 0) / max(1, stats.get("good", 0))
     return {"ok": need is None or rows_s >= need, "rows_per_s": rows_s, "samples_per_s": rows_s * per_row,
+            "clips_per_s": rows_s * per_row * clips if clips else None,
             "samples_per_row": per_row, "pipeline_rows_per_s": need, "micro_batches_timed": n,
             "pipeline_rate": "measured" if measured else "predicted",
             "workers": run.data.workers}

@@ -42,7 +42,10 @@ def summaries(checks: dict) -> dict[str, str]:
     out["loader"] = (f"the loader feeds {loader['rows_per_s']:.1f} of the "
                      f"{f'{need:.1f}' if need else 'unknown (no planner device)'} rows/s the pipeline can take "
                      f"({loader['pipeline_rate']}; "
-                     f"{loader['samples_per_s']:.1f} samples/s, {loader['workers']} workers)")
+                     f"{loader['samples_per_s']:.1f} samples/s"
+                     + (f", {loader['clips_per_s']:.1f} clips/s at the set's clips per sample"
+                        if loader.get("clips_per_s") else "")
+                     + f", {loader['workers']} workers)")
     return out
 
 
