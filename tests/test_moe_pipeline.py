@@ -9,7 +9,8 @@ Its layer list (19 layers) and the cut, 13, after decoder layer 1 (layers 10, 12
 
 so the float stage field moe_stats (the routers' per-row counts and probability sums of decoder layers 0 and 1)
 crosses the cut beside hidden and DeepStack's sets 1 and 2, and the load-balancing loss's gradient flows back
-through it to stage 0's routers. One PP=2 launch, checkpointed at step 2, and its resume from there:
+through it to stage 0's routers. The tower is frozen (`--freeze vision`; DeepStack's mergers and the decoder train).
+One PP=2 launch, checkpointed at step 2, and its resume from there:
 
 - each step's loss, its LM part and its auxiliary part (train_log.csv's loss, lm_loss, aux_loss) equal the
   single-device loop's (1e-5), and so do the final weights, routers and experts included;
@@ -75,7 +76,8 @@ def moe_set(tmp_path_factory):
 
 def _resolved(moe_set):
     root, args = moe_set
-    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
+    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--freeze", "vision",
+                                        "--output-dir", str(root / "ref")]), world_size=1)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def monkeypatch_module():
 def _launch(moe_set, name: str, *extra: str):
     root, args = moe_set
     return train_run(root / name, *args, "--stages", "2", "--steps", str(STEPS), "--partition", "13",
-                     *extra).check()
+                     "--freeze", "vision", *extra).check()
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +131,9 @@ def test_pipeline_equals_single_device_loss_aux_and_weights(pp2, reference):
     got = torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg))
     _weights_equal_within(got, ref_model, TOL)
     init = type(ref_model)(ref_model.cfg, seed=SEED)
+    for i in range(1 + ref_model.cfg.vision.n_layers + len(ref_model.cfg.vision.deepstack_indexes)):
+        if getattr(init[i], "group", None) == "vision":  # --freeze vision: the tower as it started
+            assert all(torch.equal(a, b) for a, b in zip(got[i].state_dict().values(), init[i].state_dict().values()))
     for i in (10, 12, 14, 16):  # every stage's routers and experts trained
         for name in ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
             assert not torch.equal(got[i].state_dict()[name], init[i].state_dict()[name]), (i, name)
