@@ -193,7 +193,7 @@ class AnyresVision(ClipVision):
 
 @dataclass(frozen=True)
 class PatchVision(VisionConfig):
-    """The Qwen2-VL / Qwen2.5-VL family's tower (mmpipe.model.qwen2_vl): a patch spans temporal_patch_size frames
+    """The towers of patches (Qwen2-VL's, Qwen3-VL's; mmpipe.model.qwen2_vl): a patch spans temporal_patch_size frames
     (Qwen: 2, an image is 2 identical frames; patch_dim 3 x 2 x 14 x 14 = 1176), merge_size^2 neighbouring patches
     become one decoder token (Qwen: 2), window attention over window_size px (Qwen2.5: 112; 0: every block full)
     except in the fullatt_blocks (Qwen2.5: 7, 15, 23, 31), norm "layernorm" / "rmsnorm" (Qwen2.5), mlp "gelu"
@@ -209,14 +209,23 @@ class PatchVision(VisionConfig):
     mlp: str = "gelu"
     min_pixels: int = 0
     max_pixels: int = 0
-    # Qwen2.5-VL's absolute-time temporal rotary for clips (vision_config.tokens_per_second, its releases: 2): a clip's
-    # temporal patch f sits at f x tokens_per_second x temporal_patch_size / sampled fps (mmpipe.data.video);
-    # 0: Qwen2-VL's temporal index f (and the rows' tiling keeps 3 columns)
-    tokens_per_second: int = 0
 
     @property
     def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 x 2 frames = 1176
         return self.patch_size * self.patch_size * self.channels * self.temporal_patch_size
+
+    @property
+    def timestamps(self) -> bool:  # a clip's time as text before each temporal patch (Qwen3-VL), not in the rotary
+        return False
+
+
+@dataclass(frozen=True)
+class Qwen2Vision(PatchVision):
+    """The Qwen2-VL / Qwen2.5-VL family's tower, with Qwen2.5-VL's absolute-time temporal rotary for clips
+    (vision_config.tokens_per_second, its releases: 2): a clip's temporal patch f sits at f x tokens_per_second x
+    temporal_patch_size / sampled fps (mmpipe.data.video); 0: Qwen2-VL's temporal index f (the rows' tiling keeps 3
+    columns)."""
+    tokens_per_second: int = 0
 
 
 @dataclass(frozen=True)
@@ -224,6 +233,14 @@ class Qwen3Vision(PatchVision):
     """The Qwen3.5 family's tower (Qwen3-VL's without DeepStack): Qwen2-VL's, no windows, plus a learned position
     table of num_position_embeddings = side^2 bilinearly resampled to each image's grid (2304 = 48^2)."""
     num_position_embeddings: int = 0
+
+    @property
+    def tokens_per_second(self) -> int:  # clips keep the temporal index in the rotary: their time is in the text
+        return 0
+
+    @property
+    def timestamps(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -329,7 +346,7 @@ class HybridText(Qwen3Text):
 LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True, vision=CropVision, text=TextConfig),
            ("moondream", "cross_attention"): ImageLayout(cross_attention=True, vision=CropVision, text=TextConfig),
            ("llava", "prefix"): ImageLayout(placeholders=True, vision=ClipVision, text=LlamaText),
-           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, vision=PatchVision, text=MropeText),
+           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, vision=Qwen2Vision, text=MropeText),
            ("llava_next", "prefix"): ImageLayout(placeholders=True, vision=AnyresVision, text=LlamaText),
            ("qwen3_vl", "prefix"): ImageLayout(placeholders=True, vision=DeepstackVision, text=Qwen3Text),
            ("qwen3_5", "prefix"): ImageLayout(placeholders=True, vision=Qwen3Vision, text=HybridText)}

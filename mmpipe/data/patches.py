@@ -124,8 +124,7 @@ def default_patch_budget(vision, max_images: int) -> int:
 def patch_rule(cfg, budget: int) -> PatchRule:
     """The run's rule. The lower bound is at least one merge unit (min_pixels 0 would let smart_resize
     round a small image's side to 0)."""
-    from ..config import Qwen3Vision
     v = cfg.vision
     factor = v.patch_size * v.merge_size
     return PatchRule(v.patch_size, v.merge_size, v.temporal_patch_size, v.channels, max(v.min_pixels, factor * factor),
-                     v.max_pixels, budget, tuple(v.mean), tuple(v.std), v.tokens_per_second, isinstance(v, Qwen3Vision))
+                     v.max_pixels, budget, tuple(v.mean), tuple(v.std), v.tokens_per_second, v.timestamps)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, MropeText, PatchVision
+from ..config import ModelConfig, MropeText, PatchVision, Qwen2Vision
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
@@ -85,7 +85,7 @@ def pixel_defaults_taken(proc: dict, pixels: tuple[int, int], clip: bool) -> tup
     return keys + more[0], words + more[1]
 
 
-def _vision(hf, proc: dict) -> PatchVision:
+def _vision(hf, proc: dict) -> Qwen2Vision:
     vc, v25 = hf.vision_config, hf.model_type == "qwen2_5_vl"
     theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", VISION_THETA)
     if theta != VISION_THETA:
@@ -93,7 +93,7 @@ def _vision(hf, proc: dict) -> PatchVision:
     lo, hi = (int(got or default) for got, default in zip(_bounds(proc), DEFAULT_PIXELS))
     unit = vc.patch_size * vc.spatial_merge_size
     dim = vc.hidden_size if v25 else vc.embed_dim
-    return PatchVision(
+    return Qwen2Vision(
         image_size=max(unit, math.isqrt(hi) // unit * unit), patch_size=vc.patch_size, dim=dim,
         n_layers=vc.depth, n_heads=vc.num_heads, ff_dim=vc.intermediate_size if v25 else int(dim * vc.mlp_ratio),
         channels=vc.in_channels, mean=tuple(proc.get("image_mean") or CLIP_MEAN),
