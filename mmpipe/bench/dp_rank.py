@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     counts = StepCounts(run, samples) if rank == 0 else None  # one-sample rows: the sweep refuses pack here
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        total = 0.0
+        total, lr = 0.0, engine.get_lr()[0]  # the rate this step's update uses (the schedule moves after it)
         for _ in range(run.gas):
             inputs, labels = next(batches)
             loss = engine(inputs, labels)
@@ -87,8 +87,7 @@ def main(argv=None) -> int:
         total = float(mean) / run.dp
         dt = time.perf_counter() - t0
         # step s (1-based) trains rows [(s - 1) x micro x GAS x DP, + micro x GAS x DP) over all replicas
-        n, useful = counts((step - 1) * run.train_batch, run.train_batch) if counts else (None, None)
-        log.step(step, total, dt, samples=n, useful=useful, lr=engine.get_lr()[0])
+        log.step(step, total, dt, counts((step - 1) * run.train_batch, run.train_batch) if counts else None, lr=lr)
     del batches
     dist.barrier()
     dist.destroy_process_group()

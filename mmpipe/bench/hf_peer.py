@@ -74,8 +74,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         loss = train_step(micro_loss, run.gas, params, opt, sched, clip)
         dt = time.perf_counter() - t0
-        n, useful = counts(step)
-        log.step(step, loss, dt, samples=n, useful=useful)
+        log.step(step, loss, dt, counts(step))
     log.finish(params=sum(p.numel() for p in params), hf_model="LlavaForConditionalGeneration",
                data={"text_len": run.text_len, **log.seen()})
     write_peak(a.out)

@@ -175,8 +175,7 @@ def main(argv=None) -> int:
         loss = torch.tensor(sum(float(x.detach()) for x in losses) / len(losses) if losses else 0.0)
         dist.broadcast(loss, loss_rank)
         dt = time.perf_counter() - t0
-        n, useful = counts(step) if counts else (None, None)
-        log.step(step, float(loss), dt, samples=n, useful=useful)
+        log.step(step, float(loss), dt, counts(step) if counts else None)
     log.finish(schedule=schedule_name, parts=run.parts, data={"text_len": run.text_len, **log.seen()})
     write_peak(a.out)
     dist.barrier()

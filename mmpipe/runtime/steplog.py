@@ -60,19 +60,20 @@ class StepLog:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
 
-    def step(self, step: int, loss: float, dt: float, *, samples: int | None = None, useful: int | None = None,
+    def step(self, step: int, loss: float, dt: float, counts: tuple[int, int] | None = None, *,
              lr: float | None = None, skipped: str = "", loss_scale: float | None = None,
              aux_loss: float | None = None) -> None:
-        """Step `step` took dt seconds and trained `samples` real samples holding `useful` decoder
+        """Step `step` took dt seconds and trained counts = (samples, useful): real samples holding useful decoder
         positions of their own (feed.StepCounts over its rows; needed where the log is enabled, ignored
-        elsewhere). lr: None where the caller has no schedule to report (peers); loss_scale: fp16 only.
-        Flushed per row: a crashed run's log has every finished step."""
+        elsewhere). lr: the rate the step's update used, None where the caller has no schedule to report (peers);
+        loss_scale: fp16 only. Flushed per row: a crashed run's log has every finished step."""
         self.times.append(dt)
         self.losses.append(loss)
         if not self.enabled:
             return
-        if samples is None or useful is None:
+        if counts is None:
             raise ValueError("StepLog.step: an enabled log needs the step's samples and useful positions")
+        samples, useful = counts
         self.samples.append(samples)
         self.useful.append(useful)
         rates = self.rates()

@@ -90,8 +90,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
         first_row = progress.position  # the step trains rows [first_row, first_row + micro x GAS x DP)
         lr = engine.get_lr()[0]  # the rate this step's update uses: DeepSpeed moves its schedule after the update
         loss, dt, skipped = run_step(engine, stream.batches, guard, progress, run.train_batch)
-        n, useful = counts(first_row, run.train_batch) if counts else (None, None)
-        log.step(step, loss, dt, samples=n, useful=useful, lr=lr, skipped=skipped,
+        log.step(step, loss, dt, counts(first_row, run.train_batch) if counts else None, lr=lr, skipped=skipped,
                  loss_scale=engine.optimizer.loss_scale if run.precision == "fp16" else None,
                  aux_loss=float(engine.agg_additional_losses["aux_loss"]) if engine.agg_additional_losses else None)
         if not math.isfinite(loss) and not skipped and run.precision != "fp16":  # fp16: the loss scaler's business
