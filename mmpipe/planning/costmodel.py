@@ -115,6 +115,14 @@ class LayerCost:
     embedding: bool = False  # pixels / token ids in: its full backward is 1x forward (weight gradients only)
     adapter_params: int = 0  # LoRA: the adapters' parameters, the layer's only trainable ones (in `params` too)
     w_flops: float = 0.0  # per sample, of bwd_flops: the trainable linears' weight gradients (ZB-H1's W)
+    expert_params: int = 0  # an MoE block's experts (E x 3 D F, in `params` too): split over the EP ranks
+    a2a_elems: float = 0.0  # an MoE block: one all-to-all's rows per sample, positions x top_k x D (moe_ep_costs)
+
+    @property
+    def expert_trainable(self) -> int:
+        """The experts' share of trainable_params: all of them in a trainable layer, none under LoRA (the 3-D expert
+        tensors are not linears, so they stay frozen)."""
+        return self.expert_params if self.trainable and not self.adapter_params else 0
 
     @property
     def trainable_params(self) -> int:
@@ -178,8 +186,32 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         w = min(2.0 * w_params * c.tokens, bwd)
         rows.append(LayerCost(rule.name, group, params + adapters, trainable, c.tokens, fwd, bwd, recompute,
                               float(c.act), float(c.fp32), float(c.out), embedding=rule.embedding,
-                              adapter_params=adapters, w_flops=w))
+                              adapter_params=adapters, w_flops=w, **_moe_fields(cfg, spec, c.tokens)))
     return _carry(cfg, rows, _image_set_elems(cfg, n, images, patches))
+
+
+def _moe_fields(cfg: ModelConfig, spec, tokens: int) -> dict:
+    """An MoE block's expert weights and all-to-all rows (LayerCost.expert_params, a2a_elems); {} for any other
+    layer, so a dense model's rows are unchanged. E.g. qwen3-vl-30b-a3b: 128 x 3 x 2048 x 768 = 603,979,776 expert
+    weights a block, and at 1024 positions 1024 x 8 x 2048 = 16,777,216 elements an all-to-all."""
+    from ..model.moe import Qwen3MoeBlock, expert_params
+    if not issubclass(spec.typename, Qwen3MoeBlock):
+        return {}
+    m = cfg.text.moe
+    return {"expert_params": m.experts * expert_params(cfg), "a2a_elems": float(tokens * m.top_k * cfg.text.dim)}
+
+
+def moe_param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """An MoE model's parameters (built on the meta device): total; active = what one token runs through, the total
+    less the E - top_k experts it skips in each MoE block; experts = all blocks' expert weights (what `--ep` splits).
+    E.g. 48 blocks of 128 experts of 3 x 2048 x 768 = 4,718,592 weights, top 8: experts 48 x 128 x 4,718,592 =
+    28,991,029,248, active = total - 48 x 120 x 4,718,592 = total - 27,179,089,920."""
+    from ..model.moe import Qwen3MoeBlock, expert_params
+    m = cfg.text.moe
+    blocks = sum(issubclass(s.typename, Qwen3MoeBlock) for s in layer_specs(cfg))
+    total = sum(layer_param_counts(cfg))
+    return {"total": total, "active": total - blocks * (m.experts - m.top_k) * expert_params(cfg),
+            "experts": blocks * m.experts * expert_params(cfg), "blocks": blocks}
 
 
 def linear_param_counts(cfg: ModelConfig) -> list[int]:
@@ -253,19 +285,37 @@ def state_bytes(params: int, trainable: int, precision: str, zero_stage: int, dp
             "optimizer": (8 + 4) * trainable / shard}
 
 
+def rank_state_bytes(params: float, trainable: float, experts: float, expert_trainable: float, precision: str,
+                     zero_stage: int, dp: int, ep: int = 1) -> dict:
+    """state_bytes of one rank under expert parallelism (`--ep N`, docs/moe.md): the experts (of `params`, of
+    `trainable`) split over the N ranks of an EP group, so a rank holds E / N of them, their ZeRO-1 shards over the
+    DP / N ranks holding the same experts (the expert-data-parallel group, as DeepSpeed's MoE parameter groups
+    shard them); everything else is a replica on all DP ranks, as without EP. ep = 1: state_bytes unchanged.
+    E.g. fp32, ZeRO 0, 1000 weights of which 800 experts, all trained, N = 4: weights 4 x (200 + 800 / 4) = 1600 B,
+    gradients the same, moments 8 x 400 = 3200 B."""
+    if ep == 1 or not experts:
+        return state_bytes(params, trainable, precision, zero_stage, dp)
+    rest = state_bytes(params - experts, trainable - expert_trainable, precision, zero_stage, dp)
+    mine = state_bytes(experts / ep, expert_trainable / ep, precision, zero_stage, dp // ep)
+    return {k: rest[k] + mine[k] for k in rest}
+
+
 def in_flight(stage: int, stages: int, micro_batches: int) -> int:
     """1F1B: stage s holds the activations of up to min(P - s, m) micro-batches at once."""
     return min(stages - stage, micro_batches)
 
 
 def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, *, micro: int, micro_batches: int,
-                 precision: str, zero_stage: int, dp: int, micro_batches_in_flight: int | None = None) -> dict:
+                 precision: str, zero_stage: int, dp: int, micro_batches_in_flight: int | None = None,
+                 ep: int = 1) -> dict:
     """Bytes on one rank of `stage`: states + activations of the micro-batches in flight (1F1B's
-    in_flight, or micro_batches_in_flight: another schedule's, e.g. ZB-H1's from its simulated order)."""
+    in_flight, or micro_batches_in_flight: another schedule's, e.g. ZB-H1's from its simulated order). ep: the
+    expert-parallel ranks the MoE blocks' experts are split over (rank_state_bytes)."""
     layers = rows[parts[stage]:parts[stage + 1]]
     params = sum(r.params for r in layers)
     trainable = sum(r.trainable_params for r in layers)
-    mem = state_bytes(params, trainable, precision, zero_stage, dp)
+    mem = rank_state_bytes(params, trainable, sum(r.expert_params for r in layers),
+                           sum(r.expert_trainable for r in layers), precision, zero_stage, dp, ep)
     per_sample = sum(r.act_bytes(precision) for r in layers)
     # one block's full activations while it is recomputed: once, for the one micro-batch in its backward
     # (not per micro-batch in flight, which keep only their checkpointed inputs)
@@ -285,10 +335,12 @@ class RangeMemory:
 
     def __init__(self, rows: list[LayerCost], precision: str):
         self.precision, n = precision, len(rows)
-        self.params, self.trainable, self.act = ([0.0] for _ in range(3))
+        self.params, self.trainable, self.act, self.experts, self.expert_trainable = ([0.0] for _ in range(5))
         for r in rows:
             self.params.append(self.params[-1] + r.params)
             self.trainable.append(self.trainable[-1] + r.trainable_params)
+            self.experts.append(self.experts[-1] + r.expert_params)
+            self.expert_trainable.append(self.expert_trainable[-1] + r.expert_trainable)
             self.act.append(self.act[-1] + r.act_bytes(precision))
         full = [((r.act_elems - r.act_fp32_elems) * BYTES[precision] + r.act_fp32_elems * 4) if r.recompute else 0.0
                 for r in rows]
@@ -298,10 +350,11 @@ class RangeMemory:
                 self.recompute[a][b] = max(self.recompute[a][b - 1], full[b - 1])
 
     def total(self, a: int, b: int, stage: int, stages: int, *, micro: int, micro_batches: int, zero_stage: int,
-              dp: int) -> float:
+              dp: int, ep: int = 1) -> float:
         """Bytes on a rank of `stage` (of `stages`) holding layers a..b-1, as stage_memory counts them (1F1B)."""
-        state = state_bytes(self.params[b] - self.params[a], self.trainable[b] - self.trainable[a], self.precision,
-                            zero_stage, dp)
+        state = rank_state_bytes(self.params[b] - self.params[a], self.trainable[b] - self.trainable[a],
+                                 self.experts[b] - self.experts[a], self.expert_trainable[b] - self.expert_trainable[a],
+                                 self.precision, zero_stage, dp, ep)
         k = in_flight(stage, stages, micro_batches)
         return sum(state.values()) + ((self.act[b] - self.act[a]) * k + self.recompute[a][b]) * micro
 
@@ -335,6 +388,28 @@ KNOWN_DEVICES = {
     "h200": Device("h200", 989e12, 141e9, 450e9),
     "l40s": Device("l40s", 362e12, 48e9, 32e9),
 }
+
+
+def all_to_all(rows: list[LayerCost], parts: list[int], micro: int, precision: str, ep: int, device: Device
+               ) -> list[dict]:
+    """Per stage, the expert-parallel exchange of one micro-batch (mmpipe.model.moe.Experts.exchange): each MoE
+    block sends its (position, choice) rows to the experts' owners and takes the results back, two all-to-alls of
+    positions x top_k x D elements forward, and their gradients the same way backward (two more):
+
+        bytes per direction (forward or backward) = 2 x sum over the stage's MoE blocks of positions x top_k x D
+                                                    x micro x dtype bytes
+        seconds per direction                     = bytes x (ep - 1) / ep / device.link
+
+    (ep - 1) / ep: the share of the rows whose expert lives on another rank of the EP group when the router spreads
+    them evenly (at ep = 1 nothing leaves the rank: 0 s). The exchange is on the critical path (the experts wait
+    for their rows), so it adds to the stage's forward and backward. E.g. qwen3-vl-30b-a3b, 1024 positions, micro
+    1, bf16: 2 x 1024 x 8 x 2048 x 2 = 64 MiB per block per direction; at ep 8 over 450 GB/s 7 / 8 of it takes
+    0.131 ms."""
+    out = []
+    for a, b in zip(parts, parts[1:]):
+        per_dir = 2 * sum(r.a2a_elems for r in rows[a:b]) * micro * BYTES[precision]
+        out.append({"bytes": per_dir, "seconds": per_dir * (ep - 1) / ep / device.link})
+    return out
 
 
 def stage_seconds(rows: list[LayerCost], parts: list[int], micro: int, device: Device,

@@ -82,6 +82,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="default: bf16; with --device-profile, the profile's precision when it holds one only (a "
                         "profile `mmpipe check` wrote holds its run's)")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (0 or 1 with a pipeline)")
+    p.add_argument("--ep", default="1", metavar="N[,N...]",
+                   help="an MoE model (text.moe): expert-parallel ranks to consider, as `mmpipe train --ep N` splits "
+                        "the experts over groups of N data-parallel ranks; a layout whose DP N does not divide is "
+                        "skipped (default: 1; docs/moe.md)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
     p.add_argument("--schedule", default=BASELINE.name, metavar="|".join(PLAN_SCHEDULES),
                    help="pipeline schedule to predict: 1f1b (default), zb-h1 (zero-bubble, docs/schedules.md), or "
@@ -165,9 +169,10 @@ def cpu_device() -> Device:
 def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micros: list[int], text_len: int,
          precision: str, zero: int, freeze: tuple[str, ...], checkpointing: bool, profile: bool = False,
          lora: Lora | None = None, schedule: tuple[Schedule, ...] = (BASELINE,), images: int = 1,
-         patches: PatchRow | None = None) -> list[Layout]:
+         patches: PatchRow | None = None, eps: tuple[int, ...] = (1,)) -> list[Layout]:
     """images: a row's image slots (--max-images); global_batch and micros then count rows. patches: a
-    dynamic-resolution row's patch budget and image grids (mmpipe.planning.images.patch_row)."""
+    dynamic-resolution row's patch budget and image grids (mmpipe.planning.images.patch_row). eps: an MoE model's
+    expert-parallel degrees (--ep), each planned for every layout whose DP it divides."""
     rows = layer_costs(cfg, freeze, text_len, checkpointing, lora, images, patches)
     profiles = {m: profile_layers(cfg, text_len, m, precision, images=images) for m in micros} if profile else {}
     layouts = []
@@ -176,9 +181,10 @@ def plan(cfg: ModelConfig, *, device: Device, gpus: int, global_batch: int, micr
         for micro in micros:
             if global_batch % (micro * dp):
                 continue
-            layouts.append(plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=global_batch // (micro * dp),
-                                       precision=precision, zero=zero, device=device, measured=profiles.get(micro),
-                                       schedule=schedule))
+            for ep in [e for e in eps if dp % e == 0]:
+                layouts.append(plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=global_batch // (micro * dp),
+                                           precision=precision, zero=zero, device=device,
+                                           measured=profiles.get(micro), schedule=schedule, ep=ep))
     return sorted(layouts, key=lambda lay: -lay.throughput)
 
 
@@ -305,6 +311,7 @@ def main_plan(args) -> int:
             raise ConfigError(f"--schedule: {args.schedule!r} is not a schedule (valid: {', '.join(PLAN_SCHEDULES)})")
         if args.precision == "fp16" and args.zero != 1:
             raise ConfigError("--precision fp16 needs --zero 1 (DeepSpeed 0.19.8, see docs/configs.md)")
+        eps = _check_ep(args.ep, cfg)
     except (ConfigError, ValueError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--micro: {e}"))
     gpus = args.gpus_per_node * args.nodes
@@ -312,13 +319,16 @@ def main_plan(args) -> int:
     layouts = plan(cfg, device=device, gpus=gpus, global_batch=args.global_batch, micros=micros,
                    text_len=args.text_len, precision=args.precision, zero=args.zero, freeze=freeze,
                    checkpointing=args.checkpointing, profile=args.profile, lora=lora, schedule=asked(args.schedule),
-                   images=args.max_images, patches=patches)
+                   images=args.max_images, patches=patches, eps=eps)
     feasible = [lay for lay in layouts if lay.step]
     length = row_positions(cfg, args.text_len, args.max_images, patches)
     if args.json:  # throughput: rows/s (samples/s unless packed); positions_per_s = rows/s x L, padding included
         row = image_kind(cfg).row_json(patches)  # the row's budget flag and its images' grids or tilings
-        print(json.dumps([{**lay.__dict__, "throughput": lay.throughput, "decoder_length": length,
-                           "positions_per_s": lay.throughput * length, **row} for lay in layouts], indent=1))
+        moe = getattr(cfg.text, "moe", None) is not None  # a dense model's layouts keep their keys (no ep)
+        keys = [{k: v for k, v in lay.__dict__.items() if moe or k != "ep"} for lay in layouts]
+        print(json.dumps([{**d, "throughput": lay.throughput, "decoder_length": length,
+                           "positions_per_s": lay.throughput * length, **row} for d, lay in zip(keys, layouts)],
+                         indent=1))
     else:
         beside = fixed_first_stage(cfg, args, feasible[0] if feasible else None, device, freeze, lora, patches)
         _print(cfg, device, gpus, args, layouts, time.perf_counter() - t0, patches, beside)
@@ -343,6 +353,26 @@ def main_plan(args) -> int:
     return 0
 
 
+def _check_ep(text: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """--ep N[,N...] -> the degrees, checked as `mmpipe train --ep` checks one (run_config._check_ep): each >= 1,
+    above 1 only on an MoE model and dividing its experts; whether it divides a layout's DP, plan decides per
+    layout."""
+    try:
+        eps = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(f"--ep: {text!r} is not a list of integers, e.g. 1,2,4,8") from None
+    moe = getattr(cfg.text, "moe", None)
+    for ep in eps:
+        if ep < 1:
+            raise ConfigError(f"--ep: {ep} must be >= 1")
+        if ep > 1 and moe is None:
+            raise ConfigError(f"--ep: {ep} on {cfg.name}, a dense model (no text.moe): expert parallelism splits "
+                              f"experts")
+        if ep > 1 and moe.experts % ep:
+            raise ConfigError(f"--ep: {ep} does not divide {cfg.name}'s {moe.experts} experts")
+    return eps or (1,)
+
+
 def train_flags(args, model_args: ModelArgs, best: Layout, patches: PatchRow | None) -> list[str]:
     """The `mmpipe train` flags that run the plan as planned: the preset (train's default is another model), the
     written config (precision, ZeRO, checkpointing, schedule, batch sizes, partition) and its DP, the model
@@ -351,7 +381,8 @@ def train_flags(args, model_args: ModelArgs, best: Layout, patches: PatchRow | N
     rows = ([*(["--pack"] if args.pack else []), "--max-images", str(args.max_images)]
             if args.pack or args.max_images > 1 else [])
     rows += _budget(patches, " ").split() if patches else []
-    return ["--preset", args.preset, "--ds-config", args.write_config, "--dp", str(best.dp), *to_argv(model_args),
+    ep = ["--ep", str(best.ep)] if best.ep > 1 else []
+    return ["--preset", args.preset, "--ds-config", args.write_config, "--dp", str(best.dp), *ep, *to_argv(model_args),
             *rows, "--text-len", str(args.text_len)]
 
 
@@ -365,7 +396,8 @@ def fixed_first_stage(cfg: ModelConfig, args, best: Layout | None, device: Devic
         return ""
     rows = layer_costs(cfg, freeze, args.text_len, args.checkpointing, lora, args.max_images, patches)
     first = rule(layer_specs(cfg))
-    kw = dict(dp=best.dp, micro=best.micro, gas=best.gas, precision=args.precision, zero=args.zero, device=device)
+    kw = dict(dp=best.dp, micro=best.micro, gas=best.gas, precision=args.precision, zero=args.zero, device=device,
+              ep=best.ep)
     rest = plan_layout(rows[first:], stages=best.stages - 1, **kw)  # its own memory per stage: stage index + 1
     head = f"stage 0 fixed at layers 0..{first - 1} (where other trainers cut {cfg.family}: Family.fixed_first_stage)"
     if not rest.parts:
@@ -406,24 +438,27 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
         print(f"decoder positions per row: {images} image slots x {per_image} + {args.text_len} text = {length}" + rows)
     else:
         print(f"decoder positions per row: {per_image} image + {args.text_len} text = {length}, one sample per row")
+    moe = getattr(cfg.text, "moe", None)
+    if moe:
+        print(_moe_line(cfg, args.text_len, length, args.precision))
     rate = (lambda lay: lay.throughput * length) if args.pack else (lambda lay: lay.throughput)
     label = "positions/s" if args.pack else "samples/s"
     replayed = [s for s in asked(args.schedule) if s is not BASELINE]  # their B / W seconds and memory in the rows
     if args.schedule == BOTH:
-        _print_both(layouts, args.top, rate, label)
+        _print_both(layouts, args.top, rate, label, bool(moe))
     else:
         if replayed:
             print(f"schedule {args.schedule}: step and bubble from replaying its order with each stage's forward, "
                   f"input-backward (B) and weight-backward (W) seconds; memory at its micro-batches in flight")
-        _print_one(layouts, args.top, rate, label)
+        _print_one(layouts, args.top, rate, label, bool(moe))
     if args.pack:
         print(f"positions/s = rows/s x {length}, padding included; useful tokens/s = positions/s x (1 - padding "
               f"share), which the data decides and plan cannot know: `mmpipe train --pack` reports it "
               f"(summary.json data.padding_share)")
     best = next((lay for lay in layouts if lay.step), None)
     if best:
-        print(f"\nbest: {best.stages} stages x dp {best.dp}, micro {best.micro} x GAS {best.gas}"
-              f"{', schedule ' + best.schedule if replayed else ''}")
+        print(f"\nbest: {best.stages} stages x dp {best.dp}{f' (ep {best.ep})' if moe else ''}, micro {best.micro} "
+              f"x GAS {best.gas}{', schedule ' + best.schedule if replayed else ''}")
         print(f"{'stage':>5} {'layers':>9} {'first..last':<28} {'params':>12} {'GiB':>7} {'act GiB':>8} "
               f"{'fwd ms':>8} {'bwd ms':>8}" + (f" {'B ms':>8} {'W ms':>8}" if replayed else "")
               + "".join(f" {s.short + ' GiB':>7}" for s in replayed))
@@ -433,6 +468,10 @@ def _print(cfg, device, gpus, args, layouts, seconds, patches: PatchRow | None =
                   f"{r['backward_ms']:>8.2f}" + (f" {r['input_backward_ms']:>8.2f} {r['weight_backward_ms']:>8.2f}"
                                                   if replayed else "")
                   + "".join(f" {r[s.short + '_memory_gib']:>7.2f}" for s in replayed))
+        if moe:
+            print("per rank: " + "; ".join(f"stage {r['stage']} {r['rank_params']:,.0f} params, all-to-all "
+                                           f"{r['a2a_mib']:.1f} MiB / {r['a2a_ms']:.2f} ms a micro-batch"
+                                           for r in best.stage_rows))
     if beside:
         print(beside)
     print(f"(planned in {seconds:.2f} s, nothing allocated)")
@@ -475,37 +514,53 @@ def _patch_line(cfg, args, patches: PatchRow, length: int) -> str:
             f"{patches.patches // merge} image ({patches.used // merge} used) + {args.text_len} text = {length}")
 
 
-def _print_one(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s") -> None:
+def _print_one(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s", moe: bool = False) -> None:
+    """moe: an EP column after DP and the all-to-all's share of the step (`a2a`) after the step."""
     w = max(10, len(label))
-    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8} {label:>{w}} "
-          f"{'max GiB':>8}  partition / why not")
+    ep = (lambda lay: f" {lay.ep:>3}") if moe else (lambda lay: "")
+    a2a = (lambda lay: f" {lay.step['a2a_share']:>6.1%}" if lay.step else f" {'':>6}") if moe else (lambda lay: "")
+    print(f"{'PP':>3} {'DP':>3}{' EP' if moe else ''} {'micro':>5} {'GAS':>4} {'bubble':>7} {'step s':>8}"
+          f"{'    a2a' if moe else ''} {label:>{w}} {'max GiB':>8}  partition / why not")
     for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
         if lay.step:
             peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
-            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {lay.step['bubble']:>7.1%} "
-                  f"{lay.step['step_s']:>8.3f} {rate(lay):>{w}.1f} {peak:>8.1f}  {lay.parts}")
+            print(f"{lay.stages:>3} {lay.dp:>3}{ep(lay)} {lay.micro:>5} {lay.gas:>4} {lay.step['bubble']:>7.1%} "
+                  f"{lay.step['step_s']:>8.3f}{a2a(lay)} {rate(lay):>{w}.1f} {peak:>8.1f}  {lay.parts}")
         else:
-            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {'':>7} {'':>8} {'':>{w}} {'':>8}  "
-                  f"does not fit: {lay.reason}")
+            print(f"{lay.stages:>3} {lay.dp:>3}{ep(lay)} {lay.micro:>5} {lay.gas:>4} {'':>7} {'':>8}{a2a(lay)} "
+                  f"{'':>{w}} {'':>8}  does not fit: {lay.reason}")
 
 
-def _print_both(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s") -> None:
-    """One row per layout: every schedule's bubble and step, which is faster and by how much."""
+def _moe_line(cfg: ModelConfig, text_len: int, length: int, precision: str) -> str:
+    """An MoE model's parameters (total, active per token, the experts --ep splits) and what each block's
+    all-to-all moves per row (costmodel.all_to_all)."""
+    from .costmodel import BYTES, moe_param_counts
+    m, n = cfg.text.moe, moe_param_counts(cfg)
+    per_row = length * m.top_k * cfg.text.dim * BYTES[precision]
+    return (f"MoE: {m.experts} experts, top {m.top_k}, in {n['blocks']} blocks: {n['total']:,} parameters, "
+            f"{n['active']:,} active per token, {n['experts']:,} in experts (1 / EP of them per rank); each block's "
+            f"all-to-all {length} positions x {m.top_k} x {cfg.text.dim} x {BYTES[precision]} B = "
+            f"{per_row / 2 ** 20:.1f} MiB a row, 2 forward + 2 backward, (EP - 1) / EP of it off the rank")
+
+
+def _print_both(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s", moe: bool = False) -> None:
+    """One row per layout: every schedule's bubble and step, which is faster and by how much (moe: an EP column)."""
     w = max(10, len(label))
     cols = [(s, len(s.name) + 4) for s in SCHEDULES]  # a bubble column as wide as '<name> bub'
-    print(f"{'PP':>3} {'DP':>3} {'micro':>5} {'GAS':>4} "
+    print(f"{'PP':>3} {'DP':>3}{' EP' if moe else ''} {'micro':>5} {'GAS':>4} "
           + " ".join(f"{s.name + ' bub':>{n}} {s.name + ' s':>8}" for s, n in cols)
           + f"  {'faster':<15} {label:>{w}} {'max GiB':>8}  partition / why not")
     for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
+        ep = f" {lay.ep:>3}" if moe else ""
         if not lay.step:
-            print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} "
+            print(f"{lay.stages:>3} {lay.dp:>3}{ep} {lay.micro:>5} {lay.gas:>4} "
                   + " ".join(f"{'':>{n}} {'':>8}" for _, n in cols)
                   + f"  {'':<15} {'':>{w}} {'':>8}  does not fit: {lay.reason}")
             continue
         steps = " ".join(f"{lay.predictions[s.name]['bubble']:>{n}.1%} {lay.predictions[s.name]['step_s']:>8.3f}"
                          for s, n in cols)
         peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
-        print(f"{lay.stages:>3} {lay.dp:>3} {lay.micro:>5} {lay.gas:>4} {steps}  {_faster(lay):<15} "
+        print(f"{lay.stages:>3} {lay.dp:>3}{ep} {lay.micro:>5} {lay.gas:>4} {steps}  {_faster(lay):<15} "
               f"{rate(lay):>{w}.1f} {peak:>8.1f}  {lay.parts}")
 
 

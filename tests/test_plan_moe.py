@@ -1,0 +1,207 @@
+"""The planner and cost model for mixture-of-experts models (issue 43; docs/moe.md, docs/planning.md): active vs total
+parameters, the experts' weights, gradients and optimizer states per expert-parallel rank (1 / EP of the experts,
+the rest replicated), the all-to-all bytes per micro-batch and their time from the link, and `mmpipe plan --ep`'s
+PP x DP x EP layouts. The model: qwen3-vl-tiny's shape with 8 experts of width 40, top 2 (tests/test_moe.py's),
+D = 64, 4 decoder blocks; its row as tests/test_plan_qwen3.py's: P = 128 patches, 4 image slots, text 48, so
+L = 2 x 4 + 128 / 4 + 48 = 88 decoder positions. In-process, meta device, no launches."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmpipe.config import config_from_dict, load_preset
+from mmpipe.model.builder import layer_param_counts, layer_specs, shapes_only
+from mmpipe.planning.costmodel import (
+    Device,
+    all_to_all,
+    layer_costs,
+    moe_param_counts,
+    rank_state_bytes,
+    stage_memory,
+    stage_seconds,
+    state_bytes,
+)
+from mmpipe.planning.images import patch_row
+from mmpipe.planning.layout import plan_layout
+
+EXPERTS, TOP_K, EXPERT_FF, D, BLOCKS = 8, 2, 40, 64, 4
+P, IMAGES, TEXT = 128, 4, 48
+L = 2 * IMAGES + P // 4 + TEXT  # 88
+EXPERT = 3 * D * EXPERT_FF  # 7,680 weights an expert: gate and up [2F, D], down [D, F]
+# a device with round numbers: 1 TFLOP/s at 100%, 1 GB/s links, memory enough for everything
+DEVICE = Device("test", 1e12, 1e12, 1e9, efficiency=1.0)
+
+
+def tiny_moe():
+    d = load_preset("qwen3-vl-tiny").to_dict()
+    d["text"].update(tie_embeddings=False, moe=dict(experts=EXPERTS, top_k=TOP_K, ff_dim=EXPERT_FF))
+    return config_from_dict(d, "qwen3-vl-moe-tiny")
+
+
+def _rows(cfg, **kw):
+    return layer_costs(cfg, (), TEXT, images=IMAGES, patches=patch_row(cfg, IMAGES, P), **kw)
+
+
+def test_active_and_total_parameters():
+    """total: the model's parameters; experts: every block's 8 x 7,680 = 61,440, x 4 blocks = 245,760; active: the
+    total less the 8 - 2 = 6 experts each token skips in each block, 4 x 6 x 7,680 = 184,320. Both checked against
+    the model built on the meta device: its 3-D expert tensors, and the same model built with top_k experts (what
+    a token runs through) plus the router's rows of the other 6 experts (4 blocks x 6 x 64 = 1,536)."""
+    cfg = tiny_moe()
+    n = moe_param_counts(cfg)
+    with shapes_only():
+        model = [spec.build() for spec in layer_specs(cfg)]
+    total = sum(p.numel() for layer in model for p in layer.parameters())
+    experts = sum(p.numel() for layer in model for name, p in layer.named_parameters() if ".experts." in name)
+    assert n == {"total": total, "active": total - 184_320, "experts": 245_760, "blocks": BLOCKS}
+    assert experts == 245_760 == BLOCKS * EXPERTS * EXPERT
+    d = cfg.to_dict()
+    d["text"]["moe"]["experts"] = TOP_K
+    only_k = sum(layer_param_counts(config_from_dict(d, "only-k")))
+    assert n["active"] == only_k + BLOCKS * (EXPERTS - TOP_K) * D
+
+
+def test_layer_rows_carry_experts_and_all_to_all():
+    """Each MoE block's row: its experts (61,440 of its parameters) and one all-to-all's elements per row, L x top_k x
+    D = 88 x 2 x 64 = 11,264; no other layer has either, and a dense model's rows have neither (defaults)."""
+    rows = _rows(tiny_moe())
+    moe = [r for r in rows if r.name == "Qwen3MoeBlock"]
+    assert len(moe) == BLOCKS
+    assert all(r.expert_params == 61_440 and r.a2a_elems == 11_264 and r.expert_trainable == 61_440 for r in moe)
+    assert sum(r.expert_params + r.a2a_elems for r in rows if r.name != "Qwen3MoeBlock") == 0
+    dense = layer_costs(load_preset("qwen3-vl-tiny"), (), TEXT, images=IMAGES,
+                        patches=patch_row(load_preset("qwen3-vl-tiny"), IMAGES, P))
+    assert all(r.expert_params == 0 and r.a2a_elems == 0.0 for r in dense)
+
+
+def test_rank_state_bytes_split_experts_over_ep():
+    """1000 weights, 800 of them experts, all trained, 4 data-parallel ranks:
+    fp32 ZeRO 0, EP 4: a rank holds 200 + 800 / 4 = 400 weights: 4 x 400 = 1,600 B weights, 1,600 B gradients,
+    8 x 400 = 3,200 B moments.
+    bf16 ZeRO 1, EP 2: 200 + 800 / 2 = 600 weights, 2 x 600 = 1,200 B; gradients 2 x 600 + fp32 4 x (200 / 4 +
+    400 / 2) = 1,200 + 1,000; master weights and moments 12 x (200 / 4 + 400 / 2) = 3,000 B: the replicated
+    weights' fp32 state sharded over the 4 DP ranks, the experts' over the 4 / 2 = 2 ranks holding the same ones.
+    EP 1: state_bytes, unchanged."""
+    assert rank_state_bytes(1000, 1000, 800, 800, "fp32", 0, 4, 4) == {"weights": 1600, "grads": 1600,
+                                                                       "optimizer": 3200}
+    assert rank_state_bytes(1000, 1000, 800, 800, "bf16", 1, 4, 2) == {"weights": 1200, "grads": 2200,
+                                                                       "optimizer": 3000}
+    assert rank_state_bytes(1000, 1000, 800, 800, "bf16", 1, 4, 1) == state_bytes(1000, 1000, "bf16", 1, 4)
+
+
+def test_stage_memory_holds_one_ep_share_of_the_experts():
+    """One stage of the whole model, fp32 ZeRO 0, DP 2: at EP 2 a rank keeps half the 245,760 expert weights, so
+    its weights, gradients and moments shrink by 4 x, 4 x and 8 x 122,880 B; activations do not change (every
+    rank runs its own tokens' rows). Under LoRA the experts are frozen (not linears): their weights split, no
+    gradients or moments either way."""
+    cfg = tiny_moe()
+    rows = _rows(cfg)
+    kw = dict(micro=1, micro_batches=2, precision="fp32", zero_stage=0, dp=2)
+    one, two = (stage_memory(rows, [0, len(rows)], 0, ep=ep, **kw) for ep in (1, 2))
+    assert one["weights"] - two["weights"] == 4 * 122_880
+    assert one["grads"] - two["grads"] == 4 * 122_880
+    assert one["optimizer"] - two["optimizer"] == 8 * 122_880
+    assert one["activations"] == two["activations"]
+    from mmpipe.model.lora import Lora
+    lora = _rows(cfg, lora=Lora(4, 8.0, ("text",)))
+    one, two = (stage_memory(lora, [0, len(lora)], 0, ep=ep, **kw) for ep in (1, 2))
+    assert one["weights"] - two["weights"] == 4 * 122_880
+    assert (one["grads"], one["optimizer"]) == (two["grads"], two["optimizer"])
+
+
+def test_all_to_all_bytes_and_seconds():
+    """Per stage and micro-batch (micro 2, bf16): each MoE block's two all-to-alls forward move L x top_k x D x 2 B x
+    micro = 88 x 2 x 64 x 2 x 2 = 45,056 B each, 90,112 B a block, and the same backward. Cut after the tower and
+    decoder block 1: stage 1 holds blocks 2 and 3, 180,224 B each way. At EP 4, 3 / 4 of the rows leave the rank:
+    180,224 x 3 / 4 / 1e9 B/s = 135.168 us each way; at EP 1 nothing moves: 0 s."""
+    cfg = tiny_moe()
+    rows = _rows(cfg)
+    cut = [i for i, r in enumerate(rows) if r.name == "Qwen3MoeBlock"][2]
+    parts = [0, cut, len(rows)]
+    assert sum(r.name == "Qwen3MoeBlock" for r in rows[:cut]) == 2
+    four = all_to_all(rows, parts, 2, "bf16", 4, DEVICE)
+    assert [x["bytes"] for x in four] == [180_224, 180_224]
+    assert four[1]["seconds"] == pytest.approx(135.168e-6, rel=1e-12)
+    assert [x["seconds"] for x in all_to_all(rows, parts, 2, "bf16", 1, DEVICE)] == [0.0, 0.0]
+
+
+def test_layout_adds_the_all_to_all_to_the_step():
+    """plan_layout at EP 2 (one stage, DP 2, micro 1, GAS 4, fp32): the stage's forward and backward each grow by
+    its all-to-all seconds, 2 x 4 blocks x 11,264 x 4 B = 360,448 B x 1 / 2 / 1e9 B/s = 180.224 us; the step
+    reports them: a2a_s = 2 x 180.224 us a micro-batch, a2a_share = 4 slots x a2a_s / step_s; the rank holds
+    the total less half the experts (245,760 / 2) and moves 2 x 360,448 B = 0.6875 MiB a micro-batch."""
+    cfg = tiny_moe()
+    rows = _rows(cfg)
+    kw = dict(stages=1, dp=2, micro=1, gas=4, precision="fp32", zero=0, device=DEVICE)
+    one, two = plan_layout(rows, ep=1, **kw), plan_layout(rows, ep=2, **kw)
+    (f, b), = stage_seconds(rows, [0, len(rows)], 1, DEVICE)
+    a2a = 360_448 / 2 / 1e9
+    assert two.stage_rows[0]["forward_ms"] == pytest.approx((f + a2a) * 1e3, rel=1e-12)
+    assert two.stage_rows[0]["backward_ms"] == pytest.approx((b + a2a) * 1e3, rel=1e-12)
+    assert two.step["a2a_s"] == pytest.approx(2 * a2a, rel=1e-12)
+    assert two.step["a2a_share"] == pytest.approx(4 * 2 * a2a / two.step["step_s"], rel=1e-12)
+    assert two.stage_rows[0]["a2a_mib"] == 2 * 360_448 / 2 ** 20 == 0.6875
+    total = moe_param_counts(cfg)["total"]
+    assert (two.stage_rows[0]["rank_params"], one.stage_rows[0]["rank_params"]) == (total - 122_880, total)
+    assert one.step["a2a_s"] == 0.0 and two.ep == 2
+    # the experts' gradient all-reduce: at EP 2 of DP 2 each shard is alone in its expert-data-parallel group
+    # (2 / 2 = 1 rank): only the replicated gradients go round, (total - 245,760) x 4 B over the ring's 2 x 1 / 2
+    assert two.step["allreduce_s"] == pytest.approx((total - 245_760) * 4 / 1e9, rel=1e-12)
+    assert one.step["allreduce_s"] == pytest.approx(total * 4 / 1e9, rel=1e-12)
+
+
+def test_plan_command_lists_pp_dp_ep_layouts(tmp_path, capsys):
+    """`mmpipe plan --ep 1,2,4` on 4 GPUs: every layout whose DP the EP divides (PP 1 x DP 4: EP 1, 2, 4; PP 2 x DP 2:
+    EP 1, 2; PP 4 x DP 1: EP 1), 6 of them; the MoE line (total, active, experts), the EP column, the
+    all-to-all share; --json carries each layout's ep; --write-config's command line passes --ep to train."""
+    from mmpipe.cli import main
+    cfg = tiny_moe()
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    argv = ["plan", "--preset", str(path), "--device", "custom", "--peak-tflops", "1", "--gpu-mem", "8",
+            "--link-gbps", "1", "--gpus-per-node", "4", "--global-batch", "8", "--micro", "1", "--max-patches",
+            str(P), "--max-images", str(IMAGES), "--text-len", str(TEXT), "--ep", "1,2,4"]
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert sorted((x["stages"], x["dp"], x["ep"]) for x in got) == [(1, 4, 1), (1, 4, 2), (1, 4, 4), (2, 2, 1),
+                                                                    (2, 2, 2), (4, 1, 1)]
+    assert all(x["step"]["a2a_share"] == 0.0 for x in got if x["ep"] == 1)
+    assert all(x["step"]["a2a_share"] > 0.0 for x in got if x["ep"] > 1)
+    assert main([*argv, "--write-config", str(tmp_path / "ds.json")]) == 0
+    out = capsys.readouterr().out
+    n = moe_param_counts(cfg)
+    assert f"{n['total']:,} parameters, {n['active']:,} active per token, 245,760 in experts" in out
+    assert " PP  DP EP micro  GAS  bubble   step s    a2a" in out
+    best = next(x for x in sorted(got, key=lambda x: -x["throughput"]))
+    assert (f"--dp {best['dp']} --ep {best['ep']}" in out) == (best["ep"] > 1)
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--preset", "qwen3-vl-tiny", "--ep", "2"],
+     "--ep: 2 on qwen3-vl-tiny, a dense model (no text.moe): expert parallelism splits experts"),
+    (["--ep", "3"], "--ep: 3 does not divide qwen3-vl-moe-tiny's 8 experts"),
+    (["--ep", "0"], "--ep: 0 must be >= 1"),
+    (["--ep", "two"], "--ep: 'two' is not a list of integers, e.g. 1,2,4,8"),
+])
+def test_plan_refuses_bad_ep_in_one_line(argv, line, tmp_path, capsys):
+    from mmpipe.cli import main
+    path = tmp_path / "qwen3-vl-moe-tiny.json"
+    path.write_text(json.dumps(tiny_moe().to_dict()))
+    assert main(["plan", "--preset", str(path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mmpipe: error: {line}"]
+
+
+def test_dense_plan_keys_unchanged(capsys):
+    """A dense model's plan is what it was: no ep key in --json, no a2a entries in its steps or stage rows (what its
+    users' scripts read), no EP column."""
+    from mmpipe.cli import main
+    argv = ["plan", "--preset", "qwen3-vl-tiny", "--gpus-per-node", "2", "--global-batch", "4", "--micro", "1",
+            "--max-patches", str(P), "--max-images", str(IMAGES), "--text-len", str(TEXT)]
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got and all("ep" not in x and "a2a_s" not in x["step"] and "a2a_ms" not in x["stage_rows"][0]
+                       for x in got)
+    assert main(argv) == 0
+    assert " PP  DP micro  GAS  bubble   step s" in capsys.readouterr().out
