@@ -245,13 +245,13 @@ def test_layer_pattern_not_matching_the_layer_count_is_one_line(tmp_path, capsys
 def test_shrunk_model_keeps_one_layer_of_each_kind():
     """`mmpipe check`'s shrunk model (at most 2 blocks per group) keeps a linear and a full-attention layer: the full
     layers are index lists (text.full_attention_indexes), which the shrink keeps where they remain or moves to the
-    last block (qwen3.5-tiny: full at 3 of 4 -> at 1 of 2; the released sizes' 8 or 16 full layers likewise)."""
+    last block (qwen3.5-tiny: full at 3 of 4 -> at 1 of 2; the released sizes' 6, 8 or 16 full layers likewise)."""
     from mmpipe.check.equivalence import shrunk
     small = shrunk(load_preset("qwen3.5-tiny"), 2)
     assert q35.layer_types(small.text) == ("linear_attention", "full_attention")
     kinds = [type(layer).__name__ for layer in ReferenceModel(small)]
     assert kinds.count("DeltaNetBlock") == 1 and kinds.count("GatedAttentionBlock") == 1
-    for preset in ("qwen3.5-9b", "qwen3.5-27b"):
+    for preset in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b"):
         kinds = [s.typename for s in layer_specs(shrunk(load_preset(preset), 2))]
         assert kinds.count(q35.DeltaNetBlock) == 1 and kinds.count(q35.GatedAttentionBlock) == 1, preset
 
@@ -427,13 +427,15 @@ def test_linear_layer_cost_is_linear_in_positions_and_counts_the_kernels_matmuls
     assert counter.get_total_flops() == rule - hv * L * C * (dk + dv)
 
 
-@pytest.mark.parametrize("preset", ["qwen3.5-9b", "qwen3.5-27b"])
+@pytest.mark.parametrize("preset", ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b"])
 def test_presets_have_the_published_parameter_counts(preset):
     """The released sizes' presets (built on the meta device) hold transformers' model of their config exactly
     (mmpipe.hf.qwen3_5.hf_config), and with the multi-token-prediction head the checkpoints also carry (mtp.*: one
     full-attention layer, a 2D -> D fc and 3 norms, which transformers and the import skip) they are the published
     totals (the preset's `_params`: the released weights' bf16 bytes / 2, its `_source` says where) within 1%;
-    e.g. qwen3.5-27b 27.357 B + 0.425 B = 27.782 B for the 55.56 GB of its weights."""
+    e.g. qwen3.5-27b 27.357 B + 0.425 B = 27.782 B for the 55.56 GB of its weights; the small sizes' `_params` are the
+    checkpoints' exact safetensors totals, which mmpipe + the head equal to the parameter (qwen3.5-2b 2,213,241,664 +
+    60,828,160 = 2,274,069,824)."""
     import json
 
     from transformers import Qwen3_5ForConditionalGeneration
