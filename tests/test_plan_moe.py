@@ -205,3 +205,27 @@ def test_dense_plan_keys_unchanged(capsys):
                        for x in got)
     assert main(argv) == 0
     assert " PP  DP micro  GAS  bubble   step s" in capsys.readouterr().out
+
+
+def test_qwen3_vl_30b_a3b_shapes_give_the_published_counts():
+    """scripts/bench_moe.py's Qwen3-VL-30B-A3B shapes (docs/moe.md's planned table), counted on the meta device:
+    a text block: attention q 2048 x 4096 + k, v 2 x 2048 x 512 + o 4096 x 2048 = 18,874,368, q / k norms 2 x 128,
+    two RMSNorms 2 x 2048, router 128 x 2048 = 262,144, experts 128 x 3 x 2048 x 768 = 603,979,776: 623,120,640;
+    48 of them 29,909,790,720 (Qwen3-30B-A3B's card: 29.9B non-embedding), + embedding and head 2 x 151,936 x 2048
+    + the final norm 2048 = 30,532,122,624 (the card's 30.5B); the whole model with the tower and merger
+    31,070,754,032, the 31.07B listed for Qwen3-VL-30B-A3B-Instruct (within 0.003%). Active: a block with 8
+    experts, 56,889,600, x 48 + 622,331,904 = 3,353,032,704 for the text model (1.6% above the card's rounded 3.3B:
+    why no preset ships), 3,891,664,112 with the tower."""
+    import sys
+    from pathlib import Path
+
+    from mmpipe.model.builder import layer_param_counts
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_moe import qwen3_vl_30b_a3b
+    cfg = qwen3_vl_30b_a3b()
+    n = moe_param_counts(cfg)
+    assert n == {"total": 31_070_754_032, "active": 3_891_664_112, "experts": 48 * 603_979_776, "blocks": 48}
+    text = sum(c for s, c in zip(layer_specs(cfg), layer_param_counts(cfg)) if s.typename.group == "text")
+    assert text == 48 * 623_120_640 + 2 * 151_936 * 2048 + 2048 == 30_532_122_624
+    assert text - (n["total"] - n["active"]) == 48 * 56_889_600 + 622_331_904 == 3_353_032_704
+    assert abs(n["total"] / 31.07e9 - 1) < 1e-4
