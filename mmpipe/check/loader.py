@@ -46,7 +46,7 @@ def predicted_rows_per_s(run: RunConfig, device: Device | None) -> float | None:
                             precision=run.precision, zero=run.zero_stage,
                             checkpointing=int(pipe.get("activation_checkpoint_interval", 0) or 0) > 0,
                             text_len=run.text_len, device=device, freeze=run.freeze, schedule=run.schedule,
-                            images=run.max_images)
+                            images=run.max_images, ep=run.ep)
     return run.micro * run.gas / layout.step["step_s"] if layout.step else None
 
 

@@ -44,9 +44,9 @@ STATUS = Path("/proc/self/status")
 
 
 def predicted(run: RunConfig) -> list[float]:
-    """The planner's bytes per stage for the run's layout."""
+    """The planner's bytes per stage for the run's layout (an `--ep` run's ranks holding 1 / EP of the experts)."""
     return [stage_memory(run.layers, run.parts, s, micro=run.micro, micro_batches=run.gas, precision=run.precision,
-                         zero_stage=run.zero_stage, dp=run.dp)["total"] for s in range(run.stages)]
+                         zero_stage=run.zero_stage, dp=run.dp, ep=run.ep)["total"] for s in range(run.stages)]
 
 
 def _status_bytes(key: str) -> int:
