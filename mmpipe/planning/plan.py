@@ -540,7 +540,7 @@ def _moe_line(cfg: ModelConfig, text_len: int, length: int, precision: str) -> s
     return (f"MoE: {m.experts} experts, top {m.top_k}, in {n['blocks']} blocks: {n['total']:,} parameters, "
             f"{n['active']:,} active per token, {n['experts']:,} in experts (1 / EP of them per rank); each block's "
             f"all-to-all {length} positions x {m.top_k} x {cfg.text.dim} x {BYTES[precision]} B = "
-            f"{per_row / 2 ** 20:.1f} MiB a row, 2 forward + 2 backward, (EP - 1) / EP of it off the rank")
+            f"{per_row / 2 ** 20:.3g} MiB a row, 2 forward + 2 backward, (EP - 1) / EP of it off the rank")
 
 
 def _print_both(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s", moe: bool = False) -> None:
