@@ -21,26 +21,16 @@ recurrent state or convolution window travels between stages. Three launches in 
 cut run is a copy of PP=2's directory as its step-2 checkpoint left it (tests/test_qwen3_vl_pipeline.py's way)."""
 from __future__ import annotations
 
-import json
-import shutil
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import train_run, write_ds_config
-from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.model import qwen3_5 as q35
 from mmpipe.model.builder import layer_specs
-from mmpipe.run_args import TrainArgs
-from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
-from mmpipe.runtime.reference import train_reference
-from test_qwen_data import WORDS, save_tokenizer
-from test_qwen_pipeline import _weights_equal_within, loaders_agree
+from test_qwen_data import WORDS
+from test_qwen_pipeline import PackedSet, _weights_equal_within, loaders_agree
 
 TOL = 1e-5
 STEPS, CUT, SEED = 3, 2, 7
@@ -53,61 +43,29 @@ PARTS = {4: [5, 6, 8], 2: [8]}
 
 @pytest.fixture(scope="module")
 def qwen3_5_set(tmp_path_factory):
-    """(root, the arguments every run shares): 2 rows x 2 micro-batches a step, a warm-up + cosine schedule fixed at
-    twice the runs' steps (so the resumed run's schedule is the uninterrupted one's)."""
-    root = tmp_path_factory.mktemp("qwen3_5_pipe")
-    rng = np.random.default_rng(0)
-    for k, (w, h) in enumerate(SIZES):
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
-    records = mixed_image_records(24, len(SIZES), ANSWER_WORDS,
-                                  lambda rnd, i: 1 + int(rnd.lognormvariate(0.8, 0.7)) % 10)
-    (root / "data.json").write_text(json.dumps(records))
-    save_tokenizer(root / "tok")  # the vision specials at 197 .. 199, qwen3.5-tiny's ids
-    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
-                         scheduler={"type": "WarmupCosineLR",
-                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
-                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
-    args = ["--preset", "qwen3.5-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
-            "--ds-config", str(ds), "--text-len", str(TEXT), "--pack", "--max-images", str(IMAGES),
-            "--max-patches", str(P), "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
-    return root, args
-
-
-def _resolved(qwen3_5_set, *extra: str):
-    root, args = qwen3_5_set
-    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref"), *extra]),
-                   world_size=1)
-
-
-def _reference(qwen3_5_set, *extra: str):
-    return train_reference(_resolved(qwen3_5_set, *extra), seed=SEED, steps=STEPS, out_dir=str(qwen3_5_set[0] / "ref"))
+    """The set and its runs (test_qwen_pipeline.PackedSet): 2 rows x 2 micro-batches a step."""
+    return PackedSet(tmp_path_factory.mktemp("qwen3_5_pipe"), "qwen3.5-tiny", SIZES, 24, STEPS, SEED, PARTS)
 
 
 @pytest.fixture(scope="module")
 def reference(qwen3_5_set):
-    return _reference(qwen3_5_set)
+    return qwen3_5_set.reference()
 
 
 @pytest.fixture(scope="module")
 def reference_frozen(qwen3_5_set):
-    return _reference(qwen3_5_set, "--freeze", "vision")
-
-
-def _launch(qwen3_5_set, name: str, stages: int, *extra: str):
-    root, args = qwen3_5_set
-    return train_run(root / name, *args, "--stages", str(stages), "--steps", str(STEPS),
-                     "--partition", ",".join(map(str, PARTS[stages])), *extra).check()
+    return qwen3_5_set.reference("--freeze", "vision")
 
 
 @pytest.fixture(scope="module")
 def pp4(qwen3_5_set):
-    return _launch(qwen3_5_set, "pp4", 4)
+    return qwen3_5_set.launch("pp4", 4)
 
 
 @pytest.fixture(scope="module")
 def pp2(qwen3_5_set):
     """Tower frozen; also the uninterrupted run of the resume test, so it checkpoints at the cut too."""
-    return _launch(qwen3_5_set, "pp2", 2, "--freeze", "vision", "--save-every", str(CUT))
+    return qwen3_5_set.launch("pp2", 2, "--freeze", "vision", "--save-every", str(CUT))
 
 
 def test_the_cuts_fall_between_the_layer_kinds():
@@ -122,9 +80,9 @@ def test_the_cuts_fall_between_the_layer_kinds():
 def test_rows_pack_several_samples(qwen3_5_set):
     """What the runs train on: every row holds at least two samples (so a linear layer restarts inside it), rows mix
     image grids and text-only samples, and a later stage's loader gives the first stage's integer tensors."""
-    run = _resolved(qwen3_5_set)
+    run = qwen3_5_set.resolved()
     grids, text_only = set(), 0
-    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen3_5_set[0], SEED, STEPS):
+    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen3_5_set.root, SEED, STEPS):
         assert pixels.shape == (2, P, 3 * 2 * 16 * 16) and ids.shape == (2, L)
         for b in range(2):
             n = int(segments[b].max())
@@ -178,19 +136,6 @@ def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp4, pp2, referen
 
 
 def test_resume_is_bit_exact(qwen3_5_set, pp2):
-    """PP=2 cut after step 2 (its checkpoint) and resumed to step 3: the uninterrupted run's losses and weights, bit
-    for bit (same rows, optimizer moments, LR schedule and RNG)."""
-    cut = qwen3_5_set[0] / "cut"
-    shutil.copytree(pp2.out, cut)
-    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
-    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
-    (cut / "summary.json").unlink()
-    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
-    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))  # the header and steps 1, 2
-    resumed = _launch(qwen3_5_set, "cut", 2, "--freeze", "vision", "--resume")
-    assert resumed.summary["start_step"] == CUT and [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
-    assert resumed.losses == pp2.losses
-    cfg = _resolved(qwen3_5_set).model
-    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
-                 for r in (resumed, pp2))
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    """PP=2 cut after step 2 (its checkpoint) and resumed to the end: the uninterrupted run's losses and weights, bit
+    for bit (test_qwen_pipeline.PackedSet.assert_resume_bit_exact)."""
+    qwen3_5_set.assert_resume_bit_exact(pp2, CUT, 2, "--freeze", "vision")

@@ -22,27 +22,18 @@ Three launches in all (PP=4, PP=2, the resume): the cut run is a copy of PP=2's 
 left it (tests/test_qwen_pipeline.py's way)."""
 from __future__ import annotations
 
-import json
-import shutil
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import train_run, write_ds_config
-from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.model import qwen3_vl as q3
 from mmpipe.model.builder import layer_specs
-from mmpipe.run_args import TrainArgs
-from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
-from mmpipe.runtime.reference import train_reference
-from test_qwen_data import WORDS, save_tokenizer
-from test_qwen_pipeline import _weights_equal_within, loaders_agree, sample_image_counts
+from test_qwen_data import WORDS
+from test_qwen_pipeline import PackedSet, _weights_equal_within, loaders_agree, sample_image_counts
 
 TOL = 1e-5
 STEPS, CUT, SEED = 4, 2, 5
@@ -57,71 +48,38 @@ PARTS = {4: [5, 11, 13], 2: [5]}
 
 @pytest.fixture(scope="module")
 def qwen3_set(tmp_path_factory):
-    """(root, the arguments every run shares): 2 rows x 2 micro-batches a step, a warm-up + cosine schedule fixed at
-    twice the runs' steps (so the resumed run's schedule is the uninterrupted one's and the last step still moves
-    the weights)."""
-    root = tmp_path_factory.mktemp("qwen3_pipe")
-    rng = np.random.default_rng(0)
-    for k, (w, h) in enumerate(SIZES):
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
-    records = mixed_image_records(36, len(SIZES), ANSWER_WORDS,
-                                  lambda rnd, i: 1 + int(rnd.lognormvariate(0.8, 0.7)) % 10)
-    (root / "data.json").write_text(json.dumps(records))
-    save_tokenizer(root / "tok")  # the vision specials at 197 .. 199, qwen3-vl-tiny's ids
-    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
-                         scheduler={"type": "WarmupCosineLR",
-                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
-                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
-    args = ["--preset", "qwen3-vl-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
-            "--ds-config", str(ds), "--text-len", str(TEXT), "--pack", "--max-images", str(IMAGES),
-            "--max-patches", str(P), "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
-    return root, args
-
-
-def _resolved(qwen3_set, *extra: str):
-    root, args = qwen3_set
-    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref"), *extra]),
-                   world_size=1)
-
-
-def _reference(qwen3_set, *extra: str):
-    return train_reference(_resolved(qwen3_set, *extra), seed=SEED, steps=STEPS, out_dir=str(qwen3_set[0] / "ref"))
+    """The set and its runs (test_qwen_pipeline.PackedSet): 2 rows x 2 micro-batches a step."""
+    return PackedSet(tmp_path_factory.mktemp("qwen3_pipe"), "qwen3-vl-tiny", SIZES, 36, STEPS, SEED, PARTS)
 
 
 @pytest.fixture(scope="module")
 def reference(qwen3_set):
-    return _reference(qwen3_set)
+    return qwen3_set.reference()
 
 
 @pytest.fixture(scope="module")
 def reference_frozen(qwen3_set):
-    return _reference(qwen3_set, "--freeze", "vision")
-
-
-def _launch(qwen3_set, name: str, stages: int, *extra: str):
-    root, args = qwen3_set
-    return train_run(root / name, *args, "--stages", str(stages), "--steps", str(STEPS),
-                     "--partition", ",".join(map(str, PARTS[stages])), *extra).check()
+    return qwen3_set.reference("--freeze", "vision")
 
 
 @pytest.fixture(scope="module")
 def pp4(qwen3_set):
-    return _launch(qwen3_set, "pp4", 4)
+    return qwen3_set.launch("pp4", 4)
 
 
 @pytest.fixture(scope="module")
 def pp2_frozen(qwen3_set):
     """Tower frozen; also the uninterrupted run of the resume test, so it checkpoints at the cut too."""
-    return _launch(qwen3_set, "pp2", 2, "--freeze", "vision", "--save-every", str(CUT))
+    return qwen3_set.launch("pp2", 2, "--freeze", "vision", "--save-every", str(CUT))
 
 
 def test_rows_mix_grids_images_and_text_only(qwen3_set):
     """What the runs train on: packed rows whose image grids differ within a row and within each micro-batch,
     conversations of 2 and 3 images, text-only samples, each image's t h w / 4 placeholders; a later stage's loader
     (no image decoded) gives the first stage's grids."""
-    run = _resolved(qwen3_set)
+    run = qwen3_set.resolved()
     images_per_sample, text_only, mixed_rows = set(), 0, 0
-    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen3_set[0], SEED, STEPS):
+    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen3_set.root, SEED, STEPS):
         assert pixels.shape == (2, P, 3 * 2 * 16 * 16) and tiling.shape == (2, IMAGES, 3) and ids.shape == (2, L)
         n_tokens = (tiling.prod(-1) * (has_image > 0)).sum(-1) // 4
         assert torch.equal((ids == run.model.image_token_id).sum(-1), n_tokens)
@@ -202,19 +160,6 @@ def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp4, pp2_frozen, 
 
 
 def test_resume_is_bit_exact(qwen3_set, pp2_frozen):
-    """PP=2 cut after step 2 (its checkpoint) and resumed to step 4: the uninterrupted run's losses and weights, bit
-    for bit (same rows, optimizer moments, LR schedule and RNG)."""
-    cut = qwen3_set[0] / "cut"
-    shutil.copytree(pp2_frozen.out, cut)
-    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
-    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
-    (cut / "summary.json").unlink()
-    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
-    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))  # the header and steps 1, 2
-    resumed = _launch(qwen3_set, "cut", 2, "--freeze", "vision", "--resume")
-    assert resumed.summary["start_step"] == CUT and [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
-    assert resumed.losses == pp2_frozen.losses
-    cfg = _resolved(qwen3_set).model
-    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
-                 for r in (resumed, pp2_frozen))
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    """PP=2 cut after step 2 (its checkpoint) and resumed to the end: the uninterrupted run's losses and weights, bit
+    for bit (test_qwen_pipeline.PackedSet.assert_resume_bit_exact)."""
+    qwen3_set.assert_resume_bit_exact(pp2_frozen, CUT, 2, "--freeze", "vision")

@@ -37,81 +37,103 @@ SIZES = [(56, 56), (84, 56), (56, 112), (112, 84), (140, 56), (400, 300)]
 ANSWER_WORDS = WORDS[5:] + [f"w{i}" for i in range(40)]  # the tokenizer's plain words
 
 
-def _records(n: int) -> list[dict]:
-    """n conversations of 0 (text-only), 1, 2 or 3 images (distinct sizes), answers of 1..10 words."""
-    return mixed_image_records(n, len(SIZES), ANSWER_WORDS,
-                               lambda rnd, i: 1 + int(rnd.lognormvariate(0.8, 0.7)) % 10)
+class PackedSet:
+    """A LLaVA-format set under root and the runs on it, as the pipeline tests of the families of patches use it:
+    images of `sizes` (random pixels), n conversations of 0 (text-only), 1, 2 or 3 images (distinct sizes) with
+    answers of 1..10 words, the tokenizer with the vision specials (ids 197 .. 199, the tiny presets'), and a
+    DeepSpeed config of 2 rows x 2 micro-batches a step whose warm-up + cosine schedule is fixed at twice the runs'
+    steps (so a resumed run's schedule is the uninterrupted one's, and the last step still moves the weights); rows
+    of --max-patches 128, --text-len 48, up to 4 images, packed. `parts`: each stage count's explicit cuts."""
+
+    def __init__(self, root, preset: str, sizes, n: int, steps: int, seed: int, parts: dict | None = None):
+        self.root, self.steps, self.seed, self.parts = root, steps, seed, parts or {}
+        rng = np.random.default_rng(0)
+        for k, (w, h) in enumerate(sizes):
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
+        records = mixed_image_records(n, len(sizes), ANSWER_WORDS,
+                                      lambda rnd, i: 1 + int(rnd.lognormvariate(0.8, 0.7)) % 10)
+        (root / "data.json").write_text(json.dumps(records))
+        save_tokenizer(root / "tok")
+        ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                             scheduler={"type": "WarmupCosineLR",
+                                        "params": {"total_num_steps": 2 * steps, "warmup_num_steps": 1,
+                                                   "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+        self.args = ["--preset", preset, "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
+                     "--ds-config", str(ds), "--text-len", "48", "--pack", "--max-images", "4", "--max-patches", "128",
+                     "--eval-samples", "0", "--seed", str(seed), "--data-workers", "0"]
+
+    def resolved(self, *extra: str):
+        return resolve(TrainArgs.from_argv([*self.args, "--stages", "1", "--output-dir", str(self.root / "ref"),
+                                            *extra]), world_size=1)
+
+    def reference(self, *extra: str):
+        """The single-device reference loop's (model, losses)."""
+        return train_reference(self.resolved(*extra), seed=self.seed, steps=self.steps, out_dir=str(self.root / "ref"))
+
+    def launch(self, name: str, stages: int, *extra: str):
+        cuts = ["--partition", ",".join(map(str, self.parts[stages]))] if stages in self.parts else []
+        return train_run(self.root / name, *self.args, "--stages", str(stages), "--steps", str(self.steps), *cuts,
+                         *extra).check()
+
+    def assert_resume_bit_exact(self, uninterrupted, cut: int, stages: int, *extra: str) -> None:
+        """`uninterrupted` (checkpointed every `cut` steps) cut after step `cut` and resumed to the end gives its
+        losses and weights bit for bit (same rows, optimizer moments, LR schedule and RNG). The cut run is its
+        directory as the step-`cut` checkpoint left it (a run stopped there: `latest` at it, `cut` logged steps, no
+        later checkpoint, no summary), so it costs no launch of its own; the resume is a launch."""
+        out = self.root / "cut"
+        shutil.copytree(uninterrupted.out, out)
+        (out / "checkpoints" / "latest").write_text(f"step{cut}")
+        shutil.rmtree(out / "checkpoints" / f"step{self.steps}")
+        (out / "summary.json").unlink()
+        log = (out / "train_log.csv").read_text().splitlines(keepends=True)
+        (out / "train_log.csv").write_text("".join(log[:1 + cut]))  # the header and steps 1 .. cut
+        resumed = self.launch("cut", stages, *extra, "--resume")
+        assert resumed.summary["start_step"] == cut
+        assert [int(r["step"]) for r in resumed.rows] == list(range(1, self.steps + 1))
+        assert resumed.losses == uninterrupted.losses
+        cfg = self.resolved().model  # its vocabulary fitted to the tokenizer, as the runs' model.json
+        got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
+                     for r in (resumed, uninterrupted))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.fixture(scope="module")
 def qwen_set(tmp_path_factory):
-    """(root, the arguments every run shares): the set, the tokenizer with the vision specials, a DeepSpeed
-    config of 2 rows x 2 micro-batches with a warm-up + cosine schedule of a fixed length (so the cut run's
-    schedule is the uninterrupted one's; twice the runs' steps, so the last step still moves the weights)."""
-    root = tmp_path_factory.mktemp("qwen_pipe")
-    rng = np.random.default_rng(0)
-    for k, (w, h) in enumerate(SIZES):
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
-    (root / "data.json").write_text(json.dumps(_records(36)))
-    save_tokenizer(root / "tok")
-    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
-                         scheduler={"type": "WarmupCosineLR",
-                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
-                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
-    args = ["--preset", "qwen-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
-            "--ds-config", str(ds), "--text-len", "48", "--pack", "--max-images", "4", "--max-patches", "128",
-            "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
-    return root, args
-
-
-def _resolved(qwen_set, *extra: str):
-    root, args = qwen_set
-    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref"), *extra]),
-                   world_size=1)
-
-
-def _reference(qwen_set, *extra: str):
-    run = _resolved(qwen_set, *extra)
-    return train_reference(run, seed=SEED, steps=STEPS, out_dir=str(qwen_set[0] / "ref"))
+    return PackedSet(tmp_path_factory.mktemp("qwen_pipe"), "qwen-tiny", SIZES, 36, STEPS, SEED)
 
 
 @pytest.fixture(scope="module")
 def reference(qwen_set):
-    return _reference(qwen_set)
+    return qwen_set.reference()
 
 
 @pytest.fixture(scope="module")
 def reference_frozen(qwen_set):
-    return _reference(qwen_set, "--freeze", "vision")
-
-
-def _launch(qwen_set, name: str, *extra: str):
-    root, args = qwen_set
-    return train_run(root / name, *args, *extra).check()
+    return qwen_set.reference("--freeze", "vision")
 
 
 @pytest.fixture(scope="module")
 def pp2(qwen_set):
     """Vision trained; also the uninterrupted run of the resume test, so it checkpoints at the cut too."""
-    return _launch(qwen_set, "pp2", "--stages", "2", "--steps", str(STEPS), "--save-every", str(CUT))
+    return qwen_set.launch("pp2", 2, "--save-every", str(CUT))
 
 
 @pytest.fixture(scope="module")
 def pp4_frozen(qwen_set):
-    return _launch(qwen_set, "pp4", "--stages", "4", "--steps", str(STEPS), "--freeze", "vision")
+    return qwen_set.launch("pp4", 4, "--freeze", "vision")
 
 
 def test_rows_mix_grids_images_and_text_only(qwen_set):
     """What the runs below train on: packed rows whose image grids differ within a row and within each
     micro-batch, conversations of 2 and 3 images, text-only samples, each image's t h w / 4 placeholders the
     tokenizer's own <|image_pad|>; and a later stage's loader (no images decoded) gives the first stage's grids."""
-    run = _resolved(qwen_set)
+    run = qwen_set.resolved()
     m, tok = run.model, run.data.tokenizer
     # the placeholders are the tokenizer's own vision tokens, as Qwen's processor makes them; nothing is added
     assert [m.vision_start_id, m.image_token_id, m.vision_end_id] == tok.convert_tokens_to_ids(
         ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]) and m.text.vocab_size == len(tok) == 200
     images_per_sample, text_only, mixed_rows = set(), 0, 0
-    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen_set[0], SEED, STEPS):
+    for pixels, ids, has_image, segments, tiling in loaders_agree(run, qwen_set.root, SEED, STEPS):
         assert pixels.shape == (2, 128, 1176) and tiling.shape == (2, 4, 3)
         n_tokens = (tiling.prod(-1) * (has_image > 0)).sum(-1) // 4
         assert torch.equal((ids == m.image_token_id).sum(-1), n_tokens)
@@ -199,19 +221,5 @@ def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp2, pp4_frozen, 
 
 def test_resume_is_bit_exact(qwen_set, pp2):
     """PP=2 cut after step 2 (its checkpoint) and resumed to step 4: the uninterrupted run's losses and weights,
-    bit for bit (same rows, optimizer moments, LR schedule and RNG). The cut run is the uninterrupted run's
-    directory as its step-2 checkpoint left it (a run stopped there: `latest` step2, two logged steps, no later
-    checkpoint, no summary), so it costs no launch of its own; the resume is a launch."""
-    cut = qwen_set[0] / "cut"
-    shutil.copytree(pp2.out, cut)
-    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
-    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
-    (cut / "summary.json").unlink()
-    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
-    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))  # the header and steps 1, 2
-    resumed = _launch(qwen_set, "cut", "--stages", "2", "--steps", str(STEPS), "--resume")
-    assert resumed.summary["start_step"] == CUT and [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
-    assert resumed.losses == pp2.losses
-    cfg = _resolved(qwen_set).model  # its vocabulary fitted to the tokenizer, as the runs' model.json
-    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict() for r in (resumed, pp2))
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    bit for bit (PackedSet.assert_resume_bit_exact)."""
+    qwen_set.assert_resume_bit_exact(pp2, CUT, 2)
