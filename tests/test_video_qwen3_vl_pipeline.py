@@ -1,0 +1,62 @@
+"""Qwen3-VL clips through the pipeline (issue 44): `mmpipe train --pack --preset qwen3-vl-tiny` at PP=2 on
+tests/test_video_pipeline.py's LLaVA records (clips in MP4 / H.264 and Matroska / Motion JPEG, a clip and an image, two
+clips, images, text), each clip's temporal patches a (1, h, w) slot after its timestamp text, DeepStack's feature sets
+crossing the cut, equals the single-device reference loop (losses and weights, fp32, 1e-5), and only floats cross the
+stage boundary. The timestamps' words are unknown to this tokenizer (tests/test_qwen_data.py's), so each is one id:
+the equality does not depend on which (tests/test_video_qwen3_vl.py checks the ids). One launch."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import train_run, write_ds_config
+from mmpipe.data.dataset import prepare
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
+from test_qwen_data import save_tokenizer
+from test_qwen_pipeline import _weights_equal_within, loaders_agree, sample_image_counts
+from test_video_pipeline import KINDS
+from video_clips import moving_square, write_clip
+
+TOL = 1e-5
+STEPS, SEED = 3, 5
+
+
+def test_qwen3_vl_pipeline_with_clips_equals_single_device(tmp_path):
+    root = tmp_path
+    # patch 16: 64 x 64 and 96 x 64 frames are 4 x 4 and 4 x 6 patch grids; 4 and 8 frames sampled at 2 fps
+    write_clip(root / "short.mp4", moving_square(7, 64, 64, seed=0), 3)
+    write_clip(root / "long.mkv", moving_square(13, 96, 64, seed=1), 3)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(root / "a.png")
+    (root / "data.json").write_text(json.dumps(KINDS * 3))
+    save_tokenizer(root / "tok")
+    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                         scheduler={"type": "WarmupCosineLR",
+                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
+                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    # a slot per temporal patch: the two clips' record takes 2 + 4 slots
+    args = ["--preset", "qwen3-vl-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
+            "--ds-config", str(ds), "--text-len", "64", "--pack", "--max-images", "6", "--max-patches", "256",
+            "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0", "--bad-records", "strict"]
+    pp2 = train_run(root / "pp2", *args, "--stages", "2", "--steps", str(STEPS)).check()
+    run = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
+    stats = prepare(run.data, run.model, str(root / "ref"), SEED, verbose=False).index.stats
+    assert stats["clips"] == 12 and stats["bad"] == 0  # 3 x (1 + 1 + 2) clips, every record trained on
+    counts = set()
+    for _, _, has_image, segments, tiling in loaders_agree(run, root, SEED, STEPS):  # a later stage's: the same
+        assert (tiling[..., 0] <= 1).all()  # Qwen3-VL: a temporal patch a slot
+        counts.update(n for row in sample_image_counts(has_image, segments) for n in row)
+    # slots a sample: text 0, an image 1, the short clip 2 (4 frames), the long clip (8 frames) and an image 5, both
+    # clips 6: every kind trained on within the steps
+    assert counts == {0, 1, 2, 5, 6}
+    ref_model, ref_losses = train_reference(run, seed=SEED, steps=STEPS, out_dir=str(root / "ref"))
+    assert sorted(pp2.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
+    assert list(pp2.losses.values()) == pytest.approx(ref_losses, abs=TOL)
+    _weights_equal_within(torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg)), ref_model, TOL)
+    pp2.assert_only_floats_crossed(per_forward=4)  # the cut is in the decoder: hidden + DeepStack's 3 sets
