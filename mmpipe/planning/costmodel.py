@@ -333,8 +333,10 @@ class RangeMemory:
     balanced split asks it for every (stage, first, end): ~P n^2 times, e.g. 1M times for qwen2.5-vl-72b's
     117 layers at 32 stages, where summing each range anew took minutes."""
 
-    def __init__(self, rows: list[LayerCost], precision: str):
+    def __init__(self, rows: list[LayerCost], precision: str, *, micro: int, micro_batches: int, zero_stage: int,
+                 dp: int, ep: int = 1):
         self.precision, n = precision, len(rows)
+        self.micro, self.micro_batches, self.zero_stage, self.dp, self.ep = micro, micro_batches, zero_stage, dp, ep
         self.params, self.trainable, self.act, self.experts, self.expert_trainable = ([0.0] for _ in range(5))
         for r in rows:
             self.params.append(self.params[-1] + r.params)
@@ -349,14 +351,13 @@ class RangeMemory:
             for b in range(a + 1, n + 1):
                 self.recompute[a][b] = max(self.recompute[a][b - 1], full[b - 1])
 
-    def total(self, a: int, b: int, stage: int, stages: int, *, micro: int, micro_batches: int, zero_stage: int,
-              dp: int, ep: int = 1) -> float:
+    def total(self, a: int, b: int, stage: int, stages: int) -> float:
         """Bytes on a rank of `stage` (of `stages`) holding layers a..b-1, as stage_memory counts them (1F1B)."""
         state = rank_state_bytes(self.params[b] - self.params[a], self.trainable[b] - self.trainable[a],
                                  self.experts[b] - self.experts[a], self.expert_trainable[b] - self.expert_trainable[a],
-                                 self.precision, zero_stage, dp, ep)
-        k = in_flight(stage, stages, micro_batches)
-        return sum(state.values()) + ((self.act[b] - self.act[a]) * k + self.recompute[a][b]) * micro
+                                 self.precision, self.zero_stage, self.dp, self.ep)
+        k = in_flight(stage, stages, self.micro_batches)
+        return sum(state.values()) + ((self.act[b] - self.act[a]) * k + self.recompute[a][b]) * self.micro
 
 
 # ---- time ---------------------------------------------------------------------------------------

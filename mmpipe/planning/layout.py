@@ -59,6 +59,23 @@ class Layout:
         return 0.0 if not self.step else (self.micro * self.gas * self.dp) / self.step["step_s"]
 
 
+def _stage_rows(rows: list[LayerCost], parts: list[int], times, a2a: list[dict], **memory) -> list[dict]:
+    """Each stage's row of a layout: its layers, parameters, memory (stage_memory with `memory`'s settings) and
+    times; an MoE model's (a2a: all_to_all's per stage) also the rank's own parameters (1 / ep of the experts) and
+    its all-to-all per micro-batch."""
+    out = []
+    for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
+        mem = stage_memory(rows, parts, s, **memory)
+        out.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
+                    "params": sum(r.params for r in rows[a:b]), "memory_gib": mem["total"] / GiB,
+                    "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
+        if a2a:
+            experts = sum(r.expert_params for r in rows[a:b])
+            out[-1].update(rank_params=out[-1]["params"] - experts + experts / memory["ep"],
+                           a2a_mib=2 * a2a[s]["bytes"] / 2 ** 20, a2a_ms=2 * a2a[s]["seconds"] * 1e3)
+    return out
+
+
 def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
                 device: Device, measured: dict | None = None, partition: str = "balanced",
                 schedule: Schedule | tuple[Schedule, ...] | str = BASELINE, ep: int = 1) -> Layout:
@@ -80,12 +97,11 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
     def unit_parts(s, i, j):  # layer boundaries of units i..j-1 as stage s
         return [units[i][0], units[j - 1][-1] + 1]
 
-    ranges = RangeMemory(rows, precision)  # stage_memory of any range, in O(1)
+    memory = dict(micro=micro, micro_batches=gas, zero_stage=zero, dp=dp, ep=ep)  # what stage_memory counts by
+    ranges = RangeMemory(rows, precision, **memory)  # stage_memory of any range, in O(1)
 
     def fits(s, i, j):  # stage s = the layers of units i..j-1
-        a, b = unit_parts(s, i, j)
-        return ranges.total(a, b, s, stages, micro=micro, micro_batches=gas, zero_stage=zero, dp=dp,
-                            ep=ep) <= device.memory
+        return ranges.total(*unit_parts(s, i, j), s, stages) <= device.memory
 
     try:
         parts = compute_parts(rows, stages, "balanced", fits) if partition in ("balanced", "best", "") else \
@@ -93,8 +109,7 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
     except ConfigError:
         if partition not in ("balanced", "best", ""):
             raise
-        whole = stage_memory(rows, [0, len(rows)], 0, micro=micro, micro_batches=gas, precision=precision,
-                             zero_stage=zero, dp=dp, ep=ep)["total"]
+        whole = stage_memory(rows, [0, len(rows)], 0, precision=precision, **memory)["total"]
         need = (f"it needs {whole / GiB:.1f} GiB" if stages == 1 else
                 f"an even share would be ~{whole / stages / GiB:.1f} GiB")
         return Layout(stages, dp, micro, gas, None, [], None, f"no split fits {device.memory / GiB:.0f} GiB ({need})",
@@ -103,30 +118,17 @@ def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas:
     times = stage_seconds(rows, parts, micro, device, measured)
     if moe:  # the exchange waits on the critical path: forward's two all-to-alls, backward's two
         times = [(f + x["seconds"], bw + x["seconds"]) for (f, bw), x in zip(times, a2a)]
-    stage_rows = []
-    for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
-        mem = stage_memory(rows, parts, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero, dp=dp,
-                           ep=ep)
-        stage_rows.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
-                           "params": sum(r.params for r in rows[a:b]), "memory_gib": mem["total"] / GiB,
-                           "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
-        if moe:  # the rank's own parameters (1 / ep of the experts) and its all-to-all per micro-batch
-            experts = sum(r.expert_params for r in rows[a:b])
-            stage_rows[-1].update(rank_params=stage_rows[-1]["params"] - experts + experts / ep,
-                                  a2a_mib=2 * a2a[s]["bytes"] / 2 ** 20, a2a_ms=2 * a2a[s]["seconds"] * 1e3)
+    stage_rows = _stage_rows(rows, parts, times, a2a, precision=precision, **memory)
     boundary = [rows[b - 1].boundary_elems * micro * BYTES[precision] for b in parts[1:-1]]
     grad_bytes = max(_ring_bytes(rows[a:b], dp, ep) for a, b in zip(parts, parts[1:])) * BYTES[precision]
     step = pipeline_step_seconds(times, gas, boundary, grad_bytes, dp, device)
-    if moe:
-        step.update(_a2a_share(step, times, a2a, gas))
     ask = asked(schedule)
     replayed = [s for s in ask if s is not BASELINE]
     own = _replayed(replayed, rows, parts, stage_rows, micro=micro, gas=gas, precision=precision, zero=zero, dp=dp,
                     device=device, measured=measured, boundary=boundary, grad_bytes=grad_bytes, ep=ep,
                     a2a=a2a) if replayed else {}
-    if moe:
-        for pred in own.values():
-            pred.update(_a2a_share(pred, times, a2a, gas))
+    for pred in [step, *own.values()] if moe else []:
+        pred.update(_a2a_share(pred, times, a2a, gas))
     predictions = {s.name: own[s.name] if s in replayed else step for s in ask}
     fitting = [s for s in ask if predictions[s.name].get("fits", True)]  # the baseline's split was cut to fit
     if not fitting:  # the one schedule asked for holds more micro-batches than memory takes
