@@ -280,5 +280,8 @@ def test_config_refuses_what_the_layers_cannot_run():
             config_from_dict(d, "bad")
     llava = load_preset("llava-tiny").to_dict()
     llava["vision"]["crop_features"] = 2
-    with pytest.raises(ConfigError, match="vision.crop_features: 2 / max_crops 0: LLaVA's projector reads one crop"):
+    # moondream's crop fields are not the LLaVA family's section: set, one line naming it; at the default, dropped
+    with pytest.raises(ConfigError, match=r"vision: \['crop_features'\]: not a field of the llava family's section"):
         config_from_dict(llava, "bad")
+    llava["vision"]["crop_features"] = 1
+    assert config_from_dict(llava, "llava-tiny") == load_preset("llava-tiny")

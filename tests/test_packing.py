@@ -141,7 +141,7 @@ def test_packed_rows_equal_the_unpacked_batch(preset, text_only):
     loss_u = ce / (b["labels"] != IGNORE_INDEX).sum()
     g_u = _grads(model, loss_u)
 
-    p, rows = _packed(samples, cfg, n, text_len, max_crops=cfg.vision.max_crops)
+    p, rows = _packed(samples, cfg, n, text_len, max_crops=cfg.vision.crop_slots - 1)
     assert len(rows) < n / 2 and sorted(sum(rows, [])) == list(range(n))  # several samples share each row
     assert (p["segments"].amax(dim=1) >= 2).all()
     logits = model(p["pixels"], p["input_ids"], p["has_image"], p["segments"], p.get("tiling"))
