@@ -125,8 +125,10 @@ class IndexedSamples:
             if self.rule is None:
                 return self.reader.transform(image)
             patches, grid = self.rule.patches(image, media_count(rec.images))  # a clip shares P as one medium
-            if grid != tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k][:3]):
-                raise BadRecord("image_grid", f"image {k} gives grid {grid}, the index recorded another")
+            stored = tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k])
+            if grid != stored[:len(grid)]:  # a family whose clips take a step column: an image's (t, h, w) first
+                raise RuntimeError(f"{row}: image {k} gives grid {grid}, the index recorded {stored}: the data "
+                                   f"changed after it was checked at start-up; restore it, or start a new run")
             return patches
         except BadRecord as e:
             # checked before training; failing now means the files changed under the run
