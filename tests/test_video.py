@@ -424,3 +424,19 @@ def test_generate_command_answers_on_a_clip(qwen25, clips, tmp_path, capsys):
                           second_per_grid_ts=seconds, mm_token_type_ids=(prompt == VIDEO).int()[None] * 2,
                           max_new_tokens=5, do_sample=False, eos_token_id=tok.eos_token_id)
     assert answer == tok.decode(out[0, len(prompt):], skip_special_tokens=True).strip() != ""
+
+
+def test_decoded_clips_are_kept_up_to_the_cache_bound(clips, monkeypatch):
+    """A clip read again (a Qwen3-VL clip's next temporal-patch slot, the next epoch) comes from the loader's cache,
+    the same patches a fresh decode gives; past CLIP_CACHE_BYTES the least recently read clip goes first."""
+    from mmpipe.data import video
+    rule = _rule(0).image
+    monkeypatch.setattr(video, "_clip_cache", type(video._clip_cache)())
+    monkeypatch.setattr(video, "_cached", [0])
+    short = video._clip_patches(clips["short"], rule, 1)
+    assert video._clip_patches(clips["short"], rule, 1)[1] is short[1]  # read again: not decoded again
+    monkeypatch.setattr(video, "CLIP_CACHE_BYTES", short[1].nbytes)  # room for one clip: the next one evicts
+    long_ = video._clip_patches(clips["long"], rule, 1)
+    assert list(video._clip_cache) == [(clips["long"], rule, 1)] and video._cached == [long_[1].nbytes]
+    fresh = video._clip_patches(clips["short"], rule, 1)  # decoded anew, equal
+    assert fresh[1] is not short[1] and torch.equal(fresh[1], short[1]) and fresh[0] == short[0]

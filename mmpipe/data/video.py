@@ -22,6 +22,7 @@ grid and positions without decoding it, as images' grids come from their size al
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -367,13 +368,31 @@ def with_timestamps(rec, rule: PatchRule, image_root, marker: str):
     return dc.replace(rec, messages=messages, images=media)
 
 
-@functools.lru_cache(maxsize=2)
+# Decoded clips kept per loader process, the most recently read first, up to this many bytes of patches: a Qwen3-VL
+# clip's temporal-patch slots, read one after the other for its row, decode it once, and a set of clips read again
+# every epoch decodes each once while it fits (decoding and the video processor take ~40 ms a 4-frame 56 px clip
+# here, the model's step on it ~1 ms). 256 MiB holds ~6 clips of 16 frames at 448 px (8 x 32 x 32 patches x 1176
+# floats x 4 B = 38.5 MB each), thousands of small ones.
+CLIP_CACHE_BYTES = 256 * 2 ** 20
+_clip_cache: collections.OrderedDict = collections.OrderedDict()
+_cached = [0]  # bytes of patches in _clip_cache
+
+
 def _clip_patches(path: Path, rule: PatchRule, n_media: int) -> tuple[tuple, torch.Tensor]:
-    """(the clip's tiling, its patches): cached, so a Qwen3-VL clip's temporal-patch slots, read one after the other
-    for its row, decode it once."""
+    """(the clip's tiling, its patches), from the cache when this process read the clip lately."""
+    key = (path, rule, n_media)
+    if key in _clip_cache:
+        _clip_cache.move_to_end(key, last=False)
+        return _clip_cache[key]
     clips = video_rule(rule)
     clip = clips.clip(probe(path), n_media)
-    return clip.tiling, clips.patches(path, clip, n_media)
+    got = clip.tiling, clips.patches(path, clip, n_media)
+    _clip_cache[key] = got
+    _clip_cache.move_to_end(key, last=False)
+    _cached[0] += got[1].nbytes
+    while len(_clip_cache) > 1 and _cached[0] > CLIP_CACHE_BYTES:
+        _cached[0] -= _clip_cache.popitem(last=True)[1][1].nbytes  # the least recently read
+    return got
 
 
 def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.Tensor:
