@@ -22,10 +22,10 @@ Shapes: `tiny` is the MoE pipeline test's (tests/test_moe_pipeline.py: D 64, 8 e
 positions a rank); `wide` is larger (D 512, 16 experts of 256, top 4, 2048 tokens a rank), where the experts' matmuls
 outweigh the exchange's fixed costs.
 
-Planned: `mmpipe plan`'s model (mmpipe.planning) for qwen3-vl-30b-a3b's shapes (QWEN3_VL_30B_A3B below; no preset
-ships: docs/moe.md says why) on 16 H100s, bf16, ZeRO-1, a row of one 1024 x 1024 image (4096 patches, 1024 image
-tokens) + 1024 text = 2050 positions, global batch 64 rows, micro 1: for each PP and EP the best layout's step, its
-all-to-all share and fullest stage's memory.
+Planned: `mmpipe plan`'s model (mmpipe.planning) for the qwen3-vl-30b-a3b preset (Qwen3-VL-30B-A3B-Instruct's
+released shapes, its `_source`; 31,070,754,032 parameters, the checkpoint's count) on 16 H100s, bf16, ZeRO-1, a row
+of one 1024 x 1024 image (4096 patches, 1024 image tokens) + 1024 text = 2050 positions, global batch 64 rows, micro 1:
+for each PP and EP the best layout's step, its all-to-all share and fullest stage's memory.
 """
 from __future__ import annotations
 
@@ -47,24 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # would otherwise swamp)
 SHAPES = {"tiny": dict(dim=64, experts=8, ff=32, top_k=2, tokens=2 * 88, iters=20),
           "wide": dict(dim=512, experts=16, ff=256, top_k=4, tokens=2048, iters=2)}
-
-# Qwen3-VL-30B-A3B: the text model is Qwen3-30B-A3B's (48 layers, width 2048, 32 query heads / 4 kv of 128, 128
-# experts, top 8, moe_intermediate_size 768, vocab 151936, untied: Qwen's model card huggingface.co/Qwen/Qwen3-30B-A3B,
-# "30.5B in total and 3.3B activated"); the tower is Qwen3-VL's 27 x 1152 one (mmpipe's qwen3-vl-8b preset) with its
-# merger into width 2048. Built so, the model holds 31,070,754,032 parameters, the 31.07 B listed for
-# Qwen/Qwen3-VL-30B-A3B-Instruct (free2aitools.com/model/qwen/qwen3-vl-30b-a3b-instruct; "31.1B" on
-# haimaker.ai/models/qwen/qwen3-vl-30b-a3b-thinking), 3,891,664,112 active per token.
-QWEN3_VL_30B_A3B_TEXT = dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, attn_head_dim=128, ff_dim=6144,
-                             moe=dict(experts=128, top_k=8, ff_dim=768, aux_coef=0.001, norm_topk=True))
-
-
-def qwen3_vl_30b_a3b():
-    from mmpipe.config import config_from_dict, load_preset
-    d = load_preset("qwen3-vl-8b").to_dict()
-    d.pop("_comment", None)
-    d["text"].update(QWEN3_VL_30B_A3B_TEXT)
-    return config_from_dict(d, "qwen3-vl-30b-a3b")
-
 
 def _layer(shape: dict):
     from mmpipe.config import config_from_dict, load_preset
@@ -129,10 +111,11 @@ def measure(names: list[str], repeats: int) -> dict:
 
 def plan_table() -> list[dict]:
     """The best layout (over micro 1, balanced split that fits) per PP x EP for qwen3-vl-30b-a3b on 2 x 8 H100."""
+    from mmpipe.config import load_preset
     from mmpipe.planning.costmodel import KNOWN_DEVICES
     from mmpipe.planning.images import patch_row
     from mmpipe.planning.plan import plan
-    cfg = qwen3_vl_30b_a3b()
+    cfg = load_preset("qwen3-vl-30b-a3b")
     layouts = plan(cfg, device=KNOWN_DEVICES["h100-80gb"], gpus=16, global_batch=64, micros=[1], text_len=1024,
                    precision="bf16", zero=1, freeze=(), checkpointing=False, images=1,
                    patches=patch_row(cfg, 1, 4096), eps=(1, 2, 4, 8))
