@@ -209,6 +209,14 @@ class PatchVision(VisionConfig):
     mlp: str = "gelu"
     min_pixels: int = 0
     max_pixels: int = 0
+    # Clips (mmpipe.data.video; train / plan / generate's --video-* flags set them): the video processor's fps,
+    # min_frames and max_frames, and its pixel bounds, 0: the images' (Qwen2-VL's min_pixels / max_pixels of a frame;
+    # Qwen3-VL's size shortest_edge / longest_edge, over the whole clip's frames)
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_min_pixels: int = 0
+    video_max_pixels: int = 0
 
     @property
     def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 x 2 frames = 1176

@@ -198,6 +198,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         model = problems.attempt(load_preset, args.preset or "small")
     if model is not None:
         model = problems.attempt(args.with_crops, model)
+        model = problems.attempt(args.with_video, model) or model  # --video-*: the clip sampling (vision.video_*)
     data = problems.attempt(resolve_data, args, model, run_tok)
     eval_data = _eval_data(args, data, problems)
     if data is not None and args.eval_split and eval_data is not None:

@@ -1,8 +1,11 @@
 """The data flags of a training run (docs/data.md), declared once as fields."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
+from ..config import ConfigError, ModelConfig
 from ..flags import flag
 from .images import DEFAULT_MAX_PIXELS
 from .packing import LOSS_NORMS
@@ -11,6 +14,9 @@ from .tokenizer import PROMPT_FORMATS
 
 POLICIES = ("skip", "strict")
 GROUP = "data (see docs/data.md)"
+VIDEO = "video sampling (see docs/video.md; default: the model's vision.video_*, the processors' own)"
+# the clip sampling flags: train, plan and generate take them (DataArgs.with_video sets the model's vision.video_*)
+VIDEO_FLAGS = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels")
 
 
 @dataclass(frozen=True)
@@ -60,3 +66,49 @@ class DataArgs:
     loss_norm: str = flag("token", "the step's loss: the mean over the global batch's answer tokens (token, the "
                           "default; packed == unpacked) or over its samples, each its own mean (sample)",
                           choices=LOSS_NORMS, group=GROUP)
+    video_fps: float | None = flag(None, "frames sampled per second of a clip, the video processor's fps (default: 2)",
+                                   metavar="FPS", group=VIDEO)
+    video_min_frames: int | None = flag(None, "frames sampled from a clip at least, the processor's min_frames "
+                                        "(default: 4); also the fewest a clip over its share of the row is sampled "
+                                        "down to before it is a bad record", metavar="N", group=VIDEO)
+    video_max_frames: int | None = flag(None, "frames sampled from a clip at most, the processor's max_frames "
+                                        "(default: 768)", metavar="N", group=VIDEO)
+    video_min_pixels: int | None = flag(None, "the video processor's lower pixel bound: a frame's min_pixels "
+                                        "(Qwen2-VL family), the whole clip's size shortest_edge (Qwen3-VL) "
+                                        "(default: vision.min_pixels)", metavar="PX", group=VIDEO)
+    video_max_pixels: int | None = flag(None, "the video processor's upper pixel bound: a frame's max_pixels "
+                                        "(Qwen2-VL family), the whole clip's size longest_edge (Qwen3-VL); a clip "
+                                        "also keeps to its share of --max-patches (default: that share and "
+                                        "vision.max_pixels)", metavar="PX", group=VIDEO)
+
+    def with_video(self, model: ModelConfig) -> ModelConfig:
+        """The model under the --video-* flags (its vision.video_* fields, which the clip rule reads,
+        mmpipe.data.video.video_rule); ConfigError, one line per bad value, for a family that reads no clips or a
+        value the processor cannot take."""
+        given = {k: getattr(self, k) for k in VIDEO_FLAGS if getattr(self, k) is not None}
+        if not given:
+            return model
+        names = [f"--{k.replace('_', '-')}" for k in given]
+        v = model.vision
+        if not all(hasattr(v, k) for k in VIDEO_FLAGS):
+            from ..model.families import FAMILIES
+            readers = [f.family for f in FAMILIES if "video" in f.media]
+            raise ConfigError(f"{', '.join(names)}: the {model.family} family reads no clips; only the "
+                              f"{', '.join(readers)} families do")
+        new = dataclasses.replace(v, **given)
+        problems = []
+        if not (math.isfinite(new.video_fps) and new.video_fps > 0):
+            problems.append(f"--video-fps: {new.video_fps:g} must be a positive number of frames a second")
+        if new.video_min_frames < 1:
+            problems.append(f"--video-min-frames: {new.video_min_frames} must be at least 1")
+        if new.video_max_frames < max(1, new.video_min_frames, v.temporal_patch_size):
+            problems.append(f"--video-max-frames: {new.video_max_frames} must be at least --video-min-frames "
+                            f"({new.video_min_frames}) and a temporal patch ({v.temporal_patch_size} frames)")
+        if new.video_min_pixels < 0:
+            problems.append(f"--video-min-pixels: {new.video_min_pixels} must be at least 0 (0: vision.min_pixels)")
+        if new.video_max_pixels < 0 or 0 < new.video_max_pixels < new.video_min_pixels:
+            problems.append(f"--video-max-pixels: {new.video_max_pixels} must be 0 (none) or at least "
+                            f"--video-min-pixels ({new.video_min_pixels})")
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return dataclasses.replace(model, vision=new)

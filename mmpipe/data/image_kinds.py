@@ -36,6 +36,7 @@ from .crops import blank_image, make_transform, stack_images
 from .patches import default_patch_budget, patch_rule, per_image_patches
 from .text import image_text, with_placeholders
 
+VIDEO_DEFAULTS = (2.0, 4, 768, 0, 0)  # PatchVision's video_* defaults: an index made before them keeps its key
 BUDGET_FLAGS = ("max_patches", "max_tiles")  # DataArgs' row budgets: the kind takes at most one
 
 
@@ -231,7 +232,9 @@ class Patches(Budgeted):
         record may have (not P itself, which --pack's slots may raise without changing any grid)."""
         key = [rule.factor, rule.min_pixels, [rule.cap(n) for n in range(1, record_images + 1)]]
         # clips' steps (a 4th grid column) follow tokens_per_second; an index without them keeps its old key
-        return key + ([rule.tokens_per_second] if rule.tokens_per_second else [])
+        key += [rule.tokens_per_second] if rule.tokens_per_second else []
+        # clips' sampling (--video-*): a key of its own only where it is not the processors' defaults
+        return key + ([list(rule.video)] if rule.video and rule.video != VIDEO_DEFAULTS else [])
 
 
 @dataclass(frozen=True)

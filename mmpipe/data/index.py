@@ -251,7 +251,10 @@ def describe(stats: dict, listed: str = "in bad_records.jsonl") -> list[str]:
         resized = (f"; {stats['clips_resized']} clips' frames made smaller than their own size (vision.max_pixels, "
                    f"their share of the row's --max-patches)" if stats["clips_resized"] else "")
         lines.append(f"data: {stats['clips']} clips: {stats['clip_frames_sampled']} of their {stats['clip_frames']} "
-                     f"frames sampled (the family's video processor's fps rule){resized}")
+                     f"frames sampled (the family's video processor's fps rule){resized}"
+                     + (f"; {stats['clips_fewer_frames']} clips sampled to {stats['clip_frames_dropped']} fewer frames "
+                        f"than the fps rule gives, to fit their share of the row (the processor's max_frames lowered, "
+                        f"not below min_frames)" if stats.get("clips_fewer_frames") else ""))
     if stats.get("unknown_token_share", 0) > 0.05:
         why = ("the built-in one knows only the shapes words; give --tokenizer DIR"
                if stats.get("builtin_tokenizer", True)  # an index written before the key: the old wording

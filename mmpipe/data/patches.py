@@ -42,6 +42,8 @@ class PatchRule:
     std: tuple
     tokens_per_second: int = 0  # vision.tokens_per_second: clips' absolute-time rotary (mmpipe.data.video)
     timestamps: bool = False  # Qwen3-VL's tower: clips by its video processor, timestamps as text (mmpipe.data.video)
+    # clips' sampling (fps, min_frames, max_frames, min_pixels, max_pixels): vision.video_* (video.video_rule)
+    video: tuple = ()
 
     @property
     def grid_width(self) -> int:
@@ -127,4 +129,5 @@ def patch_rule(cfg, budget: int) -> PatchRule:
     v = cfg.vision
     factor = v.patch_size * v.merge_size
     return PatchRule(v.patch_size, v.merge_size, v.temporal_patch_size, v.channels, max(v.min_pixels, factor * factor),
-                     v.max_pixels, budget, tuple(v.mean), tuple(v.std), v.tokens_per_second, v.timestamps)
+                     v.max_pixels, budget, tuple(v.mean), tuple(v.std), v.tokens_per_second, v.timestamps,
+                     (v.video_fps, v.video_min_frames, v.video_max_frames, v.video_min_pixels, v.video_max_pixels))

@@ -9,8 +9,11 @@ A clip of F frames at r fps and W x H pixels:
 - frames: the processor samples `fps` frames a second (Qwen2.5-VL's 2.0), at least min_frames and at most
   max_frames, floored to a multiple of temporal_patch_size (2): n frames, uniformly spaced (sample_frames);
 - frame size: smart_resize of H x W between min_pixels and a per-frame bound, the clip's share of the row's P patches
-  over its n / 2 temporal patches (and vision.max_pixels), so a long clip is sampled into smaller frames, never
-  truncated; a clip whose smallest frames still exceed its share is a bad record (too_many_patches);
+  over its n / 2 temporal patches (and vision.max_pixels, and the video processor's own max_pixels where given), so a
+  long clip is sampled into smaller frames, never truncated;
+- fewer frames: a clip whose smallest frames still exceed its share is sampled again with the processor's max_frames
+  lowered (sample_frames' own parameter: the same fps rule, capped) to the most frames that fit, down to its
+  min_frames; one that fits not even then is a bad record (too_many_patches) saying so;
 - grid (t, h, w) = (n / 2, h' / p, w' / p) patches, t h w / merge^2 decoder positions;
 - Qwen2.5-VL's temporal rotary step: tokens_per_second x temporal_patch_size / sampled_fps positions per temporal
   patch, sampled_fps = n / F x r (transformers' VideoMetadata.sampled_fps), carried to the decoder as its float32
@@ -89,6 +92,7 @@ class Clip:
     grid: tuple[int, int, int]
     step: float
     seconds_per_grid: float  # temporal_patch_size / sampled_fps (transformers' second_per_grid_ts)
+    fewer: int = 0  # > 0: the frames the fps rule sampled, more than fit the clip's share: fewer were (VideoRule.clip)
 
     @property
     def tiling(self) -> tuple[int, int, int, int]:
@@ -106,6 +110,8 @@ class VideoRule:
     min_frames: int = DEFAULT_MIN_FRAMES
     max_frames: int = DEFAULT_MAX_FRAMES
     tokens_per_second: int = 0
+    min_pixels: int = 0  # the video processor's own pixel bounds (0: the images', vision.min_pixels / max_pixels):
+    max_pixels: int = 0  # Qwen2-VL's of a frame, Qwen3-VL's of the whole clip (its size shortest / longest_edge)
 
     def sample(self, info: ClipInfo) -> np.ndarray:
         """The frame indices the processor samples from the clip (its sample_frames on the header's metadata);
@@ -123,40 +129,76 @@ class VideoRule:
                                            f"sampled, fewer than a temporal patch ({self.image.temporal})")
         return np.asarray(idx, dtype=np.int64)
 
+    @property
+    def least_pixels(self) -> int:
+        """The processor's min_pixels: --video-min-pixels, else the images' (at least one merge unit)."""
+        return max(self.min_pixels, self.image.factor ** 2) if self.min_pixels else self.image.min_pixels
+
     def frame_cap(self, temporal_patches: int, n_media: int = 1) -> int:
         """max_pixels of one frame: the clip's share of P (PatchRule.cap) over its temporal patches, down to whole
-        merge units."""
+        merge units, and at most the processor's own max_pixels where given."""
         unit = self.image.merge * self.image.merge * self.image.patch * self.image.patch
-        return self.image.cap(n_media) // max(1, temporal_patches) // unit * unit
+        cap = self.image.cap(n_media) // max(1, temporal_patches) // unit * unit
+        return min(cap, self.max_pixels // unit * unit) if self.max_pixels else cap
 
     def clip(self, info: ClipInfo, n_media: int = 1) -> Clip:
-        """The clip's sampled frames, grid and step, by the processor's rules; BadRecord for a clip they refuse or
-        one whose smallest frames exceed its share of the row."""
+        """The clip's sampled frames, grid and step, by the processor's rules: its fps sampling, frames made smaller
+        to fit the clip's share of the row, then, where even its smallest frames do not fit, fewer frames (the
+        processor's max_frames lowered to the most that fit, not below its min_frames: Clip.fewer); BadRecord for a
+        clip they refuse or one that does not fit even at min_frames frames of the smallest size."""
         idx = self.sample(info)
+        grid, share = self._grid(info, len(idx), n_media)
+        fewer = 0
+        if int(np.prod(grid)) > share:
+            fewer, idx, grid = self._fewer(info, len(idx), n_media, share, grid)
         r = self.image
-        t = math.ceil(len(idx) / r.temporal)  # the processor pads a last odd frame by repeating it
-        try:
-            h, w = self.frame_size(info, len(idx), n_media)
-        except ValueError as e:  # the processor's 200:1 aspect limit
-            raise BadRecord("bad_aspect", f"video {info.width}x{info.height}: {' '.join(str(e).split())}") from None
-        grid = (t, h // r.patch, w // r.patch)
-        share = r.cap(n_media) // (r.patch * r.patch)
-        if grid[0] * grid[1] * grid[2] > share:
-            raise BadRecord("too_many_patches", f"video {info.width}x{info.height}, {len(idx)} frames sampled: a "
-                                                f"{'x'.join(map(str, grid))} patch grid, {int(np.prod(grid))} patches "
-                                                f"> the {share} one of a sample's {n_media} media may take "
-                                                f"(--max-patches, vision.max_pixels)")
         sampled_fps = len(idx) / info.frames * info.fps  # transformers' VideoMetadata.sampled_fps
         seconds = float(np.float32(r.temporal / sampled_fps))  # second_per_grid_ts, a float32 tensor in transformers
         step = float(np.float32(self.tokens_per_second * np.float32(seconds))) if self.tokens_per_second else 1.0
-        return Clip(tuple(int(i) for i in idx), grid, step, seconds)
+        return Clip(tuple(int(i) for i in idx), grid, step, seconds, fewer)
+
+    def _grid(self, info: ClipInfo, frames: int, n_media: int) -> tuple[tuple[int, int, int], int]:
+        """(the grid of `frames` sampled frames, the patches the clip may take: its share of P)."""
+        r = self.image
+        try:
+            h, w = self.frame_size(info, frames, n_media)
+        except ValueError as e:  # the processor's 200:1 aspect limit
+            raise BadRecord("bad_aspect", f"video {info.width}x{info.height}: {' '.join(str(e).split())}") from None
+        t = math.ceil(frames / r.temporal)  # the processor pads a last odd frame by repeating it
+        return (t, h // r.patch, w // r.patch), r.cap(n_media) // (r.patch * r.patch)
+
+    def _fewer(self, info: ClipInfo, frames: int, n_media: int, share: int, grid) -> tuple[int, np.ndarray, tuple]:
+        """(frames sampled at first, the indices, grid) of the clip sampled with the processor's max_frames lowered
+        to the most frames (a bisection over max_frames) whose grid fits the share; BadRecord too_many_patches where
+        not even max(min_frames, a temporal patch) frames fit."""
+        least = max(self.min_frames, self.image.temporal)
+
+        def at(m: int):
+            idx = dataclasses.replace(self, max_frames=m).sample(info)
+            return idx, self._grid(info, len(idx), n_media)[0]
+        lo_idx, lo_grid = at(least)
+        if least >= frames or int(np.prod(lo_grid)) > share:
+            raise BadRecord("too_many_patches", f"video {info.width}x{info.height}, {frames} frames sampled: a "
+                                                f"{'x'.join(map(str, grid))} patch grid, {int(np.prod(grid))} patches, "
+                                                f"and {len(lo_idx)} frames (min_frames) of its smallest size still "
+                                                f"{int(np.prod(lo_grid))} > the {share} one of a sample's {n_media} "
+                                                f"media may take (--max-patches, vision.max_pixels)")
+        lo, hi = least, frames - 1  # lo fits, frames does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int(np.prod(at(mid)[1])) <= share:
+                lo = mid
+            else:
+                hi = mid - 1
+        idx, g = at(lo)
+        return frames, idx, g
 
     def frame_size(self, info: ClipInfo, frames: int, n_media: int = 1) -> tuple[int, int]:
         """(h', w') of the clip's frames: Qwen2VLVideoProcessor's smart_resize at the per-frame bound frame_cap."""
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
         r = self.image
         cap = self.frame_cap(math.ceil(frames / r.temporal), n_media)
-        return smart_resize(info.height, info.width, factor=r.factor, min_pixels=r.min_pixels,
+        return smart_resize(info.height, info.width, factor=r.factor, min_pixels=self.least_pixels,
                             max_pixels=max(cap, r.factor * r.factor))
 
     def processor(self, clip: Clip | None, n_media: int = 1):
@@ -187,11 +229,13 @@ class Qwen3VideoRule(VideoRule):
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
         r = self.image
         return smart_resize(frames, info.height, info.width, temporal_factor=r.temporal, factor=r.factor,
-                            min_pixels=r.min_pixels, max_pixels=self.clip_pixels(n_media))
+                            min_pixels=self.least_pixels, max_pixels=self.clip_pixels(n_media))
 
     def clip_pixels(self, n_media: int = 1) -> int:
-        """The clip's pixels over all its frames: its share of P in patches x p^2 x temporal_patch_size."""
-        return self.image.cap(n_media) * self.image.temporal
+        """The clip's pixels over all its frames: its share of P in patches x p^2 x temporal_patch_size, and at most
+        the processor's own size longest_edge where given (--video-max-pixels: a whole-clip bound)."""
+        share = self.image.cap(n_media) * self.image.temporal
+        return min(share, self.max_pixels) if self.max_pixels else share
 
     def clip(self, info: ClipInfo, n_media: int = 1) -> Clip:
         c = super().clip(info, n_media)
@@ -228,7 +272,7 @@ def _qwen3_processor(rule: VideoRule, clip_pixels: int):
     from transformers import Qwen3VLVideoProcessor
     r = rule.image
     return Qwen3VLVideoProcessor(patch_size=r.patch, merge_size=r.merge, temporal_patch_size=r.temporal,
-                                 size={"shortest_edge": r.min_pixels, "longest_edge": clip_pixels},
+                                 size={"shortest_edge": rule.least_pixels, "longest_edge": clip_pixels},
                                  image_mean=list(r.mean), image_std=list(r.std), fps=rule.fps,
                                  min_frames=rule.min_frames, max_frames=rule.max_frames, do_sample_frames=False,
                                  cap_pixels_per_frame=False)
@@ -241,7 +285,7 @@ def _processor(rule: VideoRule, max_pixels: int):
     from transformers import Qwen2VLVideoProcessor
     r = rule.image
     return Qwen2VLVideoProcessor(patch_size=r.patch, merge_size=r.merge, temporal_patch_size=r.temporal,
-                                 min_pixels=r.min_pixels, max_pixels=max(max_pixels, r.factor * r.factor),
+                                 min_pixels=rule.least_pixels, max_pixels=max(max_pixels, r.factor * r.factor),
                                  image_mean=list(r.mean), image_std=list(r.std), fps=rule.fps,
                                  min_frames=rule.min_frames, max_frames=rule.max_frames, do_sample_frames=False,
                                  cap_pixels_per_frame=False)
@@ -283,11 +327,14 @@ def record_clips(videos: list, marker_count: int, root, rule: VideoRule, n_media
 
 
 def video_rule(image_rule: PatchRule) -> VideoRule:
-    """The run's clip rule from its image rule: Qwen3-VL's (its tower) or Qwen2-VL's, at the processors' sampling
-    defaults and the model's tokens_per_second."""
+    """The run's clip rule from its image rule: Qwen3-VL's (its tower) or Qwen2-VL's, at the run's sampling
+    (vision.video_*, the --video-* flags; the processors' defaults for a rule without them) and the model's
+    tokens_per_second."""
+    fps, least, most, min_px, max_px = image_rule.video or (DEFAULT_FPS, DEFAULT_MIN_FRAMES, DEFAULT_MAX_FRAMES, 0, 0)
+    sampling = dict(fps=fps, min_frames=least, max_frames=most, min_pixels=min_px, max_pixels=max_px)
     if image_rule.timestamps:
-        return Qwen3VideoRule(image_rule)
-    return VideoRule(image_rule, tokens_per_second=image_rule.tokens_per_second)
+        return Qwen3VideoRule(image_rule, **sampling)
+    return VideoRule(image_rule, tokens_per_second=image_rule.tokens_per_second, **sampling)
 
 
 def media_count(media: list) -> int:
@@ -314,7 +361,8 @@ def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> tu
             if m.frame <= 0:  # a clip once, not once per temporal-patch slot
                 frame_px = clip.grid[1] * clip.grid[2] * rule.patch * rule.patch
                 for key, add in zip(CLIP_COUNTS, (1, info.frames, len(clip.indices),
-                                                  int(frame_px < info.width * info.height))):
+                                                  int(frame_px < info.width * info.height), int(clip.fewer > 0),
+                                                  clip.fewer and clip.fewer - len(clip.indices))):
                     counts[key] += add
         else:
             w, h = check_image(m, image_root, max_pixels)
@@ -323,7 +371,8 @@ def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> tu
 
 
 # the index's clip counts (DataIndex.stats), summed over the good records: mmpipe.data.index.describe's line
-CLIP_COUNTS = ("clips", "clip_frames", "clip_frames_sampled", "clips_resized")
+CLIP_COUNTS = ("clips", "clip_frames", "clip_frames_sampled", "clips_resized", "clips_fewer_frames",
+               "clip_frames_dropped")
 
 
 def _clip_path(ref, image_root) -> Path:

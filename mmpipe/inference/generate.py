@@ -57,11 +57,12 @@ import torch
 from PIL import Image
 
 from ..config import ConfigError, ModelConfig, config_from_dict, fail
+from ..data.args import VIDEO_FLAGS, DataArgs
 from ..data.image_kinds import image_kind
 from ..data.records import BadRecord
 from ..data.text import ConversationEncoder
 from ..data.tokenizer import load_tokenizer
-from ..flags import print_plan
+from ..flags import add_flags, from_namespace, print_plan
 from ..hf.commands import hf_importer
 from ..model.attention import attention_backend
 from ..model.rows import sample_rows
@@ -207,6 +208,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--video", default=None, metavar="PATH",
                    help="a clip (the Qwen2-VL and Qwen3-VL families), with one --prompt and no --image: its frames "
                         "sampled and its prompt built as training builds a clip's (docs/video.md)")
+    add_flags(p, DataArgs, only=VIDEO_FLAGS)  # with --video: its sampling, as `mmpipe train` takes it
     p.add_argument("--records", default=None,
                    help="a JSONL file of {\"image\": path, \"prompt\": text} (image paths relative to the file; "
                         "no image: a text-only prompt), answered in batches, one JSON line each")
@@ -275,6 +277,9 @@ def check_attention() -> None:
 def _requests(args: argparse.Namespace) -> list[tuple[str | None, str, str]]:
     """(image path or None, prompt, where) for every --image/--prompt pair and --records line (--video: its one
     prompt, the clip read by _video)."""
+    given = [f"--{k.replace('_', '-')}" for k in VIDEO_FLAGS if getattr(args, k, None) is not None]
+    if given and not getattr(args, "video", None):
+        raise ConfigError(f"{', '.join(given)}: a clip's sampling, for --video PATH only")
     if getattr(args, "video", None):
         if args.image or args.records or len(args.prompt) != 1:
             raise ConfigError("--video: give one --prompt and no --image or --records beside it")
@@ -353,6 +358,7 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
     cfg, path = model.cfg, Path(args.video)
     if "video" not in family_of(cfg).media:
         raise ConfigError(f"--video: the {cfg.family} family reads no clips")
+    cfg = from_namespace(DataArgs, args, only=VIDEO_FLAGS).with_video(cfg)  # --video-*: the clip's sampling
     rule = image_rule(cfg, one_image_budget(cfg))
     try:
         rec = with_timestamps(Record("--video", [("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")],

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, fail, load_preset
-from ..data.args import DataArgs
+from ..data.args import VIDEO_FLAGS, DataArgs
 from ..data.dataset import ROW_FLAGS, row_text_len
 from ..data.image_kinds import image_kind, row_budget
 from ..flags import add_flags, from_namespace, to_argv
@@ -119,7 +119,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "(default: the preset's vision.image_size square)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
     add_flags(p, ModelArgs)
-    add_flags(p, DataArgs, only=ROW_FLAGS)
+    add_flags(p, DataArgs, only=ROW_FLAGS + VIDEO_FLAGS)  # --video-*: a clip's sampling (--video-frames' grid)
 
 
 def device_from_args(args) -> Device:
@@ -299,6 +299,7 @@ def main_plan(args) -> int:
     try:
         model_args = from_namespace(ModelArgs, args)
         cfg = model_args.with_crops(load_preset(args.preset))
+        cfg = from_namespace(DataArgs, args, only=VIDEO_FLAGS).with_video(cfg)
         device = device_from_args(args)
         micros = [int(x) for x in args.micro.split(",") if x]
         freeze, lora = model_args.frozen_groups(), model_args.adapters()
