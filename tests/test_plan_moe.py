@@ -265,3 +265,46 @@ def test_qwen3_vl_235b_a22b_preset_gives_the_published_counts():
 def _built(cfg):
     with shapes_only():
         return [p for spec in layer_specs(cfg) for p in spec.build().parameters()]
+
+
+# ---- a tied embedding and head (not MoE: the planner's parameter column, fixed beside the MoE counts) ----------
+
+@pytest.mark.parametrize("preset,embedding", [("qwen3-vl-2b", 151_936 * 2048), ("qwen3.5-0.8b", 248_320 * 1024)])
+def test_plan_counts_a_tied_embedding_once_per_stage(preset, embedding, capsys):
+    """A TiedLayerSpec's embedding and head are one module in a stage that holds both (DeepSpeed's tied_modules), so
+    `mmpipe plan`'s parameter column at PP 1 is the model built on the meta device (each tied key once): e.g.
+    qwen3-vl-2b 2,127,532,032, not the rows' 2,438,696,960 (151,936 x 2048 = 311,164,928 twice). Its weights,
+    gradients and optimizer states count it once too (stage_memory and the partitioner's RangeMemory agree), and so
+    does the gradient all-reduce. Cut between the embedding and the head, each stage holds its own copy: the stages
+    sum to the model plus one embedding."""
+    from mmpipe.cli import main
+    from mmpipe.planning.costmodel import RangeMemory, stage_params
+    cfg = load_preset(preset)
+    seen, model = set(), 0
+    with shapes_only():
+        for spec in layer_specs(cfg):
+            key = getattr(spec, "key", None)  # a TiedLayerSpec's later use shares its first one's weights
+            if key is None or key not in seen:
+                model += sum(p.numel() for p in spec.build().parameters())
+            seen.add(key)
+    rows = layer_costs(cfg, (), 16, images=1, patches=patch_row(cfg, 1, 256))
+    assert [r.tied for r in rows].count("embed") == 2
+    assert sum(r.params for r in rows) - embedding == model == stage_params(rows)
+    kw = dict(micro=1, micro_batches=2, precision="fp32", zero_stage=0, dp=1)
+    whole = stage_memory(rows, [0, len(rows)], 0, **kw)
+    assert (whole["weights"], whole["grads"], whole["optimizer"]) == (4 * model, 4 * model, 8 * model)
+    ranges = RangeMemory(rows, "fp32", micro=1, micro_batches=2, zero_stage=0, dp=1)
+    assert ranges.total(0, len(rows), 0, 1) == pytest.approx(whole["total"], rel=1e-12)
+    cut = max(i for i, r in enumerate(rows) if r.tied) - 1  # the head alone in stage 1, the embedding in stage 0
+    two = [stage_memory(rows, [0, cut, len(rows)], s, **kw) for s in (0, 1)]
+    assert sum(m["weights"] for m in two) == 4 * (model + embedding)
+    assert [ranges.total(0, cut, 0, 2), ranges.total(cut, len(rows), 1, 2)] == \
+        [pytest.approx(m["total"], rel=1e-12) for m in two]
+    argv = ["plan", "--preset", preset, "--gpus-per-node", "2", "--global-batch", "4", "--micro", "1",
+            "--max-patches", "256", "--text-len", "16", "--json"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    one = next(x for x in got if x["stages"] == 1)
+    assert one["stage_rows"][0]["params"] == model
+    pipe = next(x for x in got if x["stages"] == 2)
+    assert sum(r["params"] for r in pipe["stage_rows"]) == model + embedding

@@ -117,6 +117,7 @@ class LayerCost:
     w_flops: float = 0.0  # per sample, of bwd_flops: the trainable linears' weight gradients (ZB-H1's W)
     expert_params: int = 0  # an MoE block's experts (E x 3 D F, in `params` too): split over the EP ranks
     a2a_elems: float = 0.0  # an MoE block: one all-to-all's rows per sample, positions x top_k x D (moe_ep_costs)
+    tied: str = ""  # a TiedLayerSpec's key (a tied embedding and head): one module, and one count, in a stage
 
     @property
     def expert_trainable(self) -> int:
@@ -186,7 +187,8 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         w = min(2.0 * w_params * c.tokens, bwd)
         rows.append(LayerCost(rule.name, group, params + adapters, trainable, c.tokens, fwd, bwd, recompute,
                               float(c.act), float(c.fp32), float(c.out), embedding=rule.embedding,
-                              adapter_params=adapters, w_flops=w, **_moe_fields(cfg, spec, c.tokens)))
+                              adapter_params=adapters, w_flops=w, tied=getattr(spec, "key", "") or "",
+                              **_moe_fields(cfg, spec, c.tokens)))
     return _carry(cfg, rows, _image_set_elems(cfg, n, images, patches))
 
 
@@ -300,6 +302,29 @@ def rank_state_bytes(params: float, trainable: float, experts: float, expert_tra
     return {k: rest[k] + mine[k] for k in rest}
 
 
+def tied_repeats(rows: list[LayerCost]) -> tuple[int, int]:
+    """(parameters, trainable parameters) that rows count more than once: a TiedLayerSpec's later uses in the same
+    stage. DeepSpeed builds a tied module once per stage (PipelineModule.tied_modules) and a stage holding both the
+    embedding and the head (e.g. PP 1) holds one copy, one gradient and one optimizer state; stages apart each hold
+    their own copy. E.g. qwen3-vl-2b's tied 151,936 x 2048 = 311,164,928 embedding and head in one stage: its rows sum
+    to 2,438,696,960, the model 2,127,532,032. Adapters (LoRA) are each use's own and not repeated."""
+    seen, params, trainable = set(), 0, 0
+    for r in rows:
+        if not r.tied:
+            continue
+        if r.tied in seen:
+            base = r.params - r.adapter_params
+            params += base
+            trainable += base if r.trainable and not r.adapter_params else 0
+        seen.add(r.tied)
+    return params, trainable
+
+
+def stage_params(rows: list[LayerCost]) -> int:
+    """The parameters a stage of these layers holds: each tied module once (tied_repeats)."""
+    return sum(r.params for r in rows) - tied_repeats(rows)[0]
+
+
 def in_flight(stage: int, stages: int, micro_batches: int) -> int:
     """1F1B: stage s holds the activations of up to min(P - s, m) micro-batches at once."""
     return min(stages - stage, micro_batches)
@@ -312,8 +337,9 @@ def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, *, micro: 
     in_flight, or micro_batches_in_flight: another schedule's, e.g. ZB-H1's from its simulated order). ep: the
     expert-parallel ranks the MoE blocks' experts are split over (rank_state_bytes)."""
     layers = rows[parts[stage]:parts[stage + 1]]
-    params = sum(r.params for r in layers)
-    trainable = sum(r.trainable_params for r in layers)
+    repeated, repeated_trainable = tied_repeats(layers)
+    params = sum(r.params for r in layers) - repeated
+    trainable = sum(r.trainable_params for r in layers) - repeated_trainable
     mem = rank_state_bytes(params, trainable, sum(r.expert_params for r in layers),
                            sum(r.expert_trainable for r in layers), precision, zero_stage, dp, ep)
     per_sample = sum(r.act_bytes(precision) for r in layers)
@@ -346,6 +372,16 @@ class RangeMemory:
             self.act.append(self.act[-1] + r.act_bytes(precision))
         full = [((r.act_elems - r.act_fp32_elems) * BYTES[precision] + r.act_fp32_elems * 4) if r.recompute else 0.0
                 for r in rows]
+        # a tied module's uses after its first, each with the use before it: a range holding both counts the later
+        # one's weights once too many (tied_repeats)
+        self.ties: list[tuple[int, int, float, float]] = []  # (previous use, use, params, trainable)
+        last: dict[str, int] = {}
+        for i, r in enumerate(rows):
+            if r.tied and r.tied in last:
+                base = r.params - r.adapter_params
+                self.ties.append((last[r.tied], i, base, base if r.trainable and not r.adapter_params else 0))
+            if r.tied:
+                last[r.tied] = i
         self.recompute = [[0.0] * (n + 1) for _ in range(n + 1)]  # [a][b]: the largest in layers a..b-1
         for a in range(n):
             for b in range(a + 1, n + 1):
@@ -353,7 +389,9 @@ class RangeMemory:
 
     def total(self, a: int, b: int, stage: int, stages: int) -> float:
         """Bytes on a rank of `stage` (of `stages`) holding layers a..b-1, as stage_memory counts them (1F1B)."""
-        state = rank_state_bytes(self.params[b] - self.params[a], self.trainable[b] - self.trainable[a],
+        inside = [(p, t) for i, j, p, t in self.ties if a <= i and j < b]
+        state = rank_state_bytes(self.params[b] - self.params[a] - sum(p for p, _ in inside),
+                                 self.trainable[b] - self.trainable[a] - sum(t for _, t in inside),
                                  self.experts[b] - self.experts[a], self.expert_trainable[b] - self.expert_trainable[a],
                                  self.precision, self.zero_stage, self.dp, self.ep)
         k = in_flight(stage, stages, self.micro_batches)

@@ -27,8 +27,10 @@ from .costmodel import (
     pipeline_step_seconds,
     replayed_step_seconds,
     stage_memory,
+    stage_params,
     stage_seconds,
     stage_split_seconds,
+    tied_repeats,
 )
 from .images import patch_row
 from .partition import compute_parts, trainable_units
@@ -67,7 +69,7 @@ def _stage_rows(rows: list[LayerCost], parts: list[int], times, a2a: list[dict],
     for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
         mem = stage_memory(rows, parts, s, **memory)
         out.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
-                    "params": sum(r.params for r in rows[a:b]), "memory_gib": mem["total"] / GiB,
+                    "params": stage_params(rows[a:b]), "memory_gib": mem["total"] / GiB,
                     "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
         if a2a:
             experts = sum(r.expert_params for r in rows[a:b])
@@ -147,7 +149,7 @@ def _ring_bytes(rows: list[LayerCost], dp: int, ep: int) -> float:
     2 (dp - 1) / dp x the bytes): the replicated ones all-reduced over dp; under expert parallelism a rank's 1 / ep of
     the expert gradients over their expert-data-parallel group of g = dp / ep ranks, 2 (g - 1) / g x their bytes,
     entered here scaled to the dp ring's factor. ep = 1: the stage's trainable parameters, as before."""
-    trainable = sum(r.trainable_params for r in rows)
+    trainable = sum(r.trainable_params for r in rows) - tied_repeats(rows)[1]  # a tied module's gradient once
     if ep == 1:
         return trainable
     experts = sum(r.expert_trainable for r in rows)

@@ -25,7 +25,7 @@ from deepspeed.runtime import utils as ds_utils
 
 from ..config import ConfigError, ModelConfig
 from ..model.lora import Lora
-from .costmodel import LayerCost, layer_costs
+from .costmodel import LayerCost, layer_costs, stage_params, tied_repeats
 from .images import patch_row
 
 
@@ -149,7 +149,7 @@ def describe(table: list[LayerCost], parts: list[int]) -> list[dict]:
     for s, (a, b) in enumerate(zip(parts, parts[1:])):
         rows = table[a:b]
         out.append({"stage": s, "layers": [a, b - 1], "first": rows[0].name, "last": rows[-1].name,
-                    "params": sum(r.params for r in rows),
-                    "trainable_params": sum(r.trainable_params for r in rows),
+                    "params": stage_params(rows),
+                    "trainable_params": sum(r.trainable_params for r in rows) - tied_repeats(rows)[1],
                     "cost_share": round(sum(r.flops for r in rows) / total, 4)})
     return out
