@@ -223,3 +223,48 @@ def test_shipped_sweeps_parse_and_freeze_what_the_docs_say(name):
     if name == "partition":
         assert {(v.stages, v.partition) for v in sw.variants if v.preset == "small"} == {
             (s, m) for s in (2, 4) for m in ("balanced", "uniform", "parameters")}
+
+
+def test_ep_axis_is_parsed_checked_named_and_passed_to_train(tmp_path):
+    """`ep` (mmpipe train --ep: an MoE model's experts over groups of ep of the dp ranks) is a variant axis: a grid
+    names it `ep<N>`, it defaults to 1 (no --ep on the command line), a value that is not an integer >= 1 or does
+    not divide dp, or ep > 1 on engine 'dp', is one line before anything runs; each variant's rank command carries
+    --ep N, mmpipe train's own checks refuse what they refuse (a dense preset: recorded, not fatal), and the
+    prediction beside the row plans that EP (the all-to-all in its step)."""
+    from mmpipe.bench.run_variant import check, rank_module, train_args
+    from mmpipe.bench.sweep import parse
+    from mmpipe.config import ConfigError
+    from mmpipe.planning.calibrate import predict_row
+    from mmpipe.planning.costmodel import Device
+    from test_plan_moe import tiny_moe
+    model = tmp_path / "moe.json"
+    model.write_text(json.dumps(tiny_moe().to_dict()))
+    sw = parse({"base": {"preset": str(model), "micro": 2, "gas": 2}, "grid": {"dp": [2, 4], "ep": [1, 2]}})
+    assert [(v.name, v.dp, v.ep) for v in sw.variants] == [("dp2_ep1", 2, 1), ("dp2_ep2", 2, 2), ("dp4_ep1", 4, 1),
+                                                           ("dp4_ep2", 4, 2)]
+    assert parse({"variants": [{"name": "a"}]}).variants[0].ep == 1
+    argv = rank_module(sw.variants[3], sw, tmp_path / "o")
+    assert argv[0] == "mmpipe.bench.rank" and argv[argv.index("--ep") + 1] == "2"
+    assert argv[argv.index("--preset") + 1] == str(model)
+    assert "--ep" not in train_args(sw.variants[2], sw, tmp_path, tmp_path / "ds.json").to_argv()
+    for body, line in [
+        ({"variants": [{"name": "a", "ep": 0}]}, "variants[0].ep: 0 must be an integer >= 1 dividing dp"),
+        ({"variants": [{"name": "a", "dp": 2, "ep": True}]}, "variants[0].ep: True must be an integer >= 1"),
+        ({"base": {"ep": "2"}, "variants": [{"name": "a"}]}, "base.ep: '2' must be an integer >= 1"),
+        ({"grid": {"ep": [2, 1.5]}}, "grid.ep: 1.5 must be an integer >= 1"),
+        ({"base": {"dp": 2}, "grid": {"ep": [1, 4]}},
+         "variant 'ep4': ep 4 does not divide dp 2 (each expert-parallel group is ep of a stage's dp ranks)"),
+        ({"variants": [{"name": "a", "engine": "dp", "dp": 2, "ep": 2}]},
+         "variant 'a': engine 'dp' has no expert parallelism; ep > 1 needs engine 'pipe'"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            parse(body)
+        assert any(ln.startswith(line) for ln in str(e.value).splitlines()), (line, str(e.value))
+    dense = parse({"variants": [{"name": "d", "preset": "small", "dp": 2, "ep": 2}]})
+    status, reason = check(dense.variants[0], dense, tmp_path / "d")
+    assert status == "refused" and "--ep: 2 on small, a dense model" in reason
+    device = Device("test", 1e12, 1e12, 1e9, efficiency=1.0)
+    row = {**sw.variants[1].to_dict(), "stages": 1, "text_len": 48, "precision": "fp32"}
+    two, one = predict_row(row, device), predict_row({**row, "ep": 1}, device)
+    assert (two.ep, one.ep) == (2, 1) and two.step["a2a_s"] > 0 == one.step["a2a_s"]
+    assert predict_row({k: v for k, v in row.items() if k != "ep"}, device).ep == 1  # rows from before the axis

@@ -22,6 +22,9 @@ VARIANT_FIELDS = {
     "preset": (lambda v: isinstance(v, str) and v, "a preset name or model JSON path"),
     "stages": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
     "dp": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "ep": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+           "an integer >= 1 dividing dp (mmpipe train --ep: an MoE model's experts split over groups of ep of the "
+           "dp ranks)"),
     "zero": (lambda v: v in (0, 1, 2, 3) and not isinstance(v, bool), "0 or 1 (pipeline), 1, 2 or 3 (engine 'dp')"),
     "precision": (lambda v: v in ("fp32", "bf16", "fp16"), "fp32, bf16 or fp16"),
     "micro": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
@@ -43,9 +46,9 @@ VARIANT_FIELDS = {
     "freeze": (lambda v: isinstance(v, str) and (v == "" or all(g in FREEZE_GROUPS for g in v.split(","))),
                f"'' (nothing frozen) or comma-separated groups of {', '.join(FREEZE_GROUPS)} (mmpipe train --freeze)"),
 }
-VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "zero": 0, "precision": "fp32", "micro": 16, "gas": 4,
-                    "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe", "pack": False,
-                    "max_images": None, "text_len": None, "schedule": BASELINE.name, "freeze": ""}
+VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "ep": 1, "zero": 0, "precision": "fp32", "micro": 16,
+                    "gas": 4, "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe",
+                    "pack": False, "max_images": None, "text_len": None, "schedule": BASELINE.name, "freeze": ""}
 PEERS = ("hf", "torch_pipe", "torch_pipe_zb")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "data", "_comment"}
@@ -58,6 +61,7 @@ class Variant:
     preset: str = "small"
     stages: int = 1
     dp: int = 1
+    ep: int = 1  # --ep: expert-parallel ranks, dividing dp (an MoE preset; mmpipe train refuses it on a dense one)
     zero: int = 0
     precision: str = "fp32"
     micro: int = 16
@@ -118,7 +122,7 @@ def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[
 
 
 def _auto_name(d: dict, keys) -> str:
-    short = {"stages": "pp", "dp": "dp", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
+    short = {"stages": "pp", "dp": "dp", "ep": "ep", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
              "data_workers": "w", "partition": "part-", "precision": "", "engine": "", "preset": "",
              "max_images": "img", "text_len": "tl", "schedule": ""}
     parts = []
@@ -180,6 +184,13 @@ def parse(data, source: str = "sweep") -> Sweep:
         if d.get("engine") == "dp" and (d.get("pack") is True or many):
             problems.append(f"variant '{d['name']}': engine 'dp' trains one-sample rows; pack / max_images > 1 "
                             f"need engine 'pipe'")
+        ep, dp = d.get("ep"), d.get("dp")
+        if isinstance(ep, int) and isinstance(dp, int) and ep > 1 and dp % ep:
+            problems.append(f"variant '{d['name']}': ep {ep} does not divide dp {dp} (each expert-parallel group "
+                            f"is ep of a stage's dp ranks)")
+        if isinstance(ep, int) and ep > 1 and d.get("engine") == "dp":
+            problems.append(f"variant '{d['name']}': engine 'dp' has no expert parallelism; ep > 1 needs engine "
+                            f"'pipe'")
     peers = data.get("peers", [])
     if not isinstance(peers, list) or any(p not in PEERS for p in peers):
         problems.append(f"peers: {peers!r} must be a list of {', '.join(PEERS)}")

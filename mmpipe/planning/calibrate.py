@@ -87,11 +87,12 @@ def text_len_of(cfg: ModelConfig) -> int:
 
 def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
     """The planner's layout for a bench row's variant fields (preset, stages, dp, zero, precision,
-    micro, gas, checkpointing, partition, text_len, max_images, schedule, freeze). ZeRO 2/3 (the 'dp'
+    micro, gas, checkpointing, partition, text_len, max_images, schedule, freeze, ep). ZeRO 2/3 (the 'dp'
     engine) are planned as ZeRO-1: the planner has no ZeRO-2/3 terms (their memory is then an upper
     bound, their traffic missing). text_len None: the built-in data's for the preset (a measured row
     carries its run's); max_images: a row's image slots (rows, --pack: micro counts rows, as `mmpipe
-    plan --max-images`); freeze: the variant's --freeze groups, comma-separated ('' or absent: none)."""
+    plan --max-images`); freeze: the variant's --freeze groups, comma-separated ('' or absent: none); ep: its
+    --ep (absent: 1, rows from before the axis)."""
     cache = {} if cache is None else cache
     preset = row.get("preset") or "small"
     if preset not in cache:
@@ -104,7 +105,8 @@ def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
                           checkpointing=bool(row.get("checkpointing")), text_len=text_len, device=device,
                           partition=str(row.get("partition") or "balanced"),
                           images=int(row.get("max_images") or 1), schedule=row_schedule(row.get("schedule")),
-                          freeze=tuple(g for g in str(row.get("freeze") or "").split(",") if g))
+                          freeze=tuple(g for g in str(row.get("freeze") or "").split(",") if g),
+                          ep=int(row.get("ep") or 1))
 
 
 def replayed(row: dict) -> bool:
