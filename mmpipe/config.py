@@ -189,6 +189,11 @@ class AnyresVision(ClipVision):
     LLaVA-NeXT. `image_size` is the tower's crop (336 CLIP-L, 384 SigLIP)."""
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     anyres_max: int = 0
+    # OneVision's clips (mmpipe.data.video; --video-fps, --video-min-frames, --video-max-frames): the video
+    # processor's sampling; its frames are the tower's crop size
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
 
 
 @dataclass(frozen=True)

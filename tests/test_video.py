@@ -357,7 +357,8 @@ def test_plan_costs_a_clip(capsys):
     assert out[0]["image_grids"] == [[1, 4, 6]] + [[1, 4, 4]] * 4  # the image, then the clip's 4 temporal patches
     assert main(["plan", "--preset", "llava-tiny", "--video-frames", "8"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "mmpipe: error: --video-frames: the llava family reads no clips; only the qwen2_vl and qwen3_vl families do")
+        "mmpipe: error: --video-frames: the llava family reads no clips; only the qwen2_vl, llava_next and qwen3_vl "
+        "families do")
 
 
 def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(qwen25, clips):

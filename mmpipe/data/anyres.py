@@ -45,6 +45,7 @@ class TileRule:
     row_tiles: int      # T, --max-tiles
     mean: tuple
     std: tuple
+    video: tuple = ()   # OneVision's clip sampling (fps, min_frames, max_frames): vision.video_* (mmpipe.data.video)
 
     @property
     def side(self) -> int:  # features per crop side, e.g. 336 / 14 = 24
@@ -176,7 +177,8 @@ def tile_rule(cfg, budget: int = 0, max_images: int = 1) -> TileRule:
     """The run's rule at the row's T crops (budget; 0: T's default for max_images images, TileRule.row_budget)."""
     v = cfg.vision
     rule = TileRule(v.image_size, v.patch_size, v.channels, tuple(tuple(p) for p in v.grid_pinpoints), v.anyres_max,
-                    v.feature_select, int(v.kind == "clip"), budget or 1, tuple(v.mean), tuple(v.std))
+                    v.feature_select, int(v.kind == "clip"), budget or 1, tuple(v.mean), tuple(v.std),
+                    (v.video_fps, v.video_min_frames, v.video_max_frames))
     return rule if budget else dataclasses.replace(rule, row_tiles=rule.row_budget(max_images)[0])
 
 

@@ -90,23 +90,29 @@ class DataArgs:
             return model
         names = [f"--{k.replace('_', '-')}" for k in given]
         v = model.vision
-        if not all(hasattr(v, k) for k in VIDEO_FLAGS):
+        if not any(hasattr(v, k) for k in VIDEO_FLAGS):
             from ..model.families import FAMILIES
             readers = [f.family for f in FAMILIES if "video" in f.media]
             raise ConfigError(f"{', '.join(names)}: the {model.family} family reads no clips; only the "
                               f"{', '.join(readers)} families do")
+        fixed = [n for n, k in zip(names, given) if not hasattr(v, k)]
+        if fixed:  # OneVision: a frame is the tower's crop
+            raise ConfigError(f"{', '.join(fixed)}: the {model.family} family's clip frames are its tower's crop "
+                              f"(vision.image_size {v.image_size} px), not bounded by pixels")
         new = dataclasses.replace(v, **given)
         problems = []
         if not (math.isfinite(new.video_fps) and new.video_fps > 0):
             problems.append(f"--video-fps: {new.video_fps:g} must be a positive number of frames a second")
         if new.video_min_frames < 1:
             problems.append(f"--video-min-frames: {new.video_min_frames} must be at least 1")
-        if new.video_max_frames < max(1, new.video_min_frames, v.temporal_patch_size):
+        temporal = getattr(v, "temporal_patch_size", 1)
+        if new.video_max_frames < max(1, new.video_min_frames, temporal):
             problems.append(f"--video-max-frames: {new.video_max_frames} must be at least --video-min-frames "
-                            f"({new.video_min_frames}) and a temporal patch ({v.temporal_patch_size} frames)")
-        if new.video_min_pixels < 0:
+                            f"({new.video_min_frames})" + (f" and a temporal patch ({temporal} frames)"
+                                                           if temporal > 1 else ""))
+        if getattr(new, "video_min_pixels", 0) < 0:
             problems.append(f"--video-min-pixels: {new.video_min_pixels} must be at least 0 (0: vision.min_pixels)")
-        if new.video_max_pixels < 0 or 0 < new.video_max_pixels < new.video_min_pixels:
+        if getattr(new, "video_max_pixels", 0) < 0 or 0 < getattr(new, "video_max_pixels", 0) < new.video_min_pixels:
             problems.append(f"--video-max-pixels: {new.video_max_pixels} must be 0 (none) or at least "
                             f"--video-min-pixels ({new.video_min_pixels})")
         if problems:

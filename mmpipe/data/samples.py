@@ -25,7 +25,7 @@ from .shapes import ShapesVQA
 from .sources import Source
 from .text import IMAGE_MARKER, ConversationEncoder, Encoded
 from .tokenizer import builtin_tokenizer
-from .video import clip_patches, media_count, with_timestamps
+from .video import clip_patches, images_count, media_count, with_timestamps
 
 SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in the top-left + cyan + EOS, is 10 tokens
 
@@ -124,7 +124,7 @@ class IndexedSamples:
             image = open_image(rec.images[k], self.reader.image_root, self.reader.max_pixels)
             if self.rule is None:
                 return self.reader.transform(image)
-            patches, grid = self.rule.patches(image, media_count(rec.images))  # a clip shares P as one medium
+            patches, grid = self.rule.patches(image, images_count(rec.images, self.rule))  # a clip: one medium
             stored = tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k])
             if grid != stored[:len(grid)]:  # a family whose clips take a step column: an image's (t, h, w) first
                 raise RuntimeError(f"{row}: image {k} gives grid {grid}, the index recorded {stored}: the data "

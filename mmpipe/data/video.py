@@ -343,6 +343,22 @@ def media_count(media: list) -> int:
     return sum(1 for m in media if not isinstance(m, VideoRef) or m.frame <= 0)
 
 
+def _tiles(rule) -> bool:
+    """Whether the sample's image rule is any-resolution tiles' (mmpipe.data.anyres.TileRule): its clips are
+    OneVision's pooled frames, not patches."""
+    from .anyres import TileRule
+    return isinstance(rule, TileRule)
+
+
+def images_count(media: list, rule) -> int:
+    """What a sample's image rule counts its images by: OneVision's tiles (TileRule) its images alone, as
+    transformers' batch_num_images (a clip does not make an image base-only); patches their media (media_count)."""
+    from .records import VideoRef
+    if _tiles(rule):
+        return sum(1 for m in media if not isinstance(m, VideoRef))
+    return media_count(media)
+
+
 def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
     """(int64 [n, rule.grid_width], clip counts): the grids of a sample's images and clips (VideoRef) in their order,
     each within its share of P (a sample's media share the row as its images do, media_count): an image's from its
@@ -352,6 +368,8 @@ def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> tu
     made smaller than their own size). BadRecord for a medium its rule refuses."""
     from .images import check_image
     from .records import VideoRef
+    if _tiles(rule):  # any-resolution tiles: OneVision's pooled frames
+        return onevision_grids(media, rule, image_root, max_pixels)
     n, clips, out, counts = media_count(media), video_rule(rule), [], dict.fromkeys(CLIP_COUNTS, 0)
     for m in media:
         if isinstance(m, VideoRef):
@@ -448,6 +466,8 @@ def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.
     """A record's clip (VideoRef) as the model reads it: its patches (a Qwen3-VL temporal patch's: its share of
     them), the frames sampled again from the header and decoded; BadRecord bad_video if they no longer give the
     index's grid."""
+    if _tiles(rule):  # OneVision: the index's frame count (its grid) says which frames
+        return onevision_frames(_clip_path(ref, image_root), rule, int(grid[2]), int(grid[3]))
     tiling, patches = _clip_patches(_clip_path(ref, image_root), rule, n_media)
     want = tuple(int(g) for g in grid)
     got = ((1, *tiling[1:3]) if ref.frame >= 0 else tiling)[:len(want)]
@@ -457,3 +477,96 @@ def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.
         return patches
     per = tiling[1] * tiling[2]
     return patches[ref.frame * per:(ref.frame + 1) * per]
+
+
+# ---- LLaVA-OneVision (the llava_next family's any-resolution tiles at vision.anyres_max > 0) ----------------------
+#
+# A clip is F frames sampled by transformers' LlavaOnevisionVideoProcessor.sample_frames (its fps rule at
+# vision.video_fps; num_frames = min_frames / max_frames where the fps rule gives fewer / more), each resized to the
+# tower's crop (image_size x image_size) by that processor: a slot of F crops of the row's T (--max-tiles), tiling
+# (0, 0, -1, 1 - F) (mmpipe.model.llava_next.clip_tiling) and LlavaOnevisionProcessor's count of F ceil(g / 2)^2 + 1
+# positions. Its frames cannot be made smaller (a crop is the tower's size): a clip over its share of T (the row's
+# crops left by the sample's images, over its clips) is sampled to fewer frames (num_frames = the share), not below
+# min_frames; then it is a bad record (too_many_tiles). The images of a sample with a clip are tiled as transformers
+# tiles them (batch_num_images counts images, not clips).
+
+
+def onevision_grids(media: list, rule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
+    """media_grids for tiles: int64 [n, 5] (the images' TileRule grids, each clip's (*clip_tiling(F), positions)),
+    and the clip counts; BadRecord unsupported_media for LLaVA-NeXT (anyres_max 0: transformers' LlavaNext reads no
+    clips), too_many_tiles for a clip that does not fit at min_frames."""
+    from ..model.llava_next import clip_tiling
+    from .images import check_image
+    from .records import VideoRef
+    if not rule.anyres_max:
+        raise BadRecord("unsupported_media", "a video for LLaVA-NeXT (vision.anyres_max 0), whose model reads no "
+                                             "clips; LLaVA-OneVision's does")
+    images = [m for m in media if not isinstance(m, VideoRef)]
+    sizes = {id(m): check_image(m, image_root, max_pixels) for m in images}
+    grids = {id(m): rule.grid(*sizes[id(m)], len(images)) for m in images}
+    clips = [m for m in media if isinstance(m, VideoRef)]
+    share = (rule.row_tiles - sum(rule.crops(g) for g in grids.values())) // max(1, len(clips))
+    out, counts = [], dict.fromkeys(CLIP_COUNTS, 0)
+    for m in media:
+        if not isinstance(m, VideoRef):
+            out.append(grids[id(m)])
+            continue
+        info = probe(_clip_path(m, image_root))
+        frames, fewer = onevision_sample(rule, info, share)
+        out.append((*clip_tiling(frames), _onevision_count(rule, frames)))
+        for key, add in zip(CLIP_COUNTS, (1, info.frames, frames, int(info.width * info.height > rule.size ** 2),
+                                          int(fewer > 0), fewer and fewer - frames)):
+            counts[key] += add
+    return np.array(out, dtype=np.int64).reshape(-1, 5), counts
+
+
+def _onevision_settings(rule) -> tuple[float, int, int]:
+    fps, least, most = (rule.video or (DEFAULT_FPS, DEFAULT_MIN_FRAMES, DEFAULT_MAX_FRAMES))[:3]
+    return fps, least, most
+
+
+def onevision_sample(rule, info: ClipInfo, share: int) -> tuple[int, int]:
+    """(frames sampled, the fps rule's count where more than fit the share: 0 when none were dropped)."""
+    fps, least, most = _onevision_settings(rule)
+    proc, meta = _onevision_processor(rule), _metadata(info)
+    n = len(proc.sample_frames(meta, fps=fps))  # its fps rule: max(1, int(F / r x fps)) frames
+    n = min(max(n, least), most, info.frames)
+    if n <= share:
+        return n, 0
+    floor = min(least, info.frames)
+    if share < floor:
+        raise BadRecord("too_many_tiles", f"video {info.width}x{info.height}, {info.frames} frames: {n} frames sampled "
+                                          f"take {n} crops, and even {floor} (min_frames) > the {max(share, 0)} the "
+                                          f"row's {rule.row_tiles} (--max-tiles) leave it beside the sample's images")
+    return share, n
+
+
+def onevision_frames(path, rule, rows: int, cols: int) -> torch.Tensor:
+    """float32 [F, C, S, S]: a clip's F = 1 - cols frames (its index grid's), sampled by the processor at
+    num_frames F, decoded (PyAV) and resized / normalised by LlavaOnevisionVideoProcessor."""
+    if rows >= 0:
+        raise BadRecord("bad_video", f"video {path}: the index recorded an image's tiling for it")
+    frames, proc = 1 - cols, _onevision_processor(rule)
+    idx = proc.sample_frames(_metadata(probe(path)), num_frames=frames)
+    out = proc(videos=[decode(path, [int(i) for i in idx])], return_tensors="pt")["pixel_values_videos"][0]
+    return out.float()
+
+
+def _metadata(info: ClipInfo):
+    from transformers.video_utils import VideoMetadata
+    return VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height,
+                         duration=info.seconds)
+
+
+def _onevision_count(rule, frames: int) -> int:
+    """Decoder positions of a clip of `frames` frames: LlavaOnevisionProcessor's own count."""
+    from .anyres import _counter
+    return int(_counter(rule)._get_num_multimodal_tokens(video_sizes=[[frames, rule.size, rule.size]])
+               ["num_video_tokens"][0])
+
+
+@functools.lru_cache(maxsize=8)
+def _onevision_processor(rule):
+    from transformers import LlavaOnevisionVideoProcessor
+    return LlavaOnevisionVideoProcessor(size={"height": rule.size, "width": rule.size}, image_mean=list(rule.mean),
+                                        image_std=list(rule.std), do_sample_frames=False)

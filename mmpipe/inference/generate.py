@@ -206,8 +206,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="an image file; repeat --image/--prompt for several (answered in batches, one JSON line each)")
     p.add_argument("--prompt", action="append", default=[], help="the user's question, one per --image")
     p.add_argument("--video", default=None, metavar="PATH",
-                   help="a clip (the Qwen2-VL and Qwen3-VL families), with one --prompt and no --image: its frames "
-                        "sampled and its prompt built as training builds a clip's (docs/video.md)")
+                   help="a clip (the Qwen2-VL, Qwen3-VL and LLaVA-OneVision families), with one --prompt and no "
+                        "--image: its frames sampled and its prompt built as training builds a clip's (docs/video.md)")
     add_flags(p, DataArgs, only=VIDEO_FLAGS)  # with --video: its sampling, as `mmpipe train` takes it
     p.add_argument("--records", default=None,
                    help="a JSONL file of {\"image\": path, \"prompt\": text} (image paths relative to the file; "
@@ -360,6 +360,8 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
         raise ConfigError(f"--video: the {cfg.family} family reads no clips")
     cfg = from_namespace(DataArgs, args, only=VIDEO_FLAGS).with_video(cfg)  # --video-*: the clip's sampling
     rule = image_rule(cfg, one_image_budget(cfg))
+    if not hasattr(rule, "merge"):  # OneVision's tiles: the clip a slot of its frames' crops
+        return _onevision_video(args, model, tok, encoder, cfg, rule)
     try:
         rec = with_timestamps(Record("--video", [("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")],
                                      [VideoRef(path.name)]), rule, path.parent, IMAGE_MARKER)
@@ -373,6 +375,28 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
     prompt = with_images(ids, cfg, image_at, [tuple(int(x) for x in g) for g in grids])
     return generate(model, pixels, prompt, Sampling.from_args(args, tok), use_cache=not args.no_cache,
                     tiling=torch.as_tensor(grids)[None])
+
+
+def _onevision_video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder, cfg, rule) -> list[int]:
+    """--video on LLaVA-OneVision: its fps-sampled frames (up to vision.video_max_frames crops, the clip alone in its
+    row) as crops, one slot of tiling (0, 0, -1, 1 - F), the processor's count of placeholders at the prompt's
+    start, as training places a clip at its marker."""
+    import dataclasses
+
+    from ..data.records import VideoRef
+    from ..data.text import IMAGE_MARKER
+    from ..data.video import clip_patches, media_grids
+    path = Path(args.video)
+    rule = dataclasses.replace(rule, row_tiles=max(rule.row_tiles, cfg.vision.video_max_frames))
+    try:
+        grids, _ = media_grids([VideoRef(path.name)], rule, path.parent, 0)
+        pixels = clip_patches(VideoRef(path.name), rule, path.parent, 1, grids[0])[None]  # [1, F, C, S, S]
+        ids, image_at = encoder.prompt([("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")], n_images=1)
+    except BadRecord as e:
+        raise ConfigError(f"--video: {path}: {e.kind}: {e.reason}") from None
+    prompt = with_images(ids, cfg, image_at, [tuple(int(x) for x in grids[0])])
+    return generate(model, pixels, prompt, Sampling.from_args(args, tok), use_cache=not args.no_cache,
+                    tiling=torch.as_tensor(grids[:, :4])[None])
 
 
 def main_generate(args: argparse.Namespace) -> int:

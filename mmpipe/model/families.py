@@ -148,7 +148,7 @@ LLAVA_NEXT = Family(
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     # LlavaOnevisionForConditionalGeneration's by config (vision.anyres_max > 0: mmpipe.hf.llava_next)
     hf_class="LlavaNextForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),
-    images="tiles")
+    images="tiles", media=("image", "video"))  # clips: OneVision's pooled frames (mmpipe.data.video); NeXT refuses
 
 # Qwen2-VL's rules for the same shapes; DeepStack's sets are carried fields, one per merger / add pair
 QWEN3_VL = Family(

@@ -16,6 +16,13 @@ an image encoded as its base crop only, and stays in the stage tuple to the head
     AnyresEmbed          embed_tokens; the placeholder positions take the projector's features
     LlamaBlock x 32, FinalNorm, head   mmpipe.model.llava's (tied when text.tie_embeddings)
 
+OneVision's clips (mmpipe.data.video): a clip of F sampled frames takes a slot of F crops, each frame resized to
+image_size by transformers' LlavaOnevisionVideoProcessor, its tiling (0, 0, -1, 1 - F) (rows -1 marks a clip; 1 +
+rows x cols = F, the crops every count already computes). Each frame is encoded by the tower and the projector as a
+crop, its g x g features bilinear-pooled to ceil(g / 2) x ceil(g / 2) (LlavaOnevisionModel.apply_pooling), the
+frames' pooled features in order, then one image_newline after the whole clip (get_video_features): F ceil(g / 2)^2
++ 1 positions (LlavaOnevisionProcessor.replace_video_token's count), e.g. 32 frames of 27 x 27: 32 x 196 + 1 = 6273.
+
 The unpad and pooling rules are transformers' LlavaNextModel / LlavaOnevisionModel.pack_image_features, and
 the counts those of their processors' _get_number_of_features (`image_feature_count`), from the sizes alone,
 so the data side, the planner and the layers agree without an image decoded. Parameter names follow
@@ -61,9 +68,22 @@ def image_crops(rows, cols):
     return 1 + rows * cols
 
 
+def clip_tiling(frames: int) -> tuple[int, int, int, int]:
+    """A OneVision clip's slot tiling: rows -1 marks it, 1 + rows x cols = its frames' crops (module docstring)."""
+    return 0, 0, -1, 1 - frames
+
+
+def pooled_side(g: int) -> int:
+    """A clip frame's pooled feature side (LlavaOnevisionModel.apply_pooling): ceil(g / 2), e.g. 27 -> 14."""
+    return math.ceil(g / 2)
+
+
 def image_feature_count(v: VisionConfig, h: int, w: int, rows: int, cols: int) -> int:
     """Decoder positions of one (h, w) px image tiled rows x cols: the base crop's N, then each (unpadded,
-    pooled) feature row and its newline; a base-only image N + 1 (transformers' processors' count)."""
+    pooled) feature row and its newline; a base-only image N + 1 (transformers' processors' count); a clip (rows
+    -1) of F = 1 - cols frames: F pooled grids, then one newline."""
+    if rows < 0:
+        return (1 - cols) * pooled_side(v.grid) ** 2 + 1
     if not rows:
         return v.grid ** 2 + 1
     top, bottom, left, right = unpad_box(h, w, rows * v.grid, cols * v.grid)
@@ -117,8 +137,11 @@ class AnyresProjector(LlavaProjector):
         return torch.cat(out)
 
     def image_features(self, x: torch.Tensor, h: int, w: int, rows: int, cols: int) -> torch.Tensor:
-        """One image's crops' features [1 + rows x cols, N, D] -> [image_feature_count, D]."""
+        """One image's crops' features [1 + rows x cols, N, D] -> [image_feature_count, D]; a clip's (rows -1) frames'
+        [F, N, D] -> [F ceil(g / 2)^2 + 1, D]."""
         base, newline, g, D = x[0], self.image_newline.to(x.dtype), self.v.grid, x.shape[-1]
+        if rows < 0:
+            return self.clip_features(x, newline)
         if not rows:
             return torch.cat([base, newline[None]])
         grid = x[1:].view(rows, cols, g, g, D).permute(4, 0, 2, 1, 3).reshape(D, rows * g, cols * g)
@@ -129,6 +152,17 @@ class AnyresProjector(LlavaProjector):
             grid = F.interpolate(grid[None], list(size), mode="bilinear")[0]
         grid = torch.cat([grid, newline[:, None, None].expand(D, grid.shape[1], 1)], dim=-1)
         return torch.cat([base, grid.flatten(1).T])
+
+
+    def clip_features(self, x: torch.Tensor, newline: torch.Tensor) -> torch.Tensor:
+        """A clip's frames [F, g g, D] (CLIP's class token already dropped by 'default') -> each frame's features
+        bilinear-pooled g x g -> ceil(g / 2)^2, frame after frame, then one newline: [F ceil(g / 2)^2 + 1, D]
+        (transformers' LlavaOnevisionModel.get_video_features / apply_pooling)."""
+        F_, g, D = x.shape[0], self.v.grid, x.shape[-1]
+        grid = x.reshape(F_, g, g, D).permute(0, 3, 1, 2)  # [F, D, g, g]
+        side = pooled_side(g)
+        pooled = F.interpolate(grid, size=[side, side], mode="bilinear").permute(0, 2, 3, 1)  # [F, s, s, D]
+        return torch.cat([pooled.reshape(-1, D), newline[None]])
 
 
 class AnyresEmbed(LlavaEmbed):

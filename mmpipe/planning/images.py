@@ -117,6 +117,15 @@ def crop_line(cfg: ModelConfig, row: CropRow, text_len: int, length: int) -> str
             f"positions per row: {length - text_len} image ({tokens} used) + {text_len} text = {length}")
 
 
+def clip_refusal(cfg: ModelConfig) -> str | None:
+    """Why plan cannot cost cfg's clips (None: it can): OneVision's take a crop a frame (mmpipe.data.video), not
+    costed yet; clips of patches are."""
+    if image_kind(cfg).name == "patches":
+        return None
+    return (f"--video-frames: the {cfg.family} family's clips (LLaVA-OneVision's pooled frames, a crop a frame) are "
+            f"not costed by plan yet; only clips of patches are")
+
+
 def clip_row(cfg: ModelConfig, patches: int, frames: int, size: tuple[int, int], images: int,
              sizes: list[tuple[int, int]] | None) -> PatchRow:
     """`mmpipe plan --video-frames N --video-size WxH`: a row of P = `patches` holding `images` images of `sizes` (in
@@ -125,6 +134,8 @@ def clip_row(cfg: ModelConfig, patches: int, frames: int, size: tuple[int, int],
     processor's sampling and resize): its grid (t, h, w), or Qwen3-VL's t slots of (1, h, w), after the images.
     ConfigError for an image or a clip the rules refuse."""
     from ..data.video import ClipInfo, video_rule
+    if clip_refusal(cfg):
+        raise ConfigError(clip_refusal(cfg))
     rule = patch_rule(cfg, patches)
     clips, n, grids = video_rule(rule), images + 1, []
     try:

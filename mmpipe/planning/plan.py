@@ -49,6 +49,7 @@ from ..model.lora import Lora
 from .calibrate import calibrate, load_profile, profile_device, profile_of, profile_precision, read_results, report
 from .costmodel import KNOWN_DEVICES, Device, layer_costs, profile_layers, row_positions
 from .images import (
+    clip_refusal,
     clip_row,
     crop_line,
     crop_words,
@@ -274,6 +275,9 @@ def _check_video(args, cfg: ModelConfig, problems: list[str]) -> tuple[int, tupl
     if "video" not in family_of(cfg).media:
         readers = [f.family for f in FAMILIES if "video" in f.media]
         problems.append(f"--video-frames: the {cfg.family} family reads no clips; only {families_words(readers)} do")
+        return None
+    if clip_refusal(cfg):
+        problems.append(clip_refusal(cfg))
         return None
     if frames is None or frames < 2:
         problems.append(f"--video-frames: {frames} must be given and at least 2 (a temporal patch of 2 frames)")

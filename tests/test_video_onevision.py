@@ -1,0 +1,251 @@
+"""LLaVA-OneVision clips (issue 44): frames sampled by transformers' LlavaOnevisionVideoProcessor, each encoded by
+the tower as a crop and its g x g features bilinear-pooled to ceil(g / 2)^2, one newline after the clip
+(LlavaOnevisionModel.get_video_features). The tiny random OneVision of tests/llava_next_models.py (transformers'
+class, imported through mmpipe.hf.llava_next): logits equal transformers' (1e-4) for a clip alone and a clip with an
+image in one conversation, from mmpipe's own frames (equal to the processor's pixel_values_videos); the data path
+indexes `<video>` records from the clip's header (a slot of F crops, the processor's count) and builds the same rows;
+a clip over its share of the row's crops is sampled to fewer frames, one that cannot fit is a bad record; LLaVA-NeXT
+(anyres_max 0) and the image-only families refuse clips with their reason."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llava_next_models import IMAGE, encode, feature_counts, image, processor, sample, save_model, tilings
+from mmpipe.data.anyres import tile_rule
+from mmpipe.data.records import BadRecord, VideoRef
+from mmpipe.data.video import clip_patches, decode, media_grids, onevision_sample, probe
+from mmpipe.hf.llava_next import import_llava_next
+from mmpipe.model.llava_next import clip_tiling, image_feature_count
+from video_clips import moving_square, write_clip
+
+TOL = 1e-4
+VIDEO = 191  # the HF model's video_token_id (its default, 151647, is past the tiny vocabulary)
+
+
+@pytest.fixture(scope="module")
+def onevision(tmp_path_factory):
+    d = tmp_path_factory.mktemp("onevision")
+    hf = save_model("onevision", d / "hf")
+    hf.config.video_token_id = VIDEO
+    model, _ = import_llava_next(d / "hf")
+    write_clip(d / "clip.mp4", moving_square(7, 70, 50, seed=3), 3)  # 7 frames at 3 fps: 4 sampled at 2 fps
+    image(150, 90, seed=5).save(d / "a.png")
+    return hf, model.eval(), d
+
+
+def _hf_frames(path, n: int) -> torch.Tensor:
+    """transformers' own: LlavaOnevisionVideoProcessor (the tiny model's crop, mean and std) on every decoded frame,
+    sampling n frames itself (do_sample_frames, num_frames n) -> pixel_values_videos [1, n, 3, 56, 56]."""
+    from transformers import LlavaOnevisionVideoProcessor
+    from transformers.video_utils import VideoMetadata
+    img = processor("onevision")
+    info = probe(path)
+    frames = decode(path, range(info.frames))
+    proc = LlavaOnevisionVideoProcessor(size={"height": 56, "width": 56}, image_mean=img.image_mean,
+                                        image_std=img.image_std, do_sample_frames=True, num_frames=n)
+    meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height)
+    return proc(videos=[frames], video_metadata=[meta], return_tensors="pt")["pixel_values_videos"]
+
+
+def _row(ids, media):
+    """One sample as the stage contract's first input: its media's crops in slot order, their tilings."""
+    tiling = torch.tensor([[t for _, t in media]], dtype=torch.long)
+    pixels = torch.cat([c for c, _ in media])[None]
+    return pixels, ids[None], torch.ones(1, len(media), dtype=torch.long), torch.ones_like(ids)[None], tiling
+
+
+def test_clip_logits_equal_transformers(onevision):
+    """A clip alone, and an image then a clip in one conversation: mmpipe's frames are the processor's, its feature
+    count LlavaOnevisionProcessor's (4 frames x 2 x 2 pooled + 1 newline = 17 at g = 4), and its logits
+    transformers' within 1e-4; the pooled frames reach the logits (other frames, other logits)."""
+    hf, model, d = onevision
+    rule = tile_rule(model.cfg, 0, 2)
+    grids, counts = media_grids([VideoRef("clip.mp4")], rule, d, 0)
+    (g,) = grids.tolist()
+    assert g == [*clip_tiling(4), 17] == [0, 0, -1, -3, 17] and counts["clip_frames_sampled"] == 4
+    assert image_feature_count(model.cfg.vision, *g[:4]) == 17
+    frames = clip_patches(VideoRef("clip.mp4"), rule, d, 1, g)
+    want_px = _hf_frames(d / "clip.mp4", 4)
+    assert torch.equal(frames, want_px[0])
+    ids = sample([17], seed=1)
+    theirs = torch.where(ids == IMAGE, VIDEO, ids)
+    with torch.no_grad():
+        want = hf(input_ids=theirs[None], pixel_values_videos=want_px).logits[0]
+        got = model(*_row(ids, [(frames, tuple(g[:4]))]))[0]
+        err_alone = (got - want).abs().max().item()
+        assert err_alone < TOL, err_alone
+        other = model(*_row(ids, [(frames.flip(0), tuple(g[:4]))]))[0]
+        assert (other - got).abs().max().item() > 1e-3
+    # an image then the clip: the image tiled as transformers tiles a sample's one image (batch_num_images 1)
+    px, hw = encode("onevision", [image(150, 90, seed=5)])
+    (t,) = tilings("onevision", hw)
+    n_img = feature_counts(hf, px, hw)[0]
+    ids = sample([n_img, 17], seed=2)
+    theirs = ids.clone()
+    theirs[len(ids) - 3 - 17:len(ids) - 3] = VIDEO  # the clip's block: before the last 3 words
+    media = [(px[0, :1 + t[2] * t[3]], t), (frames, tuple(g[:4]))]
+    with torch.no_grad():
+        want = hf(input_ids=theirs[None], pixel_values=px, image_sizes=hw, batch_num_images=torch.tensor([1]),
+                  pixel_values_videos=want_px).logits[0]
+        got = model(*_row(ids, media))[0]
+    err_mixed = (got - want).abs().max().item()
+    assert err_mixed < TOL, err_mixed
+    print(f"onevision clip logits vs transformers: alone {err_alone:.2e}, with an image {err_mixed:.2e}")
+
+
+def test_clip_budget_and_refusals(onevision):
+    """A clip over its share of the row's crops is sampled to fewer frames (said in the counts); one whose
+    min_frames do not fit is too_many_tiles; LLaVA-NeXT (anyres_max 0) refuses a clip (unsupported_media)."""
+    import dataclasses
+    _, model, d = onevision
+    rule = tile_rule(model.cfg, 0, 2)  # T = 5: the largest pinpoint's 4 tiles + the base crop
+    info = probe(d / "clip.mp4")
+    assert onevision_sample(rule, info, 4) == (4, 0)
+    assert onevision_sample(dataclasses.replace(rule, video=(3.0, 2, 768)), info, 3) == (3, 7)  # 7 at 3 fps
+    with pytest.raises(BadRecord) as e:
+        onevision_sample(rule, info, 2)
+    assert e.value.kind == "too_many_tiles" and "even 4 (min_frames) > the 2" in e.value.reason
+    # the image (tiled: 5 crops) beside the clip leaves it 2 of T = 7: min_frames 4 do not fit, 2 do
+    rule = dataclasses.replace(rule, row_tiles=7)
+    assert rule.crops(rule.grid(150, 90, 1)) == 5
+    with pytest.raises(BadRecord) as e:
+        media_grids(["a.png", VideoRef("clip.mp4")], rule, d, 10 ** 8)
+    assert e.value.kind == "too_many_tiles"
+    small = dataclasses.replace(rule, video=(2.0, 2, 768))
+    grids, counts = media_grids(["a.png", VideoRef("clip.mp4")], small, d, 10 ** 8)
+    assert grids[1].tolist() == [*clip_tiling(2), 2 * 4 + 1]
+    assert (counts["clips_fewer_frames"], counts["clip_frames_dropped"]) == (1, 2)
+    with pytest.raises(BadRecord) as e:
+        media_grids([VideoRef("clip.mp4")], dataclasses.replace(rule, anyres_max=0), d, 0)
+    assert e.value.kind == "unsupported_media" and "LLaVA-NeXT" in e.value.reason
+
+
+def test_video_records_index_and_rows_give_transformers_logits(onevision, tmp_path):
+    """The data path: LLaVA records with a clip, a clip and an image, and a bad clip, indexed at --max-tiles 9
+    from the clip's header (a slot of 4 crops, 17 positions), and the rows' samples give transformers' logits; an
+    image-only family (llava-tiny) counts the video records as unsupported_media."""
+    from mmpipe.config import load_preset
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.index import describe
+    from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
+    from qwen_models import save_tokenizer
+    hf, model, d = onevision
+    (d / "junk.mp4").write_bytes(b"not a video")
+    conv = [{"from": "human", "value": "<video>\nw5 w6"}, {"from": "gpt", "value": "w7"}]
+    both = [{"from": "human", "value": "<image> w8 <video> w9"}, {"from": "gpt", "value": "w10"}]
+    records = [{"video": "clip.mp4", "conversations": conv},
+               {"video": "clip.mp4", "image": "a.png", "conversations": both},
+               {"video": "junk.mp4", "conversations": conv}]
+    (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if not (d / "tok").is_dir():
+        save_tokenizer(d / "tok")
+    args = DataArgs(data=str(d / "data.jsonl"), tokenizer=str(d / "tok"), text_len=40, data_workers=0, max_images=2,
+                    max_tiles=9)
+    cfg = model.cfg
+    opts = resolve_data(args, cfg)
+    samples = prepare(opts, cfg, tmp_path / "index", seed=0, verbose=False)
+    stats = samples.index.stats
+    assert (stats["good"], stats["bad_by_kind"]) == (2, {"bad_video": 1})
+    assert describe(stats)[1].startswith("data: 2 clips: 8 of their 14 frames sampled")
+    shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
+    plan = RowPlan(sample_size(samples, shape), shape, pack=False, chunk=len(samples.index))
+    rows = RowSet(samples, plan)
+    seen = 0
+    for r in range(2):
+        item = rows[r]
+        inputs = (item["pixels"][None].float(), torch.as_tensor(item["input_ids"])[None],
+                  torch.as_tensor(item["has_image"])[None], torch.as_tensor(item["segments"])[None],
+                  torch.as_tensor(item["tiling"])[None])
+        tiling = inputs[-1][0]
+        is_clip = tiling[:, 2] < 0
+        assert is_clip.any() and tiling[is_clip].tolist()[0] == list(clip_tiling(4))
+        ids = inputs[1][0]
+        n = int((inputs[3][0] > 0).sum())
+        with torch.no_grad():
+            got = model(*inputs)[0, :n]
+        # transformers on the same ids and the processors' own pixels for the files
+        theirs, kw, at = ids[:n].clone(), {}, torch.nonzero(ids[:n] == IMAGE).flatten()
+        crops = item["pixels"].float()
+        if (~is_clip[:2] & (inputs[2][0, :2] > 0)).any():  # the image first: its crops, its block
+            px, hw = encode("onevision", [image(150, 90, seed=5)])
+            n_img = feature_counts(hf, px, hw)[0]
+            kw = dict(pixel_values=px, image_sizes=hw, batch_num_images=torch.tensor([1]))
+            theirs[at[n_img:]] = VIDEO
+            assert torch.equal(crops[:len(px[0, :1 + tiling[0, 2] * tiling[0, 3]])],
+                               px[0, :1 + tiling[0, 2] * tiling[0, 3]])
+        else:
+            theirs[at] = VIDEO
+        with torch.no_grad():
+            want = hf(input_ids=theirs[None], pixel_values_videos=_hf_frames(d / "clip.mp4", 4), **kw).logits[0]
+        assert (got - want).abs().max().item() < TOL
+        seen += 1 + bool(kw)
+    assert seen == 3  # the clip alone, then the image and the clip
+    text = {"conversations": [{"from": "human", "value": "w5"}, {"from": "gpt", "value": "w6"}]}
+    (d / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2] + [text]))
+    tiny = load_preset("llava-tiny")
+    stats = prepare(resolve_data(DataArgs(data=str(d / "mixed.jsonl"), tokenizer=str(d / "tok"), text_len=40,
+                                          data_workers=0), tiny), tiny, tmp_path / "llava", seed=0,
+                    verbose=False).index.stats
+    assert (stats["good"], stats["bad_by_kind"]) == (1, {"unsupported_media": 2})
+    assert "the llava family reads image only" in stats["first_bad"][0]["reason"]
+
+
+def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(onevision):
+    """mmpipe's generate on a clip (one slot of 4 frames' crops), cached and not, gives transformers' greedy
+    `generate` tokens on the same prompt and the processor's frames."""
+    from mmpipe.inference.generate import generate
+    from mmpipe.inference.sampling import Sampling
+    hf, model, d = onevision
+    rule = tile_rule(model.cfg, 0, 2)
+    grids, _ = media_grids([VideoRef("clip.mp4")], rule, d, 0)
+    pixels = clip_patches(VideoRef("clip.mp4"), rule, d, 1, grids[0])[None]
+    ids = sample([17], seed=4)
+    greedy = Sampling(eos_id=None, max_new_tokens=5)
+    tiling = torch.as_tensor(grids[:, :4])[None]
+    mine = generate(model, pixels, ids.tolist(), greedy, tiling=tiling)
+    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=tiling)
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.where(ids == IMAGE, VIDEO, ids)[None], max_new_tokens=5, min_new_tokens=5,
+                          pixel_values_videos=_hf_frames(d / "clip.mp4", 4), do_sample=False)
+    assert out[0, len(ids):].tolist() == mine
+
+
+def test_generate_command_answers_on_a_clip(onevision, capsys):
+    """`mmpipe generate --checkpoint HF_DIR --video clip.mp4 --prompt ...` on the tiny OneVision: the clip's block
+    (the processor's 17 placeholders) at the user turn's start, transformers' greedy answer."""
+    from hf_models import word_tokenizer
+    from mmpipe.cli import main
+    from mmpipe.data.text import ConversationEncoder
+    from test_hf_llava_next import TEMPLATE, _hf_answer
+    hf, _, d = onevision
+    tok = word_tokenizer(d / "hf", TEMPLATE)
+    ids, at = ConversationEncoder(tok, 512, markers=True).prompt([("user", "<image>\nw7 w8")], n_images=1)
+    prompt = ids[:at[0]] + [VIDEO] * 17 + ids[at[0]:]
+    want = _hf_answer(hf, tok, prompt, dict(pixel_values_videos=_hf_frames(d / "clip.mp4", 4)), 5)
+    assert want
+    assert main(["generate", "--checkpoint", str(d / "hf"), "--video", str(d / "clip.mp4"), "--prompt", "w7 w8",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip() == want
+
+
+def test_plan_and_flags_on_onevision(capsys):
+    """plan does not cost OneVision's clips yet (one line, exit 2); --video-max-frames reaches its clip rule,
+    --video-max-pixels is refused (its frames are the tower's crop)."""
+    from mmpipe.cli import main
+    from mmpipe.config import load_preset
+    from mmpipe.data.args import DataArgs
+    preset = "llava-onevision-qwen2-0.5b"
+    assert main(["plan", "--preset", preset, "--video-frames", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mmpipe: error: --video-frames: the llava_next family's clips (LLaVA-OneVision's pooled frames, a crop a "
+        "frame) are not costed by plan yet; only clips of patches are")
+    cfg = DataArgs(video_max_frames=8, video_fps=1.0).with_video(load_preset(preset))
+    assert tile_rule(cfg).video == (1.0, 4, 8)
+    assert main(["train", "--dry-run", "--preset", preset, "--video-max-pixels", "100"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mmpipe: error: --video-max-pixels: the llava_next family's clip frames are its tower's crop "
+        "(vision.image_size 384 px), not bounded by pixels")
