@@ -451,7 +451,6 @@ class ModelConfig:
              f"{t.max_context} leaves no room for text after the {self.prefix_len}-token image prefix"),
         ]
         checks += FAMILY_CHECKS.get(self.family, lambda cfg: [])(self)
-        checks += t.moe.checks(self) if getattr(t, "moe", None) else []  # MoeConfig's
         for ok, field, msg in checks:
             if not ok:
                 raise ConfigError(f"model config '{self.name}': {field}: {msg}")
@@ -554,9 +553,9 @@ def _qwen3_tower_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
 
 
 def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
-    """Qwen3's tower checks plus DeepStack's indexes, one per decoder layer it adds to."""
+    """Qwen3's tower checks, DeepStack's indexes (one per decoder layer it adds to), and an MoE decoder's section."""
     v, t = cfg.vision, cfg.text
-    return _qwen3_tower_checks(cfg) + [
+    return _qwen3_tower_checks(cfg) + (t.moe.checks(t) if t.moe else []) + [
         (all(0 <= i < v.n_layers for i in v.deepstack_indexes) and list(v.deepstack_indexes)
          == sorted(set(v.deepstack_indexes)), "vision.deepstack_indexes",
          f"{list(v.deepstack_indexes)}: increasing block indices of a {v.n_layers}-block tower"),

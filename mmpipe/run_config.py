@@ -294,10 +294,9 @@ def _eval_split(args: TrainArgs, data: DataOptions | None, problems: Problems) -
 
 
 def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precision: str, problems: Problems) -> None:
-    """--ep N (docs/moe.md): N >= 1; above 1 only for an MoE model whose experts and DP it divides, and (this first
-    slice) only where the expert shards' gradients are handled: fp32, ZeRO 0, no clipping (DeepSpeed 0.19.8's clip
-    counts every rank's norm as the whole model's), no --resume (a shard's optimizer moments are saved by DP rank 0
-    alone)."""
+    """--ep N (docs/moe.md): N >= 1; above 1 only for an MoE model whose experts and DP it divides, and only where the
+    expert shards' gradients and optimizer states are handled (mmpipe.runtime.experts): fp32 and ZeRO 0. bf16 and
+    ZeRO 1 partition each weight's fp32 copy over all DP ranks as if it were a replica, which a shard is not."""
     ep, moe = args.ep, getattr(model.text, "moe", None) if model is not None else None
     if ep < 1:
         problems.append(f"--ep: {ep} must be >= 1")
@@ -310,10 +309,9 @@ def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precis
         problems.append(f"--ep: {ep} does not divide the {dp} data-parallel replicas (world size / stages)")
     if moe.experts % ep:
         problems.append(f"--ep: {ep} does not divide {model.name}'s {moe.experts} experts")
-    if zero_stage != 0 or precision != "fp32" or ds.get("gradient_clipping", 1.0) or args.resume:
-        problems.append(f"--ep: {ep} runs with fp32, zero_optimization.stage 0, gradient_clipping 0 and without "
-                        f"--resume for now (here: {precision}, ZeRO {zero_stage}, gradient_clipping "
-                        f"{ds.get('gradient_clipping', 1.0)}{', --resume' if args.resume else ''}; docs/moe.md)")
+    if zero_stage != 0 or precision != "fp32":
+        problems.append(f"--ep: {ep} runs with fp32 and zero_optimization.stage 0 for now (here: {precision}, "
+                        f"ZeRO {zero_stage}; docs/moe.md)")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,6 +158,20 @@ def refused(argv: list[str], capsys) -> list[str]:
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]
     return [ln for ln in err.splitlines() if ln.strip()]
+
+
+def cut_at(run: Run, out: Path, step: int) -> Path:
+    """A copy of `run` (checkpointed at `step`) at `out` as if it had stopped after that step: `latest` names it, no
+    later checkpoint, the log holds steps 1 .. step, no summary. A --resume of it should give `run`'s later steps."""
+    shutil.copytree(run.out, out)
+    (out / "checkpoints" / "latest").write_text(f"step{step}")
+    for later in (out / "checkpoints").glob("step*"):
+        if int(later.name[4:]) > step:
+            shutil.rmtree(later)
+    (out / "summary.json").unlink()
+    log = (out / "train_log.csv").read_text().splitlines(keepends=True)
+    (out / "train_log.csv").write_text("".join(log[:1 + step]))  # the header and steps 1 .. step
+    return out
 
 
 def train_run(out: Path, *args: str) -> Run:

@@ -5,8 +5,10 @@ every expert's weights (each shard's gradient gathers both ranks' tokens). Also 
 forced onto the experts of rank 1 (uneven splits, rank 0's experts idle): nothing dropped.
 
 Then in training: `mmpipe train --stages 1 --dp 2 --ep 2` on tests/test_moe_pipeline.py's MoE model and records
-(2 rows x GAS 2 per rank) equals the single-device loop at GAS 4 on the same rows (losses, aux losses and weights,
-1e-5), the checkpoint holding all 8 experts whole; and the flag's bad inputs are one line each."""
+(2 rows x GAS 2 per rank), every step clipped by the global norm, equals the single-device loop at GAS 4 on the same
+rows (losses, aux losses and weights, 1e-5), the checkpoint holding all 8 experts whole; its step-2 checkpoint
+resumes at EP 2 bit for bit and at EP 1 (each rank all 8 experts) to the same step 3 (1e-5); and the flag's bad
+inputs are one line each. (PP=2 x DP=2 x EP=2: tests/test_moe_pipeline.py.)"""
 from __future__ import annotations
 
 import os
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import refused, train_run, write_ds_config
+from conftest import cut_at, refused, train_run, write_ds_config
 from mmpipe.model.moe import Experts, TopKRouter
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -80,42 +82,146 @@ def test_two_expert_parallel_ranks_equal_one_with_every_expert(tmp_path, forced,
         assert got[0]["gate_up"].abs().sum() == 0 and (experts.gate_up_proj.grad[5:7].abs() > 0).all()
 
 
-STEPS, SEED = 3, 5
+def _clip_grads(rank: int):
+    """A replicated weight (its gradient already DP-reduced, so equal on both ranks) and rank `rank`'s expert shard,
+    whose gradient is 10 x larger on rank 1: a norm counting one rank's shard is far off."""
+    w, s = torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(4, 3))
+    w.grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    s.grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + rank)) * (1 + 9 * rank)
+    return w, s
+
+
+class _OneStage:  # the pipeline grid's two questions, for PP = 1: this rank is its own stage group
+    def __init__(self, group):
+        self.group = group
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_group(self):
+        return self.group
+
+
+def _clip_rank(rank: int, store: str, out: str):
+    from mmpipe.runtime.experts import clip_norm
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    alone = [dist.new_group([r]) for r in (0, 1)][rank]
+    w, s = _clip_grads(rank)
+    norm = clip_norm([w, s], [s], 1.0, _OneStage(alone), dist.group.WORLD)
+    torch.save({"norm": norm, "w": w.grad, "s": s.grad}, f"{out}/clip{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_clipping_takes_the_norm_of_every_expert_once(tmp_path):
+    """Two EP ranks clip by the norm of the whole model (the replicated weight once, both shards) and scale their
+    gradients as torch's clip_grad_norm_ does on one process holding all of it."""
+    mp.start_processes(_clip_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
+    got = [torch.load(tmp_path / f"clip{r}.pt") for r in (0, 1)]
+    (w0, s0), (_, s1) = _clip_grads(0), _clip_grads(1)
+    whole = torch.nn.Parameter(torch.zeros(8, 3))
+    whole.grad = torch.cat([s0.grad, s1.grad])
+    norm = torch.nn.utils.clip_grad_norm_([w0, whole], 1.0)
+    # 33.0: one rank's own norm (5.3 on rank 0, 32.8 on rank 1) or DeepSpeed's mean of the two (19.1) is far off
+    assert 32.9 < norm < 33.1
+    for g in got:
+        torch.testing.assert_close(g["norm"], norm)
+        torch.testing.assert_close(g["w"], w0.grad)
+    torch.testing.assert_close(torch.cat([got[0]["s"], got[1]["s"]]), whole.grad)
+
+
+STEPS, SEED, CUT = 3, 5, 2
+CLIP = 0.5  # below every step's global gradient norm (asserted): each step is clipped
 
 
 def _ds(path, gas: int):
     return str(write_ds_config(path, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=gas,
-                               gradient_clipping=0, scheduler=None))
+                               gradient_clipping=CLIP, scheduler=None))
 
 
-def test_pp1_dp2_ep2_equals_single_device(tmp_path, monkeypatch):
-    """Each rank holds 4 of the 8 experts of every MoE block; the step's loss, aux_loss and every weight equal one
-    process with all experts accumulating the same 4 micro-batches (a replica at GAS 4: the loss weights carry
-    GAS x DP), and the saved layer files hold whole [8, ...] expert tensors."""
+@pytest.fixture(scope="module")
+def ep_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_ep")
+    return root, [*write_moe_set(root), "--stages", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(ep_set):
+    """One process with all experts accumulating the 4 micro-batches of a DP=2 x GAS 2 step (a replica at GAS 4:
+    the loss weights carry GAS x DP): (model, losses, each step's aux term, each step's global gradient norm)."""
     from mmpipe.model import moe
-    args = write_moe_set(tmp_path)
-    seen = []
-    forward = moe.MoeHead.forward
+    root, args = ep_set
+    aux, norms = [], []
+    forward, clip = moe.MoeHead.forward, torch.nn.utils.clip_grad_norm_
 
     def recording(self, a):
         out = forward(self, a)
-        seen.append(out[1].item())
+        aux.append(out[1].item())
         return out
-    monkeypatch.setattr(moe.MoeHead, "forward", recording)
-    run = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--ds-config", _ds(tmp_path / "gas4.json", 4),
-                                       "--output-dir", str(tmp_path / "ref")]), world_size=1)
-    ref_model, ref_losses = train_reference(run, seed=SEED, steps=STEPS, out_dir=str(tmp_path / "ref"))
-    ref_aux = [sum(seen[4 * s:4 * s + 4]) / 4 for s in range(STEPS)]
-    ep = train_run(tmp_path / "ep2", *args, "--ds-config", _ds(tmp_path / "gas2.json", 2), "--stages", "1",
-                   "--dp", "2", "--ep", "2", "--steps", str(STEPS)).check()
-    assert ep.summary["dp"] == 2
+
+    def clipping(params, max_norm, *a, **k):
+        norms.append(clip(params, max_norm, *a, **k).item())
+        return norms[-1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe.MoeHead, "forward", recording)
+        mp.setattr(torch.nn.utils, "clip_grad_norm_", clipping)
+        run = resolve(TrainArgs.from_argv([*args, "--ds-config", _ds(root / "gas4.json", 4),
+                                           "--output-dir", str(root / "ref")]), world_size=1)
+        model, losses = train_reference(run, seed=SEED, steps=STEPS, out_dir=str(root / "ref"))
+    return model, losses, [sum(aux[4 * s:4 * s + 4]) / 4 for s in range(STEPS)], norms
+
+
+def _launch(ep_set, name: str, *extra: str):
+    root, args = ep_set
+    return train_run(root / name, *args, "--ds-config", _ds(root / "gas2.json", 2), "--dp", "2",
+                     "--steps", str(STEPS), *extra).check()
+
+
+@pytest.fixture(scope="module")
+def ep2(ep_set):
+    return _launch(ep_set, "ep2", "--ep", "2", "--save-every", str(CUT))
+
+
+def _weights(run, cfg):
+    return torch.nn.Sequential(*load_reference(run.out / "checkpoints", cfg))
+
+
+def test_pp1_dp2_ep2_equals_single_device(ep2, reference):
+    """Each rank holds 4 of the 8 experts of every MoE block; every step is clipped by the global norm (the shards'
+    squared norms added over the EP group once); the step's loss, aux_loss and every weight equal the single-device
+    loop's, and the saved layer files hold whole [8, ...] expert tensors."""
+    ref_model, ref_losses, ref_aux, norms = reference
+    assert len(norms) == STEPS and min(norms) > CLIP, norms
     for rank, experts in ((0, "0..3"), (1, "4..7")):  # each rank held half the experts: the all-to-all ran
-        assert f"mmpipe: rank {rank}: experts {experts} of 8 in each MoE block (--ep 2)" in ep.proc.stdout
-    assert [float(r["loss"]) for r in ep.rows] == pytest.approx(ref_losses, abs=1e-5)
-    assert [float(r["aux_loss"]) for r in ep.rows] == pytest.approx(ref_aux, abs=1e-5)
-    got = torch.nn.Sequential(*load_reference(ep.out / "checkpoints", run.model))
+        assert f"mmpipe: rank {rank}: experts {experts} of 8 in each MoE block (--ep 2)" in ep2.proc.stdout
+    assert [float(r["loss"]) for r in ep2.rows] == pytest.approx(ref_losses, abs=1e-5)
+    assert [float(r["aux_loss"]) for r in ep2.rows] == pytest.approx(ref_aux, abs=1e-5)
+    got = _weights(ep2, ref_model.cfg)
     assert got[10].mlp.experts.gate_up_proj.shape[0] == 8
     _weights_equal_within(got, ref_model, 1e-5)
+
+
+def test_resume_under_ep2_is_bit_exact(ep_set, ep2, reference):
+    """The step-2 checkpoint holds whole experts and whole AdamW moments; each rank takes its half back."""
+    cut_at(ep2, ep_set[0] / "cut2", CUT)
+    resumed = _launch(ep_set, "cut2", "--ep", "2", "--resume")
+    assert resumed.summary["start_step"] == CUT
+    assert resumed.losses == ep2.losses
+    got, want = (_weights(r, reference[0].cfg).state_dict() for r in (resumed, ep2))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_resume_from_ep2_into_ep1(ep_set, ep2, reference):
+    """The same checkpoint resumed with every rank holding all 8 experts (--ep 1): the moments and weights are
+    whole in the files, so step 3 is the EP=2 run's step 3 (1e-5: the experts' gradients now sum in another
+    order)."""
+    cut_at(ep2, ep_set[0] / "cut1", CUT)
+    resumed = _launch(ep_set, "cut1", "--resume")
+    assert "in each MoE block" not in resumed.proc.stdout  # no rank split the experts
+    assert "starts again from zero" not in resumed.proc.stdout  # the optimizer's moments were restored
+    assert resumed.losses == pytest.approx(ep2.losses, abs=1e-5)
+    _weights_equal_within(_weights(resumed, reference[0].cfg), reference[0], 1e-5)
 
 
 @pytest.mark.parametrize("extra, line", [
@@ -130,10 +236,11 @@ def test_bad_ep_is_one_line(tmp_path, capsys, extra, line):
     assert any(line in ln for ln in lines) and len(lines) == 1, lines
 
 
-def test_ep_with_clipping_is_one_line_for_now(tmp_path, capsys):
-    """DeepSpeed 0.19.8's clip takes each rank's norm for the whole model's, which shards make wrong: refused."""
+def test_ep_in_bf16_is_one_line_for_now(tmp_path, capsys):
+    """bf16 and ZeRO 1 partition each weight's fp32 copy over all DP ranks as if it were a replica: refused."""
     args = write_moe_set(tmp_path)
-    ds = write_ds_config(tmp_path / "clip.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    ds = write_ds_config(tmp_path / "bf16.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                         bf16={"enabled": True})
     lines = refused([*args, "--ds-config", str(ds), "--stages", "1", "--dp", "2", "--ep", "2"], capsys)
-    assert lines == ["mmpipe: error: --ep: 2 runs with fp32, zero_optimization.stage 0, gradient_clipping 0 and "
-                     "without --resume for now (here: fp32, ZeRO 0, gradient_clipping 1.0; docs/moe.md)"]
+    assert lines == ["mmpipe: error: --ep: 2 runs with fp32 and zero_optimization.stage 0 for now (here: bf16, "
+                     "ZeRO 0; docs/moe.md)"]

@@ -15,11 +15,12 @@ One PP=2 launch, checkpointed at step 2, and its resume from there:
 - each step's loss, its LM part and its auxiliary part (train_log.csv's loss, lm_loss, aux_loss) equal the
   single-device loop's (1e-5), and so do the final weights, routers and experts included;
 - only floats cross, moe_stats [2, 2, 8] among them, once per micro-batch each way;
-- the resume from step 2 gives the uninterrupted run's losses and weights bit for bit."""
+- the resume from step 2 gives the uninterrupted run's losses and weights bit for bit;
+- PP=2 x DP=2 x EP=2 (4 ranks, each stage's experts split over its 2 DP ranks) at GAS 1 equals the same
+  single-device loop (the same 4 rows a step)."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 
 import numpy as np
@@ -27,7 +28,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import train_run, write_ds_config
+from conftest import cut_at, train_run, write_ds_config
 from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
 from mmpipe.model import moe
@@ -151,13 +152,7 @@ def test_only_floats_cross_and_moe_stats_is_one_of_them(pp2):
 
 
 def test_resume_is_bit_exact(moe_set, pp2):
-    cut = moe_set[0] / "cut"
-    shutil.copytree(pp2.out, cut)
-    (cut / "checkpoints" / "latest").write_text(f"step{CUT}")
-    shutil.rmtree(cut / "checkpoints" / f"step{STEPS}")
-    (cut / "summary.json").unlink()
-    log = (cut / "train_log.csv").read_text().splitlines(keepends=True)
-    (cut / "train_log.csv").write_text("".join(log[:1 + CUT]))
+    cut_at(pp2, moe_set[0] / "cut", CUT)
     resumed = _launch(moe_set, "cut", "--resume")
     assert resumed.summary["start_step"] == CUT
     assert resumed.rows == [{**r, **{k: resumed.rows[i][k] for k in ("samples_per_s", "useful_tokens_per_s",
@@ -167,3 +162,19 @@ def test_resume_is_bit_exact(moe_set, pp2):
     got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
                  for r in (resumed, pp2))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_pp2_dp2_ep2_equals_single_device(moe_set, reference):
+    """Four ranks: two pipelines of two stages, each stage's experts split over its two DP ranks (ranks 0 / 1 hold
+    experts 0..3 / 4..7 of stage 0's blocks, ranks 2 / 3 those of stage 1's), the tower frozen, at GAS 1, so a step
+    trains the same 4 rows as the reference's 2 micro-batches: losses, aux losses and weights equal (1e-5)."""
+    root = moe_set[0]
+    gas1 = write_ds_config(root / "gas1.json", **{**json.loads((root / "ds.json").read_text()),
+                                                   "gradient_accumulation_steps": 1})
+    run = _launch(moe_set, "pp2dp2ep2", "--dp", "2", "--ep", "2", "--ds-config", str(gas1))
+    for rank, experts in ((0, "0..3"), (1, "4..7"), (2, "0..3"), (3, "4..7")):
+        assert f"mmpipe: rank {rank}: experts {experts} of 8 in each MoE block (--ep 2)" in run.proc.stdout
+    ref_model, ref_losses, ref_aux = reference
+    assert [float(r["loss"]) for r in run.rows] == pytest.approx(ref_losses, abs=TOL)
+    assert [float(r["aux_loss"]) for r in run.rows] == pytest.approx(ref_aux, abs=TOL)
+    _weights_equal_within(torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg)), ref_model, TOL)

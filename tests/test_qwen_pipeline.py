@@ -8,14 +8,13 @@ Three launches in all: the cut run is a copy of the uninterrupted one as its ste
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from conftest import train_run, write_ds_config
+from conftest import cut_at, train_run, write_ds_config
 from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
@@ -80,13 +79,7 @@ class PackedSet:
         losses and weights bit for bit (same rows, optimizer moments, LR schedule and RNG). The cut run is its
         directory as the step-`cut` checkpoint left it (a run stopped there: `latest` at it, `cut` logged steps, no
         later checkpoint, no summary), so it costs no launch of its own; the resume is a launch."""
-        out = self.root / "cut"
-        shutil.copytree(uninterrupted.out, out)
-        (out / "checkpoints" / "latest").write_text(f"step{cut}")
-        shutil.rmtree(out / "checkpoints" / f"step{self.steps}")
-        (out / "summary.json").unlink()
-        log = (out / "train_log.csv").read_text().splitlines(keepends=True)
-        (out / "train_log.csv").write_text("".join(log[:1 + cut]))  # the header and steps 1 .. cut
+        cut_at(uninterrupted, self.root / "cut", cut)
         resumed = self.launch("cut", stages, *extra, "--resume")
         assert resumed.summary["start_step"] == cut
         assert [int(r["step"]) for r in resumed.rows] == list(range(1, self.steps + 1))

@@ -27,7 +27,7 @@ from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm,
 from ..model.qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
 from .qwen2_vl import pixel_defaults_taken, plan_named, write_with_processor
-from .qwen3_vl import DEFAULT_PIXELS, hf_tower, tower_config
+from .qwen3_vl import DEFAULT_PIXELS, hf_tower, text_section, tower_config
 from .safetensors_io import LazyWeights, as_weights, open_weights
 from .stream import Imported, fill, meta_model
 
@@ -63,32 +63,19 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
     """A Qwen3_5Config (+ its image processor's settings) -> the mmpipe config; refuses what the layers do not
     implement, and a layer pattern that does not match the layer count (one line, from the config's checks)."""
     tc, vc, proc = hf.text_config, hf.vision_config, proc or {}
-    rope = dict(getattr(tc, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        _fail("text_config.rope_parameters", f"rope_type '{rope['rope_type']}' (RoPE scaling) is not supported")
-    if getattr(tc, "attention_bias", False):
-        _fail("text_config.attention_bias", "true: Qwen3.5's attention has no bias in mmpipe's layers")
-    if tc.hidden_act != "silu":
-        _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
     kinds = list(getattr(tc, "layer_types", None) or [])
     if len(kinds) != tc.num_hidden_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
         _fail("text_config.layer_types", f"{len(kinds)} kinds {sorted(set(kinds))} for {tc.num_hidden_layers} layers "
                                          f"(one per layer: linear_attention or full_attention)")
-    vision = tower_config(vc, tc, proc)  # Qwen3-VL's tower, without DeepStack
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    text = HybridText(
-        dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
-        ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    text = text_section(
+        HybridText, hf, "Qwen3.5", theta=10000000.0, sections=(11, 11, 10),
         partial_rotary_factor=float(rope.get("partial_rotary_factor", getattr(tc, "partial_rotary_factor", 0.25))),
-        rope_theta=float(rope.get("rope_theta", 10000000.0)), ln_eps=tc.rms_norm_eps,
-        n_kv_heads=tc.num_key_value_heads,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
-        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))), mrope_interleaved=True, qk_norm=True,
-        attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim,
         full_attention_indexes=tuple(i for i, kind in enumerate(kinds) if kind == "full_attention"),
         linear_key_heads=tc.linear_num_key_heads,
         linear_value_heads=tc.linear_num_value_heads, linear_key_dim=tc.linear_key_head_dim,
         linear_value_dim=tc.linear_value_head_dim, linear_conv_kernel=tc.linear_conv_kernel_dim)
+    vision = tower_config(vc, tc, proc)  # Qwen3-VL's tower, without DeepStack
     cfg = ModelConfig(name=name, family="qwen3_5", vision=vision, text=text,
                       proj_inner_dim=vision.dim * vision.merge_size ** 2, image_token_id=hf.image_token_id,
                       vision_start_id=hf.vision_start_token_id, vision_end_id=hf.vision_end_token_id)

@@ -111,27 +111,35 @@ def hf_tower(cfg: ModelConfig) -> dict:
                 num_position_embeddings=v.num_position_embeddings)
 
 
-def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfig:
-    """A Qwen3VLConfig (+ its image processor's settings) -> the mmpipe config; refuses what the layers do not
-    implement, and a DeepStack index beyond the tower (one line, from the config's checks)."""
-    tc, vc, proc = hf.text_config, hf.vision_config, proc or {}
+def text_section(cls, hf, model: str, *, theta: float, sections: tuple, **extra):
+    """A Qwen3 family's decoder section (`cls`: Qwen3Text, HybridText; `extra`: its own fields) from an HF config,
+    after the refusals the families share: RoPE scaling, attention bias, an activation other than SiLU. `theta`,
+    `sections`: the family's rope_theta and mrope_section where the config leaves them out."""
+    tc = hf.text_config
     rope = dict(getattr(tc, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         _fail("text_config.rope_parameters", f"rope_type '{rope['rope_type']}' (RoPE scaling) is not supported")
     if getattr(tc, "attention_bias", False):
-        _fail("text_config.attention_bias", "true: Qwen3's attention has no bias in mmpipe's layers")
+        _fail("text_config.attention_bias", f"true: {model}'s attention has no bias in mmpipe's layers")
     if tc.hidden_act != "silu":
         _fail("text_config.hidden_act", f"'{tc.hidden_act}' (supported: silu)")
-    vision = tower_config(vc, tc, proc, DeepstackVision, deepstack_indexes=tuple(vc.deepstack_visual_indexes))
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    text = Qwen3Text(
+    return cls(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
         ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
-        partial_rotary_factor=1.0, rope_theta=float(rope.get("rope_theta", 5000000.0)), ln_eps=tc.rms_norm_eps,
-        n_kv_heads=tc.num_key_value_heads,
+        rope_theta=float(rope.get("rope_theta", theta)), ln_eps=tc.rms_norm_eps, n_kv_heads=tc.num_key_value_heads,
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
-        mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))), mrope_interleaved=True, qk_norm=True,
-        attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim, moe=moe_from_hf(tc))
+        mrope_section=tuple(rope.get("mrope_section", sections)), mrope_interleaved=True, qk_norm=True,
+        attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim, **extra)
+
+
+def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfig:
+    """A Qwen3VLConfig (+ its image processor's settings) -> the mmpipe config; refuses what the layers do not
+    implement, and a DeepStack index beyond the tower (one line, from the config's checks)."""
+    tc, vc, proc = hf.text_config, hf.vision_config, proc or {}
+    text = text_section(Qwen3Text, hf, "Qwen3", theta=5000000.0, sections=(24, 20, 20), partial_rotary_factor=1.0,
+                        moe=moe_from_hf(tc))
+    vision = tower_config(vc, tc, proc, DeepstackVision, deepstack_indexes=tuple(vc.deepstack_visual_indexes))
     cfg = ModelConfig(name=name, family="qwen3_vl", vision=vision, text=text,
                       proj_inner_dim=vision.dim * vision.merge_size ** 2, image_token_id=hf.image_token_id,
                       vision_start_id=hf.vision_start_token_id, vision_end_id=hf.vision_end_token_id)

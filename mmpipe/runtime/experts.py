@@ -14,8 +14,14 @@ single-device step would have it instead: its gradient already sums the tokens o
 all-to-all's backward brings them), so it is summed over its expert-data-parallel group and divided by DP, the same
 mean over the global batch as the other weights' (DeepSpeed's own `_reduce_expert_gradients` scales the same way).
 DeepSpeed's initial broadcast of the weights from DP rank 0 leaves the shards out (ds_optim_param).
-Checkpoints: every rank gathers its EP group's shards into whole tensors for the save (the layer files, written by
-DP rank 0, then hold all E experts, as a run without EP writes them), then returns to its shard.
+Clipping (fp32, ZeRO 0): DeepSpeed's `clip_grad_norm_` adds each rank's own squared norms over the stages, then
+averages the result over DP, so a rank's norm would count its shard's experts only; the global norm here adds the
+shards' squared norms over the EP group once (every expert once), the replicated weights as DeepSpeed counts them
+(model_parallel, mmpipe.runtime.pipeline), then sums over the stages: the single-device model's norm.
+Checkpoints: every rank gathers its EP group's shards, and their AdamW moments, into whole tensors for the save (the
+layer files and the optimizer file, written by DP rank 0, then hold all E experts, as a run without EP writes them),
+then returns to its shard. A load reads whole tensors into whole-sized experts and keeps this rank's slice of the
+weights and the moments, so a checkpoint resumes under any EP (1 included) and any DP it divides.
 """
 from __future__ import annotations
 
@@ -55,30 +61,89 @@ def shard_experts(layers, topo, ep: int) -> tuple[list[tuple[torch.nn.Parameter,
     return shards, ep_group
 
 
+def _sharded(layers) -> list[Experts]:
+    return [m for layer in layers for m in (layer.modules() if isinstance(layer, torch.nn.Module) else ())
+            if isinstance(m, Experts) and m.ep is not None]
+
+
+def _moments(optimizer, p) -> list[str]:
+    """The keys of p's optimizer state that are shaped like p (AdamW's exp_avg, exp_avg_sq; not its step)."""
+    state = optimizer.state.get(p, {}) if optimizer is not None else {}
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]
+
+
 @contextlib.contextmanager
-def gathered(layers):
-    """Every sharded Experts of these layers holds all E experts inside the block (an all-gather over its EP group,
-    collective), its own shard again after."""
+def gathered(layers, optimizer=None):
+    """Every sharded Experts of these layers holds all E experts inside the block, and so do the weights' optimizer
+    moments (an all-gather over its EP group, collective), its own shard again after."""
+    def whole(t: torch.Tensor, group, n: int) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
     held = []
-    for layer in layers:
-        for m in layer.modules() if isinstance(layer, torch.nn.Module) else ():
-            if isinstance(m, Experts) and m.ep is not None:
-                group, n = m.ep
-                for p in (m.gate_up_proj, m.down_proj):
-                    parts = [torch.empty_like(p.data) for _ in range(n)]
-                    dist.all_gather(parts, p.data.contiguous(), group=group)
-                    held.append((p, p.data))
-                    p.data = torch.cat(parts)
+    for m in _sharded(layers):
+        group, n = m.ep
+        for p in (m.gate_up_proj, m.down_proj):
+            for k in _moments(optimizer, p):
+                held.append((optimizer.state[p], k, optimizer.state[p][k]))
+                optimizer.state[p][k] = whole(optimizer.state[p][k], group, n)
+            held.append((p, "data", p.data))
+            p.data = whole(p.data, group, n)
     try:
         yield
     finally:
-        for p, shard in held:
-            p.data = shard
+        for owner, key, shard in held:
+            if key == "data":
+                owner.data = shard
+            else:
+                owner[key] = shard
 
 
-def install(engine, shards: list, dp: int) -> None:
-    """The engine's gradient reduction and checkpoint save made shard-aware (see the module's docstring)."""
-    reduce, save = engine.allreduce_gradients, engine.save_checkpoint
+@contextlib.contextmanager
+def loading(layers, optimizer=None):
+    """Sharded experts sized whole (contents undefined) for a checkpoint's whole tensors to load into; after, each
+    keeps its slice of what was loaded, weights and, where the load brought whole ones, moments. Local."""
+    sharded = _sharded(layers)
+    for m in sharded:
+        for p in (m.gate_up_proj, m.down_proj):
+            p.data = p.data.new_empty((m.experts, *p.shape[1:]))
+    try:
+        yield
+    finally:
+        for m in sharded:
+            group, n = m.ep
+            per, r = m.experts // n, dist.get_rank(group)
+            for p in (m.gate_up_proj, m.down_proj):
+                state = optimizer.state.get(p, {}) if optimizer is not None else {}
+                for k in _moments(optimizer, p):
+                    state[k] = state[k][r * per:(r + 1) * per].clone()
+                p.data = p.data[r * per:(r + 1) * per].clone()
+
+
+def clip_norm(params, shards, max_norm: float, mpu, ep_group) -> torch.Tensor:
+    """Clip every gradient of `params` by the global norm of the whole model (see the module's docstring): `shards`
+    the expert shards among them; returns the norm."""
+    mine = {id(p) for p in shards}
+    params = [p for p in params if p.grad is not None]
+    rep = [p.grad.float().pow(2).sum() for p in params if id(p) not in mine and (
+        mpu.get_model_parallel_rank() == 0 or getattr(p, "model_parallel", False))]
+    own = [p.grad.float().pow(2).sum() for p in params if id(p) in mine]
+    zero = torch.zeros((), device=params[0].device)
+    shard_sq = torch.stack(own).sum() if own else zero.clone()
+    dist.all_reduce(shard_sq, group=ep_group)  # every expert of the stage, once
+    sq = (torch.stack(rep).sum() if rep else zero) + shard_sq
+    dist.all_reduce(sq, group=mpu.get_model_parallel_group())  # over the stages
+    norm = sq.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s coefficient
+    for p in params:
+        p.grad.mul_(scale)
+    return norm
+
+
+def install(engine, shards: list, dp: int, ep_group) -> None:
+    """The engine's gradient reduction, clipping, checkpoint save and load made shard-aware (see the module's
+    docstring)."""
+    reduce, save, load = engine.allreduce_gradients, engine.save_checkpoint, engine.load_checkpoint
 
     def allreduce_gradients(*args, **kwargs):
         trained = [p for p, _ in shards if p.requires_grad]
@@ -97,6 +162,16 @@ def install(engine, shards: list, dp: int) -> None:
                     p.grad.div_(dp)
 
     def save_checkpoint(*args, **kwargs):
-        with gathered(engine.module.forward_funcs):
+        with gathered(engine.module.forward_funcs, engine.optimizer):
             return save(*args, **kwargs)
+
+    def load_checkpoint(*args, **kwargs):
+        with loading(engine.module.forward_funcs, engine.optimizer):
+            return load(*args, **kwargs)
+
+    def clip_fp32_gradients():  # fp32 and ZeRO 0, EP's only precision for now (mmpipe.run_config._check_ep)
+        return clip_norm(engine.module.parameters(), [p for p, _ in shards], engine.gradient_clipping(), engine.mpu,
+                         ep_group)
+
     engine.allreduce_gradients, engine.save_checkpoint = allreduce_gradients, save_checkpoint
+    engine.load_checkpoint, engine.clip_fp32_gradients = load_checkpoint, clip_fp32_gradients

@@ -209,8 +209,8 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     engine, _, _, _ = deepspeed.initialize(
         model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
     checkpoint.make_loads_safe(engine)
-    if pipe.expert_shards:  # --ep: shards reduced over their own groups, gathered whole for a save
-        install_experts(engine, pipe.expert_shards, run.dp)
+    if pipe.expert_shards:  # --ep: shards reduced and clipped over their own groups, whole in checkpoints
+        install_experts(engine, pipe.expert_shards, run.dp, pipe.expert_shards_group)
         per = pipe.expert_shards[0][0].shape[0]
         first = per * dist.get_rank(pipe.expert_shards_group)
         print(f"mmpipe: rank {rank}: experts {first}..{first + per - 1} of {run.model.text.moe.experts} in each MoE "
