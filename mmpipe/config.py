@@ -321,8 +321,9 @@ class MoeConfig:
     aux_coef: float = 0.001
     norm_topk: bool = True
 
-    def checks(self, cfg: "ModelConfig") -> list[tuple[bool, str, str]]:
-        return [(not getattr(cfg.text, "tie_embeddings", False), "text.moe",
+    def checks(self, text: "Qwen3Text") -> list[tuple[bool, str, str]]:
+        """The section's own ranges and the decoder it sits in (the qwen3_vl family's checks ask them)."""
+        return [(not text.tie_embeddings, "text.moe",
                  "with tie_embeddings: an MoE model's head is untied here (as Qwen3-VL-MoE's releases are)"),
                 (self.experts >= 1 and self.ff_dim >= 1, "text.moe.experts",
                  f"{self.experts} experts of ff_dim {self.ff_dim}: both must be >= 1"),
