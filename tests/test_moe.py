@@ -13,18 +13,23 @@ top 2). In-process, no launches (tests/test_moe_pipeline.py runs the pipeline):
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
+from conftest import write_checkpoint
+from hf_models import peft_of, with_random_adapters
+from mmpipe.cli import main as cli
 from mmpipe.config import ConfigError, MoeConfig, config_from_dict, load_preset
 from mmpipe.hf.commands import hf_reader
-from mmpipe.hf.qwen3_vl import export_hf
+from mmpipe.hf.qwen3_vl import export_hf, key_map
 from mmpipe.model import moe
 from mmpipe.model.builder import bound, layer_specs, lm_loss
 from mmpipe.model.families import family_of
+from mmpipe.model.lora import LORA_FILE, is_adapter
 from mmpipe.model.stage import live_fields
 from qwen3_models import perturbed, processor, qwen3_config
 from qwen_models import hf_logits
@@ -280,3 +285,28 @@ def test_cli_import_and_export_round_trip(hf_moe, tmp_path):
     back = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "out")
     sd = back.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in hf.state_dict().items())
+
+
+def test_lora_adapts_the_attention_and_loads_with_peft_and_merged(hf_moe, tmp_path):
+    """--lora on an MoE model (issue 43: LoRA on attention): each block's adapters sit on the attention's q, k, v, o
+    projections, the router and the fused 3-D experts (not linears) frozen with the base; the adapters export as a
+    peft adapter of transformers' Qwen3VLMoeForConditionalGeneration and, merged (`mmpipe export` of the run), as
+    the model itself, both giving the adapted model's logits."""
+    _, hf, model, _ = hf_moe
+    adapted = with_random_adapters(model, groups=("text",))
+    for layer in adapted:
+        if isinstance(layer, moe.Qwen3MoeBlock):
+            trained = {n for n, p in layer.named_parameters() if p.requires_grad}
+            assert all(is_adapter(n) for n in trained)
+            assert {n.split(".lora_")[0] for n in trained} == {f"self_attn.{x}_proj" for x in "qkvo"}, trained
+    ids, px, grids = _sample(3)
+    peft_model = peft_of(adapted, type(hf), tmp_path / "peft", key_map, export_hf)
+    write_checkpoint(adapted, tmp_path / "run")
+    (tmp_path / "run" / LORA_FILE).write_text(json.dumps(adapted.lora.to_dict()))
+    assert cli(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "merged")]) == 0
+    merged = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        want = adapted(*row([(ids, px, grids)])[0])[0][0, :len(ids)]
+        assert (hf_logits(peft_model, ids, px, grids) - want).abs().max().item() < TOL
+        assert (hf_logits(merged, ids, px, grids) - want).abs().max().item() < TOL
+        assert (hf_logits(hf, ids, px, grids) - want).abs().max().item() > 1e-2  # the adapters count
