@@ -16,6 +16,7 @@ from mmpipe.data.video import VideoRule, probe, record_clips, step_bits
 from mmpipe.hf.qwen2_vl import import_qwen2_vl
 from qwen_models import END, IMAGE, PIXELS, START, VIDEO, encode, image, save_qwen
 from video_clips import moving_square, write_clip, write_empty
+from video_records import GOOD, conv
 
 TOL = 1e-4
 P = 256  # the row's patch budget in these tests
@@ -208,19 +209,12 @@ def test_absolute_time_positions_matter(qwen25, clips):
     assert (got - want).abs().max().item() > 1e-3
 
 
-def _conv(*turns: str) -> list[dict]:
-    return [{"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]
-
-
-# LLaVA-style records: a clip alone, a clip then an image, two clips of different lengths and frame sizes, an image
-# alone; then the bad ones: an unreadable clip, a <video> marker without a clip, a zero-frame clip
-GOOD = [{"video": "short.mp4", "conversations": _conv("<video>\nw5 w6", "w7")},
-        {"video": "long.mkv", "image": "a.png", "conversations": _conv("w8 <video> w9 <image>", "w10 w11")},
-        {"video": ["long.mkv", "short.mp4"], "conversations": _conv("<video> w12 <video> w13", "w14")},
-        {"image": "a.png", "conversations": _conv("<image> w15", "w16")}]
-BAD = [("bad_video", {"video": "junk.mp4", "conversations": _conv("<video> w5", "w6")}),
-       ("video_marker", {"conversations": _conv("<video> w5", "w6")}),
-       ("empty_video", {"video": "empty.mp4", "conversations": _conv("<video> w5", "w6")})]
+# LLaVA-style records: tests/video_records.py's GOOD (a clip alone, a clip then an image, two clips of different
+# lengths and frame sizes, an image alone); then the bad ones: an unreadable clip, a <video> marker without a clip, a
+# zero-frame clip
+BAD = [("bad_video", {"video": "junk.mp4", "conversations": conv("<video> w5", "w6")}),
+       ("video_marker", {"conversations": conv("<video> w5", "w6")}),
+       ("empty_video", {"video": "empty.mp4", "conversations": conv("<video> w5", "w6")})]
 
 
 def test_llava_video_records_pack_into_rows_with_transformers_logits(qwen25, clips, tmp_path):
@@ -325,8 +319,8 @@ def test_parquet_video_column(clips, tmp_path):
     from mmpipe.data.dataset import prepare, resolve_data
     from test_qwen_data import save_tokenizer
     root = clips["short"].parent
-    pd.DataFrame([{"video": "short.mp4", "conversations": _conv("<video> what", "red")},
-                  {"video": None, "conversations": _conv("what colour", "red")}]).to_parquet(tmp_path / "d.parquet")
+    pd.DataFrame([{"video": "short.mp4", "conversations": conv("<video> what", "red")},
+                  {"video": None, "conversations": conv("what colour", "red")}]).to_parquet(tmp_path / "d.parquet")
     save_tokenizer(tmp_path / "tok")
     cfg = load_preset("qwen-tiny")
     cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, tokens_per_second=2))

@@ -10,52 +10,32 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import mmpipe
-from conftest import train_run, write_ds_config
+from conftest import train_run
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
-from test_qwen_data import save_tokenizer
 from test_qwen_pipeline import _weights_equal_within, loaders_agree
-from video_clips import moving_square, write_clip
+from video_records import pipeline_ds_config, write_pipeline_set
 
 TOL = 1e-5
 STEPS, CUT, SEED = 3, 2, 5
 
 
-def _conv(question: str, answer: str) -> list[dict]:
-    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
-
-
-# a clip, a clip then an image, two clips, an image, text: 5 kinds x 3 = 15 records, answers of 1..3 words
-KINDS = [{"video": "short.mp4", "conversations": _conv("<video>\nwhat colour is it", "red")},
-         {"video": "long.mkv", "image": "a.png", "conversations": _conv("<video> and <image> what", "blue and green")},
-         {"video": ["long.mkv", "short.mp4"], "conversations": _conv("<video> is it <video>", "green")},
-         {"image": "a.png", "conversations": _conv("<image> what colour", "red and blue")},
-         {"conversations": _conv("what colour is it", "blue")}]
-
-
 @pytest.fixture(scope="module")
 def video_set(tmp_path_factory):
+    """tests/video_records.py's 15 records (KINDS x 3: a clip, a clip then an image, two clips, an image, text;
+    clips of 56 x 56 and 84 x 56 px)."""
     root = tmp_path_factory.mktemp("video_pipe")
-    write_clip(root / "short.mp4", moving_square(7, 56, 56, seed=0), 3)
-    write_clip(root / "long.mkv", moving_square(13, 84, 56, seed=1), 3)
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(root / "a.png")
-    (root / "data.json").write_text(json.dumps(KINDS * 3))
-    save_tokenizer(root / "tok")
+    write_pipeline_set(root, (56, 56), (84, 56))
     preset = json.loads((Path(mmpipe.__file__).parent / "presets" / "qwen-tiny.json").read_text())
     preset["vision"]["tokens_per_second"] = 2
     (root / "model.json").write_text(json.dumps(preset))
-    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
-                         scheduler={"type": "WarmupCosineLR",
-                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
-                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    ds = pipeline_ds_config(root, STEPS)
     args = ["--preset", str(root / "model.json"), "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
             "--ds-config", str(ds), "--text-len", "48", "--pack", "--max-images", "2", "--max-patches", "128",
             "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]

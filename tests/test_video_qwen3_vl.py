@@ -15,6 +15,7 @@ from mmpipe.hf.qwen3_vl import import_qwen3_vl
 from qwen3_models import PIXELS, encode, save_qwen3
 from qwen_models import END, IMAGE, START, VIDEO, image, save_tokenizer
 from video_clips import moving_square, write_clip
+from video_records import GOOD
 
 TOL = 1e-4
 P = 256
@@ -168,16 +169,8 @@ def test_qwen3_clip_logits_equal_transformers(setup):
         assert (got[a:b] - want).abs().max().item() < TOL
 
 
-def _conv(*turns: str) -> list[dict]:
-    return [{"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]
-
-
-# LLaVA-style records: a clip alone, a clip then an image, two clips of different lengths and frame sizes, an image
-# alone; clips take a slot per temporal patch (2 and 4 here), so a row has 6 slots
-GOOD = [{"video": "short.mp4", "conversations": _conv("<video>\nw5 w6", "w7")},
-        {"video": "long.mkv", "image": "a.png", "conversations": _conv("w8 <video> w9 <image>", "w10 w11")},
-        {"video": ["long.mkv", "short.mp4"], "conversations": _conv("<video> w12 <video> w13", "w14")},
-        {"image": "a.png", "conversations": _conv("<image> w15", "w16")}]
+# LLaVA-style records: tests/video_records.py's GOOD (a clip alone, a clip then an image, two clips of different
+# lengths and frame sizes, an image alone); clips take a slot per temporal patch (2 and 4 here), so a row has 6 slots
 
 
 def test_llava_video_records_pack_into_rows_with_transformers_ids_and_logits(setup, tmp_path):

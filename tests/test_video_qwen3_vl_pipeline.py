@@ -6,23 +6,17 @@ stage boundary. The timestamps' words are unknown to this tokenizer (tests/test_
 the equality does not depend on which (tests/test_video_qwen3_vl.py checks the ids). One launch."""
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import train_run, write_ds_config
+from conftest import train_run
 from mmpipe.data.dataset import prepare
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
-from test_qwen_data import save_tokenizer
 from test_qwen_pipeline import _weights_equal_within, loaders_agree, sample_image_counts
-from test_video_pipeline import KINDS
-from video_clips import moving_square, write_clip
+from video_records import pipeline_ds_config, write_pipeline_set
 
 TOL = 1e-5
 STEPS, SEED = 3, 5
@@ -31,15 +25,8 @@ STEPS, SEED = 3, 5
 def test_qwen3_vl_pipeline_with_clips_equals_single_device(tmp_path):
     root = tmp_path
     # patch 16: 64 x 64 and 96 x 64 frames are 4 x 4 and 4 x 6 patch grids; 4 and 8 frames sampled at 2 fps
-    write_clip(root / "short.mp4", moving_square(7, 64, 64, seed=0), 3)
-    write_clip(root / "long.mkv", moving_square(13, 96, 64, seed=1), 3)
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(root / "a.png")
-    (root / "data.json").write_text(json.dumps(KINDS * 3))
-    save_tokenizer(root / "tok")
-    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
-                         scheduler={"type": "WarmupCosineLR",
-                                    "params": {"total_num_steps": 2 * STEPS, "warmup_num_steps": 1,
-                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    write_pipeline_set(root, (64, 64), (96, 64))
+    ds = pipeline_ds_config(root, STEPS)
     # a slot per temporal patch: the two clips' record takes 2 + 4 slots
     args = ["--preset", "qwen3-vl-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
             "--ds-config", str(ds), "--text-len", "64", "--pack", "--max-images", "6", "--max-patches", "256",
