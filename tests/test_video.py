@@ -16,7 +16,7 @@ from mmpipe.data.video import VideoRule, probe, record_clips, step_bits
 from mmpipe.hf.qwen2_vl import import_qwen2_vl
 from qwen_models import END, IMAGE, PIXELS, START, VIDEO, encode, image, save_qwen
 from video_clips import moving_square, write_clip, write_empty
-from video_records import GOOD, conv
+from video_records import GOOD, conv, packed_row
 
 TOL = 1e-4
 P = 256  # the row's patch budget in these tests
@@ -106,27 +106,10 @@ def test_bad_clips_are_bad_records_with_their_reasons(tmp_path, clips):
     assert got[0][2].grid == (2, 4, 4)
 
 
-def _row(samples, extra_patches: int = 8, extra_positions: int = 3, width: int = 4):
-    """One packed row of samples [(mmpipe ids, [(patches, tiling of 4)])] and each sample's span: the stage
-    contract's first input with a 4-column tiling (t, h, w, the step's float32 bits; width 3: without the steps) and
-    an unused slot."""
-    ids = torch.cat([s[0] for s in samples])
-    L = len(ids) + extra_positions
-    segments, spans, at = torch.zeros(1, L, dtype=torch.long), [], 0
-    for k, s in enumerate(samples):
-        segments[0, at:at + len(s[0])] = k + 1
-        spans.append((at, at + len(s[0])))
-        at += len(s[0])
-    media = [(k + 1, px, til) for k, s in enumerate(samples) for px, til in s[1]]
-    M = len(media) + 1
-    tiling, has_image = torch.zeros(1, M, width, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
-    for j, (owner, _, til) in enumerate(media):
-        tiling[0, j], has_image[0, j] = torch.tensor(til[:width]), owner
-    n = sum(len(px) for _, px, _ in media)
-    pixels = torch.zeros(1, n + extra_patches, 1176)
-    pixels[0, :n] = torch.cat([px for _, px, _ in media])
-    input_ids = torch.cat([ids, torch.zeros(extra_positions, dtype=torch.long)])[None]
-    return (pixels, input_ids, has_image, segments, tiling), spans
+def _row(samples, width: int = 4):
+    """video_records.packed_row at Qwen2.5-VL's 1176 floats a patch and a 4-column tiling (t, h, w, the step's float32
+    bits; width 3: without the steps)."""
+    return packed_row(samples, 1176, width)
 
 
 def _conversation(items, seed: int):

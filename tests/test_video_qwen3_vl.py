@@ -15,7 +15,7 @@ from mmpipe.hf.qwen3_vl import import_qwen3_vl
 from qwen3_models import PIXELS, encode, save_qwen3
 from qwen_models import END, IMAGE, START, VIDEO, image, save_tokenizer
 from video_clips import moving_square, write_clip
-from video_records import GOOD
+from video_records import GOOD, packed_row
 
 TOL = 1e-4
 P = 256
@@ -105,26 +105,9 @@ def _case(setup, names, with_image: bool, seed: int):
     return (torch.tensor(ours), media), out
 
 
-def _row(samples, extra_patches: int = 8, extra_positions: int = 3):
-    """One packed row (segments 1, 2, ...) of samples [(ids, [(patches, grid)])] with an unused slot, zero patch
-    padding and padding positions; each sample's span."""
-    ids = torch.cat([s[0] for s in samples])
-    L = len(ids) + extra_positions
-    segments, spans, at = torch.zeros(1, L, dtype=torch.long), [], 0
-    for k, s in enumerate(samples):
-        segments[0, at:at + len(s[0])] = k + 1
-        spans.append((at, at + len(s[0])))
-        at += len(s[0])
-    media = [(k + 1, px, g) for k, s in enumerate(samples) for px, g in s[1]]
-    M = len(media) + 1
-    tiling, has_image = torch.zeros(1, M, 3, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
-    for j, (owner, _, g) in enumerate(media):
-        tiling[0, j], has_image[0, j] = torch.tensor(g), owner
-    n = sum(len(px) for _, px, _ in media)
-    pixels = torch.zeros(1, n + extra_patches, PATCH_DIM)
-    pixels[0, :n] = torch.cat([px for _, px, _ in media])
-    input_ids = torch.cat([ids, torch.zeros(extra_positions, dtype=torch.long)])[None]
-    return (pixels, input_ids, has_image, segments, tiling), spans
+def _row(samples):
+    """video_records.packed_row at Qwen3-VL's patch (PATCH_DIM floats) and a 3-column tiling (t, h, w)."""
+    return packed_row(samples, PATCH_DIM, 3)
 
 
 def test_clip_grid_patches_and_timestamps_are_transformers(setup):

@@ -1,11 +1,13 @@
-"""The LLaVA-style clip records the video tests share (tests/test_video*.py), and the files the pipeline tests write
-for them: conversations, the four in-process records (a clip, a clip then an image, two clips, an image), the
-pipeline runs' five kinds, their clips, image, tokenizer and DeepSpeed config."""
+"""The LLaVA-style clip records the video tests share (tests/test_video*.py), and what they build from them:
+conversations, packed rows of samples for the models, the four in-process records (a clip, a clip then an image, two
+clips, an image), the pipeline runs' five kinds and the files those runs read (their clips, image, tokenizer and
+DeepSpeed config)."""
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import torch
 from PIL import Image
 
 from video_clips import moving_square, write_clip
@@ -30,6 +32,29 @@ KINDS = [{"video": "short.mp4", "conversations": conv("<video>\nwhat colour is i
          {"video": ["long.mkv", "short.mp4"], "conversations": conv("<video> is it <video>", "green")},
          {"image": "a.png", "conversations": conv("<image> what colour", "red and blue")},
          {"conversations": conv("what colour is it", "blue")}]
+
+
+def packed_row(samples, patch_dim: int, width: int, extra_patches: int = 8, extra_positions: int = 3):
+    """One packed row (segments 1, 2, ...) of samples [(ids, [(patches, tiling)])] as the stage contract's first
+    input, each medium's tiling cut to `width` columns, with an unused slot, zero patch padding and padding
+    positions; and each sample's span."""
+    ids = torch.cat([s[0] for s in samples])
+    L = len(ids) + extra_positions
+    segments, spans, at = torch.zeros(1, L, dtype=torch.long), [], 0
+    for k, s in enumerate(samples):
+        segments[0, at:at + len(s[0])] = k + 1
+        spans.append((at, at + len(s[0])))
+        at += len(s[0])
+    media = [(k + 1, px, til) for k, s in enumerate(samples) for px, til in s[1]]
+    M = len(media) + 1
+    tiling, has_image = torch.zeros(1, M, width, dtype=torch.long), torch.zeros(1, M, dtype=torch.long)
+    for j, (owner, _, til) in enumerate(media):
+        tiling[0, j], has_image[0, j] = torch.tensor(til[:width]), owner
+    n = sum(len(px) for _, px, _ in media)
+    pixels = torch.zeros(1, n + extra_patches, patch_dim)
+    pixels[0, :n] = torch.cat([px for _, px, _ in media])
+    input_ids = torch.cat([ids, torch.zeros(extra_positions, dtype=torch.long)])[None]
+    return (pixels, input_ids, has_image, segments, tiling), spans
 
 
 def write_pipeline_set(root, short: tuple[int, int], long: tuple[int, int]) -> None:
