@@ -245,6 +245,10 @@ def test_plan_and_flags_on_onevision(capsys):
         "frame) are not costed by plan yet; only clips of patches are")
     cfg = DataArgs(video_max_frames=8, video_fps=1.0).with_video(load_preset(preset))
     assert tile_rule(cfg).video == (1.0, 4, 8)
+    from mmpipe.data.image_kinds import KINDS  # the index key moves with them; at the defaults it is the old one
+    base = tile_rule(load_preset(preset))
+    assert KINDS["tiles"].grid_key(tile_rule(cfg), 1, 0) != KINDS["tiles"].grid_key(base, 1, 0)
+    assert [1.0, 4, 8] not in KINDS["tiles"].grid_key(base, 1, 0) and len(KINDS["tiles"].grid_key(base, 1, 0)) == 11
     assert main(["train", "--dry-run", "--preset", preset, "--video-max-pixels", "100"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "mmpipe: error: --video-max-pixels: the llava_next family's clip frames are its tower's crop "

@@ -275,7 +275,9 @@ class Tiles(Budgeted):
     def grid_key(self, rule, record_images: int, budget: int) -> list:
         """What an index's grids and its too_many_tiles refusals depend on: the rule and T (budget: 0 where T
         follows the slots)."""
-        return [*dataclasses.astuple(dataclasses.replace(rule, row_tiles=0)), budget]
+        *key, video = dataclasses.astuple(dataclasses.replace(rule, row_tiles=0))  # video: TileRule's last field
+        # OneVision's clip sampling (--video-*) only where not the defaults: an index made before it keeps its key
+        return key + ([list(video)] if video and video != VIDEO_DEFAULTS[:3] else []) + [budget]
 
 
 KINDS = {k.name: k for k in (Spliced(), Placeholders(), Patches(), Tiles())}
