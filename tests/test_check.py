@@ -205,3 +205,62 @@ def test_slurm_writes_a_check_job(tmp_path, capsys):
     capsys.readouterr()
     assert main(["slurm", "--full-step", "--preset", "small", "--output-dir", str(tmp_path / "t")]) == 2
     assert capsys.readouterr().err.strip() == "mmpipe: error: --full-step: a check flag; give --command check"
+
+
+def _links_rank(rank: int, store: str, run, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mmpipe.check import links
+    torch.set_num_threads(1)  # before any op: a forked child must not enter the parent's OpenMP pool (it hangs)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    rows = links.measure(run)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def test_links_time_the_all_to_all_of_each_ep_group(tmp_path):
+    """An MoE model under --ep 2 (PP 1 x DP 2; the planner's tiny MoE model of tests/test_plan_moe.py: 4 blocks of 8
+    experts, top 2, D 64, 88 decoder positions a row, micro 2, fp32): the links check, on two in-process gloo ranks,
+    times one all-to-all across the EP group (ranks 0, 1) at what one MoE block exchanges per micro-batch,
+    2 x 88 x 2 x 64 x 4 = 90,112 B, half of it leaving each rank, beside the DP group's all-reduce; the planner's
+    time for it (CPU link 5 GB/s): 45,056 / 5e9 = 9.0 us, a quarter of costmodel.all_to_all's stage bytes (two
+    all-to-alls of 4 blocks) one way. The table shows each link's time and planned time; the links line names the
+    slowest all-to-all against its planned time."""
+    from types import SimpleNamespace
+
+    import torch.multiprocessing as mp
+
+    from mmpipe.check import links, report
+    from mmpipe.planning.costmodel import all_to_all
+    from mmpipe.planning.layout import CPU_LINK
+    from test_plan_moe import DEVICE, _rows, tiny_moe
+    cfg = tiny_moe()
+    rows = _rows(cfg)
+    run = SimpleNamespace(model=cfg, stages=1, dp=2, ep=2, micro=2, gas=1, precision="fp32", zero_stage=0,
+                          schedule="1f1b", layers=rows, parts=[0, len(rows)])
+    assert links.all_to_all_bytes(run, 0) == 2 * 88 * 2 * 64 * 4 == 90_112
+    assert all_to_all(rows, run.parts, 2, "fp32", 2, DEVICE)[0]["bytes"] == 2 * 4 * 90_112
+    out = tmp_path / "rows.json"
+    mp.start_processes(_links_rank, args=(str(tmp_path / "store"), run, str(out)), nprocs=2, start_method="fork")
+    got = json.loads(out.read_text())
+    assert [r["kind"] for r in got] == ["all-reduce", "all-to-all"]
+    a2a = got[1]
+    assert a2a["name"] == "stage 0 ep group (ranks 0, 1)" and a2a["ranks"] == [0, 1] and a2a["bytes"] == 90_112
+    assert a2a["seconds"] > 0 and a2a["ok"] and a2a["bandwidth"] == pytest.approx(45_056 / a2a["seconds"])
+    assert a2a["planned_s"] == pytest.approx(45_056 / CPU_LINK) == pytest.approx(9.0112e-6)
+    assert got[0]["planned_s"] == pytest.approx(got[0]["bytes"] * 1.0 / CPU_LINK)  # ring: 2 (2 - 1) / 2
+    run.model = SimpleNamespace(name="qwen3-vl-moe-tiny")
+    checks = {"env": {"ok": True, "ranks": 2, "backend": "gloo", "problems": []}, "links": {"ok": True, "rows": got},
+              "equivalence": {"ok": True, "error": "not run here"},
+              "loader": {"ok": True, "rows_per_s": 1.0, "pipeline_rows_per_s": None, "pipeline_rate": "-",
+                         "samples_per_s": 1.0, "workers": 0}}
+    table = report.render(run, [], checks).splitlines()
+    header = next(ln for ln in table if ln.startswith("link "))
+    assert header.split() == ["link", "kind", "size", "time", "planned", "bandwidth", "latency", "result"]
+    (row,) = [ln for ln in table if ln.startswith("stage 0 ep group")]
+    assert "all-to-all  90.1 KB" in row and "0.009 ms" in row and row.endswith("pass")
+    line = report.summaries(checks)["links"]
+    assert line.startswith("2 links; all-to-all (one MoE block, one micro-batch): slowest ") and \
+        "for 90.1 KB (stage 0 ep group (ranks 0, 1)), planned 0.009 ms" in line

@@ -1,6 +1,9 @@
 """The links a run uses, measured on its own ranks: point-to-point between consecutive stages of each
-pipeline replica at the run's activation size (ping-pong: bandwidth and one-way latency), and the
-gradient all-reduce of each stage's data-parallel group. Collective: every rank calls `measure`.
+pipeline replica at the run's activation size (ping-pong: bandwidth and one-way latency), the
+gradient all-reduce of each stage's data-parallel group, and for an MoE model under `--ep N > 1` one
+all-to-all across each expert-parallel group of each stage at what one MoE block exchanges per micro-batch.
+Collective: every rank calls `measure`. Each row carries the planner's time for it (`planned_s`, from the
+planner's device for this accelerator, mmpipe.check.loader.planner_device; None where there is none).
 
 Pass rule (docs/check.md): a link fails when its bandwidth is under its backend's FLOOR, or under
 MIN_SHARE of the median of the run's links of its kind (a slow pair among fast ones)."""
@@ -15,9 +18,11 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+from ..planning.costmodel import Device, tied_repeats
 from ..run_config import RunConfig
 from ..runtime.feed import decoder_length
 from ..runtime.trainer import DTYPES
+from .loader import planner_device
 
 SLOW_ENV = "MMPIPE_CHECK_SLOW_RANK"  # test hook: "R:SECONDS", rank R sleeps SECONDS before each of its sends
 # bytes/s, named whatever the other links do: NCCL slower than ~10 Gbit Ethernet starves GPU stages; gloo
@@ -27,6 +32,7 @@ SLOW_ENV = "MMPIPE_CHECK_SLOW_RANK"  # test hook: "R:SECONDS", rank R sleeps SEC
 FLOOR = {"nccl": 1e9, "gloo": 1e6}
 MIN_SHARE = 0.5  # of the median of the run's links of the same kind
 ALLREDUCE_CAP = 256 << 20  # bytes: a stage's gradients, up to this much, are all-reduced
+ALL_TO_ALL_CAP = 256 << 20  # bytes: one MoE block's exchange, up to this much, goes round
 REPS = 5
 
 
@@ -103,7 +109,8 @@ def _allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
     for s in range(run.stages):
         ranks = [topo.get_rank(pipe=s, data=d) for d in range(run.dp)]
         group = dist.new_group(ranks)  # every rank creates every group, in the same order
-        grads = sum(r.trainable_params for r in run.layers[run.parts[s]:run.parts[s + 1]])
+        stage = run.layers[run.parts[s]:run.parts[s + 1]]
+        grads = sum(r.trainable_params for r in stage) - tied_repeats(stage)[1]  # a tied module's gradient once
         n = max(1, min(grads * 4, ALLREDUCE_CAP) // 4)
         dt = None
         if dist.get_rank() in ranks:
@@ -116,18 +123,68 @@ def _allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
     return rows
 
 
+def all_to_all_bytes(run: RunConfig, stage: int) -> int:
+    """One all-to-all of one MoE block of `stage`, per micro-batch (mmpipe.model.moe.Experts.exchange; the size
+    mmpipe.planning.costmodel.all_to_all counts, two of them each way): micro x positions x top_k x D x element
+    bytes, rounded down to a multiple of ep elements (equal splits); 0 for a stage without MoE blocks. E.g. the MoE
+    pipeline test's model, 88 positions x top 2 x D 64 at micro 2, fp32: 2 x 11,264 x 4 = 90,112 B."""
+    elems = max((r.a2a_elems for r in run.layers[run.parts[stage]:run.parts[stage + 1]]), default=0.0)
+    size = DTYPES[run.precision].itemsize
+    n = min(int(run.micro * elems), ALL_TO_ALL_CAP // size) // run.ep * run.ep
+    return n * size
+
+
+def _all_to_all(run: RunConfig, topo, dev: torch.device) -> list[dict]:
+    """Per stage with MoE blocks, each EP group (the --ep consecutive DP ranks mmpipe.runtime.experts.shard_experts
+    groups) exchanges one block's rows with torch's all_to_all_single, equal splits: (ep - 1) / ep of the bytes
+    leave each rank (bus_factor, as the planner counts them)."""
+    rows = []
+    if run.ep <= 1:
+        return rows
+    for s in range(run.stages):
+        nbytes = all_to_all_bytes(run, s)
+        for b in range(run.dp // run.ep):
+            ranks = [topo.get_rank(pipe=s, data=b * run.ep + i) for i in range(run.ep)]
+            group = dist.new_group(ranks)  # every rank creates every group, in the same order
+            if not nbytes:
+                continue
+            dt = None
+            if dist.get_rank() in ranks:
+                n = nbytes // DTYPES[run.precision].itemsize
+                src = torch.zeros(n, dtype=DTYPES[run.precision], device=dev)
+                dst = torch.empty_like(src)
+                dt = _timed(lambda: dist.all_to_all_single(dst, src, group=group), REPS)
+            dist.barrier()
+            rows.append({"kind": "all-to-all", "name": f"stage {s} ep group (ranks {', '.join(map(str, ranks))})",
+                         "ranks": ranks, "bytes": nbytes, "seconds": dt, "latency_s": None,
+                         "bus_factor": (run.ep - 1) / run.ep})
+    return rows
+
+
+def planned_seconds(row: dict, device: Device | None) -> float | None:
+    """The planner's time for a link row's transfer on `device` (mmpipe.planning.layout's arithmetic): p2p bytes /
+    link; an all-reduce's bytes x 2 (dp - 1) / dp over the all-reduce link; an all-to-all's bytes x (ep - 1) / ep /
+    link (costmodel.all_to_all). E.g. 90,112 B at EP 2 over the CPU's 5 GB/s: 45,056 / 5e9 = 9.0 us."""
+    if device is None:
+        return None
+    link = device.allreduce_link or device.link if row["kind"] == "all-reduce" else device.link
+    return row["bytes"] * row.get("bus_factor", 1.0) / link
+
+
 def measure(run: RunConfig) -> list[dict]:
     """Collective. Each link's row, complete (timed by its first rank) on rank 0; others get []."""
     topo = PipeDataParallelTopology(num_pp=run.stages, num_dp=run.dp)  # the engine's rank layout
     dev, slow = device(), _slow()
-    rows = _p2p(run, topo, dev, slow) + _allreduce(run, topo, dev)
+    rows = _p2p(run, topo, dev, slow) + _allreduce(run, topo, dev) + _all_to_all(run, topo, dev)
     timed = [None] * dist.get_world_size()
     dist.all_gather_object(timed, [(r["seconds"], r["latency_s"]) for r in rows])
     if dist.get_rank() != 0:
         return []
+    planner = planner_device()
     for i, r in enumerate(rows):  # each measurement from the rank that timed it (the pair's first / group's first)
         r["seconds"], r["latency_s"] = timed[r["ranks"][0]][i]
         r["bandwidth"] = r["bytes"] * r.get("bus_factor", 1.0) / r["seconds"]
+        r["planned_s"] = planned_seconds(r, planner)
     return judge(rows)
 
 

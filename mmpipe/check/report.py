@@ -27,7 +27,9 @@ def summaries(checks: dict) -> dict[str, str]:
     env, links, eq, loader = (checks.get(k) for k in ("env", "links", "equivalence", "loader"))
     out = {"env": f"{env['ranks']} ranks, backend {env['backend']}" + "".join(f"; {p}" for p in env["problems"])}
     slow = [r["name"] for r in links["rows"] if not r["ok"]]
+    a2a = [r for r in links["rows"] if r["kind"] == "all-to-all"]
     out["links"] = (f"{len(links['rows'])} links" + (f"; slow: {', '.join(slow)}" if slow else "")
+                    + (f"; all-to-all (one MoE block, one micro-batch): {_a2a_line(a2a)}" if a2a else "")
                     if links["rows"] else "one rank: no link to measure")
     out["equivalence"] = eq.get("error") or (
         f"{eq['steps']} steps, {', '.join(f'{k} {v}' for k, v in eq['blocks'].items())} blocks: "
@@ -47,6 +49,17 @@ def summaries(checks: dict) -> dict[str, str]:
                         if loader.get("clips_per_s") else "")
                      + f", {loader['workers']} workers)")
     return out
+
+
+def _a2a_line(rows: list[dict]) -> str:
+    """The slowest EP group's all-to-all against the planner's time for it."""
+    worst = max(rows, key=lambda r: r["seconds"])
+    return (f"slowest {_ms(worst['seconds'])} for {_bytes(worst['bytes'])} ({worst['name']}), planned "
+            f"{_ms(worst.get('planned_s'))}")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
 
 def _memory_line(m: dict) -> str:
@@ -73,7 +86,8 @@ def render(run: RunConfig, ranks: list[dict], checks: dict) -> str:
              f"{run.precision}, ZeRO-{run.zero_stage}, schedule {run.schedule}")
     rank_rows = [[r["rank"], r["host"], r["device"], "yes" if not r["precision_problem"] else "NO", r["torch"],
                   r["deepspeed"], r["nccl"] or "-", r["backend"]] for r in ranks]
-    link_rows = [[r["name"], r["kind"], _bytes(r["bytes"]), f"{_bytes(r['bandwidth'])}/s",
+    link_rows = [[r["name"], r["kind"], _bytes(r["bytes"]), _ms(r["seconds"]), _ms(r.get("planned_s")),
+                  f"{_bytes(r['bandwidth'])}/s",
                   f"{r['latency_s'] * 1e6:.0f} us" if r["latency_s"] is not None else "-",
                   "pass" if r["ok"] else "FAIL"]
                  for r in checks["links"]["rows"]]
@@ -81,7 +95,8 @@ def render(run: RunConfig, ranks: list[dict], checks: dict) -> str:
     parts = [title, "", _table(["rank", "host", "device", run.precision, "torch", "deepspeed", "nccl", "backend"],
                                rank_rows)]
     if link_rows:
-        parts += ["", _table(["link", "kind", "size", "bandwidth", "latency", "result"], link_rows)]
+        parts += ["", _table(["link", "kind", "size", "time", "planned", "bandwidth", "latency", "result"],
+                             link_rows)]
     if (checks.get("memory") or {}).get("ranks"):
         parts += ["", _table(["rank", "stage", "predicted", "measured", "ratio", "result"],
                              [[r["rank"], r["stage"], _mib(r["predicted"]), _mib(r["measured"]),
