@@ -214,9 +214,12 @@ def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(onevision)
     assert out[0, len(ids):].tolist() == mine
 
 
-def test_generate_command_answers_on_a_clip(onevision, capsys):
-    """`mmpipe generate --checkpoint HF_DIR --video clip.mp4 --prompt ...` on the tiny OneVision: the clip's block
-    (the processor's 17 placeholders) at the user turn's start, transformers' greedy answer."""
+def test_generate_command_answers_on_a_clip(onevision, capsys, monkeypatch):
+    """`mmpipe generate --checkpoint HF_DIR --video clip.mp4 --prompt ...` on the tiny OneVision: the model gets the
+    processor's frames and their block (the processor's 17 placeholders) at the user turn's start, and answers
+    transformers' greedy answer; --video-max-frames 2 reaches the processor: its 2 frames, 2 x 2 x 2 + 1 = 9
+    placeholders. (The tiny model's greedy answers repeat one word whatever the clip, so the inputs are checked.)"""
+    import mmpipe.inference.generate as gen
     from hf_models import word_tokenizer
     from mmpipe.cli import main
     from mmpipe.data.text import ConversationEncoder
@@ -224,12 +227,18 @@ def test_generate_command_answers_on_a_clip(onevision, capsys):
     hf, _, d = onevision
     tok = word_tokenizer(d / "hf", TEMPLATE)
     ids, at = ConversationEncoder(tok, 512, markers=True).prompt([("user", "<image>\nw7 w8")], n_images=1)
-    prompt = ids[:at[0]] + [VIDEO] * 17 + ids[at[0]:]
-    want = _hf_answer(hf, tok, prompt, dict(pixel_values_videos=_hf_frames(d / "clip.mp4", 4)), 5)
-    assert want
-    assert main(["generate", "--checkpoint", str(d / "hf"), "--video", str(d / "clip.mp4"), "--prompt", "w7 w8",
-                 "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out.strip() == want
+    seen, real = [], gen.generate
+    monkeypatch.setattr(gen, "generate", lambda model, pixels, prompt, *a, **kw: seen.append((pixels, prompt))
+                        or real(model, pixels, prompt, *a, **kw))
+    command = ["generate", "--checkpoint", str(d / "hf"), "--video", str(d / "clip.mp4"), "--prompt", "w7 w8",
+               "--max-new-tokens", "5"]
+    for frames, flags in ((4, []), (2, ["--video-max-frames", "2", "--video-min-frames", "1"])):
+        assert main(command + flags) == 0
+        pixels, prompt = seen.pop()
+        want_px, n = _hf_frames(d / "clip.mp4", frames), frames * 4 + 1
+        assert torch.equal(pixels[0], want_px[0]) and prompt == ids[:at[0]] + [IMAGE] * n + ids[at[0]:]
+        want = _hf_answer(hf, tok, ids[:at[0]] + [VIDEO] * n + ids[at[0]:], dict(pixel_values_videos=want_px), 5)
+        assert want and capsys.readouterr().out.strip() == want, frames
 
 
 def test_plan_and_flags_on_onevision(capsys):
