@@ -257,10 +257,20 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
         check_same_rows(ckpt_dir, run, state)
     except ConfigError as e:
         raise SystemExit(f"mmpipe: error: {e}") from None
+    # DeepSpeed's bf16 optimizer (BF16_Optimizer, also at ZeRO 0) and ZeRO 1 keep each DP rank's part of the fp32
+    # weights and moments in a file of their own (bf16_zero_pp_rank_D_mp_rank_SS_optim_states.pt): DP must match
+    partitioned = run.zero_stage > 0 or run.precision == "bf16"
     same = state["stages"] == run.stages and state["parts"] == run.parts and (
-        run.zero_stage == 0 or state["dp"] == run.dp) and state["precision"] == run.precision
+        not partitioned or state["dp"] == run.dp) and state["precision"] == run.precision
     notes = []
-    if same:
+    if same and run.precision == "bf16" and run.zero_stage == 0:
+        # DeepSpeed 0.19.8 loads ZeRO 0's optimizer from the stage file, which holds DP rank 0's part as one dict that
+        # BF16_Optimizer.load_state_dict indexes by DP rank (KeyError), and never reads the per-rank files it saved:
+        # load the rest, then those files, as its ZeRO load does (engine._load_zero_checkpoint)
+        load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=False)
+        if load_path is not None and not engine._load_zero_checkpoint(str(ckpt_dir), tag, load_optimizer_states=True):
+            raise SystemExit(f"mmpipe: error: --resume: {ckpt_dir / tag} lacks the bf16 optimizer's per-rank files")
+    elif same:
         load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     else:
         load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=True,
