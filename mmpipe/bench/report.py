@@ -12,9 +12,9 @@ from .plots import plot_all
 
 # rates: samples_per_s counts real samples (a packed row holds several), useful_tokens_per_s their own
 # decoder positions (no padding), positions_per_s every computed position (rows x positions per row / s)
-COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "zero", "precision",
-           "micro", "gas", "checkpointing", "partition", "data_workers", "pack", "max_images", "text_len", "schedule",
-           "freeze", "world",
+COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "ep", "zero",
+           "precision", "micro", "gas", "checkpointing", "partition", "data_workers", "pack", "max_images", "text_len",
+           "schedule", "freeze", "world",
            "train_batch", "measured_steps", "samples_per_s", "samples_per_s_iqr", "useful_tokens_per_s",
            "useful_tokens_per_s_iqr", "positions_per_s", "positions_per_s_iqr", "padding_share", "step_time_s",
            "peak_mem_mb_max", "peak_mem_mb_per_rank", "bubble_measured", "bubble_theory", "stage_imbalance",
