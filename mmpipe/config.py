@@ -314,22 +314,28 @@ class MoeConfig:
     "moe": {...}}. Every decoder layer's MLP is `experts` SwiGLU experts of width ff_dim (transformers'
     moe_intermediate_size), each token sent to its top_k by a softmax router, their weights renormalised to sum 1
     (norm_topk; Qwen3-VL-MoE always does), with the load-balancing loss x aux_coef (router_aux_loss_coef; 0.001)
-    added to the LM loss. Qwen3-VL-30B-A3B: 128 experts, top 8, ff_dim 768."""
+    added to the LM loss. shared_ff_dim > 0: a shared expert every token runs beside the routed ones, a SwiGLU of that
+    width (shared_expert_intermediate_size) scaled by sigmoid(shared_expert_gate x) (Qwen3.5-MoE; 0: none, as
+    Qwen3-VL-MoE; written to model.json only when set). Qwen3-VL-30B-A3B: 128 experts, top 8, ff_dim 768;
+    Qwen3.5-35B-A3B: 256 experts, top 8, ff_dim 512, shared_ff_dim 512."""
     experts: int
     top_k: int
     ff_dim: int
     aux_coef: float = 0.001
     norm_topk: bool = True
+    shared_ff_dim: int = 0
 
     def checks(self, text: "Qwen3Text") -> list[tuple[bool, str, str]]:
-        """The section's own ranges and the decoder it sits in (the qwen3_vl family's checks ask them)."""
+        """The section's own ranges and the decoder it sits in (the qwen3_vl and qwen3_5 families' checks ask them)."""
         return [(not text.tie_embeddings, "text.moe",
                  "with tie_embeddings: an MoE model's head is untied here (as Qwen3-VL-MoE's releases are)"),
                 (self.experts >= 1 and self.ff_dim >= 1, "text.moe.experts",
                  f"{self.experts} experts of ff_dim {self.ff_dim}: both must be >= 1"),
                 (1 <= self.top_k <= self.experts, "text.moe.top_k",
                  f"{self.top_k} must be between 1 and the {self.experts} experts"),
-                (self.aux_coef >= 0, "text.moe.aux_coef", f"{self.aux_coef} must be >= 0")]
+                (self.aux_coef >= 0, "text.moe.aux_coef", f"{self.aux_coef} must be >= 0"),
+                (self.shared_ff_dim >= 0, "text.moe.shared_ff_dim",
+                 f"{self.shared_ff_dim} must be >= 0 (0: no shared expert)")]
 
 
 @dataclass(frozen=True)
@@ -425,6 +431,8 @@ class ModelConfig:
         """The JSON shape load_preset reads back."""
         d = dataclasses.asdict(self)
         d.pop("name")
+        if (d["text"].get("moe") or {}).get("shared_ff_dim") == 0:  # written only when set (MoeConfig)
+            del d["text"]["moe"]["shared_ff_dim"]
         return d
 
     def validate(self) -> None:
@@ -568,13 +576,13 @@ def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
 
 def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """Qwen3's tower checks, the partial interleaved rotary (sections summing to rotary_dim / 2,
-    Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), and the layer pattern with the linear layers' geometry."""
+    Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), the layer pattern with the linear layers' geometry, and a
+    Qwen3.5-MoE decoder's section (every layer of either kind sparse: mmpipe.model.qwen3_5)."""
     t = cfg.text
     full = list(t.full_attention_indexes)
     checks = [c for c in _qwen3_tower_checks(cfg) if c[1] not in ("text.partial_rotary_factor", "text.mrope_section")]
     linear = len(full) < t.n_layers
-    return checks + [
-        (t.moe is None, "text.moe", "Qwen3.5's decoder has no MoE blocks yet (issue 43: Qwen3-VL's has)"),
+    return checks + (t.moe.checks(t) if t.moe else []) + [
         (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.rotary_dim // 2, "text.mrope_section",
          f"{list(t.mrope_section)}: 3 sections summing to rotary_dim / 2 = {t.rotary_dim // 2}"),
         (all(0 <= i < t.n_layers for i in full) and full == sorted(set(full)), "text.full_attention_indexes",

@@ -1,15 +1,18 @@
 """The mixture-of-experts fields of a transformers text config <-> mmpipe's MoeConfig (mmpipe.config; the model side
-is mmpipe.model.moe, docs/moe.md). Qwen3-VL-MoE's (Qwen3VLMoeTextConfig) first; the names are Qwen's MoE names, so
-a later Qwen MoE family can read them the same way.
+is mmpipe.model.moe, docs/moe.md). Qwen3-VL-MoE's (Qwen3VLMoeTextConfig) and Qwen3.5-MoE's (Qwen3_5MoeTextConfig):
+the names are Qwen's MoE names, read the same way for both.
 
     num_experts (num_local_experts in config.json)  -> experts
     num_experts_per_tok                             -> top_k
     moe_intermediate_size                           -> ff_dim
     router_aux_loss_coef                            -> aux_coef
-    (transformers' Qwen3VLMoe router always renormalises its top k: norm_topk True)
+    shared_expert_intermediate_size                 -> shared_ff_dim (Qwen3.5-MoE; absent: 0, no shared expert)
+    (transformers' Qwen3VLMoe and Qwen3_5Moe routers always renormalise their top k: norm_topk True)
 
 What mmpipe's blocks do not implement is refused in one line: dense layers among the sparse ones
-(decoder_sparse_step > 1, mlp_only_layers), and on export a router that does not renormalise.
+(decoder_sparse_step > 1, mlp_only_layers; Qwen3_5MoeTextConfig has neither field: every layer is sparse), and on
+export a router that does not renormalise, a shared expert on Qwen3VLMoe (its class has none) and none on Qwen3_5Moe
+(its class always has one).
 
 The experts' tensors come in two layouts: transformers' in-memory one, which its save_pretrained writes and mmpipe
 holds (gate_up_proj [E, 2F, D], down_proj [E, D, F]), and the transposed one of checkpoints written for the
@@ -19,7 +22,10 @@ tensor by tensor, by the same rule: a square case (D = 2F, D = F) is taken as it
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+
+import torch
 
 from ..config import ModelConfig, MoeConfig
 from .llava import _fail
@@ -36,15 +42,26 @@ def moe_from_hf(tc) -> MoeConfig | None:
                              f"{list(tc.mlp_only_layers or [])}: dense layers between the sparse ones are not "
                              f"supported (valid: 1 / [])")
     return MoeConfig(experts=experts, top_k=tc.num_experts_per_tok, ff_dim=tc.moe_intermediate_size,
-                     aux_coef=float(tc.router_aux_loss_coef), norm_topk=True)
+                     aux_coef=float(tc.router_aux_loss_coef), norm_topk=True,
+                     shared_ff_dim=int(getattr(tc, "shared_expert_intermediate_size", 0) or 0))
 
 
-def hf_moe_fields(moe: MoeConfig) -> dict:
-    """moe_from_hf's inverse: the text config fields of transformers' Qwen3VLMoeTextConfig."""
+def hf_moe_fields(moe: MoeConfig, model_type: str = "qwen3_vl_moe") -> dict:
+    """moe_from_hf's inverse: the text config fields of transformers' Qwen3VLMoeTextConfig, or with model_type
+    "qwen3_5_moe" of its Qwen3_5MoeTextConfig (which has the shared expert's width and no dense-layer fields)."""
+    name = {"qwen3_vl_moe": "Qwen3VLMoe", "qwen3_5_moe": "Qwen3_5Moe"}[model_type]
     if not moe.norm_topk:
-        _fail("text.moe.norm_topk", "false: transformers' Qwen3VLMoe router always renormalises its top k")
-    return dict(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.ff_dim,
-                router_aux_loss_coef=moe.aux_coef, decoder_sparse_step=1, mlp_only_layers=[])
+        _fail("text.moe.norm_topk", f"false: transformers' {name} router always renormalises its top k")
+    common = dict(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.ff_dim,
+                  router_aux_loss_coef=moe.aux_coef)
+    if model_type == "qwen3_5_moe":
+        if moe.shared_ff_dim < 1:
+            _fail("text.moe.shared_ff_dim", f"{moe.shared_ff_dim}: transformers' {name} sparse block always has a "
+                                            f"shared expert (shared_expert_intermediate_size >= 1)")
+        return dict(common, shared_expert_intermediate_size=moe.shared_ff_dim)
+    if moe.shared_ff_dim:
+        _fail("text.moe.shared_ff_dim", f"{moe.shared_ff_dim}: transformers' {name} has no shared expert (valid: 0)")
+    return dict(common, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 class ExpertLayout(Mapping):
@@ -80,3 +97,59 @@ class ExpertLayout(Mapping):
 def expert_layout(source, cfg: ModelConfig):
     """source as ExpertLayout for an MoE config, unchanged for a dense one."""
     return ExpertLayout(source, cfg) if getattr(cfg.text, "moe", None) else source
+
+
+class PerExpert(Mapping):
+    """A weights view in which experts stored one module each (transformers' save format for qwen3_5_moe: its
+    conversion mapping, the qwen2_moe one, splits the fused tensors on save and merges them on load) read as the fused
+    tensors mmpipe holds:
+
+        P.mlp.experts.{e}.gate_proj.weight [F, D], .up_proj.weight [F, D]  ->  P.mlp.experts.gate_up_proj [E, 2F, D]
+                                                                                (expert e: gate rows, then up rows)
+        P.mlp.experts.{e}.down_proj.weight [D, F]                          ->  P.mlp.experts.down_proj [E, D, F]
+
+    read lazily, one fused tensor at a time (the E experts of one layer stacked); everything else as it is."""
+
+    PART = re.compile(r"^(.*mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+
+    def __init__(self, source):
+        self.source = as_weights(source)
+        self.parts: dict[str, list] = {}  # fused name -> [(expert, part, source name)]
+        self.plain = []
+        for name in self.source:
+            m = self.PART.match(name)
+            if m is None:
+                self.plain.append(name)
+                continue
+            fused = m[1] + ("down_proj" if m[3] == "down" else "gate_up_proj")
+            self.parts.setdefault(fused, []).append((int(m[2]), m[3] != "up", name))  # gate before up
+
+    def _sources(self, fused):
+        return [name for _, _, name in sorted(self.parts[fused], key=lambda p: (p[0], not p[1]))]
+
+    def __getitem__(self, name):
+        if name not in self.parts:
+            return self.source[name]
+        names = self._sources(name)
+        if name.endswith("down_proj"):
+            return torch.stack([self.source[n] for n in names])
+        pairs = zip(names[0::2], names[1::2])  # (gate, up) of each expert
+        return torch.stack([torch.cat([self.source[g], self.source[u]]) for g, u in pairs])
+
+    def __iter__(self):
+        return iter(self.plain + list(self.parts))
+
+    def __len__(self):
+        return len(self.plain) + len(self.parts)
+
+    def shape(self, name):
+        if name not in self.parts:
+            return tuple(self.source.shape(name))
+        names = self._sources(name)
+        rows, cols = self.source.shape(names[0])
+        if name.endswith("down_proj"):
+            return (len(names), rows, cols)
+        return (len(names) // 2, 2 * rows, cols)
+
+    def dtype(self, name):
+        return self.source.dtype(self._sources(name)[0] if name in self.parts else name)

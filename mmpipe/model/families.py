@@ -47,12 +47,17 @@ from .moe import MOE_BLOCK, MoeHead, Qwen3MoeBlock, moe_fields, qwen3_vl_layers
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
 from .qwen3_5 import (
     DELTANET_BLOCK,
+    DELTANET_MOE_BLOCK,
     GATED_ATTENTION_BLOCK,
+    GATED_ATTENTION_MOE_BLOCK,
     DeltaNetBlock,
+    DeltaNetMoeBlock,
     GatedAttentionBlock,
+    GatedAttentionMoeBlock,
     Qwen35FinalNorm,
     qwen3_5_specs,
 )
+from .qwen3_5 import moe_fields as qwen3_5_moe_fields
 from .qwen3_vl import (
     DEEPSTACK_ADDS,
     DEEPSTACK_MERGERS,
@@ -165,15 +170,18 @@ QWEN3_VL = Family(
 
 # Qwen3-VL's tower without DeepStack; each decoder layer kind by its own rule (mmpipe.model.qwen3_5): a
 # linear-attention layer linear in positions (DELTANET_BLOCK), a full one with its output gate and its heads' own
-# width (GATED_ATTENTION_BLOCK)
+# width (GATED_ATTENTION_BLOCK); Qwen3.5-MoE (text.moe) has the sparse kind of each, on its active parameters
 QWEN3_5 = Family(
-    "qwen3_5", "prefix", qwen3_5_specs, (Qwen3VisionBlock, DeltaNetBlock, GatedAttentionBlock),
+    "qwen3_5", "prefix", qwen3_5_specs,
+    (Qwen3VisionBlock, DeltaNetBlock, GatedAttentionBlock, DeltaNetMoeBlock, GatedAttentionMoeBlock),
     {Qwen3PatchEmbed: costs.QWEN_PATCH_EMBED, Qwen3VisionBlock: costs.QWEN_VISION_BLOCK,
      Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, DeltaNetBlock: DELTANET_BLOCK,
      GatedAttentionBlock: GATED_ATTENTION_BLOCK, Qwen35FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD,
-     tied_head: costs.LINEAR_HEAD},
-    hf_class="Qwen3_5ForConditionalGeneration", weight_names="hf", fields=lambda cfg: ROW + (KEPT_TILING,),
-    images="patches")
+     tied_head: costs.LINEAR_HEAD, DeltaNetMoeBlock: DELTANET_MOE_BLOCK,
+     GatedAttentionMoeBlock: GATED_ATTENTION_MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
+    # Qwen3_5MoeForConditionalGeneration's by config (text.moe: mmpipe.hf.qwen3_5)
+    hf_class="Qwen3_5ForConditionalGeneration", weight_names="hf",
+    fields=lambda cfg: ROW + qwen3_5_moe_fields(cfg) + (KEPT_TILING,), images="patches")
 
 FAMILIES = [MOONDREAM, CROSS_ATTENTION, LLAVA, QWEN2_VL, LLAVA_NEXT, QWEN3_VL, QWEN3_5]
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import costs
-from .llava import LMHeadLinear
+from .llava import LMHeadLinear, SwiGLU
 from .qwen3_vl import Qwen3Block, qwen3_vl_specs
 from .stage import StageField, StageTuple, unpack_in
 
@@ -84,6 +84,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, dim, ff_dim).normal_(0.0, 0.02))
         self.dispatch = "auto"  # tests pin "grouped" or "loop"
         self.experts, self.ep = experts, None  # ep: (process group, its size) once sharded
+
+    @property
+    def num_experts(self) -> int:  # DeepSpeed's name: its engine reads it off the MoE layers (mmpipe.runtime.experts)
+        return self.experts
 
     def shard(self, group) -> None:
         """Keep experts [r E / n, (r + 1) E / n) of the n ranks of `group` (r: this rank's place in it): built whole
@@ -145,37 +149,41 @@ class Experts(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    """The block's MLP: router `gate` and `experts` (transformers' names). forward -> (y [B, L, D], the layer's
-    per-row statistics [B, 2, E] fp32: top-k counts and router probability sums over the row's real positions)."""
+    """The block's MLP: router `gate` and `experts` (transformers' names), and with moe.shared_ff_dim > 0 a shared
+    expert every token runs (Qwen3.5-MoE's, Qwen3-Next's, transformers' Qwen3NextSparseMoeBlock; GLM-style models
+    have one too), scaled per token by a sigmoid gate:
+
+        mlp.shared_expert.{gate,up,down}_proj.weight   [Fs, D], [Fs, D], [D, Fs]   SwiGLU of width Fs = shared_ff_dim
+        mlp.shared_expert_gate.weight                  [1, D]                      y += sigmoid(x w^T) x shared(x)
+
+    forward -> (y [B, L, D], the layer's per-row statistics [B, 2, E] fp32: top-k counts and router probability sums
+    over the row's real positions; the shared expert adds nothing to them)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         t, m = cfg.text, cfg.text.moe
         self.gate = TopKRouter(t.dim, m.experts, m.top_k, m.norm_topk)
         self.experts = Experts(t.dim, m.ff_dim, m.experts)
+        if m.shared_ff_dim:  # replicated like any dense weight: --ep shards the Experts module only
+            self.shared_expert = SwiGLU(t.dim, m.shared_ff_dim)
+            self.shared_expert_gate = nn.Linear(t.dim, 1, bias=False)
 
     def forward(self, x: torch.Tensor, real: torch.Tensor):
         B, L, D = x.shape
         probs, idx, w = self.gate(x.reshape(-1, D))
         y = self.experts(x.reshape(-1, D), idx, w).view(B, L, D)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         E, m = probs.shape[-1], real.reshape(-1, 1).to(probs.dtype)  # [B L, 1]
         counts = torch.zeros_like(probs).scatter_add_(1, idx, m.expand_as(idx).contiguous())
         stats = torch.stack([counts.view(B, L, E).sum(1), (probs * m).view(B, L, E).sum(1)], dim=1)
         return y, stats
 
 
-class Qwen3MoeBlock(Qwen3Block):
-    """Qwen3Block with the sparse MLP; adds its layer's router statistics to the carried `moe_stats`."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.mlp = SparseMoe(cfg)
-
-    def run_moe(self, t: StageTuple, start: int, cache: dict | None = None):
-        mask, rotary = self.geometry(t, start, cache)
-        x = t.hidden + self.self_attn(self.input_layernorm(t.hidden), mask, rotary, cache)
-        y, stats = self.mlp(self.post_attention_layernorm(x), t.segments > 0)
-        return x + y, stats
+class MoeBlock:
+    """What every sparse decoder block shares (a mixin before its dense block class, whose MLP it replaces by
+    SparseMoe): `run_moe(t, start, cache) -> (hidden, the layer's statistics)`, written by each block; forward and
+    decode add the statistics to the carried `moe_stats` (made by the list's first MoE block), run leaves them out."""
 
     def forward(self, args):
         t = unpack_in(self, args)
@@ -192,6 +200,20 @@ class Qwen3MoeBlock(Qwen3Block):
         hidden, stats = self.run_moe(t, start, cache)
         carried = t.moe_stats
         return t._replace(hidden=hidden, moe_stats=stats if carried is None else carried + stats)
+
+
+class Qwen3MoeBlock(MoeBlock, Qwen3Block):
+    """Qwen3Block with the sparse MLP; adds its layer's router statistics to the carried `moe_stats`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.mlp = SparseMoe(cfg)
+
+    def run_moe(self, t: StageTuple, start: int, cache: dict | None = None):
+        mask, rotary = self.geometry(t, start, cache)
+        x = t.hidden + self.self_attn(self.input_layernorm(t.hidden), mask, rotary, cache)
+        y, stats = self.mlp(self.post_attention_layernorm(x), t.segments > 0)
+        return x + y, stats
 
 
 MOE_STATS = StageField("moe_stats", True, made_by=Qwen3MoeBlock)  # kept to the head, which reads it
@@ -248,15 +270,24 @@ def expert_params(cfg: ModelConfig) -> int:
     return 3 * cfg.text.dim * cfg.text.moe.ff_dim
 
 
-def _moe_block(cfg, params, n, seq):
-    """A first cut (docs/moe.md): the dense block's rule on the ACTIVE parameters (the router and top_k of the E
-    experts each position runs) and top_k experts' activations in place of one MLP's; the dispatch's sort and the
-    gathered copies of x (top_k x D a position) counted, no all-to-all (no expert parallelism yet)."""
+def sparse_cost(dense_rule, cfg, params, n, seq):
+    """A sparse block's cost from its dense kind's rule (`dense_rule(cfg, params, n, seq)`, which counts one SwiGLU
+    of text.ff_dim): that rule on the ACTIVE parameters (the router, the shared expert and its gate, and top_k of
+    the E experts each position runs), and top_k experts' activations in place of the dense MLP's; the dispatch's
+    sort and the gathered copies of x (top_k x D a position) counted. A shared expert of width Fs keeps a SwiGLU's
+    4 Fs a position, its gate's logit and sigmoid and the output they scale (D + 2). The all-to-all of --ep is the
+    planner's (mmpipe.planning.costmodel), not the rule's."""
     m, t = cfg.text.moe, cfg.text
     active = params - (m.experts - m.top_k) * expert_params(cfg)
-    dense = costs._llama_block(cfg, active, n, seq)
-    extra = (m.top_k * (t.dim + 4 * m.ff_dim) - 4 * t.ff_dim + 2 * m.experts) * seq
+    dense = dense_rule(cfg, active, n, seq)
+    shared = 4 * m.shared_ff_dim + t.dim + 2 if m.shared_ff_dim else 0
+    extra = (m.top_k * (t.dim + 4 * m.ff_dim) + shared - 4 * t.ff_dim + 2 * m.experts) * seq
     return costs.Cost(dense.tokens, dense.fwd, dense.act + extra, dense.fp32 + m.experts * seq, dense.out)
+
+
+def _moe_block(cfg, params, n, seq):
+    """A first cut (docs/moe.md): Qwen3-VL's dense block rule made sparse (sparse_cost)."""
+    return sparse_cost(costs._llama_block, cfg, params, n, seq)
 
 
 MOE_BLOCK = costs.LayerRule("Qwen3MoeBlock", _moe_block, "sequence")

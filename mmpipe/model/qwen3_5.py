@@ -1,5 +1,6 @@
-"""The Qwen3.5 layers (dense): Qwen3-VL's tower without DeepStack (its layers, imported), and a hybrid decoder whose
-layers are Gated DeltaNet (linear attention) or, at text.full_attention_indexes, gated full attention.
+"""The Qwen3.5 layers (dense, and Qwen3.5-MoE's sparse ones, below): Qwen3-VL's tower without DeepStack (its layers,
+imported), and a hybrid decoder whose layers are Gated DeltaNet (linear attention) or, at text.full_attention_indexes,
+gated full attention.
 
 Layer list (`qwen3_5_specs`), Qwen3.5-9B's decoder as the example (32 layers of 4096: 3 linear then 1 full, x 8):
 
@@ -31,6 +32,12 @@ MMPIPE_DELTA_RULE=fla, where flash-linear-attention (`fla`) imports, the trainin
 instead, the rows' sample starts as its cu_seqlens (`fla_delta_rule`; its test against this torch path, the
 reference, skips without a GPU). Parameter names follow
 transformers' Qwen3_5ForConditionalGeneration (mmpipe.hf.qwen3_5 maps them).
+
+Qwen3.5-MoE (transformers' Qwen3_5MoeForConditionalGeneration, text.moe set): every decoder layer, of either kind,
+has the sparse MLP (mmpipe.model.moe.SparseMoe: the softmax top-k router, renormalised, the fused 3-D experts and
+the shared expert scaled by sigmoid(shared_expert_gate x)); DeltaNetMoeBlock and GatedAttentionMoeBlock add their
+router statistics to the carried `moe_stats`, made by the decoder's first layer (whichever kind it is), and the
+untied MoeHead finishes the load-balancing loss, as in Qwen3-VL-MoE (docs/moe.md).
 """
 from __future__ import annotations
 
@@ -45,10 +52,11 @@ from torch import nn
 from ..config import ModelConfig
 from . import costs
 from .attention import apply_partial_rotary, attend, cached_attention
-from .llava import LlamaBlock, SwiGLU, decoder_specs
+from .llava import LlamaBlock, LMHeadLinear, SwiGLU, decoder_specs
+from .moe import MoeBlock, MoeHead, SparseMoe, sparse_cost
 from .qwen2_vl import mrope_geometry
 from .qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock, interleaved_rotary
-from .stage import StageTuple, unpack_in, unpack_out
+from .stage import StageField, StageTuple, unpack_in, unpack_out
 
 CHUNK = 64  # positions per chunk of the delta rule (transformers' and flash-linear-attention's default)
 
@@ -341,7 +349,43 @@ class Qwen35FinalNorm(nn.Module):
         return unpack_out(self, self(t.pack()))
 
 
+class Qwen35MoeBlock(MoeBlock):
+    """The sparse frame (a mixin before a Qwen3.5 layer kind): x + mixer(norm x), then x + SparseMoe(norm x), the
+    layer's router statistics beside (MoeBlock carries them)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.mlp = SparseMoe(cfg)  # in place of the dense SwiGLU the layer kind built
+
+    def run_moe(self, t: StageTuple, start: int, cache: dict | None = None):
+        x = t.hidden + self.mix(self.input_layernorm(t.hidden), t, start, cache)
+        y, stats = self.mlp(self.post_attention_layernorm(x), t.segments > 0)
+        return x + y, stats
+
+
+class DeltaNetMoeBlock(Qwen35MoeBlock, DeltaNetBlock):
+    """A Gated DeltaNet layer with the sparse MLP (Qwen3.5-MoE's linear_attention layers)."""
+
+
+class GatedAttentionMoeBlock(Qwen35MoeBlock, GatedAttentionBlock):
+    """A gated full-attention layer with the sparse MLP (Qwen3.5-MoE's full_attention layers)."""
+
+
 BLOCKS = {"linear_attention": DeltaNetBlock, "full_attention": GatedAttentionBlock}
+MOE_BLOCKS = {"linear_attention": DeltaNetMoeBlock, "full_attention": GatedAttentionMoeBlock}
+
+
+def decoder_blocks(text) -> dict[str, type]:
+    """The layer class of each kind: sparse when the text section has an moe section, else dense."""
+    return MOE_BLOCKS if getattr(text, "moe", None) else BLOCKS
+
+
+def moe_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
+    """`moe_stats` (mmpipe.model.moe) for a Qwen3.5-MoE model: made by the first decoder layer's class, whichever
+    kind layer 0 is (Qwen3.5: linear), kept to the head; () for a dense model."""
+    if not getattr(cfg.text, "moe", None):
+        return ()
+    return (StageField("moe_stats", True, made_by=MOE_BLOCKS[layer_types(cfg.text)[0]]),)
 
 
 def layer_types(text) -> tuple[str, ...]:
@@ -397,12 +441,21 @@ def _gated_attention_block(cfg: ModelConfig, params: int, n: int, seq: int) -> c
 
 GATED_ATTENTION_BLOCK = costs.LayerRule("GatedAttentionBlock", _gated_attention_block, "sequence")
 DELTANET_BLOCK = costs.LayerRule("DeltaNetBlock", _deltanet_block, "sequence")
+# Qwen3.5-MoE's: each kind's rule on the active parameters, the experts' activations for the dense MLP's
+# (mmpipe.model.moe.sparse_cost)
+DELTANET_MOE_BLOCK = costs.LayerRule("DeltaNetMoeBlock", functools.partial(sparse_cost, _deltanet_block), "sequence")
+GATED_ATTENTION_MOE_BLOCK = costs.LayerRule("GatedAttentionMoeBlock",
+                                            functools.partial(sparse_cost, _gated_attention_block), "sequence")
 
 
 def qwen3_5_specs(cfg: ModelConfig) -> list[LayerSpec]:
     v, t = cfg.vision, cfg.text
     tower = [LayerSpec(Qwen3PatchEmbed, cfg)] + [LayerSpec(Qwen3VisionBlock, cfg) for _ in range(v.n_layers)]
     text = decoder_specs(cfg, Qwen3Embed)  # [embed, block x n, FinalNorm, head]: blocks and norm replaced
-    text[1:1 + t.n_layers] = [LayerSpec(BLOCKS[kind], cfg) for kind in layer_types(t)]
+    blocks = decoder_blocks(t)
+    text[1:1 + t.n_layers] = [LayerSpec(blocks[kind], cfg) for kind in layer_types(t)]
     text[1 + t.n_layers] = LayerSpec(Qwen35FinalNorm, cfg)
+    if t.moe:  # the head that finishes the load-balancing loss (untied: MoeConfig.checks)
+        assert text[-1].typename is LMHeadLinear, "an MoE model's head is untied (MoeConfig.checks)"
+        text[-1] = LayerSpec(MoeHead, cfg)
     return tower + [LayerSpec(Qwen3Merger, cfg)] + text
