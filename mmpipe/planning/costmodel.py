@@ -196,8 +196,8 @@ def _moe_fields(cfg: ModelConfig, spec, tokens: int) -> dict:
     """An MoE block's expert weights and all-to-all rows (LayerCost.expert_params, a2a_elems); {} for any other
     layer, so a dense model's rows are unchanged. E.g. qwen3-vl-30b-a3b: 128 x 3 x 2048 x 768 = 603,979,776 expert
     weights a block, and at 1024 positions 1024 x 8 x 2048 = 16,777,216 elements an all-to-all."""
-    from ..model.moe import Qwen3MoeBlock, expert_params
-    if not issubclass(spec.typename, Qwen3MoeBlock):
+    from ..model.moe import MoeBlock, expert_params
+    if not issubclass(spec.typename, MoeBlock):  # Qwen3-VL-MoE's block, Qwen3.5-MoE's two kinds
         return {}
     m = cfg.text.moe
     return {"expert_params": m.experts * expert_params(cfg), "a2a_elems": float(tokens * m.top_k * cfg.text.dim)}
@@ -208,9 +208,9 @@ def moe_param_counts(cfg: ModelConfig) -> dict[str, int]:
     less the E - top_k experts it skips in each MoE block; experts = all blocks' expert weights (what `--ep` splits).
     E.g. 48 blocks of 128 experts of 3 x 2048 x 768 = 4,718,592 weights, top 8: experts 48 x 128 x 4,718,592 =
     28,991,029,248, active = total - 48 x 120 x 4,718,592 = total - 27,179,089,920."""
-    from ..model.moe import Qwen3MoeBlock, expert_params
+    from ..model.moe import MoeBlock, expert_params
     m = cfg.text.moe
-    blocks = sum(issubclass(s.typename, Qwen3MoeBlock) for s in layer_specs(cfg))
+    blocks = sum(issubclass(s.typename, MoeBlock) for s in layer_specs(cfg))
     total = sum(layer_param_counts(cfg))
     return {"total": total, "active": total - blocks * (m.experts - m.top_k) * expert_params(cfg),
             "experts": blocks * m.experts * expert_params(cfg), "blocks": blocks}
