@@ -21,7 +21,6 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from mmpipe.config import PRESET_DIR, load_preset
 from mmpipe.hf.commands import hf_reader
-from mmpipe.hf.qwen3_5 import export_hf
 from mmpipe.model import moe
 from mmpipe.model import qwen3_5 as q35
 from mmpipe.model.builder import layer_specs
@@ -125,8 +124,21 @@ def test_shared_expert_counts(hf_moe):
 
 
 def test_export_loads_in_transformers_with_equal_tensors(hf_moe, tmp_path):
-    _, hf, model, _ = hf_moe
-    back = Qwen3_5MoeForConditionalGeneration.from_pretrained(export_hf(model, tmp_path / "out")).eval()
+    """`mmpipe import --hf` then `mmpipe export` (the commands, in-process): the run's model.json keeps the moe
+    section with its shared expert, and the export, its experts one module each as transformers saves them, loads
+    in transformers' Qwen3_5MoeForConditionalGeneration with every tensor equal."""
+    from safetensors import safe_open
+
+    from mmpipe.cli import main
+    d, hf, _, _ = hf_moe
+    assert main(["import", "--hf", str(d), "--out", str(tmp_path / "run")]) == 0
+    moe_json = json.loads((tmp_path / "run" / "model.json").read_text())["text"]["moe"]
+    assert moe_json == dict(experts=EXPERTS, top_k=TOP_K, ff_dim=EXPERT_FF, aux_coef=0.001, norm_topk=True,
+                            shared_ff_dim=SHARED_FF)
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert "model.language_model.layers.0.mlp.experts.7.up_proj.weight" in f.keys()
+    back = Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
     tc = back.config.text_config
     assert (tc.num_experts, tc.num_experts_per_tok, tc.shared_expert_intermediate_size) == (EXPERTS, TOP_K, SHARED_FF)
     sd = back.state_dict()
@@ -236,3 +248,73 @@ def test_transformers_model_of_a_preset_has_mmpipes_parameter_count():
     with torch.device("meta"):
         theirs = Qwen3_5MoeForConditionalGeneration(hf_config(cfg))
     assert sum(p.numel() for p in theirs.parameters()) == _counts(cfg)["total"]
+
+
+def _tiny_sparse():
+    """The tiny model's sparse MLP (8 experts of 40, top 2, a shared expert of 24), seeded: the same on every rank."""
+    from mmpipe.config import config_from_dict
+    from mmpipe.hf.qwen3_5 import config_from_hf
+    cfg = config_from_dict(config_from_hf(moe_config()).to_dict(), "tiny-moe")
+    torch.manual_seed(0)
+    layer = moe.SparseMoe(cfg)
+    with torch.no_grad():
+        layer.gate.weight.mul_(30)
+        layer.shared_expert_gate.weight.mul_(50)
+    return layer
+
+
+def _ep_tokens(rank: int) -> torch.Tensor:
+    return torch.randn(1, 150, 64, generator=torch.Generator().manual_seed(300 + rank))
+
+
+def _ep_rank(rank: int, store: str, out: str):
+    import os
+
+    import torch.distributed as dist
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    layer = _tiny_sparse()
+    layer.experts.shard(dist.group.WORLD)  # what --ep 2 does to every Experts module (mmpipe.runtime.experts)
+    x = _ep_tokens(rank).requires_grad_()
+    y, stats = layer(x, torch.ones(1, 150, dtype=torch.bool))
+    y.square().sum().backward()
+    torch.save({"y": y.detach(), "stats": stats, "x": x.grad, "shared": layer.shared_expert.up_proj.weight.grad,
+                "experts": layer.experts.down_proj.grad}, f"{out}/ep{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_expert_parallel_ranks_with_a_shared_expert_equal_one_rank(tmp_path):
+    """--ep's dispatch under the shared expert, the layer alone: two gloo ranks, each with 4 of the 8 experts (the
+    shared expert replicated) and its own 150 tokens, give one process's outputs and statistics on all 300 tokens,
+    their input gradients, each expert shard's gradient, and the shared expert's gradient summed over the ranks (what
+    the data-parallel reduction adds)."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_ep_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
+    got = [torch.load(tmp_path / f"ep{r}.pt") for r in (0, 1)]
+    layer = _tiny_sparse()
+    x = torch.cat([_ep_tokens(0), _ep_tokens(1)], 1).requires_grad_()
+    y, stats = layer(x, torch.ones(1, 300, dtype=torch.bool))
+    y.square().sum().backward()
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([g["y"] for g in got], 1), y.detach(), **close)
+    torch.testing.assert_close(got[0]["stats"] + got[1]["stats"], stats.detach(), **close)
+    torch.testing.assert_close(torch.cat([g["x"] for g in got], 1), x.grad, **close)
+    torch.testing.assert_close(torch.cat([g["experts"] for g in got]), layer.experts.down_proj.grad, **close)
+    torch.testing.assert_close(got[0]["shared"] + got[1]["shared"], layer.shared_expert.up_proj.weight.grad, **close)
+
+
+def test_bad_shared_expert_settings_are_one_line():
+    """A negative shared width in a model JSON; on export, a shared expert for Qwen3VLMoe (its class has none) and
+    none for Qwen3_5Moe (its class always has one): one line each."""
+    from mmpipe.config import ConfigError, MoeConfig, config_from_dict
+    from mmpipe.hf.moe import hf_moe_fields
+    d = load_preset("qwen3.5-35b-a3b").to_dict()
+    d["text"]["moe"]["shared_ff_dim"] = -1
+    cases = [(lambda: config_from_dict(d, "bad"), "text.moe.shared_ff_dim: -1 must be >= 0"),
+             (lambda: hf_moe_fields(MoeConfig(8, 2, 16, shared_ff_dim=16)), "Qwen3VLMoe has no shared expert"),
+             (lambda: hf_moe_fields(MoeConfig(8, 2, 16), "qwen3_5_moe"), "always has a shared expert")]
+    for make, message in cases:
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
