@@ -318,3 +318,68 @@ def test_bad_shared_expert_settings_are_one_line():
         with pytest.raises(ConfigError) as e:
             make()
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+PIPE_STEPS, PIPE_SEED = 2, 5
+
+
+@pytest.fixture(scope="module")
+def moe_pipe(tmp_path_factory):
+    """tests/test_moe_pipeline.py's records, images and tokenizer (write_moe_set) with qwen3.5-tiny made sparse
+    (untied; 8 experts of 16, top 2, a shared expert of 24, aux_coef 0.01): its args, the single-device loop's
+    (model, losses, each step's auxiliary term) and one PP=2 launch cut at layer 7, between the second and third
+    linear layers, so `moe_stats` (made by layer 5) crosses the cut."""
+    from conftest import train_run, write_ds_config
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
+    from mmpipe.runtime.reference import train_reference
+    from test_moe_pipeline import write_moe_set
+    root = tmp_path_factory.mktemp("qwen3_5_moe_pipe")
+    args = write_moe_set(root)
+    model = load_preset("qwen3.5-tiny").to_dict()
+    model["text"].update(tie_embeddings=False, moe=dict(experts=8, top_k=2, ff_dim=16, aux_coef=0.01,
+                                                        shared_ff_dim=24))
+    (root / "qwen3.5-moe-tiny.json").write_text(json.dumps(model))
+    args[args.index("--preset") + 1] = str(root / "qwen3.5-moe-tiny.json")
+    ds = write_ds_config(root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                         scheduler={"type": "WarmupCosineLR",
+                                    "params": {"total_num_steps": 2 * PIPE_STEPS, "warmup_num_steps": 1,
+                                               "warmup_type": "linear", "warmup_min_ratio": 0.5}})
+    args += ["--ds-config", str(ds)]
+    seen, forward = [], moe.MoeHead.forward
+
+    def recording(self, a):
+        out = forward(self, a)
+        seen.append(out[1].item())
+        return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe.MoeHead, "forward", recording)
+        run = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
+        ref, losses = train_reference(run, seed=PIPE_SEED, steps=PIPE_STEPS, out_dir=str(root / "ref"))
+    aux = [(seen[2 * s] + seen[2 * s + 1]) / 2 for s in range(PIPE_STEPS)]
+    pp2 = train_run(root / "pp2", *args, "--stages", "2", "--steps", str(PIPE_STEPS), "--partition", "7").check()
+    return ref, losses, aux, pp2
+
+
+def test_pipeline_equals_single_device_loss_aux_and_weights(moe_pipe):
+    """PP=2 (one 2-rank launch): each step's loss, lm_loss and aux_loss and the final weights (routers, experts and
+    shared experts of both stages) equal the single-device loop's (fp32, 1e-5); what crosses the cut is floats only:
+    the hidden [2, 88, 64] and `moe_stats` [2, 2, 8]."""
+    from mmpipe.runtime.checkpoint import load_reference
+    from test_qwen_pipeline import _weights_equal_within
+    ref, losses, aux, pp2 = moe_pipe
+    kinds = [s.typename for s in layer_specs(ref.cfg)]
+    assert kinds[5:9] == [q35.DeltaNetMoeBlock] * 3 + [q35.GatedAttentionMoeBlock] and kinds[-1] is moe.MoeHead
+    rows = pp2.rows
+    assert [float(r["loss"]) for r in rows] == pytest.approx(losses, abs=1e-5)
+    assert [float(r["aux_loss"]) for r in rows] == pytest.approx(aux, abs=1e-5) and min(aux) > 0.005
+    assert [float(r["lm_loss"]) for r in rows] == pytest.approx([a - b for a, b in zip(losses, aux)], abs=1e-5)
+    got = torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref.cfg))
+    _weights_equal_within(got, ref, 1e-5)
+    init = type(ref)(ref.cfg, seed=PIPE_SEED)
+    for i in (5, 8):  # a sparse layer of each stage moved: its router, experts and shared expert
+        for k in ("mlp.gate.weight", "mlp.experts.down_proj", "mlp.shared_expert.up_proj.weight",
+                  "mlp.shared_expert_gate.weight"):
+            assert not torch.equal(got[i].state_dict()[k], init[i].state_dict()[k]), (i, k)
+    pp2.assert_only_floats_crossed(per_forward=2)
+    assert {shape for kind, _, shape in pp2.wire(0) if kind == "data"} == {"2x88x64", "2x2x8"}
