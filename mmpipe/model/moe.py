@@ -8,7 +8,10 @@ transformers' Qwen3VLMoe names and layouts, so import and export move tensors un
                                                 renormalised to sum 1 (moe.norm_topk), cast back to x's dtype
     mlp.experts.gate_up_proj    [E, 2 F, D]     expert e: gate, up = x W_e^T split in two halves; silu(gate) x up
     mlp.experts.down_proj       [E, D, F]       expert e: h W_e^T
+    mlp.shared_expert.*, mlp.shared_expert_gate     with moe.shared_ff_dim > 0 (Qwen3.5-MoE): a SwiGLU every token
+                                                runs, scaled by sigmoid(shared_expert_gate x), added (SparseMoe)
 
+The sparse blocks are Qwen3MoeBlock here and Qwen3.5-MoE's two kinds (mmpipe.model.qwen3_5), all MoeBlock.
 Dispatch drops no token: every (token, choice) pair is sorted by expert (a stable argsort of the flat top-k
 indices) and each expert multiplies exactly its contiguous run, however long; no capacity, no padding. The runs go
 through torch's grouped matmul (F.grouped_mm, one kernel for all experts, per-expert offsets on the device: no host
