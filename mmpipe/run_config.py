@@ -295,8 +295,9 @@ def _eval_split(args: TrainArgs, data: DataOptions | None, problems: Problems) -
 
 def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precision: str, problems: Problems) -> None:
     """--ep N (docs/moe.md): N >= 1; above 1 only for an MoE model whose experts and DP it divides, and only where the
-    expert shards' gradients and optimizer states are handled (mmpipe.runtime.experts): fp32 and ZeRO 0. bf16 and
-    ZeRO 1 partition each weight's fp32 copy over all DP ranks as if it were a replica, which a shard is not."""
+    expert shards' gradients and optimizer states are handled (mmpipe.runtime.experts): fp32 at ZeRO 0 (mmpipe's
+    reduction and clip) and bf16 at ZeRO 0 or 1 (DeepSpeed's BF16_Optimizer with its MoE parameter groups). fp16 and
+    fp32 at ZeRO 1 go through DeepSpeed's ZeRO optimizer, whose MoE groups mmpipe's shards do not join yet."""
     ep, moe = args.ep, getattr(model.text, "moe", None) if model is not None else None
     if ep < 1:
         problems.append(f"--ep: {ep} must be >= 1")
@@ -309,9 +310,9 @@ def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precis
         problems.append(f"--ep: {ep} does not divide the {dp} data-parallel replicas (world size / stages)")
     if moe.experts % ep:
         problems.append(f"--ep: {ep} does not divide {model.name}'s {moe.experts} experts")
-    if zero_stage != 0 or precision != "fp32":
-        problems.append(f"--ep: {ep} runs with fp32 and zero_optimization.stage 0 for now (here: {precision}, "
-                        f"ZeRO {zero_stage}; docs/moe.md)")
+    if not (precision == "bf16" or (precision == "fp32" and zero_stage == 0)):
+        problems.append(f"--ep: {ep} runs in bf16 (ZeRO 0 or 1) or in fp32 at zero_optimization.stage 0 for now "
+                        f"(here: {precision}, ZeRO {zero_stage}; docs/moe.md)")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

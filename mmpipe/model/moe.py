@@ -104,6 +104,18 @@ class Experts(nn.Module):
             self.gate_up_proj = nn.Parameter(self.gate_up_proj[r * per:(r + 1) * per].clone())
             self.down_proj = nn.Parameter(self.down_proj[r * per:(r + 1) * per].clone())
         self.ep = (group, n)
+        self.register_load_state_dict_pre_hook(Experts._own_slice)
+
+    def _own_slice(self, state_dict, prefix, *_):
+        """A checkpoint's whole [E, ...] experts (as every checkpoint stores them) loaded into a shard: its slice, so
+        the module's load, not the parameters' shapes, does the resharding (any EP loads any other's files)."""
+        group, n = self.ep
+        import torch.distributed as dist
+        per, r = self.experts // n, dist.get_rank(group)
+        for name in ("gate_up_proj", "down_proj"):
+            w = state_dict.get(prefix + name)
+            if w is not None and w.shape[0] == self.experts:
+                state_dict[prefix + name] = w[r * per:(r + 1) * per]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, D]; idx, weights [N, k] -> [N, D]: each token's k experts' outputs, weighted and summed."""

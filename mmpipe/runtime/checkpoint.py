@@ -212,7 +212,7 @@ def run_state(engine, run, args, step: int, samples: int, fingerprint, counters:
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {"step": step, "samples": samples, "seed": args.seed, "total_steps": args.steps,
             "data_fingerprint": fingerprint, "stages": run.stages, "parts": run.parts, "dp": run.dp,
-            "zero_stage": run.zero_stage, "precision": run.precision, "train_batch": run.train_batch,
+            "zero_stage": run.zero_stage, "precision": run.precision, "ep": run.ep, "train_batch": run.train_batch,
             "rows": row_layout(run), "lr_scheduler": sched, **counters}
 
 
@@ -258,10 +258,12 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     except ConfigError as e:
         raise SystemExit(f"mmpipe: error: {e}") from None
     # DeepSpeed's bf16 optimizer (BF16_Optimizer, also at ZeRO 0) and ZeRO 1 keep each DP rank's part of the fp32
-    # weights and moments in a file of their own (bf16_zero_pp_rank_D_mp_rank_SS_optim_states.pt): DP must match
+    # weights and moments in a file of their own (bf16_zero_pp_rank_D_mp_rank_SS_optim_states.pt): DP must match,
+    # and so must --ep in bf16, whose expert shards' parts sit in those files (mmpipe.runtime.experts)
     partitioned = run.zero_stage > 0 or run.precision == "bf16"
     same = state["stages"] == run.stages and state["parts"] == run.parts and (
-        not partitioned or state["dp"] == run.dp) and state["precision"] == run.precision
+        not partitioned or state["dp"] == run.dp) and state["precision"] == run.precision and (
+        run.precision != "bf16" or state.get("ep", 1) == run.ep)
     notes = []
     if same and run.precision == "bf16" and run.zero_stage == 0:
         # DeepSpeed 0.19.8 loads ZeRO 0's optimizer from the stage file, which holds DP rank 0's part as one dict that
@@ -281,10 +283,11 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
             # DeepSpeed's schedulers load their counter only: the optimizer's groups, not loaded here, would keep
             # the initial rate (0 at a warm-up's start) for the next update; set them to the counter's rate
             engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
+        ep = (f", ep {state.get('ep', 1)}", f", ep {run.ep}") if max(state.get("ep", 1), run.ep) > 1 else ("", "")
         notes.append(f"warning: {tag} was written by {state['stages']} stages x dp {state['dp']} (parts "
-                     f"{state['parts']}, {state['precision']}), this run is {run.stages} x dp {run.dp} (parts "
-                     f"{run.parts}, {run.precision}): weights, step {state['step']}, data position and LR schedule "
-                     f"carried over; the optimizer state (AdamW moments) starts again from zero")
+                     f"{state['parts']}, {state['precision']}{ep[0]}), this run is {run.stages} x dp {run.dp} (parts "
+                     f"{run.parts}, {run.precision}{ep[1]}): weights, step {state['step']}, data position and LR "
+                     f"schedule carried over; the optimizer state (AdamW moments) starts again from zero")
     if load_path is None:
         raise SystemExit(f"mmpipe: error: --resume: DeepSpeed could not load {ckpt_dir / tag}")
     mine = read_rank_state(ckpt_dir, tag, rank) if same and state["dp"] == run.dp else None

@@ -18,10 +18,22 @@ Clipping (fp32, ZeRO 0): DeepSpeed's `clip_grad_norm_` adds each rank's own squa
 averages the result over DP, so a rank's norm would count its shard's experts only; the global norm here adds the
 shards' squared norms over the EP group once (every expert once), the replicated weights as DeepSpeed counts them
 (model_parallel, mmpipe.runtime.pipeline), then sums over the stages: the single-device model's norm.
-Checkpoints: every rank gathers its EP group's shards, and their AdamW moments, into whole tensors for the save (the
-layer files and the optimizer file, written by DP rank 0, then hold all E experts, as a run without EP writes them),
-then returns to its shard. A load reads whole tensors into whole-sized experts and keeps this rank's slice of the
-weights and the moments, so a checkpoint resumes under any EP (1 included) and any DP it divides.
+bf16 (DeepSpeed's BF16_Optimizer, at ZeRO 0 or 1): DeepSpeed's own MoE machinery takes over. The shards are
+marked as its MoE parameters (allreduce False, group_name `ep_size_N`) and our EP / expert-data-parallel groups are
+registered under that name in `deepspeed.utils.groups`; `deepspeed.initialize` then sees the Experts modules as MoE
+layers (`moe_layers`), so the optimizer puts the shards in a parameter group of their own, partitions their fp32
+copy over the expert-data-parallel group instead of all DP, and takes the global norm with the shards' squared
+norms summed over the EP group (deepspeed.runtime.utils.get_norm_with_moe_layers: the model's norm). After it the
+engine is told it has no MoE layers, so a checkpoint takes the ordinary pipeline path (layer files, gathered whole
+as above) rather than DeepSpeed's per-expert files, and the experts' gradients are reduced after the rest by the
+engine's own `_reduce_expert_gradients` (summed over the expert-data-parallel group, divided by DP, as above).
+The fp32 weights and moments are in each rank's own optimizer file (bf16_zero_pp_rank_*), so a bf16 run resumes
+under the same EP and DP only.
+Checkpoints: every rank gathers its EP group's shards, and (fp32) their AdamW moments, into whole tensors for the
+save (the layer files and the optimizer file, written by DP rank 0, then hold all E experts, as a run without EP
+writes them), then returns to its shard. A load gives each shard its slice of the whole tensors (the module's own
+load takes it, Experts._own_slice; the moments are cut after), so an fp32 checkpoint resumes under any EP (1
+included) and any DP it divides.
 """
 from __future__ import annotations
 
@@ -101,23 +113,20 @@ def gathered(layers, optimizer=None):
 
 @contextlib.contextmanager
 def loading(layers, optimizer=None):
-    """Sharded experts sized whole (contents undefined) for a checkpoint's whole tensors to load into; after, each
-    keeps its slice of what was loaded, weights and, where the load brought whole ones, moments. Local."""
-    sharded = _sharded(layers)
-    for m in sharded:
-        for p in (m.gate_up_proj, m.down_proj):
-            p.data = p.data.new_empty((m.experts, *p.shape[1:]))
+    """A checkpoint load: the experts' weights take their slice of the files' whole tensors as the module loads them
+    (Experts._own_slice); after it, moments the load brought whole (fp32: the stage file's AdamW state) are cut to
+    this rank's slice too. Local."""
     try:
         yield
     finally:
-        for m in sharded:
+        for m in _sharded(layers):
             group, n = m.ep
             per, r = m.experts // n, dist.get_rank(group)
             for p in (m.gate_up_proj, m.down_proj):
                 state = optimizer.state.get(p, {}) if optimizer is not None else {}
-                for k in _moments(optimizer, p):
-                    state[k] = state[k][r * per:(r + 1) * per].clone()
-                p.data = p.data[r * per:(r + 1) * per].clone()
+                for k, v in list(state.items()):
+                    if torch.is_tensor(v) and v.shape == (m.experts, *p.shape[1:]):
+                        state[k] = v[r * per:(r + 1) * per].clone()
 
 
 def clip_norm(params, shards, max_norm: float, mpu, ep_group) -> torch.Tensor:
@@ -140,10 +149,62 @@ def clip_norm(params, shards, max_norm: float, mpu, ep_group) -> torch.Tensor:
     return norm
 
 
+MOE_GROUP = "ep_size_{}"  # DeepSpeed's name for the expert groups of EP size N (deepspeed.utils.groups)
+
+
+@contextlib.contextmanager
+def deepspeed_moe(shards: list, ep: int, ep_group):
+    """bf16: deepspeed.initialize inside this sees the shards as DeepSpeed MoE parameters in groups named
+    ep_size_N (see the module's docstring). The engine finds MoE layers by class; Experts is counted as one for
+    the call's duration."""
+    from deepspeed.runtime import engine as ds_engine
+    from deepspeed.utils import groups
+    name = MOE_GROUP.format(ep)
+    for p, edp_group in shards:
+        p.allreduce, p.group_name = False, name  # deepspeed.moe.utils.is_moe_param
+        groups._EXPERT_DATA_PARALLEL_GROUP[name] = edp_group
+    groups._EXPERT_PARALLEL_GROUP[name] = ep_group
+    moe_layer = ds_engine.MoE
+    ds_engine.MoE = (moe_layer, Experts)
+    try:
+        yield
+    finally:
+        ds_engine.MoE = moe_layer
+
+
 def install(engine, shards: list, dp: int, ep_group) -> None:
     """The engine's gradient reduction, clipping, checkpoint save and load made shard-aware (see the module's
     docstring)."""
-    reduce, save, load = engine.allreduce_gradients, engine.save_checkpoint, engine.load_checkpoint
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        with gathered(engine.module.forward_funcs, engine.optimizer):
+            return save(*args, **kwargs)
+
+    def load_checkpoint(*args, **kwargs):
+        with loading(engine.module.forward_funcs, engine.optimizer):
+            return load(*args, **kwargs)
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+    if engine.has_moe_layers:  # bf16, through DeepSpeed's MoE groups (deepspeed_moe)
+        _install_bf16(engine)
+    else:
+        _install_fp32(engine, shards, dp, ep_group)
+
+
+def _install_bf16(engine) -> None:
+    from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE
+    engine.has_moe_layers = False  # checkpoints: the pipeline's layer files, not DeepSpeed's per-expert ones
+    reduce = engine._bf16_reduce_grads
+
+    def _bf16_reduce_grads():
+        reduce()  # the replicated weights, over DP (the engine leaves the experts' out: has_moe_layers False)
+        engine._reduce_expert_gradients(engine.optimizer.get_grads_for_reduction()[1], MEMORY_OPT_ALLREDUCE_SIZE)
+    engine._bf16_reduce_grads = _bf16_reduce_grads
+
+
+def _install_fp32(engine, shards: list, dp: int, ep_group) -> None:
+    reduce = engine.allreduce_gradients
 
     def allreduce_gradients(*args, **kwargs):
         trained = [p for p, _ in shards if p.requires_grad]
@@ -161,17 +222,8 @@ def install(engine, shards: list, dp: int, ep_group) -> None:
                         dist.all_reduce(p.grad, group=group)
                     p.grad.div_(dp)
 
-    def save_checkpoint(*args, **kwargs):
-        with gathered(engine.module.forward_funcs, engine.optimizer):
-            return save(*args, **kwargs)
-
-    def load_checkpoint(*args, **kwargs):
-        with loading(engine.module.forward_funcs, engine.optimizer):
-            return load(*args, **kwargs)
-
-    def clip_fp32_gradients():  # fp32 and ZeRO 0, EP's only precision for now (mmpipe.run_config._check_ep)
+    def clip_fp32_gradients():  # fp32 and ZeRO 0 (mmpipe.run_config._check_ep)
         return clip_norm(engine.module.parameters(), [p for p, _ in shards], engine.gradient_clipping(), engine.mpu,
                          ep_group)
 
-    engine.allreduce_gradients, engine.save_checkpoint = allreduce_gradients, save_checkpoint
-    engine.load_checkpoint, engine.clip_fp32_gradients = load_checkpoint, clip_fp32_gradients
+    engine.allreduce_gradients, engine.clip_fp32_gradients = allreduce_gradients, clip_fp32_gradients

@@ -8,6 +8,7 @@ disjoint ones. The pieces around the loop are named here:
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -39,6 +40,7 @@ from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from . import checkpoint, rng
 from .curves import plot_runs
+from .experts import deepspeed_moe
 from .experts import install as install_experts
 from .feed import StepCounts, decoder_length, run_dataset
 from .guard import install_skip
@@ -206,8 +208,11 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
         n = load_run_weights(pipe, Path(run.init_from) / "checkpoints")
         if rank == 0:
             print(f"mmpipe: weights from {run.init_from} (stage 0: {n} layers); fresh optimizer", flush=True)
-    engine, _, _, _ = deepspeed.initialize(
-        model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
+    moe = (deepspeed_moe(pipe.expert_shards, run.ep, pipe.expert_shards_group)  # bf16 --ep: DeepSpeed's MoE groups
+           if pipe.expert_shards and run.precision == "bf16" else contextlib.nullcontext())
+    with moe:
+        engine, _, _, _ = deepspeed.initialize(
+            model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
     checkpoint.make_loads_safe(engine)
     if pipe.expert_shards:  # --ep: shards reduced and clipped over their own groups, whole in checkpoints
         install_experts(engine, pipe.expert_shards, run.dp, pipe.expert_shards_group)
