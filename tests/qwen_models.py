@@ -114,3 +114,20 @@ def save_tokenizer(path, words: dict[int, str] | None = None) -> None:
                                    additional_special_tokens=[v for k, v in SPECIALS.items() if k])
     fast.chat_template = TEMPLATE
     fast.save_pretrained(path)
+
+
+def assert_greedy_is_hf_generate(model, hf, ids: torch.Tensor, px: torch.Tensor, grids: torch.Tensor,
+                                 tokens: int = 5) -> None:
+    """One image prompt through mmpipe's generate (a 1-slot row with 4 patches of padding), KV-cached and not, gives
+    transformers' own greedy `generate` tokens: the decode path of every layer kind against HF's."""
+    from mmpipe.inference.generate import generate
+    from mmpipe.inference.sampling import Sampling
+    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
+    greedy = Sampling(eos_id=None, max_new_tokens=tokens)
+    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
+    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
+                          mm_token_type_ids=(ids == hf.config.image_token_id).int()[None], max_new_tokens=tokens,
+                          min_new_tokens=tokens, do_sample=False)
+    assert out[0, len(ids):].tolist() == mine

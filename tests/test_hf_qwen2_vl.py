@@ -21,8 +21,7 @@ from mmpipe.config import ConfigError
 from mmpipe.data.text import ConversationEncoder, image_text
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.hf.qwen2_vl import config_from_hf, export_hf, import_qwen2_vl, key_map
-from mmpipe.inference.generate import generate, with_images
-from mmpipe.inference.sampling import Sampling
+from mmpipe.inference.generate import with_images
 from mmpipe.model import ReferenceModel
 from mmpipe.model.stage import unpack_in
 from mmpipe.runtime.checkpoint import load_reference
@@ -31,6 +30,7 @@ from qwen_models import (
     IMAGE,
     KINDS,
     START,
+    assert_greedy_is_hf_generate,
     encode,
     hf_logits,
     image,
@@ -189,16 +189,7 @@ def test_cached_decoding_equals_uncached_and_hf_generate(qwen):
             full = model(inputs[0], longer[None], inputs[2], torch.ones(1, len(longer), dtype=torch.long), inputs[4])
             assert (cached[k] - full[0, -1]).abs().max().item() < TOL, k
     # one image through mmpipe's generate (a 1-slot row), cached and not, and HF's own greedy decoding
-    ids, px, grids = _sample(2)
-    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
-    greedy = Sampling(eos_id=None, max_new_tokens=5)
-    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
-    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
-                          mm_token_type_ids=(ids == IMAGE).int()[None], max_new_tokens=5, min_new_tokens=5,
-                          do_sample=False)
-    assert out[0, len(ids):].tolist() == mine
+    assert_greedy_is_hf_generate(model, hf, *_sample(2))
 
 
 def test_export_loads_in_transformers(qwen, tmp_path):

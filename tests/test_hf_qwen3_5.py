@@ -18,14 +18,12 @@ from safetensors.torch import load_file
 from mmpipe.cli import main
 from mmpipe.config import ConfigError, load_preset
 from mmpipe.hf.qwen3_5 import export_hf, import_qwen3_5
-from mmpipe.inference.generate import generate
-from mmpipe.inference.sampling import Sampling
 from mmpipe.model import ReferenceModel
 from mmpipe.model import qwen3_5 as q35
 from mmpipe.model.builder import layer_specs
 from mmpipe.runtime.checkpoint import load_reference
 from qwen3_5_models import LAYER_TYPES, qwen3_5_config, save_qwen3_5
-from qwen_models import IMAGE, hf_logits, save_tokenizer
+from qwen_models import IMAGE, assert_greedy_is_hf_generate, hf_logits, save_tokenizer
 from test_hf_qwen2_vl import _cached_logits
 from test_hf_qwen3_vl import SAMPLES, _sample, row
 
@@ -175,16 +173,7 @@ def test_cached_decoding_equals_uncached_and_hf_generate(qwen3_5):
             longer = torch.cat([ids, torch.tensor(new[:k], dtype=torch.long)])
             full = model(inputs[0], longer[None], inputs[2], torch.ones(1, len(longer), dtype=torch.long), inputs[4])
             assert (cached[k] - full[0, -1]).abs().max().item() < TOL, k
-    ids, px, grids = _sample(2)
-    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
-    greedy = Sampling(eos_id=None, max_new_tokens=6)
-    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
-    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
-                          mm_token_type_ids=(ids == IMAGE).int()[None], max_new_tokens=6, min_new_tokens=6,
-                          do_sample=False)
-    assert out[0, len(ids):].tolist() == mine
+    assert_greedy_is_hf_generate(model, hf, *_sample(2), tokens=6)
 
 
 def test_export_loads_in_transformers_and_the_import_command(qwen3_5, tmp_path, capsys):

@@ -32,7 +32,7 @@ from mmpipe.model.families import family_of
 from mmpipe.model.lora import LORA_FILE, is_adapter
 from mmpipe.model.stage import live_fields
 from qwen3_models import perturbed, processor, qwen3_config
-from qwen_models import hf_logits
+from qwen_models import assert_greedy_is_hf_generate, hf_logits
 from test_hf_qwen3_vl import SAMPLES, _sample, row
 
 TOL = 1e-4
@@ -256,19 +256,8 @@ def test_cost_rule_counts_the_active_parameters():
 def test_generation_gives_hf_generate_tokens(hf_moe):
     """mmpipe's KV-cached greedy decoding (each layer's decode: the MoE block's run, the head's logits alone) and the
     uncached one give transformers' generate tokens on an image prompt."""
-    from mmpipe.inference.generate import generate
-    from mmpipe.inference.sampling import Sampling
     _, hf, model, _ = hf_moe
-    ids, px, grids = _sample(2)
-    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
-    greedy = Sampling(eos_id=None, max_new_tokens=5)
-    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
-    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
-                          mm_token_type_ids=(ids == hf.config.image_token_id).int()[None], max_new_tokens=5,
-                          min_new_tokens=5, do_sample=False)
-    assert out[0, len(ids):].tolist() == mine
+    assert_greedy_is_hf_generate(model, hf, *_sample(2))
 
 
 def test_cli_import_and_export_round_trip(hf_moe, tmp_path):

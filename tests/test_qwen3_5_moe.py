@@ -29,7 +29,7 @@ from mmpipe.model.qwen3_vl import Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
 from mmpipe.model.stage import live_fields
 from qwen3_5_models import _deltanet, qwen3_5_config
 from qwen3_models import perturbed, processor
-from qwen_models import IMAGE, hf_logits
+from qwen_models import IMAGE, assert_greedy_is_hf_generate, hf_logits
 from test_hf_qwen3_vl import SAMPLES, _sample, row
 
 TOL = 1e-4
@@ -148,19 +148,8 @@ def test_export_loads_in_transformers_with_equal_tensors(hf_moe, tmp_path):
 def test_generation_gives_hf_generate_tokens(hf_moe):
     """mmpipe's KV-cached greedy decoding (the recurrent state and conv window for the linear layers, the sparse
     MLP at every step) and the uncached one give transformers' `generate` tokens on an image prompt."""
-    from mmpipe.inference.generate import generate
-    from mmpipe.inference.sampling import Sampling
     _, hf, model, _ = hf_moe
-    ids, px, grids = _sample(2)
-    pixels = torch.cat([px, torch.zeros(4, px.shape[1])])[None]
-    greedy = Sampling(eos_id=None, max_new_tokens=5)
-    mine = generate(model, pixels, ids.tolist(), greedy, tiling=grids[None])
-    assert mine == generate(model, pixels, ids.tolist(), greedy, use_cache=False, tiling=grids[None])
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids[None], pixel_values=px, image_grid_thw=grids,
-                          mm_token_type_ids=(ids == IMAGE).int()[None], max_new_tokens=5, min_new_tokens=5,
-                          do_sample=False)
-    assert out[0, len(ids):].tolist() == mine
+    assert_greedy_is_hf_generate(model, hf, *_sample(2))
 
 
 def test_moe_stats_ride_from_the_first_decoder_layer_and_reach_every_router(hf_moe):
