@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from llava_next_models import IMAGE, encode, feature_counts, image, processor, sample, save_model, tilings
+from mmpipe.config import load_preset
 from mmpipe.data.anyres import tile_rule
 from mmpipe.data.records import BadRecord, VideoRef
 from mmpipe.data.video import clip_patches, decode, media_grids, onevision_sample, probe
@@ -241,17 +242,66 @@ def test_generate_command_answers_on_a_clip(onevision, capsys, monkeypatch):
         assert want and capsys.readouterr().out.strip() == want, frames
 
 
+def _plan_json(capsys, argv: list[str]) -> dict:
+    from mmpipe.cli import main
+    assert main(["plan", "--preset", "llava-onevision-qwen2-0.5b", "--device", "h100-80gb", "--gpus-per-node", "8",
+                 "--global-batch", "64", "--text-len", "256", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)[0]
+
+
+def test_plan_costs_a_onevision_clip(capsys):
+    """`mmpipe plan --video-frames N` on LLaVA-OneVision (llava-onevision-qwen2-0.5b: SigLIP 384 px, patch 14, g = 27
+    features a side, pooled to ceil(27 / 2) = 14; pinpoints up to 6 x 6 tiles, so T = 1 + 36 = 37 crops by default):
+    the clip takes N crops (frames sampled at the --video-* rule: N at its own rate, capped by --video-max-frames and
+    by the crops the row leaves), tiling (0, 0, -1, 1 - F), N x 14^2 + 1 decoder positions within the row's 729 + 7938
+    + 162 = 8829 image positions (its largest image's: base 27^2, anyres_max 9's pooled bound int(1.21 x 9 x 729),
+    a newline per row of 6 x 27); the tower runs on T crops as for images. A clip over its crops or the row's
+    positions, or LLaVA-NeXT's: one line, exit 2."""
+    from mmpipe.cli import main
+    from mmpipe.model.costs import CropRow
+    from mmpipe.planning.images import crop_line
+    length = 729 + 7938 + 162 + 256
+    one = _plan_json(capsys, ["--video-frames", "16"])  # 16 frames: 16 crops of 37, 16 x 196 + 1 = 3137 positions
+    assert (one["max_tiles"], one["image_tilings"], one["decoder_length"]) == (37, [[0, 0, -1, 1 - 16]], length)
+    assert crop_line(load_preset("llava-onevision-qwen2-0.5b"), CropRow(37, ((0, 0, -1, -15),)), 256, length) == (
+        f"vision crops per row: 16 of --max-tiles 37 (57% padding); decoder positions per row: 8829 image "
+        f"({16 * 196 + 1} used) + 256 text = {length}")
+    # 48 frames: 37 fit the row's crops (the fewer-frames rule); --video-max-frames 8: 8 (its cap, in the sampling)
+    assert _plan_json(capsys, ["--video-frames", "48"])["image_tilings"] == [[0, 0, -1, 1 - 37]]
+    assert _plan_json(capsys, ["--video-frames", "16", "--video-max-frames", "8"])["image_tilings"] == [[0, 0, -1, -7]]
+    # a 1024 x 768 image beside it, tiled alone (2 x 3 tiles, 7 crops, 4725 positions: batch_num_images counts
+    # images): 32 frames at --video-max-frames 20 -> 20 crops, 7 + 20 = 27 of 37; 4725 + 20 x 196 + 1 = 8646 <= 8829
+    both = _plan_json(capsys, ["--video-frames", "32", "--video-max-frames", "20", "--image-size", "1024x768"])
+    assert both["image_tilings"] == [[768, 1024, 2, 3], [0, 0, -1, -19]] and both["decoder_length"] == length
+    assert 4725 + 20 * 196 + 1 == 8646 <= 8829
+    fails = {  # argv -> the last line
+        ("--video-frames", "32", "--image-size", "1024x768"):  # 37 - 7 = 30 frames: 4725 + 5881 = 10606 > 8829
+            "--video-frames 32: the clip's 30 frames and the 1 image(s) beside it take 10606 image positions > the "
+            "row's 8829 (room for its largest image); give fewer --video-max-frames or a smaller --max-tiles than 37",
+        ("--video-frames", "32", "--image-size", "1024x768", "--max-tiles", "10"):  # 10 - 7 = 3 < min_frames 4
+            "--video-frames 32 --video-size 384x384: video 384x384, 32 frames: 32 frames sampled take 32 crops, and "
+            "even 4 (min_frames) > the 3 the row's 10 (--max-tiles) leave it beside the sample's images (--max-tiles "
+            "10, 1 image(s) beside the clip)"}
+    for argv, line in fails.items():
+        assert main(["plan", "--preset", "llava-onevision-qwen2-0.5b", "--text-len", "256", *argv]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"mmpipe: error: {line}"
+    assert main(["plan", "--preset", "llava-next-tiny", "--video-frames", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mmpipe: error: --video-frames: LLaVA-NeXT (vision.anyres_max 0) reads no clips; only LLaVA-OneVision's (the "
+        "llava_next family at vision.anyres_max > 0) do")
+    assert main(["plan", "--preset", "llava-onevision-qwen2-0.5b", "--device", "h100-80gb", "--gpus-per-node", "8",
+                 "--global-batch", "64", "--text-len", "256", "--video-frames", "16"]) == 0
+    assert ("text 256 + a clip of 16 frames of vision.image_size px -> 16 frames sampled, each a 384 px crop pooled "
+            "to 14 x 14 (16 crops, 16 x 196 + 1 = 3137 image tokens)") in capsys.readouterr().out
+
+
 def test_plan_and_flags_on_onevision(capsys):
-    """plan does not cost OneVision's clips yet (one line, exit 2); --video-max-frames reaches its clip rule,
-    --video-max-pixels is refused (its frames are the tower's crop)."""
+    """--video-max-frames reaches OneVision's clip rule, --video-max-pixels is refused (its frames are the tower's
+    crop)."""
     from mmpipe.cli import main
     from mmpipe.config import load_preset
     from mmpipe.data.args import DataArgs
     preset = "llava-onevision-qwen2-0.5b"
-    assert main(["plan", "--preset", preset, "--video-frames", "8"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "mmpipe: error: --video-frames: the llava_next family's clips (LLaVA-OneVision's pooled frames, a crop a "
-        "frame) are not costed by plan yet; only clips of patches are")
     cfg = DataArgs(video_max_frames=8, video_fps=1.0).with_video(load_preset(preset))
     assert tile_rule(cfg).video == (1.0, 4, 8)
     from mmpipe.data.image_kinds import KINDS  # the index key moves with them; at the defaults it is the old one

@@ -99,43 +99,66 @@ def crop_row(cfg: ModelConfig, images: int = 1, budget: int = 0,
 
 
 def crop_words(cfg: ModelConfig, args, row: CropRow) -> str:
-    """`mmpipe plan`'s header words for an any-resolution row: each size's tiles, crops and decoder positions."""
-    rule, m = tile_rule(cfg, row.crops, len(row.tilings)), len(row.tilings)
-    kinds = dict.fromkeys(row.tilings)  # in order, once each
-    words = [f"{w}x{h} px ({r} x {c} tiles of {rule.size} px, {1 + r * c} crops, "
+    """`mmpipe plan`'s header words for an any-resolution row: each size's tiles, crops and decoder positions; a
+    OneVision clip's tiling (rows -1, clip_row) its frames sampled, each a base crop pooled, and its positions."""
+    images = tuple(t for t in row.tilings if t[2] >= 0)
+    clips = [t for t in row.tilings if t[2] < 0]
+    rule, m = tile_rule(cfg, row.crops, len(images) or 1), len(images)
+    words = []
+    for _, _, rows, cols in clips:  # at most one: --video-frames
+        from ..model.llava_next import image_feature_count, pooled_side
+        v, frames, side = cfg.vision, 1 - cols, pooled_side(cfg.vision.grid)
+        size = getattr(args, "video_size", None) or "vision.image_size"
+        words.append(f"a clip of {args.video_frames} frames of {size} px -> {frames} frames sampled, each a "
+                     f"{rule.size} px crop pooled to {side} x {side} ({frames} crops, {frames} x {side ** 2} + 1 = "
+                     f"{image_feature_count(v, 0, 0, rows, cols)} image tokens)")
+    if not images:
+        return words[0]
+    kinds = dict.fromkeys(images)  # in order, once each
+    image = [f"{w}x{h} px ({r} x {c} tiles of {rule.size} px, {1 + r * c} crops, "
              f"{rule.count(h, w, m)} image tokens{' each' if len(kinds) == 1 and m > 1 else ''})"
              for h, w, r, c in kinds]
-    return f"{m} image{'s' if m > 1 else ''} " + ("of " + words[0] if len(kinds) == 1 else "(" + "; ".join(words) + ")")
+    image = f"{m} image{'s' if m > 1 else ''} " + ("of " + image[0] if len(kinds) == 1 else "(" + "; ".join(image)
+                                                                                            + ")")
+    return " + ".join(words + [image])
 
 
 def crop_line(cfg: ModelConfig, row: CropRow, text_len: int, length: int) -> str:
-    """An any-resolution row's budgets: crops used of T, image positions used of the row's."""
-    rule, m = tile_rule(cfg, row.crops, len(row.tilings)), len(row.tilings)
+    """An any-resolution row's budgets: crops used of T, image positions used of the row's (a clip's: its
+    frames' pooled features and one newline, image_feature_count)."""
+    from ..model.llava_next import image_feature_count
+    m = sum(1 for t in row.tilings if t[2] >= 0)  # images: a clip does not count (transformers' batch_num_images)
+    rule = tile_rule(cfg, row.crops, m or 1)
     used = sum(1 + r * c for _, _, r, c in row.tilings)
-    tokens = sum(rule.count(h, w, m) for h, w, _, _ in row.tilings)
+    tokens = sum(rule.count(h, w, m) if r >= 0 else image_feature_count(cfg.vision, h, w, r, c)
+                 for h, w, r, c in row.tilings)
     return (f"vision crops per row: {used} of --max-tiles {row.crops} ({1 - used / row.crops:.0%} padding); decoder "
             f"positions per row: {length - text_len} image ({tokens} used) + {text_len} text = {length}")
 
 
 def clip_refusal(cfg: ModelConfig) -> str | None:
-    """Why plan cannot cost cfg's clips (None: it can): OneVision's take a crop a frame (mmpipe.data.video), not
-    costed yet; clips of patches are."""
-    if image_kind(cfg).name == "patches":
+    """Why plan cannot cost cfg's clips (None: it can): LLaVA-NeXT's model reads none (anyres_max 0; the data side
+    refuses them alike, mmpipe.data.video.onevision_grids); clips of patches and OneVision's are costed."""
+    if image_kind(cfg).name == "patches" or cfg.vision.anyres_max:
         return None
-    return (f"--video-frames: the {cfg.family} family's clips (LLaVA-OneVision's pooled frames, a crop a frame) are "
-            f"not costed by plan yet; only clips of patches are")
+    return (f"--video-frames: LLaVA-NeXT (vision.anyres_max 0) reads no clips; only LLaVA-OneVision's (the "
+            f"{cfg.family} family at vision.anyres_max > 0) do")
 
 
-def clip_row(cfg: ModelConfig, patches: int, frames: int, size: tuple[int, int], images: int,
-             sizes: list[tuple[int, int]] | None) -> PatchRow:
-    """`mmpipe plan --video-frames N --video-size WxH`: a row of P = `patches` holding `images` images of `sizes` (in
-    turn) and one clip of N frames of W x H sampled, the images and the clip sharing P as images + 1 media, each made
-    by the data side's own rules: the images' as patch_row's, the clip's by mmpipe.data.video (the family's video
-    processor's sampling and resize): its grid (t, h, w), or Qwen3-VL's t slots of (1, h, w), after the images.
-    ConfigError for an image or a clip the rules refuse."""
+def clip_row(cfg: ModelConfig, budget: int, frames: int, size: tuple[int, int], images: int,
+             sizes: list[tuple[int, int]] | None) -> PatchRow | CropRow:
+    """`mmpipe plan --video-frames N --video-size WxH`: a row of the budget (P patches, or T crops for OneVision)
+    holding `images` images of `sizes` (in turn) and one clip of N frames of W x H sampled, each made by the data side's
+    own rules. Patches: the images and the clip share P as images + 1 media, the images' grids as patch_row's, the
+    clip's by mmpipe.data.video (the family's video processor's sampling and resize): its grid (t, h, w), or
+    Qwen3-VL's t slots of (1, h, w), after the images. OneVision: onevision_clip_row. ConfigError for an image or a
+    clip the rules refuse."""
     from ..data.video import ClipInfo, video_rule
     if clip_refusal(cfg):
         raise ConfigError(clip_refusal(cfg))
+    if image_kind(cfg).name == "tiles":
+        return onevision_clip_row(cfg, budget, frames, size, images, sizes)
+    patches = patch_row(cfg, max(1, images), budget, sizes).patches
     rule = patch_rule(cfg, patches)
     clips, n, grids = video_rule(rule), images + 1, []
     try:
@@ -147,3 +170,33 @@ def clip_row(cfg: ModelConfig, patches: int, frames: int, size: tuple[int, int],
                           f"{images} image(s) beside the clip)") from None
     frame_slots = [(1, *clip.grid[1:])] * clip.grid[0] if rule.timestamps else [clip.grid]
     return PatchRow(patches, tuple(grids) + tuple(frame_slots))
+
+
+def onevision_clip_row(cfg: ModelConfig, budget: int, frames: int, size: tuple[int, int], images: int,
+                       sizes: list[tuple[int, int]] | None) -> CropRow:
+    """A LLaVA-OneVision row of T = `budget` crops (0: train's default for images + 1 media): `images` images of
+    `sizes` tiled as the data tiles a sample's images (TileRule.sample_grids: batch_num_images counts the images, not
+    the clip), then one clip of N frames (at the sampling rate: the fps rule gives N) sampled by the data side's rule
+    (mmpipe.data.video.onevision_sample: vision.video_fps / min / max frames, the --video-* flags; fewer frames where
+    N is over the crops the images leave), its tiling (0, 0, -1, 1 - F): F base crops through the tower and
+    projector, F x ceil(g / 2)^2 + 1 decoder positions (image_feature_count). E.g. llava-onevision-qwen2-7b, 16
+    frames: T = 37, 16 crops, 16 x 196 + 1 = 3137 positions."""
+    from ..data.video import ClipInfo, onevision_sample
+    from ..model.llava_next import clip_tiling, image_feature_count
+    rule = tile_rule(cfg, budget, images + 1)
+    take = [sizes[k % len(sizes)] for k in range(images)] if sizes and images else []
+    try:
+        grids = rule.sample_grids(take) if take else []
+        share = rule.row_tiles - sum(rule.crops(g) for g in grids)  # the data side's (onevision_grids)
+        sampled, _ = onevision_sample(rule, ClipInfo(frames, rule.video[0], *size), share)
+    except BadRecord as e:
+        raise ConfigError(f"--video-frames {frames} --video-size {size[0]}x{size[1]}: {e} (--max-tiles "
+                          f"{rule.row_tiles}, {images} image(s) beside the clip)") from None
+    tilings = tuple(tuple(int(x) for x in g[:4]) for g in grids) + (clip_tiling(sampled),)
+    used = sum(rule.positions(g) for g in grids) + image_feature_count(cfg.vision, *tilings[-1])
+    room = rule.row_budget(images + 1)[1]  # the row's image positions (TileBlocks), whatever its samples' media
+    if used > room:  # the crop budget let it through; the row's positions do not hold it
+        raise ConfigError(f"--video-frames {frames}: the clip's {sampled} frames and the {images} image(s) beside it "
+                          f"take {used} image positions > the row's {room} (room for its largest image); give fewer "
+                          f"--video-max-frames or a smaller --max-tiles than {rule.row_tiles}")
+    return CropRow(rule.row_tiles, tilings)

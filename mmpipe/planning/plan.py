@@ -113,10 +113,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "several sizes: one image of each in turn, --max-images defaulting to their number "
                         "(default: the preset's vision.image_size square)")
     p.add_argument("--video-frames", type=int, default=None, metavar="N",
-                   help="presets that read clips (the Qwen2-VL and Qwen3-VL families): cost rows holding one clip "
-                        "of N frames sampled, beside --max-images images of --image-size (docs/video.md)")
+                   help="presets that read clips (the Qwen2-VL and Qwen3-VL families, LLaVA-OneVision): cost rows "
+                        "holding one clip of N frames sampled, beside --max-images images of --image-size "
+                        "(docs/video.md)")
     p.add_argument("--video-size", default=None, metavar="WxH",
                    help="with --video-frames: the clip's frame size in pixels, resized as training resizes it "
+                        "(OneVision: to the tower's crop) "
                         "(default: the preset's vision.image_size square)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
     add_flags(p, ModelArgs)
@@ -260,9 +262,10 @@ def _check_rows(args, cfg: ModelConfig) -> PatchRow | None:
               "--max-images M here")
     args.max_images = args.max_images or 1
     if video:
-        row = clip_row(cfg, patch_row(cfg, max(1, images), budget, sizes).patches, *video, images, sizes)
-        args.video_slots = len(row.grids) - images  # a Qwen3-VL clip takes a slot per temporal patch
-        args.max_images = len(row.grids)
+        row = clip_row(cfg, budget, *video, images, sizes)
+        slots = len(row.tilings) if isinstance(row, CropRow) else len(row.grids)
+        args.video_slots = slots - images  # a Qwen3-VL clip takes a slot per temporal patch (OneVision's: one)
+        args.max_images = slots
         return row
     return patch_row(cfg, args.max_images, budget, sizes)  # the row's P, or tiles' T
 
