@@ -3,13 +3,14 @@ tests/test_video_pipeline.py's LLaVA records (clips in MP4 / H.264 and Matroska 
 clips, images, text), each clip's temporal patches a (1, h, w) slot after its timestamp text, DeepStack's feature sets
 crossing the cut, equals the single-device reference loop (losses and weights, fp32, 1e-5), and only floats cross the
 stage boundary. The timestamps' words are unknown to this tokenizer (tests/test_qwen_data.py's), so each is one id:
-the equality does not depend on which (tests/test_video_qwen3_vl.py checks the ids). One launch."""
+the equality does not depend on which (tests/test_video_qwen3_vl.py checks the ids). Cut after step 2 (conftest.cut_at)
+and resumed, it gives the uninterrupted run's losses and weights bit for bit. Two launches."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import train_run
+from conftest import cut_at, train_run
 from mmpipe.data.dataset import prepare
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -19,11 +20,12 @@ from test_qwen_pipeline import _weights_equal_within, loaders_agree, sample_imag
 from video_records import pipeline_ds_config, write_pipeline_set
 
 TOL = 1e-5
-STEPS, SEED = 3, 5
+STEPS, CUT, SEED = 3, 2, 5
 
 
-def test_qwen3_vl_pipeline_with_clips_equals_single_device(tmp_path):
-    root = tmp_path
+@pytest.fixture(scope="module")
+def qwen3_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video_qwen3_pipe")
     # patch 16: 64 x 64 and 96 x 64 frames are 4 x 4 and 4 x 6 patch grids; 4 and 8 frames sampled at 2 fps
     write_pipeline_set(root, (64, 64), (96, 64))
     ds = pipeline_ds_config(root, STEPS)
@@ -31,7 +33,18 @@ def test_qwen3_vl_pipeline_with_clips_equals_single_device(tmp_path):
     args = ["--preset", "qwen3-vl-tiny", "--data", str(root / "data.json"), "--tokenizer", str(root / "tok"),
             "--ds-config", str(ds), "--text-len", "64", "--pack", "--max-images", "6", "--max-patches", "256",
             "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0", "--bad-records", "strict"]
-    pp2 = train_run(root / "pp2", *args, "--stages", "2", "--steps", str(STEPS)).check()
+    return root, args
+
+
+@pytest.fixture(scope="module")
+def pp2(qwen3_set):
+    """PP=2, checkpointing at step CUT too (the resume test's cut)."""
+    root, args = qwen3_set
+    return train_run(root / "pp2", *args, "--stages", "2", "--steps", str(STEPS), "--save-every", str(CUT)).check()
+
+
+def test_qwen3_vl_pipeline_with_clips_equals_single_device(qwen3_set, pp2):
+    root, args = qwen3_set
     run = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1)
     stats = prepare(run.data, run.model, str(root / "ref"), SEED, verbose=False).index.stats
     assert stats["clips"] == 12 and stats["bad"] == 0  # 3 x (1 + 1 + 2) clips, every record trained on
@@ -47,3 +60,16 @@ def test_qwen3_vl_pipeline_with_clips_equals_single_device(tmp_path):
     assert list(pp2.losses.values()) == pytest.approx(ref_losses, abs=TOL)
     _weights_equal_within(torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg)), ref_model, TOL)
     pp2.assert_only_floats_crossed(per_forward=4)  # the cut is in the decoder: hidden + DeepStack's 3 sets
+
+
+def test_qwen3_vl_resume_with_clips_is_bit_exact(qwen3_set, pp2):
+    """PP=2 cut after step CUT (conftest.cut_at: its checkpoint, the log's first CUT steps) and resumed: the
+    uninterrupted run's losses and weights bit for bit (the same rows of timestamped clips, DeepStack's sets crossing,
+    optimizer moments, schedule and RNG). One launch."""
+    root, args = qwen3_set
+    cut = cut_at(pp2, root / "cut", CUT)
+    resumed = train_run(cut, *args, "--stages", "2", "--steps", str(STEPS), "--resume").check()
+    assert resumed.summary["start_step"] == CUT and resumed.losses == pp2.losses
+    cfg = resolve(TrainArgs.from_argv([*args, "--stages", "1", "--output-dir", str(root / "ref")]), world_size=1).model
+    got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict() for r in (resumed, pp2))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
