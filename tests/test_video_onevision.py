@@ -195,6 +195,46 @@ def test_video_records_index_and_rows_give_transformers_logits(onevision, tmp_pa
     assert "the llava family reads image only" in stats["first_bad"][0]["reason"]
 
 
+def test_a_clip_beside_an_image_takes_fewer_frames_to_fit_the_rows_positions(onevision, tmp_path):
+    """The row holds a sample's text (--text-len) and image positions (at least the largest image's: 62 here, 16 +
+    the pooled bound int(1.21 x 2 x 16) = 38 + 8 newlines): a 112 x 112 image (2 x 2 tiles, 16 + 5 x 6 = 46
+    positions) beside the 13-frame clip (8 frames sampled, 33 positions) and 9 text tokens at --text-len 10 fits the
+    crops (5 + 8 of 14) but not the row's 62 + 10 positions: 46 + 33 + 9 = 88 (it was indexed good and its row failed
+    to build: could not broadcast). The clip takes the positions the image and the sample's text leave
+    (video.onevision_share): (62 + (10 - 9) - 46 - 1) // 4 = 4 frames, 46 + 17 + 9 = 72, counted as fewer frames,
+    and its row builds; at --text-len 40 the text leaves room for all 8."""
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
+    from qwen_models import save_tokenizer
+    _, model, d = onevision
+    write_clip(tmp_path / "long.mp4", moving_square(13, 56, 56, seed=4), 3)  # 13 frames at 3 fps: 8 sampled at 2
+    image(112, 112, seed=6).save(tmp_path / "big.png")
+    both = [{"from": "human", "value": "<image> <video> w9"}, {"from": "gpt", "value": "w10"}]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"video": "long.mp4", "image": "big.png", "conversations": both}))
+    save_tokenizer(tmp_path / "tok")
+    cfg = model.cfg
+    assert tile_rule(cfg).image_positions() == 16 + 38 + 8
+    for text_len in (10, 40):
+        args = DataArgs(data=str(tmp_path / "d.jsonl"), image_root=str(tmp_path), tokenizer=str(tmp_path / "tok"),
+                        text_len=text_len, data_workers=0, max_images=2, max_tiles=14, bad_records="strict")
+        opts = resolve_data(args, cfg)
+        samples = prepare(opts, cfg, tmp_path / f"index{text_len}", seed=0, verbose=False)
+        enc, n = samples.tokens(0)
+        (image_grid, clip_grid) = enc.grids[:n].tolist()
+        frames, text = 1 - clip_grid[3], len(enc.ids)
+        assert image_grid[2:] == [112, 112, 2, 2, 46][2:] and clip_grid[4] == 4 * frames + 1
+        if text_len == 10:
+            assert (text, frames) == (9, 4) and 46 + 4 * frames + 1 + text == 62 + 10
+            assert samples.index.stats["clips_fewer_frames"] == 1
+        else:
+            assert frames == 8 and samples.index.stats["clips_fewer_frames"] == 0
+        shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
+        item = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False, chunk=1))[0]
+        assert len(item["input_ids"]) == shape.length == 62 + text_len and (item["input_ids"] == IMAGE).sum() == (
+            46 + 4 * frames + 1)
+
+
 def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(onevision):
     """mmpipe's generate on a clip (one slot of 4 frames' crops), cached and not, gives transformers' greedy
     `generate` tokens on the same prompt and the processor's frames."""
@@ -253,10 +293,10 @@ def test_plan_costs_a_onevision_clip(capsys):
     """`mmpipe plan --video-frames N` on LLaVA-OneVision (llava-onevision-qwen2-0.5b: SigLIP 384 px, patch 14, g = 27
     features a side, pooled to ceil(27 / 2) = 14; pinpoints up to 6 x 6 tiles, so T = 1 + 36 = 37 crops by default):
     the clip takes N crops (frames sampled at the --video-* rule: N at its own rate, capped by --video-max-frames and
-    by the crops the row leaves), tiling (0, 0, -1, 1 - F), N x 14^2 + 1 decoder positions within the row's 729 + 7938
-    + 162 = 8829 image positions (its largest image's: base 27^2, anyres_max 9's pooled bound int(1.21 x 9 x 729),
-    a newline per row of 6 x 27); the tower runs on T crops as for images. A clip over its crops or the row's
-    positions, or LLaVA-NeXT's: one line, exit 2."""
+    by the crops and positions the row leaves), tiling (0, 0, -1, 1 - F), N x 14^2 + 1 decoder positions within the
+    row's 729 + 7938 + 162 = 8829 image positions (its largest image's: base 27^2, anyres_max 9's pooled bound
+    int(1.21 x 9 x 729), a newline per row of 6 x 27); the tower runs on T crops as for images. A clip whose
+    min_frames do not fit the crops, or LLaVA-NeXT's: one line, exit 2."""
     from mmpipe.cli import main
     from mmpipe.model.costs import CropRow
     from mmpipe.planning.images import crop_line
@@ -270,18 +310,16 @@ def test_plan_costs_a_onevision_clip(capsys):
     assert _plan_json(capsys, ["--video-frames", "48"])["image_tilings"] == [[0, 0, -1, 1 - 37]]
     assert _plan_json(capsys, ["--video-frames", "16", "--video-max-frames", "8"])["image_tilings"] == [[0, 0, -1, -7]]
     # a 1024 x 768 image beside it, tiled alone (2 x 3 tiles, 7 crops, 4725 positions: batch_num_images counts
-    # images): 32 frames at --video-max-frames 20 -> 20 crops, 7 + 20 = 27 of 37; 4725 + 20 x 196 + 1 = 8646 <= 8829
-    both = _plan_json(capsys, ["--video-frames", "32", "--video-max-frames", "20", "--image-size", "1024x768"])
+    # images): 32 frames; the crops leave 37 - 7 = 30, the positions (the text filling --text-len) (8829 - 4725 - 1)
+    # // 196 = 20 (30 would take 4725 + 5881 = 10606 > 8829): 20 frames, 7 + 20 = 27 crops, 4725 + 3921 = 8646
+    both = _plan_json(capsys, ["--video-frames", "32", "--image-size", "1024x768"])
     assert both["image_tilings"] == [[768, 1024, 2, 3], [0, 0, -1, -19]] and both["decoder_length"] == length
-    assert 4725 + 20 * 196 + 1 == 8646 <= 8829
+    assert (8829 - 4725 - 1) // 196 == 20 and 4725 + 20 * 196 + 1 == 8646 <= 8829 < 4725 + 21 * 196 + 1
     fails = {  # argv -> the last line
-        ("--video-frames", "32", "--image-size", "1024x768"):  # 37 - 7 = 30 frames: 4725 + 5881 = 10606 > 8829
-            "--video-frames 32: the clip's 30 frames and the 1 image(s) beside it take 10606 image positions > the "
-            "row's 8829 (room for its largest image); give fewer --video-max-frames or a smaller --max-tiles than 37",
         ("--video-frames", "32", "--image-size", "1024x768", "--max-tiles", "10"):  # 10 - 7 = 3 < min_frames 4
             "--video-frames 32 --video-size 384x384: video 384x384, 32 frames: 32 frames sampled take 32 crops, and "
-            "even 4 (min_frames) > the 3 the row's 10 (--max-tiles) leave it beside the sample's images (--max-tiles "
-            "10, 1 image(s) beside the clip)"}
+            "even 4 (min_frames) > the 3 the row's 10 crops (--max-tiles) and its positions leave it beside the "
+            "sample's images (--max-tiles 10, 1 image(s) beside the clip)"}
     for argv, line in fails.items():
         assert main(["plan", "--preset", "llava-onevision-qwen2-0.5b", "--text-len", "256", *argv]) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"mmpipe: error: {line}"

@@ -120,7 +120,8 @@ def _check(i: int):
             raise BadRecord("too_many_images", f"{len(rec.images)} images > {limit}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
         if any(isinstance(m, VideoRef) for m in rec.images):  # clips among the images (a family that reads them)
-            grids, clips = media_grids(rec.images, c.rule, c.image_root, c.max_pixels)
+            spare = _W["encoder"].text_len - len(enc.ids)  # text positions OneVision's clips may take
+            grids, clips = media_grids(rec.images, c.rule, c.image_root, c.max_pixels, spare)
             return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids, clips
         sizes = [check_image(image, c.image_root, c.max_pixels) for image in rec.images]
         # PatchRule [n, 3] (t, h, w) (or 4: a clip's step column, PatchRule.grid_width); TileRule [n, 5] (orig_h,

@@ -359,17 +359,18 @@ def images_count(media: list, rule) -> int:
     return media_count(media)
 
 
-def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
+def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int, spare: int = 0) -> tuple[np.ndarray, dict]:
     """(int64 [n, rule.grid_width], clip counts): the grids of a sample's images and clips (VideoRef) in their order,
     each within its share of P (a sample's media share the row as its images do, media_count): an image's from its
     size (the columns after (t, h, w) zero), a clip's from its container header (and its step's float32 bits where
     the rule scales time; a Qwen3-VL clip's temporal patch j, its own slot: (1, h, w)), nothing decoded; and what the
     data report says of the clips (CLIP_COUNTS: clips, their frames, the frames sampled, the clips whose frames were
-    made smaller than their own size). BadRecord for a medium its rule refuses."""
+    made smaller than their own size). BadRecord for a medium its rule refuses. spare: the text positions the
+    sample leaves of --text-len (OneVision's clips may take them: onevision_share)."""
     from .images import check_image
     from .records import VideoRef
     if _tiles(rule):  # any-resolution tiles: OneVision's pooled frames
-        return onevision_grids(media, rule, image_root, max_pixels)
+        return onevision_grids(media, rule, image_root, max_pixels, spare)
     n, clips, out, counts = media_count(media), video_rule(rule), [], dict.fromkeys(CLIP_COUNTS, 0)
     for m in media:
         if isinstance(m, VideoRef):
@@ -485,16 +486,16 @@ def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.
 # vision.video_fps; num_frames = min_frames / max_frames where the fps rule gives fewer / more), each resized to the
 # tower's crop (image_size x image_size) by that processor: a slot of F crops of the row's T (--max-tiles), tiling
 # (0, 0, -1, 1 - F) (mmpipe.model.llava_next.clip_tiling) and LlavaOnevisionProcessor's count of F ceil(g / 2)^2 + 1
-# positions. Its frames cannot be made smaller (a crop is the tower's size): a clip over its share of T (the row's
-# crops left by the sample's images, over its clips) is sampled to fewer frames (num_frames = the share), not below
-# min_frames; then it is a bad record (too_many_tiles). The images of a sample with a clip are tiled as transformers
-# tiles them (batch_num_images counts images, not clips).
+# positions. Its frames cannot be made smaller (a crop is the tower's size): a clip over its share of the row (the
+# crops of T and the positions the sample's images and text leave, over its clips: onevision_share) is sampled to fewer
+# frames (num_frames = the share), not below min_frames; then it is a bad record (too_many_tiles). The images of a
+# sample with a clip are tiled as transformers tiles them (batch_num_images counts images, not clips).
 
 
-def onevision_grids(media: list, rule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
+def onevision_grids(media: list, rule, image_root, max_pixels: int, spare: int = 0) -> tuple[np.ndarray, dict]:
     """media_grids for tiles: int64 [n, 5] (the images' TileRule grids, each clip's (*clip_tiling(F), positions)),
     and the clip counts; BadRecord unsupported_media for LLaVA-NeXT (anyres_max 0: transformers' LlavaNext reads no
-    clips), too_many_tiles for a clip that does not fit at min_frames."""
+    clips), too_many_tiles for a clip that does not fit at min_frames. spare: text positions the sample leaves."""
     from ..model.llava_next import clip_tiling
     from .images import check_image
     from .records import VideoRef
@@ -505,7 +506,7 @@ def onevision_grids(media: list, rule, image_root, max_pixels: int) -> tuple[np.
     sizes = {id(m): check_image(m, image_root, max_pixels) for m in images}
     grids = {id(m): rule.grid(*sizes[id(m)], len(images)) for m in images}
     clips = [m for m in media if isinstance(m, VideoRef)]
-    share = (rule.row_tiles - sum(rule.crops(g) for g in grids.values())) // max(1, len(clips))
+    share = onevision_share(rule, list(grids.values()), len(clips), spare)
     out, counts = [], dict.fromkeys(CLIP_COUNTS, 0)
     for m in media:
         if not isinstance(m, VideoRef):
@@ -525,6 +526,19 @@ def _onevision_settings(rule) -> tuple[float, int, int]:
     return fps, least, most
 
 
+def onevision_share(rule, grids: list, clips: int, spare: int = 0) -> int:
+    """The frames each of a sample's `clips` clips may take beside its images (their TileRule `grids`), over the
+    clips: the crops they leave of T, and the decoder positions they leave of the row's, at ceil(g / 2)^2 a frame
+    and one newline a clip. The row's: at least TileRule.image_positions (room for its largest image) + --text-len;
+    the sample's text takes --text-len - spare of it. E.g. llava-onevision-qwen2-7b, T = 37, a 1024 x 768 image beside
+    (7 crops, 4725 positions), spare 0: 30 crops, but (8829 - 4725 - 1) // 196 = 20 frames."""
+    from ..model.llava_next import pooled_side
+    n = max(1, clips)
+    crops = (rule.row_tiles - sum(rule.crops(g) for g in grids)) // n
+    room = (rule.image_positions() + max(0, spare) - sum(rule.positions(g) for g in grids)) // n
+    return min(crops, (room - 1) // pooled_side(rule.side) ** 2)
+
+
 def onevision_sample(rule, info: ClipInfo, share: int) -> tuple[int, int]:
     """(frames sampled, the fps rule's count where more than fit the share: 0 when none were dropped)."""
     fps, least, most = _onevision_settings(rule)
@@ -537,7 +551,8 @@ def onevision_sample(rule, info: ClipInfo, share: int) -> tuple[int, int]:
     if share < floor:
         raise BadRecord("too_many_tiles", f"video {info.width}x{info.height}, {info.frames} frames: {n} frames sampled "
                                           f"take {n} crops, and even {floor} (min_frames) > the {max(share, 0)} the "
-                                          f"row's {rule.row_tiles} (--max-tiles) leave it beside the sample's images")
+                                          f"row's {rule.row_tiles} crops (--max-tiles) and its positions leave it "
+                                          f"beside the sample's images")
     return share, n
 
 

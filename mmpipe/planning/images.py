@@ -178,25 +178,20 @@ def onevision_clip_row(cfg: ModelConfig, budget: int, frames: int, size: tuple[i
     `sizes` tiled as the data tiles a sample's images (TileRule.sample_grids: batch_num_images counts the images, not
     the clip), then one clip of N frames (at the sampling rate: the fps rule gives N) sampled by the data side's rule
     (mmpipe.data.video.onevision_sample: vision.video_fps / min / max frames, the --video-* flags; fewer frames where
-    N is over the crops the images leave), its tiling (0, 0, -1, 1 - F): F base crops through the tower and
-    projector, F x ceil(g / 2)^2 + 1 decoder positions (image_feature_count). E.g. llava-onevision-qwen2-7b, 16
-    frames: T = 37, 16 crops, 16 x 196 + 1 = 3137 positions."""
-    from ..data.video import ClipInfo, onevision_sample
-    from ..model.llava_next import clip_tiling, image_feature_count
+    N is over the crops or the positions the images leave, onevision_share, the text taking all of --text-len), its
+    tiling (0, 0, -1, 1 - F): F base crops through the tower and projector, F x ceil(g / 2)^2 + 1 decoder positions
+    (image_feature_count). E.g. llava-onevision-qwen2-7b, 16 frames: T = 37, 16 crops, 16 x 196 + 1 = 3137
+    positions; beside a 1024 x 768 image (7 crops, 4725 positions) 32 frames -> (8829 - 4725 - 1) // 196 = 20."""
+    from ..data.video import ClipInfo, onevision_sample, onevision_share
+    from ..model.llava_next import clip_tiling
     rule = tile_rule(cfg, budget, images + 1)
     take = [sizes[k % len(sizes)] for k in range(images)] if sizes and images else []
     try:
         grids = rule.sample_grids(take) if take else []
-        share = rule.row_tiles - sum(rule.crops(g) for g in grids)  # the data side's (onevision_grids)
+        share = onevision_share(rule, list(grids), 1)  # the data side's, its text filling --text-len
         sampled, _ = onevision_sample(rule, ClipInfo(frames, rule.video[0], *size), share)
     except BadRecord as e:
         raise ConfigError(f"--video-frames {frames} --video-size {size[0]}x{size[1]}: {e} (--max-tiles "
                           f"{rule.row_tiles}, {images} image(s) beside the clip)") from None
     tilings = tuple(tuple(int(x) for x in g[:4]) for g in grids) + (clip_tiling(sampled),)
-    used = sum(rule.positions(g) for g in grids) + image_feature_count(cfg.vision, *tilings[-1])
-    room = rule.row_budget(images + 1)[1]  # the row's image positions (TileBlocks), whatever its samples' media
-    if used > room:  # the crop budget let it through; the row's positions do not hold it
-        raise ConfigError(f"--video-frames {frames}: the clip's {sampled} frames and the {images} image(s) beside it "
-                          f"take {used} image positions > the row's {room} (room for its largest image); give fewer "
-                          f"--video-max-frames or a smaller --max-tiles than {rule.row_tiles}")
     return CropRow(rule.row_tiles, tilings)
