@@ -160,14 +160,13 @@ def test_bf16_zero0_resume_at_dp2_is_bit_exact(tmp_path):
     without a KeyError, the stage file (mmpipe.runtime.checkpoint.resume reads them). A bf16 run at DP=2 stopped
     after step 2 and resumed gives the uninterrupted run's steps 3 and 4 and weights bit for bit. (bf16 at ZeRO 1,
     DeepSpeed's own load: tests/test_moe_ep.py's bf16 resume.)"""
-    zero = 0
     import torch
 
     from conftest import cut_at, train_run
     from mmpipe.config import load_preset
     from mmpipe.runtime.checkpoint import load_reference
     cfg = write_ds_config(tmp_path / "bf16.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1,
-                          bf16={"enabled": True}, zero_optimization={"stage": zero},
+                          bf16={"enabled": True}, zero_optimization={"stage": 0},
                           scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 8, "warmup_num_steps": 1,
                                                                           "warmup_type": "linear"}})
     args = ["--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--seed", "2", "--stages", "1",
