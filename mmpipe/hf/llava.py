@@ -83,7 +83,7 @@ def config_from_hf(hf, name: str = "hf", mean=None, std=None, check: bool = True
         mean=tuple(mean or (CLIP_MEAN if clip else (0.5,) * 3)), std=tuple(std or (CLIP_STD if clip else (0.5,) * 3)),
         ln_eps=vc.layer_norm_eps, kind="clip" if clip else "siglip", act=HF_ACTS[vc.hidden_act], feature_layer=layer,
         feature_select=hf.vision_feature_select_strategy)
-    tie = bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
+    tie = tie_flag(hf)
     text = LlamaText(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads, ff_dim=tc.intermediate_size,
         vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings, partial_rotary_factor=1.0,
@@ -287,9 +287,43 @@ def load_hf_llava(path: str | Path, dtype=torch.float32) -> ReferenceModel:
     return import_llava(path, dtype)[0]
 
 
-def read_hf_config(path: Path, model_types: tuple[str, ...]):
+def tie_flag(hf) -> bool:
+    """Whether transformers ties a composite model's head to its input embedding: the top-level config's
+    tie_word_embeddings alone (PreTrainedModel.get_expanded_tied_weights_keys reads self.config's; no class reads
+    text_config's). The Qwen2-VL, Qwen2.5-VL, LLaVA and LLaVA-OneVision configs copy a text_config True onto a False
+    top level when built (their __post_init__, for pre-v5 saves), so an AutoConfig of theirs carries it there; the
+    Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 (-MoE) and LLaVA-NeXT configs do not, and a text_config True ties nothing."""
+    return bool(getattr(hf, "tie_word_embeddings", False))
+
+
+HEADS = ("lm_head.weight", "language_model.lm_head.weight")  # the head's name, current and older layouts
+EMBEDS = ("model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
+          "model.embed_tokens.weight")
+
+
+def settle_tie(hf, path: Path) -> str | None:
+    """Untie hf where transformers' from_pretrained loads the directory untied although the config ties: its
+    tie_weights finds the head and the embedding both in the file with different values and leaves them apart
+    (a logged warning). Returns a note saying so, else None. Reads those two tensors only when the config ties and
+    the file holds both; a directory without weights (a config alone) is left as it is."""
+    if not tie_flag(hf):
+        return None
+    try:
+        source = open_weights(path)
+    except ConfigError:
+        return None
+    head, embed = (next((k for k in names if k in source), None) for names in (HEADS, EMBEDS))
+    if head is None or embed is None or torch.equal(source[head], source[embed]):
+        return None
+    hf.tie_word_embeddings = False
+    return (f"config.json ties the head to the input embedding, but the file's {head} differs from it: read untied, "
+            f"as transformers loads it")
+
+
+def read_hf_config(path: Path, model_types: tuple[str, ...], notes: list[str] | None = None):
     """An HF directory's config.json (transformers' AutoConfig, local files only), or one line naming the
-    directory when it cannot be read or is not one of model_types."""
+    directory when it cannot be read or is not one of model_types; its tie as transformers loads the directory
+    (settle_tie, whose note goes to notes)."""
     from transformers import AutoConfig
     try:
         hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
@@ -298,24 +332,28 @@ def read_hf_config(path: Path, model_types: tuple[str, ...]):
     if hf.model_type not in model_types:
         want = model_types[0] if len(model_types) == 1 else f"one of {', '.join(model_types)}"
         _fail(f"{path}/config.json", f"model_type '{hf.model_type}' is not {want}")
+    note = settle_tie(hf, Path(path))
+    if note and notes is not None:
+        notes.append(note)
     return hf
 
 
-def hf_llava_config(path: str | Path):
-    """An HF LlavaForConditionalGeneration directory's (HF config, mmpipe config); no weight is read."""
+def hf_llava_config(path: str | Path, notes: list[str] | None = None):
+    """An HF LlavaForConditionalGeneration directory's (HF config, mmpipe config); no weight is read (but
+    settle_tie's two)."""
     path = Path(path)
-    hf = read_hf_config(path, tuple(HF_CLASSES))
+    hf = read_hf_config(path, tuple(HF_CLASSES), notes)
     return hf, config_from_hf(hf, path.name, *_preprocessor(path))
 
 
 def read_llava(path: str | Path) -> Imported:
     """An HF LlavaForConditionalGeneration directory, decided from its config and tensor headers (no weight read
     yet): save it layer by layer (Imported.save) or as a model (Imported.model)."""
-    path = Path(path)
-    hf, cfg = hf_llava_config(path)
+    path, notes = Path(path), []
+    hf, cfg = hf_llava_config(path, notes)
     source = open_weights(path)
     assign, report = plan_weights(cfg, source, hf, str(path))
-    report.notes += processor_defaults(path, lambda d: stats_defaults(d, cfg.vision.kind == "clip"))
+    report.notes += notes + processor_defaults(path, lambda d: stats_defaults(d, cfg.vision.kind == "clip"))
     return Imported(cfg, assign, source, report)
 
 
@@ -415,3 +453,8 @@ def load_into_pipeline(pipe, model: ReferenceModel) -> int:
         first = next(i for i, s in enumerate(pipe._layer_specs) if getattr(s, "key", None) == key)
         module.load_state_dict(model[first].state_dict())
     return n
+
+
+def hf_key_map(cfg: ModelConfig) -> dict[str, str]:
+    """Every mmpipe weight name -> LlavaForConditionalGeneration's, for the names its config of cfg declares."""
+    return key_map(cfg, _hf_names(hf_config(cfg)))

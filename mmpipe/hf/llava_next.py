@@ -69,21 +69,22 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
     return llava.key_map(cfg, llava._hf_names(hf_config(cfg)))
 
 
-def hf_llava_next_config(path: str | Path):
-    """An HF LLaVA-NeXT / OneVision directory's (HF config, mmpipe config); no weight is read."""
+def hf_llava_next_config(path: str | Path, notes: list[str] | None = None):
+    """An HF LLaVA-NeXT / OneVision directory's (HF config, mmpipe config); no weight is read (but
+    llava.settle_tie's two)."""
     path = Path(path)
-    hf = read_hf_config(path, tuple(HF_CLASSES))
+    hf = read_hf_config(path, tuple(HF_CLASSES), notes)
     return hf, config_from_hf(hf, path.name, *_preprocessor(path))
 
 
 def read_llava_next(path: str | Path) -> Imported:
     """An HF LlavaNext / LlavaOnevision directory, decided from its config and tensor headers (no weight read)."""
-    path = Path(path)
-    hf, cfg = hf_llava_next_config(path)
+    path, notes = Path(path), []
+    hf, cfg = hf_llava_next_config(path, notes)
     source = open_weights(path)
     assign, report = llava.plan_weights(cfg, source, hf, str(path))
     clip = cfg.vision.kind == "clip"
-    report.notes += llava.processor_defaults(path, lambda d: llava.stats_defaults(d, clip))
+    report.notes += notes + llava.processor_defaults(path, lambda d: llava.stats_defaults(d, clip))
     return Imported(cfg, assign, source, report)
 
 

@@ -38,6 +38,7 @@ from .llava import (
     processor_settings,
     read_hf_config,
     stats_defaults,
+    tie_flag,
     token_ids,
 )
 from .safetensors_io import as_weights, open_weights
@@ -123,7 +124,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
         partial_rotary_factor=1.0, rope_theta=float(rope.get("rope_theta", 1000000.0)), ln_eps=tc.rms_norm_eps,
         n_kv_heads=tc.num_key_value_heads, qkv_bias=True,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
+        tie_embeddings=tie_flag(hf),
         mrope_section=tuple(rope.get("mrope_section", (16, 24, 24))))
     vision = _vision(hf, proc or {})
     cfg = ModelConfig(name=name, family="qwen2_vl", vision=vision, text=text,
@@ -220,20 +221,21 @@ def plan_named(cfg: ModelConfig, source, where: str, names: dict[str, str], hf_c
     return assign, report
 
 
-def hf_qwen_config(path: str | Path):
-    """An HF Qwen2-VL / Qwen2.5-VL directory's (HF config, mmpipe config); no weight is read."""
+def hf_qwen_config(path: str | Path, notes: list[str] | None = None):
+    """An HF Qwen2-VL / Qwen2.5-VL directory's (HF config, mmpipe config); no weight is read (but
+    llava.settle_tie's two)."""
     path = Path(path)
-    hf = read_hf_config(path, tuple(HF_CLASSES))
+    hf = read_hf_config(path, tuple(HF_CLASSES), notes)
     return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
 
 
 def read_qwen2_vl(path: str | Path) -> Imported:
     """An HF Qwen2VL / Qwen2_5_VL directory, decided from its config and tensor headers (no weight read yet)."""
-    path = Path(path)
-    _, cfg = hf_qwen_config(path)
+    path, notes = Path(path), []
+    _, cfg = hf_qwen_config(path, notes)
     source = open_weights(path)
     assign, report = plan_named(cfg, source, str(path), key_map(cfg), HF_CLASSES["qwen2_vl"], canonical)
-    report.notes += processor_defaults(path, _defaults_taken)
+    report.notes += notes + processor_defaults(path, _defaults_taken)
     return Imported(cfg, assign, source, report)
 
 

@@ -158,21 +158,22 @@ def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
     return report
 
 
-def hf_qwen3_5_config(path: str | Path):
-    """An HF Qwen3.5 directory's (HF config, mmpipe config); no weight is read."""
+def hf_qwen3_5_config(path: str | Path, notes: list[str] | None = None):
+    """An HF Qwen3.5 directory's (HF config, mmpipe config); no weight is read (but llava.settle_tie's two)."""
     path = Path(path)
-    hf = read_hf_config(path, tuple(HF_CLASSES))
+    hf = read_hf_config(path, tuple(HF_CLASSES), notes)
     return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
 
 
 def read_qwen3_5(path: str | Path) -> Imported:
     """An HF Qwen3_5ForConditionalGeneration or Qwen3_5MoeForConditionalGeneration directory, decided from its config
     and tensor headers (no weight read yet): save it layer by layer (Imported.save) or as a model (Imported.model)."""
-    path = Path(path)
-    _, cfg = hf_qwen3_5_config(path)
+    path, notes = Path(path), []
+    _, cfg = hf_qwen3_5_config(path, notes)
     source = PerExpert(_without_mtp(open_weights(path)))  # experts stored one module each read fused
     assign, report = plan_named(cfg, source, str(path), key_map(cfg), hf_class(cfg))
-    report.notes += processor_defaults(path, lambda proc: pixel_defaults_taken(proc, DEFAULT_PIXELS, clip=False))
+    report.notes += notes + processor_defaults(path,
+                                               lambda proc: pixel_defaults_taken(proc, DEFAULT_PIXELS, clip=False))
     return Imported(cfg, assign, source, report)
 
 

@@ -35,7 +35,7 @@ from ..model.qwen3_vl import (
     Qwen3PatchEmbed,
     Qwen3VisionBlock,
 )
-from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
+from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config, tie_flag
 from .moe import expert_layout, hf_moe_fields, moe_from_hf
 from .qwen2_vl import _bounds, pixel_defaults_taken, plan_named, write_with_processor
 from .safetensors_io import as_weights, open_weights
@@ -128,7 +128,7 @@ def text_section(cls, hf, model: str, *, theta: float, sections: tuple, **extra)
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads,
         ff_dim=tc.intermediate_size, vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings,
         rope_theta=float(rope.get("rope_theta", theta)), ln_eps=tc.rms_norm_eps, n_kv_heads=tc.num_key_value_heads,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
+        tie_embeddings=tie_flag(hf),
         mrope_section=tuple(rope.get("mrope_section", sections)), mrope_interleaved=True, qk_norm=True,
         attn_head_dim=0 if head_dim * tc.num_attention_heads == tc.hidden_size else head_dim, **extra)
 
@@ -175,21 +175,21 @@ def import_weights(model: ReferenceModel, source, where: str) -> ImportReport:
     return report
 
 
-def hf_qwen3_config(path: str | Path):
-    """An HF Qwen3-VL directory's (HF config, mmpipe config); no weight is read."""
+def hf_qwen3_config(path: str | Path, notes: list[str] | None = None):
+    """An HF Qwen3-VL directory's (HF config, mmpipe config); no weight is read (but llava.settle_tie's two)."""
     path = Path(path)
-    hf = read_hf_config(path, tuple(HF_CLASSES))
+    hf = read_hf_config(path, tuple(HF_CLASSES), notes)
     return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
 
 
 def read_qwen3_vl(path: str | Path) -> Imported:
     """An HF Qwen3VLForConditionalGeneration directory, decided from its config and tensor headers (no weight
     read yet): save it layer by layer (Imported.save) or as a model (Imported.model)."""
-    path = Path(path)
-    _, cfg = hf_qwen3_config(path)
+    path, notes = Path(path), []
+    _, cfg = hf_qwen3_config(path, notes)
     source = expert_layout(open_weights(path), cfg)  # an MoE checkpoint's experts in either layout (mmpipe.hf.moe)
     assign, report = plan_named(cfg, source, str(path), key_map(cfg), HF_CLASSES["qwen3_vl"])
-    report.notes += processor_defaults(path, _defaults_taken)  # the summary line says which it took
+    report.notes += notes + processor_defaults(path, _defaults_taken)  # the summary line says which it took
     return Imported(cfg, assign, source, report)
 
 
