@@ -1,9 +1,12 @@
-"""A checkpoint saved before the family object (issue 40: named stage fields, image kinds, schedules as records)
-resumes with today's code and goes on bit for bit as the old code did: one run of each family, PP=2, from
-tests/fixtures/prechange/ (made by tests/fixtures/make_prechange_checkpoints.py from commit bc9da67). The step
-after the checkpoint must give the old code's loss (its logged digits) and its weights (a digest of every tensor
-of every layer file). One launch each (~20 s of start-up); the cross-attention family's carried vision and the
-dynamic families' tilings are the stage fields the change renamed."""
+"""A checkpoint saved before a change resumes with today's code and goes on bit for bit as the old code did: one
+run of each family, PP=2, from tests/fixtures/prechange/ (made by tests/fixtures/make_prechange_checkpoints.py).
+tiny, tiny-xattn, llava-tiny, llava-next-tiny and qwen-tiny were made by commit bc9da67, before the family object
+(issue 40: named stage fields, image kinds, schedules as records); qwen3-vl-micro, qwen3.5-micro and
+qwen3-vl-moe-micro (the Qwen3-VL and Qwen3.5 families and an MoE decoder: their tiny presets shrunk, model JSONs in
+the fixture folder) by commit 368cfab, before one registry entry per family (issue 52). The step after the
+checkpoint must give the old code's loss (its logged digits) and its weights (a digest of every tensor of every
+layer file). One launch each (~20 s of start-up); the cross-attention family's carried vision, the dynamic
+families' tilings, DeepStack's sets and the MoE router statistics are stage fields that cross the cut."""
 from __future__ import annotations
 
 import csv
