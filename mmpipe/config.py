@@ -9,63 +9,14 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ConfigError
+from .registry import ImageLayout, known_families, known_pairs, lookup
+
 PRESET_DIR = Path(__file__).parent / "presets"
 REGION_FILE = "region.safetensors"  # in a run directory: moondream's region head, carried unchanged (hf.moondream)
 
 
 VISION_ACTS = ("gelu_tanh", "gelu", "quick_gelu")
-
-
-@dataclass(frozen=True)
-class ImageLayout:
-    """What the config and the data need to know of a model family: where its decoder finds the image, and the
-    classes of its model JSON's "vision" and "text" sections (the fields its layers read). The rest of it (layers,
-    checkpointing, costs) is its mmpipe.model.families.Family."""
-    spliced: bool = False          # its N_img tokens are decoder positions right after BOS (moondream)
-    placeholders: bool = False     # it overwrites <image> placeholder ids inside input_ids (LLaVA)
-    cross_attention: bool = False  # the sequence is text only; cross-attention layers read it beside
-    vision: type | None = None     # its "vision" section's class (VisionConfig or a subclass; None: VisionConfig)
-    text: type | None = None       # its "text" section's class (TextConfig or a subclass)
-    # How many positions each image takes (a fixed N, or as many as its grid gives) is its family's image kind's
-    # to say (mmpipe.data.image_kinds), what its stage tuple carries its stage fields' (Family.fields).
-
-
-# Families from outside the package (mmpipe.model.families.register): modules named in this variable (comma
-# separated, importable on every rank: the launcher passes the environment on) and the "mmpipe.families" entry
-# points of installed packages, imported once, the first time a config asks which families exist.
-PLUGINS_ENV = "MMPIPE_FAMILIES"
-_plugins_loaded = False
-
-
-def load_plugins() -> None:
-    """Import every family module from outside the package once; each registers itself on import. A module that
-    does not import is a ConfigError naming it."""
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True  # before importing: a plugin's own import of mmpipe.config must not recurse here
-    import importlib
-    import os
-    from importlib.metadata import entry_points
-    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise ConfigError(f"{PLUGINS_ENV}: family module '{name}' does not import ({e})") from None
-    for ep in entry_points(group="mmpipe.families"):
-        ep.load()
-
-
-def known_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(families, fusions) a model JSON may name: the built-in ones (moondream, llava, qwen2_vl, llava_next;
-    prefix, cross_attention) and those registered from outside."""
-    load_plugins()
-    return tuple(dict.fromkeys(f for f, _ in LAYOUTS)), tuple(dict.fromkeys(fusion for _, fusion in LAYOUTS))
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem: one line naming the field and what would be valid."""
 
 
 def fail(e: ConfigError) -> int:
@@ -93,6 +44,7 @@ def read_json(path: str | Path, where: str, missing: str):
 @dataclass(frozen=True)
 class VisionConfig:
     """What every tower has: square crops (or the largest square image) cut into patches, a ViT of n_layers."""
+    multi_crop: typing.ClassVar[bool] = False  # moondream's local crops (CropVision), which --max-crops limits
     image_size: int  # square crop, pixels
     patch_size: int
     dim: int
@@ -137,6 +89,7 @@ class VisionConfig:
 @dataclass(frozen=True)
 class CropVision(VisionConfig):
     """The moondream family's tower (both fusions): SigLIP-shaped, GELU-tanh, with moondream2's multi-crop."""
+    multi_crop: typing.ClassVar[bool] = True  # --max-crops limits its crops
     # How many crop features each image token concatenates before the projector. moondream2 feeds [global crop,
     # pooled local crops] side by side, so its proj_mlp.fc1 reads 2 x dim (2 x 1152 = 2304; 0.5B: 2 x 720 = 1440).
     # 1: the projector reads the tower's output as is.
@@ -362,16 +315,6 @@ class HybridText(Qwen3Text):
 
 
 
-# The known model families, by the model JSON's (family, fusion): where each puts the image, its sections
-LAYOUTS = {("moondream", "prefix"): ImageLayout(spliced=True, vision=CropVision, text=TextConfig),
-           ("moondream", "cross_attention"): ImageLayout(cross_attention=True, vision=CropVision, text=TextConfig),
-           ("llava", "prefix"): ImageLayout(placeholders=True, vision=ClipVision, text=LlamaText),
-           ("qwen2_vl", "prefix"): ImageLayout(placeholders=True, vision=Qwen2Vision, text=MropeText),
-           ("llava_next", "prefix"): ImageLayout(placeholders=True, vision=AnyresVision, text=LlamaText),
-           ("qwen3_vl", "prefix"): ImageLayout(placeholders=True, vision=DeepstackVision, text=Qwen3Text),
-           ("qwen3_5", "prefix"): ImageLayout(placeholders=True, vision=Qwen3Vision, text=HybridText)}
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -399,10 +342,10 @@ class ModelConfig:
 
     @property
     def layout(self) -> ImageLayout | None:
-        """Where this family puts the image (LAYOUTS); None for an unknown family / fusion (validate refuses it)."""
-        if (self.family, self.fusion) not in LAYOUTS:
-            load_plugins()
-        return LAYOUTS.get((self.family, self.fusion))
+        """Where this family puts the image (its registered entry's); None for an unknown family / fusion (validate
+        refuses it)."""
+        entry = lookup(self.family, self.fusion)
+        return entry.layout if entry is not None else None
 
     @property
     def n_image_positions(self) -> int:
@@ -459,7 +402,8 @@ class ModelConfig:
             (self.prefix_len < t.max_context, "text.max_context",
              f"{t.max_context} leaves no room for text after the {self.prefix_len}-token image prefix"),
         ]
-        checks += FAMILY_CHECKS.get(self.family, lambda cfg: [])(self)
+        entry = lookup(self.family, self.fusion)
+        checks += entry.checks(self) if entry is not None else []
         for ok, field, msg in checks:
             if not ok:
                 raise ConfigError(f"model config '{self.name}': {field}: {msg}")
@@ -469,7 +413,7 @@ def _known(value: str, valid: tuple[str, ...], field: str) -> tuple[bool, str, s
     return value in valid, field, f"'{value}' is not a known {field} (valid: {', '.join(valid)})"
 
 
-def _llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+def llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """The fields only the LLaVA family's layers read: its tower, grouped-query attention, <image>."""
     v, t = cfg.vision, cfg.text
     return [
@@ -486,7 +430,7 @@ def _llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+def moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """Grouped-query attention in the Phi block (k/v heads shared by n_heads / kv_heads query heads each)
     and the projector's crop features (1, or moondream2's global + pooled local: 2)."""
     v, t = cfg.vision, cfg.text
@@ -504,7 +448,7 @@ def _moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+def qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """The Qwen2-VL family's tower (merge units, windows, norm, MLP), multimodal rotary and special ids."""
     v, t = cfg.vision, cfg.text
     unit = v.patch_size * v.merge_size  # px per merged token side
@@ -534,12 +478,12 @@ def _qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+def llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """LLaVA's checks (tower, decoder, <image>) plus the pinpoints: [h, w] pairs, multiples of the crop."""
     v, S = cfg.vision, cfg.vision.image_size
     ok = bool(v.grid_pinpoints) and all(len(p) == 2 and all(isinstance(x, int) and x > 0 and x % S == 0 for x in p)
                                         for p in v.grid_pinpoints)
-    return _llava_checks(cfg) + [
+    return llava_checks(cfg) + [
         (ok, "vision.grid_pinpoints", f"{[list(p) for p in v.grid_pinpoints]}: one or more [h, w] pairs in "
          f"pixels, each a positive multiple of image_size {S}"),
         (v.anyres_max >= 0, "vision.anyres_max", f"{v.anyres_max} must be >= 0 (0: LLaVA-NeXT, no pooling)"),
@@ -552,7 +496,7 @@ def _qwen3_tower_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """Qwen2-VL's checks (no windows in Qwen3-VL's tower) plus the square position table."""
     v = cfg.vision
     side = math.isqrt(v.num_position_embeddings)
-    return _qwen2_vl_checks(cfg) + [
+    return qwen2_vl_checks(cfg) + [
         (side >= 2 and side * side == v.num_position_embeddings, "vision.num_position_embeddings",
          f"{v.num_position_embeddings} is not a square table of side >= 2 (Qwen3-VL: 2304 = 48^2)"),
         (v.window_size == 0, "vision.window_size", f"{v.window_size}: Qwen3-VL's tower has no windows (valid: 0)"),
@@ -561,7 +505,7 @@ def _qwen3_tower_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+def qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """Qwen3's tower checks, DeepStack's indexes (one per decoder layer it adds to), and an MoE decoder's section."""
     v, t = cfg.vision, cfg.text
     return _qwen3_tower_checks(cfg) + (t.moe.checks(t) if t.moe else []) + [
@@ -574,7 +518,7 @@ def _qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+def qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     """Qwen3's tower checks, the partial interleaved rotary (sections summing to rotary_dim / 2,
     Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), the layer pattern with the linear layers' geometry, and a
     Qwen3.5-MoE decoder's section (every layer of either kind sparse: mmpipe.model.qwen3_5)."""
@@ -596,14 +540,9 @@ def _qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
 
 MAX_DEEPSTACK = 8  # DeepStack sets a model may carry (mmpipe.model.qwen3_vl makes a layer class per set)
 
-FAMILY_CHECKS = {"llava": _llava_checks, "moondream": _moondream_checks, "qwen2_vl": _qwen2_vl_checks,
-                 "llava_next": _llava_next_checks, "qwen3_vl": _qwen3_vl_checks,
-                 "qwen3_5": _qwen3_5_checks}  # by the model JSON's `family`
-
-
 def crop_budget(model: ModelConfig, max_crops: int) -> ModelConfig:
     """--max-crops N: the model with at most N local crops per image (a smaller budget, same weights)."""
-    if not isinstance(model.vision, CropVision):
+    if not model.vision.multi_crop:
         raise ConfigError(f"--max-crops: the {model.family} family has no crops to limit (moondream's multi-crop)")
     if not 0 <= max_crops <= model.vision.max_crops:
         raise ConfigError(f"--max-crops: {max_crops} must be between 0 and the model's vision.max_crops "
@@ -669,10 +608,12 @@ def _layout(family: str, fusion: str, where: str) -> ImageLayout:
     for ok, field, msg in (_known(family, families, "family"), _known(fusion, fusions, "fusion")):
         if not ok:
             raise ConfigError(f"{where}: {field}: {msg}")
-    if (family, fusion) not in LAYOUTS:
+    entry = lookup(family, fusion)
+    if entry is None:
+        valid = ", ".join(f"{f}/{u}" for f, u in known_pairs())
         raise ConfigError(f"{where}: fusion: '{fusion}' is not a fusion of the {family} family (valid family/fusion: "
-                          f"{', '.join(f'{f}/{u}' for f, u in LAYOUTS)})")
-    return LAYOUTS[(family, fusion)]
+                          f"{valid})")
+    return entry.layout
 
 
 def config_from_dict(data: dict, name: str) -> ModelConfig:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .data.args import DataArgs
 from .flags import add_flags, flag, from_namespace, to_argv
 from .model.args import ModelArgs
+from .model.objectives import OBJECTIVE_NAMES, TOKENS
 from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES
 
 
@@ -31,6 +32,8 @@ class TrainArgs(DataArgs, ModelArgs):
                                 f"pipeline.schedule, else {BASELINE.name}; docs/schedules.md)")
     ep: int = flag(1, "expert-parallel ranks: an MoE model's experts split over groups of EP data-parallel ranks "
                    "of each stage, tokens exchanged by all-to-all; EP divides DP (default: 1; docs/moe.md)")
+    objective: str = flag(TOKENS.name, "what the last stage trains on: sft, the cross-entropy of the answer tokens "
+                          "(default; docs/architecture.md, Objective)", choices=OBJECTIVE_NAMES)
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")

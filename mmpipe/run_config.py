@@ -23,11 +23,12 @@ from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.attention import attention_choice
 from .model.builder import check_lora_rank
-from .model.families import family_of
 from .model.lora import Lora, read_lora
+from .model.objectives import TOKENS, Objective, objective_named
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
 from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES, Schedule, schedule_named
+from .registry import family_of
 from .run_args import TrainArgs
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -82,6 +83,13 @@ class RunConfig:
     pack: bool = False  # --pack: several samples per row (mmpipe.data.packing)
     loss_norm: str = "token"  # --loss-norm: one of mmpipe.data.packing.LOSS_NORMS
     ep: int = 1  # --ep: expert-parallel ranks (mmpipe.runtime.experts)
+    objective: Objective = TOKENS  # --objective: what the last stage trains on (mmpipe.model.objectives)
+
+    @property
+    def experts(self):
+        """The model's mixture-of-experts section (None: dense), as its family answers it: the one signal for the
+        auxiliary loss, the expert groups and the expert path."""
+        return family_of(self.model).experts(self.model)
 
     @property
     def text_len(self) -> int:
@@ -249,7 +257,8 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     return RunConfig(model=model, ds_config=ds, ds_config_path=ds_path, stages=stages, dp=dp, micro=micro, gas=gas,
                      parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
-                     schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep)
+                     schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
+                     objective=objective_named(args.objective))
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
@@ -298,7 +307,7 @@ def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precis
     expert shards' gradients and optimizer states are handled (mmpipe.runtime.experts): fp32 at ZeRO 0 (mmpipe's
     reduction and clip) and bf16 at ZeRO 0 or 1 (DeepSpeed's BF16_Optimizer with its MoE parameter groups). fp16 and
     fp32 at ZeRO 1 go through DeepSpeed's ZeRO optimizer, whose MoE groups mmpipe's shards do not join yet."""
-    ep, moe = args.ep, getattr(model.text, "moe", None) if model is not None else None
+    ep, moe = args.ep, family_of(model).experts(model) if model is not None else None
     if ep < 1:
         problems.append(f"--ep: {ep} must be >= 1")
     if ep <= 1 or model is None:
@@ -392,7 +401,8 @@ RESIZED = ("vocab_size", "image_token_id")  # what a fresh run fits to its token
 def merged_route(d: Path, cfg: ModelConfig) -> str:
     """How a LoRA run's merged weights become a run to start from: export merges the adapters, import
     writes the run (tests/test_lora.py parses these commands)."""
-    names = family_of(cfg).weight_names
+    hf = family_of(cfg).hf
+    names = hf and hf.names
     if names == "hf":
         return (f"start from its merged weights: `mmpipe export --checkpoint {d} --format hf --out MERGED` then "
                 f"`mmpipe import --hf MERGED --out RUN`, and --init-from RUN")

@@ -26,8 +26,8 @@ from mmpipe.hf.qwen3_vl import export_hf, import_qwen3_vl, key_map
 from mmpipe.model import ReferenceModel
 from mmpipe.model import qwen3_vl as q3
 from mmpipe.model.builder import layer_specs
-from mmpipe.model.families import family_of
 from mmpipe.model.stage import live_fields
+from mmpipe.registry import family_of
 from mmpipe.runtime.checkpoint import load_reference
 from qwen3_models import DEEPSTACK, encode, qwen3_config, save_qwen3
 from qwen_models import IMAGE, assert_greedy_is_hf_generate, hf_logits, image, sample, save_tokenizer

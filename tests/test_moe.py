@@ -28,9 +28,9 @@ from mmpipe.hf.commands import hf_reader
 from mmpipe.hf.qwen3_vl import export_hf, key_map
 from mmpipe.model import moe
 from mmpipe.model.builder import bound, layer_specs, lm_loss
-from mmpipe.model.families import family_of
 from mmpipe.model.lora import LORA_FILE, is_adapter
 from mmpipe.model.stage import live_fields
+from mmpipe.registry import family_of
 from qwen3_models import perturbed, processor, qwen3_config
 from qwen_models import assert_greedy_is_hf_generate, hf_logits
 from test_hf_qwen3_vl import SAMPLES, _sample, row

@@ -151,9 +151,8 @@ def test_image_size_and_profile_are_refused_where_they_mean_nothing(capsys):
     """--image-size on a fixed-size family is one line naming the families that do take it: every family whose
     images take any size in a row budget (the registry's, so a new one is named too), each of which plans it."""
     from mmpipe.cli import main
-    from mmpipe.data.image_kinds import KINDS
-    from mmpipe.model.families import FAMILIES
-    takers = sorted({f.family for f in FAMILIES if KINDS[f.images].flag is not None})
+    from mmpipe.registry import families
+    takers = sorted({f.family for f in families() if f.kind.flag is not None})
     assert takers == ["llava_next", "qwen2_vl", "qwen3_5", "qwen3_vl"]
     for preset, px in (("llava-tiny", 32), ("llava-1.5-7b", 336)):
         assert main(["plan", "--preset", preset, "--image-size", "64x64"]) == 2

@@ -123,7 +123,7 @@ def test_plan_prints_the_fixed_first_stage_beside_its_own_split(capsys):
     the other stages balanced: the step and stage 0 the same model predicts for that split; no such line for a
     family without the rule (Qwen2.5-VL)."""
     from mmpipe.cli import main
-    from mmpipe.model.families import family_of
+    from mmpipe.registry import family_of
     cfg = load_preset("qwen3-vl-32b")
     kinds = [s.typename for s in layer_specs(cfg)]
     first = family_of(cfg).fixed_first_stage(layer_specs(cfg))

@@ -21,12 +21,13 @@ import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from mmpipe.config import FAMILY_CHECKS, LAYOUTS, ModelConfig, TextConfig
+from mmpipe.config import ModelConfig, TextConfig, moondream_checks
+from mmpipe.families import MOONDREAM
 from mmpipe.model import costs
-from mmpipe.model.families import MOONDREAM, Family, register
 from mmpipe.model.layers import DecoderBlock, LMHead, TextEmbed, VisionBlock, vision_specs
 from mmpipe.model.rows import IMAGE_SLOT, place_images
 from mmpipe.model.stage import ROW, StageField, unpack_in
+from mmpipe.registry import Family, register
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ ADD_RULE = costs.LayerRule("SummaryAdd", costs.FINAL_NORM.cost, "sequence")
 
 # where its decoder finds the image and its config checks: moondream's (the image spliced after BOS); its own text
 # section
-TOY = register(
-    Family("toy_carry", "prefix", toy_specs, (VisionBlock, DecoderBlock),
-           {**MOONDREAM.cost_rules, SummaryEmbed: costs.TEXT_EMBED, SummaryAdd: ADD_RULE}, weight_names=None,
-           fields=lambda cfg: ROW + (SUMMARY,)),
-    dataclasses.replace(LAYOUTS[("moondream", "prefix")], text=ToyText), FAMILY_CHECKS["moondream"])
+TOY = register(Family(
+    "toy_carry", "prefix", toy_specs, (VisionBlock, DecoderBlock),
+    {**MOONDREAM.cost_rules, SummaryEmbed: costs.TEXT_EMBED, SummaryAdd: ADD_RULE},
+    dataclasses.replace(MOONDREAM.layout, text=ToyText), MOONDREAM.kind, checks=moondream_checks,
+    fields=lambda cfg: ROW + (SUMMARY,)))

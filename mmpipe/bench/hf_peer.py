@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from ..hf.llava import hf_config
-from ..model.families import family_of
 from ..model.rows import IMAGE_SLOT
+from ..registry import family_of
 from ..runtime.feed import decoder_length
 from ..runtime.reference import gradient_clipping, make_optimizer, make_scheduler, train_step
 from ..runtime.steplog import StepLog
@@ -30,7 +30,8 @@ from .peer_common import batches, peer_args, peer_samples, resolved, step_counte
 
 def hf_model_config(cfg):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-    if family_of(cfg).hf_class:
+    hf = family_of(cfg).hf
+    if hf is not None and hf.names == "hf":
         return hf_config(cfg)
     v, t = cfg.vision, cfg.text
     vision = CLIPVisionConfig(hidden_size=v.dim, intermediate_size=v.ff_dim, num_hidden_layers=v.n_layers,

@@ -65,13 +65,13 @@ def measure(run: RunConfig, seed: int, out_dir: str, measured: float | None = No
         n += 1
     rows_s = n * run.micro / (time.perf_counter() - t0)
     batches.close()
-    plan = getattr(dataset, "plan", None)
+    plan = dataset.plan
     rows = [r for m in range(1, n + 1) for r in micro_batch_indices(m // run.gas, run.micro, run.gas, 0, run.dp)[
         m % run.gas]]
     per_row = sum(len(plan.row(r)) for r in rows) / len(rows) if plan is not None else 1.0
     need = measured or predicted_rows_per_s(run, planner_device())
     # clips (docs/video.md): decoding them is where a loader falls behind; their rate at the set's clips per sample
-    stats = getattr(getattr(samples, "index", None), "stats", {})
+    stats = samples.index.stats if samples.index else {}
     clips = stats.get("clips", 0) / max(1, stats.get("good", 0))
     return {"ok": need is None or rows_s >= need, "rows_per_s": rows_s, "samples_per_s": rows_s * per_row,
             "clips_per_s": rows_s * per_row * clips if clips else None,

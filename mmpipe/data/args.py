@@ -91,8 +91,8 @@ class DataArgs:
         names = [f"--{k.replace('_', '-')}" for k in given]
         v = model.vision
         if not any(hasattr(v, k) for k in VIDEO_FLAGS):
-            from ..model.families import FAMILIES
-            readers = [f.family for f in FAMILIES if "video" in f.media]
+            from ..registry import families
+            readers = list(dict.fromkeys(f.family for f in families() if "video" in f.media))
             raise ConfigError(f"{', '.join(names)}: the {model.family} family reads no clips; only the "
                               f"{', '.join(readers)} families do")
         fixed = [n for n, k in zip(names, given) if not hasattr(v, k)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, ModelConfig
-from ..model.families import family_of
+from ..registry import family_of
 from .args import DataArgs
 from .image_kinds import BUDGET_FLAGS, budget_given, image_kind, image_rule, row_budget
 from .index import DataIndex, RecordChecks, bad_list, build_index, check_policy, describe, fingerprint, load_index

@@ -1,7 +1,7 @@
 """A family's images on the data side, one object each behind one protocol: the single place that knows which
 rule a model's images follow. Every other module asks `image_kind(cfg)`, never the family's name or a layout flag.
 
-The family names its kind (mmpipe.model.families.Family.images); the kinds live here, above model/, because
+A family's entry holds its kind (mmpipe.registry.Family.kind); the kinds live here, above model/, because
 they call the data side's rules (transformers' image processors, the crop and placeholder counts):
 
     spliced       a fixed-size image of N tokens spliced after BOS (moondream; the cross-attention family, N = 0)
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..model.families import FAMILIES, family_of
 from ..model.rows import IMAGE_SLOT
+from ..registry import families, family_of
 from .anyres import default_tile_budget, tile_rule
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
 from .crops import blank_image, make_transform, stack_images
@@ -280,13 +280,14 @@ class Tiles(Budgeted):
         return key + ([list(video)] if video and video != VIDEO_DEFAULTS[:3] else []) + [budget]
 
 
-KINDS = {k.name: k for k in (Spliced(), Placeholders(), Patches(), Tiles())}
+# the kinds, one object each: a family's entry holds its own (mmpipe.registry.Family.kind)
+SPLICED, PLACEHOLDERS, PATCHES, TILES = Spliced(), Placeholders(), Patches(), Tiles()
 BUDGET_NOUNS = {"max_patches": "a patch budget", "max_tiles": "a crop budget"}
 
 
 def image_kind(cfg: ModelConfig | None):
     """The kind of cfg's images (fixed-size spliced images for no model: the built-in shapes set's default)."""
-    return KINDS["spliced"] if cfg is None else KINDS[family_of(cfg).images]
+    return SPLICED if cfg is None else family_of(cfg).kind
 
 
 def row_budget(args, cfg: ModelConfig | None, problems: list[str]) -> int:
@@ -299,7 +300,7 @@ def row_budget(args, cfg: ModelConfig | None, problems: list[str]) -> int:
         if cfg is not None and flag == kind.flag:
             budget = kind.budget(cfg, given, args.max_images or 1, problems)
         elif given is not None and cfg is not None:
-            takers = [f.family for f in FAMILIES if KINDS[f.images].flag == flag]
+            takers = list(dict.fromkeys(f.family for f in families() if f.kind.flag == flag))
             who = f"the {takers[0]} family takes" if len(takers) == 1 else f"the {', '.join(takers)} families take"
             problems.append(f"--{flag.replace('_', '-')}: the {cfg.family} family's {kind.describe}; only "
                             f"{who} {BUDGET_NOUNS[flag]}")

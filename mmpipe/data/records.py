@@ -36,7 +36,7 @@ BAD_KINDS = {
 }
 
 
-# What a record may carry besides text, by the names a family declares (mmpipe.model.families.Family.media):
+# What a record may carry besides text, by the names a family declares (mmpipe.registry.Family.media):
 # each kind's record fields and its marker in the text. A record with a kind its family does not read is a bad
 # record (unsupported_media), never trained as the text around it.
 MEDIA_FIELDS = {"image": ("image",), "video": ("video", "videos")}

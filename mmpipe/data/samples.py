@@ -34,6 +34,7 @@ class ShapesSamples:
     """The built-in set as an endless ordered stream: position p is ShapesVQA sample p. A family whose images take
     a row budget (its image kind's unit: a family of patches' P, tiles' T crops) reads each S x S image as its
     rule makes it: patches or crops, its grid that of S x S."""
+    index = source = None  # generated, not read: no data index or source file (IndexedSamples has both)
 
     def __init__(self, cfg: ModelConfig, seed: int, split: str = "train", budget: int = 0):
         self.data = ShapesVQA(cfg.vision.image_size, cfg.vision.patch_size, split, seed)

@@ -23,73 +23,52 @@ from safetensors.torch import save_file
 from ..config import ConfigError, config_from_dict, fail, load_preset
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
-from ..model.families import family_of
 from ..model.lora import read_lora
+from ..registry import family_of, hf_families
 from ..runtime.checkpoint import latest_tag, load_reference
-from . import llava, llava_next, qwen2_vl, qwen3_5, qwen3_vl
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .export import planned
-from .llava import _hf_names, export_hf, hf_config, hf_llava_config, import_llava, key_map, read_llava, read_parts
-from .llava_next import export_hf as export_llava_next
-from .llava_next import hf_llava_next_config, import_llava_next, read_llava_next
-from .llava_next import key_map as llava_next_key_map
+from .llava import read_parts
 from .moondream import REGION_FILE, export_moondream, load_region, read_moondream, region_in_layout
 from .moondream import key_map as moondream_key_map
-from .qwen2_vl import export_hf as export_qwen2_vl
-from .qwen2_vl import hf_qwen_config, import_qwen2_vl, model_type, read_qwen2_vl
-from .qwen2_vl import key_map as qwen2_vl_key_map
-from .qwen3_5 import export_hf as export_qwen3_5
-from .qwen3_5 import hf_qwen3_5_config, import_qwen3_5, read_qwen3_5
-from .qwen3_5 import key_map as qwen3_5_key_map
-from .qwen3_vl import export_hf as export_qwen3_vl
-from .qwen3_vl import hf_qwen3_config, import_qwen3_vl, read_qwen3_vl
-from .qwen3_vl import key_map as qwen3_vl_key_map
+from .qwen2_vl import model_type
 from .safetensors_io import DEFAULT_SHARD_SIZE, parse_size, write_sharded
 from .stream import MergedRunLayers, ModelLayers, RunLayers, renamed_tensors
-
-# the HF side of each family with an HF class (Family.hf_class): (its weights' HF names, export to a directory,
-# whose third argument is the run's tokenizer: its special ids go into the config)
-HF_IO = {"LlavaForConditionalGeneration": (lambda cfg: key_map(cfg, _hf_names(hf_config(cfg))), export_hf),
-         "Qwen2VLForConditionalGeneration": (qwen2_vl_key_map, export_qwen2_vl),
-         "LlavaNextForConditionalGeneration": (llava_next_key_map, export_llava_next),
-         "Qwen3VLForConditionalGeneration": (qwen3_vl_key_map, export_qwen3_vl),
-         "Qwen3_5ForConditionalGeneration": (qwen3_5_key_map, export_qwen3_5)}
-
-
-# the readers of HF directories, by config.json's model_type: (import function -> (model, report), HF config
-# reader, label, reader -> mmpipe.hf.stream.Imported: what `mmpipe import` writes layer by layer); each module's
-# HF_CLASSES names the model_types its importer takes
-READERS = {mt: reader for module, reader in (
-    (llava, (import_llava, hf_llava_config, "LLaVA", read_llava)),
-    (llava_next, (import_llava_next, hf_llava_next_config, "LLaVA-NeXT / OneVision", read_llava_next)),
-    (qwen2_vl, (import_qwen2_vl, hf_qwen_config, "Qwen2-VL", read_qwen2_vl)),
-    (qwen3_vl, (import_qwen3_vl, hf_qwen3_config, "Qwen3-VL", read_qwen3_vl)),
-    (qwen3_5, (import_qwen3_5, hf_qwen3_5_config, "Qwen3.5", read_qwen3_5))) for mt in module.HF_CLASSES}
-HF_READERS = {mt: r[:3] for mt, r in READERS.items()}
 
 
 def hf_importer(path: str | Path):
     """(import function, HF config reader, label) for an HF directory, by its config.json's model_type."""
-    return HF_READERS[_hf_kind(path)]
+    hf = _hf_family(path).hf
+    return hf.fn("importer"), hf.fn("config"), hf.label
 
 
 def hf_reader(path: str | Path):
     """The reader that decides an HF directory's import without reading its weights (Imported), by model_type."""
-    return READERS[_hf_kind(path)][3]
+    return _hf_family(path).hf.fn("reader")
 
 
-def _hf_kind(path: str | Path) -> str:
-    """The READERS key of an HF directory: its config.json's model_type. A model_type no reader takes (a Gemma3)
-    is one line naming the types that are read; a directory whose model_type cannot be read goes to the LLaVA
-    importer, which says what it found."""
-    kind = model_type(path)
+def hf_model_types() -> list[str]:
+    """The config.json model_types mmpipe reads: every registered family's HF side's (mmpipe.registry.HfSide)."""
+    return sorted(hf_families())
+
+
+def _hf_family(path: str | Path):
+    """The family whose HF reader takes an HF directory: by its config.json's model_type. A model_type no reader
+    takes (a Gemma3) is one line naming the types that are read; a directory whose model_type cannot be read goes to
+    the LLaVA importer, which says what it found."""
+    kind, readers = model_type(path), hf_families()
     if kind is None:
-        return "llava"
-    if kind not in READERS:
+        return readers["llava"]
+    if kind not in readers:
         raise ConfigError(f"{Path(path) / 'config.json'}: model_type '{kind}' is not one mmpipe reads (yet); "
-                          f"it reads {', '.join(sorted(READERS))}")
-    return kind
+                          f"it reads {', '.join(sorted(readers))}")
+    return readers[kind]
+
+
+def _names(fam, cfg, layout: str = "current") -> dict[str, str]:
+    """Every mmpipe weight name -> its name outside: the HF class's, or moondream's in `layout`."""
+    return fam.hf.fn("key_map")(cfg) if fam.hf.names == "hf" else moondream_key_map(cfg, layout)
 
 
 def add_import_args(p: argparse.ArgumentParser) -> None:
@@ -226,9 +205,9 @@ def consolidated(model, layout: str = "current", region=None) -> dict[str, torch
     """Every weight once, in the family's ecosystem names: HF's where it has an HF class, else moondream's
     (with its region head, when given)."""
     fam = family_of(model.cfg)
-    if fam.weight_names == "hf":
+    if fam.hf.names == "hf":
         state = model.state_dict()
-        names = HF_IO[fam.hf_class][0](model.cfg)
+        names = _names(fam, model.cfg)
         return {h: state[m].detach().contiguous() for m, h in names.items()}
     return export_moondream(model, layout, region)
 
@@ -252,7 +231,7 @@ def write_consolidated(layers, out: Path, layout: str = "current", region=None) 
     written one layer at a time (mmpipe.hf.safetensors_io.write_sharded, no shard limit)."""
     cfg = layers.cfg
     fam = family_of(cfg)
-    names = HF_IO[fam.hf_class][0](cfg) if fam.weight_names == "hf" else moondream_key_map(cfg, layout)
+    names = _names(fam, cfg, layout)
     extra = region_in_layout(region or {}, layout)
     entries = planned(layers, names) + [(n, t.dtype, tuple(t.shape)) for n, t in extra.items()]
     write_sharded(out.parent, entries, chain(renamed_tensors(layers, names), extra.items()), None, single=out.name)
@@ -275,12 +254,13 @@ def main_export(args: argparse.Namespace) -> int:
         if not (run / "model.json").is_file():
             raise ConfigError(f"--checkpoint: {run} has no model.json (give an mmpipe run directory)")
         cfg = config_from_dict(json.loads((run / "model.json").read_text()), run.name)
-        if args.format in ("hf", "peft") and not family_of(cfg).hf_class:
-            raise ConfigError(f"--format {args.format}: only the LLaVA and Qwen2-VL families have an HF model class; "
-                              f"use --format safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
-        if family_of(cfg).weight_names is None:  # moondream's names would miss its cross-attention layers
+        fam = family_of(cfg)
+        if fam.hf is None:  # moondream's names would miss its cross-attention layers
             raise ConfigError(f"--format {args.format}: the {cfg.fusion} family's layers have no names outside "
                               f"mmpipe (no HF or moondream model holds them); its run directory is the checkpoint")
+        if args.format in ("hf", "peft") and fam.hf.names != "hf":
+            raise ConfigError(f"--format {args.format}: only the LLaVA and Qwen2-VL families have an HF model class; "
+                              f"use --format safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
         if args.format == "peft" and read_lora(run) is None:
             raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
         if args.dry_run:
@@ -289,20 +269,20 @@ def main_export(args: argparse.Namespace) -> int:
         tok = run_tokenizer(run, cfg) if args.format in ("hf", "peft") else None  # checked before writing
         layers = _layers(run, cfg, args.format)
         region_src = Path(args.region) if args.region else run / REGION_FILE
-        moondream_names = family_of(cfg).weight_names == "moondream"  # they carry moondream's region head
+        moondream_names = fam.hf.names == "moondream"  # they carry moondream's region head
         region = (load_region(region_src, cfg.text.dim) if args.format == "safetensors" and moondream_names
                   and (args.region or region_src.is_file()) else None)
     except (ConfigError, FileNotFoundError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(f"--checkpoint: {e}"))
     wrote = ""
     if args.format == "peft":
-        names, export = HF_IO[family_of(cfg).hf_class]
+        names, export = fam.hf.fn("key_map"), fam.hf.fn("export")
         export_adapter(layers.model, args.out, names,
                        lambda m, out: export(m, out, tok, shard_size=args.shard_size))
         wrote = write_processor(tok, cfg, Path(args.out) / "base")  # OUT/base serves as a checkpoint too
         write_processor(tok, cfg, Path(args.out))
     elif args.format == "hf":
-        HF_IO[family_of(cfg).hf_class][1](layers, args.out, tok, shard_size=args.shard_size)
+        fam.hf.fn("export")(layers, args.out, tok, shard_size=args.shard_size)
         wrote = write_processor(tok, cfg, Path(args.out))
     else:
         write_consolidated(layers, Path(args.out), args.layout, region)

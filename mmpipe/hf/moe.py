@@ -96,7 +96,7 @@ class ExpertLayout(Mapping):
 
 def expert_layout(source, cfg: ModelConfig):
     """source as ExpertLayout for an MoE config, unchanged for a dense one."""
-    return ExpertLayout(source, cfg) if getattr(cfg.text, "moe", None) else source
+    return ExpertLayout(source, cfg) if cfg.text.moe else source
 
 
 class PerExpert(Mapping):

@@ -136,7 +136,7 @@ def split_record(ids: np.ndarray, target: np.ndarray, eos_id: int | None) -> tup
 
 
 def _question_type(samples, row: int) -> str | None:
-    raw = getattr(getattr(samples, "source", None), "raw", None)
+    raw = samples.source and samples.source.raw
     if raw is None:
         return None
     try:

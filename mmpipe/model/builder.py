@@ -6,7 +6,7 @@
 
 (moondream2: 1 + 27 + 1 + 1 + 1 + 24 + 1 = 56 layers), or with `fusion: cross_attention` a
 CrossAttnBlock before every k-th decoder block (mmpipe.model.cross_attention), or LLaVA's
-(mmpipe.model.llava): each family builds its own (mmpipe.model.families). The same list feeds
+(mmpipe.model.llava): each family builds its own (mmpipe.families). The same list feeds
 deepspeed.pipe.PipelineModule (mmpipe.runtime.pipeline) and, built in one process, the single-device
 reference (`build_reference`). Layer i is always initialised under torch.manual_seed(seed + i),
 so both get identical weights whatever the stage count.
@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..config import ConfigError, ModelConfig
-from .families import family_of
+from ..registry import family_of
 from .lora import Lora, adapted_linears, adapter_param_count, add_adapters
 from .moe import split_aux
 from .rows import sample_rows

@@ -2,7 +2,7 @@
 
 Every layer takes and returns the stage tuple (mmpipe.model.stage), except the first
 (takes the batch inputs) and the last (returns logits). `group` names what --freeze acts on.
-`moondream_specs` is the moondream family's layer list (mmpipe.model.families).
+`moondream_specs` is the moondream family's layer list (mmpipe.families).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ fields and checks each tensor is the kind its field says (a wrong tuple is an er
 from counting dtypes), and `pack` returns the floats first, then the integers, each in the order the schema
 made them. A carried feature (the cross-attention family's `vision`; later DeepStack's sets) is one
 mechanism: a field made by one layer and dropped after its last reader, so no boundary after that carries it.
-The schemas (mmpipe.model.families):
+The schemas (mmpipe.families):
 
     moondream          hidden | input_ids, has_image, segments [, tiling: multi-crop, dropped by the Projector]
     cross_attention    hidden, vision (made by CrossAttnTextEmbed, dropped after the last CrossAttnBlock) | the ints
@@ -93,7 +93,7 @@ class StageField(NamedTuple):
     dropped_by: type | None = None
 
 
-# every family's row fields (mmpipe.model.families adds each family's own: vision, tiling)
+# every family's row fields (mmpipe.families adds each family's own: vision, tiling)
 HIDDEN = StageField("hidden", True)
 ROW = (HIDDEN, StageField("input_ids", False), StageField("has_image", False), StageField("segments", False))
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from deepspeed.pipe import PipelineModule
 
-from ..model.builder import apply_freeze, bind_layer_fields, layer_specs, lm_loss
-from ..model.families import family_of
-from ..model.layers import Projector
+from ..model.builder import apply_freeze, bind_layer_fields, layer_specs
 from ..model.lora import add_adapters
+from ..registry import family_of
 from ..run_config import RunConfig
 from .experts import shard_experts
+
+
+def _has(fields, name: str) -> bool:
+    return any(f.name == name for f in fields)
 
 
 class VLMPipeline(PipelineModule):
@@ -24,7 +27,7 @@ class VLMPipeline(PipelineModule):
         super().__init__(
             layers=layer_specs(run.model),
             num_stages=run.stages,
-            loss_fn=lm_loss,
+            loss_fn=run.objective.loss,  # what the last stage trains on (mmpipe.model.objectives)
             partition_method="mmpipe",
             # layer i is built under seed + i, exactly as ReferenceModel builds it. DeepSpeed also calls
             # seed_fn before every layer of every forward (for dropout); torch.manual_seed costs
@@ -37,7 +40,7 @@ class VLMPipeline(PipelineModule):
             checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
         apply_freeze(self.forward_funcs, run.freeze)
-        self.moe = getattr(run.model.text, "moe", None) is not None  # its head reports the aux loss
+        self.moe = run.experts is not None  # its head reports the aux loss
         # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it)
         self.expert_shards, self.expert_shards_group = (shard_experts(self.forward_funcs, self._topo, run.ep)
                                                         if run.ep > 1 else ([], None))
@@ -57,9 +60,11 @@ class VLMPipeline(PipelineModule):
         # and an unmarked copy off stage 0 is not counted, so the tied weight counts once.
         for p in self.parameters():
             p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
-        # the multi-crop tiling is read by the Projector alone: a later stage that holds it loads images for it
-        self.reads_images = self.stage_id == 0 or bool(run.model.vision.crop_slots > 1 and any(
-            isinstance(layer, Projector) for layer in self.forward_funcs))
+        # a tiling the layers drop is read from the images themselves by the layer that drops it (moondream's
+        # multi-crop, read by its Projector: mmpipe.families.CROP_TILING); a later stage holding it loads images too.
+        # The dynamic families keep theirs to the head, from the index: no image opened (mmpipe.runtime.wire)
+        self.reads_images = self.stage_id == 0 or any(_has(f.__dict__["stage_in"], "tiling") and not _has(
+            f.__dict__["stage_out"], "tiling") for f in self.forward_funcs)
 
     def forward(self, forward_input):
         """A non-first stage receives floats only (hidden[, vision]) and joins the running micro-batch's
@@ -86,10 +91,10 @@ class VLMPipeline(PipelineModule):
         under DeepSpeed's name for such: the engine sums it over the step's micro-batches on the last stage, scales
         by 1 / GAS, averages over DP and broadcasts it with the loss (engine.agg_additional_losses), so every rank
         logs it; the other stages give a placeholder of the same keys (the broadcast's size). None: a dense model."""
-        if not getattr(self, "moe", False):
+        if not self.moe:
             return None
-        last = self.forward_funcs[-1] if self.stage_id == self.num_stages - 1 else None
-        return {"aux_loss": getattr(last, "last_aux", None) if last is not None else torch.zeros(())}
+        last = self.stage_id == self.num_stages - 1  # its last layer is the MoeHead, which keeps the micro-batch's
+        return {"aux_loss": self.forward_funcs[-1].last_aux if last else torch.zeros(())}
 
     def _synchronize_tied_weights(self):
         """DeepSpeed's copy of each tied weight (the LLaVA / Qwen2-VL families' embedding = head) from its first

@@ -16,7 +16,7 @@ from deepspeed.runtime import lr_schedules
 
 from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare
-from ..model.builder import ReferenceModel, lm_loss
+from ..model.builder import ReferenceModel
 from ..model.lora import load_base
 from ..run_config import RunConfig
 from .checkpoint import load_reference
@@ -115,7 +115,7 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
 
     def micro_loss():
         inputs, labels = next(batches)  # (pixels, input_ids, has_image, segments[, tiling]), (labels, weights)
-        return lm_loss(model(*inputs), labels)
+        return run.objective.loss(model(*inputs), labels)
 
     return model, [train_step(micro_loss, run.gas, params, opt, sched, clip) for _ in range(steps)]
 

@@ -5,7 +5,7 @@ The validation set (mmpipe.data.samples.EvalSet, E samples) is laid out like a t
 stream: one `eval_batch` takes micro x GAS x DP positions (e.g. 4 x 2 x 1 = 8), so it takes
 ceil(E / 8) calls; positions past E are label-free repeats (the pipeline's shapes are fixed).
 While it runs, the module's loss function returns the SUM of cross-entropy over answer tokens
-(mmpipe.model.builder.lm_loss_sum). eval_batch averages its outputs over the GAS micro-batches and
+(the run's Objective.eval_sum, mmpipe.model.objectives). eval_batch averages its outputs over the GAS micro-batches and
 the DP replicas, so one call returns sum / (GAS x DP); the loss is
     sum over calls of (returned x GAS x DP) / answer tokens of the set,
 the mean over every answer token of the set, whatever the batch shapes, which is what the
@@ -23,7 +23,6 @@ from pathlib import Path
 
 from ..data.batches import StepBatches, rank_batches
 from ..data.samples import EvalSet
-from ..model.builder import lm_loss_sum
 from ..run_config import RunConfig
 from .feed import run_dataset
 
@@ -53,7 +52,7 @@ class Validator:
         sampler = StepBatches(0, run.micro, run.gas, engine.grid.data_parallel_id, run.dp)
         batches = rank_batches(self.dataset, islice(sampler, self.calls * run.gas), dtype=self.dtype)
         train_loss_fn, monitor_on = engine.module.loss_fn, engine.monitor.enabled
-        engine.module.loss_fn = lm_loss_sum
+        engine.module.loss_fn = run.objective.eval_sum
         engine.monitor.enabled = False  # DeepSpeed would log the sum as 'eval_loss'; mmpipe logs the mean
         try:
             total = sum(float(engine.eval_batch(batches)) for _ in range(self.calls))

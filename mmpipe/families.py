@@ -1,0 +1,187 @@
+"""The built-in model families, one registered entry each (mmpipe.registry.Family): everything the config, the data
+side, the pipeline, the planner and the HF side ask of a family, in one place.
+
+    MOONDREAM         family moondream, fusion prefix: the image spliced after BOS (mmpipe.model.layers)
+    CROSS_ATTENTION   family moondream, fusion cross_attention: gated cross-attention layers read it
+                      (mmpipe.model.cross_attention)
+    LLAVA             family llava: CLIP / SigLIP tower, Llama / Qwen2 decoder, the image on <image>
+                      placeholders (mmpipe.model.llava)
+    QWEN2_VL          family qwen2_vl: Qwen2-VL / Qwen2.5-VL (by config), each image as many placeholders
+                      as its grid gives, the grids kept to the head (mmpipe.model.qwen2_vl)
+    QWEN3_VL          family qwen3_vl: Qwen3-VL dense and MoE, Qwen2-VL's rows plus DeepStack's carried feature sets
+                      (mmpipe.model.qwen3_vl, mmpipe.model.moe)
+    QWEN3_5           family qwen3_5: Qwen3.5 dense and MoE, Qwen3-VL's tower and rows, a decoder of Gated DeltaNet
+                      and gated attention layers (mmpipe.model.qwen3_5)
+    LLAVA_NEXT        family llava_next: LLaVA-NeXT / LLaVA-OneVision (by config), each image as its base crop
+                      and tiles in the row's crop slots, the tilings kept to the head (mmpipe.model.llava_next)
+
+This module sits above model/ and data/ (it names their layers and image kinds) and below everything that trains,
+plans or converts; mmpipe.registry imports it on the first question. The HF side (mmpipe.hf, higher still) is named
+by "module:function" strings the registry resolves on first use.
+"""
+from __future__ import annotations
+
+from . import config as c
+from .data.image_kinds import PATCHES, PLACEHOLDERS, SPLICED, TILES
+from .model import costs
+from .model.cross_attention import CrossAttnBlock, CrossAttnTextEmbed, cross_attention_specs
+from .model.layers import (
+    DecoderBlock,
+    LMHead,
+    PatchEmbed,
+    Projector,
+    TextEmbed,
+    VisionBlock,
+    VisionNorm,
+    moondream_specs,
+)
+from .model.llava import (
+    FinalNorm,
+    LlamaBlock,
+    LlavaEmbed,
+    LlavaProjector,
+    LMHeadLinear,
+    TowerBlock,
+    VisionEmbed,
+    llava_specs,
+    tied_head,
+)
+from .model.llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
+from .model.moe import MOE_BLOCK, MoeHead, Qwen3MoeBlock, moe_fields, qwen3_vl_layers
+from .model.qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
+from .model.qwen3_5 import (
+    DELTANET_BLOCK,
+    DELTANET_MOE_BLOCK,
+    GATED_ATTENTION_BLOCK,
+    GATED_ATTENTION_MOE_BLOCK,
+    DeltaNetBlock,
+    DeltaNetMoeBlock,
+    GatedAttentionBlock,
+    GatedAttentionMoeBlock,
+    Qwen35FinalNorm,
+    qwen3_5_specs,
+)
+from .model.qwen3_5 import moe_fields as qwen3_5_moe_fields
+from .model.qwen3_vl import (
+    DEEPSTACK_ADDS,
+    DEEPSTACK_MERGERS,
+    Qwen3Block,
+    Qwen3Embed,
+    Qwen3Merger,
+    Qwen3PatchEmbed,
+    Qwen3VisionBlock,
+    deepstack_fields,
+)
+from .model.stage import ROW, StageField
+from .registry import Family, HfSide, ImageLayout, register
+
+# the integer tensor of each image slot's layout (mmpipe.model.stage): moondream multi-crop's tiling (rows, cols),
+# read and dropped by the Projector; the dynamic families' grids / tilings, kept to the head
+CROP_TILING = StageField("tiling", False, dropped_by=Projector)
+KEPT_TILING = StageField("tiling", False)
+# the cross-attention family's projected images, made by its text embedding, dropped after its last reader
+CARRIED_VISION = StageField("vision", True, made_by=CrossAttnTextEmbed, dropped_by=CrossAttnBlock)
+
+
+def _moondream_fields(cfg: c.ModelConfig, *carried: StageField) -> tuple[StageField, ...]:
+    return ROW + carried + ((CROP_TILING,) if cfg.vision.crop_slots > 1 else ())
+
+
+def _hf(module: str, hf_class: str, model_types: tuple[str, ...], label: str, *, importer: str, config: str,
+        reader: str, key_map: str = "key_map") -> HfSide:
+    """An HF directory's side, its functions in mmpipe.hf.<module> (key_map and export_hf by default)."""
+    m = f"mmpipe.hf.{module}:"
+    return HfSide("hf", hf_class, model_types, label, importer=m + importer, config=m + config, reader=m + reader,
+                  key_map=m + key_map, export=m + "export_hf")
+
+
+def _moe(cfg: c.ModelConfig):
+    return cfg.text.moe  # Qwen3Text / HybridText: a MoeConfig, None for a dense decoder
+
+
+_MOONDREAM_COSTS = {PatchEmbed: costs.PATCH_EMBED, VisionBlock: costs.VISION_BLOCK, VisionNorm: costs.VISION_NORM,
+                    Projector: costs.PROJECTOR, TextEmbed: costs.TEXT_EMBED, DecoderBlock: costs.DECODER_BLOCK,
+                    LMHead: costs.LM_HEAD}
+_CROP_VISION = ImageLayout(spliced=True, vision=c.CropVision, text=c.TextConfig)
+
+MOONDREAM = register(Family(
+    "moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS, _CROP_VISION, SPLICED,
+    checks=c.moondream_checks, fields=_moondream_fields,
+    hf=HfSide("moondream")))  # moondream's one safetensors file (mmpipe.hf.moondream), its region head beside
+CROSS_ATTENTION = register(Family(
+    "moondream", "cross_attention", cross_attention_specs, (VisionBlock, DecoderBlock, CrossAttnBlock),
+    {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK},
+    ImageLayout(cross_attention=True, vision=c.CropVision, text=c.TextConfig), SPLICED,
+    checks=c.moondream_checks, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION)))
+LLAVA = register(Family(
+    "llava", "prefix", llava_specs, (TowerBlock, LlamaBlock),
+    {VisionEmbed: costs.PATCH_EMBED, TowerBlock: costs.VISION_BLOCK, LlavaProjector: costs.PROJECTOR,
+     LlavaEmbed: costs.TEXT_EMBED, LlamaBlock: costs.LLAMA_BLOCK, FinalNorm: costs.FINAL_NORM,
+     LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
+    ImageLayout(placeholders=True, vision=c.ClipVision, text=c.LlamaText), PLACEHOLDERS, checks=c.llava_checks,
+    fields=lambda cfg: ROW, tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
+    hf=_hf("llava", "LlavaForConditionalGeneration", ("llava",), "LLaVA", importer="import_llava",
+           config="hf_llava_config", reader="read_llava", key_map="hf_key_map")))
+
+# Its vision layers are costed on the row's patch budget (costs.QWEN_*, per_row: mmpipe.planning.costmodel)
+QWEN2_VL = register(Family(
+    "qwen2_vl", "prefix", qwen2_vl_specs, (QwenVisionBlock, QwenBlock),
+    {QwenPatchEmbed: costs.QWEN_PATCH_EMBED, QwenVisionBlock: costs.QWEN_VISION_BLOCK, QwenMerger: costs.QWEN_MERGER,
+     QwenEmbed: costs.QWEN_EMBED, QwenBlock: costs.QWEN_BLOCK, FinalNorm: costs.FINAL_NORM,
+     LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
+    ImageLayout(placeholders=True, vision=c.Qwen2Vision, text=c.MropeText), PATCHES, checks=c.qwen2_vl_checks,
+    fields=lambda cfg: ROW + (KEPT_TILING,),
+    media=("image", "video"),  # clips: mmpipe.data.video (Qwen2.5-VL's absolute-time rotary)
+    # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
+    hf=_hf("qwen2_vl", "Qwen2VLForConditionalGeneration", ("qwen2_vl", "qwen2_5_vl"), "Qwen2-VL",
+           importer="import_qwen2_vl", config="hf_qwen_config", reader="read_qwen2_vl")))
+
+# The tower, projector and embedding are costed on the row's T crops (costs.ANYRES_*, per_row: a CropRow)
+LLAVA_NEXT = register(Family(
+    "llava_next", "prefix", llava_next_specs, (TowerBlock, LlamaBlock),
+    {VisionEmbed: costs.ANYRES_PATCH_EMBED, TowerBlock: costs.ANYRES_VISION_BLOCK,
+     AnyresProjector: costs.ANYRES_PROJECTOR, AnyresEmbed: costs.ANYRES_EMBED, LlamaBlock: costs.LLAMA_BLOCK,
+     FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
+    ImageLayout(placeholders=True, vision=c.AnyresVision, text=c.LlamaText), TILES, checks=c.llava_next_checks,
+    tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
+    fields=lambda cfg: ROW + (KEPT_TILING,),
+    media=("image", "video"),  # clips: OneVision's pooled frames (mmpipe.data.video); NeXT refuses
+    # LlavaOnevisionForConditionalGeneration's by config (vision.anyres_max > 0: mmpipe.hf.llava_next)
+    hf=_hf("llava_next", "LlavaNextForConditionalGeneration", ("llava_next", "llava_onevision"),
+           "LLaVA-NeXT / OneVision", importer="import_llava_next", config="hf_llava_next_config",
+           reader="read_llava_next")))
+
+# Qwen2-VL's rules for the same shapes; DeepStack's sets are carried fields, one per merger / add pair
+QWEN3_VL = register(Family(
+    "qwen3_vl", "prefix", qwen3_vl_layers, (Qwen3VisionBlock, Qwen3Block, Qwen3MoeBlock),
+    {Qwen3PatchEmbed: costs.QWEN_PATCH_EMBED, Qwen3VisionBlock: costs.QWEN_VISION_BLOCK,
+     Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, Qwen3Block: costs.QWEN_BLOCK,
+     FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
+     **{m: costs.DEEPSTACK_MERGER for m in DEEPSTACK_MERGERS}, **{a: costs.DEEPSTACK_ADD for a in DEEPSTACK_ADDS},
+     Qwen3MoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
+    ImageLayout(placeholders=True, vision=c.DeepstackVision, text=c.Qwen3Text), PATCHES, checks=c.qwen3_vl_checks,
+    fields=lambda cfg: ROW + deepstack_fields(cfg) + moe_fields(cfg) + (KEPT_TILING,),
+    media=("image", "video"),  # clips: a slot per temporal patch after its timestamp text (mmpipe.data.video)
+    # Megatron-Bridge injects DeepStack on the first stage only (QwenLM/Qwen3-VL#1497): the tower and decoder layers
+    # 0..2 with DeepStack's last add
+    fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS),
+    experts=_moe,
+    hf=_hf("qwen3_vl", "Qwen3VLForConditionalGeneration", ("qwen3_vl", "qwen3_vl_moe"), "Qwen3-VL",
+           importer="import_qwen3_vl", config="hf_qwen3_config", reader="read_qwen3_vl")))
+
+# Qwen3-VL's tower without DeepStack; each decoder layer kind by its own rule (mmpipe.model.qwen3_5): a
+# linear-attention layer linear in positions (DELTANET_BLOCK), a full one with its output gate and its heads' own
+# width (GATED_ATTENTION_BLOCK); Qwen3.5-MoE (text.moe) has the sparse kind of each, on its active parameters
+QWEN3_5 = register(Family(
+    "qwen3_5", "prefix", qwen3_5_specs,
+    (Qwen3VisionBlock, DeltaNetBlock, GatedAttentionBlock, DeltaNetMoeBlock, GatedAttentionMoeBlock),
+    {Qwen3PatchEmbed: costs.QWEN_PATCH_EMBED, Qwen3VisionBlock: costs.QWEN_VISION_BLOCK,
+     Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, DeltaNetBlock: DELTANET_BLOCK,
+     GatedAttentionBlock: GATED_ATTENTION_BLOCK, Qwen35FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD,
+     tied_head: costs.LINEAR_HEAD, DeltaNetMoeBlock: DELTANET_MOE_BLOCK,
+     GatedAttentionMoeBlock: GATED_ATTENTION_MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
+    ImageLayout(placeholders=True, vision=c.Qwen3Vision, text=c.HybridText), PATCHES, checks=c.qwen3_5_checks,
+    fields=lambda cfg: ROW + qwen3_5_moe_fields(cfg) + (KEPT_TILING,), experts=_moe,
+    # Qwen3_5MoeForConditionalGeneration's by config (text.moe: mmpipe.hf.qwen3_5)
+    hf=_hf("qwen3_5", "Qwen3_5ForConditionalGeneration", ("qwen3_5", "qwen3_5_moe"), "Qwen3.5",
+           importer="import_qwen3_5", config="hf_qwen3_5_config", reader="read_qwen3_5")))
