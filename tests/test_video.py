@@ -21,9 +21,9 @@ from video_records import GOOD, conv, packed_row
 TOL = 1e-4
 P = 256  # the row's patch budget in these tests
 # (name, frames, width, height, fps, format): 7 frames at 3 fps sample 4 (2 temporal patches, sampled_fps 12 / 7,
-# a step of 4 x 2 / (12 / 7) = 4.67 positions: 0, 4); 13 frames at 3 fps sample 8, their frames bounded to their
-# share of P over 4 temporal patches (84 x 56 -> 56 x 28), step 4.33: 0, 4, 8, 13 (3 x 4.3333335 in float32, floored
-# as transformers does)
+# a step of 4 x 2 / (12 / 7) = 4.67 positions: 0, 4); 13 frames at 3 fps sample 8, their 84 x 56 frames under the
+# processor's max_pixels (12544) and 4 x 24 = 96 patches within the row's P: kept at 6 x 4 patches, step 4.33: 0, 4,
+# 8, 13 (3 x 4.3333335 in float32, floored as transformers does)
 CLIPS = [("short", 7, 56, 56, 3, "mp4"), ("long", 13, 84, 56, 3, "mkv")]
 
 
@@ -51,9 +51,10 @@ def qwen25(tmp_path_factory):
     return hf, model.eval()
 
 
-def _reference(path, rule: VideoRule, frame_cap: int):
+def _reference(path, rule: VideoRule, frame_cap: int = PIXELS["max_pixels"]):
     """transformers' own video processor on every frame of the file (decoded here with PyAV, counted by decoding):
-    its fps sampling and resize at the same frame bound -> (pixel_values_videos, video_grid_thw [1, 3],
+    its fps sampling and resize at its own pixel bounds (the model's processor's, tests/qwen_models.PIXELS), or at
+    a row's frame_cap where the row's share binds -> (pixel_values_videos, video_grid_thw [1, 3],
     second_per_grid_ts float32 [1]) as Qwen2_5_VLProcessor makes them (temporal_patch_size / the sampled frames'
     fps). (transformers' own PyAV reader, video_utils.read_video_pyav, takes the header's frame count, which
     Matroska does not store: it reads 0 frames there.)"""
@@ -80,13 +81,13 @@ def test_header_gives_the_processors_grid_in_both_containers(clips):
         info = probe(clips[name])
         assert (info.frames, info.fps, info.width, info.height) == (n, fps, w, h), name
         clip = rule.clip(info)
-        px, grid, seconds = _reference(clips[name], rule, rule.frame_cap(clip.grid[0]))
+        px, grid, seconds = _reference(clips[name], rule)  # the processor at its own bounds: P = 256 binds neither
         assert clip.grid == tuple(grid[0].tolist()), name
         assert clip.seconds_per_grid == seconds.item(), name
         got = rule.patches(clips[name], clip)
         assert torch.equal(got, px.float()), name
     short, long = (rule.clip(probe(clips[c])) for c in ("short", "long"))
-    assert (short.grid, len(short.indices), long.grid, len(long.indices)) == ((2, 4, 4), 4, (4, 2, 4), 8)
+    assert (short.grid, len(short.indices), long.grid, len(long.indices)) == ((2, 4, 4), 4, (4, 4, 6), 8)
 
 
 def test_bad_clips_are_bad_records_with_their_reasons(tmp_path, clips):
@@ -233,11 +234,10 @@ def test_llava_video_records_pack_into_rows_with_transformers_logits(qwen25, cli
     samples = prepare(opts, cfg, tmp_path / "index", seed=0, verbose=False)
     stats = samples.index.stats
     assert (stats["good"], stats["bad_by_kind"]) == (len(GOOD), {k: 1 for k, _ in BAD})
-    # the data report: 4 clips (7 + 13 + 13 + 7 frames, 4 + 8 + 8 + 4 sampled at 2 fps); the 13-frame clip's 84 x 56
-    # frames made 56 x 28 to fit its share of the row (both times), the 7-frame clip's 56 x 56 kept
+    # the data report: 4 clips (7 + 13 + 13 + 7 frames, 4 + 8 + 8 + 4 sampled at 2 fps), each within its share of
+    # the row (P / 2 = 128 patches: the 13-frame clip's 4 x 4 x 6 = 96), so none smaller than its processor makes it
     assert describe(stats)[1] == ("data: 4 clips: 24 of their 40 frames sampled (the family's video processor's fps "
-                                  "rule); 2 clips' frames made smaller than their own size (vision.max_pixels, their "
-                                  "share of the row's --max-patches)")
+                                  "rule)")
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
     rows = RowSet(samples, plan)
@@ -331,7 +331,17 @@ def test_plan_costs_a_clip(capsys):
     assert main(["plan", "--preset", "qwen3-vl-tiny", "--video-frames", "8", "--video-size", "64x64",
                  "--image-size", "96x64", "--max-patches", "256", "--text-len", "32", *common]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out[0]["image_grids"] == [[1, 4, 6]] + [[1, 4, 4]] * 4  # the image, then the clip's 4 temporal patches
+    # the image, then the clip's 4 temporal patches at transformers' Qwen3-VL video processor's size of 8 frames of
+    # 64 x 64 at the preset's own settings (no video config: the images' pixel bounds, a whole-clip bound there)
+    from transformers import Qwen3VLVideoProcessor
+
+    from mmpipe.config import load_preset
+    v = load_preset("qwen3-vl-tiny").vision
+    theirs = Qwen3VLVideoProcessor(patch_size=v.patch_size, merge_size=v.merge_size, cap_pixels_per_frame=False,
+                                   size={"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels})(
+        videos=[np.zeros((8, 64, 64, 3), np.uint8)], do_sample_frames=False, return_tensors="pt")["video_grid_thw"]
+    t, h, w = theirs[0].tolist()
+    assert out[0]["image_grids"] == [[1, 4, 6]] + [[1, h, w]] * t and t == 4
     assert main(["plan", "--preset", "llava-tiny", "--video-frames", "8"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "mmpipe: error: --video-frames: the llava family reads no clips; only the qwen2_vl, llava_next and qwen3_vl "
@@ -394,7 +404,7 @@ def test_generate_command_answers_on_a_clip(qwen25, clips, tmp_path, capsys):
     ids, at = ConversationEncoder(tok, 512, markers=True, image_text=image_text(tok, model.cfg)).prompt(
         [("user", "<image>\nw7 w8")], n_images=1)
     rule = _rule(hf.config.vision_config.tokens_per_second)
-    px, grid, seconds = _reference(clips["long"], rule, rule.frame_cap(4))
+    px, grid, seconds = _reference(clips["long"], rule)  # the processor at its own bounds: generate's row holds it
     a = int(at[0])
     prompt = torch.tensor(ids[:a] + [START] + [VIDEO] * (int(grid.prod()) // 4) + [END] + ids[a:])
     with torch.no_grad():

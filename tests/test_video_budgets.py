@@ -72,11 +72,11 @@ def test_qwen3_clip_is_sampled_to_fewer_frames_by_its_processors_max_frames():
     """Qwen3-VL's rule (frames spread from the first to the last, its whole-clip pixel bound): the same lowering of
     its processor's max_frames, as Qwen3VLVideoProcessor samples with it."""
     from transformers import Qwen3VLVideoProcessor
-    # p = 16: a clip's share is 16 patches (vision.max_pixels 64 x 64 bounds a medium); 12 frames at 2 fps are 6
-    # temporal patches of at least 2 x 2: 24 > 16 -> 8 frames (4 x 2 x 2); at P = 8 (min_frames 2): 4 frames
+    # p = 16, P = 16 patches (the clip's share of the row); 12 frames at 2 fps are 6 temporal patches of at least
+    # 2 x 2: 24 > 16 -> 8 frames (4 x 2 x 2); at P = 8 (min_frames 2): 4 frames
     image = PatchRule(16, 2, 2, 3, 32 * 32, 32 * 32 * 4, 64, (0.5,) * 3, (0.5,) * 3)
     info = ClipInfo(60, 10.0, 64, 64)
-    for p, frames in ((64, 8), (8, 4)):
+    for p, frames in ((16, 8), (8, 4)):
         clip = Qwen3VideoRule(dataclasses.replace(image, row_patches=p), min_frames=2).clip(info)
         assert (clip.fewer, len(clip.indices), clip.grid) == (12, frames, (frames // 2, 2, 2)), p
         theirs = Qwen3VLVideoProcessor(min_frames=2, max_frames=frames).sample_frames(_meta(info), fps=2.0)
@@ -99,37 +99,45 @@ def test_a_clip_that_cannot_fit_at_min_frames_is_a_bad_record_and_the_report_say
     stats = {"good": 1, "records": 1, "with_image": 1, "truncated": 0, "bad": 0, "first_bad": [], **counts}
     assert describe(stats)[1] == (
         "data: 1 clips: 8 of their 60 frames sampled (the family's video processor's fps rule); 1 clips' frames made "
-        "smaller than their own size (vision.max_pixels, their share of the row's --max-patches); 1 clips sampled to "
+        "smaller than their video processor makes them (their share of the row's --max-patches); 1 clips sampled to "
         "4 fewer frames than the fps rule gives, to fit their share of the row (the processor's max_frames lowered, "
         "not below min_frames)")
 
 
 def test_sampling_flags_reach_the_processor():
-    """--video-* set the model's vision.video_*, which the run's rule reads (patch_rule -> video_rule): the grid is
-    the processor's at those settings (fps 1 samples 4 frames of the 60-frame clip, not 12; max_frames; the per-frame
-    max_pixels), and the index key moves with them."""
+    """--video-* set the model's vision.video_*, which the run's rule reads (patch_rule -> video_rule): the frames and
+    grid are transformers' Qwen2VLVideoProcessor's at the model's own settings under those flags (fps 1 samples 6
+    frames of the 60-frame clip, not 12; max_frames; max_pixels; min_frames), where the row's P does not bind; where
+    it does (P = 256 over 6 temporal patches) the frames are smaller than the processor's (VideoRule.own); and the
+    index key moves with the flags."""
     from transformers import Qwen2VLVideoProcessor
 
-    from mmpipe.data.image_kinds import KINDS
+    from mmpipe.data.image_kinds import PATCHES
     cfg = load_preset("qwen-tiny")
     info = ClipInfo(60, 10.0, 112, 112)
-    base = video_rule(patch_rule(cfg, 256)).clip(info)
-    assert base.grid == (6, 2, 2) and len(base.indices) == 12  # 12 frames, each at most 64 / 6 patches (max_pixels)
-    for flags, frames, grid in ((dict(video_fps=1.0), 6, (3, 4, 4)), (dict(video_max_frames=4), 4, (2, 4, 4)),
-                                (dict(video_fps=1.0, video_max_pixels=28 * 28), 6, (3, 2, 2)),
-                                (dict(video_min_frames=2, video_fps=0.2), 2, (1, 8, 8))):
+    frames = np.zeros((60, 112, 112, 3), np.uint8)
+    for flags, n in (({}, 12), (dict(video_fps=1.0), 6), (dict(video_max_frames=4), 4),
+                     (dict(video_fps=1.0, video_max_pixels=28 * 28 * 2), 6),
+                     (dict(video_min_frames=2, video_fps=0.2), 2)):
         v = DataArgs(**flags).with_video(cfg)
-        rule = video_rule(patch_rule(v, 256))
-        clip = rule.clip(info)
-        kw = dict(fps=v.vision.video_fps, min_frames=v.vision.video_min_frames, max_frames=v.vision.video_max_frames)
-        proc = Qwen2VLVideoProcessor(min_pixels=cfg.vision.min_pixels, cap_pixels_per_frame=False,
-                                     max_pixels=rule.frame_cap(clip.grid[0]), **kw)
-        assert clip.indices == tuple(int(i) for i in proc.sample_frames(_meta(info), fps=kw["fps"])), flags
-        assert (len(clip.indices), clip.grid) == (frames, grid), flags
-        assert KINDS["patches"].grid_key(rule.image, 1, 256) != KINDS["patches"].grid_key(patch_rule(cfg, 256), 1, 256)
-    assert KINDS["patches"].grid_key(patch_rule(cfg, 256), 1, 256)[-1] != [2.0, 4, 768, 0, 0]  # defaults: old key
+        rule = video_rule(patch_rule(v, 1 << 20))  # a row that holds any of these clips
+        clip, vis = rule.clip(info), v.vision
+        proc = Qwen2VLVideoProcessor(
+            patch_size=vis.patch_size, merge_size=vis.merge_size, temporal_patch_size=vis.temporal_patch_size,
+            min_pixels=vis.video_min_pixels or vis.min_pixels, max_pixels=vis.video_max_pixels or vis.max_pixels,
+            fps=vis.video_fps, min_frames=vis.video_min_frames, max_frames=vis.video_max_frames,
+            do_sample_frames=True, cap_pixels_per_frame=False)
+        out = proc(videos=[frames], video_metadata=[_meta(info)], return_metadata=True, return_tensors="pt")
+        assert clip.indices == tuple(int(i) for i in out["video_metadata"][0].frames_indices), flags
+        assert len(clip.indices) == n and clip.grid == tuple(out["video_grid_thw"][0].tolist()), flags
+        if flags:
+            assert PATCHES.grid_key(patch_rule(v, 256), 1, 256) != PATCHES.grid_key(patch_rule(cfg, 256), 1, 256)
+    assert PATCHES.grid_key(patch_rule(cfg, 256), 1, 256)[-1] != [2.0, 4, 768, 0, 0]  # defaults: old key
+    rule = video_rule(patch_rule(cfg, 256))
+    row, own = rule.clip(info), rule.own(info)
+    assert row.grid[0] == own.grid[0] == 6 and row.grid[1] * row.grid[2] <= 256 // 6 < own.grid[1] * own.grid[2]
     rule = video_rule(patch_rule(DataArgs(video_min_pixels=84 * 84).with_video(cfg), 256))
-    assert rule.processor(base).size.shortest_edge == 84 * 84  # the processor's own min_pixels
+    assert rule.processor(row).size.shortest_edge == 84 * 84  # the processor's own min_pixels
 
 
 @pytest.mark.parametrize("argv, line", [

@@ -49,13 +49,14 @@ def setup(tmp_path_factory):
 
 def _hf_processor(tok, rule: Qwen3VideoRule):
     """transformers' Qwen3VLProcessor over the tiny tokenizer: its own frame sampling (do_sample_frames), resize at
-    the clip's pixel bound, and prompt expansion with timestamps."""
+    its own pixel bounds (the model's: no video config, so the images' as a whole-clip bound; the row's P = 256 binds
+    none of these clips), and prompt expansion with timestamps."""
     from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     from qwen3_models import processor as image_processor
     video = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
                                   image_std=[0.5] * 3, do_sample_frames=True, fps=rule.fps, cap_pixels_per_frame=False,
-                                  size={"shortest_edge": PIXELS["min_pixels"], "longest_edge": rule.clip_pixels()})
+                                  size={"shortest_edge": PIXELS["min_pixels"], "longest_edge": PIXELS["max_pixels"]})
     return Qwen3VLProcessor(image_processor=image_processor(), tokenizer=tok, video_processor=video)
 
 

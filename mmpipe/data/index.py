@@ -32,7 +32,7 @@ from .text import IMAGE_MARKER, ConversationEncoder
 from .tokenizer import BUILTIN_TEMPLATE
 from .video import CLIP_COUNTS, media_grids, with_timestamps
 
-INDEX_VERSION = 2  # 2: n_images and image_at per record (1: a bool has_image)
+INDEX_VERSION = 3  # 3: clips bounded by the video processor's pixels (2: by one image's); 2: n_images, image_at
 SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
 
 
@@ -135,7 +135,7 @@ def _check(i: int):
 @dataclass(frozen=True)
 class RecordChecks:
     """What every record is checked against, once, when the index is built. media / family: what the model family
-    reads of a record besides text (mmpipe.model.families.Family.media) and its name for the refusal; not in the
+    reads of a record besides text (mmpipe.registry.Family.media) and its name for the refusal; not in the
     index fingerprint, so an index built before a family read more keeps its decisions and a run resumed on it
     reads the same records (nothing it took is refused mid-run). rule: a dynamic family's PatchRule
     (mmpipe.data.patches) or TileRule (mmpipe.data.anyres), which gives each image's grid. image_limit: max_images
@@ -249,8 +249,8 @@ def describe(stats: dict, listed: str = "in bad_records.jsonl") -> list[str]:
              + (f", {stats['truncated']} truncated" if stats["truncated"] else "")
              + (f"; {stats['bad']} skipped: {_kinds(stats)}" if stats["bad"] else "")]
     if stats.get("clips"):
-        resized = (f"; {stats['clips_resized']} clips' frames made smaller than their own size (vision.max_pixels, "
-                   f"their share of the row's --max-patches)" if stats["clips_resized"] else "")
+        resized = (f"; {stats['clips_resized']} clips' frames made smaller than their video processor makes them "
+                   f"(their share of the row's --max-patches)" if stats["clips_resized"] else "")
         lines.append(f"data: {stats['clips']} clips: {stats['clip_frames_sampled']} of their {stats['clip_frames']} "
                      f"frames sampled (the family's video processor's fps rule){resized}"
                      + (f"; {stats['clips_fewer_frames']} clips sampled to {stats['clip_frames_dropped']} fewer frames "

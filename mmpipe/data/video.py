@@ -8,9 +8,10 @@ A clip of F frames at r fps and W x H pixels:
 
 - frames: the processor samples `fps` frames a second (Qwen2.5-VL's 2.0), at least min_frames and at most
   max_frames, floored to a multiple of temporal_patch_size (2): n frames, uniformly spaced (sample_frames);
-- frame size: smart_resize of H x W between min_pixels and a per-frame bound, the clip's share of the row's P patches
-  over its n / 2 temporal patches (and vision.max_pixels, and the video processor's own max_pixels where given), so a
-  long clip is sampled into smaller frames, never truncated;
+- frame size: smart_resize of H x W between the video processor's min_pixels and its max_pixels (its own config's,
+  which `mmpipe import` keeps in vision.video_*, else the images'), or a smaller per-frame bound where the clip's share
+  of the row's P patches over its n / 2 temporal patches is smaller, so a long clip is sampled into smaller frames,
+  never truncated (VideoRule.own: the clip at the processor's size alone);
 - fewer frames: a clip whose smallest frames still exceed its share is sampled again with the processor's max_frames
   lowered (sample_frames' own parameter: the same fps rule, capped) to the most frames that fit, down to its
   min_frames; one that fits not even then is a bad record (too_many_patches) saying so;
@@ -134,12 +135,31 @@ class VideoRule:
         """The processor's min_pixels: --video-min-pixels, else the images' (at least one merge unit)."""
         return max(self.min_pixels, self.image.factor ** 2) if self.min_pixels else self.image.min_pixels
 
+    @property
+    def most_pixels(self) -> int:
+        """The processor's max_pixels: --video-max-pixels or the checkpoint's video processor's
+        (vision.video_max_pixels), else the images' (vision.max_pixels: the video processor transformers builds from
+        preprocessor_config.json where a checkpoint has no video config); 0: none."""
+        return self.max_pixels or self.image.max_pixels
+
+    def row_units(self, n_media: int = 1) -> int:
+        """The merge units of the row's P that one of a sample's n_media media may take (P / n, whole units): the
+        row's bound alone, for a clip's frames are bounded by the video processor's pixels (most_pixels), not by
+        one image's."""
+        return self.image.row_patches // max(1, n_media) // (self.image.merge * self.image.merge)
+
     def frame_cap(self, temporal_patches: int, n_media: int = 1) -> int:
-        """max_pixels of one frame: the clip's share of P (PatchRule.cap) over its temporal patches, down to whole
-        merge units, and at most the processor's own max_pixels where given."""
+        """max_pixels of one frame: the processor's own (most_pixels, as it is: smart_resize reads it unrounded), or
+        less where the clip's share of P over its temporal patches is less (whole merge units), e.g. P = 256 at
+        p = 14, merge 2, 4 temporal patches: 64 units / 4 = 16 units x 784 = 12544 px a frame."""
         unit = self.image.merge * self.image.merge * self.image.patch * self.image.patch
-        cap = self.image.cap(n_media) // max(1, temporal_patches) // unit * unit
-        return min(cap, self.max_pixels // unit * unit) if self.max_pixels else cap
+        cap = self.row_units(n_media) // max(1, temporal_patches) * unit
+        return min(cap, self.most_pixels) if self.most_pixels else cap
+
+    def own(self, info: ClipInfo) -> Clip:
+        """The clip as its video processor alone makes it: no row's P to share (what `generate --video` answers on,
+        and what the data report compares a row's clip with)."""
+        return dataclasses.replace(self, image=dataclasses.replace(self.image, row_patches=1 << 40)).clip(info)
 
     def clip(self, info: ClipInfo, n_media: int = 1) -> Clip:
         """The clip's sampled frames, grid and step, by the processor's rules: its fps sampling, frames made smaller
@@ -165,7 +185,7 @@ class VideoRule:
         except ValueError as e:  # the processor's 200:1 aspect limit
             raise BadRecord("bad_aspect", f"video {info.width}x{info.height}: {' '.join(str(e).split())}") from None
         t = math.ceil(frames / r.temporal)  # the processor pads a last odd frame by repeating it
-        return (t, h // r.patch, w // r.patch), r.cap(n_media) // (r.patch * r.patch)
+        return (t, h // r.patch, w // r.patch), self.row_units(n_media) * r.merge * r.merge
 
     def _fewer(self, info: ClipInfo, frames: int, n_media: int, share: int, grid) -> tuple[int, np.ndarray, tuple]:
         """(frames sampled at first, the indices, grid) of the clip sampled with the processor's max_frames lowered
@@ -232,10 +252,12 @@ class Qwen3VideoRule(VideoRule):
                             min_pixels=self.least_pixels, max_pixels=self.clip_pixels(n_media))
 
     def clip_pixels(self, n_media: int = 1) -> int:
-        """The clip's pixels over all its frames: its share of P in patches x p^2 x temporal_patch_size, and at most
-        the processor's own size longest_edge where given (--video-max-pixels: a whole-clip bound)."""
-        share = self.image.cap(n_media) * self.image.temporal
-        return min(share, self.max_pixels) if self.max_pixels else share
+        """The clip's pixels over all its frames: the processor's own size longest_edge (most_pixels: its video
+        config's, --video-max-pixels, else the images'; a whole-clip bound), or less where the clip's share of P
+        is less (its merge units x merge^2 x p^2 x temporal_patch_size)."""
+        r = self.image
+        share = self.row_units(n_media) * r.merge * r.merge * r.patch * r.patch * r.temporal
+        return min(share, self.most_pixels) if self.most_pixels else share
 
     def clip(self, info: ClipInfo, n_media: int = 1) -> Clip:
         c = super().clip(info, n_media)
@@ -378,9 +400,8 @@ def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int, spare
             clip = clips.clip(info, n)
             out.append(((1, *clip.grid[1:]) if m.frame >= 0 else clip.tiling)[:rule.grid_width])
             if m.frame <= 0:  # a clip once, not once per temporal-patch slot
-                frame_px = clip.grid[1] * clip.grid[2] * rule.patch * rule.patch
-                for key, add in zip(CLIP_COUNTS, (1, info.frames, len(clip.indices),
-                                                  int(frame_px < info.width * info.height), int(clip.fewer > 0),
+                smaller = clip.grid[1:] != clips.own(info).grid[1:]  # its frames: the row's share, not the processor
+                for key, add in zip(CLIP_COUNTS, (1, info.frames, len(clip.indices), int(smaller), int(clip.fewer > 0),
                                                   clip.fewer and clip.fewer - len(clip.indices))):
                     counts[key] += add
         else:

@@ -17,6 +17,7 @@ or qwen2_5_vl (RMSNorm, SwiGLU with bias, window attention outside its fullatt_b
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -222,11 +223,63 @@ def plan_named(cfg: ModelConfig, source, where: str, names: dict[str, str], hf_c
 
 
 def hf_qwen_config(path: str | Path, notes: list[str] | None = None):
-    """An HF Qwen2-VL / Qwen2.5-VL directory's (HF config, mmpipe config); no weight is read (but
-    llava.settle_tie's two)."""
+    """An HF Qwen2-VL / Qwen2.5-VL directory's (HF config, mmpipe config, its clips' settings its video processor's:
+    with_video_settings); no weight is read (but llava.settle_tie's two)."""
     path = Path(path)
     hf = read_hf_config(path, tuple(HF_CLASSES), notes)
-    return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
+    return hf, with_video_settings(config_from_hf(hf, path.name, processor_settings(path)[0]), path, notes)
+
+
+VIDEO_FILES = ("processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json")
+
+
+def video_settings(path: Path) -> tuple[dict, str | None]:
+    """(the directory's video processor settings, the file they came from), in the order transformers'
+    AutoVideoProcessor reads them (BaseVideoProcessor.get_video_processor_dict): processor_config.json's
+    video_processor section, else video_preprocessor_config.json, else the image processor's preprocessor_config.json
+    (a video processor built on the images' settings); ({}, None) with none of them."""
+    for name in VIDEO_FILES:
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            d = json.loads(f.read_text())
+        except ValueError as e:
+            _fail(str(f), f"not JSON ({e})")
+        if not isinstance(d, dict):
+            _fail(str(f), "not a JSON object of processor settings")
+        if name != "processor_config.json":
+            return d, name
+        if isinstance(d.get("video_processor"), dict):
+            return d["video_processor"], name
+    return {}, None
+
+
+def video_processor_class(cfg: ModelConfig):
+    """transformers' video processor of the family: Qwen3-VL's (a whole-clip pixel bound, its frame sampling), else
+    Qwen2-VL's (a per-frame bound)."""
+    from transformers import Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
+    return Qwen3VLVideoProcessor if cfg.vision.timestamps else Qwen2VLVideoProcessor
+
+
+def with_video_settings(cfg: ModelConfig, path: Path, notes: list[str] | None = None) -> ModelConfig:
+    """cfg with vision.video_* its video processor's, built as transformers builds it (video_settings' dict into the
+    family's class by its from_dict: the keys it lacks take the class's defaults, e.g. Qwen2VLVideoProcessor's
+    min_frames 4, max_frames 768). Its pixel bounds (size shortest / longest_edge, or min / max_pixels) become
+    video_min_pixels / video_max_pixels; its fps video_fps, except where it has none (Qwen2VLVideoProcessor's
+    default, which samples no frames: mmpipe samples at 2, qwen-vl-utils' rate). No file at all (transformers
+    loads no video processor): the class's defaults, said in a note."""
+    d, name = video_settings(path)
+    proc = video_processor_class(cfg).from_dict(d)
+    fps = float(proc.fps) if proc.fps else cfg.vision.video_fps
+    vision = dataclasses.replace(cfg.vision, video_fps=fps, video_min_frames=int(proc.min_frames),
+                                 video_max_frames=int(proc.max_frames),
+                                 video_min_pixels=int(proc.size.shortest_edge or 0),  # a bound it lacks (a size of
+                                 video_max_pixels=int(proc.size.longest_edge or 0))  # one edge): 0, the images'
+    if name is None and notes is not None:
+        notes.append(f"no video processor config: clips take {type(proc).__name__}'s defaults (min_pixels "
+                     f"{vision.video_min_pixels}, max_pixels {vision.video_max_pixels}, fps {fps:g})")
+    return dataclasses.replace(cfg, vision=vision)
 
 
 def read_qwen2_vl(path: str | Path) -> Imported:
@@ -266,4 +319,18 @@ def write_with_processor(source, out: str | Path, hf, names: dict[str, str], sha
     out = write_hf(source, out, hf, names, shard_size=shard_size)
     if source.cfg.vision.max_pixels:
         image_processor(source.cfg.vision).save_pretrained(out)
+    if source.cfg.family in ("qwen2_vl", "qwen3_vl"):  # the families that read clips
+        video_processor(source.cfg).save_pretrained(out)
     return out
+
+
+def video_processor(cfg: ModelConfig):
+    """The family's transformers video processor at the model's clip settings (vision.video_*; pixel bounds 0: the
+    images'), sampling frames itself as mmpipe does (do_sample_frames) and without a total pixel cap (mmpipe has
+    none): save_pretrained writes it as video_preprocessor_config.json, which import reads back."""
+    v = cfg.vision
+    return video_processor_class(cfg)(
+        patch_size=v.patch_size, merge_size=v.merge_size, temporal_patch_size=v.temporal_patch_size,
+        size={"shortest_edge": v.video_min_pixels or v.min_pixels, "longest_edge": v.video_max_pixels or v.max_pixels},
+        image_mean=list(v.mean), image_std=list(v.std), fps=v.video_fps, min_frames=v.video_min_frames,
+        max_frames=v.video_max_frames, do_sample_frames=True, cap_pixels_per_frame=False)

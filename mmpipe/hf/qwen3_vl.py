@@ -37,7 +37,7 @@ from ..model.qwen3_vl import (
 )
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config, tie_flag
 from .moe import expert_layout, hf_moe_fields, moe_from_hf
-from .qwen2_vl import _bounds, pixel_defaults_taken, plan_named, write_with_processor
+from .qwen2_vl import _bounds, pixel_defaults_taken, plan_named, with_video_settings, write_with_processor
 from .safetensors_io import as_weights, open_weights
 from .stream import Imported, fill, meta_model
 
@@ -179,7 +179,7 @@ def hf_qwen3_config(path: str | Path, notes: list[str] | None = None):
     """An HF Qwen3-VL directory's (HF config, mmpipe config); no weight is read (but llava.settle_tie's two)."""
     path = Path(path)
     hf = read_hf_config(path, tuple(HF_CLASSES), notes)
-    return hf, config_from_hf(hf, path.name, processor_settings(path)[0])
+    return hf, with_video_settings(config_from_hf(hf, path.name, processor_settings(path)[0]), path, notes)
 
 
 def read_qwen3_vl(path: str | Path) -> Imported:

@@ -354,7 +354,7 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
     from ..data.records import Record, VideoRef
     from ..data.text import IMAGE_MARKER
     from ..data.video import clip_patches, media_count, media_grids, with_timestamps
-    from ..model.families import family_of
+    from ..registry import family_of
     cfg, path = model.cfg, Path(args.video)
     if "video" not in family_of(cfg).media:
         raise ConfigError(f"--video: the {cfg.family} family reads no clips")
@@ -363,6 +363,7 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
     if not hasattr(rule, "merge"):  # OneVision's tiles: the clip a slot of its frames' crops
         return _onevision_video(args, model, tok, encoder, cfg, rule)
     try:
+        rule = clip_budget(rule, path, cfg)
         rec = with_timestamps(Record("--video", [("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")],
                                      [VideoRef(path.name)]), rule, path.parent, IMAGE_MARKER)
         grids, _ = media_grids(rec.images, rule, path.parent, 0)
@@ -375,6 +376,25 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
     prompt = with_images(ids, cfg, image_at, [tuple(int(x) for x in g) for g in grids])
     return generate(model, pixels, prompt, Sampling.from_args(args, tok), use_cache=not args.no_cache,
                     tiling=torch.as_tensor(grids)[None])
+
+
+def clip_budget(rule, path: Path, cfg: ModelConfig):
+    """The image rule whose row's P holds the clip at its video processor's own size (VideoRule.own: a prompt's one
+    clip shares no row), at most the decoder's context (max_context positions of merge^2 patches each); where that
+    makes its frames smaller than the processor would, one line on stderr says so."""
+    import dataclasses
+
+    import numpy as np
+
+    from ..data.video import probe, video_rule
+    info = probe(path)
+    own = video_rule(rule).own(info)
+    need, most = int(np.prod(own.grid)), cfg.text.max_context * rule.merge ** 2
+    if need > most:
+        print(f"mmpipe: generate: --video: {path}: the clip's {'x'.join(map(str, own.grid))} patch grid at its video "
+              f"processor's size is over the model's context ({cfg.text.max_context} positions): its frames are made "
+              f"smaller to fit", file=sys.stderr, flush=True)
+    return dataclasses.replace(rule, row_patches=max(rule.row_patches, min(need, most)))
 
 
 def _onevision_video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder, cfg, rule) -> list[int]:
