@@ -190,3 +190,33 @@ def equivalence_config(tmp_path_factory) -> Path:
 
 
 EQUIV_STEPS = 6
+
+
+MOVED_FACTOR = 10
+"""An equivalence test's weights must have moved by more than MOVED_FACTOR x its tolerance (docs/testing.md, "Choosing
+a tolerance"): otherwise the comparison cannot tell a run that trained from one that did not."""
+
+
+def assert_weights_moved(got, init, tol: float, frozen: tuple[str, ...] = ()) -> dict[str, float]:
+    """Every floating tensor of `got` (a module or a state dict) moved from `init`'s by more than MOVED_FACTOR x `tol`
+    (its largest element), but those whose names start with one of `frozen` ("0." for a Sequential's layer 0);
+    returns each checked tensor's movement. DeepSpeed's WarmupCosineLR runs step 1 at lr 0, and a run at lr 0 (or
+    whose updates were skipped) equals its reference exactly: this is what fails then."""
+    got = got.state_dict() if hasattr(got, "state_dict") else got
+    init = init.state_dict() if hasattr(init, "state_dict") else init
+    moved = {k: (v.float() - init[k].float()).abs().max().item() for k, v in got.items()
+             if v.is_floating_point() and v.numel() and not k.startswith(tuple(frozen))}
+    still = {k: m for k, m in moved.items() if m <= MOVED_FACTOR * tol}
+    assert moved and not still, (f"{len(still)} of {len(moved)} tensors moved <= {MOVED_FACTOR} x {tol}, e.g. "
+                                 f"{dict(list(still.items())[:4])}")
+    return moved
+
+
+BREAKS = ROOT / "tests" / "breaks"
+
+
+def broken_env(name: str) -> dict[str, str]:
+    """The environment that makes a launched run apply the deliberate break `name` (tests/breaks/sitecustomize.py)
+    in every rank: a control run that a test must tell apart from a good one."""
+    path = os.pathsep.join(p for p in (str(BREAKS), os.environ.get("PYTHONPATH", "")) if p)
+    return {"MMPIPE_TEST_BREAK": name, "PYTHONPATH": path}
