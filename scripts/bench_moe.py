@@ -114,11 +114,11 @@ def plan_table() -> list[dict]:
     from mmpipe.config import load_preset
     from mmpipe.planning.costmodel import KNOWN_DEVICES
     from mmpipe.planning.images import patch_row
-    from mmpipe.planning.plan import plan
+    from mmpipe.planning.plan import PlanSpec, plan
     cfg = load_preset("qwen3-vl-30b-a3b")
-    layouts = plan(cfg, device=KNOWN_DEVICES["h100-80gb"], gpus=16, global_batch=64, micros=[1], text_len=1024,
-                   precision="bf16", zero=1, freeze=(), checkpointing=False, images=1,
-                   patches=patch_row(cfg, 1, 4096), eps=(1, 2, 4, 8))
+    layouts = plan(PlanSpec(cfg, device=KNOWN_DEVICES["h100-80gb"], gpus=16, global_batch=64, micros=(1,),
+                            text_len=1024, precision="bf16", zero=1, images=1, row=patch_row(cfg, 1, 4096),
+                            eps=(1, 2, 4, 8)))
     rows = []
     for lay in sorted(layouts, key=lambda lay: (lay.stages, lay.ep)):
         row = {"pp": lay.stages, "dp": lay.dp, "ep": lay.ep, "gas": lay.gas}

@@ -23,7 +23,7 @@ from mmpipe.cli import main
 from mmpipe.config import load_preset
 from mmpipe.planning.calibrate import calibrate, load_profile, predict_row, results_device
 from mmpipe.planning.costmodel import Device
-from mmpipe.planning.plan import plan
+from mmpipe.planning.plan import PlanSpec, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 META = {"sweep": "test", "device": "cpu", "peaks": {"fp32": 1.0e11, "bf16": 4.0e11}, "steps": 6, "warmup_steps": 1,
@@ -350,6 +350,6 @@ def test_predicted_points_and_all_plots_written(tmp_path):
 
 def test_small_preset_is_what_the_tests_assume():
     cfg = load_preset("small")
-    layouts = plan(cfg, device=results_device(META, "fp32"), gpus=2, global_batch=64, micros=[16], text_len=12,
-                   precision="fp32", zero=0, freeze=(), checkpointing=False)
+    layouts = plan(PlanSpec(cfg, device=results_device(META, "fp32"), gpus=2, global_batch=64, micros=(16,),
+                            text_len=12, precision="fp32", zero=0))
     assert {(lay.stages, lay.dp) for lay in layouts} == {(1, 2), (2, 1)}

@@ -177,6 +177,31 @@ def test_plan_command_lists_pp_dp_ep_layouts(tmp_path, capsys):
     assert (f"--dp {best['dp']} --ep {best['ep']}" in out) == (best["ep"] > 1)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_per_rank_line_names_an_all_to_all_only_where_one_runs(ep, tmp_path, capsys):
+    """Issue 53: at EP 1 every expert is on its rank and no all-to-all runs, so the best layout's per-rank line names
+    each stage's parameters alone (it printed 'all-to-all 1442.2 MiB / 0.00 ms a micro-batch' for qwen3-vl-30b-a3b);
+    at EP 2 it names each stage's all-to-all too, the MiB and ms --json's stage rows hold."""
+    from mmpipe.cli import main
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(tiny_moe().to_dict()))
+    argv = ["plan", "--preset", str(path), "--device", "custom", "--peak-tflops", "1", "--gpu-mem", "8",
+            "--link-gbps", "1", "--gpus-per-node", "4", "--global-batch", "8", "--micro", "1", "--max-patches",
+            str(P), "--max-images", str(IMAGES), "--text-len", str(TEXT), "--ep", str(ep)]
+    assert main([*argv, "--json"]) == 0
+    best = max(json.loads(capsys.readouterr().out), key=lambda x: x["throughput"])
+    assert best["ep"] == ep and any(r["a2a_mib"] > 0 for r in best["stage_rows"])  # the bytes its blocks would move
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"\nbest: {best['stages']} stages x dp {best['dp']} (ep {ep})," in out
+    a2a = (lambda r: f", all-to-all {r['a2a_mib']:.1f} MiB / {r['a2a_ms']:.2f} ms a micro-batch") if ep > 1 else (
+        lambda r: "")
+    line = "per rank: " + "; ".join(f"stage {r['stage']} {r['rank_params']:,.0f} params{a2a(r)}"
+                                    for r in best["stage_rows"])
+    assert [x for x in out.splitlines() if x.startswith("per rank: ")] == [line]
+    assert ("all-to-all" in line) == (ep > 1) and out.count(" MiB / ") == (len(best["stage_rows"]) if ep > 1 else 0)
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--preset", "qwen3-vl-tiny", "--ep", "2"],
      "--ep: 2 on qwen3-vl-tiny, a dense model (no text.moe): expert parallelism splits experts"),

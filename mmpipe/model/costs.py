@@ -1,6 +1,6 @@
 """What one layer costs per sample, by kind: the rules mmpipe.planning.costmodel applies to every
 layer of a model's list. A family names the rule of each of its layer classes
-(mmpipe.model.families); how the numbers are counted is in costmodel's docstring.
+(mmpipe.families); how the numbers are counted is in costmodel's docstring.
 
 A rule sees the model config, the layer's parameter count and the tokens per sample: `n` on the
 vision side (the tower's tokens), `seq` in the decoder (its positions: image + text). LLaVA's
@@ -39,6 +39,8 @@ class LayerRule:
     # runs on the row's patch budget (dynamic resolution): n = P per row, never x image slots; its cost
     # function takes the row's PatchRow and the layer's spec kwargs after (cfg, params, n, seq)
     per_row: bool = False
+    # an MoE block: holds experts (`--ep` splits them over ranks) and runs their all-to-alls (planning.costmodel)
+    experts: bool = False
 
     def cost_of(self, cfg: ModelConfig, params: int, n: int, seq: int, row: "PatchRow | None" = None,
                 kwargs: dict | None = None) -> Cost:
@@ -162,10 +164,27 @@ class PatchRow:
     4 x 3996 = 15984 used, 400 padding."""
     patches: int
     grids: tuple[tuple[int, int, int], ...] = ()
+    kind = "patches"  # the row kind (mmpipe plan's words and lines for it: planning.report)
+    flag = "--max-patches"  # its budget's flag
 
     @property
     def used(self) -> int:
         return sum(t * h * w for t, h, w in self.grids)
+
+    @property
+    def budget(self) -> int:
+        """P: the vision positions the row's tower runs on, whatever its images hold."""
+        return self.patches
+
+    @property
+    def slots(self) -> int:
+        """The image slots it holds: one grid each (a Qwen3-VL clip: one per temporal patch)."""
+        return len(self.grids)
+
+    def set_tokens(self, cfg: ModelConfig, images: int, n: int) -> int:
+        """One carried image feature set's tokens: P / merge^2 merged tokens whatever its images (Qwen3-VL's
+        DeepStack sets, [B, P / 4, D])."""
+        return self.patches // cfg.vision.merge_size ** 2
 
 
 def _windows(side: int, unit: int) -> list[int]:
@@ -251,6 +270,22 @@ class CropRow:
     2 x 2): T = 5 for one 672 x 672 image."""
     crops: int
     tilings: tuple[tuple[int, int, int, int], ...] = ()
+    kind = "crops"  # the row kind (mmpipe plan's words and lines for it: planning.report)
+    flag = "--max-tiles"  # its budget's flag
+
+    @property
+    def budget(self) -> int:
+        """T: the crops the row's tower encodes, zero crops included."""
+        return self.crops
+
+    @property
+    def slots(self) -> int:
+        """The image slots it holds: one tiling each (a OneVision clip: one)."""
+        return len(self.tilings)
+
+    def set_tokens(self, cfg: ModelConfig, images: int, n: int) -> int:
+        """One carried image feature set's tokens: M image slots of n tokens each."""
+        return images * n
 
 
 def _crops(cfg: ModelConfig, row: CropRow | None) -> int:

@@ -305,4 +305,4 @@ def _moe_block(cfg, params, n, seq):
     return sparse_cost(costs._llama_block, cfg, params, n, seq)
 
 
-MOE_BLOCK = costs.LayerRule("Qwen3MoeBlock", _moe_block, "sequence")
+MOE_BLOCK = costs.LayerRule("Qwen3MoeBlock", _moe_block, "sequence", experts=True)

@@ -443,9 +443,11 @@ GATED_ATTENTION_BLOCK = costs.LayerRule("GatedAttentionBlock", _gated_attention_
 DELTANET_BLOCK = costs.LayerRule("DeltaNetBlock", _deltanet_block, "sequence")
 # Qwen3.5-MoE's: each kind's rule on the active parameters, the experts' activations for the dense MLP's
 # (mmpipe.model.moe.sparse_cost)
-DELTANET_MOE_BLOCK = costs.LayerRule("DeltaNetMoeBlock", functools.partial(sparse_cost, _deltanet_block), "sequence")
+DELTANET_MOE_BLOCK = costs.LayerRule("DeltaNetMoeBlock", functools.partial(sparse_cost, _deltanet_block), "sequence",
+                                     experts=True)
 GATED_ATTENTION_MOE_BLOCK = costs.LayerRule("GatedAttentionMoeBlock",
-                                            functools.partial(sparse_cost, _gated_attention_block), "sequence")
+                                            functools.partial(sparse_cost, _gated_attention_block), "sequence",
+                                            experts=True)
 
 
 def qwen3_5_specs(cfg: ModelConfig) -> list[LayerSpec]:

@@ -71,7 +71,7 @@ data's L = 2 M + P / merge^2 + text_len positions; its vision rules (per_row) se
 (PatchRow: mmpipe.planning.images), so attention counts each image's own patches and windows.
 
 The rule of each layer kind is in mmpipe.model.costs; each family names its layers' rules
-(mmpipe.model.families), and LLaVA's layers are costed as the moondream layers of the same shape.
+(mmpipe.families), and LLaVA's layers are costed as the moondream layers of the same shape.
 
 Time: FLOPs / (peak FLOP/s x efficiency), or, calibrated (`mmpipe plan --profile`, and what the
 CPU validation uses), the measured forward and backward seconds of each layer kind at the
@@ -87,9 +87,9 @@ from ..data.image_kinds import image_kind
 from ..data.packing import row_shape
 from ..model.builder import adapter_param_counts, bound, layer_param_counts, layer_specs, shapes_only
 from ..model.costs import DEEPSTACK_MERGER, Cost, CropRow, PatchRow
-from ..model.families import family_of
 from ..model.lora import Lora
 from ..model.stage import HIDDEN, live_fields
+from ..registry import family_of
 from .images import patch_row
 from .schedule_registry import BASELINE, Schedule
 
@@ -188,18 +188,19 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
         rows.append(LayerCost(rule.name, group, params + adapters, trainable, c.tokens, fwd, bwd, recompute,
                               float(c.act), float(c.fp32), float(c.out), embedding=rule.embedding,
                               adapter_params=adapters, w_flops=w, tied=getattr(spec, "key", "") or "",
-                              **_moe_fields(cfg, spec, c.tokens)))
+                              **_moe_fields(cfg, rule, c.tokens)))
     return _carry(cfg, rows, _image_set_elems(cfg, n, images, patches))
 
 
-def _moe_fields(cfg: ModelConfig, spec, tokens: int) -> dict:
+def _moe_fields(cfg: ModelConfig, rule, tokens: int) -> dict:
     """An MoE block's expert weights and all-to-all rows (LayerCost.expert_params, a2a_elems); {} for any other
-    layer, so a dense model's rows are unchanged. E.g. qwen3-vl-30b-a3b: 128 x 3 x 2048 x 768 = 603,979,776 expert
-    weights a block, and at 1024 positions 1024 x 8 x 2048 = 16,777,216 elements an all-to-all."""
-    from ..model.moe import MoeBlock, expert_params
-    if not issubclass(spec.typename, MoeBlock):  # Qwen3-VL-MoE's block, Qwen3.5-MoE's two kinds
+    layer (its rule says: LayerRule.experts), so a dense model's rows are unchanged. E.g. qwen3-vl-30b-a3b: 128 x 3 x
+    2048 x 768 = 603,979,776 expert weights a block, and at 1024 positions 1024 x 8 x 2048 = 16,777,216 elements an
+    all-to-all."""
+    from ..model.moe import expert_params
+    if not rule.experts:  # Qwen3-VL-MoE's block, Qwen3.5-MoE's two kinds
         return {}
-    m = cfg.text.moe
+    m = family_of(cfg).experts(cfg)
     return {"expert_params": m.experts * expert_params(cfg), "a2a_elems": float(tokens * m.top_k * cfg.text.dim)}
 
 
@@ -208,9 +209,10 @@ def moe_param_counts(cfg: ModelConfig) -> dict[str, int]:
     less the E - top_k experts it skips in each MoE block; experts = all blocks' expert weights (what `--ep` splits).
     E.g. 48 blocks of 128 experts of 3 x 2048 x 768 = 4,718,592 weights, top 8: experts 48 x 128 x 4,718,592 =
     28,991,029,248, active = total - 48 x 120 x 4,718,592 = total - 27,179,089,920."""
-    from ..model.moe import MoeBlock, expert_params
-    m = cfg.text.moe
-    blocks = sum(issubclass(s.typename, MoeBlock) for s in layer_specs(cfg))
+    from ..model.moe import expert_params
+    family = family_of(cfg)
+    m = family.experts(cfg)
+    blocks = sum(family.cost_rule(s).experts for s in layer_specs(cfg))
     total = sum(layer_param_counts(cfg))
     return {"total": total, "active": total - blocks * (m.experts - m.top_k) * expert_params(cfg),
             "experts": blocks * m.experts * expert_params(cfg), "blocks": blocks}
@@ -231,10 +233,8 @@ def _tokens(cfg: ModelConfig, text_len: int, images: int = 1, patches: PatchRow 
     LLaVA, 12 when the image is attended to; M = 4 slots of 16 + 96 text = 160 (rows). A dynamic family's
     row (patches): its P patches, and the data's L = M x 2 brackets + P / merge^2 + text_len; an any-resolution
     row (a CropRow): its T crops, and the data's L = the largest sample's image positions + text_len."""
-    if isinstance(patches, CropRow):
-        return patches.crops, row_shape(cfg, images, text_len, patches.crops).length
-    if patches is not None:
-        return patches.patches, row_shape(cfg, images, text_len, patches.patches).length
+    if patches is not None:  # either row kind: its budget (P patches, T crops) is what the tower runs on
+        return patches.budget, row_shape(cfg, images, text_len, patches.budget).length
     per_image = image_kind(cfg).sample_positions(cfg, 1, 0)  # N_dec: spliced positions or <image>s (0: attended)
     return family_of(cfg).tower_tokens(cfg), images * per_image + text_len
 
@@ -255,9 +255,7 @@ def _image_set_elems(cfg: ModelConfig, n: int, images: int, patches: PatchRow | 
     """One carried feature set of a row: its image tokens x D_text. A dynamic-resolution row: P / merge^2 merged
     tokens whatever its images (Qwen3-VL's DeepStack sets, [B, P / 4, D]; qwen3-vl-tiny at P = 128: 32 x 64);
     else M image slots of n tokens each (cross-attention's image, [B x M, N, D])."""
-    if isinstance(patches, PatchRow):
-        return patches.patches // cfg.vision.merge_size ** 2 * cfg.text.dim
-    return images * n * cfg.text.dim
+    return (patches.set_tokens(cfg, images, n) if patches is not None else images * n) * cfg.text.dim
 
 
 def _carry(cfg: ModelConfig, rows: list[LayerCost], set_elems: int) -> list[LayerCost]:

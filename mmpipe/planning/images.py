@@ -21,17 +21,17 @@ import re
 
 from ..config import ConfigError, ModelConfig
 from ..data.anyres import tile_rule
-from ..data.image_kinds import KINDS, image_kind
+from ..data.image_kinds import image_kind
 from ..data.patches import patch_rule
 from ..data.records import BadRecord
 from ..model.costs import CropRow, PatchRow
-from ..model.families import FAMILIES
+from ..registry import families
 
 
 def sized_families() -> list[str]:
     """The families whose images take any size in a row budget (a kind with a budget flag: Qwen2-VL's patches,
     LLaVA-NeXT's tiles), from the family registry: those `--image-size` costs and `mmpipe check` has no profile for."""
-    return list(dict.fromkeys(f.family for f in FAMILIES if KINDS[f.images].flag is not None))
+    return list(dict.fromkeys(f.family for f in families() if f.kind.flag is not None))
 
 
 def families_words(names: list[str]) -> str:
@@ -98,7 +98,7 @@ def crop_row(cfg: ModelConfig, images: int = 1, budget: int = 0,
     return CropRow(rule.row_tiles, tuple(tuple(int(x) for x in g[:4]) for g in grids))
 
 
-def crop_words(cfg: ModelConfig, args, row: CropRow) -> str:
+def crop_words(cfg: ModelConfig, run, row: CropRow) -> str:
     """`mmpipe plan`'s header words for an any-resolution row: each size's tiles, crops and decoder positions; a
     OneVision clip's tiling (rows -1, clip_row) its frames sampled, each a base crop pooled, and its positions."""
     images = tuple(t for t in row.tilings if t[2] >= 0)
@@ -108,8 +108,8 @@ def crop_words(cfg: ModelConfig, args, row: CropRow) -> str:
     for _, _, rows, cols in clips:  # at most one: --video-frames
         from ..model.llava_next import image_feature_count, pooled_side
         v, frames, side = cfg.vision, 1 - cols, pooled_side(cfg.vision.grid)
-        size = getattr(args, "video_size", None) or "vision.image_size"
-        words.append(f"a clip of {args.video_frames} frames of {size} px -> {frames} frames sampled, each a "
+        size = run.video_size or "vision.image_size"
+        words.append(f"a clip of {run.video_frames} frames of {size} px -> {frames} frames sampled, each a "
                      f"{rule.size} px crop pooled to {side} x {side} ({frames} crops, {frames} x {side ** 2} + 1 = "
                      f"{image_feature_count(v, 0, 0, rows, cols)} image tokens)")
     if not images:
