@@ -94,6 +94,7 @@ class Clip:
     step: float
     seconds_per_grid: float  # temporal_patch_size / sampled_fps (transformers' second_per_grid_ts)
     fewer: int = 0  # > 0: the frames the fps rule sampled, more than fit the clip's share: fewer were (VideoRule.clip)
+    bound: int = 0  # the max_pixels its frames were resized with (VideoRule.frame_bound), which its patches take
 
     @property
     def tiling(self) -> tuple[int, int, int, int]:
@@ -175,7 +176,7 @@ class VideoRule:
         sampled_fps = len(idx) / info.frames * info.fps  # transformers' VideoMetadata.sampled_fps
         seconds = float(np.float32(r.temporal / sampled_fps))  # second_per_grid_ts, a float32 tensor in transformers
         step = float(np.float32(self.tokens_per_second * np.float32(seconds))) if self.tokens_per_second else 1.0
-        return Clip(tuple(int(i) for i in idx), grid, step, seconds, fewer)
+        return Clip(tuple(int(i) for i in idx), grid, step, seconds, fewer, self.frame_bound(info, len(idx), n_media))
 
     def _grid(self, info: ClipInfo, frames: int, n_media: int) -> tuple[tuple[int, int, int], int]:
         """(the grid of `frames` sampled frames, the patches the clip may take: its share of P)."""
@@ -213,17 +214,39 @@ class VideoRule:
         idx, g = at(lo)
         return frames, idx, g
 
-    def frame_size(self, info: ClipInfo, frames: int, n_media: int = 1) -> tuple[int, int]:
-        """(h', w') of the clip's frames: Qwen2VLVideoProcessor's smart_resize at the per-frame bound frame_cap."""
+    def frame_bound(self, info: ClipInfo, frames: int, n_media: int = 1) -> int:
+        """The max_pixels the processor resizes the clip's `frames` frames with: its own (most_pixels) where the
+        frames it makes at that bound fit the clip's share of the row, else the share (row_bound). Checked on the
+        result, not the bound: smart_resize scales by sqrt(H W / bound) and floors, so its own result given again as
+        the bound can come out smaller (168 x 112 at 9408 px -> 56 x 112 = 6272; at 6272 -> 56 x 84)."""
+        row, most = self.row_bound(frames, n_media), self.most_pixels
+        if not most or most <= row:
+            return most or row
+        return most if self.fits(*self.resized(info, frames, most), frames, row) else row
+
+    def row_bound(self, frames: int, n_media: int = 1) -> int:
+        """The clip's share of the row as a bound on a frame's pixels (frame_cap without the processor's own)."""
+        unit = self.image.merge * self.image.merge * self.image.patch * self.image.patch
+        return self.row_units(n_media) // max(1, math.ceil(frames / self.image.temporal)) * unit
+
+    @staticmethod
+    def fits(h: int, w: int, frames: int, bound: int) -> bool:
+        return h * w <= bound  # a frame's pixels
+
+    def resized(self, info: ClipInfo, frames: int, bound: int) -> tuple[int, int]:
+        """(h', w') of the clip's frames: Qwen2VLVideoProcessor's smart_resize at a frame's max_pixels `bound`."""
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
         r = self.image
-        cap = self.frame_cap(math.ceil(frames / r.temporal), n_media)
         return smart_resize(info.height, info.width, factor=r.factor, min_pixels=self.least_pixels,
-                            max_pixels=max(cap, r.factor * r.factor))
+                            max_pixels=max(bound, r.factor * r.factor))
+
+    def frame_size(self, info: ClipInfo, frames: int, n_media: int = 1) -> tuple[int, int]:
+        """(h', w') of the clip's frames: the processor's resize at frame_bound."""
+        return self.resized(info, frames, self.frame_bound(info, frames, n_media))
 
     def processor(self, clip: Clip | None, n_media: int = 1):
         """transformers' video processor at the clip's frame bound (None: any bound, for its sample_frames)."""
-        return _processor(self, self.frame_cap(clip.grid[0], n_media) if clip else 0)
+        return _processor(self, clip.bound if clip else 0)
 
     def patches(self, path, clip: Clip, n_media: int = 1) -> torch.Tensor:
         """float32 [t h w, patch_dim]: the clip's sampled frames decoded (PyAV) and made into patches by the
@@ -245,11 +268,20 @@ class Qwen3VideoRule(VideoRule):
     rotary step: each temporal patch is a block of its own after its timestamp text (timestamps), so a clip takes
     t slots of grid (1, h, w) in a row (frame_grids)."""
 
-    def frame_size(self, info: ClipInfo, frames: int, n_media: int = 1) -> tuple[int, int]:
+    def resized(self, info: ClipInfo, frames: int, bound: int) -> tuple[int, int]:
+        """Qwen3VLVideoProcessor's smart_resize at a whole-clip bound."""
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
         r = self.image
         return smart_resize(frames, info.height, info.width, temporal_factor=r.temporal, factor=r.factor,
-                            min_pixels=self.least_pixels, max_pixels=self.clip_pixels(n_media))
+                            min_pixels=self.least_pixels, max_pixels=bound)
+
+    def row_bound(self, frames: int, n_media: int = 1) -> int:
+        r = self.image  # the clip's share of P over all its frames (patches x p^2 x temporal_patch_size)
+        return self.row_units(n_media) * r.merge * r.merge * r.patch * r.patch * r.temporal
+
+    def fits(self, h: int, w: int, frames: int, bound: int) -> bool:
+        t = self.image.temporal  # the clip's pixels over its temporal patches' frames
+        return math.ceil(frames / t) * t * h * w <= bound
 
     def clip_pixels(self, n_media: int = 1) -> int:
         """The clip's pixels over all its frames: the processor's own size longest_edge (most_pixels: its video
@@ -264,7 +296,7 @@ class Qwen3VideoRule(VideoRule):
         return dataclasses.replace(c, step=0.0)  # no absolute-time rotary: the timestamps say the time
 
     def processor(self, clip: Clip | None, n_media: int = 1):
-        return _qwen3_processor(self, self.clip_pixels(n_media))
+        return _qwen3_processor(self, clip.bound if clip else self.clip_pixels(n_media))
 
     def timestamps(self, info: ClipInfo, clip: Clip) -> list[str]:
         """The text before each temporal patch's block, as Qwen3VLProcessor writes it (its replace_video_token on the
