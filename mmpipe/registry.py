@@ -117,6 +117,7 @@ def _tied_spec() -> type:
 
 _FAMILIES: dict[tuple[str, str], Family] = {}
 _loaded = False
+_plugin_error: ConfigError | None = None  # a family module that did not import (load)
 
 
 def register(entry: Family) -> Family:
@@ -129,8 +130,10 @@ def register(entry: Family) -> Family:
 
 def load() -> None:
     """Import the built-in families and every family module from outside the package, once; each registers itself
-    on import. A module named in MMPIPE_FAMILIES that does not import is a ConfigError naming it."""
-    global _loaded
+    on import. A module named in MMPIPE_FAMILIES that does not import is kept as a ConfigError naming it, raised where
+    a model config asks which families exist (`known_families`, `family_of`): one line there, not a traceback from
+    whatever first asked (a command's help text lists families too)."""
+    global _loaded, _plugin_error
     if _loaded:
         return
     _loaded = True  # before importing: a family module's own questions must not recurse here
@@ -140,9 +143,15 @@ def load() -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise ConfigError(f"{PLUGINS_ENV}: family module '{name}' does not import ({e})") from None
+            _plugin_error = ConfigError(f"{PLUGINS_ENV}: family module '{name}' does not import ({e})")
     for ep in entry_points(group="mmpipe.families"):
         ep.load()
+
+
+def _checked() -> None:
+    load()
+    if _plugin_error is not None:
+        raise _plugin_error
 
 
 def families() -> tuple[Family, ...]:
@@ -161,6 +170,7 @@ def family_of(cfg) -> Family:
     """The entry of a model config; an unknown (family, fusion) is one line naming the registered ones."""
     f = lookup(cfg.family, cfg.fusion)
     if f is None:
+        _checked()
         raise ConfigError(f"model config '{cfg.name}': no model family '{cfg.family}' with fusion '{cfg.fusion}' "
                           f"(valid: {', '.join(f'{f.family}/{f.fusion}' for f in families())})")
     return f
@@ -168,6 +178,7 @@ def family_of(cfg) -> Family:
 
 def known_families() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(families, fusions) a model JSON may name: the built-in ones and those registered from outside."""
+    _checked()
     keys = [f.key for f in families()]
     return tuple(dict.fromkeys(f for f, _ in keys)), tuple(dict.fromkeys(u for _, u in keys))
 
