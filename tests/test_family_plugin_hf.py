@@ -3,7 +3,8 @@ package (transformers' VipLlavaForConditionalGeneration, a model_type mmpipe its
 importing it. `mmpipe import --hf` of a tiny random VipLlava gives transformers' logits, its projector reading the
 tower's states in the config's order; a 2-stage pipeline from the imported run, on a LLaVA .jsonl in its own
 tokenizer's words and cut inside the tower (the read states cross beside hidden), equals the single-device
-reference, losses and weights; its image kind and its config checks refuse in one line. One launch."""
+reference, losses and weights; `mmpipe export` of it loads in transformers with the run's logits; its image kind and
+its config checks refuse in one line. One launch (~60 s here, the file ~80 s)."""
 from __future__ import annotations
 
 import json
@@ -140,30 +141,55 @@ def _weights_differ(a, b) -> dict[str, float]:
     return {k: (v - sb[k]).abs().max().item() for k, v in a.state_dict().items()}
 
 
-def test_pp2_from_import_equals_reference(imported, family, equivalence_config, tmp_path):
+@pytest.fixture(scope="module")
+def trained(imported, equivalence_config, tmp_path_factory):
+    """The one launch: PP=2 from the imported run, cut inside the tower, and its single-device reference."""
     _, _, run = imported
-    args = ["--init-from", str(run), "--data", _records(tmp_path), "--text-len", "12", "--ds-config",
+    d = tmp_path_factory.mktemp("vip_train")
+    args = ["--init-from", str(run), "--data", _records(d), "--text-len", "12", "--ds-config",
             str(equivalence_config), "--steps", str(EQUIV_STEPS), "--eval-samples", "0", "--seed", "3"]
     rc = resolve(TrainArgs.from_argv(args + ["--stages", "1"]), world_size=1)
-    ref_model, ref_losses = train_reference(rc, seed=3, steps=EQUIV_STEPS, out_dir=str(tmp_path / "ref"))
-    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3  # it trained
-    out = tmp_path / "pp2"
+    reference = train_reference(rc, seed=3, steps=EQUIV_STEPS, out_dir=str(d / "ref"))
     env = {"MMPIPE_FAMILIES": "vipllava_family",
            "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
-    pp2 = Run(out, mmpipe_train(["--output-dir", str(out), *args, "--stages", "2", "--partition", CUT],
-                                MMPIPE_WIRE_LOG=str(out), **env)).check()
+    pp2 = Run(d / "pp2", mmpipe_train(["--output-dir", str(d / "pp2"), *args, "--stages", "2", "--partition", CUT],
+                                      MMPIPE_WIRE_LOG=str(d / "pp2"), **env)).check()
+    return rc.model, reference, pp2
+
+
+def test_pp2_from_import_equals_reference(imported, trained, equivalence_config):
+    cfg, (ref_model, ref_losses), pp2 = trained
+    assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3  # it trained
     assert pp2.summary["parts"] == [0, 5, 13]
     for step, want in enumerate(ref_losses, start=1):
         assert pp2.losses[step] == pytest.approx(want, abs=TOL), step
-    trained = load_reference(out / "checkpoints", rc.model)
-    diffs = _weights_differ(trained, ref_model)
+    model = load_reference(pp2.out / "checkpoints", cfg)
+    diffs = _weights_differ(model, ref_model)
     assert max(diffs.values()) < TOL, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
-    init = load_reference(run / "checkpoints", rc.model)
+    init = load_reference(imported[2] / "checkpoints", cfg)
     # every tensor moved but the tower's key biases: softmax cancels q.b_k, so their gradient is 0 in exact arithmetic
     # (they move by rounding noise, ~1e-6 here; equal to the reference's all the same, checked above)
-    assert_weights_moved({k: v for k, v in trained.state_dict().items() if not k.endswith("k_proj.bias")}, init, TOL)
+    assert_weights_moved({k: v for k, v in model.state_dict().items() if not k.endswith("k_proj.bias")}, init, TOL)
     # stage 0 sends hidden [micro, 17, 32] and the taps of states 1 and 2 [micro, 16, 2 x 32] per micro-batch
     pp2.assert_only_floats_crossed(per_forward=2)
     micro = json.loads(equivalence_config.read_text())["train_micro_batch_size_per_gpu"]
     shapes = {shape for kind, _, shape in pp2.wire(0) if kind == "data"}
     assert shapes == {f"{micro}x17x32", f"{micro}x16x64"}, shapes
+
+
+def test_export_loads_in_transformers(trained, tmp_path):
+    """`mmpipe export` of the trained run (the family's writer and weight-name map): transformers'
+    VipLlavaForConditionalGeneration.from_pretrained gives the run's logits, its tower cut after the last read
+    state and the states named from 0."""
+    from transformers import VipLlavaForConditionalGeneration
+    cfg, _, pp2 = trained
+    assert main(["export", "--checkpoint", str(pp2.out), "--out", str(tmp_path / "hf")]) == 0
+    hf = VipLlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.vision_feature_layer == [3, 1, 2] and hf.config.vision_config.num_hidden_layers == 3
+    model = load_reference(pp2.out / "checkpoints", cfg).eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.cat([torch.ones(2, 1, dtype=torch.long), torch.full((2, 16), IMAGE_TOKEN),
+                     torch.randint(3, IMAGE_TOKEN, (2, 5), generator=g)], 1)
+    px = torch.randn(2, 3, 32, 32, generator=g)
+    with torch.no_grad():
+        assert (model.one_per_row(px, ids) - hf(input_ids=ids, pixel_values=px).logits).abs().max().item() < LOGITS_TOL

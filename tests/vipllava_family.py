@@ -15,9 +15,10 @@ field. So a pipeline cut inside the tower sends `taps` beside `hidden`, as the t
 
 Its model JSON's "vision" section is its own (VipVision: the list of states, the projector's LayerNorm epsilon;
 CLIP's class token always, so no `kind`), its images are LLaVA's placeholders with one rule of its own
-(VisualPrompts), and its HF side reads a VipLlava directory with mmpipe.hf.llava's machinery: the same
-weight names (mmpipe.hf.llava.key_map) but the projector's LayerNorm. Imported by name (MMPIPE_FAMILIES=
-vipllava_family, this folder on PYTHONPATH), it registers itself: mmpipe's own code names no part of it.
+(VisualPrompts), and its HF side reads and writes a VipLlava directory with mmpipe.hf.llava's machinery: LLaVA's
+weight names (mmpipe.hf.llava.key_map, its projector's LayerNorm under the projector's prefix). Imported by name
+(MMPIPE_FAMILIES=vipllava_family, this folder on PYTHONPATH), it registers itself: mmpipe's own code names no part
+of it.
 """
 from __future__ import annotations
 
@@ -225,10 +226,40 @@ def import_vipllava(path: str | Path, dtype=torch.float32):
     return got.model(dtype), got.report
 
 
+def hf_config(cfg: ModelConfig, tok=None):
+    """This family's config -> the VipLlavaConfig of its export: LLaVA's (mmpipe.hf.llava.hf_config: the tower cut
+    after the last read state, tok's special ids), the states by their index from 0 (a negative one would name
+    another state of the cut tower)."""
+    from transformers import VipLlavaConfig
+
+    from mmpipe.config import ClipVision
+    from mmpipe.hf.llava import hf_config as llava_hf_config
+    v = cfg.vision
+    shared = {f.name: getattr(v, f.name) for f in dataclasses.fields(VisionConfig)}
+    clip = ClipVision(**shared, kind="clip", act=v.act, feature_layer=v.n_blocks_used, feature_select="default")
+    llava = llava_hf_config(dataclasses.replace(cfg, vision=clip), tok)
+    return VipLlavaConfig(vision_config=llava.vision_config, text_config=llava.text_config,
+                          image_token_index=cfg.image_token_id, vision_feature_layer=list(v.states),
+                          projector_layernorm_eps=v.projector_ln_eps, tie_word_embeddings=cfg.text.tie_embeddings)
+
+
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """Every mmpipe weight name -> VipLlavaForConditionalGeneration's (LLaVA's names: mmpipe.hf.llava.key_map)."""
+    from mmpipe.hf.llava import _hf_names
+    from mmpipe.hf.llava import key_map as llava_key_map
+    return llava_key_map(cfg, _hf_names(hf_config(cfg)))
+
+
+def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
+    """A VipLlava directory that from_pretrained loads (mmpipe.hf.llava.export_hf with this family's config)."""
+    from mmpipe.hf.llava import export_hf as llava_export
+    return llava_export(source, out, tok, hf=hf_config(source.cfg, tok), shard_size=shard_size)
+
+
 VIPLLAVA = register(Family(
     MODEL_TYPE, "prefix", vip_specs, (TowerBlock, LlamaBlock),
     {**LLAVA.cost_rules, FeatureTap: TAP_RULE, VipProjector: costs.PROJECTOR},
     dataclasses.replace(LLAVA.layout, vision=VipVision), VisualPrompts(), checks=vip_checks,
     fields=lambda cfg: ROW + (TAPS,), tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     hf=HfSide("hf", "VipLlavaForConditionalGeneration", (MODEL_TYPE,), "ViP-LLaVA", importer=import_vipllava,
-              config=hf_vip_config, reader=read_vipllava)))
+              config=hf_vip_config, reader=read_vipllava, key_map=key_map, export=export_hf)))
