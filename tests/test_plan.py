@@ -21,6 +21,7 @@ from mmpipe.model.rows import sample_rows
 from mmpipe.planning.costmodel import (
     KNOWN_DEVICES,
     Device,
+    Shape,
     layer_costs,
     pipeline_step_seconds,
     replayed_step_seconds,
@@ -29,7 +30,7 @@ from mmpipe.planning.costmodel import (
     stage_split_seconds,
     state_bytes,
 )
-from mmpipe.planning.layout import plan_layout
+from mmpipe.planning.layout import Training, plan_layout
 from mmpipe.planning.partition import compute_parts, min_max_split
 from mmpipe.planning.schedule_registry import ZB_H1
 from mmpipe.planning.schedules import predict, simulate
@@ -185,12 +186,12 @@ def test_state_memory_hand_arithmetic():
     rows = layer_costs(cfg, (), 12)
     parts = [0, 5, len(rows)]
     # stage 0 of 2 with 4 micro-batches holds min(2 - 0, 4) = 2 micro-batches of 3 samples in flight
-    mem = stage_memory(rows, parts, 0, micro=3, micro_batches=4, precision="fp32", zero_stage=0, dp=1)
+    mem = stage_memory(rows, parts, 0, Shape(len(parts) - 1, 1, 3, 4), "fp32", 0)
     params = sum(r.params for r in rows[:5])
     acts = sum((r.act_elems - r.act_fp32_elems) * 4 + r.act_fp32_elems * 4 for r in rows[:5] if r.bwd_flops)
     assert mem["weights"] == 4 * params and mem["optimizer"] == 8 * params
     assert mem["activations"] == acts * 3 * 2
-    last = stage_memory(rows, parts, 1, micro=3, micro_batches=4, precision="fp32", zero_stage=0, dp=1)
+    last = stage_memory(rows, parts, 1, Shape(len(parts) - 1, 1, 3, 4), "fp32", 0)
     assert last["activations"] == sum(r.act_bytes("fp32") for r in rows[5:]) * 3 * 1  # min(2 - 1, 4) = 1
 
 
@@ -288,11 +289,11 @@ def test_a_calibrated_devices_fixed_costs_add_to_the_step_as_the_formula_says():
 def test_plan_layout_cuts_a_named_partition_as_training_does():
     rows = layer_costs(load_preset("small"), (), 12)
     dev = KNOWN_DEVICES["a100-80gb"]
-    uni = plan_layout(rows, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev, partition="uniform")
-    bal = plan_layout(rows, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev)
+    uni = plan_layout(rows, Shape(2, 1, 4, 4), Training("bf16", 0, dev, partition="uniform"))
+    bal = plan_layout(rows, Shape(2, 1, 4, 4), Training("bf16", 0, dev))
     assert uni.parts == compute_parts(rows, 2, "uniform") and bal.parts == compute_parts(rows, 2, "balanced")
     assert uni.parts != bal.parts and uni.step["slot_s"] > bal.step["slot_s"]
-    explicit = plan_layout(rows, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev, partition="3")
+    explicit = plan_layout(rows, Shape(2, 1, 4, 4), Training("bf16", 0, dev, partition="3"))
     assert explicit.parts == [0, 3, len(rows)]
 
 
@@ -330,8 +331,7 @@ def test_backward_splits_into_b_and_w_and_a_stage_without_trainable_linears_has_
     frozen = layer_costs(cfg, ("vision", "projector"), 12)
     assert all(r.bwd_flops == 0 and r.w_flops == 0 for r in frozen[:text])  # frozen prefix: no B, no W
     # stage 0 = frozen ViT + projector + the token embedding: trainable, but no nn.Linear of its own
-    lay = plan_layout(frozen, stages=2, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev,
-                      partition=str(text + 1), schedule="zb-h1")
+    lay = plan_layout(frozen, Shape(2, 1, 4, 4), Training("bf16", 0, dev, "zb-h1", partition=str(text + 1)))
     zb = lay.predictions["zb-h1"]
     assert lay.parts == [0, text + 1, len(frozen)] and lay.schedule == "zb-h1" and lay.step is zb
     assert zb["weight_stages"] == [False, True] and zb["w_s"][0] == 0.0 and zb["w_s"][1] > 0
@@ -347,8 +347,7 @@ def test_backward_splits_into_b_and_w_and_a_stage_without_trainable_linears_has_
 def test_plan_layout_default_is_1f1b_and_both_recommends_the_faster():
     rows = layer_costs(load_preset("small"), (), 12)
     dev = KNOWN_DEVICES["a100-80gb"]
-    kw = dict(stages=4, dp=1, micro=4, gas=4, precision="bf16", zero=0, device=dev)
-    plain, both = plan_layout(rows, **kw), plan_layout(rows, **kw, schedule="both")
+    plain, both = (plan_layout(rows, Shape(4, 1, 4, 4), Training("bf16", 0, dev, sched)) for sched in ("1f1b", "both"))
     assert plain.schedule == "1f1b" and set(plain.predictions) == {"1f1b"} and "input_backward_ms" not in \
         plain.stage_rows[0]
     assert both.predictions["1f1b"] == plain.step and set(both.predictions) == {"1f1b", "zb-h1"}

@@ -14,6 +14,7 @@ from mmpipe.config import config_from_dict, load_preset
 from mmpipe.model.builder import layer_param_counts, layer_specs, shapes_only
 from mmpipe.planning.costmodel import (
     Device,
+    Shape,
     all_to_all,
     layer_costs,
     moe_param_counts,
@@ -23,7 +24,7 @@ from mmpipe.planning.costmodel import (
     state_bytes,
 )
 from mmpipe.planning.images import patch_row
-from mmpipe.planning.layout import plan_layout
+from mmpipe.planning.layout import Training, plan_layout
 
 EXPERTS, TOP_K, EXPERT_FF, D, BLOCKS = 8, 2, 40, 64, 4
 P, IMAGES, TEXT = 128, 4, 48
@@ -97,15 +98,14 @@ def test_stage_memory_holds_one_ep_share_of_the_experts():
     gradients or moments either way."""
     cfg = tiny_moe()
     rows = _rows(cfg)
-    kw = dict(micro=1, micro_batches=2, precision="fp32", zero_stage=0, dp=2)
-    one, two = (stage_memory(rows, [0, len(rows)], 0, ep=ep, **kw) for ep in (1, 2))
+    one, two = (stage_memory(rows, [0, len(rows)], 0, Shape(1, 2, 1, 2, ep), "fp32", 0) for ep in (1, 2))
     assert one["weights"] - two["weights"] == 4 * 122_880
     assert one["grads"] - two["grads"] == 4 * 122_880
     assert one["optimizer"] - two["optimizer"] == 8 * 122_880
     assert one["activations"] == two["activations"]
     from mmpipe.model.lora import Lora
     lora = _rows(cfg, lora=Lora(4, 8.0, ("text",)))
-    one, two = (stage_memory(lora, [0, len(lora)], 0, ep=ep, **kw) for ep in (1, 2))
+    one, two = (stage_memory(lora, [0, len(lora)], 0, Shape(1, 2, 1, 2, ep), "fp32", 0) for ep in (1, 2))
     assert one["weights"] - two["weights"] == 4 * 122_880
     assert (one["grads"], one["optimizer"]) == (two["grads"], two["optimizer"])
 
@@ -133,8 +133,7 @@ def test_layout_adds_the_all_to_all_to_the_step():
     the total less half the experts (245,760 / 2) and moves 2 x 360,448 B = 0.6875 MiB a micro-batch."""
     cfg = tiny_moe()
     rows = _rows(cfg)
-    kw = dict(stages=1, dp=2, micro=1, gas=4, precision="fp32", zero=0, device=DEVICE)
-    one, two = plan_layout(rows, ep=1, **kw), plan_layout(rows, ep=2, **kw)
+    one, two = (plan_layout(rows, Shape(1, 2, 1, 4, ep), Training("fp32", 0, DEVICE)) for ep in (1, 2))
     (f, b), = stage_seconds(rows, [0, len(rows)], 1, DEVICE)
     a2a = 360_448 / 2 / 1e9
     assert two.stage_rows[0]["forward_ms"] == pytest.approx((f + a2a) * 1e3, rel=1e-12)
@@ -315,13 +314,12 @@ def test_plan_counts_a_tied_embedding_once_per_stage(preset, embedding, capsys):
     rows = layer_costs(cfg, (), 16, images=1, patches=patch_row(cfg, 1, 256))
     assert [r.tied for r in rows].count("embed") == 2
     assert sum(r.params for r in rows) - embedding == model == stage_params(rows)
-    kw = dict(micro=1, micro_batches=2, precision="fp32", zero_stage=0, dp=1)
-    whole = stage_memory(rows, [0, len(rows)], 0, **kw)
+    whole = stage_memory(rows, [0, len(rows)], 0, Shape(1, 1, 1, 2), "fp32", 0)
     assert (whole["weights"], whole["grads"], whole["optimizer"]) == (4 * model, 4 * model, 8 * model)
     ranges = RangeMemory(rows, "fp32", micro=1, micro_batches=2, zero_stage=0, dp=1)
     assert ranges.total(0, len(rows), 0, 1) == pytest.approx(whole["total"], rel=1e-12)
     cut = max(i for i, r in enumerate(rows) if r.tied) - 1  # the head alone in stage 1, the embedding in stage 0
-    two = [stage_memory(rows, [0, cut, len(rows)], s, **kw) for s in (0, 1)]
+    two = [stage_memory(rows, [0, cut, len(rows)], s, Shape(2, 1, 1, 2), "fp32", 0) for s in (0, 1)]
     assert sum(m["weights"] for m in two) == 4 * (model + embedding)
     assert [ranges.total(0, cut, 0, 2), ranges.total(cut, len(rows), 1, 2)] == \
         [pytest.approx(m["total"], rel=1e-12) for m in two]

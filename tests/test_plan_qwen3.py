@@ -12,9 +12,9 @@ from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.model import qwen3_vl as q3
 from mmpipe.model.builder import layer_specs
-from mmpipe.planning.costmodel import BYTES, KNOWN_DEVICES, layer_costs
+from mmpipe.planning.costmodel import BYTES, KNOWN_DEVICES, Shape, layer_costs
 from mmpipe.planning.images import patch_row
-from mmpipe.planning.layout import plan_layout
+from mmpipe.planning.layout import Training, plan_layout
 from mmpipe.planning.partition import compute_parts
 
 P, IMAGES, TEXT = 128, 4, 48  # qwen3-vl-tiny's row: --max-patches, --max-images, --text-len
@@ -67,8 +67,7 @@ def test_boundary_elements_are_the_real_stage_tuples_floats():
     # the layout's p2p time is the busiest boundary's bytes there and back: tests/test_qwen3_vl_pipeline.py's PP=4
     # cuts 5, 11, 13 at 2 rows of fp32, the cut at 11 the busiest: 11776 x 2 x 4 = 94208 bytes, / 450 GB/s, x 2
     device = KNOWN_DEVICES["h100-80gb"]
-    layout = plan_layout(rows, stages=4, dp=1, micro=2, gas=2, precision="fp32", zero=0, device=device,
-                         partition="5,11,13")
+    layout = plan_layout(rows, Shape(4, 1, 2, 2), Training("fp32", 0, device, partition="5,11,13"))
     assert layout.parts == [0, 5, 11, 13, len(rows)]
     assert layout.step["p2p_s"] == pytest.approx((L * 64 + 3 * s) * 2 * 4 * 2 / device.link, rel=1e-12)
 

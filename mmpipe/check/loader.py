@@ -12,8 +12,8 @@ from deepspeed.accelerator import get_accelerator
 
 from ..data.batches import StepBatches, micro_batch_indices, rank_batches
 from ..data.dataset import prepare
-from ..planning.costmodel import KNOWN_DEVICES, Device
-from ..planning.layout import predict_layout
+from ..planning.costmodel import KNOWN_DEVICES, Device, Shape
+from ..planning.layout import Training, predict_layout
 from ..planning.plan import cpu_device
 from ..run_config import RunConfig
 from ..runtime.feed import run_dataset
@@ -42,11 +42,10 @@ def predicted_rows_per_s(run: RunConfig, device: Device | None) -> float | None:
     if device is None:
         return None
     pipe = run.ds_config.get("pipeline", {})
-    layout = predict_layout(run.model, stages=run.stages, dp=run.dp, micro=run.micro, gas=run.gas,
-                            precision=run.precision, zero=run.zero_stage,
-                            checkpointing=int(pipe.get("activation_checkpoint_interval", 0) or 0) > 0,
-                            text_len=run.text_len, device=device, freeze=run.freeze, schedule=run.schedule,
-                            images=run.max_images, ep=run.ep)
+    training = Training(run.precision, run.zero_stage, device, run.schedule,
+                        checkpointing=int(pipe.get("activation_checkpoint_interval", 0) or 0) > 0, freeze=run.freeze)
+    layout = predict_layout(run.model, Shape(run.stages, run.dp, run.micro, run.gas, run.ep), training, run.text_len,
+                            run.max_images)
     return run.micro * run.gas / layout.step["step_s"] if layout.step else None
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.dataset import prepare
-from ..planning.costmodel import stage_memory
+from ..planning.costmodel import Shape, stage_memory
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from ..runtime.trainer import DataStream, Progress, build_engine
@@ -45,8 +45,9 @@ STATUS = Path("/proc/self/status")
 
 def predicted(run: RunConfig) -> list[float]:
     """The planner's bytes per stage for the run's layout (an `--ep` run's ranks holding 1 / EP of the experts)."""
-    return [stage_memory(run.layers, run.parts, s, micro=run.micro, micro_batches=run.gas, precision=run.precision,
-                         zero_stage=run.zero_stage, dp=run.dp, ep=run.ep)["total"] for s in range(run.stages)]
+    shape = Shape(run.stages, run.dp, run.micro, run.gas, run.ep)
+    return [stage_memory(run.layers, run.parts, s, shape, run.precision, run.zero_stage)["total"]
+            for s in range(run.stages)]
 
 
 def _status_bytes(key: str) -> int:

@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from ..data.image_kinds import image_kind
 from ..planning.calibrate import CHECK_SOURCE, PROFILE_KIND, load_profile, profile_device
-from ..planning.costmodel import Device, profile_layers, stage_seconds
+from ..planning.costmodel import Device, Shape, profile_layers, stage_seconds
 from ..planning.images import families_words, sized_families
-from ..planning.layout import CPU_LINK, plan_layout
+from ..planning.layout import CPU_LINK, Training, plan_layout
 from ..planning.schedule_registry import BASELINE
 from ..run_config import RunConfig
 from ..runtime.trainer import DTYPES
@@ -75,9 +75,9 @@ def slot_overhead(run: RunConfig, small: RunConfig | None, measured_step: float 
     """Seconds per slot the equivalence run's measured step took beyond dev's prediction for it (>= 0)."""
     if small is None or not measured_step or run.schedule is not BASELINE:
         return 0.0
-    lay = plan_layout(small.layers, stages=small.stages, dp=small.dp, micro=small.micro, gas=small.gas,
-                      precision=small.precision, zero=min(small.zero_stage, 1), device=dev,
-                      partition=",".join(map(str, small.parts[1:-1])) or "balanced")  # its own split
+    lay = plan_layout(small.layers, Shape(small.stages, small.dp, small.micro, small.gas),
+                      Training(small.precision, min(small.zero_stage, 1), dev,
+                               partition=",".join(map(str, small.parts[1:-1])) or "balanced"))  # its own split
     return max(0.0, (measured_step - lay.step["step_s"]) / lay.step["slots"]) if lay.step else 0.0
 
 

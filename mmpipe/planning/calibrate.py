@@ -40,8 +40,8 @@ from dataclasses import replace
 from ..config import ConfigError, ModelConfig, load_preset, read_json
 from ..data.args import DataArgs
 from ..data.dataset import resolve_data
-from .costmodel import KNOWN_DEVICES, Device
-from .layout import CPU_EFFICIENCY, CPU_LINK, Layout, predict_layout
+from .costmodel import KNOWN_DEVICES, Device, Shape
+from .layout import CPU_EFFICIENCY, CPU_LINK, Layout, Training, predict_layout
 from .schedule_registry import BASELINE, row_schedule
 
 PROFILE_KIND = "mmpipe-device-profile"
@@ -100,13 +100,11 @@ def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
         cache[preset] = (cfg, text_len_of(cfg))
     cfg, default_len = cache[preset]
     text_len = int(row.get("text_len") or default_len)
-    return predict_layout(cfg, stages=int(row["stages"]), dp=int(row["dp"]), micro=int(row["micro"]),
-                          gas=int(row["gas"]), precision=row["precision"], zero=min(int(row.get("zero") or 0), 1),
-                          checkpointing=bool(row.get("checkpointing")), text_len=text_len, device=device,
-                          partition=str(row.get("partition") or "balanced"),
-                          images=int(row.get("max_images") or 1), schedule=row_schedule(row.get("schedule")),
-                          freeze=tuple(g for g in str(row.get("freeze") or "").split(",") if g),
-                          ep=int(row.get("ep") or 1))
+    shape = Shape(int(row["stages"]), int(row["dp"]), int(row["micro"]), int(row["gas"]), int(row.get("ep") or 1))
+    training = Training(row["precision"], min(int(row.get("zero") or 0), 1), device, row_schedule(row.get("schedule")),
+                        str(row.get("partition") or "balanced"), bool(row.get("checkpointing")),
+                        tuple(g for g in str(row.get("freeze") or "").split(",") if g))
+    return predict_layout(cfg, shape, training, text_len, int(row.get("max_images") or 1))
 
 
 def replayed(row: dict) -> bool:

@@ -328,12 +328,24 @@ def in_flight(stage: int, stages: int, micro_batches: int) -> int:
     return min(stages - stage, micro_batches)
 
 
-def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, *, micro: int, micro_batches: int,
-                 precision: str, zero_stage: int, dp: int, micro_batches_in_flight: int | None = None,
-                 ep: int = 1) -> dict:
+@dataclass(frozen=True)
+class Shape:
+    """A layout's shape: P pipeline stages x DP data-parallel replicas, micro-batches of `micro` rows x GAS `gas` of
+    them a step, and EP expert-parallel ranks (an MoE model's experts split over groups of ep of the dp ranks)."""
+    stages: int
+    dp: int
+    micro: int
+    gas: int
+    ep: int = 1
+
+
+def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, shape: Shape, precision: str, zero_stage: int,
+                 micro_batches_in_flight: int | None = None) -> dict:
     """Bytes on one rank of `stage`: states + activations of the micro-batches in flight (1F1B's
-    in_flight, or micro_batches_in_flight: another schedule's, e.g. ZB-H1's from its simulated order). ep: the
-    expert-parallel ranks the MoE blocks' experts are split over (rank_state_bytes)."""
+    in_flight, or micro_batches_in_flight: another schedule's, e.g. ZB-H1's from its simulated order). shape.ep: the
+    expert-parallel ranks the MoE blocks' experts are split over (rank_state_bytes); shape.gas: the micro-batches a
+    step (1F1B holds min(P - s, m) of them)."""
+    micro, micro_batches, dp, ep = shape.micro, shape.gas, shape.dp, shape.ep
     layers = rows[parts[stage]:parts[stage + 1]]
     repeated, repeated_trainable = tied_repeats(layers)
     params = sum(r.params for r in layers) - repeated

@@ -22,6 +22,7 @@ from .costmodel import (
     Device,
     LayerCost,
     RangeMemory,
+    Shape,
     all_to_all,
     layer_costs,
     pipeline_step_seconds,
@@ -61,87 +62,117 @@ class Layout:
         return 0.0 if not self.step else (self.micro * self.gas * self.dp) / self.step["step_s"]
 
 
-def _stage_rows(rows: list[LayerCost], parts: list[int], times, a2a: list[dict], **memory) -> list[dict]:
-    """Each stage's row of a layout: its layers, parameters, memory (stage_memory with `memory`'s settings) and
-    times; an MoE model's (a2a: all_to_all's per stage) also the rank's own parameters (1 / ep of the experts) and
-    its all-to-all per micro-batch."""
+@dataclass(frozen=True)
+class Training:
+    """How a layout trains, beside its Shape: precision, ZeRO stage and device; the schedule(s) to predict (a record,
+    records, or a name in schedule_registry.SCHEDULE_NAMES or 'both'); how the stages are cut ('balanced' / 'best':
+    the min-max split that also fits device.memory, what `mmpipe plan` searches; 'uniform', 'parameters' or
+    boundaries '3,7': as `mmpipe train` cuts them, whatever the memory says); and what the layers' costs take
+    (checkpointing, frozen groups: costmodel.layer_costs, for predict_layout)."""
+    precision: str
+    zero: int
+    device: Device
+    schedule: Schedule | tuple[Schedule, ...] | str = BASELINE
+    partition: str = "balanced"
+    checkpointing: bool = False
+    freeze: tuple[str, ...] = ()
+
+
+def _stage_rows(rows: list[LayerCost], parts: list[int], times, a2a: list[dict], shape: Shape,
+                precision: str, zero: int) -> list[dict]:
+    """Each stage's row of a layout: its layers, parameters, memory (stage_memory at the shape, precision and ZeRO
+    stage) and times; an MoE model's (a2a: all_to_all's per stage) also the rank's own parameters (1 / ep of the
+    experts) and its all-to-all per micro-batch."""
     out = []
     for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
-        mem = stage_memory(rows, parts, s, **memory)
+        mem = stage_memory(rows, parts, s, shape, precision, zero)
         out.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
                     "params": stage_params(rows[a:b]), "memory_gib": mem["total"] / GiB,
                     "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
         if a2a:
             experts = sum(r.expert_params for r in rows[a:b])
-            out[-1].update(rank_params=out[-1]["params"] - experts + experts / memory["ep"],
+            out[-1].update(rank_params=out[-1]["params"] - experts + experts / shape.ep,
                            a2a_mib=2 * a2a[s]["bytes"] / 2 ** 20, a2a_ms=2 * a2a[s]["seconds"] * 1e3)
     return out
 
 
-def plan_layout(rows: list[LayerCost], *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
-                device: Device, measured: dict | None = None, partition: str = "balanced",
-                schedule: Schedule | tuple[Schedule, ...] | str = BASELINE, ep: int = 1) -> Layout:
-    """One layout, predicted. ep: an MoE model's expert-parallel ranks (`--ep`, dividing dp): each rank holds
+def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measured: dict | None = None) -> Layout:
+    """One layout, predicted. shape.ep: an MoE model's expert-parallel ranks (`--ep`, dividing dp): each rank holds
     1 / ep of the experts' weights, gradients and optimizer states (costmodel.rank_state_bytes) and each MoE block
     adds its all-to-alls to the stage's forward and backward (costmodel.all_to_all); the step dict then carries
     a2a_s (the slowest stage's all-to-all seconds per micro-batch, forward + backward) and a2a_share (their share
-    of the step: slots x a2a_s / step_s). partition: 'balanced' (or 'best') is the min-max split that also fits
-    device.memory (what `mmpipe plan` searches); any other method ('uniform', 'parameters',
-    boundaries '3,7') is cut as `mmpipe train` cuts it, whatever the memory says. schedule: the record
-    (or records) to predict, or a name in schedule_registry.SCHEDULE_NAMES or 'both' (the split is the
-    same: it is chosen with 1F1B's memory). The Layout names the one `step` is for."""
-    units = trainable_units(rows)
-    if stages > len(units):
-        return Layout(stages, dp, micro, gas, None, [], None,
-                      f"only {len(units)} groups of layers hold a trainable parameter", ep=ep)
-    moe = any(r.a2a_elems for r in rows)
-
-    def unit_parts(s, i, j):  # layer boundaries of units i..j-1 as stage s
-        return [units[i][0], units[j - 1][-1] + 1]
-
-    memory = dict(micro=micro, micro_batches=gas, zero_stage=zero, dp=dp, ep=ep)  # what stage_memory counts by
-    ranges = RangeMemory(rows, precision, **memory)  # stage_memory of any range, in O(1)
-
-    def fits(s, i, j):  # stage s = the layers of units i..j-1
-        return ranges.total(*unit_parts(s, i, j), s, stages) <= device.memory
-
-    try:
-        parts = compute_parts(rows, stages, "balanced", fits) if partition in ("balanced", "best", "") else \
-            compute_parts(rows, stages, partition)
-    except ConfigError:
-        if partition not in ("balanced", "best", ""):
-            raise
-        whole = stage_memory(rows, [0, len(rows)], 0, precision=precision, **memory)["total"]
-        need = (f"it needs {whole / GiB:.1f} GiB" if stages == 1 else
-                f"an even share would be ~{whole / stages / GiB:.1f} GiB")
-        return Layout(stages, dp, micro, gas, None, [], None, f"no split fits {device.memory / GiB:.0f} GiB ({need})",
-                      ep=ep)
-    a2a = all_to_all(rows, parts, micro, precision, ep, device) if moe else []
-    times = stage_seconds(rows, parts, micro, device, measured)
-    if moe:  # the exchange waits on the critical path: forward's two all-to-alls, backward's two
+    of the step: slots x a2a_s / step_s). training.partition: 'balanced' (or 'best') is the min-max split that also
+    fits device.memory (what `mmpipe plan` searches); any other method is cut as `mmpipe train` cuts it.
+    training.schedule: the record(s) to predict (the split is the same: it is chosen with 1F1B's memory). The Layout
+    names the one `step` is for. measured: --profile's layer times at this micro-batch."""
+    parts = _split(rows, shape, training)
+    if isinstance(parts, Layout):  # no split: the reason
+        return parts
+    t = training
+    a2a = _exchange(rows, parts, shape, t)
+    times = stage_seconds(rows, parts, shape.micro, t.device, measured)
+    if a2a:  # the exchange waits on the critical path: forward's two all-to-alls, backward's two
         times = [(f + x["seconds"], bw + x["seconds"]) for (f, bw), x in zip(times, a2a)]
-    stage_rows = _stage_rows(rows, parts, times, a2a, precision=precision, **memory)
-    boundary = [rows[b - 1].boundary_elems * micro * BYTES[precision] for b in parts[1:-1]]
-    grad_bytes = max(_ring_bytes(rows[a:b], dp, ep) for a, b in zip(parts, parts[1:])) * BYTES[precision]
-    step = pipeline_step_seconds(times, gas, boundary, grad_bytes, dp, device)
-    ask = asked(schedule)
+    stage_rows = _stage_rows(rows, parts, times, a2a, shape, t.precision, t.zero)
+    boundary, grad_bytes = _transfers(rows, parts, shape, t.precision)
+    step = pipeline_step_seconds(times, shape.gas, boundary, grad_bytes, shape.dp, t.device)
+    ask = asked(t.schedule)
     replayed = [s for s in ask if s is not BASELINE]
-    own = _replayed(replayed, rows, parts, stage_rows, micro=micro, gas=gas, precision=precision, zero=zero, dp=dp,
-                    device=device, measured=measured, boundary=boundary, grad_bytes=grad_bytes, ep=ep,
-                    a2a=a2a) if replayed else {}
-    for pred in [step, *own.values()] if moe else []:
-        pred.update(_a2a_share(pred, times, a2a, gas))
+    own = _replayed(replayed, rows, parts, stage_rows, shape, t, measured) if replayed else {}
+    for pred in [step, *own.values()] if a2a else []:
+        pred.update(_a2a_share(pred, times, a2a, shape.gas))
     predictions = {s.name: own[s.name] if s in replayed else step for s in ask}
     fitting = [s for s in ask if predictions[s.name].get("fits", True)]  # the baseline's split was cut to fit
+    lay = dict(stages=shape.stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=parts, stage_rows=stage_rows,
+               predictions=predictions, ep=shape.ep)
     if not fitting:  # the one schedule asked for holds more micro-batches than memory takes
         sched, mem = ask[0], own[ask[0].name]["memory_gib"]
-        s = max(range(stages), key=lambda i: mem[i])
-        return Layout(stages, dp, micro, gas, parts, stage_rows, None,
-                      f"{sched} holds {own[sched.name]['in_flight'][s]} micro-batches on stage {s}: "
-                      f"{mem[s]:.1f} GiB > {device.memory / GiB:.0f} GiB", sched.name, predictions, ep)
+        s = max(range(shape.stages), key=lambda i: mem[i])
+        return Layout(**lay, step=None, schedule=sched.name,
+                      reason=f"{sched} holds {own[sched.name]['in_flight'][s]} micro-batches on stage {s}: "
+                             f"{mem[s]:.1f} GiB > {t.device.memory / GiB:.0f} GiB")
     chosen = min(fitting, key=lambda s: predictions[s.name]["step_s"])  # a tie: the earlier, the baseline
-    return Layout(stages, dp, micro, gas, parts, stage_rows, predictions[chosen.name], "", chosen.name, predictions,
-                  ep)
+    return Layout(**lay, step=predictions[chosen.name], schedule=chosen.name)
+
+
+def _split(rows: list[LayerCost], shape: Shape, training: Training) -> list[int] | Layout:
+    """The layout's stage boundaries as training.partition cuts them ('balanced': the min-max split whose every
+    stage fits the device's memory), or a Layout saying why there are none."""
+    units, t, stages = trainable_units(rows), training, shape.stages
+    none = dict(stages=stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=None, stage_rows=[], step=None,
+                ep=shape.ep)
+    if stages > len(units):
+        return Layout(**none, reason=f"only {len(units)} groups of layers hold a trainable parameter")
+    ranges = RangeMemory(rows, t.precision, micro=shape.micro, micro_batches=shape.gas, zero_stage=t.zero,
+                         dp=shape.dp, ep=shape.ep)  # stage_memory of any range, in O(1)
+
+    def fits(s, i, j):  # stage s = the layers of units i..j-1
+        return ranges.total(units[i][0], units[j - 1][-1] + 1, s, stages) <= t.device.memory
+
+    balanced = t.partition in ("balanced", "best", "")
+    try:
+        return compute_parts(rows, stages, "balanced", fits) if balanced else compute_parts(rows, stages, t.partition)
+    except ConfigError:
+        if not balanced:
+            raise
+    whole = stage_memory(rows, [0, len(rows)], 0, shape, t.precision, t.zero)["total"]
+    need = (f"it needs {whole / GiB:.1f} GiB" if stages == 1 else
+            f"an even share would be ~{whole / stages / GiB:.1f} GiB")
+    return Layout(**none, reason=f"no split fits {t.device.memory / GiB:.0f} GiB ({need})")
+
+
+def _exchange(rows: list[LayerCost], parts: list[int], shape: Shape, training: Training) -> list[dict]:
+    """An MoE model's all-to-all per stage (costmodel.all_to_all); [] for a dense model (no a2a_elems)."""
+    if not any(r.a2a_elems for r in rows):
+        return []
+    return all_to_all(rows, parts, shape.micro, training.precision, shape.ep, training.device)
+
+
+def _transfers(rows: list[LayerCost], parts: list[int], shape: Shape, precision: str) -> tuple[list[float], float]:
+    """(each boundary's activation bytes a micro-batch, the largest stage's all-reduce bytes: _ring_bytes)."""
+    boundary = [rows[b - 1].boundary_elems * shape.micro * BYTES[precision] for b in parts[1:-1]]
+    grad = max(_ring_bytes(rows[a:b], shape.dp, shape.ep) for a, b in zip(parts, parts[1:])) * BYTES[precision]
+    return boundary, grad
 
 
 def _ring_bytes(rows: list[LayerCost], dp: int, ep: int) -> float:
@@ -166,38 +197,37 @@ def _a2a_share(step: dict, times: list[tuple[float, float]], a2a: list[dict], ga
     return {"a2a_s": a2a_s, "a2a_bytes": 2 * a2a[s]["bytes"], "a2a_share": step["slots"] * a2a_s / step["step_s"]}
 
 
-def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int], stage_rows: list[dict], *,
-              micro: int, gas: int, precision: str, zero: int, dp: int, device: Device, measured: dict | None,
-              boundary: list[float], grad_bytes: float, ep: int = 1, a2a: list[dict] | None = None
-              ) -> dict[str, dict]:
+def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int], stage_rows: list[dict],
+              shape: Shape, training: Training, measured: dict | None) -> dict[str, dict]:
     """name -> the step of each schedule predicted by replaying its order (costmodel.replayed_step_seconds),
     with its memory at the micro-batches its order holds in flight (ZB-H1: up to P on every stage with W,
     1F1B: P - s), stage by stage; each stage row gains its B and W seconds and each schedule's memory."""
-    split = stage_split_seconds(rows, parts, micro, device, measured)
+    t = training
+    split = stage_split_seconds(rows, parts, shape.micro, t.device, measured)
+    a2a = _exchange(rows, parts, shape, t)
     if a2a:  # the exchange in F and in B (the input gradients need the returned rows), none in W
         split = [(f + x["seconds"], b + x["seconds"], w) for (f, b, w), x in zip(split, a2a)]
     weight_stages = [any(r.w_flops for r in rows[a:b]) for a, b in zip(parts, parts[1:])]
     for r, (_, b, w) in zip(stage_rows, split):
         r.update(input_backward_ms=b * 1e3, weight_backward_ms=w * 1e3)
+    boundary, grad_bytes = _transfers(rows, parts, shape, t.precision)
     out = {}
     for sched in schedules:
-        pred = replayed_step_seconds(sched, split, weight_stages, gas, boundary, grad_bytes, dp, device)
-        mem = [stage_memory(rows, parts, s, micro=micro, micro_batches=gas, precision=precision, zero_stage=zero,
-                            dp=dp, micro_batches_in_flight=k, ep=ep)["total"] for s, k in enumerate(pred["in_flight"])]
-        pred.update(memory_gib=[x / GiB for x in mem], fits=max(mem) <= device.memory)
+        pred = replayed_step_seconds(sched, split, weight_stages, shape.gas, boundary, grad_bytes, shape.dp, t.device)
+        mem = [stage_memory(rows, parts, s, shape, t.precision, t.zero, k)["total"]
+               for s, k in enumerate(pred["in_flight"])]
+        pred.update(memory_gib=[x / GiB for x in mem], fits=max(mem) <= t.device.memory)
         for r, k, m in zip(stage_rows, pred["in_flight"], mem):
             r.update({f"{sched.short}_in_flight": k, f"{sched.short}_memory_gib": m / GiB})
         out[sched.name] = pred
     return out
 
 
-def predict_layout(cfg: ModelConfig, *, stages: int, dp: int, micro: int, gas: int, precision: str, zero: int,
-                   checkpointing: bool, text_len: int, device: Device, partition: str = "balanced",
-                   freeze: tuple[str, ...] = (), schedule: Schedule | tuple[Schedule, ...] | str = BASELINE,
-                   images: int = 1, budget: int = 0, ep: int = 1) -> Layout:
+def predict_layout(cfg: ModelConfig, shape: Shape, training: Training, text_len: int, images: int = 1,
+                   budget: int = 0) -> Layout:
     """The planner's prediction for one layout of cfg, as `mmpipe plan` computes it for that layout
     (images: a row's image slots, `mmpipe plan --max-images`; micro counts rows; budget: the row's vision budget,
     0 its default)."""
-    rows = layer_costs(cfg, freeze, text_len, checkpointing, images=images, patches=patch_row(cfg, images, budget))
-    return plan_layout(rows, stages=stages, dp=dp, micro=micro, gas=gas, precision=precision, zero=zero,
-                       device=device, partition=partition, schedule=schedule, ep=ep)
+    t = training
+    rows = layer_costs(cfg, t.freeze, text_len, t.checkpointing, images=images, patches=patch_row(cfg, images, budget))
+    return plan_layout(rows, shape, t)

@@ -31,6 +31,7 @@ layout and recommends the faster; the chosen schedule goes into --json and --wri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import time
@@ -44,7 +45,7 @@ from ..model.args import ModelArgs
 from ..model.builder import layer_specs
 from ..registry import family_of
 from .calibrate import calibrate, profile_of, read_results, report
-from .costmodel import KNOWN_DEVICES, layer_costs, profile_layers
+from .costmodel import KNOWN_DEVICES, Shape, layer_costs, profile_layers
 from .images import sized_families
 from .layout import GiB, Layout, plan_layout
 from .report import budget_words, print_json, print_plan
@@ -128,9 +129,8 @@ def plan(spec: PlanSpec) -> list[Layout]:
             if s.global_batch % (micro * dp):
                 continue
             for ep in [e for e in s.eps if dp % e == 0]:
-                layouts.append(plan_layout(rows, stages=stages, dp=dp, micro=micro,
-                                           gas=s.global_batch // (micro * dp), precision=s.precision, zero=s.zero,
-                                           device=s.device, measured=profiles.get(micro), schedule=s.schedule, ep=ep))
+                shape = Shape(stages, dp, micro, s.global_batch // (micro * dp), ep)
+                layouts.append(plan_layout(rows, shape, s.training, profiles.get(micro)))
     return sorted(layouts, key=lambda lay: -lay.throughput)
 
 
@@ -250,14 +250,14 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
         return ""
     rows = layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row)
     first = rule(layer_specs(s.cfg))
-    kw = dict(dp=best.dp, micro=best.micro, gas=best.gas, precision=s.precision, zero=s.zero, device=s.device,
-              ep=best.ep)
-    rest = plan_layout(rows[first:], stages=best.stages - 1, **kw)  # its own memory per stage: stage index + 1
+    shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep)
+    rest = plan_layout(rows[first:], shape, s.training)  # its own memory per stage: stage index + 1
     head = (f"stage 0 fixed at layers 0..{first - 1} (where other trainers cut {s.cfg.family}: "
             f"Family.fixed_first_stage)")
     if not rest.parts:
         return f"{head}: the other {best.stages - 1} stages cannot hold layers {first}..{len(rows) - 1} ({rest.reason})"
-    fixed = plan_layout(rows, stages=best.stages, partition=",".join(str(first + p) for p in rest.parts[:-1]), **kw)
+    cut = dataclasses.replace(s.training, partition=",".join(str(first + p) for p in rest.parts[:-1]))
+    fixed = plan_layout(rows, dataclasses.replace(shape, stages=best.stages), cut)
     s0, fits = fixed.stage_rows[0], fixed.stage_rows[0]["memory_gib"] * GiB <= s.device.memory
     return (f"{head}, the other {best.stages - 1} balanced: step {fixed.step['step_s']:.3f} s against "
             f"{best.step['step_s']:.3f} s; its stage 0 {s0['memory_gib']:.2f} GiB"

@@ -35,7 +35,7 @@ from .images import (
     patch_row,
     sized_families,
 )
-from .layout import CPU_EFFICIENCY, CPU_LINK, GiB
+from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Training
 from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, Schedule, asked
 
 PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH)
@@ -63,6 +63,12 @@ class PlanSpec:
     images: int = 1
     row: PatchRow | CropRow | None = None
     eps: tuple[int, ...] = (1,)
+
+    @property
+    def training(self) -> Training:
+        """How each layout trains: the balanced split that fits, at the spec's precision, ZeRO and schedules."""
+        return Training(self.precision, self.zero, self.device, self.schedule, "balanced", self.checkpointing,
+                        self.freeze)
 
 
 @dataclass(frozen=True)
