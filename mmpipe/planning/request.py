@@ -129,7 +129,7 @@ def resolve(args) -> PlanRun:
 def device_from_args(args) -> tuple[Device, str]:
     """The Device to plan on and the precision: --precision, else the device profile's, else bf16."""
     precision = args.precision
-    if getattr(args, "device_profile", None):
+    if args.device_profile:
         prof = load_profile(args.device_profile)
         precision = precision or profile_precision(prof)
         base = profile_device(prof, precision)
