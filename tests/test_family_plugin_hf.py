@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from conftest import EQUIV_STEPS, ROOT, Run, assert_weights_moved, mmpipe_train, refused
-from hf_models import IMAGE_TOKEN, VOCAB, word_tokenizer
+from hf_models import IMAGE_TOKEN, VOCAB
 from mmpipe.cli import main
 from mmpipe.config import ConfigError, config_from_dict
 from mmpipe.run_args import TrainArgs
@@ -46,6 +46,20 @@ def family():
     sys.modules.pop("vipllava_family", None)
 
 
+def _tokenizer(path):
+    """A word-level tokenizer over w0..w98 (BOS w1, EOS w2, pad w0) and <image> (99, a special token, as a real
+    ViP-LLaVA tokenizer has it: the export then writes transformers' processor), saved to path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(IMAGE_TOKEN)}, "<image>": IMAGE_TOKEN},
+                                     unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w1", eos_token="w2", pad_token="w0",
+                                   unk_token="w3", additional_special_tokens=["<image>"])
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+
+
 def _hf_model(seed: int = 0):
     from transformers import CLIPVisionConfig, LlamaConfig, VipLlavaConfig, VipLlavaForConditionalGeneration
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -72,7 +86,7 @@ def imported(family, tmp_path_factory):
     d = tmp_path_factory.mktemp("vipllava")
     hf = _hf_model()
     hf.save_pretrained(d / "hf")
-    word_tokenizer(d / "hf", TEMPLATE)
+    _tokenizer(d / "hf")
     assert main(["import", "--hf", str(d / "hf"), "--out", str(d / "run")]) == 0
     return hf, d / "hf", d / "run"
 
@@ -177,19 +191,25 @@ def test_pp2_from_import_equals_reference(imported, trained, equivalence_config)
     assert shapes == {f"{micro}x17x32", f"{micro}x16x64"}, shapes
 
 
-def test_export_loads_in_transformers(trained, tmp_path):
-    """`mmpipe export` of the trained run (the family's writer and weight-name map): transformers'
-    VipLlavaForConditionalGeneration.from_pretrained gives the run's logits, its tower cut after the last read
-    state and the states named from 0."""
-    from transformers import VipLlavaForConditionalGeneration
+def test_export_loads_in_transformers(trained, tmp_path, capsys):
+    """`mmpipe export` of the trained run (the family's writer and weight-name map, the run's tokenizer with
+    <image>): transformers' AutoProcessor and VipLlavaForConditionalGeneration.from_pretrained of it give the run's
+    logits on an image and a prompt, its tower cut after the last read state and the states named from 0."""
+    from transformers import AutoProcessor, VipLlavaForConditionalGeneration
+
+    from mmpipe.data.image_kinds import image_kind
     cfg, _, pp2 = trained
+    capsys.readouterr()
     assert main(["export", "--checkpoint", str(pp2.out), "--out", str(tmp_path / "hf")]) == 0
+    assert "(with the run's tokenizer and processor)" in capsys.readouterr().out
     hf = VipLlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.vision_feature_layer == [3, 1, 2] and hf.config.vision_config.num_hidden_layers == 3
+    image = Image.fromarray((torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(2)) * 255).byte().numpy())
+    inputs = AutoProcessor.from_pretrained(tmp_path / "hf")(images=image, text="w1 <image> w7 w8", return_tensors="pt")
+    ids = inputs["input_ids"]
+    assert ids.tolist() == [[1] + [IMAGE_TOKEN] * 16 + [7, 8]]  # (32 / 8)^2 placeholders, the class token dropped
     model = load_reference(pp2.out / "checkpoints", cfg).eval()
-    g = torch.Generator().manual_seed(2)
-    ids = torch.cat([torch.ones(2, 1, dtype=torch.long), torch.full((2, 16), IMAGE_TOKEN),
-                     torch.randint(3, IMAGE_TOKEN, (2, 5), generator=g)], 1)
-    px = torch.randn(2, 3, 32, 32, generator=g)
+    pixels = image_kind(cfg).one_image(cfg)(image)[None]  # the run's own reading of the image
     with torch.no_grad():
-        assert (model.one_per_row(px, ids) - hf(input_ids=ids, pixel_values=px).logits).abs().max().item() < LOGITS_TOL
+        want = hf(**inputs).logits
+        assert (model.one_per_row(pixels, ids) - want).abs().max().item() < LOGITS_TOL

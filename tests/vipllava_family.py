@@ -48,6 +48,9 @@ class VipVision(VisionConfig):
     """Its tower section: CLIP (class token, pre-LayerNorm), the hidden states its projector reads (HF's
     vision_feature_layer: -1 the last block's output, 0 the embeddings'), its projector's LayerNorm epsilon."""
     kind: typing.ClassVar[str] = "clip"  # VipLlavaModel drops every read state's first token: CLIP's class token
+    # so its <image> placeholders are the patches alone, as LLaVA's "default" (transformers' LlavaProcessor, which
+    # VipLlava's processor is, counts them so: 577 - 1 = 576; mmpipe.hf.bundle writes it)
+    feature_select: typing.ClassVar[str] = "default"
     act: str = "quick_gelu"
     feature_layers: tuple[int, ...] = (-2, -5, -8, -11, 6)
     projector_ln_eps: float = 1e-5
