@@ -299,3 +299,23 @@ def test_lora_adapts_the_attention_and_loads_with_peft_and_merged(hf_moe, tmp_pa
         assert (hf_logits(peft_model, ids, px, grids) - want).abs().max().item() < TOL
         assert (hf_logits(merged, ids, px, grids) - want).abs().max().item() < TOL
         assert (hf_logits(hf, ids, px, grids) - want).abs().max().item() > 1e-2  # the adapters count
+
+
+def test_expert_all_to_all_is_the_deprecated_ones_without_its_warning(tmp_path):
+    """EP's all-to-all (mmpipe.model.moe.AllToAll over torch.distributed.all_to_all_single) gives the output and
+    input gradients of torch.distributed.nn.functional.all_to_all_single, which torch 2.14 deprecates with a
+    FutureWarning on each call (4 lines in an EP=2 run's log), on uneven splits over 2 gloo processes, and warns
+    nothing."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import a2a_worker
+    import mmpipe.model.moe  # noqa: F401  (imported before the fork)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # fork: the children start with torch and mmpipe imported (a spawn re-imports them, ~25 s on 2 busy cores)
+    mp.start_processes(a2a_worker.check, args=(port, str(tmp_path / "out")), nprocs=2, start_method="fork")
+    lines = [(tmp_path / f"out.{r}").read_text().strip() for r in (0, 1)]
+    assert lines == ["[3, 4] True True []", "[5, 4] True True []"]

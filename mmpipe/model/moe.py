@@ -150,17 +150,38 @@ class Experts(nn.Module):
         (every row goes, however many: no capacity). The owner regroups what it receives (by source, then expert)
         by expert for `run`, and puts the results back in the order they came."""
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_to_all_single
         group, n = self.ep
         per = self.experts // n
         got = torch.empty_like(counts)  # [n x per]: what each source rank sends to each of my experts
         dist.all_to_all_single(got, counts, group=group)
         send, recv = counts.view(n, per).sum(1).tolist(), got.view(n, per).sum(1).tolist()
-        xr = all_to_all_single(xs.new_empty(sum(recv), xs.shape[1]), xs.contiguous(), recv, send, group=group)
+        xr = AllToAll.apply(xs.contiguous(), recv, send, group)
         local = torch.arange(per, device=xs.device).repeat(n).repeat_interleave(got)  # each received row's expert
         perm = local.argsort(stable=True)
         yr = self.run(xr[perm], torch.bincount(local, minlength=per))[perm.argsort()]
-        return all_to_all_single(xs.new_empty(xs.shape[0], yr.shape[1]), yr.contiguous(), send, recv, group=group)
+        return AllToAll.apply(yr.contiguous(), send, recv, group)
+
+
+class AllToAll(torch.autograd.Function):
+    """A differentiable all-to-all of uneven splits over torch.distributed's own all_to_all_single (the op
+    torch.distributed.nn.functional.all_to_all_single wraps, which torch 2.14 deprecates with a FutureWarning on
+    every call): rows x [sum(send), D] go out in runs of `send` rows to each rank, [sum(recv), D] come back; the
+    backward sends the gradients back the same way, reversed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+        import torch.distributed as dist
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x, recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
 
 
 class SparseMoe(nn.Module):
