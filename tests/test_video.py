@@ -238,6 +238,10 @@ def test_llava_video_records_pack_into_rows_with_transformers_logits(qwen25, cli
     # the row (P / 2 = 128 patches: the 13-frame clip's 4 x 4 x 6 = 96), so none smaller than its processor makes it
     assert describe(stats)[1] == ("data: 4 clips: 24 of their 40 frames sampled (the family's video processor's fps "
                                   "rule)")
+    # summary.json's data section counts the 2 images (2 records) and the 4 clips apart, not 4 records "with an image"
+    from mmpipe.runtime.steplog import data_counts
+    counts = data_counts(stats)
+    assert (counts["with_image"], counts["images"], counts["clips"], stats["with_image"]) == (2, 2, 4, 4)
     shape = row_shape(cfg, 2, opts.text_len, opts.vision_budget)
     plan = RowPlan(sample_size(samples, shape), shape, pack=True, chunk=len(samples.index))
     rows = RowSet(samples, plan)

@@ -439,12 +439,21 @@ def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int, spare
         else:
             w, h = check_image(m, image_root, max_pixels)
             out.append((*rule.grid(w, h, n), 0)[:rule.grid_width])
-    return np.array(out, dtype=np.int64).reshape(-1, rule.grid_width), counts
+    return np.array(out, dtype=np.int64).reshape(-1, rule.grid_width), slot_counts(media, counts)
+
+
+def slot_counts(media: list, counts: dict) -> dict:
+    """counts with the sample's image slots its clips take (clip_slots: a clip's one, a Qwen3-VL clip's one per
+    temporal patch) and whether clips are all its media (clip_only_records), so that the run's summary counts its
+    images and clips apart (mmpipe.runtime.steplog.data_counts)."""
+    from .records import VideoRef
+    slots = sum(isinstance(m, VideoRef) for m in media)
+    return dict(counts, clip_slots=slots, clip_only_records=int(slots == len(media) > 0))
 
 
 # the index's clip counts (DataIndex.stats), summed over the good records: mmpipe.data.index.describe's line
 CLIP_COUNTS = ("clips", "clip_frames", "clip_frames_sampled", "clips_resized", "clips_fewer_frames",
-               "clip_frames_dropped")
+               "clip_frames_dropped", "clip_slots", "clip_only_records")
 
 
 def _clip_path(ref, image_root) -> Path:
@@ -571,7 +580,7 @@ def onevision_grids(media: list, rule, image_root, max_pixels: int, spare: int =
         for key, add in zip(CLIP_COUNTS, (1, info.frames, frames, int(info.width * info.height > rule.size ** 2),
                                           int(fewer > 0), fewer and fewer - frames)):
             counts[key] += add
-    return np.array(out, dtype=np.int64).reshape(-1, 5), counts
+    return np.array(out, dtype=np.int64).reshape(-1, 5), slot_counts(media, counts)
 
 
 def _onevision_settings(rule) -> tuple[float, int, int]:

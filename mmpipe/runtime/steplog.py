@@ -131,3 +131,22 @@ class StepLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+DATA_KEYS = ("records", "good", "bad", "bad_by_kind", "truncated", "first_bad")
+CLIP_KEYS = ("clips", "clip_frames", "clip_frames_sampled", "clips_resized", "clips_fewer_frames",
+             "clip_frames_dropped")
+
+
+def data_counts(stats: dict) -> dict:
+    """summary.json's data counts from the index's stats, images and clips apart (as the data report prints them):
+    with_image / images count images alone (the index counts every medium's slot: a clip's, or a Qwen3-VL clip's one
+    per temporal patch, less its clip_slots, and the records whose media are all clips), clips and their frames on
+    their own; e.g. 16 clips and 8 images in 24 records: 8 with an image, 8 images, 16 clips (not 24 with an
+    image)."""
+    out = {k: stats[k] for k in DATA_KEYS}
+    out["with_image"] = stats["with_image"] - stats.get("clip_only_records", 0)
+    out["images"] = stats.get("images", stats["with_image"]) - stats.get("clip_slots", 0)
+    if stats.get("clips"):
+        out.update({k: stats[k] for k in CLIP_KEYS if k in stats})
+    return out

@@ -47,7 +47,7 @@ from .guard import install_skip
 from .pipeline import VLMPipeline
 from .precision import check_all_ranks
 from .schedule import install as install_schedule
-from .steplog import StepLog
+from .steplog import StepLog, data_counts
 from .timing import gather_stage_report, instrument, pipeline_summary
 from .validation import Validator
 from .wire import install as install_wire
@@ -367,8 +367,7 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progre
                        "pack": run.pack, **seen}
     if not run.data.builtin:
         stats = samples.index.stats
-        summary["data"].update({k: stats[k] for k in ("records", "good", "bad", "bad_by_kind", "truncated",
-                                                      "with_image", "first_bad")},
+        summary["data"].update(data_counts(stats),  # images and clips apart (clips: their own counts)
                                epochs=seen["samples_seen"] / len(samples.index),
                                bad_records_file=str(out / "data" / "bad_records.jsonl"))
         for line in describe_data(stats)[:1]:
