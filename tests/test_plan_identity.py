@@ -99,8 +99,7 @@ def expected_stdout(recorded: list[str]) -> list[str]:
 
 
 def record(folder: Path) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = _commit()
     outputs = {f"{preset} {name}": run_plan(preset, argv, folder) for preset in presets()
                for name, argv in FLAG_SETS.items()}
     return {"commit": commit, "flag_sets": FLAG_SETS, "outputs": outputs}
@@ -117,13 +116,35 @@ def test_the_fixture_covers_every_preset_and_flag_set(recorded):
     assert sorted(recorded["outputs"]) == sorted(f"{p} {n}" for p in presets() for n in FLAG_SETS)
 
 
+def test_each_change_rewrites_a_recorded_output(recorded):
+    """Each change named in CHANGES applies to some recorded plan (else it hides nothing and goes), and only where
+    it says: the EP-1 per-rank line loses its all-to-all, an EP-2 one keeps it."""
+    outs = [o["stdout"] for o in recorded["outputs"].values()]
+    for change in CHANGES:
+        assert any(change(lines) != lines for lines in outs), change.__name__
+    ep2 = [lines for lines in outs if any(x.startswith("best: ") and "(ep 2)" in x for x in lines)]
+    assert ep2 and all(_no_a2a_at_ep1(lines) == lines for lines in ep2)
+    assert all(" MiB / " in x for lines in ep2 for x in lines if x.startswith("per rank: "))
+
+
+def test_each_rerecorded_output_changed_and_says_why(recorded):
+    """A plan recorded again names its commit and why, and differs from its 368cfab output beyond the wall time."""
+    for key, again in recorded.get("rerecorded", {}).items():
+        assert again["commit"] and again["why"], key
+        was, now = recorded["outputs"][key], again["output"]
+        assert {**was, "stdout": expected_stdout(was["stdout"])} != {**now, "stdout": without_wall_time(now["stdout"])}
+
+
 @pytest.mark.parametrize("name", list(FLAG_SETS))
 def test_plan_output_is_unchanged(recorded, name, tmp_path):
     """Every preset under one flag set: the same exit status, stdout (apart from the wall-time line and CHANGES),
     stderr and written config as at the fixture's commit."""
     differ = []
     for preset in presets():
-        was, now = recorded["outputs"][f"{preset} {name}"], run_plan(preset, FLAG_SETS[name], tmp_path)
+        key = f"{preset} {name}"
+        was, now = recorded["outputs"][key], run_plan(preset, FLAG_SETS[name], tmp_path)
+        if key in recorded.get("rerecorded", {}):  # changed on purpose at a later commit: that commit's output
+            was = recorded["rerecorded"][key]["output"]
         want = {**was, "stdout": expected_stdout(was["stdout"])}
         got = {**now, "stdout": without_wall_time(now["stdout"])}
         if got != want:
@@ -141,10 +162,27 @@ def _first_difference(want, got) -> str:
     return f"was {want!r}, now {got!r}"
 
 
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
+def rerecord(key: str, why: str, folder: Path) -> None:
+    """Record one plan again (a change made on purpose), beside its original output."""
+    fixture = json.loads(FIXTURE.read_text())
+    preset, name = key.rsplit(" ", 1)
+    output = run_plan(preset, FLAG_SETS[name], folder)
+    fixture.setdefault("rerecorded", {})[key] = {"commit": _commit(), "why": why, "output": output}
+    FIXTURE.write_text(json.dumps(fixture, indent=1) + "\n")
+
+
 if __name__ == "__main__":
     import tempfile
-    if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_plan_identity.py --write   (records the fixture at this commit)")
     with tempfile.TemporaryDirectory() as tmp:
-        FIXTURE.write_text(json.dumps(record(Path(tmp)), indent=1) + "\n")
+        if sys.argv[1:] == ["--write"]:
+            FIXTURE.write_text(json.dumps(record(Path(tmp)), indent=1) + "\n")
+        elif len(sys.argv) == 4 and sys.argv[1] == "--rerecord":
+            rerecord(sys.argv[2], sys.argv[3], Path(tmp))
+        else:
+            sys.exit("usage: python tests/test_plan_identity.py --write | --rerecord 'PRESET FLAGSET' 'WHY'")
     print(f"wrote {FIXTURE}")
