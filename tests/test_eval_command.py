@@ -205,3 +205,30 @@ def test_eval_names_the_bad_record_list_by_its_path(tmp_path, data, capsys, monk
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == f"mmpipe: error: --bad-records strict: ... and 4 more; 14 bad records in all: 14 missing_image; " \
                    f"all listed in {listed}"
+
+
+def test_a_record_whose_answer_tokenizes_to_nothing_is_a_bad_record(tmp_path, data, capsys):
+    """A tokenizer that maps an answer's text to no token (here its normalizer drops '@'): the record is counted bad
+    (empty_answer, with its reason, in the summary's bad records and on stderr) and scored nowhere, where before it
+    was scored as an empty reference against the answer."""
+    from tokenizers import normalizers
+    cfg = load_preset("llava-tiny")
+    tok = builtin_tokenizer(image_token=True)
+    cfg = dataclasses.replace(cfg, image_token_id=len(tok) - 1).with_vocab(64)
+    write_checkpoint(ReferenceModel(cfg, seed=3), tmp_path)
+    tok.backend_tokenizer.normalizer = normalizers.Replace("@", "")
+    tok.save_pretrained(tmp_path / "tok")
+    records = [json.loads(line) for line in data[1].read_text().splitlines()][:2]
+    records.append(dict(records[0], id="at", conversations=[records[0]["conversations"][0],
+                                                            {"from": "gpt", "value": "@@ @"}]))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "eval" / "answers.jsonl"
+    assert mmpipe_eval("--checkpoint", str(tmp_path), "--data", str(tmp_path / "held.jsonl"), "--image-root",
+                       str(data[1].parent), "--tokenizer", str(tmp_path / "tok"), "--out", str(out),
+                       "--max-new-tokens", "2") == 0
+    lines, summary = read(out)
+    assert summary["n"] == len(lines) == 2 and summary["bad_records"] == 1
+    assert summary["bad_by_kind"] == {"empty_answer": 1}
+    assert [(b["row"], b["kind"]) for b in summary["bad_after_tokenizing"]] == [(2, "empty_answer")]
+    assert "1 bad records skipped after tokenizing (empty_answer, row 2: the first answer tokenizes to no token" \
+        in capsys.readouterr().err

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -207,12 +208,13 @@ def main_eval(args: argparse.Namespace) -> int:
     model.eval()
     sampling = Sampling.from_args(args, tok)
     started = time.perf_counter()
-    items, answers, loss_sum, loss_tokens = _generate_all(args, model, sampling, evalset, text_len)
+    items, answers, loss_sum, loss_tokens, bad = _generate_all(args, model, sampling, evalset, text_len)
     seconds = time.perf_counter() - started
     lines = _scored_lines(args, tok, evalset, items, answers)
     out = Path(args.out)
     out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     summary = _summary(args, sampling, lines, evalset, loss_sum, loss_tokens, seconds, out)
+    summary = dict(summary, **_with_bad(summary, bad))
     summary_path(out).write_text(json.dumps(summary, indent=2) + "\n")
     types = "".join(f", {q} {v[args.metric]:.3f}" for q, v in summary["per_type"].items())
     print(f"mmpipe: eval: {args.metric} {summary[args.metric]:.3f} ({summary['correct']}/{summary['n']}{types}); "
@@ -227,15 +229,23 @@ def _generate_all(args, model, sampling: Sampling, evalset, text_len: int):
     `sampling` says) and the teacher-forced loss sum and answer-token count over the same batches."""
     cfg, eos = model.cfg, sampling.eos_id
     dtype, kind = next(model.parameters()).dtype, image_kind(cfg)
-    items = []
+    items, bad = [], []
     for pos in range(evalset.size):
         enc, n_images = evalset.tokens(pos)
         text, reference = split_record(enc.ids, enc.target, eos)
         # a block at image_at == len(text) closes the prompt: the first answer token is predicted from it
         sees = bool(n_images) and int(enc.image_at[0] if len(enc.image_at) else 1) <= len(text)
+        why = empty_tokens(text, reference, sees)
+        if why:  # nothing to score, or nothing to answer from: a bad record, not a score over what is left
+            bad.append({"row": evalset.row(pos), **why})
+            continue
         grids = [tuple(int(x) for x in g) for g in enc.grids[:1]]
         prompt = with_images(text, cfg, enc.image_at[:1] if len(enc.image_at) else None, grids) if sees else text
         items.append(Item(pos, prompt, text, reference, bool(n_images), sees, grids[0] if grids else ()))
+    if bad:
+        print(f"mmpipe: eval: {len(bad)} bad records skipped after tokenizing ({bad[0]['kind']}, row {bad[0]['row']}: "
+              f"{bad[0]['reason']}{'; ...' if len(bad) > 1 else ''}); answers.summary.json lists them",
+              file=sys.stderr, flush=True)
     answers: list[list[int]] = [[] for _ in items]
     rows = sample_rowset(evalset, cfg, text_len, need_images=False)
     loss_sum, loss_tokens = 0.0, 0
@@ -252,7 +262,19 @@ def _generate_all(args, model, sampling: Sampling, evalset, text_len: int):
             s, n = _loss(model, rows, [items[i].pos for i in batch], pixels, tiling)
             loss_sum, loss_tokens = loss_sum + s, loss_tokens + n
             bar.update(len(batch))
-    return items, answers, loss_sum, loss_tokens
+    return items, answers, loss_sum, loss_tokens, bad
+
+
+def empty_tokens(text: list[int], reference: list[int], sees_image: bool) -> dict | None:
+    """Why a record's tokens leave nothing to evaluate ({kind, reason}: the data report's bad-record kinds), else
+    None: its first answer tokenizes to no token (EOS dropped: the reference is empty, and any answer would be
+    scored against nothing), or its prompt has no token and no image to answer from."""
+    if not reference:
+        return {"kind": "empty_answer", "reason": "the first answer tokenizes to no token (the tokenizer maps its "
+                                                  "text to nothing)"}
+    if not text and not sees_image:
+        return {"kind": "empty_prompt", "reason": "the prompt tokenizes to no token and has no image"}
+    return None
 
 
 def _scored_lines(args, tok, evalset, items, answers) -> list[dict]:
@@ -270,6 +292,15 @@ def _scored_lines(args, tok, evalset, items, answers) -> list[dict]:
             line["type"] = qtype
         lines.append(line)
     return lines
+
+
+def _with_bad(summary: dict, bad: list[dict]) -> dict:
+    """The summary's bad-record counts with the records found bad after tokenizing (empty_tokens) added, and their
+    list (row, kind, reason)."""
+    kinds = dict(summary["bad_by_kind"])
+    for b in bad:
+        kinds[b["kind"]] = kinds.get(b["kind"], 0) + 1
+    return {"bad_records": summary["bad_records"] + len(bad), "bad_by_kind": kinds, "bad_after_tokenizing": bad}
 
 
 def _summary(args, sampling: Sampling, lines: list[dict], evalset, loss_sum: float, loss_tokens: int,
