@@ -85,6 +85,10 @@ class VisionConfig:
     def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 = 588 (Qwen's 2 frames: PatchVision)
         return self.patch_size * self.patch_size * self.channels
 
+    @property
+    def any_resolution(self) -> bool:  # any-resolution tiles: image_size may leave a remainder (AnyresVision)
+        return False
+
 
 @dataclass(frozen=True)
 class CropVision(VisionConfig):
@@ -147,6 +151,10 @@ class AnyresVision(ClipVision):
     video_fps: float = 2.0
     video_min_frames: int = 4
     video_max_frames: int = 768
+
+    @property
+    def any_resolution(self) -> bool:  # as transformers' conv: OneVision's SigLIP cuts 384 px / 14 into 27 x 27
+        return bool(self.grid_pinpoints)
 
 
 @dataclass(frozen=True)
@@ -385,13 +393,14 @@ class ModelConfig:
             _known(self.family, families, "family"),
             _known(self.fusion, fusions, "fusion"),
             (self.cross_attn_every >= 1, "cross_attn_every", f"{self.cross_attn_every} must be >= 1"),
+            (self.proj_inner_dim >= 1, "proj_inner_dim", f"{self.proj_inner_dim} must be >= 1"),
             (self.cross_attn_gate_scale > 0, "cross_attn_gate_scale", f"{self.cross_attn_gate_scale} must be > 0"),
-            (self.cross_attn_heads >= 0 and (not self.cross_attn_layers
+            (self.cross_attn_heads >= 0 and (self.cross_attn_every < 1 or not self.cross_attn_layers  # range(.., 0)
                                              or t.dim % (self.cross_attn_heads or t.n_heads) == 0), "cross_attn_heads",
              f"{self.cross_attn_heads}: text.dim {t.dim} must be divisible by it"),
             # any-resolution towers may leave a remainder, as transformers' conv does (OneVision's SigLIP: 384 px
             # / 14 -> 27 x 27 patches)
-            (v.image_size % v.patch_size == 0 or bool(v.grid_pinpoints), "vision.image_size",
+            (v.image_size % v.patch_size == 0 or v.any_resolution, "vision.image_size",
              f"{v.image_size} is not a multiple of patch_size {v.patch_size}"),
             (v.dim % v.n_heads == 0, "vision.dim", f"{v.dim} is not divisible by n_heads {v.n_heads}"),
             # a head width of its own (attn_head_dim: Qwen3-VL, Qwen3.5) frees the width from the heads
@@ -531,11 +540,12 @@ def qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
          f"{list(t.mrope_section)}: 3 sections summing to rotary_dim / 2 = {t.rotary_dim // 2}"),
         (all(0 <= i < t.n_layers for i in full) and full == sorted(set(full)), "text.full_attention_indexes",
          f"{full}: increasing layer indices of a {t.n_layers}-layer decoder"),
-        (not linear or min(t.linear_key_heads, t.linear_key_dim, t.linear_value_dim, t.linear_conv_kernel) > 0
-         and t.linear_value_heads % max(t.linear_key_heads, 1) == 0, "text.linear_value_heads",
-         f"{t.linear_value_heads} value heads / {t.linear_key_heads} key heads of {t.linear_key_dim} / "
-         f"{t.linear_value_dim}, kernel {t.linear_conv_kernel}: all > 0, value heads a multiple of key heads"),
-    ]
+    ] + [(not linear or n > 0, f"text.{k}", f"{n}: the linear layers' geometry (heads, widths, kernel) must be > 0")
+         for k, n in (("linear_key_heads", t.linear_key_heads), ("linear_value_heads", t.linear_value_heads),
+                      ("linear_key_dim", t.linear_key_dim), ("linear_value_dim", t.linear_value_dim),
+                      ("linear_conv_kernel", t.linear_conv_kernel))] + [
+        (not linear or t.linear_value_heads % max(t.linear_key_heads, 1) == 0, "text.linear_value_heads",
+         f"{t.linear_value_heads} value heads: a multiple of the {t.linear_key_heads} key heads")]
 
 
 MAX_DEEPSTACK = 8  # DeepStack sets a model may carry (mmpipe.model.qwen3_vl makes a layer class per set)
@@ -575,6 +585,82 @@ def _declared(base: type) -> dict[str, object]:
     return out
 
 
+# _build's check of every number a section holds, before any family's checks compute with it: its type (an integer
+# is not a float, a string or true / false) and its lower bound. An int counts something (>= 1) unless its default
+# is 0, then its documented "none" (n_kv_heads 0: n_heads; window_size 0: no windows; max_crops 0: one crop), or
+# below 0, then an index from the end (feature_layer -2; its family checks it); FLOORS names the exceptions. A float
+# is a finite number, > 0 where POSITIVE names it (an eps, a rotary base or share, a rate, a std; a gate or a
+# coefficient may be 0, a shift below 0). A list's integers are indices or rotary sections, checked by their family.
+FLOORS = {"overlap_margin": 0}  # crops that share no patch (the moondream check's 0 <= 2 x margin < grid)
+POSITIVE = {"ln_eps", "rope_theta", "partial_rotary_factor", "video_fps", "std"}
+_NUMBER = {int: "an integer", float: "a number"}
+
+
+def _is_number(value, kind: type) -> bool:
+    return (isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+            and (isinstance(value, int) or math.isfinite(value)))  # JSON's NaN / Infinity are floats
+
+
+def _below(name: str, kind: type, default, value) -> str | None:
+    """'must be >= 1' / '> 0' when `value` (a number of field `name`) is under its bound, else None."""
+    if kind is float:
+        floor, strict = (0, True) if name in POSITIVE else (None, False)
+    elif name in FLOORS:
+        floor, strict = FLOORS[name], False
+    elif default is dataclasses.MISSING or default >= 1:
+        floor, strict = 1, False
+    else:
+        floor, strict = (0 if default == 0 else None), False
+    if floor is None or (value > floor if strict else value >= floor):
+        return None
+    return f"must be {'>' if strict else '>='} {floor}"
+
+
+def _list_words(args: tuple) -> str:
+    """'a list of integers', 'a list of 3 numbers', 'a list of lists of 2 integers'."""
+    count = "" if args[-1] is Ellipsis else f"{len(args)} "
+    inner = args[0]
+    each = (_list_words(typing.get_args(inner))[2:].replace("list", "lists", 1) if typing.get_origin(inner) is tuple
+            else {int: "integers", float: "numbers"}[inner])
+    return f"a list of {count}{each}"
+
+
+def _list_problem(name: str, args: tuple, value) -> str | None:
+    """What is wrong with `value` for a tuple field of element types `args` (tuple's), or None."""
+    listed = isinstance(value, (list, tuple))  # a JSON list, or a tuple of to_dict's (config_from_dict(cfg.to_dict()))
+    kinds = args[:1] * len(value) if args[-1] is Ellipsis and listed else args
+    if not listed or len(value) != len(kinds):
+        return f"{value!r} is not {_list_words(args)}"
+    for x, kind in zip(value, kinds):
+        nested = typing.get_origin(kind) is tuple
+        if nested and _list_problem(name, typing.get_args(kind), x) or not nested and not _is_number(x, kind):
+            return f"{value!r} is not {_list_words(args)}"
+        bound = _below(name, kind, None, x) if kind is float else None
+        if bound:
+            return f"{value!r}: each {bound}"
+    return None
+
+
+def _numbers(args: tuple) -> bool:
+    """Whether a tuple field's element types (tuple's args) are numbers or tuples of them: what _list_problem reads."""
+    return all(a in _NUMBER or a is Ellipsis or typing.get_origin(a) is tuple and _numbers(typing.get_args(a))
+               for a in args)
+
+
+def _field_problem(f: dataclasses.Field, hint, value) -> str | None:
+    """What is wrong with `value` for the section field f (declared `hint`), or None. Other types than numbers,
+    flags, strings and lists of numbers (a plugin's own) are its family's to check."""
+    if hint in _NUMBER:
+        if not _is_number(value, hint):
+            return f"{value!r} is not {_NUMBER[hint]}"
+        bound = _below(f.name, hint, f.default, value)
+        return f"{value} {bound}" if bound else None
+    if hint in (bool, str):
+        return None if isinstance(value, hint) else f"{value!r} is not {'true or false' if hint is bool else 'text'}"
+    args = typing.get_args(hint)
+    return _list_problem(f.name, args, value) if typing.get_origin(hint) is tuple and _numbers(args) else None
+
+
 def _build(cls, data: dict, where: str, family: str = ""):
     """A section from its JSON dict: lists become tuples, a dict for a dataclass field becomes that dataclass. A field
     another family's section declares is dropped when it holds that field's default (an older model.json wrote every
@@ -591,9 +677,14 @@ def _build(cls, data: dict, where: str, family: str = ""):
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {unknown} (valid: {sorted(names)})")
     hints = typing.get_type_hints(cls)
-    values = {}
-    for k in names & set(data):
+    values, fields = {}, {f.name: f for f in dataclasses.fields(cls)}
+    for k in sorted(names & set(data)):
         sub = [t for t in (hints[k], *typing.get_args(hints[k])) if dataclasses.is_dataclass(t)]
+        problem = None if sub else _field_problem(fields[k], hints[k], data[k])
+        if sub and not (isinstance(data[k], dict) or data[k] is None and fields[k].default is None):
+            problem = f"{data[k]!r} is not a section {{...}}"
+        if problem:
+            raise ConfigError(f"{where}.{k}: {problem}")
         values[k] = (_build(sub[0], data[k], f"{where}.{k}", family) if sub and isinstance(data[k], dict)
                      else _tuples(data[k]))  # JSON lists -> tuples, nested too: the configs are frozen and hashable
     try:
@@ -625,7 +716,8 @@ def config_from_dict(data: dict, name: str) -> ModelConfig:
     unknown = sorted(set(data) - top)
     if unknown:
         raise ConfigError(f"model config '{name}': unknown field(s) {unknown} (valid: {sorted(top)})")
-    for key in ("cross_attn_every", "cross_attn_heads"):
+    for key in ("cross_attn_every", "cross_attn_heads", "proj_inner_dim", "image_token_id", "vision_start_id",
+                "vision_end_id"):
         if key in data and (not isinstance(data[key], int) or isinstance(data[key], bool)):
             raise ConfigError(f"model config '{name}': {key}: {data[key]!r} is not an integer")
     g = data.get("cross_attn_gate_scale", 1.0)
