@@ -59,11 +59,12 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
     if dp is not None and dp < 1:
         return fail(ConfigError(f"--dp: {dp} must be >= 1"))
     try:
-        stages = requested_stages(args)
-        world = sum(len(s) for s in hosts.values()) if hosts else dp * stages
-        if hosts and dp is not None and dp * stages != world:
-            raise ConfigError(f"--dp: {dp} x {stages} stages != the hostfile's {world} slots; leave --dp "
-                              f"out (with --hostfile it is slots / stages)")
+        stages, tp = requested_stages(args), max(1, args.tp)  # a replica's ranks: stages x tp (--tp)
+        world = sum(len(s) for s in hosts.values()) if hosts else dp * stages * tp
+        if hosts and dp is not None and dp * stages * tp != world:
+            raise ConfigError(f"--dp: {dp} x {stages} stages{f' x tp {tp}' if tp > 1 else ''} != the hostfile's "
+                              f"{world} slots; leave --dp out (with --hostfile it is slots / stages"
+                              f"{' / tp' if tp > 1 else ''})")
         run = resolve(args, world_size=world)
         if args.resume:  # before launch: the saved rows are what its data position counts
             checkpoint.check_same_rows(Path(args.output_dir) / "checkpoints", run)
@@ -124,7 +125,7 @@ def _where(la: LaunchArgs, hosts: dict | None, run, args: TrainArgs, env: dict, 
     """The launcher's placement flags: local ranks, or the hostfile's hosts (checked over ssh and given
     DS_ENV_FILE in env, except in a dry run)."""
     if hosts is None:
-        return ["--num_gpus", str(run.stages * run.dp), "--master_addr", "127.0.0.1",
+        return ["--num_gpus", str(run.stages * run.dp * run.tp), "--master_addr", "127.0.0.1",
                 "--master_port", str(la.master_port or free_port())]
     if not dry_run:
         if len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
@@ -142,7 +143,8 @@ def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None, comman
     data = lambda d: d if d is None else "shapes (built-in)" if d.builtin else str(Path(d.name).resolve())  # noqa: E731
     return print_plan(
         f"{command} {run.model.name}", launch=shlex.join(cmd),
-        layout=f"{run.stages} stages x dp {run.dp} = {run.stages * run.dp} ranks, micro {run.micro} x GAS {run.gas} "
+        layout=f"{run.stages} stages x dp {run.dp}{f' x tp {run.tp}' if run.tp > 1 else ''} = "
+               f"{run.stages * run.dp * run.tp} ranks, micro {run.micro} x GAS {run.gas} "
                f"x dp {run.dp} = {run.train_batch} rows per step, schedule {run.schedule}",
         stages=f"layer boundaries {run.parts} ({len(run.layers)} layers)",
         ds_config=f"{Path(run.ds_config_path).resolve()} ({run.precision}, ZeRO-{run.zero_stage})",

@@ -113,6 +113,19 @@ CROSS_ATTENTION = register(Family(
     {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK},
     ImageLayout(cross_attention=True, vision=c.CropVision, text=c.TextConfig), SPLICED,
     checks=c.moondream_checks, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION)))
+# --tp (mmpipe.model.tensor_parallel): the decoder split as Megatron splits Llama (q/k/v and gate/up by column, heads
+# whole on a rank; o and down by row), the embedding and head by vocabulary (a tied head reads the embedding's own
+# vocab-split matrix, so the tie holds shard by shard). The tower and projector are replicated: every TP rank runs
+# them whole, with no collective. They are small beside the decoder (CLIP-L 0.3 B of LLaVA-1.5-7B's 7.1 B) and
+# run once per image; splitting them is issue 54's later work. A layer not named is replicated.
+LLAVA_TP_PLAN = {
+    LlamaBlock: {"self_attn": "heads", "self_attn.q_proj": "column", "self_attn.k_proj": "column",
+                 "self_attn.v_proj": "column", "self_attn.o_proj": "row",
+                 "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"},
+    LlavaEmbed: {"embed_tokens": "vocab"},
+    LMHeadLinear: {"lm_head": "vocab"},
+    tied_head: {"": "vocab"},
+}
 LLAVA = register(Family(
     "llava", "prefix", llava_specs, (TowerBlock, LlamaBlock),
     {VisionEmbed: costs.PATCH_EMBED, TowerBlock: costs.VISION_BLOCK, LlavaProjector: costs.PROJECTOR,
@@ -121,7 +134,8 @@ LLAVA = register(Family(
     ImageLayout(placeholders=True, vision=c.ClipVision, text=c.LlamaText), PLACEHOLDERS, checks=c.llava_checks,
     fields=lambda cfg: ROW, tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     hf=_hf("llava", "LlavaForConditionalGeneration", ("llava",), "LLaVA", importer="import_llava",
-           config="hf_llava_config", reader="read_llava", key_map="hf_key_map")))
+           config="hf_llava_config", reader="read_llava", key_map="hf_key_map"),
+    tp_plan=LLAVA_TP_PLAN))
 
 # Its vision layers are costed on the row's patch budget (costs.QWEN_*, per_row: mmpipe.planning.costmodel)
 QWEN2_VL = register(Family(

@@ -32,6 +32,9 @@ class TrainArgs(DataArgs, ModelArgs):
                                 f"pipeline.schedule, else {BASELINE.name}; docs/schedules.md)")
     ep: int = flag(1, "expert-parallel ranks: an MoE model's experts split over groups of EP data-parallel ranks "
                    "of each stage, tokens exchanged by all-to-all; EP divides DP (default: 1; docs/moe.md)")
+    tp: int = flag(1, "tensor-parallel ranks: each stage's layers split over TP ranks as the family's plan says "
+                   "(Megatron-style column / row / vocabulary splits); world = stages x dp x tp (default: 1; "
+                   "docs/tensor_parallel.md)")
     objective: str = flag(TOKENS.name, "what the last stage trains on: sft, the cross-entropy of the answer tokens "
                           "(default; docs/architecture.md, Objective)", choices=OBJECTIVE_NAMES)
     steps: int = flag(3000, "optimizer steps (default: 3000)")

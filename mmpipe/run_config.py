@@ -84,6 +84,7 @@ class RunConfig:
     loss_norm: str = "token"  # --loss-norm: one of mmpipe.data.packing.LOSS_NORMS
     ep: int = 1  # --ep: expert-parallel ranks (mmpipe.runtime.experts)
     objective: Objective = TOKENS  # --objective: what the last stage trains on (mmpipe.model.objectives)
+    tp: int = 1  # --tp: tensor-parallel ranks per stage (mmpipe.model.tensor_parallel); world = stages x dp x tp
 
     @property
     def experts(self):
@@ -221,12 +222,14 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     pipe_cfg = ds.get("pipeline", {})
     stages = problems.attempt(_stages, args, ds) or 1
     schedule = _schedule(args, pipe_cfg, problems)
-    if world_size % stages:
-        problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages "
-                        f"(data-parallel degree = world size / stages)")
-    dp = max(1, world_size // stages)
+    tp = max(1, args.tp)
+    if world_size % (stages * tp):
+        problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages x tp {tp} "
+                        f"(data-parallel degree = world size / (stages x tp))")
+    dp = max(1, world_size // (stages * tp))
     zero_stage, precision = _check_ds(ds, args, problems)
     _check_ep(args, model, dp, ds, zero_stage, precision, problems)
+    _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)
     micro, gas = problems.attempt(_batch_sizes, ds, dp) or (1, 1)
     parts, table = [], []
     if model is not None and data is not None:
@@ -252,13 +255,16 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         sched["total_num_steps"] = args.steps
     ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
               gradient_accumulation_steps=gas)
+    if tp > 1:  # each TP rank sends its whole stage output to the same TP rank of the next stage (mmpipe's wire:
+        # floats only), not DeepSpeed's 1/TP slice all-gathered by the receiver (pipe_partitioned, default True)
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     if eval_data is not None:
         eval_data = dataclasses.replace(eval_data, tokenizer=data.tokenizer)  # as fitted above (LLaVA's <image>)
     return RunConfig(model=model, ds_config=ds, ds_config_path=ds_path, stages=stages, dp=dp, micro=micro, gas=gas,
                      parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
                      schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
-                     objective=objective_named(args.objective))
+                     objective=objective_named(args.objective), tp=tp)
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
@@ -322,6 +328,39 @@ def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precis
     if not (precision == "bf16" or (precision == "fp32" and zero_stage == 0)):
         problems.append(f"--ep: {ep} runs in bf16 (ZeRO 0 or 1) or in fp32 at zero_optimization.stage 0 for now "
                         f"(here: {precision}, ZeRO {zero_stage}; docs/moe.md)")
+
+
+def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
+    """--tp N (docs/tensor_parallel.md): N >= 1; above 1 only for a family with a tensor-parallel plan whose text
+    sizes N divides (heads and KV heads whole on a rank, equal vocabulary and FFN slices), and, in this first
+    slice, only where it was checked: fp32 at ZeRO 0, 1F1B, no activation checkpointing, EP, LoRA, init-from,
+    resume or validation."""
+    tp, (zero_stage, precision, schedule, pipe_cfg) = args.tp, setup
+    if tp < 1:
+        problems.append(f"--tp: {tp} must be >= 1")
+    if tp <= 1 or model is None:
+        return
+    if not family_of(model).tp_plan:
+        problems.append(f"--tp: {tp} on {model.name}: the {model.family} family has no tensor-parallel plan yet "
+                        f"(mmpipe.registry.Family.tp_plan; llava has one)")
+        return
+    t = model.text
+    for what, n in (("attention heads (text.n_heads)", t.n_heads), ("KV heads (text.n_kv_heads)", t.kv_heads),
+                    ("vocabulary (text.vocab_size)", t.vocab_size), ("FFN width (text.ff_dim)", t.ff_dim)):
+        if n % tp:
+            problems.append(f"--tp: {tp} does not divide {model.name}'s {n} {what}")
+    unchecked = [name for name, on in (
+        ("--ep", args.ep > 1), ("--lora", args.lora > 0),
+        ("--init-from", bool(args.init_from)), ("--resume", args.resume),
+        ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
+        (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage != 0),
+        (f"schedule {schedule}", schedule.name != BASELINE.name),
+        ("activation checkpointing", int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0)) if on]
+    if unchecked:
+        problems.append(f"--tp: {tp} with {', '.join(unchecked)} is not supported yet (this slice trains fp32, "
+                        f"ZeRO 0, 1F1B; docs/tensor_parallel.md)")
+    if objective_named(args.objective).vocab_parallel is None:
+        problems.append(f"--tp: objective {args.objective} has no vocab-parallel loss yet")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

@@ -14,6 +14,7 @@ micro-batch) is a second record of the same shape.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,12 +32,25 @@ class Objective:
     eval_sum: LossFn  # (logits, labels) -> the summed validation loss of the micro-batch (mmpipe.runtime.validation)
     row_fields: tuple[str, ...] = ()  # the label tuple's tensors beside the token labels
     logged: tuple[str, ...] = ()  # per-step values beside the loss in train_log.csv (an MoE run adds its aux term)
+    # (shard, vocab) -> (loss, eval_sum) on the last stage's 1/TP of the vocabulary's logits under --tp
+    # (mmpipe.model.tensor_parallel); None: the objective has no vocab-parallel form yet (refused at --tp > 1)
+    vocab_parallel: Callable[[object, int], tuple[LossFn, LossFn]] | None = None
 
     def __str__(self) -> str:
         return self.name
 
+    def split_vocab(self, shard, vocab: int) -> "Objective":
+        """This record with loss and eval_sum over vocab-split logits (shard: mmpipe.model.tensor_parallel.Shard)."""
+        loss, eval_sum = self.vocab_parallel(shard, vocab)
+        return dataclasses.replace(self, loss=loss, eval_sum=eval_sum)
 
-TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",))
+
+def _tokens_vocab_parallel(shard, vocab: int):
+    from .tensor_parallel import vocab_parallel_lm_loss
+    return vocab_parallel_lm_loss(shard, vocab)
+
+
+TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_parallel=_tokens_vocab_parallel)
 OBJECTIVES = (TOKENS,)
 OBJECTIVE_NAMES = tuple(o.name for o in OBJECTIVES)
 

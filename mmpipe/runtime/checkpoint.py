@@ -38,12 +38,25 @@ def load_reference(ckpt_dir: str | Path, cfg: ModelConfig, tag: str | None = Non
     model = ReferenceModel(cfg, lora=read_lora(Path(ckpt_dir).parent))
     for idx, layer in enumerate(model):
         path = Path(ckpt_dir) / tag / f"layer_{idx:02d}-model_states.pt"
-        if not path.is_file() and not layer.state_dict():
+        shards = sorted(path.parent.glob(f"layer_{idx:02d}-model_[0-9]*-model_states.pt"))  # a --tp run's
+        if not path.is_file() and not shards and not layer.state_dict():
             continue  # a tied layer's later use (LM head through TiedLayerSpec): DeepSpeed writes no file for it
-        if not path.is_file():
+        if not path.is_file() and not shards:
             raise FileNotFoundError(f"checkpoint {tag} lacks layer {idx} ({type(layer).__name__}): {path}")
-        layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True) if path.is_file()
+                              else _gathered(layer, shards, cfg))
     return merge_adapters(model) if merged else model
+
+
+def _gathered(layer: torch.nn.Module, shards: list[Path], cfg: ModelConfig) -> dict:
+    """A layer's whole state dict from a --tp run's files: DeepSpeed names each TP rank's file by its model-axis
+    coordinate (PipelineModule.ckpt_layer_path: layer_XX-model_RR-model_states.pt, the topology's rank_repr
+    without the data and pipe axes; data-parallel rank 0 writes), so the sorted names are TP rank order; the split
+    tensors are concatenated along the dims the family's plan split them (tensor_parallel.split_dims)."""
+    from ..model.tensor_parallel import gather_state, split_dims
+    from ..registry import family_of
+    states = [torch.load(f, map_location="cpu", weights_only=True) for f in shards]
+    return gather_state(states, split_dims(layer, family_of(cfg).tp_plan))
 
 
 # ---- writing: atomic, fsynced, pruned -----------------------------------------------------------

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from ..model.builder import apply_freeze, bind_layer_fields, layer_specs
 from ..model.lora import add_adapters
+from ..model.tensor_parallel import Shard, mark_norm_counting, parallelize
 from ..registry import family_of
 from ..run_config import RunConfig
 from .experts import shard_experts
@@ -24,9 +26,14 @@ class VLMPipeline(PipelineModule):
     def __init__(self, run: RunConfig, seed: int):
         self.__dict__["_mmpipe_parts"] = list(run.parts)  # read by _partition_layers inside super().__init__
         self.__dict__["wire_ints"] = None  # the running micro-batch's integer tensors (set per ForwardPass)
+        # --tp: DeepSpeed's own grid with its model axis (ranks pipe-major, TP fastest: rank = (pipe x dp + data) x
+        # tp + model), so the engine's DP all-reduce runs over the data axis only and its TP group is the grid's
+        # slice group. Without TP: num_stages alone, DeepSpeed's PipeDataParallelTopology as before.
+        topology = (PipeModelDataParallelTopology(num_pp=run.stages, num_mp=run.tp, num_dp=run.dp)
+                    if run.tp > 1 else None)
         super().__init__(
             layers=layer_specs(run.model),
-            num_stages=run.stages,
+            num_stages=None if topology else run.stages, topology=topology,
             loss_fn=run.objective.loss,  # what the last stage trains on (mmpipe.model.objectives)
             partition_method="mmpipe",
             # layer i is built under seed + i, exactly as ReferenceModel builds it. DeepSpeed also calls
@@ -39,6 +46,8 @@ class VLMPipeline(PipelineModule):
                 "activation_checkpoint_interval", 0)),
             checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
+        if run.tp > 1:  # every layer was built whole under its seed above; keep this rank's slices
+            self._split_tensors(run)
         apply_freeze(self.forward_funcs, run.freeze)
         self.moe = run.experts is not None  # its head reports the aux loss
         # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it)
@@ -58,13 +67,28 @@ class VLMPipeline(PipelineModule):
         # a tied module (TiedLayerSpec), held on every stage that uses it: DeepSpeed flags the copies
         # after the first ds_pipe_replicated (its ZeRO/fp16 norms skip them; the fp32 clip does not),
         # and an unmarked copy off stage 0 is not counted, so the tied weight counts once.
-        for p in self.parameters():
-            p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+        # Under --tp the same rule per TP slice, a replicated weight counted on TP rank 0 only (mark_norm_counting).
+        mark_norm_counting(self.parameters(), self._grid.get_slice_parallel_rank())
         # a tiling the layers drop is read from the images themselves by the layer that drops it (moondream's
         # multi-crop, read by its Projector: mmpipe.families.CROP_TILING); a later stage holding it loads images too.
         # The dynamic families keep theirs to the head, from the index: no image opened (mmpipe.runtime.wire)
         self.reads_images = self.stage_id == 0 or any(_has(f.__dict__["stage_in"], "tiling") and not _has(
             f.__dict__["stage_out"], "tiling") for f in self.forward_funcs)
+
+    def _split_tensors(self, run: RunConfig) -> None:
+        """The family's tensor-parallel plan applied to each built layer (mmpipe.model.tensor_parallel.parallelize),
+        each tied module once (it is a layer where first used, and DeepSpeed's partial of the head's forward_fn on
+        it where used again), and the last stage's loss over its 1/TP of the vocabulary."""
+        plan = family_of(run.model).tp_plan
+        shard = Shard(self._grid.get_slice_parallel_group(), self._grid.get_slice_parallel_rank(), run.tp)
+        done = set()
+        for module in [*self.tied_modules.values(), *self.forward_funcs]:
+            if isinstance(module, torch.nn.Module) and id(module) not in done:
+                done.add(id(module))
+                parallelize(module, plan, shard)
+        self.forward_funcs[:] = [f if isinstance(f, torch.nn.Module) else parallelize(f, plan, shard)
+                                 for f in self.forward_funcs]
+        self.loss_fn = run.objective.split_vocab(shard, run.model.text.vocab_size).loss
 
     def forward(self, forward_input):
         """A non-first stage receives floats only (hidden[, vision]) and joins the running micro-batch's

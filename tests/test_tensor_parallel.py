@@ -1,0 +1,222 @@
+"""--tp (issue 54, first slice: docs/tensor_parallel.md). The pieces on 2 gloo ranks in-process
+(torch.multiprocessing): DeepSpeed's vocab-parallel cross-entropy inside mmpipe's SFT loss equals the
+full-vocabulary loss and its gradients (1e-6), and llava's plan (vocab-split embedding, a LlamaBlock split by
+column / row, the tied and the untied head) gives the whole layers' outputs and gradients. Then one launch:
+llava-tiny at PP=2 x TP=2 (4 CPU ranks) equals the single-device reference, losses and gathered weights 1e-5,
+with gradient clipping engaged. And the refusals, one line each."""
+from __future__ import annotations
+
+import functools
+import json
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import assert_weights_moved, refused, train_run, write_ds_config
+from mmpipe.config import load_preset
+from mmpipe.families import LLAVA_TP_PLAN
+from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, lm_loss, lm_loss_sum
+from mmpipe.model.llava import LlamaBlock, LlavaEmbed, LMHeadLinear, tied_head
+from mmpipe.model.tensor_parallel import Shard, gather_state, parallelize, split_dims, vocab_parallel_lm_loss
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.reference import train_reference
+
+TOL = 1e-5
+STEPS = 3
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """Every in-process check (_CHECKS) on 2 gloo ranks of one TP group, in one spawn (a worker's imports cost
+    seconds): rank 0's {check: {name: max abs difference}}."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    mp.spawn(_worker, args=(str(tmp),), nprocs=2, join=True)
+    return json.loads((tmp / "diffs.json").read_text())
+
+
+def _worker(rank: int, tmp: str) -> None:
+    import deepspeed  # its vocab-parallel loss calls deepspeed.comm, which must be initialized itself
+    torch.set_num_threads(1)
+    deepspeed.init_distributed("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, verbose=False,
+                               auto_mpi_discovery=False)
+    diffs = {name: check(Shard(dist.group.WORLD, rank, 2)) for name, check in _CHECKS.items()}
+    if rank == 0:
+        with open(f"{tmp}/diffs.json", "w") as f:
+            json.dump(diffs, f)
+    dist.destroy_process_group()
+
+
+def _mine(full: torch.Tensor, shard: Shard, dim: int = -1) -> torch.Tensor:
+    return full.chunk(shard.size, dim=dim)[shard.rank]
+
+
+def _ce_check(shard: Shard) -> dict:
+    """The SFT loss's three forms (labelled mean, LossNorm-weighted sum, validation's sum) on vocab-split logits
+    against mmpipe's full-vocabulary ones; each rank's logit gradient against its slice of the full gradient."""
+    g = torch.Generator().manual_seed(0)
+    V = 16
+    logits = (3 * torch.randn(3, 5, V, generator=g, dtype=torch.float64)).float()  # spread: a peaked softmax too
+    labels = torch.randint(0, V, (3, 5), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    weights = torch.rand(3, 5, generator=g)
+    loss, eval_sum = vocab_parallel_lm_loss(shard, V)
+    diffs = {}
+    for name, full_fn, tp_fn, lab in (("mean", lm_loss, loss, labels), ("weighted", lm_loss, loss, (labels, weights)),
+                                      ("eval_sum", lm_loss_sum, eval_sum, labels)):
+        full = logits.clone().requires_grad_()
+        ref = full_fn(full, lab)
+        ref.backward()
+        local = _mine(logits, shard).clone().requires_grad_()
+        got = tp_fn(local, lab)
+        got.backward()
+        diffs[name] = abs(got.item() - ref.item())
+        diffs[name + " grad"] = (local.grad - _mine(full.grad, shard)).abs().max().item()
+    return diffs
+
+
+def test_vocab_parallel_loss_equals_the_full_vocabulary_loss(two_ranks):
+    diffs = two_ranks["ce"]
+    assert set(diffs) == {"mean", "mean grad", "weighted", "weighted grad", "eval_sum", "eval_sum grad"}
+    assert max(diffs.values()) < 1e-6, diffs
+
+
+def _built(cls, cfg, seed: int):
+    torch.manual_seed(seed)  # built whole under its seed, as the pipeline builds it
+    return cls(cfg)
+
+
+def _layers_check(shard: Shard) -> dict:
+    """embedding (vocab) -> LlamaBlock (q/k/v, gate/up column; o, down row; heads) -> the tied head and an untied
+    one (vocab) -> the vocab-parallel loss, on a packed row (two samples), against the whole layers."""
+    cfg = load_preset("llava-tiny")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.text.vocab_size, (2, 7), generator=g)
+    segments = torch.tensor([[1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 0]])
+    labels = torch.randint(0, cfg.text.vocab_size, (2, 7), generator=g)
+    full = [_built(c, cfg, s) for c, s in ((LlavaEmbed, 5), (LlamaBlock, 6), (LMHeadLinear, 7))]
+    split = [parallelize(_built(c, cfg, s), LLAVA_TP_PLAN, shard) for c, s in ((LlavaEmbed, 5), (LlamaBlock, 6),
+                                                                              (LMHeadLinear, 7))]
+    tp_loss = vocab_parallel_lm_loss(shard, cfg.text.vocab_size)[0]
+    outs = []
+    for (embed, block, head), loss_fn in ((full, lm_loss), (split, tp_loss)):
+        tied = functools.partial(tied_head, embed)
+        tied = parallelize(tied, LLAVA_TP_PLAN, shard) if loss_fn is tp_loss else tied
+        h = block.run(types.SimpleNamespace(hidden=embed.embed_tokens(ids), segments=segments), 0)
+        loss = loss_fn(tied((h,)), labels) + 0.5 * loss_fn(head.lm_head(h), labels)
+        loss.backward()
+        outs.append((loss, h))
+    diffs = {"loss": abs(outs[0][0].item() - outs[1][0].item()), "hidden": (outs[0][1] - outs[1][1]).abs().max().item()}
+    for whole, mine in zip(full, split):
+        dims = split_dims(whole, LLAVA_TP_PLAN)
+        grads = {k: p.grad for k, p in mine.named_parameters()}
+        for k, p in whole.named_parameters():
+            gathered = [torch.empty_like(grads[k]) for _ in range(shard.size)]
+            dist.all_gather(gathered, grads[k].contiguous())
+            got = gather_state([{k: t} for t in gathered], dims)[k]
+            diffs[f"{type(whole).__name__}.{k} grad"] = (got - p.grad).abs().max().item()
+            if k not in dims:  # replicated: each rank's own gradient is the whole one
+                diffs[f"{type(whole).__name__}.{k} grad here"] = (grads[k] - p.grad).abs().max().item()
+    return diffs
+
+
+def test_llava_plan_splits_layers_exactly(two_ranks):
+    diffs = two_ranks["layers"]
+    for name in ("LlamaBlock.self_attn.q_proj.weight grad", "LlamaBlock.self_attn.o_proj.weight grad",
+                 "LlamaBlock.mlp.down_proj.weight grad", "LlamaBlock.input_layernorm.weight grad here",
+                 "LlavaEmbed.embed_tokens.weight grad", "LMHeadLinear.lm_head.weight grad"):
+        assert name in diffs
+    assert max(diffs.values()) < 1e-6, {k: v for k, v in diffs.items() if v >= 1e-6}
+
+
+_CHECKS = {"ce": _ce_check, "layers": _layers_check}
+
+
+# ---- one launch: PP=2 x TP=2 == single device -----------------------------------------------------------------
+
+CLIP = 0.05
+
+
+@pytest.fixture(scope="module")
+def tp_config(tmp_path_factory):
+    """A constant lr (no scheduler: every step moves the weights) and clipping that engages. Adam's update is nearly
+    blind to a gradient's scale at eps 1e-8 (llava-tiny, 3 steps: clip 0.05 vs none moved the loss by 8e-6, under
+    TOL), so a gradient norm off by a factor would pass unseen; at eps 1e-4 the clip's scale reaches the update
+    (clip 0.05 vs 0.0707, the norm x sqrt(2): 6.9e-3 in step 3's loss, measured)."""
+    return write_ds_config(tmp_path_factory.mktemp("tp_cfg") / "tp.json", train_micro_batch_size_per_gpu=4,
+                           gradient_accumulation_steps=2, scheduler=None, gradient_clipping=CLIP,
+                           optimizer={"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.9, 0.95], "eps": 1e-4,
+                                                                  "weight_decay": 0.0, "torch_adam": True}})
+
+
+def _argv(cfg, *extra) -> list[str]:
+    return ["--preset", "llava-tiny", "--ds-config", str(cfg), "--steps", str(STEPS), "--eval-samples", "0",
+            "--seed", str(SEED), *extra]
+
+
+def _reference(cfg_path, clip: float):
+    ds = json.loads(cfg_path.read_text())
+    ds["gradient_clipping"] = clip
+    return train_reference(resolve(TrainArgs.from_argv(_argv(cfg_path, "--stages", "1")), world_size=1,
+                                   ds_config=ds), seed=SEED, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2(tmp_path_factory, tp_config):
+    return train_run(tmp_path_factory.mktemp("pp2tp2"), *_argv(tp_config, "--stages", "2", "--tp", "2")).check()
+
+
+def test_pp2_tp2_equals_single_device(pp2_tp2, tp_config):
+    ref_model, ref_losses = _reference(tp_config, CLIP)
+    # the clip engaged and its norm shows in the losses: clipping at sqrt(2) x CLIP (what a norm that counted every
+    # weight twice would clip to) ends elsewhere
+    other = _reference(tp_config, CLIP * 2 ** 0.5)[1]
+    assert abs(other[-1] - ref_losses[-1]) > 10 * TOL
+    losses = pp2_tp2.losses
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, ref in enumerate(ref_losses, start=1):
+        assert losses[step] == pytest.approx(ref, abs=TOL), (step, losses, ref_losses)
+    cfg = load_preset("llava-tiny")
+    got = load_reference(pp2_tp2.out / "checkpoints", cfg)  # each TP rank's shards gathered
+    ref, init = ref_model.state_dict(), ReferenceModel(cfg, seed=SEED).state_dict()
+    diff = {k: (v - ref[k]).abs().max().item() for k, v in got.state_dict().items()}
+    assert max(diff.values()) < TOL, {k: d for k, d in diff.items() if d >= TOL}
+    # k_proj's bias adds q.b_k to every score of a row, which softmax cancels: its gradient is rounding noise, and
+    # Adam moves it by ~noise / eps (test_pipeline_equivalence's note): compared above, not required to move
+    assert_weights_moved({k: v for k, v in got.state_dict().items() if "k_proj.bias" not in k}, init, TOL)
+
+
+def test_a_tp_checkpoint_holds_one_file_per_tp_rank_and_layer(pp2_tp2):
+    """DeepSpeed names a layer's file by its model-axis coordinate (layer_XX-model_RR-model_states.pt); a split
+    weight's file holds its rank's half, a replicated one the whole."""
+    tag = pp2_tp2.out / "checkpoints" / (pp2_tp2.out / "checkpoints" / "latest").read_text().strip()
+    cfg = load_preset("llava-tiny")
+    n_layers = len(ReferenceModel(cfg)) - 1  # the tied head's later use has no file
+    assert sorted(p.name for p in tag.glob("layer_*")) == [f"layer_{i:02d}-model_{r:02d}-model_states.pt"
+                                                            for i in range(n_layers) for r in range(2)]
+    block = next(i for i, layer in enumerate(ReferenceModel(cfg)) if isinstance(layer, LlamaBlock))
+    halves = [torch.load(tag / f"layer_{block:02d}-model_{r:02d}-model_states.pt", weights_only=True) for r in (0, 1)]
+    t = cfg.text
+    assert halves[0]["self_attn.q_proj.weight"].shape == (t.n_heads * t.head_dim // 2, t.dim)
+    assert halves[0]["mlp.down_proj.weight"].shape == (t.dim, t.ff_dim // 2)
+    assert not torch.equal(halves[0]["self_attn.q_proj.weight"], halves[1]["self_attn.q_proj.weight"])
+    assert torch.equal(halves[0]["input_layernorm.weight"], halves[1]["input_layernorm.weight"])
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------
+
+def test_tp_refusals_one_line_each(capsys):
+    err = refused(["--preset", "llava-tiny", "--tp", "3", "--steps", "1"], capsys)
+    for what in ("4 attention heads", "2 KV heads", "64 vocabulary", "64 FFN width"):
+        assert any(f"--tp: 3 does not divide llava-tiny's {what}" in line for line in err), err
+    err = refused(["--preset", "tiny", "--tp", "2", "--steps", "1"], capsys)
+    assert any("--tp: 2 on tiny: the moondream family has no tensor-parallel plan" in line for line in err), err
+    err = refused(["--preset", "llava-tiny", "--tp", "2", "--lora", "4", "--steps", "1"], capsys)
+    assert any("--tp: 2 with --lora is not supported yet" in line for line in err), err
+    err = refused(["--preset", "llava-tiny", "--tp", "0", "--steps", "1"], capsys)
+    assert any("--tp: 0 must be >= 1" in line for line in err), err
