@@ -6,12 +6,19 @@ qwen3-vl-moe-micro (the Qwen3-VL and Qwen3.5 families and an MoE decoder: their 
 the fixture folder) by commit 368cfab, before one registry entry per family (issue 52). The step after the
 checkpoint must give the old code's loss (its logged digits) and its weights (a digest of every tensor of every
 layer file). One launch each (~20 s of start-up); the cross-attention family's carried vision, the dynamic
-families' tilings, DeepStack's sets and the MoE router statistics are stage fields that cross the cut."""
+families' tilings, DeepStack's sets and the MoE router statistics are stage fields that cross the cut.
+
+The old code's step is recorded per CPU vendor (expected.json: runs[preset][vendor]): the same code gives other bits
+on an Intel Xeon and an AMD EPYC (oneDNN's kernels differ; qwen-tiny's loss in its 7th digit, every weight digest),
+while on one machine it is bit for bit. The AMD figures of the bc9da67 runs were made by 368cfab, which equals
+bc9da67 on these fixtures (it passed them on Intel). A vendor with no record skips, saying how to make one: run this
+file from a checkout of the run's commit with MMPIPE_PRECHANGE_RECORD=FILE, which writes what the old code got."""
 from __future__ import annotations
 
 import csv
 import importlib.util
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -36,6 +43,20 @@ def test_a_prechange_checkpoint_resumes_bit_for_bit(tmp_path, preset):
     assert run.summary["start_step"] == make.KEPT
     with open(out / "train_log.csv") as f:
         last = list(csv.DictReader(f))[-1]
-    want = EXPECTED["runs"][preset]
-    assert (int(last["step"]), last["loss"]) == (make.STEPS, want["loss"])
-    assert make.digest(out / "checkpoints" / f"step{make.STEPS}") == want["weights"]
+    vendor = make.cpu_vendor()
+    got = {"loss": last["loss"], "weights": make.digest(out / "checkpoints" / f"step{make.STEPS}")}
+    if os.environ.get("MMPIPE_PRECHANGE_RECORD"):  # recording the old code's step on this CPU (docstring)
+        _record(Path(os.environ["MMPIPE_PRECHANGE_RECORD"]), preset, vendor, got)
+        return
+    want = EXPECTED["runs"][preset].get(vendor)
+    if want is None:
+        pytest.skip(f"{preset}: the old code's step is recorded on {', '.join(EXPECTED['runs'][preset])} only, not "
+                    f"{vendor}: record it with MMPIPE_PRECHANGE_RECORD (this file's docstring)")
+    assert (int(last["step"]), got["loss"]) == (make.STEPS, want["loss"])
+    assert got["weights"] == want["weights"]
+
+
+def _record(path: Path, preset: str, vendor: str, got: dict) -> None:
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    old.setdefault(preset, {})[vendor] = got
+    path.write_text(json.dumps(old, indent=1) + "\n")
