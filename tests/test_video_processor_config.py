@@ -185,3 +185,21 @@ def test_export_writes_the_video_settings_back(saved, tmp_path):
         assert torch.equal(a["video_grid_thw"], b["video_grid_thw"])
         assert torch.equal(a["pixel_values_videos"], b["pixel_values_videos"])
 
+
+
+def test_generate_says_when_the_context_makes_a_clip_smaller(saved, tmp_path, capsys):
+    """A model whose context cannot hold the clip at its processor's size (its run's model.json given a max_context
+    of 14 positions, 56 patches, for clip a's 64 at the processor's size): generate answers on smaller frames and
+    says so in one stderr line."""
+    import json
+    kind, d, _, _, clips = saved
+    assert main(["import", "--hf", str(d), "--out", str(tmp_path / "run")]) == 0
+    cfg = json.loads((tmp_path / "run" / "model.json").read_text())
+    cfg["text"]["max_context"] = 14
+    (tmp_path / "run" / "model.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--tokenizer", str(d), "--video",
+                 str(clips["a"]), "--prompt", "w7 w8", "--max-new-tokens", "2"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "--video" in line]
+    assert len(err) == 1 and err[0].startswith(f"mmpipe: generate: --video: {clips['a']}: the clip's ") and \
+        err[0].endswith("is over the model's context (14 positions): its frames are made smaller to fit"), err
