@@ -26,7 +26,7 @@ from mmpipe.model import qwen3_5 as q35
 from mmpipe.model.builder import layer_specs
 from mmpipe.model.qwen3_vl import Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
 from mmpipe.model.stage import live_fields
-from mmpipe.model.families import family_of
+from mmpipe.registry import family_of
 from qwen3_5_models import _deltanet, qwen3_5_config
 from qwen3_models import perturbed, processor
 from qwen_models import IMAGE, assert_greedy_is_hf_generate, hf_logits
