@@ -114,13 +114,14 @@ CROSS_ATTENTION = register(Family(
     ImageLayout(cross_attention=True, vision=c.CropVision, text=c.TextConfig), SPLICED,
     checks=c.moondream_checks, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION)))
 # --tp (mmpipe.model.tensor_parallel): the decoder split as Megatron splits Llama (q/k/v and gate/up by column, heads
-# whole on a rank; o and down by row), the embedding and head by vocabulary (a tied head reads the embedding's own
-# vocab-split matrix, so the tie holds shard by shard). The tower and projector are replicated: every TP rank runs
-# them whole, with no collective. They are small beside the decoder (CLIP-L 0.3 B of LLaVA-1.5-7B's 7.1 B) and
-# run once per image; splitting them is issue 54's later work. A layer not named is replicated.
+# whole on a rank, kv heads fewer than TP ranks whole on each; o and down by row), the embedding and head by
+# vocabulary (a tied head reads the embedding's own vocab-split matrix, so the tie holds shard by shard). The tower
+# and projector are replicated: every TP rank runs them whole, with no collective. They are small beside the
+# decoder (CLIP-L 0.3 B of LLaVA-1.5-7B's 7.1 B) and run once per image; splitting them is issue 54's later work.
+# A layer not named is replicated.
 LLAVA_TP_PLAN = {
-    LlamaBlock: {"self_attn": "heads", "self_attn.q_proj": "column", "self_attn.k_proj": "column",
-                 "self_attn.v_proj": "column", "self_attn.o_proj": "row",
+    LlamaBlock: {"self_attn": "heads", "self_attn.q_proj": "column", "self_attn.k_proj": "kv",
+                 "self_attn.v_proj": "kv", "self_attn.o_proj": "row",
                  "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"},
     LlavaEmbed: {"embed_tokens": "vocab"},
     LMHeadLinear: {"lm_head": "vocab"},

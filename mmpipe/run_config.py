@@ -345,10 +345,13 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
                         f"(mmpipe.registry.Family.tp_plan; llava has one)")
         return
     t = model.text
-    for what, n in (("attention heads (text.n_heads)", t.n_heads), ("KV heads (text.n_kv_heads)", t.kv_heads),
-                    ("vocabulary (text.vocab_size)", t.vocab_size), ("FFN width (text.ff_dim)", t.ff_dim)):
+    for what, n in (("attention heads (text.n_heads)", t.n_heads), ("vocabulary (text.vocab_size)", t.vocab_size),
+                    ("FFN width (text.ff_dim)", t.ff_dim)):
         if n % tp:
             problems.append(f"--tp: {tp} does not divide {model.name}'s {n} {what}")
+    if t.kv_heads % tp and tp % t.kv_heads:  # fewer kv heads than ranks: each rank keeps the one its queries read
+        problems.append(f"--tp: {tp} does not divide {model.name}'s {t.kv_heads} KV heads (text.n_kv_heads) and is "
+                        f"not a multiple of them")
     unchecked = [name for name, on in (
         ("--ep", args.ep > 1), ("--lora", args.lora > 0),
         ("--init-from", bool(args.init_from)), ("--resume", args.resume),

@@ -6,8 +6,10 @@ llava-tiny at PP=2 x TP=2 (4 CPU ranks) equals the single-device reference, loss
 with gradient clipping engaged. And the refusals, one line each."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import types
 
 import pytest
@@ -41,15 +43,21 @@ def two_ranks(tmp_path_factory) -> dict:
 
 
 def _worker(rank: int, tmp: str) -> None:
-    import deepspeed  # its vocab-parallel loss calls deepspeed.comm, which must be initialized itself
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
     torch.set_num_threads(1)
-    deepspeed.init_distributed("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, verbose=False,
-                               auto_mpi_discovery=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    # the vocab-parallel loss calls deepspeed.comm: its torch backend over this group (deepspeed.init_distributed
+    # would also load its CPU shared-memory op first, which a test of the loss does not need)
+    ds_comm.cdb = TorchBackend("gloo", ds_comm.default_pg_timeout, None)
     diffs = {name: check(Shard(dist.group.WORLD, rank, 2)) for name, check in _CHECKS.items()}
     if rank == 0:
         with open(f"{tmp}/diffs.json", "w") as f:
             json.dump(diffs, f)
-    dist.destroy_process_group()
+    dist.barrier()
+    # measured with deepspeed.init_distributed: 4 of 10 runs aborted at interpreter exit ("terminate called without
+    # an active exception", SIGABRT) after every check had run; the results are written: leave without destructors
+    os._exit(0)
 
 
 def _mine(full: torch.Tensor, shard: Shard, dim: int = -1) -> torch.Tensor:
@@ -91,10 +99,12 @@ def _built(cls, cfg, seed: int):
     return cls(cfg)
 
 
-def _layers_check(shard: Shard) -> dict:
+def _layers_check(shard: Shard, kv_heads: int = 2) -> dict:
     """embedding (vocab) -> LlamaBlock (q/k/v, gate/up column; o, down row; heads) -> the tied head and an untied
-    one (vocab) -> the vocab-parallel loss, on a packed row (two samples), against the whole layers."""
+    one (vocab) -> the vocab-parallel loss, on a packed row (two samples), against the whole layers. kv_heads 1:
+    fewer kv heads than ranks, k/v whole on each rank."""
     cfg = load_preset("llava-tiny")
+    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, n_kv_heads=kv_heads))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.text.vocab_size, (2, 7), generator=g)
     segments = torch.tensor([[1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 0]])
@@ -113,7 +123,7 @@ def _layers_check(shard: Shard) -> dict:
         outs.append((loss, h))
     diffs = {"loss": abs(outs[0][0].item() - outs[1][0].item()), "hidden": (outs[0][1] - outs[1][1]).abs().max().item()}
     for whole, mine in zip(full, split):
-        dims = split_dims(whole, LLAVA_TP_PLAN)
+        dims = split_dims(whole, LLAVA_TP_PLAN, shard.size)
         grads = {k: p.grad for k, p in mine.named_parameters()}
         for k, p in whole.named_parameters():
             gathered = [torch.empty_like(grads[k]) for _ in range(shard.size)]
@@ -125,16 +135,19 @@ def _layers_check(shard: Shard) -> dict:
     return diffs
 
 
-def test_llava_plan_splits_layers_exactly(two_ranks):
-    diffs = two_ranks["layers"]
+@pytest.mark.parametrize("check", ["layers", "layers kv 1"])
+def test_llava_plan_splits_layers_exactly(two_ranks, check):
+    diffs = two_ranks[check]
     for name in ("LlamaBlock.self_attn.q_proj.weight grad", "LlamaBlock.self_attn.o_proj.weight grad",
                  "LlamaBlock.mlp.down_proj.weight grad", "LlamaBlock.input_layernorm.weight grad here",
                  "LlavaEmbed.embed_tokens.weight grad", "LMHeadLinear.lm_head.weight grad"):
         assert name in diffs
+    # 1 kv head at TP 2: k_proj whole on each rank, its gradient (summed over the ranks) whole on each
+    assert ("LlamaBlock.self_attn.k_proj.weight grad here" in diffs) == (check == "layers kv 1")
     assert max(diffs.values()) < 1e-6, {k: v for k, v in diffs.items() if v >= 1e-6}
 
 
-_CHECKS = {"ce": _ce_check, "layers": _layers_check}
+_CHECKS = {"ce": _ce_check, "layers": _layers_check, "layers kv 1": functools.partial(_layers_check, kv_heads=1)}
 
 
 # ---- one launch: PP=2 x TP=2 == single device -----------------------------------------------------------------

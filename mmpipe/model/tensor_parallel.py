@@ -18,7 +18,15 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
                 logits left as this rank's 1/TP of the vocabulary for the vocab-parallel loss
                 (vocab_parallel_lm_loss). A function (a tied head's forward_fn, reading the embedding's
                 vocab-split matrix): its first input enters the TP region
+    kv          nn.Linear k_proj / v_proj of grouped-query attention, its kv head count read from the module
+                above it (kv_heads / n_kv_heads): column when TP divides the kv heads; with fewer kv heads
+                than TP ranks (TP a multiple of them) the weight stays whole on every rank and each rank uses
+                the one kv head its query heads read, kv head r // (TP / Hkv) (e.g. 1 kv head, TP 2: both
+                ranks head 0), as vLLM replicates them. Each rank's gradient of that weight is then its query
+                heads' share, so it is summed over the TP group (a gradient hook): the whole weight's gradient,
+                the same on every rank, as a replicated weight's must be
     heads       an attention module: its head counts (n_heads, kv_heads / n_kv_heads) become this rank's
+                (a kv count below TP: 1)
 
 Nothing in a layer asks whether TP is on: the split Linear / Embedding get this module's forwards.
 """
@@ -33,8 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-COLUMN, ROW, VOCAB, HEADS, REPLICATED = "column", "row", "vocab", "heads", "replicated"
-MARKS = (COLUMN, ROW, VOCAB, HEADS, REPLICATED)
+COLUMN, ROW, VOCAB, KV, HEADS, REPLICATED = "column", "row", "vocab", "kv", "heads", "replicated"
+MARKS = (COLUMN, ROW, VOCAB, KV, HEADS, REPLICATED)
 HEAD_ATTRS = ("n_heads", "kv_heads", "n_kv_heads")
 
 
@@ -122,15 +130,38 @@ def _vocab_embedding_forward(self, ids):
     return reduce_from_tp(emb.masked_fill(outside[..., None], 0.0), self.tp_shard)
 
 
-def _split_module(module: nn.Module, mark: str, shard: Shard, where: str) -> None:
+def _kv_heads(parent: nn.Module) -> int:
+    return next(getattr(parent, a) for a in HEAD_ATTRS[1:] if isinstance(getattr(parent, a, None), int))
+
+
+def _one_kv_head_forward(self, x):
+    y = F.linear(copy_to_tp(x, self.tp_shard), self.weight, self.bias)
+    width = self.out_features // self.tp_kv_heads  # head_dim
+    head = self.tp_shard.rank // (self.tp_shard.size // self.tp_kv_heads)
+    return y.narrow(-1, head * width, width)
+
+
+def _replicate_kv(module: nn.Linear, shard: Shard, kv_heads: int) -> None:
+    """Fewer kv heads than TP ranks: the whole weight on every rank, this rank's kv head taken from its output, the
+    gradient summed over the TP group (module docstring, kv)."""
+    module.tp_kv_heads = kv_heads
+    for p in module.parameters(recurse=False):
+        p.register_hook(lambda g: _all_reduce(g, shard))
+    module.tp_shard = shard
+    module.forward = types.MethodType(_one_kv_head_forward, module)
+
+
+def _split_module(module: nn.Module, mark: str, shard: Shard, where: str, parent: nn.Module | None = None) -> None:
     if mark == HEADS:
         for attr in HEAD_ATTRS:
             if isinstance(getattr(module, attr, None), int):
-                setattr(module, attr, getattr(module, attr) // shard.size)
+                setattr(module, attr, max(1, getattr(module, attr) // shard.size))
         return
     if mark == REPLICATED:
         return
-    if isinstance(module, nn.Linear) and mark in (COLUMN, VOCAB, ROW):
+    if mark == KV and isinstance(module, nn.Linear) and _kv_heads(parent) % shard.size:
+        return _replicate_kv(module, shard, _kv_heads(parent))
+    if isinstance(module, nn.Linear) and mark in (COLUMN, VOCAB, ROW, KV):
         if mark == ROW:
             _keep(module, "weight", 1, shard)
             forward = _row_forward
@@ -159,12 +190,13 @@ def parallelize(layer, plan: dict, shard: Shard):
     if not isinstance(layer, nn.Module) or type(layer) not in plan:
         return layer
     modules = dict(layer.named_modules())
-    for name, mark in plan[type(layer)].items():
+    # head counts last: a kv split reads its attention's kv heads before they become this rank's
+    for name, mark in sorted(plan[type(layer)].items(), key=lambda item: item[1] == HEADS):
         if mark not in MARKS:
             raise ValueError(f"tensor-parallel plan of {type(layer).__name__}: {name}: {mark!r} is not one of {MARKS}")
         if name not in modules:
             raise ValueError(f"tensor-parallel plan of {type(layer).__name__}: it has no submodule {name!r}")
-        _split_module(modules[name], mark, shard, f"{type(layer).__name__}.{name}")
+        _split_module(modules[name], mark, shard, f"{type(layer).__name__}.{name}", modules[name.rpartition(".")[0]])
     return layer
 
 
@@ -175,17 +207,19 @@ def _tp_head(fn, shard: Shard):
     return head
 
 
-def split_dims(layer: nn.Module, plan: dict) -> dict[str, int]:
-    """{state-dict key: the dim it is split along} for a layer of a plan's class, read from the plan alone: what
-    a TP checkpoint's shards are concatenated along (mmpipe.runtime.checkpoint.load_reference). A key not
-    listed is whole in every shard."""
+def split_dims(layer: nn.Module, plan: dict, tp: int) -> dict[str, int]:
+    """{state-dict key: the dim it is split along} for a whole layer of a plan's class at `tp` ranks: what a TP
+    checkpoint's shards are concatenated along (mmpipe.runtime.checkpoint.load_reference). A key not listed is
+    whole in every shard."""
     dims = {}
     for name, mark in plan.get(type(layer), {}).items():
         module = layer.get_submodule(name) if name else layer
         prefix = f"{name}." if name else ""
+        if mark == KV and _kv_heads(layer.get_submodule(name.rpartition(".")[0])) % tp:
+            continue  # fewer kv heads than ranks: whole on each
         if mark == ROW:
             dims[prefix + "weight"] = 1
-        elif mark in (COLUMN, VOCAB):
+        elif mark in (COLUMN, VOCAB, KV):
             dims[prefix + "weight"] = 0
             if getattr(module, "bias", None) is not None:
                 dims[prefix + "bias"] = 0

@@ -56,7 +56,7 @@ def _gathered(layer: torch.nn.Module, shards: list[Path], cfg: ModelConfig) -> d
     from ..model.tensor_parallel import gather_state, split_dims
     from ..registry import family_of
     states = [torch.load(f, map_location="cpu", weights_only=True) for f in shards]
-    return gather_state(states, split_dims(layer, family_of(cfg).tp_plan))
+    return gather_state(states, split_dims(layer, family_of(cfg).tp_plan, len(states)))
 
 
 # ---- writing: atomic, fsynced, pruned -----------------------------------------------------------
