@@ -1,6 +1,7 @@
 """Streaming import and export (mmpipe.hf.stream, mmpipe.hf.export, mmpipe.hf.safetensors_io): bf16 sharded
-checkpoints of every family go through `mmpipe import` -> `mmpipe export` bit-equal in their dtype; an import
-holds one layer's tensors (counted, live bytes), an export one layer file; --init-from opens only the rank's
+checkpoints of every family (the MoE ones included) go through `mmpipe import` -> `mmpipe export` bit-equal in their
+dtype; an import holds one layer's tensors (counted, live bytes; the MoE readers at two shard sizes), an export one
+layer file; --init-from opens only the rank's
 layer files, each once (a stand-in stage, and two real gloo ranks of DeepSpeed's PipelineModule), and fills fp32
 layers with the bf16 files' values; a missing shard or a bad --shard-size is one line."""
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mmpipe.hf.safetensors_io import INDEX, LazyWeights, open_weights
 from mmpipe.model.builder import ReferenceModel, layer_specs
 from mmpipe.runtime import trainer
 
-FAMILIES = ("qwen2", "qwen2_5", "qwen3", "qwen3_5", "llava", "llava_next")
+FAMILIES = ("qwen2", "qwen2_5", "qwen3", "qwen3_5", "llava", "llava_next", "qwen3_5_moe", "qwen3_vl_moe")
 
 
 def _hf_model(family: str):
@@ -38,9 +39,12 @@ def _hf_model(family: str):
     from qwen3_5_models import qwen3_5_config
     from qwen3_models import qwen3_config
     from qwen_models import qwen_config
+    from test_moe import moe_config as qwen3_vl_moe_config  # fused experts ([E, ...] tensors)
+    from test_qwen3_5_moe import moe_config as qwen3_5_moe_config  # one module per expert (PerExpert)
     cfg = {"qwen2": lambda: qwen_config("qwen2"), "qwen2_5": lambda: qwen_config("qwen2_5"),
            "qwen3": lambda: qwen3_config(tie=True), "qwen3_5": qwen3_5_config,
-           "llava": lambda: llava_config("siglip_llama"), "llava_next": lambda: next_config("next")}[family]()
+           "llava": lambda: llava_config("siglip_llama"), "llava_next": lambda: next_config("next"),
+           "qwen3_5_moe": qwen3_5_moe_config, "qwen3_vl_moe": qwen3_vl_moe_config}[family]()
     return getattr(transformers, type(cfg).__name__.replace("Config", "ForConditionalGeneration"))(cfg)
 
 
@@ -144,6 +148,39 @@ def test_import_holds_one_layer_of_live_tensors(tmp_path, monkeypatch):
     largest_layer = max(layer for _, layer in at_save)
     assert 0 < counter.peak <= largest_layer + max(shards) < total / 2
     assert counter.live == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_vl_moe"])
+def test_moe_import_holds_one_layer_at_either_shard_size(family, tmp_path, monkeypatch):
+    """The MoE readers stream as the dense ones do, whatever the checkpoint's shard size: at 20KB and at 80KB shards
+    no tensor read for an earlier layer is live when a layer file is saved, the peak is at most the largest layer
+    plus the largest shard, and nothing is left live after. Every LazyWeights the import makes counts (Qwen3.5-MoE's
+    reader re-wraps the opened one, less mtp.*). Qwen3-VL-MoE's fused [E, ...] tensors are read as they are, so a
+    layer's live bytes are exactly the layer's; Qwen3.5-MoE's experts are stored one module each and PerExpert stacks
+    each layer's E into one fused tensor, a new tensor that the count does not see, so there they are at most the
+    layer's."""
+    from mmpipe.hf import safetensors_io
+    torch_save, init = torch.save, safetensors_io.LazyWeights.__init__
+    for shard in ("20KB", "80KB"):
+        save_bf16(family, tmp_path / shard / "hf", shard=shard)
+        sizes = [f.stat().st_size for f in (tmp_path / shard / "hf").glob("*.safetensors")]
+        counter, at_save = LiveBytes(), []
+
+        def counted(self, files, counter=counter):
+            init(self, files)
+            self.loaded = counter.loaded
+
+        def save(state, path, at_save=at_save, counter=counter):
+            at_save.append((counter.live, sum(t.numel() * t.element_size() for t in state.values())))
+            torch_save(state, path)
+        monkeypatch.setattr(safetensors_io.LazyWeights, "__init__", counted)
+        monkeypatch.setattr(stream.torch, "save", save)
+        assert main(["import", "--hf", str(tmp_path / shard / "hf"), "--out", str(tmp_path / shard / "run")]) == 0
+        exact = family == "qwen3_vl_moe"
+        assert len(at_save) > 5 and all(live == layer if exact else live <= layer for live, layer in at_save), (
+            shard, at_save)
+        assert 0 < counter.peak <= max(layer for _, layer in at_save) + max(sizes) < sum(sizes) / 2, shard
+        assert counter.live == 0 and len(sizes) > 2, (shard, sizes)
 
 
 def test_export_reads_one_layer_file_at_a_time(tmp_path, monkeypatch):
