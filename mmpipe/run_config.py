@@ -229,7 +229,6 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     dp = max(1, world_size // (stages * tp))
     zero_stage, precision = _check_ds(ds, args, problems)
     _check_ep(args, model, dp, ds, zero_stage, precision, problems)
-    _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)
     micro, gas = problems.attempt(_batch_sizes, ds, dp) or (1, 1)
     parts, table = [], []
     if model is not None and data is not None:
@@ -247,6 +246,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")))
         if parts:
             problems.attempt(check_trainable, table, parts)
+    _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
     problems.raise_any()
 
     sched = ds.get("scheduler", {}).get("params", {})
@@ -332,9 +332,9 @@ def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precis
 
 def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     """--tp N (docs/tensor_parallel.md): N >= 1; above 1 only for a family with a tensor-parallel plan whose text
-    sizes N divides (heads and KV heads whole on a rank, equal vocabulary and FFN slices), and, in this first
-    slice, only where it was checked: fp32 at ZeRO 0, 1F1B, no activation checkpointing, EP, LoRA, init-from,
-    resume or validation."""
+    sizes N divides (heads and KV heads whole on a rank, or kv heads a divisor of N; equal vocabulary and FFN
+    slices), and, in this first slice, only where it was checked: fp32 at ZeRO 0, 1F1B, no activation
+    checkpointing, EP, LoRA, init-from or validation."""
     tp, (zero_stage, precision, schedule, pipe_cfg) = args.tp, setup
     if tp < 1:
         problems.append(f"--tp: {tp} must be >= 1")
@@ -353,8 +353,7 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         problems.append(f"--tp: {tp} does not divide {model.name}'s {t.kv_heads} KV heads (text.n_kv_heads) and is "
                         f"not a multiple of them")
     unchecked = [name for name, on in (
-        ("--ep", args.ep > 1), ("--lora", args.lora > 0),
-        ("--init-from", bool(args.init_from)), ("--resume", args.resume),
+        ("--ep", args.ep > 1), ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
         (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage != 0),
         (f"schedule {schedule}", schedule.name != BASELINE.name),
@@ -465,6 +464,11 @@ def init_model(run_dir: str, preset: str | None) -> ModelConfig:
     if not (d / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--init-from: {d} has no checkpoint (checkpoints/latest is missing)")
     cfg = config_from_dict(json.loads((d / "model.json").read_text()), d.name)
+    state = d / "checkpoints" / (d / "checkpoints" / "latest").read_text().strip() / "mmpipe_state.json"
+    tp = json.loads(state.read_text()).get("tp", 1) if state.is_file() else 1
+    if tp > 1:  # its layer files are per TP rank (layer_XX-model_RR); --init-from reads whole ones
+        raise ConfigError(f"--init-from: {d} was trained at --tp {tp}; starting from a TP checkpoint is not "
+                          f"supported yet (`mmpipe export` gathers its shards)")
     if read_lora(d):
         raise ConfigError(f"--init-from: {d} trained LoRA adapters; {merged_route(d, cfg)}")
     if preset is not None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import assert_weights_moved, refused, train_run, write_ds_config
+from conftest import assert_weights_moved, cut_at, refused, train_run, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.families import LLAVA_TP_PLAN
 from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, lm_loss, lm_loss_sum
@@ -181,7 +181,8 @@ def _reference(cfg_path, clip: float):
 
 @pytest.fixture(scope="module")
 def pp2_tp2(tmp_path_factory, tp_config):
-    return train_run(tmp_path_factory.mktemp("pp2tp2"), *_argv(tp_config, "--stages", "2", "--tp", "2")).check()
+    return train_run(tmp_path_factory.mktemp("pp2tp2"), *_argv(tp_config, "--stages", "2", "--tp", "2",
+                                                                 "--save-every", "2")).check()
 
 
 def test_pp2_tp2_equals_single_device(pp2_tp2, tp_config):
@@ -233,3 +234,28 @@ def test_tp_refusals_one_line_each(capsys):
     assert any("--tp: 2 with --lora is not supported yet" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--tp", "0", "--steps", "1"], capsys)
     assert any("--tp: 0 must be >= 1" in line for line in err), err
+
+
+def test_a_tp_checkpoint_is_not_resumed_or_started_from_at_another_tp(pp2_tp2, tp_config, capsys):
+    """Its layer files are per TP rank: DeepSpeed's loader would merge them by its own rules at another TP, and
+    --init-from reads whole files; both refused in one line until resharding exists."""
+    err = refused(_argv(tp_config, "--stages", "2", "--output-dir", str(pp2_tp2.out), "--resume",
+                        "--steps", str(STEPS + 1)), capsys)
+    assert any("was written at --tp 2, this run is --tp 1" in line for line in err), err
+    err = refused(["--init-from", str(pp2_tp2.out), "--steps", "1"], capsys)
+    assert any("was trained at --tp 2; starting from a TP checkpoint is not supported yet" in line
+               for line in err), err
+
+
+def test_resume_at_the_same_tp_is_bit_exact(pp2_tp2, tp_config, tmp_path):
+    """Cut after step 2 and resumed (DeepSpeed loads each TP rank's files and its mp_rank optimizer file): step 3's
+    loss and every layer file of every TP rank equal the uninterrupted run's bit for bit."""
+    cut = cut_at(pp2_tp2, tmp_path / "cut", 2)
+    resumed = train_run(cut, *_argv(tp_config, "--stages", "2", "--tp", "2", "--save-every", "2", "--resume")).check()
+    assert resumed.losses == pp2_tp2.losses
+    tag = f"step{STEPS}"
+    files = sorted((pp2_tp2.out / "checkpoints" / tag).glob("layer_*"))
+    assert len(files) > 2
+    for f in files:
+        a, b = (torch.load(d / "checkpoints" / tag / f.name, weights_only=True) for d in (pp2_tp2.out, cut))
+        assert all(torch.equal(a[k], b[k]) for k in a), f.name

@@ -225,7 +225,8 @@ def run_state(engine, run, args, step: int, samples: int, fingerprint, counters:
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {"step": step, "samples": samples, "seed": args.seed, "total_steps": args.steps,
             "data_fingerprint": fingerprint, "stages": run.stages, "parts": run.parts, "dp": run.dp,
-            "zero_stage": run.zero_stage, "precision": run.precision, "ep": run.ep, "train_batch": run.train_batch,
+            "zero_stage": run.zero_stage, "precision": run.precision, "ep": run.ep, "tp": run.tp,
+            "train_batch": run.train_batch,
             "rows": row_layout(run), "lr_scheduler": sched, **counters}
 
 
@@ -252,6 +253,17 @@ def check_same_rows(ckpt_dir: str | Path, run, state: dict | None = None) -> Non
                           f"so its data position means other samples; resume with the saved values")
 
 
+def check_same_tp(ckpt_dir: str | Path, run, state: dict | None = None) -> None:
+    """--resume: the checkpoint's --tp must be the run's. Its layer files are one per TP rank
+    (layer_XX-model_RR-model_states.pt); at another TP DeepSpeed's loader would merge or split them by its own
+    Megatron rules (SDLoaderFactory), not by the family's plan: resharding is not done yet (issue 54)."""
+    tag = latest_tag(ckpt_dir)
+    saved = ((state if state is not None else read_state(ckpt_dir, tag)) or {}).get("tp", 1)
+    if saved != run.tp:
+        raise ConfigError(f"--resume: {Path(ckpt_dir) / str(tag)} was written at --tp {saved}, this run is --tp "
+                          f"{run.tp}: resuming under another TP (resharding) is not supported yet; use --tp {saved}")
+
+
 def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tuple[dict, list[str]]:
     """Load the latest checkpoint into the engine. Returns (its run state, notes to print).
     Same stages, partition (and, under ZeRO-1, the same DP): everything is restored, optimizer
@@ -268,6 +280,7 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
                          f"{ckpt_dir / tag}, so its data position means other samples; resume with the same data")
     try:  # the front door checked it too; a rank started some other way (Slurm, by hand) checks it here
         check_same_rows(ckpt_dir, run, state)
+        check_same_tp(ckpt_dir, run, state)
     except ConfigError as e:
         raise SystemExit(f"mmpipe: error: {e}") from None
     # DeepSpeed's bf16 optimizer (BF16_Optimizer, also at ZeRO 0) and ZeRO 1 keep each DP rank's part of the fp32
