@@ -224,8 +224,9 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     schedule = _schedule(args, pipe_cfg, problems)
     tp = max(1, args.tp)
     if world_size % (stages * tp):
-        problems.append(f"--stages: world size {world_size} is not a multiple of {stages} stages x tp {tp} "
-                        f"(data-parallel degree = world size / (stages x tp))")
+        per = f"{stages} stages x tp {tp}" if tp > 1 else f"{stages} stages"
+        problems.append(f"--stages: world size {world_size} is not a multiple of {per} "
+                        f"(data-parallel degree = world size / {'(stages x tp)' if tp > 1 else 'stages'})")
     dp = max(1, world_size // (stages * tp))
     zero_stage, precision = _check_ds(ds, args, problems)
     _check_ep(args, model, dp, ds, zero_stage, precision, problems)
