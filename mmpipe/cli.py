@@ -157,6 +157,8 @@ def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None, comman
 
 def cmd_check(ns: argparse.Namespace) -> int:
     """`mmpipe check`: train's checks and launch, the check ranks instead of training; exit from check.json."""
+    if getattr(ns, "tp", 1) > 1:  # its equivalence and memory checks compare whole layers (docs/tensor_parallel.md)
+        return fail(ConfigError(f"--tp: {ns.tp}: mmpipe check does not run tensor-parallel ranks yet (train does)"))
     if not ns.dry_run:
         (Path(ns.output_dir) / CHECK_FILE).unlink(missing_ok=True)  # an earlier check's verdict is not this one's
     rc = cmd_train(ns, module="mmpipe.check.rank", extra=tuple(to_argv(from_namespace(CheckArgs, ns))))

@@ -234,6 +234,9 @@ def test_tp_refusals_one_line_each(capsys):
     assert any("--tp: 2 with --lora is not supported yet" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--tp", "0", "--steps", "1"], capsys)
     assert any("--tp: 0 must be >= 1" in line for line in err), err
+    from mmpipe.cli import main
+    assert main(["check", "--preset", "llava-tiny", "--tp", "2", "--steps", "1"]) == 2  # train only, for now
+    assert "mmpipe check does not run tensor-parallel ranks yet" in capsys.readouterr().err
 
 
 def test_a_tp_checkpoint_is_not_resumed_or_started_from_at_another_tp(pp2_tp2, tp_config, capsys):
