@@ -42,7 +42,7 @@ class HfSide:
     """A family's weights outside mmpipe. `names` says whose names they take: "hf" (an HF directory in hf_class's
     names, read by the model_types listed) or "moondream" (moondream's one safetensors file, its region head beside
     the weights). Each function is a callable or a "module:attribute" string:
-        importer(path) -> (model, report)   config(path) -> (ModelConfig, notes)   reader(path) -> stream.Imported
+        importer(path) -> (model, report)   config(path) -> (its HF config, ModelConfig)   reader(path) -> Imported
         key_map(cfg) -> {mmpipe name: its name}   export(layers, out, tokenizer, shard_size=...)"""
     names: str
     hf_class: str | None = None  # the transformers class its weights load into unchanged (by config: the export's)
@@ -126,6 +126,13 @@ def register(entry: Family) -> Family:
         raise ValueError(f"model family {entry.family}/{entry.fusion} is registered already")
     _FAMILIES[entry.key] = entry
     return entry
+
+
+def unregister(entry: Family) -> None:
+    """Forget a family registered from outside (a test's, when the families that follow in the same process must
+    not see it); a built-in one stays."""
+    if _FAMILIES.get(entry.key) is entry and entry.layers.__module__ != BUILTIN:
+        del _FAMILIES[entry.key]
 
 
 def load() -> None:

@@ -27,12 +27,16 @@ PKG = Path(__file__).resolve().parents[1] / "mmpipe"
 # with isinstance elsewhere is a type test standing in for a question the family should answer)
 FAMILY_MODULES = {
     "model/layers.py", "model/cross_attention.py", "model/llava.py", "model/llava_next.py", "model/qwen2_vl.py",
-    "model/qwen3_vl.py", "model/qwen3_5.py", "model/moe.py", "model/crops.py",
+    "model/qwen3_vl.py", "model/qwen3_5.py", "model/crops.py",
     "hf/moondream.py", "hf/llava.py", "hf/llava_next.py", "hf/qwen2_vl.py", "hf/qwen3_vl.py", "hf/qwen3_5.py",
-    "hf/moe.py", "hf/tokens.py", "data/anyres.py", "data/patches.py", "data/crops.py",
+    "hf/tokens.py", "data/anyres.py", "data/patches.py", "data/crops.py",
 }
+# model/moe.py and hf/moe.py are the mixture-of-experts machinery both MoE families share (Qwen3-VL-MoE and
+# Qwen3.5-MoE import its Experts, MoeBlock, MoeHead, router), as model/attention.py is every family's attention: the
+# expert-parallel runtime finding the Experts containers it shards is not a family test. Qwen3-VL's own sparse
+# block, defined there, is named below.
 # row kinds and config sections that exist for one family (defined in shared modules)
-FAMILY_CLASSES_ELSEWHERE = {"CropRow", "PatchRow", "TileRule", "PatchRule", "CropVision", "ClipVision",
+FAMILY_CLASSES_ELSEWHERE = {"Qwen3MoeBlock", "CropRow", "PatchRow", "TileRule", "PatchRule", "CropVision", "ClipVision",
                             "AnyresVision", "Qwen2Vision", "Qwen3Vision", "DeepstackVision", "LlamaText",
                             "MropeText", "Qwen3Text", "HybridText", "MoeConfig"}
 # (module, name) of the registries that held per-family data at 368cfab, and the one that holds it now

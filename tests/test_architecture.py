@@ -172,6 +172,9 @@ ALLOWED_PROBES = {
     "model/builder.py: getattr(layer, 'group', None)",
     "model/builder.py: getattr(module, 'group', None)",
     "model/lora.py: getattr(layer, 'group', None)",
+    # a layer class opts out of LoRA by declaring adapters = False (the heads: no adapter on the vocabulary
+    # projection); a layer of a family from outside need not know the attribute exists
+    "model/lora.py: getattr(layer, 'adapters', True)",
 }
 
 

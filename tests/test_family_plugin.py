@@ -70,7 +70,9 @@ def test_toy_family_pp2_equals_reference(preset, equivalence_config, tmp_path):
     for step, ref in enumerate(ref_losses, start=1):
         assert pp2.losses[step] == pytest.approx(ref, abs=TOL), step
     trained = load_reference(out / "checkpoints", cfg)
-    assert _max_weight_diff(trained, ref_model) < TOL
+    # the key biases' gradient is rounding noise that Adam scales to ~lr steps (test_pipeline_equivalence's
+    # _max_weight_diff): their max diff was 1.1e-5 and 1.4e-5 in two runs on an AMD EPYC, whatever the cut
+    assert _max_weight_diff(trained, ref_model, skip_key_bias=True) < TOL
     init = ReferenceModel(cfg, seed=3)
     assert _max_weight_diff(init[1], trained[1]) > 1e-4  # the tower trained, its gradient through both floats
     # hidden and summary forward from stage 0: 2 floats per micro-batch, the summary [micro, 1, D]

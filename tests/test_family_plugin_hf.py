@@ -38,11 +38,11 @@ TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}
 @pytest.fixture(scope="module")
 def family():
     """The family, registered by importing its module; forgotten after this file, since later tests in the same
-    process list the model types mmpipe reads (the registry has no way to unregister: its private dict)."""
+    process list the model types mmpipe reads."""
     import vipllava_family
     from mmpipe import registry
     yield vipllava_family
-    registry._FAMILIES.pop(vipllava_family.VIPLLAVA.key, None)
+    registry.unregister(vipllava_family.VIPLLAVA)
     sys.modules.pop("vipllava_family", None)
 
 

@@ -89,9 +89,9 @@ def test_moondream_export_import_and_refusals(tmp_path, capsys):
             assert torch.equal(v, again.state_dict()[k]), (layout, k)
     capsys.readouterr()
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
-    assert capsys.readouterr().err.strip() == ("mmpipe: error: --format hf: only the LLaVA and Qwen2-VL families "
-                                               "have an HF model class; use --format safetensors for the moondream "
-                                               "family (a LoRA run's adapters merged in)")
+    assert capsys.readouterr().err.strip() == (
+        "mmpipe: error: --format hf: the moondream family has no HF model class to export to (the llava, qwen2_vl, "
+        "llava_next, qwen3_vl, qwen3_5 families have); use --format safetensors (a LoRA run's adapters merged in)")
     assert main(["import", "--moondream", str(tmp_path / "current.safetensors"), "--out", str(tmp_path / "y")]) == 2
     assert "needs --preset" in capsys.readouterr().err
 

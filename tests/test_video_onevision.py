@@ -16,8 +16,9 @@ import torch
 from llava_next_models import IMAGE, encode, feature_counts, image, processor, sample, save_model, tilings
 from mmpipe.config import load_preset
 from mmpipe.data.anyres import tile_rule
+from mmpipe.data.image_kinds import TILES
 from mmpipe.data.records import BadRecord, VideoRef
-from mmpipe.data.video import clip_patches, decode, media_grids, onevision_sample, probe
+from mmpipe.data.video import decode, onevision_sample, probe
 from mmpipe.hf.llava_next import import_llava_next
 from mmpipe.model.llava_next import clip_tiling, image_feature_count
 from video_clips import moving_square, write_clip
@@ -64,11 +65,11 @@ def test_clip_logits_equal_transformers(onevision):
     transformers' within 1e-4; the pooled frames reach the logits (other frames, other logits)."""
     hf, model, d = onevision
     rule = tile_rule(model.cfg, 0, 2)
-    grids, counts = media_grids([VideoRef("clip.mp4")], rule, d, 0)
+    grids, counts = TILES.media_grids([VideoRef("clip.mp4")], rule, d, 0)
     (g,) = grids.tolist()
     assert g == [*clip_tiling(4), 17] == [0, 0, -1, -3, 17] and counts["clip_frames_sampled"] == 4
     assert image_feature_count(model.cfg.vision, *g[:4]) == 17
-    frames = clip_patches(VideoRef("clip.mp4"), rule, d, 1, g)
+    frames = TILES.clip_pixels(VideoRef("clip.mp4"), rule, d, 1, g)
     want_px = _hf_frames(d / "clip.mp4", 4)
     assert torch.equal(frames, want_px[0])
     ids = sample([17], seed=1)
@@ -113,14 +114,14 @@ def test_clip_budget_and_refusals(onevision):
     rule = dataclasses.replace(rule, row_tiles=7)
     assert rule.crops(rule.grid(150, 90, 1)) == 5
     with pytest.raises(BadRecord) as e:
-        media_grids(["a.png", VideoRef("clip.mp4")], rule, d, 10 ** 8)
+        TILES.media_grids(["a.png", VideoRef("clip.mp4")], rule, d, 10 ** 8)
     assert e.value.kind == "too_many_tiles"
     small = dataclasses.replace(rule, video=(2.0, 2, 768))
-    grids, counts = media_grids(["a.png", VideoRef("clip.mp4")], small, d, 10 ** 8)
+    grids, counts = TILES.media_grids(["a.png", VideoRef("clip.mp4")], small, d, 10 ** 8)
     assert grids[1].tolist() == [*clip_tiling(2), 2 * 4 + 1]
     assert (counts["clips_fewer_frames"], counts["clip_frames_dropped"]) == (1, 2)
     with pytest.raises(BadRecord) as e:
-        media_grids([VideoRef("clip.mp4")], dataclasses.replace(rule, anyres_max=0), d, 0)
+        TILES.media_grids([VideoRef("clip.mp4")], dataclasses.replace(rule, anyres_max=0), d, 0)
     assert e.value.kind == "unsupported_media" and "LLaVA-NeXT" in e.value.reason
 
 
@@ -242,8 +243,8 @@ def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(onevision)
     from mmpipe.inference.sampling import Sampling
     hf, model, d = onevision
     rule = tile_rule(model.cfg, 0, 2)
-    grids, _ = media_grids([VideoRef("clip.mp4")], rule, d, 0)
-    pixels = clip_patches(VideoRef("clip.mp4"), rule, d, 1, grids[0])[None]
+    grids, _ = TILES.media_grids([VideoRef("clip.mp4")], rule, d, 0)
+    pixels = TILES.clip_pixels(VideoRef("clip.mp4"), rule, d, 1, grids[0])[None]
     ids = sample([17], seed=4)
     greedy = Sampling(eos_id=None, max_new_tokens=5)
     tiling = torch.as_tensor(grids[:, :4])[None]
@@ -342,10 +343,10 @@ def test_plan_and_flags_on_onevision(capsys):
     preset = "llava-onevision-qwen2-0.5b"
     cfg = DataArgs(video_max_frames=8, video_fps=1.0).with_video(load_preset(preset))
     assert tile_rule(cfg).video == (1.0, 4, 8)
-    from mmpipe.data.image_kinds import KINDS  # the index key moves with them; at the defaults it is the old one
+    # the index key moves with them; at the defaults it is the old one
     base = tile_rule(load_preset(preset))
-    assert KINDS["tiles"].grid_key(tile_rule(cfg), 1, 0) != KINDS["tiles"].grid_key(base, 1, 0)
-    assert [1.0, 4, 8] not in KINDS["tiles"].grid_key(base, 1, 0) and len(KINDS["tiles"].grid_key(base, 1, 0)) == 11
+    assert TILES.grid_key(tile_rule(cfg), 1, 0) != TILES.grid_key(base, 1, 0)
+    assert [1.0, 4, 8] not in TILES.grid_key(base, 1, 0) and len(TILES.grid_key(base, 1, 0)) == 11
     assert main(["train", "--dry-run", "--preset", preset, "--video-max-pixels", "100"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "mmpipe: error: --video-max-pixels: the llava_next family's clip frames are its tower's crop "

@@ -23,7 +23,6 @@ from ..cluster.slurm_env import ranks_from_slurm
 from ..config import ConfigError, fail
 from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare
-from ..model.builder import lm_loss
 from ..run_args import TrainArgs
 from ..run_config import resolve
 from ..runtime.feed import StepCounts, decoder_length, run_dataset
@@ -34,12 +33,12 @@ from .memory import write_peak
 
 
 class LossModule(torch.nn.Module):
-    def __init__(self, pipe):
+    def __init__(self, pipe, loss):
         super().__init__()
-        self.pipe = pipe
+        self.pipe, self.loss = pipe, loss  # the run's Objective.loss (mmpipe.model.objectives)
 
     def forward(self, inputs, labels):  # inputs: the stage contract's first input (mmpipe.model.stage)
-        return lm_loss(self.pipe(inputs), labels)
+        return self.loss(self.pipe(inputs), labels)
 
 
 def main(argv=None) -> int:
@@ -62,7 +61,7 @@ def main(argv=None) -> int:
     ds.pop("pipeline", None)
     ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": ns.zero}
     pipe = VLMPipeline(run, seed=args.seed)  # 1 stage: every layer here, built under the same seeds
-    model = LossModule(pipe)
+    model = LossModule(pipe, run.objective.loss)
     engine, _, _, _ = deepspeed.initialize(model=model, config=ds,
                                            model_parameters=[q for q in model.parameters() if q.requires_grad])
     samples = prepare(run.data, run.model, out, args.seed, verbose=False)

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..data.batches import StepBatches, collate
-from ..model.builder import ReferenceModel, lm_loss
+from ..model.builder import ReferenceModel
 from ..planning.partition import compute_parts
 from ..runtime.feed import decoder_length, run_dataset
 from ..runtime.reference import clip_and_step, gradient_clipping, make_optimizer, make_scheduler
@@ -109,7 +109,7 @@ def zbv_schedule(run, seed: int, rank: int, world: int, samples):
         stages.append(PipelineStage(mod, s, n, torch.device("cpu"), input_args=inputs,
                                     output_args=out[0] if len(out) == 1 else out))
     del full, layers
-    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=run.gas, loss_fn=lm_loss)
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=run.gas, loss_fn=run.objective.loss)
     return schedule, mods, (None if rank == 0 else int_batches(run, samples))
 
 
@@ -118,6 +118,21 @@ def int_batches(run, samples):
     data = run_dataset(run, samples, first=False, last=False, train=False)
     for b in DataLoader(data, batch_sampler=StepBatches(0, run.micro, run.gas, 0, 1), collate_fn=collate):
         yield b["input_ids"], b["has_image"], b["segments"]
+
+
+def _schedule(name: str, run, seed: int, rank: int, world: int, samples):
+    """(torch's schedule, this rank's stage modules, the later stages' integer-tensor feed or None, whether this rank
+    holds the first / the last stage) for the schedule `name`: zbv's V, else one stage a rank, cut at run.parts."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    if name == "zbv":
+        schedule, stage_mods, ints = zbv_schedule(run, seed, rank, world, samples)
+        return schedule, stage_mods, ints, rank == 0, rank == 0  # the V: rank 0 holds the first and the last stage
+    full = ReferenceModel(run.model, seed=seed)  # layer i under seed + i, as the pipeline builds it
+    stage_mods = [TupleStage(nn.Sequential(*list(full)[run.parts[rank]:run.parts[rank + 1]]))]
+    stage = PipelineStage(stage_mods[0], rank, world, torch.device("cpu"))
+    sched_cls = Schedule1F1B if name == "1f1b" else ScheduleGPipe
+    schedule = sched_cls(stage, n_microbatches=run.gas, loss_fn=run.objective.loss)
+    return schedule, stage_mods, None, rank == 0, rank == world - 1
 
 
 def main(argv=None) -> int:
@@ -130,24 +145,12 @@ def main(argv=None) -> int:
     a = peer_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run = resolved(a, world, world)
     samples = peer_samples(run, a.seed, a.out)
-    if schedule_name == "zbv":
-        schedule, stage_mods, ints = zbv_schedule(run, a.seed, rank, world, samples)
-        first, last = rank == 0, rank == 0  # the V: rank 0 holds the first and the last stage
-    else:
-        full = ReferenceModel(run.model, seed=a.seed)  # layer i under seed + i, as the pipeline builds it
-        lo, hi = run.parts[rank], run.parts[rank + 1]
-        stage_mods = [TupleStage(nn.Sequential(*list(full)[lo:hi]))]
-        del full
-        stage = PipelineStage(stage_mods[0], rank, world, torch.device("cpu"))
-        sched_cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
-        schedule, ints = sched_cls(stage, n_microbatches=run.gas, loss_fn=lm_loss), None
-        first, last = rank == 0, rank == world - 1
+    schedule, stage_mods, ints, first, last = _schedule(schedule_name, run, a.seed, rank, world, samples)
     params = [p for m in stage_mods for p in m.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)  # the same LR schedule as the mmpipe variant

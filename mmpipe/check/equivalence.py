@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from ..config import ConfigError, ModelConfig
 from ..data.batches import micro_batch_indices, rank_batches
 from ..data.dataset import prepare
-from ..model.builder import ReferenceModel, lm_loss
+from ..model.builder import ReferenceModel
 from ..planning.partition import check_trainable, compute_parts, layer_table
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
@@ -153,7 +153,7 @@ def reference_side(run: RunConfig, seed: int, out_dir: str, dev: torch.device) -
 
     def micro_loss():
         inputs, labels = next(batches)
-        return lm_loss(model(*_to(inputs, dev)), _to(labels, dev))
+        return run.objective.loss(model(*_to(inputs, dev)), _to(labels, dev))
     steps = []
     for _ in range(STEPS):
         loss = accumulate(micro_loss, run.gas * run.dp)

@@ -90,12 +90,13 @@ class DataArgs:
             return model
         names = [f"--{k.replace('_', '-')}" for k in given]
         v = model.vision
-        if not any(hasattr(v, k) for k in VIDEO_FLAGS):
+        takes = {f.name for f in dataclasses.fields(v)}  # the clip sampling fields its section declares
+        if not takes & set(VIDEO_FLAGS):
             from ..registry import families
             readers = list(dict.fromkeys(f.family for f in families() if "video" in f.media))
             raise ConfigError(f"{', '.join(names)}: the {model.family} family reads no clips; only the "
                               f"{', '.join(readers)} families do")
-        fixed = [n for n, k in zip(names, given) if not hasattr(v, k)]
+        fixed = [n for n, k in zip(names, given) if k not in takes]
         if fixed:  # OneVision: a frame is the tower's crop
             raise ConfigError(f"{', '.join(fixed)}: the {model.family} family's clip frames are its tower's crop "
                               f"(vision.image_size {v.image_size} px), not bounded by pixels")
@@ -105,14 +106,15 @@ class DataArgs:
             problems.append(f"--video-fps: {new.video_fps:g} must be a positive number of frames a second")
         if new.video_min_frames < 1:
             problems.append(f"--video-min-frames: {new.video_min_frames} must be at least 1")
-        temporal = getattr(v, "temporal_patch_size", 1)
+        temporal = v.temporal_patch_size if "temporal_patch_size" in takes else 1  # OneVision: a frame a crop
         if new.video_max_frames < max(1, new.video_min_frames, temporal):
             problems.append(f"--video-max-frames: {new.video_max_frames} must be at least --video-min-frames "
                             f"({new.video_min_frames})" + (f" and a temporal patch ({temporal} frames)"
                                                            if temporal > 1 else ""))
-        if getattr(new, "video_min_pixels", 0) < 0:
+        min_px, max_px = (getattr(new, k) if k in takes else 0 for k in ("video_min_pixels", "video_max_pixels"))
+        if min_px < 0:
             problems.append(f"--video-min-pixels: {new.video_min_pixels} must be at least 0 (0: vision.min_pixels)")
-        if getattr(new, "video_max_pixels", 0) < 0 or 0 < getattr(new, "video_max_pixels", 0) < new.video_min_pixels:
+        if max_px < 0 or 0 < max_px < min_px:
             problems.append(f"--video-max-pixels: {new.video_max_pixels} must be 0 (none) or at least "
                             f"--video-min-pixels ({new.video_min_pixels})")
         if problems:

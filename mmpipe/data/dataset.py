@@ -255,7 +255,7 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
         encoder = ConversationEncoder(opts.tokenizer, opts.text_len, opts.overlong, markers=opts.markers,
                                       image_text=opts.image_text)
         checks = RecordChecks(opts.spec.image_root, opts.max_pixels, opts.record_images, rule, family_of(cfg).media,
-                              cfg.family, opts.image_limit)
+                              cfg.family, opts.image_limit, image_kind(cfg))
         index = build_index(source, encoder, checks, policy=opts.bad_records, out_dir=d, fp=fp, listed=listed,
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)))
     else:

@@ -30,6 +30,7 @@ import torch
 from ..config import ModelConfig
 from ..model.rows import IMAGE_SLOT
 from ..registry import families, family_of
+from . import video
 from .anyres import default_tile_budget, tile_rule
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
 from .crops import blank_image, make_transform, stack_images
@@ -56,6 +57,11 @@ class Spliced:
     def placeholder_id(self, cfg: ModelConfig) -> int | None:
         """The id of the image placeholders its prompts carry (decoding never picks it), None without them."""
         return None
+
+    def with_timestamps(self, rec, rule, image_root, marker: str):
+        """The record as its clips' slots are laid out (Qwen3-VL: a slot per temporal patch after its timestamp
+        text; mmpipe.data.video); unchanged for a kind without such a layout (its family reads no clips)."""
+        return rec
 
     def augment_refusal(self, cfg: ModelConfig) -> str | None:
         """Why --augment cannot apply (None: it can): moondream multi-crop's crops are cut by its fixed rule."""
@@ -136,6 +142,7 @@ class Budgeted:
     image's default budget, stacked one slot a row, its grid's block in the prompt."""
     image_token = False
     markers = True
+    with_timestamps = Spliced.with_timestamps  # the record unchanged: only Qwen3-VL's patches lay clips out so
 
     def placeholder_id(self, cfg: ModelConfig) -> int | None:
         return cfg.image_token_id
@@ -171,6 +178,8 @@ class Budgeted:
                 tiling[b, 0, :len(vals)] = torch.tensor(vals)
         return pixels, tiling, [[im[1]] if im is not None else [] for im in images]
 
+    # Clips (mmpipe.data.video): a family whose records may carry them (Family.media) reads them by its kind: Patches
+    # and Tiles are its two implementations; a fixed-size kind takes none (its family refuses the record).
     def with_images(self, ids: list[int], cfg: ModelConfig, image_at, grids=()) -> list[int]:
         """The block of each image's grid (Qwen2-VL's bracketed one, tiles' n placeholders) before ids[a] (a in
         image_at; None or empty: after BOS)."""
@@ -236,6 +245,22 @@ class Patches(Budgeted):
         # clips' sampling (--video-*): a key of its own only where it is not the processors' defaults
         return key + ([list(rule.video)] if rule.video and rule.video != VIDEO_DEFAULTS else [])
 
+    # its clips: frames sampled by the video processor, as patches in the row's P (mmpipe.data.video)
+    clip_crops = False  # a clip's slot holds patches, its grid (t, h, w); generation sizes the row to the clip
+
+    def with_timestamps(self, rec, rule, image_root, marker: str):
+        return video.with_timestamps(rec, rule, image_root, marker)
+
+    def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
+        return video.media_grids(media, rule, image_root, max_pixels)
+
+    def clip_pixels(self, ref, rule, image_root, n_media: int, grid):
+        return video.clip_patches(ref, rule, image_root, n_media, grid)
+
+    def images_count(self, media: list) -> int:
+        """What its rule counts a sample's images by: its media, each clip once (video.media_count)."""
+        return video.media_count(media)
+
 
 @dataclass(frozen=True)
 class Tiles(Budgeted):
@@ -278,6 +303,21 @@ class Tiles(Budgeted):
         *key, video = dataclasses.astuple(dataclasses.replace(rule, row_tiles=0))  # video: TileRule's last field
         # OneVision's clip sampling (--video-*) only where not the defaults: an index made before it keeps its key
         return key + ([list(video)] if video and video != VIDEO_DEFAULTS[:3] else []) + [budget]
+
+    # its clips: OneVision's frames, each a base crop through the tower and pooled, in the row's T (mmpipe.data.video)
+    clip_crops = True  # a clip's slot holds its frames' crops, tiling (0, 0, -1, 1 - F)
+
+    def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
+        return video.onevision_grids(media, rule, image_root, max_pixels, spare)
+
+    def clip_pixels(self, ref, rule, image_root, n_media: int, grid):
+        """The index's frame count (its grid) says which frames."""
+        return video.onevision_frames(video.clip_path(ref, image_root), rule, int(grid[2]), int(grid[3]))
+
+    def images_count(self, media: list) -> int:
+        """Its images alone, as transformers' batch_num_images (a clip does not make an image base-only)."""
+        from .records import VideoRef
+        return sum(1 for m in media if not isinstance(m, VideoRef))
 
 
 # the kinds, one object each: a family's entry holds its own (mmpipe.registry.Family.kind)

@@ -30,7 +30,7 @@ from .records import BAD_KINDS, BadRecord, VideoRef
 from .sources import DataSpec, Source
 from .text import IMAGE_MARKER, ConversationEncoder
 from .tokenizer import BUILTIN_TEMPLATE
-from .video import CLIP_COUNTS, media_grids, with_timestamps
+from .video import CLIP_COUNTS
 
 INDEX_VERSION = 3  # 3: clips bounded by the video processor's pixels (2: by one image's); 2: n_images, image_at
 SHOW_BAD = 10  # bad records printed one per line; all of them go to bad_records.jsonl
@@ -111,7 +111,7 @@ def _check(i: int):
     try:
         rec = _W["source"].record(i, c.media, c.family)
         where = rec.where
-        rec = with_timestamps(rec, c.rule, c.image_root, IMAGE_MARKER)  # Qwen3-VL: a slot per temporal patch
+        rec = c.kind.with_timestamps(rec, c.rule, c.image_root, IMAGE_MARKER)  # Qwen3-VL: a slot per temporal patch
         if len(rec.images) > c.max_images and any(isinstance(m, VideoRef) and m.frame >= 0 for m in rec.images):
             raise BadRecord("too_many_images", f"{len(rec.images)} image slots (a Qwen3-VL clip takes one per "
                                                f"temporal patch) > {c.image_limit or f'--max-images {c.max_images}'}")
@@ -121,7 +121,7 @@ def _check(i: int):
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
         if any(isinstance(m, VideoRef) for m in rec.images):  # clips among the images (a family that reads them)
             spare = _W["encoder"].text_len - len(enc.ids)  # text positions OneVision's clips may take
-            grids, clips = media_grids(rec.images, c.rule, c.image_root, c.max_pixels, spare)
+            grids, clips = c.kind.media_grids(rec.images, c.rule, c.image_root, c.max_pixels, spare)
             return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids, clips
         sizes = [check_image(image, c.image_root, c.max_pixels) for image in rec.images]
         # PatchRule [n, 3] (t, h, w) (or 4: a clip's step column, PatchRule.grid_width); TileRule [n, 5] (orig_h,
@@ -147,6 +147,7 @@ class RecordChecks:
     media: tuple[str, ...] = ("image",)
     family: str = "model's"
     image_limit: str | None = None
+    kind: object = None  # the family's image kind (mmpipe.data.image_kinds): how its clips are read
 
 
 def scan(source: Source, encoder: ConversationEncoder, checks: RecordChecks, workers: int) -> tuple[list, list]:

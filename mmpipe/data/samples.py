@@ -17,7 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from .crops import Crops, make_transform
-from .image_kinds import image_rule
+from .image_kinds import image_kind, image_rule
 from .images import open_image
 from .index import DataIndex
 from .records import BadRecord, VideoRef
@@ -25,7 +25,7 @@ from .shapes import ShapesVQA
 from .sources import Source
 from .text import IMAGE_MARKER, ConversationEncoder, Encoded
 from .tokenizer import builtin_tokenizer
-from .video import clip_patches, images_count, media_count, with_timestamps
+from .video import media_count
 
 SHAPES_TEXT_LEN = 12  # longest shapes text, BOS + question: what colour is in the top-left + cyan + EOS, is 10 tokens
 
@@ -77,6 +77,7 @@ class ImageReader:
     max_pixels: int
     rule: object = None
     transform: object = None
+    kind: object = None  # its image kind (mmpipe.data.image_kinds), which reads a record's clips
 
 
 def image_reader(cfg: ModelConfig, image_root: str, max_pixels: int, *, resize: str = "pad", augment: bool = False,
@@ -84,7 +85,7 @@ def image_reader(cfg: ModelConfig, image_root: str, max_pixels: int, *, resize: 
     """budget: the row's vision budget (mmpipe.data.image_kinds)."""
     rule = image_rule(cfg, budget)
     return ImageReader(image_root, max_pixels, rule,
-                       None if rule else make_transform(cfg.vision, resize=resize, augment=augment))
+                       None if rule else make_transform(cfg.vision, resize=resize, augment=augment), image_kind(cfg))
 
 
 class IndexedSamples:
@@ -116,16 +117,17 @@ class IndexedSamples:
         """Image k of the sample (in the order of its <image> markers)."""
         row = self.row(pos)
         try:
-            rec = with_timestamps(self.source.record(row), self.rule, self.reader.image_root, IMAGE_MARKER)
+            kind = self.reader.kind
+            rec = kind.with_timestamps(self.source.record(row), self.rule, self.reader.image_root, IMAGE_MARKER)
             if k >= len(rec.images):
                 raise IndexError(f"record {row} has {len(rec.images)} image(s), not an image {k}")
             if isinstance(rec.images[k], VideoRef):  # a clip at its marker's place: its sampled frames' patches
-                return clip_patches(rec.images[k], self.rule, self.reader.image_root, media_count(rec.images),
-                                    self.index.grids_of(self.entry(pos))[k])
+                return kind.clip_pixels(rec.images[k], self.rule, self.reader.image_root, media_count(rec.images),
+                                        self.index.grids_of(self.entry(pos))[k])
             image = open_image(rec.images[k], self.reader.image_root, self.reader.max_pixels)
             if self.rule is None:
                 return self.reader.transform(image)
-            patches, grid = self.rule.patches(image, images_count(rec.images, self.rule))  # a clip: one medium
+            patches, grid = self.rule.patches(image, kind.images_count(rec.images))  # a clip: one medium
             stored = tuple(int(g) for g in self.index.grids_of(self.entry(pos))[k])
             if grid != stored[:len(grid)]:  # a family whose clips take a step column: an image's (t, h, w) first
                 raise RuntimeError(f"{row}: image {k} gives grid {grid}, the index recorded {stored}: the data "

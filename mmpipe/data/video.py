@@ -1,10 +1,20 @@
-"""Clips for the Qwen2-VL family (image kind patches): a video file -> its grid at index time, from the container's
-metadata alone, and its patches when a row is built, through transformers' own Qwen2VLVideoProcessor (its frame
-sampling `sample_frames`, its resize rule `smart_resize`, its patch order), which this module calls rather than
-copies. Decoding is PyAV's (`av` on PyPI; its wheels bundle FFmpeg, so it installs on a fresh machine; docs/video.md
-says why not torchvision or decord).
+"""Clips: a video file -> its grid at index time, from the container's metadata alone, and its pixels when a row is
+built, through transformers' own video processors, which this module calls rather than copies. Decoding is PyAV's
+(`av` on PyPI; its wheels bundle FFmpeg, so it installs on a fresh machine; docs/video.md says why not torchvision or
+decord).
 
-A clip of F frames at r fps and W x H pixels:
+It holds the two ways a family reads a clip, each the clip half of an image kind (mmpipe.data.image_kinds: the kind
+calls them, nothing here tests a rule's type):
+
+- patches (Qwen2-VL / Qwen2.5-VL / Qwen3-VL; the `patches` kind): `media_grids`, `clip_patches`, `with_timestamps`,
+  on VideoRule and Qwen3VideoRule (below);
+- tiles (LLaVA-OneVision; the `tiles` kind): `onevision_grids`, `onevision_frames`, each frame a base crop pooled as
+  the model reads it, sampled by `onevision_sample` to the crops and positions the sample's images leave
+  (`onevision_share`);
+
+and what both share: `probe` (the stream header), `decode`, `clip_path`, `media_count`, the index's CLIP_COUNTS.
+
+Patches. A clip of F frames at r fps and W x H pixels:
 
 - frames: the processor samples `fps` frames a second (Qwen2.5-VL's 2.0), at least min_frames and at most
   max_frames, floored to a multiple of temporal_patch_size (2): n frames, uniformly spaced (sample_frames);
@@ -397,38 +407,19 @@ def media_count(media: list) -> int:
     return sum(1 for m in media if not isinstance(m, VideoRef) or m.frame <= 0)
 
 
-def _tiles(rule) -> bool:
-    """Whether the sample's image rule is any-resolution tiles' (mmpipe.data.anyres.TileRule): its clips are
-    OneVision's pooled frames, not patches."""
-    from .anyres import TileRule
-    return isinstance(rule, TileRule)
-
-
-def images_count(media: list, rule) -> int:
-    """What a sample's image rule counts its images by: OneVision's tiles (TileRule) its images alone, as
-    transformers' batch_num_images (a clip does not make an image base-only); patches their media (media_count)."""
-    from .records import VideoRef
-    if _tiles(rule):
-        return sum(1 for m in media if not isinstance(m, VideoRef))
-    return media_count(media)
-
-
-def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int, spare: int = 0) -> tuple[np.ndarray, dict]:
+def media_grids(media: list, rule: PatchRule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
     """(int64 [n, rule.grid_width], clip counts): the grids of a sample's images and clips (VideoRef) in their order,
     each within its share of P (a sample's media share the row as its images do, media_count): an image's from its
     size (the columns after (t, h, w) zero), a clip's from its container header (and its step's float32 bits where
     the rule scales time; a Qwen3-VL clip's temporal patch j, its own slot: (1, h, w)), nothing decoded; and what the
     data report says of the clips (CLIP_COUNTS: clips, their frames, the frames sampled, the clips whose frames were
-    made smaller than their own size). BadRecord for a medium its rule refuses. spare: the text positions the
-    sample leaves of --text-len (OneVision's clips may take them: onevision_share)."""
+    made smaller than their own size). BadRecord for a medium its rule refuses."""
     from .images import check_image
     from .records import VideoRef
-    if _tiles(rule):  # any-resolution tiles: OneVision's pooled frames
-        return onevision_grids(media, rule, image_root, max_pixels, spare)
     n, clips, out, counts = media_count(media), video_rule(rule), [], dict.fromkeys(CLIP_COUNTS, 0)
     for m in media:
         if isinstance(m, VideoRef):
-            info = probe(_clip_path(m, image_root))
+            info = probe(clip_path(m, image_root))
             clip = clips.clip(info, n)
             out.append(((1, *clip.grid[1:]) if m.frame >= 0 else clip.tiling)[:rule.grid_width])
             if m.frame <= 0:  # a clip once, not once per temporal-patch slot
@@ -456,7 +447,8 @@ CLIP_COUNTS = ("clips", "clip_frames", "clip_frames_sampled", "clips_resized", "
                "clip_frames_dropped", "clip_slots", "clip_only_records")
 
 
-def _clip_path(ref, image_root) -> Path:
+def clip_path(ref, image_root) -> Path:
+    """A clip's file under the data's image root; BadRecord bad_video where there is none."""
     path = Path(image_root or ".") / ref.path
     if not path.is_file():
         raise BadRecord("bad_video", f"video {ref.path}: no such file under {image_root or '.'}")
@@ -472,13 +464,13 @@ def with_timestamps(rec, rule: PatchRule, image_root, marker: str):
     import dataclasses as dc
 
     from .records import VideoRef
-    if not getattr(rule, "timestamps", False) or not any(isinstance(m, VideoRef) and m.frame < 0 for m in rec.images):
+    if not rule.timestamps or not any(isinstance(m, VideoRef) and m.frame < 0 for m in rec.images):
         return rec
     clips, n = video_rule(rule), media_count(rec.images)
     texts, media = [], []
     for m in rec.images:
         if isinstance(m, VideoRef) and m.frame < 0:
-            info = probe(_clip_path(m, image_root))
+            info = probe(clip_path(m, image_root))
             clip = clips.clip(info, n)
             texts.append("".join(f"{stamp}{marker}" for stamp in clips.timestamps(info, clip)))
             media += [VideoRef(m.path, j) for j in range(clip.grid[0])]
@@ -529,9 +521,7 @@ def clip_patches(ref, rule: PatchRule, image_root, n_media: int, grid) -> torch.
     """A record's clip (VideoRef) as the model reads it: its patches (a Qwen3-VL temporal patch's: its share of
     them), the frames sampled again from the header and decoded; BadRecord bad_video if they no longer give the
     index's grid."""
-    if _tiles(rule):  # OneVision: the index's frame count (its grid) says which frames
-        return onevision_frames(_clip_path(ref, image_root), rule, int(grid[2]), int(grid[3]))
-    tiling, patches = _clip_patches(_clip_path(ref, image_root), rule, n_media)
+    tiling, patches = _clip_patches(clip_path(ref, image_root), rule, n_media)
     want = tuple(int(g) for g in grid)
     got = ((1, *tiling[1:3]) if ref.frame >= 0 else tiling)[:len(want)]
     if tuple(got) != want:
@@ -574,7 +564,7 @@ def onevision_grids(media: list, rule, image_root, max_pixels: int, spare: int =
         if not isinstance(m, VideoRef):
             out.append(grids[id(m)])
             continue
-        info = probe(_clip_path(m, image_root))
+        info = probe(clip_path(m, image_root))
         frames, fewer = onevision_sample(rule, info, share)
         out.append((*clip_tiling(frames), _onevision_count(rule, frames)))
         for key, add in zip(CLIP_COUNTS, (1, info.frames, frames, int(info.width * info.height > rule.size ** 2),

@@ -24,7 +24,7 @@ from ..config import ConfigError, config_from_dict, fail, load_preset
 from ..data.tokenizer import load_tokenizer
 from ..flags import print_plan
 from ..model.lora import read_lora
-from ..registry import family_of, hf_families
+from ..registry import families, family_of, hf_families
 from ..runtime.checkpoint import latest_tag, load_reference
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
@@ -73,9 +73,8 @@ def _names(fam, cfg, layout: str = "current") -> dict[str, str]:
 
 def add_import_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", help="a LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
-                                  "LlavaOnevisionForConditionalGeneration, Qwen2VLForConditionalGeneration or "
-                                  "Qwen2_5_VLForConditionalGeneration directory (config.json + safetensors)")
+    src.add_argument("--hf", help=f"a transformers model directory (config.json + safetensors) whose model_type a "
+                                  f"registered family reads: {', '.join(hf_model_types())} (docs/hf.md)")
     src.add_argument("--vision", help="a CLIP / SigLIP vision-model directory (with --lm: LLaVA stage-1 start)")
     src.add_argument("--moondream", help="a moondream .safetensors file (current or legacy names; needs --preset)")
     p.add_argument("--lm", help="a Llama / Qwen2 / Mistral causal-LM directory (with --vision)")
@@ -258,9 +257,11 @@ def main_export(args: argparse.Namespace) -> int:
         if fam.hf is None:  # moondream's names would miss its cross-attention layers
             raise ConfigError(f"--format {args.format}: the {cfg.fusion} family's layers have no names outside "
                               f"mmpipe (no HF or moondream model holds them); its run directory is the checkpoint")
-        if args.format in ("hf", "peft") and fam.hf.names != "hf":
-            raise ConfigError(f"--format {args.format}: only the LLaVA and Qwen2-VL families have an HF model class; "
-                              f"use --format safetensors for the {cfg.family} family (a LoRA run's adapters merged in)")
+        if args.format in ("hf", "peft") and (fam.hf.names != "hf" or fam.hf.export is None):
+            takers = ", ".join(dict.fromkeys(f.family for f in families() if f.hf and f.hf.export))
+            raise ConfigError(f"--format {args.format}: the {cfg.family} family has no HF model class to export to "
+                              f"(the {takers} families have); use --format safetensors (a LoRA run's adapters merged "
+                              f"in)")
         if args.format == "peft" and read_lora(run) is None:
             raise ConfigError(f"--format peft: {run} trained no LoRA adapters (no lora.json); use --format hf")
         if args.dry_run:

@@ -29,6 +29,7 @@ from ..config import ModelConfig, MropeText, PatchVision, Qwen2Vision
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
+from ..registry import family_of
 from .export import write_hf
 from .llava import (
     CLIP_MEAN,
@@ -319,7 +320,7 @@ def write_with_processor(source, out: str | Path, hf, names: dict[str, str], sha
     out = write_hf(source, out, hf, names, shard_size=shard_size)
     if source.cfg.vision.max_pixels:
         image_processor(source.cfg.vision).save_pretrained(out)
-    if source.cfg.family in ("qwen2_vl", "qwen3_vl"):  # the families that read clips
+    if "video" in family_of(source.cfg).media:  # a family that reads clips (Qwen3.5's tower reads none here)
         video_processor(source.cfg).save_pretrained(out)
     return out
 

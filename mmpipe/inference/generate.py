@@ -353,22 +353,22 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
     from ..data.image_kinds import image_rule, one_image_budget
     from ..data.records import Record, VideoRef
     from ..data.text import IMAGE_MARKER
-    from ..data.video import clip_patches, media_count, media_grids, with_timestamps
+    from ..data.video import media_count
     from ..registry import family_of
     cfg, path = model.cfg, Path(args.video)
     if "video" not in family_of(cfg).media:
         raise ConfigError(f"--video: the {cfg.family} family reads no clips")
     cfg = from_namespace(DataArgs, args, only=VIDEO_FLAGS).with_video(cfg)  # --video-*: the clip's sampling
-    rule = image_rule(cfg, one_image_budget(cfg))
-    if not hasattr(rule, "merge"):  # OneVision's tiles: the clip a slot of its frames' crops
+    rule, kind = image_rule(cfg, one_image_budget(cfg)), image_kind(cfg)
+    if kind.clip_crops:  # OneVision's tiles: the clip a slot of its frames' crops
         return _onevision_video(args, model, tok, encoder, cfg, rule)
     try:
         rule = clip_budget(rule, path, cfg)
-        rec = with_timestamps(Record("--video", [("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")],
-                                     [VideoRef(path.name)]), rule, path.parent, IMAGE_MARKER)
-        grids, _ = media_grids(rec.images, rule, path.parent, 0)
+        rec = kind.with_timestamps(Record("--video", [("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")],
+                                          [VideoRef(path.name)]), rule, path.parent, IMAGE_MARKER)
+        grids, _ = kind.media_grids(rec.images, rule, path.parent, 0)
         n = media_count(rec.images)
-        patches = torch.cat([clip_patches(m, rule, path.parent, n, g) for m, g in zip(rec.images, grids)])
+        patches = torch.cat([kind.clip_pixels(m, rule, path.parent, n, g) for m, g in zip(rec.images, grids)])
         ids, image_at = encoder.prompt(rec.messages, n_images=len(rec.images))
     except BadRecord as e:
         raise ConfigError(f"--video: {path}: {e.kind}: {e.reason}") from None
@@ -405,12 +405,11 @@ def _onevision_video(args: argparse.Namespace, model, tok, encoder: Conversation
 
     from ..data.records import VideoRef
     from ..data.text import IMAGE_MARKER
-    from ..data.video import clip_patches, media_grids
-    path = Path(args.video)
+    path, kind = Path(args.video), image_kind(cfg)
     rule = dataclasses.replace(rule, row_tiles=max(rule.row_tiles, cfg.vision.video_max_frames))
     try:
-        grids, _ = media_grids([VideoRef(path.name)], rule, path.parent, 0)
-        pixels = clip_patches(VideoRef(path.name), rule, path.parent, 1, grids[0])[None]  # [1, F, C, S, S]
+        grids, _ = kind.media_grids([VideoRef(path.name)], rule, path.parent, 0)
+        pixels = kind.clip_pixels(VideoRef(path.name), rule, path.parent, 1, grids[0])[None]  # [1, F, C, S, S]
         ids, image_at = encoder.prompt([("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")], n_images=1)
     except BadRecord as e:
         raise ConfigError(f"--video: {path}: {e.kind}: {e.reason}") from None

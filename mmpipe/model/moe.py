@@ -269,6 +269,7 @@ class MoeHead(LMHeadLinear):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.layers, self.coef = cfg.text.n_layers, cfg.text.moe.aux_coef
+        self.last_aux = torch.zeros(())  # the last micro-batch's aux_loss, 0 before the first
 
     def forward(self, args):
         t = unpack_in(self, args)
@@ -294,11 +295,11 @@ def qwen3_vl_moe_specs(cfg: ModelConfig) -> list[LayerSpec]:
 
 def qwen3_vl_layers(cfg: ModelConfig) -> list[LayerSpec]:
     """The qwen3_vl family's layer list: sparse when the text config has an moe section, else dense."""
-    return qwen3_vl_moe_specs(cfg) if getattr(cfg.text, "moe", None) else qwen3_vl_specs(cfg)
+    return qwen3_vl_moe_specs(cfg) if cfg.text.moe else qwen3_vl_specs(cfg)
 
 
 def moe_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
-    return (MOE_STATS,) if getattr(cfg.text, "moe", None) else ()
+    return (MOE_STATS,) if cfg.text.moe else ()
 
 
 def expert_params(cfg: ModelConfig) -> int:

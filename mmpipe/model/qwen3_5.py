@@ -377,13 +377,13 @@ MOE_BLOCKS = {"linear_attention": DeltaNetMoeBlock, "full_attention": GatedAtten
 
 def decoder_blocks(text) -> dict[str, type]:
     """The layer class of each kind: sparse when the text section has an moe section, else dense."""
-    return MOE_BLOCKS if getattr(text, "moe", None) else BLOCKS
+    return MOE_BLOCKS if text.moe else BLOCKS
 
 
 def moe_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
     """`moe_stats` (mmpipe.model.moe) for a Qwen3.5-MoE model: made by the first decoder layer's class, whichever
     kind layer 0 is (Qwen3.5: linear), kept to the head; () for a dense model."""
-    if not getattr(cfg.text, "moe", None):
+    if not cfg.text.moe:
         return ()
     return (StageField("moe_stats", True, made_by=MOE_BLOCKS[layer_types(cfg.text)[0]]),)
 
