@@ -21,6 +21,7 @@ from .inference.evaluate import blind_baseline, evaluate
 from .run_args import TrainArgs
 from .run_config import RunConfig, resolve
 from .runtime.checkpoint import load_reference
+from .runtime.teardown import rank_failed, release
 from .runtime.trainer import train
 
 
@@ -60,7 +61,24 @@ def main(argv=None) -> int:
         run = resolve(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return fail(e)
-    return train(args, run, preempt, evaluate=shapes_evaluation(args, run))
+    return run_rank(args, run, preempt)
+
+
+def run_rank(args: TrainArgs, run: RunConfig, preempt: Preemption) -> int:
+    """train() with every exit path ending the same way (mmpipe.runtime.teardown): its status, a refusal's or
+    an error's one line, then the process groups destroyed and gloo's threads joined before the interpreter
+    finalizes (else a thread can abort the exit of a finished run)."""
+    try:
+        return train(args, run, preempt, evaluate=shapes_evaluation(args, run))
+    except ConfigError as e:  # a refusal found in the rank (e.g. a checkpoint another layout wrote)
+        return fail(e)
+    except Exception as e:  # this rank's error: one line, exit 1; the peers fail on the lost connection
+        return rank_failed(e, args.output_dir)
+    finally:
+        left = release()
+        if left:
+            print(f"mmpipe: warning: {len(left)} gloo threads still running at exit ({', '.join(sorted(set(left)))}):"
+                  f" a process group is still referenced", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

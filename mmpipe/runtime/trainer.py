@@ -48,6 +48,7 @@ from .pipeline import VLMPipeline
 from .precision import check_all_ranks
 from .schedule import install as install_schedule
 from .steplog import StepLog, data_counts
+from .teardown import end_of_run, error_fault, on_exit
 from .timing import gather_stage_report, instrument, pipeline_summary
 from .validation import Validator
 from .wire import install as install_wire
@@ -77,7 +78,9 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     engine = build_engine(run, args, rank)
     progress = restore(engine, run, args, ckpt_dir, fingerprint, rank)
     stream = DataStream(engine, run, args, samples, progress)
+    on_exit(stream.close)  # an error's exit path stops the loader's workers too (mmpipe.train's release)
     guard = install_skip(engine) if args.nonfinite == "skip" else None
+    error_fault(engine)  # a test hook, inert unless MMPIPE_FAULT names it
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
     positions = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
     log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume,
@@ -116,8 +119,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     train_time = log.elapsed()
     timing = pipeline_summary(stage_rows, run.gas, run.stages) if stage_rows and stage_rows[0].get("steps") else None
     monitor_timing(engine, stage_rows, timing, rank)  # before the process group goes: the monitors ask for ranks
-    stream.close()  # stop the loader workers before the process group goes
-    dist.destroy_process_group()  # tear gloo down in order, not in the interpreter's exit (seen to abort a rank)
+    end_of_run(stream)  # loader workers stopped, barrier, groups destroyed (mmpipe.train's release joins gloo)
     if rank == 0:
         report(log, run, args, samples, start, progress, stage_rows, timing, train_time, evaluate, out, validate,
                counts)
@@ -325,8 +327,7 @@ def requeue(signal_name: str, step: int, args: TrainArgs, out: Path, stream: Dat
               f"{out / 'checkpoints' / checkpoint.latest_tag(out / 'checkpoints')}; exit status {EXIT_REQUEUE} "
               f"(requeue me; run again with --resume)", flush=True)
         (out / MARKER).write_text(f"{signal_name} step {step}\n")
-    stream.close()
-    dist.destroy_process_group()
+    end_of_run(stream)
     return EXIT_REQUEUE
 
 
