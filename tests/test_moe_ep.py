@@ -7,10 +7,14 @@ forced onto the experts of rank 1 (uneven splits, rank 0's experts idle): nothin
 Then in training: `mmpipe train --stages 1 --dp 2 --ep 2` on tests/test_moe_pipeline.py's MoE model and records
 (2 rows x GAS 2 per rank), every step clipped by the global norm, equals the single-device loop at GAS 4 on the same
 rows (losses, aux losses and weights, 1e-5), the checkpoint holding all 8 experts whole; its step-2 checkpoint
-resumes at EP 2 bit for bit and at EP 1 (each rank all 8 experts) to the same step 3 (1e-5); and the flag's bad
-inputs are one line each. (PP=2 x DP=2 x EP=2: tests/test_moe_pipeline.py.)"""
+resumes at EP 2 bit for bit and at EP 1 (each rank all 8 experts) to the same steps 3 to 5 (1e-5); every one of
+these moved the weights by more than 10 x its tolerance (5 steps at a constant lr: 5 updates, 3 after the cut).
+bf16 at DP 4: EP 2's update equals EP 1's to bf16's precision, and a control run with the experts' gradient
+reduction patched out does not; and the flag's bad inputs are one line each. (PP=2 x DP=2 x EP=2:
+tests/test_moe_pipeline.py.)"""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -18,7 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import cut_at, refused, train_run, write_ds_config
+from conftest import (
+    ROOT,
+    Run,
+    assert_weights_moved,
+    broken_env,
+    cut_at,
+    mmpipe_train,
+    refused,
+    train_run,
+    write_ds_config,
+)
+from mmpipe.model import ReferenceModel
 from mmpipe.model.moe import Experts, TopKRouter
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
@@ -131,8 +146,9 @@ def test_clipping_takes_the_norm_of_every_expert_once(tmp_path):
     torch.testing.assert_close(torch.cat([got[0]["s"], got[1]["s"]]), whole.grad)
 
 
-STEPS, SEED, CUT = 3, 5, 2
+STEPS, SEED, CUT = 5, 5, 2  # no scheduler (a constant lr): 5 updates, 3 of them after the cut
 CLIP = 0.5  # below every step's global gradient norm (asserted): each step is clipped
+TOL = 1e-5
 
 
 def _ds(path, gas: int):
@@ -199,7 +215,8 @@ def test_pp1_dp2_ep2_equals_single_device(ep2, reference):
     assert [float(r["aux_loss"]) for r in ep2.rows] == pytest.approx(ref_aux, abs=1e-5)
     got = _weights(ep2, ref_model.cfg)
     assert got[10].mlp.experts.gate_up_proj.shape[0] == 8
-    _weights_equal_within(got, ref_model, 1e-5)
+    _weights_equal_within(got, ref_model, TOL)
+    assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=SEED), TOL)  # AdamW.step a no-op: fails only here
 
 
 def test_resume_under_ep2_is_bit_exact(ep_set, ep2, reference):
@@ -210,51 +227,110 @@ def test_resume_under_ep2_is_bit_exact(ep_set, ep2, reference):
     assert resumed.losses == ep2.losses
     got, want = (_weights(r, reference[0].cfg).state_dict() for r in (resumed, ep2))
     assert all(torch.equal(got[k], want[k]) for k in want)
+    _moved_after_the_cut(resumed, reference[0].cfg)
+
+
+def _moved_after_the_cut(run, cfg) -> None:
+    """The resumed steps trained: every tensor moved from the cut's checkpoint by more than 10 x TOL."""
+    cut = load_reference(run.out / "checkpoints", cfg, f"step{CUT}")
+    assert_weights_moved(_weights(run, cfg), cut, TOL)
 
 
 def test_resume_from_ep2_into_ep1(ep_set, ep2, reference):
     """The same checkpoint resumed with every rank holding all 8 experts (--ep 1): the moments and weights are
-    whole in the files, so step 3 is the EP=2 run's step 3 (1e-5: the experts' gradients now sum in another
+    whole in the files, so steps 3 to 5 are the EP=2 run's (1e-5: the experts' gradients now sum in another
     order)."""
     cut_at(ep2, ep_set[0] / "cut1", CUT)
     resumed = _launch(ep_set, "cut1", "--resume")
     assert "in each MoE block" not in resumed.proc.stdout  # no rank split the experts
     assert "starts again from zero" not in resumed.proc.stdout  # the optimizer's moments were restored
-    assert resumed.losses == pytest.approx(ep2.losses, abs=1e-5)
-    _weights_equal_within(_weights(resumed, reference[0].cfg), reference[0], 1e-5)
+    assert resumed.losses == pytest.approx(ep2.losses, abs=TOL)
+    _weights_equal_within(_weights(resumed, reference[0].cfg), reference[0], TOL)
+    _moved_after_the_cut(resumed, reference[0].cfg)
+
+
+BF16_LR = 5e-3  # 10 x the fp32 runs': 5 steps move a weight ~2.5e-2, far above a bf16 step of these weights (< 2e-3)
+# on ||update(EP 2) - update(EP 1)|| / ||update(EP 1)||, over the expert tensors and over the whole model. Measured
+# (DP 4, 5e-3, 5 steps): EP 2 0.111 / 0.071 (bf16's rounding); the control, the experts' gradient reduction patched
+# out, 0.811 / 0.511: the bound sits >= 2x from both. At DP 2 (the old test's) the control is no control: each shard
+# is held by one rank and only the division by DP is lost, which AdamW hardly sees (0.096 vs EP 2's 0.075 on the
+# experts, 3 steps at 5e-3). The old checks, weights within 5e-3 and losses within 2e-3, sat above what its 3 steps
+# at lr 5e-4 could move a weight (~1.5e-3) and above the 4.6e-4 loss error of a rank training another's experts.
+BF16_BOUND = 0.25
+
+
+def test_resume_from_dp2_into_dp4(ep_set, ep2, reference):
+    """docs/moe.md: an fp32 checkpoint resumes under another DP that EP divides. The DP 2 x GAS 2 run's step-2
+    checkpoint resumed at DP 4 x GAS 1 (the same 8 rows a step; each shard now held by 2 ranks, its moments cut from
+    the files' whole ones on both) continues as the uninterrupted run: steps 3 to 5 and the final weights (1e-5)."""
+    root, args = ep_set
+    cut_at(ep2, root / "cut_dp4", CUT)
+    resumed = train_run(root / "cut_dp4", *args, "--ds-config", _ds(root / "gas1.json", 1), "--dp", "4", "--ep", "2",
+                        "--steps", str(STEPS), "--resume").check()
+    assert "mmpipe: rank 3: experts 4..7 of 8 in each MoE block (--ep 2)" in resumed.proc.stdout
+    assert "starts again from zero" not in resumed.proc.stdout  # the optimizer's moments were restored
+    assert resumed.summary["start_step"] == CUT and resumed.losses == pytest.approx(ep2.losses, abs=TOL)
+    _weights_equal_within(_weights(resumed, reference[0].cfg), reference[0], TOL)
+    _moved_after_the_cut(resumed, reference[0].cfg)
 
 
 @pytest.fixture(scope="module")
 def bf16_runs(ep_set):
-    """bf16, ZeRO 1 (ds_configs/zero1_bf16.json's optimizer: DeepSpeed's BF16_Optimizer), clipped: the same 3 steps
-    at EP 1 and at EP 2 (checkpointed at step 2)."""
+    """bf16, ZeRO 1, clipped, DP 4, so each expert shard is held by 2 ranks whose gradients the reduction must add:
+    the same STEPS at EP 1, at EP 2 (checkpointed at CUT) and, the control, at EP 2 with the experts' gradient
+    reduction patched out (tests/breaks/sitecustomize.py's expert_reduction)."""
     root, args = ep_set
-    ds = write_ds_config(root / "bf16.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+    opt = json.loads((ROOT / "ds_configs" / "cpu_fp32.json").read_text())["optimizer"]
+    opt["params"]["lr"] = BF16_LR
+    # grad_accum_dtype fp32: DeepSpeed 0.19.8 takes BF16_Optimizer at ZeRO 1 only so (_do_optimizer_sanity_check);
+    # without it bf16 ZeRO 1 runs DeepSpeedZeroOptimizer, where the break below changed nothing (bit for bit)
+    ds = write_ds_config(root / "bf16.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
                          gradient_clipping=CLIP, scheduler=None, bf16={"enabled": True},
-                         zero_optimization={"stage": 1})
-    return {ep: train_run(root / f"bf16_ep{ep}", *args, "--ds-config", str(ds), "--dp", "2", "--ep", str(ep),
-                          "--steps", str(STEPS), "--save-every", str(CUT)).check() for ep in (1, 2)}
+                         zero_optimization={"stage": 1}, optimizer=opt, data_types={"grad_accum_dtype": "fp32"})
+
+    def launch(name: str, ep: int, *extra: str, **env: str) -> Run:
+        out = root / name
+        return Run(out, mmpipe_train(["--output-dir", str(out), *args, "--ds-config", str(ds), "--dp", "4",
+                                      "--ep", str(ep), "--steps", str(STEPS), *extra], **env)).check()
+    return {"ep1": launch("bf16_ep1", 1), "ep2": launch("bf16_ep2", 2, "--save-every", str(CUT)),
+            "control": launch("bf16_control", 2, **broken_env("expert_reduction")), "launch": launch}
 
 
-def test_bf16_ep2_equals_ep1_and_resumes_bit_exact(ep_set, bf16_runs, reference):
-    """In bf16 the shards join DeepSpeed's own MoE parameter groups (mmpipe.runtime.experts.deepspeed_moe): EP 2
-    gives EP 1's losses and weights to bf16's precision (measured: losses within 2e-4, weights within 1.3e-3, one
-    bf16 step at their size; a rank training another rank's experts, or updating another's part of them, moves
-    them by far more), and its step-2 checkpoint (each rank's fp32 part of its shard in its own optimizer file)
-    resumes bit for bit."""
-    one, two = bf16_runs[1], bf16_runs[2]
+def _relative_update(run, base, cfg, keys) -> float:
+    """||update(run) - update(base)|| / ||update(base)|| over the tensors `keys`, each update its run's final weights
+    less the initial ones (bf16's rounding of the initial weights cancels in the difference)."""
+    init = ReferenceModel(cfg, seed=SEED).state_dict()
+    a, b = _weights(run, cfg).state_dict(), _weights(base, cfg).state_dict()
+    diff = sum((a[k] - b[k]).double().square().sum() for k in keys)
+    size = sum((b[k] - init[k].bfloat16().float()).double().square().sum() for k in keys)
+    return (diff / size).sqrt().item()
+
+
+def test_bf16_ep2_updates_as_ep1_and_the_control_does_not(bf16_runs, reference):
+    """In bf16 EP 2's update equals EP 1's to bf16's precision, on the experts and on the whole model, where the
+    control's (each copy of a shard stepping on its own rank's gradients, half the batch) is off by far more."""
+    one, two, control = bf16_runs["ep1"], bf16_runs["ep2"], bf16_runs["control"]
     assert "experts 4..7 of 8 in each MoE block (--ep 2)" in two.proc.stdout
-    assert two.losses == pytest.approx(one.losses, abs=2e-3)
+    assert "mmpipe-test-break: skipped" in control.proc.stdout  # the break ran
     cfg = reference[0].cfg
-    a, b = _weights(one, cfg).state_dict(), _weights(two, cfg).state_dict()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-3
-    root, args = ep_set
-    cut_at(two, root / "bf16_cut", CUT)
-    resumed = train_run(root / "bf16_cut", *args, "--ds-config", str(root / "bf16.json"), "--dp", "2", "--ep", "2",
-                        "--steps", str(STEPS), "--resume").check()
+    keys = list(reference[0].state_dict())
+    experts = [k for k in keys if ".experts." in k]
+    for part in (experts, keys):
+        good, bad = (_relative_update(r, one, cfg, part) for r in (two, control))
+        print(f"bf16 relative update error over {len(part)} tensors: EP 2 {good:.4f}, control {bad:.4f}")
+        assert good < BF16_BOUND < bad, (len(part), good, bad)
+
+
+def test_bf16_ep2_resumes_bit_exact(ep_set, bf16_runs, reference):
+    """bf16 EP 2's step-2 checkpoint (each rank's fp32 part of its shard in its own optimizer file) resumed gives the
+    uninterrupted run's losses and weights bit for bit, over 3 steps that moved every tensor."""
+    two, cfg = bf16_runs["ep2"], reference[0].cfg
+    cut_at(two, ep_set[0] / "bf16_cut", CUT)
+    resumed = bf16_runs["launch"]("bf16_cut", 2, "--resume")
     assert resumed.summary["start_step"] == CUT and resumed.losses == two.losses
-    got = _weights(resumed, cfg).state_dict()
-    assert all(torch.equal(got[k], b[k]) for k in b)
+    got, want = (_weights(r, cfg).state_dict() for r in (resumed, two))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    _moved_after_the_cut(two, cfg)
 
 
 @pytest.mark.parametrize("extra, line", [
