@@ -38,6 +38,16 @@ def uninterrupted(tmp_path_factory, cfg):
     return train_run(tmp_path_factory.mktemp("full"), *_args(cfg, "--steps", str(STEPS))).check()
 
 
+def test_a_finished_run_exits_0_with_every_gloo_thread_joined(uninterrupted):
+    """Issue 60: a finished run's ranks free their process groups before the interpreter finalizes, so no gloo worker
+    thread is left to abort the exit (SIGABRT after summary.json, 1 run in ~20 before). The abort is a race, but a
+    group still referenced at exit is not: the rank says so every time (mmpipe.train's release), as it would if a
+    DeepSpeed upgrade kept a new reference. scripts/stress_exit.py counts the aborts over many runs."""
+    log = uninterrupted.proc.stdout + uninterrupted.proc.stderr
+    assert uninterrupted.proc.returncode == 0, log[-3000:]
+    assert "gloo threads still running" not in log and "terminate called" not in log
+
+
 def _env(**extra):
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
