@@ -26,6 +26,7 @@ from .data.image_kinds import PATCHES, PLACEHOLDERS, SPLICED, TILES
 from .model import costs
 from .model.cross_attention import CrossAttnBlock, CrossAttnTextEmbed, cross_attention_specs
 from .model.layers import (
+    CropVision,
     DecoderBlock,
     LMHead,
     PatchEmbed,
@@ -33,22 +34,36 @@ from .model.layers import (
     TextEmbed,
     VisionBlock,
     VisionNorm,
+    moondream_checks,
     moondream_specs,
 )
 from .model.llava import (
+    ClipVision,
     FinalNorm,
     LlamaBlock,
+    LlamaText,
     LlavaEmbed,
     LlavaProjector,
     LMHeadLinear,
     TowerBlock,
     VisionEmbed,
+    llava_checks,
     llava_specs,
     tied_head,
 )
-from .model.llava_next import AnyresEmbed, AnyresProjector, llava_next_specs
+from .model.llava_next import AnyresEmbed, AnyresProjector, AnyresVision, llava_next_checks, llava_next_specs
 from .model.moe import MOE_BLOCK, MoeHead, Qwen3MoeBlock, moe_fields, qwen3_vl_layers
-from .model.qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock, qwen2_vl_specs
+from .model.qwen2_vl import (
+    MropeText,
+    Qwen2Vision,
+    QwenBlock,
+    QwenEmbed,
+    QwenMerger,
+    QwenPatchEmbed,
+    QwenVisionBlock,
+    qwen2_vl_checks,
+    qwen2_vl_specs,
+)
 from .model.qwen3_5 import (
     DELTANET_BLOCK,
     DELTANET_MOE_BLOCK,
@@ -58,19 +73,25 @@ from .model.qwen3_5 import (
     DeltaNetMoeBlock,
     GatedAttentionBlock,
     GatedAttentionMoeBlock,
+    HybridText,
     Qwen35FinalNorm,
+    qwen3_5_checks,
     qwen3_5_specs,
 )
 from .model.qwen3_5 import moe_fields as qwen3_5_moe_fields
 from .model.qwen3_vl import (
     DEEPSTACK_ADDS,
     DEEPSTACK_MERGERS,
+    DeepstackVision,
     Qwen3Block,
     Qwen3Embed,
     Qwen3Merger,
     Qwen3PatchEmbed,
+    Qwen3Text,
+    Qwen3Vision,
     Qwen3VisionBlock,
     deepstack_fields,
+    qwen3_vl_checks,
 )
 from .model.stage import ROW, StageField
 from .registry import Family, HfSide, ImageLayout, register
@@ -102,17 +123,17 @@ def _moe(cfg: c.ModelConfig):
 _MOONDREAM_COSTS = {PatchEmbed: costs.PATCH_EMBED, VisionBlock: costs.VISION_BLOCK, VisionNorm: costs.VISION_NORM,
                     Projector: costs.PROJECTOR, TextEmbed: costs.TEXT_EMBED, DecoderBlock: costs.DECODER_BLOCK,
                     LMHead: costs.LM_HEAD}
-_CROP_VISION = ImageLayout(spliced=True, vision=c.CropVision, text=c.TextConfig)
+_CROP_VISION = ImageLayout(spliced=True, vision=CropVision, text=c.TextConfig)
 
 MOONDREAM = register(Family(
     "moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS, _CROP_VISION, SPLICED,
-    checks=c.moondream_checks, fields=_moondream_fields,
+    checks=moondream_checks, fields=_moondream_fields,
     hf=HfSide("moondream")))  # moondream's one safetensors file (mmpipe.hf.moondream), its region head beside
 CROSS_ATTENTION = register(Family(
     "moondream", "cross_attention", cross_attention_specs, (VisionBlock, DecoderBlock, CrossAttnBlock),
     {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK},
-    ImageLayout(cross_attention=True, vision=c.CropVision, text=c.TextConfig), SPLICED,
-    checks=c.moondream_checks, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION)))
+    ImageLayout(cross_attention=True, vision=CropVision, text=c.TextConfig), SPLICED,
+    checks=moondream_checks, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION)))
 # --tp (mmpipe.model.tensor_parallel): the decoder split as Megatron splits Llama (q/k/v and gate/up by column, heads
 # whole on a rank, kv heads fewer than TP ranks whole on each; o and down by row), the embedding and head by
 # vocabulary (a tied head reads the embedding's own vocab-split matrix, so the tie holds shard by shard). The tower
@@ -120,8 +141,8 @@ CROSS_ATTENTION = register(Family(
 # decoder (CLIP-L 0.3 B of LLaVA-1.5-7B's 7.1 B) and run once per image; splitting them is issue 54's later work.
 # A layer not named is replicated.
 LLAVA_TP_PLAN = {
-    LlamaBlock: {"self_attn": "heads", "self_attn.q_proj": "column", "self_attn.k_proj": "kv",
-                 "self_attn.v_proj": "kv", "self_attn.o_proj": "row",
+    LlamaBlock: {"self_attn.q_proj": "column", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
+                 "self_attn.o_proj": "row", "self_attn.n_heads": "heads", "self_attn.kv_heads": "kv_heads",
                  "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"},
     LlavaEmbed: {"embed_tokens": "vocab"},
     LMHeadLinear: {"lm_head": "vocab"},
@@ -132,7 +153,7 @@ LLAVA = register(Family(
     {VisionEmbed: costs.PATCH_EMBED, TowerBlock: costs.VISION_BLOCK, LlavaProjector: costs.PROJECTOR,
      LlavaEmbed: costs.TEXT_EMBED, LlamaBlock: costs.LLAMA_BLOCK, FinalNorm: costs.FINAL_NORM,
      LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
-    ImageLayout(placeholders=True, vision=c.ClipVision, text=c.LlamaText), PLACEHOLDERS, checks=c.llava_checks,
+    ImageLayout(placeholders=True, vision=ClipVision, text=LlamaText), PLACEHOLDERS, checks=llava_checks,
     fields=lambda cfg: ROW, tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     hf=_hf("llava", "LlavaForConditionalGeneration", ("llava",), "LLaVA", importer="import_llava",
            config="hf_llava_config", reader="read_llava", key_map="hf_key_map"),
@@ -144,7 +165,7 @@ QWEN2_VL = register(Family(
     {QwenPatchEmbed: costs.QWEN_PATCH_EMBED, QwenVisionBlock: costs.QWEN_VISION_BLOCK, QwenMerger: costs.QWEN_MERGER,
      QwenEmbed: costs.QWEN_EMBED, QwenBlock: costs.QWEN_BLOCK, FinalNorm: costs.FINAL_NORM,
      LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
-    ImageLayout(placeholders=True, vision=c.Qwen2Vision, text=c.MropeText), PATCHES, checks=c.qwen2_vl_checks,
+    ImageLayout(placeholders=True, vision=Qwen2Vision, text=MropeText), PATCHES, checks=qwen2_vl_checks,
     fields=lambda cfg: ROW + (KEPT_TILING,),
     media=("image", "video"),  # clips: mmpipe.data.video (Qwen2.5-VL's absolute-time rotary)
     # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
@@ -157,7 +178,7 @@ LLAVA_NEXT = register(Family(
     {VisionEmbed: costs.ANYRES_PATCH_EMBED, TowerBlock: costs.ANYRES_VISION_BLOCK,
      AnyresProjector: costs.ANYRES_PROJECTOR, AnyresEmbed: costs.ANYRES_EMBED, LlamaBlock: costs.LLAMA_BLOCK,
      FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD},
-    ImageLayout(placeholders=True, vision=c.AnyresVision, text=c.LlamaText), TILES, checks=c.llava_next_checks,
+    ImageLayout(placeholders=True, vision=AnyresVision, text=LlamaText), TILES, checks=llava_next_checks,
     tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     fields=lambda cfg: ROW + (KEPT_TILING,),
     media=("image", "video"),  # clips: OneVision's pooled frames (mmpipe.data.video); NeXT refuses
@@ -174,7 +195,7 @@ QWEN3_VL = register(Family(
      FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
      **{m: costs.DEEPSTACK_MERGER for m in DEEPSTACK_MERGERS}, **{a: costs.DEEPSTACK_ADD for a in DEEPSTACK_ADDS},
      Qwen3MoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
-    ImageLayout(placeholders=True, vision=c.DeepstackVision, text=c.Qwen3Text), PATCHES, checks=c.qwen3_vl_checks,
+    ImageLayout(placeholders=True, vision=DeepstackVision, text=Qwen3Text), PATCHES, checks=qwen3_vl_checks,
     fields=lambda cfg: ROW + deepstack_fields(cfg) + moe_fields(cfg) + (KEPT_TILING,),
     media=("image", "video"),  # clips: a slot per temporal patch after its timestamp text (mmpipe.data.video)
     # Megatron-Bridge injects DeepStack on the first stage only (QwenLM/Qwen3-VL#1497): the tower and decoder layers
@@ -195,7 +216,7 @@ QWEN3_5 = register(Family(
      GatedAttentionBlock: GATED_ATTENTION_BLOCK, Qwen35FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD,
      tied_head: costs.LINEAR_HEAD, DeltaNetMoeBlock: DELTANET_MOE_BLOCK,
      GatedAttentionMoeBlock: GATED_ATTENTION_MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
-    ImageLayout(placeholders=True, vision=c.Qwen3Vision, text=c.HybridText), PATCHES, checks=c.qwen3_5_checks,
+    ImageLayout(placeholders=True, vision=Qwen3Vision, text=HybridText), PATCHES, checks=qwen3_5_checks,
     fields=lambda cfg: ROW + qwen3_5_moe_fields(cfg) + (KEPT_TILING,), experts=_moe,
     # Qwen3_5MoeForConditionalGeneration's by config (text.moe: mmpipe.hf.qwen3_5)
     hf=_hf("qwen3_5", "Qwen3_5ForConditionalGeneration", ("qwen3_5", "qwen3_5_moe"), "Qwen3.5",

@@ -18,15 +18,16 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
                 logits left as this rank's 1/TP of the vocabulary for the vocab-parallel loss
                 (vocab_parallel_lm_loss). A function (a tied head's forward_fn, reading the embedding's
                 vocab-split matrix): its first input enters the TP region
-    kv          nn.Linear k_proj / v_proj of grouped-query attention, its kv head count read from the module
-                above it (kv_heads / n_kv_heads): column when TP divides the kv heads; with fewer kv heads
+    kv          nn.Linear k_proj / v_proj of grouped-query attention, its kv head count the attribute the plan
+                marks kv_heads in the same module: column when TP divides the kv heads; with fewer kv heads
                 than TP ranks (TP a multiple of them) the weight stays whole on every rank and each rank uses
                 the one kv head its query heads read, kv head r // (TP / Hkv) (e.g. 1 kv head, TP 2: both
                 ranks head 0), as vLLM replicates them. Each rank's gradient of that weight is then its query
                 heads' share, so it is summed over the TP group (a gradient hook): the whole weight's gradient,
                 the same on every rank, as a replicated weight's must be
-    heads       an attention module: its head counts (n_heads, kv_heads / n_kv_heads) become this rank's
-                (a kv count below TP: 1)
+    heads       an attention module's query head count, named as "module.attribute" (self_attn.n_heads):
+                divided by TP after the splits
+    kv_heads    its kv head count ("self_attn.kv_heads"): divided by TP, or 1 where fewer than TP
 
 Nothing in a layer asks whether TP is on: the split Linear / Embedding get this module's forwards.
 """
@@ -41,9 +42,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-COLUMN, ROW, VOCAB, KV, HEADS, REPLICATED = "column", "row", "vocab", "kv", "heads", "replicated"
-MARKS = (COLUMN, ROW, VOCAB, KV, HEADS, REPLICATED)
-HEAD_ATTRS = ("n_heads", "kv_heads", "n_kv_heads")
+COLUMN, ROW, VOCAB, KV, REPLICATED = "column", "row", "vocab", "kv", "replicated"
+HEADS, KV_HEADS = "heads", "kv_heads"  # marks of an attribute (a head count), not of a submodule
+MARKS = (COLUMN, ROW, VOCAB, KV, REPLICATED, HEADS, KV_HEADS)
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,12 @@ def _vocab_embedding_forward(self, ids):
     return reduce_from_tp(emb.masked_fill(outside[..., None], 0.0), self.tp_shard)
 
 
-def _kv_heads(parent: nn.Module) -> int:
-    return next(getattr(parent, a) for a in HEAD_ATTRS[1:] if isinstance(getattr(parent, a, None), int))
+def _kv_heads(layer: nn.Module, items: dict, linear: str) -> int:
+    """The kv head count of the attention holding `linear` ("self_attn.k_proj"): its attribute the plan marks
+    kv_heads ("self_attn.kv_heads")."""
+    parent = linear.rpartition(".")[0]
+    name = next(n for n, m in items.items() if m == KV_HEADS and n.rpartition(".")[0] == parent)
+    return getattr(layer.get_submodule(parent), name.rpartition(".")[2])
 
 
 def _one_kv_head_forward(self, x):
@@ -151,16 +156,11 @@ def _replicate_kv(module: nn.Linear, shard: Shard, kv_heads: int) -> None:
     module.forward = types.MethodType(_one_kv_head_forward, module)
 
 
-def _split_module(module: nn.Module, mark: str, shard: Shard, where: str, parent: nn.Module | None = None) -> None:
-    if mark == HEADS:
-        for attr in HEAD_ATTRS:
-            if isinstance(getattr(module, attr, None), int):
-                setattr(module, attr, max(1, getattr(module, attr) // shard.size))
-        return
+def _split_module(module: nn.Module, mark: str, shard: Shard, where: str, kv_heads: int) -> None:
     if mark == REPLICATED:
         return
-    if mark == KV and isinstance(module, nn.Linear) and _kv_heads(parent) % shard.size:
-        return _replicate_kv(module, shard, _kv_heads(parent))
+    if mark == KV and isinstance(module, nn.Linear) and kv_heads % shard.size:
+        return _replicate_kv(module, shard, kv_heads)
     if isinstance(module, nn.Linear) and mark in (COLUMN, VOCAB, ROW, KV):
         if mark == ROW:
             _keep(module, "weight", 1, shard)
@@ -189,14 +189,20 @@ def parallelize(layer, plan: dict, shard: Shard):
         return functools.partial(_tp_head(layer.func, shard), *layer.args, **layer.keywords)
     if not isinstance(layer, nn.Module) or type(layer) not in plan:
         return layer
-    modules = dict(layer.named_modules())
-    # head counts last: a kv split reads its attention's kv heads before they become this rank's
-    for name, mark in sorted(plan[type(layer)].items(), key=lambda item: item[1] == HEADS):
+    items, modules, kind = plan[type(layer)], dict(layer.named_modules()), type(layer).__name__
+    for name, mark in items.items():
         if mark not in MARKS:
-            raise ValueError(f"tensor-parallel plan of {type(layer).__name__}: {name}: {mark!r} is not one of {MARKS}")
-        if name not in modules:
-            raise ValueError(f"tensor-parallel plan of {type(layer).__name__}: it has no submodule {name!r}")
-        _split_module(modules[name], mark, shard, f"{type(layer).__name__}.{name}", modules[name.rpartition(".")[0]])
+            raise ValueError(f"tensor-parallel plan of {kind}: {name}: {mark!r} is not one of {MARKS}")
+        if mark not in (HEADS, KV_HEADS) and name not in modules:
+            raise ValueError(f"tensor-parallel plan of {kind}: it has no submodule {name!r}")
+    for name, mark in items.items():  # the weights first: a kv split reads the whole model's kv head count
+        if mark not in (HEADS, KV_HEADS):
+            kv = _kv_heads(layer, items, name) if mark == KV else 0
+            _split_module(modules[name], mark, shard, f"{kind}.{name}", kv)
+    for name, mark in items.items():  # then the head counts become this rank's (1 kv head where fewer than TP)
+        if mark in (HEADS, KV_HEADS):
+            owner, _, attr = name.rpartition(".")
+            setattr(modules[owner], attr, max(1, getattr(modules[owner], attr) // shard.size))
     return layer
 
 
@@ -211,17 +217,16 @@ def split_dims(layer: nn.Module, plan: dict, tp: int) -> dict[str, int]:
     """{state-dict key: the dim it is split along} for a whole layer of a plan's class at `tp` ranks: what a TP
     checkpoint's shards are concatenated along (mmpipe.runtime.checkpoint.load_reference). A key not listed is
     whole in every shard."""
-    dims = {}
-    for name, mark in plan.get(type(layer), {}).items():
-        module = layer.get_submodule(name) if name else layer
-        prefix = f"{name}." if name else ""
-        if mark == KV and _kv_heads(layer.get_submodule(name.rpartition(".")[0])) % tp:
-            continue  # fewer kv heads than ranks: whole on each
+    dims, items = {}, plan.get(type(layer), {})
+    for name, mark in items.items():
+        if mark in (HEADS, KV_HEADS, REPLICATED) or mark == KV and _kv_heads(layer, items, name) % tp:
+            continue  # a head count; a replicated module; fewer kv heads than ranks: whole on each
+        module, prefix = (layer.get_submodule(name), f"{name}.") if name else (layer, "")
         if mark == ROW:
             dims[prefix + "weight"] = 1
         elif mark in (COLUMN, VOCAB, KV):
             dims[prefix + "weight"] = 0
-            if getattr(module, "bias", None) is not None:
+            if isinstance(module, nn.Linear) and module.bias is not None:
                 dims[prefix + "bias"] = 0
     return dims
 
