@@ -23,12 +23,13 @@ from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 from conftest import write_checkpoint
 from hf_models import peft_of, with_random_adapters
 from mmpipe.cli import main as cli
-from mmpipe.config import ConfigError, MoeConfig, config_from_dict, load_preset
+from mmpipe.config import ConfigError, config_from_dict, load_preset
 from mmpipe.hf.commands import hf_reader
 from mmpipe.hf.qwen3_vl import export_hf, key_map
 from mmpipe.model import moe
 from mmpipe.model.builder import bound, layer_specs, lm_loss
 from mmpipe.model.lora import LORA_FILE, is_adapter
+from mmpipe.model.qwen3_vl import MoeConfig
 from mmpipe.model.stage import live_fields
 from mmpipe.registry import family_of
 from qwen3_models import perturbed, processor, qwen3_config

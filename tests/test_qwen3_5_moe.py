@@ -296,8 +296,9 @@ def test_expert_parallel_ranks_with_a_shared_expert_equal_one_rank(tmp_path):
 def test_bad_shared_expert_settings_are_one_line():
     """A negative shared width in a model JSON; on export, a shared expert for Qwen3VLMoe (its class has none) and
     none for Qwen3_5Moe (its class always has one): one line each."""
-    from mmpipe.config import ConfigError, MoeConfig, config_from_dict
+    from mmpipe.config import ConfigError, config_from_dict
     from mmpipe.hf.moe import hf_moe_fields
+    from mmpipe.model.qwen3_vl import MoeConfig
     d = load_preset("qwen3.5-35b-a3b").to_dict()
     d["text"]["moe"]["shared_ff_dim"] = -1
     cases = [(lambda: config_from_dict(d, "bad"), "text.moe.shared_ff_dim: -1 must be >= 0"),

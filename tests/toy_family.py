@@ -21,10 +21,10 @@ import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from mmpipe.config import ModelConfig, TextConfig, moondream_checks
+from mmpipe.config import ModelConfig, TextConfig
 from mmpipe.families import MOONDREAM
 from mmpipe.model import costs
-from mmpipe.model.layers import DecoderBlock, LMHead, TextEmbed, VisionBlock, vision_specs
+from mmpipe.model.layers import DecoderBlock, LMHead, TextEmbed, VisionBlock, moondream_checks, vision_specs
 from mmpipe.model.rows import IMAGE_SLOT, place_images
 from mmpipe.model.stage import ROW, StageField, unpack_in
 from mmpipe.registry import Family, register

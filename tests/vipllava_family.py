@@ -235,8 +235,8 @@ def hf_config(cfg: ModelConfig, tok=None):
     another state of the cut tower)."""
     from transformers import VipLlavaConfig
 
-    from mmpipe.config import ClipVision
     from mmpipe.hf.llava import hf_config as llava_hf_config
+    from mmpipe.model.llava import ClipVision
     v = cfg.vision
     shared = {f.name: getattr(v, f.name) for f in dataclasses.fields(VisionConfig)}
     clip = ClipVision(**shared, kind="clip", act=v.act, feature_layer=v.n_blocks_used, feature_select="default")

@@ -26,10 +26,20 @@ from pathlib import Path
 
 import torch
 
-from ..config import ClipVision, ConfigError, LlamaText, ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..data.tokenizer import load_tokenizer
 from ..model.builder import ReferenceModel, build_layer, layer_specs
-from ..model.llava import FinalNorm, LlamaBlock, LlavaEmbed, LlavaProjector, LMHeadLinear, TowerBlock, VisionEmbed
+from ..model.llava import (
+    ClipVision,
+    FinalNorm,
+    LlamaBlock,
+    LlamaText,
+    LlavaEmbed,
+    LlavaProjector,
+    LMHeadLinear,
+    TowerBlock,
+    VisionEmbed,
+)
 from .export import hf_meta_state, hf_model_class, write_hf
 from .safetensors_io import Joined, Renamed, as_weights, open_weights
 from .stream import Imported, fill, meta_model

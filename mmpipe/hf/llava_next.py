@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import AnyresVision, ModelConfig, widen
+from ..config import ModelConfig, widen
 from ..model.builder import ReferenceModel
+from ..model.llava_next import AnyresVision
 from . import llava
 from .llava import ImportReport, _fail, _preprocessor, read_hf_config
 from .safetensors_io import open_weights

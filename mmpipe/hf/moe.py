@@ -27,7 +27,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..config import ModelConfig, MoeConfig
+from ..config import ModelConfig
+from ..model.qwen3_vl import MoeConfig
 from .llava import _fail
 from .safetensors_io import as_weights
 

@@ -25,10 +25,20 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, MropeText, PatchVision, Qwen2Vision
+from ..config import ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
-from ..model.qwen2_vl import VISION_THETA, QwenBlock, QwenEmbed, QwenMerger, QwenPatchEmbed, QwenVisionBlock
+from ..model.qwen2_vl import (
+    VISION_THETA,
+    MropeText,
+    PatchVision,
+    Qwen2Vision,
+    QwenBlock,
+    QwenEmbed,
+    QwenMerger,
+    QwenPatchEmbed,
+    QwenVisionBlock,
+)
 from ..registry import family_of
 from .export import write_hf
 from .llava import (

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import HybridText, ModelConfig
+from ..config import ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import LMHeadLinear
-from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, Qwen35FinalNorm, layer_types
+from ..model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock, HybridText, Qwen35FinalNorm, layer_types
 from ..model.qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config
 from .moe import PerExpert, hf_moe_fields, moe_from_hf

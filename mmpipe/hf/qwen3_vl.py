@@ -22,17 +22,20 @@ from pathlib import Path
 
 import torch
 
-from ..config import DeepstackVision, ModelConfig, Qwen3Text, Qwen3Vision
+from ..config import ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.llava import FinalNorm, LMHeadLinear
 from ..model.moe import MoeHead, Qwen3MoeBlock
 from ..model.qwen2_vl import VISION_THETA
 from ..model.qwen3_vl import (
     DeepstackMerger,
+    DeepstackVision,
     Qwen3Block,
     Qwen3Embed,
     Qwen3Merger,
     Qwen3PatchEmbed,
+    Qwen3Text,
+    Qwen3Vision,
     Qwen3VisionBlock,
 )
 from .llava import ImportReport, _fail, processor_defaults, processor_settings, read_hf_config, tie_flag

@@ -6,15 +6,62 @@ Every layer takes and returns the stage tuple (mmpipe.model.stage), except the f
 """
 from __future__ import annotations
 
+import typing
+from dataclasses import dataclass
+
 import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, VisionConfig
 from .attention import FusedAttention, GeluMLP, row_geometry, slot_prefix
 from .crops import merge_crop_features
 from .rows import IMAGE_SLOT, place_images
 from .stage import StageTuple, unpack_in, unpack_out
+
+# ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
+
+@dataclass(frozen=True)
+class CropVision(VisionConfig):
+    """The moondream family's tower (both fusions): SigLIP-shaped, GELU-tanh, with moondream2's multi-crop."""
+    multi_crop: typing.ClassVar[bool] = True  # --max-crops limits its crops
+    # How many crop features each image token concatenates before the projector. moondream2 feeds [global crop,
+    # pooled local crops] side by side, so its proj_mlp.fc1 reads 2 x dim (2 x 1152 = 2304; 0.5B: 2 x 720 = 1440).
+    # 1: the projector reads the tower's output as is.
+    crop_features: int = 1
+    # Multi-crop (moondream2: 12): each image is encoded as a global crop plus up to max_crops overlapping local
+    # crops of image_size px (mmpipe.data.crops), in 1 + max_crops fixed slots per sample; the projector reads
+    # [global, stitched-and-pooled locals]. 0: one crop per image. overlap_margin: patches each local crop shares
+    # with a neighbour on each side (moondream: 4).
+    max_crops: int = 0
+    overlap_margin: int = 4
+
+    @property
+    def crop_slots(self) -> int:  # 1 + 12 = 13 for moondream2
+        return 1 + self.max_crops if self.max_crops else 1
+
+    @property
+    def proj_in_dim(self) -> int:  # e.g. 2 x 1152 = 2304 (moondream2)
+        return self.crop_features * self.dim
+
+
+def moondream_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Grouped-query attention in the Phi block (k/v heads shared by n_heads / kv_heads query heads each)
+    and the projector's crop features (1, or moondream2's global + pooled local: 2)."""
+    v, t = cfg.vision, cfg.text
+    return [
+        (t.n_kv_heads >= 0 and t.n_heads % t.kv_heads == 0, "text.n_kv_heads",
+         f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
+        (v.crop_features in (1, 2), "vision.crop_features",
+         f"{v.crop_features} (valid: 1, or 2 for moondream2's global + local crop features)"),
+        (v.max_crops >= 0 and (v.max_crops == 0 or v.crop_features == 2), "vision.max_crops",
+         f"{v.max_crops}: multi-crop needs crop_features 2 (the projector reads global + local features)"),
+        (v.max_crops == 0 or not (cfg.layout and cfg.layout.cross_attention), "vision.max_crops",
+         f"{v.max_crops}: multi-crop is for the prefix decoder (cross-attention reads one crop)"),
+        (v.max_crops == 0 or 0 <= 2 * v.overlap_margin < v.grid, "vision.overlap_margin",
+         f"{v.overlap_margin} patches on each side leave no window in a {v.grid}-patch crop"),
+    ]
+
 
 
 class PatchEmbed(nn.Module):

@@ -15,15 +15,67 @@ them one to one. The decoder is causal within each sample of the row (one sample
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import VISION_ACTS, ModelConfig, TextConfig, VisionConfig
 from .attention import apply_partial_rotary, attend, cached_attention, row_geometry
 from .rows import place_images
 from .stage import StageTuple, unpack_in, unpack_out
+
+# ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
+
+@dataclass(frozen=True)
+class ClipVision(VisionConfig):
+    """The LLaVA family's tower: "siglip" (no class token) or "clip" (class token + pre-LayerNorm), its MLP
+    activation, which hidden state feeds the projector (HF's vision_feature_layer: -2 is the second to last layer's
+    output, LLaVA-1.5) and whether the first token is dropped ("default", CLIP's class token) or kept ("full")."""
+    kind: str = "siglip"
+    act: str = "gelu_tanh"
+    feature_layer: int = -1
+    feature_select: str = "full"
+
+    @property
+    def n_positions(self) -> int:  # CLIP adds the class token, e.g. 24^2 + 1 = 577
+        return self.n_tokens + (self.kind == "clip")
+
+    @property
+    def n_features(self) -> int:  # LLaVA image features (= <image> placeholders), e.g. 577 - 1 = 576
+        return self.n_positions - (self.feature_select == "default")
+
+    @property
+    def n_blocks_used(self) -> int:  # blocks up to the feature layer, e.g. 24 layers at -2: 23
+        return self.feature_layer % (self.n_layers + 1)
+
+
+@dataclass(frozen=True)
+class LlamaText(TextConfig):
+    """The LLaVA families' decoders (Llama / Qwen2 / Mistral): Qwen2's bias on q/k/v, input embedding and LM head
+    sharing one matrix (TiedLayerSpec)."""
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+
+def llava_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """The fields only the LLaVA family's layers read: its tower, grouped-query attention, <image>."""
+    v, t = cfg.vision, cfg.text
+    return [
+        (v.kind in ("siglip", "clip"), "vision.kind", f"'{v.kind}' is not a known tower (valid: siglip, clip)"),
+        (v.act in VISION_ACTS, "vision.act", f"'{v.act}' is not supported (valid: {', '.join(VISION_ACTS)})"),
+        (v.feature_select in ("default", "full"), "vision.feature_select",
+         f"'{v.feature_select}' (valid: default, full)"),
+        (-v.n_layers - 1 <= v.feature_layer <= v.n_layers and v.n_blocks_used >= 1, "vision.feature_layer",
+         f"{v.feature_layer} does not name a block's output of a {v.n_layers}-layer tower"),
+        (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
+        (0 <= cfg.image_token_id < t.vocab_size, "image_token_id",
+         f"{cfg.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+        (cfg.layout is not None, "fusion", f"'{cfg.fusion}': the LLaVA family places the image on placeholders"),
+    ]
+
 
 ACTS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
         "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}  # CLIP's

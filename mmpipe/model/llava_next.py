@@ -32,6 +32,7 @@ them one to one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,52 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from ..config import ModelConfig, VisionConfig
-from .llava import LlavaEmbed, LlavaProjector, TowerBlock, VisionEmbed, decoder_specs
+from .llava import (
+    ClipVision,
+    LlavaEmbed,
+    LlavaProjector,
+    TowerBlock,
+    VisionEmbed,
+    decoder_specs,
+    llava_checks,
+)
 from .stage import unpack_in
+
+# ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
+
+@dataclass(frozen=True)
+class AnyresVision(ClipVision):
+    """The LLaVA-NeXT / OneVision family (mmpipe.model.llava_next): LLaVA's tower with any-resolution tiling.
+    grid_pinpoints are HF's image_grid_pinpoints ([h, w] px, multiples of image_size): an image is encoded as its
+    base crop plus the tiles of the pinpoint its aspect fits best; anyres_max is OneVision's "anyres_max_9" -> 9 (its
+    features are bilinear-pooled past 9 x N; also: an image of a several-image sample is its base crop only), 0 for
+    LLaVA-NeXT. `image_size` is the tower's crop (336 CLIP-L, 384 SigLIP)."""
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    anyres_max: int = 0
+    # OneVision's clips (mmpipe.data.video; --video-fps, --video-min-frames, --video-max-frames): the video
+    # processor's sampling; its frames are the tower's crop size
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+
+    @property
+    def any_resolution(self) -> bool:  # as transformers' conv: OneVision's SigLIP cuts 384 px / 14 into 27 x 27
+        return bool(self.grid_pinpoints)
+
+
+def llava_next_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """LLaVA's checks (tower, decoder, <image>) plus the pinpoints: [h, w] pairs, multiples of the crop."""
+    v, S = cfg.vision, cfg.vision.image_size
+    ok = bool(v.grid_pinpoints) and all(len(p) == 2 and all(isinstance(x, int) and x > 0 and x % S == 0 for x in p)
+                                        for p in v.grid_pinpoints)
+    return llava_checks(cfg) + [
+        (ok, "vision.grid_pinpoints", f"{[list(p) for p in v.grid_pinpoints]}: one or more [h, w] pairs in "
+         f"pixels, each a positive multiple of image_size {S}"),
+        (v.anyres_max >= 0, "vision.anyres_max", f"{v.anyres_max} must be >= 0 (0: LLaVA-NeXT, no pooling)"),
+        (v.n_features == v.n_tokens, "vision.feature_select", f"'{v.feature_select}' with a {v.kind} tower: tiles "
+         f"need one feature per patch (valid: default for clip, full for siglip)"),
+    ]
+
 
 
 def unpad_box(h: int, w: int, H: int, W: int) -> tuple[int, int, int, int]:

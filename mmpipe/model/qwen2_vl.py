@@ -24,6 +24,7 @@ Parameter names follow transformers' modules, so mmpipe.hf.qwen2_vl maps them on
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -31,10 +32,94 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from ..config import ModelConfig, VisionConfig
+from ..config import VISION_ACTS, ModelConfig, VisionConfig
 from .attention import FusedAttention, attention_choice, row_attention, row_cached, row_positions, segment_split
-from .llava import LlamaBlock, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
+from .llava import LlamaBlock, LlamaText, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
 from .stage import StageTuple, unpack_in
+
+# ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
+
+@dataclass(frozen=True)
+class PatchVision(VisionConfig):
+    """The towers of patches (Qwen2-VL's, Qwen3-VL's; mmpipe.model.qwen2_vl): a patch spans temporal_patch_size frames
+    (Qwen: 2, an image is 2 identical frames; patch_dim 3 x 2 x 14 x 14 = 1176), merge_size^2 neighbouring patches
+    become one decoder token (Qwen: 2), window attention over window_size px (Qwen2.5: 112; 0: every block full)
+    except in the fullatt_blocks (Qwen2.5: 7, 15, 23, 31), norm "layernorm" / "rmsnorm" (Qwen2.5), mlp "gelu"
+    (fc1 / fc2 with `act`, Qwen2: quick_gelu) or "swiglu" (gate / up / down with bias, act silu: Qwen2.5), and the
+    image processor's resize bounds in pixels (0: none). `dim` is the tower's width (embed_dim, 1280) and image_size
+    the largest square image the bounds allow (what plan costs by default)."""
+    act: str = "gelu_tanh"
+    temporal_patch_size: int = 1
+    merge_size: int = 1
+    window_size: int = 0
+    fullatt_blocks: tuple[int, ...] = ()
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    min_pixels: int = 0
+    max_pixels: int = 0
+    # Clips (mmpipe.data.video; train / plan / generate's --video-* flags set them): the video processor's fps,
+    # min_frames and max_frames, and its pixel bounds, 0: the images' (Qwen2-VL's min_pixels / max_pixels of a frame;
+    # Qwen3-VL's size shortest_edge / longest_edge, over the whole clip's frames)
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_min_pixels: int = 0
+    video_max_pixels: int = 0
+
+    @property
+    def patch_dim(self) -> int:  # e.g. 14 * 14 * 3 x 2 frames = 1176
+        return self.patch_size * self.patch_size * self.channels * self.temporal_patch_size
+
+    @property
+    def timestamps(self) -> bool:  # a clip's time as text before each temporal patch (Qwen3-VL), not in the rotary
+        return False
+
+
+@dataclass(frozen=True)
+class Qwen2Vision(PatchVision):
+    """The Qwen2-VL / Qwen2.5-VL family's tower, with Qwen2.5-VL's absolute-time temporal rotary for clips
+    (vision_config.tokens_per_second, its releases: 2): a clip's temporal patch f sits at f x tokens_per_second x
+    temporal_patch_size / sampled fps (mmpipe.data.video); 0: Qwen2-VL's temporal index f (the rows' tiling keeps 3
+    columns)."""
+    tokens_per_second: int = 0
+
+
+@dataclass(frozen=True)
+class MropeText(LlamaText):
+    """The Qwen2-VL family's decoder: multimodal rotary, the head's rotary frequencies in 3 sections rotated by the
+    temporal, height and width position (Qwen: (16, 24, 24), summing to head_dim / 2)."""
+    mrope_section: tuple[int, ...] = ()
+
+
+def qwen2_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """The Qwen2-VL family's tower (merge units, windows, norm, MLP), multimodal rotary and special ids."""
+    v, t = cfg.vision, cfg.text
+    unit = v.patch_size * v.merge_size  # px per merged token side
+    ids = [(0 <= getattr(cfg, k) < t.vocab_size, k, f"{getattr(cfg, k)} is not a token id of the "
+            f"{t.vocab_size}-token vocabulary") for k in ("image_token_id", "vision_start_id", "vision_end_id")]
+    return ids + [
+        (v.merge_size >= 1 and v.temporal_patch_size >= 1, "vision.merge_size",
+         f"{v.merge_size} / temporal_patch_size {v.temporal_patch_size} must be >= 1"),
+        (v.norm in ("layernorm", "rmsnorm"), "vision.norm", f"'{v.norm}' (valid: layernorm, rmsnorm)"),
+        (v.mlp in ("gelu", "swiglu"), "vision.mlp", f"'{v.mlp}' (valid: gelu, swiglu)"),
+        (v.act == "silu" if v.mlp == "swiglu" else v.act in VISION_ACTS, "vision.act",
+         f"'{v.act}' with mlp '{v.mlp}' (valid: silu with swiglu; {', '.join(VISION_ACTS)} with gelu)"),
+        ((v.dim // v.n_heads) % 4 == 0, "vision.dim", f"{v.dim} / {v.n_heads} heads: the 2D rotary needs a head "
+         f"width divisible by 4"),
+        (v.window_size >= 0 and v.window_size % unit == 0, "vision.window_size",
+         f"{v.window_size} must be a multiple of patch_size x merge_size = {unit} (0: no windows)"),
+        (all(0 <= i < v.n_layers for i in v.fullatt_blocks), "vision.fullatt_blocks",
+         f"{list(v.fullatt_blocks)}: block indices of a {v.n_layers}-block tower"),
+        (v.image_size % unit == 0, "vision.image_size", f"{v.image_size} is not a multiple of {unit}"),
+        (0 <= v.min_pixels and (not v.max_pixels or v.min_pixels <= v.max_pixels), "vision.min_pixels",
+         f"{v.min_pixels} must be between 0 and max_pixels {v.max_pixels}"),
+        (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
+        (t.rotary_dim == t.head_dim, "text.partial_rotary_factor",
+         f"{t.partial_rotary_factor}: multimodal rotary turns the whole head (valid: 1.0)"),
+        (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.head_dim // 2, "text.mrope_section",
+         f"{list(t.mrope_section)}: 3 sections summing to head_dim / 2 = {t.head_dim // 2}"),
+    ]
+
 
 VISION_THETA = 10000.0  # the tower's 2D rotary base (transformers' vision rope_parameters)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +56,53 @@ from .attention import apply_partial_rotary, attend, cached_attention
 from .llava import LlamaBlock, LMHeadLinear, SwiGLU, decoder_specs
 from .moe import MoeBlock, MoeHead, SparseMoe, sparse_cost
 from .qwen2_vl import mrope_geometry
-from .qwen3_vl import Qwen3Embed, Qwen3Merger, Qwen3PatchEmbed, Qwen3VisionBlock, interleaved_rotary
+from .qwen3_vl import (
+    Qwen3Embed,
+    Qwen3Merger,
+    Qwen3PatchEmbed,
+    Qwen3Text,
+    Qwen3VisionBlock,
+    interleaved_rotary,
+    qwen3_tower_checks,
+)
 from .stage import StageField, StageTuple, unpack_in, unpack_out
+
+# ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
+
+@dataclass(frozen=True)
+class HybridText(Qwen3Text):
+    """The Qwen3.5 family's decoder (mmpipe.model.qwen3_5): the layers that are full attention, the others Gated
+    DeltaNet (transformers' layer_types as indices; Qwen3.5: every 4th, 3, 7, 11, ...: a shrunk model keeps one of
+    each kind, mmpipe.check.equivalence.shrunk), and the linear layers' geometry: key / value heads and their widths,
+    the short convolution's kernel (Qwen3.5-9B: 16 / 32 heads of 128 / 128, kernel 4)."""
+    full_attention_indexes: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+
+
+def qwen3_5_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen3's tower checks, the partial interleaved rotary (sections summing to rotary_dim / 2,
+    Qwen3.5: 256 x 0.25 = 64 -> 11 + 11 + 10 = 32), the layer pattern with the linear layers' geometry, and a
+    Qwen3.5-MoE decoder's section (every layer of either kind sparse: mmpipe.model.qwen3_5)."""
+    t = cfg.text
+    full = list(t.full_attention_indexes)
+    checks = [c for c in qwen3_tower_checks(cfg) if c[1] not in ("text.partial_rotary_factor", "text.mrope_section")]
+    linear = len(full) < t.n_layers
+    return checks + (t.moe.checks(t) if t.moe else []) + [
+        (len(t.mrope_section) == 3 and sum(t.mrope_section) == t.rotary_dim // 2, "text.mrope_section",
+         f"{list(t.mrope_section)}: 3 sections summing to rotary_dim / 2 = {t.rotary_dim // 2}"),
+        (all(0 <= i < t.n_layers for i in full) and full == sorted(set(full)), "text.full_attention_indexes",
+         f"{full}: increasing layer indices of a {t.n_layers}-layer decoder"),
+    ] + [(not linear or n > 0, f"text.{k}", f"{n}: the linear layers' geometry (heads, widths, kernel) must be > 0")
+         for k, n in (("linear_key_heads", t.linear_key_heads), ("linear_value_heads", t.linear_value_heads),
+                      ("linear_key_dim", t.linear_key_dim), ("linear_value_dim", t.linear_value_dim),
+                      ("linear_conv_kernel", t.linear_conv_kernel))] + [
+        (not linear or t.linear_value_heads % max(t.linear_key_heads, 1) == 0, "text.linear_value_heads",
+         f"{t.linear_value_heads} value heads: a multiple of the {t.linear_key_heads} key heads")]
+
 
 CHUNK = 64  # positions per chunk of the delta rule (transformers' and flash-linear-attention's default)
 

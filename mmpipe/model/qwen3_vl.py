@@ -26,16 +26,121 @@ cut between: 3 x P / 4 x D_text floats more per row there (8B at P = 16384: 3 x 
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from ..config import MAX_DEEPSTACK, ModelConfig
+from ..config import ModelConfig
 from .attention import FusedAttention, apply_partial_rotary, attend, cached_attention, row_cached
 from .llava import ACTS, LlamaAttention, decoder_specs
-from .qwen2_vl import QwenBlock, QwenEmbed, mrope_geometry, patch_coords, used_grids, vision_attention
+from .qwen2_vl import (
+    MropeText,
+    PatchVision,
+    QwenBlock,
+    QwenEmbed,
+    mrope_geometry,
+    patch_coords,
+    qwen2_vl_checks,
+    used_grids,
+    vision_attention,
+)
 from .stage import StageField, StageTuple, unpack_in, unpack_out
+
+# ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
+
+MAX_DEEPSTACK = 8  # DeepStack sets a model may carry (mmpipe.model.qwen3_vl makes a layer class per set)
+
+
+@dataclass(frozen=True)
+class Qwen3Vision(PatchVision):
+    """The Qwen3.5 family's tower (Qwen3-VL's without DeepStack): Qwen2-VL's, no windows, plus a learned position
+    table of num_position_embeddings = side^2 bilinearly resampled to each image's grid (2304 = 48^2)."""
+    num_position_embeddings: int = 0
+
+    @property
+    def tokens_per_second(self) -> int:  # clips keep the temporal index in the rotary: their time is in the text
+        return 0
+
+    @property
+    def timestamps(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class DeepstackVision(Qwen3Vision):
+    """The Qwen3-VL family's tower (mmpipe.model.qwen3_vl): the blocks whose outputs DeepStack merges and adds to
+    the outputs of decoder layers 0, 1, ... (Qwen3-VL-8B: (8, 16, 24) of 27 blocks)."""
+    deepstack_indexes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts decoder's MLP (issue 43; mmpipe.model.moe, docs/moe.md): the model JSON's "text": {...,
+    "moe": {...}}. Every decoder layer's MLP is `experts` SwiGLU experts of width ff_dim (transformers'
+    moe_intermediate_size), each token sent to its top_k by a softmax router, their weights renormalised to sum 1
+    (norm_topk; Qwen3-VL-MoE always does), with the load-balancing loss x aux_coef (router_aux_loss_coef; 0.001)
+    added to the LM loss. shared_ff_dim > 0: a shared expert every token runs beside the routed ones, a SwiGLU of that
+    width (shared_expert_intermediate_size) scaled by sigmoid(shared_expert_gate x) (Qwen3.5-MoE; 0: none, as
+    Qwen3-VL-MoE; written to model.json only when set). Qwen3-VL-30B-A3B: 128 experts, top 8, ff_dim 768;
+    Qwen3.5-35B-A3B: 256 experts, top 8, ff_dim 512, shared_ff_dim 512."""
+    experts: int
+    top_k: int
+    ff_dim: int
+    aux_coef: float = 0.001
+    norm_topk: bool = True
+    shared_ff_dim: int = 0
+
+    def checks(self, text: "Qwen3Text") -> list[tuple[bool, str, str]]:
+        """The section's own ranges and the decoder it sits in (the qwen3_vl and qwen3_5 families' checks ask them)."""
+        return [(not text.tie_embeddings, "text.moe",
+                 "with tie_embeddings: an MoE model's head is untied here (as Qwen3-VL-MoE's releases are)"),
+                (self.experts >= 1 and self.ff_dim >= 1, "text.moe.experts",
+                 f"{self.experts} experts of ff_dim {self.ff_dim}: both must be >= 1"),
+                (1 <= self.top_k <= self.experts, "text.moe.top_k",
+                 f"{self.top_k} must be between 1 and the {self.experts} experts"),
+                (self.aux_coef >= 0, "text.moe.aux_coef", f"{self.aux_coef} must be >= 0"),
+                (self.shared_ff_dim >= 0, "text.moe.shared_ff_dim",
+                 f"{self.shared_ff_dim} must be >= 0 (0: no shared expert)")]
+
+
+@dataclass(frozen=True)
+class Qwen3Text(MropeText):
+    """The Qwen3-VL family's decoder: the sections interleaved over the frequencies (t h w t h w ..., transformers'
+    mrope_interleaved) instead of in 3 blocks, and RMSNorms on each head's q and k."""
+    mrope_interleaved: bool = False
+    qk_norm: bool = False
+    moe: MoeConfig | None = None  # a mixture-of-experts decoder (MoeConfig; None: dense)
+
+
+def qwen3_tower_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen2-VL's checks (no windows in Qwen3-VL's tower) plus the square position table."""
+    v = cfg.vision
+    side = math.isqrt(v.num_position_embeddings)
+    return qwen2_vl_checks(cfg) + [
+        (side >= 2 and side * side == v.num_position_embeddings, "vision.num_position_embeddings",
+         f"{v.num_position_embeddings} is not a square table of side >= 2 (Qwen3-VL: 2304 = 48^2)"),
+        (v.window_size == 0, "vision.window_size", f"{v.window_size}: Qwen3-VL's tower has no windows (valid: 0)"),
+        (v.norm == "layernorm" and v.mlp == "gelu", "vision.mlp",
+         f"'{v.mlp}' / norm '{v.norm}': Qwen3-VL's tower is LayerNorm + fc1 / fc2 (valid: gelu / layernorm)"),
+    ]
+
+
+def qwen3_vl_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    """Qwen3's tower checks, DeepStack's indexes (one per decoder layer it adds to), and an MoE decoder's section."""
+    v, t = cfg.vision, cfg.text
+    return qwen3_tower_checks(cfg) + (t.moe.checks(t) if t.moe else []) + [
+        (all(0 <= i < v.n_layers for i in v.deepstack_indexes) and list(v.deepstack_indexes)
+         == sorted(set(v.deepstack_indexes)), "vision.deepstack_indexes",
+         f"{list(v.deepstack_indexes)}: increasing block indices of a {v.n_layers}-block tower"),
+        (len(v.deepstack_indexes) <= min(t.n_layers, MAX_DEEPSTACK), "vision.deepstack_indexes",
+         f"{len(v.deepstack_indexes)} sets for decoder layers 0..{len(v.deepstack_indexes) - 1}: at most "
+         f"{min(t.n_layers, MAX_DEEPSTACK)} (the decoder's {t.n_layers} layers, mmpipe's {MAX_DEEPSTACK})"),
+    ]
+
 
 
 def position_taps(grids: torch.Tensor, P: int, merge: int, side: int):
