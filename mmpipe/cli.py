@@ -44,27 +44,8 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
     """module: the rank entry the launcher starts (`mmpipe check` starts mmpipe.check.rank on the same ranks);
     extra: flags for that entry beyond train's (check's own)."""
     args, la = from_namespace(TrainArgs, ns), from_namespace(LaunchArgs, ns)
-    hosts = None
-    if la.hostfile or la.include or la.exclude:
-        try:
-            if not la.hostfile:
-                raise ConfigError("--include / --exclude: they filter a --hostfile; give one")
-            hosts = hostfile.active(hostfile.parse(la.hostfile), la.include, la.exclude)
-        except ConfigError as e:
-            return fail(e)
-    try:  # locally without --dp: the config's own DP when it fixes one (plan --write-config's), else 1
-        dp = la.dp if la.dp is not None or hosts else config_dp(args)
-    except ConfigError as e:
-        return fail(e)
-    if dp is not None and dp < 1:
-        return fail(ConfigError(f"--dp: {dp} must be >= 1"))
     try:
-        stages, tp = requested_stages(args), max(1, args.tp)  # a replica's ranks: stages x tp (--tp)
-        world = sum(len(s) for s in hosts.values()) if hosts else dp * stages * tp
-        if hosts and dp is not None and dp * stages * tp != world:
-            raise ConfigError(f"--dp: {dp} x {stages} stages{f' x tp {tp}' if tp > 1 else ''} != the hostfile's "
-                              f"{world} slots; leave --dp out (with --hostfile it is slots / stages"
-                              f"{' / tp' if tp > 1 else ''})")
+        hosts, world = _ranks(args, la)
         run = resolve(args, world_size=world)
         if args.resume:  # before launch: the saved rows are what its data position counts
             checkpoint.check_same_rows(Path(args.output_dir) / "checkpoints", run)
@@ -105,6 +86,27 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
         return _train_plan(cmd, run, args, hosts, "train" if module == "mmpipe.train" else "check")
     print("mmpipe: " + " ".join(cmd), flush=True)
     return _run_launcher(cmd, env)
+
+
+def _ranks(args: TrainArgs, la: LaunchArgs) -> tuple[dict | None, int]:
+    """(the hostfile's active hosts, None for local ranks; the world size): a replica's ranks are stages x tp, DP of
+    them; locally without --dp the config's own DP when it fixes one (plan --write-config's), else 1. ConfigError for
+    a filter without a hostfile, a bad --dp or one the hostfile's slots do not give."""
+    hosts = None
+    if la.hostfile or la.include or la.exclude:
+        if not la.hostfile:
+            raise ConfigError("--include / --exclude: they filter a --hostfile; give one")
+        hosts = hostfile.active(hostfile.parse(la.hostfile), la.include, la.exclude)
+    dp = la.dp if la.dp is not None or hosts else config_dp(args)
+    if dp is not None and dp < 1:
+        raise ConfigError(f"--dp: {dp} must be >= 1")
+    stages, tp = requested_stages(args), max(1, args.tp)  # a replica's ranks: stages x tp (--tp)
+    world = sum(len(s) for s in hosts.values()) if hosts else dp * stages * tp
+    if hosts and dp is not None and dp * stages * tp != world:
+        raise ConfigError(f"--dp: {dp} x {stages} stages{f' x tp {tp}' if tp > 1 else ''} != the hostfile's "
+                          f"{world} slots; leave --dp out (with --hostfile it is slots / stages"
+                          f"{' / tp' if tp > 1 else ''})")
+    return hosts, world
 
 
 def _run_launcher(cmd: list[str], env: dict) -> int:

@@ -198,16 +198,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     problems = Problems()
     ds_path = ds_config_path(args)
     ds = copy.deepcopy(ds_config) if ds_config is not None else problems.attempt(_load_json, ds_path)
-    run_tok = None
-    if args.init_from:
-        model = problems.attempt(init_model, args.init_from, args.preset)
-        if model is not None and (Path(args.init_from) / "tokenizer").is_dir():
-            run_tok = str(Path(args.init_from) / "tokenizer")  # written by `mmpipe import`
-    else:
-        model = problems.attempt(load_preset, args.preset or "small")
-    if model is not None:
-        model = problems.attempt(args.with_crops, model)
-        model = problems.attempt(args.with_video, model) or model  # --video-*: the clip sampling (vision.video_*)
+    model, run_tok = _model(args, problems)
     data = problems.attempt(resolve_data, args, model, run_tok)
     eval_data = _eval_data(args, data, problems)
     if data is not None and args.eval_split and eval_data is not None:
@@ -235,30 +226,11 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if model is not None and data is not None:
         model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)
         data = problems.attempt(packed_image_slots, data, model, args.output_dir, args.seed) or data  # --pack alone
-        checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
-        # per row: --max-images image slots through the tower, M x N_dec + text_len decoder positions
-        # (a dynamic-resolution family: its --max-patches P through the tower, 2 M + P / merge^2 + text_len)
-        table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images,
-                            data.vision_budget)  # the row's vision budget: P patches or T crops
-        if lora is not None and not any(r.adapter_params for r in table):
-            problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
-                            f"group(s) of {model.name}")
-        problems.attempt(check_lora_rank, model, lora)
-        parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")))
-        if parts:
-            problems.attempt(check_trainable, table, parts)
+        parts, table = _partition(args, model, data, (freeze, lora, stages, pipe_cfg), problems)
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
     problems.raise_any()
 
-    sched = ds.get("scheduler", {}).get("params", {})
-    auto_schedule = sched.get("total_num_steps") == "auto"
-    if auto_schedule:  # as in DeepSpeed's HF integration: the run's length
-        sched["total_num_steps"] = args.steps
-    ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
-              gradient_accumulation_steps=gas)
-    if tp > 1:  # each TP rank sends its whole stage output to the same TP rank of the next stage (mmpipe's wire:
-        # floats only), not DeepSpeed's 1/TP slice all-gathered by the receiver (pipe_partitioned, default True)
-        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
+    auto_schedule = _fill(ds, args.steps, (micro, gas, dp), tp)
     if eval_data is not None:
         eval_data = dataclasses.replace(eval_data, tokenizer=data.tokenizer)  # as fitted above (LLaVA's <image>)
     return RunConfig(model=model, ds_config=ds, ds_config_path=ds_path, stages=stages, dp=dp, micro=micro, gas=gas,
@@ -266,6 +238,57 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
                      schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
                      objective=objective_named(args.objective), tp=tp)
+
+
+def _model(args: TrainArgs, problems: Problems) -> tuple[ModelConfig | None, str | None]:
+    """(the model the run trains, the tokenizer directory of the run it starts from, if it has one): --init-from's
+    model.json, else the preset, with --max-crops and --video-* applied."""
+    run_tok = None
+    if args.init_from:
+        model = problems.attempt(init_model, args.init_from, args.preset)
+        if model is not None and (Path(args.init_from) / "tokenizer").is_dir():
+            run_tok = str(Path(args.init_from) / "tokenizer")  # written by `mmpipe import`
+    else:
+        model = problems.attempt(load_preset, args.preset or "small")
+    if model is not None:
+        model = problems.attempt(args.with_crops, model)
+        model = problems.attempt(args.with_video, model) or model  # --video-*: the clip sampling (vision.video_*)
+    return model, run_tok
+
+
+def _partition(args: TrainArgs, model: ModelConfig, data: DataOptions, training: tuple, problems: Problems):
+    """(stage boundaries, the layer cost table) of the run's rows; training: (freeze, lora, stages, the DeepSpeed
+    JSON's pipeline section)."""
+    freeze, lora, stages, pipe_cfg = training
+    checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
+    # per row: --max-images image slots through the tower, M x N_dec + text_len decoder positions
+    # (a dynamic-resolution family: its --max-patches P through the tower, 2 M + P / merge^2 + text_len)
+    table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images,
+                        data.vision_budget)  # the row's vision budget: P patches or T crops
+    if lora is not None and not any(r.adapter_params for r in table):
+        problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
+                        f"group(s) of {model.name}")
+    problems.attempt(check_lora_rank, model, lora)
+    parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")))
+    if parts:
+        problems.attempt(check_trainable, table, parts)
+    return parts or [], table
+
+
+def _fill(ds: dict, steps: int, batch: tuple[int, int, int], tp: int) -> bool:
+    """The DeepSpeed JSON as the run uses it (a copy, changed in place): the batch sizes (micro, GAS, DP), an "auto"
+    schedule's length (--steps: returns True) and, under TP, whole-output sends."""
+    micro, gas, dp = batch
+    sched = ds.get("scheduler", {}).get("params", {})
+    auto_schedule = sched.get("total_num_steps") == "auto"
+    if auto_schedule:  # as in DeepSpeed's HF integration: the run's length
+        sched["total_num_steps"] = steps
+    ds.update(train_batch_size=micro * gas * dp, train_micro_batch_size_per_gpu=micro,
+              gradient_accumulation_steps=gas)
+    if tp > 1:  # each TP rank sends its whole stage output to the same TP rank of the next stage (mmpipe's wire:
+        # floats only), not DeepSpeed's 1/TP slice all-gathered by the receiver (pipe_partitioned, default True)
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
+    return auto_schedule
 
 
 def _eval_data(args: TrainArgs, data: DataOptions | None, problems: Problems) -> DataOptions | None:
