@@ -216,7 +216,8 @@ def test_pp1_dp2_ep2_equals_single_device(ep2, reference):
     got = _weights(ep2, ref_model.cfg)
     assert got[10].mlp.experts.gate_up_proj.shape[0] == 8
     _weights_equal_within(got, ref_model, TOL)
-    assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=SEED), TOL)  # AdamW.step a no-op: fails only here
+    # with AdamW.step a no-op (MMPIPE_TEST_BREAK=no_update) every check above passed and this failed: 122 of 122 moved 0
+    assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=SEED), TOL)
 
 
 def test_resume_under_ep2_is_bit_exact(ep_set, ep2, reference):
@@ -231,7 +232,8 @@ def test_resume_under_ep2_is_bit_exact(ep_set, ep2, reference):
 
 
 def _moved_after_the_cut(run, cfg) -> None:
-    """The resumed steps trained: every tensor moved from the cut's checkpoint by more than 10 x TOL."""
+    """The resumed steps trained: every tensor moved from the cut's checkpoint by more than 10 x TOL (with AdamW.step a
+    no-op the EP 2 resume passed its bit-for-bit check and failed this: 122 of 122 tensors moved 0)."""
     cut = load_reference(run.out / "checkpoints", cfg, f"step{CUT}")
     assert_weights_moved(_weights(run, cfg), cut, TOL)
 
