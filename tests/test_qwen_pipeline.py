@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import cut_at, train_run, write_ds_config
+from conftest import assert_weights_moved, cut_at, train_run, write_ds_config
 from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
@@ -30,7 +30,7 @@ from test_qwen_data import WORDS, save_tokenizer
 
 TOL = 1e-5
 KEY_BIAS_TOL = 1e-4
-STEPS, CUT, SEED = 4, 2, 5
+STEPS, CUT, SEED = 5, 2, 5  # step 1 runs at lr 0: 4 updates, the resume 3 (steps 3 to 5)
 # (width, height): grids (t, h, w) 1x4x4, 1x4x6, 1x8x4, 1x6x8, 1x4x10, and 400x300 resized down by the processor
 SIZES = [(56, 56), (84, 56), (56, 112), (112, 84), (140, 56), (400, 300)]
 ANSWER_WORDS = WORDS[5:] + [f"w{i}" for i in range(40)]  # the tokenizer's plain words
@@ -88,6 +88,9 @@ class PackedSet:
         got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
                      for r in (resumed, uninterrupted))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        # the resumed steps trained: every trained tensor moved from the cut's weights by more than 10 x 1e-5
+        cut_weights = load_reference(resumed.out / "checkpoints", cfg, f"step{cut}")
+        assert_weights_moved(got, cut_weights, 1e-5, frozen_prefixes(cut_weights, extra))
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +163,23 @@ def sample_image_counts(has_image, segments) -> list[list[int]]:
             for b in range(has_image.shape[0])]
 
 
+def frozen_prefixes(model, flags) -> tuple[str, ...]:
+    """The state-dict prefixes of the tower's layers where `flags` hold --freeze vision (their weights stay)."""
+    if "--freeze" not in flags:
+        return ()
+    return tuple(f"{i}." for i, layer in enumerate(model) if getattr(layer, "group", None) == "vision")
+
+
+def assert_trained_as_reference(run, ref_model, seed: int, tol: float) -> None:
+    """The run's final weights are the reference's within tol (_weights_equal_within) and every trained tensor moved
+    from the seed's initial weights by more than 10 x tol (conftest.assert_weights_moved; with AdamW.step a no-op,
+    MMPIPE_TEST_BREAK=no_update, the first passes and this fails)."""
+    got = torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg))
+    _weights_equal_within(got, ref_model, tol)
+    frozen = frozen_prefixes(ref_model, ["--freeze"] if run.summary["freeze"] else [])
+    assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=seed), tol, frozen)
+
+
 def _weights_equal_within(model, reference: ReferenceModel, tol: float) -> None:
     """Every tensor within tol, the decoder's key biases within KEY_BIAS_TOL: a key bias shifts a query's scores
     only through the rotary angle between positions, so its gradient is a near-cancelling sum whose fp32
@@ -177,8 +197,7 @@ def test_pipeline_equals_single_device(name, ref, request):
     run, (ref_model, ref_losses) = request.getfixturevalue(name), request.getfixturevalue(ref)
     assert sorted(run.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
     assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL)
-    got = torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg))
-    _weights_equal_within(got, ref_model, TOL)
+    assert_trained_as_reference(run, ref_model, SEED, TOL)
 
 
 def test_only_floats_cross_and_later_stages_take_the_grids_from_their_loader(pp2, pp4_frozen):
@@ -213,6 +232,6 @@ def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp2, pp4_frozen, 
 
 
 def test_resume_is_bit_exact(qwen_set, pp2):
-    """PP=2 cut after step 2 (its checkpoint) and resumed to step 4: the uninterrupted run's losses and weights,
+    """PP=2 cut after step 2 (its checkpoint) and resumed to step 5: the uninterrupted run's losses and weights,
     bit for bit (PackedSet.assert_resume_bit_exact)."""
     qwen_set.assert_resume_bit_exact(pp2, CUT, 2)
