@@ -254,17 +254,24 @@ def processor_settings(path: Path) -> tuple[dict, str | None]:
     when neither is there. A file that is not a JSON object is one line naming it."""
     for name in ("preprocessor_config.json", "processor_config.json"):
         f = path / name
-        if not f.is_file():
-            continue
-        try:
-            d = json.loads(f.read_text())
-        except ValueError as e:
-            _fail(str(f), f"not JSON ({e})")
-        d = d.get("image_processor", {}) if name == "processor_config.json" and isinstance(d, dict) else d
-        if not isinstance(d, dict):
-            _fail(str(f), "not a JSON object of image processor settings")
-        return d, name
+        if f.is_file():
+            d = settings_file(f)
+            d = d.get("image_processor", {}) if name == "processor_config.json" else d
+            if not isinstance(d, dict):
+                _fail(str(f), "not a JSON object of image processor settings")
+            return d, name
     return {}, None
+
+
+def settings_file(f: Path) -> dict:
+    """A processor's settings file: its JSON object; a file that is not one is one line naming it."""
+    try:
+        d = json.loads(f.read_text())
+    except ValueError as e:
+        _fail(str(f), f"not JSON ({e})")
+    if not isinstance(d, dict):
+        _fail(str(f), "not a JSON object of processor settings")
+    return d
 
 
 def _preprocessor(path: Path):

@@ -49,6 +49,7 @@ from .llava import (
     processor_defaults,
     processor_settings,
     read_hf_config,
+    settings_file,
     stats_defaults,
     tie_flag,
     token_ids,
@@ -253,12 +254,7 @@ def video_settings(path: Path) -> tuple[dict, str | None]:
         f = path / name
         if not f.is_file():
             continue
-        try:
-            d = json.loads(f.read_text())
-        except ValueError as e:
-            _fail(str(f), f"not JSON ({e})")
-        if not isinstance(d, dict):
-            _fail(str(f), "not a JSON object of processor settings")
+        d = settings_file(f)
         if name != "processor_config.json":
             return d, name
         if isinstance(d.get("video_processor"), dict):
