@@ -28,7 +28,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import cut_at, train_run, write_ds_config
+from conftest import assert_weights_moved, cut_at, train_run, write_ds_config
 from fixtures_data import mixed_image_records
 from mmpipe.config import load_preset
 from mmpipe.model import moe
@@ -39,10 +39,10 @@ from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
 from test_qwen3_vl_pipeline import ANSWER_WORDS, IMAGES, SIZES, TEXT, P
 from test_qwen_data import save_tokenizer
-from test_qwen_pipeline import _weights_equal_within
+from test_qwen_pipeline import assert_trained_as_reference, frozen_prefixes
 
 TOL = 1e-5
-STEPS, CUT, SEED, GAS = 4, 2, 5, 2
+STEPS, CUT, SEED, GAS = 5, 2, 5, 2  # step 1 runs at lr 0: 4 updates, the resume 3
 L = 2 * IMAGES + P // 4 + TEXT  # 88 decoder positions a row
 EXPERTS, TOP_K, EXPERT_FF = 8, 2, 32
 
@@ -129,8 +129,8 @@ def test_pipeline_equals_single_device_loss_aux_and_weights(pp2, reference):
     assert [float(r["aux_loss"]) for r in rows] == pytest.approx(ref_aux, abs=TOL)
     assert [float(r["lm_loss"]) for r in rows] == pytest.approx([a - b for a, b in zip(ref_losses, ref_aux)], abs=TOL)
     assert all(a > 1e-3 * 0.5 for a in ref_aux)  # coef 0.001 x aux (1 when balanced): present in every step
+    assert_trained_as_reference(pp2, ref_model, SEED, TOL)  # and every trained tensor moved > 10 x TOL
     got = torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg))
-    _weights_equal_within(got, ref_model, TOL)
     init = type(ref_model)(ref_model.cfg, seed=SEED)
     for i in range(1 + ref_model.cfg.vision.n_layers + len(ref_model.cfg.vision.deepstack_indexes)):
         if getattr(init[i], "group", None) == "vision":  # --freeze vision: the tower as it started
@@ -162,6 +162,8 @@ def test_resume_is_bit_exact(moe_set, pp2):
     got, want = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg)).state_dict()
                  for r in (resumed, pp2))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    cut = load_reference(resumed.out / "checkpoints", cfg, f"step{CUT}")  # the 3 resumed steps trained
+    assert_weights_moved(got, cut, TOL, frozen_prefixes(cut, ["--freeze"]))
 
 
 def test_pp2_dp2_ep2_equals_single_device(moe_set, reference):
@@ -177,4 +179,4 @@ def test_pp2_dp2_ep2_equals_single_device(moe_set, reference):
     ref_model, ref_losses, ref_aux = reference
     assert [float(r["loss"]) for r in run.rows] == pytest.approx(ref_losses, abs=TOL)
     assert [float(r["aux_loss"]) for r in run.rows] == pytest.approx(ref_aux, abs=TOL)
-    _weights_equal_within(torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg)), ref_model, TOL)
+    assert_trained_as_reference(run, ref_model, SEED, TOL)
