@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import deepspeed
 import torch
@@ -74,7 +74,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     prepare_output(out, run, rank)
     # the front door built the data index; ranks started without it build it themselves
     samples = prepare(run.data, run.model, out, args.seed, verbose=rank == 0)
-    fingerprint = getattr(samples, "index", None) and samples.index.stats["fingerprint"]
+    fingerprint = samples.index and samples.index.stats["fingerprint"]
     engine = build_engine(run, args, rank)
     progress = restore(engine, run, args, ckpt_dir, fingerprint, rank)
     stream = DataStream(engine, run, args, samples, progress)
@@ -84,7 +84,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
     positions = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
     log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume,
-                  aux=getattr(run.model.text, "moe", None) is not None)  # MoE: lm_loss and aux_loss columns
+                  aux=run.experts is not None)  # MoE: lm_loss and aux_loss columns
     counts = StepCounts(run, samples, stream.plan) if rank == 0 else None  # each step's samples, useful positions
     validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
     announce(run, rank)
@@ -121,8 +121,8 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     monitor_timing(engine, stage_rows, timing, rank)  # before the process group goes: the monitors ask for ranks
     end_of_run(stream)  # loader workers stopped, barrier, groups destroyed (mmpipe.train's release joins gloo)
     if rank == 0:
-        report(log, run, args, samples, start, progress, stage_rows, timing, train_time, evaluate, out, validate,
-               counts)
+        report(log, run, args, samples, Finished(start, progress, stage_rows, timing, train_time),
+               (evaluate, validate, counts))
     return 0
 
 
@@ -261,7 +261,7 @@ class DataStream:
         # every stage reads its micro-batches (a stage after the first: their integer tensors, runtime.wire)
         dataset = run_dataset(run, samples, first=images, last=engine.is_last_stage(),
                               augment_seed=args.seed if run.data.augment else None)
-        self.samples, self.seen, self.plan = samples, None, getattr(dataset, "plan", None)
+        self.samples, self.seen, self.plan = samples, None, dataset.plan
         if run.data.log_samples and first:
             self.seen = open(Path(args.output_dir) / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")
             if self.seen.tell() == 0:  # rows: the row's stream position, then each sample's and its record
@@ -340,10 +340,22 @@ def announce(run: RunConfig, rank: int) -> None:
               f"parts {run.parts}", flush=True)
 
 
-def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, start: Progress, progress: Progress, stage_rows,
-           timing: dict | None, train_time: float, evaluate: Callable[[Path], dict] | None, out: Path,
-           validate: Validator | None, counts: StepCounts) -> None:
-    """Rank 0, after training: summary.json (rates, layout, stage timing, data, evaluation)."""
+class Finished(NamedTuple):
+    """What a finished run has to report: where it started and where it ended, its stages' rows (gathered) and
+    their timing, and its training wall time."""
+    start: Progress
+    progress: Progress
+    stage_rows: list
+    timing: dict | None
+    train_time: float
+
+
+def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, done: Finished, hooks: tuple) -> None:
+    """Rank 0, after training: summary.json (rates, layout, stage timing, data, evaluation). hooks: (the held-out
+    evaluation or None, the validator or None, the step counts)."""
+    evaluate, validate, counts = hooks
+    start, progress, stage_rows, timing, train_time = done
+    out = Path(args.output_dir)
     summary = {
         "start_step": start.step, "train_time_s": train_time, "stages": run.stages, "dp": run.dp,
         "micro_batch": run.micro, "gradient_accumulation": run.gas,
