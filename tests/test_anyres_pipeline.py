@@ -9,20 +9,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import train_run, write_ds_config
 from fixtures_data import mixed_image_records
 from llava_next_models import image
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
-from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
 from test_anyres_data import WORDS, tokenizer
-from test_qwen_pipeline import _weights_equal_within, loaders_agree, sample_image_counts
+from test_qwen_pipeline import assert_trained_as_reference, loaders_agree, sample_image_counts
 
 TOL = 1e-5
-STEPS, SEED, T = 3, 5, 12
+STEPS, SEED, T = 4, 5, 12  # step 1 runs at lr 0 (WarmupCosineLR): 3 updates
 # (width, height): tile grids 1 x 2, 2 x 1, 2 x 2, 1 x 1, 1 x 2 (rows x cols)
 SIZES = [(100, 40), (40, 100), (100, 100), (56, 56), (150, 70)]
 ANSWER_WORDS = WORDS[6:18]
@@ -96,8 +94,9 @@ def test_pipeline_equals_single_device(stages, runs, reference):
     run, (ref_model, ref_losses) = runs[stages], reference
     assert sorted(run.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
     assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL)
-    got = torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg))
-    _weights_equal_within(got, ref_model, TOL)
+    # and every tensor moved > 10 x TOL but the CLIP tower's key biases: no rotary there, so softmax cancels their
+    # gradient and they move by rounding alone (3.3e-7 to 4.0e-7 measured)
+    assert_trained_as_reference(run, ref_model, SEED, TOL, no_gradient=("self_attn.k_proj.bias",))
 
 
 def test_only_floats_cross_and_the_projector_takes_the_tilings_from_its_loader(runs):

@@ -170,14 +170,14 @@ def frozen_prefixes(model, flags) -> tuple[str, ...]:
     return tuple(f"{i}." for i, layer in enumerate(model) if getattr(layer, "group", None) == "vision")
 
 
-def assert_trained_as_reference(run, ref_model, seed: int, tol: float) -> None:
+def assert_trained_as_reference(run, ref_model, seed: int, tol: float, no_gradient: tuple[str, ...] = ()) -> None:
     """The run's final weights are the reference's within tol (_weights_equal_within) and every trained tensor moved
     from the seed's initial weights by more than 10 x tol (conftest.assert_weights_moved; with AdamW.step a no-op,
     MMPIPE_TEST_BREAK=no_update, the first passes and this fails)."""
     got = torch.nn.Sequential(*load_reference(run.out / "checkpoints", ref_model.cfg))
     _weights_equal_within(got, ref_model, tol)
     frozen = frozen_prefixes(ref_model, ["--freeze"] if run.summary["freeze"] else [])
-    assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=seed), tol, frozen)
+    assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=seed), tol, frozen, no_gradient)
 
 
 def _weights_equal_within(model, reference: ReferenceModel, tol: float) -> None:
