@@ -113,7 +113,7 @@ def test_pipeline_equals_single_device(name, ref, request):
     _weights_equal_within(got, ref_model, TOL)
     # every trained tensor moved by more than 10 x TOL (the frozen tower is test_frozen_tower_...'s). Broken on
     # purpose (MMPIPE_TEST_BREAK=no_update PYTHONPATH=tests/breaks: AdamW.step a no-op in the ranks and the
-    # reference) every comparison above passed and this failed (run once by hand)
+    # reference) every comparison above passed and this failed: PP=2, 61 of 61 trained tensors moved 0 (run once)
     frozen = tuple(f"{i}." for i in _vision(ref_model)) if run.summary["freeze"] else ()
     assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=SEED), TOL, frozen)
 
@@ -151,10 +151,8 @@ def test_frozen_tower_is_bit_identical_and_trained_tower_moves(pp4, pp2, referen
 
 def test_resume_is_bit_exact(qwen3_5_set, pp2):
     """PP=2 cut after step 2 (its checkpoint) and resumed to the end: the uninterrupted run's losses and weights, bit
-    for bit (test_qwen_pipeline.PackedSet.assert_resume_bit_exact), over 3 resumed updates that moved every trained
-    tensor by more than 10 x TOL from the cut's weights (a resume that restored no weights, or trained no step, would
-    fail the first check; one that trained none would pass it without the second)."""
+    for bit, over 3 resumed updates that moved every trained tensor by more than 10 x TOL from the cut's weights
+    (test_qwen_pipeline.PackedSet.assert_resume_bit_exact). A resume that trained nothing would pass the first check
+    alone: with AdamW.step a no-op (MMPIPE_TEST_BREAK=no_update) the first passed and the second failed, 61 of 61
+    tensors moved 0."""
     qwen3_5_set.assert_resume_bit_exact(pp2, CUT, 2, "--freeze", "vision")
-    cfg = qwen3_5_set.resolved().model
-    cut, end = (load_reference(pp2.out / "checkpoints", cfg, tag) for tag in (f"step{CUT}", None))
-    assert_weights_moved(end, cut, TOL, tuple(f"{i}." for i in _vision(end)))
