@@ -96,7 +96,8 @@ class Run:
         self.out, self.proc = out, proc
 
     def check(self) -> "Run":
-        # the success marker, not only the exit code: DeepSpeed can abort at exit after a good run
+        # the success marker, not only the exit code (a run that trained writes summary.json last; its exit status
+        # is test_clean_exit's and test_reliability's to check)
         assert (self.out / "summary.json").is_file(), self.proc.stdout[-3000:] + self.proc.stderr[-3000:]
         return self
 
