@@ -117,5 +117,13 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
         inputs, labels = next(batches)  # (pixels, input_ids, has_image, segments[, tiling]), (labels, weights)
         return run.objective.loss(model(*inputs), labels)
 
-    return model, [train_step(micro_loss, run.gas, params, opt, sched, clip) for _ in range(steps)]
+    # one intra-op thread, as every rank runs (OMP_NUM_THREADS=1): the kernels' reduction order, so the float noise
+    # Adam scales to a full step where a gradient is ~0 (key biases, Gated DeltaNet's decay gate), is the pipeline's
+    # and not the host's core count (qwen3.5-tiny PP=2, 4 updates: in_proj_a 1.3e-5 apart with 2 threads, < 1e-5 with 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return model, [train_step(micro_loss, run.gas, params, opt, sched, clip) for _ in range(steps)]
+    finally:
+        torch.set_num_threads(threads)
 
