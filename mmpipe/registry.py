@@ -117,6 +117,7 @@ def _tied_spec() -> type:
 
 _FAMILIES: dict[tuple[str, str], Family] = {}
 _loaded = False
+_builtin: set[tuple[str, str]] = set()
 _plugin_error: ConfigError | None = None  # a family module that did not import (load)
 
 
@@ -131,7 +132,7 @@ def register(entry: Family) -> Family:
 def unregister(entry: Family) -> None:
     """Forget a family registered from outside (a test's, when the families that follow in the same process must
     not see it); a built-in one stays."""
-    if _FAMILIES.get(entry.key) is entry and entry.layers.__module__ != BUILTIN:
+    if _FAMILIES.get(entry.key) is entry and entry.key not in _builtin:
         del _FAMILIES[entry.key]
 
 
@@ -146,6 +147,7 @@ def load() -> None:
     _loaded = True  # before importing: a family module's own questions must not recurse here
     from importlib.metadata import entry_points
     importlib.import_module(BUILTIN)
+    _builtin.update(_FAMILIES)  # the keys the built-in module registered: never unregistered
     for name in [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]:
         try:
             importlib.import_module(name)
