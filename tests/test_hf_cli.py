@@ -141,7 +141,7 @@ def test_exported_builtin_llava_run_is_a_checkpoint(tmp_path, capsys):
 def test_unread_model_type_is_one_line_naming_the_read_ones(tmp_path, capsys, config_class, kind):
     """An HF directory of a model type no importer reads (transformers' own config.json of a GLM-4.5V MoE, a Gemma3):
     `mmpipe import --hf` (and its --dry-run) and `mmpipe generate` say in one line, exit 2, that this type is not
-    read (yet) and which are (mmpipe.hf.commands.HF_READERS, the importers' own model_types)."""
+    read (yet) and which are (mmpipe.hf.commands.hf_model_types(): the registered families' HfSide.model_types)."""
     import transformers
 
     from mmpipe.hf.commands import hf_model_types

@@ -1,5 +1,5 @@
 """`mmpipe export --format peft`: a LoRA run's adapters as a peft adapter of the family's HF model
-(LLaVA, Qwen2-VL: its Family.hf_class; the names and the base export come from mmpipe.hf.commands.HF_IO).
+(a family with an HF class: its registry entry's HfSide gives the names and the base export).
 
 OUT/adapter_config.json + OUT/adapter_model.safetensors load with
 `peft.PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(OUT/base), OUT)` (or
