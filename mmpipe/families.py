@@ -52,7 +52,7 @@ from .model.llava import (
     tied_head,
 )
 from .model.llava_next import AnyresEmbed, AnyresProjector, AnyresVision, llava_next_checks, llava_next_specs
-from .model.moe import MOE_BLOCK, MoeHead, Qwen3MoeBlock, moe_fields, qwen3_vl_layers
+from .model.moe import MOE_BLOCK, MoeHead, Qwen3MoeBlock, TiedMoeHead, moe_fields, qwen3_vl_layers
 from .model.qwen2_vl import (
     MropeText,
     Qwen2Vision,
@@ -194,7 +194,8 @@ QWEN3_VL = register(Family(
      Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, Qwen3Block: costs.QWEN_BLOCK,
      FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
      **{m: costs.DEEPSTACK_MERGER for m in DEEPSTACK_MERGERS}, **{a: costs.DEEPSTACK_ADD for a in DEEPSTACK_ADDS},
-     Qwen3MoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
+     Qwen3MoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD,
+     TiedMoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
     ImageLayout(placeholders=True, vision=DeepstackVision, text=Qwen3Text), PATCHES, checks=qwen3_vl_checks,
     fields=lambda cfg: ROW + deepstack_fields(cfg) + moe_fields(cfg) + (KEPT_TILING,),
     media=("image", "video"),  # clips: a slot per temporal patch after its timestamp text (mmpipe.data.video)
@@ -215,7 +216,8 @@ QWEN3_5 = register(Family(
      Qwen3Merger: costs.QWEN_MERGER, Qwen3Embed: costs.QWEN_EMBED, DeltaNetBlock: DELTANET_BLOCK,
      GatedAttentionBlock: GATED_ATTENTION_BLOCK, Qwen35FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD,
      tied_head: costs.LINEAR_HEAD, DeltaNetMoeBlock: DELTANET_MOE_BLOCK,
-     GatedAttentionMoeBlock: GATED_ATTENTION_MOE_BLOCK, MoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
+     GatedAttentionMoeBlock: GATED_ATTENTION_MOE_BLOCK, MoeHead: costs.LINEAR_HEAD,
+     TiedMoeHead: costs.LINEAR_HEAD},  # text.moe: mmpipe.model.moe
     ImageLayout(placeholders=True, vision=Qwen3Vision, text=HybridText), PATCHES, checks=qwen3_5_checks,
     fields=lambda cfg: ROW + qwen3_5_moe_fields(cfg) + (KEPT_TILING,), experts=_moe,
     # Qwen3_5MoeForConditionalGeneration's by config (text.moe: mmpipe.hf.qwen3_5)

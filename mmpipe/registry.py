@@ -105,9 +105,12 @@ class Family:
         return self.family, self.fusion
 
     def cost_rule(self, spec):
-        """The cost rule of a LayerSpec: a tied layer's later use by its forward_fn, else (its first use too) its
-        class."""
-        return self.cost_rules[(spec.forward_fn if isinstance(spec, _tied_spec()) else None) or spec.typename]
+        """The cost rule of a LayerSpec: a tied layer's later use by its forward_fn (a function, or a callable
+        object's class: moe.TiedMoeHead), else (its first use too) its class."""
+        fn = spec.forward_fn if isinstance(spec, _tied_spec()) else None
+        if fn is not None and fn not in self.cost_rules:
+            fn = type(fn)
+        return self.cost_rules[fn or spec.typename]
 
 
 def _tied_spec() -> type:

@@ -16,8 +16,10 @@ One PP=2 launch, checkpointed at step 2, and its resume from there:
   single-device loop's (1e-5), and so do the final weights, routers and experts included;
 - only floats cross, moe_stats [2, 2, 8] among them, once per micro-batch each way;
 - the resume from step 2 gives the uninterrupted run's losses and weights bit for bit;
-- PP=2 x DP=2 x EP=2 (4 ranks, each stage's experts split over its 2 DP ranks) at GAS 1 equals the same
-  single-device loop (the same 4 rows a step)."""
+- PP=2 x DP=2 x EP=2 (4 ranks, each stage's experts split over its 2 DP ranks) at GAS 1 equals the single-device
+  loop of the same 4 rows a step, for the model with its head tied to the embedding (a Qwen3-VL-MoE saved with
+  tie_word_embeddings, issue 53): the tied MoE head (moe.TiedMoeHead, DeepSpeed's partial on stage 1) gives the aux
+  loss, and the embedding's two copies (stage 0, stage 1) train as one."""
 from __future__ import annotations
 
 import json
@@ -48,7 +50,8 @@ EXPERTS, TOP_K, EXPERT_FF = 8, 2, 32
 
 
 def write_moe_set(root) -> list[str]:
-    """The records, images, tokenizer and model JSON under root; the arguments every run takes but --ds-config."""
+    """The records, images, tokenizer and model JSONs (untied, and tied as qwen3-vl-moe-tied.json) under root; the
+    arguments every run takes but --ds-config."""
     rng = np.random.default_rng(0)
     for k, (w, h) in enumerate(SIZES):
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"{k}.png")
@@ -59,6 +62,8 @@ def write_moe_set(root) -> list[str]:
     model = load_preset("qwen3-vl-tiny").to_dict()
     model["text"].update(tie_embeddings=False, moe=dict(experts=EXPERTS, top_k=TOP_K, ff_dim=EXPERT_FF))
     (root / "qwen3-vl-moe-tiny.json").write_text(json.dumps(model))
+    model["text"]["tie_embeddings"] = True
+    (root / "qwen3-vl-moe-tied.json").write_text(json.dumps(model))
     return ["--preset", str(root / "qwen3-vl-moe-tiny.json"), "--data", str(root / "data.json"),
             "--tokenizer", str(root / "tok"), "--text-len", str(TEXT), "--pack", "--max-images", str(IMAGES),
             "--max-patches", str(P), "--eval-samples", "0", "--seed", str(SEED), "--data-workers", "0"]
@@ -75,27 +80,31 @@ def moe_set(tmp_path_factory):
     return root, [*args, "--ds-config", str(ds)]
 
 
-def _resolved(moe_set):
+def _resolved(moe_set, *extra: str, out: str = "ref"):
     root, args = moe_set
-    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--freeze", "vision",
-                                        "--output-dir", str(root / "ref")]), world_size=1)
+    return resolve(TrainArgs.from_argv([*args, "--stages", "1", "--freeze", "vision", *extra,
+                                        "--output-dir", str(root / out)]), world_size=1)
+
+
+def _reference(moe_set, monkeypatch, *extra: str, out: str = "ref"):
+    """The single-device loop, and each step's auxiliary term: the mean over its micro-batches of what the head gave
+    (as DeepSpeed averages the loss)."""
+    seen = []
+    for cls, name in ((moe.MoeHead, "forward"), (moe.TiedMoeHead, "__call__")):
+        def recording(*args, _run=getattr(cls, name)):
+            out = _run(*args)
+            seen.append(out[1].item())
+            return out
+        monkeypatch.setattr(cls, name, recording)
+    model, losses = train_reference(_resolved(moe_set, *extra, out=out), seed=SEED, steps=STEPS,
+                                    out_dir=str(moe_set[0] / out))
+    aux = [sum(seen[GAS * s:GAS * (s + 1)]) / GAS for s in range(STEPS)]
+    return model, losses, aux
 
 
 @pytest.fixture(scope="module")
 def reference(moe_set, monkeypatch_module):
-    """The single-device loop, and each step's auxiliary term: the mean over its micro-batches of what the head gave
-    (as DeepSpeed averages the loss)."""
-    seen = []
-    forward = moe.MoeHead.forward
-
-    def recording(self, args):
-        out = forward(self, args)
-        seen.append(out[1].item())
-        return out
-    monkeypatch_module.setattr(moe.MoeHead, "forward", recording)
-    model, losses = train_reference(_resolved(moe_set), seed=SEED, steps=STEPS, out_dir=str(moe_set[0] / "ref"))
-    aux = [sum(seen[GAS * s:GAS * (s + 1)]) / GAS for s in range(STEPS)]
-    return model, losses, aux
+    return _reference(moe_set, monkeypatch_module)
 
 
 @pytest.fixture(scope="module")
@@ -166,17 +175,20 @@ def test_resume_is_bit_exact(moe_set, pp2):
     assert_weights_moved(got, cut, TOL, frozen_prefixes(cut, ["--freeze"]))
 
 
-def test_pp2_dp2_ep2_equals_single_device(moe_set, reference):
+def test_tied_pp2_dp2_ep2_equals_single_device(moe_set, monkeypatch):
     """Four ranks: two pipelines of two stages, each stage's experts split over its two DP ranks (ranks 0 / 1 hold
     experts 0..3 / 4..7 of stage 0's blocks, ranks 2 / 3 those of stage 1's), the tower frozen, at GAS 1, so a step
-    trains the same 4 rows as the reference's 2 micro-batches: losses, aux losses and weights equal (1e-5)."""
-    root = moe_set[0]
+    trains the same 4 rows as the reference's 2 micro-batches: losses, aux losses and weights equal (1e-5). The head
+    is tied: the tied MoE head on stage 1 gives the aux loss, and the embedding trains as one tensor."""
+    root, args = moe_set
+    tied = ["--preset", str(root / "qwen3-vl-moe-tied.json")]
+    ref_model, ref_losses, ref_aux = _reference((root, [*args, *tied]), monkeypatch, out="ref_tied")
+    assert isinstance(layer_specs(ref_model.cfg)[-1].forward_fn, moe.TiedMoeHead)
     gas1 = write_ds_config(root / "gas1.json", **{**json.loads((root / "ds.json").read_text()),
                                                    "gradient_accumulation_steps": 1})
-    run = _launch(moe_set, "pp2dp2ep2", "--dp", "2", "--ep", "2", "--ds-config", str(gas1))
+    run = _launch(moe_set, "pp2dp2ep2", "--dp", "2", "--ep", "2", "--ds-config", str(gas1), *tied)
     for rank, experts in ((0, "0..3"), (1, "4..7"), (2, "0..3"), (3, "4..7")):
         assert f"mmpipe: rank {rank}: experts {experts} of 8 in each MoE block (--ep 2)" in run.proc.stdout
-    ref_model, ref_losses, ref_aux = reference
     assert [float(r["loss"]) for r in run.rows] == pytest.approx(ref_losses, abs=TOL)
     assert [float(r["aux_loss"]) for r in run.rows] == pytest.approx(ref_aux, abs=TOL)
     assert_trained_as_reference(run, ref_model, SEED, TOL)

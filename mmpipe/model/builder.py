@@ -103,8 +103,8 @@ class TiedCall(nn.Module):
     def forward(self, args):
         return self.forward_fn(self._tied[0], args)
 
-    def decode(self, t, cache: dict, start: int):
-        return self.forward_fn(self._tied[0], t.pack())
+    def decode(self, t, cache: dict, start: int):  # the logits (a tied MoE head returns its aux loss too)
+        return split_aux(self.forward_fn(self._tied[0], t.pack()))[0]
 
 
 def _build_all(specs: list[LayerSpec], seed: int) -> list[nn.Module]:

@@ -33,16 +33,18 @@ every stage's routers through `moe_stats`.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
 from . import costs
 from .llava import LMHeadLinear, SwiGLU
 from .qwen3_vl import Qwen3Block, qwen3_vl_specs
-from .stage import StageField, StageTuple, unpack_in
+from .stage import StageField, StageTuple, live_fields, unpack_in
 
 DISPATCH = ("auto", "grouped", "loop")
 
@@ -281,16 +283,51 @@ class MoeHead(LMHeadLinear):
         return self.lm_head(t.hidden)
 
 
+class TiedMoeHead:
+    """The MoE head tied to the input embedding (a Qwen3-VL-MoE saved with tie_word_embeddings, as transformers
+    then loads it): a TiedLayerSpec's forward_fn, (embed, args) -> what MoeHead returns, keeping last_aux likewise.
+    DeepSpeed calls it as partial(fn, the tied embedding), so no layer of the list holds it and bind_fields cannot
+    name its tuple: `fields` is the one entering the list's last layer, computed from the whole list (moe_head)."""
+
+    def __init__(self, cfg: ModelConfig, fields: tuple[StageField, ...]):
+        self.fields, self.layers, self.coef = fields, cfg.text.n_layers, cfg.text.moe.aux_coef
+        self.last_aux = torch.zeros(())
+
+    def __call__(self, embed: nn.Module, args):
+        t = StageTuple.unpack(args, self.fields)
+        aux = self.coef * aux_loss(t.moe_stats, (t.segments > 0).sum(), self.layers)
+        self.last_aux = aux.detach()
+        return F.linear(t.hidden, embed.embed_tokens.weight), aux
+
+
+def head_aux(head) -> torch.Tensor:
+    """The last micro-batch's weighted aux loss kept by a stage's last layer: MoeHead, or DeepSpeed's
+    partial(TiedMoeHead, embedding) (the reference's TiedCall holds the same object as forward_fn)."""
+    fn = head.func if isinstance(head, functools.partial) else head.__dict__.get("forward_fn", head)
+    return fn.last_aux
+
+
 def split_aux(out) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A head's output -> (logits, the weighted auxiliary loss or None): MoeHead returns both, other heads logits."""
     return (out[0], out[1]) if isinstance(out, (tuple, list)) else (out, None)
 
 
+def moe_head(specs: list[LayerSpec], cfg: ModelConfig) -> list[LayerSpec]:
+    """A family's whole layer list with its head replaced by the one that finishes the load-balancing loss: MoeHead
+    for an untied head (LMHeadLinear), TiedMoeHead on the embedding for a tied one."""
+    from ..registry import family_of  # the config layer, asked once the families are registered
+    head = specs[-1]
+    if isinstance(head, TiedLayerSpec):
+        fields = live_fields(family_of(cfg).fields(cfg), [s.typename for s in specs])[-2]
+        return specs[:-1] + [TiedLayerSpec(head.key, head.typename, cfg, forward_fn=TiedMoeHead(cfg, fields),
+                                           tied_weight_attr=head.tied_weight_attr)]
+    assert head.typename is LMHeadLinear, f"an MoE head replaces LMHeadLinear, not {head.typename.__name__}"
+    return specs[:-1] + [LayerSpec(MoeHead, cfg)]
+
+
 def qwen3_vl_moe_specs(cfg: ModelConfig) -> list[LayerSpec]:
     """Qwen3-VL's layer list with every decoder block sparse and the head that returns the auxiliary loss."""
-    specs = qwen3_vl_specs(cfg, block=Qwen3MoeBlock)
-    assert specs[-1].typename is LMHeadLinear, "an MoE model's head is untied (MoeConfig.checks)"
-    return specs[:-1] + [LayerSpec(MoeHead, cfg)]
+    return moe_head(qwen3_vl_specs(cfg, block=Qwen3MoeBlock), cfg)
 
 
 def qwen3_vl_layers(cfg: ModelConfig) -> list[LayerSpec]:

@@ -37,7 +37,7 @@ Qwen3.5-MoE (transformers' Qwen3_5MoeForConditionalGeneration, text.moe set): ev
 has the sparse MLP (mmpipe.model.moe.SparseMoe: the softmax top-k router, renormalised, the fused 3-D experts and
 the shared expert scaled by sigmoid(shared_expert_gate x)); DeltaNetMoeBlock and GatedAttentionMoeBlock add their
 router statistics to the carried `moe_stats`, made by the decoder's first layer (whichever kind it is), and the
-untied MoeHead finishes the load-balancing loss, as in Qwen3-VL-MoE (docs/moe.md).
+MoeHead (or TiedMoeHead, on a tied embedding) finishes the load-balancing loss, as in Qwen3-VL-MoE (docs/moe.md).
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ from torch import nn
 from ..config import ModelConfig
 from . import costs
 from .attention import apply_partial_rotary, attend, cached_attention
-from .llava import LlamaBlock, LMHeadLinear, SwiGLU, decoder_specs
-from .moe import MoeBlock, MoeHead, SparseMoe, sparse_cost
+from .llava import LlamaBlock, SwiGLU, decoder_specs
+from .moe import MoeBlock, SparseMoe, moe_head, sparse_cost
 from .qwen2_vl import mrope_geometry
 from .qwen3_vl import (
     Qwen3Embed,
@@ -503,7 +503,5 @@ def qwen3_5_specs(cfg: ModelConfig) -> list[LayerSpec]:
     blocks = decoder_blocks(t)
     text[1:1 + t.n_layers] = [LayerSpec(blocks[kind], cfg) for kind in layer_types(t)]
     text[1 + t.n_layers] = LayerSpec(Qwen35FinalNorm, cfg)
-    if t.moe:  # the head that finishes the load-balancing loss (untied: MoeConfig.checks)
-        assert text[-1].typename is LMHeadLinear, "an MoE model's head is untied (MoeConfig.checks)"
-        text[-1] = LayerSpec(MoeHead, cfg)
-    return tower + [LayerSpec(Qwen3Merger, cfg)] + text
+    specs = tower + [LayerSpec(Qwen3Merger, cfg)] + text
+    return moe_head(specs, cfg) if t.moe else specs  # the head that finishes the load-balancing loss

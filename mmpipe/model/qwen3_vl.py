@@ -96,9 +96,7 @@ class MoeConfig:
 
     def checks(self, text: "Qwen3Text") -> list[tuple[bool, str, str]]:
         """The section's own ranges and the decoder it sits in (the qwen3_vl and qwen3_5 families' checks ask them)."""
-        return [(not text.tie_embeddings, "text.moe",
-                 "with tie_embeddings: an MoE model's head is untied here (as Qwen3-VL-MoE's releases are)"),
-                (self.experts >= 1 and self.ff_dim >= 1, "text.moe.experts",
+        return [(self.experts >= 1 and self.ff_dim >= 1, "text.moe.experts",
                  f"{self.experts} experts of ff_dim {self.ff_dim}: both must be >= 1"),
                 (1 <= self.top_k <= self.experts, "text.moe.top_k",
                  f"{self.top_k} must be between 1 and the {self.experts} experts"),

@@ -8,6 +8,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from ..model.builder import apply_freeze, bind_layer_fields, layer_specs
 from ..model.lora import add_adapters
+from ..model.moe import head_aux
 from ..model.tensor_parallel import Shard, mark_norm_counting, parallelize
 from ..registry import family_of
 from ..run_config import RunConfig
@@ -118,7 +119,7 @@ class VLMPipeline(PipelineModule):
         if not self.moe:
             return None
         last = self.stage_id == self.num_stages - 1  # its last layer is the MoeHead, which keeps the micro-batch's
-        return {"aux_loss": self.forward_funcs[-1].last_aux if last else torch.zeros(())}
+        return {"aux_loss": head_aux(self.forward_funcs[-1]) if last else torch.zeros(())}
 
     def _synchronize_tied_weights(self):
         """DeepSpeed's copy of each tied weight (the LLaVA / Qwen2-VL families' embedding = head) from its first
