@@ -335,8 +335,9 @@ def _eval_split(args: TrainArgs, data: DataOptions | None, problems: Problems) -
 def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precision: str, problems: Problems) -> None:
     """--ep N (docs/moe.md): N >= 1; above 1 only for an MoE model whose experts and DP it divides, and only where the
     expert shards' gradients and optimizer states are handled (mmpipe.runtime.experts): fp32 at ZeRO 0 (mmpipe's
-    reduction and clip) and bf16 at ZeRO 0 or 1 (DeepSpeed's BF16_Optimizer with its MoE parameter groups). fp16 and
-    fp32 at ZeRO 1 go through DeepSpeed's ZeRO optimizer, whose MoE groups mmpipe's shards do not join yet."""
+    reduction and clip) and bf16 at ZeRO 0, or 1 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer with its
+    MoE parameter groups). fp16, fp32 at ZeRO 1 and bf16 at ZeRO 1 accumulating in bf16 go through DeepSpeed's ZeRO
+    optimizer, whose MoE groups mmpipe's shards do not join yet."""
     ep, moe = args.ep, family_of(model).experts(model) if model is not None else None
     if ep < 1:
         problems.append(f"--ep: {ep} must be >= 1")
@@ -352,6 +353,16 @@ def _check_ep(args: TrainArgs, model, dp: int, ds: dict, zero_stage: int, precis
     if not (precision == "bf16" or (precision == "fp32" and zero_stage == 0)):
         problems.append(f"--ep: {ep} runs in bf16 (ZeRO 0 or 1) or in fp32 at zero_optimization.stage 0 for now "
                         f"(here: {precision}, ZeRO {zero_stage}; docs/moe.md)")
+    elif precision == "bf16" and zero_stage == 1 and _grad_accum_dtype(ds) not in ("fp32", "float32", "float"):
+        # DeepSpeed 0.19.8 (engine._do_optimizer_sanity_check) takes BF16_Optimizer at ZeRO 1 only with fp32
+        # gradient accumulation; otherwise its ZeRO optimizer, the path fp32 ZeRO 1 is refused on above
+        problems.append(f"--ep: {ep} in bf16 at ZeRO 1 needs \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}} in "
+                        "the DeepSpeed config (DeepSpeed then takes its BF16_Optimizer, whose MoE groups the expert "
+                        "shards join; its ZeRO optimizer's are not checked yet; docs/moe.md)")
+
+
+def _grad_accum_dtype(ds: dict) -> str:
+    return str((ds.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
 
 
 def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
