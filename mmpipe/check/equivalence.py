@@ -24,7 +24,7 @@ from ..model.builder import ReferenceModel
 from ..planning.partition import check_trainable, compute_parts, layer_table
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
-from ..runtime.feed import run_dataset
+from ..runtime.feed import run_dataset, step_order
 from ..runtime.reference import accumulate, clip_and_step, gradient_clipping, make_optimizer, make_scheduler
 from ..runtime.trainer import DataStream, Progress, build_engine
 
@@ -118,14 +118,15 @@ class AllReplicas:
     """The batch sampler of every DP replica's micro-batches of a step, one after another: what one
     device sees when it trains the whole step (GAS x DP micro-batches)."""
 
-    def __init__(self, run: RunConfig):
-        self.run = run
+    def __init__(self, run: RunConfig, order=None):
+        """order: the pipeline's row layout (runtime.feed.step_order), so each replica's micro-batches are its."""
+        self.run, self.order = run, order
 
     def __iter__(self):
         step = 0
         while True:
             for d in range(self.run.dp):
-                yield from micro_batch_indices(step, self.run.micro, self.run.gas, d, self.run.dp)
+                yield from micro_batch_indices(step, self.run.micro, self.run.gas, d, self.run.dp, order=self.order)
             step += 1
 
 
@@ -146,9 +147,9 @@ def reference_side(run: RunConfig, seed: int, out_dir: str, dev: torch.device) -
     for i, layer in enumerate(model):  # a tied weight counts on the first stage that holds it, as in the pipeline
         for p in layer.parameters():
             stage_of.setdefault(id(p), bisect_right(run.parts, i) - 1)
-    data = run_dataset(run, prepare(run.data, run.model, out_dir, seed, verbose=False),
-                       augment_seed=seed if run.data.augment else None)
-    batches = rank_batches(data, AllReplicas(run))
+    samples = prepare(run.data, run.model, out_dir, seed, verbose=False)
+    data = run_dataset(run, samples, augment_seed=seed if run.data.augment else None)
+    batches = rank_batches(data, AllReplicas(run, step_order(run, samples, data.plan)))
     model.train()
 
     def micro_loss():

@@ -63,6 +63,10 @@ class DataArgs:
     pack: bool = flag(False, "pack several whole samples into each fixed-length row (max-images x image positions "
                       "+ --text-len), each attending only to itself; without --max-images a row's image slots "
                       "follow from --text-len and the data (docs/packing.md)", group=GROUP)
+    balance: str = flag("on", "with --pack, spread each step's rows over the DP ranks and their micro-batches so "
+                        "each rank's predicted cost (tower and decoder apart) is even (on, the default), or keep them "
+                        "in stream order (off); the step's rows are the same set either way (docs/balance.md)",
+                        choices=("on", "off"), group=GROUP)
     loss_norm: str = flag("token", "the step's loss: the mean over the global batch's answer tokens (token, the "
                           "default; packed == unpacked) or over its samples, each its own mean (sample)",
                           choices=LOSS_NORMS, group=GROUP)

@@ -27,25 +27,31 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 
-def micro_batch_indices(step: int, micro: int, gas: int, dp_rank: int, dp_size: int, start: int = 0) -> list[list[int]]:
+def micro_batch_indices(step: int, micro: int, gas: int, dp_rank: int, dp_size: int, start: int = 0,
+                        order: Callable[[int], tuple[int, ...]] | None = None) -> list[list[int]]:
     """Stream positions of one optimizer step for one data-parallel rank, as gas micro-batches.
     A step consumes micro x gas x dp positions (e.g. 32 x 2 x 1 = 64), at start + [step * 64, (step + 1) * 64):
-    micro-batch m of rank d takes the slice starting at (m * dp + d) * micro."""
+    micro-batch m of rank d takes the slice starting at (m * dp + d) * micro. order(base): the step's positions
+    laid out in that slot order instead of stream order (mmpipe.data.balance.StepBalance: rows by cost)."""
     base = start + step * micro * gas * dp_size
-    return [[base + (m * dp_size + dp_rank) * micro + i for i in range(micro)] for m in range(gas)]
+    slots = order(base) if order is not None else range(base, base + micro * gas * dp_size)
+    return [[slots[(m * dp_size + dp_rank) * micro + i] for i in range(micro)] for m in range(gas)]
 
 
 class StepBatches:
     """An endless batch sampler: one rank's micro-batches of positions, from stream position
-    `start` (0, or the samples a resumed checkpoint had consumed) on."""
+    `start` (0, or the samples a resumed checkpoint had consumed) on; order: micro_batch_indices'."""
 
-    def __init__(self, start: int, micro: int, gas: int, dp_rank: int, dp_size: int):
+    def __init__(self, start: int, micro: int, gas: int, dp_rank: int, dp_size: int,
+                 order: Callable[[int], tuple[int, ...]] | None = None):
         self.start, self.micro, self.gas, self.dp_rank, self.dp_size = start, micro, gas, dp_rank, dp_size
+        self.order = order
 
     def __iter__(self) -> Iterator[list[int]]:
         step = 0
         while True:
-            yield from micro_batch_indices(step, self.micro, self.gas, self.dp_rank, self.dp_size, self.start)
+            yield from micro_batch_indices(step, self.micro, self.gas, self.dp_rank, self.dp_size, self.start,
+                                           self.order)
             step += 1
 
 

@@ -50,6 +50,7 @@ class DataOptions:
     vision_budget: int = 0
     auto_budget: bool = False   # the budget is the default for max_images: it follows them (packed_image_slots)
     image_text: str | None = None  # what an image marker becomes in the text (mmpipe.data.text.image_text)
+    balance: bool = True        # --balance on: a packed step's rows spread by predicted cost (mmpipe.data.balance)
 
     @property
     def record_images(self) -> int:
@@ -115,7 +116,8 @@ def resolve_data(args: DataArgs, cfg: ModelConfig | None, run_tokenizer: str | N
                        args.max_image_pixels, args.resize, args.augment, args.data_workers, args.log_samples,
                        max_images=args.max_images or 1, markers=markers,
                        auto_slots=args.pack and args.max_images is None, vision_budget=budget,
-                       auto_budget=bool(budget) and not budget_given(args, cfg), image_text=image_text)
+                       auto_budget=bool(budget) and not budget_given(args, cfg), image_text=image_text,
+                       balance=args.balance == "on")
 
 
 def _image_checks(args: DataArgs, cfg: ModelConfig | None, tok, problems: list[str]) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch.utils.data import Dataset
 
+from ..data.balance import RowCosts, StepBalance, run_unevenness
 from ..data.image_kinds import image_kind
 from ..data.packing import LossNorm, RowPlan, RowSet, RowShape, answer_counts, row_shape, sample_size
 from ..run_config import RunConfig
@@ -21,6 +22,21 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
             if train and last else None)
     return RowSet(samples, plan, blank=image_kind(run.model).blank(run.model), need_images=first,
                   need_labels=last, norm=norm, augment_seed=augment_seed)
+
+
+def step_balance(run: RunConfig, samples, plan: RowPlan, force: bool = False) -> StepBalance | None:
+    """The run's row layout by predicted cost (mmpipe.data.balance), None where rows go in stream order: one sample
+    per row (no --pack), or --balance off (force: built all the same, for the data report's figures). The same on
+    every rank: first and last stage, every DP replica, the reference loop."""
+    if not plan.pack or not run.layers or not (run.data.balance or force):
+        return None
+    return StepBalance(RowCosts(run.model, run_shape(run), run.layers, plan, samples), run.micro, run.gas, run.dp)
+
+
+def step_order(run: RunConfig, samples, plan: RowPlan):
+    """StepBatches' order: step_balance's layout, or None (stream order)."""
+    balance = step_balance(run, samples, plan)
+    return balance.order if balance is not None else None
 
 
 def decoder_length(run: RunConfig) -> int:
@@ -45,6 +61,16 @@ class StepCounts:
         shape = run_shape(run)
         self.size = sample_size(samples, shape)
         self.plan = plan if plan is not None else RowPlan(self.size, shape, pack=run.pack)
+        self.balanced = run.data.balance
+        self.balance = step_balance(run, samples, self.plan, force=True)
+
+    def unevenness(self, first_row: int, rows: int) -> dict | None:
+        """summary.json's data.balance over rows [first_row, first_row + rows) (mmpipe.data.balance.run_unevenness:
+        each step's per-rank and per-micro-batch max / mean predicted cost, in stream order and balanced), with
+        `applied` saying which the run trained; None for unpacked rows."""
+        if self.balance is None:
+            return None
+        return {"applied": self.balanced, **run_unevenness(self.balance, first_row, rows)}
 
     def __call__(self, first_row: int, rows: int) -> tuple[int, int]:
         positions = [p for r in range(first_row, first_row + rows) for p in self.plan.row(r)]

@@ -20,7 +20,7 @@ from ..model.builder import ReferenceModel
 from ..model.lora import load_base
 from ..run_config import RunConfig
 from .checkpoint import load_reference
-from .feed import run_dataset
+from .feed import run_dataset, step_order
 
 
 def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:
@@ -108,9 +108,10 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)
     clip = gradient_clipping(run.ds_config)
-    data = run_dataset(run, prepare(run.data, run.model, out_dir, seed, verbose=False),
-                       augment_seed=seed if run.data.augment else None)
-    batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1))
+    samples = prepare(run.data, run.model, out_dir, seed, verbose=False)
+    data = run_dataset(run, samples, augment_seed=seed if run.data.augment else None)
+    # the pipeline's row layout (--pack: by cost, mmpipe.data.balance), so its micro-batches hold the same rows
+    batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1, step_order(run, samples, data.plan)))
     model.train()
 
     def micro_loss():

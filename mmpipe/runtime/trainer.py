@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ..cluster.hostfile import rank_threads
 from ..cluster.preempt import EXIT_REQUEUE, MARKER, Preemption
 from ..config import REGION_FILE, ConfigError, fail
+from ..data.balance import describe_balance
 from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare, prepare_eval
 from ..data.index import describe as describe_data
@@ -42,7 +43,7 @@ from . import checkpoint, rng
 from .curves import plot_runs
 from .experts import deepspeed_moe
 from .experts import install as install_experts
-from .feed import StepCounts, decoder_length, run_dataset
+from .feed import StepCounts, decoder_length, run_dataset, step_order
 from .guard import install_skip
 from .pipeline import VLMPipeline
 from .precision import check_all_ranks
@@ -266,7 +267,8 @@ class DataStream:
             self.seen = open(Path(args.output_dir) / f"samples_dp{dp_rank}.csv", "a" if args.resume else "w")
             if self.seen.tell() == 0:  # rows: the row's stream position, then each sample's and its record
                 self.seen.write("position,sample,row\n" if self.plan else "position,row\n")
-        batches = rank_batches(dataset, StepBatches(progress.position, run.micro, run.gas, dp_rank, run.dp),
+        order = step_order(run, samples, dataset.plan)  # --pack: the step's rows spread by cost (data.balance)
+        batches = rank_batches(dataset, StepBatches(progress.position, run.micro, run.gas, dp_rank, run.dp, order),
                                workers=run.data.workers if images else 0, dtype=DTYPES[run.precision],
                                on_batch=self._log_seen if self.seen else None,
                                pin_memory=torch.device(engine.device).type == "cuda")
@@ -378,6 +380,10 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, done: Finishe
     seen = log.seen(counts(0, start.position) if start.position else (0, 0), start.position)
     summary["data"] = {"name": run.data.name, "text_len": run.text_len, "max_images": run.max_images,
                        "pack": run.pack, **seen}
+    balance = counts.unevenness(start.position, progress.position - start.position)  # None: unpacked rows
+    if balance is not None:
+        summary["data"]["balance"] = balance
+        print(f"mmpipe: {describe_balance(balance, run.data.balance)}", flush=True)
     if not run.data.builtin:
         stats = samples.index.stats
         summary["data"].update(data_counts(stats),  # images and clips apart (clips: their own counts)
