@@ -23,8 +23,21 @@ from __future__ import annotations
 
 from . import config as c
 from .data.image_kinds import PATCHES, PLACEHOLDERS, SPLICED, TILES
+from .data.internvl import INTERN_TILES
 from .model import costs
 from .model.cross_attention import CrossAttnBlock, CrossAttnTextEmbed, cross_attention_specs
+from .model.internvl import COSTS as INTERNVL_COSTS
+from .model.internvl import (
+    InternBlock,
+    InternMoeBlock,
+    InternText,
+    InternVision,
+    InternVisionBlock,
+    crops_tokens,
+    internvl_checks,
+    internvl_fields,
+    internvl_specs,
+)
 from .model.layers import (
     CropVision,
     DecoderBlock,
@@ -223,3 +236,12 @@ QWEN3_5 = register(Family(
     # Qwen3_5MoeForConditionalGeneration's by config (text.moe: mmpipe.hf.qwen3_5)
     hf=_hf("qwen3_5", "Qwen3_5ForConditionalGeneration", ("qwen3_5", "qwen3_5_moe"), "Qwen3.5",
            importer="import_qwen3_5", config="hf_qwen3_5_config", reader="read_qwen3_5")))
+
+# InternVL3.5: InternViT on 448-px tiles in the row's T crops (costed at an image's tile cap), a Qwen3 decoder, dense
+# or MoE (text.moe: mmpipe.model.moe's sparse MLP and head); mmpipe.model.internvl, mmpipe.data.internvl
+INTERNVL = register(Family(
+    "internvl", "prefix", internvl_specs, (InternVisionBlock, InternBlock, InternMoeBlock), INTERNVL_COSTS,
+    ImageLayout(placeholders=True, vision=InternVision, text=InternText), INTERN_TILES, checks=internvl_checks,
+    tower_tokens=crops_tokens, fields=internvl_fields, experts=_moe,
+    hf=_hf("internvl", "InternVLForConditionalGeneration", ("internvl",), "InternVL3.5", importer="import_internvl",
+           config="hf_internvl_config", reader="read_internvl")))

@@ -1,0 +1,171 @@
+"""InternVL3.5's images (the internvl family, mmpipe.model.internvl): dynamic 448-px tiles through transformers' own
+GotOcr2ImageProcessor (crop_to_patches: the tile grid whose aspect is closest to the image's among min..max tiles,
+get_optimal_tiled_canvas; the resize, the crops in row-major order, a thumbnail after them when there are several),
+called rather than copied, and InternVLProcessor's placeholder rule: <img>, 256 <IMG_CONTEXT> per crop, </img>.
+
+An image of w x h px gets cols x rows tiles (transformers' canvas choice), so 1 + rows x cols crops with the
+thumbnail, or one crop (no thumbnail) when the canvas is 1 x 1: its grid (orig_h, orig_w, rows, cols, n) says rows =
+cols = 0 then, so the model's count 1 + rows x cols (mmpipe.model.llava_next.image_crops) holds either way; n, its
+decoder positions, is crops x 256 + 2 (the brackets). The grid depends on the size alone, so the index records it
+without decoding the image and every stage knows each slot's crops.
+
+A row's crop budget T (--max-tiles) bounds a sample's crops: a sample whose images need more is a bad record,
+`too_many_tiles` (an image is never cut down to fit). Default T: room for any sample of --max-images M images at
+their cap, M x (max_tiles + 1), e.g. InternVL3.5 at M = 1: 13 crops, 13 x 256 + 2 = 3330 image positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from .blocks import TileBlocks
+from .image_kinds import Tiles
+from .records import BadRecord
+
+
+@dataclass(frozen=True)
+class InternTileRule:
+    """The image processor's settings for one run: everything a tiling, a crop or a count depends on."""
+    size: int         # S, a tile's side (vision.image_size, 448)
+    channels: int
+    min_tiles: int
+    max_tiles: int
+    per_crop: int     # decoder positions per crop (vision.n_features, 256)
+    row_tiles: int    # T, --max-tiles
+    mean: tuple
+    std: tuple
+
+    @property
+    def most_crops(self) -> int:  # one image at its cap: its tiles and the thumbnail, e.g. 12 + 1
+        return self.max_tiles + (self.max_tiles > 1)
+
+    def canvas(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) of tiles transformers' processor cuts a width x height image into."""
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+        if self.max_tiles <= 1:  # GotOcr2ImageProcessor.get_number_of_image_patches: no crops at max_patches 1
+            return 1, 1
+        cols, rows = get_optimal_tiled_canvas((height, width), (self.size, self.size), self.min_tiles, self.max_tiles)
+        return rows, cols
+
+    def grid(self, width: int, height: int, n_images: int = 1) -> tuple[int, int, int, int, int]:
+        """(orig_h, orig_w, rows, cols, n) of a width x height image (rows = cols = 0: one crop); BadRecord
+        too_many_tiles when its crops exceed the row's T."""
+        rows, cols = self.canvas(width, height)
+        rows, cols = (0, 0) if rows * cols == 1 else (rows, cols)
+        crops = 1 + rows * cols
+        if crops > self.row_tiles:
+            raise BadRecord("too_many_tiles", f"image {width}x{height} makes {crops} crops ({rows} x {cols} tiles "
+                                              f"+ the thumbnail) > the row's {self.row_tiles} (--max-tiles)")
+        return height, width, rows, cols, self.count(height, width)
+
+    def count(self, height: int, width: int, n_images: int = 1) -> int:
+        """Decoder positions of one image: the processor's crops (get_number_of_image_patches) x 256 + <img> and
+        </img> (InternVLProcessor.replace_image_token)."""
+        return hf_image_processor(self).get_number_of_image_patches(height, width, {}) * self.per_crop + 2
+
+    def sample_grids(self, sizes: list[tuple[int, int]]) -> np.ndarray:
+        """int64 [n, 5]: the grids of a sample's (width, height) images; too_many_tiles when together their crops
+        exceed the row's T."""
+        grids = [self.grid(w, h, len(sizes)) for w, h in sizes]
+        crops = sum(self.crops(g) for g in grids)
+        if crops > self.row_tiles:
+            raise BadRecord("too_many_tiles", f"{len(sizes)} images make {crops} crops (tiles + thumbnails) > the "
+                                              f"row's {self.row_tiles} (--max-tiles)")
+        return np.array(grids, dtype=np.int64).reshape(-1, 5)
+
+    @staticmethod
+    def crops(grid) -> int:
+        return 1 + int(grid[2]) * int(grid[3])
+
+    @staticmethod
+    def positions(grid) -> int:
+        return int(grid[4])
+
+    def patches(self, image, n_images: int = 1) -> tuple[torch.Tensor, tuple]:
+        """(crops float32 [1 + rows x cols, C, S, S], grid) of a PIL image as the processor makes them."""
+        out = hf_image_processor(self)(images=[image], return_tensors="pt")
+        grid = self.grid(image.width, image.height, n_images)
+        crops = out["pixel_values"].float()
+        if len(crops) != self.crops(grid):
+            raise RuntimeError(f"the image processor made {len(crops)} crops of a {image.width}x{image.height} image, "
+                               f"its grid says {self.crops(grid)}")
+        return crops, grid
+
+    def image_positions(self) -> int:
+        """The most decoder positions one image takes: its cap's crops x 256 + 2, e.g. 13 x 256 + 2 = 3330."""
+        return self.most_crops * self.per_crop + 2
+
+    def row_budget(self, max_images: int) -> tuple[int, int]:
+        """(crops, image positions) of the largest sample of max_images images: T's default and the row's."""
+        m = max(1, max_images)
+        return m * self.most_crops, m * self.image_positions()
+
+
+@functools.lru_cache(maxsize=8)
+def hf_image_processor(rule: InternTileRule):
+    """transformers' GotOcr2ImageProcessor as InternVLProcessor runs it (crop_to_patches)."""
+    from transformers import GotOcr2ImageProcessor
+    return GotOcr2ImageProcessor(size={"height": rule.size, "width": rule.size}, crop_to_patches=True,
+                                 min_patches=rule.min_tiles, max_patches=rule.max_tiles, image_mean=list(rule.mean),
+                                 image_std=list(rule.std))
+
+
+def intern_rule(cfg: ModelConfig, budget: int = 0, max_images: int = 1) -> InternTileRule:
+    """The run's rule at the row's T crops (budget; 0: T's default for max_images images)."""
+    v = cfg.vision
+    rule = InternTileRule(v.image_size, v.channels, v.min_tiles, v.max_tiles, v.n_features, budget or 1,
+                          tuple(v.mean), tuple(v.std))
+    return rule if budget else dataclasses.replace(rule, row_tiles=rule.row_budget(max_images)[0])
+
+
+@dataclass(frozen=True)
+class BracketTileBlocks(TileBlocks):
+    """TileBlocks whose block is <img>, n - 2 placeholders, </img> (InternVLProcessor's)."""
+    start_id: int = 0
+    end_id: int = 0
+
+    def block(self, grid) -> np.ndarray:
+        n = int(grid[4])
+        return np.array([self.start_id, *[self.image_id] * (n - 2), self.end_id], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class InternTiles(Tiles):
+    """The internvl family's images: Tiles' protocol (a crop budget T, --max-tiles) under InternTileRule; no clips."""
+    name = "internvl_tiles"
+    clip_crops = False
+
+    def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
+        if given is not None and given < 1:
+            problems.append(f"--max-tiles: {given} must be >= 1 (crops per row: each image's tiles and thumbnail)")
+            return 1
+        return given if given is not None else intern_rule(cfg, 0, max_images).row_tiles
+
+    def follow(self, cfg: ModelConfig, slots: int, sizes: list) -> int:
+        return intern_rule(cfg, 0, slots).row_tiles
+
+    def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
+        return intern_rule(cfg, budget, max_images)
+
+    def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
+        return intern_rule(cfg, 0).row_budget(max(1, max_images))[1]
+
+    def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
+        rule, v = intern_rule(cfg, budget, max_images), cfg.vision
+        return BracketTileBlocks(rule.row_tiles, rule.row_budget(max_images)[1], cfg.image_token_id,
+                                 (v.channels, v.image_size, v.image_size), cfg.vision_start_id, cfg.vision_end_id)
+
+    def grid_key(self, rule, record_images: int, budget: int) -> list:
+        """What an index's grids and its too_many_tiles refusals depend on: the rule and T."""
+        return list(dataclasses.astuple(dataclasses.replace(rule, row_tiles=0))) + [budget]
+
+    def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
+        raise BadRecord("unsupported_media", "a video for the internvl family, whose clips mmpipe does not read")
+
+
+INTERN_TILES = InternTiles()
