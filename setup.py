@@ -27,7 +27,8 @@ setup(
     ],
     extras_require={
         "tensorboard": ["tensorboard>=2.14"],  # the DeepSpeed config's "tensorboard" monitor section
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "tensorboard>=2.14"],
+        # trl: tests/test_dpo.py compares --objective dpo with TRL's DPOTrainer loss
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "tensorboard>=2.14", "trl>=1.16"],
     },
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli:main"]},
 )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .data.args import DataArgs
 from .flags import add_flags, flag, from_namespace, to_argv
 from .model.args import ModelArgs
+from .model.dpo import DPO_LOSSES
 from .model.objectives import OBJECTIVE_NAMES, TOKENS
 from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES
 
@@ -36,7 +37,12 @@ class TrainArgs(DataArgs, ModelArgs):
                    "(Megatron-style column / row / vocabulary splits); world = stages x dp x tp (default: 1; "
                    "docs/tensor_parallel.md)")
     objective: str = flag(TOKENS.name, "what the last stage trains on: sft, the cross-entropy of the answer tokens "
-                          "(default; docs/architecture.md, Objective)", choices=OBJECTIVE_NAMES)
+                          "(default; docs/architecture.md, Objective), or dpo, preference pairs' DPO loss against the "
+                          "starting weights (docs/dpo.md)", choices=OBJECTIVE_NAMES)
+    beta: float = flag(0.1, "--objective dpo: the KL weight beta (default: 0.1; > 0)")
+    dpo_loss: str = flag("sigmoid", "--objective dpo: TRL's loss_type, sigmoid (DPO, default), ipo or hinge",
+                         choices=DPO_LOSSES)
+    rpo_alpha: float = flag(0.0, "--objective dpo: weight of an SFT term on the chosen answers (RPO; default 0: off)")
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")

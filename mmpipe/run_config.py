@@ -19,12 +19,13 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
 from .data.dataset import DataOptions, packed_image_slots, resolve_data
 from .data.image_kinds import image_kind
+from .data.preference import preference_problems
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.attention import attention_choice
 from .model.builder import check_lora_rank
 from .model.lora import Lora, read_lora
-from .model.objectives import TOKENS, Objective, objective_named
+from .model.objectives import TOKENS, Objective, objective_named, run_objective
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
 from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES, Schedule, schedule_named
@@ -222,6 +223,9 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     zero_stage, precision = _check_ds(ds, args, problems)
     _check_ep(args, model, dp, ds, zero_stage, precision, problems)
     micro, gas = problems.attempt(_batch_sizes, ds, dp) or (1, 1)
+    if objective_named(args.objective).pairs:  # --objective dpo: preference pairs, two rows each
+        problems.extend(preference_problems(args, data, micro))
+        data = data and dataclasses.replace(data, pairs=True)
     parts, table = [], []
     if model is not None and data is not None:
         model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)
@@ -237,7 +241,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
                      parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
                      schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
-                     objective=objective_named(args.objective), tp=tp)
+                     objective=run_objective(args), tp=tp)
 
 
 def _model(args: TrainArgs, problems: Problems) -> tuple[ModelConfig | None, str | None]:

@@ -20,6 +20,7 @@ from ..registry import family_of
 from .args import DataArgs
 from .image_kinds import BUDGET_FLAGS, budget_given, image_kind, image_rule, row_budget
 from .index import DataIndex, RecordChecks, bad_list, build_index, check_policy, describe, fingerprint, load_index
+from .preference import PairedSamples, describe_pairs, pair_cut, pair_source
 from .samples import SHAPES_TEXT_LEN, EvalSet, IndexedSamples, ShapesSamples, image_reader
 from .sources import DataSpec, data_spec, open_source
 from .text import ConversationEncoder
@@ -50,6 +51,7 @@ class DataOptions:
     vision_budget: int = 0
     auto_budget: bool = False   # the budget is the default for max_images: it follows them (packed_image_slots)
     image_text: str | None = None  # what an image marker becomes in the text (mmpipe.data.text.image_text)
+    pairs: bool = False  # --objective dpo: records are preference pairs, two samples each (mmpipe.data.preference)
     balance: bool = True        # --balance on: a packed step's rows spread by predicted cost (mmpipe.data.balance)
 
     @property
@@ -210,6 +212,8 @@ def prepare(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path, seed: int,
         index = held_out_cut(index, opts.holdout, "train")
     reader = image_reader(cfg, opts.spec.image_root, opts.max_pixels, resize=opts.resize, augment=opts.augment,
                           budget=opts.vision_budget)
+    if opts.pairs:  # both sides of a pair good, shuffled by pair
+        return PairedSamples(index, source, reader, seed=seed, pad_id=opts.tokenizer.pad_token_id)
     return IndexedSamples(index, source, reader, seed=seed, pad_id=opts.tokenizer.pad_token_id)
 
 
@@ -249,8 +253,8 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
     grids = None if rule is None else image_kind(cfg).grid_key(rule, opts.record_images,
                                                                 0 if opts.auto_budget else opts.vision_budget)
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels, opts.record_images,
-                     opts.markers, grids)
-    source = open_source(opts.spec)
+                     opts.markers, grids) + ("/pairs" if opts.pairs else "")
+    source = pair_source(opts.spec) if opts.pairs else open_source(opts.spec)
     index = load_index(d, fp)
     built = index is None
     if built:
@@ -262,7 +266,9 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
                             workers=max(1, min(opts.workers, os.cpu_count() or 1)))
     else:
         check_policy(index, opts.spec, opts.bad_records, listed)
+    if opts.pairs:
+        index = pair_cut(index)
     if verbose == "always" or (verbose and built):
-        for line in describe(index.stats, listed):
+        for line in describe(index.stats, listed) + ([describe_pairs(index.stats)] if opts.pairs else []):
             print(f"mmpipe: {line}", flush=True)
     return index, source

@@ -6,7 +6,8 @@ fixtures for the tests, and a real multimodal set the built-in tokenizer covers 
 llava-jsonl / llava-json: every record has its image and 1 question; every even record a second
 turn asking the count (a multi-turn conversation). pairs-csv / pairs-jsonl: a caption listing the
 shapes ("red circle blue square"). parquet / hf-disk: the LLaVA records as a `datasets` Dataset with
-the image column holding PNG bytes (datasets.Image).
+the image column holding PNG bytes (datasets.Image). dpo-jsonl: preference pairs in TRL's format (prompt, chosen:
+the right answer, rejected: a wrong one of the same kind, images) for --objective dpo (docs/dpo.md).
 """
 from __future__ import annotations
 
@@ -15,9 +16,19 @@ import csv
 import json
 from pathlib import Path
 
-from .shapes import COUNTS, ShapesVQA
+from .shapes import COLOURS, COUNTS, QUARTERS, SHAPES, ShapesVQA
 
-FORMATS = ("llava-jsonl", "llava-json", "pairs-csv", "pairs-jsonl", "parquet", "hf-disk")
+FORMATS = ("llava-jsonl", "llava-json", "pairs-csv", "pairs-jsonl", "parquet", "hf-disk", "dpo-jsonl")
+ANSWERS = {"count": COUNTS, "colour_of_shape": list(COLOURS), "shape_of_colour": SHAPES, "where_is_shape": QUARTERS,
+           "colour_at_quarter": list(COLOURS)}  # a question type's possible answers: a wrong one is drawn from them
+
+
+def preference_record(data: ShapesVQA, i: int, image: str) -> dict:
+    """TRL's VLM preference record: the right answer chosen, another answer of its question type rejected."""
+    s = data.sample(i)
+    answers = ANSWERS[s.qtype]
+    wrong = answers[(answers.index(s.answer) + 1 + i % (len(answers) - 1)) % len(answers)]
+    return {"prompt": f"<image>\n{s.question}", "chosen": s.answer, "rejected": wrong, "images": [image]}
 
 
 def llava_record(data: ShapesVQA, i: int, image: str) -> dict:
@@ -53,6 +64,9 @@ def export_shapes(out: str | Path, fmt: str, n: int, *, seed: int = 0, image_siz
         else:
             path = out / "train.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif fmt == "dpo-jsonl":
+        path = out / "train.jsonl"
+        path.write_text("".join(json.dumps(preference_record(data, i, names[i])) + "\n" for i in range(n)))
     elif fmt == "pairs-csv":
         path = out / "pairs.csv"
         with open(path, "w", newline="") as f:

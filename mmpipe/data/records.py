@@ -33,6 +33,7 @@ BAD_KINDS = {
     "empty_video": "the video has no video stream, no frames, or too few frames for one temporal patch",
     "video_marker": "<video> markers in the user turns disagree with the record's videos (one marker per video)",
     "unsupported_media": "the record carries media its model family does not read (a video for an image-only family)",
+    "equal_answers": "--objective dpo: a preference pair's chosen and rejected answers are the same",
     "too_long": "the text does not fit the sequence budget (--text-len) with its first answer token",
 }
 

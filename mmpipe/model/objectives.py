@@ -9,8 +9,12 @@ A record says what the last stage computes from the logits and the row's labels 
 DeepSpeed's loss_fn, whose backward reaches every stage), what validation sums (`eval_sum`: its total over the set's
 labelled tokens, divided once by their count), what a row carries for it besides the token labels (`row_fields`,
 the names of the label tuple's extra tensors: the SFT loss reads the LossNorm weights only), and the per-step values
-it logs beside the loss (`logged`). A preference objective (chosen and rejected answers of one prompt in one
-micro-batch) is a second record of the same shape.
+it logs beside the loss (`logged`).
+
+    DPO      dpo: a preference loss over (chosen, rejected) rows of one micro-batch against a reference model's
+             log-probs (mmpipe.model.dpo; --beta, --dpo-loss, --rpo-alpha). `reference`: a reference pass runs
+             before each step (mmpipe.runtime.preference) and `row_logps` is what it records per row; the label tuple
+             is then (labels, ref_logps); `metrics` gives the `logged` values of the micro-batch the loss saw last.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .builder import lm_loss, lm_loss_sum
+from .dpo import REWARDS, DPOLoss, no_validation, row_logps
 
 LossFn = Callable[[torch.Tensor, object], torch.Tensor]
 
@@ -35,6 +40,10 @@ class Objective:
     # (shard, vocab) -> (loss, eval_sum) on the last stage's 1/TP of the vocabulary's logits under --tp
     # (mmpipe.model.tensor_parallel); None: the objective has no vocab-parallel form yet (refused at --tp > 1)
     vocab_parallel: Callable[[object, int], tuple[LossFn, LossFn]] | None = None
+    pairs: bool = False  # rows come as (chosen, rejected) pairs of preference data (mmpipe.data.preference)
+    reference: bool = False  # the loss reads each row's reference log-prob, recorded by a pass before each step
+    row_logps: LossFn | None = None  # (logits, labels) -> [B] per-row answer log-prob: the reference pass's record
+    metrics: Callable[[], dict] | None = None  # the `logged` values of the micro-batch the loss saw last
 
     def __str__(self) -> str:
         return self.name
@@ -51,7 +60,17 @@ def _tokens_vocab_parallel(shard, vocab: int):
 
 
 TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_parallel=_tokens_vocab_parallel)
-OBJECTIVES = (TOKENS,)
+
+
+def dpo(beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0) -> Objective:
+    """The DPO record of these settings (a fresh loss object each: it keeps its last micro-batch's rewards)."""
+    loss = DPOLoss(beta, kind, rpo_alpha)
+    return Objective("dpo", loss, no_validation, row_fields=("ref_logps",), logged=REWARDS, pairs=True,
+                     reference=True, row_logps=row_logps, metrics=loss.metrics)
+
+
+DPO = dpo()
+OBJECTIVES = (TOKENS, DPO)
 OBJECTIVE_NAMES = tuple(o.name for o in OBJECTIVES)
 
 
@@ -61,3 +80,10 @@ def objective_named(name: str | Objective) -> Objective:
         if name in (o, o.name):
             return o
     raise ValueError(f"unknown objective {name!r} (valid: {', '.join(OBJECTIVE_NAMES)})")
+
+
+def run_objective(args) -> Objective:
+    """The record a run's flags ask for: --objective, with --beta / --dpo-loss / --rpo-alpha for dpo."""
+    if objective_named(args.objective).name == DPO.name:
+        return dpo(args.beta, args.dpo_loss, args.rpo_alpha)
+    return objective_named(args.objective)

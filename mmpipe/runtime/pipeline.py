@@ -51,6 +51,7 @@ class VLMPipeline(PipelineModule):
             self._split_tensors(run)
         apply_freeze(self.forward_funcs, run.freeze)
         self.moe = run.experts is not None  # its head reports the aux loss
+        self.metrics = run.objective.metrics  # the loss's last micro-batch values, logged (mmpipe.model.objectives)
         # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it)
         self.expert_shards, self.expert_shards_group = (shard_experts(self.forward_funcs, self._topo, run.ep)
                                                         if run.ep > 1 else ([], None))
@@ -116,10 +117,11 @@ class VLMPipeline(PipelineModule):
         under DeepSpeed's name for such: the engine sums it over the step's micro-batches on the last stage, scales
         by 1 / GAS, averages over DP and broadcasts it with the loss (engine.agg_additional_losses), so every rank
         logs it; the other stages give a placeholder of the same keys (the broadcast's size). None: a dense model."""
-        if not self.moe:
-            return None
         last = self.stage_id == self.num_stages - 1  # its last layer is the MoeHead, which keeps the micro-batch's
-        return {"aux_loss": head_aux(self.forward_funcs[-1]) if last else torch.zeros(())}
+        out = {"aux_loss": head_aux(self.forward_funcs[-1]) if last else torch.zeros(())} if self.moe else {}
+        if self.metrics is not None:  # the objective's logged values (--objective dpo: the rewards), the same way
+            out.update({k: v if last else torch.zeros(()) for k, v in self.metrics().items()})
+        return out or None
 
     def _synchronize_tied_weights(self):
         """DeepSpeed's copy of each tied weight (the LLaVA / Qwen2-VL families' embedding = head) from its first

@@ -8,6 +8,7 @@ train with the same step (train_step, or clip_and_step after a torch pipelining 
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ..model.lora import load_base
 from ..run_config import RunConfig
 from .checkpoint import load_reference
 from .feed import run_dataset, step_order
+from .preference import reference_rows
 
 
 def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:
@@ -104,6 +106,8 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     if run.init_from:  # weights only, as mmpipe.runtime.trainer.load_run_weights (adapters keep their init)
         for mine, base in zip(model, load_reference(Path(run.init_from) / "checkpoints", run.model)):
             load_base(mine, base.state_dict())
+    # --objective dpo: a frozen copy of the starting model is the reference (mmpipe.runtime.preference)
+    ref_model = copy.deepcopy(model).requires_grad_(False) if run.objective.reference else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)
@@ -116,6 +120,8 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
 
     def micro_loss():
         inputs, labels = next(batches)  # (pixels, input_ids, has_image, segments[, tiling]), (labels, weights)
+        if ref_model is not None:  # (labels, ref_logps), as the pipeline's reference pass hands its last stage
+            labels = reference_rows(ref_model, inputs, labels, run.objective)
         return run.objective.loss(model(*inputs), labels)
 
     # one intra-op thread, as every rank runs (OMP_NUM_THREADS=1): the kernels' reduction order, so the float noise

@@ -36,19 +36,20 @@ class StepLog:
     """
 
     def __init__(self, out: Path, train_batch: int, positions_per_row: int, *, append: bool = False,
-                 enabled: bool = True, aux: bool = False):
+                 enabled: bool = True, aux: bool = False, logged: tuple[str, ...] = ()):
         self.out, self.train_batch, self.positions_per_row = Path(out), train_batch, positions_per_row
         self.enabled = enabled
         self.times: list[float] = []
         self.losses: list[float] = []
         self.samples: list[int] = []  # real samples of each step (rank 0: the counting rank)
         self.useful: list[int] = []   # their own decoder positions, padding not counted
+        self.last_logged: dict[str, float] = {}  # the objective's values of the last step (--objective dpo: rewards)
         self._file = self._csv = None
         if enabled:
             self.out.mkdir(parents=True, exist_ok=True)
             self._file = open(self.out / "train_log.csv", "a" if append else "w", newline="")
             # aux (an MoE model, mmpipe.model.moe): loss = lm_loss + aux_loss, the load-balancing term apart
-            self._csv = csv.DictWriter(self._file, CSV_FIELDS + (["lm_loss", "aux_loss"] if aux else []))
+            self._csv = csv.DictWriter(self._file, CSV_FIELDS + (["lm_loss", "aux_loss"] if aux else []) + list(logged))
             if self._file.tell() == 0:
                 self._csv.writeheader()
         self.t_start = time.perf_counter()
@@ -62,13 +63,14 @@ class StepLog:
 
     def step(self, step: int, loss: float, dt: float, counts: tuple[int, int] | None = None, *,
              lr: float | None = None, skipped: str = "", loss_scale: float | None = None,
-             aux_loss: float | None = None) -> None:
+             aux_loss: float | None = None, logged: dict[str, float] | None = None) -> None:
         """Step `step` took dt seconds and trained counts = (samples, useful): real samples holding useful decoder
         positions of their own (feed.StepCounts over its rows; needed where the log is enabled, ignored
         elsewhere). lr: the rate the step's update used, None where the caller has no schedule to report (peers);
         loss_scale: fp16 only. Flushed per row: a crashed run's log has every finished step."""
         self.times.append(dt)
         self.losses.append(loss)
+        self.last_logged = dict(logged or {})
         if not self.enabled:
             return
         if counts is None:
@@ -84,7 +86,8 @@ class StepLog:
             "useful_tokens_per_s": f"{rates['useful_tokens_per_s']:.0f}",
             "positions_per_s": f"{rates['positions_per_s']:.0f}",
             "elapsed_s": f"{self.elapsed():.2f}", "skipped": skipped,
-            "loss_scale": "" if loss_scale is None else f"{loss_scale:g}"})
+            "loss_scale": "" if loss_scale is None else f"{loss_scale:g}",
+            **{k: repr(v) for k, v in self.last_logged.items()}})
         self._file.flush()
 
     def rates(self) -> dict:
@@ -107,7 +110,8 @@ class StepLog:
         return {"steps": len(self.times), "final_loss": self.losses[-1] if self.losses else None,
                 "samples_per_s": per_s(self.samples), "useful_tokens_per_s": per_s(self.useful),
                 "positions_per_s": self.positions_per_step / step_s, "step_time_s": step_s,
-                "train_batch": self.train_batch, "decoder_length": self.positions_per_row, **extra}
+                "train_batch": self.train_batch, "decoder_length": self.positions_per_row, **self.last_logged,
+                **extra}
 
     def seen(self, before: tuple[int, int] = (0, 0), rows_before: int = 0) -> dict:
         """summary.json's data counts over the whole run: this log's steps, plus `before` (samples,

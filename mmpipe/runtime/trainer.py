@@ -47,6 +47,7 @@ from .feed import StepCounts, decoder_length, run_dataset, step_order
 from .guard import install_skip
 from .pipeline import VLMPipeline
 from .precision import check_all_ranks
+from .preference import LiveReference
 from .schedule import install as install_schedule
 from .steplog import StepLog, data_counts
 from .teardown import end_of_run, error_fault, on_exit
@@ -77,6 +78,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     samples = prepare(run.data, run.model, out, args.seed, verbose=rank == 0)
     fingerprint = samples.index and samples.index.stats["fingerprint"]
     engine = build_engine(run, args, rank)
+    reference = LiveReference(engine, run) if run.objective.reference else None  # the start's weights, kept
     progress = restore(engine, run, args, ckpt_dir, fingerprint, rank)
     stream = DataStream(engine, run, args, samples, progress)
     on_exit(stream.close)  # an error's exit path stops the loader's workers too (mmpipe.train's release)
@@ -85,7 +87,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     timer = instrument(engine, skip_steps=1)  # the first step allocates buffers and exchanges shapes
     positions = decoder_length(run)  # per row, pads included: e.g. 16 image + 12 text = 28
     log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume,
-                  aux=run.experts is not None)  # MoE: lm_loss and aux_loss columns
+                  aux=run.experts is not None, logged=run.objective.logged)  # MoE: lm_loss and aux_loss
     counts = StepCounts(run, samples, stream.plan) if rank == 0 else None  # each step's samples, useful positions
     validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
     announce(run, rank)
@@ -95,10 +97,14 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     for step in range(progress.step + 1, args.steps + 1):
         first_row = progress.position  # the step trains rows [first_row, first_row + micro x GAS x DP)
         lr = engine.get_lr()[0]  # the rate this step's update uses: DeepSpeed moves its schedule after the update
-        loss, dt, skipped = run_step(engine, stream.batches, guard, progress, run.train_batch)
+        batches = reference.step(stream.batches) if reference else stream.batches  # dpo: the reference pass first
+        loss, dt, skipped = run_step(engine, batches, guard, progress, run.train_batch)
+        dt += reference.seconds if reference else 0.0
+        extra = {k: float(v) for k, v in (engine.agg_additional_losses or {}).items()}
         log.step(step, loss, dt, counts(first_row, run.train_batch) if counts else None, lr=lr, skipped=skipped,
                  loss_scale=engine.optimizer.loss_scale if run.precision == "fp16" else None,
-                 aux_loss=float(engine.agg_additional_losses["aux_loss"]) if engine.agg_additional_losses else None)
+                 aux_loss=extra.get("aux_loss") if run.experts is not None else None,
+                 logged={k: extra[k] for k in run.objective.logged})
         if not math.isfinite(loss) and not skipped and run.precision != "fp16":  # fp16: the loss scaler's business
             report_nonfinite(step, loss, run, ckpt_dir, start, rank)
             return 3
@@ -207,7 +213,7 @@ def prepare_output(out: Path, run: RunConfig, rank: int) -> None:
 
 def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     pipe = VLMPipeline(run, seed=args.seed)
-    if run.init_from and not args.resume:
+    if run.init_from and (not args.resume or run.objective.reference):  # dpo: its reference is the start
         n = load_run_weights(pipe, Path(run.init_from) / "checkpoints")
         if rank == 0:
             print(f"mmpipe: weights from {run.init_from} (stage 0: {n} layers); fresh optimizer", flush=True)

@@ -1,0 +1,189 @@
+"""Preference pairs (--objective dpo): each record is a prompt with a chosen and a rejected answer, read as two
+samples side by side.
+
+Two record shapes, from any file --data reads (.json / .jsonl, .parquet, a saved HF dataset):
+
+    TRL's     {"prompt": ..., "chosen": ..., "rejected": ..., "images": [...]}: each of the three a string, or a list
+              of chat messages {"role", "content"}, content a string or parts [{"type": "image"}, {"type": "text",
+              "text": ...}] (an image part becomes an <image> marker); a string prompt without markers gets one per
+              image in front (TRL's VLM datasets put the image before the text)
+    LLaVA's   {"image": ..., "conversations": [... up to the last user turn], "chosen": ..., "rejected": ...}; an
+              answer a string or a turn {"from": "gpt", "value": ...}
+
+`PairSource` makes record i two conversation records, 2i (prompt + chosen) and 2i + 1 (prompt + rejected), each
+checked as any conversation is (mmpipe.data.sources: images, markers, roles, length), so the index holds sides. A
+pair whose side is missing, empty, or equal to the other is refused on both sides with its reason (a side's kind:
+missing_field, empty_answer, equal_answers), and a side refused alone (too long, a bad image) takes its partner out
+of training (`pair_cut`). `PairedSamples` then shuffles pairs, never sides: stream position 2k is the chosen and
+2k + 1 the rejected answer of one pair, so an even micro-batch (micro-batches start at multiples of it,
+mmpipe.data.batches) holds whole pairs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+
+from ..config import ConfigError
+from .index import DataIndex
+from .records import BadRecord
+from .samples import IndexedSamples
+from .sources import DataSpec, Source, open_source
+
+SIDES = ("chosen", "rejected")
+PEEK = 16  # records read to tell whether the data holds pairs
+
+
+def _bad(where: str, kind: str, reason: str) -> BadRecord:
+    e = BadRecord(kind, reason)
+    e.where = where
+    return e
+
+
+def _content(value, where: str, what: str) -> str:
+    """A message's content -> text: a string, or TRL's parts (an image part is an <image> marker)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        return "".join("<image>\n" if p.get("type") == "image" else str(p.get("text", "")) for p in value)
+    raise _bad(where, "missing_field", f"{what}'s content is a {type(value).__name__}, not text or a list of parts")
+
+
+def _messages(value, where: str, what: str, role: str) -> list[dict]:
+    """A TRL field (a string, or chat messages) -> LLaVA turns {"from", "value"}."""
+    if isinstance(value, str):
+        return [{"from": role, "value": value}]
+    if isinstance(value, dict):  # one LLaVA turn {"from", "value"}
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise _bad(where, "missing_field", f"'{what}' is {'missing' if value is None else type(value).__name__}, "
+                                           f"not text or a list of messages")
+    return [{"from": m.get("role", m.get("from")), "value": _content(m.get("content", m.get("value")), where, what)}
+            for m in value]
+
+
+def _answer(raw: dict, side: str, where: str) -> str:
+    turns = _messages(raw.get(side), where, side, "assistant")
+    text = "\n".join(t["value"] for t in turns)
+    if not text.strip():
+        raise _bad(where, "empty_answer", f"'{side}' (the {side} answer) is empty")
+    return text
+
+
+def pair_conversation(raw: dict, side: str, where: str, columns: dict) -> dict:
+    """Record `raw`'s prompt and its `side` answer as a LLaVA conversation record; BadRecord for the whole pair."""
+    if not isinstance(raw, dict):
+        raise _bad(where, "missing_field", f"record is a {type(raw).__name__}, not an object")
+    for s in SIDES:
+        if raw.get(s) is None:
+            raise _bad(where, "missing_field", f"'{s}' is missing: a preference pair needs both answers")
+    chosen, rejected = _answer(raw, "chosen", where), _answer(raw, "rejected", where)
+    if chosen.strip() == rejected.strip():
+        raise _bad(where, "equal_answers", "'chosen' and 'rejected' are the same answer")
+    images = raw.get("images", raw.get(columns["image"]))
+    if columns["conversations"] in raw:
+        turns = raw[columns["conversations"]]
+        if not isinstance(turns, list):
+            raise _bad(where, "missing_field", f"'{columns['conversations']}' is not a list")
+    else:
+        turns = _messages(raw.get("prompt"), where, "prompt", "user")
+        n_images = len(images) if isinstance(images, list) else int(images not in (None, ""))
+        if turns and "<image>" not in "".join(str(t["value"]) for t in turns) and n_images:
+            turns[0] = {**turns[0], "value": "<image>\n" * n_images + str(turns[0]["value"])}
+    answer = chosen if side == "chosen" else rejected
+    return {columns["image"]: images, columns["conversations"]: [*turns, {"from": "assistant", "value": answer}]}
+
+
+class PairSource(Source):
+    """Record i of `inner` as two conversation records: 2i its prompt + chosen, 2i + 1 its prompt + rejected."""
+
+    def __init__(self, inner: Source):
+        self.inner = inner
+        self.spec = dataclasses.replace(inner.spec, format="llava")  # each side is read as a conversation
+
+    def __len__(self) -> int:
+        return 2 * len(self.inner)
+
+    def raw(self, i: int) -> tuple[str, dict]:
+        where, raw = self.inner.raw(i // 2)
+        side = SIDES[i % 2]
+        return f"{where} {side}", pair_conversation(raw, side, f"{where} {side}", self.spec.columns)
+
+
+def pair_source(spec: DataSpec) -> PairSource:
+    """--data's records as pairs; ConfigError (one line) if none of its first records has a chosen / rejected."""
+    inner = open_source(spec)
+    for i in range(min(PEEK, len(inner))):
+        try:
+            _, raw = inner.raw(i)
+        except BadRecord:
+            continue
+        if isinstance(raw, dict) and any(s in raw for s in SIDES):
+            return PairSource(inner)
+    name = spec.path or ", ".join(spec.data_files)
+    raise ConfigError(f"--objective dpo: {name} holds no preference pairs (none of its first {min(PEEK, len(inner))} "
+                      f"records has a 'chosen' or 'rejected' answer; docs/dpo.md)")
+
+
+def pair_cut(index: DataIndex) -> DataIndex:
+    """The index's pairs whose two sides are both good (rows 2j and 2j + 1 of the PairSource), in file order."""
+    rows = index.rows
+    both = set((rows[rows % 2 == 0] // 2).tolist()) & set((rows[rows % 2 == 1] // 2).tolist())
+    keep = np.array([k for k, r in enumerate(rows.tolist()) if r // 2 in both], dtype=np.int64)
+    cut = index.subset(keep, "pairs")
+    cut.stats["pairs"] = len(both)
+    cut.stats["pair_records"] = index.stats["records"] // 2
+    return cut
+
+
+def describe_pairs(stats: dict) -> str:
+    return (f"data: {stats['pairs']} of {stats['pair_records']} preference pairs usable (each side a sample above; a "
+            f"pair with a side refused is left out whole)")
+
+
+class PairedSamples(IndexedSamples):
+    """IndexedSamples of a pair_cut index, shuffled by pair: position 2k / 2k + 1 are one pair's chosen / rejected."""
+
+    @functools.lru_cache(maxsize=2)
+    def _pair_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.index) // 2)
+
+    def entry(self, pos: int) -> int:
+        if self.ordered:
+            return pos % len(self.index)
+        epoch, k = divmod(pos, len(self.index))
+        return 2 * int(self._pair_order(epoch)[k // 2]) + k % 2
+
+
+def write_jsonl(path, records: list[dict]) -> None:
+    """Preference records to a .jsonl file (tests, docs' examples)."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def preference_problems(args, data, micro: int) -> list[str]:
+    """--objective dpo's own checks against the run's flags and data (DataOptions, or None where it failed), one line
+    each: beta > 0, rpo_alpha >= 0, pairs in the data, whole pairs in a micro-batch, what is not built yet."""
+    problems = []
+    if args.beta <= 0:
+        problems.append(f"--beta: {args.beta} must be > 0 (DPO's KL weight; TRL's default 0.1)")
+    if args.rpo_alpha < 0:
+        problems.append(f"--rpo-alpha: {args.rpo_alpha} must be >= 0")
+    if micro % 2:
+        problems.append(f"--objective dpo: the micro-batch is {micro} rows; it must be even, so each pair's chosen "
+                        f"and rejected rows share one micro-batch (train_micro_batch_size_per_gpu)")
+    for on, what in ((args.pack, "--pack"), (bool(args.eval_data or args.eval_split), "--eval-data / --eval-split"),
+                     (args.tp > 1, "--tp")):
+        if on:
+            problems.append(f"--objective dpo with {what} is not supported yet (docs/dpo.md)")
+    if data is not None and data.builtin:
+        problems.append("--objective dpo: the built-in shapes set has no preference pairs; give --data with "
+                        "'chosen' / 'rejected' answers (docs/dpo.md)")
+    elif data is not None:
+        try:
+            pair_source(data.spec)
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems

@@ -1,0 +1,102 @@
+"""Direct preference optimisation (DPO) on the last stage: the loss of `--objective dpo` (mmpipe.model.objectives).
+
+A micro-batch holds whole pairs, rows side by side: row 2j the chosen answer of pair j, row 2j + 1 the rejected one
+(mmpipe.data.preference lays them out; an even --micro-batch keeps a pair inside one micro-batch). Each row's
+labels mark its answer tokens only (the prompt and the image are never labelled), so a row's sequence log-prob is
+
+    logp(row) = sum over its labelled positions t of log softmax(logits[t])[labels[t]]
+
+the sum over the answer's own tokens, as TRL's DPOTrainer sums its completion mask. The reference model's log-probs
+of the same rows travel in the label tuple, (labels [B, T], ref_logps [B]), computed by a reference pass before the
+step (mmpipe.runtime.preference). With z = (pi_c - pi_r) - (ref_c - ref_r) per pair, TRL's three losses:
+
+    sigmoid  -log sigmoid(beta z)                      (the DPO paper's)
+    hinge    relu(1 - beta z)                          (SLiC)
+    ipo      (z' - 1 / (2 beta))^2,  z' = (pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r   (n: the answer's tokens; TRL
+             normalises IPO by the completion length, trl/trainer/dpo_trainer.py, loss_type "ipo")
+
+the micro-batch's loss is their mean over its pairs, plus rpo_alpha x the mean cross-entropy of the chosen answers'
+tokens (RPO; TRL 1.x: loss_type ["sigmoid", "sft"] with loss_weights [1, rpo_alpha]). DeepSpeed scales each
+micro-batch's loss by 1 / GAS and averages over DP: the step's loss is the mean over its pairs (every micro-batch
+holds micro / 2 of them). The rewards TRL logs: beta (pi - ref) of each side, their accuracy (chosen > rejected)
+and margin, means over the micro-batch's pairs (`metrics`), which the engine averages the same way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .builder import IGNORE_INDEX
+from .moe import split_aux
+
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")  # TRL's metric names
+
+
+def token_labels(labels) -> torch.Tensor:
+    """The token labels [B, T] of a label tuple (labels, weights) / (labels, ref_logps), or of bare labels."""
+    return labels[0] if isinstance(labels, (tuple, list)) else labels
+
+
+def row_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob [B, T] of each labelled position's token, 0 elsewhere; the labelled mask [B, T])."""
+    logits = split_aux(logits)[0]
+    mask = labels != IGNORE_INDEX
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return -ce.view(labels.shape) * mask, mask
+
+
+def row_logps(logits: torch.Tensor, labels) -> torch.Tensor:
+    """[B]: each row's sum of its answer tokens' log-probs (the reference pass's record, and the policy's)."""
+    return row_token_logps(logits, token_labels(labels))[0].sum(-1)
+
+
+def preference_losses(pc, pr, rc, rr, *, beta: float, kind: str, lengths=None) -> torch.Tensor:
+    """Per-pair losses [P] from the policy's (pc, pr) and the reference's (rc, rr) chosen / rejected log-probs;
+    lengths (n_c, n_r): the answers' token counts, which IPO divides by."""
+    if kind == "sigmoid":
+        return -F.logsigmoid(beta * ((pc - pr) - (rc - rr)))
+    if kind == "hinge":
+        return torch.relu(1 - beta * ((pc - pr) - (rc - rr)))
+    if kind == "ipo":
+        n_c, n_r = (n.clamp(min=1) for n in lengths)
+        return ((pc - rc) / n_c - (pr - rr) / n_r - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown DPO loss {kind!r} (valid: {', '.join(DPO_LOSSES)})")
+
+
+def rewards(pc, pr, rc, rr, beta: float) -> dict[str, torch.Tensor]:
+    """TRL's four metrics of a set of pairs, means over the pairs."""
+    chosen, rejected = beta * (pc - rc).detach(), beta * (pr - rr).detach()
+    return {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+            "rewards/accuracies": (chosen > rejected).float().mean(), "rewards/margins": (chosen - rejected).mean()}
+
+
+class DPOLoss:
+    """The last stage's loss_fn under --objective dpo: (logits [B, T, V], (labels [B, T], ref_logps [B])) -> the
+    micro-batch's loss; `last` keeps the rewards of the micro-batch it saw last (the engine logs them)."""
+
+    def __init__(self, beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0):
+        self.beta, self.kind, self.rpo_alpha = beta, kind, rpo_alpha
+        self.last: dict[str, torch.Tensor] | None = None
+
+    def __call__(self, logits, labels) -> torch.Tensor:
+        logits, aux = split_aux(logits)
+        tokens, ref = labels
+        lp, mask = row_token_logps(logits, tokens)
+        seq = lp.sum(-1)
+        pc, pr, rc, rr = seq[0::2], seq[1::2], ref[0::2].to(seq), ref[1::2].to(seq)
+        n = mask.sum(-1).to(seq.dtype)
+        loss = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n[0::2], n[1::2])).mean()
+        if self.rpo_alpha:  # the chosen answers' mean token NLL, over the micro-batch's chosen tokens
+            loss = loss + self.rpo_alpha * (-lp[0::2].sum() / mask[0::2].sum().clamp(min=1))
+        self.last = rewards(pc, pr, rc, rr, self.beta)
+        return loss if aux is None else loss + aux
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The rewards of the last micro-batch (zeros before any: DeepSpeed asks every stage for the same keys)."""
+        return self.last if self.last is not None else {k: torch.zeros(()) for k in REWARDS}
+
+
+def no_validation(logits, labels):
+    """--objective dpo has no validation loss yet: run_config refuses --eval-data / --eval-split with it."""
+    raise RuntimeError("mmpipe: --objective dpo has no validation loss (run_config refuses --eval-data with it)")

@@ -1,0 +1,98 @@
+"""The reference model of --objective dpo, live in each stage: a reference pass before every optimizer step.
+
+DeepSpeed's pipeline hands the last stage's loss_fn (logits, labels) and nothing else, so the reference log-probs
+must be in the labels before the step runs. `LiveReference.step` draws the step's GAS micro-batches, runs them
+through the whole pipeline once with the reference weights (DeepSpeed's eval_batch: no graph, no gradient, the
+last stage's loss_fn swapped for a recorder of each row's answer log-prob, mmpipe.model.dpo.row_logps), then hands
+train_batch the same micro-batches with (labels, ref_logps) as labels. Every stage runs both passes, in the same
+order; the wire, the loaders and DP are untouched (each rank replays its own micro-batches).
+
+The reference weights are the run's starting weights (the seed's, or --init-from's):
+    (a) a frozen copy of this stage's trained tensors, taken when the engine is built (before --resume loads the
+        checkpoint): no gradient, no optimizer state; memory one copy of the stage's TRAINED parameters (a frozen
+        group is shared: its values never change). The reference pass swaps the copy's storage in (p.data) and
+        back: no tensor is copied per step.
+    (b) with --lora: the adapters switched off (peft's disable_adapters: the base linears alone, no copy), plus (a)
+        for any trained tensor that is not an adapter (a group outside --lora-groups and --freeze). LoRA's B starts
+        at zero, so the adapters-off model is the starting model: (b) equals (a) exactly, at an adapter's copy less.
+A live reference costs one forward per step (no backward): about a third of a step's compute.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ..model.dpo import token_labels
+from ..model.lora import is_adapter, lora_layers
+
+
+class LiveReference:
+    """This rank's reference weights and the pass that records the reference log-probs of a step's rows."""
+
+    def __init__(self, engine, run):
+        self.engine, self.run = engine, run
+        module = engine.module
+        self.adapters = [layer for _, _, layer in lora_layers(module)] if run.lora else []
+        seen, self.copies = set(), []
+        for name, p in module.named_parameters():
+            if p.requires_grad and not is_adapter(name) and id(p) not in seen:
+                seen.add(id(p))
+                self.copies.append((p, p.detach().clone()))
+        self.seconds = 0.0  # the last reference pass's wall time (the step's time includes it)
+
+    @property
+    def copied(self) -> int:
+        """Elements held for the reference: the copy of the trained non-adapter tensors."""
+        return sum(r.numel() for _, r in self.copies)
+
+    @contextlib.contextmanager
+    def weights(self):
+        """The stage's layers hold the reference weights inside the block (storage swapped, adapters off)."""
+        self._swap()
+        for layer in self.adapters:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in self.adapters:
+                layer.enable_adapters(True)
+            self._swap()
+
+    @torch.no_grad()
+    def _swap(self) -> None:
+        for p, ref in self.copies:
+            p.data, ref.data = ref.data, p.data
+
+    def step(self, batches):
+        """The next step's GAS micro-batches from `batches`, the last stage's labels (labels, ref_logps)."""
+        engine, gas = self.engine, self.run.gas
+        t0 = time.perf_counter()
+        micro = [next(batches) for _ in range(gas)]
+        recorded: list[torch.Tensor] = []
+
+        def record(logits, labels):
+            lp = self.run.objective.row_logps(logits, labels)
+            recorded.append(lp.detach())
+            return lp.sum()
+
+        loss_fn, monitor_on = engine.module.loss_fn, engine.monitor.enabled
+        engine.module.loss_fn, engine.monitor.enabled = record, False  # DeepSpeed would log it as 'eval_loss'
+        try:
+            with self.weights():
+                engine.eval_batch(iter(micro), num_micro_batches=gas)
+        finally:
+            engine.module.loss_fn, engine.monitor.enabled = loss_fn, monitor_on
+        if engine.is_last_stage():
+            micro = [(inputs, (token_labels(labels), ref)) for (inputs, labels), ref in zip(micro, recorded)]
+        self.seconds = time.perf_counter() - t0
+        return iter(micro)
+
+
+def reference_rows(ref_model, inputs, labels, objective):
+    """The single-device reference's (labels, ref_logps) of one micro-batch: ref_model, a frozen copy of the
+    starting model, run on it without a graph (mmpipe.runtime.reference)."""
+    with torch.no_grad():
+        ref = objective.row_logps(ref_model(*inputs), labels)
+    return token_labels(labels), ref

@@ -1,0 +1,215 @@
+"""--objective dpo (issue 56): TRL's loss and rewards on the same log-probs, the pipeline equal to one device, the
+reference weights (a frozen copy; with LoRA the adapters off), preference data with its bad pairs, the refusals."""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import assert_weights_moved, refused, train_run, write_ds_config
+from mmpipe.data.batches import StepBatches, rank_batches
+from mmpipe.data.dataset import prepare
+from mmpipe.data.export import export_shapes
+from mmpipe.model import ReferenceModel
+from mmpipe.model.builder import IGNORE_INDEX
+from mmpipe.model.dpo import REWARDS, row_logps
+from mmpipe.model.lora import Lora
+from mmpipe.model.objectives import dpo
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import load_reference
+from mmpipe.runtime.feed import run_dataset
+from mmpipe.runtime.preference import LiveReference
+from mmpipe.runtime.reference import train_reference
+
+TOL = 1e-5
+STEPS = 4  # 4 updates at a constant lr of 0.01: every trained tensor moves far past 10 x TOL
+# bad pairs appended to the exported set: (record, the kind each of its two sides is counted under)
+BAD = [({"prompt": "<image>\nwhat colour", "chosen": "red", "images": ["images/00000.png"]}, "missing_field"),
+       ({"prompt": "<image>\nwhat colour", "chosen": "red", "rejected": "red", "images": ["images/00000.png"]},
+        "equal_answers"),
+       ({"prompt": "<image>\nwhat colour", "chosen": " ", "rejected": "red", "images": ["images/00000.png"]},
+        "empty_answer")]
+# the LLaVA-style shape of a pair: the conversation up to its last user turn, then the two answers
+LLAVA_STYLE = {"image": "images/00001.png", "conversations": [{"from": "human", "value": "<image>\nwhat shape is red"}],
+               "chosen": {"from": "gpt", "value": "circle"}, "rejected": "square"}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """16 good shapes pairs (TRL's format), one LLaVA-style pair, 3 bad pairs: 17 of 20 usable."""
+    d = tmp_path_factory.mktemp("pairs")
+    path = export_shapes(d, "dpo-jsonl", 16)
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [LLAVA_STYLE] + [r for r, _ in BAD])
+    return path
+
+
+@pytest.fixture(scope="module")
+def ds_config(tmp_path_factory):
+    return write_ds_config(tmp_path_factory.mktemp("cfg") / "dpo.json", train_micro_batch_size_per_gpu=4,
+                           scheduler=None, gradient_accumulation_steps=2, optimizer={"type": "AdamW", "params": {
+                               "lr": 0.01, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0,
+                               "torch_adam": True}})
+
+
+def _args(pairs, ds_config, out, *extra) -> list[str]:
+    return ["--data", str(pairs), "--objective", "dpo", "--ds-config", str(ds_config), "--steps", str(STEPS),
+            "--output-dir", str(out), "--eval-samples", "0", "--seed", "3", *extra]
+
+
+def _first_micro_batch(run, out):
+    samples = prepare(run.data, run.model, out, 0, verbose=False)
+    batches = rank_batches(run_dataset(run, samples), StepBatches(0, run.micro, 1, 0, 1))
+    inputs, labels = next(batches)
+    batches.close()
+    return inputs, labels[0]
+
+
+def _trl_loss(logits, labels, ref, kind: str, beta: float, rpo: float):
+    """TRL's DPOTrainer._compute_loss (trl 1.16) on the same per-token log-probs: the batch as TRL lays it out
+    ([chosen rows; rejected rows], completion_mask shifted by one), its precomputed-reference path, RPO as TRL 1.x
+    writes it (loss_type [kind, "sft"], loss_weights [1, rpo_alpha]). Returns (loss, its logged metrics)."""
+    from trl import DPOTrainer
+    order = torch.cat([torch.arange(0, len(labels), 2), torch.arange(1, len(labels), 2)])
+    labels, logits, ref = labels[order], logits[order], ref[order]
+    mask = labels != IGNORE_INDEX
+    # per-token log-probs by log_softmax + gather: not mmpipe's cross-entropy path
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
+    zeros = torch.zeros_like(lp)
+    outputs = SimpleNamespace(log_probs=lp, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+    metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        f_divergence_type="reverse_kl", beta=beta, use_weighting=False, label_smoothing=0.0, _metrics=metrics,
+        _total_train_tokens=0, _tp_size=1,
+        loss_types=[kind] + (["sft"] if rpo else []), loss_weights=[1.0] + ([rpo] if rpo else []),
+        accelerator=SimpleNamespace(device="cpu", gather=lambda t: t, gather_for_metrics=lambda t: t))
+    half = len(labels) // 2
+    inputs = {"input_ids": torch.zeros(len(labels), labels.shape[1] + 1, dtype=torch.long),
+              "attention_mask": torch.ones(len(labels), labels.shape[1] + 1, dtype=torch.long),
+              "completion_mask": torch.cat([torch.zeros(len(labels), 1, dtype=torch.long), mask.long()], 1),
+              "ref_chosen_logps": ref[:half].double(), "ref_rejected_logps": ref[half:].double()}
+    loss = DPOTrainer._compute_loss(trainer, lambda **kw: outputs, inputs, False)
+    return float(loss), {k: metrics["train"][k][-1] for k in REWARDS}
+
+
+def test_loss_and_rewards_equal_trls(pairs, ds_config, tmp_path):
+    """The first micro-batch of a tiny Qwen2.5-VL-style model (qwen-tiny: Qwen2.5's vision blocks) whose policy
+    (seed 1) is not its reference (seed 2): loss and the four rewards equal TRL's for every loss kind and RPO."""
+    run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "qwen-tiny", "--stages", "1")),
+                  world_size=1)
+    inputs, labels = _first_micro_batch(run, tmp_path)
+    with torch.no_grad():
+        logits = ReferenceModel(run.model, seed=1)(*inputs)
+        ref = row_logps(ReferenceModel(run.model, seed=2)(*inputs), labels)
+    seen = {}
+    for kind, beta, rpo in [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.7), ("ipo", 0.3, 0.0), ("hinge", 0.2, 0.0)]:
+        objective = dpo(beta, kind, rpo)
+        loss = float(objective.loss(logits, (labels, ref)))
+        mine = {k: float(v) for k, v in objective.metrics().items()}
+        trl_loss, trl = _trl_loss(logits, labels, ref, kind, beta, rpo)
+        assert loss == pytest.approx(trl_loss, abs=TOL), (kind, beta, rpo)
+        assert mine == pytest.approx(trl, abs=TOL), (kind, mine, trl)
+        seen[kind, rpo] = loss, mine
+    loss, mine = seen["sigmoid", 0.0]
+    # policy != reference: not DPO's ln 2 at equal models (> 100 x TOL away), rewards away from 0
+    assert abs(loss - math.log(2)) > 100 * TOL and abs(mine["rewards/margins"]) > 1e-2, (loss, mine)
+    assert seen["sigmoid", 0.7][0] > 0  # (the RPO row's own beta 0.5 differs; its NLL term is what TRL's sft adds)
+
+
+def _recorded(run):
+    """The run with its DPO loss wrapped to keep each micro-batch's rewards (the single-device per-step values)."""
+    seen, loss = [], run.objective.loss
+
+    def keep(logits, labels):
+        out = loss(logits, labels)
+        seen.append({k: float(v) for k, v in run.objective.metrics().items()})
+        return out
+    return dataclasses.replace(run, objective=dataclasses.replace(run.objective, loss=keep)), seen
+
+
+@pytest.fixture(scope="module")
+def pp2(pairs, ds_config, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2")
+    return train_run(out, *_args(pairs, ds_config, out, "--preset", "llava-tiny", "--stages", "2")).check()
+
+
+def test_pipeline_equals_single_device(pairs, ds_config, pp2, tmp_path):
+    """PP=2 (the reference pass through both stages, then the step) == one device with a frozen copy as the
+    reference: losses, the rewards of every step and the weights within 1e-5, fp32; the weights moved."""
+    run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1")),
+                  world_size=1)
+    run, seen = _recorded(run)
+    model, losses = train_reference(run, seed=3, steps=STEPS, out_dir=str(tmp_path))
+    got = pp2.losses
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got[1] == pytest.approx(math.log(2), abs=TOL)  # step 1: the policy is the reference
+    for step, ref in enumerate(losses, start=1):
+        assert got[step] == pytest.approx(ref, abs=TOL), step
+    for step, row in enumerate(pp2.rows, start=1):  # the engine's mean over the step's GAS micro-batches
+        micro = seen[(step - 1) * run.gas:step * run.gas]
+        assert {k: float(row[k]) for k in REWARDS} == pytest.approx(
+            {k: sum(m[k] for m in micro) / run.gas for k in REWARDS}, abs=TOL), step
+    # step 1: policy == reference, every reward 0; after an update the policy's log-probs move off the reference's
+    assert [float(pp2.rows[0][k]) for k in REWARDS] == [0.0, 0.0, 0.0, 0.0]
+    assert all(abs(float(r["rewards/chosen"])) > 100 * TOL for r in pp2.rows[1:])
+    summary = pp2.summary
+    assert all(summary[k] == pytest.approx(float(pp2.rows[-1][k]), abs=1e-12) for k in REWARDS)
+    trained = load_reference(pp2.out / "checkpoints", run.model)
+    diffs = {k: (v - model.state_dict()[k]).abs().max().item() for k, v in trained.state_dict().items()}
+    assert max(diffs.values()) < TOL, max(diffs.items(), key=lambda kv: kv[1])
+    # every trained tensor moved from the seed's init, except the CLIP tower's key biases (softmax cancels their
+    # gradient: they move by rounding alone)
+    assert_weights_moved(trained, ReferenceModel(run.model, seed=3), TOL, no_gradient=("k_proj.bias",))
+    # the data: 17 of 20 pairs, each bad pair's two sides counted under its reason
+    data = summary["data"]
+    assert data["bad_by_kind"] == {kind: 2 for _, kind in BAD}
+    assert data["good"] == 2 * 17 and data["records"] == 2 * 20
+
+
+@pytest.mark.parametrize("lora", [None, Lora(2, 4.0)], ids=["frozen-copy", "lora-adapters-off"])
+def test_live_reference_is_the_starting_model(pairs, ds_config, tmp_path, lora):
+    """LiveReference's weights(): inside it the stage computes the starting model's logits, (a) from its frozen
+    copy, (b) with LoRA the adapters off (plus a copy of the trained tensors outside --lora-groups); after it the
+    policy's own again, unchanged."""
+    run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1")),
+                  world_size=1)
+    run = dataclasses.replace(run, lora=lora)
+    inputs, _ = _first_micro_batch(run, tmp_path)
+    policy = ReferenceModel(run.model, seed=3, lora=lora)
+    start = copy.deepcopy(policy)
+    live = LiveReference(SimpleNamespace(module=policy), run)
+    adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
+    assert bool(adapters) == (lora is not None) and live.copied == sum(
+        p.numel() for n, p in policy.named_parameters() if p.requires_grad and "lora_" not in n)
+    with torch.no_grad():
+        for p in policy.parameters():  # training moved every trained tensor, the adapters' B included
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+        moved = policy(*inputs)
+        with live.weights():
+            as_reference = policy(*inputs)
+        assert torch.equal(as_reference, start(*inputs))
+        assert torch.equal(policy(*inputs), moved) and (moved - as_reference).abs().max() > 1e-3
+    assert all(p.requires_grad for p in adapters)  # switched back on, still trained
+
+
+def test_refusals(pairs, ds_config, tmp_path, capsys):
+    """One line each, exit 2, before any rank starts."""
+    base = _args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1")
+    lines = refused([*base, "--beta", "0"], capsys)
+    assert lines[-1].endswith("--beta: 0.0 must be > 0 (DPO's KL weight; TRL's default 0.1)"), lines
+    sft = export_shapes(tmp_path / "sft", "llava-jsonl", 4)
+    lines = refused(["--data", str(sft), *base[2:]], capsys)
+    assert len(lines) == 1 and "holds no preference pairs" in lines[0], lines
+    assert "has no preference pairs" in refused([*base[2:], "--data", "shapes"], capsys)[-1]
+    odd = write_ds_config(tmp_path / "odd.json", train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1)
+    assert "must be even" in refused([*base, "--ds-config", str(odd)], capsys)[-1]
+    assert "--pack is not supported yet" in refused([*base, "--pack"], capsys)[-1]
