@@ -26,6 +26,15 @@ from .data.image_kinds import PATCHES, PLACEHOLDERS, SPLICED, TILES
 from .data.internvl import INTERN_TILES
 from .model import costs
 from .model.cross_attention import CrossAttnBlock, CrossAttnTextEmbed, cross_attention_specs
+from .model.gemma3 import (
+    GEMMA3_COSTS,
+    Gemma3Block,
+    Gemma3SlidingBlock,
+    Gemma3Text,
+    Gemma3Vision,
+    gemma3_checks,
+    gemma3_specs,
+)
 from .model.internvl import COSTS as INTERNVL_COSTS
 from .model.internvl import (
     InternBlock,
@@ -245,3 +254,12 @@ INTERNVL = register(Family(
     tower_tokens=crops_tokens, fields=internvl_fields, experts=_moe,
     hf=_hf("internvl", "InternVLForConditionalGeneration", ("internvl",), "InternVL3.5", importer="import_internvl",
            config="hf_internvl_config", reader="read_internvl")))
+
+# Gemma 3 (mmpipe.model.gemma3): LLaVA's SigLIP tower and placeholders, a pooled projector, a decoder of sliding and
+# global blocks whose image blocks attend both ways (mmpipe.model.attention's block ids)
+GEMMA3 = register(Family(
+    "gemma3", "prefix", gemma3_specs, (TowerBlock, Gemma3Block, Gemma3SlidingBlock), GEMMA3_COSTS,
+    ImageLayout(placeholders=True, vision=Gemma3Vision, text=Gemma3Text), PLACEHOLDERS, checks=gemma3_checks,
+    fields=lambda cfg: ROW,
+    hf=_hf("gemma3", "Gemma3ForConditionalGeneration", ("gemma3",), "Gemma 3", importer="import_gemma3",
+           config="hf_gemma3_config", reader="read_gemma3")))

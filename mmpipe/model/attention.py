@@ -38,17 +38,30 @@ def row_positions(segments: torch.Tensor) -> torch.Tensor:
     return i - torch.where(starts, i, torch.zeros_like(i)).cummax(dim=-1).values
 
 
-def row_mask(segments: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+def row_mask(segments: torch.Tensor, prefix: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
+             window: int | None = None) -> torch.Tensor:
     """bool [B, 1, L, L], True = may attend: causal within a sample, never across samples of a row.
     prefix bool [B, L] (the moondream family: each sample's BOS + image block) is bidirectional within
-    its sample (moondream's prefix_attn). Padding (segment 0) attends to padding only, so
+    its sample (moondream's prefix_attn). blocks long [B, L] (a family's block ids, e.g. Gemma 3's images: 0 none,
+    k > 0 the k-th block): positions of one block see each other both ways (same_block). window W: a query sees
+    only keys less than W positions back (q - k < W; Gemma 3's sliding layers), bidirectional pairs too, as
+    transformers' AND(sliding window, OR(causal, block)). Padding (segment 0) attends to padding only, so
     no query row is empty (SDPA would give NaN)."""
     L = segments.shape[-1]
     i = torch.arange(L, device=segments.device)
     allowed = i[None, :] <= i[:, None]  # [L, L] causal
     if prefix is not None:
         allowed = allowed | (prefix[:, :, None] & prefix[:, None, :])  # [B, L, L]
+    if blocks is not None:
+        allowed = allowed | same_block(blocks[:, :, None], blocks[:, None, :])
+    if window:
+        allowed = allowed & (i[:, None] - i[None, :] < window)
     return (allowed & (segments[:, :, None] == segments[:, None, :]))[:, None]
+
+
+def same_block(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Block ids a (queries) and b (keys), broadcast: True where both are in one block (an id > 0)."""
+    return (a == b) & (a > 0)
 
 
 def rotary_at(positions: torch.Tensor, rot_dim: int, theta: float):
@@ -103,7 +116,8 @@ def attention_backend(device: torch.device) -> str:
     return choice if choice != "auto" else ("flex" if device.type == "cuda" else "split")
 
 
-def row_attention(segments: torch.Tensor, prefix: torch.Tensor | None = None):
+def row_attention(segments: torch.Tensor, prefix: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
+                  window: int | None = None):
     """The mask a row's queries attend under (see the module docstring), once per segments (and prefix)
     tensor: CAUSAL when every row is one sample with no bidirectional prefix beyond its BOS, else the
     device's backend (attention_backend): a flex BlockMask, or on CPU the causal split by sample (the dense
@@ -111,22 +125,29 @@ def row_attention(segments: torch.Tensor, prefix: torch.Tensor | None = None):
     Each sample's first position joins the prefix (row_mask: a prefix needs its BOS). Padding at a causal
     row's end attends causally to the sample before it, where row_mask gives it padding only: its outputs
     differ, but no real position sees them and their labels are ignored, so losses and gradients are the
-    same."""
+    same. blocks / window (row_mask's: bidirectional blocks, a sliding window) go to every backend: the split by
+    sample then gives each sample's SDPA its own small mask (sample_split)."""
     backend = attention_backend(segments.device)
-    tensors = (segments,) if prefix is None else (segments, prefix)
-    return row_cached(tensors, ("mask", backend), lambda: _row_attention(segments, prefix, backend))
+    tensors = (segments,) + tuple(x for x in (prefix, blocks) if x is not None)
+    return row_cached(tensors, ("mask", backend, prefix is None, blocks is None, window),
+                      lambda: _row_attention(segments, prefix, backend, blocks, window))
 
 
-def _row_attention(segments: torch.Tensor, prefix: torch.Tensor | None, backend: str):
+def _row_attention(segments: torch.Tensor, prefix: torch.Tensor | None, backend: str,
+                   blocks: torch.Tensor | None = None, window: int | None = None):
     if prefix is not None:
         prefix = prefix | (row_positions(segments) == 0)
-    if backend != "dense" and one_sample_rows(segments, prefix):
+    if window and window >= segments.shape[-1]:
+        window = None  # no query is that far from a key of its row: the window cuts nothing
+    if blocks is not None and not bool((blocks > 0).any()):
+        blocks = None
+    if backend != "dense" and blocks is None and not window and one_sample_rows(segments, prefix):
         return CAUSAL
     if backend == "flex":
-        return document_block_mask(segments, prefix)
+        return document_block_mask(segments, prefix, blocks, window)
     if backend == "split" and (prefix is None or not (prefix & (row_positions(segments) > 0)).any()):
-        return sample_split(segments)  # causal within each sample: a prefix of BOS alone is causal too
-    return row_mask(segments, prefix)
+        return sample_split(segments, blocks, window)  # causal within each sample: a BOS prefix is causal too
+    return row_mask(segments, prefix, blocks, window)
 
 
 def one_sample_rows(segments: torch.Tensor, prefix: torch.Tensor | None = None) -> bool:
@@ -138,7 +159,8 @@ def one_sample_rows(segments: torch.Tensor, prefix: torch.Tensor | None = None) 
     return bool(ok)
 
 
-def document_block_mask(segments: torch.Tensor, prefix: torch.Tensor | None = None):
+def document_block_mask(segments: torch.Tensor, prefix: torch.Tensor | None = None,
+                        blocks: torch.Tensor | None = None, window: int | None = None):
     """row_mask as a FlexAttention BlockMask [B, 1, L, L]: which 128 x 128 blocks hold any allowed pair (the
     rest, the cross-sample blocks, are skipped) plus the pairwise rule for the partial ones. Built once per
     row (row_attention caches it); its rule reads copies of segments / prefix, so that the cache entry dies
@@ -146,14 +168,20 @@ def document_block_mask(segments: torch.Tensor, prefix: torch.Tensor | None = No
     from torch.nn.attention.flex_attention import create_block_mask  # imports torch._dynamo: only when used
     seg = segments.clone()
     pre = None if prefix is None else prefix.clone()
+    blk = None if blocks is None else blocks.clone()
 
     def causal(b, h, q, kv):
         return (seg[b, q] == seg[b, kv]) & (q >= kv)
 
     def with_prefix(b, h, q, kv):
         return (seg[b, q] == seg[b, kv]) & ((q >= kv) | (pre[b, q] & pre[b, kv]))
+
+    def with_blocks(b, h, q, kv):  # row_mask's rule with blocks and a window
+        seen = (q >= kv) if blk is None else (q >= kv) | same_block(blk[b, q], blk[b, kv])
+        return (seg[b, q] == seg[b, kv]) & seen & ((q - kv < window) if window else True)
     B, L = segments.shape
-    return create_block_mask(causal if pre is None else with_prefix, B, None, L, L, device=segments.device)
+    rule = with_blocks if blk is not None or window else causal if pre is None else with_prefix
+    return create_block_mask(rule, B, None, L, L, device=segments.device)
 
 
 @functools.cache
@@ -188,8 +216,10 @@ class Split:
     of 8 x 8 patches per image), 64 x 64^2 = 262144 scores where the dense mask computes 4096^2 = 16.8 M.
     The stage's tensors keep their fixed [B, P, D] shape; only the batches inside follow the images."""
 
-    def __init__(self, groups: list[torch.Tensor], alone: torch.Tensor, causal: bool = False):
-        self.groups, self.alone, self.causal = groups, alone, causal
+    def __init__(self, groups: list[torch.Tensor], alone: torch.Tensor, causal: bool = False,
+                 masks: list[torch.Tensor] | None = None):
+        # masks: per group, bool [n, 1, s, s] within its segments (sample_split's blocks / window), else None
+        self.groups, self.alone, self.causal, self.masks = groups, alone, causal, masks
         self.inv = torch.argsort(torch.cat([g.flatten() for g in groups] + [alone]))  # back to row order
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -197,10 +227,12 @@ class Split:
         B, H, P, Dh = q.shape
         flat = [a.transpose(1, 2).reshape(B * P, a.shape[1], Dh) for a in (q, k, v)]  # [B P, heads, Dh]
         outs = []
-        for idx in self.groups:
+        for g, idx in enumerate(self.groups):
             n, s = idx.shape
             qg, kg, vg = (a.index_select(0, idx.flatten()).view(n, s, a.shape[1], Dh).transpose(1, 2) for a in flat)
-            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=self.causal, enable_gqa=kg.shape[1] != H)
+            m = None if self.masks is None else self.masks[g]
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m, is_causal=self.causal and m is None,
+                                               enable_gqa=kg.shape[1] != H)
             outs.append(o.transpose(1, 2).reshape(n * s, H, Dh))
         v_alone = flat[2].index_select(0, self.alone)
         outs.append(v_alone if v_alone.shape[1] == H else v_alone.repeat_interleave(H // v_alone.shape[1], dim=1))
@@ -221,12 +253,28 @@ def segment_split(seg: torch.Tensor, causal: bool = False) -> Split:
     return Split(groups, (flat < 0).nonzero().squeeze(1), causal)
 
 
-def sample_split(segments: torch.Tensor) -> Split:
+def sample_split(segments: torch.Tensor, blocks: torch.Tensor | None = None, window: int | None = None) -> Split:
     """A decoder row's segments [B, L] (1, 2, ... per sample, 0 padding) as a causal Split by sample: row_mask's
     attention (padding causal among the row's padding, as row_mask has it) without its L x L mask. CPU's path for
-    packed rows (row_attention): faster than the dense mask there, measured (docs/attention.md)."""
+    packed rows (row_attention): faster than the dense mask there, measured (docs/attention.md). With blocks or a
+    window (row_mask's) each group's samples get their own [s, s] masks: sum s^2 booleans, never L^2."""
     ids = segments + (segments.amax() + 1) * torch.arange(segments.shape[0], device=segments.device)[:, None]
-    return segment_split(ids, causal=True)
+    split = segment_split(ids, causal=True)
+    if blocks is None and not window:
+        return split
+    masks = []
+    for idx in split.groups:  # a group's row: one sample's positions in row order, so local index = its position
+        s = idx.shape[1]
+        i = torch.arange(s, device=segments.device)
+        m = (i[None, :] <= i[:, None]).expand(idx.shape[0], s, s)
+        if blocks is not None:
+            b = blocks.flatten()[idx]  # [n, s]
+            m = m | same_block(b[:, :, None], b[:, None, :])
+        if window:
+            m = m & (i[:, None] - i[None, :] < window)
+        masks.append(m[:, None])
+    split.masks = masks
+    return split
 
 
 def split_mask(seg: torch.Tensor) -> torch.Tensor:
@@ -304,8 +352,8 @@ class FusedAttention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None):
         super().__init__()
-        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
-        self.kv_dim = self.n_kv_heads * (dim // n_heads)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, dim // n_heads
+        self.kv_dim = self.n_kv_heads * self.head_dim
         self.qkv = nn.Linear(dim, dim + 2 * self.kv_dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -313,18 +361,18 @@ class FusedAttention(nn.Module):
                 cache: dict | None = None) -> torch.Tensor:
         """x [B, T, D]; mask and rotary (cos, sin) for these T query positions. With a cache (generation),
         k and v join those of the positions before (cached_attention) and the mask covers them too."""
-        B, T, D = x.shape  # [B, T, D]
+        B, T, _ = x.shape  # [B, T, D]; the heads' width H x Dh is D, or D / TP on a TP rank (its heads)
         if self.n_kv_heads == self.n_heads:
             # 3 x [B, H, T, Dh]
-            q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+            q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         else:
-            q, k, v = self.qkv(x).split([D, self.kv_dim, self.kv_dim], dim=-1)
+            q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.kv_dim, self.kv_dim], dim=-1)
             q = q.view(B, T, self.n_heads, -1).transpose(1, 2)  # [B, H, T, Dh]
             k, v = (a.view(B, T, self.n_kv_heads, -1).transpose(1, 2) for a in (k, v))  # [B, H_kv, T, Dh]
         if rotary is not None:
             q, k = apply_partial_rotary(q, *rotary), apply_partial_rotary(k, *rotary)
         out = attend(q, k, v, mask) if cache is None else cached_attention(q, k, v, cache, mask)  # [B, H, T, Dh]
-        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+        return self.proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class GeluMLP(nn.Module):
