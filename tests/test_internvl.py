@@ -208,3 +208,23 @@ def test_image_over_its_tile_cap_is_one_line():
         intern_rule(cfg, budget=4).grid(70, 66)
     assert e.value.kind == "too_many_tiles" and "\n" not in str(e.value.reason)
     assert e.value.reason == "image 70x66 makes 5 crops (2 x 2 tiles + the thumbnail) > the row's 4 (--max-tiles)"
+
+
+# InternVL3.5's published totals (vision + language, billions; https://internvl.readthedocs.io/en/latest/internvl3.5/
+# quick_start.html, the model cards), rounded as published; the MoE sizes' active parameters too
+PUBLISHED = {"1b": 1.1, "2b": 2.3, "4b": 4.7, "8b": 8.5, "14b": 15.1, "38b": 38.4, "30b-a3b": 30.8, "241b-a28b": 240.7}
+ACTIVE = {"30b-a3b": 3.7, "241b-a28b": 27.8}  # 0.3 + 3.3 (Qwen3-30B-A3B's active) and the card's A28B
+
+
+@pytest.mark.parametrize("size", PUBLISHED)
+def test_presets_have_the_published_parameter_counts(size):
+    """Each preset's parameters (the layer list on the meta device) round to the published total; the MoE ones'
+    active parameters (top 8 of 128 experts a layer) to theirs."""
+    from mmpipe.model.builder import layer_param_counts
+    cfg = load_preset(f"internvl3.5-{size}")
+    total = sum(layer_param_counts(cfg))
+    assert round(total / 1e9, 1) == PUBLISHED[size]
+    if cfg.text.moe:
+        t = cfg.text
+        active = total - (t.moe.experts - t.moe.top_k) * 3 * t.dim * t.moe.ff_dim * t.n_layers
+        assert round(active / 1e9, 1) == ACTIVE[size]
