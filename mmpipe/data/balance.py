@@ -234,11 +234,11 @@ def ratio(costs: np.ndarray, order: list[int], step: StepBalance, level: str, pa
     return float(loads.max() / mean) if mean > 0 else 1.0
 
 
-def run_unevenness(step: StepBalance, first_row: int, rows: int) -> dict:
+def run_unevenness(step: StepBalance, first_row: int, rows: int, known: dict | None = None) -> dict:
     """Over the steps of rows [first_row, first_row + rows): per LEVELS key, before and after, the p50 / p90 / max of
-    the steps' max / mean (summary.json's data.balance)."""
+    the steps' max / mean (summary.json's data.balance). known: steps' unevenness already counted, by first row."""
     bases = range(first_row, first_row + rows - step.batch + 1, step.batch)
-    seen = [step.unevenness(b) for b in bases]
+    seen = [(known or {}).get(b) or step.unevenness(b) for b in bases]
     out: dict = {"steps": len(seen)}
     for key in LEVELS:
         for i, when in enumerate(("before", "after")):
