@@ -164,6 +164,11 @@ class InternTiles(Tiles):
         """What an index's grids and its too_many_tiles refusals depend on: the rule and T."""
         return list(dataclasses.astuple(dataclasses.replace(rule, row_tiles=0))) + [budget]
 
+    def row_json(self, row) -> dict:
+        """None: the planner costs an internvl row at each image's tile cap (mmpipe.model.internvl's cost rules), with
+        no row of its own (planning.images reads LLaVA-NeXT's pinpoints for a CropRow)."""
+        return {} if row is None else super().row_json(row)
+
     def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
         raise BadRecord("unsupported_media", "a video for the internvl family, whose clips mmpipe does not read")
 
