@@ -17,8 +17,9 @@ micro-batch 2, 16 rows a step, OMP_NUM_THREADS=1 per rank:
     pp2   --stages 2 --dp 1, GAS 8     each stage's micro-batches
 
 each with --balance off then on (--repeats: the pair's order alternates). From each run's summary.json: the
-median step time (the first step left out) and data.balance, the per-rank (dp2) and per-micro-batch max/mean of the
-predicted cost before (stream order) and after (balanced), p50 over the run's steps.
+median step time (the first step left out) and data.balance, the per-rank (dp2) and per-micro-batch (pp2) max/mean
+of the predicted cost before (stream order) and after (balanced), p50 over the run's steps. The balanced bound (the
+mean rank's cost, issue 57's goal) in seconds, were a step all rank work: stream order's step / its max/mean.
 
 Then, in this process, the cost model against the clock: the first --rows (100) packed rows, each timed alone
 (forward + backward of the single-device model, one thread; the fastest of 3 passes over all of them, the first
@@ -174,8 +175,11 @@ def main() -> int:
         on = [r["step_time_s"] for r in results if r["layout"] == layout and r["balance"] == "on"]
         off = [r["step_time_s"] for r in results if r["layout"] == layout and r["balance"] == "off"]
         one = next(r for r in results if r["layout"] == layout)
+        # the balanced bound, were the step all rank work: stream order's step x mean / max of the predicted cost
+        bound = float(np.median(off)) / one["before_p50"]
         summary["layouts"][layout] = {"step_s_off": float(np.median(off)), "step_s_on": float(np.median(on)),
-                                      "on_over_off": float(np.median(on) / np.median(off)),
+                                      "on_over_off": float(np.median(on) / np.median(off)), "bound_s": bound,
+                                      "on_over_bound": float(np.median(on)) / bound,
                                       "predicted_max_over_mean_before_p50": one["before_p50"],
                                       "predicted_max_over_mean_after_p50": one["after_p50"], "level": one["level"]}
     print(json.dumps(summary["layouts"], indent=2))
