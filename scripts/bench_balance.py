@@ -24,7 +24,9 @@ mean rank's cost, issue 57's goal) in seconds, were a step all rank work: stream
 Then, in this process, the cost model against the clock: the first --rows (100) packed rows, each timed alone
 (forward + backward of the single-device model, one thread; the fastest of 3 passes over all of them, the first
 pass also warming up), against RowCosts' predicted
-FLOPs (tower + decoder): Pearson's r, Spearman's rho, and the least-squares seconds per FLOP and intercept.
+FLOPs (tower + decoder): Pearson's r, Spearman's rho, and the least-squares seconds per FLOP and intercept. And
+the clock's view of the dp2 layout: the timed rows' 6 whole steps of 16, laid out by predicted cost, each rank's
+summed measured row seconds, max/mean in stream order and balanced.
 """
 from __future__ import annotations
 
@@ -134,13 +136,33 @@ def per_row(work: Path, data: Path, model: Path, ds: Path, rows: int, passes: in
             seconds[r] = min(seconds[r], time.perf_counter() - t0)
     predicted = [sum(cost(r)) for r in range(rows)]
     x, y = np.array(predicted), np.array(seconds)
+    even = measured_evenness(cost, y)
     slope, intercept = np.polyfit(x, y, 1)
     ranks = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
     return {"rows": rows, "passes": passes, "pearson_r": float(np.corrcoef(x, y)[0, 1]),
             "spearman_rho": float(np.corrcoef(*ranks)[0, 1]), "s_per_gflop": float(slope * 1e9),
             "intercept_s": float(intercept), "row_s_min": float(y.min()), "row_s_median": float(np.median(y)),
             "row_s_max": float(y.max()), "gflop_min": float(x.min() / 1e9), "gflop_max": float(x.max() / 1e9),
-            "points": [[round(float(a) / 1e9, 4), round(float(b), 5)] for a, b in zip(x, y)]}
+            **even, "points": [[round(float(a) / 1e9, 4), round(float(b), 5)] for a, b in zip(x, y)]}
+
+
+def measured_evenness(cost, seconds: np.ndarray) -> dict:
+    """The dp2 layout (micro 2 x GAS 4 x DP 2 = 16 rows a step) of each whole step among the timed rows, by
+    predicted cost, judged by the rows' measured seconds: per-rank max/mean of the summed row times, stream order
+    against balanced, p50 over the steps (the clock's view of what data.balance predicts)."""
+    from mmpipe.data.balance import StepBalance, ratio
+    step = StepBalance(cost, micro=2, gas=4, dp=2)
+    out: dict = {"measured_steps": len(seconds) // step.batch}
+    for level in ("rank", "micro"):
+        before, after = [], []
+        for base in range(0, len(seconds) - step.batch + 1, step.batch):
+            order = step.layout(step.costs(base))
+            t = np.stack([seconds[base:base + step.batch], np.zeros(step.batch)], axis=1)
+            before.append(ratio(t, list(range(step.batch)), step, level, None))
+            after.append(ratio(t, order, step, level, None))
+        out[f"measured_{level}_max_over_mean"] = {"before_p50": float(np.median(before)),
+                                                  "after_p50": float(np.median(after))}
+    return out
 
 
 def main() -> int:
