@@ -22,6 +22,7 @@ by "module:function" strings the registry resolves on first use.
 from __future__ import annotations
 
 from . import config as c
+from .data.gemma3 import GEMMA3_IMAGES
 from .data.image_kinds import PATCHES, PLACEHOLDERS, SPLICED, TILES
 from .data.internvl import INTERN_TILES
 from .model import costs
@@ -255,11 +256,12 @@ INTERNVL = register(Family(
     hf=_hf("internvl", "InternVLForConditionalGeneration", ("internvl",), "InternVL3.5", importer="import_internvl",
            config="hf_internvl_config", reader="read_internvl")))
 
-# Gemma 3 (mmpipe.model.gemma3): LLaVA's SigLIP tower and placeholders, a pooled projector, a decoder of sliding and
-# global blocks whose image blocks attend both ways (mmpipe.model.attention's block ids)
+# Gemma 3 (mmpipe.model.gemma3): LLaVA's SigLIP tower, placeholders bracketed by <start_of_image> / <end_of_image> and
+# read by transformers' Gemma3ImageProcessor (mmpipe.data.gemma3), a pooled projector, a decoder of sliding and global
+# blocks whose image blocks attend both ways (mmpipe.model.attention's block ids)
 GEMMA3 = register(Family(
     "gemma3", "prefix", gemma3_specs, (TowerBlock, Gemma3Block, Gemma3SlidingBlock), GEMMA3_COSTS,
-    ImageLayout(placeholders=True, vision=Gemma3Vision, text=Gemma3Text), PLACEHOLDERS, checks=gemma3_checks,
+    ImageLayout(placeholders=True, vision=Gemma3Vision, text=Gemma3Text), GEMMA3_IMAGES, checks=gemma3_checks,
     fields=lambda cfg: ROW,
     hf=_hf("gemma3", "Gemma3ForConditionalGeneration", ("gemma3",), "Gemma 3", importer="import_gemma3",
            config="hf_gemma3_config", reader="read_gemma3")))

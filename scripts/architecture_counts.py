@@ -30,7 +30,7 @@ FAMILY_MODULES = {
     "model/qwen3_vl.py", "model/qwen3_5.py", "model/crops.py",
     "hf/moondream.py", "hf/llava.py", "hf/llava_next.py", "hf/qwen2_vl.py", "hf/qwen3_vl.py", "hf/qwen3_5.py",
     "hf/tokens.py", "data/anyres.py", "data/patches.py", "data/crops.py",
-    "model/gemma3.py", "hf/gemma3.py",
+    "model/gemma3.py", "hf/gemma3.py", "data/gemma3.py",
 }
 # model/moe.py and hf/moe.py are the mixture-of-experts machinery both MoE families share (Qwen3-VL-MoE and
 # Qwen3.5-MoE import its Experts, MoeBlock, MoeHead, router), as model/attention.py is every family's attention: the

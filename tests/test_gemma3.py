@@ -167,27 +167,33 @@ def _images():
             for h, w in ((32, 32), (20, 50), (64, 40), (17, 23))]
 
 
-def test_generation_equals_transformers_greedy_batch(imported):
-    """Transformers' Gemma3Processor reads 4 images of different sizes and their prompts (one image each, then
-    words: 14 prompt positions, 12 new tokens, so the sliding layers' 6-position window slides); mmpipe's batched
-    cached generation gives each row transformers' greedy answer."""
-    from mmpipe.inference.generate import generate_batch
-    from mmpipe.inference.sampling import Sampling
-    hf, d, _, model = imported
+def test_generate_equals_transformers_greedy_batch(imported, tmp_path, capsys):
+    """`mmpipe generate --checkpoint HF_DIR` with 4 images of different sizes in one batch (the family's image kind:
+    transformers' Gemma3ImageProcessor, each block bracketed by <start_of_image> / <end_of_image>; 11 prompt positions,
+    up to 12 new tokens, so the sliding layers' 6-position window slides and their cache keeps its last 5) answers
+    what transformers' greedy generate answers on Gemma3Processor's inputs for each image alone."""
+    hf, d, _, _ = imported
+    paths, texts = [], []
+    for i, im in enumerate(_images()):
+        paths.append(tmp_path / f"{i}.png")
+        im.save(paths[-1])
+        texts.append(f"w{40 + i} w{50 + i}")  # no w1x / w2x words: "w1" is BOS and "w2" EOS to the tokenizer
+    argv = ["generate", "--checkpoint", str(d), "--max-new-tokens", "12"]
+    for path, text in zip(paths, texts):
+        argv += ["--image", str(path), "--prompt", f"<image>\n{text}"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    got = [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()]
     proc = _processor(d)
-    texts = [f"w1 w7 <start_of_image> w{40 + i} w{50 + i} w9" for i in range(4)]  # no w1x: "w1" is BOS
-    inputs = proc(images=[[im] for im in _images()], text=texts, return_tensors="pt")
-    ids, px = inputs["input_ids"], inputs["pixel_values"]
-    assert ids.shape == (4, 5 + SOFT + 2) and px.shape == (4, 3, 32, 32)
-    sampling = Sampling(eos_id=None, max_new_tokens=12)
-    got = generate_batch(model, px, ids.tolist(), sampling)
-    for b in range(4):
+    want = []
+    for im, text in zip(_images(), texts):
+        inputs = proc(images=[[im]], text=[f"w1 w4 <start_of_image> {text} w5"], return_tensors="pt")
+        assert inputs["input_ids"].shape[1] == 5 + SOFT + 2
         with torch.no_grad():
-            out = hf.generate(input_ids=ids[b:b + 1], pixel_values=px[b:b + 1],
-                              token_type_ids=inputs["token_type_ids"][b:b + 1], max_new_tokens=12, do_sample=False,
-                              min_new_tokens=12)
-        assert got[b] == out[0, ids.shape[1]:].tolist(), b
-    assert len({tuple(a) for a in got}) > 1  # the images and prompts steer the answers
+            out = hf.generate(**inputs, max_new_tokens=12, do_sample=False)
+        want.append(proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    assert got == want
+    assert len(set(got)) > 1 and max(len(a.split()) for a in got) > 6  # answers differ, and past the window
 
 
 def _processor(d):
@@ -272,3 +278,21 @@ def test_presets_have_published_parameter_counts():
         assert cfg.vision.n_tokens == 4096 and cfg.vision.n_features == 256
         counts = layer_param_counts(cfg)  # the last, the tied head, is the embedding's matrix again
         assert sum(counts[:-1]) == total, name
+
+
+def test_export_loads_in_transformers(trained, tmp_path, capsys):
+    """`mmpipe export` of the trained run (streamed layer by layer, mmpipe.hf.gemma3's names and config): transformers'
+    Gemma3ForConditionalGeneration.from_pretrained of it gives the run's logits, two images a sample, and its image
+    processor is transformers' Gemma3ImageProcessor at the model's size."""
+    from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
+    cfg, _, pp2 = trained
+    assert main(["export", "--checkpoint", str(pp2.out), "--out", str(tmp_path / "hf")]) == 0
+    hf = Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.text_config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert type(AutoImageProcessor.from_pretrained(tmp_path / "hf")).__name__.startswith("Gemma3ImageProcessor")
+    model = load_reference(pp2.out / "checkpoints", cfg).eval()
+    ids, px = _two_image_prompts(torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = hf(input_ids=ids, pixel_values=px.flatten(0, 1), token_type_ids=(ids == IMG).long()).logits
+        got = model(px, ids, torch.ones(2, 2, dtype=torch.long), torch.ones_like(ids))
+    assert (got - want).abs().max().item() < LOGITS_TOL

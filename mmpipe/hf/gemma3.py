@@ -136,7 +136,7 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings, rope_theta=theta, ln_eps=tc.rms_norm_eps,
         n_kv_heads=tc.num_key_value_heads, attn_head_dim=tc.head_dim, qkv_bias=bool(tc.attention_bias),
         tie_embeddings=tie_flag(hf), sliding_window=int(tc.sliding_window), sliding_pattern=_pattern(tc),
-        local_rope_theta=local, rope_factor=factor, query_pre_attn_scalar=float(tc.query_pre_attn_scalar))
+        local_rope_theta=local, rope_factor=factor, query_pre_attn_scalar=int(tc.query_pre_attn_scalar))
     cfg = ModelConfig(name=name, family="gemma3", vision=vision, text=text, proj_inner_dim=tc.hidden_size,
                       image_token_id=int(hf.image_token_id), vision_start_id=int(hf.boi_token_index),
                       vision_end_id=int(hf.eoi_token_index))

@@ -67,7 +67,7 @@ class Gemma3Text(LlamaText):
     sliding_pattern: int = 6
     local_rope_theta: float = 10000.0
     rope_factor: float = 1.0
-    query_pre_attn_scalar: float = 256.0
+    query_pre_attn_scalar: int = 256
 
     def is_sliding(self, i: int) -> bool:
         """Decoder layer i is a sliding one: transformers' layer_types, (i + 1) % pattern != 0."""
