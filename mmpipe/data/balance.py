@@ -15,10 +15,11 @@ planner's layer table (run.layers: each layer's FLOPs at the row's geometry, for
     decoder(row) = sum over decoder layers of k x (f(L) + b x (sum_i len_i^2 + pad^2 - L^2))
 
 with f the layer's forward FLOPs at seq positions (its rule), k = its table FLOPs / forward FLOPs (3 trainable,
-2 frozen behind a trainable layer, 0 a frozen prefix; + 1 recomputed), and b = f's quadratic coefficient, the
-second difference (f(L + h) - 2 f(L) + f(L - h)) / 2 h^2, exact for the rules' polynomials in seq (attention
-4 seq^2 d, linears 2 params seq; a Gated DeltaNet layer is linear: b = 0). tower(row): the table's FLOPs for a
-tower of fixed images (a constant), a per_row rule's own cost on the row's images (PatchRow of their grids).
+2 frozen behind a trainable layer, 1 a frozen prefix: forward only; + 1 recomputed), and b = f's quadratic
+coefficient, the second difference (f(L + h) - 2 f(L) + f(L - h)) / 2 h^2, exact for the rules' polynomials in
+seq (attention 4 seq^2 d, linears 2 params seq; a Gated DeltaNet layer is linear: b = 0). tower(row): the
+table's FLOPs for a tower of fixed images (a constant), a per_row rule's own cost on the row's images (PatchRow of
+their grids).
 
 `assign` is greedy longest-processing-time over cost vectors (Graham's LPT, its 4/3 bound for one dimension),
 then pairwise swaps while they lower the larger of two bins: units in order of their normalised cost, each to the
