@@ -199,15 +199,27 @@ def test_generate_batch_of_four_sizes_gives_hf_answers(internvl, tmp_path, capsy
     assert [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()] == want
 
 
-def test_image_over_its_tile_cap_is_one_line():
-    """At a fixed budget (--max-tiles 4) a 2 x 2-tile image (5 crops with its thumbnail) is too_many_tiles, one line
-    naming the image, its crops and the budget; the default budget (M x (max_tiles + 1) = 5) holds it."""
+def test_image_over_its_tile_cap_is_one_line(tmp_path, capsys):
+    """At a fixed budget (--max-tiles 4) a 2 x 2-tile image (5 crops with its thumbnail) is too_many_tiles: the rule's
+    one line names the image, its crops and the budget, and `mmpipe train --bad-records strict` stops on it with that
+    line (exit 2); the default budget (M x (max_tiles + 1) = 5) takes it."""
     cfg = _preset()
     assert intern_rule(cfg).row_tiles == 5 and intern_rule(cfg).grid(70, 66)[2:] == (2, 2, 4 * 5 + 2)
     with pytest.raises(BadRecord) as e:
         intern_rule(cfg, budget=4).grid(70, 66)
-    assert e.value.kind == "too_many_tiles" and "\n" not in str(e.value.reason)
-    assert e.value.reason == "image 70x66 makes 5 crops (2 x 2 tiles + the thumbnail) > the row's 4 (--max-tiles)"
+    line = "image 70x66 makes 5 crops (2 x 2 tiles + the thumbnail) > the row's 4 (--max-tiles)"
+    assert e.value.kind == "too_many_tiles" and e.value.reason == line
+    image(70, 66, 9).save(tmp_path / "big.png")
+    image(30, 26, 8).save(tmp_path / "one.png")
+    conv = [{"from": "human", "value": "<image>\nwhat colour is it"}, {"from": "gpt", "value": "red"}]
+    (tmp_path / "data.json").write_text(json.dumps([{"image": name, "conversations": conv}
+                                                    for name in ("one.png", "big.png")]))
+    train = ["train", "--preset", "internvl-tiny", "--data", str(tmp_path / "data.json"), "--text-len", "40",
+             "--steps", "1", "--bad-records", "strict", "--output-dir", str(tmp_path / "run"), "--dry-run"]
+    assert main(train + ["--max-tiles", "4"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("mmpipe: error:")]
+    assert err[0] == f"mmpipe: error: --bad-records strict: {tmp_path / 'data.json'}[1]: too_many_tiles: {line}"
+    assert main(train) == 0
 
 
 # InternVL3.5's published totals (vision + language, billions; https://internvl.readthedocs.io/en/latest/internvl3.5/
