@@ -51,7 +51,7 @@ from .image_kinds import image_kind
 from .packing import sample_size
 
 TOWER_INPUTS = ("pixels", "vision")  # what a tower layer takes in (planning.costmodel's PER_IMAGE_INPUTS)
-SWAP_ROUNDS = 64  # improving swaps per assignment at most: each lowers the largest bin, few are ever needed
+SWAP_ROUNDS = 64  # improving swaps per assignment at most: each lowers the sum of the peaks, few are ever needed
 
 
 class RowCosts:
@@ -71,10 +71,10 @@ class RowCosts:
             rule = family.cost_rule(spec)
             k = r.flops / r.fwd_flops if r.fwd_flops else 0.0
             at = functools.partial(rule.cost_of, cfg, params, n)
-            if rule.takes in TOWER_INPUTS and rule.per_row:  # priced on each row's own images
+            if rule.takes in TOWER_INPUTS and rule.per_row and self.row_kind:  # priced on each row's own images
                 self.tower_rows.append((k, functools.partial(at, shape.length, kwargs=spec.module_kwargs)))
             elif rule.takes in TOWER_INPUTS:
-                self.tower_fixed += r.flops  # every row's M slots (or T crops): the same
+                self.tower_fixed += r.flops  # every row's M slots: the same (a kind of no row: the table's)
             else:
                 empty = self.row_kind(shape.vision_budget) if self.row_kind else None
                 length, quadratic = _curve(lambda seq: at(seq, empty, spec.module_kwargs).fwd, shape.length)
