@@ -17,7 +17,7 @@ from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import export_shapes
 from mmpipe.model import ReferenceModel
-from mmpipe.model.builder import IGNORE_INDEX
+from mmpipe.model.builder import IGNORE_INDEX, TiedCall
 from mmpipe.model.dpo import REWARDS, row_logps
 from mmpipe.model.lora import Lora
 from mmpipe.model.objectives import dpo
@@ -107,7 +107,11 @@ def test_loss_and_rewards_equal_trls(pairs, ds_config, tmp_path):
                   world_size=1)
     inputs, labels = _first_micro_batch(run, tmp_path)
     with torch.no_grad():
-        logits = ReferenceModel(run.model, seed=1)(*inputs)
+        policy = ReferenceModel(run.model, seed=1)
+        head = policy[-1].module if isinstance(policy[-1], TiedCall) else policy[-1]  # qwen-tiny: the embedding
+        for w in head.parameters():  # a sharper head: log-probs far from the near-uniform reference's
+            w.mul_(8)
+        logits = policy(*inputs)
         ref = row_logps(ReferenceModel(run.model, seed=2)(*inputs), labels)
     seen = {}
     for kind, beta, rpo in [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.7), ("ipo", 0.3, 0.0), ("hinge", 0.2, 0.0)]:
@@ -213,3 +217,5 @@ def test_refusals(pairs, ds_config, tmp_path, capsys):
     odd = write_ds_config(tmp_path / "odd.json", train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1)
     assert "must be even" in refused([*base, "--ds-config", str(odd)], capsys)[-1]
     assert "--pack is not supported yet" in refused([*base, "--pack"], capsys)[-1]
+    assert refused([*base, "--schedule", "zb-h1"], capsys) == [
+        "mmpipe: error: --objective dpo with --schedule zb-h1 is not supported yet (docs/dpo.md)"]

@@ -163,9 +163,10 @@ def write_jsonl(path, records: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-def preference_problems(args, data, micro: int) -> list[str]:
+def preference_problems(args, data, micro: int, schedule: str = "1f1b") -> list[str]:
     """--objective dpo's own checks against the run's flags and data (DataOptions, or None where it failed), one line
-    each: beta > 0, rpo_alpha >= 0, pairs in the data, whole pairs in a micro-batch, what is not built yet."""
+    each: beta > 0, rpo_alpha >= 0, pairs in the data, whole pairs in a micro-batch, what is not built yet
+    (schedule: the run's pipeline schedule by name; the reference pass is tested on DeepSpeed's own, 1f1b)."""
     problems = []
     if args.beta <= 0:
         problems.append(f"--beta: {args.beta} must be > 0 (DPO's KL weight; TRL's default 0.1)")
@@ -175,7 +176,7 @@ def preference_problems(args, data, micro: int) -> list[str]:
         problems.append(f"--objective dpo: the micro-batch is {micro} rows; it must be even, so each pair's chosen "
                         f"and rejected rows share one micro-batch (train_micro_batch_size_per_gpu)")
     for on, what in ((args.pack, "--pack"), (bool(args.eval_data or args.eval_split), "--eval-data / --eval-split"),
-                     (args.tp > 1, "--tp")):
+                     (args.tp > 1, "--tp"), (str(schedule) != "1f1b", f"--schedule {schedule}")):
         if on:
             problems.append(f"--objective dpo with {what} is not supported yet (docs/dpo.md)")
     if data is not None and data.builtin:

@@ -82,6 +82,9 @@ class DPOLoss:
     def __call__(self, logits, labels) -> torch.Tensor:
         logits, aux = split_aux(logits)
         tokens, ref = labels
+        if ref.dim() != 1:  # (labels, weights): rows that did not pass through a reference pass
+            raise ValueError("--objective dpo: the micro-batch's labels carry no reference log-probs (the reference "
+                             "pass, mmpipe.runtime.preference, puts them there; this path has none yet)")
         lp, mask = row_token_logps(logits, tokens)
         seq = lp.sum(-1)
         pc, pr, rc, rr = seq[0::2], seq[1::2], ref[0::2].to(seq), ref[1::2].to(seq)
