@@ -296,3 +296,39 @@ def test_export_loads_in_transformers(trained, tmp_path, capsys):
         want = hf(input_ids=ids, pixel_values=px.flatten(0, 1), token_type_ids=(ids == IMG).long()).logits
         got = model(px, ids, torch.ones(2, 2, dtype=torch.long), torch.ones_like(ids))
     assert (got - want).abs().max().item() < LOGITS_TOL
+
+
+def test_activation_rules_match_what_autograd_keeps():
+    """gemma3-tiny's projector and decoder blocks: act_elems (mmpipe.model.gemma3's rules) equals the floats autograd
+    keeps per sample on a one-sample row without an image; with an image block (or a window that cuts) the CPU split
+    keeps that sample's own float mask too, L^2 more, which the rule leaves out (CUDA keeps a BlockMask)."""
+    from mmpipe.model import layer_specs
+    from mmpipe.model.builder import bound
+    from mmpipe.model.rows import sample_rows
+    from mmpipe.planning.costmodel import layer_costs
+    from test_plan import _saved_floats_per_sample
+    cfg = load_preset("gemma3-tiny")
+    rows = layer_costs(cfg, (), 12)
+    L = rows[-1].tokens  # one bracketed image block (6) + 12 text
+
+    def make(shape, image):
+        def inputs(batch):
+            ids = torch.full((batch, L), 5, dtype=torch.long)
+            if image:
+                ids[:, 1], ids[:, 2:2 + SOFT], ids[:, 2 + SOFT] = BOI, IMG, EOI
+            return torch.randn(batch, *shape, requires_grad=True), *sample_rows(cfg, ids)
+        return inputs
+    checked = 0
+    for i, (spec, row) in enumerate(zip(layer_specs(cfg), rows)):
+        if row.name == "Gemma3Projector":
+            layer, shape = bound(spec.build(), cfg, i), (cfg.vision.n_tokens, cfg.vision.dim)
+            assert _saved_floats_per_sample(layer, make(shape, False)) == row.act_elems
+        elif row.name in ("Gemma3Block", "Gemma3SlidingBlock"):
+            layer, shape = bound(spec.build(), cfg, i), (L, cfg.text.dim)
+            masked = row.name == "Gemma3SlidingBlock"  # the 6-position window cuts an 18-position row
+            assert _saved_floats_per_sample(layer, make(shape, False)) == row.act_elems + masked * L * L
+            assert _saved_floats_per_sample(layer, make(shape, True)) == row.act_elems + L * L
+        else:
+            continue
+        checked += 1
+    assert checked == 4

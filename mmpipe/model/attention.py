@@ -4,7 +4,8 @@ A decoder layer attends under its row's mask (row_attention, from the segments a
 
     None        every key (generation's new positions)
     CAUSAL      one-sample rows: SDPA's is_causal fast path, no mask materialized
-    Split       packed rows on CPU (sample_split: each sample's own is_causal SDPA), and a vision tower's images
+    Split       packed rows on CPU (sample_split: each sample's own is_causal SDPA, or its own [s, s] mask where a
+                family passes block ids or a window, Gemma 3's), and a vision tower's images
                 and windows (segment_split): each segment's own SDPA, equal sizes batched, no mask
     bool tensor [B, 1, L, L] row_mask, the dense reference (MMPIPE_ATTENTION=dense), and the moondream prefix
                 on CPU (bidirectional within the prefix, causal after it: not one causal SDPA per sample)
@@ -177,8 +178,12 @@ def document_block_mask(segments: torch.Tensor, prefix: torch.Tensor | None = No
         return (seg[b, q] == seg[b, kv]) & ((q >= kv) | (pre[b, q] & pre[b, kv]))
 
     def with_blocks(b, h, q, kv):  # row_mask's rule with blocks and a window
-        seen = (q >= kv) if blk is None else (q >= kv) | same_block(blk[b, q], blk[b, kv])
-        return (seg[b, q] == seg[b, kv]) & seen & ((q - kv < window) if window else True)
+        seen = q >= kv
+        if blk is not None:
+            seen = seen | same_block(blk[b, q], blk[b, kv])
+        if window:
+            seen = seen & (q - kv < window)
+        return (seg[b, q] == seg[b, kv]) & seen
     B, L = segments.shape
     rule = with_blocks if blk is not None or window else causal if pre is None else with_prefix
     return create_block_mask(rule, B, None, L, L, device=segments.device)

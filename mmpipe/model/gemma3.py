@@ -293,27 +293,34 @@ def gemma3_specs(cfg: ModelConfig) -> list[LayerSpec]:
 
 
 def _projector_cost(cfg, params, n, seq):
-    """post-LayerNorm over the n = g^2 patches (5 FLOPs a value), the pool, the RMSNorm and the Dv x Dt matmul
-    over m pooled tokens; keeps the LayerNorm's input and output, the pooled and normed tokens."""
+    """post-LayerNorm over the n = g^2 patches (5 FLOPs a value), the pool, the RMSNorm and the Dv x Dt matmul over
+    m pooled tokens. Kept, as autograd keeps it (tests/test_gemma3.py): the LayerNorm's input and output (2 n Dv)
+    and statistics (2 n), and per pooled token the pooled, normalised and normed-and-scaled values (3 Dv) and the
+    RMSNorm's statistic (1)."""
     v, m = cfg.vision, cfg.vision.mm_tokens
     fwd = 5.0 * n * v.dim + n * v.dim + 2.0 * m * v.dim * cfg.text.dim
-    return costs.Cost(n, fwd, 2 * n * v.dim + 2 * m * v.dim + 2 * n, 2 * n + m, m * cfg.text.dim)
+    return costs.Cost(n, fwd, 2 * n * v.dim + 2 * n + m * (3 * v.dim + 1), 2 * n + m, m * cfg.text.dim)
 
 
 def _block_cost(sliding: bool):
     def cost(cfg, params, n, seq):
         """A Gemma 3 block per position: the projections (2 x params), q k^T and attn v over the keys it sees
-        (min(seq, window) for a sliding layer: 4 x seq x keys x H x Dh), and per position what autograd keeps:
-        x, the 4 sandwich norms' inputs and outputs (8 D), q and k before and after QK-norm and RoPE (4 q), k v,
-        attention out (q), o_proj's out (D), gate / gelu / up / product (4 F); fp32: 6 norms' statistics + H
-        log-sum-exps. E.g. gemma-3-27b (D 5376, 32 x 128 q, 16 x 128 kv, F 21504) keeps 10 D + 5 x 4096 +
-        2 x 2048 + 4 F = 163840 values a position."""
+        (min(seq, window) for a sliding layer: 4 x seq x keys x H x Dh). Kept per position, as autograd keeps it
+        (tests/test_gemma3.py, a one-sample row): 10 D (x, the sandwich norms' inputs and outputs, o_proj's out, the
+        residual), 5 q (q before and after its norm, after RoPE and scaling, attention out), 4 kv (k likewise, v),
+        4 F (gate, gelu, up, product), 2 H + KV + 4 statistics (q / k norms, log-sum-exp, the 4 sandwich norms)
+        and the rotary cos / sin (2 Dh). E.g. gemma-3-27b (D 5376, q 32 x 128, kv 16 x 128, F 21504) keeps
+        10 x 5376 + 5 x 4096 + 4 x 2048 + 4 x 21504 + 64 + 16 + 4 + 256 = 168788 values a position. No L x L
+        mask: CUDA's FlexAttention keeps a BlockMask; the CPU split keeps each sample's s^2 mask where it has an
+        image block or a window cuts (not counted). Gemma's norms compute in fp32: in bf16 their saved values are
+        fp32 copies (counted at the training dtype here)."""
         t = cfg.text
         q, kv = t.n_heads * t.head_dim, t.kv_heads * t.head_dim
         keys = min(seq, t.sliding_window) if sliding else seq
         fwd = 2.0 * params * seq + 4.0 * seq * keys * q
-        act = (10 * t.dim + 5 * q + 2 * kv + 4 * t.ff_dim) * seq + (6 + t.n_heads) * seq + 2.0 * t.head_dim * seq
-        return costs.Cost(seq, fwd, act, (6 + t.n_heads) * seq + 2.0 * t.head_dim * seq, seq * t.dim)
+        stats = 2 * t.n_heads + t.kv_heads + 4
+        act = (10 * t.dim + 5 * q + 4 * kv + 4 * t.ff_dim + stats + 2 * t.head_dim) * seq
+        return costs.Cost(seq, fwd, act, (stats + 2 * t.head_dim) * seq, seq * t.dim)
     return cost
 
 
