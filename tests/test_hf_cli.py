@@ -137,9 +137,9 @@ def test_exported_builtin_llava_run_is_a_checkpoint(tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("config_class, kind", [("Glm4vMoeConfig", "glm4v_moe"), ("Gemma3Config", "gemma3")])
+@pytest.mark.parametrize("config_class, kind", [("Glm4vMoeConfig", "glm4v_moe"), ("PaliGemmaConfig", "paligemma")])
 def test_unread_model_type_is_one_line_naming_the_read_ones(tmp_path, capsys, config_class, kind):
-    """An HF directory of a model type no importer reads (transformers' own config.json of a GLM-4.5V MoE, a Gemma3):
+    """An HF directory of a model type no importer reads (transformers' own config.json of a GLM-4.5V MoE, a PaliGemma):
     `mmpipe import --hf` (and its --dry-run) and `mmpipe generate` say in one line, exit 2, that this type is not
     read (yet) and which are (mmpipe.hf.commands.hf_model_types(): the registered families' HfSide.model_types)."""
     import transformers
@@ -147,8 +147,8 @@ def test_unread_model_type_is_one_line_naming_the_read_ones(tmp_path, capsys, co
     from mmpipe.hf.commands import hf_model_types
     getattr(transformers, config_class)().save_pretrained(tmp_path / "hf")
     Image.new("RGB", (32, 32)).save(tmp_path / "img.png")
-    read = ["llava", "llava_next", "llava_onevision", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl",
-            "qwen3_vl_moe"]
+    read = ["gemma3", "internvl", "llava", "llava_next", "llava_onevision", "qwen2_5_vl", "qwen2_vl", "qwen3_5",
+            "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"]
     assert hf_model_types() == read
     want = (f"mmpipe: error: {tmp_path / 'hf' / 'config.json'}: model_type '{kind}' is not one mmpipe reads (yet); "
             f"it reads {', '.join(read)}\n")
