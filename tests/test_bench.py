@@ -101,7 +101,8 @@ def test_tiny_sweep_end_to_end(tmp_path):
 @pytest.mark.parametrize("body, expect", [
     ({"variants": [{"name": "a", "stagez": 2}]}, "variants[0]: unknown key 'stagez'"),
     ({"variants": [{"name": "a", "precision": "fp8"}]}, "variants[0].precision: 'fp8'"),
-    ({"variants": [{"name": "a", "schedule": "zbv"}]}, "variants[0].schedule: 'zbv' must be 1f1b or zb-h1"),
+    ({"variants": [{"name": "a", "schedule": "zbv"}]},
+     "variants[0].schedule: 'zbv' must be 1f1b or zb-h1 or dualpipev"),
     ({"variants": [{"name": "a", "freeze": "vison"}]}, "variants[0].freeze: 'vison' must be '' (nothing frozen) or "
                                                        "comma-separated groups of vision, projector, text"),
     ({"base": {"freeze": ["vision"]}, "variants": [{"name": "a"}]}, "base.freeze: ['vision'] must be ''"),

@@ -382,7 +382,7 @@ def test_plan_refuses_a_bad_schedule(capsys):
     proc = _plan(capsys, "--schedule", "gpipe")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        "mmpipe: error: --schedule: 'gpipe' is not a schedule (valid: 1f1b, zb-h1, both)"], proc.stderr
+        "mmpipe: error: --schedule: 'gpipe' is not a schedule (valid: 1f1b, zb-h1, dualpipev, both, all)"], proc.stderr
 
 
 def test_a_row_carries_its_images_through_the_tower_and_its_positions_through_the_decoder():

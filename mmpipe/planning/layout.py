@@ -116,7 +116,13 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     stage_rows = _stage_rows(rows, parts, times, a2a, shape, t.precision, t.zero)
     boundary, grad_bytes = _transfers(rows, parts, shape, t.precision)
     step = pipeline_step_seconds(times, shape.gas, boundary, grad_bytes, shape.dp, t.device)
-    ask = asked(t.schedule)
+    # a schedule that cannot run this many micro-batches (DualPipeV: GAS >= 2 x PP, DeepSpeed's) is not predicted
+    ask = [s for s in asked(t.schedule) if shape.gas >= s.min_micro_per_rank * shape.stages]
+    if not ask:
+        sched = asked(t.schedule)[0]
+        return Layout(stages=shape.stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=parts,
+                      stage_rows=[], step=None, schedule=sched.name, ep=shape.ep,
+                      reason=f"{sched} needs GAS >= {sched.min_micro_per_rank} x {shape.stages} stages")
     replayed = [s for s in ask if s is not BASELINE]
     own = _replayed(replayed, rows, parts, stage_rows, shape, t, measured) if replayed else {}
     for pred in [step, *own.values()] if a2a else []:

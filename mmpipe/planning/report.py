@@ -18,7 +18,7 @@ from .costmodel import Device, row_positions
 from .images import crop_line, crop_words
 from .layout import GiB, Layout
 from .request import PlanRun
-from .schedule_registry import BASELINE, BOTH, SCHEDULES, asked
+from .schedule_registry import ALL, BASELINE, BOTH, asked, schedule_named
 
 
 def budget_words(row, between: str = " than ") -> str:
@@ -50,8 +50,8 @@ def print_plan(run: PlanRun, layouts: list[Layout], seconds: float, beside: str 
     rate = (lambda lay: lay.throughput * length) if run.pack else (lambda lay: lay.throughput)
     label = "positions/s" if run.pack else "samples/s"
     replayed = [x for x in asked(run.schedule) if x is not BASELINE]  # their B / W seconds and memory in the rows
-    if run.schedule == BOTH:
-        _print_both(layouts, run.top, rate, label, bool(moe))
+    if run.schedule in (BOTH, ALL):
+        _print_both(layouts, run.top, asked(run.schedule), (rate, label), bool(moe))
     else:
         if replayed:
             print(f"schedule {run.schedule}: step and bubble from replaying its order with each stage's forward, "
@@ -189,10 +189,13 @@ def _moe_line(cfg: ModelConfig, m, text_len: int, length: int, precision: str) -
             f"{per_row / 2 ** 20:.3g} MiB a row, 2 forward + 2 backward, (EP - 1) / EP of it off the rank")
 
 
-def _print_both(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s", moe: bool = False) -> None:
-    """One row per layout: every schedule's bubble and step, which is faster and by how much (moe: an EP column)."""
+def _print_both(layouts, top, schedules, rated=(lambda lay: lay.throughput, "samples/s"), moe: bool = False
+                ) -> None:
+    """One row per layout: each schedule's bubble and step ('-': it cannot run the layout, DualPipeV below 2 x PP
+    micro-batches), which is faster and by how much (moe: an EP column). rated: (the rate of a layout, its label)."""
+    rate, label = rated
     w = max(10, len(label))
-    cols = [(s, len(s.name) + 4) for s in SCHEDULES]  # a bubble column as wide as '<name> bub'
+    cols = [(s, len(s.name) + 4) for s in schedules]  # a bubble column as wide as '<name> bub'
     print(f"{'PP':>3} {'DP':>3}{' EP' if moe else ''} {'micro':>5} {'GAS':>4} "
           + " ".join(f"{s.name + ' bub':>{n}} {s.name + ' s':>8}" for s, n in cols)
           + f"  {'faster':<15} {label:>{w}} {'max GiB':>8}  partition / why not")
@@ -204,7 +207,7 @@ def _print_both(layouts, top, rate=lambda lay: lay.throughput, label: str = "sam
                   + f"  {'':<15} {'':>{w}} {'':>8}  does not fit: {lay.reason}")
             continue
         steps = " ".join(f"{lay.predictions[s.name]['bubble']:>{n}.1%} {lay.predictions[s.name]['step_s']:>8.3f}"
-                         for s, n in cols)
+                         if s.name in lay.predictions else f"{'-':>{n}} {'-':>8}" for s, n in cols)
         peak = max(lay.step.get("memory_gib") or [r["memory_gib"] for r in lay.stage_rows])
         print(f"{lay.stages:>3} {lay.dp:>3}{ep} {lay.micro:>5} {lay.gas:>4} {steps}  {_faster(lay):<15} "
               f"{rate(lay):>{w}.1f} {peak:>8.1f}  {lay.parts}")
@@ -216,8 +219,8 @@ def _faster(lay: Layout) -> str:
     base = lay.predictions[BASELINE.name]["step_s"]
     if lay.schedule != BASELINE.name:
         return f"{lay.schedule} {1 - lay.step['step_s'] / base:.1%}"
-    crowded = [s.short for s in SCHEDULES if not lay.predictions[s.name].get("fits", True)]
+    crowded = [schedule_named(name).short for name, p in lay.predictions.items() if not p.get("fits", True)]
     if crowded:
         return f"{BASELINE.name} ({', '.join(crowded)}: mem)"
-    equal = any(lay.predictions[s.name]["step_s"] == base for s in SCHEDULES if s is not BASELINE)
+    equal = any(p["step_s"] == base for name, p in lay.predictions.items() if name != BASELINE.name)
     return BASELINE.name + (" (equal)" if equal else "")

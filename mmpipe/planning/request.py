@@ -36,9 +36,9 @@ from .images import (
     sized_families,
 )
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Training
-from .schedule_registry import BASELINE, BOTH, SCHEDULE_NAMES, Schedule, asked
+from .schedule_registry import ALL, BASELINE, BOTH, SCHEDULE_NAMES, Schedule, asked
 
-PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH)
+PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH, ALL)
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,28 @@ def predict(schedule: Schedule | str, micro_batches: int, times: list[tuple[floa
     schedule = schedule_named(schedule)  # a name from outside (a test, a caller's flag): its record
     p, split = len(times), schedule.split_backward
     weight_stages = [bool(w) for w in weight_stages]
+    if schedule.timed_order:  # its order timed with these seconds is the prediction (DualPipeV: no p2p replay)
+        return _timed(schedule.orders(p, micro_batches, weight_stages, times))
     orders = schedule.orders(p, micro_batches, weight_stages)
     durations = [{"F": f, "B": b if split and weight_stages[i] else b + w, "W": w}
                  for i, (f, b, w) in enumerate(times)]
     out = replay(stage_streams(orders), durations)
     out["in_flight"] = [peak_in_flight(o, split and weight_stages[i]) for i, o in enumerate(orders)]
     return out
+
+
+def _timed(orders: list[list[Op]]) -> dict:
+    """predict's answer from an order that carries its own times (one list per rank): its makespan, busy
+    seconds and idle share per rank, and the micro-batches in flight. A V rank holds two stages, each about
+    half of a 1F1B stage's layers, so its in-flight count is its stage activations over 2, rounded up."""
+    span = max(o[-1].end for o in orders if o)
+    busy = [sum(op.end - op.start for op in o) for o in orders]
+    in_flight = []
+    for o in orders:
+        live = peak = 0
+        for op in o:
+            live += 1 if op.kind == "F" else -1
+            peak = max(peak, live)
+        in_flight.append(-(-peak // 2))
+    return {"makespan": span, "busy": busy, "idle": [1 - b / span if span else 0.0 for b in busy],
+            "ops": orders, "in_flight": in_flight}

@@ -13,6 +13,7 @@ from ..model.tensor_parallel import Shard, mark_norm_counting, parallelize
 from ..registry import family_of
 from ..run_config import RunConfig
 from .experts import shard_experts
+from .wire import install as install_wire
 
 
 def _has(fields, name: str) -> bool:
@@ -49,16 +50,18 @@ class VLMPipeline(PipelineModule):
         )
         if run.tp > 1:  # every layer was built whole under its seed above; keep this rank's slices
             self._split_tensors(run)
-        apply_freeze(self.forward_funcs, run.freeze)
+        for _ in self.each_part():  # this rank's layer list(s): one, or DualPipeV's two (mmpipe.runtime.dualpipev)
+            apply_freeze(self.forward_funcs, run.freeze)
         self.moe = run.experts is not None  # its head reports the aux loss
         self.metrics = run.objective.metrics  # the loss's last micro-batch values, logged (mmpipe.model.objectives)
         # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it)
         self.expert_shards, self.expert_shards_group = (shard_experts(self.forward_funcs, self._topo, run.ep)
                                                         if run.ep > 1 else ([], None))
-        bind_layer_fields(self.forward_funcs, run.model, self._local_start)
-        for offset, layer in enumerate(self.forward_funcs):  # layer i's adapters seeded as in the reference
-            if isinstance(layer, torch.nn.Module):
-                add_adapters(layer, self._local_start + offset, run.lora, seed)
+        for _ in self.each_part():
+            bind_layer_fields(self.forward_funcs, run.model, self._local_start)
+            for offset, layer in enumerate(self.forward_funcs):  # layer i's adapters seeded as in the reference
+                if isinstance(layer, torch.nn.Module):
+                    add_adapters(layer, self._local_start + offset, run.lora, seed)
         for module in self.tied_modules.values():  # a tied copy (LLaVA's head) freezes with its group
             add_adapters(module, -1, run.lora, seed)  # (an embedding: no linear, so no adapter)
         # DeepSpeed 0.19.8 computes the global gradient norm (clipping, ZeRO-1, bf16) by summing
@@ -75,7 +78,22 @@ class VLMPipeline(PipelineModule):
         # multi-crop, read by its Projector: mmpipe.families.CROP_TILING); a later stage holding it loads images too.
         # The dynamic families keep theirs to the head, from the index: no image opened (mmpipe.runtime.wire)
         self.reads_images = self.stage_id == 0 or any(_has(f.__dict__["stage_in"], "tiling") and not _has(
-            f.__dict__["stage_out"], "tiling") for f in self.forward_funcs)
+            f.__dict__["stage_out"], "tiling") for _ in self.each_part() for f in self.forward_funcs)
+
+    # The hooks a PipelineModule with several parts per rank (DualPipeV's V: mmpipe.runtime.dualpipev) overrides.
+    install_wire = staticmethod(install_wire)  # only floats cross a stage boundary (mmpipe.runtime.wire)
+
+    def each_part(self):
+        """Make each of this rank's parts of the layer list the active one (forward_funcs, _local_start) in turn."""
+        yield 0
+
+    def first_part(self) -> bool:
+        """The active part is the pipeline's first (it takes the loader's whole tuple, nothing received)."""
+        return self.stage_id == 0
+
+    def last_part(self) -> bool:
+        """The active part is the pipeline's last (the head: it returns what the loss reads, not floats to send)."""
+        return self.stage_id == self.num_stages - 1
 
     def _split_tensors(self, run: RunConfig) -> None:
         """The family's tensor-parallel plan applied to each built layer (mmpipe.model.tensor_parallel.parallelize),
@@ -98,13 +116,13 @@ class VLMPipeline(PipelineModule):
         before its layers run: activation checkpointing then saves them with the floats and recomputes
         the right micro-batch. A non-last stage returns its floats only: they are all that is sent."""
         x = forward_input if isinstance(forward_input, tuple) else (forward_input,)
-        if self.stage_id > 0:
+        if not self.first_part():
             if self.wire_ints is None:
                 raise RuntimeError("mmpipe: a non-first stage ran without its micro-batch's integer tensors: "
                                    "install mmpipe.runtime.wire on the engine (trainer.build_engine does)")
             x = x + tuple(self.wire_ints)
         out = super().forward(x)
-        if self.stage_id < self.num_stages - 1:  # the floats of the last layer's fields (packed first)
+        if not self.last_part():  # the floats of the last layer's fields (packed first)
             out = out[:sum(f.floating for f in self.forward_funcs[-1].__dict__["stage_out"])]
             if torch.is_grad_enabled():  # a cut inside a frozen tower after a trained DeepStack merger: the
                 # tower's hidden carries no graph, yet DeepSpeed's backward takes every float this stage sent
@@ -117,7 +135,7 @@ class VLMPipeline(PipelineModule):
         under DeepSpeed's name for such: the engine sums it over the step's micro-batches on the last stage, scales
         by 1 / GAS, averages over DP and broadcasts it with the loss (engine.agg_additional_losses), so every rank
         logs it; the other stages give a placeholder of the same keys (the broadcast's size). None: a dense model."""
-        last = self.stage_id == self.num_stages - 1  # its last layer is the MoeHead, which keeps the micro-batch's
+        last = self.last_part()  # its last layer is the MoeHead, which keeps the micro-batch's
         out = {"aux_loss": head_aux(self.forward_funcs[-1]) if last else torch.zeros(())} if self.moe else {}
         if self.metrics is not None:  # the objective's logged values (--objective dpo: the rewards), the same way
             out.update({k: v if last else torch.zeros(()) for k, v in self.metrics().items()})
@@ -138,3 +156,11 @@ class VLMPipeline(PipelineModule):
         self.parts = self._mmpipe_parts
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def pipeline_class(schedule) -> type:
+    """The PipelineModule class a schedule's record names (`Schedule.module`, "package.module:Class"):
+    VLMPipeline, or DualPipeV's VLMDualPipeV; deepspeed.initialize picks the engine from it."""
+    import importlib
+    path, _, name = schedule.module.partition(":")
+    return getattr(importlib.import_module(path), name)

@@ -96,6 +96,8 @@ def _category_map() -> dict[type, str]:
         s.ForwardPass: "forward", s.BackwardPass: "backward",
         s.RecvActivation: "recv", s.RecvGrad: "recv",
         s.SendActivation: "send", s.SendGrad: "send",
+        # DualPipeV (--schedule dualpipev): its Send/Recv only queue; CommitP2P launches the step's batch and waits
+        s.CommitP2P: "recv",
         s.LoadMicroBatch: "load",
         s.ReduceGrads: "reduce", s.ReduceTiedGrads: "reduce",
         s.OptimizerStep: "step",

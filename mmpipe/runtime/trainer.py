@@ -45,7 +45,7 @@ from .experts import deepspeed_moe
 from .experts import install as install_experts
 from .feed import StepCounts, decoder_length, run_dataset, step_order
 from .guard import install_skip
-from .pipeline import VLMPipeline
+from .pipeline import pipeline_class
 from .precision import check_all_ranks
 from .preference import LiveReference
 from .schedule import install as install_schedule
@@ -53,7 +53,6 @@ from .steplog import StepLog, data_counts
 from .teardown import end_of_run, error_fault, on_exit
 from .timing import gather_stage_report, instrument, pipeline_summary
 from .validation import Validator
-from .wire import install as install_wire
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -212,7 +211,7 @@ def prepare_output(out: Path, run: RunConfig, rank: int) -> None:
 
 
 def build_engine(run: RunConfig, args: TrainArgs, rank: int):
-    pipe = VLMPipeline(run, seed=args.seed)
+    pipe = pipeline_class(run.schedule)(run, seed=args.seed)  # the schedule's module: DualPipeV's is its own
     if run.init_from and (not args.resume or run.objective.reference):  # dpo: its reference is the start
         n = load_run_weights(pipe, Path(run.init_from) / "checkpoints")
         if rank == 0:
@@ -222,6 +221,9 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     with moe:
         engine, _, _, _ = deepspeed.initialize(
             model=pipe, config=run.ds_config, model_parameters=[p for p in pipe.parameters() if p.requires_grad])
+    if type(engine).__name__ != run.schedule.engine:  # deepspeed.initialize picks the engine from the module's class
+        raise RuntimeError(f"mmpipe: schedule {run.schedule} runs on DeepSpeed's {run.schedule.engine}, "
+                           f"deepspeed.initialize returned a {type(engine).__name__}")
     checkpoint.make_loads_safe(engine)
     if pipe.expert_shards:  # --ep: shards reduced and clipped over their own groups, whole in checkpoints
         install_experts(engine, pipe.expert_shards, run.dp, pipe.expert_shards_group)
@@ -230,7 +232,7 @@ def build_engine(run: RunConfig, args: TrainArgs, rank: int):
         print(f"mmpipe: rank {rank}: experts {first}..{first + per - 1} of {run.model.text.moe.experts} in each MoE "
               f"block (--ep {run.ep})", flush=True)
     grad_fault(engine, run.gas)  # a test hook, inert unless MMPIPE_FAULT names it
-    install_wire(engine)  # only floats cross a stage boundary; before `instrument` copies the instruction map
+    pipe.install_wire(engine)  # only floats cross a stage boundary; before `instrument` copies the instruction map
     zb = install_schedule(engine, run.schedule)  # collective unless native; before `instrument` copies the instr. map
     if zb and rank == 0:
         print(f"mmpipe: schedule {zb['schedule']}: stage 0 defers {zb['deferred_linears']} linears' weight gradients; "
