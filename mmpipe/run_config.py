@@ -230,7 +230,16 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if model is not None and data is not None:
         model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)
         data = problems.attempt(packed_image_slots, data, model, args.output_dir, args.seed) or data  # --pack alone
-        parts, table = _partition(args, model, data, (freeze, lora, stages, pipe_cfg), problems)
+        # the layer list's parts: a stage per rank, DualPipeV's V two (stage r and 2p - 1 - r on rank r)
+        per_rank = Problems()
+        parts, table = _partition(args, model, data, (freeze, lora, stages * schedule.stages_per_rank, pipe_cfg),
+                                  per_rank)
+        problems.extend(line if schedule.stages_per_rank == 1 else f"{line} (--schedule {schedule} cuts "
+                        f"{schedule.stages_per_rank} x {stages} ranks = {stages * schedule.stages_per_rank} stages)"
+                        for line in per_rank)
+    problems.extend(schedule.problems(stages, gas, {
+        "experts": model is not None and family_of(model).experts(model) is not None,
+        "eval": bool(args.eval_data or args.eval_split)}))
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
     problems.raise_any()
 
