@@ -153,13 +153,14 @@ def test_image_size_and_profile_are_refused_where_they_mean_nothing(capsys):
     from mmpipe.cli import main
     from mmpipe.registry import families
     takers = sorted({f.family for f in families() if f.kind.flag is not None})
-    assert takers == ["llava_next", "qwen2_vl", "qwen3_5", "qwen3_vl"]
+    assert takers == ["internvl", "llava_next", "qwen2_vl", "qwen3_5", "qwen3_vl"]
     for preset, px in (("llava-tiny", 32), ("llava-1.5-7b", 336)):
         assert main(["plan", "--preset", preset, "--image-size", "64x64"]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [
             f"mmpipe: error: --image-size: the llava family resizes every image to {px} px square; only the qwen2_vl, "
-            f"llava_next, qwen3_vl and qwen3_5 families (images of any size in a row budget) cost an image size"]
-    for preset in ("qwen-tiny", "llava-next-tiny"):  # the families named: each costs an image size
+            f"llava_next, qwen3_vl, qwen3_5 and internvl families (images of any size in a row budget) cost an image "
+            f"size"]
+    for preset in ("qwen-tiny", "llava-next-tiny", "internvl-tiny"):  # the families named: each costs an image size
         assert main(["plan", "--preset", preset, "--image-size", "64x64", "--gpus-per-node", "1"]) == 0, preset
         assert load_preset(preset).family in takers and "64x64 px" in capsys.readouterr().out
     assert main(["plan", "--preset", "qwen-tiny", "--profile"]) == 2

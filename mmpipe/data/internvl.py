@@ -44,6 +44,16 @@ class InternTileRule:
     def most_crops(self) -> int:  # one image at its cap: its tiles and the thumbnail, e.g. 12 + 1
         return self.max_tiles + (self.max_tiles > 1)
 
+    @property
+    def pinpoints(self) -> tuple[tuple[int, int], ...]:
+        """Every tile canvas (h, w) px it may pick, e.g. (448, 896) for 1 x 2: the planner's images without a size
+        (mmpipe.planning.images.crop_row costs the largest that T holds); most tiles first, the squarest first among
+        equals (3 x 4 before 1 x 12)."""
+        n = range(1, self.max_tiles + 1)
+        grids = sorted(((r, c) for r in n for c in n if self.min_tiles <= r * c <= self.max_tiles),
+                       key=lambda g: (-g[0] * g[1], abs(g[0] - g[1]), g))
+        return tuple((r * self.size, c * self.size) for r, c in grids)
+
     def canvas(self, width: int, height: int) -> tuple[int, int]:
         """(rows, cols) of tiles transformers' processor cuts a width x height image into."""
         from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
@@ -136,8 +146,8 @@ class BracketTileBlocks(TileBlocks):
 
 @dataclass(frozen=True)
 class InternTiles(Tiles):
-    """The internvl family's images: Tiles' protocol (a crop budget T, --max-tiles) under InternTileRule; no clips."""
-    name = "internvl_tiles"
+    """The internvl family's images: Tiles' protocol (a crop budget T, --max-tiles; a `tiles` row, CropRow, for the
+    planner and the balancer) under InternTileRule; no clips."""
     clip_crops = False
 
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
@@ -163,11 +173,6 @@ class InternTiles(Tiles):
     def grid_key(self, rule, record_images: int, budget: int) -> list:
         """What an index's grids and its too_many_tiles refusals depend on: the rule and T."""
         return list(dataclasses.astuple(dataclasses.replace(rule, row_tiles=0))) + [budget]
-
-    def row_json(self, row) -> dict:
-        """None: the planner costs an internvl row at each image's tile cap (mmpipe.model.internvl's cost rules), with
-        no row of its own (planning.images reads LLaVA-NeXT's pinpoints for a CropRow)."""
-        return {} if row is None else super().row_json(row)
 
     def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
         raise BadRecord("unsupported_media", "a video for the internvl family, whose clips mmpipe does not read")

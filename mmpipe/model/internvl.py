@@ -278,34 +278,23 @@ def internvl_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
     return ROW + ((MOE_STATS,) if cfg.text.moe else ()) + (TILING,)
 
 
-# ---- cost rules: one image at its tile cap (most_crops crops of n_positions tokens, attention within a crop) ----
+# ---- cost rules: the tower and the projector on the row's T crops (per_row: a CropRow, as LLaVA-NeXT's) ----
 
 def crops_tokens(cfg: ModelConfig) -> int:
     """The tower's tokens for one image at its cap (Family.tower_tokens), e.g. 13 x 1025 = 13325."""
     return cfg.vision.most_crops * cfg.vision.n_positions
 
 
-def _per_crop(rule):
-    def cost(cfg, params, n, seq):
-        k = cfg.vision.most_crops
-        c = rule(cfg, params, cfg.vision.n_positions, seq)
-        return costs.Cost(c.tokens * k, c.fwd * k, c.act * k, c.fp32 * k, c.out * k)
-    return cost
+def _projector(cfg, params, n, seq, row):
+    """T crops' 256 shuffled tokens of 4 D_v each: kept the LayerNorm's input and output (8 D_v), linear_1's output
+    and GELU's (2 D), the LayerNorm's statistics; then the row's [L, D] the tokens are scattered onto."""
+    k, tokens, t = costs._crops(cfg, row), cfg.vision.n_features, cfg.text
+    act = (2 * cfg.vision.proj_in_dim + 2 * t.dim + 2) * tokens
+    return costs.Cost(tokens * k, 2.0 * params * tokens * k, act * k + seq * t.dim, 2.0 * tokens * k, seq * t.dim)
 
 
-def _projector(cfg, params, n, seq):
-    """The shuffled crops' tokens (k x 256 of 4 D_v) through the LayerNorm and the two linears, then the row's
-    [L, D] they are scattered onto."""
-    k, tokens, t = cfg.vision.most_crops, cfg.vision.n_features, cfg.text
-    c = costs.Cost(tokens, 2.0 * params * tokens, (2 * cfg.vision.proj_in_dim + 2 * t.dim) * tokens,
-                   2.0 * tokens, tokens * t.dim)
-    return costs.Cost(c.tokens * k, c.fwd * k, c.act * k + seq * t.dim, c.fp32 * k, seq * t.dim)
-
-
-PATCH_EMBED = costs.LayerRule("PatchEmbed", _per_crop(costs._patch_embed), "pixels", embedding=True)
-VISION_BLOCK = costs.LayerRule("VisionBlock", _per_crop(costs._vision_block), "vision")
-PROJECTOR = costs.LayerRule("InternProjector", _projector, "vision")
-COSTS = {InternPatchEmbed: PATCH_EMBED, InternVisionBlock: VISION_BLOCK, InternProjector: PROJECTOR,
-         InternEmbed: costs.TEXT_EMBED, InternBlock: costs.LLAMA_BLOCK, FinalNorm: costs.FINAL_NORM,
-         LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD, InternMoeBlock: MOE_BLOCK,
-         MoeHead: costs.LINEAR_HEAD}  # the MoE block: Qwen3-VL-MoE's rule, the same Qwen3 attention and experts
+PROJECTOR = costs.LayerRule("InternProjector", _projector, "vision", per_row=True)
+COSTS = {InternPatchEmbed: costs.ANYRES_PATCH_EMBED, InternVisionBlock: costs.ANYRES_VISION_BLOCK,
+         InternProjector: PROJECTOR, InternEmbed: costs.ANYRES_EMBED, InternBlock: costs.LLAMA_BLOCK,
+         FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
+         InternMoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD}  # the MoE block: Qwen3-VL-MoE's rule (Qwen3's)

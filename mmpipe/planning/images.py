@@ -81,7 +81,7 @@ def crop_row(cfg: ModelConfig, images: int = 1, budget: int = 0,
     `sizes` in turn (default the largest pinpoint), each tiled as the data tiles it (TileRule.sample_grids);
     ConfigError in one line for images the row cannot hold (too_many_tiles) or the tiles cannot take."""
     images = max(1, images)
-    rule = tile_rule(cfg, budget, images)
+    rule = image_kind(cfg).rule(cfg, budget, images)  # the family's tile rule (LLaVA-NeXT's, InternVL's)
     if not sizes:  # train's cost table: images of the largest pinpoint T holds, as many as it holds
         crops = {(h, w): 1 + (h // rule.size) * (w // rule.size) for h, w in rule.pinpoints}
         fits = sorted((p for p, n in crops.items() if n <= rule.row_tiles), key=lambda p: -p[0] * p[1])
@@ -103,7 +103,7 @@ def crop_words(cfg: ModelConfig, run, row: CropRow) -> str:
     OneVision clip's tiling (rows -1, clip_row) its frames sampled, each a base crop pooled, and its positions."""
     images = tuple(t for t in row.tilings if t[2] >= 0)
     clips = [t for t in row.tilings if t[2] < 0]
-    rule, m = tile_rule(cfg, row.crops, len(images) or 1), len(images)
+    rule, m = image_kind(cfg).rule(cfg, row.crops, len(images) or 1), len(images)
     words = []
     for _, _, rows, cols in clips:  # at most one: --video-frames
         from ..model.llava_next import image_feature_count, pooled_side
@@ -128,7 +128,7 @@ def crop_line(cfg: ModelConfig, row: CropRow, text_len: int, length: int) -> str
     frames' pooled features and one newline, image_feature_count)."""
     from ..model.llava_next import image_feature_count
     m = sum(1 for t in row.tilings if t[2] >= 0)  # images: a clip does not count (transformers' batch_num_images)
-    rule = tile_rule(cfg, row.crops, m or 1)
+    rule = image_kind(cfg).rule(cfg, row.crops, m or 1)
     used = sum(1 + r * c for _, _, r, c in row.tilings)
     tokens = sum(rule.count(h, w, m) if r >= 0 else image_feature_count(cfg.vision, h, w, r, c)
                  for h, w, r, c in row.tilings)
