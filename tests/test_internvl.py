@@ -155,19 +155,35 @@ def test_import_gives_hf_logits_alone_and_packed(internvl):
 
 
 def test_moe_import_and_export_give_hf_logits(internvl, tmp_path):
-    """A Qwen3-MoE decoder (4 experts, top 2, renormalised) imports to HF's logits; the dense import's export
-    loads back into transformers' class with HF's logits."""
+    """A Qwen3-MoE decoder (4 experts, top 2, renormalised; transformers saves its experts one module each) imports to
+    HF's logits; each import's export (the MoE one per expert again) loads back into transformers with HF's logits."""
     _, hf, model, _, samples = internvl
     moe_hf = save_model(tmp_path / "moe", moe=True, seed=1)
     moe, _ = import_internvl(tmp_path / "moe")
     assert moe.cfg.text.moe.experts == 4 and moe.cfg.text.moe.norm_topk
     back = InternVLForConditionalGeneration.from_pretrained(export_hf(model, tmp_path / "out")).eval()
+    moe_back = InternVLForConditionalGeneration.from_pretrained(export_hf(moe.eval(), tmp_path / "moe_out")).eval()
     with torch.no_grad():
         for s in samples[3:5]:
-            got = moe.eval()(*row([s], 0, 0, 0)[0])
+            got = moe(*row([s], 0, 0, 0)[0])
             got = got[0] if isinstance(got, (tuple, list)) else got
             assert (got[0] - hf_logits(moe_hf, s)).abs().max().item() < TOL
+            assert (hf_logits(moe_back, s) - hf_logits(moe_hf, s)).abs().max().item() < TOL
             assert (hf_logits(back, s) - hf_logits(hf, s)).abs().max().item() < TOL
+
+
+def test_unsupported_checkpoint_is_one_line(tmp_path, capsys):
+    """What the layers do not implement is refused in one line naming the field (exit 2): a downsample ratio of
+    0.25, a Qwen2 decoder (InternVL3's)."""
+    qwen2 = {"model_type": "qwen2", "vocab_size": VOCAB}
+    for field, value, where in (("downsample_ratio", 0.25, "downsample_ratio"),
+                                ("text_config", qwen2, "text_config.model_type")):
+        d = tmp_path / where
+        cfg = InternVLConfig(**{**hf_config().to_dict(), field: value})
+        cfg.save_pretrained(d)
+        assert main(["import", "--hf", str(d), "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mmpipe: error: {where}: ") and err.count("\n") == 1, err
 
 
 def _hf_answer(hf, tok, question: str, im, new: int) -> str:
@@ -184,7 +200,7 @@ def _hf_answer(hf, tok, question: str, im, new: int) -> str:
 
 def test_generate_batch_of_four_sizes_gives_hf_answers(internvl, tmp_path, capsys):
     """`mmpipe generate --records` on the HF directory: four images of four tilings (1, 3, 3 and 5 crops) in one
-    batch, each prompt its answer as transformers' greedy decoding gives it."""
+    batch, each prompt its answer as transformers' greedy decoding gives it, cached and with --no-cache."""
     from mmpipe.data.tokenizer import load_tokenizer
     d, hf, _, _, _ = internvl
     tok = load_tokenizer(str(d))
@@ -194,9 +210,10 @@ def test_generate_batch_of_four_sizes_gives_hf_answers(internvl, tmp_path, capsy
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
     want = [_hf_answer(hf, tok, "<image>\nw7 w8", image(w, h, seed=k), 4) for k, (_, (w, h)) in enumerate(SIZES)]
     assert all(want) and len(set(want)) > 1, want
-    assert main(["generate", "--checkpoint", str(d), "--records", str(tmp_path / "prompts.jsonl"),
-                 "--max-new-tokens", "4"]) == 0
-    assert [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()] == want
+    for extra in ([], ["--no-cache"]):  # the layers' KV cache, and the whole prompt again each step
+        assert main(["generate", "--checkpoint", str(d), "--records", str(tmp_path / "prompts.jsonl"),
+                     "--max-new-tokens", "4", *extra]) == 0
+        assert [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()] == want, extra
 
 
 def test_image_over_its_tile_cap_is_one_line(tmp_path, capsys):

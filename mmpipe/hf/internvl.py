@@ -234,13 +234,26 @@ def image_processor(cfg: ModelConfig):
     return hf_image_processor(intern_rule(cfg))
 
 
+def saved_layout(names: dict[str, str]) -> dict[str, str]:
+    """A key map in the layout transformers' save_pretrained writes (LEGACY's first names): what a per-expert write
+    compares with transformers' own reverted state."""
+    def saved(name: str) -> str:
+        for old, new in LEGACY:
+            if name.startswith(new):
+                return old + name[len(new):]
+        return name
+    return {mine: saved(theirs) for mine, theirs in names.items()}
+
+
 def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
     """Write an HF directory (config.json, the weights sharded, its image processor) that from_pretrained loads, one
-    layer in memory at a time; source: a model or a run's layers (mmpipe.hf.stream). A dense decoder only: transformers
-    saves Qwen3-MoE's experts one module each, which this writer does not split yet (one line)."""
+    layer in memory at a time; source: a model or a run's layers (mmpipe.hf.stream). A Qwen3-MoE decoder's experts
+    are written one module each, as transformers' save_pretrained writes them (mmpipe.hf.qwen3_5.write_per_expert)."""
+    hf, names = hf_config(source.cfg, tok), key_map(source.cfg)
     if source.cfg.text.moe:
-        _fail("export", "an InternVL MoE decoder's export (experts one module each, as transformers saves Qwen3-MoE) "
-                        "is not implemented; the dense sizes export")
-    out = write_hf(source, out, hf_config(source.cfg, tok), key_map(source.cfg), shard_size=shard_size)
+        from .qwen3_5 import write_per_expert
+        out = write_per_expert(source, out, hf, saved_layout(names), shard_size)
+    else:
+        out = write_hf(source, out, hf, names, shard_size=shard_size)
     image_processor(source.cfg).save_pretrained(out)
     return out

@@ -73,6 +73,10 @@ class InternVision(VisionConfig):
     def most_crops(self) -> int:  # one image at its tile cap: max_tiles tiles + the thumbnail, e.g. 13
         return self.max_tiles + (self.max_tiles > 1)
 
+    @property
+    def max_pixels(self) -> int:  # no pixel bounds (its tiles are a count): what Qwen's processor writers ask
+        return 0
+
 
 @dataclass(frozen=True)
 class InternText(LlamaText):
