@@ -16,12 +16,12 @@ import torch
 from PIL import Image
 from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLForConditionalGeneration
 
-from hf_models import word_tokenizer
+from hf_models import peft_of, with_random_adapters, word_tokenizer
 from mmpipe.cli import main
 from mmpipe.config import load_preset
 from mmpipe.data.internvl import intern_rule
 from mmpipe.data.records import BadRecord
-from mmpipe.hf.internvl import export_hf, import_internvl
+from mmpipe.hf.internvl import export_hf, import_internvl, key_map
 from mmpipe.runtime.checkpoint import load_reference
 
 TOL = 1e-4
@@ -184,6 +184,19 @@ def test_unsupported_checkpoint_is_one_line(tmp_path, capsys):
         assert main(["import", "--hf", str(d), "--out", str(tmp_path / "run")]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"mmpipe: error: {where}: ") and err.count("\n") == 1, err
+
+
+def test_lora_adapters_load_with_peft(internvl, tmp_path):
+    """Adapters on every group's linears (InternViT's, the projector's, the Qwen3 decoder's) export as a peft adapter
+    of transformers' InternVLForConditionalGeneration, which then gives mmpipe's logits."""
+    _, hf, model, _, samples = internvl
+    adapted = with_random_adapters(model)
+    peft_model = peft_of(adapted, type(hf), tmp_path, key_map, export_hf)
+    s = samples[3]
+    with torch.no_grad():
+        want = adapted(*row([s], 0, 0, 0)[0])[0]
+        assert (hf_logits(peft_model, s) - want).abs().max().item() < TOL
+        assert (hf_logits(hf, s) - want).abs().max().item() > 1e-2  # the adapters count
 
 
 def _hf_answer(hf, tok, question: str, im, new: int) -> str:
