@@ -98,7 +98,8 @@ def test_unit_time_bubble_against_1f1b_and_zb_h1():
 
 def test_refusals(tmp_path, capsys, cfg):
     """Bad input gets one line each: too few micro-batches for DeepSpeed's DualPipeV (>= 2 x stages), a model DualPipeV
-    cannot split into 2 x stages parts, an MoE model; the record knows its module and engine."""
+    cannot split into 2 x stages parts, validation and an MoE model (not wired for the V); the record knows its module
+    and engine."""
     assert schedule_named("dualpipev") is DUALPIPEV and DUALPIPEV.engine == "DualPipeVEngine"
     few = write_ds_config(tmp_path / "few.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3)
     lines = refused(["--output-dir", str(tmp_path / "a"), *_args(few, "--stages", "2", "--schedule", "dualpipev")],
@@ -109,3 +110,8 @@ def test_refusals(tmp_path, capsys, cfg):
     lines = refused(["--output-dir", str(tmp_path / "b"), *_args(gas16, "--stages", "8", "--schedule", "dualpipev")],
                     capsys)
     assert len(lines) == 1 and lines[0].endswith("(--schedule dualpipev cuts 2 x 8 ranks = 16 stages)"), lines
+    for extra, why in ((["--eval-data", "shapes", "--eval-samples", "4"], "validation (--eval-data / --eval-split)"),
+                       (["--preset", "qwen3-vl-30b-a3b"], "an MoE model's expert groups and reduction")):
+        lines = refused(["--output-dir", str(tmp_path / "c"), *_args(cfg, "--stages", "2", "--schedule", "dualpipev"),
+                         *extra], capsys)
+        assert len(lines) == 1 and lines[0].startswith(f"mmpipe: error: --schedule dualpipev: {why}"), lines
