@@ -43,6 +43,9 @@ class TrainArgs(DataArgs, ModelArgs):
     dpo_loss: str = flag("sigmoid", "--objective dpo: TRL's loss_type, sigmoid (DPO, default), ipo or hinge",
                          choices=DPO_LOSSES)
     rpo_alpha: float = flag(0.0, "--objective dpo: weight of an SFT term on the chosen answers (RPO; default 0: off)")
+    reference: str | None = flag(None, "--objective dpo: the reference model, an mmpipe run directory's latest "
+                                 "checkpoint (`mmpipe import --out RUN` makes one of a transformers directory; "
+                                 "default: the run's starting weights)", metavar="RUN")
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")

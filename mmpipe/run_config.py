@@ -19,7 +19,7 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
 from .data.dataset import DataOptions, packed_image_slots, resolve_data
 from .data.image_kinds import image_kind
-from .data.preference import preference_problems
+from .data.preference import preference_problems, reference_problems
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
 from .model.attention import attention_choice
@@ -86,6 +86,7 @@ class RunConfig:
     ep: int = 1  # --ep: expert-parallel ranks (mmpipe.runtime.experts)
     objective: Objective = TOKENS  # --objective: what the last stage trains on (mmpipe.model.objectives)
     tp: int = 1  # --tp: tensor-parallel ranks per stage (mmpipe.model.tensor_parallel); world = stages x dp x tp
+    reference: str | None = None  # --reference: the run directory whose weights are dpo's reference (else the start)
 
     @property
     def experts(self):
@@ -241,6 +242,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         "experts": model is not None and family_of(model).experts(model) is not None,
         "eval": bool(args.eval_data or args.eval_split)}))
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
+    problems.extend(reference_problems(args, model))  # --reference RUN: the model as fitted, too
     problems.raise_any()
 
     auto_schedule = _fill(ds, args.steps, (micro, gas, dp), tp)
@@ -250,7 +252,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
                      parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
                      schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
-                     objective=run_objective(args), tp=tp)
+                     objective=run_objective(args), tp=tp, reference=args.reference)
 
 
 def _model(args: TrainArgs, problems: Problems) -> tuple[ModelConfig | None, str | None]:

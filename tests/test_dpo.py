@@ -12,20 +12,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import assert_weights_moved, refused, train_run, write_ds_config
+from conftest import assert_weights_moved, refused, train_run, write_checkpoint, write_ds_config
+from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import export_shapes
 from mmpipe.model import ReferenceModel
 from mmpipe.model.builder import IGNORE_INDEX, TiedCall
 from mmpipe.model.dpo import REWARDS, row_logps
-from mmpipe.model.lora import Lora
+from mmpipe.model.lora import Lora, load_base
 from mmpipe.model.objectives import dpo
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset
-from mmpipe.runtime.preference import LiveReference
+from mmpipe.runtime.preference import LiveReference, reference_model
 from mmpipe.runtime.reference import train_reference
 
 TOL = 1e-5
@@ -178,21 +179,34 @@ def test_pipeline_equals_single_device(pairs, ds_config, pp2, tmp_path):
     assert data["good"] == 2 * 17 and data["records"] == 2 * 20
 
 
-@pytest.mark.parametrize("lora", [None, Lora(2, 4.0)], ids=["frozen-copy", "lora-adapters-off"])
-def test_live_reference_is_the_starting_model(pairs, ds_config, tmp_path, lora):
-    """LiveReference's weights(): inside it the stage computes the starting model's logits, (a) from its frozen
-    copy, (b) with LoRA the adapters off (plus a copy of the trained tensors outside --lora-groups); after it the
-    policy's own again, unchanged."""
+def _load_layers(model, ckpt_dir):
+    """trainer.load_run_weights for a single-device model: layer i from layer_{i:02d} of the latest checkpoint."""
+    tag = (ckpt_dir / "latest").read_text().strip()
+    for i, layer in enumerate(model):
+        load_base(layer, torch.load(ckpt_dir / tag / f"layer_{i:02d}-model_states.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("lora,other", [(None, False), (Lora(2, 4.0), False), (Lora(2, 4.0), True)],
+                         ids=["frozen-copy", "lora-adapters-off", "reference-run"])
+def test_live_reference_is_the_starting_model(pairs, ds_config, tmp_path, lora, other):
+    """LiveReference's weights(): inside it the stage computes the reference's logits: the starting model's, (a) from
+    its frozen copy, (b) with LoRA the adapters off (plus a copy of the trained tensors outside --lora-groups); (d)
+    --reference RUN's (another seed's model, every tensor copied); after it the policy's own again, unchanged."""
     run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1")),
                   world_size=1)
-    run = dataclasses.replace(run, lora=lora)
     inputs, _ = _first_micro_batch(run, tmp_path)
+    if other:  # a run directory holding the same model at another seed
+        write_checkpoint(ReferenceModel(run.model, seed=7), tmp_path / "base")
+        run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1",
+                                                "--reference", str(tmp_path / "base"))), world_size=1)
+    run = dataclasses.replace(run, lora=lora)
     policy = ReferenceModel(run.model, seed=3, lora=lora)
-    start = copy.deepcopy(policy)
-    live = LiveReference(SimpleNamespace(module=policy), run)
+    start = load_reference(tmp_path / "base" / "checkpoints", run.model) if other else copy.deepcopy(policy)
+    live = LiveReference(SimpleNamespace(module=policy), run, _load_layers)
+    assert reference_model(run, policy)(*inputs).equal(start(*inputs))  # the single-device loop's reference
     adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
     assert bool(adapters) == (lora is not None) and live.copied == sum(
-        p.numel() for n, p in policy.named_parameters() if p.requires_grad and "lora_" not in n)
+        p.numel() for n, p in policy.named_parameters() if (p.requires_grad or other) and "lora_" not in n)
     with torch.no_grad():
         for p in policy.parameters():  # training moved every trained tensor, the adapters' B included
             if p.requires_grad:
@@ -219,3 +233,9 @@ def test_refusals(pairs, ds_config, tmp_path, capsys):
     assert "--pack is not supported yet" in refused([*base, "--pack"], capsys)[-1]
     assert refused([*base, "--schedule", "zb-h1"], capsys) == [
         "mmpipe: error: --objective dpo with --schedule zb-h1 is not supported yet (docs/dpo.md)"]
+    write_checkpoint(ReferenceModel(load_preset("tiny")), tmp_path / "tiny")
+    assert refused([*base, "--reference", str(tmp_path / "tiny")], capsys)[-1].startswith(
+        f"mmpipe: error: --reference: {tmp_path / 'tiny'} holds another model than this run trains (")
+    assert refused([*base, "--reference", str(tmp_path)], capsys)[-1] == (
+        f"mmpipe: error: --reference: {tmp_path} has no model.json (give an mmpipe run directory, e.g. "
+        f"`mmpipe import --out`)")

@@ -188,3 +188,24 @@ def preference_problems(args, data, micro: int, schedule: str = "1f1b") -> list[
         except ConfigError as e:
             problems.append(str(e))
     return problems
+
+
+def reference_problems(args, model) -> list[str]:
+    """--reference RUN: only with --objective dpo, an mmpipe run directory (model.json, a checkpoint, no TP shards,
+    no LoRA adapters) holding the very model the run trains (model: the run's ModelConfig, or None where it failed)."""
+    if args.reference is None:
+        return []
+    if not args.objective == "dpo":
+        return [f"--reference: only --objective dpo reads a reference model (this run's objective is {args.objective})"]
+    from ..run_config import init_model  # the checks --init-from makes of a run directory
+    try:
+        ref = init_model(args.reference, None)
+    except ConfigError as e:
+        return [str(e).replace("--init-from:", "--reference:", 1)]
+    if model is None or ref.to_dict() == model.to_dict():
+        return []
+    a, b = ref.to_dict(), model.to_dict()
+    diff = next(f"{k}.{j}" if isinstance(a[k], dict) else k for k in a
+                for j in (a[k] if isinstance(a[k], dict) else [None])
+                if (a[k].get(j) != b.get(k, {}).get(j) if isinstance(a[k], dict) else a[k] != b.get(k)))
+    return [f"--reference: {args.reference} holds another model than this run trains ({diff} differs)"]

@@ -7,7 +7,7 @@ last stage's loss_fn swapped for a recorder of each row's answer log-prob, mmpip
 train_batch the same micro-batches with (labels, ref_logps) as labels. Every stage runs both passes, in the same
 order; the wire, the loaders and DP are untouched (each rank replays its own micro-batches).
 
-The reference weights are the run's starting weights (the seed's, or --init-from's):
+The reference weights are the run's starting weights (the seed's, or --init-from's), or --reference RUN's:
     (a) a frozen copy of this stage's trained tensors, taken when the engine is built (before --resume loads the
         checkpoint): no gradient, no optimizer state; memory one copy of the stage's TRAINED parameters (a frozen
         group is shared: its values never change). The reference pass swaps the copy's storage in (p.data) and
@@ -15,31 +15,44 @@ The reference weights are the run's starting weights (the seed's, or --init-from
     (b) with --lora: the adapters switched off (peft's disable_adapters: the base linears alone, no copy), plus (a)
         for any trained tensor that is not an adapter (a group outside --lora-groups and --freeze). LoRA's B starts
         at zero, so the adapters-off model is the starting model: (b) equals (a) exactly, at an adapter's copy less.
+    (d) --reference RUN: (a)'s copies hold every tensor of the stage (a frozen group too), read from RUN's latest
+        checkpoint as --init-from reads one (trainer.load_run_weights, into the swapped-in copies); LoRA adapters off.
 A live reference costs one forward per step (no backward): about a third of a step's compute.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
+from pathlib import Path
 
 import torch
 
 from ..model.dpo import token_labels
 from ..model.lora import is_adapter, lora_layers
+from .checkpoint import load_reference
 
 
 class LiveReference:
     """This rank's reference weights and the pass that records the reference log-probs of a step's rows."""
 
-    def __init__(self, engine, run):
+    def __init__(self, engine, run, load=None):
+        """load(module, ckpt_dir): reads a run's latest checkpoint into the module's layers (trainer.load_run_weights);
+        with --reference RUN it fills the copies, which then hold every tensor of the stage (the frozen ones too)."""
         self.engine, self.run = engine, run
         module = engine.module
         self.adapters = [layer for _, _, layer in lora_layers(module)] if run.lora else []
         seen, self.copies = set(), []
         for name, p in module.named_parameters():
-            if p.requires_grad and not is_adapter(name) and id(p) not in seen:
+            if (p.requires_grad or run.reference) and not is_adapter(name) and id(p) not in seen:
                 seen.add(id(p))
                 self.copies.append((p, p.detach().clone()))
+        if run.reference:  # the copies swapped in, the reference run's layers loaded into them, swapped out
+            self._swap()
+            try:
+                load(module, Path(run.reference) / "checkpoints")
+            finally:
+                self._swap()
         self.seconds = 0.0  # the last reference pass's wall time (the step's time includes it)
 
     @property
@@ -96,3 +109,12 @@ def reference_rows(ref_model, inputs, labels, objective):
     with torch.no_grad():
         ref = objective.row_logps(ref_model(*inputs), labels)
     return token_labels(labels), ref
+
+
+def reference_model(run, model):
+    """The single-device loop's reference (mmpipe.runtime.reference): --reference RUN's model, else a frozen copy of
+    the starting `model`; no gradient either way."""
+    if run.reference:
+        ref = load_reference(Path(run.reference) / "checkpoints", run.model)
+        return ref.requires_grad_(False)
+    return copy.deepcopy(model).requires_grad_(False)

@@ -8,7 +8,6 @@ train with the same step (train_step, or clip_and_step after a torch pipelining 
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from ..model.lora import load_base
 from ..run_config import RunConfig
 from .checkpoint import load_reference
 from .feed import run_dataset, step_order
-from .preference import reference_rows
+from .preference import reference_model, reference_rows
 
 
 def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:
@@ -106,8 +105,8 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     if run.init_from:  # weights only, as mmpipe.runtime.trainer.load_run_weights (adapters keep their init)
         for mine, base in zip(model, load_reference(Path(run.init_from) / "checkpoints", run.model)):
             load_base(mine, base.state_dict())
-    # --objective dpo: a frozen copy of the starting model is the reference (mmpipe.runtime.preference)
-    ref_model = copy.deepcopy(model).requires_grad_(False) if run.objective.reference else None
+    # --objective dpo: a frozen copy of the starting model, or --reference's run (mmpipe.runtime.preference)
+    ref_model = reference_model(run, model) if run.objective.reference else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)

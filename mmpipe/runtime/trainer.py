@@ -77,7 +77,8 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     samples = prepare(run.data, run.model, out, args.seed, verbose=rank == 0)
     fingerprint = samples.index and samples.index.stats["fingerprint"]
     engine = build_engine(run, args, rank)
-    reference = LiveReference(engine, run) if run.objective.reference else None  # the start's weights, kept
+    # dpo: the reference's weights, the start's or --reference's, kept on each stage (mmpipe.runtime.preference)
+    reference = LiveReference(engine, run, load_run_weights) if run.objective.reference else None
     progress = restore(engine, run, args, ckpt_dir, fingerprint, rank)
     stream = DataStream(engine, run, args, samples, progress)
     on_exit(stream.close)  # an error's exit path stops the loader's workers too (mmpipe.train's release)
