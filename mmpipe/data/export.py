@@ -18,7 +18,8 @@ from pathlib import Path
 
 from .shapes import COLOURS, COUNTS, QUARTERS, SHAPES, ShapesVQA
 
-FORMATS = ("llava-jsonl", "llava-json", "pairs-csv", "pairs-jsonl", "parquet", "hf-disk", "dpo-jsonl")
+FORMATS = ("llava-jsonl", "llava-json", "pairs-csv", "pairs-jsonl", "parquet", "hf-disk")  # supervised records
+PREFERENCE_FORMATS = ("dpo-jsonl",)  # preference pairs, read by --objective dpo alone
 ANSWERS = {"count": COUNTS, "colour_of_shape": list(COLOURS), "shape_of_colour": SHAPES, "where_is_shape": QUARTERS,
            "colour_at_quarter": list(COLOURS)}  # a question type's possible answers: a wrong one is drawn from them
 
@@ -46,8 +47,8 @@ def caption(data: ShapesVQA, i: int) -> str:
 
 def export_shapes(out: str | Path, fmt: str, n: int, *, seed: int = 0, image_size: int = 64, patch: int = 16) -> Path:
     """Writes the set under `out` (images/ + one data file) and returns the data file or dataset dir."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt not in FORMATS + PREFERENCE_FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS + PREFERENCE_FORMATS)}")
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     data = ShapesVQA(image_size, patch, "train", seed)
@@ -93,7 +94,7 @@ def export_shapes(out: str | Path, fmt: str, n: int, *, seed: int = 0, image_siz
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", default="llava-jsonl", choices=FORMATS)
+    p.add_argument("--format", default="llava-jsonl", choices=FORMATS + PREFERENCE_FORMATS)
     p.add_argument("--n", type=int, default=500, help="records (default: 500)")
     p.add_argument("--out", required=True, help="output folder (images/ and the data file go here)")
     p.add_argument("--seed", type=int, default=0)
