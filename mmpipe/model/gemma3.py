@@ -87,10 +87,16 @@ def gemma3_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (t.partial_rotary_factor == 1.0, "text.partial_rotary_factor", "Gemma 3 rotates whole heads (1.0)"),
         (t.sliding_window >= 1 and t.sliding_pattern >= 1, "text.sliding_window",
          f"{t.sliding_window} / sliding_pattern {t.sliding_pattern} must be >= 1"),
-        (t.rope_factor > 0 and t.query_pre_attn_scalar > 0, "text.rope_factor",
-         "rope_factor and query_pre_attn_scalar must be > 0"),
+        (t.rope_factor > 0, "text.rope_factor", f"{t.rope_factor} must be > 0"),
+        (t.local_rope_theta > 0, "text.local_rope_theta", f"{t.local_rope_theta} must be > 0"),
+        (t.query_pre_attn_scalar > 0, "text.query_pre_attn_scalar", f"{t.query_pre_attn_scalar} must be > 0"),
         (0 <= cfg.image_token_id < t.vocab_size, "image_token_id",
          f"{cfg.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+        # <start_of_image> / <end_of_image>, around every image block (mmpipe.data.gemma3)
+        (0 <= cfg.vision_start_id < t.vocab_size, "vision_start_id",
+         f"{cfg.vision_start_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+        (0 <= cfg.vision_end_id < t.vocab_size, "vision_end_id",
+         f"{cfg.vision_end_id} is not a token id of the {t.vocab_size}-token vocabulary"),
     ]
 
 
