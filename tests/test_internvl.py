@@ -211,18 +211,30 @@ def _hf_answer(hf, tok, question: str, im, new: int) -> str:
     return tok.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 
+# generate's batch: four sizes of 3 crops each (1 x 2 and 2 x 1 tiles + the thumbnail), equal prompt lengths, so one
+# decoding batch of four rows (mmpipe.inference.generate.length_buckets); then a 1-tile and a 2 x 2-tile image alone
+BATCH = [(60, 28), (100, 44), (28, 62), (44, 100), (30, 26), (70, 66)]
+
+
 def test_generate_batch_of_four_sizes_gives_hf_answers(internvl, tmp_path, capsys):
-    """`mmpipe generate --records` on the HF directory: four images of four tilings (1, 3, 3 and 5 crops) in one
-    batch, each prompt its answer as transformers' greedy decoding gives it, cached and with --no-cache."""
+    """`mmpipe generate --records` on the HF directory: four images of four sizes (two tilings) in one batch, and a
+    1-tile and a 2 x 2-tile image, each prompt its answer as transformers' greedy decoding gives it, with the layers'
+    KV cache and with --no-cache."""
+    from mmpipe.data.text import ConversationEncoder
     from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.inference.generate import length_buckets
     d, hf, _, _, _ = internvl
     tok = load_tokenizer(str(d))
-    for k, (name, (w, h)) in enumerate(SIZES):
-        image(w, h, seed=k).save(tmp_path / f"{name}.png")
-    requests = [{"image": f"{name}.png", "prompt": "<image>\nw7 w8"} for name, _ in SIZES]
+    images = [image(w, h, seed=k) for k, (w, h) in enumerate(BATCH)]
+    for k, im in enumerate(images):
+        im.save(tmp_path / f"{k}.png")
+    requests = [{"image": f"{k}.png", "prompt": "<image>\nw7 w8"} for k in range(len(BATCH))]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
-    want = [_hf_answer(hf, tok, "<image>\nw7 w8", image(w, h, seed=k), 4) for k, (_, (w, h)) in enumerate(SIZES)]
-    assert all(want) and len(set(want)) > 1, want
+    ids, _ = ConversationEncoder(tok, 512, markers=True).prompt([("user", "<image>\nw7 w8")], n_images=1)
+    lengths = [len(ids) + len(sample([im], seed=0, words=0)[0]) for im in images]
+    assert length_buckets(lengths, 16) == [[0, 1, 2, 3], [4], [5]]  # the four sizes decode as one batch
+    want = [_hf_answer(hf, tok, "<image>\nw7 w8", im, 4) for im in images]
+    assert all(want) and len(set(want)) > 2, want
     for extra in ([], ["--no-cache"]):  # the layers' KV cache, and the whole prompt again each step
         assert main(["generate", "--checkpoint", str(d), "--records", str(tmp_path / "prompts.jsonl"),
                      "--max-new-tokens", "4", *extra]) == 0
