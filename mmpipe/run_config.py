@@ -225,7 +225,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     _check_ep(args, model, dp, ds, zero_stage, precision, problems)
     micro, gas = problems.attempt(_batch_sizes, ds, dp) or (1, 1)
     if objective_named(args.objective).pairs:  # --objective dpo: preference pairs, two rows each
-        problems.extend(preference_problems(args, data, micro, schedule.name))
+        problems.extend(preference_problems(args, data, micro, None if schedule == BASELINE else schedule.name))
         data = data and dataclasses.replace(data, pairs=True)
     parts, table = [], []
     if model is not None and data is not None:
@@ -242,7 +242,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         "experts": model is not None and family_of(model).experts(model) is not None,
         "eval": bool(args.eval_data or args.eval_split)}))
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
-    problems.extend(reference_problems(args, model))  # --reference RUN: the model as fitted, too
+    problems.extend(reference_problems(args, model, init_model))  # --reference RUN: the model as fitted, too
     problems.raise_any()
 
     auto_schedule = _fill(ds, args.steps, (micro, gas, dp), tp)

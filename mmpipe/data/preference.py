@@ -163,10 +163,11 @@ def write_jsonl(path, records: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-def preference_problems(args, data, micro: int, schedule: str = "1f1b") -> list[str]:
+def preference_problems(args, data, micro: int, other_schedule: str | None = None) -> list[str]:
     """--objective dpo's own checks against the run's flags and data (DataOptions, or None where it failed), one line
     each: beta > 0, rpo_alpha >= 0, pairs in the data, whole pairs in a micro-batch, what is not built yet
-    (schedule: the run's pipeline schedule by name; the reference pass is tested on DeepSpeed's own, 1f1b)."""
+    (other_schedule: the run's pipeline schedule by name where it is not the baseline, DeepSpeed's own 1F1B, the one
+    the reference pass is tested on)."""
     problems = []
     if args.beta <= 0:
         problems.append(f"--beta: {args.beta} must be > 0 (DPO's KL weight; TRL's default 0.1)")
@@ -176,7 +177,7 @@ def preference_problems(args, data, micro: int, schedule: str = "1f1b") -> list[
         problems.append(f"--objective dpo: the micro-batch is {micro} rows; it must be even, so each pair's chosen "
                         f"and rejected rows share one micro-batch (train_micro_batch_size_per_gpu)")
     for on, what in ((args.pack, "--pack"), (bool(args.eval_data or args.eval_split), "--eval-data / --eval-split"),
-                     (args.tp > 1, "--tp"), (str(schedule) != "1f1b", f"--schedule {schedule}")):
+                     (args.tp > 1, "--tp"), (other_schedule is not None, f"--schedule {other_schedule}")):
         if on:
             problems.append(f"--objective dpo with {what} is not supported yet (docs/dpo.md)")
     if data is not None and data.builtin:
@@ -190,16 +191,16 @@ def preference_problems(args, data, micro: int, schedule: str = "1f1b") -> list[
     return problems
 
 
-def reference_problems(args, model) -> list[str]:
+def reference_problems(args, model, read_run) -> list[str]:
     """--reference RUN: only with --objective dpo, an mmpipe run directory (model.json, a checkpoint, no TP shards,
-    no LoRA adapters) holding the very model the run trains (model: the run's ModelConfig, or None where it failed)."""
+    no LoRA adapters: read_run(RUN, None), run_config.init_model, checks them as --init-from's) holding the very model
+    the run trains (model: the run's ModelConfig as fitted, or None where it failed)."""
     if args.reference is None:
         return []
     if not args.objective == "dpo":
         return [f"--reference: only --objective dpo reads a reference model (this run's objective is {args.objective})"]
-    from ..run_config import init_model  # the checks --init-from makes of a run directory
     try:
-        ref = init_model(args.reference, None)
+        ref = read_run(args.reference, None)
     except ConfigError as e:
         return [str(e).replace("--init-from:", "--reference:", 1)]
     if model is None or ref.to_dict() == model.to_dict():
