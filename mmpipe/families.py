@@ -117,6 +117,7 @@ from .model.qwen3_vl import (
     qwen3_vl_checks,
 )
 from .model.stage import ROW, StageField
+from .model.tp_plans import QWEN2_VL_TP_PLAN, QWEN3_5_TP_PLAN, QWEN3_VL_TP_PLAN
 from .registry import Family, HfSide, ImageLayout, register
 
 # the integer tensor of each image slot's layout (mmpipe.model.stage): moondream multi-crop's tiling (rows, cols),
@@ -193,7 +194,7 @@ QWEN2_VL = register(Family(
     media=("image", "video"),  # clips: mmpipe.data.video (Qwen2.5-VL's absolute-time rotary)
     # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
     hf=_hf("qwen2_vl", "Qwen2VLForConditionalGeneration", ("qwen2_vl", "qwen2_5_vl"), "Qwen2-VL",
-           importer="import_qwen2_vl", config="hf_qwen_config", reader="read_qwen2_vl")))
+           importer="import_qwen2_vl", config="hf_qwen_config", reader="read_qwen2_vl"), tp_plan=QWEN2_VL_TP_PLAN))
 
 # The tower, projector and embedding are costed on the row's T crops (costs.ANYRES_*, per_row: a CropRow)
 LLAVA_NEXT = register(Family(
@@ -227,7 +228,7 @@ QWEN3_VL = register(Family(
     fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS),
     experts=_moe,
     hf=_hf("qwen3_vl", "Qwen3VLForConditionalGeneration", ("qwen3_vl", "qwen3_vl_moe"), "Qwen3-VL",
-           importer="import_qwen3_vl", config="hf_qwen3_config", reader="read_qwen3_vl")))
+           importer="import_qwen3_vl", config="hf_qwen3_config", reader="read_qwen3_vl"), tp_plan=QWEN3_VL_TP_PLAN))
 
 # Qwen3-VL's tower without DeepStack; each decoder layer kind by its own rule (mmpipe.model.qwen3_5): a
 # linear-attention layer linear in positions (DELTANET_BLOCK), a full one with its output gate and its heads' own
@@ -245,7 +246,7 @@ QWEN3_5 = register(Family(
     fields=lambda cfg: ROW + qwen3_5_moe_fields(cfg) + (KEPT_TILING,), experts=_moe,
     # Qwen3_5MoeForConditionalGeneration's by config (text.moe: mmpipe.hf.qwen3_5)
     hf=_hf("qwen3_5", "Qwen3_5ForConditionalGeneration", ("qwen3_5", "qwen3_5_moe"), "Qwen3.5",
-           importer="import_qwen3_5", config="hf_qwen3_5_config", reader="read_qwen3_5")))
+           importer="import_qwen3_5", config="hf_qwen3_5_config", reader="read_qwen3_5"), tp_plan=QWEN3_5_TP_PLAN))
 
 # InternVL3.5: InternViT on 448-px tiles in the row's T crops (costed at an image's tile cap), a Qwen3 decoder, dense
 # or MoE (text.moe: mmpipe.model.moe's sparse MLP and head); mmpipe.model.internvl, mmpipe.data.internvl

@@ -26,6 +26,7 @@ from .model.attention import attention_choice
 from .model.builder import check_lora_rank
 from .model.lora import Lora, read_lora
 from .model.objectives import TOKENS, Objective, objective_named, run_objective
+from .model.tensor_parallel import tp_sizes
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
 from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES, Schedule, schedule_named
@@ -392,11 +393,13 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         return
     if not family_of(model).tp_plan:
         problems.append(f"--tp: {tp} on {model.name}: the {model.family} family has no tensor-parallel plan yet "
-                        f"(mmpipe.registry.Family.tp_plan; llava has one)")
+                        f"(mmpipe.registry.Family.tp_plan; llava, qwen2_vl, qwen3_vl and qwen3_5 have one)")
         return
     t = model.text
+    if family_of(model).experts(model) is not None:
+        problems.append(f"--tp: {tp} on {model.name}: its MoE blocks have no tensor-parallel plan yet")
     for what, n in (("attention heads (text.n_heads)", t.n_heads), ("vocabulary (text.vocab_size)", t.vocab_size),
-                    ("FFN width (text.ff_dim)", t.ff_dim)):
+                    ("FFN width (text.ff_dim)", t.ff_dim), *tp_sizes(model, family_of(model).tp_plan)):
         if n % tp:
             problems.append(f"--tp: {tp} does not divide {model.name}'s {n} {what}")
     if t.kv_heads % tp and tp % t.kv_heads:  # fewer kv heads than ranks: each rank keeps the one its queries read

@@ -1,7 +1,9 @@
 """--tp (issue 54, first slice: docs/tensor_parallel.md). The pieces on 2 gloo ranks in-process
 (torch.multiprocessing): DeepSpeed's vocab-parallel cross-entropy inside mmpipe's SFT loss equals the
 full-vocabulary loss and its gradients (1e-6), and llava's plan (vocab-split embedding, a LlamaBlock split by
-column / row, the tied and the untied head) gives the whole layers' outputs and gradients. Then one launch:
+column / row, the tied and the untied head) gives the whole layers' outputs and gradients, as the plans of the
+families of patches (mmpipe.model.tp_plans: split towers, DeepStack mergers, Gated DeltaNet) give their whole
+models'; their launches are tests/test_tensor_parallel_families.py. Then one launch:
 llava-tiny at PP=2 x TP=2 (4 CPU ranks) equals the single-device reference, losses and gathered weights 1e-5,
 with gradient clipping engaged. And the refusals, one line each."""
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch.multiprocessing as mp
 from conftest import assert_weights_moved, cut_at, refused, train_run, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.families import LLAVA_TP_PLAN
-from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, lm_loss, lm_loss_sum
+from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, TiedCall, lm_loss, lm_loss_sum
 from mmpipe.model.llava import LlamaBlock, LlavaEmbed, LMHeadLinear, tied_head
 from mmpipe.model.tensor_parallel import Shard, gather_state, parallelize, split_dims, vocab_parallel_lm_loss
+from mmpipe.registry import family_of
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
@@ -147,7 +150,74 @@ def test_llava_plan_splits_layers_exactly(two_ranks, check):
     assert max(diffs.values()) < 1e-6, {k: v for k, v in diffs.items() if v >= 1e-6}
 
 
-_CHECKS = {"ce": _ce_check, "layers": _layers_check, "layers kv 1": functools.partial(_layers_check, kv_heads=1)}
+def _patch_row(cfg):
+    """One packed row of the families of patches: an image of 8 x 8 patches (16 merged tokens between its vision
+    start / end ids; Qwen2.5's windows of 4 x 4 patches: 4 windows in block 0, the whole image in block 1) in sample
+    1, a text-only sample 2, 2 padding positions: (pixel_values, input_ids, has_image, segments, tiling), labels."""
+    g = torch.Generator().manual_seed(1)
+    text = torch.randint(0, cfg.vision_start_id, (1, 30), generator=g)
+    ids = torch.cat([torch.tensor([[cfg.vision_start_id] + [cfg.image_token_id] * 16 + [cfg.vision_end_id]]), text], 1)
+    L = ids.shape[1]
+    segments = torch.tensor([[1] * 30 + [2] * (L - 32) + [0, 0]])
+    inputs = (torch.randn(1, 64, cfg.vision.patch_dim, generator=g), ids, torch.tensor([[1, 0]]), segments,
+              torch.tensor([[[1, 8, 8], [0, 0, 0]]]))
+    return inputs, torch.randint(0, cfg.text.vocab_size, (1, L), generator=g)
+
+
+def _family_check(shard: Shard, preset: str) -> dict:
+    """A family's whole model (ReferenceModel: tower, mergers, embedding, decoder, tied head) split by its plan on 2
+    ranks against the whole one, on one packed row: the loss (vocab-parallel against full) and every gathered gradient
+    relative to its tensor's largest (float sums in another order: the split matmuls and the all-reduces)."""
+    cfg = load_preset(preset)
+    plan = family_of(cfg).tp_plan
+    inputs, labels = _patch_row(cfg)
+    whole, split = ReferenceModel(cfg, seed=3), ReferenceModel(cfg, seed=3)
+    for layer in split:  # the tied head's later use: its forward_fn, as DeepSpeed's partial of it is split
+        if isinstance(layer, TiedCall):
+            layer.forward_fn = parallelize(functools.partial(layer.forward_fn), plan, shard).func
+        else:
+            parallelize(layer, plan, shard)
+    losses = []
+    for model, loss_fn in ((whole, lm_loss), (split, vocab_parallel_lm_loss(shard, cfg.text.vocab_size)[0])):
+        loss = loss_fn(model(*inputs), labels)
+        loss.backward()
+        losses.append(loss.item())
+    diffs = {"loss": abs(losses[0] - losses[1])}
+    for i, (w, s) in enumerate(zip(whole, split)):
+        dims, grads = split_dims(w, plan, shard.size), dict(s.named_parameters())
+        for k, p in w.named_parameters():
+            gathered = [torch.empty_like(grads[k]) for _ in range(shard.size)]
+            dist.all_gather(gathered, grads[k].grad.contiguous())
+            got = gather_state([{k: t} for t in gathered], dims)[k]
+            diffs[f"{i}.{type(w).__name__}.{k}{'' if k in dims else ' whole'}"] = \
+                ((got - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()
+    return diffs
+
+
+_CHECKS = {"ce": _ce_check, "layers": _layers_check, "layers kv 1": functools.partial(_layers_check, kv_heads=1),
+           **{p: functools.partial(_family_check, preset=p) for p in ("qwen-tiny", "qwen3-vl-tiny", "qwen3.5-tiny")}}
+
+
+@pytest.mark.parametrize("preset, split, tol", [
+    ("qwen-tiny", ("QwenVisionBlock.attn.qkv.weight", "QwenVisionBlock.mlp.down_proj.weight",
+                   "QwenMerger.mlp.0.weight", "QwenBlock.self_attn.k_proj.bias"), 1e-5),
+    ("qwen3-vl-tiny", ("Qwen3VisionBlock.mlp.linear_fc1.weight", "DeepstackMerger0.linear_fc2.weight",
+                       "Qwen3Block.self_attn.q_proj.weight"), 1e-5),
+    ("qwen3.5-tiny", ("DeltaNetBlock.linear_attn.in_proj_qkv.weight", "DeltaNetBlock.linear_attn.conv1d.weight",
+                      "DeltaNetBlock.linear_attn.A_log", "GatedAttentionBlock.self_attn.q_proj.weight"), 1e-4)])
+def test_family_plan_splits_the_whole_model_exactly(two_ranks, preset, split, tol):
+    """Every layer of the model under its family's plan (the tower's window / full attention by head groups, the
+    DeepStack mergers, Gated DeltaNet's heads, the gated attention, the tied vocab head): the loss and every gradient
+    gathered from the 2 ranks equal the whole model's, each tensor's within tol of its largest element. Measured
+    (fp32): qwen-tiny 1.5e-6, qwen3-vl-tiny 2.3e-6, qwen3.5-tiny 3.9e-5 (A_log: Gated DeltaNet's fp32 chunked solves
+    amplify the split matmuls' other rounding; the same check in float64, the delta rule too: 7.9e-13). A split that
+    is wrong is off by its whole share: without the TP sum of the q / k norms' gradients qwen3-vl-tiny's q_norm was
+    off by 3.2e-3 of 4e-3."""
+    diffs = two_ranks[preset]
+    for name in split:  # split by the plan, not whole on each rank
+        assert any(k.endswith(name) for k in diffs), (name, sorted(diffs))
+    assert diffs["loss"] < 1e-6
+    assert max(diffs.values()) < tol, {k: v for k, v in diffs.items() if v >= tol}
 
 
 # ---- one launch: PP=2 x TP=2 == single device -----------------------------------------------------------------
@@ -224,10 +294,19 @@ def test_a_tp_checkpoint_holds_one_file_per_tp_rank_and_layer(pp2_tp2):
 
 # ---- refusals -------------------------------------------------------------------------------------------------
 
-def test_tp_refusals_one_line_each(capsys):
+def test_tp_refusals_one_line_each(capsys, tmp_path):
     err = refused(["--preset", "llava-tiny", "--tp", "3", "--steps", "1"], capsys)
     for what in ("4 attention heads", "2 KV heads", "64 vocabulary", "64 FFN width"):
         assert any(f"--tp: 3 does not divide llava-tiny's {what}" in line for line in err), err
+    # a split tower's heads and Gated DeltaNet's key heads (2 each in qwen3.5-tiny) are the plan's SIZES
+    err = refused(["--preset", "qwen3.5-tiny", "--tp", "4", "--steps", "1"], capsys)
+    for what in ("2 vision attention heads", "2 Gated DeltaNet key heads"):
+        assert any(f"--tp: 4 does not divide qwen3.5-tiny's {what}" in line for line in err), err
+    model = load_preset("qwen3-vl-tiny").to_dict()
+    model["text"].update(tie_embeddings=False, moe={"experts": 4, "top_k": 2, "ff_dim": 32})
+    (tmp_path / "moe.json").write_text(json.dumps(model))
+    err = refused(["--preset", str(tmp_path / "moe.json"), "--tp", "2", "--steps", "1"], capsys)
+    assert any("its MoE blocks have no tensor-parallel plan yet" in line for line in err), err
     err = refused(["--preset", "tiny", "--tp", "2", "--steps", "1"], capsys)
     assert any("--tp: 2 on tiny: the moondream family has no tensor-parallel plan" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--tp", "2", "--lora", "4", "--steps", "1"], capsys)

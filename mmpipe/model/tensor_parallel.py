@@ -28,6 +28,24 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
     heads       an attention module's query head count, named as "module.attribute" (self_attn.n_heads):
                 divided by TP after the splits
     kv_heads    its kv head count ("self_attn.kv_heads"): divided by TP, or 1 where fewer than TP
+    summed      a module whose weights every rank holds whole but applies to its own heads only (Qwen3's q / k
+                RMSNorms over each head's width, Gated DeltaNet's gated norm): each rank's gradient is its heads'
+                share, summed over the TP group (a gradient hook, as a kv weight fewer than TP's), so the copies stay
+                equal. Measured on qwen3-vl-tiny at TP 2 without it: q_norm's gradient off by 3.2e-3
+    Fused(..)   column over a weight whose output rows stack parts [p0 | p1 | ..] (a fused projection): each part
+                split as column, this rank keeping its 1/TP of each in order. FusedAttention's qkv, rows [3, H, Dh]:
+                Fused(3), this rank's heads of q, of k and of v; Gated DeltaNet's in_proj_qkv and its depthwise
+                conv1d, channels [q | k | v] of key_dim, key_dim, value_dim: Fused(("key_dim", "key_dim",
+                "value_dim")), the widths read from the module holding them. An nn.Conv1d (depthwise, one channel
+                per group) keeps its channels' slice; its channels and groups become this rank's
+    {cls: ..}   a nested plan: the submodule is split by the entries of its own class (a block whose MLP is SwiGLU
+                or fc1 / fc2 by config), names relative to it
+
+A mark column on an nn.Parameter (not a module: Gated DeltaNet's per-value-head dt_bias, A_log [Hv]) keeps its
+rows r*n/TP ..: per-head values of the heads this rank holds. A plan's SIZES key (not a class) is a function
+cfg -> ((what, count), ..): the counts beyond the decoder's heads / vocabulary / FFN width that TP must divide
+(a split tower's heads and MLP width; Gated DeltaNet's key and value heads), refused in one line before launch
+(mmpipe.run_config, tp_sizes).
 
 Nothing in a layer asks whether TP is on: the split Linear / Embedding get this module's forwards.
 """
@@ -42,9 +60,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-COLUMN, ROW, VOCAB, KV, REPLICATED = "column", "row", "vocab", "kv", "replicated"
+COLUMN, ROW, VOCAB, KV, REPLICATED, SUMMED = "column", "row", "vocab", "kv", "replicated", "summed"
 HEADS, KV_HEADS = "heads", "kv_heads"  # marks of an attribute (a head count), not of a submodule
-MARKS = (COLUMN, ROW, VOCAB, KV, REPLICATED, HEADS, KV_HEADS)
+MARKS = (COLUMN, ROW, VOCAB, KV, REPLICATED, SUMMED, HEADS, KV_HEADS)
+SIZES = "sizes"  # a plan's key beside its classes: cfg -> ((what, count), ..) that TP must divide
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The mark of a fused projection (module docstring): parts, an int (that many equal parts) or the names of the
+    attributes of the module holding the weight that give each part's width."""
+    parts: int | tuple[str, ...]
+
+    def sizes(self, owner: nn.Module, n: int) -> list[int]:
+        if isinstance(self.parts, int):
+            return [n // self.parts] * self.parts
+        return [getattr(owner, a) for a in self.parts]
 
 
 @dataclass(frozen=True)
@@ -105,10 +136,19 @@ def _slice(t: torch.Tensor, dim: int, shard: Shard) -> torch.Tensor:
     return t.narrow(dim, shard.rank * step, step).clone()
 
 
-def _keep(module: nn.Module, name: str, dim: int, shard: Shard) -> None:
+def _slice_parts(t: torch.Tensor, dim: int, sizes: list[int] | None, shard: Shard) -> torch.Tensor:
+    """A fused weight's slice: this rank's 1/TP of each part along dim, in order (sizes None: one part)."""
+    if sizes is None:
+        return _slice(t, dim, shard)
+    if sum(sizes) != t.shape[dim]:
+        raise ValueError(f"tensor parallelism: parts {sizes} do not make up the {t.shape[dim]} rows of a fused weight")
+    return torch.cat([_slice(part, dim, shard) for part in t.split(sizes, dim)], dim)
+
+
+def _keep(module: nn.Module, name: str, dim: int, shard: Shard, sizes: list[int] | None = None) -> None:
     p = getattr(module, name)
     if p is not None:
-        kept = nn.Parameter(_slice(p.data, dim, shard), requires_grad=p.requires_grad)
+        kept = nn.Parameter(_slice_parts(p.data, dim, sizes, shard), requires_grad=p.requires_grad)
         kept.__dict__.update(p.__dict__)  # DeepSpeed's marks on it (a later tied copy's ds_pipe_replicated)
         kept.tp_split = dim  # counted on every TP rank in the gradient norm (mark_norm_counting)
         setattr(module, name, kept)
@@ -146,38 +186,106 @@ def _one_kv_head_forward(self, x):
     return y.narrow(-1, head * width, width)
 
 
+def _sum_gradients(module: nn.Module, shard: Shard) -> None:
+    """Each of the module's own parameters' gradient summed over the TP group as it is made (module docstring,
+    summed)."""
+    for p in module.parameters(recurse=False):
+        if p.requires_grad:
+            p.register_hook(lambda g: _all_reduce(g, shard))
+
+
 def _replicate_kv(module: nn.Linear, shard: Shard, kv_heads: int) -> None:
     """Fewer kv heads than TP ranks: the whole weight on every rank, this rank's kv head taken from its output, the
     gradient summed over the TP group (module docstring, kv)."""
     module.tp_kv_heads = kv_heads
-    for p in module.parameters(recurse=False):
-        p.register_hook(lambda g: _all_reduce(g, shard))
+    _sum_gradients(module, shard)
     module.tp_shard = shard
     module.forward = types.MethodType(_one_kv_head_forward, module)
 
 
-def _split_module(module: nn.Module, mark: str, shard: Shard, where: str, kv_heads: int) -> None:
+def _split_module(module: nn.Module, mark, shard: Shard, where: str, kv_heads: int, sizes=None) -> None:
+    """Split one submodule by its mark (sizes: a Fused mark's part widths)."""
     if mark == REPLICATED:
         return
+    if mark == SUMMED:
+        return _sum_gradients(module, shard)
     if mark == KV and isinstance(module, nn.Linear) and kv_heads % shard.size:
         return _replicate_kv(module, shard, kv_heads)
-    if isinstance(module, nn.Linear) and mark in (COLUMN, VOCAB, ROW, KV):
+    fused = isinstance(mark, Fused)
+    if isinstance(module, nn.Linear) and (fused or mark in (COLUMN, VOCAB, ROW, KV)):
         if mark == ROW:
             _keep(module, "weight", 1, shard)
             forward = _row_forward
         else:
-            _keep(module, "weight", 0, shard)
-            _keep(module, "bias", 0, shard)
+            _keep(module, "weight", 0, shard, sizes)
+            _keep(module, "bias", 0, shard, sizes)
             forward = _column_forward
         module.in_features, module.out_features = module.weight.shape[1], module.weight.shape[0]
     elif isinstance(module, nn.Embedding) and mark == VOCAB:
         _keep(module, "weight", 0, shard)
         module.num_embeddings = module.weight.shape[0]
         forward = _vocab_embedding_forward
+    elif isinstance(module, nn.Conv1d) and (fused or mark == COLUMN) and module.groups == module.in_channels:
+        _keep(module, "weight", 0, shard, sizes)  # depthwise: each channel its own filter, no collective
+        _keep(module, "bias", 0, shard, sizes)
+        module.in_channels = module.out_channels = module.groups = module.weight.shape[0]
+        return
     else:
         raise ValueError(f"tensor-parallel plan: {where} is a {type(module).__name__}, which '{mark}' cannot split")
     module.tp_shard = shard
     module.forward = types.MethodType(forward, module)
+
+
+def _entries(layer: nn.Module, items: dict, kind: str) -> dict:
+    """A layer's {name: mark} with each nested plan ({class: items}) replaced by the entries of the submodule's own
+    class, named from the layer."""
+    out = {}
+    for name, mark in items.items():
+        if not isinstance(mark, dict):
+            out[name] = mark
+            continue
+        sub = layer.get_submodule(name)
+        if type(sub) not in mark:
+            raise ValueError(f"tensor-parallel plan of {kind}: {name} is a {type(sub).__name__}, which its nested "
+                             f"plan does not name")
+        out.update({f"{name}.{k}" if k else name: v for k, v in _entries(sub, mark[type(sub)], kind).items()})
+    return out
+
+
+def _get(layer: nn.Module, name: str):
+    """The submodule ("" the layer itself) or the parameter a plan's name points to, else None."""
+    modules = dict(layer.named_modules())
+    return modules[name] if name in modules else dict(layer.named_parameters()).get(name)
+
+
+def _target(layer: nn.Module, name: str):
+    """(owner module, attribute) of a plan's name: "" the layer itself, "a.b" attribute b of submodule a."""
+    owner, _, attr = name.rpartition(".")
+    return layer.get_submodule(owner), attr
+
+
+def _split(layer: nn.Module, items: dict, name: str, mark, shard: Shard, kind: str) -> None:
+    """Split the module or the parameter `name` of a layer (not a head count)."""
+    (owner, attr), target = _target(layer, name), _get(layer, name)
+    sizes = mark.sizes(owner, target.weight.shape[0]) if isinstance(mark, Fused) else None
+    if isinstance(target, nn.Parameter):
+        if mark != COLUMN:
+            raise ValueError(f"tensor-parallel plan of {kind}: {name} is a parameter, which only 'column' splits")
+        return _keep(owner, attr, 0, shard)
+    kv = _kv_heads(layer, items, name) if mark == KV else 0
+    _split_module(target, mark, shard, f"{kind}.{name}", kv, sizes)
+
+
+def _resolve(layer: nn.Module, plan: dict) -> dict:
+    """The layer's {name: mark}, nested plans expanded, every name and mark checked."""
+    kind = type(layer).__name__
+    items = _entries(layer, plan[type(layer)], kind)
+    for name, mark in items.items():
+        if not isinstance(mark, Fused) and mark not in MARKS:
+            raise ValueError(f"tensor-parallel plan of {kind}: {name}: {mark!r} is not one of {MARKS} or a Fused")
+        if mark not in (HEADS, KV_HEADS) and _get(layer, name) is None:
+            raise ValueError(f"tensor-parallel plan of {kind}: it has no submodule or parameter {name!r}")
+    return items
 
 
 def parallelize(layer, plan: dict, shard: Shard):
@@ -189,21 +297,20 @@ def parallelize(layer, plan: dict, shard: Shard):
         return functools.partial(_tp_head(layer.func, shard), *layer.args, **layer.keywords)
     if not isinstance(layer, nn.Module) or type(layer) not in plan:
         return layer
-    items, modules, kind = plan[type(layer)], dict(layer.named_modules()), type(layer).__name__
-    for name, mark in items.items():
-        if mark not in MARKS:
-            raise ValueError(f"tensor-parallel plan of {kind}: {name}: {mark!r} is not one of {MARKS}")
-        if mark not in (HEADS, KV_HEADS) and name not in modules:
-            raise ValueError(f"tensor-parallel plan of {kind}: it has no submodule {name!r}")
+    items, kind = _resolve(layer, plan), type(layer).__name__
     for name, mark in items.items():  # the weights first: a kv split reads the whole model's kv head count
         if mark not in (HEADS, KV_HEADS):
-            kv = _kv_heads(layer, items, name) if mark == KV else 0
-            _split_module(modules[name], mark, shard, f"{kind}.{name}", kv)
+            _split(layer, items, name, mark, shard, kind)
     for name, mark in items.items():  # then the head counts become this rank's (1 kv head where fewer than TP)
         if mark in (HEADS, KV_HEADS):
-            owner, _, attr = name.rpartition(".")
-            setattr(modules[owner], attr, max(1, getattr(modules[owner], attr) // shard.size))
+            owner, attr = _target(layer, name)
+            setattr(owner, attr, max(1, getattr(owner, attr) // shard.size))
     return layer
+
+
+def tp_sizes(cfg, plan: dict) -> tuple:
+    """The counts beyond the decoder's own that TP must divide (the plan's SIZES, module docstring): ((what, n), ..)."""
+    return tuple(plan[SIZES](cfg)) if SIZES in plan else ()
 
 
 def _tp_head(fn, shard: Shard):
@@ -213,28 +320,44 @@ def _tp_head(fn, shard: Shard):
     return head
 
 
-def split_dims(layer: nn.Module, plan: dict, tp: int) -> dict[str, int]:
-    """{state-dict key: the dim it is split along} for a whole layer of a plan's class at `tp` ranks: what a TP
-    checkpoint's shards are concatenated along (mmpipe.runtime.checkpoint.load_reference). A key not listed is
-    whole in every shard."""
-    dims, items = {}, plan.get(type(layer), {})
+def split_dims(layer: nn.Module, plan: dict, tp: int) -> dict:
+    """{state-dict key: the dim it is split along, or (dim, the whole part widths) for a fused weight} for a whole
+    layer of a plan's class at `tp` ranks: what a TP checkpoint's shards are concatenated along
+    (mmpipe.runtime.checkpoint.load_reference). A key not listed is whole in every shard."""
+    if type(layer) not in plan:
+        return {}
+    dims, items = {}, _resolve(layer, plan)
     for name, mark in items.items():
-        if mark in (HEADS, KV_HEADS, REPLICATED) or mark == KV and _kv_heads(layer, items, name) % tp:
+        if mark in (HEADS, KV_HEADS, REPLICATED, SUMMED) or mark == KV and _kv_heads(layer, items, name) % tp:
             continue  # a head count; a replicated module; fewer kv heads than ranks: whole on each
-        module, prefix = (layer.get_submodule(name), f"{name}.") if name else (layer, "")
+        (owner, _), target = _target(layer, name), _get(layer, name)
+        if isinstance(target, nn.Parameter):
+            dims[name] = 0
+            continue
+        prefix = f"{name}." if name else ""
+        sizes = mark.sizes(owner, target.weight.shape[0]) if isinstance(mark, Fused) else None
         if mark == ROW:
             dims[prefix + "weight"] = 1
-        elif mark in (COLUMN, VOCAB, KV):
-            dims[prefix + "weight"] = 0
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                dims[prefix + "bias"] = 0
+        else:
+            dims[prefix + "weight"] = (0, tuple(sizes)) if sizes else 0
+            if isinstance(target, (nn.Linear, nn.Conv1d)) and target.bias is not None:
+                dims[prefix + "bias"] = dims[prefix + "weight"]
     return dims
 
 
-def gather_state(shards: list[dict], dims: dict[str, int]) -> dict:
+def _cat(tensors: list[torch.Tensor], dim) -> torch.Tensor:
+    """The whole tensor from its TP slices: along dim, or for a fused weight ((dim, part widths)) part by part."""
+    if isinstance(dim, int):
+        return torch.cat(tensors, dim=dim)
+    d, sizes = dim
+    local = [n // len(tensors) for n in sizes]
+    return torch.cat([torch.cat(parts, dim=d) for parts in zip(*(t.split(local, d) for t in tensors))], dim=d)
+
+
+def gather_state(shards: list[dict], dims: dict) -> dict:
     """One layer's state dict from its TP shards (in TP rank order): split tensors concatenated, the others
     rank 0's (they are equal on every rank: replicated weights take the same gradients)."""
-    return {k: torch.cat([s[k] for s in shards], dim=dims[k]) if k in dims else v for k, v in shards[0].items()}
+    return {k: _cat([s[k] for s in shards], dims[k]) if k in dims else v for k, v in shards[0].items()}
 
 
 def mark_norm_counting(params, shard_rank: int) -> None:
