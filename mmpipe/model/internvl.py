@@ -16,7 +16,7 @@ that is one tile (the processor adds no thumbnail then), so an image takes 1 + r
     InternEmbed           embed_tokens; the placeholder positions take the projector's features
     InternBlock x 36      Qwen3's block: q / k RMSNorms per head, 1-D rotary from 0 per sample, causal per sample
                           (InternMoeBlock: its MLP Qwen3-MoE's experts, mmpipe.model.moe)
-    FinalNorm, head       mmpipe.model.llava's (tied when text.tie_embeddings; MoeHead for an MoE decoder)
+    FinalNorm, head       mmpipe.model.llava's (tied when text.tie_embeddings; MoeHead / TiedMoeHead for an MoE one)
 
 The tiling (grid choice, resize, crop order, thumbnail) is transformers' GotOcr2ImageProcessor's, called by the data
 side (mmpipe.data.internvl), never copied; a tile's 256 features are (grid / 2)^2 at grid = 448 / 14 = 32.
@@ -34,7 +34,7 @@ from ..config import VISION_ACTS, ModelConfig, VisionConfig
 from . import costs
 from .llava import ACTS, FinalNorm, LlamaBlock, LlamaText, LMHeadLinear, decoder_specs, tied_head
 from .llava_next import AnyresEmbed, row_crops
-from .moe import MOE_BLOCK, MoeBlock, MoeHead, SparseMoe
+from .moe import MOE_BLOCK, MoeBlock, MoeHead, SparseMoe, TiedMoeHead, moe_head
 from .qwen3_vl import MoeConfig, Qwen3Attention
 from .stage import ROW, StageField, StageTuple, unpack_in
 
@@ -265,13 +265,12 @@ class InternMoeBlock(MoeBlock, InternBlock):
 
 
 def internvl_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    """The tower, the projector, the decoder (sparse with MoeHead when text.moe)."""
+    """The tower, the projector, the decoder (sparse, its head MoeHead or TiedMoeHead, when text.moe)."""
     moe = cfg.text.moe is not None
     text = decoder_specs(cfg, InternEmbed, InternMoeBlock if moe else InternBlock)
-    if moe:
-        text = text[:-1] + [LayerSpec(MoeHead, cfg)]  # untied: MoeConfig.checks
-    return ([LayerSpec(InternPatchEmbed, cfg)] + [LayerSpec(InternVisionBlock, cfg) for _ in range(cfg.vision.n_layers)]
-            + [LayerSpec(InternProjector, cfg)] + text)
+    tower = [LayerSpec(InternPatchEmbed, cfg)] + [LayerSpec(InternVisionBlock, cfg) for _ in range(cfg.vision.n_layers)]
+    specs = tower + [LayerSpec(InternProjector, cfg)] + text
+    return moe_head(specs, cfg) if moe else specs
 
 
 TILING = StageField("tiling", False)  # each slot's (orig_h, orig_w, rows, cols), kept to the head as LLaVA-NeXT's
@@ -301,4 +300,5 @@ PROJECTOR = costs.LayerRule("InternProjector", _projector, "vision", per_row=Tru
 COSTS = {InternPatchEmbed: costs.ANYRES_PATCH_EMBED, InternVisionBlock: costs.ANYRES_VISION_BLOCK,
          InternProjector: PROJECTOR, InternEmbed: costs.ANYRES_EMBED, InternBlock: costs.LLAMA_BLOCK,
          FinalNorm: costs.FINAL_NORM, LMHeadLinear: costs.LINEAR_HEAD, tied_head: costs.LINEAR_HEAD,
-         InternMoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD}  # the MoE block: Qwen3-VL-MoE's rule (Qwen3's)
+         InternMoeBlock: MOE_BLOCK, MoeHead: costs.LINEAR_HEAD,
+         TiedMoeHead: costs.LINEAR_HEAD}  # the MoE block: Qwen3-VL-MoE's rule (Qwen3's)
