@@ -53,7 +53,7 @@ class Schedule:
     module: str = "mmpipe.runtime.pipeline:VLMPipeline"
     engine: str = "PipelineEngine"
     stages_per_rank: int = 1  # pipeline stages (parts of the layer list) each pipeline rank holds: the V's 2
-    min_micro_per_rank: int = 1  # gradient accumulation steps >= this x pipeline ranks (DualPipeV: 2, DeepSpeed's)
+    min_micro_per_rank: int = 0  # gradient accumulation steps >= this x pipeline ranks (0: any; DualPipeV: 2)
     # the order's own start / end times are its prediction (no blocking-p2p replay of it): DualPipeV's
     # sends and receives are batched per step (CommitP2P), its order is timed by its data dependencies
     timed_order: bool = False
