@@ -27,6 +27,7 @@ from ..config import ConfigError, ModelConfig
 from ..model.lora import Lora
 from .costmodel import LayerCost, layer_costs, stage_params, tied_repeats
 from .images import patch_row
+from .vpairs import v_pair_split
 
 
 def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
@@ -100,9 +101,12 @@ def min_max_split(weights: list[float], parts: int, fits: Callable[[int, int, in
 
 
 def compute_parts(table: list[LayerCost], stages: int, method: str,
-                  fits: Callable[[int, int, int], bool] | None = None) -> list[int]:
+                  fits: Callable[[int, int, int], bool] | None = None, v_ranks: int = 0) -> list[int]:
     """Stage boundaries [0, b1, ..., n_layers] (DeepSpeed's `parts`). `fits(stage, first_unit,
-    end_unit)` may restrict balanced/parameters splits (a memory limit, see mmpipe.planning.plan)."""
+    end_unit)` may restrict balanced/parameters splits (a memory limit, see mmpipe.planning.plan).
+    v_ranks: the stages are DualPipeV's V on that many ranks (stages = 2 x v_ranks, rank r holding stage r
+    and 2 x v_ranks - 1 - r): balanced / parameters then balance the ranks' pairs (mmpipe.planning.vpairs),
+    without `fits`."""
     n = len(table)
     if stages > n:
         raise ConfigError(f"--stages: {stages} stages but the model has only {n} layers (valid: 1..{n})")
@@ -116,7 +120,7 @@ def compute_parts(table: list[LayerCost], stages: int, method: str,
                               f"parameter (valid: 1..{len(units)}, or freeze less)")
         key = (lambda r: r.flops) if method == "balanced" else (lambda r: r.params)
         weights = [sum(key(table[i]) for i in u) for u in units]
-        unit_parts = min_max_split(weights, stages, fits)
+        unit_parts = v_pair_split(weights, v_ranks) if v_ranks else min_max_split(weights, stages, fits)
         if unit_parts is None:
             raise ConfigError(f"partition: no split of the model into {stages} stages fits the memory limit "
                               f"(more stages, a smaller micro-batch, activation checkpointing, or ZeRO-1)")
