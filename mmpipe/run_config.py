@@ -234,7 +234,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         data = problems.attempt(packed_image_slots, data, model, args.output_dir, args.seed) or data  # --pack alone
         # the layer list's parts: a stage per rank, DualPipeV's V two (stage r and 2p - 1 - r on rank r)
         per_rank = Problems()
-        parts, table = _partition(args, model, data, (freeze, lora, stages * schedule.stages_per_rank, pipe_cfg),
+        parts, table = _partition(args, model, data, (freeze, lora, stages, pipe_cfg, schedule.stages_per_rank),
                                   per_rank)
         problems.extend(line if schedule.stages_per_rank == 1 else f"{line} (--schedule {schedule} cuts "
                         f"{schedule.stages_per_rank} x {stages} ranks = {stages * schedule.stages_per_rank} stages)"
@@ -274,8 +274,9 @@ def _model(args: TrainArgs, problems: Problems) -> tuple[ModelConfig | None, str
 
 def _partition(args: TrainArgs, model: ModelConfig, data: DataOptions, training: tuple, problems: Problems):
     """(stage boundaries, the layer cost table) of the run's rows; training: (freeze, lora, stages, the DeepSpeed
-    JSON's pipeline section)."""
-    freeze, lora, stages, pipe_cfg = training
+    JSON's pipeline section, the schedule's stages per rank: 2, DualPipeV's V, balances each rank's pair)."""
+    freeze, lora, ranks, pipe_cfg, per_rank = training
+    stages, v_ranks = ranks * per_rank, ranks if per_rank > 1 else 0
     checkpointing = int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0
     # per row: --max-images image slots through the tower, M x N_dec + text_len decoder positions
     # (a dynamic-resolution family: its --max-patches P through the tower, 2 M + P / merge^2 + text_len)
@@ -285,7 +286,8 @@ def _partition(args: TrainArgs, model: ModelConfig, data: DataOptions, training:
         problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
                         f"group(s) of {model.name}")
     problems.attempt(check_lora_rank, model, lora)
-    parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")))
+    parts = problems.attempt(compute_parts, table, stages, str(args.partition or pipe_cfg.get("partition", "best")),
+                             None, v_ranks)
     if parts:
         problems.attempt(check_trainable, table, parts)
     return parts or [], table
