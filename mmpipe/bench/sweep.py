@@ -74,7 +74,7 @@ class Variant:
     max_images: int | None = None  # --max-images: image slots per row (and images per sample for LLaVA); None:
     # train's rule (1; with pack, mmpipe.data.dataset.packed_image_slots)
     text_len: int | None = None  # --text-len; None: the data's default (the shapes set's 12)
-    schedule: str = BASELINE.name  # the DeepSpeed JSON's pipeline.schedule (--schedule): 1f1b or zb-h1
+    schedule: str = BASELINE.name  # the DeepSpeed JSON's pipeline.schedule (--schedule): 1f1b, zb-h1 or dualpipev
     freeze: str = ""  # --freeze: comma-separated groups (vision, projector, text) whose weights do not train
 
     @property

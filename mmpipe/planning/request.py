@@ -73,9 +73,9 @@ class PlanSpec:
 
 @dataclass(frozen=True)
 class PlanRun:
-    """One `mmpipe plan`: its spec and what it prints and writes. schedule: --schedule as given (1f1b, zb-h1 or
-    both; the spec holds the Schedule records). video_slots: the row's slots its clip takes (a Qwen3-VL clip one
-    per temporal patch, OneVision's one; 0 without --video-frames)."""
+    """One `mmpipe plan`: its spec and what it prints and writes. schedule: --schedule as given (1f1b, zb-h1,
+    dualpipev, both or all; the spec holds the Schedule records). video_slots: the row's slots its clip takes (a
+    Qwen3-VL clip one per temporal patch, OneVision's one; 0 without --video-frames)."""
     spec: PlanSpec
     preset: str
     model_args: ModelArgs
