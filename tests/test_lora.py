@@ -10,7 +10,7 @@ import torch
 from peft import PeftModel
 from transformers import LlavaForConditionalGeneration
 
-from conftest import fixed_schedule_config, refused, train_run, write_checkpoint
+from conftest import assert_weights_moved, fixed_schedule_config, refused, train_run, write_checkpoint
 from hf_models import batch, save_hf, with_random_adapters
 from mmpipe.cli import main as cli
 from mmpipe.config import REGION_FILE, load_preset
@@ -25,7 +25,7 @@ from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
 
 TOL = 1e-5
-STEPS = 4
+STEPS = 5  # step 1 runs at lr 0 (WarmupCosineLR): 4 updates, the resume from step 2 three
 LORA = ["--lora", "4", "--lora-alpha", "8"]
 
 
@@ -55,6 +55,11 @@ def _state(model) -> dict:
     return {f"{i}.{k}": v for i, layer in enumerate(model) for k, v in layer.state_dict().items()}
 
 
+def _text_base(state: dict, model) -> tuple[str, ...]:
+    """The names of the text group's base tensors (frozen under --lora; their adapters train)."""
+    return tuple(k for k in state if not is_adapter(k) and model[int(k.split(".")[0])].group == "text")
+
+
 def test_pp2_equals_reference_and_only_adapters_and_unfrozen_train(reference, pp2):
     ref_model, ref_losses = reference
     for step, want in enumerate(ref_losses, start=1):
@@ -67,6 +72,10 @@ def test_pp2_equals_reference_and_only_adapters_and_unfrozen_train(reference, pp
     adapters = [k for k in trained if is_adapter(k)]
     assert adapters and all((trained[k] - ref[k]).abs().max() < TOL for k in adapters)
     assert any((trained[k] - ref[k]).abs().max() > 0 or trained[k].abs().max() > 0 for k in adapters if "lora_B" in k)
+    # every adapter and every vision / projector tensor moved > 10 x TOL from its start (4 updates at lr > 0:
+    # step 1 runs at lr 0), so the equalities above compare training, not the initial weights (issue 59)
+    start = _state(ReferenceModel(cfg, seed=3, lora=ref_model.lora))
+    assert_weights_moved(trained, start, TOL, frozen=_text_base(trained, ref_model))
     # the text group's base is frozen: bit-identical to its initialisation; vision and projector trained
     for k, v in trained.items():
         group = ref_model[int(k.split(".")[0])].group
@@ -91,6 +100,8 @@ def test_resume_equals_uninterrupted(tmp_path, config, pp2):
     cfg = load_preset("tiny")
     a, b = _state(load_reference(tmp_path / "checkpoints", cfg)), _state(load_reference(pp2.out / "checkpoints", cfg))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    cut = _state(load_reference(tmp_path / "checkpoints", cfg, "step2"))  # the resumed 3 steps trained
+    assert_weights_moved(a, cut, TOL, frozen=_text_base(a, ReferenceModel(cfg, seed=3)))
 
 
 def test_frozen_prefix_stage_and_init_from_base(tmp_path, capsys, config):

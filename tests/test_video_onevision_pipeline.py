@@ -21,11 +21,11 @@ from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
 from test_anyres_data import tokenizer
-from test_qwen_pipeline import _weights_equal_within, loaders_agree
+from test_qwen_pipeline import assert_trained_as_reference, loaders_agree
 from video_records import pipeline_ds_config, write_pipeline_set
 
 TOL = 1e-5
-STEPS, SEED, T = 3, 5, 12
+STEPS, SEED, T = 4, 5, 12  # step 1 runs at lr 0: 3 updates (issue 59)
 
 
 def test_onevision_pipeline_with_clips_equals_single_device(tmp_path):
@@ -60,7 +60,10 @@ def test_onevision_pipeline_with_clips_equals_single_device(tmp_path):
     assert sorted(pp2.losses) == list(range(1, STEPS + 1)) and abs(ref_losses[-1] - ref_losses[0]) > 1e-3
     assert list(pp2.losses.values()) == pytest.approx(ref_losses, abs=TOL)
     got = torch.nn.Sequential(*load_reference(pp2.out / "checkpoints", ref_model.cfg))
-    _weights_equal_within(got, ref_model, TOL)
+    # and every trained tensor moved > 10 x TOL but the SigLIP tower's key biases: no rotary there, so softmax
+    # cancels their gradient (they move by rounding, ~2.6e-7)
+    tower_k_bias = tuple(f"{i}.self_attn.k_proj.bias" for i, layer in enumerate(ref_model) if layer.group == "vision")
+    assert_trained_as_reference(pp2, ref_model, SEED, TOL, no_gradient=tower_k_bias)
     ref = ref_model.state_dict()
     errs = {"loss": max(abs(a - b) for a, b in zip(pp2.losses.values(), ref_losses)),
             "weights": max((v - ref[k]).abs().max().item() for k, v in got.state_dict().items())}
