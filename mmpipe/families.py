@@ -36,6 +36,16 @@ from .model.gemma3 import (
     gemma3_checks,
     gemma3_specs,
 )
+from .model.gemma4 import BLOCKS as GEMMA4_BLOCK_CLASSES
+from .model.gemma4 import (
+    GEMMA4_COSTS,
+    Gemma4Text,
+    Gemma4TowerBlock,
+    Gemma4Vision,
+    gemma4_checks,
+    gemma4_fields,
+    gemma4_specs,
+)
 from .model.internvl import COSTS as INTERNVL_COSTS
 from .model.internvl import (
     InternBlock,
@@ -266,3 +276,13 @@ GEMMA3 = register(Family(
     fields=lambda cfg: ROW,
     hf=_hf("gemma3", "Gemma3ForConditionalGeneration", ("gemma3",), "Gemma 3", importer="import_gemma3",
            config="hf_gemma3_config", reader="read_gemma3")))
+
+# Gemma 4 (mmpipe.model.gemma4): a tower with a learned 2-D position table and 3 x 3 pooling at a fixed square size,
+# Gemma 3's bracketed placeholders (its image kind, mean 0 / std 1), a decoder whose per-layer inputs and shared K/V
+# are carried stage fields (gemma4_fields); audio is not among its media: a record with audio is a bad record
+GEMMA4 = register(Family(
+    "gemma4", "prefix", gemma4_specs, (Gemma4TowerBlock, *GEMMA4_BLOCK_CLASSES.values()), GEMMA4_COSTS,
+    ImageLayout(placeholders=True, vision=Gemma4Vision, text=Gemma4Text), GEMMA3_IMAGES, checks=gemma4_checks,
+    fields=gemma4_fields,
+    hf=_hf("gemma4", "Gemma4ForConditionalGeneration", ("gemma4",), "Gemma 4", importer="import_gemma4",
+           config="hf_gemma4_config", reader="read_gemma4")))

@@ -1,0 +1,561 @@
+"""The Gemma 4 family (transformers' Gemma4ForConditionalGeneration, image and text): a vision tower with a learned
+2-D position table and 2-D rotary, 3 x 3 pooling, and a Gemma decoder with two inputs no other family has, both
+carried in the stage tuple (mmpipe.model.stage.StageField):
+
+    per_layer   float [B, L, n_layers x P]  the per-layer input embeddings (PLE): a second token table
+                (vocab x n_layers P) plus a projection of the row's embeddings, computed once by Gemma4Embed;
+                decoder layer i reads its slice [:, :, i P:(i + 1) P], the last decoder layer drops the field.
+                So it crosses every stage boundary inside the decoder (gemma-4-E2B: 35 x 256 = 8960 floats a
+                position, 3.5 x its 1536-wide hidden).
+    kv_sliding, kv_full  float [B, 2, H_kv, L, Dh]  KV sharing: the last num_kv_shared_layers layers compute no
+                keys or values; each reuses those of the last earlier layer of its own attention type (the
+                producer, a *Store class), which puts its rotated keys and normed values in the field; the last
+                consumer of that type (a *Shared class) drops it. A cut between producer and consumer sends it.
+
+Layer list (`gemma4_specs`):
+
+    Gemma4PatchEmbed       pixels [B, M, 3, S, S] in [0, 1] -> B x M images of (S/16)^2 patches: 2 (x - 0.5),
+                           input_proj (16 x 16 x 3 -> Dv, no bias), + table[0][column] + table[1][row]
+    Gemma4TowerBlock x n   sandwich-normed encoder layer (Gemma RMSNorm x w), q / k / v norms (v's unscaled),
+                           2-D rotary (first half of each head by column, second by row), bidirectional
+    Gemma4Projector        k x k average pool on the patch grid (3 x 3), x sqrt(Dv), unscaled RMSNorm,
+                           embedding_projection [Dv -> D]
+    Gemma4Embed            tokens (placeholders read as pad) x sqrt(D), the image features over the placeholders,
+                           then per_layer (above)
+    Gemma4Block x n        by type: sliding (window, rotary base 1e4, head_dim) or full (global_head_dim, its
+                           own kv heads, proportional rotary on a fraction of each head, k = v when k_eq_v),
+                           plain / *Store / *Shared; q_norm / k_norm, scale 1, sandwich norms, the GELU-tanh
+                           MLP (double width on shared layers when double_wide_mlp), then the per-layer input
+                           gate (x + norm(proj(gelu(gate(x)) * per_layer_i)))), all times layer_scalar
+    Gemma4FinalNorm, head  the tied embedding (or an untied head), logits soft-capped (final_softcap)
+
+Attention: sliding layers are causal per sample, each image block both ways (when bidirectional_vision), within
+the window; full layers are causal per sample only (transformers' create_masks_for_vision_model: "Gemma 4
+explicitly disables bidirectional attention on global attention layers").
+
+The tower here takes square images of vision.image_size (every patch valid, positions the row-major grid):
+transformers' processor keeps each image's aspect ratio within a soft-token budget and pads the patch list;
+that variable patch count is not in this family yet (docs/gemma4.md says what is missing).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from ..config import ModelConfig, VisionConfig
+from . import costs
+from .attention import apply_partial_rotary, attend, row_attention, row_cached, row_positions
+from .gemma3 import GEMMA3_PROJECTOR, Gemma3Text, _block_cost, gemma_rotary, image_blocks
+from .llava import LlavaEmbed
+from .rows import place_images
+from .stage import ROW, StageField, StageTuple, unpack_in, unpack_out
+
+# ---- its model JSON's sections and their checks ----
+
+
+@dataclass(frozen=True)
+class Gemma4Vision(VisionConfig):
+    """Gemma 4's tower at a fixed square image_size: (S / patch)^2 patches pooled pool x pool to mm_tokens soft
+    tokens, e.g. 768 px / 16 = 48 x 48 patches, pooled 3 x 3 to 16 x 16 = 256. Pixels reach it rescaled to [0, 1]
+    (mean 0, std 1: the tower maps them to [-1, 1] itself)."""
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    pool: int = 3
+    position_table: int = 10240
+    rope_theta: float = 100.0
+    clipped: bool = False  # Gemma4ClippableLinear's input / output bounds (buffers, read from the checkpoint)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def pooled_side(self) -> int:  # e.g. 48 / 3 = 16
+        return self.grid // self.pool
+
+    @property
+    def mm_tokens(self) -> int:  # e.g. 16^2 = 256
+        return self.pooled_side ** 2
+
+    @property
+    def n_features(self) -> int:  # <image_soft_token> placeholders per image
+        return self.mm_tokens
+
+
+@dataclass(frozen=True)
+class Gemma4Text(Gemma3Text):
+    """Gemma 4's decoder. Besides Gemma 3's sliding pattern (the last layer always full, as transformers forces):
+    full layers' own head width and kv heads (global_head_dim, global_kv_heads; k_eq_v: v is k's projection),
+    proportional rotary on global_rotary_factor of each full head, per-layer inputs of ple_dim each (0: none),
+    the last kv_shared_layers layers reusing K/V, double-width MLPs on those (double_wide_mlp), soft-capped
+    logits (final_softcap, 0: none), image blocks both ways on sliding layers (bidirectional_vision)."""
+    sliding_window: int = 512
+    local_rope_theta: float = 10000.0
+    rope_theta: float = 1000000.0
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    k_eq_v: bool = False
+    global_rotary_factor: float = 0.25
+    ple_dim: int = 0
+    ple_vocab: int = 0
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    final_softcap: float = 0.0
+    bidirectional_vision: bool = False
+    pad_id: int = 0
+
+    def is_sliding(self, i: int) -> bool:
+        return bool((i + 1) % self.sliding_pattern) and i != self.n_layers - 1
+
+    def layer_head_dim(self, sliding: bool) -> int:
+        return self.head_dim if sliding else (self.global_head_dim or self.head_dim)
+
+    def layer_kv_heads(self, sliding: bool) -> int:
+        return self.kv_heads if sliding or not (self.k_eq_v and self.global_kv_heads) else self.global_kv_heads
+
+    def kv_modes(self) -> list[str | None]:
+        """transformers' kv_sharing_modes: None, "store" (the last unshared layer of a type that shared layers
+        read) or "reuse" (a shared layer) per decoder layer."""
+        n, first = self.n_layers, self.n_layers - self.kv_shared_layers
+        modes: list[str | None] = [None if i < first else "reuse" for i in range(n)]
+        if self.kv_shared_layers:
+            for sliding in {self.is_sliding(i) for i in range(first, n)}:
+                modes[max(i for i in range(first) if self.is_sliding(i) == sliding)] = "store"
+        return modes
+
+
+def gemma4_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
+    v, t = cfg.vision, cfg.text
+    first = t.n_layers - t.kv_shared_layers
+    kinds_before = {t.is_sliding(i) for i in range(first)}
+    kinds_after = {t.is_sliding(i) for i in range(first, t.n_layers)}
+    return [
+        (v.grid % v.pool == 0 and v.image_size % v.patch_size == 0, "vision.image_size",
+         f"{v.image_size} px must be a multiple of patch_size {v.patch_size} x pool {v.pool}"),
+        (v.grid <= v.position_table, "vision.position_table", f"{v.position_table} < the {v.grid}-patch side"),
+        (v.n_heads % v.kv_heads == 0 and v.attn_head_dim % 4 == 0, "vision.n_kv_heads",
+         f"{v.kv_heads} kv heads of {v.attn_head_dim}: must divide {v.n_heads} heads, width a multiple of 4"),
+        (t.n_heads % t.kv_heads == 0 and t.n_heads % t.layer_kv_heads(False) == 0, "text.n_kv_heads",
+         f"{t.kv_heads} / {t.layer_kv_heads(False)} kv heads must divide n_heads {t.n_heads}"),
+        (0 <= t.kv_shared_layers < t.n_layers and kinds_after <= kinds_before, "text.kv_shared_layers",
+         f"{t.kv_shared_layers}: the shared layers' types need an earlier producer of each"),
+        (t.sliding_window >= 1 and t.sliding_pattern >= 1, "text.sliding_window",
+         f"{t.sliding_window} / sliding_pattern {t.sliding_pattern} must be >= 1"),
+        (0 < t.global_rotary_factor <= 1, "text.global_rotary_factor", f"{t.global_rotary_factor} not in (0, 1]"),
+        (t.ple_dim == 0 or t.ple_vocab > 0, "text.ple_vocab", "per-layer inputs need their vocabulary (> 0)"),
+        (t.final_softcap >= 0, "text.final_softcap", f"{t.final_softcap} must be >= 0 (0: none)"),
+        (t.partial_rotary_factor == 1.0, "text.partial_rotary_factor", "sliding layers rotate whole heads (1.0)"),
+        (0 <= t.pad_id < t.vocab_size, "text.pad_id", f"{t.pad_id} is not a token id"),
+        (0 <= cfg.image_token_id < t.vocab_size, "image_token_id",
+         f"{cfg.image_token_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+        (0 <= cfg.vision_start_id < t.vocab_size, "vision_start_id",
+         f"{cfg.vision_start_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+        (0 <= cfg.vision_end_id < t.vocab_size, "vision_end_id",
+         f"{cfg.vision_end_id} is not a token id of the {t.vocab_size}-token vocabulary"),
+    ]
+
+
+# ---- the layers ----
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: in fp32, x (mean(x^2) + eps)^-1/2, times w (from 1) when scaled, cast back."""
+
+    def __init__(self, dim: int, eps: float, scale: bool = True):
+        super().__init__()
+        self.eps, self.scaled = eps, scale
+        if scale:
+            self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (y * self.weight.float() if self.scaled else y).type_as(x)
+
+
+class ClippedLinear(nn.Module):
+    """Gemma4ClippableLinear: a bias-free linear, its input and output clamped to bounds read from the checkpoint
+    when clipped (infinite until then)."""
+
+    def __init__(self, d_in: int, d_out: int, clipped: bool):
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out, bias=False)
+        self.clipped = clipped
+        if clipped:
+            for name, value in (("input_min", -math.inf), ("input_max", math.inf), ("output_min", -math.inf),
+                                ("output_max", math.inf)):
+                self.register_buffer(name, torch.tensor(value))
+
+    def forward(self, x):
+        if self.clipped:
+            return torch.clamp(self.linear(torch.clamp(x, self.input_min, self.input_max)), self.output_min,
+                               self.output_max)
+        return self.linear(x)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, dim: int, ff_dim: int, clipped: bool | None = None):
+        super().__init__()
+        make = (lambda i, o: nn.Linear(i, o, bias=False)) if clipped is None else \
+            (lambda i, o: ClippedLinear(i, o, clipped))
+        self.gate_proj, self.up_proj, self.down_proj = make(dim, ff_dim), make(dim, ff_dim), make(ff_dim, dim)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def patch_grid(n: int, side: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column, row) of each of side^2 row-major patches: transformers' meshgrid(indexing="xy") positions."""
+    idx = torch.arange(side * side, device=device)
+    return idx % side, idx // side
+
+
+class Gemma4PatchEmbed(nn.Module):
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.patch, self.side = v.patch_size, v.grid
+        self.input_proj = nn.Linear(v.patch_dim, v.dim, bias=False)
+        self.position_embedding_table = nn.Parameter(torch.randn(2, v.position_table, v.dim) * 0.02)
+
+    def forward(self, inputs):
+        t = unpack_in(self, inputs)  # hidden: pixels [B, M, C, S, S]
+        px = t.hidden.flatten(0, t.hidden.dim() - 4)
+        N, C, p, g = px.shape[0], px.shape[1], self.patch, self.side
+        # transformers' convert_image_to_patches: [C, g, p, g, p] -> [g, g, p, p, C] -> [g^2, p p C]
+        patches = px.reshape(N, C, g, p, g, p).permute(0, 2, 4, 3, 5, 1).reshape(N, g * g, p * p * C)
+        x = self.input_proj((2 * (patches - 0.5)).to(self.input_proj.weight.dtype))
+        col, row = patch_grid(N, g, px.device)
+        x = x + self.position_embedding_table[0][col] + self.position_embedding_table[1][row]
+        return t._replace(hidden=x).pack()
+
+
+def axial_rotary(side: int, head_dim: int, theta: float, device):
+    """cos, sin [1, 1, side^2, head_dim]: Gemma4VisionRotaryEmbedding's H-H-W-W layout; the first half of a head
+    turns by the patch's column, the second by its row, each half rotate-half within itself."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, device=device, dtype=torch.float32) / (head_dim // 2)))
+    col, row = patch_grid(side * side, side, device)
+    fc, fr = col[:, None].float() * inv, row[:, None].float() * inv
+    emb = torch.cat([fc, fc, fr, fr], -1)
+    return emb.cos()[None, None], emb.sin()[None, None]
+
+
+def rotate_halves(x, cos, sin):
+    """apply_multidimensional_rope over 2 axes: each half of the head rotate-half by its own half of cos / sin."""
+    h = x.shape[-1] // 2
+    return torch.cat([apply_partial_rotary(x[..., :h], cos[..., :h], sin[..., :h]),
+                      apply_partial_rotary(x[..., h:], cos[..., h:], sin[..., h:])], -1)
+
+
+class Gemma4TowerAttention(nn.Module):
+    def __init__(self, v: Gemma4Vision):
+        super().__init__()
+        self.n_heads, self.kv, self.hd, self.theta = v.n_heads, v.kv_heads, v.attn_head_dim, v.rope_theta
+        self.q_proj = ClippedLinear(v.dim, v.n_heads * self.hd, v.clipped)
+        self.k_proj = ClippedLinear(v.dim, self.kv * self.hd, v.clipped)
+        self.v_proj = ClippedLinear(v.dim, self.kv * self.hd, v.clipped)
+        self.o_proj = ClippedLinear(v.n_heads * self.hd, v.dim, v.clipped)
+        self.q_norm, self.k_norm = RMSNorm(self.hd, v.ln_eps), RMSNorm(self.hd, v.ln_eps)
+        self.v_norm = RMSNorm(self.hd, v.ln_eps, scale=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        side = math.isqrt(T)
+        cos, sin = axial_rotary(side, self.hd, self.theta, x.device)
+        q = rotate_halves(self.q_norm(self.q_proj(x).view(B, T, -1, self.hd)).transpose(1, 2), cos, sin)
+        k = rotate_halves(self.k_norm(self.k_proj(x).view(B, T, -1, self.hd)).transpose(1, 2), cos, sin)
+        v = self.v_norm(self.v_proj(x).view(B, T, -1, self.hd)).transpose(1, 2)
+        out = attend(q * math.sqrt(self.hd), k, v)  # scale 1: SDPA's hd^-1/2 undone on q
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class Gemma4TowerBlock(nn.Module):
+    group = "vision"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(v.dim, v.ln_eps), RMSNorm(v.dim, v.ln_eps)
+        self.pre_feedforward_layernorm = RMSNorm(v.dim, v.ln_eps)
+        self.post_feedforward_layernorm = RMSNorm(v.dim, v.ln_eps)
+        self.self_attn = Gemma4TowerAttention(v)
+        self.mlp = GeluMLP(v.dim, v.ff_dim, v.clipped)
+
+    def forward(self, args):
+        t = unpack_in(self, args)
+        x = t.hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(t.hidden)))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return t._replace(hidden=x).pack()
+
+
+class Gemma4Projector(nn.Module):
+    """Gemma4VisionPooler (k x k average on the grid, x sqrt(Dv), fp32) and Gemma4MultimodalEmbedder (unscaled
+    RMSNorm, embedding_projection Dv -> D): [B, g^2, Dv] -> [B, (g/k)^2, D]."""
+    group = "projector"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        v = cfg.vision
+        self.side, self.pool, self.scale = v.grid, v.pool, v.dim ** 0.5
+        self.embedding_pre_projection_norm = RMSNorm(v.dim, v.ln_eps, scale=False)
+        self.embedding_projection = nn.Linear(v.dim, cfg.text.dim, bias=False)
+
+    def forward(self, args):
+        t = unpack_in(self, args)
+        x = t.hidden
+        B, _, D = x.shape
+        pooled = F.avg_pool2d(x.float().transpose(1, 2).reshape(B, D, self.side, self.side), self.pool)
+        pooled = (pooled.flatten(2).transpose(1, 2) * self.scale).to(x.dtype)
+        return t._replace(hidden=self.embedding_projection(self.embedding_pre_projection_norm(pooled))).pack()
+
+
+class Gemma4Embed(LlavaEmbed):
+    """Tokens x sqrt(D) (the scale in the weight's dtype), placeholders read as pad (transformers' llm_input_ids),
+    the image features over them; then the per-layer inputs (module docstring), made here once for every layer:
+    ((RMSNorm(proj(x) / sqrt(D)) per layer) + table(ids) x sqrt(P)) / sqrt(2)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        t = cfg.text
+        self.scale, self.pad_id, self.softcap = t.dim ** 0.5, t.pad_id, t.final_softcap
+        self.n, self.ple = t.n_layers, t.ple_dim
+        if t.ple_dim:
+            self.embed_tokens_per_layer = nn.Embedding(t.ple_vocab, t.n_layers * t.ple_dim)
+            nn.init.normal_(self.embed_tokens_per_layer.weight, std=0.02)
+            self.per_layer_model_projection = nn.Linear(t.dim, t.n_layers * t.ple_dim, bias=False)
+            self.per_layer_projection_norm = RMSNorm(t.ple_dim, t.ln_eps)
+
+    def embed(self, ids):
+        w = self.embed_tokens.weight
+        return self.embed_tokens(ids) * torch.tensor(self.scale, dtype=w.dtype)
+
+    def per_layer(self, ids, x):
+        w = self.embed_tokens_per_layer.weight
+        table = self.embed_tokens_per_layer(ids) * torch.tensor(self.ple ** 0.5, dtype=w.dtype)
+        proj = self.per_layer_model_projection(x) * self.scale ** -1
+        proj = self.per_layer_projection_norm(proj.view(*x.shape[:-1], self.n, self.ple)).flatten(-2)
+        return (proj + table) * 2 ** -0.5
+
+    def run(self, t: StageTuple, images: bool):
+        ids = t.input_ids.masked_fill(t.input_ids == self.image_token_id, self.pad_id)
+        x = self.embed(ids)
+        if images:
+            x = place_images(x, t.input_ids, t.hidden, t.has_image, self.image_token_id)
+        return t._replace(hidden=x, per_layer=self.per_layer(ids, x) if self.ple else None)
+
+    def forward(self, args):
+        return self.run(unpack_in(self, args), True).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return unpack_out(self, self(t.pack())) if start == 0 else self.run(t, False)
+
+
+def gemma4_tied_head(embed: Gemma4Embed, args) -> torch.Tensor:
+    """The tied LM head, soft-capped: cap x tanh(logits / cap) when final_softcap > 0."""
+    return softcap(F.linear(args[0], embed.embed_tokens.weight), embed.softcap)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+class Gemma4Head(nn.Module):
+    """Untied head: hidden -> logits, soft-capped."""
+    group = "text"
+    adapters = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.lm_head = nn.Linear(cfg.text.dim, cfg.text.vocab_size, bias=False)
+        self.cap = cfg.text.final_softcap
+
+    def forward(self, args):
+        return softcap(self.lm_head(unpack_in(self, args).hidden), self.cap)
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return self(t.pack())
+
+
+def proportional_rotary(positions: torch.Tensor, head_dim: int, theta: float, fraction: float):
+    """cos, sin [B, 1, L, head_dim] of transformers' "proportional" RoPE: the first fraction x head_dim / 2
+    frequencies theta^(-2j / head_dim), the rest 0 (those pairs pass unrotated); rotate-half over the whole head."""
+    angles = int(fraction * head_dim // 2)
+    inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv = torch.cat([inv, torch.zeros(head_dim // 2 - angles, device=positions.device)])
+    emb = positions[..., None].float() * inv
+    emb = torch.cat([emb, emb], -1)
+    return emb.cos()[:, None], emb.sin()[:, None]
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, sliding: bool, mode: str | None):
+        super().__init__()
+        t = cfg.text
+        self.sliding, self.shared = sliding, mode == "reuse"
+        self.n_heads, self.hd, self.kv = t.n_heads, t.layer_head_dim(sliding), t.layer_kv_heads(sliding)
+        self.window = t.sliding_window if sliding else None
+        self.theta = t.local_rope_theta if sliding else t.rope_theta
+        self.fraction = 1.0 if sliding else t.global_rotary_factor
+        self.k_is_v = t.k_eq_v and not sliding  # full layers' values are their keys' projection (attention_k_eq_v)
+        self.q_proj = nn.Linear(t.dim, t.n_heads * self.hd, bias=t.qkv_bias)
+        self.q_norm = RMSNorm(self.hd, t.ln_eps)
+        if not self.shared:
+            self.k_proj = nn.Linear(t.dim, self.kv * self.hd, bias=t.qkv_bias)
+            if not self.k_is_v:
+                self.v_proj = nn.Linear(t.dim, self.kv * self.hd, bias=t.qkv_bias)
+            self.k_norm = RMSNorm(self.hd, t.ln_eps)
+            self.v_norm = RMSNorm(self.hd, t.ln_eps, scale=False)
+        self.o_proj = nn.Linear(t.n_heads * self.hd, t.dim, bias=t.qkv_bias)
+
+    def rotary(self, positions):
+        if self.sliding:
+            return gemma_rotary(positions, self.hd, self.theta, 1.0)
+        return proportional_rotary(positions, self.hd, self.theta, self.fraction)
+
+    def kv_of(self, x, rotary) -> torch.Tensor:
+        """This layer's keys (normed, rotated) and values (unscaled-normed) stacked: [B, 2, H_kv, L, Dh]."""
+        B, T, _ = x.shape
+        k_raw = self.k_proj(x).view(B, T, self.kv, self.hd)
+        v_raw = k_raw if self.k_is_v else self.v_proj(x).view(B, T, self.kv, self.hd)
+        k = apply_partial_rotary(self.k_norm(k_raw).transpose(1, 2), *rotary)
+        return torch.stack([k, self.v_norm(v_raw).transpose(1, 2)], 1)
+
+    def forward(self, x, mask, rotary, kv=None):
+        """-> (output, this layer's K/V [B, 2, H_kv, L, Dh]); a shared layer attends to kv (its producer's)."""
+        B, T, _ = x.shape
+        q = apply_partial_rotary(self.q_norm(self.q_proj(x).view(B, T, -1, self.hd)).transpose(1, 2), *rotary)
+        kv = kv if self.shared else self.kv_of(x, rotary)
+        out = attend(q * math.sqrt(self.hd), kv[:, 0], kv[:, 1], mask)  # scale 1: SDPA's hd^-1/2 undone on q
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), kv
+
+
+class Gemma4Block(nn.Module):
+    """A decoder layer (module docstring); subclasses fix its attention type and K/V role."""
+    group = "text"
+    sliding = False
+    mode: str | None = None  # None, "store" (puts its K/V in the carried field), "reuse" (reads it)
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        t = cfg.text
+        self.index, self.ple = index, t.ple_dim
+        self.image_token_id, self.blocks = cfg.image_token_id, t.bidirectional_vision and self.sliding
+        self.field = "kv_sliding" if self.sliding else "kv_full"
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(t.dim, t.ln_eps), RMSNorm(t.dim, t.ln_eps)
+        self.pre_feedforward_layernorm = RMSNorm(t.dim, t.ln_eps)
+        self.post_feedforward_layernorm = RMSNorm(t.dim, t.ln_eps)
+        self.self_attn = Gemma4Attention(cfg, self.sliding, self.mode)
+        self.mlp = GeluMLP(t.dim, t.ff_dim * (2 if t.double_wide_mlp and self.mode == "reuse" else 1))
+        self.register_buffer("layer_scalar", torch.ones(1))
+        if t.ple_dim:
+            self.per_layer_input_gate = nn.Linear(t.dim, t.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(t.ple_dim, t.dim, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(t.dim, t.ln_eps)
+
+    def geometry(self, t: StageTuple):
+        a = self.self_attn
+        rotary = row_cached((t.segments,), ("gemma4_rotary", a.hd, a.theta, a.fraction, a.sliding),
+                            lambda: a.rotary(row_positions(t.segments)))
+        blocks = image_blocks(t.input_ids, self.image_token_id) if self.blocks else None
+        return row_attention(t.segments, blocks=blocks, window=a.window), rotary
+
+    def run(self, t: StageTuple, mask, rotary) -> StageTuple:
+        out, kv = self.self_attn(self.input_layernorm(t.hidden), mask, rotary, getattr(t, self.field))
+        x = t.hidden + self.post_attention_layernorm(out)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.ple:
+            p = t.per_layer[..., self.index * self.ple:(self.index + 1) * self.ple]
+            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * p
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return t._replace(hidden=x * self.layer_scalar, **({self.field: kv} if self.mode == "store" else {}))
+
+    def forward(self, args):
+        t = unpack_in(self, args)
+        out = self.run(t, *self.geometry(t))
+        names = {f.name for f in self.__dict__.get("stage_out", ())}
+        dropped = {k: None for k in ("per_layer", "kv_sliding", "kv_full") if names and k not in names}
+        return out._replace(**dropped).pack()
+
+
+ROLES = {None: "Block", "store": "Store", "reuse": "Shared"}
+
+
+def _block(sliding: bool, mode: str | None) -> type:
+    """Gemma4SlidingBlock / Gemma4GlobalStore / ...: one class per (type, role), so each K/V field has its maker
+    and its dropper (StageField names classes)."""
+    name = f"Gemma4{'Sliding' if sliding else 'Global'}{ROLES[mode]}"
+    return type(name, (Gemma4Block,), {"sliding": sliding, "mode": mode, "__module__": __name__})
+
+
+BLOCKS = {(s, m): _block(s, m) for s in (True, False) for m in (None, "store", "reuse")}
+globals().update({c.__name__: c for c in BLOCKS.values()})  # pickling finds them here
+Gemma4SlidingBlock, Gemma4GlobalBlock = BLOCKS[True, None], BLOCKS[False, None]
+
+
+class Gemma4FinalNorm(nn.Module):
+    group = "text"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.text.dim, cfg.text.ln_eps)
+
+    def forward(self, args):
+        t = unpack_in(self, args)
+        return t._replace(hidden=self.norm(t.hidden)).pack()
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return unpack_out(self, self(t.pack()))
+
+
+def block_classes(cfg: ModelConfig) -> list[type]:
+    t = cfg.text
+    return [BLOCKS[t.is_sliding(i), m] for i, m in enumerate(t.kv_modes())]
+
+
+def gemma4_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    t = cfg.text
+    tied = t.tie_embeddings
+    first = (TiedLayerSpec("embed", Gemma4Embed, cfg, tied_weight_attr="embed_tokens.weight") if tied
+             else LayerSpec(Gemma4Embed, cfg))
+    head = (TiedLayerSpec("embed", Gemma4Embed, cfg, forward_fn=gemma4_tied_head,
+                          tied_weight_attr="embed_tokens.weight") if tied else LayerSpec(Gemma4Head, cfg))
+    blocks = [LayerSpec(cls, cfg, i) for i, cls in enumerate(block_classes(cfg))]
+    return ([LayerSpec(Gemma4PatchEmbed, cfg)] + [LayerSpec(Gemma4TowerBlock, cfg) for _ in range(cfg.vision.n_layers)]
+            + [LayerSpec(Gemma4Projector, cfg), first] + blocks + [LayerSpec(Gemma4FinalNorm, cfg), head])
+
+
+def gemma4_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
+    """The row, then per_layer (Gemma4Embed to the last decoder layer) and each shared type's K/V (its producer to
+    its last consumer)."""
+    t, classes = cfg.text, block_classes(cfg)
+    out = ROW
+    if t.ple_dim:
+        out += (StageField("per_layer", True, made_by=Gemma4Embed, dropped_by=classes[-1]),)
+    for sliding, name in ((True, "kv_sliding"), (False, "kv_full")):
+        if BLOCKS[sliding, "store"] in classes:
+            out += (StageField(name, True, made_by=BLOCKS[sliding, "store"], dropped_by=BLOCKS[sliding, "reuse"]),)
+    return out
+
+
+# ---- cost rules (mmpipe.planning.costmodel): Gemma 3's, the decoder's at its sliding head width ----
+
+GEMMA4_BLOCK = costs.LayerRule("Gemma4Block", _block_cost(False), "sequence")
+GEMMA4_SLIDING_BLOCK = costs.LayerRule("Gemma4SlidingBlock", _block_cost(True), "sequence")
+GEMMA4_COSTS = {Gemma4PatchEmbed: costs.PATCH_EMBED, Gemma4TowerBlock: costs.VISION_BLOCK,
+                Gemma4Projector: GEMMA3_PROJECTOR, Gemma4Embed: costs.TEXT_EMBED,
+                **{cls: GEMMA4_SLIDING_BLOCK if s else GEMMA4_BLOCK for (s, _), cls in BLOCKS.items()},
+                Gemma4FinalNorm: costs.FINAL_NORM, Gemma4Head: costs.LINEAR_HEAD,
+                gemma4_tied_head: costs.LINEAR_HEAD}
