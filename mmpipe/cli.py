@@ -39,6 +39,7 @@ from .run_config import config_dp, requested_stages, resolve  # noqa: E402
 from .runtime import checkpoint, precision  # noqa: E402
 from .runtime.curves import add_plot_args, main_plot  # noqa: E402
 from .runtime.feed import decoder_length  # noqa: E402
+from .runtime.precomputed import main_score_reference, read_reference  # noqa: E402
 
 
 def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple[str, ...] = ()) -> int:
@@ -70,7 +71,9 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
             index_dir = scratch if ns.dry_run else args.output_dir
             real = args.output_dir if ns.dry_run else None  # the bad-record list the report names: a run's
             if not run.data.builtin:
-                prepare(run.data, run.model, index_dir, args.seed, verbose="always", run_dir=real)
+                samples = prepare(run.data, run.model, index_dir, args.seed, verbose="always", run_dir=real)
+                if run.reference_logps:  # dpo's precomputed reference: this model's, on this index (fingerprints)
+                    read_reference(run.reference_logps, run, samples, args.seed)
             if run.eval_data is not None and not run.eval_data.builtin:
                 prepare_eval(run.eval_data, run.model, index_dir, args.seed, args.eval_samples, verbose="always",
                              run_dir=real)
@@ -218,6 +221,9 @@ COMMANDS = {
     "import": ("an HF LLaVA / vision + LM / moondream model -> an mmpipe run directory", add_import_args, main_import),
     "export": ("a run's checkpoint -> an HF LLaVA directory or one safetensors file", add_weights_export_args,
                main_export),
+    "score-reference": ("--objective dpo: write each preference pair's reference log-probs beside the data index "
+                        "(train reads them with --reference-logps; docs/dpo.md)",
+                        lambda p: add_flags(p, TrainArgs), main_score_reference),
     "eval": ("score a trained or HF model on a dataset: batched generation, metric per record and type, "
              "validation loss", add_eval_args, main_eval),
     "plot": ("draw runs' training curves (loss, validation loss, lr, throughput) as one PNG", add_plot_args,

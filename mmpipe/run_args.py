@@ -46,6 +46,9 @@ class TrainArgs(DataArgs, ModelArgs):
     reference: str | None = flag(None, "--objective dpo: the reference model, an mmpipe run directory's latest "
                                  "checkpoint (`mmpipe import --out RUN` makes one of a transformers directory; "
                                  "default: the run's starting weights)", metavar="RUN")
+    reference_logps: str | None = flag(None, "--objective dpo: the reference's log-probs precomputed by `mmpipe "
+                                       "score-reference` (no reference runs at train time; refused when scored with "
+                                       "another model or data index; docs/dpo.md)", metavar="FILE")
     steps: int = flag(3000, "optimizer steps (default: 3000)")
     output_dir: str = flag("runs/default", "log, checkpoints and summary.json go here")
     resume: bool = flag(False, "continue from the latest checkpoint in --output-dir")

@@ -88,6 +88,7 @@ class RunConfig:
     objective: Objective = TOKENS  # --objective: what the last stage trains on (mmpipe.model.objectives)
     tp: int = 1  # --tp: tensor-parallel ranks per stage (mmpipe.model.tensor_parallel); world = stages x dp x tp
     reference: str | None = None  # --reference: the run directory whose weights are dpo's reference (else the start)
+    reference_logps: str | None = None  # --reference-logps: dpo's reference log-probs read from this file
 
     @property
     def experts(self):
@@ -253,7 +254,8 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
                      parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
                      schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
-                     objective=run_objective(args), tp=tp, reference=args.reference)
+                     objective=run_objective(args), tp=tp, reference=args.reference,
+                     reference_logps=args.reference_logps)
 
 
 def _model(args: TrainArgs, problems: Problems) -> tuple[ModelConfig | None, str | None]:

@@ -242,3 +242,39 @@ def test_refusals(pairs, ds_config, tmp_path, capsys):
     assert refused([*base, "--reference", str(tmp_path)], capsys)[-1] == (
         f"mmpipe: error: --reference: {tmp_path} has no model.json (give an mmpipe run directory, e.g. "
         f"`mmpipe import --out`)")
+
+
+def test_precomputed_reference_equals_live(pairs, ds_config, tmp_path, capsys):
+    """(c) `mmpipe score-reference` writes every side's reference log-prob beside the data index; the single-device
+    loop trained with --reference-logps (no reference model) equals the one with the live frozen copy (losses and
+    weights 1e-6, 4 updates). Another model's or another index's file is refused by fingerprint, one line, exit 2."""
+    from mmpipe.cli import main
+    flags = ("--preset", "llava-tiny", "--stages", "1")
+    assert main(["score-reference", *_args(pairs, ds_config, tmp_path / "score", *flags)]) == 0
+    scored = tmp_path / "score" / "data" / "reference_logps.npz"
+    assert "34 answers (17 pairs) scored" in capsys.readouterr().out
+    runs = {}
+    for name, extra in (("live", ()), ("pre", ("--reference-logps", str(scored)))):
+        run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path / name, *flags, *extra)), world_size=1)
+        runs[name] = train_reference(run, seed=3, steps=STEPS, out_dir=str(tmp_path / name))
+    (live, live_losses), (pre, pre_losses) = runs["live"], runs["pre"]
+    assert pre_losses[0] == pytest.approx(math.log(2), abs=1e-6)  # step 1: policy == reference
+    assert pre_losses == pytest.approx(live_losses, abs=1e-6) and abs(pre_losses[-1] - live_losses[0]) > 1e-3
+    diffs = {k: (v - live.state_dict()[k]).abs().max().item() for k, v in pre.state_dict().items()}
+    assert max(diffs.values()) < 1e-6, max(diffs.items(), key=lambda kv: kv[1])
+    assert_weights_moved(pre, ReferenceModel(run.model, seed=3), TOL, no_gradient=("k_proj.bias",))
+    # refused by fingerprint: another seed's weights; another data file (the first 12 pairs of the same set)
+    base = _args(pairs, ds_config, tmp_path / "other", *flags, "--reference-logps", str(scored))
+    lines = refused([*base, "--seed", "4"], capsys)
+    assert lines[-1].startswith(f"mmpipe: error: --reference-logps: {scored} was scored with another reference "
+                                f"model (weights fingerprint "), lines
+    fewer = pairs.parent / "fewer.jsonl"  # beside the images the records name
+    fewer.write_text("".join(pairs.read_text().splitlines(keepends=True)[:12]))
+    lines = refused([*base, "--data", str(fewer)], capsys)
+    assert lines[-1].startswith(f"mmpipe: error: --reference-logps: {scored} was scored on another data index"), lines
+    assert refused([*base[:-1], str(tmp_path / "none.npz")], capsys)[-1] == (
+        f"mmpipe: error: --reference-logps: {tmp_path / 'none.npz'} is not a file (`mmpipe score-reference` writes "
+        f"one; docs/dpo.md)")
+    assert refused([*base, "--objective", "sft"], capsys)[-1] == (
+        "mmpipe: error: --reference-logps: only --objective dpo reads reference log-probs (this run's objective is "
+        "sft)")

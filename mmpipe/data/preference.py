@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 
 import numpy as np
 
@@ -194,7 +195,19 @@ def preference_problems(args, data, micro: int, other_schedule: str | None = Non
 def reference_problems(args, model, read_run) -> list[str]:
     """--reference RUN: only with --objective dpo, an mmpipe run directory (model.json, a checkpoint, no TP shards,
     no LoRA adapters: read_run(RUN, None), run_config.init_model, checks them as --init-from's) holding the very model
-    the run trains (model: the run's ModelConfig as fitted, or None where it failed)."""
+    the run trains (model: the run's ModelConfig as fitted, or None where it failed). --reference-logps FILE: only
+    with dpo, a file (its fingerprints are checked against the data index once it is built, runtime.precomputed)."""
+    problems = []
+    if args.reference_logps is not None and args.objective != "dpo":
+        problems.append(f"--reference-logps: only --objective dpo reads reference log-probs (this run's objective "
+                        f"is {args.objective})")
+    elif args.reference_logps is not None and not os.path.isfile(args.reference_logps):
+        problems.append(f"--reference-logps: {args.reference_logps} is not a file (`mmpipe score-reference` writes "
+                        f"one; docs/dpo.md)")
+    return problems + _reference_run_problems(args, model, read_run)
+
+
+def _reference_run_problems(args, model, read_run) -> list[str]:
     if args.reference is None:
         return []
     if not args.objective == "dpo":

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from ..model.builder import ReferenceModel
 from ..model.dpo import token_labels
-from ..model.lora import is_adapter, lora_layers
+from ..model.lora import is_adapter, load_base, lora_layers
 from .checkpoint import load_reference
 
 
@@ -109,6 +110,16 @@ def reference_rows(ref_model, inputs, labels, objective):
     with torch.no_grad():
         ref = objective.row_logps(ref_model(*inputs), labels)
     return token_labels(labels), ref
+
+
+def starting_model(run, seed: int) -> ReferenceModel:
+    """The single-device model a run starts from: the seed's, with --init-from's weights (adapters keep their init),
+    as mmpipe.runtime.trainer.load_run_weights loads them into the stages."""
+    model = ReferenceModel(run.model, seed=seed, freeze=run.freeze, lora=run.lora)
+    if run.init_from:
+        for mine, base in zip(model, load_reference(Path(run.init_from) / "checkpoints", run.model)):
+            load_base(mine, base.state_dict())
+    return model
 
 
 def reference_model(run, model):

@@ -9,7 +9,6 @@ train with the same step (train_step, or clip_and_step after a torch pipelining 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from deepspeed.runtime import lr_schedules
@@ -17,11 +16,10 @@ from deepspeed.runtime import lr_schedules
 from ..data.batches import StepBatches, rank_batches
 from ..data.dataset import prepare
 from ..model.builder import ReferenceModel
-from ..model.lora import load_base
 from ..run_config import RunConfig
-from .checkpoint import load_reference
 from .feed import run_dataset, step_order
-from .preference import reference_model, reference_rows
+from .precomputed import PrecomputedReference
+from .preference import reference_model, reference_rows, starting_model
 
 
 def make_optimizer(ds_config: dict, params) -> torch.optim.Optimizer:
@@ -101,12 +99,10 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     """out_dir: where user data's index is read or written (mmpipe.data.dataset.prepare)."""
     if run.dp != 1 or run.precision != "fp32":
         raise ValueError("the reference loop covers dp = 1, fp32")
-    model = ReferenceModel(run.model, seed=seed, freeze=run.freeze, lora=run.lora)
-    if run.init_from:  # weights only, as mmpipe.runtime.trainer.load_run_weights (adapters keep their init)
-        for mine, base in zip(model, load_reference(Path(run.init_from) / "checkpoints", run.model)):
-            load_base(mine, base.state_dict())
-    # --objective dpo: a frozen copy of the starting model, or --reference's run (mmpipe.runtime.preference)
-    ref_model = reference_model(run, model) if run.objective.reference else None
+    model = starting_model(run, seed)  # --init-from: weights only, as trainer.load_run_weights
+    # --objective dpo: a frozen copy of the starting model, or --reference's run (mmpipe.runtime.preference), or
+    # --reference-logps' file read (mmpipe.runtime.precomputed)
+    ref_model = reference_model(run, model) if run.objective.reference and not run.reference_logps else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)
@@ -115,12 +111,15 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     data = run_dataset(run, samples, augment_seed=seed if run.data.augment else None)
     # the pipeline's row layout (--pack: by cost, mmpipe.data.balance), so its micro-batches hold the same rows
     batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1, step_order(run, samples, data.plan)))
+    pre = PrecomputedReference.for_stream(run, samples, seed, 0, 0, data.plan, True) if run.reference_logps else None
     model.train()
 
     def micro_loss():
         inputs, labels = next(batches)  # (pixels, input_ids, has_image, segments[, tiling]), (labels, weights)
         if ref_model is not None:  # (labels, ref_logps), as the pipeline's reference pass hands its last stage
             labels = reference_rows(ref_model, inputs, labels, run.objective)
+        elif pre is not None:
+            labels = pre.rows(labels)
         return run.objective.loss(model(*inputs), labels)
 
     # one intra-op thread, as every rank runs (OMP_NUM_THREADS=1): the kernels' reduction order, so the float noise

@@ -47,6 +47,7 @@ from .feed import StepCounts, decoder_length, run_dataset, step_order
 from .guard import install_skip
 from .pipeline import pipeline_class
 from .precision import check_all_ranks
+from .precomputed import PrecomputedReference
 from .preference import LiveReference
 from .schedule import install as install_schedule
 from .steplog import StepLog, data_counts
@@ -78,9 +79,13 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     fingerprint = samples.index and samples.index.stats["fingerprint"]
     engine = build_engine(run, args, rank)
     # dpo: the reference's weights, the start's or --reference's, kept on each stage (mmpipe.runtime.preference)
-    reference = LiveReference(engine, run, load_run_weights) if run.objective.reference else None
+    live = run.objective.reference and not run.reference_logps
+    reference = LiveReference(engine, run, load_run_weights) if live else None
     progress = restore(engine, run, args, ckpt_dir, fingerprint, rank)
     stream = DataStream(engine, run, args, samples, progress)
+    if run.reference_logps:  # dpo's reference read from a file (mmpipe.runtime.precomputed): no reference pass
+        reference = PrecomputedReference.for_stream(run, samples, args.seed, progress.position,
+                                                    engine.grid.data_parallel_id, stream.plan, engine.is_last_stage())
     on_exit(stream.close)  # an error's exit path stops the loader's workers too (mmpipe.train's release)
     guard = install_skip(engine) if args.nonfinite == "skip" else None
     error_fault(engine)  # a test hook, inert unless MMPIPE_FAULT names it
