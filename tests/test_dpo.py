@@ -278,3 +278,49 @@ def test_precomputed_reference_equals_live(pairs, ds_config, tmp_path, capsys):
     assert refused([*base, "--objective", "sft"], capsys)[-1] == (
         "mmpipe: error: --reference-logps: only --objective dpo reads reference log-probs (this run's objective is "
         "sft)")
+
+
+def test_eval_preference_accuracy(pairs, ds_config, tmp_path, capsys):
+    """`mmpipe eval --objective dpo` on a pair file: each pair's two summed answer log-probs equal the training rows'
+    (row_logps over the training stream's micro-batch of the same sides), the accuracy is the share with the chosen
+    one higher; with --reference, TRL's four rewards of those pairs; 3 bad pairs skipped; no pairs: one line, exit 2."""
+    from mmpipe.cli import main
+    run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1")),
+                  world_size=1)
+    policy, ref = ReferenceModel(run.model, seed=1), ReferenceModel(run.model, seed=2)
+    with torch.no_grad():
+        for w in policy[-1].parameters():  # a sharper head: the two answers' log-probs clearly apart
+            w.mul_(8)
+    write_checkpoint(policy, tmp_path / "policy")
+    write_checkpoint(ref, tmp_path / "ref")
+    out = tmp_path / "ev" / "pairs.jsonl"
+    assert main(["eval", "--objective", "dpo", "--checkpoint", str(tmp_path / "policy"), "--data", str(pairs),
+                 "--out", str(out), "--reference", str(tmp_path / "ref"), "--beta", "0.2", "--batch-size", "6"]) == 0
+    said = capsys.readouterr().out
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    summary = json.loads((tmp_path / "ev" / "pairs.summary.json").read_text())
+    # the training side: the stream's rows (shuffled by pair), each side's log-prob by its source row
+    samples = prepare(run.data, run.model, tmp_path, 0, verbose=False)
+    batches = rank_batches(run_dataset(run, samples), StepBatches(0, 34, 1, 0, 1))
+    inputs, labels = next(batches)
+    batches.close()
+    with torch.no_grad():
+        mine, theirs = row_logps(policy(*inputs), labels), row_logps(ref(*inputs), labels)
+    by_row = {samples.row(p): (float(mine[p]), float(theirs[p])) for p in range(34)}
+    assert len(lines) == summary["pairs"] == 17 and summary["bad_pairs"] == 3
+    for line in lines:
+        c, r = by_row[2 * line["pair"]], by_row[2 * line["pair"] + 1]
+        assert [line["chosen_logp"], line["rejected_logp"], line["ref_chosen_logp"], line["ref_rejected_logp"]] == \
+            pytest.approx([c[0], r[0], c[1], r[1]], abs=TOL), line
+    correct = [by_row[2 * x["pair"]][0] > by_row[2 * x["pair"] + 1][0] for x in lines]
+    assert summary["accuracy"] == sum(correct) / 17 and 0 < sum(correct) < 17, correct  # neither side always wins
+    assert f"preference accuracy {sum(correct) / 17:.3f} ({sum(correct)}/17 pairs" in said
+    chosen = [0.2 * (by_row[2 * x["pair"]][0] - by_row[2 * x["pair"]][1]) for x in lines]
+    rejected = [0.2 * (by_row[2 * x["pair"] + 1][0] - by_row[2 * x["pair"] + 1][1]) for x in lines]
+    assert summary["rewards/chosen"] == pytest.approx(sum(chosen) / 17, abs=TOL)
+    assert summary["rewards/accuracies"] == pytest.approx(sum(a > b for a, b in zip(chosen, rejected)) / 17, abs=1e-6)
+    sft = export_shapes(tmp_path / "sft", "llava-jsonl", 4)
+    assert main(["eval", "--objective", "dpo", "--checkpoint", str(tmp_path / "policy"), "--data", str(sft),
+                 "--out", str(out)]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and "holds no preference pairs" in err[0], err

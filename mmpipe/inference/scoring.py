@@ -58,6 +58,7 @@ from .generate import (
     resolve_checkpoint,
     with_images,
 )
+from .preference_eval import main_eval_dpo
 from .sampling import Sampling
 
 METRICS = ("exact", "contains")
@@ -99,6 +100,12 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every record's generator starts from it)")
+    p.add_argument("--objective", default="sft", choices=("sft", "dpo"),
+                   help="sft: answer and score every record (default); dpo: preference accuracy on a pair file, the "
+                        "share of pairs whose chosen answer is the more likely (docs/dpo.md)")
+    p.add_argument("--reference", default=None, metavar="RUN",
+                   help="--objective dpo: a reference model (as --checkpoint) for TRL's rewards on the pairs")
+    p.add_argument("--beta", type=float, default=0.1, help="--objective dpo with --reference: the rewards' beta")
 
 
 def normalise(text: str) -> str:
@@ -198,6 +205,10 @@ def _loss(model, rows: RowSet, positions: list[int], pixels: torch.Tensor, tilin
 
 
 def main_eval(args: argparse.Namespace) -> int:
+    if args.objective == "dpo":  # preference accuracy on a pair file (mmpipe.inference.preference_eval)
+        return main_eval_dpo(args, _checked)
+    if args.reference is not None:
+        return fail(ConfigError("--reference: only eval --objective dpo reads a reference model"))
     try:
         loaded = _loaded(args)
     except ConfigError as e:
