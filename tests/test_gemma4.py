@@ -1,0 +1,168 @@
+"""The gemma4 family against transformers' Gemma4ForConditionalGeneration (tiny, random, built here: a 2-layer tower
+at 24 px, 6 x 6 patches of 4 pooled 3 x 3 to 4 soft tokens; 5 decoder layers, every 3rd global and the last, a
+6-position window, full layers 16 wide with one k = v head under proportional rotary, per-layer inputs of 8, the last
+2 layers sharing the K/V of layers 1 (sliding) and 2 (full), double-wide MLPs there, logits soft-capped):
+`mmpipe import --hf` gives transformers' logits with two images a sample (bidirectional on sliding layers only); a
+packed row's samples each give their logits alone; the stage schema carries per_layer from the embedding to the last
+decoder layer and each K/V from its producer to its last consumer; `mmpipe export` loads back into transformers
+with the same logits; what the family does not implement is one line. In-process, no launch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmpipe.cli import main
+from mmpipe.config import ConfigError, config_from_dict, load_preset
+from mmpipe.model.builder import layer_specs
+from mmpipe.model.stage import live_fields
+from mmpipe.registry import family_of
+from mmpipe.runtime.checkpoint import load_reference
+from test_gemma3 import _tokenizer
+
+LOGITS_TOL, TOL = 1e-4, 1e-5
+IMG, BOI, EOI, VOCAB, SOFT, PX = 60, 61, 62, 64, 4, 24
+KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def _hf_model(seed: int = 0):
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+                vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=6,
+                layer_types=KINDS, num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=30.0,
+                use_bidirectional_attention="vision", max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2,
+                rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                    "partial_rotary_factor": 0.25},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    # a 6-entry position table: a side of 6 patches at most, so the import's square is 2 x 3 x 4 = 24 px
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3, position_embedding_size=6)
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=None, image_token_id=IMG, boi_token_id=BOI,
+        eoi_token_id=EOI)).eval()
+    with torch.no_grad():  # HF's init: norms and layer scalars at 1, the position table at 1: perturbed
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif "position_embedding_table" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(8)  # std 0.02 makes attention ~uniform: the mask would hardly show
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(1 + torch.rand_like(b))
+    return model
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(transformers' model, its directory, the run `mmpipe import --hf` made of it, the imported model)."""
+    d = tmp_path_factory.mktemp("gemma4")
+    hf = _hf_model()
+    hf.save_pretrained(d / "hf")
+    _tokenizer(d / "hf")
+    assert main(["import", "--hf", str(d / "hf"), "--out", str(d / "run")]) == 0
+    cfg = config_from_dict(json.loads((d / "run" / "model.json").read_text()), "gemma4")
+    return hf, d / "hf", d / "run", load_reference(d / "run" / "checkpoints", cfg).eval()
+
+
+def _two_image_prompts(g):
+    """2 prompts of 20 tokens, each with two images (BOI, 4 soft tokens, EOI), and 4 images of 24 px in [0, 1]."""
+    ids = torch.randint(3, IMG, (2, 20), generator=g)
+    for a in (2, 11):
+        ids[:, a], ids[:, a + 1:a + 1 + SOFT], ids[:, a + 1 + SOFT] = BOI, IMG, EOI
+    return ids, torch.rand(2, 2, 3, PX, PX, generator=g)
+
+
+def hf_inputs(ids, px) -> dict:
+    """transformers' tower inputs for square images: row-major patches (p, p, C each, convert_image_to_patches's
+    order) and their (column, row) positions (its meshgrid(indexing="xy"))."""
+    imgs, p = px.flatten(0, 1), 4
+    n, c, s = imgs.shape[0], imgs.shape[1], PX // p
+    patches = imgs.reshape(n, c, s, p, s, p).permute(0, 2, 4, 3, 5, 1).reshape(n, s * s, p * p * c)
+    grid = torch.stack(torch.meshgrid(torch.arange(s), torch.arange(s), indexing="xy"), -1).reshape(1, -1, 2)
+    return dict(input_ids=ids, pixel_values=patches, image_position_ids=grid.expand(n, -1, -1))
+
+
+def test_import_gives_transformers_logits(imported):
+    hf, _, _, model = imported
+    assert [type(x).__name__ for x in model][3:12] == [
+        "Gemma4Projector", "Gemma4Embed", "Gemma4SlidingBlock", "Gemma4SlidingStore", "Gemma4GlobalStore",
+        "Gemma4SlidingShared", "Gemma4GlobalShared", "Gemma4FinalNorm", "TiedCall"]
+    ids, px = _two_image_prompts(torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(**hf_inputs(ids, px), mm_token_type_ids=(ids == IMG).long()).logits
+        causal = hf(**hf_inputs(ids, px)).logits  # no token types: no bidirectional blocks
+        got = model(px, ids, torch.ones(2, 2, dtype=torch.long), torch.ones_like(ids))
+    assert (got - want).abs().max().item() < LOGITS_TOL
+    assert (causal - want).abs().max().item() > 100 * LOGITS_TOL  # the image blocks' attention shows
+
+
+def _packed(ids, px):
+    """The two prompts packed in one row of 48 (2 x 20 + 8 padding), their 4 images in its slots."""
+    row = torch.zeros(1, 48, dtype=torch.long)
+    row[0, :20], row[0, 20:40] = ids[0], ids[1]
+    segments = torch.zeros_like(row)
+    segments[0, :20], segments[0, 20:40] = 1, 2
+    return px.reshape(1, 4, 3, PX, PX), row, torch.tensor([[1, 1, 2, 2]]), segments
+
+
+@pytest.mark.parametrize("backend", ["auto", "dense"])
+def test_packed_row_equals_each_sample_alone(imported, backend, monkeypatch):
+    """The shared K/V and the per-layer inputs of a packed row keep its samples apart as the masks do."""
+    monkeypatch.setenv("MMPIPE_ATTENTION", backend)
+    *_, model = imported
+    ids, px = _two_image_prompts(torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        alone = model(px, ids, torch.ones(2, 2, dtype=torch.long), torch.ones_like(ids))
+        packed = model(*_packed(ids, px))
+    assert (packed[0, :20] - alone[0]).abs().max().item() < TOL
+    assert (packed[0, 20:40] - alone[1]).abs().max().item() < TOL
+
+
+def test_stage_fields_carry_per_layer_inputs_and_shared_kv():
+    """gemma4-tiny's tuple leaving each layer: per_layer from the embedding through the last decoder layer, each
+    type's K/V from its producer (layer 1 sliding, layer 2 full) to its last consumer (layers 3, 4): a cut anywhere
+    in the decoder sends them with hidden, a cut after it or in the tower does not."""
+    cfg = load_preset("gemma4-tiny")
+    specs = layer_specs(cfg)
+    names = [s.typename.__name__ for s in specs]
+    assert names[4:10] == ["Gemma4Embed", "Gemma4SlidingBlock", "Gemma4SlidingStore", "Gemma4GlobalStore",
+                           "Gemma4SlidingShared", "Gemma4GlobalShared"]
+    out = [[f.name for f in fields if f.floating] for fields in
+           live_fields(family_of(cfg).fields(cfg), [s.typename for s in specs])[1:]]
+    assert out[:10] == [["hidden"]] * 4 + [["hidden", "per_layer"]] * 2 + [
+        ["hidden", "per_layer", "kv_sliding"], ["hidden", "per_layer", "kv_sliding", "kv_full"],
+        ["hidden", "per_layer", "kv_full"], ["hidden"]]
+
+
+def test_export_loads_in_transformers(imported, tmp_path):
+    """`mmpipe export` of the imported run: transformers' from_pretrained of it gives the run's logits."""
+    from transformers import Gemma4ForConditionalGeneration
+    _, _, run, model = imported
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 0
+    hf = Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    ids, px = _two_image_prompts(torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(px, ids, torch.ones(2, 2, dtype=torch.long), torch.ones_like(ids))
+        got = hf(**hf_inputs(ids, px), mm_token_type_ids=(ids == IMG).long()).logits
+    assert (got - want).abs().max().item() < LOGITS_TOL
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+     "text_config.enable_moe_block: true: Gemma 4's MoE blocks"),
+    (lambda t: t.update(use_bidirectional_attention="all"), "use_bidirectional_attention: 'all'"),
+    (lambda t: t.update(layer_types=["full_attention"] + KINDS[1:]), "text_config.layer_types"),
+])
+def test_what_is_not_implemented_is_one_line(imported, tmp_path, edit, message):
+    from mmpipe.hf.gemma4 import hf_gemma4_config
+    hf = json.loads((imported[1] / "config.json").read_text())
+    edit(hf["text_config"])
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match=message):
+        hf_gemma4_config(tmp_path)
