@@ -33,9 +33,8 @@ from .generate import load_checkpoint
 
 
 def _pairs(args, cfg, opts):
-    """The file's good pairs in file order (position 2j / 2j + 1: pair j's chosen / rejected); ConfigError without
-    pairs."""
-    pair_source(opts.spec)  # one line where the data holds no pairs
+    """The file's good pairs in file order (position 2j / 2j + 1: pair j's chosen / rejected), the index under
+    --out's folder's data/."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     samples = prepare(dataclasses.replace(opts, pairs=True), cfg, out.parent, seed=0, verbose="always")
@@ -64,6 +63,7 @@ def main_eval_dpo(args, checked) -> int:
         if args.beta <= 0:
             raise ConfigError(f"--beta: {args.beta} must be > 0 (DPO's KL weight; TRL's default 0.1)")
         cfg, _, opts = checked(args)
+        pair_source(opts.spec)  # one line where the data holds no pairs
         if args.dry_run:
             print(f"mmpipe: eval --objective dpo: {cfg.name}, pairs of {Path(opts.name).resolve()}, reference "
                   f"{args.reference or 'none (log-prob accuracy only)'}; out {Path(args.out).resolve()}")
