@@ -1,7 +1,8 @@
 """The gemma4 family against transformers' Gemma4ForConditionalGeneration (tiny, random, built here: a 2-layer tower
 at 24 px, 6 x 6 patches of 4 pooled 3 x 3 to 4 soft tokens; 5 decoder layers, every 3rd global and the last, a
 6-position window, full layers 16 wide with one k = v head under proportional rotary, per-layer inputs of 8, the last
-2 layers sharing the K/V of layers 1 (sliding) and 2 (full), double-wide MLPs there, logits soft-capped):
+2 layers sharing the K/V of layers 1 (sliding) and 2 (full), double-wide MLPs there, logits soft-capped; the tower's
+clipped linears and standardized output, as the 26B / 31B towers have):
 `mmpipe import --hf` gives transformers' logits with two images a sample (bidirectional on sliding layers only); a
 packed row's samples each give their logits alone; the stage schema carries per_layer from the embedding to the last
 decoder layer and each K/V from its producer to its last consumer; `mmpipe export` loads back into transformers
@@ -39,7 +40,8 @@ def _hf_model(seed: int = 0):
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     # a 6-entry position table: a side of 6 patches at most, so the import's square is 2 x 3 x 4 = 24 px
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3, position_embedding_size=6)
+                  num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3, position_embedding_size=6,
+                  standardize=True, use_clipped_linears=True)
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(Gemma4Config(
         text_config=text, vision_config=vision, audio_config=None, image_token_id=IMG, boi_token_id=BOI,
@@ -53,8 +55,14 @@ def _hf_model(seed: int = 0):
             elif "q_proj" in name or "k_proj" in name:
                 p.mul_(8)  # std 0.02 makes attention ~uniform: the mask would hardly show
         for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
+            if name.endswith(("layer_scalar", "std_scale")):
                 b.copy_(1 + torch.rand_like(b))
+            elif name.endswith("std_bias"):
+                b.copy_(torch.randn_like(b))
+            elif name.endswith(("input_max", "output_max")):  # clipping that engages on the tower's activations
+                b.fill_(1.5)
+            elif name.endswith(("input_min", "output_min")):
+                b.fill_(-1.5)
     return model
 
 

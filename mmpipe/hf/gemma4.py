@@ -13,9 +13,9 @@ Names, a prefix per layer (mmpipe's "<layer index>.<sub>", the sub-name HF's mod
     Gemma4Head           lm_head.weight (a tied head has none: the embedding's)
 
 An audio tower (model.audio_tower.*, model.embed_audio.*) is reported unused: this family reads images and text,
-and a record with audio is a bad record (Family.media). Refused in one line: MoE blocks (enable_moe_block), the
-vision tower's standardize, bidirectional attention over all tokens, layer types other than "every k-th global"
-(the last always global), RoPE types other than Gemma 4's (default sliding, proportional full).
+and a record with audio is a bad record (Family.media). Refused in one line: MoE blocks (enable_moe_block),
+bidirectional attention over all tokens, layer types other than "every k-th global" (the last always global), RoPE
+types other than Gemma 4's (default sliding, proportional full).
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def _name(layer, sub: str, k: int) -> str:
         return TOWER + "patch_embedder." + sub
     if isinstance(layer, Gemma4TowerBlock):
         return f"{TOWER}encoder.layers.{k}.{sub}"
-    if isinstance(layer, Gemma4Projector):
-        return "model.embed_vision." + sub
+    if isinstance(layer, Gemma4Projector):  # the standardization's buffers are the tower's
+        return (TOWER if sub.startswith("std_") else "model.embed_vision.") + sub
     if isinstance(layer, (Gemma4Embed, Gemma4FinalNorm)):
         return LM + sub
     if isinstance(layer, Gemma4Block):
@@ -110,8 +110,6 @@ def _refusals(hf) -> None:
     if tc.enable_moe_block:
         _fail("text_config.enable_moe_block", "true: Gemma 4's MoE blocks (a dense MLP beside routed experts) are "
                                              "not implemented")
-    if vc.standardize:
-        _fail("vision_config.standardize", "true: the tower's output standardization is not implemented")
     if tc.use_bidirectional_attention == "all":
         _fail("text_config.use_bidirectional_attention", "'all': only the causal decoder is implemented")
     for where, act in (("vision_config.hidden_activation", vc.hidden_activation),
@@ -144,7 +142,8 @@ def config_from_hf(hf, name: str = "hf", max_soft_tokens: int = 280) -> ModelCon
         dim=vc.hidden_size, n_layers=vc.num_hidden_layers, n_heads=vc.num_attention_heads,
         ff_dim=vc.intermediate_size, ln_eps=vc.rms_norm_eps, n_kv_heads=vc.num_key_value_heads,
         head_dim=vc.head_dim, pool=vc.pooling_kernel_size, position_table=vc.position_embedding_size,
-        rope_theta=float(vc.rope_parameters.get("rope_theta", 100.0)), clipped=bool(vc.use_clipped_linears))
+        rope_theta=float(vc.rope_parameters.get("rope_theta", 100.0)), clipped=bool(vc.use_clipped_linears),
+        standardize=bool(vc.standardize))
     text = Gemma4Text(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads, ff_dim=tc.intermediate_size,
         vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings, rope_theta=theta, ln_eps=tc.rms_norm_eps,
@@ -172,6 +171,7 @@ def hf_config(cfg: ModelConfig, tok=None):
         hidden_size=v.dim, intermediate_size=v.ff_dim, num_hidden_layers=v.n_layers, num_attention_heads=v.n_heads,
         num_key_value_heads=v.kv_heads, head_dim=v.attn_head_dim, rms_norm_eps=v.ln_eps, pooling_kernel_size=v.pool,
         patch_size=v.patch_size, position_embedding_size=v.position_table, use_clipped_linears=v.clipped,
+        standardize=v.standardize,
         rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
     ids = {k: val for k, val in token_ids(tok, t.vocab_size).items() if val is not None}
     ids.setdefault("pad_token_id", t.pad_id)

@@ -71,6 +71,7 @@ class Gemma4Vision(VisionConfig):
     position_table: int = 10240
     rope_theta: float = 100.0
     clipped: bool = False  # Gemma4ClippableLinear's input / output bounds (buffers, read from the checkpoint)
+    standardize: bool = False  # the pooled features' (x - std_bias) x std_scale (buffers; the 26B / 31B towers)
 
     @property
     def kv_heads(self) -> int:
@@ -302,14 +303,17 @@ class Gemma4TowerBlock(nn.Module):
 
 
 class Gemma4Projector(nn.Module):
-    """Gemma4VisionPooler (k x k average on the grid, x sqrt(Dv), fp32) and Gemma4MultimodalEmbedder (unscaled
-    RMSNorm, embedding_projection Dv -> D): [B, g^2, Dv] -> [B, (g/k)^2, D]."""
+    """Gemma4VisionPooler (k x k average on the grid, x sqrt(Dv), fp32; standardized when vision.standardize) and
+    Gemma4MultimodalEmbedder (unscaled RMSNorm, embedding_projection Dv -> D): [B, g^2, Dv] -> [B, (g/k)^2, D]."""
     group = "projector"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         v = cfg.vision
-        self.side, self.pool, self.scale = v.grid, v.pool, v.dim ** 0.5
+        self.side, self.pool, self.scale, self.standardize = v.grid, v.pool, v.dim ** 0.5, v.standardize
+        if v.standardize:
+            self.register_buffer("std_bias", torch.zeros(v.dim))
+            self.register_buffer("std_scale", torch.ones(v.dim))
         self.embedding_pre_projection_norm = RMSNorm(v.dim, v.ln_eps, scale=False)
         self.embedding_projection = nn.Linear(v.dim, cfg.text.dim, bias=False)
 
@@ -318,7 +322,10 @@ class Gemma4Projector(nn.Module):
         x = t.hidden
         B, _, D = x.shape
         pooled = F.avg_pool2d(x.float().transpose(1, 2).reshape(B, D, self.side, self.side), self.pool)
-        pooled = (pooled.flatten(2).transpose(1, 2) * self.scale).to(x.dtype)
+        pooled = pooled.flatten(2).transpose(1, 2) * self.scale
+        if self.standardize:
+            pooled = (pooled - self.std_bias.float()) * self.std_scale.float()
+        pooled = pooled.to(x.dtype)
         return t._replace(hidden=self.embedding_projection(self.embedding_pre_projection_norm(pooled))).pack()
 
 
