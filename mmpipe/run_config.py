@@ -229,6 +229,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     if objective_named(args.objective).pairs:  # --objective dpo: preference pairs, two rows each
         problems.extend(preference_problems(args, data, micro, None if schedule == BASELINE else schedule.name))
         data = data and dataclasses.replace(data, pairs=True)
+        eval_data = eval_data and dataclasses.replace(eval_data, pairs=True)  # --eval-data: validation pairs
     parts, table = [], []
     if model is not None and data is not None:
         model = _fit_to_tokenizer(model, data, args.init_from, run_tok, problems)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import csv
 import dataclasses
 import json
 import math
@@ -11,11 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import assert_weights_moved, refused, train_run, write_checkpoint, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
-from mmpipe.data.dataset import prepare
+from mmpipe.data.dataset import prepare, prepare_eval
 from mmpipe.data.export import export_shapes
 from mmpipe.model import ReferenceModel
 from mmpipe.model.builder import IGNORE_INDEX, TiedCall
@@ -141,9 +143,16 @@ def _recorded(run):
 
 
 @pytest.fixture(scope="module")
-def pp2(pairs, ds_config, tmp_path_factory):
+def eval_pairs(tmp_path_factory):
+    """6 held-out pairs (another seed's shapes): 12 rows, two validation calls of 8 (the second padded by 2 pairs)."""
+    return export_shapes(tmp_path_factory.mktemp("eval_pairs"), "dpo-jsonl", 6, seed=1)
+
+
+@pytest.fixture(scope="module")
+def pp2(pairs, eval_pairs, ds_config, tmp_path_factory):
     out = tmp_path_factory.mktemp("pp2")
-    return train_run(out, *_args(pairs, ds_config, out, "--preset", "llava-tiny", "--stages", "2")).check()
+    return train_run(out, *_args(pairs, ds_config, out, "--preset", "llava-tiny", "--stages", "2",
+                                 "--eval-data", str(eval_pairs))).check()
 
 
 def test_pipeline_equals_single_device(pairs, ds_config, pp2, tmp_path):
@@ -324,3 +333,31 @@ def test_eval_preference_accuracy(pairs, ds_config, tmp_path, capsys):
                  "--out", str(out)]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and "holds no preference pairs" in err[0], err
+
+
+def test_validation_pairs(pairs, eval_pairs, ds_config, pp2, tmp_path):
+    """The PP=2 run's validation after its last step (--eval-data: 6 held-out pairs, the live reference's pass
+    through both stages first): the loss is the mean sigmoid DPO loss over the pairs and the four rewards TRL's,
+    computed here from the run's final weights and the starting model (its reference), 1e-5; the two padding pairs
+    of the second call count for nothing."""
+    run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1",
+                                            "--eval-data", str(eval_pairs))), world_size=1)
+    evalset = prepare_eval(run.eval_data, run.model, tmp_path, 3, 0, verbose=False)
+    assert evalset.size == 12
+    batches = rank_batches(run_dataset(run, evalset, train=False), [list(range(12))])
+    inputs, labels = next(batches)
+    batches.close()
+    with torch.no_grad():
+        pol = row_logps(load_reference(pp2.out / "checkpoints", run.model)(*inputs), labels).double()
+        ref = row_logps(ReferenceModel(run.model, seed=3)(*inputs), labels).double()
+    chosen, rejected = 0.1 * (pol[0::2] - ref[0::2]), 0.1 * (pol[1::2] - ref[1::2])
+    want = {"eval_loss": float(-F.logsigmoid(chosen - rejected).mean()), "rewards/chosen": float(chosen.mean()),
+            "rewards/rejected": float(rejected.mean()), "rewards/margins": float((chosen - rejected).mean()),
+            "rewards/accuracies": float((chosen > rejected).double().mean())}
+    rows = list(csv.DictReader(open(pp2.out / "eval_log.csv")))
+    assert [int(r["step"]) for r in rows] == [STEPS] and int(rows[0]["eval_tokens"]) == 6  # the pairs counted
+    assert {k: float(rows[0][k]) for k in want} == pytest.approx(want, abs=TOL)
+    assert abs(want["rewards/margins"]) > 100 * TOL  # the policy moved off its reference
+    summary = pp2.summary
+    assert summary["eval_loss"] == pytest.approx(want["eval_loss"], abs=TOL)
+    assert {k: summary[f"eval_{k}"] for k in REWARDS} == pytest.approx({k: want[k] for k in REWARDS}, abs=TOL)

@@ -177,7 +177,10 @@ def preference_problems(args, data, micro: int, other_schedule: str | None = Non
     if micro % 2:
         problems.append(f"--objective dpo: the micro-batch is {micro} rows; it must be even, so each pair's chosen "
                         f"and rejected rows share one micro-batch (train_micro_batch_size_per_gpu)")
-    for on, what in ((args.pack, "--pack"), (bool(args.eval_data or args.eval_split), "--eval-data / --eval-split"),
+    if args.eval_data and args.reference_logps:
+        problems.append("--objective dpo: --eval-data with --reference-logps is not supported yet (the validation "
+                        "pairs' reference log-probs are not scored; the live reference validates; docs/dpo.md)")
+    for on, what in ((args.pack, "--pack"), (bool(args.eval_split), "--eval-split (it would split pairs)"),
                      (args.tp > 1, "--tp"), (other_schedule is not None, f"--schedule {other_schedule}")):
         if on:
             problems.append(f"--objective dpo with {what} is not supported yet (docs/dpo.md)")

@@ -78,6 +78,7 @@ class DPOLoss:
     def __init__(self, beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0):
         self.beta, self.kind, self.rpo_alpha = beta, kind, rpo_alpha
         self.last: dict[str, torch.Tensor] | None = None
+        self.totals: torch.Tensor | None = None  # validation: the rewards' sums and the pairs counted (eval_sum)
 
     def __call__(self, logits, labels) -> torch.Tensor:
         logits, aux = split_aux(logits)
@@ -95,11 +96,29 @@ class DPOLoss:
         self.last = rewards(pc, pr, rc, rr, self.beta)
         return loss if aux is None else loss + aux
 
+    def eval_sum(self, logits, labels) -> torch.Tensor:
+        """Validation (mmpipe.runtime.validation): the SUM of the preference losses of the micro-batch's pairs whose
+        two sides both have answer tokens (a validation step's padding rows have none), without the RPO term; their
+        rewards' sums and count are added to `totals`, which the validator reads and clears per pass."""
+        tokens, ref = labels
+        lp, mask = row_token_logps(split_aux(logits)[0], tokens)
+        seq, n = lp.sum(-1), mask.sum(-1)
+        keep = (n[0::2] > 0) & (n[1::2] > 0)
+        pc, pr, rc, rr = seq[0::2][keep], seq[1::2][keep], ref[0::2][keep].to(seq), ref[1::2][keep].to(seq)
+        lengths = (n[0::2][keep].to(seq.dtype), n[1::2][keep].to(seq.dtype))
+        losses = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=lengths)
+        chosen, rejected = self.beta * (pc - rc), self.beta * (pr - rr)
+        sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).to(seq.dtype).sum(),
+                            (chosen - rejected).sum(), keep.sum().to(seq.dtype)]).detach().double()
+        self.totals = sums if self.totals is None else self.totals + sums
+        return losses.sum()
+
+    def eval_metrics(self) -> torch.Tensor:
+        """[5]: the validation pass's sums (rewards chosen, rejected, accuracies, margins; pairs counted), zeros where
+        this rank saw none (a stage before the last); cleared for the next pass."""
+        out, self.totals = (self.totals if self.totals is not None else torch.zeros(5, dtype=torch.float64)), None
+        return out
+
     def metrics(self) -> dict[str, torch.Tensor]:
         """The rewards of the last micro-batch (zeros before any: DeepSpeed asks every stage for the same keys)."""
         return self.last if self.last is not None else {k: torch.zeros(()) for k in REWARDS}
-
-
-def no_validation(logits, labels):
-    """--objective dpo has no validation loss yet: run_config refuses --eval-data / --eval-split with it."""
-    raise RuntimeError("mmpipe: --objective dpo has no validation loss (run_config refuses --eval-data with it)")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .builder import lm_loss, lm_loss_sum
-from .dpo import REWARDS, DPOLoss, no_validation, row_logps
+from .dpo import REWARDS, DPOLoss, row_logps
 
 LossFn = Callable[[torch.Tensor, object], torch.Tensor]
 
@@ -44,6 +44,8 @@ class Objective:
     reference: bool = False  # the loss reads each row's reference log-prob, recorded by a pass before each step
     row_logps: LossFn | None = None  # (logits, labels) -> [B] per-row answer log-prob: the reference pass's record
     metrics: Callable[[], dict] | None = None  # the `logged` values of the micro-batch the loss saw last
+    # validation: [len(logged) + 1] sums of the `logged` values over the pass's pairs and their count, cleared per pass
+    eval_metrics: Callable[[], torch.Tensor] | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -65,8 +67,9 @@ TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_p
 def dpo(beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0) -> Objective:
     """The DPO record of these settings (a fresh loss object each: it keeps its last micro-batch's rewards)."""
     loss = DPOLoss(beta, kind, rpo_alpha)
-    return Objective("dpo", loss, no_validation, row_fields=("ref_logps",), logged=REWARDS, pairs=True,
-                     reference=True, row_logps=row_logps, metrics=loss.metrics)
+    return Objective("dpo", loss, loss.eval_sum, row_fields=("ref_logps",), logged=REWARDS, pairs=True,
+                     reference=True, row_logps=row_logps, metrics=loss.metrics,
+                     eval_metrics=loss.eval_metrics)
 
 
 DPO = dpo()

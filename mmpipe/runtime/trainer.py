@@ -94,7 +94,8 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     log = StepLog(out, run.train_batch, positions, enabled=rank == 0, append=args.resume,
                   aux=run.experts is not None, logged=run.objective.logged)  # MoE: lm_loss and aux_loss
     counts = StepCounts(run, samples, stream.plan) if rank == 0 else None  # each step's samples, useful positions
-    validate = make_validator(engine, run, args, out, rank, log.t_start)  # None without --eval-data
+    validate = make_validator(engine, run, args, out, rank, log.t_start,  # None without --eval-data
+                              reference if live else None)  # dpo: the validation pairs' reference pass
     announce(run, rank)
     bar = tqdm(total=args.steps, initial=progress.step, disable=rank != 0, desc="train", dynamic_ncols=True,
                mininterval=0.5 if sys.stderr.isatty() else 30)  # a log file: occasional lines, not one per step
@@ -138,12 +139,13 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     return 0
 
 
-def make_validator(engine, run: RunConfig, args: TrainArgs, out: Path, rank: int, t_start: float) -> Validator | None:
+def make_validator(engine, run: RunConfig, args: TrainArgs, out: Path, rank: int, t_start: float,
+                   reference=None) -> Validator | None:
     if run.eval_data is None:
         return None
     evalset = prepare_eval(run.eval_data, run.model, out, args.seed, args.eval_samples, verbose=rank == 0)
     return Validator(engine, run, evalset, out, DTYPES[run.precision], enabled=rank == 0, append=args.resume,
-                     t_start=t_start)
+                     t_start=t_start, reference=reference)
 
 
 def monitor(engine, rank: int, events: list[tuple[str, float]]) -> None:
@@ -409,7 +411,8 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, done: Finishe
         validate.close()
         last = max(validate.losses)
         summary.update(eval_loss=validate.losses[last], eval_step=last, eval_samples_validated=validate.evalset.size,
-                       eval_tokens=validate.tokens, eval_data=run.eval_data.name)
+                       eval_tokens=validate.tokens, eval_data=run.eval_data.name,
+                       **{f"eval_{k}": v for k, v in validate.metrics[last].items()})  # dpo: the set's rewards
     if evaluate:
         torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done
         summary.update(evaluate(out / "checkpoints"))
