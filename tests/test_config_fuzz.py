@@ -46,6 +46,12 @@ ALLOWED = {
     ("image_token_id", 0): "token 0: an id of the vocabulary",
     ("vision_start_id", 0): "token 0: an id of the vocabulary",
     ("vision_end_id", 0): "token 0: an id of the vocabulary",
+    ("vision.head_dim", 0): "0: a head width of dim / n_heads (Gemma4Vision.attn_head_dim)",
+    ("text.global_head_dim", 0): "0: full layers as wide as sliding ones (Gemma4Text.layer_head_dim)",
+    ("text.global_kv_heads", 0): "0: full layers with the sliding ones' kv heads (Gemma4Text.layer_kv_heads)",
+    ("text.final_softcap", 0): "0: no logit soft-capping (Gemma4Text; its check: >= 0)",
+    ("text.ple_dim", 0): "0: no per-layer inputs, as Gemma 4 31B (Gemma4Text)",
+    ("text.kv_shared_layers", 0): "0: no KV sharing, as Gemma 4 31B (Gemma4Text)",
 }
 
 

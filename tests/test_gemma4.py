@@ -16,6 +16,7 @@ import torch
 
 from mmpipe.cli import main
 from mmpipe.config import ConfigError, config_from_dict, load_preset
+from mmpipe.model import layer_param_counts
 from mmpipe.model.builder import layer_specs
 from mmpipe.model.stage import live_fields
 from mmpipe.registry import family_of
@@ -174,3 +175,13 @@ def test_what_is_not_implemented_is_one_line(imported, tmp_path, edit, message):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ConfigError, match=message):
         hf_gemma4_config(tmp_path)
+
+
+def test_31b_preset_holds_the_published_tensors():
+    """gemma-4-31b's parameters (the tied head once) and buffers (60 layer scalars, the tower's 2 x 1152
+    standardization) are the 31,273,088,876 values a public census of google/gemma-4-31B-it's BF16 tensors counts
+    (docs/gemma4.md); the card's 30.7B is the text model, ~550M the vision encoder."""
+    cfg = load_preset("gemma-4-31b")
+    params = sum(layer_param_counts(cfg)[:-1])  # the last, the tied head, is the embedding's matrix again
+    buffers = cfg.text.n_layers + 2 * cfg.vision.dim
+    assert (params, params + buffers) == (31_273_086_512, 31_273_088_876)

@@ -147,8 +147,8 @@ def test_unread_model_type_is_one_line_naming_the_read_ones(tmp_path, capsys, co
     from mmpipe.hf.commands import hf_model_types
     getattr(transformers, config_class)().save_pretrained(tmp_path / "hf")
     Image.new("RGB", (32, 32)).save(tmp_path / "img.png")
-    read = ["gemma3", "internvl", "llava", "llava_next", "llava_onevision", "qwen2_5_vl", "qwen2_vl", "qwen3_5",
-            "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"]
+    read = ["gemma3", "gemma4", "internvl", "llava", "llava_next", "llava_onevision", "qwen2_5_vl", "qwen2_vl",
+            "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"]
     assert hf_model_types() == read
     want = (f"mmpipe: error: {tmp_path / 'hf' / 'config.json'}: model_type '{kind}' is not one mmpipe reads (yet); "
             f"it reads {', '.join(read)}\n")

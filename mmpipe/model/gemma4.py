@@ -50,7 +50,7 @@ from torch import nn
 from ..config import ModelConfig, VisionConfig
 from . import costs
 from .attention import apply_partial_rotary, attend, row_attention, row_cached, row_positions
-from .gemma3 import GEMMA3_PROJECTOR, Gemma3Text, _block_cost, gemma_rotary, image_blocks
+from .gemma3 import Gemma3Text, gemma_rotary, image_blocks
 from .llava import LlavaEmbed
 from .rows import place_images
 from .stage import ROW, StageField, StageTuple, unpack_in, unpack_out
@@ -557,12 +557,41 @@ def gemma4_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
     return out
 
 
-# ---- cost rules (mmpipe.planning.costmodel): Gemma 3's, the decoder's at its sliding head width ----
+# ---- cost rules (mmpipe.planning.costmodel) ----
 
-GEMMA4_BLOCK = costs.LayerRule("Gemma4Block", _block_cost(False), "sequence")
-GEMMA4_SLIDING_BLOCK = costs.LayerRule("Gemma4SlidingBlock", _block_cost(True), "sequence")
+
+def _block_cost(sliding: bool, mode: str | None):
+    def cost(cfg, params, n, seq):
+        """A Gemma 4 block per position, its type's own widths: the projections (2 x params: a shared layer has no
+        K/V projections, so its params are fewer), q k^T and attn v over the keys it sees (min(seq, window) for a
+        sliding layer: 4 x seq x keys x H x Dh). Kept per position, Gemma 3's measured terms (mmpipe.model.gemma3:
+        10 D + 5 q + 4 kv + 4 F + 2 H + KV + 4 + 2 Dh; kv 0 on a shared layer, F doubled where double_wide_mlp) plus
+        the per-layer input's 3 P + 3 D + 1 (gate out, GELU, product, projection, norm, residual; its statistic).
+        An estimate from those parts, not measured against autograd as Gemma 3's was. E.g. gemma-4-31b's global
+        layer (D 5376, q 32 x 512, kv 4 x 512, F 21504, no P): 10 x 5376 + 5 x 16384 + 4 x 2048 + 4 x 21504 +
+        (64 + 4 + 4) + 1024 = 230,984 values a position."""
+        t = cfg.text
+        hd, kvh = t.layer_head_dim(sliding), t.layer_kv_heads(sliding)
+        q, kv = t.n_heads * hd, (0 if mode == "reuse" else kvh * hd)
+        ff = t.ff_dim * (2 if t.double_wide_mlp and mode == "reuse" else 1)
+        keys = min(seq, t.sliding_window) if sliding else seq
+        fwd = 2.0 * params * seq + 4.0 * seq * keys * q
+        stats = 2 * t.n_heads + kvh + 4 + (1 if t.ple_dim else 0)
+        ple = 3 * t.ple_dim + 3 * t.dim if t.ple_dim else 0
+        act = (10 * t.dim + 5 * q + 4 * kv + 4 * ff + ple + stats + 2 * hd) * seq
+        return costs.Cost(seq, fwd, act, (stats + 2 * hd) * seq, seq * t.dim)
+    return cost
+
+
+def _projector_cost(cfg, params, n, seq):
+    """The k x k pool over the n patches, the unscaled RMSNorm and the Dv x D matmul over m pooled tokens; kept: the
+    pooled and normed values (2 Dv) and the norm's statistic a pooled token (an estimate, not measured)."""
+    v, m = cfg.vision, cfg.vision.mm_tokens
+    return costs.Cost(n, n * v.dim + 2.0 * m * v.dim * cfg.text.dim, m * (2 * v.dim + 1), m, m * cfg.text.dim)
+
+
+GEMMA4_PROJECTOR = costs.LayerRule("Gemma4Projector", _projector_cost, "vision")
+BLOCK_RULES = {cls: costs.LayerRule(cls.__name__, _block_cost(s, m), "sequence") for (s, m), cls in BLOCKS.items()}
 GEMMA4_COSTS = {Gemma4PatchEmbed: costs.PATCH_EMBED, Gemma4TowerBlock: costs.VISION_BLOCK,
-                Gemma4Projector: GEMMA3_PROJECTOR, Gemma4Embed: costs.TEXT_EMBED,
-                **{cls: GEMMA4_SLIDING_BLOCK if s else GEMMA4_BLOCK for (s, _), cls in BLOCKS.items()},
-                Gemma4FinalNorm: costs.FINAL_NORM, Gemma4Head: costs.LINEAR_HEAD,
-                gemma4_tied_head: costs.LINEAR_HEAD}
+                Gemma4Projector: GEMMA4_PROJECTOR, Gemma4Embed: costs.TEXT_EMBED, **BLOCK_RULES,
+                Gemma4FinalNorm: costs.FINAL_NORM, Gemma4Head: costs.LINEAR_HEAD, gemma4_tied_head: costs.LINEAR_HEAD}
