@@ -118,6 +118,8 @@ class LayerCost:
     expert_params: int = 0  # an MoE block's experts (E x 3 D F, in `params` too): split over the EP ranks
     a2a_elems: float = 0.0  # an MoE block: one all-to-all's rows per sample, positions x top_k x D (moe_ep_costs)
     tied: str = ""  # a TiedLayerSpec's key (a tied embedding and head): one module, and one count, in a stage
+    tp_ar_fwd: float = 0.0  # at TP > 1 (planning.tensor_parallel): all-reduced elements per sample, forward
+    tp_ar_bwd: float = 0.0  # and backward
 
     @property
     def expert_trainable(self) -> int:
@@ -330,13 +332,15 @@ def in_flight(stage: int, stages: int, micro_batches: int) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """A layout's shape: P pipeline stages x DP data-parallel replicas, micro-batches of `micro` rows x GAS `gas` of
-    them a step, and EP expert-parallel ranks (an MoE model's experts split over groups of ep of the dp ranks)."""
+    """A layout's shape: P pipeline stages x DP data-parallel replicas (x TP ranks each), micro-batches of `micro` rows
+    x GAS `gas` of them a step, and EP expert-parallel ranks (an MoE model's experts split over groups of ep of the dp
+    ranks)."""
     stages: int
     dp: int
     micro: int
     gas: int
     ep: int = 1
+    tp: int = 1  # tensor-parallel ranks of a stage (`--tp`; planning.tensor_parallel): world = stages x dp x tp
 
 
 def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, shape: Shape, precision: str, zero_stage: int,

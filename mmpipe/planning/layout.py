@@ -36,6 +36,7 @@ from .costmodel import (
 from .images import patch_row
 from .partition import compute_parts, trainable_units
 from .schedule_registry import BASELINE, Schedule, asked
+from .tensor_parallel import tp_seconds
 
 GiB = 2 ** 30
 # `--device cpu`: one rank per core shares the host's memory; ranks talk over gloo on the loopback
@@ -56,6 +57,7 @@ class Layout:
     schedule: str = BASELINE.name  # the name of the schedule `step` is for: the one asked for, or the faster one
     predictions: dict = field(default_factory=dict)  # schedule -> its step dict, for every schedule asked for
     ep: int = 1  # expert-parallel ranks (`--ep`): an MoE model's experts split over groups of ep of the dp ranks
+    tp: int = 1  # tensor-parallel ranks of each stage (`--tp`): its rows are one TP rank's (planning.tensor_parallel)
 
     @property
     def throughput(self) -> float:
@@ -113,7 +115,13 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     times = stage_seconds(rows, parts, shape.micro, t.device, measured)
     if a2a:  # the exchange waits on the critical path: forward's two all-to-alls, backward's two
         times = [(f + x["seconds"], bw + x["seconds"]) for (f, bw), x in zip(times, a2a)]
+    tp = tp_seconds(rows, parts, shape.micro, t.precision, shape.tp, t.device)
+    if shape.tp > 1:  # each block waits on its all-reduces: Megatron's two forward, two backward
+        times = [(f + x, bw + y) for (f, bw), (x, y) in zip(times, tp)]
     stage_rows = _stage_rows(rows, parts, times, a2a, shape, t.precision, t.zero)
+    if shape.tp > 1:
+        for r, (x, y) in zip(stage_rows, tp):
+            r.update(tp_ms=(x + y) * 1e3)
     boundary, grad_bytes = _transfers(rows, parts, shape, t.precision)
     step = pipeline_step_seconds(times, shape.gas, boundary, grad_bytes, shape.dp, t.device)
     # a schedule that cannot run this many micro-batches (DualPipeV: GAS >= 2 x PP, DeepSpeed's) is not predicted
@@ -121,7 +129,7 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     if not ask:
         sched = asked(t.schedule)[0]
         return Layout(stages=shape.stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=parts,
-                      stage_rows=[], step=None, schedule=sched.name, ep=shape.ep,
+                      stage_rows=[], step=None, schedule=sched.name, ep=shape.ep, tp=shape.tp,
                       reason=f"{sched} needs GAS >= {sched.min_micro_per_rank} x {shape.stages} stages")
     replayed = [s for s in ask if s is not BASELINE]
     own = _replayed(replayed, rows, parts, stage_rows, shape, t, measured) if replayed else {}
@@ -130,7 +138,7 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     predictions = {s.name: own[s.name] if s in replayed else step for s in ask}
     fitting = [s for s in ask if predictions[s.name].get("fits", True)]  # the baseline's split was cut to fit
     lay = dict(stages=shape.stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=parts, stage_rows=stage_rows,
-               predictions=predictions, ep=shape.ep)
+               predictions=predictions, ep=shape.ep, tp=shape.tp)
     if not fitting:  # the one schedule asked for holds more micro-batches than memory takes
         sched, mem = ask[0], own[ask[0].name]["memory_gib"]
         s = max(range(shape.stages), key=lambda i: mem[i])
@@ -146,7 +154,7 @@ def _split(rows: list[LayerCost], shape: Shape, training: Training) -> list[int]
     stage fits the device's memory), or a Layout saying why there are none."""
     units, t, stages = trainable_units(rows), training, shape.stages
     none = dict(stages=stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=None, stage_rows=[], step=None,
-                ep=shape.ep)
+                ep=shape.ep, tp=shape.tp)
     if stages > len(units):
         return Layout(**none, reason=f"only {len(units)} groups of layers hold a trainable parameter")
     ranges = RangeMemory(rows, t.precision, micro=shape.micro, micro_batches=shape.gas, zero_stage=t.zero,
@@ -213,6 +221,9 @@ def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int]
     a2a = _exchange(rows, parts, shape, t)
     if a2a:  # the exchange in F and in B (the input gradients need the returned rows), none in W
         split = [(f + x["seconds"], b + x["seconds"], w) for (f, b, w), x in zip(split, a2a)]
+    if shape.tp > 1:  # TP's all-reduces: forward's in F, the input gradients' in B
+        tp = tp_seconds(rows, parts, shape.micro, t.precision, shape.tp, t.device)
+        split = [(f + x, b + y, w) for (f, b, w), (x, y) in zip(split, tp)]
     weight_stages = [any(r.w_flops for r in rows[a:b]) for a, b in zip(parts, parts[1:])]
     for r, (_, b, w) in zip(stage_rows, split):
         r.update(input_backward_ms=b * 1e3, weight_backward_ms=w * 1e3)

@@ -51,6 +51,7 @@ from .layout import GiB, Layout, plan_layout
 from .report import budget_words, print_json, print_plan
 from .request import PLAN_SCHEDULES, PlanRun, PlanSpec, cpu_device, device_from_args, resolve
 from .schedule_registry import BASELINE
+from .tensor_parallel import tp_layer_costs
 
 __all__ = ["GiB", "Layout", "PlanRun", "PlanSpec", "plan_layout", "add_plan_args", "cpu_device", "device_from_args",
            "plan", "main_plan", "resolve"]
@@ -76,6 +77,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="an MoE model (text.moe): expert-parallel ranks to consider, as `mmpipe train --ep N` splits "
                         "the experts over groups of N data-parallel ranks; a layout whose DP N does not divide is "
                         "skipped (default: 1; docs/moe.md)")
+    p.add_argument("--tp", default="1", metavar="N[,N...]",
+                   help="tensor-parallel ranks per stage to consider, as `mmpipe train --tp N` splits each stage's "
+                        "layers by the family's plan (world = PP x DP x TP; inside a node: a degree not dividing "
+                        "--gpus-per-node is left out; default: 1; docs/tensor_parallel.md)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
     p.add_argument("--schedule", default=BASELINE.name, metavar="|".join(PLAN_SCHEDULES),
                    help="pipeline schedule to predict: 1f1b (default), zb-h1 (zero-bubble, docs/schedules.md), or "
@@ -115,22 +120,25 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def plan(spec: PlanSpec) -> list[Layout]:
-    """Every layout of spec.cfg on spec.gpus devices, best (highest throughput) first: each pipeline depth P dividing
-    the GPUs and at most the layer count, DP = GPUs / P, each micro-batch b dividing the global batch by DP (GAS =
-    global / (b x DP)), each EP dividing DP; its balanced split that fits memory, or why none does."""
+    """Every layout of spec.cfg on spec.gpus devices, best (highest throughput) first: each TP degree (spec.tps), each
+    pipeline depth P dividing the GPUs / TP and at most the layer count, DP = GPUs / (P x TP), each micro-batch b
+    dividing the global batch by DP (GAS = global / (b x DP)), each EP dividing DP; its balanced split that fits
+    memory, or why none does. At TP t the rows are one TP rank's (planning.tensor_parallel.tp_layer_costs)."""
     s = spec
-    rows = layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row)
+    whole = layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row)
     profiles = ({m: profile_layers(s.cfg, s.text_len, m, s.precision, images=s.images) for m in s.micros}
                 if s.profile else {})
     layouts = []
-    for stages in [p for p in range(1, s.gpus + 1) if s.gpus % p == 0 and p <= len(rows)]:
-        dp = s.gpus // stages
-        for micro in s.micros:
-            if s.global_batch % (micro * dp):
-                continue
-            for ep in [e for e in s.eps if dp % e == 0]:
-                shape = Shape(stages, dp, micro, s.global_batch // (micro * dp), ep)
-                layouts.append(plan_layout(rows, shape, s.training, profiles.get(micro)))
+    for tp in s.tps:
+        rows, gpus = tp_layer_costs(s.cfg, whole, tp), s.gpus // tp
+        for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
+            dp = gpus // stages
+            for micro in s.micros:
+                if s.global_batch % (micro * dp):
+                    continue
+                for ep in [e for e in s.eps if dp % e == 0]:
+                    shape = Shape(stages, dp, micro, s.global_batch // (micro * dp), ep, tp)
+                    layouts.append(plan_layout(rows, shape, s.training, profiles.get(micro)))
     return sorted(layouts, key=lambda lay: -lay.throughput)
 
 
@@ -236,6 +244,7 @@ def train_flags(run: PlanRun, best: Layout) -> list[str]:
     rows = ([*(["--pack"] if run.pack else []), "--max-images", str(s.images)] if run.pack or s.images > 1 else [])
     rows += budget_words(s.row, " ").split() if s.row else []
     ep = ["--ep", str(best.ep)] if best.ep > 1 else []
+    ep += ["--tp", str(best.tp)] if best.tp > 1 else []
     return ["--preset", run.preset, "--ds-config", run.write_config, "--dp", str(best.dp), *ep,
             *to_argv(run.model_args), *rows, "--text-len", str(s.text_len)]
 
@@ -248,9 +257,10 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
     rule = family_of(s.cfg).fixed_first_stage
     if rule is None or best is None or best.stages < 2:
         return ""
-    rows = layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row)
+    rows = tp_layer_costs(s.cfg, layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row),
+                          best.tp)
     first = rule(layer_specs(s.cfg))
-    shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep)
+    shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep, best.tp)
     rest = plan_layout(rows[first:], shape, s.training)  # its own memory per stage: stage index + 1
     head = (f"stage 0 fixed at layers 0..{first - 1} (where other trainers cut {s.cfg.family}: "
             f"Family.fixed_first_stage)")

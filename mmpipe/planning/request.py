@@ -37,6 +37,7 @@ from .images import (
 )
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Training
 from .schedule_registry import ALL, BASELINE, BOTH, SCHEDULE_NAMES, Schedule, asked
+from .tensor_parallel import check_tp
 
 PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH, ALL)
 
@@ -63,6 +64,7 @@ class PlanSpec:
     images: int = 1
     row: PatchRow | CropRow | None = None
     eps: tuple[int, ...] = (1,)
+    tps: tuple[int, ...] = (1,)  # tensor-parallel degrees (--tp), each planned for every PP x DP of GPUs / TP
 
     @property
     def training(self) -> Training:
@@ -89,6 +91,7 @@ class PlanRun:
     video_frames: int | None = None
     video_size: str | None = None
     video_slots: int = 0
+    tp_notes: tuple[str, ...] = ()  # a line per --tp degree left out, or the family's 'planned at TP 1 only'
 
     # the spec's fields the printed words read by the flag's name
     @property
@@ -118,12 +121,17 @@ def resolve(args) -> PlanRun:
         raise ConfigError(f"--schedule: {args.schedule!r} is not a schedule (valid: {', '.join(PLAN_SCHEDULES)})")
     if precision == "fp16" and args.zero != 1:
         raise ConfigError("--precision fp16 needs --zero 1 (DeepSpeed 0.19.8, see docs/configs.md)")
-    spec = PlanSpec(cfg, device, args.gpus_per_node * args.nodes, args.global_batch, micros, text_len, precision,
+    gpus = args.gpus_per_node * args.nodes
+    tps, tp_notes = check_tp(args.tp, cfg, args.gpus_per_node, gpus)
+    if max(tps) > 1 and (args.profile or lora):
+        raise ConfigError(f"--tp: {max(tps)} with {'--profile' if args.profile else '--lora'} is not planned yet "
+                          f"(plan the TP degrees without it)")
+    spec = PlanSpec(cfg, device, gpus, args.global_batch, micros, text_len, precision,
                     args.zero, freeze, args.checkpointing, args.profile, lora, asked(args.schedule), images, row,
-                    _check_ep(args.ep, cfg))
+                    _check_ep(args.ep, cfg), tps)
     return PlanRun(spec, args.preset, model_args, args.schedule, args.pack, args.top, args.json, args.write_config,
                    args.dry_run, args.image_size, args.video_frames if clip_slots else None, args.video_size,
-                   clip_slots)
+                   clip_slots, tuple(tp_notes))
 
 
 def device_from_args(args) -> tuple[Device, str]:

@@ -1,0 +1,160 @@
+"""The TP axis of `mmpipe plan --tp N[,N...]` (issue 54, item 7): a family's tensor-parallel plan
+(mmpipe.registry.Family.tp_plan, what `mmpipe train --tp` applies: mmpipe.model.tensor_parallel) read as costs.
+
+Each layer's rows at TP t are its rows at TP 1 with what one TP rank holds, does and exchanges
+(`tp_layer_costs`). Which weights are split is the plan's own answer (`split_dims`, what a TP checkpoint's shards
+are concatenated along), read off the layer built on the meta device:
+
+    parameters  split weights / t, the rest whole (norms, replicated towers, kv weights with fewer kv heads
+                than ranks); gradients and optimizer states follow (they are the parameters' own)
+    FLOPs       forward = the replicated weights' 2 x params x tokens + the rest / t (the split matmuls and the
+                per-head attention: each rank runs its heads); backward and ZB-H1's W scaled alike; an embedding's
+                lookup whole
+    activations a vocab-parallel head: its fp32 logits / t (no rank holds the row's full-vocabulary logits);
+                a split block keeps whole 6 tensors of its output's width per position (Megatron's replicated
+                region without sequence parallelism: the block's input, the two norms' inputs and outputs, the
+                residual sum) and its fp32 statistics, the rest of what it keeps / t (q, k, v, the attention
+                output, the row-parallel inputs, the MLP's intermediates). E.g. a LlamaBlock keeps
+                (9 D + 2 kv + 4 F) L values: 6 D L whole, (3 D + 2 kv + 4 F) L / t. A layer whose rows keep less
+                than 6 outputs (a merger, whose output is a quarter of its patches) is counted whole: an upper bound
+    all-reduces Megatron's: a row-parallel linear's output summed over the TP group forward, its column region's
+                input gradient backward (copy_to_tp), so a block with r row linears (LlamaBlock: o_proj, down_proj)
+                all-reduces r x its output [B, L, D] forward and r backward; a vocab embedding its lookup forward;
+                a vocab head its input's gradient backward. Each is a ring over t ranks of the node's link:
+                2 (t - 1) / t x bytes / device.link seconds (tp_seconds)
+
+A stage boundary still sends the whole activation per TP rank (pipe_partitioned off: mmpipe.runtime.pipeline), and
+the data-parallel all-reduce each rank's shard of the gradients over DP (the rows' trainable parameters, per rank).
+TP stays inside a node (its all-reduces are on every block's critical path): `check_tp` skips a degree that does not
+divide the GPUs per node.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import ConfigError, ModelConfig
+from ..model.builder import layer_specs, shapes_only
+from ..registry import family_of
+from .costmodel import BYTES, Device, LayerCost
+
+WHOLE_WIDTHS = 6  # a split block's replicated tensors of its output's width per position (module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """One layer at TP t: its split parameters (of LayerCost.params), its row-parallel linears, and whether it is a
+    vocab-split embedding or head (no row linear: an nn.Embedding or a head's column split)."""
+    params: int
+    rows: int
+    vocab: bool
+
+
+def layer_splits(cfg: ModelConfig, tp: int) -> list[Split]:
+    """Per layer of cfg's list, what the family's plan splits at `tp` ranks (mmpipe.model.tensor_parallel.split_dims
+    on the layer built on the meta device: a tied head's spec builds its embedding, whose table is the split)."""
+    from ..model.tensor_parallel import split_dims
+    plan, out, seen = family_of(cfg).tp_plan, [], {}
+    with shapes_only():
+        for spec in layer_specs(cfg):
+            key = (spec.typename, repr(spec.module_kwargs), getattr(spec, "forward_fn", None) is not None)
+            if key not in seen:
+                layer = spec.build()
+                dims, state = split_dims(layer, plan, tp), dict(layer.named_parameters())
+                split = sum(state[k].numel() for k in dims if k in state)
+                rows = sum(1 for k, d in dims.items() if d == 1 and k.endswith("weight"))
+                # split weights and no row linear: a vocabulary's (today's plans end every column region in a row)
+                seen[key] = Split(split, rows, bool(split) and rows == 0)
+            out.append(seen[key])
+    return out
+
+
+def tp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], tp: int) -> list[LayerCost]:
+    """rows (costmodel.layer_costs at TP 1) as one TP rank of `tp` holds and runs them (module docstring); tp = 1:
+    rows unchanged. The all-reduce elements per sample go in tp_ar_fwd / tp_ar_bwd."""
+    if tp == 1:
+        return rows
+    return [_rank_row(cfg, r, s, tp) for r, s in zip(rows, layer_splits(cfg, tp))]
+
+
+def _rank_row(cfg: ModelConfig, r: LayerCost, s: Split, tp: int) -> LayerCost:
+    if not s.params:
+        return r
+    off = 1 - 1 / tp  # the share of a split quantity another rank holds
+    params = r.params - s.params * off  # trainable_params, gradients and optimizer states follow the rank's own
+    # the FLOPs a rank does: all but the replicated weights' matmuls split (the lookup of an embedding: whole)
+    split_flops = 0.0 if r.embedding else max(0.0, r.fwd_flops - 2.0 * (r.params - s.params) * r.tokens)
+    scale = (r.fwd_flops - split_flops * off) / r.fwd_flops if r.fwd_flops else 1.0
+    act, fp32 = r.act_elems, r.act_fp32_elems
+    if s.vocab and not r.embedding:  # the head: its fp32 logits [L, V] (its output) split
+        act, fp32 = act - r.out_elems * off, fp32 - r.out_elems * off
+    elif s.rows:  # a block: all but its replicated region (WHOLE_WIDTHS outputs) and fp32 statistics split
+        act -= max(0.0, act - fp32 - WHOLE_WIDTHS * r.out_elems) * off
+    if s.vocab and r.embedding:  # the lookup's rows summed over TP forward
+        ar_fwd, ar_bwd = r.out_elems, 0.0
+    elif s.vocab:  # the head's input enters the TP region: its gradient summed backward
+        ar_fwd, ar_bwd = 0.0, float(r.tokens * cfg.text.dim)
+    else:
+        ar_fwd = ar_bwd = s.rows * r.out_elems
+    return dataclasses.replace(
+        r, params=round(params), fwd_flops=r.fwd_flops * scale, bwd_flops=r.bwd_flops * scale,
+        w_flops=r.w_flops * scale, act_elems=act, act_fp32_elems=fp32, tp_ar_fwd=ar_fwd, tp_ar_bwd=ar_bwd)
+
+
+def tp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: str, tp: int, device: Device
+               ) -> list[tuple[float, float]]:
+    """Per stage, its TP all-reduces of one micro-batch, (forward, backward) seconds: each a ring over the tp ranks
+    of a node, 2 (tp - 1) / tp x elements x micro x dtype bytes / device.link (a checkpointed block's forward ones
+    twice: its recompute). E.g. qwen2.5-vl-72b's decoder block
+    at L = 4,096 + text, D 8,192, bf16, micro 1, tp 8 over 450 GB/s: 2 x [L, 8192] x 2 B forward, each 7 / 4 x
+    bytes / link."""
+    if tp == 1:
+        return [(0.0, 0.0)] * (len(parts) - 1)
+    ring = 2 * (tp - 1) / tp * micro * BYTES[precision] / device.link
+    # a checkpointed block's recompute in the backward runs its forward all-reduces again
+    return [(sum(r.tp_ar_fwd for r in rows[a:b]) * ring,
+             sum(r.tp_ar_bwd + (r.tp_ar_fwd if r.recompute else 0.0) for r in rows[a:b]) * ring)
+            for a, b in zip(parts, parts[1:])]
+
+
+def check_tp(text: str, cfg: ModelConfig, gpus_per_node: int, gpus: int) -> tuple[tuple[int, ...], list[str]]:
+    """--tp N[,N...] -> (the degrees to plan, a note per degree left out and why): each >= 1 (else ConfigError);
+    above 1 only for a family with a tensor-parallel plan (the one note 'planned at TP 1 only' otherwise), dividing
+    the sizes `mmpipe train --tp` checks (heads, vocabulary, FFN width, the plan's SIZES; kv heads divided or
+    dividing) and the GPUs per node (TP stays inside a node)."""
+    try:
+        tps = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(f"--tp: {text!r} is not a list of integers, e.g. 1,2,4,8") from None
+    for tp in tps:
+        if tp < 1:
+            raise ConfigError(f"--tp: {tp} must be >= 1")
+    family = family_of(cfg)
+    if not family.tp_plan or family.experts(cfg) is not None:
+        why = "has no tensor-parallel plan yet" if not family.tp_plan else "has MoE blocks with no tensor-parallel plan"
+        above = [tp for tp in tps if tp > 1]
+        return (1,), ([f"tp: {cfg.name} ({cfg.family}) {why}: planned at TP 1 only"] if above else [])
+    keep, notes = [], []
+    for tp in tps:
+        why = _tp_refusal(cfg, tp, gpus_per_node, gpus)
+        if why:
+            notes.append(f"tp: {tp} left out: {why}")
+        else:
+            keep.append(tp)
+    return tuple(keep) or (1,), notes
+
+
+def _tp_refusal(cfg: ModelConfig, tp: int, gpus_per_node: int, gpus: int) -> str:
+    """Why TP `tp` cannot run cfg on this cluster ('' where it can): as mmpipe.run_config._check_tp's sizes."""
+    from ..model.tensor_parallel import tp_sizes
+    if tp == 1:
+        return ""
+    if gpus_per_node % tp or gpus % tp:
+        return f"it does not divide {gpus_per_node} GPUs per node (TP stays inside a node)"
+    t = cfg.text
+    for what, n in (("attention heads", t.n_heads), ("vocabulary", t.vocab_size), ("FFN width", t.ff_dim),
+                    *tp_sizes(cfg, family_of(cfg).tp_plan)):
+        if n % tp:
+            return f"it does not divide {cfg.name}'s {n} {what}"
+    if t.kv_heads % tp and tp % t.kv_heads:
+        return f"it neither divides nor is a multiple of {cfg.name}'s {t.kv_heads} KV heads"
+    return ""
