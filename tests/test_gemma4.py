@@ -185,3 +185,33 @@ def test_31b_preset_holds_the_published_tensors():
     params = sum(layer_param_counts(cfg)[:-1])  # the last, the tied head, is the embedding's matrix again
     buffers = cfg.text.n_layers + 2 * cfg.vision.dim
     assert (params, params + buffers) == (31_273_086_512, 31_273_088_876)
+
+
+def test_generate_equals_transformers_greedy_batch(imported, tmp_path, capsys):
+    """`mmpipe generate --checkpoint HF_DIR`, 4 square images of different sizes in one batch (each read at the
+    tower's 24 px square by the family's image kind), 10 prompt positions and up to 12 new tokens, so the 6-position
+    window slides and the shared layers read their producers' cached K/V: transformers' greedy generate answers the
+    same for each image alone, given the same pixels."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from mmpipe.data.image_kinds import image_kind
+    hf, d, _, model = imported
+    g, argv, want = torch.Generator().manual_seed(5), ["generate", "--checkpoint", str(d), "--max-new-tokens", "12"], []
+    tok = AutoTokenizer.from_pretrained(d)
+    read = image_kind(model.cfg).one_image(model.cfg)
+    for i, side in enumerate((24, 40, 17, 64)):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray((torch.rand(side, side, 3, generator=g) * 255).byte().numpy()).save(path)
+        argv += ["--image", str(path), "--prompt", f"<image>\nw{40 + i} w{50 + i}"]
+        ids = torch.tensor([[1, 4, BOI] + [IMG] * SOFT + [EOI, 40 + i, 50 + i, 5]])
+        px = read(Image.open(path).convert("RGB"))[None, None]
+        with torch.no_grad():
+            out = hf.generate(**hf_inputs(ids, px), mm_token_type_ids=(ids == IMG).long(), max_new_tokens=12,
+                              do_sample=False)
+        want.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    capsys.readouterr()
+    assert main(argv) == 0
+    got = [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()]
+    assert got == want
+    assert len(set(got)) > 1 and max(len(a.split()) for a in got) > 6  # answers differ, and past the window

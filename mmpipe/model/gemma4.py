@@ -440,11 +440,18 @@ class Gemma4Attention(nn.Module):
         k = apply_partial_rotary(self.k_norm(k_raw).transpose(1, 2), *rotary)
         return torch.stack([k, self.v_norm(v_raw).transpose(1, 2)], 1)
 
-    def forward(self, x, mask, rotary, kv=None):
-        """-> (output, this layer's K/V [B, 2, H_kv, L, Dh]); a shared layer attends to kv (its producer's)."""
+    def forward(self, x, mask, rotary, kv=None, cache: dict | None = None):
+        """-> (output, the K/V it attended to [B, 2, H_kv, S, Dh]); a shared layer attends to kv (its producer's).
+        With a cache (generation) the new keys join the cached ones; a sliding layer then keeps its last
+        window - 1 (the next query sees window keys, itself included), and returns them all before that cut, so
+        a sliding consumer sees the same window its producer did."""
         B, T, _ = x.shape
         q = apply_partial_rotary(self.q_norm(self.q_proj(x).view(B, T, -1, self.hd)).transpose(1, 2), *rotary)
-        kv = kv if self.shared else self.kv_of(x, rotary)
+        if not self.shared:
+            kv = self.kv_of(x, rotary)
+            if cache is not None:
+                kv = torch.cat([cache["kv"], kv], dim=3) if "kv" in cache else kv
+                cache["kv"] = kv[:, :, :, -(self.window - 1):] if self.window else kv
         out = attend(q * math.sqrt(self.hd), kv[:, 0], kv[:, 1], mask)  # scale 1: SDPA's hd^-1/2 undone on q
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), kv
 
@@ -479,8 +486,8 @@ class Gemma4Block(nn.Module):
         blocks = image_blocks(t.input_ids, self.image_token_id) if self.blocks else None
         return row_attention(t.segments, blocks=blocks, window=a.window), rotary
 
-    def run(self, t: StageTuple, mask, rotary) -> StageTuple:
-        out, kv = self.self_attn(self.input_layernorm(t.hidden), mask, rotary, getattr(t, self.field))
+    def run(self, t: StageTuple, mask, rotary, cache: dict | None = None) -> StageTuple:
+        out, kv = self.self_attn(self.input_layernorm(t.hidden), mask, rotary, getattr(t, self.field), cache)
         x = t.hidden + self.post_attention_layernorm(out)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.ple:
@@ -489,12 +496,23 @@ class Gemma4Block(nn.Module):
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return t._replace(hidden=x * self.layer_scalar, **({self.field: kv} if self.mode == "store" else {}))
 
+    def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
+        """Cached generation: prefill (start 0) under the row's mask, then the new positions start.. (one at a
+        time) against the cached keys; a producer passes on what it attended to, its consumers attend to that."""
+        if not start:
+            return self.leaving(self.run(t, *self.geometry(t), cache))
+        a, T = self.self_attn, t.segments.shape[-1]
+        pos = torch.arange(start, start + T, device=t.segments.device).expand(t.segments.shape[0], T)
+        return self.leaving(self.run(t, None, a.rotary(pos), cache))
+
+    def leaving(self, out: StageTuple) -> StageTuple:
+        """out without the carried fields this layer is the last reader of (its stage_out lacks them)."""
+        names = {f.name for f in self.__dict__.get("stage_out", ())}
+        return out._replace(**{k: None for k in ("per_layer", "kv_sliding", "kv_full") if names and k not in names})
+
     def forward(self, args):
         t = unpack_in(self, args)
-        out = self.run(t, *self.geometry(t))
-        names = {f.name for f in self.__dict__.get("stage_out", ())}
-        dropped = {k: None for k in ("per_layer", "kv_sliding", "kv_full") if names and k not in names}
-        return out._replace(**dropped).pack()
+        return self.leaving(self.run(t, *self.geometry(t))).pack()
 
 
 ROLES = {None: "Block", "store": "Store", "reuse": "Shared"}
