@@ -215,3 +215,31 @@ def test_generate_equals_transformers_greedy_batch(imported, tmp_path, capsys):
     got = [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()]
     assert got == want
     assert len(set(got)) > 1 and max(len(a.split()) for a in got) > 6  # answers differ, and past the window
+
+
+def test_a_record_with_audio_is_a_bad_record(tmp_path):
+    """Gemma 4's records may carry audio (its E2B / E4B read it); this family reads images and text only, so a record
+    with an 'audio' field or an <audio> marker is refused, counted and listed with its reason (unsupported_media),
+    never trained as the text around it."""
+    from fixtures_data import conv
+    from mmpipe.data.dataset import prepare
+    from mmpipe.data.export import export_shapes
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
+    from test_data_formats import write_jsonl
+    export_shapes(tmp_path, "llava-json", 1)  # images/00000.png
+    qa = conv("what shape is red", "circle", marker=False)
+    path = write_jsonl(tmp_path / "audio.jsonl", [
+        {"id": "t", "conversations": qa},
+        {"id": "a", "audio": "clips/a.wav", "conversations": qa},
+        {"id": "m", "conversations": conv("<audio>\nwhat is said", "circle", marker=False)},
+        {"id": "i", "image": "images/00000.png", "conversations": conv("what shape is red", "circle")}])
+    args = TrainArgs.from_argv(["--preset", "gemma4-tiny", "--data", str(path), "--output-dir", str(tmp_path / "run"),
+                                "--tokenizer", "builtin"])
+    run = resolve(args, 2)
+    samples = prepare(run.data, run.model, args.output_dir, seed=0, verbose=False)
+    assert samples.index.rows.tolist() == [0, 3]
+    assert samples.index.stats["bad_by_kind"] == {"unsupported_media": 2}
+    bad = [json.loads(line) for line in (tmp_path / "run/data/bad_records.jsonl").read_text().splitlines()]
+    assert ["'audio' field" in bad[0]["reason"], "a <audio> marker" in bad[1]["reason"]] == [True, True]
+    assert all("the gemma4 family reads image only" in b["reason"] for b in bad), bad

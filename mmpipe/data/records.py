@@ -41,8 +41,8 @@ BAD_KINDS = {
 # What a record may carry besides text, by the names a family declares (mmpipe.registry.Family.media):
 # each kind's record fields and its marker in the text. A record with a kind its family does not read is a bad
 # record (unsupported_media), never trained as the text around it.
-MEDIA_FIELDS = {"image": ("image",), "video": ("video", "videos")}
-MEDIA_MARKERS = {"image": "<image>", "video": "<video>"}
+MEDIA_FIELDS = {"image": ("image",), "video": ("video", "videos"), "audio": ("audio", "audios")}
+MEDIA_MARKERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}  # audio: no family reads it (Gemma 4's)
 
 
 def carried_media(raw: dict, columns: dict) -> dict[str, str]:
