@@ -129,10 +129,16 @@ def test_the_search_picks_tp_where_tp1_does_not_fit(capsys):
     assert max(r["memory_gib"] for r in best["stage_rows"]) <= H100.memory / 2 ** 30
 
 
-def test_tp_left_out_and_families_without_a_plan_say_so_in_one_line(capsys):
-    rc, out, _ = _plan(capsys, "--text-len", "1024", "--tp", "1,16", "--top", "1")
+def test_tp_left_out_and_families_without_a_plan_say_so_in_one_line(capsys, tmp_path):
+    ds = tmp_path / "ds.json"
+    rc, out, _ = _plan(capsys, "--text-len", "1024", "--tp", "1,4,16", "--top", "1", "--write-config", str(ds))
     assert rc == 0 and "tp: 16 left out: it does not divide 8 GPUs per node (TP stays inside a node)" in out
-    assert "x tp" not in out  # only TP 1 left to plan: today's table, no TP column
+    # the best (4 stages x dp 2 x tp 4 at 1024 text) is written, and the train command that runs it names its TP
+    assert "best: 4 stages x dp 2 x tp 4," in out
+    command = out.split("run it with mmpipe train ")[1].split()
+    assert command[command.index("--tp") + 1] == "4" and command[command.index("--dp") + 1] == "2"
+    written = json.loads(ds.read_text())
+    assert written["pipeline"]["stages"] == 4 and written["train_batch_size"] == 128
     from mmpipe.cli import main
     rc = main(["plan", "--preset", "moondream-2b", "--global-batch", "64", "--text-len", "24", "--tp", "1,2"])
     out = capsys.readouterr().out
