@@ -277,6 +277,9 @@ def test_precomputed_reference_equals_live(pairs, ds_config, tmp_path, capsys):
     lines = refused([*base, "--seed", "4"], capsys)
     assert lines[-1].startswith(f"mmpipe: error: --reference-logps: {scored} was scored with another reference "
                                 f"model (weights fingerprint "), lines
+    write_checkpoint(ReferenceModel(run.model, seed=7), tmp_path / "base")  # --reference RUN: its layer files' bytes
+    assert "was scored with another reference model" in refused([*base, "--reference", str(tmp_path / "base")],
+                                                                capsys)[-1]
     fewer = pairs.parent / "fewer.jsonl"  # beside the images the records name
     fewer.write_text("".join(pairs.read_text().splitlines(keepends=True)[:12]))
     lines = refused([*base, "--data", str(fewer)], capsys)

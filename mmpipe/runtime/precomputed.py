@@ -81,17 +81,19 @@ def score_reference(run, samples, seed: int, out: Path) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-def read_reference(path: str | Path, run, samples, seed: int) -> np.ndarray:
-    """The file's log-probs per index entry; ConfigError (one line) where they are another model's or index's."""
+def read_reference(path: str | Path, run, samples, seed: int, weights: bool = True) -> np.ndarray:
+    """The file's log-probs per index entry; ConfigError (one line) where they are another model's or index's.
+    weights=False: the index alone (a rank: the front door checked the weights, whose fingerprint reads every layer
+    file of a checkpoint reference; each rank reading them all again would multiply that by the world size)."""
     try:
         with np.load(path, allow_pickle=False) as z:
-            logps, weights, index = z["logps"], str(z["weights"]), str(z["index"])
+            logps, theirs, index = z["logps"], str(z["weights"]), str(z["index"])
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"--reference-logps: {path} is not a file `mmpipe score-reference` wrote ({e})") from None
-    mine = weights_fingerprint(run, seed)
-    if weights != mine:
+    mine = weights_fingerprint(run, seed) if weights else theirs
+    if theirs != mine:
         raise ConfigError(f"--reference-logps: {path} was scored with another reference model (weights fingerprint "
-                          f"{weights}, this run's reference {mine}: model, seed, --init-from or --reference differ)")
+                          f"{theirs}, this run's reference {mine}: model, seed, --init-from or --reference differ)")
     mine = index_fingerprint(samples)
     if index != mine or len(logps) != len(samples.index):
         raise ConfigError(f"--reference-logps: {path} was scored on another data index (index fingerprint {index}, "
@@ -105,7 +107,7 @@ class PrecomputedReference:
     def __init__(self, run, samples, seed: int, sampler: StepBatches, last: bool = True):
         """sampler: a twin of the rank's stream sampler (the same start, micro, GAS, DP rank and order)."""
         self.run, self.samples, self.last = run, samples, last
-        self.logps = torch.from_numpy(read_reference(run.reference_logps, run, samples, seed))
+        self.logps = torch.from_numpy(read_reference(run.reference_logps, run, samples, seed, weights=False))
         self.positions = iter(sampler)
         self.seconds = 0.0
 
