@@ -87,7 +87,7 @@ def test_unregistered_family_is_one_line(preset):
     named too. Each one line, exit 2, before any rank starts."""
     env = {k: v for k, v in os.environ.items() if k != "MMPIPE_FAMILIES"}
     for extra, want in (({}, "'toy_carry' is not a known family (valid: moondream, llava, qwen2_vl, llava_next, "
-                             "qwen3_vl, qwen3_5)"),
+                             "qwen3_vl, qwen3_5, internvl, gemma3, gemma4)"),
                         ({"MMPIPE_FAMILIES": "no_such_family_module"},
                          "MMPIPE_FAMILIES: family module 'no_such_family_module' does not import")):
         proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--preset", preset, "--dry-run"],

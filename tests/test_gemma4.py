@@ -243,3 +243,15 @@ def test_a_record_with_audio_is_a_bad_record(tmp_path):
     bad = [json.loads(line) for line in (tmp_path / "run/data/bad_records.jsonl").read_text().splitlines()]
     assert ["'audio' field" in bad[0]["reason"], "a <audio> marker" in bad[1]["reason"]] == [True, True]
     assert all("the gemma4 family reads image only" in b["reason"] for b in bad), bad
+
+
+def test_planner_counts_the_carried_fields_at_their_sizes():
+    """`mmpipe plan`'s boundary after each layer: hidden plus the carried fields at their own sizes a decoder
+    position (StageField.per_position): per_layer 5 x 8 = 40, the sliding K/V 2 x 2 x 8 = 32, the full one
+    2 x 1 x 16 = 32, over the row's positions; none in the tower or after the last decoder layer."""
+    from mmpipe.planning.costmodel import layer_costs
+    cfg = load_preset("gemma4-tiny")
+    rows = layer_costs(cfg, (), text_len=24)
+    seq = rows[5].tokens  # decoder positions a sample
+    assert [r.carried_elems / seq for r in rows] == [0, 0, 0, 0, 40, 40, 72, 104, 72, 0, 0, 0]
+    assert all(r.boundary_elems == r.out_elems + r.carried_elems for r in rows)

@@ -568,11 +568,26 @@ def gemma4_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
     t, classes = cfg.text, block_classes(cfg)
     out = ROW
     if t.ple_dim:
-        out += (StageField("per_layer", True, made_by=Gemma4Embed, dropped_by=classes[-1]),)
+        out += (StageField("per_layer", True, made_by=Gemma4Embed, dropped_by=classes[-1],
+                           per_position=_ple_width),)
     for sliding, name in ((True, "kv_sliding"), (False, "kv_full")):
         if BLOCKS[sliding, "store"] in classes:
-            out += (StageField(name, True, made_by=BLOCKS[sliding, "store"], dropped_by=BLOCKS[sliding, "reuse"]),)
+            out += (StageField(name, True, made_by=BLOCKS[sliding, "store"], dropped_by=BLOCKS[sliding, "reuse"],
+                               per_position=_kv_widths[sliding]),)
     return out
+
+
+def _ple_width(cfg: ModelConfig) -> int:  # per_layer's floats a position: n_layers x P (E2B: 35 x 256 = 8960)
+    return cfg.text.n_layers * cfg.text.ple_dim
+
+
+def _kv_width(sliding: bool):
+    def width(cfg: ModelConfig) -> int:  # a shared K/V's floats a position: 2 x H_kv x Dh (E2B full: 2 x 1 x 512)
+        return 2 * cfg.text.layer_kv_heads(sliding) * cfg.text.layer_head_dim(sliding)
+    return width
+
+
+_kv_widths = {True: _kv_width(True), False: _kv_width(False)}
 
 
 # ---- cost rules (mmpipe.planning.costmodel) ----

@@ -78,6 +78,7 @@ DeepSpeed's (inputs, labels) data contract, never through here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -86,11 +87,14 @@ import torch
 class StageField(NamedTuple):
     """One field of a family's stage tuple. made_by: the layer class whose output first has it (None: the
     pipeline's first input has it); dropped_by: the layer class whose LAST instance's output no longer has it
-    (None: kept to the head)."""
+    (None: kept to the head); per_position: for a carried float field sized by the row rather than by its images,
+    cfg -> its elements per decoder position (Gemma 4's per-layer inputs and shared K/V; the planner's boundary
+    bytes, mmpipe.planning.costmodel._carry), None: one image set."""
     name: str
     floating: bool
     made_by: type | None = None
     dropped_by: type | None = None
+    per_position: Callable | None = None
 
 
 # every family's row fields (mmpipe.families adds each family's own: vision, tiling)
@@ -107,6 +111,7 @@ def live_fields(schema: tuple[StageField, ...], layer_types: list[type]) -> list
     order, and last those leaving it: what `bind_fields` gives each layer. Every field of the schema must be read: one
     that no layer makes, or that a layer class drops which the list does not hold, is a schema error."""
     last = {cls: i for i, cls in enumerate(layer_types)}
+    first = {cls: i for i, cls in reversed(list(enumerate(layer_types)))}
     for f in schema:
         for role, cls in (("made_by", f.made_by), ("dropped_by", f.dropped_by)):
             if cls is not None and cls not in last:
@@ -115,7 +120,9 @@ def live_fields(schema: tuple[StageField, ...], layer_types: list[type]) -> list
     names = []
     for i, cls in enumerate(layer_types):
         names.append(_packed_order(live))
-        live += [f for f in schema if f.made_by is cls and f not in live]
+        # made by the class's FIRST instance only: a tied head's class is its embedding's, and must not make again
+        # what the embedding made and a later layer dropped (Gemma 4's per_layer)
+        live += [f for f in schema if f.made_by is cls and first[cls] == i and f not in live]
         live = [f for f in live if not (f.dropped_by is cls and last[cls] == i)]
     return names + [_packed_order(live)]
 

@@ -191,7 +191,7 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
                               float(c.act), float(c.fp32), float(c.out), embedding=rule.embedding,
                               adapter_params=adapters, w_flops=w, tied=getattr(spec, "key", "") or "",
                               **_moe_fields(cfg, rule, c.tokens)))
-    return _carry(cfg, rows, _image_set_elems(cfg, n, images, patches))
+    return _carry(cfg, rows, _image_set_elems(cfg, n, images, patches), seq)
 
 
 def _moe_fields(cfg: ModelConfig, rule, tokens: int) -> dict:
@@ -260,15 +260,19 @@ def _image_set_elems(cfg: ModelConfig, n: int, images: int, patches: PatchRow | 
     return (patches.set_tokens(cfg, images, n) if patches is not None else images * n) * cfg.text.dim
 
 
-def _carry(cfg: ModelConfig, rows: list[LayerCost], set_elems: int) -> list[LayerCost]:
+def _carry(cfg: ModelConfig, rows: list[LayerCost], set_elems: int, seq: int) -> list[LayerCost]:
     """Each layer's carried_elems: the float fields besides hidden live in the tuple leaving it (the family's schema
     through mmpipe.model.stage.live_fields, as the runtime binds them), one image set each. E.g. qwen3-vl-tiny's
     list (DeepStack after tower blocks 0, 1, 3): after DeepstackMerger0 1 set, after DeepstackMerger1 2, from
     DeepstackMerger2 through decoder layer 0 3, after DeepstackAdd0 2, after DeepstackAdd1 1, from DeepstackAdd2 on
-    none; the cross-attention family's 1 from its text embedding up to its last CrossAttnBlock."""
+    none; the cross-attention family's 1 from its text embedding up to its last CrossAttnBlock. A field sized by the
+    row (StageField.per_position) counts its elements a position x the row's seq decoder positions instead: e.g.
+    gemma-4-e2b's per_layer, 35 x 256 = 8960 a position, from its embedding to its last decoder layer, and each
+    shared K/V (2 x 1 x 256 sliding, 2 x 1 x 512 full) from its producer to its last consumer."""
     live = live_fields(family_of(cfg).fields(cfg), [s.typename for s in layer_specs(cfg)])
-    carried = [sum(f.floating and f.name != HIDDEN.name for f in out) for out in live[1:]]
-    return [dataclasses.replace(r, carried_elems=float(k * set_elems)) if k else r for r, k in zip(rows, carried)]
+    carried = [sum((f.per_position(cfg) * seq if f.per_position else set_elems) for f in out
+                   if f.floating and f.name != HIDDEN.name) for out in live[1:]]
+    return [dataclasses.replace(r, carried_elems=float(k)) if k else r for r, k in zip(rows, carried)]
 
 
 # ---- memory per stage ---------------------------------------------------------------------------
