@@ -108,12 +108,17 @@ def stopped_at_4(tmp_path_factory, cfg):
 
 
 def _assert_moved(moved: Run, stages: int, uninterrupted: Run) -> None:
-    """A 2-stage run's step-4 checkpoint resumed under `stages` for step 5: said so, the optimizer's moments
-    start again, and the same weights, data position and LR give the 2-stage run's step-5 loss and LR."""
+    """A 2-stage run's step-4 checkpoint resumed under `stages` for steps 5 to 7: said so, the optimizer's moments
+    start again, and the same weights, data position and LR give the 2-stage run's step-5 loss and LR; the 3 steps
+    after it train (every tensor moved > 1e-5 from the step-4 weights; issue 59). Steps 6 and 7 are not the
+    uninterrupted run's: its moments were not restarted."""
     assert f"this run is {stages} x dp 1" in moved.proc.stdout and "starts again from zero" in moved.proc.stdout
     assert moved.summary["start_step"] == 4 and moved.summary["stages"] == stages
     assert moved.losses[5] == uninterrupted.losses[5]
-    assert moved.rows[-1]["lr"] == uninterrupted.rows[4]["lr"]  # the rate step 5 used, both runs
+    assert moved.rows[4]["lr"] == uninterrupted.rows[4]["lr"]  # the rate step 5 used, both runs
+    assert sorted(moved.losses) == list(range(1, 8))
+    got, cut = (load_reference(moved.out / "checkpoints", load_preset("tiny"), tag) for tag in (None, "step4"))
+    assert_weights_moved(got, cut, 1e-6)
 
 
 def test_clean_stop_resumes_exactly_then_a_nan_batch_is_skipped_and_counted_when_configured(
@@ -145,7 +150,7 @@ def test_resume_under_another_stage_count(tmp_path, cfg, uninterrupted, stopped_
     loading is the 2-stage run's (same weights, data position and LR)."""
     out = tmp_path / "run"
     shutil.copytree(stopped_at_4.out, out)
-    _assert_moved(train_run(out, *_args(cfg, "--steps", "5", "--resume", "--stages", "1")).check(), 1, uninterrupted)
+    _assert_moved(train_run(out, *_args(cfg, "--steps", "7", "--resume", "--stages", "1")).check(), 1, uninterrupted)
 
 
 def test_nan_batch_stops_the_run_and_its_last_checkpoint_resumes_untouched_under_4_stages(tmp_path, cfg,
@@ -163,7 +168,7 @@ def test_nan_batch_stops_the_run_and_its_last_checkpoint_resumes_untouched_under
     assert latest_tag(ckpt) == "step4" and sorted(p.name for p in ckpt.iterdir()) == ["latest", "step2", "step4"]
     digest = _tree_digest(ckpt / "step4")
     # what was written at step 4 is what a fresh load reads: nothing after it touched the files
-    moved = train_run(out, *_args(cfg, "--steps", "5", "--resume", "--stages", "4")).check()
+    moved = train_run(out, *_args(cfg, "--steps", "7", "--resume", "--stages", "4")).check()
     assert _tree_digest(ckpt / "step4") == digest
     _assert_moved(moved, 4, uninterrupted)
 
