@@ -364,3 +364,31 @@ def test_validation_pairs(pairs, eval_pairs, ds_config, pp2, tmp_path):
     summary = pp2.summary
     assert summary["eval_loss"] == pytest.approx(want["eval_loss"], abs=TOL)
     assert {k: summary[f"eval_{k}"] for k in REWARDS} == pytest.approx({k: want[k] for k in REWARDS}, abs=TOL)
+
+
+def test_planner_counts_the_reference():
+    """`mmpipe plan --dpo-reference`: live adds its forward-only pass before each step, (m + P - 1) slots of the
+    slowest stage's forward + its activations' send + the slot overhead, and a copy of each stage's trained weights to
+    its memory (a frozen tower holds none); precomputed adds nothing (llava-tiny, --freeze vision, PP=2, m = 8)."""
+    from mmpipe.planning.costmodel import KNOWN_DEVICES, Shape, layer_costs
+    from mmpipe.planning.layout import Training, plan_layout
+    cfg, dev, shape = load_preset("llava-tiny"), KNOWN_DEVICES["h100-80gb"], Shape(2, 1, 4, 8)
+    rows = layer_costs(cfg, ("vision",), 32)
+    base, pre, live = (plan_layout(rows, shape, Training("bf16", 0, dev, freeze=("vision",), reference=r))
+                       for r in ("", "precomputed", "live"))
+    assert pre.step == base.step and pre.stage_rows == base.stage_rows and live.parts == base.parts
+    forward = max(r["forward_ms"] for r in base.stage_rows) / 1e3
+    extra = (8 + 2 - 1) * (forward + base.step["p2p_s"] / 2 + dev.microbatch_overhead)  # p2p_s: send + gradient back
+    assert live.step["reference_s"] == pytest.approx(extra) and extra > 0.2 * base.step["step_s"]
+    assert live.step["step_s"] == pytest.approx(base.step["step_s"] + extra)
+    model = ReferenceModel(cfg, freeze=("vision",))
+    one = [plan_layout(rows, Shape(1, 1, 4, 8), Training("bf16", 0, dev, freeze=("vision",), reference=r))
+           for r in ("", "live")]  # PP=1: the tied embedding and head in one stage, one copy
+    for base, live in ((base, live), one):
+        for s, (a, b) in enumerate(zip(base.parts, base.parts[1:])):
+            # a stage holds its own copy of a tied module (llava-tiny's head on stage 1: the embedding's weight)
+            trained = {id(p): p.numel() for layer in list(model)[a:b] for p in
+                       (layer.module if isinstance(layer, TiedCall) else layer).parameters() if p.requires_grad}
+            more = (live.stage_rows[s]["memory_gib"] - base.stage_rows[s]["memory_gib"]) * 2 ** 30
+            assert more == pytest.approx(2 * sum(trained.values()), rel=1e-9), s  # bf16 weights: 2 bytes each
+    assert sum(p.numel() for p in model.parameters() if not p.requires_grad) > 0  # the frozen tower is not copied

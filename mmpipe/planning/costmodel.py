@@ -347,12 +347,21 @@ class Shape:
     tp: int = 1  # tensor-parallel ranks of a stage (`--tp`; planning.tensor_parallel): world = stages x dp x tp
 
 
+def reference_copy_bytes(rows: list[LayerCost], precision: str) -> float:
+    """--objective dpo's live reference on a stage (mmpipe.runtime.preference.LiveReference): a copy of the stage's
+    trained tensors other than LoRA adapters (a frozen group is shared), in the weights' own precision; no gradient,
+    no optimizer state. E.g. 1000 trained fp32 weights: 4000 B more; a tied module in the stage twice counts once
+    (tied_repeats). A precomputed reference holds none."""
+    trained = sum(r.trainable_params - r.adapter_params for r in rows if r.trainable_params)
+    return (trained - tied_repeats(rows)[1]) * BYTES[precision]
+
+
 def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, shape: Shape, precision: str, zero_stage: int,
-                 micro_batches_in_flight: int | None = None) -> dict:
+                 micro_batches_in_flight: int | None = None, reference: bool = False) -> dict:
     """Bytes on one rank of `stage`: states + activations of the micro-batches in flight (1F1B's
     in_flight, or micro_batches_in_flight: another schedule's, e.g. ZB-H1's from its simulated order). shape.ep: the
     expert-parallel ranks the MoE blocks' experts are split over (rank_state_bytes); shape.gas: the micro-batches a
-    step (1F1B holds min(P - s, m) of them)."""
+    step (1F1B holds min(P - s, m) of them). reference: dpo's live reference copy too (reference_copy_bytes)."""
     micro, micro_batches, dp, ep = shape.micro, shape.gas, shape.dp, shape.ep
     layers = rows[parts[stage]:parts[stage + 1]]
     repeated, repeated_trainable = tied_repeats(layers)
@@ -367,6 +376,8 @@ def stage_memory(rows: list[LayerCost], parts: list[int], stage: int, shape: Sha
                      for r in layers if r.recompute), default=0.0)
     k = in_flight(stage, len(parts) - 1, micro_batches) if micro_batches_in_flight is None else micro_batches_in_flight
     mem["activations"] = (per_sample * k + recompute) * micro
+    if reference:
+        mem["reference"] = reference_copy_bytes(layers, precision)
     mem["total"] = sum(mem.values())
     return mem
 
@@ -378,8 +389,12 @@ class RangeMemory:
     117 layers at 32 stages, where summing each range anew took minutes."""
 
     def __init__(self, rows: list[LayerCost], precision: str, *, micro: int, micro_batches: int, zero_stage: int,
-                 dp: int, ep: int = 1):
+                 dp: int, ep: int = 1, reference: bool = False):
+        """reference: --objective dpo's live reference copy counted on every stage (reference_copy_bytes)."""
         self.precision, n = precision, len(rows)
+        self.copy, self.reference = [0.0], reference  # prefix sums of the reference copy's bytes (zero without)
+        for r in rows:
+            self.copy.append(self.copy[-1] + (reference_copy_bytes([r], precision) if reference else 0.0))
         self.micro, self.micro_batches, self.zero_stage, self.dp, self.ep = micro, micro_batches, zero_stage, dp, ep
         self.params, self.trainable, self.act, self.experts, self.expert_trainable = ([0.0] for _ in range(5))
         for r in rows:
@@ -413,7 +428,9 @@ class RangeMemory:
                                  self.experts[b] - self.experts[a], self.expert_trainable[b] - self.expert_trainable[a],
                                  self.precision, self.zero_stage, self.dp, self.ep)
         k = in_flight(stage, stages, self.micro_batches)
-        return sum(state.values()) + ((self.act[b] - self.act[a]) * k + self.recompute[a][b]) * self.micro
+        return (sum(state.values()) + ((self.act[b] - self.act[a]) * k + self.recompute[a][b]) * self.micro
+                + self.copy[b] - self.copy[a] - (sum(t for _, t in inside) * BYTES[self.precision] if self.reference
+                                                 else 0.0))
 
 
 # ---- time ---------------------------------------------------------------------------------------

@@ -78,16 +78,28 @@ class Training:
     partition: str = "balanced"
     checkpointing: bool = False
     freeze: tuple[str, ...] = ()
+    # --objective dpo's reference: "live" runs a forward-only pipeline pass before each step and holds a copy of each
+    # stage's trained tensors (reference_pass_seconds, costmodel.reference_copy_bytes); "" / "precomputed": nothing
+    reference: str = ""
+
+
+def reference_pass_seconds(times: list[tuple[float, float]], gas: int, boundary_bytes: list[float],
+                           device: Device) -> float:
+    """dpo's live reference pass before each step: DeepSpeed's eval_batch, forwards alone through the pipeline,
+    (m + P - 1) slots of the slowest stage's forward, its activations' send and the per-slot overhead. E.g. P = 2,
+    m = 4, forwards 1 s, free p2p: 5 s, on top of 1F1B's 5 x 3 s = 15 s (forward + backward 3 s)."""
+    slot = max(f for f, _ in times) + max(boundary_bytes, default=0.0) / device.link + device.microbatch_overhead
+    return (gas + len(times) - 1) * slot
 
 
 def _stage_rows(rows: list[LayerCost], parts: list[int], times, a2a: list[dict], shape: Shape,
-                precision: str, zero: int) -> list[dict]:
+                precision: str, zero: int, reference: bool = False) -> list[dict]:
     """Each stage's row of a layout: its layers, parameters, memory (stage_memory at the shape, precision and ZeRO
     stage) and times; an MoE model's (a2a: all_to_all's per stage) also the rank's own parameters (1 / ep of the
     experts) and its all-to-all per micro-batch."""
     out = []
     for s, ((a, b), (f, bw)) in enumerate(zip(zip(parts, parts[1:]), times)):
-        mem = stage_memory(rows, parts, s, shape, precision, zero)
+        mem = stage_memory(rows, parts, s, shape, precision, zero, reference=reference)
         out.append({"stage": s, "layers": [a, b - 1], "first": rows[a].name, "last": rows[b - 1].name,
                     "params": stage_params(rows[a:b]), "memory_gib": mem["total"] / GiB,
                     "activations_gib": mem["activations"] / GiB, "forward_ms": f * 1e3, "backward_ms": bw * 1e3})
@@ -118,12 +130,15 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     tp = tp_seconds(rows, parts, shape.micro, t.precision, shape.tp, t.device)
     if shape.tp > 1:  # each block waits on its all-reduces: Megatron's two forward, two backward
         times = [(f + x, bw + y) for (f, bw), (x, y) in zip(times, tp)]
-    stage_rows = _stage_rows(rows, parts, times, a2a, shape, t.precision, t.zero)
+    stage_rows = _stage_rows(rows, parts, times, a2a, shape, t.precision, t.zero, t.reference == "live")
     if shape.tp > 1:
         for r, (x, y) in zip(stage_rows, tp):
             r.update(tp_ms=(x + y) * 1e3)
     boundary, grad_bytes = _transfers(rows, parts, shape, t.precision)
     step = pipeline_step_seconds(times, shape.gas, boundary, grad_bytes, shape.dp, t.device)
+    if t.reference == "live":  # dpo: the reference pass runs before every step, on its critical path
+        step["reference_s"] = reference_pass_seconds(times, shape.gas, boundary, t.device)
+        step["step_s"] += step["reference_s"]
     # a schedule that cannot run this many micro-batches (DualPipeV: GAS >= 2 x PP, DeepSpeed's) is not predicted
     ask = [s for s in asked(t.schedule) if shape.gas >= s.min_micro_per_rank * shape.stages]
     if not ask:
@@ -158,7 +173,7 @@ def _split(rows: list[LayerCost], shape: Shape, training: Training) -> list[int]
     if stages > len(units):
         return Layout(**none, reason=f"only {len(units)} groups of layers hold a trainable parameter")
     ranges = RangeMemory(rows, t.precision, micro=shape.micro, micro_batches=shape.gas, zero_stage=t.zero,
-                         dp=shape.dp, ep=shape.ep)  # stage_memory of any range, in O(1)
+                         dp=shape.dp, ep=shape.ep, reference=t.reference == "live")  # stage_memory of a range
 
     def fits(s, i, j):  # stage s = the layers of units i..j-1
         return ranges.total(units[i][0], units[j - 1][-1] + 1, s, stages) <= t.device.memory
@@ -169,7 +184,8 @@ def _split(rows: list[LayerCost], shape: Shape, training: Training) -> list[int]
     except ConfigError:
         if not balanced:
             raise
-    whole = stage_memory(rows, [0, len(rows)], 0, shape, t.precision, t.zero)["total"]
+    whole = stage_memory(rows, [0, len(rows)], 0, shape, t.precision, t.zero, reference=t.reference == "live")
+    whole = whole["total"]
     need = (f"it needs {whole / GiB:.1f} GiB" if stages == 1 else
             f"an even share would be ~{whole / stages / GiB:.1f} GiB")
     return Layout(**none, reason=f"no split fits {t.device.memory / GiB:.0f} GiB ({need})")
@@ -231,8 +247,12 @@ def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int]
     out = {}
     for sched in schedules:
         pred = replayed_step_seconds(sched, split, weight_stages, shape.gas, boundary, grad_bytes, shape.dp, t.device)
-        mem = [stage_memory(rows, parts, s, shape, t.precision, t.zero, k)["total"]
+        mem = [stage_memory(rows, parts, s, shape, t.precision, t.zero, k, t.reference == "live")["total"]
                for s, k in enumerate(pred["in_flight"])]
+        if t.reference == "live":  # the same reference pass before the step, whatever the step's schedule
+            pred["reference_s"] = reference_pass_seconds([(f, b + w) for f, b, w in split], shape.gas, boundary,
+                                                         t.device)
+            pred["step_s"] += pred["reference_s"]
         pred.update(memory_gib=[x / GiB for x in mem], fits=max(mem) <= t.device.memory)
         for r, k, m in zip(stage_rows, pred["in_flight"], mem):
             r.update({f"{sched.short}_in_flight": k, f"{sched.short}_memory_gib": m / GiB})

@@ -82,6 +82,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "layers by the family's plan (world = PP x DP x TP; inside a node: a degree not dividing "
                         "--gpus-per-node is left out; default: 1; docs/tensor_parallel.md)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
+    p.add_argument("--dpo-reference", default=None, choices=("live", "precomputed"),
+                   help="plan `mmpipe train --objective dpo`: live, its reference pass (one forward-only pipeline pass "
+                        "a step) and each stage's copy of its trained weights counted; precomputed "
+                        "(--reference-logps): nothing more (docs/dpo.md)")
     p.add_argument("--schedule", default=BASELINE.name, metavar="|".join(PLAN_SCHEDULES),
                    help="pipeline schedule to predict: 1f1b (default), zb-h1 (zero-bubble, docs/schedules.md), or "
                         "both, side by side, recommending the faster per layout")

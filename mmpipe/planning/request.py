@@ -65,12 +65,13 @@ class PlanSpec:
     row: PatchRow | CropRow | None = None
     eps: tuple[int, ...] = (1,)
     tps: tuple[int, ...] = (1,)  # tensor-parallel degrees (--tp), each planned for every PP x DP of GPUs / TP
+    reference: str = ""  # --dpo-reference: dpo's reference, live (a forward pass and a copy) or precomputed (none)
 
     @property
     def training(self) -> Training:
         """How each layout trains: the balanced split that fits, at the spec's precision, ZeRO and schedules."""
         return Training(self.precision, self.zero, self.device, self.schedule, "balanced", self.checkpointing,
-                        self.freeze)
+                        self.freeze, reference=self.reference)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def resolve(args) -> PlanRun:
                           f"(plan the TP degrees without it)")
     spec = PlanSpec(cfg, device, gpus, args.global_batch, micros, text_len, precision,
                     args.zero, freeze, args.checkpointing, args.profile, lora, asked(args.schedule), images, row,
-                    _check_ep(args.ep, cfg), tps)
+                    _check_ep(args.ep, cfg), tps, getattr(args, "dpo_reference", None) or "")
     return PlanRun(spec, args.preset, model_args, args.schedule, args.pack, args.top, args.json, args.write_config,
                    args.dry_run, args.image_size, args.video_frames if clip_slots else None, args.video_size,
                    clip_slots, tuple(tp_notes))
