@@ -63,17 +63,24 @@ def shrunk_run(run: RunConfig, args: TrainArgs) -> RunConfig:
     method = "balanced" if method[:1].isdigit() else method  # explicit boundaries name the full model's layers
     blocks, problem = MAX_BLOCKS, None
     while True:
-        model = shrunk(run.model, blocks)
-        table = layer_table(model, run.freeze, run.text_len, checkpointing, run.lora, run.max_images)
-        try:
+        try:  # a shrunk config its family's checks refuse tries more blocks too (Gemma 4's last kv_shared_layers
+            # layers need an earlier producer of each attention type: gemma4-tiny's 2 shared of 5 need all 5)
+            model = shrunk(run.model, blocks)
+            table = layer_table(model, run.freeze, run.text_len, checkpointing, run.lora, run.max_images)
             parts = compute_parts(table, run.stages, method)
             check_trainable(table, parts)
             return dataclasses.replace(run, model=model, layers=table, parts=parts, init_from=None)
         except ConfigError as e:
             problem = e
-        if model == run.model:
+        if shrunk_all(run.model, blocks):
             raise problem
         blocks += 1
+
+
+def shrunk_all(cfg: ModelConfig, blocks: int) -> bool:
+    """Whether `blocks` blocks a group already keeps every block of every group (shrinking cuts nothing)."""
+    return all(getattr(cfg, f.name).n_layers <= blocks for f in dataclasses.fields(cfg)
+               if dataclasses.is_dataclass(getattr(cfg, f.name)) and hasattr(getattr(cfg, f.name), "n_layers"))
 
 
 def _stage_sq(module: torch.nn.Module, readable: bool) -> float | None:

@@ -7,7 +7,7 @@ carried in the stage tuple (mmpipe.model.stage.StageField):
                 decoder layer i reads its slice [:, :, i P:(i + 1) P], the last decoder layer drops the field.
                 So it crosses every stage boundary inside the decoder (gemma-4-E2B: 35 x 256 = 8960 floats a
                 position, 3.5 x its 1536-wide hidden).
-    kv_sliding, kv_full  float [B, 2, H_kv, L, Dh]  KV sharing: the last num_kv_shared_layers layers compute no
+    kv_sliding, kv_full  float [B, L, 2 x H_kv x Dh]  KV sharing: the last num_kv_shared_layers layers compute no
                 keys or values; each reuses those of the last earlier layer of its own attention type (the
                 producer, a *Store class), which puts its rotated keys and normed values in the field; the last
                 consumer of that type (a *Shared class) drops it. A cut between producer and consumer sends it.
@@ -447,13 +447,28 @@ class Gemma4Attention(nn.Module):
         a sliding consumer sees the same window its producer did."""
         B, T, _ = x.shape
         q = apply_partial_rotary(self.q_norm(self.q_proj(x).view(B, T, -1, self.hd)).transpose(1, 2), *rotary)
-        if not self.shared:
+        if self.shared:
+            kv = kv_heads(kv, self.kv, self.hd)  # the producer's, from its carried field
+        else:
             kv = self.kv_of(x, rotary)
             if cache is not None:
                 kv = torch.cat([cache["kv"], kv], dim=3) if "kv" in cache else kv
                 cache["kv"] = kv[:, :, :, -(self.window - 1):] if self.window else kv
         out = attend(q * math.sqrt(self.hd), kv[:, 0], kv[:, 1], mask)  # scale 1: SDPA's hd^-1/2 undone on q
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), kv
+
+
+def kv_field(kv: torch.Tensor) -> torch.Tensor:
+    """A producer's K/V [B, 2, H_kv, S, Dh] as its carried field [B, S, 2 x H_kv x Dh]: sized by the row like every
+    per-position field (StageField.per_position), so the planner and the profile know its shape from the config."""
+    B, _, H, S, D = kv.shape
+    return kv.permute(0, 3, 1, 2, 4).reshape(B, S, 2 * H * D)
+
+
+def kv_heads(field: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """kv_field's inverse: [B, S, 2 x H_kv x Dh] -> [B, 2, H_kv, S, Dh]."""
+    B, S, _ = field.shape
+    return field.view(B, S, 2, heads, head_dim).permute(0, 2, 3, 1, 4)
 
 
 class Gemma4Block(nn.Module):
@@ -494,7 +509,7 @@ class Gemma4Block(nn.Module):
             p = t.per_layer[..., self.index * self.ple:(self.index + 1) * self.ple]
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * p
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return t._replace(hidden=x * self.layer_scalar, **({self.field: kv} if self.mode == "store" else {}))
+        return t._replace(hidden=x * self.layer_scalar, **({self.field: kv_field(kv)} if self.mode == "store" else {}))
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
         """Cached generation: prefill (start 0) under the row's mask, then the new positions start.. (one at a

@@ -617,6 +617,14 @@ def _profile_rows(cfg: ModelConfig, text_len: int, micro: int, images: int) -> t
     return ids, torch.ones(micro, images, dtype=torch.long), torch.ones(micro, shape.length, dtype=torch.long)
 
 
+def _with_row_fields(layer, args: tuple, make, cfg: ModelConfig) -> tuple:
+    """args (hidden, *ints) with the carried floats sized by the row that the layer takes (StageField.per_position:
+    Gemma 4's per_layer, its shared K/V), make(width) each, after hidden in the layer's stage_in order."""
+    extra = tuple(make(f.per_position(cfg)) for f in layer.__dict__.get("stage_in", ())
+                  if f.floating and f.per_position)
+    return args[:1] + extra + args[1:] if extra else args
+
+
 def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeats: int, images: int = 1) -> dict:
     import time
 
@@ -644,7 +652,7 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
         layer = bound(spec.build().to(dtype), cfg, i)
         fwd, bwd = [], []
         for k in range(repeats + 1):
-            args = inputs[rule.takes]()
+            args = _with_row_fields(layer, inputs[rule.takes](), lambda w: floats(seq, w), cfg)
             sync()
             t0 = time.perf_counter()
             y = spec.forward_fn(layer, args) if getattr(spec, "forward_fn", None) else layer(args)  # a tied head
