@@ -353,3 +353,30 @@ def test_small_preset_is_what_the_tests_assume():
     layouts = plan(PlanSpec(cfg, device=results_device(META, "fp32"), gpus=2, global_batch=64, micros=(16,),
                             text_len=12, precision="fp32", zero=0))
     assert {(lay.stages, lay.dp) for lay in layouts} == {(1, 2), (2, 1)}
+
+
+def test_a_tp_variant_is_planned_as_plan_tp_prints_its_layout(tmp_path, capsys):
+    """The sweep's tp axis (mmpipe train --tp, issue 54): a variant's world is stages x dp x tp and its name says its
+    tp; `check` resolves it as mmpipe train does (llava-tiny has a tensor-parallel plan); engine 'dp' with tp > 1 is
+    one line. Its prediction is `mmpipe plan --tp 2`'s for its layout, one TP rank's memory on each rank (DeepSpeed's
+    pipe x data x model grid: rank = (stage x DP + replica) x TP + t), below the TP 1 variant's."""
+    from mmpipe.bench.run_variant import check
+    from mmpipe.config import ConfigError
+    from mmpipe.planning.calibrate import text_len_of
+    sweep = parse({"base": {"preset": "llava-tiny", "stages": 2, "micro": 4, "gas": 2}, "grid": {"tp": [1, 2]}})
+    one, two = sweep.variants
+    assert (one.world, two.world) == (2, 4) and "tp2" in two.name and "tp1" in one.name
+    assert check(two, sweep, tmp_path / "tp2") is None
+    rows = add_predictions([{"kind": "variant", "repeat": 0, **v.to_dict(), "world": v.world, "status": "ok",
+                             "reason": ""} for v in sweep.variants], META)
+    text_len = str(text_len_of(load_preset("llava-tiny")))
+    assert main(["plan", "--preset", "llava-tiny", "--text-len", text_len, "--json", "--tp", "2", "--device", "cpu",
+                 "--peak-tflops", str(META["peaks"]["fp32"] / 1e12), "--efficiency", "0.5", "--gpus-per-node", "4",
+                 "--global-batch", "8", "--micro", "4", "--precision", "fp32", "--zero", "0"]) == 0
+    lay = next(g for g in json.loads(capsys.readouterr().out) if (g["stages"], g["dp"], g.get("tp")) == (2, 1, 2))
+    assert rows[1]["predicted_step_time_s"] == pytest.approx(lay["step"]["step_s"], rel=1e-12)
+    per_stage = [s["memory_gib"] * 1024 for s in lay["stage_rows"]]
+    assert rows[1]["predicted_peak_mem_mb_per_rank"] == pytest.approx([per_stage[k // 2] for k in range(4)], abs=1e-3)
+    assert rows[1]["predicted_peak_mem_mb_max"] < rows[0]["predicted_peak_mem_mb_max"]
+    with pytest.raises(ConfigError, match="engine 'dp' has no tensor parallelism; tp > 1 needs engine 'pipe'"):
+        parse({"variants": [{"name": "dp_tp", "engine": "dp", "dp": 2, "tp": 2}]})

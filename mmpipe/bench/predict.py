@@ -39,9 +39,10 @@ def prediction(row: dict, meta: dict, cache: dict) -> dict:
         return out
     if not lay.step:
         return out
-    dp = int(row["dp"])
-    # DeepSpeed's pipe x data topology numbers ranks stage-major: rank = stage x DP + replica
-    per_rank = [round(lay.stage_rows[r // dp]["memory_gib"] * GiB / 2**20, 3) for r in range(lay.stages * dp)]
+    dp, tp = int(row["dp"]), int(row.get("tp") or 1)
+    # DeepSpeed's pipe x data x model topology numbers ranks stage-major: rank = (stage x DP + replica) x TP + t
+    per_rank = [round(lay.stage_rows[r // (dp * tp)]["memory_gib"] * GiB / 2**20, 3)
+                for r in range(lay.stages * dp * tp)]
     out.update(predicted_step_time_s=lay.step["step_s"], predicted_bubble=lay.step["bubble"],
                predicted_peak_mem_mb_per_rank=per_rank, predicted_peak_mem_mb_max=max(per_rank))
     if row.get("status") == "ok":

@@ -25,6 +25,8 @@ VARIANT_FIELDS = {
     "ep": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
            "an integer >= 1 dividing dp (mmpipe train --ep: an MoE model's experts split over groups of ep of the "
            "dp ranks)"),
+    "tp": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+           "an integer >= 1 (mmpipe train --tp: each stage's layers split over tp ranks; world = stages x dp x tp)"),
     "zero": (lambda v: v in (0, 1, 2, 3) and not isinstance(v, bool), "0 or 1 (pipeline), 1, 2 or 3 (engine 'dp')"),
     "precision": (lambda v: v in ("fp32", "bf16", "fp16"), "fp32, bf16 or fp16"),
     "micro": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
@@ -46,9 +48,10 @@ VARIANT_FIELDS = {
     "freeze": (lambda v: isinstance(v, str) and (v == "" or all(g in FREEZE_GROUPS for g in v.split(","))),
                f"'' (nothing frozen) or comma-separated groups of {', '.join(FREEZE_GROUPS)} (mmpipe train --freeze)"),
 }
-VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "ep": 1, "zero": 0, "precision": "fp32", "micro": 16,
-                    "gas": 4, "checkpointing": False, "partition": "best", "data_workers": 2, "engine": "pipe",
-                    "pack": False, "max_images": None, "text_len": None, "schedule": BASELINE.name, "freeze": ""}
+VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "ep": 1, "tp": 1, "zero": 0, "precision": "fp32",
+                    "micro": 16, "gas": 4, "checkpointing": False, "partition": "best", "data_workers": 2,
+                    "engine": "pipe", "pack": False, "max_images": None, "text_len": None, "schedule": BASELINE.name,
+                    "freeze": ""}
 PEERS = ("hf", "torch_pipe", "torch_pipe_zb")
 TOP_FIELDS = {"name", "steps", "warmup_steps", "repeats", "timeout_s", "base", "grid", "variants", "peers",
               "device", "peak_flops", "targets", "data", "_comment"}
@@ -62,6 +65,7 @@ class Variant:
     stages: int = 1
     dp: int = 1
     ep: int = 1  # --ep: expert-parallel ranks, dividing dp (an MoE preset; mmpipe train refuses it on a dense one)
+    tp: int = 1  # --tp: tensor-parallel ranks of each stage (a family with a tp_plan; docs/tensor_parallel.md)
     zero: int = 0
     precision: str = "fp32"
     micro: int = 16
@@ -79,7 +83,7 @@ class Variant:
 
     @property
     def world(self) -> int:
-        return self.stages * self.dp
+        return self.stages * self.dp * self.tp
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,9 +126,9 @@ def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[
 
 
 def _auto_name(d: dict, keys) -> str:
-    short = {"stages": "pp", "dp": "dp", "ep": "ep", "zero": "z", "micro": "mb", "gas": "gas", "checkpointing": "ckpt",
-             "data_workers": "w", "partition": "part-", "precision": "", "engine": "", "preset": "",
-             "max_images": "img", "text_len": "tl", "schedule": ""}
+    short = {"stages": "pp", "dp": "dp", "ep": "ep", "tp": "tp", "zero": "z", "micro": "mb", "gas": "gas",
+             "checkpointing": "ckpt", "data_workers": "w", "partition": "part-", "precision": "", "engine": "",
+             "preset": "", "max_images": "img", "text_len": "tl", "schedule": ""}
     parts = []
     for k in keys:
         v = d[k]
@@ -188,6 +192,9 @@ def parse(data, source: str = "sweep") -> Sweep:
         if isinstance(ep, int) and isinstance(dp, int) and ep > 1 and dp % ep:
             problems.append(f"variant '{d['name']}': ep {ep} does not divide dp {dp} (each expert-parallel group "
                             f"is ep of a stage's dp ranks)")
+        if isinstance(d.get("tp"), int) and d["tp"] > 1 and d.get("engine") == "dp":
+            problems.append(f"variant '{d['name']}': engine 'dp' has no tensor parallelism; tp > 1 needs engine "
+                            "'pipe'")
         if isinstance(ep, int) and ep > 1 and d.get("engine") == "dp":
             problems.append(f"variant '{d['name']}': engine 'dp' has no expert parallelism; ep > 1 needs engine "
                             f"'pipe'")

@@ -36,7 +36,7 @@ from .costmodel import (
 from .images import patch_row
 from .partition import compute_parts, trainable_units
 from .schedule_registry import BASELINE, Schedule, asked
-from .tensor_parallel import tp_seconds
+from .tensor_parallel import tp_layer_costs, tp_seconds
 
 GiB = 2 ** 30
 # `--device cpu`: one rank per core shares the host's memory; ranks talk over gloo on the loopback
@@ -267,4 +267,4 @@ def predict_layout(cfg: ModelConfig, shape: Shape, training: Training, text_len:
     0 its default)."""
     t = training
     rows = layer_costs(cfg, t.freeze, text_len, t.checkpointing, images=images, patches=patch_row(cfg, images, budget))
-    return plan_layout(rows, shape, t)
+    return plan_layout(tp_layer_costs(cfg, rows, shape.tp), shape, t)  # at TP > 1 one TP rank's rows
