@@ -1,8 +1,8 @@
 """Rows balanced by predicted cost (`--balance on`, the default with --pack) against stream order (`--balance off`),
 in one sitting, on long-tailed mixed data (issue 57, docs/balance.md).
 
-    python scripts/bench_balance.py                          # ~4 min on the 2-CPU VM, alone
-    python scripts/bench_balance.py --repeats 2 --out-json docs/benchmarks/balance.json
+    python scripts/bench_balance.py                          # ~2.5 min on the 2-CPU VM, alone
+    python scripts/bench_balance.py --repeats 3 --out-json docs/benchmarks/balance.json   # docs/balance.md, ~4.5 min
 
 The data, generated into WORK/data/ (WORK = --work, default runs/bench_balance): --records (600) LLaVA conversations,
 each with 0, 1, 2, 3 or 4 images (equally likely; 40 px PNGs) and an answer of A words of the built-in tokenizer's
