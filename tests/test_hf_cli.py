@@ -91,7 +91,8 @@ def test_moondream_export_import_and_refusals(tmp_path, capsys):
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.strip() == (
         "mmpipe: error: --format hf: the moondream family has no HF model class to export to (the llava, qwen2_vl, "
-        "llava_next, qwen3_vl, qwen3_5 families have); use --format safetensors (a LoRA run's adapters merged in)")
+        "llava_next, qwen3_vl, qwen3_5, internvl, gemma3, gemma4 families have); use --format safetensors (a LoRA "
+        "run's adapters merged in)")
     assert main(["import", "--moondream", str(tmp_path / "current.safetensors"), "--out", str(tmp_path / "y")]) == 2
     assert "needs --preset" in capsys.readouterr().err
 
