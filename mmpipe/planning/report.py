@@ -61,9 +61,11 @@ def print_plan(run: PlanRun, layouts: list[Layout], seconds: float, beside: str 
     if run.schedule in (BOTH, ALL):
         _print_both(layouts, run.top, asked(run.schedule), (rate, label), bool(moe), tp)
     else:
-        if replayed:
-            print(f"schedule {run.schedule}: step and bubble from replaying its order with each stage's forward, "
-                  f"input-backward (B) and weight-backward (W) seconds; memory at its micro-batches in flight")
+        if replayed:  # DualPipeV keeps W inside B (DeepSpeed's BackwardPass): no W seconds of its own
+            ops = ("forward, input-backward (B) and weight-backward (W)" if any(x.split_backward for x in replayed)
+                   else "forward and backward")
+            print(f"schedule {run.schedule}: step and bubble from replaying its order with each stage's {ops} "
+                  f"seconds; memory at its micro-batches in flight")
         _print_one(layouts, run.top, rate, label, bool(moe), tp)
     if run.pack:
         print(f"positions/s = rows/s x {length}, padding included; useful tokens/s = positions/s x (1 - padding "
