@@ -263,10 +263,10 @@ def test_bad_inputs_are_counted_and_listed_with_their_reason(data, tmp_path):
     ("llava-next-tiny", {"max_patches": 64}, "--max-patches: the llava_next family's images take a crop budget "
                                              "(--max-tiles); only the qwen2_vl, qwen3_vl, qwen3_5 families take "
                                              "a patch budget"),
-    ("llava-tiny", {"max_tiles": 8}, "--max-tiles: the llava family's images are a fixed size; only the llava_next "
-                                     "family takes a crop budget"),
+    ("llava-tiny", {"max_tiles": 8}, "--max-tiles: the llava family's images are a fixed size; only the llava_next, "
+                                     "internvl families take a crop budget"),
     ("qwen-tiny", {"max_tiles": 8}, "--max-tiles: the qwen2_vl family's images take a patch budget (--max-patches); "
-                                    "only the llava_next family takes a crop budget"),
+                                    "only the llava_next, internvl families take a crop budget"),
 ])
 def test_a_bad_crop_budget_is_one_line(preset, flags, message):
     with pytest.raises(ConfigError) as e:

@@ -159,7 +159,10 @@ def _ds(path, gas: int):
 @pytest.fixture(scope="module")
 def ep_set(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_ep")
-    return root, [*write_moe_set(root), "--stages", "1"]
+    # rows in stream order (--balance off): the MoE aux loss depends on which rows share a micro-batch, and a balanced
+    # layout depends on DP (mmpipe.data.balance spreads a step over DP ranks first), so a DP=2 run and the one-process
+    # loop at GAS 4 would group the step's rows otherwise (losses 6.7e-5 apart here); these tests guard EP, not that
+    return root, [*write_moe_set(root), "--stages", "1", "--balance", "off"]
 
 
 @pytest.fixture(scope="module")

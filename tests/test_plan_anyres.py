@@ -97,4 +97,4 @@ def test_images_the_row_cannot_hold_are_one_line(capsys):
     assert main(["plan", "--preset", "qwen-tiny", "--max-tiles", "4"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "mmpipe: error: --max-tiles: the qwen2_vl family's images take a patch budget (--max-patches); only the "
-        "llava_next family takes a crop budget"]
+        "llava_next, internvl families take a crop budget"]
