@@ -34,9 +34,9 @@ from ..config import VISION_ACTS, ModelConfig, VisionConfig
 from . import costs
 from .llava import ACTS, FinalNorm, LlamaBlock, LlamaText, LMHeadLinear, decoder_specs, tied_head
 from .llava_next import AnyresEmbed, row_crops
-from .moe import MOE_BLOCK, MoeBlock, MoeHead, SparseMoe, TiedMoeHead, moe_head
+from .moe import MOE_BLOCK, MoeHead, PreNormMoeBlock, TiedMoeHead, moe_head
 from .qwen3_vl import MoeConfig, Qwen3Attention
-from .stage import ROW, StageField, StageTuple, unpack_in
+from .stage import ROW, StageField, unpack_in
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
 
@@ -250,18 +250,8 @@ class InternBlock(LlamaBlock):
         self.self_attn = Qwen3Attention(cfg)
 
 
-class InternMoeBlock(MoeBlock, InternBlock):
+class InternMoeBlock(PreNormMoeBlock, InternBlock):
     """InternBlock with Qwen3-MoE's sparse MLP; adds its layer's router statistics to the carried `moe_stats`."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.mlp = SparseMoe(cfg)
-
-    def run_moe(self, t: StageTuple, start: int, cache: dict | None = None):
-        mask, rotary = self.geometry(t, start, cache)
-        x = t.hidden + self.self_attn(self.input_layernorm(t.hidden), mask, rotary, cache)
-        y, stats = self.mlp(self.post_attention_layernorm(x), t.segments > 0)
-        return x + y, stats
 
 
 def internvl_specs(cfg: ModelConfig) -> list[LayerSpec]:

@@ -240,8 +240,9 @@ class MoeBlock:
         return t._replace(hidden=hidden, moe_stats=stats if carried is None else carried + stats)
 
 
-class Qwen3MoeBlock(MoeBlock, Qwen3Block):
-    """Qwen3Block with the sparse MLP; adds its layer's router statistics to the carried `moe_stats`."""
+class PreNormMoeBlock(MoeBlock):
+    """MoeBlock for a LlamaBlock-shaped dense block (pre-norm attention, then pre-norm MLP; its `geometry` gives the
+    mask and rotary): the MLP is SparseMoe. Mixed in before the dense class: Qwen3MoeBlock, InternMoeBlock."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -252,6 +253,10 @@ class Qwen3MoeBlock(MoeBlock, Qwen3Block):
         x = t.hidden + self.self_attn(self.input_layernorm(t.hidden), mask, rotary, cache)
         y, stats = self.mlp(self.post_attention_layernorm(x), t.segments > 0)
         return x + y, stats
+
+
+class Qwen3MoeBlock(PreNormMoeBlock, Qwen3Block):
+    """Qwen3Block with the sparse MLP; adds its layer's router statistics to the carried `moe_stats`."""
 
 
 MOE_STATS = StageField("moe_stats", True, made_by=Qwen3MoeBlock)  # kept to the head, which reads it
