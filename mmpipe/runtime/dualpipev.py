@@ -25,18 +25,15 @@ phases), named by the layer's index, so the single-device reference reads them a
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from types import MethodType
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import TiedLayerSpec
-from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from .pipeline import VLMPipeline
-from .wire import INTS, WIRE_LOG, _log_sends, _next_batch, _set_dataiterator, _Wire, integer_tensors
+from .wire import INTS, _log_sends, integer_tensors, patch_engine
 
 __all__ = ["VLMDualPipeV", "install_wire"]
 
@@ -112,17 +109,9 @@ def _exec_forward(self, buffer_id, phase):
 
 def install_wire(engine) -> None:
     """Make `engine` (a DualPipeVEngine over a VLMDualPipeV, after deepspeed.initialize) send floats only."""
-    d = engine.__dict__
-    if "_mmpipe_wire" in d:
-        return
-    d["_mmpipe_wire"] = _Wire(engine._INSTRUCTION_MAP[ds.LoadMicroBatch], engine._INSTRUCTION_MAP[ds.ForwardPass])
-    engine.pipe_buffers[INTS] = [None] * engine.num_pipe_buffers  # _reserve_pipe_buffers extends every key
-    d["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, ds.LoadMicroBatch: _exec_load, ds.ForwardPass: _exec_forward}
-    d["set_dataiterator"] = MethodType(_set_dataiterator, engine)  # every rank keeps its iterator
-    next_batch = engine._next_batch
-    d["_next_batch"] = MethodType(lambda self: _next_batch(self, next_batch), engine)
-    if os.environ.get(WIRE_LOG):
-        _log_queued(engine, Path(os.environ[WIRE_LOG]) / f"wire_rank{engine.global_rank}.csv")
+    log = patch_engine(engine, _exec_load, _exec_forward)
+    if log:
+        _log_queued(engine, log)
 
 
 def _log_queued(engine, path: Path) -> None:

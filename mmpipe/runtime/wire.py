@@ -114,20 +114,33 @@ def _set_dataiterator(self, iterator):
     self.data_iterator = iterator
 
 
-def install(engine) -> None:
-    """Make `engine` (a PipelineEngine over a VLMPipeline, after deepspeed.initialize) send floats only."""
+def patch_engine(engine, exec_load, exec_forward) -> Path | None | bool:
+    """What every engine mmpipe runs gets (a PipelineEngine here, mmpipe.runtime.dualpipev's DualPipeVEngine): its
+    LoadMicroBatch / ForwardPass handlers replaced by exec_load / exec_forward (the replaced ones kept in
+    `_mmpipe_wire`), an integer-tensor pipe buffer, every rank's own data iterator, and _next_batch keeping the ints
+    of the batch it returns. False when already installed; else the MMPIPE_WIRE_LOG file to log to (None: no log)."""
     d = engine.__dict__
     if "_mmpipe_wire" in d:
-        return
+        return False
     d["_mmpipe_wire"] = _Wire(engine._INSTRUCTION_MAP[ds.LoadMicroBatch], engine._INSTRUCTION_MAP[ds.ForwardPass])
     engine.pipe_buffers[INTS] = [None] * engine.num_pipe_buffers  # _reserve_pipe_buffers extends every key
-    d["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, ds.LoadMicroBatch: _exec_load, ds.ForwardPass: _exec_forward}
-    d["set_dataiterator"] = MethodType(_set_dataiterator, engine)
-    next_batch, exec_schedule = engine._next_batch, engine._exec_schedule
+    d["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, ds.LoadMicroBatch: exec_load, ds.ForwardPass: exec_forward}
+    d["set_dataiterator"] = MethodType(_set_dataiterator, engine)  # every rank keeps its iterator
+    next_batch = engine._next_batch
     d["_next_batch"] = MethodType(lambda self: _next_batch(self, next_batch), engine)
-    d["_exec_schedule"] = lambda schedule: exec_schedule(_LoadBeforeForward(schedule))
-    if os.environ.get(WIRE_LOG):
-        _log_sends(engine, Path(os.environ[WIRE_LOG]) / f"wire_rank{engine.global_rank}.csv")
+    log = os.environ.get(WIRE_LOG)
+    return Path(log) / f"wire_rank{engine.global_rank}.csv" if log else None
+
+
+def install(engine) -> None:
+    """Make `engine` (a PipelineEngine over a VLMPipeline, after deepspeed.initialize) send floats only."""
+    exec_schedule = engine._exec_schedule
+    log = patch_engine(engine, _exec_load, _exec_forward)
+    if log is False:
+        return
+    engine.__dict__["_exec_schedule"] = lambda schedule: exec_schedule(_LoadBeforeForward(schedule))
+    if log:
+        _log_sends(engine, log)
 
 
 def _log_sends(engine, path: Path) -> None:
