@@ -34,7 +34,7 @@ from torch import nn
 from ..config import ModelConfig
 from . import costs
 from .attention import apply_partial_rotary, attend, cached_attention, row_attention, row_cached, row_positions
-from .llava import ClipVision, LlamaText, LlavaEmbed, LMHeadLinear, TowerBlock, VisionEmbed, tied_head
+from .llava import ClipVision, FinalNorm, LlamaText, LlavaEmbed, LMHeadLinear, TowerBlock, VisionEmbed, tied_head
 from .rows import place_images
 from .stage import StageTuple, unpack_in, unpack_out
 
@@ -266,19 +266,8 @@ class Gemma3SlidingBlock(Gemma3Block):
     sliding = True
 
 
-class Gemma3FinalNorm(nn.Module):
-    group = "text"
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = GemmaRMSNorm(cfg.text.dim, cfg.text.ln_eps)
-
-    def forward(self, args):
-        t = unpack_in(self, args)
-        return t._replace(hidden=self.norm(t.hidden)).pack()
-
-    def decode(self, t: StageTuple, cache: dict, start: int):
-        return unpack_out(self, self(t.pack()))
+class Gemma3FinalNorm(FinalNorm):
+    make_norm = GemmaRMSNorm
 
 
 def gemma3_specs(cfg: ModelConfig) -> list[LayerSpec]:

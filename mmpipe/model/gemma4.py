@@ -51,7 +51,7 @@ from ..config import ModelConfig, VisionConfig
 from . import costs
 from .attention import apply_partial_rotary, attend, row_attention, row_cached, row_positions
 from .gemma3 import Gemma3Text, gemma_rotary, image_blocks
-from .llava import LlavaEmbed
+from .llava import FinalNorm, LlavaEmbed
 from .rows import place_images
 from .stage import ROW, StageField, StageTuple, unpack_in, unpack_out
 
@@ -545,19 +545,8 @@ globals().update({c.__name__: c for c in BLOCKS.values()})  # pickling finds the
 Gemma4SlidingBlock, Gemma4GlobalBlock = BLOCKS[True, None], BLOCKS[False, None]
 
 
-class Gemma4FinalNorm(nn.Module):
-    group = "text"
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = RMSNorm(cfg.text.dim, cfg.text.ln_eps)
-
-    def forward(self, args):
-        t = unpack_in(self, args)
-        return t._replace(hidden=self.norm(t.hidden)).pack()
-
-    def decode(self, t: StageTuple, cache: dict, start: int):
-        return unpack_out(self, self(t.pack()))
+class Gemma4FinalNorm(FinalNorm):
+    make_norm = RMSNorm
 
 
 def block_classes(cfg: ModelConfig) -> list[type]:

@@ -261,11 +261,14 @@ class LlamaBlock(nn.Module):
 
 
 class FinalNorm(nn.Module):
+    """The decoder's last norm. A family whose norm differs (Gemma's x (1 + w), Qwen3.5's zero-centred) subclasses it
+    naming its norm in `make_norm`: its own class keeps its cost rule and HF names, the rest is this one."""
     group = "text"
+    make_norm = nn.RMSNorm  # (dim, eps)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = nn.RMSNorm(cfg.text.dim, eps=cfg.text.ln_eps)
+        self.norm = self.make_norm(cfg.text.dim, cfg.text.ln_eps)
 
     def forward(self, args):
         t = unpack_in(self, args)

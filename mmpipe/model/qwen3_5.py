@@ -53,7 +53,7 @@ from torch import nn
 from ..config import ModelConfig
 from . import costs
 from .attention import apply_partial_rotary, attend, cached_attention
-from .llava import LlamaBlock, SwiGLU, decoder_specs
+from .llava import FinalNorm, LlamaBlock, SwiGLU, decoder_specs
 from .moe import MoeBlock, SparseMoe, moe_head, sparse_cost
 from .qwen2_vl import mrope_geometry
 from .qwen3_vl import (
@@ -65,7 +65,7 @@ from .qwen3_vl import (
     interleaved_rotary,
     qwen3_tower_checks,
 )
-from .stage import StageField, StageTuple, unpack_in, unpack_out
+from .stage import StageField, StageTuple
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
 
@@ -380,19 +380,8 @@ class GatedAttentionBlock(Qwen35Block):
                               lambda pos: interleaved_rotary(pos, rd, theta, section))
 
 
-class Qwen35FinalNorm(nn.Module):
-    group = "text"
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.norm = ZeroCentredNorm(cfg.text.dim, cfg.text.ln_eps)
-
-    def forward(self, args):
-        t = unpack_in(self, args)
-        return t._replace(hidden=self.norm(t.hidden)).pack()
-
-    def decode(self, t: StageTuple, cache: dict, start: int):
-        return unpack_out(self, self(t.pack()))
+class Qwen35FinalNorm(FinalNorm):
+    make_norm = ZeroCentredNorm
 
 
 class Qwen35MoeBlock(MoeBlock):
