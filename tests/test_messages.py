@@ -33,6 +33,11 @@ def test_slurm_without_flags_runs_one_pipeline_per_node(tmp_path, capsys):
     assert rc == 0, out
     assert "1 node(s) x 2 task(s)" in out and "#SBATCH --ntasks-per-node=2" in out
     assert not (tmp_path / "run").exists()  # a dry run writes no script
+    # under --tp a pipeline is stages x tp ranks: 2 x 2 = 4 tasks (was 2: a world of 2 refused for 4 ranks a replica)
+    rc = main(["slurm", "--preset", "llava-tiny", "--tp", "2", "--output-dir", str(tmp_path / "tp"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "1 node(s) x 4 task(s)" in out and "#SBATCH --ntasks-per-node=4" in out
 
 
 def test_hostfile_that_is_no_file_of_hosts(tmp_path, capsys):
