@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_weights_moved, refused, train_run, write_checkpoint, write_ds_config
+from conftest import assert_weights_moved, cut_at, refused, train_run, write_checkpoint, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare, prepare_eval
@@ -151,8 +151,13 @@ def eval_pairs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp2(pairs, eval_pairs, ds_config, tmp_path_factory):
     out = tmp_path_factory.mktemp("pp2")
-    return train_run(out, *_args(pairs, ds_config, out, "--preset", "llava-tiny", "--stages", "2",
-                                 "--eval-data", str(eval_pairs))).check()
+    return train_run(out, *_pp2_args(pairs, eval_pairs, ds_config, out)).check()
+
+
+def _pp2_args(pairs, eval_pairs, ds_config, out) -> list[str]:
+    """The PP=2 run: validation pairs, a checkpoint after step 2 (the resume test's cut)."""
+    return _args(pairs, ds_config, out, "--preset", "llava-tiny", "--stages", "2", "--eval-data", str(eval_pairs),
+                 "--save-every", "2")
 
 
 def test_pipeline_equals_single_device(pairs, ds_config, pp2, tmp_path):
@@ -186,6 +191,25 @@ def test_pipeline_equals_single_device(pairs, ds_config, pp2, tmp_path):
     data = summary["data"]
     assert data["bad_by_kind"] == {kind: 2 for _, kind in BAD}
     assert data["good"] == 2 * 17 and data["records"] == 2 * 20
+
+
+def test_resume_restores_the_reference(pairs, eval_pairs, ds_config, pp2, tmp_path):
+    """The PP=2 run cut after step 2 and resumed: steps 3 and 4's losses and rewards and the final weights equal the
+    uninterrupted run's bit for bit. The live reference is rebuilt from the start's weights, not the checkpoint's: a
+    reference taken from the resumed policy would give step 3 rewards of 0 and a loss of ln 2."""
+    cut = cut_at(pp2, tmp_path / "cut", 2)
+    resumed = train_run(cut, *_pp2_args(pairs, eval_pairs, ds_config, cut), "--resume").check()
+    assert resumed.summary["start_step"] == 2
+    assert [{k: r[k] for k in ("step", "loss", *REWARDS)} for r in resumed.rows] == [
+        {k: r[k] for k in ("step", "loss", *REWARDS)} for r in pp2.rows]  # the logged strings, steps 1 .. 4
+    assert all(abs(float(r["rewards/chosen"])) > 100 * TOL for r in resumed.rows[2:])  # not policy == reference
+    cfg = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1")),
+                  world_size=1).model
+    a = load_reference(cut / "checkpoints", cfg).state_dict()
+    b = load_reference(pp2.out / "checkpoints", cfg).state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    step2 = load_reference(cut / "checkpoints", cfg, "step2").state_dict()
+    assert max((a[k] - step2[k]).abs().max().item() for k in a) > 100 * TOL  # the resumed steps trained
 
 
 def _load_layers(model, ckpt_dir):
