@@ -49,6 +49,7 @@ from .model.gemma4 import (
 from .model.internvl import COSTS as INTERNVL_COSTS
 from .model.internvl import (
     InternBlock,
+    InternEmbed,
     InternMoeBlock,
     InternText,
     InternVision,
@@ -127,7 +128,7 @@ from .model.qwen3_vl import (
     qwen3_vl_checks,
 )
 from .model.stage import ROW, StageField
-from .model.tp_plans import QWEN2_VL_TP_PLAN, QWEN3_5_TP_PLAN, QWEN3_VL_TP_PLAN
+from .model.tp_plans import DECODER, QK_NORMS, QWEN2_VL_TP_PLAN, QWEN3_5_TP_PLAN, QWEN3_VL_TP_PLAN, VOCAB_ENDS
 from .registry import Family, HfSide, ImageLayout, register
 
 # the integer tensor of each image slot's layout (mmpipe.model.stage): moondream multi-crop's tiling (rows, cols),
@@ -219,7 +220,10 @@ LLAVA_NEXT = register(Family(
     # LlavaOnevisionForConditionalGeneration's by config (vision.anyres_max > 0: mmpipe.hf.llava_next)
     hf=_hf("llava_next", "LlavaNextForConditionalGeneration", ("llava_next", "llava_onevision"),
            "LLaVA-NeXT / OneVision", importer="import_llava_next", config="hf_llava_next_config",
-           reader="read_llava_next")))
+           reader="read_llava_next"),
+    # LLaVA's split (its LlamaBlock, head, tower replicated) and the anyres embedding's vocabulary: the tower runs on
+    # a row's T crops of a fixed size (llava-v1.6's CLIP-L: 0.3 B of 7.1 B), as LLaVA's on its one crop
+    tp_plan={**LLAVA_TP_PLAN, AnyresEmbed: {"embed_tokens": "vocab"}}))
 
 # Qwen2-VL's rules for the same shapes; DeepStack's sets are carried fields, one per merger / add pair
 QWEN3_VL = register(Family(
@@ -265,7 +269,11 @@ INTERNVL = register(Family(
     ImageLayout(placeholders=True, vision=InternVision, text=InternText), INTERN_TILES, checks=internvl_checks,
     tower_tokens=crops_tokens, fields=internvl_fields, experts=_moe,
     hf=_hf("internvl", "InternVLForConditionalGeneration", ("internvl",), "InternVL3.5", importer="import_internvl",
-           config="hf_internvl_config", reader="read_internvl")))
+           config="hf_internvl_config", reader="read_internvl"),
+    # the decoder as Qwen3-VL's (q / k norms per head, summed over TP); InternViT replicated, as LLaVA's tower: it runs
+    # on fixed 448-px tiles (the 300M of 1B-30B; the 6B of 38B / 241B would want its own split: its q / k norms span
+    # the whole width, a collective per block)
+    tp_plan={InternBlock: {**DECODER, **QK_NORMS}, InternEmbed: {"embed_tokens": "vocab"}, **VOCAB_ENDS}))
 
 # Gemma 3 (mmpipe.model.gemma3): LLaVA's SigLIP tower, placeholders bracketed by <start_of_image> / <end_of_image> and
 # read by transformers' Gemma3ImageProcessor (mmpipe.data.gemma3), a pooled projector, a decoder of sliding and global

@@ -30,7 +30,7 @@ from .model.tensor_parallel import tp_sizes
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
 from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES, Schedule, schedule_named
-from .registry import family_of
+from .registry import families, family_of
 from .run_args import TrainArgs
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -397,8 +397,9 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     if tp <= 1 or model is None:
         return
     if not family_of(model).tp_plan:
+        have = ", ".join(sorted(f.family for f in families() if f.tp_plan))
         problems.append(f"--tp: {tp} on {model.name}: the {model.family} family has no tensor-parallel plan yet "
-                        f"(mmpipe.registry.Family.tp_plan; llava, qwen2_vl, qwen3_vl and qwen3_5 have one)")
+                        f"(mmpipe.registry.Family.tp_plan; {have} have one)")
         return
     t = model.text
     if family_of(model).experts(model) is not None:
