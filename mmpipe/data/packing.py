@@ -115,9 +115,13 @@ def sample_sequence(enc, n_images: int, shape: RowShape) -> tuple[np.ndarray, np
 class RowPlan:
     """Row position -> the sample positions it holds (in stream order within the row)."""
 
-    def __init__(self, size_of: Callable[[int], tuple], shape: RowShape, pack: bool, chunk: int = CHUNK):
-        """size_of(pos) -> (decoder positions, images[, vision patches]) of sample pos."""
-        self.size_of, self.shape, self.pack, self.chunk = size_of, shape, pack, chunk
+    def __init__(self, size_of: Callable[[int], tuple], shape: RowShape, pack: bool, chunk: int = CHUNK,
+                 unit: int = 1):
+        """size_of(pos) -> (decoder positions, images[, vision patches]) of sample pos. unit: consecutive sample
+        positions packed together, position u k + j into row j of a group of `unit` rows (2: a preference pair,
+        mmpipe.data.preference: rows 2i / 2i + 1 hold the chosen / rejected sides of the same pairs, in the same
+        order, so segment s of the two rows is one pair)."""
+        self.size_of, self.shape, self.pack, self.chunk, self.unit = size_of, shape, pack, chunk, unit
         self._chunks: list[list[list[int]]] = []
         self._first_row = [0]  # row position of each chunk's first row
 
@@ -134,27 +138,30 @@ class RowPlan:
         return sum(len(self.row(i)) for i in range(r)) if self.pack else r
 
     def _pack_next(self) -> None:
-        """First-fit over one chunk: each sample goes to the first open row with room for its positions,
-        images and (dynamic families) patches, else opens a row; rows keep their opening order."""
-        start = len(self._chunks) * self.chunk
-        # at most one row per sample: free positions, image slots (and patches) of every row the chunk may open,
+        """First-fit over one chunk: each unit (a sample; a pair) goes to the first open group of `unit` rows with
+        room in each row for its sample's positions, images and (dynamic families) patches, else opens a group;
+        groups keep their opening order."""
+        start, u = len(self._chunks) * self.chunk, self.unit
+        # at most one group per unit: free positions, image slots (and patches) of every row the chunk may open,
         # searched in C (a resume replays every chunk before its row: ~5 ms each, 1M samples ~5 s)
-        room = np.full(self.chunk, self.shape.length, dtype=np.int64)
-        slots = np.full(self.chunk, self.shape.max_images, dtype=np.int64)
-        patches = np.full(self.chunk, self.shape.vision_budget, dtype=np.int64)
-        rows: list[list[int]] = []
-        for pos in range(start, start + self.chunk):
-            n, k, *g = self.size_of(pos)
-            fits = (room >= n) & (slots >= k)
-            if g:
-                fits &= patches >= g[0]
-            i = int(np.argmax(fits))  # the first row with room; an unopened one at worst
-            if i == len(rows):
-                rows.append([])
-            rows[i].append(pos)
-            room[i] -= n
-            slots[i] -= k
-            patches[i] -= g[0] if g else 0
+        room = np.full((self.chunk // u, u), self.shape.length, dtype=np.int64)
+        slots = np.full((self.chunk // u, u), self.shape.max_images, dtype=np.int64)
+        patches = np.full((self.chunk // u, u), self.shape.vision_budget, dtype=np.int64)
+        groups: list[list[list[int]]] = []
+        for first in range(start, start + self.chunk, u):
+            sizes = np.array([self.size_of(first + j) for j in range(u)], dtype=np.int64)  # [u, 2 or 3]
+            fits = ((room >= sizes[:, 0]) & (slots >= sizes[:, 1])).all(axis=1)
+            if sizes.shape[1] > 2:
+                fits &= (patches >= sizes[:, 2]).all(axis=1)
+            i = int(np.argmax(fits))  # the first group with room; an unopened one at worst
+            if i == len(groups):
+                groups.append([[] for _ in range(u)])
+            for j in range(u):
+                groups[i][j].append(first + j)
+            room[i] -= sizes[:, 0]
+            slots[i] -= sizes[:, 1]
+            patches[i] -= sizes[:, 2] if sizes.shape[1] > 2 else 0
+        rows = [row for group in groups for row in group]
         self._chunks.append(rows)
         self._first_row.append(self._first_row[-1] + len(rows))
 

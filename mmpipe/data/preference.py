@@ -180,7 +180,7 @@ def preference_problems(args, data, micro: int, other_schedule: str | None = Non
     if args.eval_data and args.reference_logps:
         problems.append("--objective dpo: --eval-data with --reference-logps is not supported yet (the validation "
                         "pairs' reference log-probs are not scored; the live reference validates; docs/dpo.md)")
-    for on, what in ((args.pack, "--pack"), (bool(args.eval_split), "--eval-split (it would split pairs)"),
+    for on, what in ((bool(args.eval_split), "--eval-split (it would split pairs)"),
                      (args.tp > 1, "--tp"), (other_schedule is not None, f"--schedule {other_schedule}")):
         if on:
             problems.append(f"--objective dpo with {what} is not supported yet (docs/dpo.md)")

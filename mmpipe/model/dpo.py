@@ -46,9 +46,39 @@ def row_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     return -ce.view(labels.shape) * mask, mask
 
 
+def segment_sums(x: torch.Tensor, segments: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T] -> [B, k]: column s - 1 the sum of x over row positions of segment s (a packed row's sample s; 0 is
+    padding, dropped)."""
+    return x.new_zeros(x.shape[0], k + 1).scatter_add_(1, segments, x)[:, 1:]
+
+
+def is_packed(labels) -> bool:
+    """A packed micro-batch's label tuple: (labels [B, T], ref_logps [B, K], segments [B, T])."""
+    return isinstance(labels, (tuple, list)) and len(labels) == 3
+
+
 def row_logps(logits: torch.Tensor, labels) -> torch.Tensor:
-    """[B]: each row's sum of its answer tokens' log-probs (the reference pass's record, and the policy's)."""
-    return row_token_logps(logits, token_labels(labels))[0].sum(-1)
+    """[B]: each row's sum of its answer tokens' log-probs (the reference pass's record, and the policy's); packed
+    rows (is_packed): [B, K], each sample's own sum (K: the ref_logps' columns)."""
+    lp = row_token_logps(logits, token_labels(labels))[0]
+    return segment_sums(lp, labels[2], labels[1].shape[1]) if is_packed(labels) else lp.sum(-1)
+
+
+def stage_segments(inputs) -> torch.Tensor:
+    """The segments [B, T] of a stage tuple as mmpipe.data.batches.rank_batches builds it: ([pixels,] input_ids,
+    has_image, segments[, tiling]), tiling [B, M, w] the only 3-dim integer tensor after segments."""
+    return inputs[-2] if inputs[-1].dim() == 3 else inputs[-1]
+
+
+def dpo_labels(inputs, labels, ref: torch.Tensor | None, packed: bool):
+    """The label tuple the DPO loss reads: (labels, ref_logps [B]) for one sample a row; with --pack (labels,
+    ref_logps [B, K], segments [B, T]), K the micro-batch's most samples in a row (ref None: zeros, the reference
+    pass's placeholder, whose record fills them)."""
+    tokens = token_labels(labels)
+    if not packed:
+        return tokens, ref
+    segments = stage_segments(inputs)
+    return tokens, (torch.zeros(len(tokens), int(segments.max())) if ref is None else ref), segments
 
 
 def preference_losses(pc, pr, rc, rr, *, beta: float, kind: str, lengths=None) -> torch.Tensor:
@@ -71,6 +101,22 @@ def rewards(pc, pr, rc, rr, beta: float) -> dict[str, torch.Tensor]:
             "rewards/accuracies": (chosen > rejected).float().mean(), "rewards/margins": (chosen - rejected).mean()}
 
 
+def _pairs(lp: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor, segments: torch.Tensor | None):
+    """The micro-batch's pairs [P] from its token log-probs and mask [B, T]: (pi_c, pi_r, ref_c, ref_r, n_c, n_r).
+    One sample a row: row 2j / 2j + 1 is pair j. Packed (segments): rows 2i / 2i + 1 hold the chosen / rejected sides
+    of the same pairs in the same segment order (mmpipe.data.packing.RowPlan's unit of 2), so column s of the two
+    rows' per-sample sums [B, K] is one pair; a column with no tokens in either row (a row of fewer samples) is none.
+    """
+    if segments is None:
+        seq, n, ref = lp.sum(-1, keepdim=True), mask.sum(-1, keepdim=True), ref[:, None]
+    else:
+        seq, n = segment_sums(lp, segments, ref.shape[1]), segment_sums(mask.to(lp.dtype), segments, ref.shape[1])
+    keep = (n[0::2] > 0) & (n[1::2] > 0) if segments is not None else torch.ones_like(n[0::2], dtype=torch.bool)
+    n = n.to(seq.dtype)
+    ref = ref.to(seq)
+    return seq[0::2][keep], seq[1::2][keep], ref[0::2][keep], ref[1::2][keep], n[0::2][keep], n[1::2][keep]
+
+
 class DPOLoss:
     """The last stage's loss_fn under --objective dpo: (logits [B, T, V], (labels [B, T], ref_logps [B])) -> the
     micro-batch's loss; `last` keeps the rewards of the micro-batch it saw last (the engine logs them)."""
@@ -82,15 +128,13 @@ class DPOLoss:
 
     def __call__(self, logits, labels) -> torch.Tensor:
         logits, aux = split_aux(logits)
-        tokens, ref = labels
-        if ref.dim() != 1:  # (labels, weights): rows that did not pass through a reference pass
+        tokens, ref, *segments = labels
+        if ref.dim() != 1 + len(segments):  # (labels, weights): rows that did not pass through a reference pass
             raise ValueError("--objective dpo: the micro-batch's labels carry no reference log-probs (the reference "
                              "pass, mmpipe.runtime.preference, puts them there; this path has none yet)")
         lp, mask = row_token_logps(logits, tokens)
-        seq = lp.sum(-1)
-        pc, pr, rc, rr = seq[0::2], seq[1::2], ref[0::2].to(seq), ref[1::2].to(seq)
-        n = mask.sum(-1).to(seq.dtype)
-        loss = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n[0::2], n[1::2])).mean()
+        pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None)
+        loss = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n_c, n_r)).mean()
         if self.rpo_alpha:  # the chosen answers' mean token NLL, over the micro-batch's chosen tokens
             loss = loss + self.rpo_alpha * (-lp[0::2].sum() / mask[0::2].sum().clamp(min=1))
         self.last = rewards(pc, pr, rc, rr, self.beta)

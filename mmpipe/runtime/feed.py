@@ -17,7 +17,7 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
     (validation, the bench peers): unpacked rows, labels alone (validation divides its loss sum by
     the set's tokens; the peers take the per-micro-batch mean)."""
     shape = run_shape(run)
-    plan = RowPlan(sample_size(samples, shape), shape, pack=run.pack and train)
+    plan = RowPlan(sample_size(samples, shape), shape, pack=run.pack and train, unit=pair_unit(run))
     norm = (LossNorm(run.loss_norm, run.train_batch, run.gas, run.dp, answer_counts(samples, plan))
             if train and last else None)
     return RowSet(samples, plan, blank=image_kind(run.model).blank(run.model), need_images=first,
@@ -30,7 +30,14 @@ def step_balance(run: RunConfig, samples, plan: RowPlan, force: bool = False) ->
     every rank: first and last stage, every DP replica, the reference loop."""
     if not plan.pack or not run.layers or not (run.data.balance or force):
         return None
-    return StepBalance(RowCosts(run.model, run_shape(run), run.layers, plan, samples), run.micro, run.gas, run.dp)
+    return StepBalance(RowCosts(run.model, run_shape(run), run.layers, plan, samples), run.micro, run.gas, run.dp,
+                       unit=pair_unit(run))
+
+
+def pair_unit(run: RunConfig) -> int:
+    """Rows kept together: 2 for preference pairs (--objective dpo: a chosen row and its rejected row, packed side by
+    side and balanced as one, so a pair never leaves its micro-batch), else 1."""
+    return 2 if run.objective.pairs else 1
 
 
 def step_order(run: RunConfig, samples, plan: RowPlan):

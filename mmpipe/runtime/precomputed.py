@@ -31,7 +31,7 @@ import torch
 
 from ..config import ConfigError
 from ..data.batches import StepBatches, rank_batches
-from ..model.dpo import token_labels
+from ..model.dpo import dpo_labels
 from .feed import run_dataset, step_order
 from .preference import reference_model, starting_model
 
@@ -69,7 +69,7 @@ def score_reference(run, samples, seed: int, out: Path) -> tuple[int, float]:
     n = len(samples.index)
     sampler = [list(range(i, min(i + run.micro, n))) for i in range(0, n, run.micro)]
     logps = np.zeros(n, dtype=np.float64)
-    batches = rank_batches(run_dataset(run, samples), sampler)
+    batches = rank_batches(run_dataset(run, samples, train=False), sampler)  # one sample a row, --pack or not
     with torch.no_grad():
         for positions, (inputs, labels) in zip(sampler, batches):
             lp = run.objective.row_logps(ref(*inputs), labels)
@@ -104,9 +104,10 @@ def read_reference(path: str | Path, run, samples, seed: int, weights: bool = Tr
 class PrecomputedReference:
     """LiveReference's place at train time (step, seconds) with the log-probs read from a file: no forward."""
 
-    def __init__(self, run, samples, seed: int, sampler: StepBatches, last: bool = True):
-        """sampler: a twin of the rank's stream sampler (the same start, micro, GAS, DP rank and order)."""
-        self.run, self.samples, self.last = run, samples, last
+    def __init__(self, run, samples, seed: int, sampler: StepBatches, last: bool = True, plan=None):
+        """sampler: a twin of the rank's stream sampler (the same start, micro, GAS, DP rank and order); plan: the
+        rows' RowPlan (row position -> its samples' positions; with --pack a row holds several)."""
+        self.run, self.samples, self.last, self.plan = run, samples, last, plan
         self.logps = torch.from_numpy(read_reference(run.reference_logps, run, samples, seed, weights=False))
         self.positions = iter(sampler)
         self.seconds = 0.0
@@ -115,17 +116,24 @@ class PrecomputedReference:
     def for_stream(cls, run, samples, seed: int, start: int, dp_rank: int, plan, last: bool):
         """The twin of trainer.DataStream's sampler (mmpipe.runtime.trainer) from stream position `start`."""
         order = step_order(run, samples, plan)
-        return cls(run, samples, seed, StepBatches(start, run.micro, run.gas, dp_rank, run.dp, order), last)
+        return cls(run, samples, seed, StepBatches(start, run.micro, run.gas, dp_rank, run.dp, order), last, plan)
 
-    def rows(self, labels):
-        """The next micro-batch's (labels, ref_logps)."""
-        entries = [self.samples.entry(p) for p in next(self.positions)]
-        return token_labels(labels), self.logps[entries]
+    def rows(self, inputs, labels):
+        """The next micro-batch's (labels, ref_logps[, segments]) (mmpipe.model.dpo.dpo_labels): with --pack,
+        ref_logps [B, K] holds row b's sample s's log-prob in column s - 1 (0 where the row has fewer)."""
+        rows = next(self.positions)
+        if not self.run.pack:
+            return dpo_labels(inputs, labels, self.logps[[self.samples.entry(p) for p in rows]], False)
+        held = [self.plan.row(r) for r in rows]
+        ref = torch.zeros(len(rows), max(len(h) for h in held), dtype=self.logps.dtype)
+        for b, h in enumerate(held):
+            ref[b, :len(h)] = self.logps[[self.samples.entry(p) for p in h]]
+        return dpo_labels(inputs, labels, ref, True)
 
     def step(self, batches):
-        """The next step's GAS micro-batches, the last stage's labels (labels, ref_logps)."""
+        """The next step's GAS micro-batches, the last stage's labels (labels, ref_logps[, segments])."""
         micro = [next(batches) for _ in range(self.run.gas)]
-        labelled = [(inputs, self.rows(labels)) for inputs, labels in micro]  # every stage walks the positions
+        labelled = [(inputs, self.rows(inputs, labels)) for inputs, labels in micro]  # every stage walks them
         return iter(labelled if self.last else micro)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..model.builder import ReferenceModel
-from ..model.dpo import token_labels
+from ..model.dpo import dpo_labels
 from ..model.lora import is_adapter, load_base, lora_layers
 from .checkpoint import load_reference
 
@@ -81,9 +81,11 @@ class LiveReference:
 
     def step(self, batches):
         """The next step's GAS micro-batches from `batches`, the last stage's labels (labels, ref_logps)."""
-        engine, gas = self.engine, self.run.gas
+        engine, gas, last = self.engine, self.run.gas, self.engine.is_last_stage()
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(gas)]
+        if last and self.run.pack:  # packed rows: the record is per sample, by the rows' segments (model.dpo)
+            micro = [(inputs, dpo_labels(inputs, labels, None, True)) for inputs, labels in micro]
         recorded: list[torch.Tensor] = []
 
         def record(logits, labels):
@@ -98,18 +100,20 @@ class LiveReference:
                 engine.eval_batch(iter(micro), num_micro_batches=gas)
         finally:
             engine.module.loss_fn, engine.monitor.enabled = loss_fn, monitor_on
-        if engine.is_last_stage():
-            micro = [(inputs, (token_labels(labels), ref)) for (inputs, labels), ref in zip(micro, recorded)]
+        if last:
+            micro = [(inputs, dpo_labels(inputs, labels, ref, self.run.pack))
+                     for (inputs, labels), ref in zip(micro, recorded)]
         self.seconds = time.perf_counter() - t0
         return iter(micro)
 
 
-def reference_rows(ref_model, inputs, labels, objective):
-    """The single-device reference's (labels, ref_logps) of one micro-batch: ref_model, a frozen copy of the
-    starting model, run on it without a graph (mmpipe.runtime.reference)."""
+def reference_rows(ref_model, inputs, labels, objective, packed: bool = False):
+    """The single-device reference's (labels, ref_logps[, segments]) of one micro-batch (model.dpo.dpo_labels):
+    ref_model, a frozen copy of the starting model, run on it without a graph (mmpipe.runtime.reference)."""
+    labels = dpo_labels(inputs, labels, None, packed) if packed else labels
     with torch.no_grad():
         ref = objective.row_logps(ref_model(*inputs), labels)
-    return token_labels(labels), ref
+    return dpo_labels(inputs, labels, ref, packed)
 
 
 def starting_model(run, seed: int) -> ReferenceModel:

@@ -117,9 +117,9 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     def micro_loss():
         inputs, labels = next(batches)  # (pixels, input_ids, has_image, segments[, tiling]), (labels, weights)
         if ref_model is not None:  # (labels, ref_logps), as the pipeline's reference pass hands its last stage
-            labels = reference_rows(ref_model, inputs, labels, run.objective)
+            labels = reference_rows(ref_model, inputs, labels, run.objective, run.pack)
         elif pre is not None:
-            labels = pre.rows(labels)
+            labels = pre.rows(inputs, labels)
         return run.objective.loss(model(*inputs), labels)
 
     # one intra-op thread, as every rank runs (OMP_NUM_THREADS=1): the kernels' reduction order, so the float noise
