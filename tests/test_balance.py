@@ -182,7 +182,9 @@ def test_row_costs_are_the_cost_models_numbers(data):
 
 def test_dynamic_tower_is_priced_on_the_rows_own_images():
     """Qwen2-VL: a row's tower costs what the cost model gives for a PatchRow of its images' grids (attention
-    within each image): one 8 x 8 image costs more than four 4 x 4 in the same patch budget."""
+    within each image): one 8 x 8 image costs more than four 4 x 4 in the same patch budget. Layer by layer
+    (layer_flops, what `mmpipe plan --data` prices each stage with) the tower's and the decoder's add up to the
+    same."""
     cfg = load_preset("qwen-tiny")
     shape = row_shape(cfg, 4, 32, 128)
     grids = {0: [(1, 8, 8)], 1: [(1, 4, 4)] * 4}
@@ -196,9 +198,12 @@ def test_dynamic_tower_is_priced_on_the_rows_own_images():
             return Enc(grids[p]), len(grids[p])
     table = layer_costs(cfg, (), 32, images=4, patches=PatchRow(128, ((1, 8, 8),)))
     costs = RowCosts(cfg, shape, table, _Plan(), Samples())
+    tower = np.array([family_of(cfg).cost_rule(s).takes in TOWER_INPUTS for s in layer_specs(cfg)])
     for r, g in grids.items():
         own = layer_costs(cfg, (), 32, images=4, patches=PatchRow(128, tuple(g)))
         assert costs(r)[0] == pytest.approx(_tower(cfg, own), rel=1e-12)
+        per_layer = costs.layer_flops(r)
+        assert (per_layer[tower].sum(), per_layer[~tower].sum()) == pytest.approx(costs(r), rel=1e-12)
     assert costs(0)[0] > costs(1)[0]
 
 

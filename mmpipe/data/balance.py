@@ -67,19 +67,26 @@ class RowCosts:
         n = shape.vision_budget if self.row_kind else family.tower_tokens(cfg)
         self.tower_fixed, self.dec_length, self.dec_quadratic = 0.0, 0.0, 0.0
         self.tower_rows: list[tuple[float, Callable]] = []  # (k, row -> Cost) of the per_row tower layers
-        for spec, params, r in zip(layer_specs(cfg), layer_param_counts(cfg), layers, strict=True):
+        # the same terms layer by layer (layer_flops): a row's FLOPs = fixed + length + quadratic x its q, plus its
+        # per_row tower layers' (tower_at: their indices, in tower_rows' order)
+        self.fixed, self.length, self.quadratic = (np.zeros(len(layers)) for _ in range(3))
+        self.tower_at: list[int] = []
+        for i, (spec, params, r) in enumerate(zip(layer_specs(cfg), layer_param_counts(cfg), layers, strict=True)):
             rule = family.cost_rule(spec)
             k = r.flops / r.fwd_flops if r.fwd_flops else 0.0
             at = functools.partial(rule.cost_of, cfg, params, n)
             if rule.takes in TOWER_INPUTS and rule.per_row and self.row_kind:  # priced on each row's own images
                 self.tower_rows.append((k, functools.partial(at, shape.length, kwargs=spec.module_kwargs)))
+                self.tower_at.append(i)
             elif rule.takes in TOWER_INPUTS:
                 self.tower_fixed += r.flops  # every row's M slots: the same (a kind of no row: the table's)
+                self.fixed[i] = r.flops
             else:
                 empty = self.row_kind(shape.vision_budget) if self.row_kind else None
                 length, quadratic = _curve(lambda seq: at(seq, empty, spec.module_kwargs).fwd, shape.length)
                 self.dec_length += k * length
                 self.dec_quadratic += k * quadratic
+                self.length[i], self.quadratic[i] = k * length, k * quadratic
 
     def lengths(self, r: int) -> list[int]:
         """Row r's attention segments: each sample's decoder positions, then the padding's (0: none)."""
@@ -91,20 +98,38 @@ class RowCosts:
         decoder = self.dec_length + self.dec_quadratic * (sum(x * x for x in lens) - L * L)
         return self._tower(r), decoder
 
+    def layer_flops(self, r: int) -> np.ndarray:
+        """Row r's FLOPs layer by layer (forward + backward + recompute, in layer_specs order), the terms __call__
+        sums: its tower layers' add up to its tower, the others' to its decoder. `mmpipe plan --data` prices each
+        stage of a split with them (mmpipe.planning.data_rows)."""
+        lens, L = self.lengths(r), self.shape.length
+        out = self.fixed + self.length + self.quadratic * float(sum(x * x for x in lens) - L * L)
+        if self.tower_rows:
+            out[self.tower_at] += np.asarray(self._row_tower_layers(self._grids(r)))
+        return out
+
     def _tower(self, r: int) -> float:
         if not self.tower_rows:
             return self.tower_fixed
+        return self.tower_fixed + self._row_tower(self._grids(r))
+
+    def _grids(self, r: int) -> tuple:
+        """The grids (or tilings) of row r's images, its samples' in row order."""
         grids = []
         for p in self.plan.row(r):
             enc, n_images = self.samples.tokens(p)
             grids += [tuple(int(x) for x in g) for g in enc.grids[:int(n_images)]]
-        return self.tower_fixed + self._row_tower(tuple(grids))
+        return tuple(grids)
+
+    def _row_tower(self, grids: tuple) -> float:
+        return sum(self._row_tower_layers(grids))
 
     @functools.lru_cache(maxsize=4096)
-    def _row_tower(self, grids: tuple) -> float:
+    def _row_tower_layers(self, grids: tuple) -> tuple[float, ...]:
+        """Each per_row tower layer's FLOPs on a row of these images (tower_rows' order)."""
         width = 3 if self.row_kind is PatchRow else 4  # (t, h, w); tiles' (orig_h, orig_w, rows, cols)
         row = self.row_kind(self.shape.vision_budget, tuple(g[:width] for g in grids))
-        return sum(k * cost(row=row).fwd for k, cost in self.tower_rows)
+        return tuple(k * cost(row=row).fwd for k, cost in self.tower_rows)
 
 
 def _curve(f: Callable[[int], float], L: int) -> tuple[float, float]:
@@ -200,6 +225,17 @@ class StepBalance:
     @functools.lru_cache(maxsize=8)
     def order(self, base: int) -> tuple[int, ...]:
         return tuple(base + i for i in self.layout(self.costs(base)))
+
+    def ranks(self, costs: np.ndarray, balanced: bool = True) -> list[list[int]]:
+        """Each DP rank's row offsets (0 .. B - 1, ascending) for a step of these costs: the balanced layout's first
+        level (assign over the ranks, what sets each rank's load), or stream order's (rank d holds micro-batch m's
+        slot m x DP + d: the offsets o with (o // micro) % DP = d)."""
+        if not balanced:
+            return [[o for o in range(self.batch) if (o // self.micro) % self.dp == d] for d in range(self.dp)]
+        u = self.unit
+        units = costs.reshape(-1, u, costs.shape[1]).sum(axis=1)  # a unit's rows together, as layout's
+        return [[k * u + j for k in mine for j in range(u)]
+                for mine in assign(units, self.dp, self.gas * self.micro // u)]
 
     def layout(self, costs: np.ndarray) -> list[int]:
         """Row offsets (0 .. B - 1) in slot order for rows of these costs."""

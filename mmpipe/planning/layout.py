@@ -81,6 +81,9 @@ class Training:
     # --objective dpo's reference: "live" runs a forward-only pipeline pass before each step and holds a copy of each
     # stage's trained tensors (reference_pass_seconds, costmodel.reference_copy_bytes); "" / "precomputed": nothing
     reference: str = ""
+    # `mmpipe plan --data`: the data's rows (planning.data_rows.RowLoad); each stage's seconds x its busiest DP
+    # rank's cost over the mean row's (the rows' layer table is the mean row's); None: uniform rows
+    load: object = None
 
 
 def reference_pass_seconds(times: list[tuple[float, float]], gas: int, boundary_bytes: list[float],
@@ -124,7 +127,7 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
         return parts
     t = training
     a2a = _exchange(rows, parts, shape, t)
-    times = stage_seconds(rows, parts, shape.micro, t.device, measured)
+    times = _loaded(stage_seconds(rows, parts, shape.micro, t.device, measured), parts, shape, t)
     if a2a:  # the exchange waits on the critical path: forward's two all-to-alls, backward's two
         times = [(f + x["seconds"], bw + x["seconds"]) for (f, bw), x in zip(times, a2a)]
     tp = tp_seconds(rows, parts, shape.micro, t.precision, shape.tp, t.device)
@@ -151,6 +154,8 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     for pred in [step, *own.values()] if a2a else []:
         pred.update(_a2a_share(pred, times, a2a, shape.gas))
     predictions = {s.name: own[s.name] if s in replayed else step for s in ask}
+    for pred in predictions.values() if t.load is not None else []:  # the data's rows (--data): what they cost
+        pred["rows"] = t.load.summary(parts, shape.dp, shape.micro)
     fitting = [s for s in ask if predictions[s.name].get("fits", True)]  # the baseline's split was cut to fit
     lay = dict(stages=shape.stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=parts, stage_rows=stage_rows,
                predictions=predictions, ep=shape.ep, tp=shape.tp)
@@ -162,6 +167,15 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
                              f"{mem[s]:.1f} GiB > {t.device.memory / GiB:.0f} GiB")
     chosen = min(fitting, key=lambda s: predictions[s.name]["step_s"])  # a tie: the earlier, the baseline
     return Layout(**lay, step=predictions[chosen.name], schedule=chosen.name)
+
+
+def _loaded(times: list[tuple], parts: list[int], shape: Shape, training: Training) -> list[tuple]:
+    """Each stage's (forward, backward[, W]) seconds a micro-batch x its busiest DP rank's cost over the mean row's
+    (training.load: `mmpipe plan --data`, planning.data_rows), unchanged for uniform rows (None)."""
+    if training.load is None:
+        return times
+    k = training.load.factors(parts, shape.dp, shape.micro)
+    return [tuple(x * f for x in stage) for stage, f in zip(times, k)]
 
 
 def _split(rows: list[LayerCost], shape: Shape, training: Training) -> list[int] | Layout:
@@ -233,7 +247,7 @@ def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int]
     with its memory at the micro-batches its order holds in flight (ZB-H1: up to P on every stage with W,
     1F1B: P - s), stage by stage; each stage row gains its B and W seconds and each schedule's memory."""
     t = training
-    split = stage_split_seconds(rows, parts, shape.micro, t.device, measured)
+    split = _loaded(stage_split_seconds(rows, parts, shape.micro, t.device, measured), parts, shape, t)
     a2a = _exchange(rows, parts, shape, t)
     if a2a:  # the exchange in F and in B (the input gradients need the returned rows), none in W
         split = [(f + x["seconds"], b + x["seconds"], w) for (f, b, w), x in zip(split, a2a)]

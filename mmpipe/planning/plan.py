@@ -46,12 +46,15 @@ from ..model.builder import layer_specs
 from ..registry import family_of
 from .calibrate import calibrate, profile_of, read_results, report
 from .costmodel import KNOWN_DEVICES, Shape, layer_costs, profile_layers
+from .data_rows import DATA_FLAGS
 from .images import sized_families
 from .layout import GiB, Layout, plan_layout
+from .partition import compute_parts
 from .report import budget_words, print_json, print_plan
 from .request import PLAN_SCHEDULES, PlanRun, PlanSpec, cpu_device, device_from_args, resolve
-from .schedule_registry import BASELINE
+from .schedule_registry import BASELINE, DUALPIPEV, asked
 from .tensor_parallel import tp_layer_costs
+from .vpairs import describe_pairs
 
 __all__ = ["GiB", "Layout", "PlanRun", "PlanSpec", "plan_layout", "add_plan_args", "cpu_device", "device_from_args",
            "plan", "main_plan", "resolve"]
@@ -118,9 +121,17 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="with --video-frames: the clip's frame size in pixels, resized as training resizes it "
                         "(OneVision: to the tower's crop) "
                         "(default: the preset's vision.image_size square)")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="with --pack: price the rows this data packs into (mmpipe train's --data, read from its token "
+                        "index), spread over the DP ranks as train balances them; without it every row is assumed "
+                        "one sample filling its positions (docs/balance.md)")
+    p.add_argument("--data-index", default=None, metavar="RUN_DIR",
+                   help="with --data: read the data index in RUN_DIR/data/ that `mmpipe train --output-dir RUN_DIR` "
+                        "wrote, or build it there (default: a temporary folder)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
     add_flags(p, ModelArgs)
-    add_flags(p, DataArgs, only=ROW_FLAGS + VIDEO_FLAGS)  # --video-*: a clip's sampling (--video-frames' grid)
+    # --video-*: a clip's sampling (--video-frames' grid); DATA_FLAGS: what tokenises --data
+    add_flags(p, DataArgs, only=ROW_FLAGS + VIDEO_FLAGS + DATA_FLAGS)
 
 
 def plan(spec: PlanSpec) -> list[Layout]:
@@ -129,7 +140,7 @@ def plan(spec: PlanSpec) -> list[Layout]:
     dividing the global batch by DP (GAS = global / (b x DP)), each EP dividing DP; its balanced split that fits
     memory, or why none does. At TP t the rows are one TP rank's (planning.tensor_parallel.tp_layer_costs)."""
     s = spec
-    whole = layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row)
+    whole = layer_table(s)
     profiles = ({m: profile_layers(s.cfg, s.text_len, m, s.precision, images=s.images) for m in s.micros}
                 if s.profile else {})
     layouts = []
@@ -144,6 +155,14 @@ def plan(spec: PlanSpec) -> list[Layout]:
                     shape = Shape(stages, dp, micro, s.global_batch // (micro * dp), ep, tp)
                     layouts.append(plan_layout(rows, shape, s.training, profiles.get(micro)))
     return sorted(layouts, key=lambda lay: -lay.throughput)
+
+
+def layer_table(spec: PlanSpec) -> list:
+    """The layers' costs a row (costmodel.layer_costs): with --data the data's mean row's FLOPs (RowLoad.mean_rows,
+    planning.data_rows), else one sample filling the row."""
+    s = spec
+    whole = layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row)
+    return s.load.mean_rows(whole) if s.load is not None else whole
 
 
 def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr: float = 1e-4) -> dict:
@@ -213,7 +232,8 @@ def main_plan(args) -> int:
     if run.json:
         print_json(run, layouts)
     else:
-        print_plan(run, layouts, time.perf_counter() - t0, fixed_first_stage(s, feasible[0] if feasible else None))
+        beside = (fixed_first_stage(s, feasible[0] if feasible else None), v_pairs_line(s, run.schedule, layouts))
+        print_plan(run, layouts, time.perf_counter() - t0, "\n".join(line for line in beside if line))
     if not feasible:
         return fail(ConfigError(f"plan: no layout of {s.cfg.name} fits {s.gpus} x {s.device.memory / GiB:.0f} GiB at "
                                 f"global batch {s.global_batch} (try {fit_hints(s)})"))
@@ -250,7 +270,7 @@ def train_flags(run: PlanRun, best: Layout) -> list[str]:
     ep = ["--ep", str(best.ep)] if best.ep > 1 else []
     ep += ["--tp", str(best.tp)] if best.tp > 1 else []
     return ["--preset", run.preset, "--ds-config", run.write_config, "--dp", str(best.dp), *ep,
-            *to_argv(run.model_args), *rows, "--text-len", str(s.text_len)]
+            *to_argv(run.model_args), *rows, "--text-len", str(s.text_len), *run.data_argv]
 
 
 def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
@@ -261,11 +281,11 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
     rule = family_of(s.cfg).fixed_first_stage
     if rule is None or best is None or best.stages < 2:
         return ""
-    rows = tp_layer_costs(s.cfg, layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row),
-                          best.tp)
+    rows = tp_layer_costs(s.cfg, layer_table(s), best.tp)
     first = rule(layer_specs(s.cfg))
     shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep, best.tp)
-    rest = plan_layout(rows[first:], shape, s.training)  # its own memory per stage: stage index + 1
+    # its own memory per stage: stage index + 1; the cut on the mean row (--data's load prices whole splits)
+    rest = plan_layout(rows[first:], shape, dataclasses.replace(s.training, load=None))
     head = (f"stage 0 fixed at layers 0..{first - 1} (where other trainers cut {s.cfg.family}: "
             f"Family.fixed_first_stage)")
     if not rest.parts:
@@ -278,3 +298,21 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
             f"{'' if fits else f' (over {s.device.memory / GiB:.0f} GiB: it does not fit)'}, fwd "
             f"{s0['forward_ms']:.2f} + bwd {s0['backward_ms']:.2f} ms against the best's slowest stage "
             f"{max(r['forward_ms'] + r['backward_ms'] for r in best.stage_rows):.2f} ms")
+
+
+def v_pairs_line(spec: PlanSpec, schedule, layouts: list[Layout]) -> str:
+    """With dualpipev asked for (--schedule dualpipev or all): the V-pair split of the best layout DualPipeV runs
+    (PP >= 2), cut as `mmpipe train --schedule dualpipev` cuts it (compute_parts with v_ranks: each rank's pair of
+    stages balanced by FLOPs, a frozen layer's forward only; mmpipe.planning.vpairs); '' otherwise."""
+    s = spec
+    lay = next((x for x in layouts if x.step and DUALPIPEV.name in x.predictions and x.stages >= 2), None)
+    if DUALPIPEV not in asked(schedule) or lay is None:
+        return ""
+    rows = tp_layer_costs(s.cfg, layer_costs(s.cfg, s.freeze, s.text_len, s.checkpointing, s.lora, s.images, s.row),
+                          lay.tp)
+    p = lay.stages
+    head = f"dualpipev's V at PP={p} ({2 * p} stages, rank r holding stage r and {2 * p - 1} - r)"
+    try:
+        return f"{head}: {describe_pairs(rows, compute_parts(rows, 2 * p, 'balanced', v_ranks=p))}"
+    except ConfigError as e:
+        return f"{head}: {e}"

@@ -15,6 +15,7 @@ from ..data.image_kinds import image_kind
 from ..model.costs import PatchRow
 from ..registry import family_of
 from .costmodel import Device, row_positions
+from .data_rows import rows_line
 from .images import crop_line, crop_words
 from .layout import GiB, Layout
 from .request import PlanRun
@@ -67,11 +68,16 @@ def print_plan(run: PlanRun, layouts: list[Layout], seconds: float, beside: str 
             print(f"schedule {run.schedule}: step and bubble from replaying its order with each stage's {ops} "
                   f"seconds; memory at its micro-batches in flight")
         _print_one(layouts, run.top, rate, label, bool(moe), tp)
-    if run.pack:
+    if run.pack and s.load is None:
         print(f"positions/s = rows/s x {length}, padding included; useful tokens/s = positions/s x (1 - padding "
               f"share), which the data decides and plan cannot know: `mmpipe train --pack` reports it "
               f"(summary.json data.padding_share)")
+    elif run.pack:
+        print(f"positions/s = rows/s x {length}, padding included; useful tokens/s = positions/s x (1 - padding "
+              f"share), {s.load.padding:.1%} in --data's rows")
     best = next((lay for lay in layouts if lay.step), None)
+    if run.pack:
+        print(rows_line(s.load, best))
     if best:
         _print_best(best, replayed, bool(moe), tp)
     if beside:

@@ -25,7 +25,8 @@ from ..model.costs import CropRow, PatchRow
 from ..model.lora import Lora
 from ..registry import families, family_of
 from .calibrate import load_profile, profile_device, profile_precision
-from .costmodel import KNOWN_DEVICES, Device
+from .costmodel import KNOWN_DEVICES, Device, layer_costs
+from .data_rows import read_data, row_load, scratch, train_argv
 from .images import (
     clip_refusal,
     clip_row,
@@ -66,12 +67,13 @@ class PlanSpec:
     eps: tuple[int, ...] = (1,)
     tps: tuple[int, ...] = (1,)  # tensor-parallel degrees (--tp), each planned for every PP x DP of GPUs / TP
     reference: str = ""  # --dpo-reference: dpo's reference, live (a forward pass and a copy) or precomputed (none)
+    load: object = None  # --data: the data's packed rows, priced (planning.data_rows.RowLoad); None: uniform rows
 
     @property
     def training(self) -> Training:
         """How each layout trains: the balanced split that fits, at the spec's precision, ZeRO and schedules."""
         return Training(self.precision, self.zero, self.device, self.schedule, "balanced", self.checkpointing,
-                        self.freeze, reference=self.reference)
+                        self.freeze, reference=self.reference, load=self.load)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class PlanRun:
     video_size: str | None = None
     video_slots: int = 0
     tp_notes: tuple[str, ...] = ()  # a line per --tp degree left out, or the family's 'planned at TP 1 only'
+    data_argv: tuple[str, ...] = ()  # --data and what tokenises it, as train takes them (its printed command)
 
     # the spec's fields the printed words read by the flag's name
     @property
@@ -114,7 +117,12 @@ def resolve(args) -> PlanRun:
     micros = tuple(int(x) for x in args.micro.split(",") if x)
     freeze, lora = model_args.frozen_groups(), model_args.adapters()
     check_lora_rank(cfg, lora)  # as train's resolve: no rank above the narrowest adapted linear's
-    row, images, text_len, clip_slots = _check_rows(args, cfg)
+    with scratch(getattr(args, "data_index", None)) as folder:
+        opts, args = read_data(args, cfg, folder) if getattr(args, "data", None) else (None, args)
+        row, images, text_len, clip_slots = _check_rows(args, cfg)
+        table = layer_costs(cfg, freeze, text_len, args.checkpointing, lora, images, row) if opts else None
+        load = row_load(opts, cfg, table, images, text_len, row.budget if row else 0, args.global_batch,
+                        folder) if opts else None
     if args.profile and row:
         raise ConfigError(f"--profile: not for a dynamic-resolution preset ({cfg.family}) yet; plan it from "
                           f"--device's peak x --efficiency")
@@ -129,10 +137,10 @@ def resolve(args) -> PlanRun:
                           f"(plan the TP degrees without it)")
     spec = PlanSpec(cfg, device, gpus, args.global_batch, micros, text_len, precision,
                     args.zero, freeze, args.checkpointing, args.profile, lora, asked(args.schedule), images, row,
-                    _check_ep(args.ep, cfg), tps, getattr(args, "dpo_reference", None) or "")
+                    _check_ep(args.ep, cfg), tps, getattr(args, "dpo_reference", None) or "", load or None)
     return PlanRun(spec, args.preset, model_args, args.schedule, args.pack, args.top, args.json, args.write_config,
                    args.dry_run, args.image_size, args.video_frames if clip_slots else None, args.video_size,
-                   clip_slots, tuple(tp_notes))
+                   clip_slots, tuple(tp_notes), train_argv(args) if opts else ())
 
 
 def device_from_args(args) -> tuple[Device, str]:
