@@ -104,7 +104,7 @@ def _ranks(args: TrainArgs, la: LaunchArgs) -> tuple[dict | None, int]:
     dp = la.dp if la.dp is not None or hosts else config_dp(args)
     if dp is not None and dp < 1:
         raise ConfigError(f"--dp: {dp} must be >= 1")
-    stages, tp = requested_stages(args), max(1, args.tp)  # a replica's ranks: stages x tp (--tp)
+    stages, tp = requested_stages(args), max(1, args.tp) * max(1, args.sp)  # a replica's ranks: stages x tp (or sp)
     world = sum(len(s) for s in hosts.values()) if hosts else dp * stages * tp
     if hosts and dp is not None and dp * stages * tp != world:
         raise ConfigError(f"--dp: {dp} x {stages} stages{f' x tp {tp}' if tp > 1 else ''} != the hostfile's "
@@ -132,7 +132,7 @@ def _where(la: LaunchArgs, hosts: dict | None, run, args: TrainArgs, env: dict, 
     """The launcher's placement flags: local ranks, or the hostfile's hosts (checked over ssh and given
     DS_ENV_FILE in env, except in a dry run)."""
     if hosts is None:
-        return ["--num_gpus", str(run.stages * run.dp * run.tp), "--master_addr", "127.0.0.1",
+        return ["--num_gpus", str(run.stages * run.dp * run.tp * run.sp), "--master_addr", "127.0.0.1",
                 "--master_port", str(la.master_port or free_port())]
     if not dry_run:
         if len(hosts) > 1:  # DeepSpeed runs a single active host locally, without ssh
@@ -150,8 +150,9 @@ def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None, comman
     data = lambda d: d if d is None else "shapes (built-in)" if d.builtin else str(Path(d.name).resolve())  # noqa: E731
     return print_plan(
         f"{command} {run.model.name}", launch=shlex.join(cmd),
-        layout=f"{run.stages} stages x dp {run.dp}{f' x tp {run.tp}' if run.tp > 1 else ''} = "
-               f"{run.stages * run.dp * run.tp} ranks, micro {run.micro} x GAS {run.gas} "
+        layout=f"{run.stages} stages x dp {run.dp}{f' x tp {run.tp}' if run.tp > 1 else ''}"
+               f"{f' x sp {run.sp}' if run.sp > 1 else ''} = "
+               f"{run.stages * run.dp * run.tp * run.sp} ranks, micro {run.micro} x GAS {run.gas} "
                f"x dp {run.dp} = {run.train_batch} rows per step, schedule {run.schedule}",
         stages=f"layer boundaries {run.parts} ({len(run.layers)} layers)",
         ds_config=f"{Path(run.ds_config_path).resolve()} ({run.precision}, ZeRO-{run.zero_stage})",
@@ -165,6 +166,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
     """`mmpipe check`: train's checks and launch, the check ranks instead of training; exit from check.json."""
     if getattr(ns, "tp", 1) > 1:  # its equivalence and memory checks compare whole layers (docs/tensor_parallel.md)
         return fail(ConfigError(f"--tp: {ns.tp}: mmpipe check does not run tensor-parallel ranks yet (train does)"))
+    if getattr(ns, "sp", 1) > 1:  # its checks compare whole rows on each rank (docs/sequence_parallel.md)
+        return fail(ConfigError(f"--sp: {ns.sp}: mmpipe check does not run sequence-parallel ranks yet (train does)"))
     if ns.objective != TOKENS.name:  # its equivalence step calls the loss without dpo's reference pass
         return fail(ConfigError(f"--objective {ns.objective}: mmpipe check does not run its reference pass yet "
                                 f"(train does; docs/dpo.md)"))

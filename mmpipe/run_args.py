@@ -36,6 +36,9 @@ class TrainArgs(DataArgs, ModelArgs):
     tp: int = flag(1, "tensor-parallel ranks: each stage's layers split over TP ranks as the family's plan says "
                    "(Megatron-style column / row / vocabulary splits); world = stages x dp x tp (default: 1; "
                    "docs/tensor_parallel.md)")
+    sp: int = flag(1, "sequence-parallel ranks (Ulysses): each stage's rows split by position over SP ranks, "
+                   "attention's all-to-all trading positions for heads; world = stages x dp x sp; not with --tp "
+                   "(default: 1; docs/sequence_parallel.md)")
     objective: str = flag(TOKENS.name, "what the last stage trains on: sft, the cross-entropy of the answer tokens "
                           "(default; docs/architecture.md, Objective), or dpo, preference pairs' DPO loss against the "
                           "starting weights (docs/dpo.md)", choices=OBJECTIVE_NAMES)

@@ -19,6 +19,7 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
 from .data.dataset import DataOptions, packed_image_slots, resolve_data
 from .data.image_kinds import image_kind
+from .data.packing import row_shape
 from .data.preference import preference_problems, reference_problems
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
@@ -87,6 +88,7 @@ class RunConfig:
     ep: int = 1  # --ep: expert-parallel ranks (mmpipe.runtime.experts)
     objective: Objective = TOKENS  # --objective: what the last stage trains on (mmpipe.model.objectives)
     tp: int = 1  # --tp: tensor-parallel ranks per stage (mmpipe.model.tensor_parallel); world = stages x dp x tp
+    sp: int = 1  # --sp: sequence-parallel ranks per stage, on the grid's model axis (mmpipe.model.sequence_parallel)
     reference: str | None = None  # --reference: the run directory whose weights are dpo's reference (else the start)
     reference_logps: str | None = None  # --reference-logps: dpo's reference log-probs read from this file
 
@@ -217,7 +219,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     pipe_cfg = ds.get("pipeline", {})
     stages = problems.attempt(_stages, args, ds) or 1
     schedule = _schedule(args, pipe_cfg, problems)
-    tp = max(1, args.tp)
+    tp = max(1, args.tp) * max(1, args.sp)  # the grid's model-axis ranks: TP's, or SP's (--sp with --tp: refused)
     if world_size % (stages * tp):
         per = f"{stages} stages x tp {tp}" if tp > 1 else f"{stages} stages"
         problems.append(f"--stages: world size {world_size} is not a multiple of {per} "
@@ -245,6 +247,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         "experts": model is not None and family_of(model).experts(model) is not None,
         "eval": bool(args.eval_data or args.eval_split)}))
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
+    _check_sp(args, model, data, (zero_stage, precision, schedule, pipe_cfg), problems)
     problems.extend(reference_problems(args, model, init_model))  # --reference RUN: the model as fitted, too
     problems.raise_any()
 
@@ -255,7 +258,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
                      parts=parts or [], layers=table, freeze=freeze, precision=precision, zero_stage=zero_stage,
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
                      schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
-                     objective=run_objective(args), tp=tp, reference=args.reference,
+                     objective=run_objective(args), tp=max(1, args.tp), sp=max(1, args.sp), reference=args.reference,
                      reference_logps=args.reference_logps)
 
 
@@ -422,6 +425,42 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
                         f"ZeRO 0, 1F1B; docs/tensor_parallel.md)")
     if objective_named(args.objective).vocab_parallel is None:
         problems.append(f"--tp: objective {args.objective} has no vocab-parallel loss yet")
+
+
+def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) -> None:
+    """--sp N (docs/sequence_parallel.md): N >= 1; above 1 only for a family whose decoder this slice splits (LLaVA,
+    Qwen2-VL / Qwen2.5-VL), N dividing the attention heads and KV heads (each rank attends with H/N of them after the
+    all-to-all) and the row's decoder positions (each rank holds L/N), and only where it was checked: not with --tp
+    (both take the grid's model axis), fp32 at ZeRO 0, 1F1B, the SFT objective, no MoE, LoRA, checkpointing,
+    validation or resume."""
+    from .model.sequence_parallel import FAMILIES, WHY_NOT
+    sp, (zero_stage, precision, schedule, pipe_cfg) = args.sp, setup
+    if sp < 1:
+        problems.append(f"--sp: {sp} must be >= 1")
+    if sp <= 1 or model is None:
+        return
+    if model.family not in FAMILIES:
+        problems.append(f"--sp: {sp} on {model.name}: the {model.family} family's decoder is not split by position "
+                        f"yet: {WHY_NOT.get(model.family, 'its layers have no sequence-parallel form')} (--sp "
+                        f"trains {', '.join(FAMILIES)})")
+        return
+    t = model.text
+    length = data and row_shape(model, data.max_images, data.text_len, data.vision_budget).length
+    for what, n in (("attention heads (text.n_heads)", t.n_heads), ("KV heads (text.n_kv_heads)", t.kv_heads),
+                    ("decoder positions per row (--text-len + the image tokens)", length)):
+        if n and n % sp:
+            problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")
+    unchecked = [name for name, on in (
+        ("--tp", args.tp > 1), ("MoE", family_of(model).experts(model) is not None), ("--ep", args.ep > 1),
+        ("--lora", args.lora > 0), ("--resume", args.resume), (f"--objective {args.objective}",
+                                                                    objective_named(args.objective) is not TOKENS),
+        ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
+        (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage != 0),
+        (f"schedule {schedule}", schedule.name != BASELINE.name),
+        ("activation checkpointing", int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0)) if on]
+    if unchecked:
+        problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (this slice trains fp32, ZeRO 0, "
+                        f"1F1B, SFT; docs/sequence_parallel.md)")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

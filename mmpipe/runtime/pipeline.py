@@ -2,6 +2,8 @@
 Only floats cross its stage boundaries (mmpipe.runtime.wire, mmpipe.model.stage)."""
 from __future__ import annotations
 
+import os
+
 import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -9,6 +11,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from ..model.builder import apply_freeze, bind_layer_fields, layer_specs
 from ..model.lora import add_adapters
 from ..model.moe import head_aux
+from ..model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients_over
 from ..model.tensor_parallel import Shard, mark_norm_counting, parallelize
 from ..registry import family_of
 from ..run_config import RunConfig
@@ -31,8 +34,10 @@ class VLMPipeline(PipelineModule):
         # --tp: DeepSpeed's own grid with its model axis (ranks pipe-major, TP fastest: rank = (pipe x dp + data) x
         # tp + model), so the engine's DP all-reduce runs over the data axis only and its TP group is the grid's
         # slice group. Without TP: num_stages alone, DeepSpeed's PipeDataParallelTopology as before.
-        topology = (PipeModelDataParallelTopology(num_pp=run.stages, num_mp=run.tp, num_dp=run.dp)
-                    if run.tp > 1 else None)
+        # --sp takes the same model axis (docs/sequence_parallel.md: DeepSpeed's grid and tie groups know no other
+        # axis), so --sp with --tp is refused and run.tp x run.sp is one of them.
+        mp = run.tp * run.sp
+        topology = PipeModelDataParallelTopology(num_pp=run.stages, num_mp=mp, num_dp=run.dp) if mp > 1 else None
         super().__init__(
             layers=layer_specs(run.model),
             num_stages=None if topology else run.stages, topology=topology,
@@ -50,8 +55,13 @@ class VLMPipeline(PipelineModule):
         )
         if run.tp > 1:  # every layer was built whole under its seed above; keep this rank's slices
             self._split_tensors(run)
+        self.sp = run.sp
+        if run.sp > 1:  # each SP rank keeps its slice of the row's positions (mmpipe.model.sequence_parallel)
+            self._split_sequence(run)
         for _ in self.each_part():  # this rank's layer list(s): one, or DualPipeV's two (mmpipe.runtime.dualpipev)
             apply_freeze(self.forward_funcs, run.freeze)
+        if run.sp > 1:  # each SP rank's gradient is its positions' share: summed over the SP group
+            sum_gradients_over([p for p in self.parameters() if p.requires_grad], self._sp_shard())
         self.moe = run.experts is not None  # its head reports the aux loss
         self.metrics = run.objective.metrics  # the loss's last micro-batch values, logged (mmpipe.model.objectives)
         # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it)
@@ -109,6 +119,37 @@ class VLMPipeline(PipelineModule):
         self.forward_funcs[:] = [f if isinstance(f, torch.nn.Module) else parallelize(f, plan, shard)
                                  for f in self.forward_funcs]
         self.loss_fn = run.objective.split_vocab(shard, run.model.text.vocab_size).loss
+
+    def _sp_shard(self) -> Shard:
+        return Shard(self._grid.get_slice_parallel_group(), self._grid.get_slice_parallel_rank(), self.sp)
+
+    def _split_sequence(self, run: RunConfig) -> None:
+        """--sp: the embedding keeps this rank's slice of each row, the decoder blocks attend through DeepSpeed's
+        all-to-all, the loss reads this rank's slice of the labels (mmpipe.model.sequence_parallel)."""
+        shard = self._sp_shard()
+        parallelize_sequence([*self.tied_modules.values(), *self.forward_funcs], shard)
+        self.loss_fn = sp_loss(self.loss_fn, shard)
+
+    # --sp: the layer files hold whole layers, the same on every SP rank, so SP rank 0 writes them under the names a
+    # run without SP uses (DeepSpeed would name one copy per model-axis coordinate: layer_XX-model_RR-...), and every
+    # SP rank reads those: load_reference and a run at another SP read them as their own.
+    def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
+        if self.sp == 1:
+            return super().ckpt_layer_path(ckpt_dir, local_layer_idx)
+        return os.path.join(ckpt_dir, f"layer_{local_layer_idx + self._local_start:02d}-model_states.pt")
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        if self.sp == 1 or self._grid.get_slice_parallel_rank() == 0:
+            super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        if self.sp == 1:
+            return super().load_state_dir(load_dir, checkpoint_engine, strict)
+        for idx, layer in enumerate(self.forward_funcs):
+            if hasattr(layer, "load_state_dict"):
+                layer.load_state_dict(checkpoint_engine.load(self.ckpt_layer_path(load_dir, idx),
+                                                             map_location="cpu"), strict=strict)
+        self._synchronize_tied_weights()
 
     def forward(self, forward_input):
         """A non-first stage receives floats only (hidden[, vision]) and joins the running micro-batch's
