@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT, train_run, write_ds_config
+from conftest import ROOT, cut_at, train_run, write_ds_config
 from hf_models import IMAGE_TOKEN, n_features, save_hf
 from mmpipe.config import config_from_dict, load_preset
 from mmpipe.data.batches import collate
@@ -264,9 +264,10 @@ def _llava_args(root, data, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def llava_pp2(pack_data, tmp_path_factory):
-    """The packed LLaVA PP=2 run: the reference test's LLaVA case and the resume test's uninterrupted run."""
+    """The packed LLaVA PP=2 run: the reference test's LLaVA case and the resume test's uninterrupted run (checkpointed
+    after every step: the resume test resumes a copy of it cut after step 1)."""
     root = tmp_path_factory.mktemp("llava_pp2")
-    return train_run(root / "pp2", *_llava_args(root, pack_data[1])).check()
+    return train_run(root / "pp2", *_llava_args(root, pack_data[1]), "--save-every", "1").check()
 
 
 @pytest.mark.parametrize("preset,images", [("tiny", None), ("llava-tiny", "3"), ("tiny-xattn", "4")])
@@ -323,11 +324,12 @@ def test_packed_dp2_equals_one_replica_accumulating_twice(pack_data, tmp_path):
 
 
 def test_packed_resume_trains_on_the_same_rows(pack_data, llava_pp2, tmp_path):
-    """The LLaVA PP=2 run stopped after step 1 and resumed to 3: the same losses, the same rows."""
+    """The LLaVA PP=2 run stopped after step 1 and resumed to 3: the same losses, the same rows. (The stopped run is
+    a copy of the uninterrupted one cut after its step-1 checkpoint, its logs cut there too: no scheduler, so a run
+    of --steps 1 would have saved the same checkpoint; the resumed run drops the copy's later sample rows itself.)"""
     root, data = pack_data
     args = _llava_args(tmp_path, data)
-    train_run(tmp_path / "cut", *args, "--steps", "1").check()
-    resumed = train_run(tmp_path / "cut", *args, "--resume").check()
+    resumed = train_run(cut_at(llava_pp2, tmp_path / "cut", 1), *args, "--resume").check()
     assert resumed.summary["start_step"] == 1
     assert resumed.losses == pytest.approx(llava_pp2.losses, abs=TOL)
 
