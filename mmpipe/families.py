@@ -128,6 +128,7 @@ from .model.qwen3_vl import (
     qwen3_vl_checks,
 )
 from .model.stage import ROW, StageField
+from .model.tensor_parallel import SIZES, Fused
 from .model.tp_plans import DECODER, QK_NORMS, QWEN2_VL_TP_PLAN, QWEN3_5_TP_PLAN, QWEN3_VL_TP_PLAN, VOCAB_ENDS
 from .registry import Family, HfSide, ImageLayout, register
 
@@ -160,10 +161,20 @@ _MOONDREAM_COSTS = {PatchEmbed: costs.PATCH_EMBED, VisionBlock: costs.VISION_BLO
                     LMHead: costs.LM_HEAD}
 _CROP_VISION = ImageLayout(spliced=True, vision=CropVision, text=c.TextConfig)
 
+# Phi's parallel block: the fused qkv split per part (q heads, kv heads: each part's 1/TP, so TP divides the kv heads),
+# proj and fc2 by row (two all-reduces, one per branch), fc1 by column; the vocab ends split; SigLIP tower, projector
+# and norms replicated, as LLaVA's (moondream2: the 0.4 B tower of 1.9 B, on fixed 378-px crops)
+MOONDREAM_TP_PLAN = {
+    DecoderBlock: {"attn.qkv": Fused(("q_dim", "kv_dim", "kv_dim")), "attn.proj": "row", "mlp.fc1": "column",
+                   "mlp.fc2": "row", **{f"attn.{n}": "heads" for n in ("n_heads", "n_kv_heads", "q_dim", "kv_dim")}},
+    TextEmbed: {"wte": "vocab"}, LMHead: {"linear": "vocab"},
+    SIZES: lambda cfg: (("KV heads (text.n_kv_heads) of its fused qkv", cfg.text.kv_heads),),
+}
 MOONDREAM = register(Family(
     "moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS, _CROP_VISION, SPLICED,
     checks=moondream_checks, fields=_moondream_fields,
-    hf=HfSide("moondream")))  # moondream's one safetensors file (mmpipe.hf.moondream), its region head beside
+    hf=HfSide("moondream"),  # moondream's one safetensors file (mmpipe.hf.moondream), its region head beside
+    tp_plan=MOONDREAM_TP_PLAN))
 CROSS_ATTENTION = register(Family(
     "moondream", "cross_attention", cross_attention_specs, (VisionBlock, DecoderBlock, CrossAttnBlock),
     {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK},

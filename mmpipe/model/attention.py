@@ -358,7 +358,7 @@ class FusedAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads or n_heads, dim // n_heads
-        self.kv_dim = self.n_kv_heads * self.head_dim
+        self.q_dim, self.kv_dim = dim, self.n_kv_heads * self.head_dim  # q_dim: a TP plan's Fused widths
         self.qkv = nn.Linear(dim, dim + 2 * self.kv_dim)
         self.proj = nn.Linear(dim, dim)
 
