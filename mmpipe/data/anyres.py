@@ -32,8 +32,23 @@ from ..model.llava_next import image_crops
 from .records import BadRecord
 
 
+class SampleCrops:
+    """A crop rule's check of a whole sample (TileRule, mmpipe.data.internvl.InternTileRule): its images' grids, and
+    too_many_tiles when together their crops (`crops`, named `crop_kinds`) exceed the row's T (`row_tiles`)."""
+    crop_kinds = "base crops + tiles"
+
+    def sample_grids(self, sizes: list[tuple[int, int]]) -> np.ndarray:
+        """int64 [n, 5]: the grids of a sample's (width, height) images."""
+        grids = [self.grid(w, h, len(sizes)) for w, h in sizes]
+        crops = sum(self.crops(g) for g in grids)
+        if crops > self.row_tiles:
+            raise BadRecord("too_many_tiles", f"{len(sizes)} images make {crops} crops ({self.crop_kinds}) > the "
+                                              f"row's {self.row_tiles} (--max-tiles)")
+        return np.array(grids, dtype=np.int64).reshape(-1, 5)
+
+
 @dataclass(frozen=True)
-class TileRule:
+class TileRule(SampleCrops):
     """The image processor's settings for one run: everything a tiling, a crop or a count depends on."""
     size: int           # S, the tower's crop (vision.image_size)
     patch: int
@@ -85,16 +100,6 @@ class TileRule:
                   "pixel_values": torch.empty(1, 1, self.channels, self.size, self.size, device="meta")}
         counter = _counter(self)
         return len(counter.replace_image_token(inputs, 0)) // len(counter.image_token)
-
-    def sample_grids(self, sizes: list[tuple[int, int]]) -> np.ndarray:
-        """int64 [n, 5]: the grids of a sample's (width, height) images; too_many_tiles when together their crops
-        exceed the row's T."""
-        grids = [self.grid(w, h, len(sizes)) for w, h in sizes]
-        crops = sum(self.crops(g) for g in grids)
-        if crops > self.row_tiles:
-            raise BadRecord("too_many_tiles", f"{len(sizes)} images make {crops} crops (base crops + tiles) > the "
-                                              f"row's {self.row_tiles} (--max-tiles)")
-        return np.array(grids, dtype=np.int64).reshape(-1, 5)
 
     @staticmethod
     def crops(grid) -> int:

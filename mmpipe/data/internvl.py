@@ -23,14 +23,16 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from .anyres import SampleCrops
 from .blocks import TileBlocks
 from .image_kinds import Tiles
 from .records import BadRecord
 
 
 @dataclass(frozen=True)
-class InternTileRule:
+class InternTileRule(SampleCrops):
     """The image processor's settings for one run: everything a tiling, a crop or a count depends on."""
+    crop_kinds = "tiles + thumbnails"
     size: int         # S, a tile's side (vision.image_size, 448)
     channels: int
     min_tiles: int
@@ -77,16 +79,6 @@ class InternTileRule:
         """Decoder positions of one image: the processor's crops (get_number_of_image_patches) x 256 + <img> and
         </img> (InternVLProcessor.replace_image_token)."""
         return hf_image_processor(self).get_number_of_image_patches(height, width, {}) * self.per_crop + 2
-
-    def sample_grids(self, sizes: list[tuple[int, int]]) -> np.ndarray:
-        """int64 [n, 5]: the grids of a sample's (width, height) images; too_many_tiles when together their crops
-        exceed the row's T."""
-        grids = [self.grid(w, h, len(sizes)) for w, h in sizes]
-        crops = sum(self.crops(g) for g in grids)
-        if crops > self.row_tiles:
-            raise BadRecord("too_many_tiles", f"{len(sizes)} images make {crops} crops (tiles + thumbnails) > the "
-                                              f"row's {self.row_tiles} (--max-tiles)")
-        return np.array(grids, dtype=np.int64).reshape(-1, 5)
 
     @staticmethod
     def crops(grid) -> int:
