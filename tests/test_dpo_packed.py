@@ -1,7 +1,7 @@
 """--objective dpo with --pack (issue 56): a pair's chosen and rejected samples sit in rows 2i / 2i + 1 of one
 micro-batch (the same pairs in the same segment order), balanced rows keep them together, each sample's log-prob is
 the sum over its own tokens (held apart from its row-mates), the precomputed reference equals the live one, and the
-packed PP=2 run equals the single-device loop."""
+packed PP=2 run (under --schedule zb-h1) equals the single-device loop."""
 from __future__ import annotations
 
 import json
@@ -27,8 +27,8 @@ from test_dpo import _recorded
 
 TOL = 1e-5
 STEPS = 4
-# The precomputed test's AdamW eps. Its file's reference log-probs come from one-sample rows, the live copy's from packed
-# rows: the same sums in another order, ~1e-6 apart on a log-prob of ~-20, so each pair's sigmoid weight
+# The precomputed test's AdamW eps. Its file's reference log-probs come from one-sample rows, the live copy's from
+# packed rows: the same sums in another order, ~1e-6 apart on a log-prob of ~-20, so each pair's sigmoid weight
 # sigma(-beta z) differs by ~beta x 1e-6 / 4 = 2.5e-8. An element whose gradient is the near-cancelling sum of the
 # pairs' terms (~1e-1 each) then differs by ~1e-9, and Adam's update lr g / (|g| + eps) moves it by up to
 # lr x 1e-9 / eps: at eps 1e-8 0.01 x 0.1 = 1e-3 (measured 5.7e-5, 6.mlp.up_proj), at 1e-5 1e-6 (measured 9.7e-7;
@@ -154,11 +154,15 @@ def test_precomputed_equals_live_packed(pairs, tmp_path):
 
 
 def test_packed_pipeline_equals_single_device(pairs, ds_config, tmp_path):
-    """PP=2 with packed pairs (the live reference's pass through both stages, balanced rows) == the single-device
-    loop: losses, every step's four rewards and the weights within 1e-5, fp32; every trained tensor moved."""
+    """PP=2 with packed pairs (the live reference's pass through both stages, balanced rows) under --schedule zb-h1
+    (its split backward; the reference pass is DeepSpeed's inference schedule whatever trains; DeepSpeed's own 1F1B
+    is tests/test_dpo.py's launch) == the single-device loop: losses, every step's four rewards and the weights
+    within 1e-5, fp32; every trained tensor moved."""
     run, seen = _recorded(_run(pairs, ds_config, tmp_path))
     model, losses = train_reference(run, seed=3, steps=STEPS, out_dir=str(tmp_path))
-    pp2 = train_run(tmp_path / "pp2", *_args(pairs, ds_config, tmp_path / "pp2", "--stages", "2")).check()
+    pp2 = train_run(tmp_path / "pp2", *_args(pairs, ds_config, tmp_path / "pp2", "--stages", "2", "--schedule",
+                                             "zb-h1")).check()
+    assert "mmpipe: schedule zb-h1:" in pp2.proc.stdout
     assert pp2.losses[1] == pytest.approx(math.log(2), abs=TOL)  # step 1: the policy is the reference
     assert [pp2.losses[s] for s in range(1, STEPS + 1)] == pytest.approx(losses, abs=TOL)
     for step, row in enumerate(pp2.rows, start=1):  # the engine's mean over the step's GAS micro-batches
