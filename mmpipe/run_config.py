@@ -429,8 +429,9 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
 
 def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) -> None:
     """--sp N (docs/sequence_parallel.md): N >= 1; above 1 only for a family whose decoder this slice splits (LLaVA,
-    Qwen2-VL / Qwen2.5-VL), N dividing the attention heads and KV heads (each rank attends with H/N of them after the
-    all-to-all) and the row's decoder positions (each rank holds L/N), and only where it was checked: not with --tp
+    Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
+    and value heads: each rank runs H/N of them after the all-to-all) and the row's decoder positions (each rank holds
+    L/N), and only where it was checked: not with --tp
     (both take the grid's model axis), fp32 at ZeRO 0, 1F1B, the SFT objective, no MoE, LoRA, checkpointing,
     validation or resume."""
     from .model.sequence_parallel import FAMILIES, WHY_NOT
@@ -447,6 +448,8 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
     t = model.text
     length = data and row_shape(model, data.max_images, data.text_len, data.vision_budget).length
     for what, n in (("attention heads (text.n_heads)", t.n_heads), ("KV heads (text.n_kv_heads)", t.kv_heads),
+                    ("Gated DeltaNet key heads", getattr(t, "linear_key_heads", 0)),
+                    ("Gated DeltaNet value heads", getattr(t, "linear_value_heads", 0)),
                     ("decoder positions per row (--text-len + the image tokens)", length)):
         if n and n % sp:
             problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")

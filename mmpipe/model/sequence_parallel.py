@@ -17,25 +17,36 @@ are rotated before the all-to-all, on the slice.
 on): the decoder embedding's output hidden is narrowed to the rank's slice (the embedding, and a replicated vision
 tower before it, run whole on every SP rank: each rank's gradient is its positions' share), and each decoder block's
 `geometry` returns its mask wrapped in `UlyssesMask` (attention.attend hands a Split-typed mask the q, k, v) and its
-rotary sliced. The loss (`sp_loss`) takes its slice of the labels and LossNorm weights, and the total over SP is
-its value (all-reduced forward, identity backward: each rank backpropagates its own positions' share, the all-to-all's
-backward carrying each position's share of the other ranks' keys and values back to it). Every trained parameter's
-gradient is then summed over the SP group (`sum_gradients_over`): each rank saw 1/SP of the positions.
+rotary sliced; Qwen3-VL's DeepStack adds place their set on the whole row and keep the slice. The loss (`sp_loss`)
+takes its slice of the labels and LossNorm weights, and the total over SP is its value (all-reduced forward, identity
+backward: each rank backpropagates its own positions' share, the all-to-all's backward carrying each position's share
+of the other ranks' keys and values back to it). Every trained parameter's gradient is then summed over the SP group
+(`sum_gradients_over`): each rank saw 1/SP of the positions.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .attention import Split, attend
 from .llava import LlamaBlock, LlavaEmbed
-from .stage import unpack_out
+from .qwen3_5 import (
+    DeltaNetBlock,
+    GatedDeltaNet,
+    chunk_delta_rule,
+    fla_delta_rule,
+    sample_starts,
+    segment_conv,
+    use_fla,
+)
+from .qwen3_vl import DeepstackAdd
+from .stage import unpack_in, unpack_out
 from .tensor_parallel import Shard, reduce_from_tp
 
-FAMILIES = ("llava", "qwen2_vl")  # whose decoder is embedding, LlamaBlock (QwenBlock), norm, head: checked here
+# whose decoder is embedding, LlamaBlock (QwenBlock, Qwen3Block), DeepStack adds, norm, head: checked here
+FAMILIES = ("llava", "qwen2_vl", "qwen3_vl", "qwen3_5")  # qwen3_5: Gated DeltaNet through the all-to-all too
 WHY_NOT = {  # the families --sp refuses, and what their decoder has that this slice does not split yet
-    "qwen3_vl": "its DeepStack sets are added to the row's positions inside the decoder (not sliced yet)",
-    "qwen3_5": "its Gated DeltaNet recurrence runs along the row (no head-split all-to-all around it yet)",
     "gemma3": "its carried per-layer fields and image blocks are not sliced yet",
     "gemma4": "its per-layer inputs and shared K/V travel whole-row (not sliced yet)",
 }
@@ -97,6 +108,66 @@ def _sliced_embedding(embed: LlavaEmbed, shard: Shard):
     return forward
 
 
+def _sliced_deepstack(add: DeepstackAdd, shard: Shard):
+    """Qwen3-VL's DeepstackAdd<k> on a slice: the set deepstack_k [B, P / merge^2, D] is per image token, whole on
+    every SP rank (the tower is replicated); the layer's own forward places it on a zero row [B, L, D] (its k-th
+    image placeholder of the whole row takes token k), and this rank adds its slice of that (0 + x: exact)."""
+    whole = add.forward
+
+    def forward(args):
+        t = unpack_in(add, args)
+        B, _, D = t.hidden.shape
+        row = t.hidden.new_zeros(B, t.input_ids.shape[1], D)
+        placed = unpack_out(add, whole(t._replace(hidden=row).pack())).hidden
+        return t._replace(hidden=t.hidden + local(placed, shard, 1), **{f"deepstack_{add.index}": None}).pack()
+    return forward
+
+
+def _to_heads(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """[B, L / SP, H, d] (this rank's positions, every head) -> [B, L, H / SP, d] (every position, its heads)."""
+    from deepspeed.sequence.layer import _SeqAllToAll
+    return _SeqAllToAll.apply(shard.group, x, 2, 1, 0)
+
+
+def _to_positions(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """_to_heads' inverse: [B, L, H / SP, d] -> [B, L / SP, H, d]."""
+    from deepspeed.sequence.layer import _SeqAllToAll
+    return _SeqAllToAll.apply(shard.group, x, 1, 2, 0)
+
+
+def _deltanet_forward(net: GatedDeltaNet, shard: Shard):
+    """Qwen3.5's Gated DeltaNet on a slice (GatedDeltaNet.forward with two all-to-alls, training only): the per-position
+    projections run on this rank's positions; q / k / v (channels head-major), beta and the log decay g go through the
+    all-to-all to [B, L, heads / SP, ..], where the depthwise conv (one channel at a time: this rank's channels of its
+    weight, the taps masked to each sample as on one device) and the delta rule (per value head, restarting at every
+    sample of the whole row) run unchanged on this rank's key heads r x Hk/SP .. and the value heads they serve,
+    r x Hv/SP .. (as TP's split); the output comes back to [B, L / SP, Hv, dv] for the gated norm and out_proj."""
+    def forward(x, segments, cache=None):
+        if cache is not None or segments is None:
+            raise RuntimeError("sequence parallelism: cached generation does not run under --sp")
+        B, T, _ = x.shape
+        hk, hv, dk, dv, n = net.hk // shard.size, net.hv // shard.size, net.dk, net.dv, shard.size
+        q, k, v = net.in_proj_qkv(x).split([net.key_dim, net.key_dim, net.value_dim], -1)
+        q, k = (_to_heads(a.reshape(B, T, net.hk, dk), shard) for a in (q, k))
+        v = _to_heads(v.reshape(B, T, net.hv, dv), shard)
+        L = q.shape[1]
+        weight = torch.cat([w.chunk(n)[shard.rank] for w in net.conv1d.weight.split([net.key_dim, net.key_dim,
+                                                                                     net.value_dim])])
+        qkv = segment_conv(torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1), weight, segments)
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], -1)
+        q, k = (net._l2(a.reshape(B, L, hk, dk)).repeat_interleave(hv // hk, 2) for a in (q, k))
+        q = q * dk ** -0.5
+        beta = _to_heads(net.in_proj_b(x).sigmoid()[..., None], shard)[..., 0]
+        g = -net.A_log.float().exp() * F.softplus(net.in_proj_a(x).float() + net.dt_bias)
+        g = _to_heads(g[..., None], shard)[..., 0]
+        v, starts = v.reshape(B, L, hv, dv), sample_starts(segments)
+        o = fla_delta_rule(q, k, v, g, beta, starts) if use_fla(x) else chunk_delta_rule(q, k, v, g, beta, starts)[0]
+        o = _to_positions(o.contiguous(), shard)  # [B, T, Hv, dv]
+        z = net.in_proj_z(x).view(B, T, net.hv, dv)
+        return net.out_proj(net.norm(o, z).reshape(B, T, -1))
+    return forward
+
+
 def parallelize_sequence(layers, shard: Shard) -> None:
     """The stage's layers (and tied modules) under SP, in place (module docstring): the decoder embedding keeps its
     slice of the row, each decoder block attends through the all-to-all. A layer seen twice (a tied module) once."""
@@ -107,8 +178,12 @@ def parallelize_sequence(layers, shard: Shard) -> None:
         done.add(id(layer))
         if isinstance(layer, LlavaEmbed):
             layer.forward = _sliced_embedding(layer, shard)
-        elif isinstance(layer, LlamaBlock):
+        elif isinstance(layer, DeltaNetBlock):
+            layer.linear_attn.forward = _deltanet_forward(layer.linear_attn, shard)
+        elif isinstance(layer, LlamaBlock):  # GatedAttentionBlock (Qwen3.5's full attention) among them
             layer.geometry = _sliced_geometry(layer, shard)
+        elif isinstance(layer, DeepstackAdd):
+            layer.forward = _sliced_deepstack(layer, shard)
 
 
 def sp_loss(loss_fn, shard: Shard):
