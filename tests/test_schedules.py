@@ -1,7 +1,7 @@
 """--schedule zb-h1 (mmpipe.runtime.schedule): the order is deadlock-free, bounded in memory and shorter
-than 1F1B's; in real runs it gives the single-device reference's losses and weights (fp32, 1e-5) at PP=2
-(chosen in the DeepSpeed JSON, with activation checkpointing), at PP=4 with --freeze vision, and at DP=2
-(against one replica accumulating twice); the reference is what 1F1B is tested equal to in
+than 1F1B's; in real runs it gives the single-device reference's losses and weights (fp32, 1e-5) at PP=2 x
+DP=2 (chosen in the DeepSpeed JSON, with activation checkpointing; against one replica accumulating twice) and
+at PP=4 with --freeze vision; the reference is what 1F1B is tested equal to in
 tests/test_pipeline_equivalence.py (and, two replicas as one at twice the GAS, in tests/test_packing.py),
 computed here in-process instead of a second launch; with bf16 / fp16 + ZeRO-1, which the fp32 reference
 loop does not cover, it gives 1F1B's; a bad value is refused."""
@@ -200,15 +200,6 @@ def _assert_same(runs, tol=TOL, weight_tol=TOL, half=False):
     return sa, sb
 
 
-def test_pp2_schedule_from_the_json_with_activation_checkpointing_equal(tmp_path_factory, cfg, tmp_path):
-    """pipeline.schedule picks zb-h1 (no flag), and activation_checkpoint_interval recomputes each
-    layer's forward inside the split backward; PP=2 without checkpointing: test_pp2_dp2_equal."""
-    zb = json.loads(cfg.read_text())
-    zb["pipeline"].update(schedule="zb-h1", activation_checkpoint_interval=1)
-    (tmp_path / "zb.json").write_text(json.dumps(zb))
-    _assert_equals_reference(tmp_path_factory, "pp2", cfg, "--stages", "2", zb_cfg=tmp_path / "zb.json")
-
-
 def test_pp2_bf16_zero1_equal(tmp_path_factory, tmp_path):
     bf = write_ds_config(tmp_path / "bf.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4,
                          bf16={"enabled": True}, zero_optimization={"stage": 1}, scheduler=SCHED)
@@ -234,15 +225,21 @@ def test_pp4_freeze_vision_equal(tmp_path_factory, cfg):
     assert_vision_frozen(zb, seed=3)  # the tower bit-identical, the projector trained
 
 
-def test_pp2_dp2_equal(tmp_path_factory, cfg, tmp_path):
-    """Two replicas at GAS 4 train on the same samples per step as one at GAS 8 (micro-batch m of
-    replica d is the slice m x 2 + d), so the reference at GAS 8 is the DP=2 run's."""
+def test_pp2_dp2_schedule_from_the_json_with_activation_checkpointing_equal(tmp_path_factory, cfg, tmp_path):
+    """One launch, three guarantees: pipeline.schedule in the DeepSpeed JSON picks zb-h1 (no flag);
+    activation_checkpoint_interval recomputes each layer's forward inside the split backward; and two
+    replicas at GAS 4 train on the same samples per step as one at GAS 8 (micro-batch m of replica d is
+    the slice m x 2 + d), so the reference at GAS 8 is the DP=2 run's. zb-h1 without checkpointing, fp32:
+    test_pp4_freeze_vision_equal (and, at PP=2, test_pp2_bf16_zero1_equal's bf16 pair)."""
+    zb = json.loads(cfg.read_text())
+    zb["pipeline"].update(schedule="zb-h1", activation_checkpoint_interval=1)
+    (tmp_path / "zb.json").write_text(json.dumps(zb))
     gas8 = json.loads(cfg.read_text())
     gas8["gradient_accumulation_steps"] *= 2
     (tmp_path / "gas8.json").write_text(json.dumps(gas8))
-    zb = _assert_equals_reference(tmp_path_factory, "dp2", cfg, "--stages", "2", "--dp", "2",
-                                  ref_cfg=tmp_path / "gas8.json")
-    assert zb.summary["dp"] == 2
+    run = _assert_equals_reference(tmp_path_factory, "dp2", cfg, "--stages", "2", "--dp", "2",
+                                   zb_cfg=tmp_path / "zb.json", ref_cfg=tmp_path / "gas8.json")
+    assert run.summary["dp"] == 2
 
 
 def test_bad_schedule_refused(tmp_path, capsys, cfg):
