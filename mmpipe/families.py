@@ -129,7 +129,18 @@ from .model.qwen3_vl import (
 )
 from .model.stage import ROW, StageField
 from .model.tensor_parallel import SIZES, Fused
-from .model.tp_plans import DECODER, QK_NORMS, QWEN2_VL_TP_PLAN, QWEN3_5_TP_PLAN, QWEN3_VL_TP_PLAN, VOCAB_ENDS
+from .model.tp_plans import (
+    ATTENTION,
+    DECODER,
+    MOE_MLP,
+    MOE_VOCAB_ENDS,
+    QK_NORMS,
+    QWEN2_VL_TP_PLAN,
+    QWEN3_5_TP_PLAN,
+    QWEN3_VL_TP_PLAN,
+    VOCAB_ENDS,
+    moe_sizes,
+)
 from .registry import Family, HfSide, ImageLayout, register
 
 # the integer tensor of each image slot's layout (mmpipe.model.stage): moondream multi-crop's tiling (rows, cols),
@@ -284,7 +295,9 @@ INTERNVL = register(Family(
     # the decoder as Qwen3-VL's (q / k norms per head, summed over TP); InternViT replicated, as LLaVA's tower: it runs
     # on fixed 448-px tiles (the 300M of 1B-30B; the 6B of 38B / 241B would want its own split: its q / k norms span
     # the whole width, a collective per block)
-    tp_plan={InternBlock: {**DECODER, **QK_NORMS}, InternEmbed: {"embed_tokens": "vocab"}, **VOCAB_ENDS}))
+    # its MoE decoder (InternVL3.5-30B-A3B / 241B-A28B: Qwen3-MoE's) is moe.PreNormMoeBlock, split as Qwen3-VL-MoE's
+    tp_plan={InternBlock: {**DECODER, **QK_NORMS}, InternMoeBlock: {**ATTENTION, **QK_NORMS, **MOE_MLP},
+             InternEmbed: {"embed_tokens": "vocab"}, **VOCAB_ENDS, **MOE_VOCAB_ENDS, SIZES: moe_sizes}))
 
 # Gemma 3 (mmpipe.model.gemma3): LLaVA's SigLIP tower, placeholders bracketed by <start_of_image> / <end_of_image> and
 # read by transformers' Gemma3ImageProcessor (mmpipe.data.gemma3), a pooled projector, a decoder of sliding and global

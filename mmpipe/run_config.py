@@ -392,8 +392,9 @@ def _grad_accum_dtype(ds: dict) -> str:
 def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     """--tp N (docs/tensor_parallel.md): N >= 1; above 1 only for a family with a tensor-parallel plan whose text
     sizes N divides (heads and KV heads whole on a rank, or kv heads a divisor of N; equal vocabulary and FFN
-    slices), and, in this first slice, only where it was checked: fp32 at ZeRO 0, 1F1B, no activation
-    checkpointing, EP, LoRA, init-from or validation."""
+    slices; an MoE model's expert FFN widths, the plan's SIZES), and, in this first slice, only where it was checked:
+    fp32 at ZeRO 0 (so --ep takes its fp32 path), 1F1B, no activation checkpointing, LoRA, init-from or
+    validation."""
     tp, (zero_stage, precision, schedule, pipe_cfg) = args.tp, setup
     if tp < 1:
         problems.append(f"--tp: {tp} must be >= 1")
@@ -405,8 +406,6 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
                         f"(mmpipe.registry.Family.tp_plan; {have} have one)")
         return
     t = model.text
-    if family_of(model).experts(model) is not None:
-        problems.append(f"--tp: {tp} on {model.name}: its MoE blocks have no tensor-parallel plan yet")
     for what, n in (("attention heads (text.n_heads)", t.n_heads), ("vocabulary (text.vocab_size)", t.vocab_size),
                     ("FFN width (text.ff_dim)", t.ff_dim), *tp_sizes(model, family_of(model).tp_plan)):
         if n % tp:
@@ -415,7 +414,7 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         problems.append(f"--tp: {tp} does not divide {model.name}'s {t.kv_heads} KV heads (text.n_kv_heads) and is "
                         f"not a multiple of them")
     unchecked = [name for name, on in (
-        ("--ep", args.ep > 1), ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
+        ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
         (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage != 0),
         (f"schedule {schedule}", schedule.name != BASELINE.name),

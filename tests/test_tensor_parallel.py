@@ -351,10 +351,11 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
     for what in ("2 vision attention heads", "2 Gated DeltaNet key heads"):
         assert any(f"--tp: 4 does not divide qwen3.5-tiny's {what}" in line for line in err), err
     model = load_preset("qwen3-vl-tiny").to_dict()
-    model["text"].update(tie_embeddings=False, moe={"experts": 4, "top_k": 2, "ff_dim": 32})
-    (tmp_path / "moe.json").write_text(json.dumps(model))
+    model["text"].update(tie_embeddings=False, moe={"experts": 4, "top_k": 2, "ff_dim": 33, "shared_ff_dim": 5})
+    (tmp_path / "moe.json").write_text(json.dumps(model))  # each expert's FFN splits over TP (mmpipe.model.tp_plans)
     err = refused(["--preset", str(tmp_path / "moe.json"), "--tp", "2", "--steps", "1"], capsys)
-    assert any("its MoE blocks have no tensor-parallel plan yet" in line for line in err), err
+    for what in ("33 expert FFN width (text.moe.ff_dim)", "5 shared expert FFN width (text.moe.shared_ff_dim)"):
+        assert any(f"--tp: 2 does not divide moe's {what}" in line for line in err), err
     err = refused(["--preset", "gemma3-tiny", "--tp", "2", "--steps", "1"], capsys)
     assert any("--tp: 2 on gemma3-tiny: the gemma3 family has no tensor-parallel plan" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--tp", "2", "--lora", "4", "--steps", "1"], capsys)

@@ -103,8 +103,11 @@ class Experts(nn.Module):
             raise ValueError(f"{self.experts} experts do not split over {n} expert-parallel ranks")
         per = self.experts // n
         with torch.no_grad():
-            self.gate_up_proj = nn.Parameter(self.gate_up_proj[r * per:(r + 1) * per].clone())
-            self.down_proj = nn.Parameter(self.down_proj[r * per:(r + 1) * per].clone())
+            for name in ("gate_up_proj", "down_proj"):
+                whole = getattr(self, name)
+                kept = nn.Parameter(whole[r * per:(r + 1) * per].clone())
+                kept.__dict__.update(whole.__dict__)  # a --tp split's mark (tp_split: the norm counts it per TP rank)
+                setattr(self, name, kept)
         self.ep = (group, n)
         self.register_load_state_dict_pre_hook(Experts._own_slice)
 
@@ -309,7 +312,7 @@ def head_aux(head) -> torch.Tensor:
     """The last micro-batch's weighted aux loss kept by a stage's last layer: MoeHead, or DeepSpeed's
     partial(TiedMoeHead, embedding) (the reference's TiedCall holds the same object as forward_fn)."""
     fn = head.func if isinstance(head, functools.partial) else head.__dict__.get("forward_fn", head)
-    return fn.last_aux
+    return getattr(fn, "__wrapped__", fn).last_aux  # under --tp the partial's func wraps it (tensor_parallel._tp_head)
 
 
 def split_aux(out) -> tuple[torch.Tensor, torch.Tensor | None]:

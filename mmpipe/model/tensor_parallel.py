@@ -40,6 +40,8 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
                 per group) keeps its channels' slice; its channels and groups become this rank's
     {cls: ..}   a nested plan: the submodule is split by the entries of its own class (a block whose MLP is SwiGLU
                 or fc1 / fc2 by config), names relative to it
+    Own(..)     a module that is none of the above (an MoE block's fused 3-D experts): the mark's split(module, shard)
+                keeps its slices and gives it its forward, its dims(module) says what split_dims reports for it
 
 A mark column on an nn.Parameter (not a module: Gated DeltaNet's per-value-head dt_bias, A_log [Hv]) keeps its
 rows r*n/TP ..: per-head values of the heads this rank holds. A plan's SIZES key (not a class) is a function
@@ -76,6 +78,14 @@ class Fused:
         if isinstance(self.parts, int):
             return [n // self.parts] * self.parts
         return [getattr(owner, a) for a in self.parts]
+
+
+@dataclass(frozen=True)
+class Own:
+    """The mark of a module the plan's own function splits (module docstring): split(module, shard) in place;
+    dims(module) -> {parameter name: dim, or (dim, whole part widths)} of the whole module, as split_dims gives."""
+    split: object
+    dims: object
 
 
 @dataclass(frozen=True)
@@ -267,6 +277,8 @@ def _target(layer: nn.Module, name: str):
 def _split(layer: nn.Module, items: dict, name: str, mark, shard: Shard, kind: str) -> None:
     """Split the module or the parameter `name` of a layer (not a head count)."""
     (owner, attr), target = _target(layer, name), _get(layer, name)
+    if isinstance(mark, Own):
+        return mark.split(target, shard)
     sizes = mark.sizes(owner, target.weight.shape[0]) if isinstance(mark, Fused) else None
     if isinstance(target, nn.Parameter):
         if mark != COLUMN:
@@ -281,8 +293,9 @@ def _resolve(layer: nn.Module, plan: dict) -> dict:
     kind = type(layer).__name__
     items = _entries(layer, plan[type(layer)], kind)
     for name, mark in items.items():
-        if not isinstance(mark, Fused) and mark not in MARKS:
-            raise ValueError(f"tensor-parallel plan of {kind}: {name}: {mark!r} is not one of {MARKS} or a Fused")
+        if not isinstance(mark, (Fused, Own)) and mark not in MARKS:
+            raise ValueError(f"tensor-parallel plan of {kind}: {name}: {mark!r} is not one of {MARKS}, a Fused or "
+                             f"an Own")
         if mark not in (HEADS, KV_HEADS) and _get(layer, name) is None:
             raise ValueError(f"tensor-parallel plan of {kind}: it has no submodule or parameter {name!r}")
     return items
@@ -293,7 +306,8 @@ def parallelize(layer, plan: dict, shard: Shard):
     itself), keeping this rank's slice of each split weight, and return it; a tied head's forward_fn (a
     function, or DeepSpeed's functools.partial of it on the tied module) comes back wrapped so that its first
     input enters the TP region. A layer whose class the plan does not name is returned untouched (replicated)."""
-    if isinstance(layer, functools.partial) and layer.func in plan:  # DeepSpeed's tied forward_fn on its module
+    # DeepSpeed's tied forward_fn on its module: a function, or an instance of a class the plan names (TiedMoeHead)
+    if isinstance(layer, functools.partial) and (layer.func in plan or type(layer.func) in plan):
         return functools.partial(_tp_head(layer.func, shard), *layer.args, **layer.keywords)
     if not isinstance(layer, nn.Module) or type(layer) not in plan:
         return layer
@@ -335,6 +349,9 @@ def split_dims(layer: nn.Module, plan: dict, tp: int) -> dict:
             dims[name] = 0
             continue
         prefix = f"{name}." if name else ""
+        if isinstance(mark, Own):
+            dims.update({prefix + k: d for k, d in mark.dims(target).items()})
+            continue
         sizes = mark.sizes(owner, target.weight.shape[0]) if isinstance(mark, Fused) else None
         if mark == ROW:
             dims[prefix + "weight"] = 1

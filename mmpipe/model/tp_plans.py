@@ -25,15 +25,62 @@ the short convolution (one filter per channel) and the gated norm (per head) nee
 layers split as the decoder's with their output gate: q_proj's rows are [H, 2, Dh] (each head's q then its gate),
 so its contiguous 1/TP is H / TP heads with their gates.
 
-The MoE variants (Qwen3-VL-MoE, Qwen3.5-MoE) have no plan here yet: --tp refuses them (mmpipe.run_config).
+The MoE variants (Qwen3-VL-MoE's Qwen3MoeBlock, Qwen3.5-MoE's DeltaNetMoeBlock / GatedAttentionMoeBlock) split
+their attention as the dense blocks do, and their sparse MLP (mmpipe.model.moe.SparseMoe) thus:
+
+    mlp.gate (the router) [E, D]            replicated: every TP rank routes every token, the same top k
+    mlp.experts.gate_up_proj [E, 2F, D]     each expert column-split: this rank's F / TP rows of its gate and of its up
+    mlp.experts.down_proj [E, D, F]         each expert row-split: this rank's F / TP columns
+    mlp.shared_expert (Qwen3.5-MoE)         gate / up column, down row, as a dense MLP; its sigmoid gate [1, D] whole
+
+Megatron's expert tensor parallelism, picked over the experts whole on a TP rank (rank t keeping E / TP of them,
+also exact, the same one all-reduce of [N, D] a layer) because the work a rank does then does not depend on where
+the router sends the tokens: every (token, choice) pair costs 2 D 2F + 2 F D = 6 D F multiply-adds, 6 D F / TP on
+each rank for every pair, where with whole experts a rank does 6 D F for each pair routed to its E / TP experts,
+anywhere from none to all of them (Qwen3-VL-30B-A3B: D 2048, F 768, top 8: 75 MFLOP a token, 38 per rank at TP 2
+either way on average). And --ep keeps its meaning unchanged: it splits each expert's slices along E over the data
+ranks of one TP coordinate (mmpipe.runtime.experts), so an EP group of TP rank t exchanges the tokens it routes with
+the other ranks of TP rank t, which hold the same F / TP slice of their experts.
+
+The forward (_experts_forward): the experts' output is each rank's partial sum (its F / TP of every expert's down
+projection), weighted by the router's top-k weights, added per token, then all-reduced over TP once ([N, D], as
+a dense MLP's down row). The router's weights w multiply those partial outputs, so each rank's gradient of w from
+them is its slice's share: w enters the TP region through copy_to_tp (identity forward, gradient all-reduced), so
+dL/dw = sum over TP of g . y_r = g . y on every rank, and so is the router's, and its input's. Summing the router
+weight's gradient over TP instead (the `summed` mark) would be wrong twice: the load-balancing loss's gradient
+reaches the router through the probabilities, whole and equal on every TP rank (each rank computes the same loss),
+which the sum would count TP times; and the input's gradient through the router would stay each rank's share. So
+the aux loss is counted once: each TP rank computes it whole from the replicated router, nothing sums it.
+The MoE heads take the vocabulary split of VOCAB_ENDS: MoeHead's lm_head by vocabulary, TiedMoeHead (a tied head's
+forward_fn object) entering the TP region and reading the embedding's vocab slice; the aux term is whole on each.
 """
 from __future__ import annotations
 
+import types
+
 from .llava import LMHeadLinear, SwiGLU, TowerMLP, tied_head
+from .moe import Experts, MoeHead, Qwen3MoeBlock, SparseMoe, TiedMoeHead
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenVisionBlock
-from .qwen3_5 import DeltaNetBlock, GatedAttentionBlock
+from .qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock, GatedAttentionMoeBlock
 from .qwen3_vl import DEEPSTACK_MERGERS, Qwen3Block, Qwen3Embed, Qwen3Merger, Qwen3VisionBlock
-from .tensor_parallel import COLUMN, HEADS, KV, KV_HEADS, ROW, SIZES, SUMMED, VOCAB, Fused
+from .tensor_parallel import (
+    COLUMN,
+    HEADS,
+    KV,
+    KV_HEADS,
+    ROW,
+    SIZES,
+    SUMMED,
+    VOCAB,
+    Fused,
+    Own,
+    Shard,
+    _keep,
+    copy_to_tp,
+    parallelize,
+    reduce_from_tp,
+    split_dims,
+)
 
 ATTENTION = {"self_attn.q_proj": COLUMN, "self_attn.k_proj": KV, "self_attn.v_proj": KV, "self_attn.o_proj": ROW,
              "self_attn.n_heads": HEADS, "self_attn.kv_heads": KV_HEADS}
@@ -42,6 +89,7 @@ DECODER = {**ATTENTION, **MLP}  # LLaVA's LlamaBlock split
 # Qwen3's and Qwen3.5's q / k norms, over each head's width: whole on each rank, their gradients summed over TP
 QK_NORMS = {"self_attn.q_norm": SUMMED, "self_attn.k_norm": SUMMED}
 VOCAB_ENDS = {LMHeadLinear: {"lm_head": VOCAB}, tied_head: {"": VOCAB}}
+MOE_VOCAB_ENDS = {MoeHead: {"lm_head": VOCAB}, TiedMoeHead: {"": VOCAB}}  # (logits, aux): the aux whole on each rank
 # a tower block's fused attention: [q | k | v] each split by heads, proj by row
 TOWER_ATTENTION = {"attn.qkv": Fused(3), "attn.proj": ROW,
                    **{f"attn.{n}": HEADS for n in ("n_heads", "n_kv_heads", "kv_dim")}}
@@ -54,10 +102,50 @@ def _tower_sizes(cfg) -> tuple:
             ("merger width (vision.dim x merge_size^2)", v.dim * v.merge_size ** 2))
 
 
+def _experts_forward(self, x, idx, weights):
+    """Experts.forward on this rank's F / TP of every expert (module docstring): x and the router's weights enter the
+    TP region (their gradients all-reduced), the weighted partial outputs leave it (all-reduced once)."""
+    y = Experts.forward(self, copy_to_tp(x, self.tp_shard), idx, copy_to_tp(weights, self.tp_shard))
+    return reduce_from_tp(y, self.tp_shard)
+
+
+def _split_experts(experts: Experts, shard: Shard) -> None:
+    """Each expert's gate | up rows [2F] as two parts (this rank's F / TP of each) and its down columns [F]."""
+    ff = experts.down_proj.shape[2]
+    _keep(experts, "gate_up_proj", 1, shard, [ff, ff])
+    _keep(experts, "down_proj", 2, shard)
+    experts.tp_shard = shard
+    experts.forward = types.MethodType(_experts_forward, experts)
+
+
+EXPERTS = Own(_split_experts, lambda e: {"gate_up_proj": (1, (e.down_proj.shape[2],) * 2), "down_proj": 2})
+
+
+def _moe_entries(mlp: SparseMoe) -> dict:
+    """The sparse MLP's split: the router replicated (not named), the experts, the shared expert where it has one."""
+    shared = {"shared_expert.gate_proj": COLUMN, "shared_expert.up_proj": COLUMN, "shared_expert.down_proj": ROW}
+    return {"experts": EXPERTS, **(shared if hasattr(mlp, "shared_expert") else {})}
+
+
+# the block's mlp, a SparseMoe with or without a shared expert (one class: a nested plan cannot tell them apart)
+MOE_MLP = {"mlp": Own(lambda m, shard: parallelize(m, {SparseMoe: _moe_entries(m)}, shard),
+                      lambda m: split_dims(m, {SparseMoe: _moe_entries(m)}, 1))}
+
+
+def moe_sizes(cfg) -> tuple:
+    """An MoE model's widths TP must divide (each expert's FFN, the shared expert's), () for a dense one."""
+    m = cfg.text.moe
+    if m is None:
+        return ()
+    return (("expert FFN width (text.moe.ff_dim)", m.ff_dim),) + (
+        (("shared expert FFN width (text.moe.shared_ff_dim)", m.shared_ff_dim),) if m.shared_ff_dim else ())
+
+
 def _hybrid_sizes(cfg) -> tuple:
     t = cfg.text
-    return _tower_sizes(cfg) + (("Gated DeltaNet key heads (text.linear_key_heads)", t.linear_key_heads),
-                                ("Gated DeltaNet value heads (text.linear_value_heads)", t.linear_value_heads))
+    return _tower_sizes(cfg) + moe_sizes(cfg) + (
+        ("Gated DeltaNet key heads (text.linear_key_heads)", t.linear_key_heads),
+        ("Gated DeltaNet value heads (text.linear_value_heads)", t.linear_value_heads))
 
 
 QWEN2_VL_TP_PLAN = {
@@ -78,20 +166,25 @@ QWEN3_VL_TP_PLAN = {
     **QWEN3_TOWER,
     **{merger: PATCH_MERGER for merger in DEEPSTACK_MERGERS},  # DeepstackAdd<k> has no weights
     Qwen3Block: {**DECODER, **QK_NORMS},
+    Qwen3MoeBlock: {**ATTENTION, **QK_NORMS, **MOE_MLP},
     **VOCAB_ENDS,
-    SIZES: _tower_sizes,
+    **MOE_VOCAB_ENDS,
+    SIZES: lambda cfg: _tower_sizes(cfg) + moe_sizes(cfg),
 }
 
 _DELTANET_QKV = Fused(("key_dim", "key_dim", "value_dim"))  # the owner's widths, read before they are divided
+DELTANET = {"linear_attn.in_proj_qkv": _DELTANET_QKV, "linear_attn.conv1d": _DELTANET_QKV,
+            **{f"linear_attn.{n}": COLUMN for n in ("in_proj_z", "in_proj_b", "in_proj_a", "dt_bias", "A_log")},
+            "linear_attn.out_proj": ROW, "linear_attn.norm": SUMMED,
+            **{f"linear_attn.{n}": HEADS for n in ("hk", "hv", "key_dim", "value_dim")}}
 QWEN3_5_TP_PLAN = {
     **QWEN3_TOWER,
-    DeltaNetBlock: {"linear_attn.in_proj_qkv": _DELTANET_QKV, "linear_attn.conv1d": _DELTANET_QKV,
-                    **{f"linear_attn.{n}": COLUMN for n in ("in_proj_z", "in_proj_b", "in_proj_a", "dt_bias",
-                                                            "A_log")},
-                    "linear_attn.out_proj": ROW, "linear_attn.norm": SUMMED,
-                    **{f"linear_attn.{n}": HEADS for n in ("hk", "hv", "key_dim", "value_dim")}, **MLP},
+    DeltaNetBlock: {**DELTANET, **MLP},
+    DeltaNetMoeBlock: {**DELTANET, **MOE_MLP},
     # q_proj [H, 2, Dh]: a contiguous 1/TP is H / TP heads with their gates
     GatedAttentionBlock: {**DECODER, **QK_NORMS},
+    GatedAttentionMoeBlock: {**ATTENTION, **QK_NORMS, **MOE_MLP},
     **VOCAB_ENDS,
+    **MOE_VOCAB_ENDS,
     SIZES: _hybrid_sizes,
 }

@@ -1,7 +1,10 @@
 """Expert parallelism (`--ep N`, issue 43; docs/moe.md): an MoE model's experts split over groups of N data-parallel
 ranks of each stage, the tokens exchanged by all-to-all (mmpipe.model.moe.Experts.exchange).
 
-Groups, for each stage's DP ranks d = 0 .. DP - 1 (DeepSpeed's topology: rank = stage x DP + d):
+Groups, for each stage's DP ranks d = 0 .. DP - 1 (DeepSpeed's topology: rank = stage x DP + d), and under --tp for
+each TP coordinate t of the stage apart (PipeModelDataParallelTopology: rank = (stage x DP + d) x TP + t; the ranks
+of TP coordinate t hold the same F / TP slice of every expert, mmpipe.model.tp_plans, so EP splits those slices along
+the experts among them exactly as it splits whole experts without TP):
 
     expert-parallel (EP) group      d in {b N, ..., b N + N - 1}, for b = 0 .. DP / N - 1: the ranks that split the
                                     experts (rank i of the group keeps experts [i E / N, (i + 1) E / N)) and exchange
@@ -17,7 +20,10 @@ DeepSpeed's initial broadcast of the weights from DP rank 0 leaves the shards ou
 Clipping (fp32, ZeRO 0): DeepSpeed's `clip_grad_norm_` adds each rank's own squared norms over the stages, then
 averages the result over DP, so a rank's norm would count its shard's experts only; the global norm here adds the
 shards' squared norms over the EP group once (every expert once), the replicated weights as DeepSpeed counts them
-(model_parallel, mmpipe.runtime.pipeline), then sums over the stages: the single-device model's norm.
+(model_parallel, mmpipe.runtime.pipeline), then sums over the stages: the single-device model's norm. Under --tp that
+last sum runs over the stages x TP ranks of the replica (DeepSpeed's model-parallel group of the pipeline grid): each
+TP rank's shards are its F / TP slices (every slice once), a replicated weight is counted on TP rank 0 only
+(mmpipe.model.tensor_parallel.mark_norm_counting).
 bf16 (DeepSpeed's BF16_Optimizer, at ZeRO 0 or 1): DeepSpeed's own MoE machinery takes over. The shards are
 marked as its MoE parameters (allreduce False, group_name `ep_size_N`) and our EP / expert-data-parallel groups are
 registered under that name in `deepspeed.utils.groups`; `deepspeed.initialize` then sees the Experts modules as MoE
@@ -45,18 +51,26 @@ import torch.distributed as dist
 from ..model.moe import Experts
 
 
+def _coordinates(topo) -> list[dict]:
+    """Each (stage, TP coordinate) of the grid, as topology keywords: {pipe} alone without a model axis."""
+    stages = topo.get_dim("pipe")
+    if "model" not in topo.get_axis_names():
+        return [dict(pipe=s) for s in range(stages)]
+    return [dict(pipe=s, model=t) for s in range(stages) for t in range(topo.get_dim("model"))]
+
+
 def shard_experts(layers, topo, ep: int) -> tuple[list[tuple[torch.nn.Parameter, object]], object]:
     """Split every Experts module of this stage's layers over its EP group: ((parameter, expert-data-parallel group)
     of each shard, the EP group). Collective over the world (every rank creates every group, in one order)."""
-    stages, dp, me = topo.get_dim("pipe"), topo.get_dim("data"), dist.get_rank()
+    dp, me = topo.get_dim("data"), dist.get_rank()
     ep_group = edp_group = None
-    for s in range(stages):
+    for at in _coordinates(topo):  # each stage's, and each TP coordinate's under --tp, groups of its DP ranks
         for b in range(dp // ep):
-            ranks = [topo.get_rank(pipe=s, data=b * ep + i) for i in range(ep)]
+            ranks = [topo.get_rank(**at, data=b * ep + i) for i in range(ep)]
             group = dist.new_group(ranks)
             ep_group = group if me in ranks else ep_group
         for i in range(ep):
-            ranks = [topo.get_rank(pipe=s, data=b * ep + i) for b in range(dp // ep)]
+            ranks = [topo.get_rank(**at, data=b * ep + i) for b in range(dp // ep)]
             group = dist.new_group(ranks)
             edp_group = group if me in ranks else edp_group
     shards = []
