@@ -3,6 +3,8 @@ in one sitting, on long-tailed mixed data (issue 57, docs/balance.md).
 
     python scripts/bench_balance.py                          # ~2.5 min on the 2-CPU VM, alone
     python scripts/bench_balance.py --repeats 3 --out-json docs/benchmarks/balance.json   # docs/balance.md, ~4.5 min
+    python scripts/bench_balance.py --layouts "" --out-json docs/benchmarks/balance_rows.json     # per row alone
+    python scripts/bench_balance.py --tower --out-json docs/benchmarks/balance_tower.json         # the tower side
 
 The data, generated into WORK/data/ (WORK = --work, default runs/bench_balance): --records (600) LLaVA conversations,
 each with 0, 1, 2, 3 or 4 images (equally likely; 40 px PNGs) and an answer of A words of the built-in tokenizer's
@@ -22,7 +24,8 @@ of the predicted cost before (stream order) and after (balanced), p50 over the r
 mean rank's cost, issue 57's goal) in seconds, were a step all rank work: stream order's step / its max/mean.
 
 Then, in this process, the cost model against the clock: the first --rows (100) packed rows, each timed alone
-(forward + backward of the single-device model, one thread; the fastest of 3 passes over all of them, the first
+(forward + backward of the single-device model, one thread; the process's CPU seconds, which a shared machine's
+other work does not inflate as it does wall seconds; the fastest of 3 passes over all of them, the first
 pass also warming up), against RowCosts' predicted
 FLOPs (tower + decoder): Pearson's r, Spearman's rho, and the least-squares seconds per FLOP and intercept. And
 the clock's view of the dp2 layout: the timed rows' 6 whole steps of 16, laid out by predicted cost, each rank's
@@ -107,9 +110,51 @@ def train(work: Path, name: str, argv: list[str]) -> dict:
             "after_max": b[level]["after"]["max"], "samples_per_s": s["samples_per_s"]}
 
 
-def per_row(work: Path, data: Path, model: Path, ds: Path, rows: int, passes: int = 3) -> dict:
+def write_tower_data(work: Path, records: int, seed: int = 0) -> tuple[Path, Path]:
+    """(WORK/tower/llava.json, WORK/tower/model.json): the tower side (--tower). Records of 0..6 images each, every
+    image a random size, sides 56..448 px (squares and 1:2 / 2:1 bands: 4 x 4 .. 32 x 32 patch grids, 16 .. 1,024
+    patches), and answers of 4..400 words (lognormal, median 40). The model: qwen-tiny (Qwen2-VL family: windowed
+    tower attention, one full-attention block) with vision.max_pixels raised to 448 x 448 and text.max_context to
+    hold --max-patches 4096 and --text-len 512."""
+    from PIL import Image
+    d = work / "tower"
+    (d / "img").mkdir(parents=True, exist_ok=True)
+    rnd = random.Random(seed)
+    sides = [56, 112, 224, 336, 448]
+    shapes = [(w, h) for w in sides for h in sides if max(w, h) <= 2 * min(w, h)]
+    for i, (w, h) in enumerate(shapes):
+        Image.new("RGB", (w, h), tuple(rnd.randrange(256) for _ in range(3))).save(d / "img" / f"{i}.png")
+    recs = []
+    for _ in range(records):
+        k, words = rnd.randrange(7), min(400, max(4, round(rnd.lognormvariate(math.log(40), 1.0))))
+        rec = {"conversations": [{"from": "human", "value": "what shape is " + " ".join(["<image>"] * k)},
+                                 {"from": "gpt", "value": " ".join(rnd.choice(WORDS) for _ in range(words))}]}
+        if k:
+            rec["image"] = [f"img/{rnd.randrange(len(shapes))}.png" for _ in range(k)]
+        recs.append(rec)
+    (d / "llava.json").write_text(json.dumps(recs))
+    cfg = json.loads((ROOT / "mmpipe" / "presets" / "qwen-tiny.json").read_text())
+    cfg["vision"]["max_pixels"] = 448 * 448
+    cfg["text"]["max_context"] = 8 * 2 + TOWER_PATCHES // 4 + TOWER_TEXT
+    (d / "model.json").write_text(json.dumps(cfg))
+    return d / "llava.json", d / "model.json"
+
+
+TOWER_IMAGES, TOWER_PATCHES, TOWER_TEXT = 8, 4096, 512
+
+
+def tower_argv(data: Path, model: Path) -> list[str]:
+    return ["--preset", str(model), "--data", str(data), "--pack", "--max-images", str(TOWER_IMAGES),
+            "--max-patches", str(TOWER_PATCHES), "--text-len", str(TOWER_TEXT), "--eval-samples", "0",
+            "--data-workers", "0", "--seed", "0"]
+
+
+def per_row(work: Path, data: Path, model: Path, ds: Path, rows: int, passes: int = 3,
+            argv: list[str] | None = None, out_name: str = "rows") -> dict:
     """Each of the first `rows` packed rows timed alone (forward + backward, one thread; the fastest of `passes`
-    passes over all of them) against its predicted FLOPs."""
+    passes over all of them) against its predicted FLOPs. argv: the run's data and model flags (default: the
+    llava-tiny set's, `common`). Also the two-part fit, seconds = a x tower + b x decoder + c, whose a and b say
+    whether the model weighs a tower FLOP as the clock does a decoder FLOP."""
     import torch
 
     from mmpipe.data.batches import rank_batches
@@ -118,32 +163,127 @@ def per_row(work: Path, data: Path, model: Path, ds: Path, rows: int, passes: in
     from mmpipe.run_args import TrainArgs
     from mmpipe.run_config import resolve
     from mmpipe.runtime.feed import run_dataset, step_balance
-    out = work / "rows"
-    run = resolve(TrainArgs.from_argv(common(work, data, model) + ["--ds-config", str(ds), "--stages", "1",
-                                                                    "--output-dir", str(out)]), world_size=1)
+    out = work / out_name
+    run = resolve(TrainArgs.from_argv((argv or common(work, data, model)) + ["--ds-config", str(ds), "--stages", "1",
+                                                                             "--output-dir", str(out)]), world_size=1)
     samples = prepare(run.data, run.model, str(out), 0, verbose=False)
     dataset = run_dataset(run, samples)
     cost = step_balance(run, samples, dataset.plan, force=True).cost
     torch.set_num_threads(1)
     net = ReferenceModel(run.model, seed=0)
     batches = list(rank_batches(dataset, [[r] for r in range(rows)]))  # one row each, (inputs, labels)
-    seconds = np.full(rows, np.inf)
+    wall, seconds = np.full(rows, np.inf), np.full(rows, np.inf)
     for _ in range(passes):  # every row once a pass, the fastest kept: a shared machine's load drifts
         for r, (inputs, labels) in enumerate(batches):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             net.zero_grad(set_to_none=True)
             run.objective.loss(net(*inputs), labels).backward()
-            seconds[r] = min(seconds[r], time.perf_counter() - t0)
-    predicted = [sum(cost(r)) for r in range(rows)]
-    x, y = np.array(predicted), np.array(seconds)
+            seconds[r] = min(seconds[r], time.process_time() - c0)
+            wall[r] = min(wall[r], time.perf_counter() - t0)
+    parts = np.array([cost(r) for r in range(rows)])  # [rows, (tower, decoder)]
+
+    def images(r: int) -> int:
+        return sum(int(samples.tokens(p)[1]) for p in dataset.plan.row(r))
+
+    x, y = parts.sum(axis=1), np.array(seconds)
     even = measured_evenness(cost, y)
     slope, intercept = np.polyfit(x, y, 1)
     ranks = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
-    return {"rows": rows, "passes": passes, "pearson_r": float(np.corrcoef(x, y)[0, 1]),
+    return {"rows": rows, "passes": passes, "order": order_effect(cost, 2, 8, 8), **two_part_fit(parts, y),
+            "pearson_r": float(np.corrcoef(x, y)[0, 1]),
             "spearman_rho": float(np.corrcoef(*ranks)[0, 1]), "s_per_gflop": float(slope * 1e9),
             "intercept_s": float(intercept), "row_s_min": float(y.min()), "row_s_median": float(np.median(y)),
             "row_s_max": float(y.max()), "gflop_min": float(x.min() / 1e9), "gflop_max": float(x.max() / 1e9),
-            **even, "points": [[round(float(a) / 1e9, 4), round(float(b), 5)] for a, b in zip(x, y)]}
+            "clock": "process CPU seconds (one thread: the seconds the row ran, not those it waited on a shared "
+                     "machine)", "wall_pearson_r": float(np.corrcoef(x, wall)[0, 1]),
+            **even, "points_columns": ["tower GFLOP", "decoder GFLOP", "images", "samples", "CPU s", "wall s"],
+            "points": [[round(float(t) / 1e9, 4), round(float(d) / 1e9, 4), images(r), len(dataset.plan.row(r)),
+                        round(float(c), 5), round(float(w), 5)]
+                       for r, ((t, d), c, w) in enumerate(zip(parts, y, wall))]}
+
+
+def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray) -> float:
+    """fwd, bwd [stages, micro-batches]: each micro-batch's seconds on each stage -> 1F1B's makespan. Stage s runs
+    min(P - s - 1, m) forwards, then forward / backward pairs, then the remaining backwards; a forward waits for
+    the stage before's, a backward for the stage after's (the last stage's for its own forward); free p2p."""
+    stages, m = fwd.shape
+    order = []
+    for s in range(stages):
+        w = min(stages - s - 1, m)
+        order.append([("F", i) for i in range(w)] + [op for i in range(m - w) for op in (("F", w + i), ("B", i))]
+                     + [("B", i) for i in range(m - w, m)])
+    done: dict[tuple, float] = {}
+    free, at = [0.0] * stages, [0] * stages
+    while any(at[s] < len(order[s]) for s in range(stages)):
+        moved = False
+        for s in range(stages):
+            if at[s] == len(order[s]):
+                continue
+            kind, i = order[s][at[s]]
+            dep = (("F", s - 1, i) if s else None) if kind == "F" else (("B", s + 1, i) if s < stages - 1
+                                                                         else ("F", s, i))
+            if dep is not None and dep not in done:
+                continue
+            free[s] = max(free[s], done.get(dep, 0.0)) + (fwd if kind == "F" else bwd)[s, i]
+            done[(kind, s, i)], at[s], moved = free[s], at[s] + 1, True
+        assert moved, "1F1B order deadlocked"
+    return max(free)
+
+
+def johnson(a: np.ndarray, b: np.ndarray) -> list[int]:
+    """Johnson's rule for two stages: the micro-batches lighter on the first stage than on the second first, by
+    their first-stage load rising, then the others by their second-stage load falling (optimal for a two-machine
+    flow shop of forwards alone; a heuristic under 1F1B's backwards)."""
+    first = sorted((i for i in range(len(a)) if a[i] < b[i]), key=lambda i: (a[i], i))
+    return first + sorted((i for i in range(len(a)) if a[i] >= b[i]), key=lambda i: (-b[i], i))
+
+
+def order_effect(cost, micro: int, gas: int, steps: int) -> dict:
+    """Issue 57 item 2 predicted, not measured: a PP=2 x DP=1 step's GAS micro-batches (balanced by StepBalance) in
+    stream order (what runs) against Johnson's order by stage cost and its reverse, each step's 1F1B makespan
+    (simulate_1f1b; forward = 1/3, backward = 2/3 of a stage's predicted FLOPs; the split at the mean row's
+    min-max FLOPs cut). Ratios to stream order: p50 / min / max over the steps."""
+    from mmpipe.data.balance import StepBalance
+    step = StepBalance(cost, micro=micro, gas=gas, dp=1)
+    layers = np.array([cost.layer_flops(r) for r in range(steps * step.batch)])
+    prefix = np.cumsum(layers.mean(axis=0))
+    cut = int(np.argmin([max(prefix[b - 1], prefix[-1] - prefix[b - 1]) for b in range(1, len(prefix))])) + 1
+    ratios: dict[str, list[float]] = {"johnson": [], "reverse": []}
+    for k in range(steps):
+        order = step.order(k * step.batch)
+        loads = np.array([[layers[list(order[g * micro:(g + 1) * micro])][:, a:b].sum() for g in range(gas)]
+                          for a, b in ((0, cut), (cut, layers.shape[1]))])  # [2 stages, gas]
+        def span(perm):
+            t = loads[:, perm]
+            return simulate_1f1b(t / 3, 2 * t / 3)
+        base, best = span(list(range(gas))), johnson(loads[0], loads[1])
+        ratios["johnson"].append(span(best) / base)
+        ratios["reverse"].append(span(best[::-1]) / base)
+    return {"cut_after_layer": cut, "steps": steps, "micro": micro, "gas": gas,
+            **{f"{k}_over_stream": {"p50": float(np.median(v)), "min": float(min(v)), "max": float(max(v))}
+               for k, v in ratios.items()}}
+
+
+def two_part_fit(parts: np.ndarray, y: np.ndarray) -> dict:
+    """Least squares seconds = a x tower GFLOP + b x decoder GFLOP + c, and each part's own correlation with what
+    the clock leaves it (y less the other part's fitted seconds and c): where a and b differ the model's FLOPs weigh
+    the two parts unlike the clock. A part the same in every row (a fixed tower) has no slope of its own: None."""
+    g = parts / 1e9
+    varies = g.std(axis=0) > 1e-9 * np.abs(g).max(axis=0).clip(min=1e-30)
+    cols = [g[:, i] for i in range(2) if varies[i]]
+    coef = np.linalg.lstsq(np.stack([*cols, np.ones(len(y))], axis=1), y, rcond=None)[0]
+    slopes, k = [None, None], 0
+    for i in range(2):
+        if varies[i]:
+            slopes[i], k = float(coef[k]), k + 1
+    out = {"tower_s_per_gflop": slopes[0], "decoder_s_per_gflop": slopes[1], "two_part_intercept_s": float(coef[-1]),
+           "tower_gflop_range": [float(g[:, 0].min()), float(g[:, 0].max())],
+           "decoder_gflop_range": [float(g[:, 1].min()), float(g[:, 1].max())]}
+    for i, name in enumerate(("tower", "decoder")):
+        if slopes[i] is not None:
+            other = slopes[1 - i] * g[:, 1 - i] if slopes[1 - i] is not None else 0.0
+            out[f"{name}_pearson_r"] = float(np.corrcoef(g[:, i], y - other - coef[-1])[0, 1])
+    return out
 
 
 def measured_evenness(cost, seconds: np.ndarray) -> dict:
@@ -174,9 +314,14 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=100)
     p.add_argument("--layouts", default="dp2,pp2")
     p.add_argument("--out-json", default=None)
+    p.add_argument("--tower", action="store_true",
+                   help="only the cost model against the clock on the tower side: --rows rows of a Qwen2-VL-family "
+                        "model on many images of many sizes (write_tower_data), no training runs")
     a = p.parse_args()
     work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    if a.tower:
+        return tower_main(work, a)
     data = write_data(work, a.records)
     model, ds = write_configs(work)
     results, layouts = [], [x for x in a.layouts.split(",") if x]
@@ -208,6 +353,18 @@ def main() -> int:
     print(json.dumps({k: v for k, v in (rows or {}).items() if k != "points"}, indent=2))
     if a.out_json:
         Path(a.out_json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def tower_main(work: Path, a) -> int:
+    """--tower: per_row on the tower set, printed and (--out-json) written."""
+    data, model = write_tower_data(work, a.records)
+    _, ds = write_configs(work)
+    rows = per_row(work, data, model, ds[4], a.rows, argv=tower_argv(data, model), out_name="tower_rows")
+    rows.update(machine=os.uname().nodename, cpus=os.cpu_count(), load_1min_at_end=os.getloadavg()[0])
+    print(json.dumps({k: v for k, v in rows.items() if k != "points"}, indent=2))
+    if a.out_json:
+        Path(a.out_json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 
