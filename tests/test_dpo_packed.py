@@ -27,12 +27,18 @@ from test_dpo import _recorded
 
 TOL = 1e-5
 STEPS = 4
-# The precomputed test's AdamW eps. Its file's reference log-probs come from one-sample rows, the live copy's from
-# packed rows: the same sums in another order, ~1e-6 apart on a log-prob of ~-20, so each pair's sigmoid weight
-# sigma(-beta z) differs by ~beta x 1e-6 / 4 = 2.5e-8. An element whose gradient is the near-cancelling sum of the
-# pairs' terms (~1e-1 each) then differs by ~1e-9, and Adam's update lr g / (|g| + eps) moves it by up to
-# lr x 1e-9 / eps: at eps 1e-8 0.01 x 0.1 = 1e-3 (measured 5.7e-5, 6.mlp.up_proj), at 1e-5 1e-6 (measured 9.7e-7;
-# every tensor still moved > 0.02).
+# AdamW's eps in the precomputed test and the launches: 1e-5, not 1e-8. Adam's first update of an element is
+# lr g / (|g| + eps), whose slope at g = 0 is lr / eps: 0.01 / 1e-8 = 1e6, or 1e3 at eps 1e-5. Two runs that compute
+# the same thing in another order differ by rounding, so an element whose gradient is near 0 takes its gradient's
+# rounding into its weight times that slope: 1e-11 becomes 1e-5 at eps 1e-8, 1e-8 at 1e-5. Such elements: a key bias
+# (softmax cancels its gradient: it is rounding alone; qwen3-vl's is the key third of a fused qkv bias), and the
+# vision tower under DPO (both sides of a pair share the image, so the tower's gradient is the small difference of
+# two near-equal ones). qwen3-vl-tiny PP=2, packed, 4 steps at lr 0.01, against the single-device loop: 1.04e-5 at
+# eps 1e-8 (1.mlp.linear_fc1; the qkv bias's key third 5.4e-6; unpacked 2.7e-5), 5.6e-7 at 1e-5, every tensor still
+# moved > 0.022. The precomputed test: its file's log-probs come from one-sample rows, the live copy's from packed
+# rows, ~1e-6 apart on a log-prob of ~-20, so each pair's sigmoid weight differs by ~beta x 1e-6 / 4 = 2.5e-8 and an
+# element whose gradient is the near-cancelling sum of the pairs' terms (~1e-1 each) by ~1e-9: up to 1e-3 at eps
+# 1e-8 (measured 5.7e-5, 6.mlp.up_proj), 1e-6 at 1e-5 (measured 9.7e-7; every tensor moved > 0.02).
 EPS = 1e-5
 WORDS = "a the big small shape colour left right top bottom of in near far bright dark".split()
 
@@ -63,13 +69,14 @@ def ds_config(tmp_path_factory):
     return _config(tmp_path_factory.mktemp("cfg") / "dpo.json")
 
 
-def _args(pairs, ds_config, out, *extra) -> list[str]:
+def _args(pairs, ds_config, out, *extra, preset: str = "llava-tiny") -> list[str]:
     return ["--data", str(pairs), "--objective", "dpo", "--ds-config", str(ds_config), "--steps", str(STEPS),
-            "--output-dir", str(out), "--eval-samples", "0", "--seed", "3", "--preset", "llava-tiny", "--pack", *extra]
+            "--output-dir", str(out), "--eval-samples", "0", "--seed", "3", "--preset", preset, "--pack", *extra]
 
 
-def _run(pairs, ds_config, out, *extra):
-    return resolve(TrainArgs.from_argv(_args(pairs, ds_config, out, "--stages", "1", *extra)), world_size=1)
+def _run(pairs, ds_config, out, *extra, preset: str = "llava-tiny"):
+    return resolve(TrainArgs.from_argv(_args(pairs, ds_config, out, "--stages", "1", *extra, preset=preset)),
+                   world_size=1)
 
 
 def test_pairs_share_rows_and_micro_batches(pairs, ds_config, tmp_path):
@@ -153,15 +160,17 @@ def test_precomputed_equals_live_packed(pairs, tmp_path):
     assert max(diffs.values()) < TOL, max(diffs.items(), key=lambda kv: kv[1])
 
 
-def test_packed_pipeline_equals_single_device(pairs, ds_config, tmp_path):
+@pytest.mark.parametrize("preset", ["llava-tiny", "qwen3-vl-tiny"])
+def test_packed_pipeline_equals_single_device(preset, pairs, tmp_path):
     """PP=2 with packed pairs (the live reference's pass through both stages, balanced rows) under --schedule zb-h1
     (its split backward; the reference pass is DeepSpeed's inference schedule whatever trains; DeepSpeed's own 1F1B
     is tests/test_dpo.py's launch) == the single-device loop: losses, every step's four rewards and the weights
-    within 1e-5, fp32; every trained tensor moved."""
-    run, seen = _recorded(_run(pairs, ds_config, tmp_path))
+    within 1e-5, fp32, the vision tower trained (AdamW eps 1e-5: EPS above); every trained tensor moved."""
+    ds_config = _config(tmp_path / "eps.json", EPS)
+    run, seen = _recorded(_run(pairs, ds_config, tmp_path, preset=preset))
     model, losses = train_reference(run, seed=3, steps=STEPS, out_dir=str(tmp_path))
     pp2 = train_run(tmp_path / "pp2", *_args(pairs, ds_config, tmp_path / "pp2", "--stages", "2", "--schedule",
-                                             "zb-h1")).check()
+                                             "zb-h1", preset=preset)).check()
     assert "mmpipe: schedule zb-h1:" in pp2.proc.stdout
     assert pp2.losses[1] == pytest.approx(math.log(2), abs=TOL)  # step 1: the policy is the reference
     assert [pp2.losses[s] for s in range(1, STEPS + 1)] == pytest.approx(losses, abs=TOL)
