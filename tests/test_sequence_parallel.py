@@ -186,7 +186,7 @@ def test_pp2_sp2_equals_single_device(qwen_sp):
     assert_weights_moved(model.state_dict(), init, TOL)  # every trained tensor > 10 x TOL
 
 
-def test_sp_refusals_one_line_each(capsys):
+def test_sp_refusals_one_line_each(capsys, tmp_path):
     err = refused(["--preset", "qwen-tiny", "--sp", "3", "--steps", "1"], capsys)
     for what in ("4 attention heads", "2 KV heads"):
         assert any(f"--sp: 3 does not divide qwen-tiny's {what}" in line for line in err), err
@@ -200,6 +200,11 @@ def test_sp_refusals_one_line_each(capsys):
                         (["--lora", "4"], "--lora")):
         err = refused(["--preset", "llava-tiny", "--sp", "2", "--steps", "1", *flags], capsys)
         assert any(f"--sp: 2 with {what}" in line and "not supported yet" in line for line in err), err
+    model = load_preset("qwen3-vl-tiny").to_dict()  # a family --sp takes, made MoE (as test_tensor_parallel's)
+    model["text"].update(tie_embeddings=False, moe={"experts": 4, "top_k": 2, "ff_dim": 32})
+    (tmp_path / "moe.json").write_text(json.dumps(model))
+    err = refused(["--preset", str(tmp_path / "moe.json"), "--sp", "2", "--steps", "1"], capsys)
+    assert any("--sp: 2 with MoE" in line and "not supported yet" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--sp", "0", "--steps", "1"], capsys)
     assert any("--sp: 0 must be >= 1" in line for line in err), err
     from mmpipe.cli import main
