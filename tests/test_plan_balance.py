@@ -124,7 +124,7 @@ def test_plan_prices_the_datas_rows(data, tmp_path):
     """--data: each layout's step carries the rows' figures, balanced no worse than stream order; the mean row
     costs less than the full row plan assumes without data, so every predicted step is shorter; the text says which
     rows it assumed (--pack alone: the image slots the data fills, as train derives them); the index is built in
-    --data-index's folder; --data without --pack is one line, exit 2."""
+    --data-index's folder, not under --dry-run; --data without --pack is one line, exit 2."""
     base = ["--preset", str(data / "llava.json"), "--pack", "--max-images", "2", "--text-len", "256",
             "--global-batch", "32", "--micro", "1,2", "--gpus-per-node", "4"]
     with_data = [*base, "--data", str(data / "data.json"), "--data-index", str(tmp_path)]
@@ -137,6 +137,9 @@ def test_plan_prices_the_datas_rows(data, tmp_path):
                                                  rows["busiest_over_mean"]["stream"]))
         assert 0 < rows["padding_share"] < 1
     assert (tmp_path / "data" / "index.npz").exists()  # built there: the next plan (or train run) reads it
+    dry = tmp_path / "dry"
+    rc, _, _ = _plan(*[a if a != str(tmp_path) else str(dry) for a in with_data], "--json", "--dry-run")
+    assert rc == 0 and not dry.exists()  # a dry run writes nothing of the user's
     rc, out, _ = _plan(*base, "--json")
     uniform = {(lay["stages"], lay["dp"], lay["micro"]): lay for lay in json.loads(out)}
     assert all(priced[k]["step"]["step_s"] < uniform[k]["step"]["step_s"] for k in priced)

@@ -174,9 +174,12 @@ def row_load(opts, cfg: ModelConfig, table: list, images: int, text_len: int, bu
     return load
 
 
-def scratch(folder: str | None):
-    """Where the index is read or built: a train run's folder (--data-index), else a temporary one."""
-    return contextlib.nullcontext(folder) if folder else tempfile.TemporaryDirectory(prefix="mmpipe-plan-")
+def scratch(folder: str | None, dry_run: bool = False):
+    """Where the index is read or built: a train run's folder (--data-index), else a temporary one; under --dry-run
+    always a temporary one (a dry run writes nothing of the user's)."""
+    if folder and not dry_run:
+        return contextlib.nullcontext(folder)
+    return tempfile.TemporaryDirectory(prefix="mmpipe-plan-")
 
 
 def rows_line(load: RowLoad | None, best) -> str:

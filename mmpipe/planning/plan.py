@@ -125,7 +125,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "one sample filling its positions (docs/balance.md)")
     p.add_argument("--data-index", default=None, metavar="RUN_DIR",
                    help="with --data: read the data index in RUN_DIR/data/ that `mmpipe train --output-dir RUN_DIR` "
-                        "wrote, or build it there (default: a temporary folder)")
+                        "wrote, or build it there (default, and under --dry-run: a temporary folder)")
     # the flags plan shares with mmpipe train, declared and checked once (a --text-len train refuses, plan refuses)
     add_flags(p, ModelArgs)
     # --video-*: a clip's sampling (--video-frames' grid); DATA_FLAGS: what tokenises --data

@@ -117,7 +117,7 @@ def resolve(args) -> PlanRun:
     micros = tuple(int(x) for x in args.micro.split(",") if x)
     freeze, lora = model_args.frozen_groups(), model_args.adapters()
     check_lora_rank(cfg, lora)  # as train's resolve: no rank above the narrowest adapted linear's
-    with scratch(getattr(args, "data_index", None)) as folder:
+    with scratch(getattr(args, "data_index", None), args.dry_run) as folder:
         opts, args = read_data(args, cfg, folder) if getattr(args, "data", None) else (None, args)
         row, images, text_len, clip_slots = _check_rows(args, cfg)
         table = layer_costs(cfg, freeze, text_len, args.checkpointing, lora, images, row) if opts else None
