@@ -8,7 +8,11 @@ labels mark its answer tokens only (the prompt and the image are never labelled)
 
 the sum over the answer's own tokens, as TRL's DPOTrainer sums its completion mask. The reference model's log-probs
 of the same rows travel in the label tuple, (labels [B, T], ref_logps [B]), computed by a reference pass before the
-step (mmpipe.runtime.preference). With z = (pi_c - pi_r) - (ref_c - ref_r) per pair, TRL's three losses:
+step (mmpipe.runtime.preference). Packed rows (--pack) hold several samples each: rows 2i / 2i + 1 hold the chosen /
+rejected sides of the same pairs in the same segment order (mmpipe.data.packing.RowPlan's unit of 2), each sample's
+log-prob is the sum over its own segment's labelled positions, and the tuple is (labels, ref_logps [B, K], segments
+[B, T]), K the most samples a row of the micro-batch holds. With z = (pi_c - pi_r) - (ref_c - ref_r) per pair, TRL's
+three losses:
 
     sigmoid  -log sigmoid(beta z)                      (the DPO paper's)
     hinge    relu(1 - beta z)                          (SLiC)
