@@ -51,7 +51,6 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
         run = resolve(args, world_size=world)
         if args.resume:  # before launch: the saved rows are what its data position counts
             checkpoint.check_same_rows(Path(args.output_dir) / "checkpoints", run)
-            checkpoint.check_same_tp(Path(args.output_dir) / "checkpoints", run)
         if run.data.auto_slots:
             print(f"mmpipe: --pack: {run.max_images} image slots per row of {decoder_length(run)} positions "
                   f"(--text-len {run.text_len} / the data's mean sample text; --max-images N sets them); images a "

@@ -564,11 +564,6 @@ def init_model(run_dir: str, preset: str | None) -> ModelConfig:
     if not (d / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--init-from: {d} has no checkpoint (checkpoints/latest is missing)")
     cfg = config_from_dict(json.loads((d / "model.json").read_text()), d.name)
-    state = d / "checkpoints" / (d / "checkpoints" / "latest").read_text().strip() / "mmpipe_state.json"
-    tp = json.loads(state.read_text()).get("tp", 1) if state.is_file() else 1
-    if tp > 1:  # its layer files are per TP rank (layer_XX-model_RR); --init-from reads whole ones
-        raise ConfigError(f"--init-from: {d} was trained at --tp {tp}; starting from a TP checkpoint is not "
-                          f"supported yet (`mmpipe export` gathers its shards)")
     if read_lora(d):
         raise ConfigError(f"--init-from: {d} trained LoRA adapters; {merged_route(d, cfg)}")
     if preset is not None:

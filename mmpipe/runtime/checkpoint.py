@@ -1,7 +1,8 @@
 """Reading DeepSpeed pipeline checkpoints outside the engine.
 
 Layout (one directory per tag): layer_XX-model_states.pt per layer (written by data-parallel
-rank 0 of the stage that owns it), mp_rank_SS_model_states.pt per stage (optimizer, counters,
+rank 0 of the stage that owns it; a --tp run's layer_XX-model_RR-model_states.pt per layer and TP rank,
+read at any TP by mmpipe.runtime.reshard), mp_rank_SS_model_states.pt per stage (optimizer, counters,
 client state), plus a `latest` file naming the newest tag. DeepSpeed's zero_to_fp32.py does not
 understand pipeline checkpoints, so consolidation reads the layer files directly; they do not
 depend on the stage count that wrote them.
@@ -19,7 +20,8 @@ import torch
 from ..config import ConfigError, ModelConfig
 from ..model.builder import ReferenceModel
 from ..model.lora import merge_adapters, read_lora
-from . import rng
+from . import reshard, rng
+from .reshard import layer_files, layer_state
 
 
 def latest_tag(ckpt_dir: str | Path) -> str | None:
@@ -35,28 +37,14 @@ def load_reference(ckpt_dir: str | Path, cfg: ModelConfig, tag: str | None = Non
     tag = tag or latest_tag(ckpt_dir)
     if tag is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir} (no 'latest' file)")
-    model = ReferenceModel(cfg, lora=read_lora(Path(ckpt_dir).parent))
-    for idx, layer in enumerate(model):
-        path = Path(ckpt_dir) / tag / f"layer_{idx:02d}-model_states.pt"
-        shards = sorted(path.parent.glob(f"layer_{idx:02d}-model_[0-9]*-model_states.pt"))  # a --tp run's
-        if not path.is_file() and not shards and not layer.state_dict():
-            continue  # a tied layer's later use (LM head through TiedLayerSpec): DeepSpeed writes no file for it
-        if not path.is_file() and not shards:
-            raise FileNotFoundError(f"checkpoint {tag} lacks layer {idx} ({type(layer).__name__}): {path}")
-        layer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True) if path.is_file()
-                              else _gathered(layer, shards, cfg))
-    return merge_adapters(model) if merged else model
-
-
-def _gathered(layer: torch.nn.Module, shards: list[Path], cfg: ModelConfig) -> dict:
-    """A layer's whole state dict from a --tp run's files: DeepSpeed names each TP rank's file by its model-axis
-    coordinate (PipelineModule.ckpt_layer_path: layer_XX-model_RR-model_states.pt, the topology's rank_repr
-    without the data and pipe axes; data-parallel rank 0 writes), so the sorted names are TP rank order; the split
-    tensors are concatenated along the dims the family's plan split them (tensor_parallel.split_dims)."""
-    from ..model.tensor_parallel import gather_state, split_dims
     from ..registry import family_of
-    states = [torch.load(f, map_location="cpu", weights_only=True) for f in shards]
-    return gather_state(states, split_dims(layer, family_of(cfg).tp_plan, len(states)))
+    model, plan = ReferenceModel(cfg, lora=read_lora(Path(ckpt_dir).parent)), family_of(cfg).tp_plan
+    for idx, layer in enumerate(model):
+        if not layer_files(Path(ckpt_dir) / tag, idx) and not layer.state_dict():
+            continue  # a tied layer's later use (LM head through TiedLayerSpec): DeepSpeed writes no file for it
+        # a --tp run's files (one per TP rank) gathered along the plan's split dims (mmpipe.runtime.reshard)
+        layer.load_state_dict(layer_state(Path(ckpt_dir) / tag, idx, lambda layer=layer: layer, plan=plan))
+    return merge_adapters(model) if merged else model
 
 
 # ---- writing: atomic, fsynced, pruned -----------------------------------------------------------
@@ -253,23 +241,13 @@ def check_same_rows(ckpt_dir: str | Path, run, state: dict | None = None) -> Non
                           f"so its data position means other samples; resume with the saved values")
 
 
-def check_same_tp(ckpt_dir: str | Path, run, state: dict | None = None) -> None:
-    """--resume: the checkpoint's --tp must be the run's. Its layer files are one per TP rank
-    (layer_XX-model_RR-model_states.pt); at another TP DeepSpeed's loader would merge or split them by its own
-    Megatron rules (SDLoaderFactory), not by the family's plan: resharding is not done yet (issue 54)."""
-    tag = latest_tag(ckpt_dir)
-    saved = ((state if state is not None else read_state(ckpt_dir, tag)) or {}).get("tp", 1)
-    if saved != run.tp:
-        raise ConfigError(f"--resume: {Path(ckpt_dir) / str(tag)} was written at --tp {saved}, this run is --tp "
-                          f"{run.tp}: resuming under another TP (resharding) is not supported yet; use --tp {saved}")
-
-
 def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tuple[dict, list[str]]:
     """Load the latest checkpoint into the engine. Returns (its run state, notes to print).
-    Same stages, partition (and, under ZeRO-1, the same DP): everything is restored, optimizer
+    Same stages, partition, TP (and, under ZeRO-1, the same DP): everything is restored, optimizer
     moments included. Another layout: the weights (from the per-layer files, which do not depend
-    on the layout), step and sample counters and the LR schedule are restored; the optimizer's
-    moments, kept per stage (and per DP shard), start again from zero, with a warning."""
+    on the stage count; written at another --tp, each rank reads its slices of them: mmpipe.runtime.reshard),
+    step and sample counters and the LR schedule are restored; the optimizer's moments, kept per stage
+    and TP rank (and per DP shard), start again from zero, with a warning."""
     ckpt_dir = Path(ckpt_dir)
     tag = latest_tag(ckpt_dir)
     state = read_state(ckpt_dir, tag)
@@ -280,14 +258,16 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
                          f"{ckpt_dir / tag}, so its data position means other samples; resume with the same data")
     try:  # the front door checked it too; a rank started some other way (Slurm, by hand) checks it here
         check_same_rows(ckpt_dir, run, state)
-        check_same_tp(ckpt_dir, run, state)
     except ConfigError as e:
         raise SystemExit(f"mmpipe: error: {e}") from None
     # DeepSpeed's bf16 optimizer (BF16_Optimizer, also at ZeRO 0) and ZeRO 1 keep each DP rank's part of the fp32
     # weights and moments in a file of their own (bf16_zero_pp_rank_D_mp_rank_SS_optim_states.pt): DP must match,
     # and so must --ep in bf16, whose expert shards' parts sit in those files (mmpipe.runtime.experts)
     partitioned = run.zero_stage > 0 or run.precision == "bf16"
-    same = state["stages"] == run.stages and state["parts"] == run.parts and (
+    saved_tp = state.get("tp", 1)
+    if saved_tp != run.tp:  # DeepSpeed's loader would merge or split the per-TP-rank files by Megatron's rules
+        reshard.install(engine.module, run)
+    same = saved_tp == run.tp and state["stages"] == run.stages and state["parts"] == run.parts and (
         not partitioned or state["dp"] == run.dp) and state["precision"] == run.precision and (
         run.precision != "bf16" or state.get("ep", 1) == run.ep)
     notes = []
@@ -310,10 +290,11 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
             # the initial rate (0 at a warm-up's start) for the next update; set them to the counter's rate
             engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
         ep = (f", ep {state.get('ep', 1)}", f", ep {run.ep}") if max(state.get("ep", 1), run.ep) > 1 else ("", "")
-        notes.append(f"warning: {tag} was written by {state['stages']} stages x dp {state['dp']} (parts "
-                     f"{state['parts']}, {state['precision']}{ep[0]}), this run is {run.stages} x dp {run.dp} (parts "
-                     f"{run.parts}, {run.precision}{ep[1]}): weights, step {state['step']}, data position and LR "
-                     f"schedule carried over; the optimizer state (AdamW moments) starts again from zero")
+        tp = (f" x tp {saved_tp}", f" x tp {run.tp}") if max(saved_tp, run.tp) > 1 else ("", "")
+        notes.append(f"warning: {tag} was written by {state['stages']} stages x dp {state['dp']}{tp[0]} (parts "
+                     f"{state['parts']}, {state['precision']}{ep[0]}), this run is {run.stages} x dp {run.dp}{tp[1]} "
+                     f"(parts {run.parts}, {run.precision}{ep[1]}): weights, step {state['step']}, data position and "
+                     f"LR schedule carried over; the optimizer state (AdamW moments) starts again from zero")
     if load_path is None:
         raise SystemExit(f"mmpipe: error: --resume: DeepSpeed could not load {ckpt_dir / tag}")
     mine = read_rank_state(ckpt_dir, tag, rank) if same and state["dp"] == run.dp else None

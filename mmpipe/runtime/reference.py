@@ -95,8 +95,11 @@ def train_step(micro_loss: Callable[[], torch.Tensor], gas: int, params: list, o
     return loss
 
 
-def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "") -> tuple[ReferenceModel, list[float]]:
-    """out_dir: where user data's index is read or written (mmpipe.data.dataset.prepare)."""
+def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "", start: int = 0
+                    ) -> tuple[ReferenceModel, list[float]]:
+    """out_dir: where user data's index is read or written (mmpipe.data.dataset.prepare). start: the steps taken
+    before, as a resume under another layout continues them (the weights --init-from's checkpoint, the AdamW
+    moments fresh): the LR schedule stepped `start` times, the data from the position after step `start` on."""
     if run.dp != 1 or run.precision != "fp32":
         raise ValueError("the reference loop covers dp = 1, fp32")
     model = starting_model(run, seed)  # --init-from: weights only, as trainer.load_run_weights
@@ -106,12 +109,16 @@ def train_reference(run: RunConfig, *, seed: int, steps: int, out_dir: str = "")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched = make_scheduler(run.ds_config, opt)
+    for _ in range(start if sched is not None else 0):
+        sched.step()
     clip = gradient_clipping(run.ds_config)
     samples = prepare(run.data, run.model, out_dir, seed, verbose=False)
     data = run_dataset(run, samples, augment_seed=seed if run.data.augment else None)
     # the pipeline's row layout (--pack: by cost, mmpipe.data.balance), so its micro-batches hold the same rows
-    batches = rank_batches(data, StepBatches(0, run.micro, run.gas, 0, 1, step_order(run, samples, data.plan)))
-    pre = PrecomputedReference.for_stream(run, samples, seed, 0, 0, data.plan, True) if run.reference_logps else None
+    position = start * run.train_batch
+    batches = rank_batches(data, StepBatches(position, run.micro, run.gas, 0, 1, step_order(run, samples, data.plan)))
+    pre = PrecomputedReference.for_stream(run, samples, seed, position, 0, data.plan, True) if run.reference_logps \
+        else None
     model.train()
 
     def micro_loss():

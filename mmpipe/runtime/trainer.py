@@ -39,7 +39,7 @@ from ..model.lora import LORA_FILE, load_base
 from ..planning.partition import describe as describe_parts
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
-from . import checkpoint, rng
+from . import checkpoint, reshard, rng
 from .curves import plot_runs
 from .experts import deepspeed_moe
 from .experts import install as install_experts
@@ -424,15 +424,16 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, done: Finishe
 
 def load_run_weights(pipe, ckpt_dir: Path) -> int:
     """--init-from: this stage's layers (and its copy of a tied module) from the latest checkpoint of
-    another run, read per layer file (any stage count wrote them): a rank opens only its own layers' files
-    (tests/test_streaming_io.py counts them). A file's dtype need not be the run's: an import keeps its
+    another run, read per layer file (any stage count wrote them; a --tp run's gathered from its TP ranks' files,
+    mmpipe.runtime.reshard): a rank opens only its own layers' files (tests/test_streaming_io.py counts them;
+    --init-from at --tp above 1 is refused in run_config). A file's dtype need not be the run's: an import keeps its
     source's (bf16), and load_state_dict's copy casts (bf16 -> fp32 exactly). Weights only: the optimizer and
     schedule start fresh. Returns the layers loaded."""
     d = ckpt_dir / checkpoint.latest_tag(ckpt_dir)
 
     def load(module, idx: int):
-        path = d / f"layer_{idx:02d}-model_states.pt"
-        load_base(module, torch.load(path, map_location="cpu", weights_only=True))  # adapters (LoRA) keep theirs
+        whole = reshard.meta_layer(pipe._layer_specs[idx], idx)
+        load_base(module, reshard.layer_state(d, idx, whole))  # adapters (LoRA) keep theirs
 
     n, loaded = 0, set()
     for offset, layer in enumerate(pipe.forward_funcs):
