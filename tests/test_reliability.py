@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, Run, assert_weights_moved, fixed_schedule_config, mmpipe_train, train_run
+from conftest import ROOT, Run, assert_weights_moved, cut_at, fixed_schedule_config, mmpipe_train, train_run
 from mmpipe.config import load_preset
 from mmpipe.runtime.checkpoint import latest_tag, load_reference
 
@@ -35,7 +35,9 @@ def _args(cfg, *extra):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, cfg):
-    return train_run(tmp_path_factory.mktemp("full"), *_args(cfg, "--steps", str(STEPS))).check()
+    # its step-4 checkpoint is stopped_at_4's (saving changes nothing in the run: the SIGKILLed run, saving every 3
+    # steps, gives its losses bit for bit)
+    return train_run(tmp_path_factory.mktemp("full"), *_args(cfg, "--steps", str(STEPS), "--save-every", "4")).check()
 
 
 def test_a_finished_run_exits_0_with_every_gloo_thread_joined(uninterrupted):
@@ -102,9 +104,11 @@ def test_sigkill_then_a_kill_during_a_save_lose_only_the_work_since_the_last_che
 
 
 @pytest.fixture(scope="module")
-def stopped_at_4(tmp_path_factory, cfg):
-    """A 2-stage run stopped cleanly after step 4 (the schedule fixed at 12 steps): each test resumes a copy."""
-    return train_run(tmp_path_factory.mktemp("cut") / "run", *_args(cfg, "--steps", "4")).check()
+def stopped_at_4(tmp_path_factory, uninterrupted):
+    """A 2-stage run stopped cleanly after step 4 (the schedule fixed at 12 steps): each test resumes a copy. It is
+    the uninterrupted run cut there (conftest.cut_at: `latest` step4, no later checkpoint, the log's steps 1-4), the
+    files a run of --steps 4 leaves but its summary.json, which --resume does not read; one launch fewer."""
+    return Run(cut_at(uninterrupted, tmp_path_factory.mktemp("cut") / "run", 4), uninterrupted.proc)
 
 
 def _assert_moved(moved: Run, stages: int, uninterrupted: Run) -> None:
