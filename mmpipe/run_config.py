@@ -454,8 +454,8 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
             problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")
     unchecked = [name for name, on in (
         ("--tp", args.tp > 1), ("MoE", family_of(model).experts(model) is not None), ("--ep", args.ep > 1),
-        ("--lora", args.lora > 0), ("--resume", args.resume), (f"--objective {args.objective}",
-                                                                    objective_named(args.objective) is not TOKENS),
+        ("--lora", args.lora > 0), ("--resume", args.resume), ("--init-from", bool(args.init_from)),
+        (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
         (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage != 0),
         (f"schedule {schedule}", schedule.name != BASELINE.name),

@@ -120,6 +120,7 @@ class LayerCost:
     tied: str = ""  # a TiedLayerSpec's key (a tied embedding and head): one module, and one count, in a stage
     tp_ar_fwd: float = 0.0  # at TP > 1 (planning.tensor_parallel): all-reduced elements per sample, forward
     tp_ar_bwd: float = 0.0  # and backward
+    sp_a2a: float = 0.0  # at SP > 1 (planning.sequence_parallel): a block's all-to-all elements a sample, each way
 
     @property
     def expert_trainable(self) -> int:
@@ -344,7 +345,8 @@ class Shape:
     micro: int
     gas: int
     ep: int = 1
-    tp: int = 1  # tensor-parallel ranks of a stage (`--tp`; planning.tensor_parallel): world = stages x dp x tp
+    tp: int = 1  # tensor-parallel ranks of a stage (`--tp`; planning.tensor_parallel): world = stages x dp x tp x sp
+    sp: int = 1  # sequence-parallel ranks of a stage (`--sp`; planning.sequence_parallel), each L / sp of the row
 
 
 def reference_copy_bytes(rows: list[LayerCost], precision: str) -> float:

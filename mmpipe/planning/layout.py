@@ -36,6 +36,7 @@ from .costmodel import (
 from .images import patch_row
 from .partition import compute_parts, trainable_units
 from .schedule_registry import BASELINE, Schedule, asked
+from .sequence_parallel import sp_layer_costs, sp_seconds
 from .tensor_parallel import tp_layer_costs, tp_seconds
 
 GiB = 2 ** 30
@@ -58,6 +59,7 @@ class Layout:
     predictions: dict = field(default_factory=dict)  # schedule -> its step dict, for every schedule asked for
     ep: int = 1  # expert-parallel ranks (`--ep`): an MoE model's experts split over groups of ep of the dp ranks
     tp: int = 1  # tensor-parallel ranks of each stage (`--tp`): its rows are one TP rank's (planning.tensor_parallel)
+    sp: int = 1  # sequence-parallel ranks of each stage (`--sp`): its rows one SP rank's (planning.sequence_parallel)
 
     @property
     def throughput(self) -> float:
@@ -133,12 +135,18 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     tp = tp_seconds(rows, parts, shape.micro, t.precision, shape.tp, t.device)
     if shape.tp > 1:  # each block waits on its all-reduces: Megatron's two forward, two backward
         times = [(f + x, bw + y) for (f, bw), (x, y) in zip(times, tp)]
+    sp = sp_seconds(rows, parts, shape.micro, t.precision, shape.sp, t.device)
+    if shape.sp > 1:  # each decoder block waits on its Ulysses all-to-alls: q, k, v and the output, each way
+        times = [(f + x, bw + y) for (f, bw), (x, y) in zip(times, sp)]
     stage_rows = _stage_rows(rows, parts, times, a2a, shape, t.precision, t.zero, t.reference == "live")
     if shape.tp > 1:
         for r, (x, y) in zip(stage_rows, tp):
             r.update(tp_ms=(x + y) * 1e3)
+    if shape.sp > 1:
+        for r, (x, y) in zip(stage_rows, sp):
+            r.update(sp_ms=(x + y) * 1e3)
     boundary, grad_bytes = _transfers(rows, parts, shape, t.precision)
-    step = pipeline_step_seconds(times, shape.gas, boundary, grad_bytes, shape.dp, t.device)
+    step = pipeline_step_seconds(times, shape.gas, boundary, grad_bytes, shape.dp * shape.sp, t.device)
     if t.reference == "live":  # dpo: the reference pass runs before every step, on its critical path
         step["reference_s"] = reference_pass_seconds(times, shape.gas, boundary, t.device)
         step["step_s"] += step["reference_s"]
@@ -147,7 +155,7 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     if not ask:
         sched = asked(t.schedule)[0]
         return Layout(stages=shape.stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=parts,
-                      stage_rows=[], step=None, schedule=sched.name, ep=shape.ep, tp=shape.tp,
+                      stage_rows=[], step=None, schedule=sched.name, ep=shape.ep, tp=shape.tp, sp=shape.sp,
                       reason=f"{sched} needs GAS >= {sched.min_micro_per_rank} x {shape.stages} stages")
     replayed = [s for s in ask if s is not BASELINE]
     own = _replayed(replayed, rows, parts, stage_rows, shape, t, measured) if replayed else {}
@@ -158,7 +166,7 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
         pred["rows"] = t.load.summary(parts, shape.dp, shape.micro)
     fitting = [s for s in ask if predictions[s.name].get("fits", True)]  # the baseline's split was cut to fit
     lay = dict(stages=shape.stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=parts, stage_rows=stage_rows,
-               predictions=predictions, ep=shape.ep, tp=shape.tp)
+               predictions=predictions, ep=shape.ep, tp=shape.tp, sp=shape.sp)
     if not fitting:  # the one schedule asked for holds more micro-batches than memory takes
         sched, mem = ask[0], own[ask[0].name]["memory_gib"]
         s = max(range(shape.stages), key=lambda i: mem[i])
@@ -183,7 +191,7 @@ def _split(rows: list[LayerCost], shape: Shape, training: Training) -> list[int]
     stage fits the device's memory), or a Layout saying why there are none."""
     units, t, stages = trainable_units(rows), training, shape.stages
     none = dict(stages=stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=None, stage_rows=[], step=None,
-                ep=shape.ep, tp=shape.tp)
+                ep=shape.ep, tp=shape.tp, sp=shape.sp)
     if stages > len(units):
         return Layout(**none, reason=f"only {len(units)} groups of layers hold a trainable parameter")
     ranges = RangeMemory(rows, t.precision, micro=shape.micro, micro_batches=shape.gas, zero_stage=t.zero,
@@ -254,13 +262,17 @@ def _replayed(schedules: list[Schedule], rows: list[LayerCost], parts: list[int]
     if shape.tp > 1:  # TP's all-reduces: forward's in F, the input gradients' in B
         tp = tp_seconds(rows, parts, shape.micro, t.precision, shape.tp, t.device)
         split = [(f + x, b + y, w) for (f, b, w), (x, y) in zip(split, tp)]
+    if shape.sp > 1:  # SP's all-to-alls: forward's in F, the input gradients' in B
+        sp = sp_seconds(rows, parts, shape.micro, t.precision, shape.sp, t.device)
+        split = [(f + x, b + y, w) for (f, b, w), (x, y) in zip(split, sp)]
     weight_stages = [any(r.w_flops for r in rows[a:b]) for a, b in zip(parts, parts[1:])]
     for r, (_, b, w) in zip(stage_rows, split):
         r.update(input_backward_ms=b * 1e3, weight_backward_ms=w * 1e3)
     boundary, grad_bytes = _transfers(rows, parts, shape, t.precision)
     out = {}
     for sched in schedules:
-        pred = replayed_step_seconds(sched, split, weight_stages, shape.gas, boundary, grad_bytes, shape.dp, t.device)
+        pred = replayed_step_seconds(sched, split, weight_stages, shape.gas, boundary, grad_bytes, shape.dp * shape.sp,
+                                     t.device)
         mem = [stage_memory(rows, parts, s, shape, t.precision, t.zero, k, t.reference == "live")["total"]
                for s, k in enumerate(pred["in_flight"])]
         if t.reference == "live":  # the same reference pass before the step, whatever the step's schedule
@@ -281,4 +293,5 @@ def predict_layout(cfg: ModelConfig, shape: Shape, training: Training, text_len:
     0 its default)."""
     t = training
     rows = layer_costs(cfg, t.freeze, text_len, t.checkpointing, images=images, patches=patch_row(cfg, images, budget))
-    return plan_layout(tp_layer_costs(cfg, rows, shape.tp), shape, t)  # at TP > 1 one TP rank's rows
+    # at TP > 1 one TP rank's rows, at SP > 1 one SP rank's of those
+    return plan_layout(sp_layer_costs(cfg, tp_layer_costs(cfg, rows, shape.tp), shape.sp), shape, t)

@@ -52,6 +52,7 @@ from .layout import GiB, Layout, plan_layout
 from .report import budget_words, print_json, print_plan
 from .request import PLAN_SCHEDULES, PlanRun, PlanSpec, cpu_device, device_from_args, resolve
 from .schedule_registry import BASELINE
+from .sequence_parallel import sp_layer_costs
 from .tensor_parallel import tp_layer_costs
 
 __all__ = ["GiB", "Layout", "PlanRun", "PlanSpec", "plan_layout", "add_plan_args", "cpu_device", "device_from_args",
@@ -82,6 +83,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks per stage to consider, as `mmpipe train --tp N` splits each stage's "
                         "layers by the family's plan (world = PP x DP x TP; inside a node: a degree not dividing "
                         "--gpus-per-node is left out; default: 1; docs/tensor_parallel.md)")
+    p.add_argument("--sp", default="1", metavar="N[,N...]",
+                   help="sequence-parallel (Ulysses) ranks per stage to consider, as `mmpipe train --sp N` splits each "
+                        "row's positions (world = PP x DP x TP x SP; TP x SP inside a node; default: 1; "
+                        "docs/sequence_parallel.md)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the blocks")
     p.add_argument("--dpo-reference", default=None, choices=("live", "precomputed"),
                    help="plan `mmpipe train --objective dpo`: live, its reference pass (one forward-only pipeline pass "
@@ -142,15 +147,15 @@ def plan(spec: PlanSpec) -> list[Layout]:
     profiles = ({m: profile_layers(s.cfg, s.text_len, m, s.precision, images=s.images) for m in s.micros}
                 if s.profile else {})
     layouts = []
-    for tp in s.tps:
-        rows, gpus = tp_layer_costs(s.cfg, whole, tp), s.gpus // tp
+    for tp, sp in [(tp, sp) for tp in s.tps for sp in s.sps if s.gpus % (tp * sp) == 0]:
+        rows, gpus = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, whole, tp), sp), s.gpus // (tp * sp)
         for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
             dp = gpus // stages
             for micro in s.micros:
                 if s.global_batch % (micro * dp):
                     continue
                 for ep in [e for e in s.eps if dp % e == 0]:
-                    shape = Shape(stages, dp, micro, s.global_batch // (micro * dp), ep, tp)
+                    shape = Shape(stages, dp, micro, s.global_batch // (micro * dp), ep, tp, sp)
                     layouts.append(plan_layout(rows, shape, s.training, profiles.get(micro)))
     return sorted(layouts, key=lambda lay: -lay.throughput)
 
@@ -266,6 +271,7 @@ def train_flags(run: PlanRun, best: Layout) -> list[str]:
     rows += budget_words(s.row, " ").split() if s.row else []
     ep = ["--ep", str(best.ep)] if best.ep > 1 else []
     ep += ["--tp", str(best.tp)] if best.tp > 1 else []
+    ep += ["--sp", str(best.sp)] if best.sp > 1 else []
     return ["--preset", run.preset, "--ds-config", run.write_config, "--dp", str(best.dp), *ep,
             *to_argv(run.model_args), *rows, "--text-len", str(s.text_len), *run.data_argv]
 
@@ -278,9 +284,9 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
     rule = family_of(s.cfg).fixed_first_stage
     if rule is None or best is None or best.stages < 2:
         return ""
-    rows = tp_layer_costs(s.cfg, layer_table(s), best.tp)
+    rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, layer_table(s), best.tp), best.sp)
     first = rule(layer_specs(s.cfg))
-    shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep, best.tp)
+    shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep, best.tp, best.sp)
     # its own memory per stage: stage index + 1; the cut on the mean row (--data's load prices whole splits)
     rest = plan_layout(rows[first:], shape, dataclasses.replace(s.training, load=None))
     head = (f"stage 0 fixed at layers 0..{first - 1} (where other trainers cut {s.cfg.family}: "

@@ -34,8 +34,10 @@ def print_json(run: PlanRun, layouts: list[Layout]) -> None:
     length = row_positions(s.cfg, s.text_len, s.images, s.row)
     row = image_kind(s.cfg).row_json(s.row)  # the row's budget flag and its images' grids or tilings
     moe = family_of(s.cfg).experts(s.cfg) is not None
-    tp = s.tps != (1,)  # the TP axis asked for: each layout's tp (without --tp, the keys as before)
-    keys = [{k: v for k, v in lay.__dict__.items() if (moe or k != "ep") and (tp or k != "tp")} for lay in layouts]
+    # the TP / SP axes asked for: each layout's tp / sp (without --tp / --sp, the keys as before)
+    tp, sp = s.tps != (1,), s.sps != (1,)
+    keys = [{k: v for k, v in lay.__dict__.items() if (moe or k != "ep") and (tp or k != "tp") and (sp or k != "sp")}
+            for lay in layouts]
     print(json.dumps([{**d, "throughput": lay.throughput, "decoder_length": length,
                        "positions_per_s": lay.throughput * length, **row} for d, lay in zip(keys, layouts)], indent=1))
 
@@ -51,11 +53,16 @@ def print_plan(run: PlanRun, layouts: list[Layout], seconds: float, beside: str 
         print(_moe_line(s.cfg, moe, s.text_len, length, s.precision))
     for note in run.tp_notes:
         print(note)
-    tp = s.tps != (1,)
+    tp, sp = s.tps != (1,), s.sps != (1,)
     if tp:
         print(f"tp: {', '.join(map(str, s.tps))}: each stage's layers split over TP ranks of a node by the "
               f"{s.cfg.family} family's plan (memory and time per TP rank, Megatron's 2 all-reduces forward and 2 "
               f"backward a block; docs/tensor_parallel.md); `mmpipe train --tp` runs fp32 at ZeRO 0 today")
+    if sp:
+        print(f"sp: {', '.join(map(str, s.sps))}: each row's positions split over SP ranks of a node (Ulysses: "
+              f"activations, FLOPs and logits per SP rank / SP, weights whole, 4 all-to-alls forward and 4 backward "
+              f"a decoder block; docs/sequence_parallel.md)")
+    tp = (tp, sp)  # the intra-stage columns: TP, SP
     rate = (lambda lay: lay.throughput * length) if run.pack else (lambda lay: lay.throughput)
     label = "positions/s" if run.pack else "samples/s"
     replayed = [x for x in asked(run.schedule) if x is not BASELINE]  # their B / W seconds and memory in the rows
@@ -120,11 +127,12 @@ def _row_line(run: PlanRun, length: int) -> str:
     return f"decoder positions per row: {per_image} image + {s.text_len} text = {length}, one sample per row"
 
 
-def _print_best(best: Layout, replayed: list, moe: bool, tp: bool = False) -> None:
+def _print_best(best: Layout, replayed: list, moe: bool, tp: tuple = (False, False)) -> None:
     """The best layout's stages: layers, parameters, memory, forward and backward (B and W, and each replayed
     schedule's memory); an MoE model's parameters per rank, and its all-to-all where one runs (EP > 1). tp: the
     layout's TP, its parameters and memory per TP rank, its all-reduces' milliseconds a micro-batch."""
-    print(f"\nbest: {best.stages} stages x dp {best.dp}{f' x tp {best.tp}' if tp else ''}"
+    print(f"\nbest: {best.stages} stages x dp {best.dp}{f' x tp {best.tp}' if tp[0] else ''}"
+          f"{f' x sp {best.sp}' if tp[1] else ''}"
           f"{f' (ep {best.ep})' if moe else ''}, micro {best.micro} "
           f"x GAS {best.gas}{', schedule ' + best.schedule if replayed else ''}")
     print(f"{'stage':>5} {'layers':>9} {'first..last':<28} {'params':>12} {'GiB':>7} {'act GiB':>8} "
@@ -136,9 +144,12 @@ def _print_best(best: Layout, replayed: list, moe: bool, tp: bool = False) -> No
               f"{r['backward_ms']:>8.2f}" + (f" {r['input_backward_ms']:>8.2f} {r['weight_backward_ms']:>8.2f}"
                                               if replayed else "")
               + "".join(f" {r[x.short + '_memory_gib']:>7.2f}" for x in replayed))
-    if tp and best.tp > 1:
+    if tp[0] and best.tp > 1:
         print(f"per TP rank (1 of {best.tp}): params and GiB above; TP all-reduces a micro-batch: "
               + "; ".join(f"stage {r['stage']} {r['tp_ms']:.2f} ms" for r in best.stage_rows))
+    if tp[1] and best.sp > 1:
+        print(f"per SP rank (1 of {best.sp}, 1 / {best.sp} of each row's positions): GiB above; SP all-to-alls a "
+              f"micro-batch: " + "; ".join(f"stage {r['stage']} {r['sp_ms']:.2f} ms" for r in best.stage_rows))
     if moe:  # at EP 1 every expert is on its rank: no all-to-all runs, so none is printed
         a2a = (lambda r: f", all-to-all {r['a2a_mib']:.1f} MiB / {r['a2a_ms']:.2f} ms a micro-batch"
                ) if best.ep > 1 else (lambda r: "")
@@ -181,15 +192,24 @@ def _patch_line(cfg: ModelConfig, patches: PatchRow, text_len: int, length: int)
 ROW_WORDS = {"patches": (_patch_words, _patch_line), "crops": (crop_words, crop_line)}
 
 
+def _inner_head(tp: tuple) -> str:
+    """The intra-stage columns' heads asked for (tp: (TP asked, SP asked))."""
+    return (" TP" if tp[0] else "") + (" SP" if tp[1] else "")
+
+
+def _inner(lay: Layout, tp: tuple) -> str:
+    return (f" {lay.tp:>3}" if tp[0] else "") + (f" {lay.sp:>3}" if tp[1] else "")
+
+
 def _print_one(layouts, top, rate=lambda lay: lay.throughput, label: str = "samples/s", moe: bool = False,
-               tp: bool = False) -> None:
+               tp: tuple = (False, False)) -> None:
     """moe: an EP column after DP and the all-to-all's share of the step (`a2a`) after the step. tp: a TP column
     after DP."""
     w = max(10, len(label))
-    def ep(lay: Layout) -> str:  # the TP and EP columns asked for
-        return (f" {lay.tp:>3}" if tp else "") + (f" {lay.ep:>3}" if moe else "")
+    def ep(lay: Layout) -> str:  # the TP, SP and EP columns asked for
+        return _inner(lay, tp) + (f" {lay.ep:>3}" if moe else "")
     a2a = (lambda lay: f" {lay.step['a2a_share']:>6.1%}" if lay.step else f" {'':>6}") if moe else (lambda lay: "")
-    print(f"{'PP':>3} {'DP':>3}{' TP' if tp else ''}{' EP' if moe else ''} {'micro':>5} {'GAS':>4} {'bubble':>7} "
+    print(f"{'PP':>3} {'DP':>3}{_inner_head(tp)}{' EP' if moe else ''} {'micro':>5} {'GAS':>4} {'bubble':>7} "
           f"{'step s':>8}"
           f"{'    a2a' if moe else ''} {label:>{w}} {'max GiB':>8}  partition / why not")
     for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
@@ -215,17 +235,17 @@ def _moe_line(cfg: ModelConfig, m, text_len: int, length: int, precision: str) -
 
 
 def _print_both(layouts, top, schedules, rated=(lambda lay: lay.throughput, "samples/s"), moe: bool = False,
-                tp: bool = False) -> None:
+                tp: tuple = (False, False)) -> None:
     """One row per layout: each schedule's bubble and step ('-': it cannot run the layout, DualPipeV below 2 x PP
     micro-batches), which is faster and by how much (moe: an EP column). rated: (the rate of a layout, its label)."""
     rate, label = rated
     w = max(10, len(label))
     cols = [(s, len(s.name) + 4) for s in schedules]  # a bubble column as wide as '<name> bub'
-    print(f"{'PP':>3} {'DP':>3}{' TP' if tp else ''}{' EP' if moe else ''} {'micro':>5} {'GAS':>4} "
+    print(f"{'PP':>3} {'DP':>3}{_inner_head(tp)}{' EP' if moe else ''} {'micro':>5} {'GAS':>4} "
           + " ".join(f"{s.name + ' bub':>{n}} {s.name + ' s':>8}" for s, n in cols)
           + f"  {'faster':<15} {label:>{w}} {'max GiB':>8}  partition / why not")
     for lay in layouts[:top] + [lay for lay in layouts[top:] if not lay.step][:3]:
-        ep = (f" {lay.tp:>3}" if tp else "") + (f" {lay.ep:>3}" if moe else "")
+        ep = _inner(lay, tp) + (f" {lay.ep:>3}" if moe else "")
         if not lay.step:
             print(f"{lay.stages:>3} {lay.dp:>3}{ep} {lay.micro:>5} {lay.gas:>4} "
                   + " ".join(f"{'':>{n}} {'':>8}" for _, n in cols)

@@ -38,6 +38,7 @@ from .images import (
 )
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Training
 from .schedule_registry import ALL, BASELINE, BOTH, SCHEDULE_NAMES, Schedule, asked
+from .sequence_parallel import check_sp
 from .tensor_parallel import check_tp
 
 PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH, ALL)
@@ -66,6 +67,7 @@ class PlanSpec:
     row: PatchRow | CropRow | None = None
     eps: tuple[int, ...] = (1,)
     tps: tuple[int, ...] = (1,)  # tensor-parallel degrees (--tp), each planned for every PP x DP of GPUs / TP
+    sps: tuple[int, ...] = (1,)  # sequence-parallel degrees (--sp), each with each TP: PP x DP of GPUs / (TP x SP)
     reference: str = ""  # --dpo-reference: dpo's reference, live (a forward pass and a copy) or precomputed (none)
     load: object = None  # --data: the data's packed rows, priced (planning.data_rows.RowLoad); None: uniform rows
 
@@ -94,7 +96,7 @@ class PlanRun:
     video_frames: int | None = None
     video_size: str | None = None
     video_slots: int = 0
-    tp_notes: tuple[str, ...] = ()  # a line per --tp degree left out, or the family's 'planned at TP 1 only'
+    tp_notes: tuple[str, ...] = ()  # a line per --tp / --sp degree left out, or the family's 'planned at TP 1 only'
     data_argv: tuple[str, ...] = ()  # --data and what tokenises it, as train takes them (its printed command)
 
     # the spec's fields the printed words read by the flag's name
@@ -135,12 +137,15 @@ def resolve(args) -> PlanRun:
     if max(tps) > 1 and (args.profile or lora):
         raise ConfigError(f"--tp: {max(tps)} with {'--profile' if args.profile else '--lora'} is not planned yet "
                           f"(plan the TP degrees without it)")
+    sps, sp_notes = check_sp(getattr(args, "sp", "1"), cfg, args.gpus_per_node, tps)
+    if max(sps) > 1 and args.profile:
+        raise ConfigError(f"--sp: {max(sps)} with --profile is not planned yet (plan the SP degrees without it)")
     spec = PlanSpec(cfg, device, gpus, args.global_batch, micros, text_len, precision,
                     args.zero, freeze, args.checkpointing, args.profile, lora, asked(args.schedule), images, row,
-                    _check_ep(args.ep, cfg), tps, getattr(args, "dpo_reference", None) or "", load or None)
+                    _check_ep(args.ep, cfg), tps, sps, getattr(args, "dpo_reference", None) or "", load or None)
     return PlanRun(spec, args.preset, model_args, args.schedule, args.pack, args.top, args.json, args.write_config,
                    args.dry_run, args.image_size, args.video_frames if clip_slots else None, args.video_size,
-                   clip_slots, tuple(tp_notes), train_argv(args) if opts else ())
+                   clip_slots, tuple(tp_notes + sp_notes), train_argv(args) if opts else ())
 
 
 def device_from_args(args) -> tuple[Device, str]:

@@ -1,0 +1,85 @@
+"""The SP axis of `mmpipe plan --sp N[,N...]` (issue 58, item 5): Ulysses sequence parallelism inside each stage, as
+`mmpipe train --sp N` runs it (docs/sequence_parallel.md), read as costs.
+
+Each layer's rows at SP s are its rows at SP 1 as one SP rank holds and runs them (`sp_layer_costs`):
+
+    parameters  whole on every SP rank (replicated: the weights, gradients and optimizer states are SP 1's)
+    positions   each rank holds L / s of the row's positions from the embedding to the loss, so every kept
+                activation, every boundary send and the head's fp32 logits are / s; the tower's patches are split by
+                whole images or clips (issue 58's rule: a rank encodes its own images), / s as well where the row
+                holds at least s of them (an upper bound on the balance otherwise)
+    FLOPs       / s: the linears run on L / s positions; between the all-to-alls a rank attends over the whole
+                row's L positions for H / s heads, so attention's L^2 part is / s too
+    all-to-all  each decoder block's attention trades positions for heads before attention (q, k, v: [L / s, D]
+                and 2 x [L / s, kv]) and heads for positions after it ([L / s, D]): (2 D + 2 kv) L / s elements a
+                sample forward, as many backward; an all-to-all keeps 1 / s of its tensor and sends the rest, so
+                it costs (s - 1) / s x bytes / device.link (sp_seconds). E.g. qwen3-vl-8b (D 4096, 8 kv heads of
+                128) at L = 131,072, s = 4, bf16: (8192 + 2048) x 32,768 x 2 B = 671 MB a block forward, 3 / 4 of
+                it over 450 GB/s = 1.1 ms
+    gradients   each SP rank's gradient is its positions' share: summed over the SP ranks once a step, as DP's,
+                so the step's all-reduce runs over dp x s ranks (pipeline_step_seconds' dp)
+
+SP shares the node with TP (tp x sp must divide the GPUs per node: both collectives sit on every block's critical
+path) and needs the heads and KV heads divided (each rank attends with H / s of them).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import ConfigError, ModelConfig
+from .costmodel import BYTES, Device, LayerCost
+
+
+def _attention_block(r: LayerCost) -> bool:
+    """A decoder block (its rule's name ends in Block, group text): the layers whose attention runs the all-to-alls."""
+    return r.group == "text" and r.name.endswith("Block")
+
+
+def sp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], sp: int) -> list[LayerCost]:
+    """rows (at SP 1, or one TP rank's) as one SP rank of `sp` holds and runs them (module docstring); sp = 1: rows
+    unchanged. The all-to-all elements per sample go in sp_a2a."""
+    if sp == 1:
+        return rows
+    t = cfg.text
+    kv = t.kv_heads * (t.dim // t.n_heads)
+    return [dataclasses.replace(
+        r, fwd_flops=r.fwd_flops / sp, bwd_flops=r.bwd_flops / sp, w_flops=r.w_flops / sp,
+        act_elems=r.act_elems / sp, act_fp32_elems=r.act_fp32_elems / sp, out_elems=r.out_elems / sp,
+        carried_elems=r.carried_elems / sp, tp_ar_fwd=r.tp_ar_fwd / sp, tp_ar_bwd=r.tp_ar_bwd / sp,
+        sp_a2a=(2 * t.dim + 2 * kv) * r.tokens / sp if _attention_block(r) else 0.0) for r in rows]
+
+
+def sp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: str, sp: int, device: Device
+               ) -> list[tuple[float, float]]:
+    """Per stage, its all-to-alls of one micro-batch, (forward, backward) seconds: (sp - 1) / sp x elements x micro
+    x dtype bytes / device.link each way (a checkpointed block's recompute runs its forward ones again in the
+    backward)."""
+    if sp == 1:
+        return [(0.0, 0.0)] * (len(parts) - 1)
+    per = (sp - 1) / sp * micro * BYTES[precision] / device.link
+    return [(sum(r.sp_a2a for r in rows[a:b]) * per, sum(r.sp_a2a * (2 if r.recompute else 1) for r in rows[a:b]) * per)
+            for a, b in zip(parts, parts[1:])]
+
+
+def check_sp(text: str, cfg: ModelConfig, gpus_per_node: int, tps: tuple[int, ...]
+             ) -> tuple[tuple[int, ...], list[str]]:
+    """--sp N[,N...] -> (the degrees to plan, a note per degree left out and why): each >= 1 (else ConfigError); above
+    1 only where it divides the heads and KV heads and, with the smallest TP asked, the GPUs per node."""
+    try:
+        sps = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(f"--sp: {text!r} is not a list of integers, e.g. 1,2,4,8") from None
+    keep, notes, t = [], [], cfg.text
+    for sp in sps:
+        if sp < 1:
+            raise ConfigError(f"--sp: {sp} must be >= 1")
+        why = ("" if sp == 1 else
+               f"it does not divide {cfg.name}'s {t.n_heads} attention heads" if t.n_heads % sp else
+               f"it does not divide {cfg.name}'s {t.kv_heads} KV heads" if t.kv_heads % sp else
+               f"{min(tps)} TP x {sp} SP does not divide {gpus_per_node} GPUs per node (both stay inside a node)"
+               if gpus_per_node % (min(tps) * sp) else "")
+        if why:
+            notes.append(f"sp: {sp} left out: {why}")
+        else:
+            keep.append(sp)
+    return tuple(keep) or (1,), notes
