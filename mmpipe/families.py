@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from . import config as c
 from .data.gemma3 import GEMMA3_IMAGES
+from .data.gemma4 import GEMMA4_IMAGES
 from .data.image_kinds import PATCHES, PLACEHOLDERS, SPLICED, TILES
 from .data.internvl import INTERN_TILES
 from .model import costs
@@ -309,12 +310,13 @@ GEMMA3 = register(Family(
     hf=_hf("gemma3", "Gemma3ForConditionalGeneration", ("gemma3",), "Gemma 3", importer="import_gemma3",
            config="hf_gemma3_config", reader="read_gemma3")))
 
-# Gemma 4 (mmpipe.model.gemma4): a tower with a learned 2-D position table and 3 x 3 pooling at a fixed square size,
-# Gemma 3's bracketed placeholders (its image kind, mean 0 / std 1), a decoder whose per-layer inputs and shared K/V
-# are carried stage fields (gemma4_fields); audio is not among its media: a record with audio is a bad record
+# Gemma 4 (mmpipe.model.gemma4): a tower with a learned 2-D position table and 3 x 3 pooling, its images by config
+# (mmpipe.data.gemma4: a fixed square on Gemma 3's bracketed placeholders, or any aspect ratio within
+# vision.max_soft_tokens as a patch list with each slot's grid in tiling), a decoder whose per-layer inputs and shared
+# K/V are carried stage fields (gemma4_fields); audio is not among its media: a record with audio is a bad record
 GEMMA4 = register(Family(
     "gemma4", "prefix", gemma4_specs, (Gemma4TowerBlock, *GEMMA4_BLOCK_CLASSES.values()), GEMMA4_COSTS,
-    ImageLayout(placeholders=True, vision=Gemma4Vision, text=Gemma4Text), GEMMA3_IMAGES, checks=gemma4_checks,
+    ImageLayout(placeholders=True, vision=Gemma4Vision, text=Gemma4Text), GEMMA4_IMAGES, checks=gemma4_checks,
     fields=gemma4_fields,
     hf=_hf("gemma4", "Gemma4ForConditionalGeneration", ("gemma4",), "Gemma 4", importer="import_gemma4",
            config="hf_gemma4_config", reader="read_gemma4")))

@@ -327,7 +327,10 @@ BUDGET_NOUNS = {"max_patches": "a patch budget", "max_tiles": "a crop budget"}
 
 def image_kind(cfg: ModelConfig | None):
     """The kind of cfg's images (fixed-size spliced images for no model: the built-in shapes set's default)."""
-    return SPLICED if cfg is None else family_of(cfg).kind
+    if cfg is None:
+        return SPLICED
+    kind = family_of(cfg).kind
+    return kind.of(cfg) if hasattr(kind, "of") else kind  # a family whose config picks its kind (gemma4)
 
 
 def row_budget(args, cfg: ModelConfig | None, problems: list[str]) -> int:

@@ -128,8 +128,19 @@ def square_side(vc, max_soft_tokens: int) -> int:
     return side * vc.pooling_kernel_size * vc.patch_size
 
 
+def aspect_budget(vc, max_soft_tokens: int) -> int:
+    """vision.max_soft_tokens of the import: the processor's budget, so that images keep their aspect ratio as
+    transformers' Gemma4ImageProcessor makes them, where the position table holds the longest side it can make
+    (budget x pool patches: 280 x 3 = 840 <= 10240 in the released models); else 0, the fixed square (a table
+    smaller than that, e.g. the tests' 6 entries, would index past its end)."""
+    from ..model.gemma4 import SOFT_TOKEN_BUDGETS
+    fits = max_soft_tokens * vc.pooling_kernel_size <= vc.position_embedding_size
+    return max_soft_tokens if fits and max_soft_tokens in SOFT_TOKEN_BUDGETS else 0
+
+
 def config_from_hf(hf, name: str = "hf", max_soft_tokens: int = 280) -> ModelConfig:
-    """A Gemma4Config -> the mmpipe config, the tower at square_side px; one line for what the layers do not
+    """A Gemma4Config -> the mmpipe config, the tower at square_side px, images of any aspect ratio within
+    max_soft_tokens where the position table holds them (aspect_budget); one line for what the layers do not
     implement."""
     _refusals(hf)
     vc, tc = hf.vision_config, hf.text_config
@@ -143,7 +154,7 @@ def config_from_hf(hf, name: str = "hf", max_soft_tokens: int = 280) -> ModelCon
         ff_dim=vc.intermediate_size, ln_eps=vc.rms_norm_eps, n_kv_heads=vc.num_key_value_heads,
         head_dim=vc.head_dim, pool=vc.pooling_kernel_size, position_table=vc.position_embedding_size,
         rope_theta=float(vc.rope_parameters.get("rope_theta", 100.0)), clipped=bool(vc.use_clipped_linears),
-        standardize=bool(vc.standardize))
+        standardize=bool(vc.standardize), max_soft_tokens=aspect_budget(vc, max_soft_tokens))
     text = Gemma4Text(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads, ff_dim=tc.intermediate_size,
         vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings, rope_theta=theta, ln_eps=tc.rms_norm_eps,

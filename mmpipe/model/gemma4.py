@@ -33,9 +33,17 @@ Attention: sliding layers are causal per sample, each image block both ways (whe
 the window; full layers are causal per sample only (transformers' create_masks_for_vision_model: "Gemma 4
 explicitly disables bidirectional attention on global attention layers").
 
-The tower here takes square images of vision.image_size (every patch valid, positions the row-major grid):
-transformers' processor keeps each image's aspect ratio within a soft-token budget and pads the patch list;
-that variable patch count is not in this family yet (docs/gemma4.md says what is missing).
+Two image layouts, by vision.max_soft_tokens:
+- 0: one fixed square per image of vision.image_size, pixels [B, M, 3, S, S] (every patch valid, positions the
+  row-major grid); the stage tuple is the row alone.
+- > 0 (what transformers does): each image keeps its aspect ratio within that soft-token budget (transformers'
+  Gemma4ImageProcessor, mmpipe.data.gemma4), a row's images as one patch list pixels [B, P, 3 p^2] (each image's
+  rows x cols patches row-major, contiguous in slot order, then zero padding) and each slot's grid (1, rows, cols)
+  in the stage tuple's `tiling` (kept to the head, as Qwen2-VL's). Each patch's (column, row) in its own image
+  indexes the position table and turns the 2-D rotary; a patch attends to its own image's patches only (padding
+  to itself); the pool averages each image's 3 x 3 cells (row-major pooled grid), and the embedding puts row b's
+  pooled tokens, in order, on its placeholders (transformers' Gemma4VisionModel: its padding is masked out of
+  attention and pooling, its pooled padding stripped).
 """
 from __future__ import annotations
 
@@ -49,11 +57,15 @@ from torch import nn
 
 from ..config import ModelConfig, VisionConfig
 from . import costs
-from .attention import apply_partial_rotary, attend, row_attention, row_cached, row_positions
+from .attention import apply_partial_rotary, attend, row_attention, row_cached, row_positions, segment_split
 from .gemma3 import Gemma3Text, gemma_rotary, image_blocks
 from .llava import FinalNorm, LlavaEmbed
+from .qwen2_vl import Patches, patch_coords, used_grids
 from .rows import place_images
 from .stage import ROW, StageField, StageTuple, unpack_in, unpack_out
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # what transformers' Gemma4ImageProcessor accepts (max_soft_tokens)
+TILING = StageField("tiling", False)  # each slot's grid (1, rows, cols), kept to the head (mmpipe.families')
 
 # ---- its model JSON's sections and their checks ----
 
@@ -72,6 +84,14 @@ class Gemma4Vision(VisionConfig):
     rope_theta: float = 100.0
     clipped: bool = False  # Gemma4ClippableLinear's input / output bounds (buffers, read from the checkpoint)
     standardize: bool = False  # the pooled features' (x - std_bias) x std_scale (buffers; the 26B / 31B towers)
+    # > 0: images keep their aspect ratio within this many soft tokens (transformers' Gemma4ImageProcessor's
+    # max_soft_tokens: at most 9 x that many patches an image), pixels a patch list with each slot's grid in
+    # `tiling`; 0: one fixed square of image_size (module docstring)
+    max_soft_tokens: int = 0
+
+    @property
+    def patches_per_image(self) -> int:  # the most patches the processor makes of one image, e.g. 280 x 9 = 2520
+        return self.max_soft_tokens * self.pool ** 2
 
     @property
     def kv_heads(self) -> int:
@@ -145,6 +165,13 @@ def gemma4_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (v.grid % v.pool == 0 and v.image_size % v.patch_size == 0, "vision.image_size",
          f"{v.image_size} px must be a multiple of patch_size {v.patch_size} x pool {v.pool}"),
         (v.grid <= v.position_table, "vision.position_table", f"{v.position_table} < the {v.grid}-patch side"),
+        (v.max_soft_tokens in (0, *SOFT_TOKEN_BUDGETS), "vision.max_soft_tokens",
+         f"{v.max_soft_tokens}: 0 (a fixed square) or one of transformers' {SOFT_TOKEN_BUDGETS}"),
+        # the processor's longest side is max_soft_tokens x pool patches (a thin image: budget / pool^2 cells of
+        # pool patches), e.g. 280 x 3 = 840 <= 10240
+        (v.max_soft_tokens * v.pool <= v.position_table, "vision.max_soft_tokens",
+         f"{v.max_soft_tokens} soft tokens make sides of up to {v.max_soft_tokens * v.pool} patches, past the "
+         f"{v.position_table}-entry position table"),
         (v.n_heads % v.kv_heads == 0 and v.attn_head_dim % 4 == 0, "vision.n_kv_heads",
          f"{v.kv_heads} kv heads of {v.attn_head_dim}: must divide {v.n_heads} heads, width a multiple of 4"),
         (t.n_heads % t.kv_heads == 0 and t.n_heads % t.layer_kv_heads(False) == 0, "text.n_kv_heads",
@@ -216,6 +243,14 @@ class GeluMLP(nn.Module):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
+def image_patches(t: StageTuple) -> Patches:
+    """Each of the row's P patches' slot (M: padding) and (row, col) in its image's grid, from the slots' grids
+    (t.tiling, unused slots zeroed): row-major within an image, transformers' convert_image_to_patches order
+    (qwen2_vl.patch_coords with merge units of 1 patch). Once per micro-batch (row_cached)."""
+    P = t.hidden.shape[1]
+    return row_cached((t.tiling, t.has_image), ("gemma4-patches", P), lambda: patch_coords(used_grids(t), P, 1))
+
+
 def patch_grid(n: int, side: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(column, row) of each of side^2 row-major patches: transformers' meshgrid(indexing="xy") positions."""
     idx = torch.arange(side * side, device=device)
@@ -233,8 +268,10 @@ class Gemma4PatchEmbed(nn.Module):
         self.position_embedding_table = nn.Parameter(torch.randn(2, v.position_table, v.dim) * 0.02)
 
     def forward(self, inputs):
-        t = unpack_in(self, inputs)  # hidden: pixels [B, M, C, S, S]
-        px = t.hidden.flatten(0, t.hidden.dim() - 4)
+        t = unpack_in(self, inputs)
+        if t.tiling is not None:  # hidden: patches [B, P, C p p], each slot's grid in tiling
+            return t._replace(hidden=self.embed_patches(t)).pack()
+        px = t.hidden.flatten(0, t.hidden.dim() - 4)  # hidden: pixels [B, M, C, S, S]
         N, C, p, g = px.shape[0], px.shape[1], self.patch, self.side
         # transformers' convert_image_to_patches: [C, g, p, g, p] -> [g, g, p, p, C] -> [g^2, p p C]
         patches = px.reshape(N, C, g, p, g, p).permute(0, 2, 4, 3, 5, 1).reshape(N, g * g, p * p * C)
@@ -243,15 +280,47 @@ class Gemma4PatchEmbed(nn.Module):
         x = x + self.position_embedding_table[0][col] + self.position_embedding_table[1][row]
         return t._replace(hidden=x).pack()
 
+    def embed_patches(self, t: StageTuple) -> torch.Tensor:
+        """[B, P, C p p] -> [B, P, Dv]: 2 (x - 0.5), input_proj, + table[0][column] + table[1][row] of each patch in
+        its own image; a padding patch gets no position (Gemma4VisionPatchEmbedder zeroes it)."""
+        c = image_patches(t)
+        x = self.input_proj((2 * (t.hidden - 0.5)).to(self.input_proj.weight.dtype))
+        valid = (c.slot < t.tiling.shape[1])[..., None]
+        table = self.position_embedding_table
+        return x + (table[0][c.col] + table[1][c.row]) * valid
+
 
 def axial_rotary(side: int, head_dim: int, theta: float, device):
-    """cos, sin [1, 1, side^2, head_dim]: Gemma4VisionRotaryEmbedding's H-H-W-W layout; the first half of a head
-    turns by the patch's column, the second by its row, each half rotate-half within itself."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, device=device, dtype=torch.float32) / (head_dim // 2)))
+    """cos, sin [1, 1, side^2, head_dim] of a square's row-major patches (axial_rotary_at)."""
     col, row = patch_grid(side * side, side, device)
-    fc, fr = col[:, None].float() * inv, row[:, None].float() * inv
+    return axial_rotary_at(col[None], row[None], head_dim, theta)
+
+
+def axial_rotary_at(col: torch.Tensor, row: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin [B, 1, P, head_dim] of patches at col, row [B, P]: Gemma4VisionRotaryEmbedding's H-H-W-W layout;
+    the first half of a head turns by the patch's column, the second by its row, each half rotate-half within
+    itself."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, device=col.device, dtype=torch.float32)
+                           / (head_dim // 2)))
+    fc, fr = col[..., None].float() * inv, row[..., None].float() * inv
     emb = torch.cat([fc, fc, fr, fr], -1)
-    return emb.cos()[None, None], emb.sin()[None, None]
+    return emb.cos()[:, None], emb.sin()[:, None]
+
+
+def tower_geometry(t: StageTuple, head_dim: int, theta: float):
+    """(mask, (cos, sin)) of a tower block: a square's (None: all its patches see each other, rotary by the
+    row-major grid), or a patch list's (each patch sees its own image's, a padding patch itself only: a Split of
+    per-image segments; rotary by each patch's place in its own image). Once per micro-batch (row_cached)."""
+    if t.tiling is None:
+        side = math.isqrt(t.hidden.shape[1])
+        return None, axial_rotary(side, head_dim, theta, t.hidden.device)
+
+    def build():
+        c, M = image_patches(t), t.tiling.shape[1]
+        B = c.slot.shape[0]
+        seg = torch.where(c.slot < M, torch.arange(B, device=c.slot.device)[:, None] * M + c.slot, -1)
+        return segment_split(seg), axial_rotary_at(c.col, c.row, head_dim, theta)
+    return row_cached((t.tiling, t.has_image), ("gemma4-tower", t.hidden.shape[1], head_dim, theta), build)
 
 
 def rotate_halves(x, cos, sin):
@@ -272,14 +341,13 @@ class Gemma4TowerAttention(nn.Module):
         self.q_norm, self.k_norm = RMSNorm(self.hd, v.ln_eps), RMSNorm(self.hd, v.ln_eps)
         self.v_norm = RMSNorm(self.hd, v.ln_eps, scale=False)
 
-    def forward(self, x):
+    def forward(self, x, mask, rotary):
         B, T, _ = x.shape
-        side = math.isqrt(T)
-        cos, sin = axial_rotary(side, self.hd, self.theta, x.device)
+        cos, sin = rotary
         q = rotate_halves(self.q_norm(self.q_proj(x).view(B, T, -1, self.hd)).transpose(1, 2), cos, sin)
         k = rotate_halves(self.k_norm(self.k_proj(x).view(B, T, -1, self.hd)).transpose(1, 2), cos, sin)
         v = self.v_norm(self.v_proj(x).view(B, T, -1, self.hd)).transpose(1, 2)
-        out = attend(q * math.sqrt(self.hd), k, v)  # scale 1: SDPA's hd^-1/2 undone on q
+        out = attend(q * math.sqrt(self.hd), k, v, mask)  # scale 1: SDPA's hd^-1/2 undone on q
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -297,7 +365,9 @@ class Gemma4TowerBlock(nn.Module):
 
     def forward(self, args):
         t = unpack_in(self, args)
-        x = t.hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(t.hidden)))
+        a = self.self_attn
+        attn = a(self.input_layernorm(t.hidden), *tower_geometry(t, a.hd, a.theta))
+        x = t.hidden + self.post_attention_layernorm(attn)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return t._replace(hidden=x).pack()
 
@@ -321,12 +391,33 @@ class Gemma4Projector(nn.Module):
         t = unpack_in(self, args)
         x = t.hidden
         B, _, D = x.shape
-        pooled = F.avg_pool2d(x.float().transpose(1, 2).reshape(B, D, self.side, self.side), self.pool)
-        pooled = pooled.flatten(2).transpose(1, 2) * self.scale
+        if t.tiling is not None:
+            pooled = self.pool_patches(t)
+        else:
+            pooled = F.avg_pool2d(x.float().transpose(1, 2).reshape(B, D, self.side, self.side), self.pool)
+            pooled = pooled.flatten(2).transpose(1, 2)
+        pooled = pooled * self.scale
         if self.standardize:
             pooled = (pooled - self.std_bias.float()) * self.std_scale.float()
         pooled = pooled.to(x.dtype)
         return t._replace(hidden=self.embedding_projection(self.embedding_pre_projection_norm(pooled))).pack()
+
+    def pool_patches(self, t: StageTuple) -> torch.Tensor:
+        """[B, P, Dv] -> fp32 [B, P / k^2, Dv]: each image's k x k cells averaged, its rows / k x cols / k pooled
+        tokens row-major, the images' in slot order, zeros after (Gemma4VisionPooler._avg_pool_by_positions: a
+        patch at (c, r) of an image of `cols` columns goes to cell (r // k) (cols // k) + c // k, its weight
+        1 / k^2; padding patches go nowhere). E.g. a 6 x 9-patch image at k 3: 2 x 3 = 6 tokens."""
+        c, k, x = image_patches(t), self.pool, t.hidden
+        B, P, D = x.shape
+        grids = used_grids(t)
+        counts = grids[..., 1] * grids[..., 2] // (k * k)  # [B, M] pooled tokens a slot
+        slot = c.slot.clamp(max=grids.shape[1] - 1)
+        start = (counts.cumsum(-1) - counts).gather(1, slot)
+        cell = start + (c.row // k) * (grids[..., 2].gather(1, slot) // k) + c.col // k
+        cell = torch.where(c.slot < grids.shape[1], cell, P // (k * k))  # padding: a spare cell, dropped
+        out = x.new_zeros(B, P // (k * k) + 1, D, dtype=torch.float32)
+        out = out.scatter_add(1, cell[..., None].expand(-1, -1, D), x.float() / (k * k))
+        return out[:, :-1]
 
 
 class Gemma4Embed(LlavaEmbed):
@@ -339,6 +430,7 @@ class Gemma4Embed(LlavaEmbed):
         t = cfg.text
         self.scale, self.pad_id, self.softcap = t.dim ** 0.5, t.pad_id, t.final_softcap
         self.n, self.ple = t.n_layers, t.ple_dim
+        self.pool = cfg.vision.pool
         if t.ple_dim:
             self.embed_tokens_per_layer = nn.Embedding(t.ple_vocab, t.n_layers * t.ple_dim)
             nn.init.normal_(self.embed_tokens_per_layer.weight, std=0.02)
@@ -356,10 +448,28 @@ class Gemma4Embed(LlavaEmbed):
         proj = self.per_layer_projection_norm(proj.view(*x.shape[:-1], self.n, self.ple)).flatten(-2)
         return (proj + table) * 2 ** -0.5
 
+    def place_pooled(self, x: torch.Tensor, t: StageTuple) -> torch.Tensor:
+        """x with row b's placeholders taking row b's pooled image tokens in order (t.hidden [B, P / k^2, D]: the
+        first n_b of them, n_b from its used slots' grids: rows x cols / k^2 each); one line when the counts
+        differ."""
+        where = t.input_ids == self.image_token_id
+        grids, k = used_grids(t), self.pool
+        have, want = where.sum(-1), (grids[..., 1] * grids[..., 2] // (k * k)).sum(-1)
+        if not torch.equal(have, want):
+            b = int((have != want).nonzero()[0, 0])
+            raise ValueError(f"row {b}: {int(have[b])} image placeholder positions (id {self.image_token_id}) for "
+                             f"{int(want[b])} pooled image tokens (its slots' grids)")
+        feats = t.hidden.to(x.dtype)
+        rank = (where.cumsum(-1) - 1).clamp(min=0, max=feats.shape[1] - 1)
+        picked = feats.gather(1, rank[..., None].expand(-1, -1, feats.shape[-1]))
+        return torch.where(where[..., None], picked, x) + 0 * feats.sum()  # the tower stays on the graph
+
     def run(self, t: StageTuple, images: bool):
         ids = t.input_ids.masked_fill(t.input_ids == self.image_token_id, self.pad_id)
         x = self.embed(ids)
-        if images:
+        if images and t.tiling is not None:
+            x = self.place_pooled(x, t)
+        elif images:
             x = place_images(x, t.input_ids, t.hidden, t.has_image, self.image_token_id)
         return t._replace(hidden=x, per_layer=self.per_layer(ids, x) if self.ple else None)
 
@@ -570,7 +680,7 @@ def gemma4_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
     """The row, then per_layer (Gemma4Embed to the last decoder layer) and each shared type's K/V (its producer to
     its last consumer)."""
     t, classes = cfg.text, block_classes(cfg)
-    out = ROW
+    out = ROW + ((TILING,) if cfg.vision.max_soft_tokens else ())  # a patch list's grids, to the head
     if t.ple_dim:
         out += (StageField("per_layer", True, made_by=Gemma4Embed, dropped_by=classes[-1],
                            per_position=_ple_width),)

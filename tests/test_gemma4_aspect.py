@@ -1,0 +1,95 @@
+"""The gemma4 family's images of any aspect ratio (issue 55; mmpipe.data.gemma4, mmpipe.model.gemma4): test_gemma4's
+tiny transformers Gemma 4 with a 256-entry position table and an image processor at 70 soft tokens (4-px patches:
+at most 630 patches an image, a side of up to 70 x 3 = 210 patches), so `mmpipe import --hf` takes its images as
+transformers' Gemma4ImageProcessor makes them (vision.max_soft_tokens 70). Three images of 2:1, 1:3 and 1:1 get
+grids of 15 x 33, 42 x 12 and 24 x 24 patches, 55, 56 and 64 soft tokens; read through mmpipe's own image kind, they
+give transformers' logits, each image's block its own length. In-process, no launch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmpipe.cli import main
+from mmpipe.config import config_from_dict
+from mmpipe.runtime.checkpoint import load_reference
+from test_gemma3 import _tokenizer
+from test_gemma4 import BOI, EOI, IMG, LOGITS_TOL, _hf_model
+
+TABLE, BUDGET = 256, 70
+SIZES = [(64, 32), (30, 90), (50, 50)]  # (W, H): 2:1, 1:3, square
+GRIDS = [(1, 15, 33), (1, 42, 12), (1, 24, 24)]  # transformers' get_aspect_ratio_preserving_size at 630 patches
+
+
+def _hf_aspect_model():
+    """test_gemma4's model (its weights and perturbations) with a position table of 256 (random, std 0.5)."""
+    from transformers import Gemma4ForConditionalGeneration
+    small = _hf_model()
+    cfg = small.config
+    cfg.vision_config.position_embedding_size = TABLE
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    state = {k: v for k, v in small.state_dict().items() if "position_embedding_table" not in k}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert [m for m in missing if "position_embedding_table" not in m] == [] and unexpected == []
+    with torch.no_grad():
+        table = model.model.vision_tower.patch_embedder.position_embedding_table
+        table.copy_(torch.randn(table.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def aspect(tmp_path_factory):
+    """(transformers' model, its directory, the imported model, the three PIL images)."""
+    from PIL import Image
+    from transformers import Gemma4ImageProcessor
+    d = tmp_path_factory.mktemp("gemma4_aspect")
+    hf = _hf_aspect_model()
+    hf.save_pretrained(d / "hf")
+    _tokenizer(d / "hf")
+    Gemma4ImageProcessor(patch_size=4, max_soft_tokens=BUDGET, pooling_kernel_size=3).save_pretrained(d / "hf")
+    assert main(["import", "--hf", str(d / "hf"), "--out", str(d / "run")]) == 0
+    cfg = config_from_dict(json.loads((d / "run" / "model.json").read_text()), "gemma4")
+    g = torch.Generator().manual_seed(11)
+    images = []
+    for i, (w, h) in enumerate(SIZES):
+        images.append(Image.fromarray((torch.rand(h, w, 3, generator=g) * 255).byte().numpy()))
+        images[-1].save(d / f"{i}.png")
+    return hf, d, load_reference(d / "run" / "checkpoints", cfg).eval(), images
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """A prompt a row: BOS, two words, the image's block at position 3, two words."""
+    return [[1, 10 + i, 20 + i, 30 + i, 40 + i] for i in range(n)]
+
+
+def test_import_takes_any_aspect_ratio_with_transformers_logits(aspect):
+    """A batch of the three images, one a row, read by the family's image kind (transformers' Gemma4ImageProcessor
+    at the model's budget), each prompt's block as long as its image's grid says: mmpipe's logits equal
+    transformers' on every real position within 1e-4; the stage tuple carries each slot's grid (tiling)."""
+    from transformers import Gemma4ImageProcessor
+
+    from mmpipe.data.image_kinds import image_kind
+    from mmpipe.model.rows import sample_rows
+    hf, d, model, images = aspect
+    cfg = model.cfg
+    assert cfg.vision.max_soft_tokens == BUDGET
+    kind = image_kind(cfg)
+    read = kind.one_image(cfg)
+    pixels, tiling, grids = kind.stack(cfg, [read(im) for im in images])
+    assert [tuple(g[0]) for g in grids] == GRIDS and tiling[:, 0].tolist() == [list(g) for g in GRIDS]
+    prompts = [kind.with_images(p, cfg, [3], g) for p, g in zip(_prompts(3), grids)]
+    assert [p.count(IMG) for p in prompts] == [55, 56, 64]
+    assert all(p[3] == BOI and p[4 + p.count(IMG)] == EOI for p in prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    real = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    row_ids, has_image, segments = sample_rows(cfg, ids)
+    segments = segments * real
+    proc = Gemma4ImageProcessor.from_pretrained(d / "hf")(images=images, return_tensors="pt")
+    with torch.no_grad():
+        got = model(pixels, row_ids, has_image, segments, tiling)
+        want = hf(input_ids=ids, attention_mask=real, pixel_values=proc["pixel_values"],
+                  image_position_ids=proc["image_position_ids"], mm_token_type_ids=(ids == IMG).long()).logits
+    diffs = [(got[b, :len(p)] - want[b, :len(p)]).abs().max().item() for b, p in enumerate(prompts)]
+    assert max(diffs) < LOGITS_TOL, diffs
