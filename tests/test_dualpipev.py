@@ -1,19 +1,27 @@
 """--schedule dualpipev (mmpipe.runtime.dualpipev): DeepSpeed's own DualPipeVModule / DualPipeVEngine over
-mmpipe's layer list. One launch: llava-tiny, packed rows, PP=2 (2 x 2 stages in a V: rank 0 holds the vision
-tower and the LM head with its tied embedding) equals the single-device reference (fp32, losses and weights
-1e-5, 3 updates at a constant LR, every trained tensor moved) and sends floats only. In-process: the planner's
+mmpipe's layer list. Launches: llava-tiny, packed rows, PP=2 (2 x 2 stages in a V: rank 0 holds the vision tower and
+the LM head with its tied embedding) equals the single-device reference (fp32, losses and weights 1e-5, 3 updates at
+a constant LR, every trained tensor moved) and sends floats only; its checkpoints (one a step) resume: under
+DualPipeV bit for bit (cut after step 2) and under 1F1B (cut after step 1: another layer-to-rank map; weights carried,
+moments restarted, said so).
+tests/test_dualpipev_layouts.py: PP=4, qwen3-vl-tiny, frozen tower, LoRA, validation. In-process: the planner's
 DualPipeV order is DeepSpeed's DualPipeVSchedule's, its unit-time bubble, the V's split balancing each rank's pair
-of stages, and the refusals."""
+of stages, `mmpipe plan`'s V-pair split, and the refusals."""
 from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
+import torch
 from deepspeed.runtime.pipe import schedule as ds
 
-from conftest import assert_weights_moved, refused, train_run, write_ds_config
+from conftest import assert_weights_moved, cut_at, refused, train_run, write_ds_config
+from mmpipe.cli import main, parser
 from mmpipe.model.builder import ReferenceModel
+from mmpipe.planning import request as plan_request
+from mmpipe.planning.costmodel import layer_costs
 from mmpipe.planning.orders import dualpipev_orders, one_f_one_b_orders, zb_h1_orders
 from mmpipe.planning.partition import compute_parts
 from mmpipe.planning.schedule_registry import DUALPIPEV, schedule_named
@@ -27,6 +35,9 @@ from mmpipe.runtime.reference import train_reference
 TOL = 1e-5
 STEPS = 3
 SEED = 4
+V2 = ("--stages", "2", "--schedule", "dualpipev")
+SAVE = ("--save-every", "1", "--keep-checkpoints", "0")
+RESTARTED = "the optimizer state (AdamW moments) starts again from zero"
 
 
 def _args(cfg, *extra: str) -> list[str]:
@@ -41,9 +52,14 @@ def cfg(tmp_path_factory):
                            gradient_accumulation_steps=4, scheduler=None)
 
 
-def test_pp2_packed_equals_single_device_reference(cfg, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dpv")
-    run = train_run(out / "pp2", *_args(cfg, "--stages", "2", "--schedule", "dualpipev")).check()
+@pytest.fixture(scope="module")
+def pp2(cfg, tmp_path_factory):
+    """The PP=2 DualPipeV run, a checkpoint after every step: the reference test's run and the resumes' source."""
+    return train_run(tmp_path_factory.mktemp("dpv") / "pp2", *_args(cfg, *V2, *SAVE)).check()
+
+
+def test_pp2_packed_equals_single_device_reference(cfg, pp2):
+    run, out = pp2, pp2.out.parent
     s = run.summary
     assert s["stages"] == 2 and len(s["parts"]) == 2 * 2 + 1  # 4 stages: rank 0 holds 0 and 3, rank 1 1 and 2
     assert s["data"]["samples_seen"] > s["data"]["rows_seen"] == STEPS * 2 * 4  # several samples a row
@@ -60,6 +76,48 @@ def test_pp2_packed_equals_single_device_reference(cfg, tmp_path_factory):
     # it trained: every tensor moved > 10 x TOL from the seed's init, but the CLIP tower's key biases (no rotary:
     # softmax cancels their gradient; they moved 4.6e-7 and 1.1e-6 here, rounding)
     assert_weights_moved(trained, ReferenceModel(ref_run.model, seed=SEED), TOL, no_gradient=("self_attn.k_proj.bias",))
+
+
+def _layer_files(run, tag: str) -> dict[str, dict]:
+    return {p.name: torch.load(p, weights_only=True) for p in sorted((run.out / "checkpoints" / tag).glob("layer_*"))}
+
+
+def test_resume_under_dualpipev_is_bit_exact(cfg, pp2, tmp_path):
+    """Cut after step 2 and resumed under DualPipeV: step 3's loss and every layer file both ranks write (each its two
+    V stages') equal the uninterrupted run's bit for bit (the optimizer moments, RNG and data position restored)."""
+    resumed = train_run(cut_at(pp2, tmp_path / "cut", 2), *_args(cfg, *V2, *SAVE, "--resume")).check()
+    assert resumed.summary["start_step"] == 2 and RESTARTED not in resumed.proc.stdout
+    assert resumed.losses == pp2.losses
+    got, want = _layer_files(resumed, "step3"), _layer_files(pp2, "step3")
+    assert got.keys() == want.keys()
+    for name, state in want.items():
+        assert state.keys() == got[name].keys() and all(torch.equal(v, got[name][k]) for k, v in state.items()), name
+    parts, layers = pp2.summary["parts"], {int(name[6:8]) for name in want}
+    for rank in (0, 1):  # stage r and stage 3 - r: some layer file of each
+        for stage in (rank, 3 - rank):
+            assert layers & set(range(parts[stage], parts[stage + 1])), (rank, stage, sorted(layers))
+
+
+def _assert_reshaped(moved, source, cut: int, was: str, now: str) -> None:
+    """`source`'s step-`cut` checkpoint resumed under another layout (`moved`): said so with both layouts, the moments
+    restarted; the weights carried (the next step's loss is the source's: the same weights, data position and
+    LR), and the steps after it trained (every trained tensor moved > 1e-6 from the cut's weights)."""
+    out = moved.proc.stdout
+    assert f"was written by {was}" in out and f"this run is {now}" in out and RESTARTED in out, out[-2000:]
+    assert moved.summary["start_step"] == cut and sorted(moved.losses) == list(range(1, STEPS + 1))
+    assert moved.losses[cut + 1] == pytest.approx(source.losses[cut + 1], abs=1e-6)
+    model = resolve(TrainArgs.from_argv(["--preset", "llava-tiny", "--stages", "1"]), world_size=1).model
+    got, at_cut = (load_reference(moved.out / "checkpoints", model, tag) for tag in (None, f"step{cut}"))
+    assert_weights_moved(got, at_cut, 1e-7, no_gradient=("self_attn.k_proj.bias",))
+
+
+def test_dualpipev_checkpoint_resumes_under_1f1b(cfg, pp2, tmp_path):
+    """pp2's step-1 checkpoint (DualPipeV, parts [0, 2, 5, 6, 9]: rank 0 holds layers 0..1 and 6..8) resumed under
+    1F1B (parts [0, 6, 9]: rank 0 holds layers 0..5) for steps 2 and 3."""
+    moved = train_run(cut_at(pp2, tmp_path / "cut", 1), *_args(cfg, "--stages", "2", "--schedule", "1f1b", "--resume"))
+    v, line = pp2.summary["parts"], moved.check().summary["parts"]
+    assert len(v) == 5 and len(line) == 3
+    _assert_reshaped(moved, pp2, 1, f"2 stages x dp 1 (parts {v}", f"2 x dp 1 (parts {line}")
 
 
 def _ds_sequence(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
@@ -104,8 +162,7 @@ def test_unit_time_bubble_against_1f1b_and_zb_h1():
 
 def test_refusals(tmp_path, capsys, cfg):
     """Bad input gets one line each: too few micro-batches for DeepSpeed's DualPipeV (>= 2 x stages), a model DualPipeV
-    cannot split into 2 x stages parts, validation and an MoE model (not wired for the V); the record knows its module
-    and engine."""
+    cannot split into 2 x stages parts, an MoE model (not wired for the V); the record knows its module and engine."""
     assert schedule_named("dualpipev") is DUALPIPEV and DUALPIPEV.engine == "DualPipeVEngine"
     few = write_ds_config(tmp_path / "few.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3)
     lines = refused(["--output-dir", str(tmp_path / "a"), *_args(few, "--stages", "2", "--schedule", "dualpipev")],
@@ -116,11 +173,9 @@ def test_refusals(tmp_path, capsys, cfg):
     lines = refused(["--output-dir", str(tmp_path / "b"), *_args(gas16, "--stages", "8", "--schedule", "dualpipev")],
                     capsys)
     assert len(lines) == 1 and lines[0].endswith("(--schedule dualpipev cuts 2 x 8 ranks = 16 stages)"), lines
-    for extra, why in ((["--eval-data", "shapes", "--eval-samples", "4"], "validation (--eval-data / --eval-split)"),
-                       (["--preset", "qwen3-vl-30b-a3b"], "an MoE model's expert groups and reduction")):
-        lines = refused(["--output-dir", str(tmp_path / "c"), *_args(cfg, "--stages", "2", "--schedule", "dualpipev"),
-                         *extra], capsys)
-        assert len(lines) == 1 and lines[0].startswith(f"mmpipe: error: --schedule dualpipev: {why}"), lines
+    lines = refused(["--output-dir", str(tmp_path / "c"), *_args(cfg, *V2), "--preset", "qwen3-vl-30b-a3b"], capsys)
+    assert len(lines) == 1 and lines[0].startswith("mmpipe: error: --schedule dualpipev: an MoE model's expert groups "
+                                                   "and reduction"), lines
 
 
 def test_v_pair_split_is_the_least_largest_rank_load():
@@ -146,3 +201,29 @@ def test_v_pair_split_is_the_least_largest_rank_load():
         loads = pair_loads(flops, parts)
         return max(loads) / (sum(loads) / len(loads))
     assert spread(run.parts) < 1.03 < 1.13 < spread(per_stage)
+
+
+def test_plan_shows_the_v_pair_split(capsys):
+    """`mmpipe plan --schedule all` (or dualpipev) prints each rank's two V stages, cut as `mmpipe train --schedule
+    dualpipev` cuts them (compute_parts with v_ranks: each rank's pair balanced, not each stage), frozen-aware (a frozen
+    layer costs its forward only): qwen3-vl-tiny on 2 ranks, [0, 3, 11, 13, 19] with the tower frozen, [0, 1, 11, 13,
+    19] trained; the per-stage split is [0, 11, 13, 15, 19] both ways. --schedule 1f1b prints none."""
+    argv = ["plan", "--preset", "qwen3-vl-tiny", "--gpus-per-node", "2", "--global-batch", "8"]
+
+    def v_parts(*extra: str) -> list[int] | None:
+        capsys.readouterr()
+        assert main([*argv, *extra]) == 0
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dualpipev's V at PP=2")]
+        if not lines:
+            return None
+        found = re.findall(r"stage (\d) layers (\d+)\.\.(\d+)", lines[0])
+        stages = sorted((int(s), int(a), int(b)) for s, a, b in found)
+        assert [s for s, _, _ in stages] == [0, 1, 2, 3] and lines[0].index("rank 1: stage 1") > 0, lines[0]
+        return [a for _, a, _ in stages] + [stages[-1][2] + 1]
+
+    spec = plan_request.resolve(parser().parse_args([*argv, "--freeze", "vision"])).spec
+    rows = layer_costs(spec.cfg, spec.freeze, spec.text_len, spec.checkpointing, spec.lora, spec.images, spec.row)
+    frozen = v_parts("--freeze", "vision", "--schedule", "all")
+    assert frozen == compute_parts(rows, 4, "balanced", v_ranks=2) != compute_parts(rows, 4, "balanced")
+    assert v_parts("--schedule", "dualpipev") not in (None, frozen)
+    assert v_parts("--freeze", "vision", "--schedule", "1f1b") is None

@@ -49,11 +49,13 @@ from .costmodel import KNOWN_DEVICES, Shape, layer_costs, profile_layers
 from .data_rows import DATA_FLAGS
 from .images import sized_families
 from .layout import GiB, Layout, plan_layout
+from .partition import compute_parts
 from .report import budget_words, print_json, print_plan
 from .request import PLAN_SCHEDULES, PlanRun, PlanSpec, cpu_device, device_from_args, resolve
-from .schedule_registry import BASELINE
+from .schedule_registry import BASELINE, DUALPIPEV, asked
 from .sequence_parallel import sp_layer_costs
 from .tensor_parallel import tp_layer_costs
+from .vpairs import describe_pairs
 
 __all__ = ["GiB", "Layout", "PlanRun", "PlanSpec", "plan_layout", "add_plan_args", "cpu_device", "device_from_args",
            "plan", "main_plan", "resolve"]
@@ -235,7 +237,8 @@ def main_plan(args) -> int:
     if run.json:
         print_json(run, layouts)
     else:
-        print_plan(run, layouts, time.perf_counter() - t0, fixed_first_stage(s, feasible[0] if feasible else None))
+        beside = (fixed_first_stage(s, feasible[0] if feasible else None), v_pairs_line(s, run.schedule, layouts))
+        print_plan(run, layouts, time.perf_counter() - t0, "\n".join(line for line in beside if line))
     if not feasible:
         return fail(ConfigError(f"plan: no layout of {s.cfg.name} fits {s.gpus} x {s.device.memory / GiB:.0f} GiB at "
                                 f"global batch {s.global_batch} (try {fit_hints(s)})"))
@@ -301,3 +304,19 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
             f"{'' if fits else f' (over {s.device.memory / GiB:.0f} GiB: it does not fit)'}, fwd "
             f"{s0['forward_ms']:.2f} + bwd {s0['backward_ms']:.2f} ms against the best's slowest stage "
             f"{max(r['forward_ms'] + r['backward_ms'] for r in best.stage_rows):.2f} ms")
+
+
+def v_pairs_line(spec: PlanSpec, schedule, layouts: list[Layout]) -> str:
+    """With dualpipev asked for (--schedule dualpipev or all): the V-pair split of the best layout DualPipeV runs
+    (PP >= 2), cut as `mmpipe train --schedule dualpipev` cuts it (compute_parts with v_ranks: each rank's pair of
+    stages balanced by FLOPs, a frozen layer's forward only; mmpipe.planning.vpairs); '' otherwise."""
+    s = spec
+    lay = next((x for x in layouts if x.step and DUALPIPEV.name in x.predictions and x.stages >= 2), None)
+    if DUALPIPEV not in asked(schedule) or lay is None:
+        return ""
+    rows, p = tp_layer_costs(s.cfg, layer_table(s), lay.tp), lay.stages
+    head = f"dualpipev's V at PP={p} ({2 * p} stages, rank r holding stage r and {2 * p - 1} - r)"
+    try:
+        return f"{head}: {describe_pairs(rows, compute_parts(rows, 2 * p, 'balanced', v_ranks=p))}"
+    except ConfigError as e:
+        return f"{head}: {e}"

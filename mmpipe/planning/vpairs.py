@@ -92,3 +92,19 @@ def v_pair_split(weights, ranks: int) -> list[int] | None:
         else:
             best, hi = bounds, mid
     return best
+
+
+def describe_pairs(rows, parts: list[int]) -> str:
+    """`mmpipe plan`'s V-pair split in words: each rank's two stages (stage r and stage 2p - 1 - r) with their layers
+    and the rank's share of the FLOPs (rows: the plan's LayerCost table, frozen layers costed forward only), then the
+    largest rank load over the mean, e.g. 'rank 0: stage 0 layers 0..2 (QwenPatchEmbed..DeepstackMerger) + stage 3
+    layers 13..18 (DeepstackAdd..LMHead), 26% of the FLOPs; ...; max / mean rank load 1.028'."""
+    flops = [r.flops for r in rows]
+    loads, n = pair_loads(flops, parts), len(parts) - 1
+    total = sum(loads) or 1.0
+
+    def stage(s: int) -> str:
+        a, b = parts[s], parts[s + 1]
+        return f"stage {s} layers {a}..{b - 1} ({rows[a].name}..{rows[b - 1].name})"
+    ranks = [f"rank {r}: {stage(r)} + {stage(n - 1 - r)}, {loads[r] / total:.0%} of the FLOPs" for r in range(n // 2)]
+    return "; ".join(ranks) + f"; max / mean rank load {max(loads) / (total / len(loads)):.3f}"

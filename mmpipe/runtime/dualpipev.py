@@ -19,6 +19,9 @@ adds only what its own layer list needs, on top of DeepSpeed's classes:
   phase-1 one on the same rank: the micro-batch turns around on the last rank) and keeps them for its
   phase-1 ForwardPass; rank 0 keeps its loaded integers the same way. A part that is not the first joins
   them to the floats it received (VLMPipeline.forward); a part that is not the last sends its floats only.
+  Validation (mmpipe.runtime.validation) is DeepSpeed's DualPipeVEngine.eval_batch, its forward-only
+  DualPipeVSchedule through the same handlers: the phase-0 pass still comes first on every rank, and each rank's
+  iterator is the validation one for the call (wire.patch_engine's set_dataiterator).
 
 The layer files a checkpoint writes are DeepSpeed's per layer (DualPipeVModule.save_state_dict saves both
 phases), named by the layer's index, so the single-device reference reads them as it reads 1F1B's.
