@@ -91,5 +91,33 @@ def test_import_takes_any_aspect_ratio_with_transformers_logits(aspect):
         got = model(pixels, row_ids, has_image, segments, tiling)
         want = hf(input_ids=ids, attention_mask=real, pixel_values=proc["pixel_values"],
                   image_position_ids=proc["image_position_ids"], mm_token_type_ids=(ids == IMG).long()).logits
+        swapped = model(pixels, row_ids, has_image, segments, tiling[..., [0, 2, 1]])  # each grid transposed
     diffs = [(got[b, :len(p)] - want[b, :len(p)]).abs().max().item() for b, p in enumerate(prompts)]
     assert max(diffs) < LOGITS_TOL, diffs
+    # the oblong images' patches and token counts on cols x rows grids: the positions, pooling cells and rotary show
+    assert min((swapped[b, :len(p)] - want[b, :len(p)]).abs().max().item() for b, p in enumerate(prompts[:2])) > 1e-2
+
+
+def test_generate_equals_transformers_greedy_on_any_aspect_ratio(aspect, capsys):
+    """`mmpipe generate --checkpoint HF_DIR` with the three images in one batch (their blocks 55, 56 and 64 soft
+    tokens long, so the rows differ in length): transformers' greedy answers for each image alone, its processor's
+    pixels and positions, up to 12 new tokens (past the 6-position window, the shared layers reading their
+    producers)."""
+    from transformers import AutoTokenizer, Gemma4ImageProcessor
+    hf, d, _, images = aspect
+    tok, proc = AutoTokenizer.from_pretrained(d / "hf"), Gemma4ImageProcessor.from_pretrained(d / "hf")
+    argv, want = ["generate", "--checkpoint", str(d / "hf"), "--max-new-tokens", "12"], []
+    for i, (image, (_, rows, cols)) in enumerate(zip(images, GRIDS)):
+        argv += ["--image", str(d / f"{i}.png"), "--prompt", f"<image>\nw{40 + i} w{50 + i}"]
+        ids = torch.tensor([[1, 4, BOI] + [IMG] * (rows * cols // 9) + [EOI, 40 + i, 50 + i, 5]])
+        px = proc(images=[image], return_tensors="pt")
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, pixel_values=px["pixel_values"],
+                              image_position_ids=px["image_position_ids"], mm_token_type_ids=(ids == IMG).long(),
+                              max_new_tokens=12, do_sample=False)
+        want.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    capsys.readouterr()
+    assert main(argv) == 0
+    got = [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()]
+    assert got == want
+    assert len(set(got)) > 1 and max(len(a.split()) for a in got) > 6  # answers differ, and past the window
