@@ -106,9 +106,12 @@ def add_adapters(layer: nn.Module, idx: int, lora: Lora | None, seed: int) -> in
     if not names:
         return 0
     from peft import LoraConfig, inject_adapter_in_model  # peft's import costs seconds; only LoRA runs pay it
+
+    from .tensor_parallel import adapters_split
     torch.manual_seed(seed + ADAPTER_SEED + idx)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=names)
-    inject_adapter_in_model(config, layer)  # leaves only the adapters trainable within `layer`
+    with adapters_split(layer):  # --tp: drawn at the whole linear's sizes, then this rank's slices kept
+        inject_adapter_in_model(config, layer)  # leaves only the adapters trainable within `layer`
     return sum(p.numel() for n, p in layer.named_parameters() if LORA_MARK in n)
 
 

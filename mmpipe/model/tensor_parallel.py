@@ -53,6 +53,7 @@ Nothing in a layer asks whether TP is on: the split Linear / Embedding get this 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from dataclasses import dataclass
@@ -207,7 +208,7 @@ def _sum_gradients(module: nn.Module, shard: Shard) -> None:
 def _replicate_kv(module: nn.Linear, shard: Shard, kv_heads: int) -> None:
     """Fewer kv heads than TP ranks: the whole weight on every rank, this rank's kv head taken from its output, the
     gradient summed over the TP group (module docstring, kv)."""
-    module.tp_kv_heads = kv_heads
+    module.tp_kv_heads, module.tp_mark = kv_heads, KV  # tp_mark: how an adapter on it splits (adapters_split)
     _sum_gradients(module, shard)
     module.tp_shard = shard
     module.forward = types.MethodType(_one_kv_head_forward, module)
@@ -223,6 +224,9 @@ def _split_module(module: nn.Module, mark, shard: Shard, where: str, kv_heads: i
         return _replicate_kv(module, shard, kv_heads)
     fused = isinstance(mark, Fused)
     if isinstance(module, nn.Linear) and (fused or mark in (COLUMN, VOCAB, ROW, KV)):
+        # what an adapter on it splits by, its whole sizes and part widths (adapters_split)
+        module.tp_mark, module.tp_sizes = ROW if mark == ROW else VOCAB if mark == VOCAB else COLUMN, sizes
+        module.tp_whole = module.in_features, module.out_features
         if mark == ROW:
             _keep(module, "weight", 1, shard)
             forward = _row_forward
@@ -322,6 +326,48 @@ def parallelize(layer, plan: dict, shard: Shard):
     return layer
 
 
+@contextlib.contextmanager
+def adapters_split(layer: nn.Module):
+    """--lora on a layer whose linears this rank split (mmpipe.model.lora.add_adapters injects peft's adapters inside
+    it). peft sizes an adapter by its linear's in_features / out_features: inside, those are the whole linear's, so
+    A [r, in] and B [out, r] draw under the layer's adapter seed exactly what the whole model's draw; after, this
+    rank keeps its slices, by Megatron's and peft's convention for a split base (peft.tuners.lora.tp_layer):
+      column (q / k / v, gate / up, a fused qkv: B's rows split part by part as the base's): A whole on every rank,
+        B split by rows, its input entering the TP region (copy_to_tp): the gradient of A x is summed over TP
+        there, so A's gradient, and x's through A, are the whole ones on every rank, with no hook
+      row (o, down): A split by columns as the base, its partial products summed over TP (reduce_from_tp); B whole,
+        its input and its output's gradient the same on every rank, so its gradient is the whole one
+      kv whole on every rank (fewer kv heads than TP ranks): B whole and narrowed to this rank's kv head as the base,
+        its gradient summed over TP (each rank's is its query heads' share); A as for column.
+    A layer with no split linear (the reference, TP 1) is untouched."""
+    split = [m for m in layer.modules() if isinstance(m, nn.Linear) and hasattr(m, "tp_mark")]
+    local = {m: (m.in_features, m.out_features) for m in split}
+    for m in split:
+        m.in_features, m.out_features = m.tp_whole if m.tp_mark != KV else local[m]
+    try:
+        yield
+    finally:
+        for m, sizes in local.items():
+            m.in_features, m.out_features = sizes
+    for adapted in list(layer.modules()):
+        if getattr(adapted, "base_layer", None) in local:
+            _split_adapter(adapted, adapted.base_layer)
+
+
+def _split_adapter(adapted: nn.Module, base: nn.Linear) -> None:
+    """One peft LoRA layer's adapters split as its base linear was (adapters_split)."""
+    if base.tp_mark == VOCAB:
+        raise ValueError("tensor parallelism: a LoRA adapter on a vocab-split head is not supported")
+    for name in adapted.lora_A:
+        a, b = adapted.lora_A[name], adapted.lora_B[name]
+        if base.tp_mark == ROW:
+            _split_module(a, ROW, base.tp_shard, f"{name}.lora_A", 0)
+        elif base.tp_mark == KV:
+            _replicate_kv(b, base.tp_shard, base.tp_kv_heads)
+        else:
+            _split_module(b, COLUMN, base.tp_shard, f"{name}.lora_B", 0, base.tp_sizes)
+
+
 def tp_sizes(cfg, plan: dict) -> tuple:
     """The counts beyond the decoder's own that TP must divide (the plan's SIZES, module docstring): ((what, n), ..)."""
     return tuple(plan[SIZES](cfg)) if SIZES in plan else ()
@@ -353,12 +399,17 @@ def split_dims(layer: nn.Module, plan: dict, tp: int) -> dict:
             dims.update({prefix + k: d for k, d in mark.dims(target).items()})
             continue
         sizes = mark.sizes(owner, target.weight.shape[0]) if isinstance(mark, Fused) else None
+        adapters = getattr(target, "lora_A", {})  # a linear under peft's adapters (--lora): its base_layer split
+        if adapters:
+            target, prefix = target.base_layer, f"{prefix}base_layer."
         if mark == ROW:
             dims[prefix + "weight"] = 1
         else:
             dims[prefix + "weight"] = (0, tuple(sizes)) if sizes else 0
             if isinstance(target, (nn.Linear, nn.Conv1d)) and target.bias is not None:
                 dims[prefix + "bias"] = dims[prefix + "weight"]
+        for a in adapters:  # a row base's A split by columns, a column base's B by rows as its weight (adapters_split)
+            dims[f"{name}.lora_A.{a}.weight" if mark == ROW else f"{name}.lora_B.{a}.weight"] = dims[prefix + "weight"]
     return dims
 
 

@@ -63,7 +63,7 @@ class Validator:
         sampler = StepBatches(0, run.micro, run.gas, engine.grid.data_parallel_id, run.dp)
         batches = rank_batches(self.dataset, islice(sampler, self.calls * run.gas), dtype=self.dtype)
         train_loss_fn, monitor_on = engine.module.loss_fn, engine.monitor.enabled
-        engine.module.loss_fn = run.objective.eval_sum
+        engine.module.loss_fn = _eval_sum(engine, run)
         engine.monitor.enabled = False  # DeepSpeed would log the sum as 'eval_loss'; mmpipe logs the mean
         try:
             # dpo: each call's micro-batches through the reference first, labelled (labels, ref_logps)
@@ -94,3 +94,13 @@ class Validator:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _eval_sum(engine, run: RunConfig):
+    """The objective's validation sum; under --tp its vocab-parallel form over the last stage's 1/TP of the logits,
+    as the pipeline's training loss (mmpipe.runtime.pipeline, _split_tensors): every TP rank returns the same sum."""
+    if run.tp == 1:
+        return run.objective.eval_sum
+    from ..model.tensor_parallel import Shard
+    shard = Shard(engine.grid.get_slice_parallel_group(), engine.grid.get_slice_parallel_rank(), run.tp)
+    return run.objective.split_vocab(shard, run.model.text.vocab_size).eval_sum
