@@ -23,11 +23,13 @@ GRIDS = [(1, 15, 33), (1, 42, 12), (1, 24, 24)]  # transformers' get_aspect_rati
 
 
 def _hf_aspect_model():
-    """test_gemma4's model (its weights and perturbations) with a position table of 256 (random, std 0.5)."""
+    """test_gemma4's model (its weights and perturbations) with a position table of 256 (random, std 0.5) and a
+    context of 512."""
     from transformers import Gemma4ForConditionalGeneration
     small = _hf_model()
     cfg = small.config
     cfg.vision_config.position_embedding_size = TABLE
+    cfg.text_config.max_position_embeddings = 512  # a row of 3 images: 3 x 2 + 3 x 630 / 9 = 216 image positions
     model = Gemma4ForConditionalGeneration(cfg).eval()
     state = {k: v for k, v in small.state_dict().items() if "position_embedding_table" not in k}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -121,3 +123,46 @@ def test_generate_equals_transformers_greedy_on_any_aspect_ratio(aspect, capsys)
     got = [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()]
     assert got == want
     assert len(set(got)) > 1 and max(len(a.split()) for a in got) > 6  # answers differ, and past the window
+
+
+def test_packed_training_row_gives_each_samples_transformers_logits(aspect, tmp_path):
+    """The training data path: two records (one with the 2:1 and 1:3 images, one with the square) indexed, packed
+    into one row (--pack, 3 image slots, the default patch budget 3 x 630) and batched as the pipeline's stage
+    tuple (pixels [1, P, 48], tiling [1, 3, 3]): each sample's logits in the row equal transformers' on that
+    sample alone (its ids as the row holds them, its images through transformers' processor) within 1e-4."""
+    from transformers import Gemma4ImageProcessor
+
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.batches import StepBatches, rank_batches
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
+    from test_qwen_data import conv
+    hf, d, model, images = aspect
+    cfg = model.cfg
+    records = [{"image": [str(d / "0.png"), str(d / "1.png")], "conversations": conv("<image> w20 <image> w21", "w30")},
+               {"image": str(d / "2.png"), "conversations": conv("<image> w22", "w32 w33")}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = DataArgs(data=str(tmp_path / "data.jsonl"), tokenizer=str(d / "hf"), text_len=40, data_workers=0,
+                    max_images=3, pack=True)
+    opts = resolve_data(args, cfg)
+    samples = prepare(opts, cfg, tmp_path / "out", seed=0, verbose=False)
+    shape = row_shape(cfg, 3, opts.text_len, opts.vision_budget)
+    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True))
+    inputs, _ = next(rank_batches(rows, StepBatches(0, 1, 1, 0, 1)))
+    pixels, ids, has_image, segments, tiling = inputs
+    assert pixels.shape == (1, 3 * 630, 48) and sorted(tuple(g) for g in tiling[0].tolist()) == sorted(GRIDS)
+    proc = Gemma4ImageProcessor.from_pretrained(d / "hf")
+    counts = []
+    with torch.no_grad():
+        got = model(*inputs)
+        for seg in (1, 2):
+            where = segments[0] == seg
+            owned = [images[GRIDS.index(tuple(g))] for g, o in zip(tiling[0].tolist(), has_image[0].tolist())
+                     if o == seg]  # the sample's images in its slots' order
+            counts.append(len(owned))
+            px = proc(images=owned, return_tensors="pt")
+            sample = ids[0, where][None]
+            want = hf(input_ids=sample, pixel_values=px["pixel_values"], image_position_ids=px["image_position_ids"],
+                      mm_token_type_ids=(sample == IMG).long()).logits
+            assert (got[0, where] - want[0]).abs().max().item() < LOGITS_TOL, seg
+    assert sorted(counts) == [1, 2]  # both samples, each with its own images
