@@ -361,6 +361,23 @@ def test_eval_preference_accuracy(pairs, ds_config, tmp_path, capsys):
     assert len(err) == 1 and "holds no preference pairs" in err[0], err
 
 
+def validation_want(run, out, tmp_path, seed: int = 3) -> dict:
+    """The validation of `run`'s 6 held-out pairs (--eval-data) by the final weights of the run in `out` against the
+    starting model (its reference): the mean sigmoid DPO loss and TRL's four rewards, computed here, beta 0.1."""
+    evalset = prepare_eval(run.eval_data, run.model, tmp_path, seed, 0, verbose=False)
+    assert evalset.size == 12
+    batches = rank_batches(run_dataset(run, evalset, train=False), [list(range(12))])
+    inputs, labels = next(batches)
+    batches.close()
+    with torch.no_grad():
+        pol = row_logps(load_reference(out / "checkpoints", run.model)(*inputs), labels).double()
+        ref = row_logps(ReferenceModel(run.model, seed=seed)(*inputs), labels).double()
+    chosen, rejected = 0.1 * (pol[0::2] - ref[0::2]), 0.1 * (pol[1::2] - ref[1::2])
+    return {"eval_loss": float(-F.logsigmoid(chosen - rejected).mean()), "rewards/chosen": float(chosen.mean()),
+            "rewards/rejected": float(rejected.mean()), "rewards/margins": float((chosen - rejected).mean()),
+            "rewards/accuracies": float((chosen > rejected).double().mean())}
+
+
 def test_validation_pairs(pairs, eval_pairs, ds_config, pp2, tmp_path):
     """The PP=2 run's validation after its last step (--eval-data: 6 held-out pairs, the live reference's pass
     through both stages first): the loss is the mean sigmoid DPO loss over the pairs and the four rewards TRL's,
@@ -368,18 +385,7 @@ def test_validation_pairs(pairs, eval_pairs, ds_config, pp2, tmp_path):
     of the second call count for nothing."""
     run = resolve(TrainArgs.from_argv(_args(pairs, ds_config, tmp_path, "--preset", "llava-tiny", "--stages", "1",
                                             "--eval-data", str(eval_pairs))), world_size=1)
-    evalset = prepare_eval(run.eval_data, run.model, tmp_path, 3, 0, verbose=False)
-    assert evalset.size == 12
-    batches = rank_batches(run_dataset(run, evalset, train=False), [list(range(12))])
-    inputs, labels = next(batches)
-    batches.close()
-    with torch.no_grad():
-        pol = row_logps(load_reference(pp2.out / "checkpoints", run.model)(*inputs), labels).double()
-        ref = row_logps(ReferenceModel(run.model, seed=3)(*inputs), labels).double()
-    chosen, rejected = 0.1 * (pol[0::2] - ref[0::2]), 0.1 * (pol[1::2] - ref[1::2])
-    want = {"eval_loss": float(-F.logsigmoid(chosen - rejected).mean()), "rewards/chosen": float(chosen.mean()),
-            "rewards/rejected": float(rejected.mean()), "rewards/margins": float((chosen - rejected).mean()),
-            "rewards/accuracies": float((chosen > rejected).double().mean())}
+    want = validation_want(run, pp2.out, tmp_path)
     rows = list(csv.DictReader(open(pp2.out / "eval_log.csv")))
     assert [int(r["step"]) for r in rows] == [STEPS] and int(rows[0]["eval_tokens"]) == 6  # the pairs counted
     assert {k: float(rows[0][k]) for k in want} == pytest.approx(want, abs=TOL)

@@ -4,6 +4,7 @@ the sum over its own tokens (held apart from its row-mates), the precomputed ref
 packed PP=2 run (under --schedule zb-h1) equals the single-device loop."""
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
@@ -23,7 +24,7 @@ from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset, step_balance
 from mmpipe.runtime.reference import train_reference
-from test_dpo import _recorded
+from test_dpo import _recorded, validation_want
 
 TOL = 1e-5
 STEPS = 4
@@ -169,9 +170,15 @@ def test_packed_pipeline_equals_single_device(preset, pairs, tmp_path):
     ds_config = _config(tmp_path / "eps.json", EPS)
     run, seen = _recorded(_run(pairs, ds_config, tmp_path, preset=preset))
     model, losses = train_reference(run, seed=3, steps=STEPS, out_dir=str(tmp_path))
+    held = export_shapes(tmp_path / "held", "dpo-jsonl", 6, seed=1)  # validation: one sample a row, even packed
     pp2 = train_run(tmp_path / "pp2", *_args(pairs, ds_config, tmp_path / "pp2", "--stages", "2", "--schedule",
-                                             "zb-h1", preset=preset)).check()
+                                             "zb-h1", "--eval-data", str(held), preset=preset)).check()
     assert "mmpipe: schedule zb-h1:" in pp2.proc.stdout
+    evals = list(csv.DictReader(open(pp2.out / "eval_log.csv")))
+    want = validation_want(_run(pairs, ds_config, tmp_path / "val", "--eval-data", str(held), preset=preset),
+                           pp2.out, tmp_path / "val")
+    assert int(evals[-1]["eval_tokens"]) == 6 and {k: float(evals[-1][k]) for k in want} == pytest.approx(
+        want, abs=TOL)
     assert pp2.losses[1] == pytest.approx(math.log(2), abs=TOL)  # step 1: the policy is the reference
     assert [pp2.losses[s] for s in range(1, STEPS + 1)] == pytest.approx(losses, abs=TOL)
     for step, row in enumerate(pp2.rows, start=1):  # the engine's mean over the step's GAS micro-batches

@@ -105,17 +105,20 @@ def rewards(pc, pr, rc, rr, beta: float) -> dict[str, torch.Tensor]:
             "rewards/accuracies": (chosen > rejected).float().mean(), "rewards/margins": (chosen - rejected).mean()}
 
 
-def _pairs(lp: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor, segments: torch.Tensor | None):
+def _pairs(lp: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor, segments: torch.Tensor | None,
+           drop_empty: bool = False):
     """The micro-batch's pairs [P] from its token log-probs and mask [B, T]: (pi_c, pi_r, ref_c, ref_r, n_c, n_r).
     One sample a row: row 2j / 2j + 1 is pair j. Packed (segments): rows 2i / 2i + 1 hold the chosen / rejected sides
     of the same pairs in the same segment order (mmpipe.data.packing.RowPlan's unit of 2), so column s of the two
     rows' per-sample sums [B, K] is one pair; a column with no tokens in either row (a row of fewer samples) is none.
+    drop_empty: one sample a row too, a pair with a side without answer tokens is none (validation's padding rows).
     """
     if segments is None:
         seq, n, ref = lp.sum(-1, keepdim=True), mask.sum(-1, keepdim=True), ref[:, None]
     else:
         seq, n = segment_sums(lp, segments, ref.shape[1]), segment_sums(mask.to(lp.dtype), segments, ref.shape[1])
-    keep = (n[0::2] > 0) & (n[1::2] > 0) if segments is not None else torch.ones_like(n[0::2], dtype=torch.bool)
+    keep = ((n[0::2] > 0) & (n[1::2] > 0) if segments is not None or drop_empty
+            else torch.ones_like(n[0::2], dtype=torch.bool))
     n = n.to(seq.dtype)
     ref = ref.to(seq)
     return seq[0::2][keep], seq[1::2][keep], ref[0::2][keep], ref[1::2][keep], n[0::2][keep], n[1::2][keep]
@@ -147,17 +150,15 @@ class DPOLoss:
     def eval_sum(self, logits, labels) -> torch.Tensor:
         """Validation (mmpipe.runtime.validation): the SUM of the preference losses of the micro-batch's pairs whose
         two sides both have answer tokens (a validation step's padding rows have none), without the RPO term; their
-        rewards' sums and count are added to `totals`, which the validator reads and clears per pass."""
-        tokens, ref = labels
+        rewards' sums and count are added to `totals`, which the validator reads and clears per pass. A --pack run's
+        validation rows (one sample a row) come labelled as packed ones (the reference pass's), each row one sample."""
+        tokens, ref, *segments = labels
         lp, mask = row_token_logps(split_aux(logits)[0], tokens)
-        seq, n = lp.sum(-1), mask.sum(-1)
-        keep = (n[0::2] > 0) & (n[1::2] > 0)
-        pc, pr, rc, rr = seq[0::2][keep], seq[1::2][keep], ref[0::2][keep].to(seq), ref[1::2][keep].to(seq)
-        lengths = (n[0::2][keep].to(seq.dtype), n[1::2][keep].to(seq.dtype))
-        losses = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=lengths)
+        pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None, drop_empty=True)
+        losses = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n_c, n_r))
         chosen, rejected = self.beta * (pc - rc), self.beta * (pr - rr)
-        sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).to(seq.dtype).sum(),
-                            (chosen - rejected).sum(), keep.sum().to(seq.dtype)]).detach().double()
+        sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).to(pc.dtype).sum(),
+                            (chosen - rejected).sum(), torch.tensor(float(len(pc)))]).detach().double()
         self.totals = sums if self.totals is None else self.totals + sums
         return losses.sum()
 
