@@ -166,3 +166,17 @@ def test_packed_training_row_gives_each_samples_transformers_logits(aspect, tmp_
                       mm_token_type_ids=(sample == IMG).long()).logits
             assert (got[0, where] - want[0]).abs().max().item() < LOGITS_TOL, seg
     assert sorted(counts) == [1, 2]  # both samples, each with its own images
+
+
+def test_export_keeps_the_soft_token_budget(aspect, tmp_path):
+    """`mmpipe export` of the imported run writes transformers' Gemma4ImageProcessor at the run's budget beside the
+    weights, so importing the export reads images as the run did (vision.max_soft_tokens 70, not the square a
+    directory without it gets)."""
+    from transformers import Gemma4ImageProcessor
+
+    from mmpipe.hf.gemma4 import hf_gemma4_config
+    _, d, _, _ = aspect
+    assert main(["export", "--checkpoint", str(d / "run"), "--out", str(tmp_path / "hf")]) == 0
+    proc = Gemma4ImageProcessor.from_pretrained(tmp_path / "hf")
+    assert (proc.max_soft_tokens, proc.patch_size, proc.pooling_kernel_size) == (BUDGET, 4, 3)
+    assert hf_gemma4_config(tmp_path / "hf")[1].vision.max_soft_tokens == BUDGET

@@ -241,5 +241,12 @@ def import_gemma4(path: str | Path, dtype=torch.float32):
 
 def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
     """An HF directory from_pretrained loads (config.json, generation_config.json, the weights sharded, one layer in
-    memory at a time: mmpipe.hf.export.write_hf)."""
-    return write_hf(source, out, hf_config(source.cfg, tok), key_map(source.cfg), shard_size=shard_size)
+    memory at a time: mmpipe.hf.export.write_hf), and, where the images keep their aspect ratio, transformers'
+    Gemma4ImageProcessor at the model's budget (so a re-import and Gemma4Processor read images as the run did)."""
+    out = write_hf(source, out, hf_config(source.cfg, tok), key_map(source.cfg), shard_size=shard_size)
+    v = source.cfg.vision
+    if v.max_soft_tokens:
+        from transformers import Gemma4ImageProcessor
+        Gemma4ImageProcessor(patch_size=v.patch_size, max_soft_tokens=v.max_soft_tokens,
+                             pooling_kernel_size=v.pool).save_pretrained(out)
+    return out
