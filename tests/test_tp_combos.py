@@ -13,10 +13,14 @@ import pytest
 import torch
 
 from conftest import assert_weights_moved, train_run, write_ds_config
+from mmpipe.config import load_preset
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare_eval
 from mmpipe.data.packing import sample_rowset
 from mmpipe.model.builder import ReferenceModel, lm_loss_sum
+from mmpipe.model.lora import read_lora
+from mmpipe.model.tensor_parallel import split_dims
+from mmpipe.registry import family_of
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
@@ -88,3 +92,18 @@ def test_zero1_checkpointing_lora_validation_under_tp_equal_single_device(combos
     assert all(torch.equal(v, init[k]) for k, v in got.items() if k not in trained)  # the frozen base
     # the tower's k_proj bias: softmax cancels it (test_tensor_parallel's note), moved by rounding only
     assert_weights_moved({k: v for k, v in got.items() if k in trained}, init, TOL, no_gradient=("k_proj.bias",))
+
+
+def test_zero1_partitions_each_tp_rank_over_the_data_axis(combos):
+    """ZeRO-1's fp32 weights and moments: one file per data-parallel rank and TP rank, each DP rank holding half of
+    its TP rank's trainable elements (the split adapters' halves, the tower, projector and whole adapters whole):
+    2 x 14,416 = 28,832 here, of the whole model's 29,984 (measured)."""
+    cfg = load_preset("llava-tiny")
+    model, plan = ReferenceModel(cfg, seed=SEED, lora=read_lora(combos.out)), family_of(cfg).tp_plan
+    per_rank = sum(p.numel() // 2 if k in split_dims(layer, plan, 2) else p.numel()
+                   for layer in model for k, p in layer.named_parameters() if p.requires_grad)
+    assert per_rank < sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sizes = {f.name: sum(t.numel() for t in torch.load(f, map_location="cpu", weights_only=False)[
+        "optimizer_state_dict"]["single_partition_of_fp32_groups"])
+        for f in (combos.out / "checkpoints" / f"step{STEPS}").glob("zero_pp_rank_*")}
+    assert sizes == {f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt": per_rank // 2 for d in (0, 1) for m in (0, 1)}
