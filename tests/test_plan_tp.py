@@ -147,3 +147,59 @@ def test_tp_left_out_and_families_without_a_plan_say_so_in_one_line(capsys, tmp_
     rc = main(["plan", "--preset", PRESET, "--tp", "0"])
     assert rc == 2 and capsys.readouterr().err.strip().endswith("--tp: 0 must be >= 1")
 
+
+
+def _tiny_moe(tmp_path=None):
+    """qwen3-vl-tiny made MoE (tests/test_plan_moe.py's: D 64, 4 heads of 16 / 2 kv, 8 experts of F 40, top 2,
+    untied), with its preset file where a command needs one."""
+    from mmpipe.config import config_from_dict
+    d = load_preset("qwen3-vl-tiny").to_dict()
+    d["text"].update(tie_embeddings=False, moe=dict(experts=8, top_k=2, ff_dim=40))
+    if tmp_path is not None:
+        (tmp_path / "moe.json").write_text(json.dumps(d))
+    return config_from_dict(d, "qwen3-vl-moe-tiny")
+
+
+def test_moe_block_at_tp2_splits_its_experts_and_keeps_the_router_whole():
+    """Qwen3MoeBlock at TP 2 (Megatron's expert TP: each expert's gate / up column and down row over F, the router
+    replicated), one row of 88 positions (4 image slots in 128 patches + 48 text), by hand: split q 64 x 64,
+    k / v 2 x 32 x 64, o 64 x 64 and the experts 8 x 3 x 64 x 40 = 61,440; whole the router 8 x 64, two RMSNorms
+    (2 x 64) and the per-head q / k norms (2 x 16). The FLOPs all but the whole weights' 2 x 672 a position / 2; the
+    activations of the split regions / 2: the dense block's (q, attention out, o's input, k, v, the MLP's 4 F) less
+    its 4 F, plus each choice's 4 F_e (gate, up, silu, product), so the dispatched copies of x and the router's
+    logits stay whole; two all-reduces of [L, D] forward (o_proj, the experts' partial outputs) and two backward
+    (their regions' inputs) plus the top-k weights [L, 2]; the EP all-to-all's rows as at TP 1."""
+    cfg = _tiny_moe()
+    rows = layer_costs(cfg, (), 48, images=4, patches=patch_row(cfg, 4, 128))
+    one, two = (next(r for r in rs if r.name == "Qwen3MoeBlock") for rs in (rows, tp_layer_costs(cfg, rows, 2)))
+    seq, d = one.tokens, 64
+    assert seq == 88
+    experts, attention, whole = 8 * 3 * d * 40, 2 * d * d + 2 * 32 * d, 8 * d + 2 * d + 2 * 16
+    assert one.params == attention + experts + whole and one.expert_params == experts
+    assert two.params == (attention + experts) // 2 + whole and two.expert_params == experts // 2
+    assert two.fwd_flops == pytest.approx(2 * whole * seq + (one.fwd_flops - 2 * whole * seq) / 2, rel=1e-12)
+    assert two.bwd_flops / one.bwd_flops == pytest.approx(two.fwd_flops / one.fwd_flops, rel=1e-12)
+    assert one.act_elems - two.act_elems == (3 * d + 2 * 32 + 2 * 4 * 40) * seq / 2
+    assert (two.tp_ar_fwd, two.tp_ar_bwd) == (2 * seq * d, 2 * seq * d + 2 * seq)
+    assert two.a2a_elems == one.a2a_elems == seq * 2 * d
+
+
+def test_moe_memory_at_tp2_ep2_holds_half_the_experts_of_half_of_each(capsys, tmp_path):
+    """A rank of TP 2 x EP 2 holds E / 2 experts x 1/2 of each: the model on one stage, fp32, ZeRO 0: weights 4 B x
+    (the rank's non-expert parameters + all experts / 4); and `mmpipe plan --tp 1,2 --ep 1,2` plans the MoE model
+    at TP 2 (no 'planned at TP 1 only') with an EP column."""
+    cfg = _tiny_moe(tmp_path)
+    rows = layer_costs(cfg, (), 48, images=4, patches=patch_row(cfg, 4, 128))
+    two = tp_layer_costs(cfg, rows, 2)
+    experts = sum(r.expert_params for r in rows)
+    assert experts == 4 * 8 * 3 * 64 * 40
+    rest = sum(r.params for r in two) - experts // 2  # the rank's non-expert parameters at TP 2
+    mem = stage_memory(two, [0, len(two)], 0, Shape(1, 2, 1, 4, 2, 2), "fp32", 0)
+    assert mem["weights"] == 4 * (rest + experts / 4)
+    from mmpipe.cli import main
+    rc = main(["plan", "--preset", str(tmp_path / "moe.json"), "--gpus-per-node", "4", "--global-batch", "8",
+               "--text-len", "48", "--max-images", "4", "--max-patches", "128", "--tp", "1,2", "--ep", "1,2", "--json"])
+    out = capsys.readouterr().out
+    layouts = json.loads(out)
+    assert rc == 0 and "planned at TP 1 only" not in out
+    assert {(lay["tp"], lay["ep"]) for lay in layouts if lay["step"]} >= {(1, 1), (2, 1), (2, 2)}

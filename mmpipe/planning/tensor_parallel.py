@@ -23,6 +23,22 @@ are concatenated along), read off the layer built on the meta device:
                 a vocab head its input's gradient backward. Each is a ring over t ranks of the node's link:
                 2 (t - 1) / t x bytes / device.link seconds (tp_seconds)
 
+An MoE block (mmpipe.model.tp_plans: Megatron's expert tensor parallelism) splits its attention as a dense block and
+each expert by its FFN width F (gate / up column, down row over F / t), the router replicated:
+
+    parameters  all E experts' 3 D F / t on a rank (expert_params / t: --ep then keeps E / ep of those, so a rank holds
+                E / ep experts x 1 / t of each); the router [E, D] and the norms whole
+    FLOPs       the rule's (the active parameters: top_k experts a position) less the router's 2 E D a position, / t
+    activations the rule's top_k x 4 F a position (each choice's gate, up, silu, product) / t; whole: the 6 widths
+                above, the dispatched copies of x (top_k x D a position), the router's logits and probabilities
+                (2 E: E of them fp32) and a shared expert's gate output (D + 2)
+    all-reduces one more row region: the experts' weighted partial outputs [N, D] summed once forward, their input x
+                [N, D] and the top-k weights [N, top_k] entering the TP region (copy_to_tp) summed backward; a shared
+                expert's down is a row linear of its own
+    all-to-all  unchanged: --ep's groups are per TP coordinate (mmpipe.runtime.experts), each TP rank sends its
+                (position, choice) rows, D wide, to the same TP rank of its EP peers and takes back partial outputs
+                of D: positions x top_k x D a block, as at TP 1
+
 A stage boundary still sends the whole activation per TP rank (pipe_partitioned off: mmpipe.runtime.pipeline), and
 the data-parallel all-reduce each rank's shard of the gradients over DP (the rows' trainable parameters, per rank).
 TP stays inside a node (its all-reduces are on every block's critical path): `check_tp` skips a degree that does not
@@ -61,11 +77,28 @@ def layer_splits(cfg: ModelConfig, tp: int) -> list[Split]:
                 layer = spec.build()
                 dims, state = split_dims(layer, plan, tp), dict(layer.named_parameters())
                 split = sum(state[k].numel() for k in dims if k in state)
-                rows = sum(1 for k, d in dims.items() if d == 1 and k.endswith("weight"))
+                rows = sum(1 for k, d in dims.items() if _row_split(state.get(k), d))
                 # split weights and no row linear: a vocabulary's (today's plans end every column region in a row)
                 seen[key] = Split(split, rows, bool(split) and rows == 0)
             out.append(seen[key])
     return out
+
+
+def _row_split(param, dim) -> bool:
+    """A row-parallel weight: split along its last (input) dim, a Linear's [out, in] by 1 or an MoE block's experts'
+    down [E, D, F] by 2 (its output then summed over TP); not a LoRA adapter (--lora is not planned at TP > 1)."""
+    return param is not None and isinstance(dim, int) and param.dim() >= 2 and dim == param.dim() - 1
+
+
+def _moe_whole(cfg: ModelConfig, r: LayerCost) -> float:
+    """An MoE block's activations whole on every TP rank beyond the dense block's (module docstring), per sample:
+    positions x (top_k x D dispatched copies of x + E router logits + a shared expert gate's D + 2; the rule's
+    other E, the fp32 probabilities, are among the statistics kept whole anyway); 0 for any other layer. E.g.
+    qwen3-vl-235b-a22b (D 4096, 128 experts, top 8): (8 x 4096 + 128) L."""
+    if not r.expert_params:
+        return 0.0
+    m, d = cfg.text.moe, cfg.text.dim
+    return float(r.tokens * (m.top_k * d + m.experts + (d + 2 if m.shared_ff_dim else 0)))
 
 
 def tp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], tp: int) -> list[LayerCost]:
@@ -87,17 +120,22 @@ def _rank_row(cfg: ModelConfig, r: LayerCost, s: Split, tp: int) -> LayerCost:
     act, fp32 = r.act_elems, r.act_fp32_elems
     if s.vocab and not r.embedding:  # the head: its fp32 logits [L, V] (its output) split
         act, fp32 = act - r.out_elems * off, fp32 - r.out_elems * off
-    elif s.rows:  # a block: all but its replicated region (WHOLE_WIDTHS outputs) and fp32 statistics split
-        act -= max(0.0, act - fp32 - WHOLE_WIDTHS * r.out_elems) * off
+    elif s.rows:  # a block: all but its replicated region (WHOLE_WIDTHS outputs, an MoE block's dispatch and
+        # router) and fp32 statistics split
+        act -= max(0.0, act - fp32 - WHOLE_WIDTHS * r.out_elems - _moe_whole(cfg, r)) * off
     if s.vocab and r.embedding:  # the lookup's rows summed over TP forward
         ar_fwd, ar_bwd = r.out_elems, 0.0
     elif s.vocab:  # the head's input enters the TP region: its gradient summed backward
         ar_fwd, ar_bwd = 0.0, float(r.tokens * cfg.text.dim)
-    else:
+    else:  # an MoE block's router weights [N, top_k] enter the experts' TP region too (tp_plans._experts_forward)
         ar_fwd = ar_bwd = s.rows * r.out_elems
+        ar_bwd += r.tokens * cfg.text.moe.top_k if r.expert_params else 0.0
+    # the experts (of params) split alike: --ep's share of them is 1 / ep of this rank's slices
+    experts = r.expert_params // tp
     return dataclasses.replace(
         r, params=round(params), fwd_flops=r.fwd_flops * scale, bwd_flops=r.bwd_flops * scale,
-        w_flops=r.w_flops * scale, act_elems=act, act_fp32_elems=fp32, tp_ar_fwd=ar_fwd, tp_ar_bwd=ar_bwd)
+        w_flops=r.w_flops * scale, act_elems=act, act_fp32_elems=fp32, tp_ar_fwd=ar_fwd, tp_ar_bwd=ar_bwd,
+        expert_params=experts)
 
 
 def tp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: str, tp: int, device: Device
@@ -128,11 +166,10 @@ def check_tp(text: str, cfg: ModelConfig, gpus_per_node: int, gpus: int) -> tupl
     for tp in tps:
         if tp < 1:
             raise ConfigError(f"--tp: {tp} must be >= 1")
-    family = family_of(cfg)
-    if not family.tp_plan or family.experts(cfg) is not None:
-        why = "has no tensor-parallel plan yet" if not family.tp_plan else "has MoE blocks with no tensor-parallel plan"
+    if not family_of(cfg).tp_plan:
         above = [tp for tp in tps if tp > 1]
-        return (1,), ([f"tp: {cfg.name} ({cfg.family}) {why}: planned at TP 1 only"] if above else [])
+        return (1,), ([f"tp: {cfg.name} ({cfg.family}) has no tensor-parallel plan yet: planned at TP 1 only"]
+                      if above else [])
     keep, notes = [], []
     for tp in tps:
         why = _tp_refusal(cfg, tp, gpus_per_node, gpus)
