@@ -38,8 +38,7 @@ from mmpipe.model.moe import Experts, TopKRouter
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
-from mmpipe.runtime.reference import train_reference
-from test_moe_pipeline import write_moe_set
+from test_moe_pipeline import recorded_reference, write_moe_set
 from test_qwen_pipeline import _weights_equal_within
 
 E, TOP_K, D, FF, N = 8, 2, 32, 16, 300
@@ -169,26 +168,10 @@ def ep_set(tmp_path_factory):
 def reference(ep_set):
     """One process with all experts accumulating the 4 micro-batches of a DP=2 x GAS 2 step (a replica at GAS 4:
     the loss weights carry GAS x DP): (model, losses, each step's aux term, each step's global gradient norm)."""
-    from mmpipe.model import moe
     root, args = ep_set
-    aux, norms = [], []
-    forward, clip = moe.MoeHead.forward, torch.nn.utils.clip_grad_norm_
-
-    def recording(self, a):
-        out = forward(self, a)
-        aux.append(out[1].item())
-        return out
-
-    def clipping(params, max_norm, *a, **k):
-        norms.append(clip(params, max_norm, *a, **k).item())
-        return norms[-1]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe.MoeHead, "forward", recording)
-        mp.setattr(torch.nn.utils, "clip_grad_norm_", clipping)
-        run = resolve(TrainArgs.from_argv([*args, "--ds-config", _ds(root / "gas4.json", 4),
-                                           "--output-dir", str(root / "ref")]), world_size=1)
-        model, losses = train_reference(run, seed=SEED, steps=STEPS, out_dir=str(root / "ref"))
-    return model, losses, [sum(aux[4 * s:4 * s + 4]) / 4 for s in range(STEPS)], norms
+    run = resolve(TrainArgs.from_argv([*args, "--ds-config", _ds(root / "gas4.json", 4),
+                                       "--output-dir", str(root / "ref")]), world_size=1)
+    return recorded_reference(run, SEED, STEPS, 4, root / "ref")
 
 
 def _launch(ep_set, name: str, *extra: str):

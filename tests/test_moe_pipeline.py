@@ -86,25 +86,35 @@ def _resolved(moe_set, *extra: str, out: str = "ref"):
                                         "--output-dir", str(root / out)]), world_size=1)
 
 
-def _reference(moe_set, monkeypatch, *extra: str, out: str = "ref"):
-    """The single-device loop, and each step's auxiliary term: the mean over its micro-batches of what the head gave
-    (as DeepSpeed averages the loss)."""
-    seen = []
-    for cls, name in ((moe.MoeHead, "forward"), (moe.TiedMoeHead, "__call__")):
-        def recording(*args, _run=getattr(cls, name)):
-            out = _run(*args)
-            seen.append(out[1].item())
-            return out
-        monkeypatch.setattr(cls, name, recording)
-    model, losses = train_reference(_resolved(moe_set, *extra, out=out), seed=SEED, steps=STEPS,
-                                    out_dir=str(moe_set[0] / out))
-    aux = [sum(seen[GAS * s:GAS * (s + 1)]) / GAS for s in range(STEPS)]
-    return model, losses, aux
+def recorded_reference(run, seed: int, steps: int, per_step: int, out_dir) -> tuple:
+    """The single-device loop of an MoE run and what it records: (model, losses, each step's auxiliary term: the mean
+    over its per_step micro-batches of what the head, MoeHead or TiedMoeHead, gave, as DeepSpeed averages the loss;
+    each step's global gradient norm as the loop clips it). test_moe_ep and test_tp_moe compare their launches to it."""
+    seen, norms, clip = [], [], torch.nn.utils.clip_grad_norm_
+
+    def clipping(params, max_norm, *a, **k):
+        norms.append(clip(params, max_norm, *a, **k).item())
+        return norms[-1]
+    with pytest.MonkeyPatch.context() as patch:
+        for cls, name in ((moe.MoeHead, "forward"), (moe.TiedMoeHead, "__call__")):
+            def recording(*args, _run=getattr(cls, name)):
+                out = _run(*args)
+                seen.append(out[1].item())
+                return out
+            patch.setattr(cls, name, recording)
+        patch.setattr(torch.nn.utils, "clip_grad_norm_", clipping)
+        model, losses = train_reference(run, seed=seed, steps=steps, out_dir=str(out_dir))
+    return model, losses, [sum(seen[per_step * s:per_step * (s + 1)]) / per_step for s in range(steps)], norms
+
+
+def _reference(moe_set, *extra: str, out: str = "ref"):
+    """The single-device loop, and each step's auxiliary term (recorded_reference)."""
+    return recorded_reference(_resolved(moe_set, *extra, out=out), SEED, STEPS, GAS, moe_set[0] / out)[:3]
 
 
 @pytest.fixture(scope="module")
 def reference(moe_set, monkeypatch_module):
-    return _reference(moe_set, monkeypatch_module)
+    return _reference(moe_set)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +192,7 @@ def test_tied_pp2_dp2_ep2_equals_single_device(moe_set, monkeypatch):
     is tied: the tied MoE head on stage 1 gives the aux loss, and the embedding trains as one tensor."""
     root, args = moe_set
     tied = ["--preset", str(root / "qwen3-vl-moe-tied.json")]
-    ref_model, ref_losses, ref_aux = _reference((root, [*args, *tied]), monkeypatch, out="ref_tied")
+    ref_model, ref_losses, ref_aux = _reference((root, [*args, *tied]), out="ref_tied")
     assert isinstance(layer_specs(ref_model.cfg)[-1].forward_fn, moe.TiedMoeHead)
     gas1 = write_ds_config(root / "gas1.json", **{**json.loads((root / "ds.json").read_text()),
                                                    "gradient_accumulation_steps": 1})

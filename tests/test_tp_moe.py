@@ -24,12 +24,10 @@ import torch.multiprocessing as mp
 
 from conftest import train_run, write_ds_config
 from mmpipe.config import load_preset
-from mmpipe.model import moe
 from mmpipe.model.tensor_parallel import Shard
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
-from mmpipe.runtime.reference import train_reference
-from test_moe_pipeline import write_moe_set
+from test_moe_pipeline import recorded_reference, write_moe_set
 from test_qwen_pipeline import assert_trained_as_reference
 from test_tensor_parallel import _family_check
 
@@ -126,24 +124,8 @@ def reference(moe_set):
     """One process, all experts whole, the DP=2 step's 2 micro-batches accumulated: (model, losses, each step's aux
     term, each step's global gradient norm)."""
     root, args, ds = moe_set
-    aux, norms = [], []
-    forward, clip = moe.MoeHead.forward, torch.nn.utils.clip_grad_norm_
-
-    def recording(self, a):
-        out = forward(self, a)
-        aux.append(out[1].item())
-        return out
-
-    def clipping(params, max_norm, *a, **k):
-        norms.append(clip(params, max_norm, *a, **k).item())
-        return norms[-1]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(moe.MoeHead, "forward", recording)
-        patch.setattr(torch.nn.utils, "clip_grad_norm_", clipping)
-        run = resolve(TrainArgs.from_argv([*args, "--ds-config", ds(2), "--output-dir", str(root / "ref")]),
-                      world_size=1)
-        model, losses = train_reference(run, seed=SEED, steps=STEPS, out_dir=str(root / "ref"))
-    return model, losses, [sum(aux[2 * s:2 * s + 2]) / 2 for s in range(STEPS)], norms
+    run = resolve(TrainArgs.from_argv([*args, "--ds-config", ds(2), "--output-dir", str(root / "ref")]), world_size=1)
+    return recorded_reference(run, SEED, STEPS, 2, root / "ref")
 
 
 @pytest.fixture(scope="module")
