@@ -7,9 +7,9 @@ TP 4 and split at TP 2; the families of patches: Fused qkv and Gated DeltaNet pa
 norms), each rank opening only the files it needs. Three launches (llava-tiny, the constant-lr, clip-engaged
 config of tests/test_tensor_parallel.py): PP=2 x TP=1 for 2 steps; resumed at PP=1 x TP=2 for steps 3-5; that
 resumed at PP=1 x TP=1 (one rank) for steps 6-8. Each resume's losses and weights equal the single-device
-reference continued from the checkpoint's gathered weights with fresh AdamW moments (the policy: the moments are
-kept per stage and TP rank, and start again under another layout, said in a warning). --init-from a TP run loads
-its gathered weights (trainer.load_run_weights, in-process)."""
+reference continued from the checkpoint's gathered weights: under the PP and TP change with fresh AdamW moments (they
+are kept per stage and TP rank: restarted, said in a warning), under the pure TP change with the moments resharded as
+the weights. --init-from a TP run loads its gathered weights (trainer.load_run_weights, in-process)."""
 from __future__ import annotations
 
 import copy
@@ -111,19 +111,20 @@ def chain(tmp_path_factory, tp_config):
 
 
 def _continued(cfg_path, run_dir: Path, start: int, steps: int):
-    """The single-device reference from run_dir's latest (gathered) weights after `start` steps: fresh AdamW, the
-    schedule and the data from step start + 1 on."""
+    """(model, losses) of the single-device reference from run_dir's latest (gathered) weights after `start` steps:
+    fresh AdamW, the schedule and the data from step start + 1 on."""
     run = resolve(TrainArgs.from_argv(_argv(cfg_path, "--stages", "1", "--init-from", str(run_dir))), world_size=1)
     return train_reference(run, seed=SEED, steps=steps, start=start)
 
 
-def _assert_continues(resumed, before, cfg_path, start: int, steps: int) -> list[float]:
-    """resumed's steps start + 1 .. start + steps: losses and its last checkpoint's gathered weights equal the
-    reference continued from `before`'s checkpoint (1e-5), and every tensor moved more than 10 x that. Returns the
-    reference's losses."""
-    ref_model, ref_losses = _continued(cfg_path, before.out, start, steps)
+def _assert_continues(resumed, before, reference, start: int) -> None:
+    """resumed's steps after `start`: losses and its last checkpoint's gathered weights equal the reference's
+    (model, losses from step start + 1 on; 1e-5), and every tensor moved more than 10 x that from `before`'s
+    checkpoint (step `start`)."""
+    ref_model, ref_losses = reference
+    steps = len(resumed.losses) - start
     assert sorted(resumed.losses) == list(range(1, start + steps + 1))
-    for step, ref in enumerate(ref_losses, start=start + 1):
+    for step, ref in enumerate(ref_losses[:steps], start=start + 1):
         assert resumed.losses[step] == pytest.approx(ref, abs=TOL), (step, resumed.losses, ref_losses)
     cfg = load_preset("llava-tiny")
     got, ref = load_reference(resumed.out / "checkpoints", cfg).state_dict(), ref_model.state_dict()
@@ -131,33 +132,40 @@ def _assert_continues(resumed, before, cfg_path, start: int, steps: int) -> list
     assert max(diff.values()) < TOL, {k: d for k, d in diff.items() if d >= TOL}
     start_weights = load_reference(before.out / "checkpoints", cfg).state_dict()  # k_proj.bias: softmax cancels it
     assert_weights_moved({k: v for k, v in got.items() if "k_proj.bias" not in k}, start_weights, TOL)
-    return ref_losses
 
 
 def test_a_pp2_tp1_checkpoint_resumes_at_pp1_tp2(chain, tp_config):
-    """The TP=1 files (one per layer) split by the plan on each of the 2 TP ranks: steps 3-5 equal the reference
-    continued from step 2's weights with fresh moments, and the checkpoint it writes holds one file per TP rank. The
-    moments' restart shows: the reference that kept them (uninterrupted) is elsewhere at step 4."""
+    """PP and TP changed: the TP=1 files (one per layer) split by the plan on each of the 2 TP ranks, the moments
+    restarted (said in a warning): steps 3-5 equal the reference continued from step 2's weights with fresh moments,
+    and the checkpoint it writes holds one file per TP rank. The restart shows: the reference that kept the moments
+    (uninterrupted) is elsewhere at step 4."""
     pp2, tp2, _ = chain
     out = tp2.proc.stdout
     assert "written by 2 stages x dp 1 x tp 1 (parts" in out and "this run is 1 x dp 1 x tp 2 (parts" in out, \
         out[-2000:]
     assert "starts again from zero" in out
     assert len(list((tp2.out / "checkpoints" / "step5").glob("layer_*-model_01-model_states.pt"))) > 3
-    fresh = _assert_continues(tp2, pp2, tp_config, 2, 3)
+    fresh = _continued(tp_config, pp2.out, 2, 3)
+    _assert_continues(tp2, pp2, fresh, 2)
     kept = train_reference(resolve(TrainArgs.from_argv(_argv(tp_config, "--stages", "1")), world_size=1), seed=SEED,
                            steps=4)[1]
-    assert abs(fresh[1] - kept[3]) > 10 * TOL, (fresh, kept)
+    assert abs(fresh[1][1] - kept[3]) > 10 * TOL, (fresh[1], kept)
 
 
-def test_a_tp2_checkpoint_resumes_at_pp1_tp1_on_one_rank(chain, tp_config):
-    """Both TP ranks' files of each layer concatenated on the one rank: steps 6-8 equal the reference continued from
-    step 5's gathered weights with fresh moments."""
-    _, tp2, tp1 = chain
+def test_a_tp2_checkpoint_resumes_at_pp1_tp1_on_one_rank_moments_too(chain, tp_config):
+    """Only TP changed (1 stage, fp32, ZeRO 0): both TP ranks' files of each layer concatenated on the one rank, and
+    the AdamW moments of both TP ranks' optimizers too (reshard.optimizer_state): steps 6-8 equal the reference that
+    trains on from step 2 with the moments kept since (the run that wrote step 5 restarted them at step 2). Had the
+    moments restarted at step 5, step 7 would be elsewhere."""
+    pp2, tp2, tp1 = chain
     out = tp1.proc.stdout
     assert "written by 1 stages x dp 1 x tp 2 (parts" in out and "this run is 1 x dp 1 x tp 1 (parts" in out, \
         out[-2000:]
-    _assert_continues(tp1, tp2, tp_config, 5, 3)
+    assert "AdamW moments) resharded too" in out, out[-2000:]
+    model, losses = _continued(tp_config, pp2.out, 2, 6)
+    _assert_continues(tp1, tp2, (model, losses[3:]), 5)
+    restarted = _continued(tp_config, tp2.out, 5, 2)[1]
+    assert abs(restarted[1] - losses[4]) > 10 * TOL, (restarted, losses)
 
 
 def _stage(model: ReferenceModel, start: int, end: int):

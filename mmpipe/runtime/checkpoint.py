@@ -214,7 +214,7 @@ def run_state(engine, run, args, step: int, samples: int, fingerprint, counters:
     return {"step": step, "samples": samples, "seed": args.seed, "total_steps": args.steps,
             "data_fingerprint": fingerprint, "stages": run.stages, "parts": run.parts, "dp": run.dp,
             "zero_stage": run.zero_stage, "precision": run.precision, "ep": run.ep, "tp": run.tp,
-            "train_batch": run.train_batch,
+            "sp": run.sp, "train_batch": run.train_batch,
             "rows": row_layout(run), "lr_scheduler": sched, **counters}
 
 
@@ -247,7 +247,8 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     moments included. Another layout: the weights (from the per-layer files, which do not depend
     on the stage count; written at another --tp, each rank reads its slices of them: mmpipe.runtime.reshard),
     step and sample counters and the LR schedule are restored; the optimizer's moments, kept per stage
-    and TP rank (and per DP shard), start again from zero, with a warning."""
+    and TP rank (and per DP shard), start again from zero, with a warning; under a pure TP change (fp32, ZeRO 0)
+    they are resharded as the weights are."""
     ckpt_dir = Path(ckpt_dir)
     tag = latest_tag(ckpt_dir)
     state = read_state(ckpt_dir, tag)
@@ -267,10 +268,13 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     saved_tp = state.get("tp", 1)
     if saved_tp != run.tp:  # DeepSpeed's loader would merge or split the per-TP-rank files by Megatron's rules
         reshard.install(engine.module, run)
-    same = saved_tp == run.tp and state["stages"] == run.stages and state["parts"] == run.parts and (
-        not partitioned or state["dp"] == run.dp) and state["precision"] == run.precision and (
+    # --sp: the layer files are whole layers at any SP, but DeepSpeed's stage files (optimizer, one per stage x SP
+    # rank: mp_rank_<stage x SP + SP rank>) are named by the model axis SP takes, so another SP is another layout
+    saved_sp = state.get("sp", 1)
+    same = saved_tp == run.tp and saved_sp == run.sp and state["stages"] == run.stages and state["parts"] == run.parts
+    same = same and (not partitioned or state["dp"] == run.dp) and state["precision"] == run.precision and (
         run.precision != "bf16" or state.get("ep", 1) == run.ep)
-    notes = []
+    notes = [] if saved_sp == run.sp else [f"note: {tag} was written at --sp {saved_sp}, this run is --sp {run.sp}"]
     if same and run.precision == "bf16" and run.zero_stage == 0:
         # DeepSpeed 0.19.8 loads ZeRO 0's optimizer from the stage file, which holds DP rank 0's part as one dict that
         # BF16_Optimizer.load_state_dict indexes by DP rank (KeyError), and never reads the per-rank files it saved:
@@ -281,20 +285,8 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     elif same:
         load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     else:
-        load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=True,
-                                              load_optimizer_states=False, load_lr_scheduler_states=False)
-        engine.global_steps, engine.global_samples = state["step"], state["samples"]
-        if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            # DeepSpeed's schedulers load their counter only: the optimizer's groups, not loaded here, would keep
-            # the initial rate (0 at a warm-up's start) for the next update; set them to the counter's rate
-            engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
-        ep = (f", ep {state.get('ep', 1)}", f", ep {run.ep}") if max(state.get("ep", 1), run.ep) > 1 else ("", "")
-        tp = (f" x tp {saved_tp}", f" x tp {run.tp}") if max(saved_tp, run.tp) > 1 else ("", "")
-        notes.append(f"warning: {tag} was written by {state['stages']} stages x dp {state['dp']}{tp[0]} (parts "
-                     f"{state['parts']}, {state['precision']}{ep[0]}), this run is {run.stages} x dp {run.dp}{tp[1]} "
-                     f"(parts {run.parts}, {run.precision}{ep[1]}): weights, step {state['step']}, data position and "
-                     f"LR schedule carried over; the optimizer state (AdamW moments) starts again from zero")
+        load_path, note = _load_other_layout(engine, ckpt_dir, tag, state, run)
+        notes.append(note)
     if load_path is None:
         raise SystemExit(f"mmpipe: error: --resume: DeepSpeed could not load {ckpt_dir / tag}")
     mine = read_rank_state(ckpt_dir, tag, rank) if same and state["dp"] == run.dp else None
@@ -303,3 +295,38 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     elif same:
         notes.append(f"note: {tag} has no RNG state for rank {rank}; random streams start afresh")
     return state, notes
+
+
+def _pure_tp_change(state: dict, run) -> bool:
+    """Only --tp changed, in the layout whose optimizer is one torch AdamW per stage x TP rank over the stage's
+    parameters (fp32, ZeRO 0, no EP, 1F1B's one stage a rank): its moments reshard (reshard.optimizer_state)."""
+    return (state.get("tp", 1) != run.tp and state["stages"] == run.stages and state["parts"] == run.parts
+            and state["dp"] == run.dp and state.get("zero_stage", 0) == run.zero_stage == 0
+            and state["precision"] == run.precision == "fp32" and state.get("ep", 1) == run.ep == 1
+            and run.schedule.engine == "PipelineEngine")
+
+
+def _load_other_layout(engine, ckpt_dir: Path, tag: str, state: dict, run) -> tuple[str | None, str]:
+    """resume under another layout: the weights (resharded to another TP: reshard.install), counters and LR schedule;
+    the AdamW moments resharded under a pure TP change, else restarted. Returns (DeepSpeed's load path, the note)."""
+    load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=True,
+                                          load_optimizer_states=False, load_lr_scheduler_states=False)
+    moments = _pure_tp_change(state, run)
+    if moments and load_path is not None:
+        engine.optimizer.load_state_dict(reshard.optimizer_state(engine.module, ckpt_dir / tag, run, state["tp"],
+                                                                 _safe_globals()))
+    engine.global_steps, engine.global_samples = state["step"], state["samples"]
+    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        # DeepSpeed's schedulers load their counter only: the optimizer's groups, not loaded here, would keep
+        # the initial rate (0 at a warm-up's start) for the next update; set them to the counter's rate
+        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
+    saved_tp = state.get("tp", 1)
+    ep = (f", ep {state.get('ep', 1)}", f", ep {run.ep}") if max(state.get("ep", 1), run.ep) > 1 else ("", "")
+    tp = (f" x tp {saved_tp}", f" x tp {run.tp}") if max(saved_tp, run.tp) > 1 else ("", "")
+    carried = ("the optimizer state (AdamW moments) resharded too" if moments else
+               "the optimizer state (AdamW moments) starts again from zero")
+    return load_path, (f"{'note' if moments else 'warning'}: {tag} was written by {state['stages']} stages x dp "
+                       f"{state['dp']}{tp[0]} (parts {state['parts']}, {state['precision']}{ep[0]}), this run is "
+                       f"{run.stages} x dp {run.dp}{tp[1]} (parts {run.parts}, {run.precision}{ep[1]}): weights, step "
+                       f"{state['step']}, data position and LR schedule carried over; {carried}")

@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..model.tensor_parallel import split_dims
+
 
 def layer_files(tag_dir: Path, idx: int) -> list[Path]:
     """Layer idx's files in TP rank order: the one whole file (written at TP 1), else one per TP rank (the names sort
@@ -64,7 +66,6 @@ def layer_state(tag_dir: Path, idx: int, whole: Callable[[], nn.Module], rank: i
         raise FileNotFoundError(f"checkpoint {tag_dir} has no file for layer {idx}")
     if len(files) == tp:
         return torch.load(files[rank], map_location="cpu", weights_only=True)
-    from ..model.tensor_parallel import split_dims
     plan = run_plan(Path(tag_dir).parent.parent) if plan is None else plan
     layer = whole()
     saved, mine = split_dims(layer, plan, len(files)), split_dims(layer, plan, tp)
@@ -122,3 +123,62 @@ def install(pipe, run) -> None:
         pipe._synchronize_tied_weights()
 
     pipe.load_state_dir = load_state_dir
+
+
+def _layer_key(pipe, name: str) -> tuple[int, str]:
+    """(layer index, state-dict key) of a PipelineModule parameter name: DeepSpeed registers layer i as "i" and a
+    tied module as "tied_modules.<key>", the layer of its first TiedLayerSpec."""
+    head, _, key = name.partition(".")
+    if head.isdigit():
+        return int(head), key
+    if head != "tied_modules":
+        raise ValueError(f"resharding the optimizer: {name} is not a layer's parameter")
+    from deepspeed.pipe import TiedLayerSpec
+    tie, _, key = key.partition(".")
+    return next(i for i, s in enumerate(pipe._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == tie), key
+
+
+def optimizer_state(pipe, tag_dir: Path, run, saved_tp: int, safe_globals: list) -> dict:
+    """--resume under a pure TP change (fp32, ZeRO 0, the same stages, parts, DP and EP 1): this rank's AdamW state
+    dict from the saved stage's TP ranks' optimizers (mp_rank_SS_model_states.pt, SS = stage x saved TP + TP rank:
+    DeepSpeed's model-parallel rank, pipe-major), each moment sliced as its parameter (module docstring); the step
+    counters and the replicated parameters' moments model rank 0's. The optimizer's parameters are the stage's
+    trainable ones in pipe.named_parameters() order, the same names at any TP (trainer.build_engine)."""
+    from ..registry import family_of
+    plan, tp = family_of(run.model).tp_plan, run.tp
+    rank = pipe._grid.get_slice_parallel_rank() if tp > 1 else 0
+    files = [Path(tag_dir) / f"mp_rank_{pipe.stage_id * saved_tp + s:02d}_model_states.pt" for s in range(saved_tp)]
+    opened: dict[int, dict] = {}
+
+    def read(s: int) -> dict:
+        if s not in opened:
+            with torch.serialization.safe_globals(safe_globals):
+                opened[s] = torch.load(files[s], map_location="cpu", weights_only=True, mmap=True)["optimizer"]
+        return opened[s]
+
+    params = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad]
+    if sum(len(g["params"]) for g in read(0)["param_groups"]) != len(params):
+        raise ValueError(f"{files[0]}: its optimizer holds another parameter count than this stage's {len(params)}")
+    dims: dict[int, tuple[dict, dict]] = {}
+    state = {}
+    for i, (name, p) in enumerate(params):
+        if i not in read(0)["state"]:
+            continue  # never stepped (no gradient yet)
+        idx, key = _layer_key(pipe, name)
+        if idx not in dims:
+            layer = meta_layer(pipe._layer_specs[idx], idx, run.lora)()
+            dims[idx] = split_dims(layer, plan, saved_tp), split_dims(layer, plan, tp)
+        saved, mine = dims[idx]
+        dim = saved.get(key, mine.get(key))
+        entry = {}
+        for k, v in read(0)["state"][i].items():
+            if dim is None or v.dim() == 0:
+                entry[k] = v.clone()
+            else:
+                src, (dst, r) = (saved_tp if key in saved else 1), ((tp, rank) if key in mine else (1, 0))
+                entry[k] = _slice(lambda s, k=k: {key: read(s)["state"][i][k]}, key, dim, src, (r, dst))
+            if v.dim() and entry[k].shape != p.shape:
+                raise ValueError(f"resharding the optimizer: {name}'s {k} came out {tuple(entry[k].shape)}, the "
+                                 f"parameter is {tuple(p.shape)}")
+        state[i] = entry
+    return {"state": state, "param_groups": read(0)["param_groups"]}
