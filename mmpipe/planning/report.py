@@ -57,7 +57,7 @@ def print_plan(run: PlanRun, layouts: list[Layout], seconds: float, beside: str 
     if tp:
         print(f"tp: {', '.join(map(str, s.tps))}: each stage's layers split over TP ranks of a node by the "
               f"{s.cfg.family} family's plan (memory and time per TP rank, Megatron's 2 all-reduces forward and 2 "
-              f"backward a block; docs/tensor_parallel.md); `mmpipe train --tp` runs fp32 at ZeRO 0 today")
+              f"backward a block; docs/tensor_parallel.md); `mmpipe train --tp` runs fp32 (ZeRO 0 or 1) today")
     if sp:
         print(f"sp: {', '.join(map(str, s.sps))}: each row's positions split over SP ranks of a node (Ulysses: "
               f"activations, FLOPs and logits per SP rank / SP, weights whole, 4 all-to-alls forward and 4 backward "
