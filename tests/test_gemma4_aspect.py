@@ -180,3 +180,13 @@ def test_export_keeps_the_soft_token_budget(aspect, tmp_path):
     proc = Gemma4ImageProcessor.from_pretrained(tmp_path / "hf")
     assert (proc.max_soft_tokens, proc.patch_size, proc.pooling_kernel_size) == (BUDGET, 4, 3)
     assert hf_gemma4_config(tmp_path / "hf")[1].vision.max_soft_tokens == BUDGET
+
+
+def test_plan_rows_hold_images_at_the_budget(aspect, capsys):
+    """`mmpipe plan` of the imported model: each image slot takes the decoder positions of an image at the budget's
+    largest, its brackets and 70 soft tokens (2 x 72 + 32 text), not the 2 brackets alone."""
+    _, d, _, _ = aspect
+    capsys.readouterr()
+    assert main(["plan", "--preset", str(d / "run" / "model.json"), "--gpus-per-node", "2", "--text-len", "32",
+                 "--max-images", "2"]) == 0
+    assert "decoder positions per row: 2 image slots x 72 + 32 text = 176" in capsys.readouterr().out

@@ -135,7 +135,9 @@ class Gemma4Patches(Patches):
         return gemma4_rule(cfg, budget) if budget else None
 
     def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
-        """Each image's two brackets and the placeholders of P patches: 2 M + P / 9."""
+        """Each image's two brackets and the placeholders of P patches: 2 M + P / 9 (P 0, as the planner asks: its
+        default, M images at the budget, e.g. M = 2 at 280: 4 + 560)."""
+        budget = budget or max(1, max_images) * cfg.vision.patches_per_image
         return 2 * max(1, max_images) + budget // cfg.vision.pool ** 2
 
     def blocks(self, cfg: ModelConfig, max_images: int, budget: int):

@@ -72,9 +72,10 @@ TILING = StageField("tiling", False)  # each slot's grid (1, rows, cols), kept t
 
 @dataclass(frozen=True)
 class Gemma4Vision(VisionConfig):
-    """Gemma 4's tower at a fixed square image_size: (S / patch)^2 patches pooled pool x pool to mm_tokens soft
-    tokens, e.g. 768 px / 16 = 48 x 48 patches, pooled 3 x 3 to 16 x 16 = 256. Pixels reach it rescaled to [0, 1]
-    (mean 0, std 1: the tower maps them to [-1, 1] itself)."""
+    """Gemma 4's tower. Its square image_size (the fixed square, and the planner's image): (S / patch)^2 patches
+    pooled pool x pool to mm_tokens soft tokens, e.g. 768 px / 16 = 48 x 48 patches, pooled 3 x 3 to 16 x 16 = 256;
+    with max_soft_tokens, images of any aspect ratio within it instead (module docstring). Pixels reach it
+    rescaled to [0, 1] (mean 0, std 1: the tower maps them to [-1, 1] itself)."""
     mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
     std: tuple[float, float, float] = (1.0, 1.0, 1.0)
     n_kv_heads: int = 0
