@@ -46,6 +46,7 @@ from .model.gemma4 import (
     gemma4_checks,
     gemma4_fields,
     gemma4_specs,
+    gemma4_tower_tokens,
 )
 from .model.internvl import COSTS as INTERNVL_COSTS
 from .model.internvl import (
@@ -317,6 +318,6 @@ GEMMA3 = register(Family(
 GEMMA4 = register(Family(
     "gemma4", "prefix", gemma4_specs, (Gemma4TowerBlock, *GEMMA4_BLOCK_CLASSES.values()), GEMMA4_COSTS,
     ImageLayout(placeholders=True, vision=Gemma4Vision, text=Gemma4Text), GEMMA4_IMAGES, checks=gemma4_checks,
-    fields=gemma4_fields,
+    fields=gemma4_fields, tower_tokens=gemma4_tower_tokens,
     hf=_hf("gemma4", "Gemma4ForConditionalGeneration", ("gemma4",), "Gemma 4", importer="import_gemma4",
            config="hf_gemma4_config", reader="read_gemma4")))

@@ -184,8 +184,12 @@ def test_export_keeps_the_soft_token_budget(aspect, tmp_path):
 
 def test_plan_rows_hold_images_at_the_budget(aspect, capsys):
     """`mmpipe plan` of the imported model: each image slot takes the decoder positions of an image at the budget's
-    largest, its brackets and 70 soft tokens (2 x 72 + 32 text), not the 2 brackets alone."""
-    _, d, _, _ = aspect
+    largest, its brackets and 70 soft tokens (2 x 72 + 32 text), not the 2 brackets alone, and the tower its 630
+    patches (not the 96-px square's 576)."""
+    from mmpipe.planning.costmodel import layer_costs
+    _, d, model, _ = aspect
+    rows = layer_costs(model.cfg, (), text_len=32, images=2)
+    assert [r.tokens for r in rows[:5]] == [2 * 630] * 4 + [176]
     capsys.readouterr()
     assert main(["plan", "--preset", str(d / "run" / "model.json"), "--gpus-per-node", "2", "--text-len", "32",
                  "--max-images", "2"]) == 0

@@ -731,10 +731,17 @@ def _block_cost(sliding: bool, mode: str | None):
     return cost
 
 
+def gemma4_tower_tokens(cfg: ModelConfig) -> int:
+    """The planner's patches an image (Family.tower_tokens): the square's, or an image at the soft-token budget's
+    largest (9 x max_soft_tokens: 2520 at 280, 9% over the 768-px square's 2304)."""
+    return cfg.vision.patches_per_image or cfg.vision.n_tokens
+
+
 def _projector_cost(cfg, params, n, seq):
-    """The k x k pool over the n patches, the unscaled RMSNorm and the Dv x D matmul over m pooled tokens; kept: the
-    pooled and normed values (2 Dv) and the norm's statistic a pooled token (an estimate, not measured)."""
-    v, m = cfg.vision, cfg.vision.mm_tokens
+    """The k x k pool over the n patches, the unscaled RMSNorm and the Dv x D matmul over m pooled tokens (the
+    square's, or max_soft_tokens); kept: the pooled and normed values (2 Dv) and the norm's statistic a pooled token
+    (an estimate, not measured)."""
+    v, m = cfg.vision, cfg.vision.max_soft_tokens or cfg.vision.mm_tokens
     return costs.Cost(n, n * v.dim + 2.0 * m * v.dim * cfg.text.dim, m * (2 * v.dim + 1), m, m * cfg.text.dim)
 
 
