@@ -25,8 +25,9 @@ from mmpipe.families import LLAVA_TP_PLAN
 from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, TiedCall, lm_loss, lm_loss_sum
 from mmpipe.model.llava import LlamaBlock, LlavaEmbed, LMHeadLinear, TowerBlock, tied_head
 from mmpipe.model.llava_next import image_feature_count
+from mmpipe.model.objectives import vocab_parallel_lm_loss
 from mmpipe.model.rows import IMAGE_SLOT
-from mmpipe.model.tensor_parallel import Shard, gather_state, parallelize, split_dims, vocab_parallel_lm_loss
+from mmpipe.model.tensor_parallel import Shard, gather_state, parallelize, split_dims
 from mmpipe.registry import family_of
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .builder import lm_loss, lm_loss_sum
+from .builder import IGNORE_INDEX, lm_loss, lm_loss_sum
 from .dpo import REWARDS, DPOLoss, row_logps
 
 LossFn = Callable[[torch.Tensor, object], torch.Tensor]
@@ -56,12 +56,30 @@ class Objective:
         return dataclasses.replace(self, loss=loss, eval_sum=eval_sum)
 
 
-def _tokens_vocab_parallel(shard, vocab: int):
-    from .tensor_parallel import vocab_parallel_lm_loss
-    return vocab_parallel_lm_loss(shard, vocab)
+def vocab_parallel_lm_loss(shard, vocab: int):
+    """(loss, eval_sum): lm_loss and lm_loss_sum on vocab-split logits (vocab_parallel_ce),
+    the same value on every TP rank: the labelled positions' mean, or their LossNorm-weighted sum, or the sum."""
+    from .moe import split_aux
+    from .tensor_parallel import vocab_parallel_ce
+
+    def ce(logits, labels):
+        return vocab_parallel_ce(logits, labels, shard, vocab, IGNORE_INDEX)
+
+    def loss(logits, labels):
+        logits, aux = split_aux(logits)
+        if aux is not None:
+            return loss(logits, labels) + aux
+        if isinstance(labels, (tuple, list)):
+            labels, weights = labels
+            return (ce(logits, labels) * weights).sum()
+        return ce(logits, labels).sum() / (labels != IGNORE_INDEX).sum()
+
+    def eval_sum(logits, labels):
+        return ce(split_aux(logits)[0], labels).sum()
+    return loss, eval_sum
 
 
-TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_parallel=_tokens_vocab_parallel)
+TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_parallel=vocab_parallel_lm_loss)
 
 
 def dpo(beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0) -> Objective:

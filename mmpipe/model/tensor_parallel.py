@@ -16,8 +16,8 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
     vocab       nn.Embedding: rows r*V/TP .. of the table; an id outside them looks up zeros and the sum over
                 the TP group (reduce_from_tp) is the full lookup. nn.Linear: a head's column split, its
                 logits left as this rank's 1/TP of the vocabulary for the vocab-parallel loss
-                (vocab_parallel_lm_loss). A function (a tied head's forward_fn, reading the embedding's
-                vocab-split matrix): its first input enters the TP region
+                (mmpipe.model.objectives.vocab_parallel_lm_loss). A function (a tied head's forward_fn, reading
+                the embedding's vocab-split matrix): its first input enters the TP region
     kv          nn.Linear k_proj / v_proj of grouped-query attention, its kv head count the attribute the plan
                 marks kv_heads in the same module: column when TP divides the kv heads; with fewer kv heads
                 than TP ranks (TP a multiple of them) the weight stays whole on every rank and each rank uses
@@ -451,26 +451,3 @@ def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, shard: Shard, 
     return vocab_parallel_cross_entropy(logits, labels, tp_group=shard.group, vocab_start_index=shard.rank * local,
                                         vocab_end_index=(shard.rank + 1) * local, global_vocab_size=vocab,
                                         ignore_index=ignore_index, reduction="none")
-
-
-def vocab_parallel_lm_loss(shard: Shard, vocab: int):
-    """(loss, eval_sum): mmpipe.model.builder's lm_loss and lm_loss_sum on vocab-split logits (vocab_parallel_ce),
-    the same value on every TP rank: the labelled positions' mean, or their LossNorm-weighted sum, or the sum."""
-    from .builder import IGNORE_INDEX
-    from .moe import split_aux
-
-    def ce(logits, labels):
-        return vocab_parallel_ce(logits, labels, shard, vocab, IGNORE_INDEX)
-
-    def loss(logits, labels):
-        logits, aux = split_aux(logits)
-        if aux is not None:
-            return loss(logits, labels) + aux
-        if isinstance(labels, (tuple, list)):
-            labels, weights = labels
-            return (ce(logits, labels) * weights).sum()
-        return ce(logits, labels).sum() / (labels != IGNORE_INDEX).sum()
-
-    def eval_sum(logits, labels):
-        return ce(split_aux(logits)[0], labels).sum()
-    return loss, eval_sum
