@@ -257,7 +257,7 @@ def _init_rank(rank: int, store: str, run_dir: str, parts: list[int], out: str):
     from mmpipe.runtime.pipeline import VLMPipeline
     cfg = config_from_dict(json.loads((Path(run_dir) / "model.json").read_text()), "run")
     from mmpipe.model.objectives import TOKENS
-    run = SimpleNamespace(model=cfg, stages=2, parts=parts, ds_config={}, freeze=(), lora=None, ep=1, tp=1, dp=1,
+    run = SimpleNamespace(model=cfg, stages=2, parts=parts, ds_config={}, freeze=(), lora=None, ep=1, tp=1, sp=1, dp=1,
                           objective=TOKENS, experts=None)  # what VLMPipeline reads of a RunConfig
     pipe = VLMPipeline(run, seed=9)
     opened, load = [], torch.load
