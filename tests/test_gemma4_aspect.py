@@ -194,3 +194,27 @@ def test_plan_rows_hold_images_at_the_budget(aspect, capsys):
     assert main(["plan", "--preset", str(d / "run" / "model.json"), "--gpus-per-node", "2", "--text-len", "32",
                  "--max-images", "2"]) == 0
     assert "decoder positions per row: 2 image slots x 72 + 32 text = 176" in capsys.readouterr().out
+
+
+def test_a_sample_over_its_patch_share_is_a_bad_record_and_a_bad_budget_one_line(aspect, tmp_path):
+    """--max-patches 900 with 2 images a sample: each may take 450 patches (the processor never shrinks an image to
+    share the row), so the record whose 2:1 image makes 495 is refused, too_many_patches, counted and listed, the
+    square alone kept; --max-patches 1000 (not a multiple of a soft token's 9 patches) is one line."""
+    from mmpipe.config import ConfigError
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from test_qwen_data import conv
+    _, d, model, _ = aspect
+    records = [{"image": [str(d / "0.png"), str(d / "1.png")], "conversations": conv("<image> w20 <image> w21", "w30")},
+               {"image": str(d / "2.png"), "conversations": conv("<image> w22", "w32 w33")}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    flags = dict(data=str(tmp_path / "data.jsonl"), tokenizer=str(d / "hf"), text_len=40, data_workers=0,
+                 max_images=2)
+    samples = prepare(resolve_data(DataArgs(**flags, max_patches=900), model.cfg), model.cfg, tmp_path / "out",
+                      seed=0, verbose=False)
+    assert (samples.index.stats["good"], samples.index.stats["bad_by_kind"]) == (1, {"too_many_patches": 1})
+    bad = json.loads((tmp_path / "out" / "data" / "bad_records.jsonl").read_text().splitlines()[0])
+    assert "64x32 makes a 15x33 patch grid, 495 patches > the 450" in bad["reason"], bad
+    with pytest.raises(ConfigError) as e:
+        resolve_data(DataArgs(**flags, max_patches=1000), model.cfg)
+    assert str(e.value) == "--max-patches: 1000 must be a positive multiple of pool^2 = 9 (a soft token's patches)"

@@ -219,8 +219,13 @@ def hf_gemma4_config(path: str | Path, notes: list[str] | None = None):
     """An HF Gemma 4 directory's (HF config, mmpipe config); no weight is read."""
     path = Path(path)
     hf = read_hf_config(path, tuple(HF_CLASSES), notes)
-    budget = processor_settings(path)[0].get("max_soft_tokens") or 280
-    return hf, config_from_hf(hf, path.name, int(budget))
+    budget = int(processor_settings(path)[0].get("max_soft_tokens") or 280)
+    cfg = config_from_hf(hf, path.name, budget)
+    v = cfg.vision
+    if notes is not None and not v.max_soft_tokens:  # the square: say why images lose their aspect ratio
+        notes.append(f"images read as a fixed {v.image_size}-px square: the {v.position_table}-entry position table "
+                     f"cannot hold the sides of up to {budget} x {v.pool} patches that max_soft_tokens {budget} makes")
+    return hf, cfg
 
 
 def read_gemma4(path: str | Path) -> Imported:
