@@ -124,7 +124,7 @@ class Run:
         """No integer tensor crossed a stage boundary: every message of every rank but DeepSpeed's int32
         shape announcement is a float tensor, and rank 0 (stage 0) sends `per_forward` of them per
         micro-batch it trains (a run without validation, not resumed into the same directory; None: any)."""
-        ranks = self.summary["stages"] * self.summary["dp"] * self.summary.get("tp", 1)
+        ranks = self.summary["stages"] * self.summary["dp"] * self.summary.get("tp", 1) * self.summary.get("sp", 1)
         data = {r: [m for m in self.wire(r) if m[0] == "data"] for r in range(ranks)}
         for r, sent in data.items():
             assert sent and all(dtype in ("torch.float32", "torch.bfloat16", "torch.float16")

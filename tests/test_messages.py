@@ -38,6 +38,9 @@ def test_slurm_without_flags_runs_one_pipeline_per_node(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "1 node(s) x 4 task(s)" in out and "#SBATCH --ntasks-per-node=4" in out
+    rc = main(["slurm", "--preset", "qwen-tiny", "--sp", "2", "--output-dir", str(tmp_path / "sp"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "#SBATCH --ntasks-per-node=4" in out, out  # and under --sp: stages x sp
 
 
 def test_hostfile_that_is_no_file_of_hosts(tmp_path, capsys):

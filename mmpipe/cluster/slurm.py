@@ -43,8 +43,8 @@ def add_slurm_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
         g = p.add_argument_group("Slurm job (every other flag is passed to the ranks, as for `mmpipe train`)")
         g.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
         g.add_argument("--tasks-per-node", type=int, default=None,
-                       help="ranks per node (default: --gpus-per-node, else the run's stages x --tp: a pipeline per "
-                            "node); world size = nodes x this")
+                       help="ranks per node (default: --gpus-per-node, else the run's stages x --tp x --sp: a "
+                            "pipeline per node); world size = nodes x this")
     g.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node, one per rank (default: 0, CPU)")
     g.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per rank = OMP_NUM_THREADS (default: 1)")
     g.add_argument("--slurm-partition", default=None,
@@ -197,7 +197,7 @@ def main_slurm(sargs: argparse.Namespace, targs: TrainArgs) -> int:
         return fail(ConfigError("\n".join(problems)))
     try:
         if sargs.tasks_per_node is None and not sargs.gpus_per_node:  # one pipeline per node (stages x tp ranks)
-            tasks = requested_stages(targs) * max(1, targs.tp)
+            tasks = requested_stages(targs) * max(1, targs.tp) * max(1, targs.sp)
             sargs = argparse.Namespace(**{**vars(sargs), "tasks_per_node": tasks})
         world = sargs.nodes * (sargs.tasks_per_node or sargs.gpus_per_node)
         resolve(targs, world_size=world)  # a bad run is refused here, not after waiting in the queue

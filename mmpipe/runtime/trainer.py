@@ -353,7 +353,7 @@ def announce(run: RunConfig, rank: int) -> None:
     if rank == 0:  # micro x GAS x DP rows of decoder_length positions per optimizer step
         unit = (f"rows of {decoder_length(run)} positions{', packed' if run.pack else ''}, {run.max_images} image "
                 f"slot(s) each")
-        tp = f" x tp {run.tp}" if run.tp > 1 else ""
+        tp = (f" x tp {run.tp}" if run.tp > 1 else "") + (f" x sp {run.sp}" if run.sp > 1 else "")
         print(f"mmpipe: {run.model.name} in {run.stages} stages x dp {run.dp}{tp}; {run.micro} micro x {run.gas} GAS x "
               f"{run.dp} DP = {run.train_batch} {unit}/step; {run.precision}, ZeRO-{run.zero_stage}; "
               f"parts {run.parts}", flush=True)
@@ -377,7 +377,7 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, done: Finishe
     out = Path(args.output_dir)
     summary = {
         "start_step": start.step, "train_time_s": train_time, "stages": run.stages, "dp": run.dp, "tp": run.tp,
-        "micro_batch": run.micro, "gradient_accumulation": run.gas,
+        "sp": run.sp, "micro_batch": run.micro, "gradient_accumulation": run.gas,
         "precision": run.precision, "zero_stage": run.zero_stage, "preset": run.model.name,
         "freeze": list(run.freeze), "parts": run.parts, "seed": args.seed, "ds_config": run.ds_config_path,
         **progress.counters, "partition": describe_parts(run.layers, run.parts),
