@@ -435,8 +435,8 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
     and value heads: each rank runs H/N of them after the all-to-all) and the row's decoder positions (each rank holds
     L/N), and only where it was checked: not with --tp
-    (both take the grid's model axis), fp32 at ZeRO 0, 1F1B, the SFT objective, no MoE, LoRA, checkpointing,
-    validation or resume."""
+    (both take the grid's model axis), fp32 at ZeRO 0, 1F1B, the SFT objective, no MoE, LoRA, checkpointing or
+    validation (--resume, at this or another SP, is checked)."""
     from .model.sequence_parallel import FAMILIES, WHY_NOT
     sp, (zero_stage, precision, schedule, pipe_cfg) = args.sp, setup
     if sp < 1:
@@ -458,7 +458,7 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
             problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")
     unchecked = [name for name, on in (
         ("--tp", args.tp > 1), ("MoE", family_of(model).experts(model) is not None), ("--ep", args.ep > 1),
-        ("--lora", args.lora > 0), ("--resume", args.resume), ("--init-from", bool(args.init_from)),
+        ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
         (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
         (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage != 0),

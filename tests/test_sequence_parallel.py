@@ -8,7 +8,9 @@
   each rank's outputs and input gradients against its slice of the whole, every parameter's gradient (1e-6); and
   Qwen3-VL's DeepstackAdd0 on a slice.
 - One launch: qwen-tiny PP=2 x SP=2 (4 CPU ranks), packed rows of mixed image grids, 3 steps at a constant lr: each
-  step's loss and the final weights equal the single-device reference (1e-5), every trained tensor moved > 10 x that.
+  step's loss and the final weights equal the single-device reference (1e-5), every trained tensor moved > 10 x that;
+  its gradients summed over SP once a step (at ReduceGrads).
+- Its step-2 checkpoint resumed at SP=2 (bit for bit) and at SP=1 (weights carried, moments restarted): 2 launches.
 - The refusals, one line each (no launch)."""
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import assert_weights_moved, refused, write_ds_config
+from conftest import assert_weights_moved, cut_at, refused, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.model.builder import IGNORE_INDEX, bound, lm_loss
@@ -29,7 +31,7 @@ from mmpipe.model.llava import LlamaBlock
 from mmpipe.model.qwen2_vl import QwenBlock
 from mmpipe.model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock
 from mmpipe.model.qwen3_vl import DEEPSTACK_ADDS, Qwen3Block
-from mmpipe.model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients_over
+from mmpipe.model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients
 from mmpipe.model.stage import StageTuple
 from mmpipe.model.tensor_parallel import Shard
 from mmpipe.runtime.checkpoint import load_reference
@@ -74,12 +76,12 @@ def _block_check(block_cls, preset: str, shard: Shard) -> dict:
     for m in (block, sp_head):
         m.zero_grad()
     parallelize_sequence([block], shard)
-    sum_gradients_over([*block.parameters(), *sp_head.parameters()], shard)
     mine = slice(shard.rank * L // 2, (shard.rank + 1) * L // 2)
     x_local = x.detach()[:, mine].clone().requires_grad_()
     out_local = block.run(_row(cfg, x_local), 0)  # the row's integer tensors whole, the hidden its slice
     loss_local = sp_loss(lm_loss, shard)(sp_head(out_local), (labels, weights))
     loss_local.backward()
+    sum_gradients([*block.parameters(), *sp_head.parameters()], shard)  # what ReduceGrads runs first under --sp
     # the loss relative to its size: a sum of ~20 weighted cross-entropies (qwen3-vl-tiny's ~60), added in another order
     diffs = {"loss": abs(loss_local.item() - loss.item()) / abs(loss.item()),
              "out": (out_local - out[:, mine]).abs().max().item(),
@@ -158,7 +160,7 @@ def qwen_sp(tmp_path_factory):
     data = PackedSet(tmp_path_factory.mktemp("sp"), "qwen-tiny", SIZES, 36, STEPS, SEED)
     write_ds_config(data.root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
                     scheduler=None, optimizer=ADAM)
-    return data, data.reference(), data.launch("sp", 2, "--sp", "2")
+    return data, data.reference(), data.launch("sp", 2, "--sp", "2", "--save-every", "2")
 
 
 def test_rows_have_a_sample_cut_by_the_sp_slice(qwen_sp):
@@ -184,6 +186,40 @@ def test_pp2_sp2_equals_single_device(qwen_sp):
     _weights_equal_within(model, ref_model, TOL)
     init = ReferenceModel(ref_model.cfg, seed=SEED).state_dict()
     assert_weights_moved(model.state_dict(), init, TOL)  # every trained tensor > 10 x TOL
+
+
+def test_resume_at_sp2_is_bit_exact(qwen_sp):
+    """The PP=2 x SP=2 run cut after step 2 (its step-2 checkpoint: every SP rank's own optimizer file
+    mp_rank_<stage x 2 + SP rank>) and resumed at SP=2: step 3's loss and every layer file bit for bit."""
+    data, (ref_model, _), run = qwen_sp
+    assert sorted(p.name for p in (run.out / "checkpoints" / "step2").glob("mp_rank_*")) == [
+        f"mp_rank_0{r}_model_states.pt" for r in range(4)]
+    resumed = data.launch(cut_at(run, data.root / "cut_sp2", 2).name, 2, "--sp", "2", "--resume")
+    assert resumed.summary["start_step"] == 2
+    assert [int(r["step"]) for r in resumed.rows] == list(range(1, STEPS + 1))
+    assert resumed.losses == run.losses
+    got, want, cut = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", ref_model.cfg, tag)).state_dict()
+                      for r, tag in ((resumed, None), (run, None), (resumed, "step2")))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # step 3 ran: every tensor changed from the cut's (one constant-lr step moves some by < 1e-4, so no 10 x TOL here;
+    # test_pp2_sp2_equals_single_device checks the run moved)
+    assert not [k for k in cut if torch.equal(cut[k], got[k])]
+
+
+def test_sp2_checkpoint_resumes_at_sp1(qwen_sp):
+    """The same step-2 checkpoint resumed at SP=1 (PP=2, 2 ranks): the weights carry over (the layer files are whole
+    layers at any SP), so step 3's loss is the SP=2 run's; the AdamW moments start again (mmpipe's policy for another
+    layout: DeepSpeed's stage files are named by SP rank), with a note naming both SPs, and step 3 trains."""
+    data, (ref_model, _), run = qwen_sp
+    resumed = data.launch(cut_at(run, data.root / "cut_sp1", 2).name, 2, "--resume")
+    assert resumed.summary["start_step"] == 2
+    log = resumed.proc.stdout + resumed.proc.stderr
+    assert "note: step2 was written at --sp 2, this run is --sp 1" in log, log[-3000:]
+    assert "the optimizer state (AdamW moments) starts again from zero" in log
+    assert resumed.losses[3] == pytest.approx(run.losses[3], abs=TOL), (resumed.losses, run.losses)
+    got, cut = (torch.nn.Sequential(*load_reference(resumed.out / "checkpoints", ref_model.cfg, tag)).state_dict()
+                for tag in (None, "step2"))
+    assert not [k for k in cut if torch.equal(cut[k], got[k])]  # step 3 ran at SP=1 (moved as in the SP=2 test)
 
 
 def test_sp_refusals_one_line_each(capsys, tmp_path):

@@ -11,7 +11,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from ..model.builder import apply_freeze, bind_layer_fields, layer_specs
 from ..model.lora import add_adapters
 from ..model.moe import head_aux
-from ..model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients_over
+from ..model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients_at_step
 from ..model.tensor_parallel import Shard, mark_norm_counting, parallelize
 from ..registry import family_of
 from ..run_config import RunConfig
@@ -60,12 +60,11 @@ class VLMPipeline(PipelineModule):
             self._split_sequence(run)
         for _ in self.each_part():  # this rank's layer list(s): one, or DualPipeV's two (mmpipe.runtime.dualpipev)
             apply_freeze(self.forward_funcs, run.freeze)
-        if run.sp > 1:  # each SP rank's gradient is its positions' share: summed over the SP group
-            sum_gradients_over([p for p in self.parameters() if p.requires_grad], self._sp_shard())
         self.moe = run.experts is not None  # its head reports the aux loss
         self.metrics = run.objective.metrics  # the loss's last micro-batch values, logged (mmpipe.model.objectives)
-        # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it)
-        self.expert_shards, self.expert_shards_group = (shard_experts(self.forward_funcs, self._topo, run.ep)
+        # --ep: this rank's share of the experts (mmpipe.runtime.experts; the engine's reduction and save follow it),
+        # in every part it holds: the whole module, DualPipeV's phase-1 stage too, not the active forward_funcs
+        self.expert_shards, self.expert_shards_group = (shard_experts([self], self._topo, run.ep)
                                                         if run.ep > 1 else ([], None))
         for _ in self.each_part():
             bind_layer_fields(self.forward_funcs, run.model, self._local_start)
@@ -91,7 +90,13 @@ class VLMPipeline(PipelineModule):
             f.__dict__["stage_out"], "tiling") for _ in self.each_part() for f in self.forward_funcs)
 
     # The hooks a PipelineModule with several parts per rank (DualPipeV's V: mmpipe.runtime.dualpipev) overrides.
-    install_wire = staticmethod(install_wire)  # only floats cross a stage boundary (mmpipe.runtime.wire)
+    def install_wire(self, engine) -> None:
+        """What the engine needs patched for this module (trainer.build_engine calls it after deepspeed.initialize):
+        only floats cross a stage boundary (mmpipe.runtime.wire); under --sp each SP rank's gradient is its positions'
+        share, summed over the SP group once a step at ReduceGrads (sequence_parallel.sum_gradients_at_step)."""
+        install_wire(engine)
+        if self.sp > 1:
+            sum_gradients_at_step(engine, self._sp_shard())
 
     def each_part(self):
         """Make each of this rank's parts of the layer list the active one (forward_funcs, _local_start) in turn."""
