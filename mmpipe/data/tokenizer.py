@@ -23,9 +23,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is made: ~0.5 s of CPU per process that needs none
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ..config import ConfigError
 from .shapes import VOCABULARY
@@ -103,6 +106,7 @@ def builtin_tokenizer(image_token: bool = False) -> PreTrainedTokenizerFast:
     """image_token: with the LLaVA family's `<image>` placeholder as one more special token, the
     last id (36); the data takes the `<image>` markers it tokenises out of the ids (they only say where an
     image goes, mmpipe.data.text) and inserts the placeholders by id (mmpipe.data.text.placeholders)."""
+    from transformers import PreTrainedTokenizerFast
     words = SPECIALS + PROMPT_WORDS + [w for w in VOCABULARY if w not in PROMPT_WORDS] + [IMAGE_TOKEN] * image_token
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -141,6 +145,7 @@ def load_tokenizer(path: str | None, prompt_format: str | None = None, flag: str
         raise ConfigError(f"{flag}: {path} is not a directory (give a local tokenizer directory or 'builtin')")
     if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(f"{flag}: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}")
+    from transformers import AutoTokenizer  # its import loads transformers.models: ~0.2 s more than the built-in's
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises OSError/ValueError/... for unusable directories
