@@ -200,7 +200,8 @@ CROSS_ATTENTION = register(Family(
 # decoder (CLIP-L 0.3 B of LLaVA-1.5-7B's 7.1 B) and run once per image; splitting them is issue 54's later work.
 # A layer not named is replicated.
 LLAVA_TP_PLAN = {
-    LlamaBlock: {"self_attn.q_proj": "column", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
+    LlamaBlock: {"self_attn": "entry", "mlp": "entry",  # each input enters the TP region once (2, not 5, a block)
+                 "self_attn.q_proj": "column", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
                  "self_attn.o_proj": "row", "self_attn.n_heads": "heads", "self_attn.kv_heads": "kv_heads",
                  "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"},
     LlavaEmbed: {"embed_tokens": "vocab"},

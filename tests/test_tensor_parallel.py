@@ -22,10 +22,12 @@ import torch.multiprocessing as mp
 from conftest import assert_weights_moved, cut_at, refused, train_run, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.families import LLAVA_TP_PLAN
+from mmpipe.model import tensor_parallel
 from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, TiedCall, lm_loss, lm_loss_sum
 from mmpipe.model.llava import LlamaBlock, LlavaEmbed, LMHeadLinear, TowerBlock, tied_head
 from mmpipe.model.llava_next import image_feature_count
 from mmpipe.model.objectives import vocab_parallel_lm_loss
+from mmpipe.model.qwen3_5 import DeltaNetBlock
 from mmpipe.model.rows import IMAGE_SLOT
 from mmpipe.model.tensor_parallel import Shard, gather_state, parallelize, split_dims
 from mmpipe.registry import family_of
@@ -266,6 +268,33 @@ def test_family_plan_splits_the_whole_model_exactly(two_ranks, preset, split, to
         assert any(k.endswith(name) for k in diffs), (name, sorted(diffs))
     assert diffs["loss"] < 1e-6
     assert max(diffs.values()) < tol, {k: v for k, v in diffs.items() if v >= tol}
+
+
+def _all_reduces(block, hidden: torch.Tensor, monkeypatch) -> tuple[list, list]:
+    """The shapes all-reduced over the TP group by one forward and one backward of a split block (a counting wrapper on
+    the one collective every TP region's edge calls), single-process (Shard group None: counted, not sent)."""
+    calls, reduce = [], tensor_parallel._all_reduce
+    monkeypatch.setattr(tensor_parallel, "_all_reduce",
+                        lambda x, shard: calls.append(tuple(x.shape)) or reduce(x, shard))
+    out = block.run(types.SimpleNamespace(hidden=hidden, segments=torch.ones(hidden.shape[:2], dtype=torch.long)), 0)
+    forward = list(calls)
+    out.sum().backward()
+    return forward, calls[len(forward):]
+
+
+@pytest.mark.parametrize("cls, preset", [(LlamaBlock, "llava-tiny"), (DeltaNetBlock, "qwen3.5-tiny")])
+def test_a_dense_block_all_reduces_activations_twice_each_way(cls, preset, monkeypatch):
+    """Megatron's count: a column region entered once (the attention's or Gated DeltaNet's input, the SwiGLU's), so 2
+    all-reduces of [B, T, D] forward (o / out_proj, down: row) and 2 backward (the entries' copy_to_tp), where a copy
+    per column linear made 5 backward (q, k, v, gate, up) and Gated DeltaNet's in_proj_qkv / z / b / a 6. The one
+    other backward all-reduce is a weight's: Gated DeltaNet's gated norm [Dv], summed over TP."""
+    cfg = load_preset(preset)
+    block = parallelize(_built(cls, cfg, 0), family_of(cfg).tp_plan, Shard(None, 0, 2))
+    hidden = torch.randn(2, 7, cfg.text.dim, requires_grad=True)
+    forward, backward = _all_reduces(block, hidden, monkeypatch)
+    assert forward == [tuple(hidden.shape)] * 2
+    assert [s for s in backward if s == tuple(hidden.shape)] == [tuple(hidden.shape)] * 2, backward
+    assert len(backward) == 2 + (cls is DeltaNetBlock), backward
 
 
 # ---- one launch: PP=2 x TP=2 == single device -----------------------------------------------------------------

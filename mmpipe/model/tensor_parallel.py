@@ -38,6 +38,12 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
                 conv1d, channels [q | k | v] of key_dim, key_dim, value_dim: Fused(("key_dim", "key_dim",
                 "value_dim")), the widths read from the module holding them. An nn.Conv1d (depthwise, one channel
                 per group) keeps its channels' slice; its channels and groups become this rank's
+    entry       a module whose first input enters the TP region once (a forward pre-hook: copy_to_tp of it), for
+                every column / kv linear inside it, which then reads it without a copy of its own: Megatron's one
+                gradient all-reduce where a column region begins (an attention's q, k, v; a SwiGLU's gate, up; Gated
+                DeltaNet's in_proj_*), not one per linear. Exact only on a module whose input reaches nothing but
+                those linears (each rank's gradient of it then its heads' share, summed once): not an MoE MLP, whose
+                replicated router reads it too (its experts and shared expert keep their own copies)
     {cls: ..}   a nested plan: the submodule is split by the entries of its own class (a block whose MLP is SwiGLU
                 or fc1 / fc2 by config), names relative to it
     Own(..)     a module that is none of the above (an MoE block's fused 3-D experts): the mark's split(module, shard)
@@ -64,8 +70,9 @@ import torch.nn.functional as F
 from torch import nn
 
 COLUMN, ROW, VOCAB, KV, REPLICATED, SUMMED = "column", "row", "vocab", "kv", "replicated", "summed"
+ENTRY = "entry"  # a module whose input enters the TP region once for the column linears inside it
 HEADS, KV_HEADS = "heads", "kv_heads"  # marks of an attribute (a head count), not of a submodule
-MARKS = (COLUMN, ROW, VOCAB, KV, REPLICATED, SUMMED, HEADS, KV_HEADS)
+MARKS = (COLUMN, ROW, VOCAB, KV, REPLICATED, SUMMED, HEADS, KV_HEADS, ENTRY)
 SIZES = "sizes"  # a plan's key beside its classes: cfg -> ((what, count), ..) that TP must divide
 
 
@@ -165,8 +172,14 @@ def _keep(module: nn.Module, name: str, dim: int, shard: Shard, sizes: list[int]
         setattr(module, name, kept)
 
 
+def _entered(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A column linear's input in the TP region: as it is where an entry module copied it in (tp_entered), else
+    copied here."""
+    return x if getattr(module, "tp_entered", False) else copy_to_tp(x, module.tp_shard)
+
+
 def _column_forward(self, x):
-    return F.linear(copy_to_tp(x, self.tp_shard), self.weight, self.bias)
+    return F.linear(_entered(self, x), self.weight, self.bias)
 
 
 def _row_forward(self, x):
@@ -191,7 +204,7 @@ def _kv_heads(layer: nn.Module, items: dict, linear: str) -> int:
 
 
 def _one_kv_head_forward(self, x):
-    y = F.linear(copy_to_tp(x, self.tp_shard), self.weight, self.bias)
+    y = F.linear(_entered(self, x), self.weight, self.bias)
     width = self.out_features // self.tp_kv_heads  # head_dim
     head = self.tp_shard.rank // (self.tp_shard.size // self.tp_kv_heads)
     return y.narrow(-1, head * width, width)
@@ -216,7 +229,7 @@ def _replicate_kv(module: nn.Linear, shard: Shard, kv_heads: int) -> None:
 
 def _split_module(module: nn.Module, mark, shard: Shard, where: str, kv_heads: int, sizes=None) -> None:
     """Split one submodule by its mark (sizes: a Fused mark's part widths)."""
-    if mark == REPLICATED:
+    if mark in (REPLICATED, ENTRY):  # an entry: parallelize's last pass (_enter)
         return
     if mark == SUMMED:
         return _sum_gradients(module, shard)
@@ -323,7 +336,24 @@ def parallelize(layer, plan: dict, shard: Shard):
         if mark in (HEADS, KV_HEADS):
             owner, attr = _target(layer, name)
             setattr(owner, attr, max(1, getattr(owner, attr) // shard.size))
+        elif mark == ENTRY:
+            _enter(layer.get_submodule(name), shard)
     return layer
+
+
+def _entry_hook(shard: Shard, module: nn.Module, args: tuple) -> tuple:
+    return (copy_to_tp(args[0], shard), *args[1:])
+
+
+def _enter(module: nn.Module, shard: Shard) -> None:
+    """An entry (module docstring): its first input copied into the TP region once, the column / kv linears inside
+    it (split before this) reading it as it is. Their input gradients are each rank's share; copy_to_tp's
+    backward sums them over the ranks once, as each linear's own copy did one by one (sum is linear:
+    sum_r (gq_r + gk_r + gv_r) = sum_r gq_r + sum_r gk_r + sum_r gv_r)."""
+    module.register_forward_pre_hook(functools.partial(_entry_hook, shard))
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and getattr(m, "tp_mark", None) in (COLUMN, KV):
+            m.tp_entered = True
 
 
 @contextlib.contextmanager
@@ -339,6 +369,9 @@ def adapters_split(layer: nn.Module):
         its input and its output's gradient the same on every rank, so its gradient is the whole one
       kv whole on every rank (fewer kv heads than TP ranks): B whole and narrowed to this rank's kv head as the base,
         its gradient summed over TP (each rank's is its query heads' share); A as for column.
+      a column / kv base inside an entry (its input copied in once for the module, tp_entered): B reads A x without
+        a copy (x's gradient through A is then this rank's share, summed at the entry with the base's), so A's
+        gradient, each rank's share, is summed over TP by a gradient hook ([r, in] per adapter, not [N, r]).
     A layer with no split linear (the reference, TP 1) is untouched."""
     split = [m for m in layer.modules() if isinstance(m, nn.Linear) and hasattr(m, "tp_mark")]
     local = {m: (m.in_features, m.out_features) for m in split}
@@ -366,6 +399,9 @@ def _split_adapter(adapted: nn.Module, base: nn.Linear) -> None:
             _replicate_kv(b, base.tp_shard, base.tp_kv_heads)
         else:
             _split_module(b, COLUMN, base.tp_shard, f"{name}.lora_B", 0, base.tp_sizes)
+        if base.tp_mark != ROW and getattr(base, "tp_entered", False):
+            b.tp_entered = True
+            _sum_gradients(a, base.tp_shard)
 
 
 def tp_sizes(cfg, plan: dict) -> tuple:
@@ -388,7 +424,7 @@ def split_dims(layer: nn.Module, plan: dict, tp: int) -> dict:
         return {}
     dims, items = {}, _resolve(layer, plan)
     for name, mark in items.items():
-        if mark in (HEADS, KV_HEADS, REPLICATED, SUMMED) or mark == KV and _kv_heads(layer, items, name) % tp:
+        if mark in (HEADS, KV_HEADS, REPLICATED, SUMMED, ENTRY) or mark == KV and _kv_heads(layer, items, name) % tp:
             continue  # a head count; a replicated module; fewer kv heads than ranks: whole on each
         (owner, _), target = _target(layer, name), _get(layer, name)
         if isinstance(target, nn.Parameter):

@@ -65,6 +65,7 @@ from .qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock, Gated
 from .qwen3_vl import DEEPSTACK_MERGERS, Qwen3Block, Qwen3Embed, Qwen3Merger, Qwen3VisionBlock
 from .tensor_parallel import (
     COLUMN,
+    ENTRY,
     HEADS,
     KV,
     KV_HEADS,
@@ -82,9 +83,12 @@ from .tensor_parallel import (
     split_dims,
 )
 
-ATTENTION = {"self_attn.q_proj": COLUMN, "self_attn.k_proj": KV, "self_attn.v_proj": KV, "self_attn.o_proj": ROW,
+# the attention's and the SwiGLU's input enter the TP region once each (ENTRY): 2 gradient all-reduces a block, as
+# Megatron's, not one per q / k / v / gate / up (5)
+ATTENTION = {"self_attn": ENTRY, "self_attn.q_proj": COLUMN, "self_attn.k_proj": KV, "self_attn.v_proj": KV,
+             "self_attn.o_proj": ROW,
              "self_attn.n_heads": HEADS, "self_attn.kv_heads": KV_HEADS}
-MLP = {"mlp.gate_proj": COLUMN, "mlp.up_proj": COLUMN, "mlp.down_proj": ROW}
+MLP = {"mlp": ENTRY, "mlp.gate_proj": COLUMN, "mlp.up_proj": COLUMN, "mlp.down_proj": ROW}
 DECODER = {**ATTENTION, **MLP}  # LLaVA's LlamaBlock split
 # Qwen3's and Qwen3.5's q / k norms, over each head's width: whole on each rank, their gradients summed over TP
 QK_NORMS = {"self_attn.q_norm": SUMMED, "self_attn.k_norm": SUMMED}
@@ -123,7 +127,8 @@ EXPERTS = Own(_split_experts, lambda e: {"gate_up_proj": (1, (e.down_proj.shape[
 
 def _moe_entries(mlp: SparseMoe) -> dict:
     """The sparse MLP's split: the router replicated (not named), the experts, the shared expert where it has one."""
-    shared = {"shared_expert.gate_proj": COLUMN, "shared_expert.up_proj": COLUMN, "shared_expert.down_proj": ROW}
+    shared = {"shared_expert": ENTRY, "shared_expert.gate_proj": COLUMN, "shared_expert.up_proj": COLUMN,
+              "shared_expert.down_proj": ROW}
     return {"experts": EXPERTS, **(shared if hasattr(mlp, "shared_expert") else {})}
 
 
@@ -150,7 +155,8 @@ def _hybrid_sizes(cfg) -> tuple:
 
 QWEN2_VL_TP_PLAN = {
     # Qwen2-VL's tower MLP is fc1 / fc2, Qwen2.5-VL's SwiGLU with bias (vision.mlp): split by the MLP's class
-    QwenVisionBlock: {**TOWER_ATTENTION, "mlp": {SwiGLU: {"gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW},
+    QwenVisionBlock: {**TOWER_ATTENTION, "mlp": {SwiGLU: {"": ENTRY, "gate_proj": COLUMN, "up_proj": COLUMN,
+                                                          "down_proj": ROW},
                                                  TowerMLP: {"fc1": COLUMN, "fc2": ROW}}},
     QwenMerger: {"mlp.0": COLUMN, "mlp.2": ROW},
     QwenEmbed: {"embed_tokens": VOCAB},
@@ -173,7 +179,7 @@ QWEN3_VL_TP_PLAN = {
 }
 
 _DELTANET_QKV = Fused(("key_dim", "key_dim", "value_dim"))  # the owner's widths, read before they are divided
-DELTANET = {"linear_attn.in_proj_qkv": _DELTANET_QKV, "linear_attn.conv1d": _DELTANET_QKV,
+DELTANET = {"linear_attn": ENTRY, "linear_attn.in_proj_qkv": _DELTANET_QKV, "linear_attn.conv1d": _DELTANET_QKV,
             **{f"linear_attn.{n}": COLUMN for n in ("in_proj_z", "in_proj_b", "in_proj_a", "dt_bias", "A_log")},
             "linear_attn.out_proj": ROW, "linear_attn.norm": SUMMED,
             **{f"linear_attn.{n}": HEADS for n in ("hk", "hv", "key_dim", "value_dim")}}
