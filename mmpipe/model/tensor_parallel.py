@@ -6,7 +6,8 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
 
     column      nn.Linear y = x W^T + b, W [out, in]: this rank keeps rows r*out/TP .. (r+1)*out/TP of W and b
                 (Megatron's ColumnParallelLinear, output not gathered); its input enters the TP region
-                (copy_to_tp: identity forward, gradient all-reduced backward). Heads are whole rows
+                (copy_to_tp: identity forward, gradient all-reduced backward), or entered it at an `entry` around it
+                (below: one copy for every column linear reading the same input). Heads are whole rows
                 (q_proj [H*Dh, D], head h rows h*Dh .. (h+1)*Dh - 1), so a contiguous 1/TP of rows is
                 H/TP whole heads, and a contiguous 1/TP of k_proj's rows the Hkv/TP kv heads those
                 query heads read (kv head j serves query heads j*H/Hkv .. : query heads r*H/TP .. read
