@@ -435,7 +435,7 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
     and value heads: each rank runs H/N of them after the all-to-all) and the row's decoder positions (each rank holds
     L/N), and only where it was checked: not with --tp
-    (both take the grid's model axis), fp32 at ZeRO 0, 1F1B, the SFT objective, no MoE, LoRA, checkpointing or
+    (both take the grid's model axis), fp32 at ZeRO 0 or 1, 1F1B, the SFT objective, no MoE, LoRA, checkpointing or
     validation (--resume, at this or another SP, is checked)."""
     from .model.sequence_parallel import FAMILIES, WHY_NOT
     sp, (zero_stage, precision, schedule, pipe_cfg) = args.sp, setup
@@ -461,12 +461,12 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
         ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
         (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
-        (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage != 0),
+        (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage > 1),
         (f"schedule {schedule}", schedule.name != BASELINE.name),
         ("activation checkpointing", int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0)) if on]
     if unchecked:
-        problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (this slice trains fp32, ZeRO 0, "
-                        f"1F1B, SFT; docs/sequence_parallel.md)")
+        problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (this slice trains fp32, "
+                        f"ZeRO 0 / 1, 1F1B, SFT; docs/sequence_parallel.md)")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

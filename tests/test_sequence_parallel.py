@@ -11,6 +11,7 @@
   step's loss and the final weights equal the single-device reference (1e-5), every trained tensor moved > 10 x that;
   its gradients summed over SP once a step (at ReduceGrads).
 - Its step-2 checkpoint resumed at SP=2 (bit for bit) and at SP=1 (weights carried, moments restarted): 2 launches.
+- One launch: qwen-tiny PP=1 x DP=2 x SP=2 at ZeRO-1 with the clip engaged equals the single-device reference (1e-5).
 - The refusals, one line each (no launch)."""
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from mmpipe.model.tensor_parallel import Shard
 from mmpipe.runtime.checkpoint import load_reference
 from test_qwen_pipeline import SIZES, PackedSet, _weights_equal_within, loaders_agree
 from test_tensor_parallel_families import ADAM
+from test_tp_combos import OPTIMIZER as CLIPPED_ADAM
 
 TOL = 1e-5
 STEPS, SEED = 3, 5
@@ -220,6 +222,42 @@ def test_sp2_checkpoint_resumes_at_sp1(qwen_sp):
     got, cut = (torch.nn.Sequential(*load_reference(resumed.out / "checkpoints", ref_model.cfg, tag)).state_dict()
                 for tag in (None, "step2"))
     assert not [k for k in cut if torch.equal(cut[k], got[k])]  # step 3 ran at SP=1 (moved as in the SP=2 test)
+
+
+CLIP = 0.05  # below the gradient norm from step 1
+# test_tp_combos' AdamW (lr 3e-3, eps 1e-4): at ADAM's eps 5e-3 the clipped gradients move 23 of 56 tensors < 1e-4
+# in 3 steps; at eps 1e-4 the clip's scale still reaches the update (a clip at sqrt(2) x CLIP ends elsewhere)
+
+
+@pytest.fixture(scope="module")
+def qwen_sp_zero1(tmp_path_factory):
+    """qwen-tiny PP=1 x DP=2 x SP=2 (4 ranks) at ZeRO-1, clipped at CLIP, and its references: the single-device loop on
+    the same 4 rows a step (micro 2 x GAS 2; the launch micro 2 x GAS 1 x DP 2), clipped at CLIP and sqrt(2) x CLIP."""
+    data = PackedSet(tmp_path_factory.mktemp("sp_z1"), "qwen-tiny", SIZES, 36, STEPS, SEED)
+    common = {"train_micro_batch_size_per_gpu": 2, "scheduler": None, "optimizer": CLIPPED_ADAM}
+    z1 = write_ds_config(data.root / "z1.json", gradient_accumulation_steps=1, gradient_clipping=CLIP,
+                         zero_optimization={"stage": 1}, **common)
+    refs = []
+    for clip in (CLIP, CLIP * 2 ** 0.5):
+        write_ds_config(data.root / "ds.json", gradient_accumulation_steps=2, gradient_clipping=clip, **common)
+        refs.append(data.reference())
+    return refs, data.launch("z1", 1, "--ds-config", str(z1), "--dp", "2", "--sp", "2")
+
+
+def test_zero1_dp2_sp2_clipped_equals_single_device(qwen_sp_zero1):
+    """ZeRO-1 partitions each SP rank's optimizer over its data axis (DP 2): 4 files, zero_pp_rank_D_mp_rank_0S; its
+    norm counts each replicated weight once over SP (mark_norm_counting; counted twice, the clip would act as at
+    CLIP / sqrt(2), and a clip at sqrt(2) x CLIP ends > 10 x TOL away)."""
+    ((ref_model, ref_losses), (_, other_losses)), run = qwen_sp_zero1
+    assert abs(other_losses[-1] - ref_losses[-1]) > 10 * TOL  # the clip engaged (measured 7.1e-3)
+    assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL), (run.losses, ref_losses)
+    ckpt = run.out / "checkpoints"
+    tag = (ckpt / "latest").read_text().strip()
+    assert sorted(p.name for p in (ckpt / tag).glob("zero_pp_rank_*")) == [
+        f"zero_pp_rank_{d}_mp_rank_0{s}_optim_states.pt" for d in range(2) for s in range(2)]
+    model = torch.nn.Sequential(*load_reference(ckpt, ref_model.cfg))
+    _weights_equal_within(model, ref_model, TOL)
+    assert_weights_moved(model.state_dict(), ReferenceModel(ref_model.cfg, seed=SEED).state_dict(), TOL)
 
 
 def test_sp_refusals_one_line_each(capsys, tmp_path):
