@@ -5,7 +5,8 @@ forward-only DualPipeVSchedule, through mmpipe's float-only wire). Against the s
 updates at a constant LR): losses and weights within 1e-5, the frozen tensors bit-identical to the seed's init and
 every trained one moved more than 10 x 1e-5; the validation loss is the pipeline's checkpoint run as one model over
 the same set; only floats crossed, rank 0 sending per micro-batch its phase-0 output (and, training, its loss stage's
-input gradient). DeepStack: features its mergers make in the tower cross the V to the decoder layers that add them."""
+input gradient). DeepStack: features its mergers make in the tower cross the V to the decoder layers that add them.
+A second launch of 4 ranks, PP=2 x DP=2 x EP=2 (tests/test_moe_pipeline.py's MoE model): see its test."""
 from __future__ import annotations
 
 import csv
@@ -19,12 +20,15 @@ import torch
 from conftest import assert_weights_moved, train_run, write_ds_config
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare_eval
-from mmpipe.model.builder import ReferenceModel
+from mmpipe.model import moe
+from mmpipe.model.builder import ReferenceModel, layer_specs
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset
 from mmpipe.runtime.reference import train_reference
+from test_moe_pipeline import recorded_reference, write_moe_set
+from test_qwen_pipeline import assert_trained_as_reference
 
 TOL = 1e-5
 STEPS, SEED, PP, GAS, EVAL_N = 3, 4, 4, 8, 8  # GAS 8 = 2 x 4 ranks, DualPipeV's least at PP=4; one eval_batch
@@ -86,3 +90,44 @@ def test_pp4_frozen_tower_lora_deepstack_and_validation_equal_the_reference(tmp_
         assert [(int(r["step"]), float(r["eval_loss"])) for r in csv.DictReader(f)] == [(STEPS, s["eval_loss"])]
     want = _reference_eval_loss(ref_run, run.out / "checkpoints", tmp_path / "ref")
     assert s["eval_loss"] == pytest.approx(want, abs=TOL) and s["eval_samples_validated"] == EVAL_N
+
+
+MOE_GAS, CLIP = 4, 0.5  # GAS 4 = 2 x 2 ranks, DualPipeV's least at PP=2; the clip below every step's norm (asserted)
+
+
+def test_moe_pp2_dp2_ep2_equals_the_reference(tmp_path):
+    """An MoE model with expert parallelism through the V: 4 ranks, PP=2 x DP=2 x EP=2, each rank's experts split
+    over its pipe coordinate's 2 DP ranks in BOTH its stages. The cut [0, 11, 15, 18, 19] puts MoE block 16 on rank
+    1's phase-1 stage (stage 2 of 4) and the MoE head on rank 0's (stage 3): the shards of a phase-1 block and the
+    aux loss of a head that is not on the last rank. Packed rows in stream order (--balance off: which rows share a
+    micro-batch sets the aux loss), fp32 at ZeRO 0, 3 updates at a constant LR, every step clipped by the global norm.
+    Against the single-device loop of the same 8 rows a step (GAS 8): losses, aux losses and weights within 1e-5,
+    every trained tensor moved by more than 10 x that, the checkpoint's experts whole."""
+    root = tmp_path
+    args = [*write_moe_set(root), "--balance", "off", "--freeze", "vision", "--steps", str(STEPS), "--seed", str(SEED)]
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": CLIP, "scheduler": None}
+    cfg = write_ds_config(root / "dpv.json", gradient_accumulation_steps=MOE_GAS, **ds)
+    run = train_run(root / "dpv", *args, "--ds-config", str(cfg), "--stages", "2", "--schedule", "dualpipev",
+                    "--dp", "2", "--ep", "2").check()
+    ref_cfg = write_ds_config(root / "ref.json", gradient_accumulation_steps=2 * MOE_GAS, **ds)  # DP 2 x GAS 4
+    ref_run = resolve(TrainArgs.from_argv([*args, "--ds-config", str(ref_cfg), "--stages", "1",
+                                           "--output-dir", str(root / "ref")]), world_size=1)
+    parts, names = run.summary["parts"], [s.typename for s in layer_specs(ref_run.model)]
+    blocks = [i for i, k in enumerate(names) if k is moe.Qwen3MoeBlock]
+    assert parts[2] <= blocks[-1] < parts[3] and names[-1] is moe.MoeHead, (parts, blocks)  # a block on stage 2
+    for rank, experts in ((0, "0..3"), (1, "4..7"), (2, "0..3"), (3, "4..7")):
+        assert f"mmpipe: rank {rank}: experts {experts} of 8 in each MoE block (--ep 2)" in run.proc.stdout
+    # each rank's optimizer holds its two stages' trainable tensors with 1/2 of every MoE block's experts, the phase-1
+    # stage's too (rank 1 holding block 16's 8 experts whole, replicated, would count 24,576 more: 137,248)
+    init = ReferenceModel(ref_run.model, seed=SEED, freeze=ref_run.freeze, lora=ref_run.lora)
+    held = lambda k: sum(p.numel() // (2 if ".experts." in n else 1) for i in range(parts[k], parts[k + 1])  # noqa: E731
+                         for n, p in init[i].named_parameters() if p.requires_grad)
+    assert run.summary["optimizer_params"] == [held(r) + held(3 - r) for r in (0, 1)]
+    ref_model, ref_losses, ref_aux, norms = recorded_reference(ref_run, SEED, STEPS, 2 * MOE_GAS, root / "ref")
+    assert len(norms) == STEPS and min(norms) > CLIP, norms
+    assert [float(r["loss"]) for r in run.rows] == pytest.approx(ref_losses, abs=TOL)
+    assert [float(r["aux_loss"]) for r in run.rows] == pytest.approx(ref_aux, abs=TOL)
+    assert all(a > 1e-3 * 0.5 for a in ref_aux)  # coef 0.001 x aux (1 when balanced): present in every step
+    got = load_reference(run.out / "checkpoints", ref_model.cfg)
+    assert all(got[i].mlp.experts.gate_up_proj.shape[0] == 8 for i in blocks)  # both phases' shards gathered whole
+    assert_trained_as_reference(run, ref_model, SEED, TOL)  # weights 1e-5, every trained tensor moved > 10 x TOL

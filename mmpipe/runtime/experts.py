@@ -60,8 +60,9 @@ def _coordinates(topo) -> list[dict]:
 
 
 def shard_experts(layers, topo, ep: int) -> tuple[list[tuple[torch.nn.Parameter, object]], object]:
-    """Split every Experts module of this stage's layers over its EP group: ((parameter, expert-data-parallel group)
-    of each shard, the EP group). Collective over the world (every rank creates every group, in one order)."""
+    """Split every Experts module of this rank's layers (every stage it holds: DualPipeV's two share the rank's pipe
+    coordinate, so one EP group serves both) over its EP group: ((parameter, expert-data-parallel group) of each
+    shard, the EP group). Collective over the world (every rank creates every group, in one order)."""
     dp, me = topo.get_dim("data"), dist.get_rank()
     ep_group = edp_group = None
     for at in _coordinates(topo):  # each stage's, and each TP coordinate's under --tp, groups of its DP ranks
@@ -190,13 +191,16 @@ def install(engine, shards: list, dp: int, ep_group) -> None:
     """The engine's gradient reduction, clipping, checkpoint save and load made shard-aware (see the module's
     docstring)."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
+    # the whole module, not its forward_funcs: under DualPipeV those are the active phase's layers only, and the
+    # save writes both phases' layer files (DualPipeVModule.save_state_dict)
+    held = [engine.module]
 
     def save_checkpoint(*args, **kwargs):
-        with gathered(engine.module.forward_funcs, engine.optimizer):
+        with gathered(held, engine.optimizer):
             return save(*args, **kwargs)
 
     def load_checkpoint(*args, **kwargs):
-        with loading(engine.module.forward_funcs, engine.optimizer):
+        with loading(held, engine.optimizer):
             return load(*args, **kwargs)
 
     engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
