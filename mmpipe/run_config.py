@@ -229,7 +229,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     _check_ep(args, model, dp, ds, zero_stage, precision, problems)
     micro, gas = problems.attempt(_batch_sizes, ds, dp) or (1, 1)
     if objective_named(args.objective).pairs:  # --objective dpo: preference pairs, two rows each
-        problems.extend(preference_problems(args, data, micro, None if schedule == BASELINE else schedule.name))
+        problems.extend(preference_problems(args, data, micro))
         data = data and dataclasses.replace(data, pairs=True)
         eval_data = eval_data and dataclasses.replace(eval_data, pairs=True)  # --eval-data: validation pairs
     parts, table = [], []

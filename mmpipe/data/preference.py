@@ -164,11 +164,12 @@ def write_jsonl(path, records: list[dict]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-def preference_problems(args, data, micro: int, other_schedule: str | None = None) -> list[str]:
+def preference_problems(args, data, micro: int) -> list[str]:
     """--objective dpo's own checks against the run's flags and data (DataOptions, or None where it failed), one line
-    each: beta > 0, rpo_alpha >= 0, pairs in the data, whole pairs in a micro-batch, what is not built yet
-    (other_schedule: the run's pipeline schedule by name where it is not the baseline, DeepSpeed's own 1F1B; zb-h1
-    is tested too)."""
+    each: beta > 0, rpo_alpha >= 0, pairs in the data, whole pairs in a micro-batch, what is not built yet. Every
+    schedule runs it: the live reference pass is the engine's own eval_batch, DeepSpeed's inference schedule under
+    1F1B and zb-h1 (tests/test_dpo_packed.py), DualPipeVEngine's forward-only DualPipeVSchedule under dualpipev
+    (docs/dpo.md)."""
     problems = []
     if args.beta <= 0:
         problems.append(f"--beta: {args.beta} must be > 0 (DPO's KL weight; TRL's default 0.1)")
@@ -180,11 +181,7 @@ def preference_problems(args, data, micro: int, other_schedule: str | None = Non
     if args.eval_data and args.reference_logps:
         problems.append("--objective dpo: --eval-data with --reference-logps is not supported yet (the validation "
                         "pairs' reference log-probs are not scored; the live reference validates; docs/dpo.md)")
-    # zb-h1 runs in DeepSpeed's engine, whose inference schedule the reference pass uses (tests/test_dpo_packed.py);
-    # dualpipev's engine has its own
-    schedule = other_schedule not in (None, "zb-h1")
-    for on, what in ((bool(args.eval_split), "--eval-split (it would split pairs)"),
-                     (args.tp > 1, "--tp"), (schedule, f"--schedule {other_schedule}")):
+    for on, what in ((bool(args.eval_split), "--eval-split (it would split pairs)"), (args.tp > 1, "--tp")):
         if on:
             problems.append(f"--objective dpo with {what} is not supported yet (docs/dpo.md)")
     if data is not None and data.builtin:
