@@ -129,6 +129,7 @@ from .model.qwen3_vl import (
     deepstack_fields,
     qwen3_vl_checks,
 )
+from .model.sequence_parallel import LLAVA_SP_PLAN, QWEN2_VL_SP_PLAN, QWEN3_5_SP_PLAN, QWEN3_VL_SP_PLAN
 from .model.stage import ROW, StageField
 from .model.tensor_parallel import SIZES, Fused
 from .model.tp_plans import (
@@ -217,7 +218,7 @@ LLAVA = register(Family(
     fields=lambda cfg: ROW, tower_tokens=lambda cfg: cfg.vision.n_positions,  # CLIP's class token too
     hf=_hf("llava", "LlavaForConditionalGeneration", ("llava",), "LLaVA", importer="import_llava",
            config="hf_llava_config", reader="read_llava", key_map="hf_key_map"),
-    tp_plan=LLAVA_TP_PLAN))
+    tp_plan=LLAVA_TP_PLAN, sp_plan=LLAVA_SP_PLAN))
 
 # Its vision layers are costed on the row's patch budget (costs.QWEN_*, per_row: mmpipe.planning.costmodel)
 QWEN2_VL = register(Family(
@@ -230,7 +231,8 @@ QWEN2_VL = register(Family(
     media=("image", "video"),  # clips: mmpipe.data.video (Qwen2.5-VL's absolute-time rotary)
     # Qwen2.5-VL's class by config (mmpipe.hf.qwen2_vl)
     hf=_hf("qwen2_vl", "Qwen2VLForConditionalGeneration", ("qwen2_vl", "qwen2_5_vl"), "Qwen2-VL",
-           importer="import_qwen2_vl", config="hf_qwen_config", reader="read_qwen2_vl"), tp_plan=QWEN2_VL_TP_PLAN))
+           importer="import_qwen2_vl", config="hf_qwen_config", reader="read_qwen2_vl"), tp_plan=QWEN2_VL_TP_PLAN,
+    sp_plan=QWEN2_VL_SP_PLAN))
 
 # The tower, projector and embedding are costed on the row's T crops (costs.ANYRES_*, per_row: a CropRow)
 LLAVA_NEXT = register(Family(
@@ -267,7 +269,8 @@ QWEN3_VL = register(Family(
     fixed_first_stage=lambda specs: 1 + max(i for i, s in enumerate(specs) if s.typename in DEEPSTACK_ADDS),
     experts=_moe,
     hf=_hf("qwen3_vl", "Qwen3VLForConditionalGeneration", ("qwen3_vl", "qwen3_vl_moe"), "Qwen3-VL",
-           importer="import_qwen3_vl", config="hf_qwen3_config", reader="read_qwen3_vl"), tp_plan=QWEN3_VL_TP_PLAN))
+           importer="import_qwen3_vl", config="hf_qwen3_config", reader="read_qwen3_vl"), tp_plan=QWEN3_VL_TP_PLAN,
+    sp_plan=QWEN3_VL_SP_PLAN))
 
 # Qwen3-VL's tower without DeepStack; each decoder layer kind by its own rule (mmpipe.model.qwen3_5): a
 # linear-attention layer linear in positions (DELTANET_BLOCK), a full one with its output gate and its heads' own
@@ -285,7 +288,8 @@ QWEN3_5 = register(Family(
     fields=lambda cfg: ROW + qwen3_5_moe_fields(cfg) + (KEPT_TILING,), experts=_moe,
     # Qwen3_5MoeForConditionalGeneration's by config (text.moe: mmpipe.hf.qwen3_5)
     hf=_hf("qwen3_5", "Qwen3_5ForConditionalGeneration", ("qwen3_5", "qwen3_5_moe"), "Qwen3.5",
-           importer="import_qwen3_5", config="hf_qwen3_5_config", reader="read_qwen3_5"), tp_plan=QWEN3_5_TP_PLAN))
+           importer="import_qwen3_5", config="hf_qwen3_5_config", reader="read_qwen3_5"), tp_plan=QWEN3_5_TP_PLAN,
+    sp_plan=QWEN3_5_SP_PLAN))
 
 # InternVL3.5: InternViT on 448-px tiles in the row's T crops (costed at an image's tile cap), a Qwen3 decoder, dense
 # or MoE (text.moe: mmpipe.model.moe's sparse MLP and head); mmpipe.model.internvl, mmpipe.data.internvl
@@ -310,7 +314,8 @@ GEMMA3 = register(Family(
     ImageLayout(placeholders=True, vision=Gemma3Vision, text=Gemma3Text), GEMMA3_IMAGES, checks=gemma3_checks,
     fields=lambda cfg: ROW,
     hf=_hf("gemma3", "Gemma3ForConditionalGeneration", ("gemma3",), "Gemma 3", importer="import_gemma3",
-           config="hf_gemma3_config", reader="read_gemma3")))
+           config="hf_gemma3_config", reader="read_gemma3"),
+    sp_why_not="its carried per-layer fields and image blocks are not sliced yet"))
 
 # Gemma 4 (mmpipe.model.gemma4): a tower with a learned 2-D position table and 3 x 3 pooling, its images by config
 # (mmpipe.data.gemma4: a fixed square on Gemma 3's bracketed placeholders, or any aspect ratio within
@@ -321,4 +326,5 @@ GEMMA4 = register(Family(
     ImageLayout(placeholders=True, vision=Gemma4Vision, text=Gemma4Text), GEMMA4_IMAGES, checks=gemma4_checks,
     fields=gemma4_fields, tower_tokens=gemma4_tower_tokens,
     hf=_hf("gemma4", "Gemma4ForConditionalGeneration", ("gemma4",), "Gemma 4", importer="import_gemma4",
-           config="hf_gemma4_config", reader="read_gemma4")))
+           config="hf_gemma4_config", reader="read_gemma4"),
+    sp_why_not="its per-layer inputs and shared K/V travel whole-row (not sliced yet)"))

@@ -99,6 +99,10 @@ class Family:
     # how its layers split across tensor-parallel ranks: layer class -> its plan (filled by the tensor-parallel
     # work; empty: the family runs at --tp 1 only)
     tp_plan: dict = field(default_factory=dict, repr=False, compare=False)
+    # how its layers take a row's positions split across sequence-parallel ranks (`--sp`, Ulysses): layer class -> the
+    # function that makes one so (mmpipe.model.sequence_parallel); empty: --sp refused, with sp_why_not as its reason
+    sp_plan: dict = field(default_factory=dict, repr=False, compare=False)
+    sp_why_not: str = ""
 
     @property
     def key(self) -> tuple[str, str]:

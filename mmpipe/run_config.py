@@ -437,22 +437,21 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
     L/N), and only where it was checked: not with --tp
     (both take the grid's model axis), fp32 at ZeRO 0 or 1, 1F1B, the SFT objective, no MoE, LoRA, checkpointing or
     validation (--resume, at this or another SP, is checked)."""
-    from .model.sequence_parallel import FAMILIES, WHY_NOT
     sp, (zero_stage, precision, schedule, pipe_cfg) = args.sp, setup
     if sp < 1:
         problems.append(f"--sp: {sp} must be >= 1")
     if sp <= 1 or model is None:
         return
-    if model.family not in FAMILIES:
+    family = family_of(model)
+    if not family.sp_plan:  # mmpipe.registry.Family.sp_plan: the families whose decoder this slice splits
+        have = ", ".join(sorted(f.family for f in families() if f.sp_plan))
         problems.append(f"--sp: {sp} on {model.name}: the {model.family} family's decoder is not split by position "
-                        f"yet: {WHY_NOT.get(model.family, 'its layers have no sequence-parallel form')} (--sp "
-                        f"trains {', '.join(FAMILIES)})")
+                        f"yet: {family.sp_why_not or 'its layers have no sequence-parallel form'} (--sp trains {have})")
         return
     t = model.text
     length = data and row_shape(model, data.max_images, data.text_len, data.vision_budget).length
     for what, n in (("attention heads (text.n_heads)", t.n_heads), ("KV heads (text.n_kv_heads)", t.kv_heads),
-                    ("Gated DeltaNet key heads", getattr(t, "linear_key_heads", 0)),
-                    ("Gated DeltaNet value heads", getattr(t, "linear_value_heads", 0)),
+                    *tp_sizes(model, family.sp_plan),  # the plan's own (Gated DeltaNet's key and value heads)
                     ("decoder positions per row (--text-len + the image tokens)", length)):
         if n and n % sp:
             problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")

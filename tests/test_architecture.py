@@ -175,6 +175,10 @@ ALLOWED_PROBES = {
     # a layer class opts out of LoRA by declaring adapters = False (the heads: no adapter on the vocabulary
     # projection); a layer of a family from outside need not know the attribute exists
     "model/lora.py: getattr(layer, 'adapters', True)",
+    # tensor parallelism marks the linears it split (tp_mark) and those inside a region's entry (tp_entered) itself;
+    # a linear it left whole (replicated, or a family without a plan) carries neither
+    "model/tensor_parallel.py: getattr(m, 'tp_mark', None)",
+    "model/tensor_parallel.py: getattr(module, 'tp_entered', False)",
 }
 
 

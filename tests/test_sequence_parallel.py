@@ -35,6 +35,7 @@ from mmpipe.model.qwen3_vl import DEEPSTACK_ADDS, Qwen3Block
 from mmpipe.model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients
 from mmpipe.model.stage import StageTuple
 from mmpipe.model.tensor_parallel import Shard
+from mmpipe.registry import family_of
 from mmpipe.runtime.checkpoint import load_reference
 from test_qwen_pipeline import SIZES, PackedSet, _weights_equal_within, loaders_agree
 from test_tensor_parallel_families import ADAM
@@ -77,7 +78,7 @@ def _block_check(block_cls, preset: str, shard: Shard) -> dict:
     block, sp_head = copy.deepcopy(whole), copy.deepcopy(head)
     for m in (block, sp_head):
         m.zero_grad()
-    parallelize_sequence([block], shard)
+    parallelize_sequence([block], shard, family_of(cfg).sp_plan)
     mine = slice(shard.rank * L // 2, (shard.rank + 1) * L // 2)
     x_local = x.detach()[:, mine].clone().requires_grad_()
     out_local = block.run(_row(cfg, x_local), 0)  # the row's integer tensors whole, the hidden its slice
@@ -108,7 +109,7 @@ def _deepstack_check(shard: Shard) -> dict:
     for split in (False, True):
         add = bound(DEEPSTACK_ADDS[0](cfg), cfg, 11)
         if split:
-            parallelize_sequence([add], shard)
+            parallelize_sequence([add], shard, family_of(cfg).sp_plan)
         hidden = (row.hidden[:, mine] if split else row.hidden).clone().requires_grad_()
         ds = {k: v.clone().requires_grad_() for k, v in sets.items()}
         t = row._replace(hidden=hidden, **ds)

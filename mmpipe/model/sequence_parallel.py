@@ -32,8 +32,10 @@ import torch.nn.functional as F
 
 from .attention import Split, attend
 from .llava import LlamaBlock, LlavaEmbed
+from .qwen2_vl import QwenBlock, QwenEmbed
 from .qwen3_5 import (
     DeltaNetBlock,
+    GatedAttentionBlock,
     GatedDeltaNet,
     chunk_delta_rule,
     fla_delta_rule,
@@ -41,16 +43,9 @@ from .qwen3_5 import (
     segment_conv,
     use_fla,
 )
-from .qwen3_vl import DeepstackAdd
+from .qwen3_vl import DEEPSTACK_ADDS, DeepstackAdd, Qwen3Block, Qwen3Embed
 from .stage import unpack_in, unpack_out
-from .tensor_parallel import Shard, reduce_from_tp
-
-# whose decoder is embedding, LlamaBlock (QwenBlock, Qwen3Block), DeepStack adds, norm, head: checked here
-FAMILIES = ("llava", "qwen2_vl", "qwen3_vl", "qwen3_5")  # qwen3_5: Gated DeltaNet through the all-to-all too
-WHY_NOT = {  # the families --sp refuses, and what their decoder has that this slice does not split yet
-    "gemma3": "its carried per-layer fields and image blocks are not sliced yet",
-    "gemma4": "its per-layer inputs and shared K/V travel whole-row (not sliced yet)",
-}
+from .tensor_parallel import SIZES, Shard, reduce_from_tp
 
 
 def span(length: int, shard: Shard) -> tuple[int, int]:
@@ -169,22 +164,47 @@ def _deltanet_forward(net: GatedDeltaNet, shard: Shard):
     return forward
 
 
-def parallelize_sequence(layers, shard: Shard) -> None:
-    """The stage's layers (and tied modules) under SP, in place (module docstring): the decoder embedding keeps its
-    slice of the row, each decoder block attends through the all-to-all. A layer seen twice (a tied module) once."""
+def slice_embedding(layer, shard: Shard) -> None:
+    layer.forward = _sliced_embedding(layer, shard)
+
+
+def attend_by_heads(layer, shard: Shard) -> None:  # a LlamaBlock-shaped block: its geometry, then the all-to-all
+    layer.geometry = _sliced_geometry(layer, shard)
+
+
+def deltanet_by_heads(layer, shard: Shard) -> None:
+    layer.linear_attn.forward = _deltanet_forward(layer.linear_attn, shard)
+
+
+def slice_deepstack(layer, shard: Shard) -> None:
+    layer.forward = _sliced_deepstack(layer, shard)
+
+
+# the families' plans (mmpipe.registry.Family.sp_plan, attached in mmpipe.families): the decoder embedding keeps its
+# slice, each decoder block attends (or runs Gated DeltaNet) through the all-to-all, DeepStack adds their slice; the
+# tower, projector / mergers, norm and head run unchanged on what they get
+LLAVA_SP_PLAN = {LlavaEmbed: slice_embedding, LlamaBlock: attend_by_heads}
+QWEN2_VL_SP_PLAN = {QwenEmbed: slice_embedding, QwenBlock: attend_by_heads}
+QWEN3_VL_SP_PLAN = {Qwen3Embed: slice_embedding, Qwen3Block: attend_by_heads,
+                    **{add: slice_deepstack for add in DEEPSTACK_ADDS}}
+QWEN3_5_SP_PLAN = {Qwen3Embed: slice_embedding, GatedAttentionBlock: attend_by_heads, DeltaNetBlock: deltanet_by_heads,
+                   # beyond the attention heads SP must divide (each rank runs H / SP of them after the all-to-all)
+                   SIZES: lambda cfg: (("Gated DeltaNet key heads", cfg.text.linear_key_heads),
+                                       ("Gated DeltaNet value heads", cfg.text.linear_value_heads))}
+
+
+def parallelize_sequence(layers, shard: Shard, plan: dict) -> None:
+    """The stage's layers (and tied modules) under SP, in place (module docstring), each as the family's plan
+    (Family.sp_plan: layer class -> how) says; a class the plan does not name runs unchanged. A layer seen twice (a
+    tied module) once."""
     done = set()
     for layer in layers:
         if id(layer) in done:
             continue
         done.add(id(layer))
-        if isinstance(layer, LlavaEmbed):
-            layer.forward = _sliced_embedding(layer, shard)
-        elif isinstance(layer, DeltaNetBlock):
-            layer.linear_attn.forward = _deltanet_forward(layer.linear_attn, shard)
-        elif isinstance(layer, LlamaBlock):  # GatedAttentionBlock (Qwen3.5's full attention) among them
-            layer.geometry = _sliced_geometry(layer, shard)
-        elif isinstance(layer, DeepstackAdd):
-            layer.forward = _sliced_deepstack(layer, shard)
+        how = plan.get(type(layer))
+        if how is not None:
+            how(layer, shard)
 
 
 def sp_loss(loss_fn, shard: Shard):

@@ -132,7 +132,7 @@ class VLMPipeline(PipelineModule):
         """--sp: the embedding keeps this rank's slice of each row, the decoder blocks attend through DeepSpeed's
         all-to-all, the loss reads this rank's slice of the labels (mmpipe.model.sequence_parallel)."""
         shard = self._sp_shard()
-        parallelize_sequence([*self.tied_modules.values(), *self.forward_funcs], shard)
+        parallelize_sequence([*self.tied_modules.values(), *self.forward_funcs], shard, family_of(run.model).sp_plan)
         self.loss_fn = sp_loss(self.loss_fn, shard)
 
     # --sp: the layer files hold whole layers, the same on every SP rank, so SP rank 0 writes them under the names a
