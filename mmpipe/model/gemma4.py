@@ -61,7 +61,7 @@ from .attention import apply_partial_rotary, attend, row_attention, row_cached, 
 from .gemma3 import Gemma3Text, gemma_rotary, image_blocks
 from .llava import FinalNorm, LlavaEmbed
 from .qwen2_vl import Patches, patch_coords, used_grids
-from .rows import place_images
+from .rows import place_images, place_in_order
 from .stage import ROW, StageField, StageTuple, unpack_in, unpack_out
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # what transformers' Gemma4ImageProcessor accepts (max_soft_tokens)
@@ -455,15 +455,9 @@ class Gemma4Embed(LlavaEmbed):
         differ."""
         where = t.input_ids == self.image_token_id
         grids, k = used_grids(t), self.pool
-        have, want = where.sum(-1), (grids[..., 1] * grids[..., 2] // (k * k)).sum(-1)
-        if not torch.equal(have, want):
-            b = int((have != want).nonzero()[0, 0])
-            raise ValueError(f"row {b}: {int(have[b])} image placeholder positions (id {self.image_token_id}) for "
-                             f"{int(want[b])} pooled image tokens (its slots' grids)")
-        feats = t.hidden.to(x.dtype)
-        rank = (where.cumsum(-1) - 1).clamp(min=0, max=feats.shape[1] - 1)
-        picked = feats.gather(1, rank[..., None].expand(-1, -1, feats.shape[-1]))
-        return torch.where(where[..., None], picked, x) + 0 * feats.sum()  # the tower stays on the graph
+        want = (grids[..., 1] * grids[..., 2] // (k * k)).sum(-1)
+        placed = place_in_order(x, where, t.hidden, want, self.image_token_id, "pooled image tokens")
+        return placed + 0 * t.hidden.sum()  # the tower stays on the graph
 
     def run(self, t: StageTuple, images: bool):
         ids = t.input_ids.masked_fill(t.input_ids == self.image_token_id, self.pad_id)

@@ -35,6 +35,7 @@ from torch import nn
 from ..config import VISION_ACTS, ModelConfig, VisionConfig
 from .attention import FusedAttention, attention_choice, row_attention, row_cached, row_positions, segment_split
 from .llava import LlamaBlock, LlamaText, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
+from .rows import place_in_order
 from .stage import StageTuple, unpack_in
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
@@ -355,15 +356,9 @@ class QwenEmbed(LlavaEmbed):
         t = unpack_in(self, args)  # hidden: merged image tokens [B, P / merge^2, D]
         emb = self.embed_tokens(t.input_ids)
         where = t.input_ids == self.image_token_id
-        have, want = where.sum(-1), used_grids(t).prod(-1).sum(-1) // self.unit
-        if not torch.equal(have, want):
-            b = int((have != want).nonzero()[0, 0])
-            raise ValueError(f"row {b}: {int(have[b])} image placeholder positions (id {self.image_token_id}) for "
-                             f"{int(want[b])} merged image tokens (its slots' grids)")
-        feats = t.hidden.to(emb.dtype)
-        rank = (where.cumsum(-1) - 1).clamp(min=0, max=feats.shape[1] - 1)
-        picked = feats.gather(1, rank[..., None].expand(-1, -1, feats.shape[-1]))
-        return t._replace(hidden=torch.where(where[..., None], picked, emb)).pack()
+        want = used_grids(t).prod(-1).sum(-1) // self.unit
+        return t._replace(hidden=place_in_order(emb, where, t.hidden, want, self.image_token_id,
+                                                "merged image tokens")).pack()
 
 
 class QwenBlock(LlamaBlock):

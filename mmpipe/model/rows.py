@@ -31,6 +31,22 @@ def place_images(emb: torch.Tensor, input_ids: torch.Tensor, feats: torch.Tensor
     return x + 0 * feats.sum() if n == 0 else x
 
 
+def place_in_order(emb: torch.Tensor, where: torch.Tensor, feats: torch.Tensor, want: torch.Tensor, token: int,
+                   what: str) -> torch.Tensor:
+    """emb [B, L, D] with row b's placeholder positions (where [B, L]) taking row b's image tokens feats [B, P, D] in
+    order: the families whose images are a variable number of tokens each (Qwen2-VL's merged patches, Gemma 4's
+    pooled ones), counted from their grids (want [B]); a count that differs is one line naming the row."""
+    have = where.sum(-1)
+    if not torch.equal(have, want):
+        b = int((have != want).nonzero()[0, 0])
+        raise ValueError(f"row {b}: {int(have[b])} image placeholder positions (id {token}) for {int(want[b])} {what} "
+                         f"(its slots' grids)")
+    feats = feats.to(emb.dtype)
+    rank = (where.cumsum(-1) - 1).clamp(min=0, max=feats.shape[1] - 1)  # position -> its image token
+    picked = feats.gather(1, rank[..., None].expand(-1, -1, feats.shape[-1]))
+    return torch.where(where[..., None], picked, emb)
+
+
 def sample_rows(cfg, input_ids: torch.Tensor, has_image: torch.Tensor | None = None, pad_id: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sample per row, the smallest row: prompts input_ids [B, T] (BOS first; the LLaVA family's
