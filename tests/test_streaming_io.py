@@ -210,7 +210,7 @@ def _stage(model: ReferenceModel, start: int):
     tied = {s.key: model[i] for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and i < start
             and any(isinstance(t, TiedLayerSpec) and t.key == s.key for t in specs[start:])}
     return SimpleNamespace(forward_funcs=list(model)[start:], _local_start=start, tied_modules=tied,
-                           _layer_specs=specs)
+                           _layer_specs=specs, each_part=lambda: iter((0,)))  # one part, as 1F1B's stage
 
 
 def test_init_from_opens_only_the_ranks_layers_and_casts_bf16(tmp_path, monkeypatch):

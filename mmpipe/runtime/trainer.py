@@ -436,11 +436,12 @@ def load_run_weights(pipe, ckpt_dir: Path) -> int:
         load_base(module, reshard.layer_state(d, idx, whole))  # adapters (LoRA) keep theirs
 
     n, loaded = 0, set()
-    for offset, layer in enumerate(pipe.forward_funcs):
-        if isinstance(layer, torch.nn.Module) and layer.state_dict():
-            load(layer, pipe._local_start + offset)
-            loaded.add(id(layer))
-            n += 1
+    for _ in pipe.each_part():  # DualPipeV's rank holds two parts of the list (stage r and 2p - 1 - r), 1F1B one
+        for offset, layer in enumerate(pipe.forward_funcs):
+            if isinstance(layer, torch.nn.Module) and layer.state_dict() and id(layer) not in loaded:
+                load(layer, pipe._local_start + offset)
+                loaded.add(id(layer))
+                n += 1
     for key, module in pipe.tied_modules.items():  # the head's copy on a stage without the embedding
         if id(module) in loaded:  # DeepSpeed lists the tied module on the stage that holds it too: read once
             continue
