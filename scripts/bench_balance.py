@@ -54,19 +54,26 @@ LAYOUTS = {"dp2": (["--stages", "1", "--dp", "2"], 4), "pp2": (["--stages", "2",
 
 def write_data(work: Path, records: int, seed: int = 0) -> Path:
     """WORK/data/llava.json: the long-tailed mixed set of the module docstring."""
+    return write_records(work / "data", [(40, 40)] * 8, records, seed, images=4, words=(20, 200, 2000))
+
+
+def write_records(d: Path, sizes: list[tuple[int, int]], records: int, seed: int, images: int,
+                  words: tuple[int, int, int]) -> Path:
+    """D/llava.json: `records` conversations of 0..images images (files of the given (w, h) sizes, each a random
+    colour) and answers of lo..hi words, lognormal about the median (words = (lo, median, hi), sigma 1)."""
     from PIL import Image
-    d = work / "data"
     (d / "img").mkdir(parents=True, exist_ok=True)
     rnd = random.Random(seed)
-    for i in range(8):
-        Image.new("RGB", (40, 40), tuple(rnd.randrange(256) for _ in range(3))).save(d / "img" / f"{i}.png")
+    for i, size in enumerate(sizes):
+        Image.new("RGB", size, tuple(rnd.randrange(256) for _ in range(3))).save(d / "img" / f"{i}.png")
+    lo, median, hi = words
     recs = []
     for _ in range(records):
-        k, words = rnd.randrange(5), min(2000, max(20, round(rnd.lognormvariate(math.log(200), 1.0))))
+        k, n = rnd.randrange(images + 1), min(hi, max(lo, round(rnd.lognormvariate(math.log(median), 1.0))))
         rec = {"conversations": [{"from": "human", "value": "what shape is " + " ".join(["<image>"] * k)},
-                                 {"from": "gpt", "value": " ".join(rnd.choice(WORDS) for _ in range(words))}]}
+                                 {"from": "gpt", "value": " ".join(rnd.choice(WORDS) for _ in range(n))}]}
         if k:
-            rec["image"] = [f"img/{rnd.randrange(8)}.png" for _ in range(k)]
+            rec["image"] = [f"img/{rnd.randrange(len(sizes))}.png" for _ in range(k)]
         recs.append(rec)
     (d / "llava.json").write_text(json.dumps(recs))
     return d / "llava.json"
@@ -116,23 +123,10 @@ def write_tower_data(work: Path, records: int, seed: int = 0) -> tuple[Path, Pat
     patches), and answers of 4..400 words (lognormal, median 40). The model: qwen-tiny (Qwen2-VL family: windowed
     tower attention, one full-attention block) with vision.max_pixels raised to 448 x 448 and text.max_context to
     hold --max-patches 4096 and --text-len 512."""
-    from PIL import Image
     d = work / "tower"
-    (d / "img").mkdir(parents=True, exist_ok=True)
-    rnd = random.Random(seed)
     sides = [56, 112, 224, 336, 448]
-    shapes = [(w, h) for w in sides for h in sides if max(w, h) <= 2 * min(w, h)]
-    for i, (w, h) in enumerate(shapes):
-        Image.new("RGB", (w, h), tuple(rnd.randrange(256) for _ in range(3))).save(d / "img" / f"{i}.png")
-    recs = []
-    for _ in range(records):
-        k, words = rnd.randrange(7), min(400, max(4, round(rnd.lognormvariate(math.log(40), 1.0))))
-        rec = {"conversations": [{"from": "human", "value": "what shape is " + " ".join(["<image>"] * k)},
-                                 {"from": "gpt", "value": " ".join(rnd.choice(WORDS) for _ in range(words))}]}
-        if k:
-            rec["image"] = [f"img/{rnd.randrange(len(shapes))}.png" for _ in range(k)]
-        recs.append(rec)
-    (d / "llava.json").write_text(json.dumps(recs))
+    write_records(d, [(w, h) for w in sides for h in sides if max(w, h) <= 2 * min(w, h)], records, seed, images=6,
+                  words=(4, 40, 400))
     cfg = json.loads((ROOT / "mmpipe" / "presets" / "qwen-tiny.json").read_text())
     cfg["vision"]["max_pixels"] = 448 * 448
     cfg["text"]["max_context"] = 8 * 2 + TOWER_PATCHES // 4 + TOWER_TEXT
