@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 from typing import Any, TypeVar
 
+from .errors import ConfigError
+
 T = TypeVar("T")
 _TYPES = {"int": int, "str": str, "float": float}
 
@@ -74,3 +76,16 @@ def print_plan(what: str, **items: Any) -> int:
         if value is not None:
             print(f"  {name.replace('_', ' ')}: {value}", flush=True)
     return 0
+
+
+def degrees(flag: str, text: str) -> tuple[int, ...]:
+    """A planner axis' `N[,N...]` (`mmpipe plan --tp / --sp / --ep`): the distinct degrees in order, each >= 1, or
+    one line naming the flag."""
+    try:
+        values = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not a list of integers, e.g. 1,2,4,8") from None
+    for n in values:
+        if n < 1:
+            raise ConfigError(f"{flag}: {n} must be >= 1")
+    return values

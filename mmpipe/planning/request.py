@@ -18,7 +18,7 @@ from ..config import ConfigError, ModelConfig, load_preset
 from ..data.args import VIDEO_FLAGS, DataArgs
 from ..data.dataset import ROW_FLAGS, row_text_len
 from ..data.image_kinds import image_kind, row_budget
-from ..flags import from_namespace
+from ..flags import degrees, from_namespace
 from ..model.args import ModelArgs
 from ..model.builder import check_lora_rank
 from ..model.costs import CropRow, PatchRow
@@ -250,14 +250,9 @@ def _check_ep(text: str, cfg: ModelConfig) -> tuple[int, ...]:
     """--ep N[,N...] -> the degrees, checked as `mmpipe train --ep` checks one (run_config._check_ep): each >= 1,
     above 1 only on an MoE model and dividing its experts; whether it divides a layout's DP, plan decides per
     layout."""
-    try:
-        eps = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
-    except ValueError:
-        raise ConfigError(f"--ep: {text!r} is not a list of integers, e.g. 1,2,4,8") from None
+    eps = degrees("--ep", text)
     moe = family_of(cfg).experts(cfg)  # the family's answer: its MoE section, None for a dense decoder
     for ep in eps:
-        if ep < 1:
-            raise ConfigError(f"--ep: {ep} must be >= 1")
         if ep > 1 and moe is None:
             raise ConfigError(f"--ep: {ep} on {cfg.name}, a dense model (no text.moe): expert parallelism splits "
                               f"experts")

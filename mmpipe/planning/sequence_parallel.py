@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
+from ..flags import degrees
 from .costmodel import BYTES, Device, LayerCost
 
 
@@ -65,14 +66,8 @@ def check_sp(text: str, cfg: ModelConfig, gpus_per_node: int, tps: tuple[int, ..
              ) -> tuple[tuple[int, ...], list[str]]:
     """--sp N[,N...] -> (the degrees to plan, a note per degree left out and why): each >= 1 (else ConfigError); above
     1 only where it divides the heads and KV heads and, with the smallest TP asked, the GPUs per node."""
-    try:
-        sps = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
-    except ValueError:
-        raise ConfigError(f"--sp: {text!r} is not a list of integers, e.g. 1,2,4,8") from None
     keep, notes, t = [], [], cfg.text
-    for sp in sps:
-        if sp < 1:
-            raise ConfigError(f"--sp: {sp} must be >= 1")
+    for sp in degrees("--sp", text):
         why = ("" if sp == 1 else
                f"it does not divide {cfg.name}'s {t.n_heads} attention heads" if t.n_heads % sp else
                f"it does not divide {cfg.name}'s {t.kv_heads} KV heads" if t.kv_heads % sp else

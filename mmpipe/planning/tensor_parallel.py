@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
+from ..flags import degrees
 from ..model.builder import layer_specs, shapes_only
 from ..registry import family_of
 from .costmodel import BYTES, Device, LayerCost
@@ -159,13 +160,7 @@ def check_tp(text: str, cfg: ModelConfig, gpus_per_node: int, gpus: int) -> tupl
     above 1 only for a family with a tensor-parallel plan (the one note 'planned at TP 1 only' otherwise), dividing
     the sizes `mmpipe train --tp` checks (heads, vocabulary, FFN width, the plan's SIZES; kv heads divided or
     dividing) and the GPUs per node (TP stays inside a node)."""
-    try:
-        tps = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
-    except ValueError:
-        raise ConfigError(f"--tp: {text!r} is not a list of integers, e.g. 1,2,4,8") from None
-    for tp in tps:
-        if tp < 1:
-            raise ConfigError(f"--tp: {tp} must be >= 1")
+    tps = degrees("--tp", text)
     if not family_of(cfg).tp_plan:
         above = [tp for tp in tps if tp > 1]
         return (1,), ([f"tp: {cfg.name} ({cfg.family}) has no tensor-parallel plan yet: planned at TP 1 only"]
