@@ -48,6 +48,7 @@ from .model.gemma4 import (
     gemma4_specs,
     gemma4_tower_tokens,
 )
+from .model.gemma4 import MOE_BLOCKS as GEMMA4_MOE_BLOCKS
 from .model.internvl import COSTS as INTERNVL_COSTS
 from .model.internvl import (
     InternBlock,
@@ -322,9 +323,10 @@ GEMMA3 = register(Family(
 # vision.max_soft_tokens as a patch list with each slot's grid in tiling), a decoder whose per-layer inputs and shared
 # K/V are carried stage fields (gemma4_fields); audio is not among its media: a record with audio is a bad record
 GEMMA4 = register(Family(
-    "gemma4", "prefix", gemma4_specs, (Gemma4TowerBlock, *GEMMA4_BLOCK_CLASSES.values()), GEMMA4_COSTS,
+    "gemma4", "prefix", gemma4_specs,
+    (Gemma4TowerBlock, *GEMMA4_BLOCK_CLASSES.values(), *GEMMA4_MOE_BLOCKS.values()), GEMMA4_COSTS,
     ImageLayout(placeholders=True, vision=Gemma4Vision, text=Gemma4Text), GEMMA4_IMAGES, checks=gemma4_checks,
-    fields=gemma4_fields, tower_tokens=gemma4_tower_tokens,
+    fields=gemma4_fields, tower_tokens=gemma4_tower_tokens, experts=_moe,  # text.moe: 26B-A4B's experts
     hf=_hf("gemma4", "Gemma4ForConditionalGeneration", ("gemma4",), "Gemma 4", importer="import_gemma4",
            config="hf_gemma4_config", reader="read_gemma4"),
     sp_why_not="its per-layer inputs and shared K/V travel whole-row (not sliced yet)"))

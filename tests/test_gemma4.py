@@ -28,7 +28,8 @@ IMG, BOI, EOI, VOCAB, SOFT, PX = 60, 61, 62, 64, 4, 24
 KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
-def _hf_model(seed: int = 0):
+def _hf_model(seed: int = 0, **text_fields):
+    """transformers' model (module docstring), its text config updated by text_fields (test_gemma4_moe's experts)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
@@ -38,7 +39,7 @@ def _hf_model(seed: int = 0):
                 eos_token_id=2,
                 rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
                                                     "partial_rotary_factor": 0.25},
-                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **text_fields)
     # a 6-entry position table: a side of 6 patches at most, so the import's square is 2 x 3 x 4 = 24 px
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=3, position_embedding_size=6,
@@ -49,7 +50,7 @@ def _hf_model(seed: int = 0):
         eoi_token_id=EOI)).eval()
     with torch.no_grad():  # HF's init: norms and layer scalars at 1, the position table at 1: perturbed
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.add_(torch.randn_like(p) * 0.3)
             elif "position_embedding_table" in name:
                 p.copy_(torch.randn_like(p) * 0.5)
@@ -163,8 +164,8 @@ def test_export_loads_in_transformers(imported, tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
-     "text_config.enable_moe_block: true: Gemma 4's MoE blocks"),
+    (lambda t: t.update(enable_moe_block=True, num_experts=None, top_k_experts=2, moe_intermediate_size=16),
+     "text_config.enable_moe_block: true with num_experts None"),
     (lambda t: t.update(use_bidirectional_attention="all"), "use_bidirectional_attention: 'all'"),
     (lambda t: t.update(layer_types=["full_attention"] + KINDS[1:]), "text_config.layer_types"),
 ])

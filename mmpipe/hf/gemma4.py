@@ -8,14 +8,18 @@ Names, a prefix per layer (mmpipe's "<layer index>.<sub>", the sub-name HF's mod
     Gemma4Projector      model.embed_vision.* (its norm has no weight)
     Gemma4Embed          model.language_model.{embed_tokens, embed_tokens_per_layer, per_layer_model_projection,
                          per_layer_projection_norm}.*
-    Gemma4*Block k       model.language_model.layers.k.* (layer_scalar, a buffer, too)
+    Gemma4*Block k       model.language_model.layers.k.* (layer_scalar, a buffer, too); a sparse one's MoE
+                         block (enable_moe_block: 26B-A4B) under transformers' names as they are: router.{proj.weight,
+                         scale, per_expert_scale}, experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F] (the
+                         layout transformers saves: Gemma 4 has no conversion mapping), pre_feedforward_layernorm_2,
+                         post_feedforward_layernorm_1, post_feedforward_layernorm_2
     Gemma4FinalNorm      model.language_model.norm.weight
-    Gemma4Head           lm_head.weight (a tied head has none: the embedding's)
+    Gemma4Head           lm_head.weight (a tied head has none: the embedding's; Gemma4MoeHead likewise)
 
 An audio tower (model.audio_tower.*, model.embed_audio.*) is reported unused: this family reads images and text,
-and a record with audio is a bad record (Family.media). Refused in one line: MoE blocks (enable_moe_block),
-bidirectional attention over all tokens, layer types other than "every k-th global" (the last always global), RoPE
-types other than Gemma 4's (default sliding, proportional full).
+and a record with audio is a bad record (Family.media). Refused in one line: bidirectional attention over all
+tokens, layer types other than "every k-th global" (the last always global), RoPE types other than Gemma 4's
+(default sliding, proportional full), an MoE block without its experts' sizes.
 """
 from __future__ import annotations
 
@@ -30,12 +34,14 @@ from ..model.gemma4 import (
     Gemma4Embed,
     Gemma4FinalNorm,
     Gemma4Head,
+    Gemma4MoeHead,
     Gemma4PatchEmbed,
     Gemma4Projector,
     Gemma4Text,
     Gemma4TowerBlock,
     Gemma4Vision,
 )
+from ..model.qwen3_vl import MoeConfig
 from .export import write_hf
 from .llava import ImportReport, processor_settings, read_hf_config, tie_flag, token_ids
 from .qwen2_vl import plan_named
@@ -62,7 +68,7 @@ def _name(layer, sub: str, k: int) -> str:
         return LM + sub
     if isinstance(layer, Gemma4Block):
         return f"{LM}layers.{k}.{sub}"
-    if isinstance(layer, Gemma4Head):
+    if isinstance(layer, (Gemma4Head, Gemma4MoeHead)):
         return sub
     raise ValueError(f"{type(layer).__name__} has no Gemma 4 name")
 
@@ -107,9 +113,10 @@ def _refusals(hf) -> None:
     vc, tc = hf.vision_config, hf.text_config
     if vc is None:
         _fail("vision_config", "none: the gemma4 family is image and text (a text-only Gemma 4 is not read)")
-    if tc.enable_moe_block:
-        _fail("text_config.enable_moe_block", "true: Gemma 4's MoE blocks (a dense MLP beside routed experts) are "
-                                             "not implemented")
+    if tc.enable_moe_block and not all((tc.num_experts, tc.top_k_experts, tc.moe_intermediate_size)):
+        _fail("text_config.enable_moe_block", f"true with num_experts {tc.num_experts}, top_k_experts "
+                                             f"{tc.top_k_experts}, moe_intermediate_size {tc.moe_intermediate_size}: "
+                                             f"all three must be set (>= 1)")
     if tc.use_bidirectional_attention == "all":
         _fail("text_config.use_bidirectional_attention", "'all': only the causal decoder is implemented")
     for where, act in (("vision_config.hidden_activation", vc.hidden_activation),
@@ -136,6 +143,15 @@ def aspect_budget(vc, max_soft_tokens: int) -> int:
     from ..model.gemma4 import SOFT_TOKEN_BUDGETS
     fits = max_soft_tokens * vc.pooling_kernel_size <= vc.position_embedding_size
     return max_soft_tokens if fits and max_soft_tokens in SOFT_TOKEN_BUDGETS else 0
+
+
+def moe_from_hf(tc) -> MoeConfig | None:
+    """enable_moe_block's experts (every layer's; None: dense). aux_coef 0: transformers' Gemma 4 adds no
+    load-balancing loss (a model JSON may set one); its router always renormalises its top k."""
+    if not tc.enable_moe_block:
+        return None
+    return MoeConfig(experts=int(tc.num_experts), top_k=int(tc.top_k_experts), ff_dim=int(tc.moe_intermediate_size),
+                     aux_coef=0.0)
 
 
 def config_from_hf(hf, name: str = "hf", max_soft_tokens: int = 280) -> ModelConfig:
@@ -166,7 +182,8 @@ def config_from_hf(hf, name: str = "hf", max_soft_tokens: int = 280) -> ModelCon
         global_rotary_factor=fraction, ple_dim=int(tc.hidden_size_per_layer_input or 0),
         ple_vocab=int(tc.vocab_size_per_layer_input or 0), kv_shared_layers=int(tc.num_kv_shared_layers),
         double_wide_mlp=bool(tc.use_double_wide_mlp), final_softcap=float(tc.final_logit_softcapping or 0.0),
-        bidirectional_vision=tc.use_bidirectional_attention == "vision", pad_id=int(tc.pad_token_id or 0))
+        bidirectional_vision=tc.use_bidirectional_attention == "vision", pad_id=int(tc.pad_token_id or 0),
+        moe=moe_from_hf(tc))
     cfg = ModelConfig(name=name, family="gemma4", vision=vision, text=text, proj_inner_dim=tc.hidden_size,
                       image_token_id=int(hf.image_token_id), vision_start_id=int(hf.boi_token_id),
                       vision_end_id=int(hf.eoi_token_id))
@@ -200,10 +217,18 @@ def hf_config(cfg: ModelConfig, tok=None):
         num_kv_shared_layers=t.kv_shared_layers, use_double_wide_mlp=t.double_wide_mlp,
         final_logit_softcapping=t.final_softcap or None,
         use_bidirectional_attention="vision" if t.bidirectional_vision else None,
-        tie_word_embeddings=t.tie_embeddings, **ids)
+        tie_word_embeddings=t.tie_embeddings, **moe_fields(t), **ids)
     return Gemma4Config(vision_config=vision, text_config=text, audio_config=None,
                         image_token_id=cfg.image_token_id, boi_token_id=cfg.vision_start_id,
                         eoi_token_id=cfg.vision_end_id, tie_word_embeddings=t.tie_embeddings)
+
+
+def moe_fields(t: Gemma4Text) -> dict:
+    """moe_from_hf's inverse (aux_coef has no field: transformers' Gemma 4 has no load-balancing loss)."""
+    if t.moe is None:
+        return {"enable_moe_block": False}
+    return dict(enable_moe_block=True, num_experts=t.moe.experts, top_k_experts=t.moe.top_k,
+                moe_intermediate_size=t.moe.ff_dim)
 
 
 def plan(cfg: ModelConfig, source, where: str) -> tuple[dict[str, str], ImportReport]:

@@ -29,6 +29,13 @@ Layer list (`gemma4_specs`):
                            gate (x + norm(proj(gelu(gate(x)) * per_layer_i)))), all times layer_scalar
     Gemma4FinalNorm, head  the tied embedding (or an untied head), logits soft-capped (final_softcap)
 
+With a text.moe section (26B-A4B: 128 experts of 704, top 8) every decoder layer is its sparse class
+(Gemma4SlidingMoeBlock, Gemma4GlobalMoeStore, ...): transformers' MoE block runs beside the dense MLP, both inside
+the same post_feedforward_layernorm, post_1(mlp(pre(x))) + post_2(experts(pre_2(x))), routed by Gemma4Router on x
+itself; the experts are mmpipe.model.moe's (dispatch, --ep) with a GELU-tanh gate. The router statistics cross the
+stages in moe_stats (made by decoder layer 0, kept to the head), and the head (Gemma4MoeHead / Gemma4TiedMoeHead)
+returns its load-balancing term beside the soft-capped logits (aux_coef 0 as imported: transformers has none).
+
 Attention: sliding layers are causal per sample, each image block both ways (when bidirectional_vision), within
 the window; full layers are causal per sample only (transformers' create_masks_for_vision_model: "Gemma 4
 explicitly disables bidirectional attention on global attention layers").
@@ -60,9 +67,11 @@ from . import costs
 from .attention import apply_partial_rotary, attend, row_attention, row_cached, row_positions, segment_split
 from .gemma3 import Gemma3Text, gemma_rotary, image_blocks
 from .llava import FinalNorm, LlavaEmbed
+from .moe import Experts, MoeHead, TiedMoeHead, expert_params, route_stats
 from .qwen2_vl import Patches, patch_coords, used_grids
+from .qwen3_vl import MoeConfig
 from .rows import place_images, place_in_order
-from .stage import ROW, StageField, StageTuple, unpack_in, unpack_out
+from .stage import ROW, StageField, StageTuple, live_fields, unpack_in, unpack_out
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # what transformers' Gemma4ImageProcessor accepts (max_soft_tokens)
 TILING = StageField("tiling", False)  # each slot's grid (1, rows, cols), kept to the head (mmpipe.families')
@@ -121,7 +130,8 @@ class Gemma4Text(Gemma3Text):
     full layers' own head width and kv heads (global_head_dim, global_kv_heads; k_eq_v: v is k's projection),
     proportional rotary on global_rotary_factor of each full head, per-layer inputs of ple_dim each (0: none),
     the last kv_shared_layers layers reusing K/V, double-width MLPs on those (double_wide_mlp), soft-capped
-    logits (final_softcap, 0: none), image blocks both ways on sliding layers (bidirectional_vision)."""
+    logits (final_softcap, 0: none), image blocks both ways on sliding layers (bidirectional_vision), and with a moe
+    section (26B-A4B) routed experts beside every layer's dense MLP (the Gemma4*Moe* blocks)."""
     sliding_window: int = 512
     local_rope_theta: float = 10000.0
     rope_theta: float = 1000000.0
@@ -136,6 +146,10 @@ class Gemma4Text(Gemma3Text):
     final_softcap: float = 0.0
     bidirectional_vision: bool = False
     pad_id: int = 0
+    # Gemma 4's MoE block on every layer (transformers' enable_moe_block): experts (num_experts), top_k
+    # (top_k_experts), ff_dim (moe_intermediate_size); aux_coef 0 as imported (transformers adds no load-balancing
+    # loss for Gemma 4; set it to add one); no shared expert (the dense MLP is the always-on path)
+    moe: MoeConfig | None = None
 
     def is_sliding(self, i: int) -> bool:
         return bool((i + 1) % self.sliding_pattern) and i != self.n_layers - 1
@@ -162,7 +176,7 @@ def gemma4_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
     first = t.n_layers - t.kv_shared_layers
     kinds_before = {t.is_sliding(i) for i in range(first)}
     kinds_after = {t.is_sliding(i) for i in range(first, t.n_layers)}
-    return [
+    return moe_checks(t) + [
         (v.grid % v.pool == 0 and v.image_size % v.patch_size == 0, "vision.image_size",
          f"{v.image_size} px must be a multiple of patch_size {v.patch_size} x pool {v.pool}"),
         (v.grid <= v.position_table, "vision.position_table", f"{v.position_table} < the {v.grid}-patch side"),
@@ -193,6 +207,16 @@ def gemma4_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
         (0 <= cfg.vision_end_id < t.vocab_size, "vision_end_id",
          f"{cfg.vision_end_id} is not a token id of the {t.vocab_size}-token vocabulary"),
     ]
+
+
+def moe_checks(t: Gemma4Text) -> list[tuple[bool, str, str]]:
+    if t.moe is None:
+        return []
+    return t.moe.checks(t) + [
+        (t.moe.shared_ff_dim == 0, "text.moe.shared_ff_dim",
+         f"{t.moe.shared_ff_dim}: Gemma 4's MoE block has no shared expert (its dense MLP runs beside the experts; "
+         f"valid: 0)"),
+        (t.moe.norm_topk, "text.moe.norm_topk", "false: Gemma 4's router always renormalises its top k (valid: true)")]
 
 
 # ---- the layers ----
@@ -576,11 +600,43 @@ def kv_heads(field: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     return field.view(B, S, 2, heads, head_dim).permute(0, 2, 3, 1, 4)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class Gemma4Experts(Experts):
+    """mmpipe.model.moe's experts (transformers' Gemma4TextExperts has the same gate_up_proj [E, 2F, D] and
+    down_proj [E, D, F]), each a GELU-tanh gated MLP (the config's hidden_activation) instead of SwiGLU; the same
+    dispatch, and --ep shards them as any Experts."""
+    act = staticmethod(gelu_tanh)
+
+
+class Gemma4Router(nn.Module):
+    """transformers' Gemma4TextRouter: x [N, D] -> (probs fp32 [N, E], top-k ids [N, k], their weights fp32 [N, k]):
+    logits = proj(norm(x) x scale x D^-1/2) (norm unscaled, `scale` a learned D vector), softmax in fp32, top k,
+    renormalised to sum 1, then each times its expert's learned per_expert_scale."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps, scale=False)
+        self.proj = nn.Linear(dim, experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.per_expert_scale = nn.Parameter(torch.ones(experts))
+        self.top_k, self.root = top_k, dim ** -0.5
+
+    def forward(self, x: torch.Tensor):
+        probs = self.proj(self.norm(x) * self.scale * self.root).softmax(-1, dtype=torch.float32)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        return probs, idx, top * self.per_expert_scale[idx]
+
+
 class Gemma4Block(nn.Module):
-    """A decoder layer (module docstring); subclasses fix its attention type and K/V role."""
+    """A decoder layer (module docstring); subclasses fix its attention type, K/V role and whether it is sparse."""
     group = "text"
     sliding = False
     mode: str | None = None  # None, "store" (puts its K/V in the carried field), "reuse" (reads it)
+    sparse = False  # the MoE block beside the dense MLP (text.moe; feed_forward)
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -598,6 +654,27 @@ class Gemma4Block(nn.Module):
             self.per_layer_input_gate = nn.Linear(t.dim, t.ple_dim, bias=False)
             self.per_layer_projection = nn.Linear(t.ple_dim, t.dim, bias=False)
             self.post_per_layer_input_norm = RMSNorm(t.dim, t.ln_eps)
+        if self.sparse:  # transformers' names (Gemma4TextDecoderLayer with enable_moe_block)
+            m = t.moe
+            self.router = Gemma4Router(t.dim, m.experts, m.top_k, t.ln_eps)
+            self.experts = Gemma4Experts(t.dim, m.ff_dim, m.experts)
+            self.post_feedforward_layernorm_1 = RMSNorm(t.dim, t.ln_eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(t.dim, t.ln_eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(t.dim, t.ln_eps)
+
+    def feed_forward(self, x: torch.Tensor, real: torch.Tensor):
+        """x (after attention) -> (what post_feedforward_layernorm takes, the router's statistics [B, 2, E] or None).
+        Dense: mlp(pre_norm(x)). Sparse (Gemma4TextDecoderLayer's MoE block): the dense MLP and the experts side
+        by side, each normed after, summed: post_1(mlp(pre(x))) + post_2(experts(pre_2(x))), the router reading x
+        itself (its own unscaled norm); real: the positions the statistics count (segments > 0)."""
+        y = self.mlp(self.pre_feedforward_layernorm(x))
+        if not self.sparse:
+            return y, None
+        flat = x.reshape(-1, x.shape[-1])
+        probs, idx, w = self.router(flat)
+        e = self.experts(self.pre_feedforward_layernorm_2(flat), idx, w).view_as(x)
+        y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(e)
+        return y, route_stats(probs, idx, real)
 
     def geometry(self, t: StageTuple):
         a = self.self_attn
@@ -609,12 +686,16 @@ class Gemma4Block(nn.Module):
     def run(self, t: StageTuple, mask, rotary, cache: dict | None = None) -> StageTuple:
         out, kv = self.self_attn(self.input_layernorm(t.hidden), mask, rotary, getattr(t, self.field), cache)
         x = t.hidden + self.post_attention_layernorm(out)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        y, stats = self.feed_forward(x, t.segments > 0)
+        x = x + self.post_feedforward_layernorm(y)
         if self.ple:
             p = t.per_layer[..., self.index * self.ple:(self.index + 1) * self.ple]
             gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * p
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return t._replace(hidden=x * self.layer_scalar, **({self.field: kv_field(kv)} if self.mode == "store" else {}))
+        fields = {self.field: kv_field(kv)} if self.mode == "store" else {}
+        if stats is not None:  # mmpipe.model.moe's moe_stats: made by the first decoder layer, kept to the head
+            fields["moe_stats"] = stats if t.moe_stats is None else t.moe_stats + stats
+        return t._replace(hidden=x * self.layer_scalar, **fields)
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:
         """Cached generation: prefill (start 0) under the row's mask, then the new positions start.. (one at a
@@ -638,16 +719,49 @@ class Gemma4Block(nn.Module):
 ROLES = {None: "Block", "store": "Store", "reuse": "Shared"}
 
 
-def _block(sliding: bool, mode: str | None) -> type:
-    """Gemma4SlidingBlock / Gemma4GlobalStore / ...: one class per (type, role), so each K/V field has its maker
-    and its dropper (StageField names classes)."""
-    name = f"Gemma4{'Sliding' if sliding else 'Global'}{ROLES[mode]}"
-    return type(name, (Gemma4Block,), {"sliding": sliding, "mode": mode, "__module__": __name__})
+def _block(sliding: bool, mode: str | None, sparse: bool = False) -> type:
+    """Gemma4SlidingBlock / Gemma4GlobalStore / Gemma4SlidingMoeBlock / ...: one class per (type, role, sparse), so
+    each K/V field has its maker and its dropper (StageField names classes) and the planner its experts' rule."""
+    name = f"Gemma4{'Sliding' if sliding else 'Global'}{'Moe' if sparse else ''}{ROLES[mode]}"
+    return type(name, (Gemma4Block,), {"sliding": sliding, "mode": mode, "sparse": sparse, "__module__": __name__})
 
 
 BLOCKS = {(s, m): _block(s, m) for s in (True, False) for m in (None, "store", "reuse")}
-globals().update({c.__name__: c for c in BLOCKS.values()})  # pickling finds them here
+MOE_BLOCKS = {(s, m): _block(s, m, True) for s in (True, False) for m in (None, "store", "reuse")}
+globals().update({c.__name__: c for c in (*BLOCKS.values(), *MOE_BLOCKS.values())})  # pickling finds them here
 Gemma4SlidingBlock, Gemma4GlobalBlock = BLOCKS[True, None], BLOCKS[False, None]
+
+
+def block_table(t: Gemma4Text) -> dict:
+    """The decoder's classes by (sliding, K/V role): sparse ones when the text section has an moe section."""
+    return MOE_BLOCKS if t.moe else BLOCKS
+
+
+class Gemma4MoeHead(MoeHead):
+    """The untied head of a Gemma 4 MoE model: (soft-capped logits, aux_coef x the load-balancing loss)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.cap = cfg.text.final_softcap
+
+    def forward(self, args):
+        logits, aux = super().forward(args)
+        return softcap(logits, self.cap), aux
+
+    def decode(self, t: StageTuple, cache: dict, start: int):
+        return softcap(super().decode(t, cache, start), self.cap)
+
+
+class Gemma4TiedMoeHead(TiedMoeHead):
+    """The tied head of a Gemma 4 MoE model (26B-A4B ties it): TiedMoeHead's, its logits soft-capped."""
+
+    def __init__(self, cfg: ModelConfig, fields: tuple[StageField, ...]):
+        super().__init__(cfg, fields)
+        self.cap = cfg.text.final_softcap
+
+    def __call__(self, embed: nn.Module, args):
+        logits, aux = super().__call__(embed, args)
+        return softcap(logits, self.cap), aux
 
 
 class Gemma4FinalNorm(FinalNorm):
@@ -655,8 +769,8 @@ class Gemma4FinalNorm(FinalNorm):
 
 
 def block_classes(cfg: ModelConfig) -> list[type]:
-    t = cfg.text
-    return [BLOCKS[t.is_sliding(i), m] for i, m in enumerate(t.kv_modes())]
+    t, table = cfg.text, block_table(cfg.text)
+    return [table[t.is_sliding(i), m] for i, m in enumerate(t.kv_modes())]
 
 
 def gemma4_specs(cfg: ModelConfig) -> list[LayerSpec]:
@@ -667,21 +781,35 @@ def gemma4_specs(cfg: ModelConfig) -> list[LayerSpec]:
     head = (TiedLayerSpec("embed", Gemma4Embed, cfg, forward_fn=gemma4_tied_head,
                           tied_weight_attr="embed_tokens.weight") if tied else LayerSpec(Gemma4Head, cfg))
     blocks = [LayerSpec(cls, cfg, i) for i, cls in enumerate(block_classes(cfg))]
-    return ([LayerSpec(Gemma4PatchEmbed, cfg)] + [LayerSpec(Gemma4TowerBlock, cfg) for _ in range(cfg.vision.n_layers)]
-            + [LayerSpec(Gemma4Projector, cfg), first] + blocks + [LayerSpec(Gemma4FinalNorm, cfg), head])
+    specs = ([LayerSpec(Gemma4PatchEmbed, cfg)] + [LayerSpec(Gemma4TowerBlock, cfg) for _ in range(cfg.vision.n_layers)]
+             + [LayerSpec(Gemma4Projector, cfg), first] + blocks + [LayerSpec(Gemma4FinalNorm, cfg), head])
+    return moe_head(specs, cfg) if t.moe else specs
+
+
+def moe_head(specs: list[LayerSpec], cfg: ModelConfig) -> list[LayerSpec]:
+    """The list with the head that also returns the load-balancing loss (mmpipe.model.moe.moe_head's rule, its
+    logits soft-capped): Gemma4MoeHead, or Gemma4TiedMoeHead on the embedding, given the tuple entering it."""
+    head = specs[-1]
+    if not isinstance(head, TiedLayerSpec):
+        return specs[:-1] + [LayerSpec(Gemma4MoeHead, cfg)]
+    fields = live_fields(gemma4_fields(cfg), [s.typename for s in specs])[-2]
+    return specs[:-1] + [TiedLayerSpec(head.key, head.typename, cfg, forward_fn=Gemma4TiedMoeHead(cfg, fields),
+                                       tied_weight_attr=head.tied_weight_attr)]
 
 
 def gemma4_fields(cfg: ModelConfig) -> tuple[StageField, ...]:
     """The row, then per_layer (Gemma4Embed to the last decoder layer) and each shared type's K/V (its producer to
     its last consumer)."""
-    t, classes = cfg.text, block_classes(cfg)
+    t, classes, table = cfg.text, block_classes(cfg), block_table(cfg.text)
     out = ROW + ((TILING,) if cfg.vision.max_soft_tokens else ())  # a patch list's grids, to the head
+    if t.moe:  # mmpipe.model.moe's router statistics (2 E floats a row), made by decoder layer 0, kept to the head
+        out += (StageField("moe_stats", True, made_by=classes[0]),)
     if t.ple_dim:
         out += (StageField("per_layer", True, made_by=Gemma4Embed, dropped_by=classes[-1],
                            per_position=_ple_width),)
     for sliding, name in ((True, "kv_sliding"), (False, "kv_full")):
-        if BLOCKS[sliding, "store"] in classes:
-            out += (StageField(name, True, made_by=BLOCKS[sliding, "store"], dropped_by=BLOCKS[sliding, "reuse"],
+        if table[sliding, "store"] in classes:
+            out += (StageField(name, True, made_by=table[sliding, "store"], dropped_by=table[sliding, "reuse"],
                                per_position=_kv_widths[sliding]),)
     return out
 
@@ -725,6 +853,24 @@ def _block_cost(sliding: bool, mode: str | None):
     return cost
 
 
+def _moe_block_cost(sliding: bool, mode: str | None):
+    dense = _block_cost(sliding, mode)
+
+    def cost(cfg, params, n, seq):
+        """A sparse block: the dense block's rule (its MLP stays) on the ACTIVE parameters (the router and top_k of
+        the E experts a position runs: params less (E - k) x 3 D Fm), plus what the MoE half keeps a position: the
+        gathered inputs and each chosen expert's gate, up, GELU and product (k (D + 4 Fm)), the router's normed,
+        scaled input and its logits and probabilities (2 D + 2 E), the three extra norms' outputs (3 D); fp32: the
+        probabilities (E) and the four norms' statistics. An estimate from those parts (not measured), as
+        moe.sparse_cost is for Qwen's blocks. E.g. gemma-4-26b-a4b (D 2816, k 8, Fm 704, E 128): 8 x (2816 + 2816)
+        + 5 x 2816 + 256 = 59,392 values a position beside the dense block's."""
+        m, t = cfg.text.moe, cfg.text
+        c = dense(cfg, params - (m.experts - m.top_k) * expert_params(cfg), n, seq)
+        extra = (m.top_k * (t.dim + 4 * m.ff_dim) + 5 * t.dim + 2 * m.experts) * seq
+        return costs.Cost(c.tokens, c.fwd, c.act + extra, c.fp32 + (m.experts + 4) * seq, c.out)
+    return cost
+
+
 def gemma4_tower_tokens(cfg: ModelConfig) -> int:
     """The planner's patches an image (Family.tower_tokens): the square's, or an image at the soft-token budget's
     largest (9 x max_soft_tokens: 2520 at 280, 9% over the 768-px square's 2304)."""
@@ -741,6 +887,9 @@ def _projector_cost(cfg, params, n, seq):
 
 GEMMA4_PROJECTOR = costs.LayerRule("Gemma4Projector", _projector_cost, "vision")
 BLOCK_RULES = {cls: costs.LayerRule(cls.__name__, _block_cost(s, m), "sequence") for (s, m), cls in BLOCKS.items()}
+MOE_RULES = {cls: costs.LayerRule(cls.__name__, _moe_block_cost(s, m), "sequence", experts=True)
+             for (s, m), cls in MOE_BLOCKS.items()}
 GEMMA4_COSTS = {Gemma4PatchEmbed: costs.PATCH_EMBED, Gemma4TowerBlock: costs.VISION_BLOCK,
-                Gemma4Projector: GEMMA4_PROJECTOR, Gemma4Embed: costs.TEXT_EMBED, **BLOCK_RULES,
-                Gemma4FinalNorm: costs.FINAL_NORM, Gemma4Head: costs.LINEAR_HEAD, gemma4_tied_head: costs.LINEAR_HEAD}
+                Gemma4Projector: GEMMA4_PROJECTOR, Gemma4Embed: costs.TEXT_EMBED, **BLOCK_RULES, **MOE_RULES,
+                Gemma4FinalNorm: costs.FINAL_NORM, Gemma4Head: costs.LINEAR_HEAD, gemma4_tied_head: costs.LINEAR_HEAD,
+                Gemma4MoeHead: costs.LINEAR_HEAD, Gemma4TiedMoeHead: costs.LINEAR_HEAD}

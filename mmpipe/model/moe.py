@@ -90,6 +90,11 @@ class Experts(nn.Module):
         self.dispatch = "auto"  # tests pin "grouped" or "loop"
         self.experts, self.ep = experts, None  # ep: (process group, its size) once sharded
 
+    @staticmethod
+    def act(gate: torch.Tensor) -> torch.Tensor:
+        """The gate's activation: SiLU (SwiGLU); Gemma 4's experts override it with GELU-tanh."""
+        return F.silu(gate)
+
     @property
     def num_experts(self) -> int:  # DeepSpeed's name: its engine reads it off the MoE layers (mmpipe.runtime.experts)
         return self.experts
@@ -140,12 +145,12 @@ class Experts(nn.Module):
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)  # end of each expert's run; an empty run is an empty group
             gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+            return F.grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         parts, start = [], 0
         for e, n in enumerate(counts.tolist()):  # only the experts that have tokens run
             if n:
                 gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                parts.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                parts.append(F.linear(self.act(gate) * up, self.down_proj[e]))
                 start += n
         return torch.cat(parts) if parts else xs.new_zeros(0, self.down_proj.shape[1])
 
@@ -215,10 +220,16 @@ class SparseMoe(nn.Module):
         y = self.experts(x.reshape(-1, D), idx, w).view(B, L, D)
         if hasattr(self, "shared_expert"):
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        E, m = probs.shape[-1], real.reshape(-1, 1).to(probs.dtype)  # [B L, 1]
-        counts = torch.zeros_like(probs).scatter_add_(1, idx, m.expand_as(idx).contiguous())
-        stats = torch.stack([counts.view(B, L, E).sum(1), (probs * m).view(B, L, E).sum(1)], dim=1)
-        return y, stats
+        return y, route_stats(probs, idx, real)
+
+
+def route_stats(probs: torch.Tensor, idx: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """A layer's per-row router statistics [B, 2, E] fp32 from probs [B L, E], idx [B L, k] and real [B, L] (the
+    row's real positions): each expert's top-k count and its probability sum over them (aux_loss sums them)."""
+    (B, L), E = real.shape, probs.shape[-1]
+    m = real.reshape(-1, 1).to(probs.dtype)  # [B L, 1]
+    counts = torch.zeros_like(probs).scatter_add_(1, idx, m.expand_as(idx).contiguous())
+    return torch.stack([counts.view(B, L, E).sum(1), (probs * m).view(B, L, E).sum(1)], dim=1)
 
 
 class MoeBlock:
