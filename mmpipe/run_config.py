@@ -19,7 +19,6 @@ from pathlib import Path
 from .config import ConfigError, ModelConfig, config_from_dict, load_preset, read_json
 from .data.dataset import DataOptions, packed_image_slots, resolve_data
 from .data.image_kinds import image_kind
-from .data.packing import row_shape
 from .data.preference import preference_problems, reference_problems
 from .data.sources import data_spec
 from .data.tokenizer import IMAGE_TOKEN, add_image_token
@@ -247,7 +246,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         "experts": model is not None and family_of(model).experts(model) is not None,
         "eval": bool(args.eval_data or args.eval_split)}))
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
-    _check_sp(args, model, data, (zero_stage, precision, schedule, pipe_cfg), problems)
+    _check_sp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)
     problems.extend(reference_problems(args, model, init_model))  # --reference RUN: the model as fitted, too
     problems.raise_any()
 
@@ -430,13 +429,12 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         problems.append(f"--tp: objective {args.objective} has no vocab-parallel loss yet")
 
 
-def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) -> None:
+def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     """--sp N (docs/sequence_parallel.md): N >= 1; above 1 only for a family whose decoder this slice splits (LLaVA,
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
-    and value heads: each rank runs H/N of them after the all-to-all) and the row's decoder positions (each rank holds
-    L/N), and only where it was checked: not with --tp
-    (both take the grid's model axis), fp32 at ZeRO 0 or 1, 1F1B, the SFT objective, no MoE, LoRA, checkpointing or
-    validation (--resume, at this or another SP, is checked)."""
+    and value heads: each rank runs H/N of them after the all-to-all; a row's positions are padded to a multiple of N),
+    and only where it was checked: not with --tp (both take the grid's model axis), fp32 at ZeRO 0 or 1, 1F1B, the SFT
+    objective, no LoRA, checkpointing or validation (--resume, at this or another SP, and MoE with --ep are checked)."""
     sp, (zero_stage, precision, schedule, pipe_cfg) = args.sp, setup
     if sp < 1:
         problems.append(f"--sp: {sp} must be >= 1")
@@ -448,16 +446,13 @@ def _check_sp(args: TrainArgs, model, data, setup: tuple, problems: Problems) ->
         problems.append(f"--sp: {sp} on {model.name}: the {model.family} family's decoder is not split by position "
                         f"yet: {family.sp_why_not or 'its layers have no sequence-parallel form'} (--sp trains {have})")
         return
-    t = model.text
-    length = data and row_shape(model, data.max_images, data.text_len, data.vision_budget).length
+    t = model.text  # a row SP does not divide is padded to a multiple (sequence_parallel.padded_row)
     for what, n in (("attention heads (text.n_heads)", t.n_heads), ("KV heads (text.n_kv_heads)", t.kv_heads),
-                    *tp_sizes(model, family.sp_plan),  # the plan's own (Gated DeltaNet's key and value heads)
-                    ("decoder positions per row (--text-len + the image tokens)", length)):
+                    *tp_sizes(model, family.sp_plan)):  # the plan's own (Gated DeltaNet's key and value heads)
         if n and n % sp:
             problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")
     unchecked = [name for name, on in (
-        ("--tp", args.tp > 1), ("MoE", family_of(model).experts(model) is not None), ("--ep", args.ep > 1),
-        ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
+        ("--tp", args.tp > 1), ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
         (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
         (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage > 1),

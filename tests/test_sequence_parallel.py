@@ -25,14 +25,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import assert_weights_moved, cut_at, refused, write_ds_config
-from mmpipe.config import load_preset
+from mmpipe.config import config_from_dict, load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.model.builder import IGNORE_INDEX, bound, lm_loss
 from mmpipe.model.llava import LlamaBlock
+from mmpipe.model.moe import MoeBlock, Qwen3MoeBlock, aux_loss
 from mmpipe.model.qwen2_vl import QwenBlock
-from mmpipe.model.qwen3_5 import DeltaNetBlock, GatedAttentionBlock
+from mmpipe.model.qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock
 from mmpipe.model.qwen3_vl import DEEPSTACK_ADDS, Qwen3Block
-from mmpipe.model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients
+from mmpipe.model.sequence_parallel import local, padded, parallelize_sequence, sp_loss, sum_gradients
 from mmpipe.model.stage import StageTuple
 from mmpipe.model.tensor_parallel import Shard
 from mmpipe.registry import family_of
@@ -48,47 +49,76 @@ L = 16  # the in-process row: rank 0 positions 0..7, rank 1 8..15
 SEGMENTS = torch.tensor([[1] * 5 + [2] * 6 + [3] * 3 + [0] * 2, [1] * 9 + [2] * 7])
 
 
-def _row(cfg, hidden: torch.Tensor) -> StageTuple:
-    """The stage tuple of the two rows: row 0's second sample holds a 4 x 4-patch image (4 merged tokens at
-    positions 6..9, across the cut) for QwenBlock's M-RoPE; LlamaBlock reads the segments alone."""
-    ids = torch.full((2, L), 5)
+def _row(cfg, hidden: torch.Tensor, length: int = L) -> StageTuple:
+    """The stage tuple of the two rows (their first `length` positions): row 0's second sample holds a 4 x 4-patch
+    image (4 merged tokens at positions 6..9, across the cut) for QwenBlock's M-RoPE; LlamaBlock reads the segments
+    alone."""
+    ids = torch.full((2, length), 5)
     ids[0, 6:10] = cfg.image_token_id
     tiling = torch.zeros(2, 1, 3, dtype=torch.long)
     tiling[0, 0] = torch.tensor([1, 4, 4])
     has_image = torch.tensor([[2], [0]])  # row 0's slot belongs to its sample 2
-    return StageTuple(hidden, ids, has_image, SEGMENTS.clone(), tiling=tiling)
+    return StageTuple(hidden, ids, has_image, SEGMENTS[:, :length].clone(), tiling=tiling)
 
 
-def _block_check(block_cls, preset: str, shard: Shard) -> dict:
-    """block -> head -> the weighted loss, whole on each rank and under SP: max differences."""
-    cfg = load_preset(preset)
+def _moe_config(preset: str):
+    """The preset made MoE (8 experts, top 2; test_moe_pipeline's), its aux coefficient 1 so the load-balancing term
+    weighs as much as the cross-entropy in the gradients compared."""
+    model = load_preset(preset).to_dict()
+    model["text"].update(tie_embeddings=False, moe={"experts": 8, "top_k": 2, "ff_dim": 32, "aux_coef": 1.0})
+    return config_from_dict(model, f"{preset}-moe")
+
+
+def _run(block, t: StageTuple):
+    """(hidden, the MoE block's router statistics or None)."""
+    return block.run_moe(t, 0) if isinstance(block, MoeBlock) else (block.run(t, 0), None)
+
+
+def _loss(logits, stats, labels, weights, real: int):
+    """The head's loss: LossNorm-weighted cross-entropy, plus an MoE block's load-balancing loss (MoeHead's)."""
+    return lm_loss(logits if stats is None else (logits, aux_loss(stats, torch.tensor(real), 1)), (labels, weights))
+
+
+def _block_check(block_cls, preset: str, shard: Shard, length: int = L) -> dict:
+    """block -> head -> the weighted loss (and an MoE block's aux loss), whole on each rank and under SP: max
+    differences. A row of odd `length` is padded to a multiple of SP: rank 1's slice ends in a padding position."""
+    cfg = _moe_config(preset) if issubclass(block_cls, MoeBlock) else load_preset(preset)
     torch.manual_seed(0)
     whole = block_cls(cfg)
     head = torch.nn.Linear(cfg.text.dim, 24, bias=False)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, L, cfg.text.dim, generator=g, requires_grad=True)
-    labels = torch.randint(0, 24, (2, L), generator=g)
-    labels[SEGMENTS == 0] = IGNORE_INDEX
+    x = torch.randn(2, length, cfg.text.dim, generator=g, requires_grad=True)
+    labels = torch.randint(0, 24, (2, length), generator=g)
+    segments = SEGMENTS[:, :length]
+    labels[segments == 0] = IGNORE_INDEX
     labels[0, :3] = IGNORE_INDEX  # a prompt
-    weights = torch.rand(2, L, generator=g) * (labels != IGNORE_INDEX)
-    out = whole.run(_row(cfg, x), 0)
-    loss = lm_loss(head(out), (labels, weights))
+    weights = torch.rand(2, length, generator=g) * (labels != IGNORE_INDEX)
+    real = int((segments > 0).sum())
+    out, stats = _run(whole, _row(cfg, x, length))
+    loss = _loss(head(out), stats, labels, weights, real)
     loss.backward()
 
     block, sp_head = copy.deepcopy(whole), copy.deepcopy(head)
     for m in (block, sp_head):
         m.zero_grad()
     parallelize_sequence([block], shard, family_of(cfg).sp_plan)
-    mine = slice(shard.rank * L // 2, (shard.rank + 1) * L // 2)
-    x_local = x.detach()[:, mine].clone().requires_grad_()
-    out_local = block.run(_row(cfg, x_local), 0)  # the row's integer tensors whole, the hidden its slice
-    loss_local = sp_loss(lm_loss, shard)(sp_head(out_local), (labels, weights))
+    n = padded(length, shard) // 2
+    mine = slice(shard.rank * n, min((shard.rank + 1) * n, length))  # this rank's real positions
+    # the hidden's slice of the padded row (what the embedding hands the block: sequence_parallel.padded_row)
+    x_local = local(x.detach(), shard, 1).clone().requires_grad_()
+    out_local, stats_local = _run(block, _row(cfg, x_local, length))  # the row's integer tensors whole (unpadded)
+    logits = sp_head(out_local)  # what the head returns: logits, and an MoE head's aux loss beside them
+    head_out = logits if stats is None else (logits, aux_loss(stats_local, torch.tensor(real), 1))
+    loss_local = sp_loss(lm_loss, shard)(head_out, (labels, weights))
     loss_local.backward()
     sum_gradients([*block.parameters(), *sp_head.parameters()], shard)  # what ReduceGrads runs first under --sp
+    kept = mine.stop - mine.start
     # the loss relative to its size: a sum of ~20 weighted cross-entropies (qwen3-vl-tiny's ~60), added in another order
     diffs = {"loss": abs(loss_local.item() - loss.item()) / abs(loss.item()),
-             "out": (out_local - out[:, mine]).abs().max().item(),
-             "x.grad": (x_local.grad - x.grad[:, mine]).abs().max().item()}
+             "out": (out_local[:, :kept] - out[:, mine]).abs().max().item(),
+             "x.grad": (x_local.grad[:, :kept] - x.grad[:, mine]).abs().max().item()}
+    if stats is not None:  # every SP rank carries the whole row's router statistics
+        diffs["stats"] = (stats_local - stats).abs().max().item()
     grads = dict(whole.named_parameters()) | {f"head.{k}": v for k, v in head.named_parameters()}
     got = dict(block.named_parameters()) | {f"head.{k}": v for k, v in sp_head.named_parameters()}
     diffs |= {k: (got[k].grad - p.grad).abs().max().item() for k, p in grads.items()}
@@ -137,7 +167,13 @@ def _worker(rank: int, tmp: str) -> None:
              for name, cls, preset in (("llava", LlamaBlock, "llava-tiny"), ("qwen", QwenBlock, "qwen-tiny"),
                                        ("qwen3", Qwen3Block, "qwen3-vl-tiny"),
                                        ("deltanet", DeltaNetBlock, "qwen3.5-tiny"),
-                                       ("gated", GatedAttentionBlock, "qwen3.5-tiny"))}
+                                       ("gated", GatedAttentionBlock, "qwen3.5-tiny"),
+                                       ("qwen3_moe", Qwen3MoeBlock, "qwen3-vl-tiny"),
+                                       ("deltanet_moe", DeltaNetMoeBlock, "qwen3.5-tiny"))}
+    # a row of 15 positions, padded to 16 (rank 1 holds 7 and a padding position)
+    diffs |= {f"{name}_odd": _block_check(cls, preset, shard, L - 1)
+              for name, cls, preset in (("qwen", QwenBlock, "qwen-tiny"), ("deltanet", DeltaNetBlock, "qwen3.5-tiny"),
+                                        ("qwen3_moe", Qwen3MoeBlock, "qwen3-vl-tiny"))}
     diffs["deepstack"] = _deepstack_check(shard)
     with open(f"{tmp}/diffs{rank}.json", "w") as f:
         json.dump(diffs, f)
@@ -261,13 +297,10 @@ def test_zero1_dp2_sp2_clipped_equals_single_device(qwen_sp_zero1):
     assert_weights_moved(model.state_dict(), ReferenceModel(ref_model.cfg, seed=SEED).state_dict(), TOL)
 
 
-def test_sp_refusals_one_line_each(capsys, tmp_path):
+def test_sp_refusals_one_line_each(capsys):
     err = refused(["--preset", "qwen-tiny", "--sp", "3", "--steps", "1"], capsys)
     for what in ("4 attention heads", "2 KV heads"):
         assert any(f"--sp: 3 does not divide qwen-tiny's {what}" in line for line in err), err
-    err = refused(["--preset", "llava-tiny", "--sp", "2", "--text-len", "13", "--steps", "1"], capsys)
-    assert any("--sp: 2 does not divide llava-tiny's" in line and "decoder positions per row" in line
-               for line in err), err
     for preset, why in (("gemma3-tiny", "gemma3"), ("tiny", "moondream")):
         err = refused(["--preset", preset, "--sp", "2", "--steps", "1"], capsys)
         assert any(f"--sp: 2 on {preset}" in line and why in line for line in err), err
@@ -275,11 +308,6 @@ def test_sp_refusals_one_line_each(capsys, tmp_path):
                         (["--lora", "4"], "--lora")):
         err = refused(["--preset", "llava-tiny", "--sp", "2", "--steps", "1", *flags], capsys)
         assert any(f"--sp: 2 with {what}" in line and "not supported yet" in line for line in err), err
-    model = load_preset("qwen3-vl-tiny").to_dict()  # a family --sp takes, made MoE (as test_tensor_parallel's)
-    model["text"].update(tie_embeddings=False, moe={"experts": 4, "top_k": 2, "ff_dim": 32})
-    (tmp_path / "moe.json").write_text(json.dumps(model))
-    err = refused(["--preset", str(tmp_path / "moe.json"), "--sp", "2", "--steps", "1"], capsys)
-    assert any("--sp: 2 with MoE" in line and "not supported yet" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--sp", "0", "--steps", "1"], capsys)
     assert any("--sp: 0 must be >= 1" in line for line in err), err
     from mmpipe.cli import main

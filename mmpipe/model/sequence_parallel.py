@@ -31,11 +31,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .attention import Split, attend
+from .builder import IGNORE_INDEX
 from .llava import LlamaBlock, LlavaEmbed
+from .moe import Qwen3MoeBlock, split_aux
 from .qwen2_vl import QwenBlock, QwenEmbed
 from .qwen3_5 import (
     DeltaNetBlock,
+    DeltaNetMoeBlock,
     GatedAttentionBlock,
+    GatedAttentionMoeBlock,
     GatedDeltaNet,
     chunk_delta_rule,
     fla_delta_rule,
@@ -48,19 +52,46 @@ from .stage import unpack_in, unpack_out
 from .tensor_parallel import SIZES, Shard, reduce_from_tp
 
 
+def padded(length: int, shard: Shard) -> int:
+    """A row of `length` positions padded up to a multiple of SP (docs/sequence_parallel.md, "Rows that SP does not
+    divide"): 87 positions at SP 2 -> 88, at SP 4 -> 88; a multiple stays as it is."""
+    return -(-length // shard.size) * shard.size
+
+
 def span(length: int, shard: Shard) -> tuple[int, int]:
-    """(first position, count) of this rank's slice of a row of `length`: contiguous, length / SP each."""
+    """(first position, count) of this rank's slice of a row of `length` (a multiple of SP: padded first)."""
     if length % shard.size:
         raise ValueError(f"sequence parallelism: a row of {length} positions does not split into {shard.size} "
-                         f"equal slices (run_config refuses such a run before launch)")
+                         f"equal slices (pad it first: sequence_parallel.padded)")
     n = length // shard.size
     return shard.rank * n, n
 
 
-def local(x: torch.Tensor, shard: Shard, dim: int) -> torch.Tensor:
-    """x's slice of this rank's positions along dim (a row's L)."""
+def pad(x: torch.Tensor, shard: Shard, dim: int, fill=0) -> torch.Tensor:
+    """x along dim (a row's L) padded at its end with `fill` to padded(L); x itself where SP divides L."""
+    extra = padded(x.shape[dim], shard) - x.shape[dim]
+    if not extra:
+        return x
+    tail = x.new_full((*x.shape[:dim], extra, *x.shape[dim + 1:]), fill)
+    return torch.cat([x, tail], dim)
+
+
+def local(x: torch.Tensor, shard: Shard, dim: int, fill=0) -> torch.Tensor:
+    """x's slice of this rank's positions along dim (a row's L, padded with `fill` to a multiple of SP)."""
+    x = pad(x, shard, dim, fill)
     start, n = span(x.shape[dim], shard)
     return x.narrow(dim, start, n)
+
+
+def padded_row(t, shard: Shard):
+    """The stage tuple with its per-position integer tensors (input_ids, segments [B, L]) padded to a multiple of SP:
+    the added positions are segment 0, padding as a packed row's own tail is (never attended by a real position,
+    never labelled, not counted by the MoE router statistics), with token id 0 (a text id in every family: no image
+    placeholder). Idempotent: what the row's whole-row layers (embedding, masks, rotary, DeepStack, the delta rule's
+    segments) derive from it then covers every position an SP rank holds."""
+    if t.segments.shape[1] % shard.size == 0:
+        return t
+    return t._replace(input_ids=pad(t.input_ids, shard, 1), segments=pad(t.segments, shard, 1))
 
 
 class UlyssesMask(Split):
@@ -90,7 +121,7 @@ def _sliced_geometry(block: LlamaBlock, shard: Shard):
     def geometry(t, start: int, cache):
         if start or cache is not None:
             raise RuntimeError("sequence parallelism: cached generation does not run under --sp")
-        mask, (cos, sin) = whole(t, start, cache)
+        mask, (cos, sin) = whole(padded_row(t, shard), start, cache)
         return UlyssesMask(mask, shard), (local(cos, shard, -2), local(sin, shard, -2))  # [B, 1, L / SP, Dh]
     return geometry
 
@@ -99,7 +130,8 @@ def _sliced_embedding(embed: LlavaEmbed, shard: Shard):
     whole = embed.forward
 
     def forward(args):
-        t = unpack_out(embed, whole(args))  # the whole row's embedding, images placed
+        row = padded_row(unpack_in(embed, args), shard)
+        t = unpack_out(embed, whole(row.pack()))  # the whole (padded) row's embedding, images placed
         return t._replace(hidden=local(t.hidden, shard, 1)).pack()
     return forward
 
@@ -111,7 +143,7 @@ def _sliced_deepstack(add: DeepstackAdd, shard: Shard):
     whole = add.forward
 
     def forward(args):
-        t = unpack_in(add, args)
+        t = padded_row(unpack_in(add, args), shard)
         B, _, D = t.hidden.shape
         row = t.hidden.new_zeros(B, t.input_ids.shape[1], D)
         placed = unpack_out(add, whole(t._replace(hidden=row).pack())).hidden
@@ -142,6 +174,7 @@ def _deltanet_forward(net: GatedDeltaNet, shard: Shard):
         if cache is not None or segments is None:
             raise RuntimeError("sequence parallelism: cached generation does not run under --sp")
         B, T, _ = x.shape
+        segments = pad(segments, shard, 1)  # the whole row's, padded as the slices are
         hk, hv, dk, dv, n = net.hk // shard.size, net.hv // shard.size, net.dk, net.dv, shard.size
         q, k, v = net.in_proj_qkv(x).split([net.key_dim, net.key_dim, net.value_dim], -1)
         q, k = (_to_heads(a.reshape(B, T, net.hk, dk), shard) for a in (q, k))
@@ -180,14 +213,36 @@ def slice_deepstack(layer, shard: Shard) -> None:
     layer.forward = _sliced_deepstack(layer, shard)
 
 
+def _sliced_router(moe, shard: Shard):
+    """An MoE block's SparseMoe on a slice: the router and experts are per position (under --ep the experts' tokens
+    are this rank's slice's, exchanged within the EP group of its SP coordinate); the row's real-position mask
+    [B, L] is the whole row's, so it takes its slice; the layer's statistics [B, 2, E] (top-k counts and router
+    probability sums: sums over positions) are summed over SP, so every rank carries the whole row's, as one device
+    does: the head's load-balancing loss, a product of the two sums, is then the single device's on every SP rank.
+    The sum's backward is the identity: each rank takes the aux loss's gradient at the whole row's statistics into
+    its own positions' share, and the SP sum of the gradients adds the shares."""
+    whole = moe.forward
+
+    def forward(x, real):
+        y, stats = whole(x, local(real, shard, 1, False))
+        return y, reduce_from_tp(stats, shard)
+    return forward
+
+
+def moe_by_heads(layer, shard: Shard) -> None:  # an MoE block: its attention (or delta rule) as the dense one's
+    (deltanet_by_heads if isinstance(layer, DeltaNetBlock) else attend_by_heads)(layer, shard)
+    layer.mlp.forward = _sliced_router(layer.mlp, shard)
+
+
 # the families' plans (mmpipe.registry.Family.sp_plan, attached in mmpipe.families): the decoder embedding keeps its
 # slice, each decoder block attends (or runs Gated DeltaNet) through the all-to-all, DeepStack adds their slice; the
 # tower, projector / mergers, norm and head run unchanged on what they get
 LLAVA_SP_PLAN = {LlavaEmbed: slice_embedding, LlamaBlock: attend_by_heads}
 QWEN2_VL_SP_PLAN = {QwenEmbed: slice_embedding, QwenBlock: attend_by_heads}
-QWEN3_VL_SP_PLAN = {Qwen3Embed: slice_embedding, Qwen3Block: attend_by_heads,
+QWEN3_VL_SP_PLAN = {Qwen3Embed: slice_embedding, Qwen3Block: attend_by_heads, Qwen3MoeBlock: moe_by_heads,
                     **{add: slice_deepstack for add in DEEPSTACK_ADDS}}
 QWEN3_5_SP_PLAN = {Qwen3Embed: slice_embedding, GatedAttentionBlock: attend_by_heads, DeltaNetBlock: deltanet_by_heads,
+                   GatedAttentionMoeBlock: moe_by_heads, DeltaNetMoeBlock: moe_by_heads,
                    # beyond the attention heads SP must divide (each rank runs H / SP of them after the all-to-all)
                    SIZES: lambda cfg: (("Gated DeltaNet key heads", cfg.text.linear_key_heads),
                                        ("Gated DeltaNet value heads", cfg.text.linear_value_heads))}
@@ -209,13 +264,18 @@ def parallelize_sequence(layers, shard: Shard, plan: dict) -> None:
 
 def sp_loss(loss_fn, shard: Shard):
     """loss_fn (the objective's, on one rank's logits [B, L / SP, V]) on this rank's slice of the labels (and
-    LossNorm weights [B, L]): their weighted sum is additive over positions, so the slices' sum is the whole row's.
-    The value returned is that sum over SP (logged, the same on every SP rank); its gradient is this rank's own."""
-    def loss(logits, labels):
+    LossNorm weights [B, L], padded as the row: IGNORE_INDEX, weight 0): their weighted sum is additive over
+    positions, so the slices' sum is the whole row's. The value returned is that sum over SP (logged, the same on
+    every SP rank); its gradient is this rank's own. An MoE head's load-balancing term (already the whole row's on
+    every SP rank: _sliced_router) is added once, after the sum."""
+    def loss(out, labels):
         if not isinstance(labels, (tuple, list)):
             raise ValueError("sequence parallelism: the loss needs LossNorm's per-position weights (a labelled mean "
                              "per micro-batch does not add up over slices)")
-        return reduce_from_tp(loss_fn(logits, tuple(local(x, shard, 1) for x in labels)), shard)
+        logits, aux = split_aux(out)
+        mine = tuple(local(x, shard, 1, IGNORE_INDEX if i == 0 else 0) for i, x in enumerate(labels))
+        total = reduce_from_tp(loss_fn(logits, mine), shard)
+        return total if aux is None else total + aux
     return loss
 
 

@@ -151,7 +151,9 @@ def clip_norm(params, shards, max_norm: float, mpu, ep_group) -> torch.Tensor:
     params = [p for p in params if p.grad is not None]
     rep = [p.grad.float().pow(2).sum() for p in params if id(p) not in mine and (
         mpu.get_model_parallel_rank() == 0 or getattr(p, "model_parallel", False))]
-    own = [p.grad.float().pow(2).sum() for p in params if id(p) in mine]
+    # a shard replicated over SP (--sp: each SP rank holds its EP coordinate's experts whole) is counted on SP rank 0
+    # only, as mark_norm_counting marks it (model_parallel False elsewhere); under --tp every TP rank's slice counts
+    own = [p.grad.float().pow(2).sum() for p in params if id(p) in mine and getattr(p, "model_parallel", True)]
     zero = torch.zeros((), device=params[0].device)
     shard_sq = torch.stack(own).sum() if own else zero.clone()
     dist.all_reduce(shard_sq, group=ep_group)  # every expert of the stage, once
