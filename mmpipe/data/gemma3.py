@@ -5,16 +5,34 @@ vision_end_id), and one image read by transformers' own Gemma3ImageProcessor.
 transformers' Gemma3Processor turns an image marker into "\\n\\n<start_of_image>" + 256 x <image_soft_token> +
 "<end_of_image>\\n\\n"; a row holds the same ids (the blank lines are text the tokenizer reads, not the block's): e.g.
 gemma3-tiny's 4 soft tokens at ids 60, bracketed by 61 and 62, are the block [61, 60, 60, 60, 60, 62], 6 positions.
+
+Pan-and-scan (vision.pan_and_scan, from the checkpoint's do_pan_and_scan: `Gemma3PanScan`): transformers'
+Gemma3ImageProcessor cuts an image whose long side is at least min_ratio x its short one into K crops along it
+(K = round(long / short), at most long / min_crop and max_crops, at least 2; none when a crop would be under
+min_crop px), and Gemma3Processor writes "Here is the original image <block> and here are some crops to help you see
+better <block> <block> ..." for it: the whole image's block, then each crop's. Here each of the 1 + K is an image slot
+of its own (records.ImageSlot) at a marker of its own in that text (taken from Gemma3Processor.replace_image_token,
+not retyped), so the index counts the crops' blocks and the connecting words before any pixel is read, and the tower
+encodes every crop as an image. K comes from the image's size alone (its header, EXIF orientation applied), by the
+processor's own pan_and_scan_batched on a shape-only tensor; the slots' pixels are the processor's pixel_values for
+the image, in its order. E.g. at gemma3-tiny's 32 px, min_crop 8, max_crops 4, ratio 1.2: a 96 x 32 (W x H) image
+gets round(3.0) = 3 crops of 32 x 32, 4 slots and 4 x 6 = 24 block positions; a 40 x 36 one (ratio 1.11) none.
+--max-images counts slots: the 96 x 32 image alone needs --max-images 4.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from .blocks import FixedBlocks
 from .image_kinds import Placeholders
+from .images import _our_pil_settings, _resolve, open_image
+from .records import BadRecord, ImageSlot
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,117 @@ class Gemma3Images(Placeholders):
         proc = Gemma3ImageProcessor(size={"height": v.image_size, "width": v.image_size}, image_mean=list(v.mean),
                                     image_std=list(v.std))
         return lambda image: proc(image, return_tensors="pt")["pixel_values"][0]
+
+    def of(self, cfg: ModelConfig):
+        """The kind of cfg's images (image_kinds.image_kind asks): pan-and-scan's where its processor cuts crops."""
+        v = cfg.vision
+        if not v.pan_and_scan:
+            return self
+        return Gemma3PanScan(v.image_size, tuple(v.mean), tuple(v.std), v.pan_and_scan_min_crop,
+                             v.pan_and_scan_max_crops, v.pan_and_scan_min_ratio)
+
+
+@dataclass(frozen=True)
+class Gemma3PanScan(Gemma3Images):
+    """Gemma 3's images under pan-and-scan (module docstring): the processor's settings, what a slot's pixels and an
+    image's crop count depend on."""
+    size: int = 896
+    mean: tuple = (0.5, 0.5, 0.5)
+    std: tuple = (0.5, 0.5, 0.5)
+    min_crop: int = 256
+    max_crops: int = 4
+    min_ratio: float = 1.2
+
+    def augment_refusal(self, cfg: ModelConfig) -> str | None:
+        return ("--augment: pan-and-scan images are resized and cut by transformers' Gemma3ImageProcessor, which has "
+                "no augmentation; drop --augment")
+
+    def crops(self, width: int, height: int) -> int:
+        """K, the crops the processor cuts a width x height image into (0: none), by its own pan_and_scan_batched on
+        a shape-only (meta) tensor, e.g. 96 x 32 at min_crop 8: 3."""
+        shape = torch.empty(3, height, width, device="meta")
+        return len(_processor(self).pan_and_scan_batched(shape, self.min_crop, self.max_crops, self.min_ratio))
+
+    def with_timestamps(self, rec, rule, image_root, marker: str):
+        """The record as the processor lays it out: each image's marker becomes Gemma3Processor's text for its K
+        crops with a marker at each block, the image its 1 + K slots (ImageSlot); a record without markers gets
+        them at the start of its first user turn. BadRecord for an image whose header cannot be read."""
+        from types import SimpleNamespace
+
+        from transformers import Gemma3Processor
+        texts, slots = [], []
+        for ref in rec.images:
+            k = self.crops(*oriented_size(ref, image_root))
+            # the processor's own words, each image block of them our marker
+            texts.append(Gemma3Processor.replace_image_token(SimpleNamespace(full_image_sequence=marker),
+                                                             {"num_crops": [k]}, 0))
+            slots += [ImageSlot(ref, j, 1 + k) for j in range(1 + k)]
+        if not texts:
+            return rec
+        messages, k = [], 0
+        if not any(marker in text for role, text in rec.messages if role == "user"):
+            first = next(i for i, (role, _) in enumerate(rec.messages) if role == "user")
+            rec = dataclasses.replace(rec, messages=[(r, marker * len(texts) + t if i == first else t)
+                                                     for i, (r, t) in enumerate(rec.messages)])
+        for role, text in rec.messages:
+            parts = text.split(marker)
+            if role == "user" and len(parts) > 1:
+                out = parts[0]
+                for part in parts[1:]:
+                    out += (texts[k] if k < len(texts) else marker) + part
+                    k += 1
+                text = out
+            messages.append((role, text))
+        return dataclasses.replace(rec, messages=messages, images=slots)
+
+    def slot_pixels(self, slot: ImageSlot, image_root, max_pixels: int) -> torch.Tensor:
+        """[3, S, S]: the processor's pixel_values[slot.crop] of the slot's image (the whole image, then its crops)."""
+        key = slot.ref if isinstance(slot.ref, (str, bytes)) else None  # a dict or a PIL image: not cached
+        out = _slots(self, key, image_root, max_pixels) if key is not None else \
+            _processor(self)(open_image(slot.ref, image_root, max_pixels), return_tensors="pt")["pixel_values"]
+        if len(out) != slot.of:
+            raise RuntimeError(f"{slot.ref}: the image processor cut {len(out)} slots, the index recorded {slot.of}: "
+                               f"the data changed after it was checked at start-up; restore it, or start a new run")
+        return out[slot.crop]
+
+    def one_image(self, cfg: ModelConfig):
+        raise ConfigError("vision.pan_and_scan: generation and evaluation read an image as one square; its crops are "
+                          "read in training only (drop do_pan_and_scan from the checkpoint's preprocessor_config.json "
+                          "to generate without them)")
+
+
+@functools.lru_cache(maxsize=8)
+def _processor(kind: Gemma3PanScan):
+    from transformers import Gemma3ImageProcessor
+    return Gemma3ImageProcessor(size={"height": kind.size, "width": kind.size}, image_mean=list(kind.mean),
+                                image_std=list(kind.std), do_pan_and_scan=True,
+                                pan_and_scan_min_crop_size=kind.min_crop, pan_and_scan_max_num_crops=kind.max_crops,
+                                pan_and_scan_min_ratio_to_activate=kind.min_ratio)
+
+
+@functools.lru_cache(maxsize=2)  # an image's 1 + K slots are read one after the other: processed once
+def _slots(kind: Gemma3PanScan, ref, image_root, max_pixels: int) -> torch.Tensor:
+    return _processor(kind)(open_image(ref, image_root, max_pixels), return_tensors="pt")["pixel_values"]
+
+
+def oriented_size(ref, image_root) -> tuple[int, int]:
+    """(width, height) of a record's image as open_image returns it (EXIF orientation applied), from its header
+    alone; BadRecord where it cannot be opened (the index's full check names the file's other faults)."""
+    from PIL import Image
+
+    def turned(im) -> tuple[int, int]:
+        w, h = im.size
+        return (h, w) if im.getexif().get(0x0112) in (5, 6, 7, 8) else (w, h)  # EXIF Orientation: a quarter turn
+    with _our_pil_settings():
+        if isinstance(ref, Image.Image):
+            return turned(ref)
+        source, name = _resolve(ref, image_root)
+        try:
+            with Image.open(source) as im:
+                return turned(im)
+        except Exception as e:  # PIL's UnidentifiedImageError, OSError, ...
+            raise BadRecord("corrupt_image", f"{name}: cannot read the image header "
+                                             f"({' '.join(str(e).split()) or type(e).__name__})") from None
 
 
 GEMMA3_IMAGES = Gemma3Images()

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import ConfigError
 from .images import check_image
-from .records import BAD_KINDS, BadRecord, VideoRef
+from .records import BAD_KINDS, BadRecord, ImageSlot, VideoRef
 from .sources import DataSpec, Source
 from .text import IMAGE_MARKER, ConversationEncoder
 from .tokenizer import BUILTIN_TEMPLATE
@@ -113,17 +113,20 @@ def _check(i: int):
         where = rec.where
         rec = c.kind.with_timestamps(rec, c.rule, c.image_root, IMAGE_MARKER)  # Qwen3-VL: a slot per temporal patch
         if len(rec.images) > c.max_images and any(isinstance(m, VideoRef) and m.frame >= 0 for m in rec.images):
-            raise BadRecord("too_many_images", f"{len(rec.images)} image slots (a Qwen3-VL clip takes one per "
-                                               f"temporal patch) > {c.image_limit or f'--max-images {c.max_images}'}")
+            raise BadRecord("too_many_images", f"{len(rec.images)} image slots (a clip takes one per temporal patch "
+                                               f"(Qwen3-VL) or frame (Gemma 4, InternVL)) > "
+                                               f"{c.image_limit or f'--max-images {c.max_images}'}")
         if len(rec.images) > c.max_images:
             limit = c.image_limit or f"--max-images {c.max_images}"
-            raise BadRecord("too_many_images", f"{len(rec.images)} images > {limit}")
+            crops = any(isinstance(m, ImageSlot) and m.crop for m in rec.images)  # Gemma 3's pan-and-scan
+            raise BadRecord("too_many_images", f"{len(rec.images)} images{' (a crop takes a slot)' * crops} > {limit}")
         enc = _W["encoder"].encode(rec.messages, len(rec.images))
         if any(isinstance(m, VideoRef) for m in rec.images):  # clips among the images (a family that reads them)
             spare = _W["encoder"].text_len - len(enc.ids)  # text positions OneVision's clips may take
             grids, clips = c.kind.media_grids(rec.images, c.rule, c.image_root, c.max_pixels, spare)
             return i, enc.ids, enc.target, enc.truncated, enc.image_at, grids, clips
-        sizes = [check_image(image, c.image_root, c.max_pixels) for image in rec.images]
+        sizes = [check_image(m.ref if isinstance(m, ImageSlot) else m, c.image_root, c.max_pixels) for m in rec.images
+                 if not (isinstance(m, ImageSlot) and m.crop)]  # an image cut into slots: checked once
         # PatchRule [n, 3] (t, h, w) (or 4: a clip's step column, PatchRule.grid_width); TileRule [n, 5] (orig_h,
         # orig_w, rows, cols, positions)
         grids = c.rule.sample_grids(sizes) if c.rule is not None else np.zeros((0, 3), dtype=np.int64)

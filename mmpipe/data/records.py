@@ -87,6 +87,16 @@ class VideoRef:
     frame: int = -1
 
 
+@dataclass(frozen=True, eq=False)
+class ImageSlot:
+    """Slot `crop` of the `of` slots a family's image processor cuts a record's image into (Gemma 3's pan-and-scan,
+    mmpipe.data.gemma3: 0 the whole image, j >= 1 its j-th crop), each at a marker of its own: its pixels are the
+    family's image kind's (slot_pixels), its image checked once (at crop 0) when the index is built."""
+    ref: Any
+    crop: int
+    of: int
+
+
 class BadRecord(Exception):
     """One record refused, with the reason as one line. kind is a key of BAD_KINDS."""
 

@@ -20,7 +20,7 @@ from .crops import Crops, make_transform
 from .image_kinds import image_kind, image_rule
 from .images import open_image
 from .index import DataIndex
-from .records import BadRecord, VideoRef
+from .records import BadRecord, ImageSlot, VideoRef
 from .shapes import ShapesVQA
 from .sources import Source
 from .text import IMAGE_MARKER, ConversationEncoder, Encoded
@@ -124,6 +124,8 @@ class IndexedSamples:
             if isinstance(rec.images[k], VideoRef):  # a clip at its marker's place: its sampled frames' patches
                 return kind.clip_pixels(rec.images[k], self.rule, self.reader.image_root, media_count(rec.images),
                                         self.index.grids_of(self.entry(pos))[k])
+            if isinstance(rec.images[k], ImageSlot):  # a slot its family's processor cuts an image into (crops)
+                return kind.slot_pixels(rec.images[k], self.reader.image_root, self.reader.max_pixels)
             image = open_image(rec.images[k], self.reader.image_root, self.reader.max_pixels)
             if self.rule is None:
                 return self.reader.transform(image)

@@ -15,7 +15,8 @@ SigLIP's pooling head (model.vision_tower.head.*, which Gemma 3 never runs) is r
 not implement is refused in one line: logit soft-capping (Gemma 2's; every released Gemma 3 config has none),
 bidirectional text attention (EmbeddingGemma), RoPE other than default / linear, a layer pattern other than
 "every k-th layer global". Export writes the same config back (no SigLIP head), and the directory's image processor
-(transformers' Gemma3ImageProcessor at the model's size and statistics).
+(transformers' Gemma3ImageProcessor at the model's size and statistics, and its pan-and-scan settings: import reads
+do_pan_and_scan and its three pan_and_scan_* numbers from the directory's processor config).
 """
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
         image_size=vc.image_size, patch_size=vc.patch_size, dim=vc.hidden_size, n_layers=vc.num_hidden_layers,
         n_heads=vc.num_attention_heads, ff_dim=vc.intermediate_size, channels=vc.num_channels,
         mean=tuple(proc.get("image_mean") or (0.5,) * 3), std=tuple(proc.get("image_std") or (0.5,) * 3),
-        ln_eps=vc.layer_norm_eps, kind="siglip", act="gelu_tanh", mm_tokens=int(hf.mm_tokens_per_image))
+        ln_eps=vc.layer_norm_eps, kind="siglip", act="gelu_tanh", mm_tokens=int(hf.mm_tokens_per_image),
+        **pan_and_scan(proc))
     text = Gemma3Text(
         dim=tc.hidden_size, n_layers=tc.num_hidden_layers, n_heads=tc.num_attention_heads, ff_dim=tc.intermediate_size,
         vocab_size=tc.vocab_size, max_context=tc.max_position_embeddings, rope_theta=theta, ln_eps=tc.rms_norm_eps,
@@ -142,6 +144,20 @@ def config_from_hf(hf, name: str = "hf", proc: dict | None = None) -> ModelConfi
                       vision_end_id=int(hf.eoi_token_index))
     cfg.validate()
     return cfg
+
+
+def pan_and_scan(proc: dict) -> dict:
+    """The image processor's pan-and-scan settings as Gemma3Vision's fields; a setting its file leaves null (every
+    released Gemma 3's) takes Gemma3Processor's default (its images_kwargs: off, 256 px, 4 crops, ratio 1.2)."""
+    from transformers import Gemma3Processor
+    default = Gemma3Processor.images_kwargs
+
+    def get(key):
+        return default[key] if proc.get(key) is None else proc[key]
+    return {"pan_and_scan": bool(get("do_pan_and_scan")),
+            "pan_and_scan_min_crop": int(get("pan_and_scan_min_crop_size")),
+            "pan_and_scan_max_crops": int(get("pan_and_scan_max_num_crops")),
+            "pan_and_scan_min_ratio": float(get("pan_and_scan_min_ratio_to_activate"))}
 
 
 def hf_config(cfg: ModelConfig, tok=None):
@@ -169,11 +185,15 @@ def hf_config(cfg: ModelConfig, tok=None):
 
 
 def image_processor(cfg: ModelConfig):
-    """transformers' Gemma3ImageProcessor at the model's size and statistics (what the processor feeds it)."""
+    """transformers' Gemma3ImageProcessor at the model's size and statistics (what the processor feeds it), with its
+    pan-and-scan settings where the model takes crops (vision.pan_and_scan)."""
     from transformers import Gemma3ImageProcessor
     v = cfg.vision
+    crops = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": v.pan_and_scan_min_crop,
+             "pan_and_scan_max_num_crops": v.pan_and_scan_max_crops,
+             "pan_and_scan_min_ratio_to_activate": v.pan_and_scan_min_ratio} if v.pan_and_scan else {}
     return Gemma3ImageProcessor(size={"height": v.image_size, "width": v.image_size}, image_mean=list(v.mean),
-                                image_std=list(v.std))
+                                image_std=list(v.std), **crops)
 
 
 def plan(cfg: ModelConfig, source, where: str) -> tuple[dict[str, str], ImportReport]:

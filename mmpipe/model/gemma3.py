@@ -46,6 +46,13 @@ class Gemma3Vision(ClipVision):
     """SigLIP's tower (every layer, then its post-LayerNorm) and the projector's pooling to mm_tokens soft tokens
     per image: 896 px / 14 = 64 x 64 patches, average-pooled 4 x 4 to 16 x 16 = 256."""
     mm_tokens: int = 256
+    # Pan-and-scan (transformers' Gemma3ImageProcessor do_pan_and_scan, off in every released processor config): an
+    # image whose long side is at least min_ratio x its short one is also cut into 2..max_crops crops of at least
+    # min_crop px along it, each a slot of its own beside the whole image (mmpipe.data.gemma3.Gemma3PanScan)
+    pan_and_scan: bool = False
+    pan_and_scan_min_crop: int = 256
+    pan_and_scan_max_crops: int = 4
+    pan_and_scan_min_ratio: float = 1.2
 
     @property
     def pooled_side(self) -> int:  # e.g. sqrt(256) = 16
@@ -83,6 +90,9 @@ def gemma3_checks(cfg: ModelConfig) -> list[tuple[bool, str, str]]:
          "Gemma 3's projector reads the tower's last state, every patch (-1, full)"),
         (side * side == v.mm_tokens and side > 0 and v.grid % side == 0, "vision.mm_tokens",
          f"{v.mm_tokens} must be a square whose side divides the {v.grid} x {v.grid} patch grid"),
+        (v.pan_and_scan_min_crop >= 1 and v.pan_and_scan_max_crops >= 1 and v.pan_and_scan_min_ratio > 0,
+         "vision.pan_and_scan_min_crop", f"{v.pan_and_scan_min_crop} / pan_and_scan_max_crops "
+         f"{v.pan_and_scan_max_crops} must be >= 1, pan_and_scan_min_ratio {v.pan_and_scan_min_ratio} > 0"),
         (t.n_heads % t.kv_heads == 0, "text.n_kv_heads", f"{t.n_kv_heads} does not divide n_heads {t.n_heads}"),
         (t.partial_rotary_factor == 1.0, "text.partial_rotary_factor", "Gemma 3 rotates whole heads (1.0)"),
         (t.sliding_window >= 1 and t.sliding_pattern >= 1, "text.sliding_window",
