@@ -5,8 +5,10 @@ tiny, tiny-xattn, llava-tiny, llava-next-tiny and qwen-tiny were made by commit 
 qwen3-vl-moe-micro (the Qwen3-VL and Qwen3.5 families and an MoE decoder: their tiny presets shrunk, model JSONs in
 the fixture folder) by commit 368cfab, before one registry entry per family (issue 52). The step after the
 checkpoint must give the old code's loss (its logged digits) and its weights (a digest of every tensor of every
-layer file). One launch each (~20 s of start-up); the cross-attention family's carried vision, the dynamic
-families' tilings, DeepStack's sets and the MoE router statistics are stage fields that cross the cut.
+layer file). One launch for the eight (tests/rank_series.py: the ranks resume one checkpoint after another, each run
+the rank code `mmpipe train` starts, its front door's resume check run here first; a launch each cost ~15 s of
+start-up); the cross-attention family's carried vision, the dynamic families' tilings, DeepStack's sets and the MoE
+router statistics are stage fields that cross the cut.
 
 The old code's step is recorded per CPU vendor (expected.json: runs[preset][vendor]): the same code gives other bits
 on an Intel Xeon and an AMD EPYC (oneDNN's kernels differ; qwen-tiny's loss in its 7th digit, every weight digest),
@@ -19,12 +21,18 @@ import csv
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from conftest import train_run
+from conftest import ROOT, Run
+from mmpipe.cluster.ports import free_port
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+from mmpipe.runtime.checkpoint import check_same_rows
 
 FIXTURES = Path(__file__).parent / "fixtures"
 _spec = importlib.util.spec_from_file_location("make_prechange", FIXTURES / "make_prechange_checkpoints.py")
@@ -33,13 +41,32 @@ _spec.loader.exec_module(make)
 EXPECTED = json.loads((make.HERE / "expected.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict[str, Run]:
+    """Every preset's checkpoint resumed at PP=2 to its last step, the eight in one launch (tests/rank_series.py),
+    each after the check `mmpipe train --resume` makes before its launch (the saved rows are this run's)."""
+    root = tmp_path_factory.mktemp("prechange")
+    cfg = make.ds_config(ROOT, root / "ds.json")
+    argvs = {}
+    for preset in make.PRESETS:
+        out = root / preset
+        with tarfile.open(make.HERE / f"{preset}.tar.gz") as tar:
+            tar.extractall(out, filter="data")
+        argvs[preset] = [*make.train_args(preset, cfg, out)[:-2], "--resume", "--output-dir", str(out)]
+        check_same_rows(out / "checkpoints", resolve(TrainArgs.from_argv(argvs[preset]), world_size=2))
+    (root / "runs.json").write_text(json.dumps(list(argvs.values())))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",  # as conftest.mmpipe_train's
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([shutil.which("deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
+                           "--master_port", str(free_port()), "--module", "rank_series", str(root / "runs.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return {preset: Run(root / preset, proc) for preset in make.PRESETS}
+
+
 @pytest.mark.parametrize("preset", make.PRESETS)
-def test_a_prechange_checkpoint_resumes_bit_for_bit(tmp_path, preset):
-    out = tmp_path / "run"
-    with tarfile.open(make.HERE / f"{preset}.tar.gz") as tar:
-        tar.extractall(out, filter="data")
-    cfg = make.ds_config(Path(__file__).resolve().parents[1], tmp_path / "ds.json")
-    run = train_run(out, *make.train_args(preset, cfg, out)[:-2], "--resume").check()
+def test_a_prechange_checkpoint_resumes_bit_for_bit(resumed, preset):
+    run = resumed[preset].check()
+    out = run.out
     assert run.summary["start_step"] == make.KEPT
     with open(out / "train_log.csv") as f:
         last = list(csv.DictReader(f))[-1]
