@@ -611,6 +611,18 @@ class Gemma4Experts(Experts):
     act = staticmethod(gelu_tanh)
 
 
+class RouterProj(nn.Module):
+    """The router's [E, D] projection (router.proj.weight), not an nn.Linear: --lora adapts linears, and a router
+    stays frozen with the base, as mmpipe.model.moe's TopKRouter does (docs/moe.md)."""
+
+    def __init__(self, dim: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, dim).normal_(0.0, 0.02))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class Gemma4Router(nn.Module):
     """transformers' Gemma4TextRouter: x [N, D] -> (probs fp32 [N, E], top-k ids [N, k], their weights fp32 [N, k]):
     logits = proj(norm(x) x scale x D^-1/2) (norm unscaled, `scale` a learned D vector), softmax in fp32, top k,
@@ -619,7 +631,7 @@ class Gemma4Router(nn.Module):
     def __init__(self, dim: int, experts: int, top_k: int, eps: float):
         super().__init__()
         self.norm = RMSNorm(dim, eps, scale=False)
-        self.proj = nn.Linear(dim, experts, bias=False)
+        self.proj = RouterProj(dim, experts)
         self.scale = nn.Parameter(torch.ones(dim))
         self.per_expert_scale = nn.Parameter(torch.ones(experts))
         self.top_k, self.root = top_k, dim ** -0.5
