@@ -144,6 +144,7 @@ from .model.tp_plans import (
     QWEN3_VL_TP_PLAN,
     VOCAB_ENDS,
     moe_sizes,
+    sequence_plan,
 )
 from .registry import Family, HfSide, ImageLayout, register
 
@@ -209,6 +210,7 @@ LLAVA_TP_PLAN = {
     LlavaEmbed: {"embed_tokens": "vocab"},
     LMHeadLinear: {"lm_head": "vocab"},
     tied_head: {"": "vocab"},
+    **sequence_plan(LlavaEmbed, (LlamaBlock,)),  # --sequence-parallel: the decoder on 1/TP of the row's positions
 }
 LLAVA = register(Family(
     "llava", "prefix", llava_specs, (TowerBlock, LlamaBlock),
@@ -251,7 +253,7 @@ LLAVA_NEXT = register(Family(
            reader="read_llava_next"),
     # LLaVA's split (its LlamaBlock, head, tower replicated) and the anyres embedding's vocabulary: the tower runs on
     # a row's T crops of a fixed size (llava-v1.6's CLIP-L: 0.3 B of 7.1 B), as LLaVA's on its one crop
-    tp_plan={**LLAVA_TP_PLAN, AnyresEmbed: {"embed_tokens": "vocab"}}))
+    tp_plan={**LLAVA_TP_PLAN, AnyresEmbed: {"embed_tokens": "vocab"}, **sequence_plan(AnyresEmbed, (LlamaBlock,))}))
 
 # Qwen2-VL's rules for the same shapes; DeepStack's sets are carried fields, one per merger / add pair
 QWEN3_VL = register(Family(
@@ -305,7 +307,8 @@ INTERNVL = register(Family(
     # the whole width, a collective per block)
     # its MoE decoder (InternVL3.5-30B-A3B / 241B-A28B: Qwen3-MoE's) is moe.PreNormMoeBlock, split as Qwen3-VL-MoE's
     tp_plan={InternBlock: {**DECODER, **QK_NORMS}, InternMoeBlock: {**ATTENTION, **QK_NORMS, **MOE_MLP},
-             InternEmbed: {"embed_tokens": "vocab"}, **VOCAB_ENDS, **MOE_VOCAB_ENDS, SIZES: moe_sizes}))
+             InternEmbed: {"embed_tokens": "vocab"}, **VOCAB_ENDS, **MOE_VOCAB_ENDS, SIZES: moe_sizes,
+             **sequence_plan(InternEmbed, (InternBlock,))}))
 
 # Gemma 3 (mmpipe.model.gemma3): LLaVA's SigLIP tower, placeholders bracketed by <start_of_image> / <end_of_image> and
 # read by transformers' Gemma3ImageProcessor (mmpipe.data.gemma3), a pooled projector, a decoder of sliding and global

@@ -39,6 +39,9 @@ class TrainArgs(DataArgs, ModelArgs):
     sp: int = flag(1, "sequence-parallel ranks (Ulysses): each stage's rows split by position over SP ranks, "
                    "attention's all-to-all trading positions for heads; world = stages x dp x sp; not with --tp "
                    "(default: 1; docs/sequence_parallel.md)")
+    sequence_parallel: bool = flag(False, "with --tp: Megatron's sequence parallelism, the decoder's norms and "
+                                   "residuals on 1/TP of each row's positions (all-gather / reduce-scatter at each "
+                                   "TP region; docs/tensor_parallel.md)")
     objective: str = flag(TOKENS.name, "what the last stage trains on: sft, the cross-entropy of the answer tokens "
                           "(default; docs/architecture.md, Objective), or dpo, preference pairs' DPO loss against the "
                           "starting weights (docs/dpo.md)", choices=OBJECTIVE_NAMES)

@@ -30,6 +30,7 @@ from .model.tensor_parallel import tp_sizes
 from .planning.costmodel import LayerCost
 from .planning.partition import check_trainable, compute_parts, layer_table
 from .planning.schedule_registry import BASELINE, SCHEDULE_NAMES, Schedule, schedule_named
+from .planning.tensor_parallel import sequence_parallel_problems
 from .registry import families, family_of
 from .run_args import TrainArgs
 
@@ -88,6 +89,7 @@ class RunConfig:
     objective: Objective = TOKENS  # --objective: what the last stage trains on (mmpipe.model.objectives)
     tp: int = 1  # --tp: tensor-parallel ranks per stage (mmpipe.model.tensor_parallel); world = stages x dp x tp
     sp: int = 1  # --sp: sequence-parallel ranks per stage, on the grid's model axis (mmpipe.model.sequence_parallel)
+    sequence_parallel: bool = False  # --sequence-parallel: TP's, Megatron's (mmpipe.model.tensor_parallel)
     reference: str | None = None  # --reference: the run directory whose weights are dpo's reference (else the start)
     reference_logps: str | None = None  # --reference-logps: dpo's reference log-probs read from this file
 
@@ -246,6 +248,8 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
         "experts": model is not None and family_of(model).experts(model) is not None,
         "eval": bool(args.eval_data or args.eval_split)}))
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
+    if args.sequence_parallel:
+        problems.extend(sequence_parallel_problems(args.tp, model, data, args.lora))
     _check_sp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)
     problems.extend(reference_problems(args, model, init_model))  # --reference RUN: the model as fitted, too
     problems.raise_any()
@@ -258,6 +262,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
                      data=data, auto_schedule=auto_schedule, init_from=args.init_from, eval_data=eval_data, lora=lora,
                      schedule=schedule, pack=args.pack, loss_norm=args.loss_norm, ep=args.ep,
                      objective=run_objective(args), tp=max(1, args.tp), sp=max(1, args.sp), reference=args.reference,
+                     sequence_parallel=args.sequence_parallel,
                      reference_logps=args.reference_logps)
 
 

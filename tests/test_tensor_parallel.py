@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from conftest import assert_weights_moved, cut_at, refused, train_run, write_ds_config
 from mmpipe.config import load_preset
+from mmpipe.data.packing import row_shape
 from mmpipe.families import LLAVA_TP_PLAN
 from mmpipe.model import tensor_parallel
 from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, TiedCall, lm_loss, lm_loss_sum
@@ -128,6 +129,7 @@ def _layers_check(shard: Shard, kv_heads: int = 2) -> dict:
         h = block.run(types.SimpleNamespace(hidden=embed.embed_tokens(ids), segments=segments), 0)
         loss = loss_fn(tied((h,)), labels) + 0.5 * loss_fn(head.lm_head(h), labels)
         loss.backward()
+        tensor_parallel.sum_summed_gradients([p for m in (embed, block, head) for p in m.parameters()], shard)
         outs.append((loss, h))
     diffs = {"loss": abs(outs[0][0].item() - outs[1][0].item()), "hidden": (outs[0][1] - outs[1][1]).abs().max().item()}
     for whole, mine in zip(full, split):
@@ -203,18 +205,13 @@ def _family_check(shard: Shard, preset: str) -> dict:
     relative to its tensor's largest (float sums in another order: the split matmuls and the all-reduces)."""
     cfg = load_preset(preset)
     plan = family_of(cfg).tp_plan
-    rows = {"llava_next": _crop_row, "internvl": _crop_row, "moondream": _moondream_row}
-    inputs, labels = rows.get(cfg.family, _patch_row)(cfg)
-    whole, split = ReferenceModel(cfg, seed=3), ReferenceModel(cfg, seed=3)
-    for layer in split:  # the tied head's later use: its forward_fn, as DeepSpeed's partial of it is split
-        if isinstance(layer, TiedCall):
-            layer.forward_fn = parallelize(functools.partial(layer.forward_fn), plan, shard).func
-        else:
-            parallelize(layer, plan, shard)
+    inputs, labels = _row(cfg)
+    whole, split = ReferenceModel(cfg, seed=3), _split_model(cfg, shard)
     losses = []
     for model, loss_fn in ((whole, lm_loss), (split, vocab_parallel_lm_loss(shard, cfg.text.vocab_size)[0])):
         loss = loss_fn(model(*inputs), labels)
         loss.backward()
+        tensor_parallel.sum_summed_gradients(model.parameters(), shard)  # the step's sum (sum_gradients_at_step)
         losses.append(loss.item())
     diffs, cancelled = {"loss": abs(losses[0] - losses[1])}, {}
     largest = max(p.grad.abs().max() for p in whole.parameters() if p.grad is not None)
@@ -235,7 +232,69 @@ def _family_check(shard: Shard, preset: str) -> dict:
     return diffs
 
 
+def _row(cfg):
+    rows = {"llava_next": _crop_row, "internvl": _crop_row, "moondream": _moondream_row}
+    return rows.get(cfg.family, _patch_row)(cfg)
+
+
+def _split_model(cfg, shard: Shard):
+    """ReferenceModel(cfg) with every layer split by the family's plan (shard.sequence: --sequence-parallel)."""
+    plan, model = family_of(cfg).tp_plan, ReferenceModel(cfg, seed=3)
+    for layer in model:  # the tied head's later use: its forward_fn, as DeepSpeed's partial of it is split
+        if isinstance(layer, TiedCall):
+            layer.forward_fn = parallelize(functools.partial(layer.forward_fn), plan, shard).func
+        else:
+            parallelize(layer, plan, shard)
+    return model
+
+
+def _counting(fn, counts: dict, name: str):
+    def counted(x, shard):
+        counts[name] = counts.get(name, 0) + 1
+        return fn(x, shard)
+    return counted
+
+
+def _sp_check(shard: Shard, preset: str) -> dict:
+    """--sequence-parallel against TP alone, on 2 ranks, one packed row: the model split by its plan twice, once with
+    the decoder on 1/TP of the row's positions; the loss, and each rank's own gradient of every tensor (the same slices
+    in both) relative to its tensor's largest element, after the step's sum of the whole weights' shares; and the
+    collectives each ran, counted on the one function of each kind (all-reduce, all-gather, reduce-scatter)."""
+    cfg = load_preset(preset)
+    inputs, labels = _row(cfg)
+    if labels.shape[1] % shard.size:  # one more padding position: each rank holds L / TP of the row
+        pad = torch.zeros(1, 1, dtype=torch.long)
+        inputs = (inputs[0], torch.cat([inputs[1], pad], 1), inputs[2], torch.cat([inputs[3], pad], 1), *inputs[4:])
+        labels = torch.cat([labels, pad + IGNORE_INDEX], 1)
+    diffs, runs = {}, []
+    collectives = {name: getattr(tensor_parallel, name) for name in ("_all_reduce", "_all_gather", "_reduce_scatter")}
+    for sequence in (False, True):
+        counts = {}
+        for name, fn in collectives.items():
+            setattr(tensor_parallel, name, _counting(fn, counts, name))
+        try:
+            model = _split_model(cfg, dataclasses.replace(shard, sequence=sequence))
+            loss = vocab_parallel_lm_loss(shard, cfg.text.vocab_size)[0](model(*inputs), labels)
+            loss.backward()
+        finally:
+            for name, fn in collectives.items():
+                setattr(tensor_parallel, name, fn)
+        shares = {k: p.grad.clone() for k, p in model.named_parameters() if getattr(p, "tp_summed", False)}
+        tensor_parallel.sum_summed_gradients(model.parameters(), shard)
+        runs.append((loss.item(), dict(model.named_parameters())))
+        diffs.update({f"{'sp' if sequence else 'tp'} {k}": v for k, v in counts.items()})
+    diffs["loss"] = abs(runs[0][0] - runs[1][0])
+    # a whole weight's gradient from this rank's positions alone, before the step's sum: each rank's share
+    diffs["unsummed"] = max(((g - runs[0][1][k].grad).abs().max() / runs[0][1][k].grad.abs().max()).item()
+                            for k, g in shares.items())
+    for k, p in runs[0][1].items():
+        diffs[f"grad {k}"] = ((runs[1][1][k].grad - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()
+    return diffs
+
+
+SP_PRESETS = ("qwen3-vl-tiny", "qwen3.5-tiny", "llava-next-tiny")
 _CHECKS = {"ce": _ce_check, "layers": _layers_check, "layers kv 1": functools.partial(_layers_check, kv_heads=1),
+           **{f"sp {p}": functools.partial(_sp_check, preset=p) for p in SP_PRESETS},
            **{p: functools.partial(_family_check, preset=p)
               for p in ("qwen-tiny", "qwen3-vl-tiny", "qwen3.5-tiny", "llava-next-tiny", "internvl-tiny", "tiny")}}
 
@@ -270,13 +329,39 @@ def test_family_plan_splits_the_whole_model_exactly(two_ranks, preset, split, to
     assert max(diffs.values()) < tol, {k: v for k, v in diffs.items() if v >= tol}
 
 
-def _all_reduces(block, hidden: torch.Tensor, monkeypatch) -> tuple[list, list]:
-    """The shapes all-reduced over the TP group by one forward and one backward of a split block (a counting wrapper on
-    the one collective every TP region's edge calls), single-process (Shard group None: counted, not sent)."""
-    calls, reduce = [], tensor_parallel._all_reduce
-    monkeypatch.setattr(tensor_parallel, "_all_reduce",
-                        lambda x, shard: calls.append(tuple(x.shape)) or reduce(x, shard))
-    out = block.run(types.SimpleNamespace(hidden=hidden, segments=torch.ones(hidden.shape[:2], dtype=torch.long)), 0)
+@pytest.mark.parametrize("preset", SP_PRESETS)
+def test_sequence_parallelism_equals_tp_with_an_all_gather_and_reduce_scatter_per_region(two_ranks, preset):
+    """The whole model (tower, mergers, embedding, decoder, head) split by its plan with --sequence-parallel against
+    the same split without (2 ranks, a packed row): the loss and each rank's gradient of every tensor, the norms'
+    step-summed ones included, equal (measured: losses bit-equal; gradients within 2.3e-7 of each tensor's largest, the
+    whole weights' position sums in another order; before the step's sum over TP the norms' were off by 0.89 and 0.94
+    of their largest element). The collectives: a decoder block's 2 all-reduces forward and 2 backward become 2
+    all-gathers + 2 reduce-scatters each way (4 n of each for n blocks); the head's input is gathered (its backward a
+    reduce-scatter), the embedding's output scattered (its backward an all-gather), as each of Qwen3-VL's DeepStack
+    adds; the tower and the vocab lookup all-reduce as before."""
+    diffs, cfg = two_ranks[f"sp {preset}"], load_preset(preset)
+    n, adds = cfg.text.n_layers, len(getattr(cfg.vision, "deepstack_indexes", ()) or ())
+    assert diffs["loss"] < 1e-6
+    assert "tp _all_gather" not in diffs and "tp _reduce_scatter" not in diffs
+    assert diffs["sp _all_gather"] == 4 * n + 2 + adds, diffs
+    assert diffs["sp _reduce_scatter"] == 4 * n + 1, diffs
+    assert diffs["tp _all_reduce"] - diffs["sp _all_reduce"] == 4 * n + 1, diffs
+    grads = {k: v for k, v in diffs.items() if k.startswith("grad ")}
+    assert diffs["unsummed"] > 0.1, diffs["unsummed"]  # without the sum over TP the norms' gradients are shares
+    assert max(grads.values()) < 1e-6, {k: v for k, v in grads.items() if v >= 1e-6}
+
+
+def _collectives(block, hidden: torch.Tensor, monkeypatch, length: int) -> tuple[list, list]:
+    """(kind, shape) of each collective over the TP group (all-reduce, all-gather or reduce-scatter of its input) in
+    one forward and one backward of a split block (counting wrappers on the one function of each kind every TP
+    region's edge calls), single-process (Shard group None: counted, not sent); length: the row's positions."""
+    calls = []
+    for name in ("_all_reduce", "_all_gather", "_reduce_scatter"):
+        fn = getattr(tensor_parallel, name)
+        monkeypatch.setattr(tensor_parallel, name, functools.partial(
+            lambda fn, name, x, shard: calls.append((name[1:], tuple(x.shape))) or fn(x, shard), fn, name))
+    out = block.run(types.SimpleNamespace(hidden=hidden, segments=torch.ones(hidden.shape[0], length,
+                                                                             dtype=torch.long)), 0)
     forward = list(calls)
     out.sum().backward()
     return forward, calls[len(forward):]
@@ -286,15 +371,29 @@ def _all_reduces(block, hidden: torch.Tensor, monkeypatch) -> tuple[list, list]:
 def test_a_dense_block_all_reduces_activations_twice_each_way(cls, preset, monkeypatch):
     """Megatron's count: a column region entered once (the attention's or Gated DeltaNet's input, the SwiGLU's), so 2
     all-reduces of [B, T, D] forward (o / out_proj, down: row) and 2 backward (the entries' copy_to_tp), where a copy
-    per column linear made 5 backward (q, k, v, gate, up) and Gated DeltaNet's in_proj_qkv / z / b / a 6. The one
-    other backward all-reduce is a weight's: Gated DeltaNet's gated norm [Dv], summed over TP."""
+    per column linear made 5 backward (q, k, v, gate, up) and Gated DeltaNet's in_proj_qkv / z / b / a 6. Nothing
+    else: Gated DeltaNet's gated norm [Dv], whole on each rank, is summed over TP once a step, not per backward."""
     cfg = load_preset(preset)
     block = parallelize(_built(cls, cfg, 0), family_of(cfg).tp_plan, Shard(None, 0, 2))
-    hidden = torch.randn(2, 7, cfg.text.dim, requires_grad=True)
-    forward, backward = _all_reduces(block, hidden, monkeypatch)
-    assert forward == [tuple(hidden.shape)] * 2
-    assert [s for s in backward if s == tuple(hidden.shape)] == [tuple(hidden.shape)] * 2, backward
-    assert len(backward) == 2 + (cls is DeltaNetBlock), backward
+    hidden = torch.randn(2, 8, cfg.text.dim, requires_grad=True)
+    forward, backward = _collectives(block, hidden, monkeypatch, 8)
+    assert forward == backward == [("all_reduce", tuple(hidden.shape))] * 2, (forward, backward)
+
+
+@pytest.mark.parametrize("cls, preset", [(LlamaBlock, "llava-tiny"), (DeltaNetBlock, "qwen3.5-tiny")])
+def test_a_dense_block_under_sequence_parallelism_gathers_and_reduce_scatters(cls, preset, monkeypatch):
+    """--sequence-parallel: the block takes this rank's positions [B, L / TP, D]; each column region's entry
+    all-gathers them to the row [B, L, D] forward (its backward a reduce-scatter of the row's gradient), each row linear
+    reduce-scatters its partial outputs [B, L, D] to the rank's positions (backward an all-gather): 2 + 2 each way,
+    no all-reduce, and the output is the rank's positions."""
+    cfg = load_preset(preset)
+    block = parallelize(_built(cls, cfg, 0), family_of(cfg).tp_plan, Shard(None, 0, 2, sequence=True))
+    mine, row = (2, 4, cfg.text.dim), (2, 8, cfg.text.dim)
+    hidden = torch.randn(*mine, requires_grad=True)
+    forward, backward = _collectives(block, hidden, monkeypatch, 8)
+    assert forward == [("all_gather", mine), ("reduce_scatter", row)] * 2, forward
+    assert sorted(backward) == sorted([("all_gather", mine), ("reduce_scatter", row)] * 2), backward
+    assert hidden.grad.shape == mine
 
 
 # ---- one launch: PP=2 x TP=2 == single device -----------------------------------------------------------------
@@ -327,20 +426,34 @@ def _reference(cfg_path, clip: float, *extra: str, steps: int = STEPS):
                                    ds_config=ds), seed=SEED, steps=steps)
 
 
+# The launch runs --sequence-parallel on packed rows (the decoder's norms and residuals on half of each row's
+# positions per TP rank, a stage boundary sending that half); TP alone at PP 2 x TP 2 is the families' launches
+# (test_tensor_parallel_families), at PP 1 x TP 2 x DP 2 test_tp_combos', PP 2 x TP 1 -> PP 1 x TP 2 test_tp_reshard's
+SP = ("--pack", "--sequence-parallel")
+
+
 @pytest.fixture(scope="module")
 def pp2_tp2(tmp_path_factory, tp_config):
     return train_run(tmp_path_factory.mktemp("pp2tp2"), *_argv(tp_config, "--stages", "2", "--tp", "2",
-                                                                 "--save-every", "2")).check()
+                                                                 "--save-every", "2", *SP)).check()
 
 
 def test_pp2_tp2_equals_single_device(pp2_tp2, tp_config):
-    ref_model, ref_losses = _reference(tp_config, CLIP)
+    """PP=2 x TP=2 with --sequence-parallel on packed rows == the single-device loop on the same packed rows: losses and
+    the gathered weights within TOL, the clip engaged; the TP ranks' hidden crossing the cut is half of each row."""
+    ref_model, ref_losses = _reference(tp_config, CLIP, "--pack")
     # the clip engaged and its norm shows in the losses: clipping at sqrt(2) x CLIP (what a norm that counted every
     # weight twice would clip to) ends elsewhere
-    other = _reference(tp_config, CLIP * 2 ** 0.5)[1]
+    other = _reference(tp_config, CLIP * 2 ** 0.5, "--pack")[1]
     assert abs(other[-1] - ref_losses[-1]) > 10 * TOL
     losses = pp2_tp2.losses
     assert sorted(losses) == list(range(1, STEPS + 1))
+    # each TP rank of stage 0 (ranks 0, 1) sent its half of every micro-batch's row [micro 4, L / 2, D] across the cut
+    data = resolve(TrainArgs.from_argv(_argv(tp_config, "--stages", "1", "--pack")), world_size=1).data
+    cfg = ref_model.cfg
+    length, dim = row_shape(cfg, data.max_images, data.text_len, data.vision_budget).length, cfg.text.dim
+    for rank in (0, 1):
+        assert {shape for kind, _, shape in pp2_tp2.wire(rank) if kind == "data"} == {f"4x{length // 2}x{dim}"}
     for step, ref in enumerate(ref_losses, start=1):
         assert losses[step] == pytest.approx(ref, abs=TOL), (step, losses, ref_losses)
     cfg = load_preset("llava-tiny")
@@ -398,24 +511,37 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
         assert sum(f"--tp: 2 with {what}" in line for line in err) == 1, err
     err = refused(["--preset", "llava-tiny", "--tp", "0", "--steps", "1"], capsys)
     assert any("--tp: 0 must be >= 1" in line for line in err), err
+    # --sequence-parallel: TP's; a row TP divides (refused, not padded: --text-len is the one flag to change); a plan
+    # whose layers all have a sequence-parallel form (moondream's has none; an MoE block none yet)
+    err = refused(["--preset", "llava-tiny", "--sequence-parallel", "--steps", "1"], capsys)
+    assert err == ["mmpipe: error: --sequence-parallel: it needs --tp 2 or more (it splits each TP group's row by "
+                   "position)"], err
+    err = refused(["--preset", "llava-tiny", "--tp", "2", "--sequence-parallel", "--text-len", "13", "--steps", "1"],
+                  capsys)
+    assert any("--sequence-parallel: --tp 2 does not divide llava-tiny's 29 decoder positions per row" in line
+               for line in err), err
+    err = refused(["--preset", "tiny", "--tp", "2", "--sequence-parallel", "--steps", "1"], capsys)
+    assert any("--sequence-parallel on tiny: its plan has no sequence-parallel form" in line for line in err), err
     from mmpipe.cli import main
     assert main(["check", "--preset", "llava-tiny", "--tp", "2", "--steps", "1"]) == 2  # train only, for now
     assert "mmpipe check does not run tensor-parallel ranks yet" in capsys.readouterr().err
 
 
-def test_a_run_at_tp_above_1_is_not_started_from_another_runs_weights(pp2_tp2, tp_config, capsys):
+def test_a_run_at_tp_above_1_starts_from_another_runs_weights(pp2_tp2, tp_config):
     """A TP checkpoint resumes at any TP the plan accepts and --init-from at TP 1 reads its gathered weights
-    (tests/test_tp_reshard.py); a run at --tp above 1 starting from another run's weights is not checked yet: refused
-    in one line."""
-    err = refused(_argv(tp_config, "--stages", "2", "--tp", "2", "--init-from", str(pp2_tp2.out)), capsys)
-    assert any("--tp: 2 with --init-from is not supported yet" in line for line in err), err
+    (tests/test_tp_reshard.py); --init-from at --tp above 1 is accepted at the front door, each rank reading its slices
+    (trainer.load_run_weights: tests/test_tp_import.py checks every rank's layers and the files it opens)."""
+    run = resolve(TrainArgs.from_argv(_argv(tp_config, "--stages", "2", "--tp", "2", "--init-from", str(pp2_tp2.out))),
+                  world_size=4)
+    assert (run.tp, run.init_from) == (2, str(pp2_tp2.out))
 
 
 def test_resume_at_the_same_tp_is_bit_exact(pp2_tp2, tp_config, tmp_path):
     """Cut after step 2 and resumed (DeepSpeed loads each TP rank's files and its mp_rank optimizer file): step 3's
     loss and every layer file of every TP rank equal the uninterrupted run's bit for bit."""
     cut = cut_at(pp2_tp2, tmp_path / "cut", 2)
-    resumed = train_run(cut, *_argv(tp_config, "--stages", "2", "--tp", "2", "--save-every", "2", "--resume")).check()
+    resumed = train_run(cut, *_argv(tp_config, "--stages", "2", "--tp", "2", "--save-every", "2", "--resume",
+                                    *SP)).check()
     assert resumed.losses == pp2_tp2.losses
     tag = f"step{STEPS}"
     files = sorted((pp2_tp2.out / "checkpoints" / tag).glob("layer_*"))
@@ -423,3 +549,30 @@ def test_resume_at_the_same_tp_is_bit_exact(pp2_tp2, tp_config, tmp_path):
     for f in files:
         a, b = (torch.load(d / "checkpoints" / tag / f.name, weights_only=True) for d in (pp2_tp2.out, cut))
         assert all(torch.equal(a[k], b[k]) for k in a), f.name
+
+
+# ---- the planner under --sequence-parallel ---------------------------------------------------------------------
+
+def test_the_planner_counts_sequence_parallel_activations_over_tp(capsys):
+    """`mmpipe plan --tp 2 --sequence-parallel` plans one TP rank's rows with the decoder on half of each row's
+    positions: a block and the final norm keep and send half of what TP alone has them keep (its replicated region
+    too: Megatron's (34 / t) s b h), the tower, the embedding and the vocab head as TP alone; the same collective bytes
+    (all-gather + reduce-scatter = one ring all-reduce). Without --tp it is refused in one line."""
+    from mmpipe.cli import main
+    from mmpipe.planning.costmodel import layer_costs
+    from mmpipe.planning.images import patch_row
+    from mmpipe.planning.tensor_parallel import tp_layer_costs
+    cfg = load_preset("qwen3-vl-tiny")
+    rows = layer_costs(cfg, (), 64, images=1, patches=patch_row(cfg, 1, 64))
+    tp, sp = tp_layer_costs(cfg, rows, 2), tp_layer_costs(cfg, rows, 2, sequence=True)
+    from mmpipe.model.builder import layer_specs
+    names = [spec.typename.__name__ for spec in layer_specs(cfg)]
+    for a, b, name in zip(tp, sp, names):
+        positions = name.startswith(("Qwen3Block", "FinalNorm"))
+        assert b.act_elems == pytest.approx(a.act_elems / 2 if positions else a.act_elems), name
+        assert b.out_elems == pytest.approx(a.out_elems / 2 if positions else a.out_elems), name
+        assert (b.params, b.tp_ar_fwd, b.tp_ar_bwd) == (a.params, a.tp_ar_fwd, a.tp_ar_bwd), name
+    assert sum(n.startswith("Qwen3Block") for n in names) == cfg.text.n_layers
+    assert main(["plan", "--preset", "qwen3-vl-tiny", "--sequence-parallel"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--sequence-parallel: it needs --tp 2 or more (it splits each TP "
+                                                    "group's row by position)")

@@ -31,7 +31,7 @@ A family's plan (mmpipe.registry.Family.tp_plan) maps a layer class, or a tied h
     kv_heads    its kv head count ("self_attn.kv_heads"): divided by TP, or 1 where fewer than TP
     summed      a module whose weights every rank holds whole but applies to its own heads only (Qwen3's q / k
                 RMSNorms over each head's width, Gated DeltaNet's gated norm): each rank's gradient is its heads'
-                share, summed over the TP group (a gradient hook, as a kv weight fewer than TP's), so the copies stay
+                share, summed over the TP group (once a step, as a kv weight fewer than TP's), so the copies stay
                 equal. Measured on qwen3-vl-tiny at TP 2 without it: q_norm's gradient off by 3.2e-3
     Fused(..)   column over a weight whose output rows stack parts [p0 | p1 | ..] (a fused projection): each part
                 split as column, this rank keeping its 1/TP of each in order. FusedAttention's qkv, rows [3, H, Dh]:
@@ -56,11 +56,36 @@ cfg -> ((what, count), ..): the counts beyond the decoder's heads / vocabulary /
 (a split tower's heads and MLP width; Gated DeltaNet's key and value heads), refused in one line before launch
 (mmpipe.run_config, tp_sizes).
 
+A plan's SEQUENCE key (not a class) is Megatron's sequence parallelism (`--sequence-parallel`): {layer class or
+tied head function: SCATTER or POSITIONS}, the layers of the region where each TP rank holds 1/TP of the row's
+positions (rank r: positions r*L/TP .. (r+1)*L/TP - 1 of a row of L, dim 1 of [B, L, D]) instead of the whole row:
+
+    SCATTER     the decoder embedding: its output hidden (the vocab lookup's all-reduce, the images placed: the whole
+                row on every rank) leaves split, this rank's positions (Megatron's scatter_to_sequence_parallel_region:
+                the slice forward, an all-gather of the row's gradient backward, so the vocab table and the tower
+                see every position's gradient)
+    POSITIONS   a layer on this rank's positions (the decoder blocks, the final norm, the head): the same marks, with
+                each edge of its TP regions moved: an entry (an `entry` module, a column / kv linear's own copy, a
+                vocab head's input) all-gathers the row (its backward a reduce-scatter of the gradient), where
+                without SP it copied the whole row in (backward all-reduce); a row linear's partial outputs are
+                reduce-scattered to this rank's positions (backward an all-gather), where they were all-reduced.
+                A ring all-reduce is a reduce-scatter then an all-gather, so the bytes are the same: 2 (TP - 1) / TP
+                x [B, L, D] each way a region. Its parameters left whole (the norms, a row linear's bias) see only
+                this rank's positions: their gradients are summed over TP once a step (below)
+
+Attention, its mask and rotary run inside the TP region on the gathered row, as without SP: they read the whole row's
+integer tensors (segments, positions), which every rank holds. A stage boundary inside the region sends [B, L/TP, D]
+from each TP rank to the same TP rank of the next stage. Layers outside it (the tower, projector, mergers) run as
+under TP alone. The whole-row sums (`summed` weights, kv weights fewer than TP, under SP the POSITIONS layers'
+replicated weights, an entered column linear's LoRA A) are marked `tp_summed` and summed over the TP group once a
+step in buckets (`sum_gradients_at_step`), not by a hook per backward.
+
 Nothing in a layer asks whether TP is on: the split Linear / Embedding get this module's forwards.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 from dataclasses import dataclass
@@ -75,6 +100,8 @@ ENTRY = "entry"  # a module whose input enters the TP region once for the column
 HEADS, KV_HEADS = "heads", "kv_heads"  # marks of an attribute (a head count), not of a submodule
 MARKS = (COLUMN, ROW, VOCAB, KV, REPLICATED, SUMMED, HEADS, KV_HEADS, ENTRY)
 SIZES = "sizes"  # a plan's key beside its classes: cfg -> ((what, count), ..) that TP must divide
+SEQUENCE = "sequence"  # a plan's key: {layer class / head function: SCATTER or POSITIONS} (--sequence-parallel)
+SCATTER, POSITIONS, ADDS = "scatter", "positions", "adds"
 
 
 @dataclass(frozen=True)
@@ -100,10 +127,12 @@ class Own:
 @dataclass(frozen=True)
 class Shard:
     """This rank's place on the TP axis: its group (None: a single-process stand-in, no collective), its rank in it
-    and the group's size."""
+    and the group's size; sequence: --sequence-parallel (given to parallelize: the plan's SEQUENCE layers hold 1/TP of
+    the row's positions; on a split module: its TP region's edges gather / reduce-scatter positions)."""
     group: object
     rank: int
     size: int
+    sequence: bool = False
 
 
 def _all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -147,6 +176,93 @@ def reduce_from_tp(x: torch.Tensor, shard: Shard) -> torch.Tensor:
     return _ReduceFromTP.apply(x, shard)
 
 
+def _all_gather(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """[B, L/TP, ..] of each rank -> [B, L, ..], the ranks' positions in rank order (the group's collective runs on
+    dim 0: positions moved there). A single-process stand-in (group None) repeats its own slice (shapes only)."""
+    if shard.group is None:
+        return torch.cat([x] * shard.size, 1)
+    x = x.transpose(0, 1).contiguous()
+    out = x.new_empty((x.shape[0] * shard.size, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=shard.group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """[B, L, ..] of each rank -> [B, L/TP, ..]: this rank's positions of the ranks' sum."""
+    if shard.size > 1 and x.shape[1] % shard.size:
+        raise ValueError(f"sequence parallelism: a row of {x.shape[1]} positions does not split into {shard.size} "
+                         f"equal slices (run_config refuses such a run before launch)")
+    if shard.group is None:
+        return x.narrow(1, shard.rank * x.shape[1] // shard.size, x.shape[1] // shard.size).clone()
+    x = x.transpose(0, 1).contiguous()
+    out = x.new_empty((x.shape[0] // shard.size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=shard.group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _positions(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    n = x.shape[1] // shard.size
+    if x.shape[1] % shard.size:
+        raise ValueError(f"sequence parallelism: a row of {x.shape[1]} positions does not split into {shard.size} "
+                         f"equal slices (run_config refuses such a run before launch)")
+    return x.narrow(1, shard.rank * n, n)
+
+
+class _GatherPositions(torch.autograd.Function):
+    """Entering a TP region under SP: the row gathered from the ranks' positions; every rank's gradient of the whole
+    row is its heads' share, so this rank's positions take the sum over the ranks (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        ctx.shard = shard
+        return _all_gather(x, shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.shard), None
+
+
+class _ReduceScatterPositions(torch.autograd.Function):
+    """Leaving a TP region under SP: the partial outputs summed, each rank keeping its positions; the gradient of the
+    sum at every position is the whole row's, gathered."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        ctx.shard = shard
+        return _reduce_scatter(x, shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.shard), None
+
+
+class _ScatterPositions(torch.autograd.Function):
+    """The whole row (the same on every rank) -> this rank's positions; backward the row's gradient gathered."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        ctx.shard = shard
+        return _positions(x, shard).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.shard), None
+
+
+def enter_tp(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """An input entering a TP region: copied (the whole row on each rank) or, under SP, gathered from the positions."""
+    return _GatherPositions.apply(x, shard) if shard.sequence else _CopyToTP.apply(x, shard)
+
+
+def leave_tp(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Partial outputs leaving a TP region: all-reduced or, under SP, reduce-scattered to this rank's positions."""
+    return _ReduceScatterPositions.apply(x, shard) if shard.sequence else _ReduceFromTP.apply(x, shard)
+
+
+def scatter_positions(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    return _ScatterPositions.apply(x, shard)
+
+
 def _slice(t: torch.Tensor, dim: int, shard: Shard) -> torch.Tensor:
     n = t.shape[dim]
     if n % shard.size:
@@ -176,7 +292,7 @@ def _keep(module: nn.Module, name: str, dim: int, shard: Shard, sizes: list[int]
 def _entered(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A column linear's input in the TP region: as it is where an entry module copied it in (tp_entered), else
     copied here."""
-    return x if getattr(module, "tp_entered", False) else copy_to_tp(x, module.tp_shard)
+    return x if getattr(module, "tp_entered", False) else enter_tp(x, module.tp_shard)
 
 
 def _column_forward(self, x):
@@ -184,7 +300,7 @@ def _column_forward(self, x):
 
 
 def _row_forward(self, x):
-    y = reduce_from_tp(F.linear(x, self.weight), self.tp_shard)
+    y = leave_tp(F.linear(x, self.weight), self.tp_shard)
     return y if self.bias is None else y + self.bias
 
 
@@ -212,11 +328,10 @@ def _one_kv_head_forward(self, x):
 
 
 def _sum_gradients(module: nn.Module, shard: Shard) -> None:
-    """Each of the module's own parameters' gradient summed over the TP group as it is made (module docstring,
-    summed)."""
+    """Each of the module's own parameters' gradient to be summed over the TP group once a step (module docstring,
+    summed; sum_gradients_at_step)."""
     for p in module.parameters(recurse=False):
-        if p.requires_grad:
-            p.register_hook(lambda g: _all_reduce(g, shard))
+        p.tp_summed = True
 
 
 def _replicate_kv(module: nn.Linear, shard: Shard, kv_heads: int) -> None:
@@ -323,12 +438,72 @@ def parallelize(layer, plan: dict, shard: Shard):
     """Split a built layer (an nn.Module) in place by its class's plan ({submodule name: mark}, "" the layer
     itself), keeping this rank's slice of each split weight, and return it; a tied head's forward_fn (a
     function, or DeepSpeed's functools.partial of it on the tied module) comes back wrapped so that its first
-    input enters the TP region. A layer whose class the plan does not name is returned untouched (replicated)."""
+    input enters the TP region. A layer whose class the plan does not name is returned untouched (replicated).
+    Under shard.sequence, the plan's SEQUENCE role of the layer (module docstring) moves its TP regions' edges."""
     # DeepSpeed's tied forward_fn on its module: a function, or an instance of a class the plan names (TiedMoeHead)
     if isinstance(layer, functools.partial) and (layer.func in plan or type(layer.func) in plan):
-        return functools.partial(_tp_head(layer.func, shard), *layer.args, **layer.keywords)
-    if not isinstance(layer, nn.Module) or type(layer) not in plan:
+        fn = layer.func
+        here = _sequence_shard(plan, fn if fn in plan else type(fn), shard)
+        return functools.partial(_tp_head(fn, here), *layer.args, **layer.keywords)
+    if not isinstance(layer, nn.Module):
         return layer
+    here = _sequence_shard(plan, type(layer), shard)
+    if type(layer) in plan:
+        _split_layer(layer, plan, here)
+    role = plan.get(SEQUENCE, {}).get(type(layer)) if shard.sequence else None
+    if role == POSITIONS:  # its whole weights see this rank's positions only: summed over TP once a step
+        for p in layer.parameters():
+            if not hasattr(p, "tp_split"):
+                p.tp_summed = True
+    elif role == SCATTER:
+        layer.forward = _scattered(layer, layer.forward, dataclasses.replace(shard, sequence=False))
+    elif role == ADDS:
+        layer.forward = _added(layer, layer.forward, dataclasses.replace(shard, sequence=False))
+    return layer
+
+
+def _sequence_shard(plan: dict, key, shard: Shard) -> Shard:
+    """The shard a layer's split modules take: sequence only for a POSITIONS layer of the plan's SEQUENCE."""
+    on = shard.sequence and plan.get(SEQUENCE, {}).get(key) == POSITIONS
+    return shard if on == shard.sequence else dataclasses.replace(shard, sequence=on)
+
+
+def _scattered(layer: nn.Module, forward, shard: Shard):
+    """A SCATTER layer's forward: its output tuple's hidden (the whole row) leaves as this rank's positions."""
+    from .stage import unpack_out
+
+    def scattered(args):
+        t = unpack_out(layer, forward(args))
+        return t._replace(hidden=scatter_positions(t.hidden, shard)).pack()
+    return scattered
+
+
+def _added(layer: nn.Module, forward, shard: Shard):
+    """An ADDS layer's forward: its whole-row term (its forward on a zero row [B, L, D]) scattered and added to this
+    rank's positions; the other fields as its own output has them (a DeepStack set dropped)."""
+    from .stage import unpack_in, unpack_out
+
+    def added(args):
+        t = unpack_in(layer, args)
+        B, _, D = t.hidden.shape
+        row = t.hidden.new_zeros(B, t.input_ids.shape[1], D)
+        out = unpack_out(layer, forward(t._replace(hidden=row).pack()))
+        return out._replace(hidden=t.hidden + scatter_positions(out.hidden, shard)).pack()
+    return added
+
+
+def sequence_roles(layers) -> list[str]:
+    """Why --sequence-parallel cannot run a layer list under a plan ([] where it can): each layer from the first
+    SCATTER on (the decoder, the final norm, the head) must have a SEQUENCE role; layers is ((name, role), ..) in
+    order, role None where the plan's SEQUENCE has none."""
+    roles = [role for _, role in layers]
+    if SCATTER not in roles:
+        return ["its plan has no sequence-parallel form (no SEQUENCE entry scatters the decoder's row)"]
+    after = layers[roles.index(SCATTER) + 1:]
+    return [f"{name} has no sequence-parallel form" for name in dict.fromkeys(n for n, r in after if r is None)]
+
+
+def _split_layer(layer: nn.Module, plan: dict, shard: Shard) -> None:
     items, kind = _resolve(layer, plan), type(layer).__name__
     for name, mark in items.items():  # the weights first: a kv split reads the whole model's kv head count
         if mark not in (HEADS, KV_HEADS):
@@ -339,11 +514,10 @@ def parallelize(layer, plan: dict, shard: Shard):
             setattr(owner, attr, max(1, getattr(owner, attr) // shard.size))
         elif mark == ENTRY:
             _enter(layer.get_submodule(name), shard)
-    return layer
 
 
 def _entry_hook(shard: Shard, module: nn.Module, args: tuple) -> tuple:
-    return (copy_to_tp(args[0], shard), *args[1:])
+    return (enter_tp(args[0], shard), *args[1:])
 
 
 def _enter(module: nn.Module, shard: Shard) -> None:
@@ -413,7 +587,7 @@ def tp_sizes(cfg, plan: dict) -> tuple:
 def _tp_head(fn, shard: Shard):
     @functools.wraps(fn)
     def head(module, args):
-        return fn(module, (copy_to_tp(args[0], shard), *args[1:]))
+        return fn(module, (enter_tp(args[0], shard), *args[1:]))
     return head
 
 
@@ -475,6 +649,37 @@ def mark_norm_counting(params, shard_rank: int) -> None:
     for p in params:
         first_copy = not getattr(p, "ds_pipe_replicated", False)
         p.model_parallel = first_copy and (hasattr(p, "tp_split") or shard_rank == 0)
+
+
+def summed_parameters(params) -> list:
+    """The trained parameters whose gradient is each TP rank's share (marked tp_summed: module docstring), once each,
+    in the module's order (the same on every TP rank, so the buckets match)."""
+    return list({id(p): p for p in params if p.requires_grad and getattr(p, "tp_summed", False)}.values())
+
+
+def sum_summed_gradients(params, shard: Shard) -> int:
+    """The tp_summed parameters' accumulated gradients summed over the TP group in place, in buckets (one all-reduce
+    per 500M elements of a dtype: mmpipe.model.sequence_parallel.sum_gradients); the number of all-reduces."""
+    from .sequence_parallel import sum_gradients
+    params = summed_parameters(params)
+    return sum_gradients(params, shard) if params and shard.group is not None else 0
+
+
+def sum_gradients_at_step(engine, shard: Shard) -> None:
+    """`engine` (a PipelineEngine over a module under TP) sums its tp_summed gradients over the TP group once a step,
+    at ReduceGrads: after the step's micro-batches accumulated each rank's share and the tied copies were summed,
+    before DeepSpeed's DP all-reduce (ZeRO-1's too: the pipeline engine's stage 1 reduces p.grad there) and the
+    clipped norm. A sum is linear, so summing the GAS micro-batches' accumulated shares once equals summing each
+    micro-batch's as it is made (what a gradient hook per backward did: GAS x #tensors all-reduces a step), up to
+    float reordering (mmpipe.model.sequence_parallel.sum_gradients_at_step, the same for --sp)."""
+    from deepspeed.runtime.pipe import schedule as ds
+    reduce_grads = engine._INSTRUCTION_MAP[ds.ReduceGrads]
+    params = summed_parameters(engine.module.parameters())
+
+    def exec_reduce_grads(self):
+        sum_summed_gradients(params, shard)
+        reduce_grads(self)
+    engine.__dict__["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, ds.ReduceGrads: exec_reduce_grads}
 
 
 def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, shard: Shard, vocab: int,

@@ -58,18 +58,22 @@ from __future__ import annotations
 
 import types
 
-from .llava import LMHeadLinear, SwiGLU, TowerMLP, tied_head
+from .llava import FinalNorm, LMHeadLinear, SwiGLU, TowerMLP, tied_head
 from .moe import Experts, MoeHead, Qwen3MoeBlock, SparseMoe, TiedMoeHead
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenVisionBlock
-from .qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock, GatedAttentionMoeBlock
-from .qwen3_vl import DEEPSTACK_MERGERS, Qwen3Block, Qwen3Embed, Qwen3Merger, Qwen3VisionBlock
+from .qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock, GatedAttentionMoeBlock, Qwen35FinalNorm
+from .qwen3_vl import DEEPSTACK_ADDS, DEEPSTACK_MERGERS, Qwen3Block, Qwen3Embed, Qwen3Merger, Qwen3VisionBlock
 from .tensor_parallel import (
+    ADDS,
     COLUMN,
     ENTRY,
     HEADS,
     KV,
     KV_HEADS,
+    POSITIONS,
     ROW,
+    SCATTER,
+    SEQUENCE,
     SIZES,
     SUMMED,
     VOCAB,
@@ -98,6 +102,14 @@ MOE_VOCAB_ENDS = {MoeHead: {"lm_head": VOCAB}, TiedMoeHead: {"": VOCAB}}  # (log
 TOWER_ATTENTION = {"attn.qkv": Fused(3), "attn.proj": ROW,
                    **{f"attn.{n}": HEADS for n in ("n_heads", "n_kv_heads", "kv_dim")}}
 PATCH_MERGER = {"linear_fc1": COLUMN, "linear_fc2": ROW}
+
+
+def sequence_plan(embed, blocks, norm=FinalNorm, adds=()) -> dict:
+    """A plan's SEQUENCE entry (--sequence-parallel, mmpipe.model.tensor_parallel): the decoder embedding scatters its
+    row, the dense blocks, the final norm and the heads run on 1/TP of its positions, DeepStack's adds add their slice.
+    MoE blocks have none yet (run_config refuses --sequence-parallel on a model with one)."""
+    return {SEQUENCE: {embed: SCATTER, **{b: POSITIONS for b in (*blocks, norm, LMHeadLinear, tied_head)},
+                       **{a: ADDS for a in adds}}}
 
 
 def _tower_sizes(cfg) -> tuple:
@@ -163,6 +175,7 @@ QWEN2_VL_TP_PLAN = {
     QwenBlock: DECODER,
     **VOCAB_ENDS,
     SIZES: _tower_sizes,
+    **sequence_plan(QwenEmbed, (QwenBlock,)),
 }
 
 QWEN3_TOWER = {Qwen3VisionBlock: {**TOWER_ATTENTION, "mlp.linear_fc1": COLUMN, "mlp.linear_fc2": ROW},
@@ -176,6 +189,7 @@ QWEN3_VL_TP_PLAN = {
     **VOCAB_ENDS,
     **MOE_VOCAB_ENDS,
     SIZES: lambda cfg: _tower_sizes(cfg) + moe_sizes(cfg),
+    **sequence_plan(Qwen3Embed, (Qwen3Block,), adds=DEEPSTACK_ADDS),
 }
 
 _DELTANET_QKV = Fused(("key_dim", "key_dim", "value_dim"))  # the owner's widths, read before they are divided
@@ -193,4 +207,5 @@ QWEN3_5_TP_PLAN = {
     **VOCAB_ENDS,
     **MOE_VOCAB_ENDS,
     SIZES: _hybrid_sizes,
+    **sequence_plan(Qwen3Embed, (DeltaNetBlock, GatedAttentionBlock), Qwen35FinalNorm),
 }

@@ -85,6 +85,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks per stage to consider, as `mmpipe train --tp N` splits each stage's "
                         "layers by the family's plan (world = PP x DP x TP; inside a node: a degree not dividing "
                         "--gpus-per-node is left out; default: 1; docs/tensor_parallel.md)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: plan Megatron's sequence parallelism, as `mmpipe train --sequence-parallel` (the "
+                        "decoder's activations / TP; docs/tensor_parallel.md)")
     p.add_argument("--sp", default="1", metavar="N[,N...]",
                    help="sequence-parallel (Ulysses) ranks per stage to consider, as `mmpipe train --sp N` splits each "
                         "row's positions (world = PP x DP x TP x SP; TP x SP inside a node; default: 1; "
@@ -150,7 +153,8 @@ def plan(spec: PlanSpec) -> list[Layout]:
                 if s.profile else {})
     layouts = []
     for tp, sp in [(tp, sp) for tp in s.tps for sp in s.sps if s.gpus % (tp * sp) == 0]:
-        rows, gpus = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, whole, tp), sp), s.gpus // (tp * sp)
+        rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, whole, tp, s.sequence_parallel), sp)
+        gpus = s.gpus // (tp * sp)
         for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
             dp = gpus // stages
             for micro in s.micros:
@@ -273,7 +277,7 @@ def train_flags(run: PlanRun, best: Layout) -> list[str]:
     rows = ([*(["--pack"] if run.pack else []), "--max-images", str(s.images)] if run.pack or s.images > 1 else [])
     rows += budget_words(s.row, " ").split() if s.row else []
     ep = ["--ep", str(best.ep)] if best.ep > 1 else []
-    ep += ["--tp", str(best.tp)] if best.tp > 1 else []
+    ep += ["--tp", str(best.tp), *(["--sequence-parallel"] if s.sequence_parallel else [])] if best.tp > 1 else []
     ep += ["--sp", str(best.sp)] if best.sp > 1 else []
     return ["--preset", run.preset, "--ds-config", run.write_config, "--dp", str(best.dp), *ep,
             *to_argv(run.model_args), *rows, "--text-len", str(s.text_len), *run.data_argv]
@@ -287,7 +291,7 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
     rule = family_of(s.cfg).fixed_first_stage
     if rule is None or best is None or best.stages < 2:
         return ""
-    rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, layer_table(s), best.tp), best.sp)
+    rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, layer_table(s), best.tp, s.sequence_parallel), best.sp)
     first = rule(layer_specs(s.cfg))
     shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep, best.tp, best.sp)
     # its own memory per stage: stage index + 1; the cut on the mean row (--data's load prices whole splits)
@@ -314,7 +318,7 @@ def v_pairs_line(spec: PlanSpec, schedule, layouts: list[Layout]) -> str:
     lay = next((x for x in layouts if x.step and DUALPIPEV.name in x.predictions and x.stages >= 2), None)
     if DUALPIPEV not in asked(schedule) or lay is None:
         return ""
-    rows, p = tp_layer_costs(s.cfg, layer_table(s), lay.tp), lay.stages
+    rows, p = tp_layer_costs(s.cfg, layer_table(s), lay.tp, s.sequence_parallel), lay.stages
     head = f"dualpipev's V at PP={p} ({2 * p} stages, rank r holding stage r and {2 * p - 1} - r)"
     try:
         return f"{head}: {describe_pairs(rows, compute_parts(rows, 2 * p, 'balanced', v_ranks=p))}"

@@ -39,7 +39,7 @@ from .images import (
 from .layout import CPU_EFFICIENCY, CPU_LINK, GiB, Training
 from .schedule_registry import ALL, BASELINE, BOTH, SCHEDULE_NAMES, Schedule, asked
 from .sequence_parallel import check_sp
-from .tensor_parallel import check_tp
+from .tensor_parallel import check_tp, sequence_parallel_problems
 
 PLAN_SCHEDULES = (*SCHEDULE_NAMES, BOTH, ALL)
 
@@ -68,6 +68,7 @@ class PlanSpec:
     eps: tuple[int, ...] = (1,)
     tps: tuple[int, ...] = (1,)  # tensor-parallel degrees (--tp), each planned for every PP x DP of GPUs / TP
     sps: tuple[int, ...] = (1,)  # sequence-parallel degrees (--sp), each with each TP: PP x DP of GPUs / (TP x SP)
+    sequence_parallel: bool = False  # --sequence-parallel: TP's (Megatron's), at every TP above 1
     reference: str = ""  # --dpo-reference: dpo's reference, live (a forward pass and a copy) or precomputed (none)
     load: object = None  # --data: the data's packed rows, priced (planning.data_rows.RowLoad); None: uniform rows
 
@@ -138,11 +139,15 @@ def resolve(args) -> PlanRun:
         raise ConfigError(f"--tp: {max(tps)} with {'--profile' if args.profile else '--lora'} is not planned yet "
                           f"(plan the TP degrees without it)")
     sps, sp_notes = check_sp(getattr(args, "sp", "1"), cfg, args.gpus_per_node, tps)
+    sequence = getattr(args, "sequence_parallel", False)
+    for why in sequence_parallel_problems(max(tps), cfg, None, 0) if sequence else ():
+        raise ConfigError(why)
     if max(sps) > 1 and args.profile:
         raise ConfigError(f"--sp: {max(sps)} with --profile is not planned yet (plan the SP degrees without it)")
     spec = PlanSpec(cfg, device, gpus, args.global_batch, micros, text_len, precision,
                     args.zero, freeze, args.checkpointing, args.profile, lora, asked(args.schedule), images, row,
                     _check_ep(args.ep, cfg), tps, sps, getattr(args, "dpo_reference", None) or "", load or None)
+    spec = dataclasses.replace(spec, sequence_parallel=sequence)
     return PlanRun(spec, args.preset, model_args, args.schedule, args.pack, args.top, args.json, args.write_config,
                    args.dry_run, args.image_size, args.video_frames if clip_slots else None, args.video_size,
                    clip_slots, tuple(tp_notes + sp_notes), train_argv(args) if opts else ())

@@ -39,7 +39,12 @@ each expert by its FFN width F (gate / up column, down row over F / t), the rout
                 (position, choice) rows, D wide, to the same TP rank of its EP peers and takes back partial outputs
                 of D: positions x top_k x D a block, as at TP 1
 
-A stage boundary still sends the whole activation per TP rank (pipe_partitioned off: mmpipe.runtime.pipeline), and
+Under --sequence-parallel (Megatron's; mmpipe.model.tensor_parallel, the plan's SEQUENCE) the decoder blocks and the
+final norm keep 1/TP of everything, the 6 widths and the statistics too (Megatron's (34 / t) s b h a layer: all of it
+over t), and a stage boundary inside the decoder sends [B, L / TP, D] per TP rank; the collectives move the same
+bytes, each all-reduce now an all-gather and a reduce-scatter, its two halves.
+
+Without it a stage boundary sends the whole activation per TP rank (pipe_partitioned off: mmpipe.runtime.pipeline), and
 the data-parallel all-reduce each rank's shard of the gradients over DP (the rows' trainable parameters, per rank).
 TP stays inside a node (its all-reduces are on every block's critical path): `check_tp` skips a degree that does not
 divide the GPUs per node.
@@ -59,18 +64,21 @@ WHOLE_WIDTHS = 6  # a split block's replicated tensors of its output's width per
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One layer at TP t: its split parameters (of LayerCost.params), its row-parallel linears, and whether it is a
-    vocab-split embedding or head (no row linear: an nn.Embedding or a head's column split)."""
+    """One layer at TP t: its split parameters (of LayerCost.params), its row-parallel linears, whether it is a
+    vocab-split embedding or head (no row linear: an nn.Embedding or a head's column split), and whether the plan's
+    SEQUENCE runs it on 1/TP of the row's positions under --sequence-parallel (a block, the final norm, a head)."""
     params: int
     rows: int
     vocab: bool
+    positions: bool = False
 
 
 def layer_splits(cfg: ModelConfig, tp: int) -> list[Split]:
     """Per layer of cfg's list, what the family's plan splits at `tp` ranks (mmpipe.model.tensor_parallel.split_dims
     on the layer built on the meta device: a tied head's spec builds its embedding, whose table is the split)."""
-    from ..model.tensor_parallel import split_dims
+    from ..model.tensor_parallel import POSITIONS, SEQUENCE, split_dims
     plan, out, seen = family_of(cfg).tp_plan, [], {}
+    roles = plan.get(SEQUENCE, {})
     with shapes_only():
         for spec in layer_specs(cfg):
             key = (spec.typename, repr(spec.module_kwargs), getattr(spec, "forward_fn", None) is not None)
@@ -80,7 +88,8 @@ def layer_splits(cfg: ModelConfig, tp: int) -> list[Split]:
                 split = sum(state[k].numel() for k in dims if k in state)
                 rows = sum(1 for k, d in dims.items() if _row_split(state.get(k), d))
                 # split weights and no row linear: a vocabulary's (today's plans end every column region in a row)
-                seen[key] = Split(split, rows, bool(split) and rows == 0)
+                role = roles.get(getattr(spec, "forward_fn", None) or spec.typename)
+                seen[key] = Split(split, rows, bool(split) and rows == 0, role == POSITIONS)
             out.append(seen[key])
     return out
 
@@ -102,12 +111,26 @@ def _moe_whole(cfg: ModelConfig, r: LayerCost) -> float:
     return float(r.tokens * (m.top_k * d + m.experts + (d + 2 if m.shared_ff_dim else 0)))
 
 
-def tp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], tp: int) -> list[LayerCost]:
+def tp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], tp: int, sequence: bool = False) -> list[LayerCost]:
     """rows (costmodel.layer_costs at TP 1) as one TP rank of `tp` holds and runs them (module docstring); tp = 1:
-    rows unchanged. The all-reduce elements per sample go in tp_ar_fwd / tp_ar_bwd."""
+    rows unchanged. The all-reduce elements per sample go in tp_ar_fwd / tp_ar_bwd. sequence: --sequence-parallel
+    (module docstring: the plan's POSITIONS layers keep 1/TP of everything)."""
     if tp == 1:
         return rows
-    return [_rank_row(cfg, r, s, tp) for r, s in zip(rows, layer_splits(cfg, tp))]
+    return [_sequence_row(_rank_row(cfg, r, s, tp), s, tp) if sequence else _rank_row(cfg, r, s, tp)
+            for r, s in zip(rows, layer_splits(cfg, tp))]
+
+
+def _sequence_row(r: LayerCost, s: Split, tp: int) -> LayerCost:
+    """A layer under --sequence-parallel: a block or the final norm (POSITIONS, not a vocab head) keeps and sends 1/TP
+    of all it keeps and sends, its replicated region (the 6 widths, the fp32 statistics) now on this rank's positions
+    too; the head saves its gathered input and its logits' vocabulary slice as without SP. Its collectives move the
+    bytes they did: an all-gather and a reduce-scatter are the two halves of a ring all-reduce, (t - 1) / t x bytes
+    each."""
+    if not s.positions or s.vocab:
+        return r
+    return dataclasses.replace(r, act_elems=r.act_elems / tp, act_fp32_elems=r.act_fp32_elems / tp,
+                               out_elems=r.out_elems / tp)  # what it sends across a cut, a checkpointed block keeps
 
 
 def _rank_row(cfg: ModelConfig, r: LayerCost, s: Split, tp: int) -> LayerCost:
@@ -153,6 +176,34 @@ def tp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: s
     return [(sum(r.tp_ar_fwd for r in rows[a:b]) * ring,
              sum(r.tp_ar_bwd + (r.tp_ar_fwd if r.recompute else 0.0) for r in rows[a:b]) * ring)
             for a, b in zip(parts, parts[1:])]
+
+
+def sequence_parallel_problems(tp: int, model: ModelConfig | None, data, lora: int) -> list[str]:
+    """`--sequence-parallel` (Megatron's, mmpipe.model.tensor_parallel: the decoder's norms and residuals on 1/TP of
+    a row's positions) at `tp`: one line per problem. It needs --tp above 1, a plan whose SEQUENCE gives every layer
+    from the decoder embedding on a role (dense decoder blocks; not yet an MoE block), a row of decoder positions TP
+    divides (refused, not padded: the row length is --text-len + the image tokens, so the fix is one flag), no
+    --lora (an adapter on a row layer would need its own reduce-scatter)."""
+    from ..data.packing import row_shape
+    from ..model.tensor_parallel import SEQUENCE, sequence_roles
+    if tp <= 1:
+        return ["--sequence-parallel: it needs --tp 2 or more (it splits each TP group's row by position)"]
+    plan = family_of(model).tp_plan if model is not None else {}
+    if not plan:
+        return []  # no plan: --tp itself is refused (run_config._check_tp)
+    roles = plan.get(SEQUENCE, {})
+    layers = [(getattr(key, "__name__", str(key)), roles.get(key)) for key in (
+        getattr(spec, "forward_fn", None) or spec.typename for spec in layer_specs(model))]
+    out = [f"--sequence-parallel on {model.name}: {why}" for why in sequence_roles(layers)]
+    if data is not None:
+        length = row_shape(model, data.max_images, data.text_len, data.vision_budget).length
+        if length % tp:
+            out.append(f"--sequence-parallel: --tp {tp} does not divide {model.name}'s {length} decoder positions per "
+                       f"row (--text-len {data.text_len} + the image tokens): each TP rank holds L / TP of them")
+    if lora:
+        out.append("--sequence-parallel with --lora is not supported yet (a row layer's adapter would need its own "
+                   "reduce-scatter)")
+    return out
 
 
 def check_tp(text: str, cfg: ModelConfig, gpus_per_node: int, gpus: int) -> tuple[tuple[int, ...], list[str]]:

@@ -13,6 +13,7 @@ from ..model.lora import add_adapters
 from ..model.moe import head_aux
 from ..model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients_at_step
 from ..model.tensor_parallel import Shard, mark_norm_counting, parallelize
+from ..model.tensor_parallel import sum_gradients_at_step as sum_tp_gradients_at_step
 from ..registry import family_of
 from ..run_config import RunConfig
 from .experts import shard_experts
@@ -53,6 +54,7 @@ class VLMPipeline(PipelineModule):
                 "activation_checkpoint_interval", 0)),
             checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
+        self.tp = run.tp
         if run.tp > 1:  # every layer was built whole under its seed above; keep this rank's slices
             self._split_tensors(run)
         self.sp = run.sp
@@ -95,6 +97,8 @@ class VLMPipeline(PipelineModule):
         only floats cross a stage boundary (mmpipe.runtime.wire); under --sp each SP rank's gradient is its positions'
         share, summed over the SP group once a step at ReduceGrads (sequence_parallel.sum_gradients_at_step)."""
         install_wire(engine)
+        if self.tp > 1:  # the TP ranks' shares of a whole weight's gradient (tp_summed) summed once a step
+            sum_tp_gradients_at_step(engine, self._tp_shard())
         if self.sp > 1:
             sum_gradients_at_step(engine, self._sp_shard())
 
@@ -114,16 +118,20 @@ class VLMPipeline(PipelineModule):
         """The family's tensor-parallel plan applied to each built layer (mmpipe.model.tensor_parallel.parallelize),
         each tied module once (it is a layer where first used, and DeepSpeed's partial of the head's forward_fn on
         it where used again), and the last stage's loss over its 1/TP of the vocabulary."""
-        plan = family_of(run.model).tp_plan
-        shard = Shard(self._grid.get_slice_parallel_group(), self._grid.get_slice_parallel_rank(), run.tp)
+        plan, shard = family_of(run.model).tp_plan, self._tp_shard()
+        # --sequence-parallel: the plan's SEQUENCE layers hold 1/TP of the row's positions (tensor_parallel)
+        layers = Shard(shard.group, shard.rank, shard.size, sequence=run.sequence_parallel)
         done = set()
         for module in [*self.tied_modules.values(), *self.forward_funcs]:
             if isinstance(module, torch.nn.Module) and id(module) not in done:
                 done.add(id(module))
-                parallelize(module, plan, shard)
-        self.forward_funcs[:] = [f if isinstance(f, torch.nn.Module) else parallelize(f, plan, shard)
+                parallelize(module, plan, layers)
+        self.forward_funcs[:] = [f if isinstance(f, torch.nn.Module) else parallelize(f, plan, layers)
                                  for f in self.forward_funcs]
         self.loss_fn = run.objective.split_vocab(shard, run.model.text.vocab_size).loss
+
+    def _tp_shard(self) -> Shard:
+        return Shard(self._grid.get_slice_parallel_group(), self._grid.get_slice_parallel_rank(), self.tp)
 
     def _sp_shard(self) -> Shard:
         return Shard(self._grid.get_slice_parallel_group(), self._grid.get_slice_parallel_rank(), self.sp)
