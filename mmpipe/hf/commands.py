@@ -26,6 +26,7 @@ from ..flags import print_plan
 from ..model.lora import read_lora
 from ..registry import families, family_of, hf_families
 from ..runtime.checkpoint import latest_tag, load_reference
+from ..runtime.reshard import tp_problems
 from .adapter import export_adapter
 from .bundle import follow_umask, run_tokenizer, write_processor
 from .export import planned
@@ -83,6 +84,11 @@ def add_import_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="with --moondream: the model shape (e.g. moondream-2b)")
     p.add_argument("--tokenizer", help="with --moondream: moondream's tokenizer directory (a local copy of its "
                                        "starmie-v1 tokenizer.json), kept in OUT/tokenizer in moondream's prompt format")
+    p.add_argument("--tp", type=int, default=1,
+                   help="write each layer the family's tensor-parallel plan splits as one file per TP rank, each read "
+                        "from the source as that rank's slice alone (a `--tp N` run's checkpoint layout; "
+                        "docs/tensor_parallel.md). Any --tp reads any import's files; this bounds the import's memory "
+                        "to one rank's slice of a layer")
     p.add_argument("--out", required=True, help="run directory to write")
 
 
@@ -109,6 +115,8 @@ def main_import(args: argparse.Namespace) -> int:
             raise ConfigError("--vision needs --lm (the causal-LM directory)")
         if args.moondream and not args.preset:
             raise ConfigError("--moondream needs --preset (the model shape)")
+        if args.tp < 1:
+            raise ConfigError(f"--tp: {args.tp} must be >= 1")
         if args.dry_run:
             return _import_plan(args)
         if args.hf:
@@ -124,10 +132,14 @@ def main_import(args: argparse.Namespace) -> int:
             note = f"all tensors mapped, region head {'-> ' + REGION_FILE if got.extra else 'absent'}"
             if tok is None:  # generate would fall back to the built-in tokenizer, whose ids mean nothing here
                 note += "; no tokenizer (--tokenizer DIR keeps moondream's in the run)"
+        for problem in tp_problems(got.cfg, args.tp):  # before anything is written
+            raise ConfigError(problem)
+        if args.tp > 1:
+            note += f"; split layers in {args.tp} TP ranks' files"
     except (ConfigError, FileNotFoundError, OSError) as e:
         return fail(e if isinstance(e, ConfigError) else ConfigError(str(e)))
     out = Path(args.out)
-    got.save(out)
+    got.save(out, tp=args.tp)
     for name, tensors in got.extra.items():  # moondream's region head: no pipeline layer holds it; export
         save_file(tensors, str(out / name))  # puts it back (mmpipe.hf.moondream)
     cfg = got.cfg
@@ -221,7 +233,7 @@ def _layers(run: Path, cfg, fmt: str):
     tag = latest_tag(ckpt)
     if tag is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt} (no 'latest' file)")
-    lora = read_lora(run)
+    lora = read_lora(run)  # a --tp run's layers are gathered from its TP ranks' files as they are read
     return RunLayers(ckpt / tag, cfg) if lora is None else MergedRunLayers(ckpt / tag, cfg, lora)
 
 

@@ -41,7 +41,7 @@ from ..model.llava import (
     VisionEmbed,
 )
 from .export import hf_meta_state, hf_model_class, write_hf
-from .safetensors_io import Joined, Renamed, as_weights, open_weights
+from .safetensors_io import Joined, Renamed, as_weights, open_weights, same_tensor
 from .stream import Imported, fill, meta_model
 from .tokens import add_image_token, grown, image_token
 
@@ -222,7 +222,7 @@ def plan_weights(cfg: ModelConfig, source, hf, where: str,
             if hf_name == "lm_head.weight" and cfg.text.tie_embeddings:
                 emb = next((k for k in source if canonical(k, known) == "model.language_model.embed_tokens.weight"),
                            None)
-                if emb is not None and not torch.equal(source[emb], source[src]):
+                if emb is not None and not same_tensor(source, emb, src):
                     _fail(where, f"tensor '{src}': the config ties embeddings but it differs from the input embedding")
                 report.mapped += 1
                 continue
@@ -330,7 +330,7 @@ def settle_tie(hf, path: Path) -> str | None:
     except ConfigError:
         return None
     head, embed = (next((k for k in names if k in source), None) for names in (HEADS, EMBEDS))
-    if head is None or embed is None or torch.equal(source[head], source[embed]):
+    if head is None or embed is None or same_tensor(source, head, embed):
         return None
     hf.tie_word_embeddings = False
     return (f"config.json ties the head to the input embedding, but the file's {head} differs from it: read untied, "

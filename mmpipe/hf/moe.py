@@ -30,7 +30,7 @@ import torch
 from ..config import ModelConfig
 from ..model.qwen3_vl import MoeConfig
 from .llava import _fail
-from .safetensors_io import as_weights
+from .safetensors_io import as_weights, read_rows
 
 
 def moe_from_hf(tc) -> MoeConfig | None:
@@ -80,6 +80,15 @@ class ExpertLayout(Mapping):
     def __getitem__(self, name):
         t = self.source[name]
         return t.transpose(1, 2).contiguous() if name in self.flipped else t
+
+    def rows(self, name, dim, ranges):
+        """A slice along dim of the tensor as it reads here: of a flipped one, along the stored tensor's other dim."""
+        if name not in self.flipped:
+            return read_rows(self.source, name, dim, ranges)
+        return read_rows(self.source, name, {1: 2, 2: 1}.get(dim, dim), ranges).transpose(1, 2).contiguous()
+
+    def __contains__(self, name):  # not Mapping's, which reads the tensor
+        return name in self.source
 
     def __iter__(self):
         return iter(self.source)
@@ -136,6 +145,28 @@ class PerExpert(Mapping):
             return torch.stack([self.source[n] for n in names])
         pairs = zip(names[0::2], names[1::2])  # (gate, up) of each expert
         return torch.stack([torch.cat([self.source[g], self.source[u]]) for g, u in pairs])
+
+    def rows(self, name, dim, ranges):
+        """A slice of a fused tensor read from each expert's own tensors' slices (a TP rank's F / TP of each expert:
+        mmpipe.model.tp_plans.EXPERTS); along the expert dim, or of a plain tensor, as read_rows reads it."""
+        if name not in self.parts:
+            return read_rows(self.source, name, dim, ranges)
+        if dim == 0:  # whole experts (no plan splits them so)
+            return torch.cat([self[name].narrow(0, lo, hi - lo) for lo, hi in ranges]).clone()
+        names = self._sources(name)
+        if name.endswith("down_proj"):
+            return torch.stack([read_rows(self.source, n, dim - 1, ranges) for n in names])
+        if dim == 2:
+            return torch.stack([torch.cat([read_rows(self.source, n, 1, ranges) for n in pair])
+                                for pair in zip(names[0::2], names[1::2])])
+        width = self.source.shape(names[0])[0]  # F: rows [0, F) are the gate's, [F, 2F) the up projection's
+        return torch.stack([torch.cat([read_rows(self.source, n, 0, [(max(lo, off) - off, min(hi, off + width) - off)])
+                                       for lo, hi in ranges for off, n in ((0, g), (width, u))
+                                       if max(lo, off) < min(hi, off + width)])
+                            for g, u in zip(names[0::2], names[1::2])])
+
+    def __contains__(self, name):  # not Mapping's, which reads the tensor
+        return name in self.parts or (name in self.source and self.PART.match(name) is None)
 
     def __iter__(self):
         return iter(self.plain + list(self.parts))

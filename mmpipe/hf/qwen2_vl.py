@@ -54,7 +54,7 @@ from .llava import (
     tie_flag,
     token_ids,
 )
-from .safetensors_io import as_weights, open_weights
+from .safetensors_io import as_weights, open_weights, same_tensor
 from .stream import Imported, fill, meta_model
 
 HF_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -217,7 +217,7 @@ def plan_named(cfg: ModelConfig, source, where: str, names: dict[str, str], hf_c
     renamed = {rename(k): k for k in source}
     for name, src in renamed.items():
         if name == "lm_head.weight" and cfg.text.tie_embeddings:
-            if embed in renamed and not torch.equal(source[renamed[embed]], source[src]):
+            if embed in renamed and not same_tensor(source, renamed[embed], src):
                 _fail(where, f"tensor '{src}': the config ties embeddings but it differs from the input embedding")
             report.mapped += 1
             continue

@@ -3,7 +3,9 @@ model.safetensors.index.json) read lazily, and a sharded directory (or one file)
 
 Why: reading every shard into one dict holds the whole checkpoint; at 72B (144 GB of bf16) no node has that.
 `LazyWeights` reads only the headers up front (names, shapes, dtypes: a few KB per shard) and a tensor when it
-is asked for (safe_open, opened for that tensor and closed again, so no shard's pages stay mapped).
+is asked for (safe_open, opened for that tensor and closed again, so no shard's pages stay mapped), or only some
+rows of it (`read_rows`: safetensors' get_slice copies those rows alone; what a tensor-parallel import reads, each
+TP rank's slice of each split tensor, mmpipe.hf.stream.Imported.save).
 `write_sharded` writes each shard's header first, from the tensors' shapes and dtypes planned up front, then
 the tensors' bytes in order as they are handed over: it holds no tensor itself, so an export's peak is the
 one layer it is copying, whatever the shard size.
@@ -34,10 +36,12 @@ BY_NAME = {v: k for k, v in DTYPES.items()}
 class LazyWeights(Mapping):
     """name -> tensor over safetensors files, each tensor read when asked for (module docstring).
     shape(name), dtype(name), nbytes(name) read the header only. `loaded` (a callback, None by default) is
-    told of every tensor read: tests count live tensor bytes with it."""
+    told of every tensor (or slice, rows) read: tests count live tensor bytes with it."""
+
+    loaded = None  # a callback(name, tensor); class-level so a test can watch every LazyWeights an import opens
 
     def __init__(self, files: Mapping[str, Path]):
-        self.files, self.meta, self.loaded = dict(files), {}, None
+        self.files, self.meta = dict(files), {}
         for f in dict.fromkeys(self.files.values()):
             with safe_open(str(f), "pt") as h:
                 for k in h.keys():
@@ -52,6 +56,22 @@ class LazyWeights(Mapping):
         if self.loaded is not None:
             self.loaded(name, t)
         return t
+
+    def rows(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Rows [lo, hi) of each range along dim, concatenated, read without the rest of the tensor (get_slice
+        copies just those rows out of the file's mapping: a TP rank's slice of a [V, D] embedding is V / TP rows)."""
+        if name not in self.files:
+            raise KeyError(name)
+        with safe_open(str(self.files[name]), "pt") as h:
+            sl = h.get_slice(name)
+            pieces = [sl[(slice(None),) * dim + (slice(lo, hi),)] for lo, hi in ranges]
+        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        if self.loaded is not None:
+            self.loaded(name, t)
+        return t
+
+    def __contains__(self, name) -> bool:  # Mapping's own reads the tensor (self[name]) to answer
+        return name in self.files
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
@@ -79,6 +99,30 @@ class InMemory(dict):
         return self[name].dtype
 
 
+def read_rows(source, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows [lo, hi) of each range along dim of source[name], concatenated: a source that reads slices (LazyWeights
+    and the views over one: `rows`) reads only them; any other mapping reads the tensor and keeps a copy of the rows
+    (the whole tensor is dropped on return)."""
+    if hasattr(source, "rows"):
+        return source.rows(name, dim, ranges)
+    t = source[name]
+    return torch.cat([t.narrow(dim, lo, hi - lo) for lo, hi in ranges], dim).clone()
+
+
+def same_tensor(source, a: str, b: str, blocks: int = 16) -> bool:
+    """source[a] equals source[b] (a tied head and its embedding), compared in `blocks` row blocks read one pair at
+    a time (read_rows): 2 / blocks of the tensor in memory, where reading both whole held two embeddings
+    (Qwen2.5-VL-72B's: 2 x 2.49 GB of bf16, more than a TP rank's share of any layer)."""
+    shape = tuple(source.shape(a))
+    if shape != tuple(source.shape(b)) or source.dtype(a) != source.dtype(b):
+        return False
+    if not shape:
+        return torch.equal(source[a], source[b])
+    step = max(1, -(-shape[0] // blocks))
+    pieces = [[(lo, min(lo + step, shape[0]))] for lo in range(0, shape[0], step)]
+    return all(torch.equal(read_rows(source, a, 0, r), read_rows(source, b, 0, r)) for r in pieces)
+
+
 def as_weights(source) -> Mapping:
     """A LazyWeights as it is, a plain dict wrapped (InMemory)."""
     return source if hasattr(source, "shape") and hasattr(source, "dtype") else InMemory(source)
@@ -93,6 +137,12 @@ class Renamed(Mapping):
 
     def __getitem__(self, name):
         return self.source[self.names[name]]
+
+    def rows(self, name, dim, ranges):
+        return read_rows(self.source, self.names[name], dim, ranges)
+
+    def __contains__(self, name):
+        return name in self.names
 
     def __iter__(self):
         return iter(self.names)
@@ -115,6 +165,12 @@ class Joined(Mapping):
 
     def __getitem__(self, name):
         return self.of[name][name]
+
+    def rows(self, name, dim, ranges):
+        return read_rows(self.of[name], name, dim, ranges)
+
+    def __contains__(self, name):
+        return name in self.of
 
     def __iter__(self):
         return iter(self.of)

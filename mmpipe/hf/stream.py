@@ -8,9 +8,16 @@ next layer: the peak is the largest layer (Qwen2.5-VL-72B: the embedding, 152064
 bf16, against 144 GB for the whole checkpoint) however large the model. `Imported.model` fills a single-device
 model instead (tests, small models).
 
+At `--tp N` (`Imported.save(tp=N)`) a layer the family's plan splits is written as N files, one per TP rank, as a
+TP run's checkpoint holds it (layer_XX-model_RR-model_states.pt, mmpipe.runtime.reshard.layer_files), each read from
+the source as that rank's rows alone (safetensors' get_slice, mmpipe.hf.safetensors_io.read_rows): one TP rank's
+file in memory at a time, 1 / N of the layer's split tensors and its whole replicated ones (norms); a layer the plan
+does not split (LLaVA's tower) stays one whole file, which every rank reads.
+
 Export: `RunLayers` reads a run's layer files one at a time (a plan pass reads only their shapes and dtypes,
-mmap'ed), `MergedRunLayers` a LoRA run's with each layer's adapters merged as it is read, `ModelLayers` serves a
-model already in memory; mmpipe.hf.export renames and writes them.
+mmap'ed; a TP run's layer gathered from its TP ranks' files through mmpipe.runtime.reshard.layer_state, the path
+--resume and --init-from read), `MergedRunLayers` a LoRA run's with each layer's adapters merged as it is read,
+`ModelLayers` serves a model already in memory; mmpipe.hf.export renames and writes them.
 """
 from __future__ import annotations
 
@@ -24,6 +31,10 @@ import torch
 from ..config import ModelConfig
 from ..model.builder import ReferenceModel, build_layer, layer_specs, shapes_only
 from ..model.lora import add_adapters, base_name, is_adapter, merge_adapters
+from ..model.tensor_parallel import split_dims
+from ..registry import family_of
+from ..runtime.reshard import layer_files, layer_state, meta_layer
+from .safetensors_io import read_rows
 
 
 def meta_model(cfg: ModelConfig) -> ReferenceModel:
@@ -67,17 +78,53 @@ class Imported:
             model[idx].load_state_dict(self.layer(idx, subs))
         return model
 
-    def save(self, out: Path, tag: str = "imported") -> Path:
-        """model.json + checkpoints/<tag>/layer_XX-model_states.pt, one layer in memory at a time."""
+    def layer_part(self, idx: int, subs: dict[str, str], dims: dict, part: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Layer idx's state as TP rank part[0] of part[1] holds it (dims: the plan's split dims, split_dims): each
+        split tensor's rows read alone (read_rows), the others whole. A layer `made` from its read tensors (LLaVA's
+        grown embedding) is made whole, then sliced."""
+        if idx in self.made:
+            whole = self.layer(idx, subs)
+            return {k: _rows(t, *tp_rows(dims[k], t.shape, part)) if k in dims else t for k, t in whole.items()}
+        return {sub: read_rows(self.source, src, *tp_rows(dims[sub], self.source.shape(src), part)) if sub in dims
+                else self.source[src] for sub, src in subs.items()}
+
+    def save(self, out: Path, tag: str = "imported", tp: int = 1) -> Path:
+        """model.json + checkpoints/<tag>/layer_XX-model_states.pt, one layer in memory at a time; at tp > 1 a
+        layer the plan splits as one file per TP rank (module docstring), one rank's slice in memory at a time."""
         d = out / "checkpoints" / tag
         d.mkdir(parents=True, exist_ok=True)
         (out / "model.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        meta, plan = (meta_model(self.cfg), family_of(self.cfg).tp_plan) if tp > 1 else (None, {})
         for idx, subs in sorted(self.by_layer().items()):
-            state = self.layer(idx, subs)
-            torch.save(state, layer_file(d, idx))
-            del state  # the next layer's tensors are read only now
+            dims = split_dims(meta[idx], plan, tp) if tp > 1 else {}
+            for r in range(tp if dims else 1):
+                state = self.layer_part(idx, subs, dims, (r, tp)) if dims else self.layer(idx, subs)
+                torch.save(state, tp_layer_file(d, idx, r) if dims else layer_file(d, idx))
+                del state  # the next rank's (layer's) tensors are read only now
         (out / "checkpoints" / "latest").write_text(tag)
         return out
+
+
+def tp_layer_file(d: Path, idx: int, rank: int) -> Path:
+    """TP rank `rank`'s file of layer idx, DeepSpeed's name (PipelineModule.ckpt_layer_path at a model axis)."""
+    return d / f"layer_{idx:02d}-model_{rank:02d}-model_states.pt"
+
+
+def tp_rows(dim, shape: tuple, part: tuple[int, int]) -> tuple[int, list[tuple[int, int]]]:
+    """(dim, the row ranges) of TP rank r's slice (part = (r, of)) of a whole tensor of `shape` split along dim (an
+    int, or (dim, whole part widths) for a fused weight: the rank's 1 / of of each part, in order). E.g. a fused qkv
+    of 3 x 64 rows at (1, 2): rows 32..63, 96..127, 160..191."""
+    r, of = part
+    d, widths = (dim, None) if isinstance(dim, int) else dim
+    ranges, at = [], 0
+    for n in widths or (shape[d],):
+        ranges.append((at + r * n // of, at + (r + 1) * n // of))
+        at += n
+    return d, ranges
+
+
+def _rows(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([t.narrow(dim, lo, hi - lo) for lo, hi in ranges], dim).clone()
 
 
 def fill(model: ReferenceModel, source, assign: dict[str, str]) -> None:
@@ -92,24 +139,35 @@ def fill(model: ReferenceModel, source, assign: dict[str, str]) -> None:
 class RunLayers:
     """A run checkpoint's layers, one file at a time: metas() -> per layer {sub: (dtype, shape)} (read mmap'ed:
     no weight enters memory), load(idx) -> the layer's state dict. A layer without weights (a tied head's later
-    use) has no file, as DeepSpeed writes it."""
+    use) has no file, as DeepSpeed writes it. A layer written by TP ranks (a --tp run's, `mmpipe import --tp`'s)
+    is gathered from their files as it is loaded (mmpipe.runtime.reshard.layer_state at TP 1: its slices
+    concatenated along the plan's split dims, one layer in memory)."""
 
-    def __init__(self, ckpt: Path, cfg: ModelConfig):
-        self.dir, self.cfg = ckpt, cfg
+    def __init__(self, ckpt: Path, cfg: ModelConfig, lora=None):
+        self.dir, self.cfg, self.lora = ckpt, cfg, lora
         self.layers = [i for i, layer in enumerate(meta_model(cfg)) if layer.state_dict()]
+        self.plan, self.specs = family_of(cfg).tp_plan, layer_specs(cfg)
         for i in self.layers:
-            if not layer_file(ckpt, i).is_file():
+            if not layer_files(ckpt, i):
                 raise FileNotFoundError(f"checkpoint {ckpt.name} lacks layer {i}: {layer_file(ckpt, i)}")
 
     def metas(self) -> dict[int, dict[str, tuple[torch.dtype, tuple]]]:
+        """Each layer's names, dtypes and whole shapes: a whole file's own; a TP layer's from its rank 0 file (the
+        dtypes) and the layer built whole on the meta device (the shapes it gathers to)."""
         out = {}
         for i in self.layers:
-            state = torch.load(layer_file(self.dir, i), map_location="cpu", weights_only=True, mmap=True)
-            out[i] = {k: (t.dtype, tuple(t.shape)) for k, t in state.items()}
+            files = layer_files(self.dir, i)
+            state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+            shapes = ({k: tuple(t.shape) for k, t in meta_layer(self.specs[i], i, self.lora)().state_dict().items()}
+                      if len(files) > 1 else {k: tuple(t.shape) for k, t in state.items()})
+            out[i] = {k: (t.dtype, shapes[k]) for k, t in state.items()}
         return out
 
     def load(self, idx: int) -> dict[str, torch.Tensor]:
-        return torch.load(layer_file(self.dir, idx), map_location="cpu", weights_only=True, mmap=True)
+        files = layer_files(self.dir, idx)
+        if len(files) == 1:  # mmap'ed: the writer pages each tensor in as it copies it
+            return torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+        return layer_state(self.dir, idx, meta_layer(self.specs[idx], idx, self.lora), 0, 1, self.plan)
 
 
 class MergedRunLayers(RunLayers):
@@ -118,8 +176,8 @@ class MergedRunLayers(RunLayers):
     alone with them, merged, and handed over under the base model's names."""
 
     def __init__(self, ckpt: Path, cfg: ModelConfig, lora):
-        super().__init__(ckpt, cfg)
-        self.lora, self.specs, self.plain = lora, layer_specs(cfg), meta_model(cfg)
+        super().__init__(ckpt, cfg, lora)
+        self.plain = meta_model(cfg)
 
     def metas(self):
         """The merged names and shapes (the plain layer's), each in its base weight's dtype."""

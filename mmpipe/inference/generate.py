@@ -49,12 +49,19 @@ every later step sets answer_id's logit to -inf before picking (tests/test_moond
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import io
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from PIL import Image
+from torch import nn
 
 from ..config import ConfigError, ModelConfig, config_from_dict, fail
 from ..data.args import VIDEO_FLAGS, DataArgs
@@ -65,9 +72,14 @@ from ..data.tokenizer import load_tokenizer
 from ..flags import add_flags, from_namespace, print_plan
 from ..hf.commands import hf_importer
 from ..model.attention import attention_backend
+from ..model.builder import ReferenceModel, TiedCall, layer_specs
+from ..model.lora import read_lora
 from ..model.rows import sample_rows
 from ..model.stage import unpack_in
+from ..model.tensor_parallel import Shard, parallelize
+from ..registry import family_of
 from ..runtime.checkpoint import latest_tag, load_reference
+from ..runtime.reshard import layer_files, layer_state, meta_layer, tp_problems
 from .sampling import Sampling
 
 
@@ -221,6 +233,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    p.add_argument("--tp", type=int, default=1,
+                   help="split the model over N tensor-parallel ranks (N processes forked on this machine, gloo) by "
+                        "its family's plan, each rank reading only its slices of an mmpipe run's layer files; the "
+                        "logits are gathered over the vocabulary, so the answers are --tp 1's "
+                        "(docs/tensor_parallel.md)")
 
 
 def resolve_checkpoint(path: Path) -> tuple[ModelConfig, str, str | None]:
@@ -360,6 +377,8 @@ def _video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder) -
         raise ConfigError(f"--video: the {cfg.family} family reads no clips")
     cfg = from_namespace(DataArgs, args, only=VIDEO_FLAGS).with_video(cfg)  # --video-*: the clip's sampling
     rule, kind = image_rule(cfg, one_image_budget(cfg)), image_kind(cfg)
+    if kind.frames_as_images:  # Gemma 4, InternVL: the clip's frames, each an image slot
+        return _frames_video(args, model, tok, encoder, cfg, kind)
     if kind.clip_crops:  # OneVision's tiles: the clip a slot of its frames' crops
         return _onevision_video(args, model, tok, encoder, cfg, rule)
     try:
@@ -397,6 +416,29 @@ def clip_budget(rule, path: Path, cfg: ModelConfig):
     return dataclasses.replace(rule, row_patches=max(rule.row_patches, min(need, most)))
 
 
+def _frames_video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder, cfg, kind) -> list[int]:
+    """--video on a family whose clips are frames as images (Gemma 4, InternVL; mmpipe.data.video): the clip's
+    sampled frames, each an image slot after the text its processor writes (Gemma 4's mm:ss times, InternVL's FrameN
+    lines), at the start of the user turn, in a row whose budget holds every frame at one image's default."""
+    from ..data.records import Record, VideoRef
+    from ..data.text import IMAGE_MARKER
+    path = Path(args.video)
+    try:
+        rec = Record("--video", [("user", f"{IMAGE_MARKER}\n{args.prompt[0]}")], [VideoRef(path.name)])
+        rec = kind.with_timestamps(rec, kind.rule(cfg, kind.budget(cfg, None, 1, [])), path.parent, IMAGE_MARKER)
+        n = len(rec.images)
+        rule = kind.rule(cfg, kind.budget(cfg, None, n, []), n)
+        grids, _ = kind.media_grids(rec.images, rule, path.parent, 0)
+        pixels = torch.cat([kind.clip_pixels(m, rule, path.parent, n, g) for m, g in zip(rec.images, grids)])
+        ids, image_at = encoder.prompt(rec.messages, n_images=n)
+    except BadRecord as e:
+        raise ConfigError(f"--video: {path}: {e.kind}: {e.reason}") from None
+    width = kind.blocks(cfg, n, 0).tiling_width
+    prompt = with_images(ids, cfg, image_at, [tuple(int(x) for x in g) for g in grids])
+    return generate(model, pixels[None], prompt, Sampling.from_args(args, tok), use_cache=not args.no_cache,
+                    tiling=torch.as_tensor(grids[:, :width])[None])
+
+
 def _onevision_video(args: argparse.Namespace, model, tok, encoder: ConversationEncoder, cfg, rule) -> list[int]:
     """--video on LLaVA-OneVision: its fps-sampled frames (up to vision.video_max_frames crops, the clip alone in its
     row) as crops, one slot of tiling (0, 0, -1, 1 - F), the processor's count of placeholders at the prompt's
@@ -424,7 +466,20 @@ def main_generate(args: argparse.Namespace) -> int:
         check_attention()
         if args.dry_run:
             return _plan(args, requests)
+        if getattr(args, "tp", 1) != 1:
+            cfg = resolve_checkpoint(Path(args.checkpoint))[0]
+            for problem in tp_problems(cfg, args.tp):
+                raise ConfigError(problem)
+            return _tp_generate(args, requests)
         model, tok = _load(Path(args.checkpoint), args.tokenizer)
+    except ConfigError as e:
+        return fail(e)
+    return _answer(args, requests, model, tok)
+
+
+def _answer(args: argparse.Namespace, requests: list, model, tok) -> int:
+    """Every request's answer printed (stdout: the answer alone for one --image / --video, else a JSON line each)."""
+    try:
         cfg = model.cfg
         if getattr(args, "video", None):
             kind = image_kind(cfg)
@@ -470,6 +525,91 @@ def main_generate(args: argparse.Namespace) -> int:
     for (image, prompt, _), answer in zip(requests, answers):
         print(json.dumps({"image": image, "prompt": prompt, "answer": answer}), flush=True)
     return 0
+
+
+# ---- --tp: the model split over TP ranks forked on this machine ----------------------------------------------
+
+class GatheredLogits(nn.Module):
+    """The last layer of a split model (a vocab-parallel head: each rank's V / TP logits) with its logits gathered
+    over the TP group, so every rank holds the whole row's logits and picks the same token (greedy: equal logits,
+    bit for bit; sampled: the same generator draws). [B, T, V / TP] x TP -> [B, T, V], in rank order: rank r's slice
+    is vocabulary rows r V / TP .. (r + 1) V / TP (the plan's vocab mark)."""
+
+    def __init__(self, head: nn.Module, shard: Shard):
+        super().__init__()
+        self.head, self.shard = head, shard
+
+    def _gather(self, out):
+        logits, *aux = out if isinstance(out, tuple) else (out,)  # an MoE head's aux loss rides along
+        parts = [torch.empty_like(logits) for _ in range(self.shard.size)]
+        dist.all_gather(parts, logits.contiguous(), group=self.shard.group)
+        whole = torch.cat(parts, dim=-1)
+        return (whole, *aux) if aux else whole
+
+    def forward(self, args):
+        return self._gather(self.head(args))
+
+    def decode(self, t, cache: dict, start: int):
+        return self._gather(self.head.decode(t, cache, start))
+
+
+def split_model(model, shard: Shard):
+    """A whole single-device model (ReferenceModel) split in place by its family's plan (what `mmpipe train --tp`
+    splits: each layer as DeepSpeed builds it, a tied head's forward_fn wrapped), its head's logits gathered."""
+    plan = family_of(model.cfg).tp_plan
+    for layer in model:
+        if isinstance(layer, TiedCall):  # the tied head's later use: its forward_fn, as DeepSpeed's partial of it
+            layer.forward_fn = parallelize(functools.partial(layer.forward_fn), plan, shard).func
+        else:
+            parallelize(layer, plan, shard)
+    model[len(model) - 1] = GatheredLogits(model[len(model) - 1], shard)
+    return model
+
+
+def tp_reference(ckpt_dir: Path, cfg: ModelConfig, shard: Shard):
+    """TP rank shard.rank's split model with its slices of a run's latest checkpoint, read layer by layer through
+    mmpipe.runtime.reshard.layer_state (what --resume and --init-from read: this rank's rows of each split tensor,
+    from the files of whatever TP wrote them, memory-mapped; a file written at this TP as it is)."""
+    tag_dir = Path(ckpt_dir) / latest_tag(ckpt_dir)
+    model, plan, specs = split_model(ReferenceModel(cfg), shard), family_of(cfg).tp_plan, layer_specs(cfg)
+    for idx in range(len(model)):
+        layer = model[idx].head if isinstance(model[idx], GatheredLogits) else model[idx]
+        if not layer_files(tag_dir, idx) and not layer.state_dict():
+            continue  # a tied head's later use: no file
+        layer.load_state_dict(layer_state(tag_dir, idx, meta_layer(specs[idx], idx), shard.rank, shard.size, plan))
+    return model
+
+
+def _tp_generate(args: argparse.Namespace, requests: list) -> int:
+    """--tp N: N ranks forked here (fork: no rank imports torch again), one gloo group; each loads its split model
+    and answers every request; rank 0 prints, its exit status is the command's."""
+    with tempfile.TemporaryDirectory(prefix="mmpipe-tp-") as tmp:
+        mp.start_processes(_tp_rank, args=(args, requests, tmp), nprocs=args.tp, start_method="fork")
+        return int((Path(tmp) / "rc").read_text())
+
+
+def _tp_rank(rank: int, args: argparse.Namespace, requests: list, tmp: str) -> None:
+    torch.set_num_threads(max(1, torch.get_num_threads() // args.tp))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=args.tp)
+    shard = Shard(dist.group.WORLD, rank, args.tp)
+    path = Path(args.checkpoint)
+    try:
+        cfg, _, own = resolve_checkpoint(path)
+        ckpt = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        if (path / "config.json").is_file() or read_lora(ckpt.parent):  # whole weights (an HF dir; LoRA merged)
+            model = split_model(load_checkpoint(path)[0], shard)
+        else:
+            model = tp_reference(ckpt, cfg, shard)
+        tok = load_tokenizer(args.tokenizer or own, flag="--tokenizer" if args.tokenizer else "--checkpoint")
+    except ConfigError as e:
+        rc = fail(e) if rank == 0 else 2
+    else:
+        with contextlib.redirect_stdout(sys.stdout if rank == 0 else io.StringIO()):
+            rc = _answer(args, requests, model, tok)
+    if rank == 0:
+        (Path(tmp) / "rc").write_text(str(rc))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def empty_reason(new: list[int]) -> str:

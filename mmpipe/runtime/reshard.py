@@ -28,6 +28,32 @@ from torch import nn
 from ..model.tensor_parallel import split_dims
 
 
+def tp_problems(cfg, tp: int, flag: str = "--tp") -> list[str]:
+    """Why a model cannot be split over `tp` ranks, one line each (none: it can): the checks `mmpipe train --tp`
+    makes of the model (mmpipe.run_config), for the commands that split a model without training it (`mmpipe import
+    --tp`, `mmpipe generate --tp`): a plan for the family, TP dividing the heads, vocabulary, FFN width and the plan's
+    SIZES, the kv heads divided or dividing."""
+    from ..model.tensor_parallel import tp_sizes
+    from ..registry import families, family_of
+    if tp < 1:
+        return [f"{flag}: {tp} must be >= 1"]
+    if tp == 1:
+        return []
+    plan = family_of(cfg).tp_plan
+    if not plan:
+        have = ", ".join(sorted(f.family for f in families() if f.tp_plan))
+        return [f"{flag}: {tp} on {cfg.name}: the {cfg.family} family has no tensor-parallel plan yet ({have} have "
+                f"one)"]
+    t = cfg.text
+    out = [f"{flag}: {tp} does not divide {cfg.name}'s {n} {what}" for what, n in (
+        ("attention heads (text.n_heads)", t.n_heads), ("vocabulary (text.vocab_size)", t.vocab_size),
+        ("FFN width (text.ff_dim)", t.ff_dim), *tp_sizes(cfg, plan)) if n % tp]
+    if t.kv_heads % tp and tp % t.kv_heads:
+        out.append(f"{flag}: {tp} does not divide {cfg.name}'s {t.kv_heads} KV heads (text.n_kv_heads) and is not a "
+                   f"multiple of them")
+    return out
+
+
 def layer_files(tag_dir: Path, idx: int) -> list[Path]:
     """Layer idx's files in TP rank order: the one whole file (written at TP 1), else one per TP rank (the names sort
     by the model-axis coordinate, two digits), else none (a layer without weights: a tied head's later use)."""

@@ -80,7 +80,7 @@ def train(args: TrainArgs, run: RunConfig, preempt: Preemption | None = None,
     engine = build_engine(run, args, rank)
     # dpo: the reference's weights, the start's or --reference's, kept on each stage (mmpipe.runtime.preference)
     live = run.objective.reference and not run.reference_logps
-    reference = LiveReference(engine, run, load_run_weights) if live else None
+    reference = LiveReference(engine, run, lambda m, d: load_run_weights(m, d, run.tp)) if live else None
     progress = restore(engine, run, args, ckpt_dir, fingerprint, rank)
     stream = DataStream(engine, run, args, samples, progress)
     if run.reference_logps:  # dpo's reference read from a file (mmpipe.runtime.precomputed): no reference pass
@@ -221,7 +221,7 @@ def prepare_output(out: Path, run: RunConfig, rank: int) -> None:
 def build_engine(run: RunConfig, args: TrainArgs, rank: int):
     pipe = pipeline_class(run.schedule)(run, seed=args.seed)  # the schedule's module: DualPipeV's is its own
     if run.init_from and (not args.resume or run.objective.reference):  # dpo: its reference is the start
-        n = load_run_weights(pipe, Path(run.init_from) / "checkpoints")
+        n = load_run_weights(pipe, Path(run.init_from) / "checkpoints", run.tp)
         if rank == 0:
             print(f"mmpipe: weights from {run.init_from} (stage 0: {n} layers); fresh optimizer", flush=True)
     moe = (deepspeed_moe(pipe.expert_shards, run.ep, pipe.expert_shards_group)  # bf16 --ep: DeepSpeed's MoE groups
@@ -422,18 +422,19 @@ def report(log: StepLog, run: RunConfig, args: TrainArgs, samples, done: Finishe
     print(f"mmpipe: done, summary in {out / 'summary.json'}, curves in {out / 'curves.png'}", flush=True)
 
 
-def load_run_weights(pipe, ckpt_dir: Path) -> int:
+def load_run_weights(pipe, ckpt_dir: Path, tp: int = 1) -> int:
     """--init-from: this stage's layers (and its copy of a tied module) from the latest checkpoint of
-    another run, read per layer file (any stage count wrote them; a --tp run's gathered from its TP ranks' files,
-    mmpipe.runtime.reshard): a rank opens only its own layers' files (tests/test_streaming_io.py counts them;
-    --init-from at --tp above 1 is refused in run_config). A file's dtype need not be the run's: an import keeps its
-    source's (bf16), and load_state_dict's copy casts (bf16 -> fp32 exactly). Weights only: the optimizer and
-    schedule start fresh. Returns the layers loaded."""
+    another run, read per layer file (any stage count wrote them) as this rank's TP slice of it at the run's `tp`
+    (mmpipe.runtime.reshard.layer_state: from files of any TP, memory-mapped, only this rank's rows copied; at TP 1 a
+    --tp run's gathered): a rank opens only its own layers' files (tests/test_streaming_io.py counts them). A file's
+    dtype need not be the run's: an import keeps its source's (bf16), and load_state_dict's copy casts (bf16 -> fp32
+    exactly). Weights only: the optimizer and schedule start fresh. Returns the layers loaded."""
     d = ckpt_dir / checkpoint.latest_tag(ckpt_dir)
+    rank = pipe._grid.get_slice_parallel_rank() if tp > 1 else 0
 
     def load(module, idx: int):
         whole = reshard.meta_layer(pipe._layer_specs[idx], idx)
-        load_base(module, reshard.layer_state(d, idx, whole))  # adapters (LoRA) keep theirs
+        load_base(module, reshard.layer_state(d, idx, whole, rank, tp))  # adapters (LoRA) keep theirs
 
     n, loaded = 0, set()
     for _ in pipe.each_part():  # DualPipeV's rank holds two parts of the list (stage r and 2p - 1 - r), 1F1B one
