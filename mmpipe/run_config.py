@@ -398,7 +398,8 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     sizes N divides (heads and KV heads whole on a rank, or kv heads a divisor of N; equal vocabulary and FFN
     slices; an MoE model's expert FFN widths, the plan's SIZES), and only where it was checked: fp32 at ZeRO 0 or 1
     (so --ep takes its fp32 path), 1F1B, with activation checkpointing, LoRA (no adapter dropout) and validation
-    (tests/test_tp_combos.py); each combination not checked refused with its reason in one line."""
+    (tests/test_tp_combos.py), --init-from (each rank reads its slices: tests/test_tp_import.py); each combination
+    not checked refused with its reason in one line."""
     tp, (_, precision, schedule, _) = args.tp, setup  # ZeRO 0 or 1 and checkpointing: all checked
     if tp < 1:
         problems.append(f"--tp: {tp} must be >= 1")
@@ -418,8 +419,6 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         problems.append(f"--tp: {tp} does not divide {model.name}'s {t.kv_heads} KV heads (text.n_kv_heads) and is "
                         f"not a multiple of them")
     for why, on in (
-            ("--init-from is not supported yet: the whole weights it reads are not split onto the TP ranks",
-             bool(args.init_from)),
             (f"precision {precision} is not supported yet: DeepSpeed's {precision} optimizer under TP (its norm, its "
              f"per-rank files) is not checked against a reference", precision != "fp32"),
             (f"schedule {schedule} is not supported yet: its deferred weight gradients (mmpipe.runtime.schedule) "
