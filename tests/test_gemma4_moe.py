@@ -2,9 +2,9 @@
 Gemma4ForConditionalGeneration with enable_moe_block (8 experts of 16, top 2) beside each of its 5 layers' dense MLP,
 the router's scale and per-expert scales perturbed from their init of 1. `mmpipe import --hf` gives transformers'
 logits, the experts' half showing; a packed row's samples each give their logits alone; `mmpipe export` loads back
-into transformers with the run's logits; the router statistics cross every decoder boundary to the head; the planner
-counts each block's experts; gemma-4-26b-a4b holds the published 25.2B / 3.8B active; a bad MoE section is one line.
-In-process."""
+into transformers with the run's logits; cached greedy generation gives transformers' tokens; the router statistics
+cross every decoder boundary to the head; the planner counts each block's experts; gemma-4-26b-a4b holds the
+published 25.2B / 3.8B active; a bad MoE section is one line. In-process."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ from mmpipe.model.stage import live_fields
 from mmpipe.registry import family_of
 from mmpipe.runtime.checkpoint import load_reference
 from test_gemma3 import _tokenizer
-from test_gemma4 import IMG, LOGITS_TOL, TOL, _hf_model, _packed, _two_image_prompts, hf_inputs
+from test_gemma4 import BOI, EOI, IMG, LOGITS_TOL, SOFT, TOL, _hf_model, _packed, _two_image_prompts, hf_inputs
 
 MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16)
 
@@ -91,6 +91,24 @@ def test_export_loads_in_transformers(imported, tmp_path):
         want = _logits(model, px, ids, torch.ones(2, 2, dtype=torch.long), torch.ones_like(ids))
         got = hf(**hf_inputs(ids, px), mm_token_type_ids=(ids == IMG).long()).logits
     assert (got - want).abs().max().item() < LOGITS_TOL
+
+
+def test_cached_generation_equals_transformers_greedy(imported):
+    """mmpipe's KV-cached greedy decode (the sparse blocks' decode: routing one new position at a time, the sliding
+    window past its 6 positions, the shared layers reading their producers' cache) gives transformers' greedy
+    generate's 12 token ids for 4 prompts, each with its own 24 px image (no EOS: every step compared)."""
+    from mmpipe.inference.generate import generate
+    from mmpipe.inference.sampling import Sampling
+    hf, _, model = imported
+    g = torch.Generator().manual_seed(7)
+    for i in range(4):
+        px = torch.rand(1, 1, 3, 24, 24, generator=g)
+        prompt = [1, 4, BOI] + [IMG] * SOFT + [EOI, 40 + i, 50 + i, 5]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf.generate(**hf_inputs(ids, px), mm_token_type_ids=(ids == IMG).long(), max_new_tokens=12,
+                               do_sample=False, eos_token_id=None)[0, len(prompt):].tolist()
+        assert generate(model, px, prompt, Sampling(max_new_tokens=12, eos_id=None)) == want
 
 
 def test_router_statistics_cross_to_the_head_and_the_planner_counts_experts():
