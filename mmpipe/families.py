@@ -300,6 +300,7 @@ INTERNVL = register(Family(
     "internvl", "prefix", internvl_specs, (InternVisionBlock, InternBlock, InternMoeBlock), INTERNVL_COSTS,
     ImageLayout(placeholders=True, vision=InternVision, text=InternText), INTERN_TILES, checks=internvl_checks,
     tower_tokens=crops_tokens, fields=internvl_fields, experts=_moe,
+    media=("image", "video"),  # clips as frames, each one crop after its `FrameN: ` line (mmpipe.data.video)
     hf=_hf("internvl", "InternVLForConditionalGeneration", ("internvl",), "InternVL3.5", importer="import_internvl",
            config="hf_internvl_config", reader="read_internvl"),
     # the decoder as Qwen3-VL's (q / k norms per head, summed over TP); InternViT replicated, as LLaVA's tower: it runs
@@ -329,6 +330,7 @@ GEMMA4 = register(Family(
     "gemma4", "prefix", gemma4_specs,
     (Gemma4TowerBlock, *GEMMA4_BLOCK_CLASSES.values(), *GEMMA4_MOE_BLOCKS.values()), GEMMA4_COSTS,
     ImageLayout(placeholders=True, vision=Gemma4Vision, text=Gemma4Text), GEMMA4_IMAGES, checks=gemma4_checks,
+    media=("image", "video"),  # clips as frames, each an image after its `mm:ss ` time (mmpipe.data.video)
     fields=gemma4_fields, tower_tokens=gemma4_tower_tokens, experts=_moe,  # text.moe: 26B-A4B's experts
     hf=_hf("gemma4", "Gemma4ForConditionalGeneration", ("gemma4",), "Gemma 4", importer="import_gemma4",
            config="hf_gemma4_config", reader="read_gemma4"),

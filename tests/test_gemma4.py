@@ -243,7 +243,7 @@ def test_a_record_with_audio_is_a_bad_record(tmp_path):
     assert samples.index.stats["bad_by_kind"] == {"unsupported_media": 2}
     bad = [json.loads(line) for line in (tmp_path / "run/data/bad_records.jsonl").read_text().splitlines()]
     assert ["'audio' field" in bad[0]["reason"], "a <audio> marker" in bad[1]["reason"]] == [True, True]
-    assert all("the gemma4 family reads image only" in b["reason"] for b in bad), bad
+    assert all("the gemma4 family reads image and video only" in b["reason"] for b in bad), bad
 
 
 def test_planner_counts_the_carried_fields_at_their_sizes():

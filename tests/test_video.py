@@ -348,8 +348,8 @@ def test_plan_costs_a_clip(capsys):
     assert out[0]["image_grids"] == [[1, 4, 6]] + [[1, h, w]] * t and t == 4
     assert main(["plan", "--preset", "llava-tiny", "--video-frames", "8"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "mmpipe: error: --video-frames: the llava family reads no clips; only the qwen2_vl, llava_next and qwen3_vl "
-        "families do")
+        "mmpipe: error: --video-frames: the llava family reads no clips; only the qwen2_vl, llava_next, qwen3_vl, "
+        "internvl and gemma4 families do")
 
 
 def test_cached_greedy_decoding_on_a_clip_gives_transformers_generate(qwen25, clips):

@@ -17,6 +17,7 @@ a sample whose images need more than their share (P / n each) is a bad record, t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -25,10 +26,13 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from . import video
 from .blocks import PatchBlocks
-from .gemma3 import GEMMA3_IMAGES
-from .image_kinds import Patches, Spliced
+from .gemma3 import GEMMA3_IMAGES, Gemma3Images
+from .image_kinds import Patches
 from .records import BadRecord
+
+FRAME_DEFAULTS = (70, 2.0, 4, 32)  # (video soft tokens, fps, min_frames, max_frames): Gemma4Vision's video_* defaults
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,13 @@ class Gemma4PatchRule:
     soft_tokens: int  # max_soft_tokens
     row_patches: int  # P, --max-patches
     channels: int = 3
+    # a clip's frames (mmpipe.data.video, frames as images): each at the video processor's own max_soft_tokens
+    # (Gemma4VideoProcessor's default 70, vision.video_soft_tokens), sampled at video (fps, min_frames, max_frames)
+    video_soft_tokens: int = 70
+    video: tuple = (2.0, 4, 32)
     grid_width = 3      # (t, h, w); no clip step column
     tokens_per_second = 0
     timestamps = False
-    video = ()
 
     @property
     def factor(self) -> int:  # each resized side is a multiple of this, e.g. 3 x 16 = 48 px
@@ -104,18 +111,29 @@ def _processor(rule: Gemma4PatchRule):
                                 pooling_kernel_size=rule.pool)
 
 
+@functools.lru_cache(maxsize=8)
+def video_processor(rule: Gemma4PatchRule):
+    """transformers' Gemma4VideoProcessor at the run's patch, pool and video budget; the frames it is given are the
+    ones mmpipe.data.video.frame_indices sampled with its own sample_frames (do_sample_frames False here)."""
+    from transformers import Gemma4VideoProcessor
+    return Gemma4VideoProcessor(patch_size=rule.patch, max_soft_tokens=rule.video_soft_tokens,
+                                pooling_kernel_size=rule.pool, do_sample_frames=False)
+
+
 def gemma4_rule(cfg: ModelConfig, budget: int) -> Gemma4PatchRule:
     v = cfg.vision
-    return Gemma4PatchRule(v.patch_size, v.pool, v.max_soft_tokens, budget, v.channels)
+    return Gemma4PatchRule(v.patch_size, v.pool, v.max_soft_tokens, budget, v.channels, v.video_soft_tokens,
+                           (v.video_fps, v.video_min_frames, v.video_max_frames))
 
 
 @dataclass(frozen=True)
 class Gemma4Patches(Patches):
     """Images of any aspect ratio within the soft-token budget (module docstring): Qwen2-VL's patch machinery
-    with Gemma 4's rule, merge unit the 3 x 3 pool, no clips."""
+    with Gemma 4's rule, merge unit the 3 x 3 pool; a clip as its frames, each an image of the video budget
+    (mmpipe.data.video's frames as images)."""
     name = "gemma4"
     describe = "images take a patch budget (--max-patches)"
-    with_timestamps = Spliced.with_timestamps  # no clips: the record unchanged
+    frames_as_images = True
 
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
         """P: --max-patches, else room for M images at the processor's largest (M x 9 x max_soft_tokens)."""
@@ -149,12 +167,68 @@ class Gemma4Patches(Patches):
         return GEMMA3_IMAGES.marker_text(tok, cfg)  # as Gemma 3's: the block's ids are the config's
 
     def grid_key(self, rule, record_images: int, budget: int) -> list:
-        """What an index's grids depend on: the patch, the pool, the budget, each image count's share of P."""
+        """What an index's grids depend on: the patch, the pool, the budget, each image count's share of P (and the
+        clips' budget and sampling where not the defaults: an index made before clips keeps its key)."""
+        clips = (rule.video_soft_tokens, *rule.video)
         return ["gemma4", rule.patch, rule.pool, rule.soft_tokens,
-                [rule.cap(n) for n in range(1, record_images + 1)]]
+                [rule.cap(n) for n in range(1, record_images + 1)]] + ([list(clips)] if clips != FRAME_DEFAULTS else [])
+
+    # its clips: frames as images (mmpipe.data.video), each a slot of its own after its `mm:ss ` time
+    def video_processor(self, rule):
+        return video_processor(rule)
+
+    def frame_text(self, info, indices, marker: str) -> str:
+        """Gemma4Processor.replace_video_token's text for the clip's sampled frames, `marker` per frame: e.g.
+        '00:00 <image> 00:01 <image>' (its brackets and soft tokens are the frame's block)."""
+        from transformers import Gemma4Processor
+        proc = Gemma4Processor.__new__(Gemma4Processor)  # the method reads these three and the metadata alone
+        proc.boi_token, proc.eoi_token, proc.video_token = "", "", marker
+        meta = video._metadata(info)
+        meta.frames_indices = [int(i) for i in indices]
+        return proc.replace_video_token({"num_soft_tokens_per_video": [1], "video_metadata": [meta]}, 0)
+
+    def frame_grid(self, rule, info, n_media: int) -> tuple[int, int, int]:
+        """(1, rows, cols) of a frame of the clip at the video budget, within its share of P."""
+        try:
+            return dataclasses.replace(rule, soft_tokens=rule.video_soft_tokens).grid(info.width, info.height,
+                                                                                      n_media)
+        except BadRecord as e:
+            raise BadRecord(e.kind, f"a frame of the clip (max_soft_tokens {rule.video_soft_tokens}): "
+                                    f"{e.reason}") from None
+
+    def check_sample(self, rule, grids, media) -> None:
+        """Nothing beyond each medium's share of P (frame_grid, grid)."""
+
+    def with_timestamps(self, rec, rule, image_root, marker: str):
+        return video.frames_laid_out(rec, self, rule, image_root, marker)
+
+    def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
+        return video.frames_grids(media, self, rule, image_root, max_pixels)
+
+    def clip_pixels(self, ref, rule, image_root, n_media: int, grid):
+        """Frame ref.frame's real patches (the video processor pads each frame to 9 x its budget)."""
+        return video.frame_pixels(ref, self, rule, image_root)[:int(grid[1]) * int(grid[2])]
+
+    def images_count(self, media: list) -> int:
+        return len(media)  # each frame an image of its own
 
 
 GEMMA4_PATCHES = Gemma4Patches()
+
+
+@dataclass(frozen=True)
+class Gemma4Squares(Gemma3Images):
+    """Gemma 4 at one fixed square an image (vision.max_soft_tokens 0): Gemma 3's placeholders; its family's clips
+    are frames as images, which this config refuses (media_grids)."""
+    frames_as_images = True
+
+    def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
+        raise BadRecord("unsupported_media", "a video for the gemma4 family at a fixed square (vision.max_soft_tokens "
+                                             "0): its clips' frames are images of a soft-token budget; import a "
+                                             "checkpoint whose image processor has max_soft_tokens")
+
+
+GEMMA4_SQUARES = Gemma4Squares()
 
 
 class Gemma4Images:
@@ -162,7 +236,7 @@ class Gemma4Images:
     flag = None  # the family's presets are fixed squares; a config of max_soft_tokens takes --max-patches
 
     def of(self, cfg: ModelConfig):
-        return GEMMA4_PATCHES if cfg.vision.max_soft_tokens else GEMMA3_IMAGES
+        return GEMMA4_PATCHES if cfg.vision.max_soft_tokens else GEMMA4_SQUARES
 
 
 GEMMA4_IMAGES = Gemma4Images()

@@ -53,6 +53,9 @@ class Spliced:
     # its placeholder is the tokenizer's <image> (LLaVA's), added to the tokenizer of fresh weights and expanded by
     # transformers' LlavaProcessor in an export; a family of grids has its tokenizer's own (Qwen2-VL's <|image_pad|>)
     image_token = False
+    # a clip is its frames, each an image slot after its processor's text (Gemma 4, InternVL: mmpipe.data.video's
+    # frames as images; `mmpipe plan` does not cost them yet)
+    frames_as_images = False
 
     def placeholder_id(self, cfg: ModelConfig) -> int | None:
         """The id of the image placeholders its prompts carry (decoding never picks it), None without them."""
@@ -142,6 +145,7 @@ class Budgeted:
     image's default budget, stacked one slot a row, its grid's block in the prompt."""
     image_token = False
     markers = True
+    frames_as_images = False
     with_timestamps = Spliced.with_timestamps  # the record unchanged: only Qwen3-VL's patches lay clips out so
 
     def placeholder_id(self, cfg: ModelConfig) -> int | None:

@@ -23,10 +23,13 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from . import video
 from .anyres import SampleCrops
 from .blocks import TileBlocks
 from .image_kinds import Tiles
 from .records import BadRecord
+
+FRAME_DEFAULTS = (2.0, 4, 32)  # a clip's (fps, min_frames, max_frames): InternVision's video_* defaults
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class InternTileRule(SampleCrops):
     row_tiles: int    # T, --max-tiles
     mean: tuple
     std: tuple
+    video: tuple = (2.0, 4, 32)  # a clip's frames (fps, min_frames, max_frames): vision.video_* (frames as images)
 
     @property
     def most_crops(self) -> int:  # one image at its cap: its tiles and the thumbnail, e.g. 12 + 1
@@ -121,8 +125,17 @@ def intern_rule(cfg: ModelConfig, budget: int = 0, max_images: int = 1) -> Inter
     """The run's rule at the row's T crops (budget; 0: T's default for max_images images)."""
     v = cfg.vision
     rule = InternTileRule(v.image_size, v.channels, v.min_tiles, v.max_tiles, v.n_features, budget or 1,
-                          tuple(v.mean), tuple(v.std))
+                          tuple(v.mean), tuple(v.std), (v.video_fps, v.video_min_frames, v.video_max_frames))
     return rule if budget else dataclasses.replace(rule, row_tiles=rule.row_budget(max_images)[0])
+
+
+@functools.lru_cache(maxsize=8)
+def video_processor(rule: InternTileRule):
+    """transformers' InternVLVideoProcessor at the tile size, mean and std (each frame resized to one S x S crop);
+    the frames it is given are the ones mmpipe.data.video.frame_indices sampled with its own sample_frames."""
+    from transformers import InternVLVideoProcessor
+    return InternVLVideoProcessor(size={"height": rule.size, "width": rule.size}, image_mean=list(rule.mean),
+                                  image_std=list(rule.std), do_sample_frames=False)
 
 
 @dataclass(frozen=True)
@@ -139,8 +152,10 @@ class BracketTileBlocks(TileBlocks):
 @dataclass(frozen=True)
 class InternTiles(Tiles):
     """The internvl family's images: Tiles' protocol (a crop budget T, --max-tiles; a `tiles` row, CropRow, for the
-    planner and the balancer) under InternTileRule; no clips."""
+    planner and the balancer) under InternTileRule; a clip as its frames, each one crop (mmpipe.data.video's
+    frames as images)."""
     clip_crops = False
+    frames_as_images = True
 
     def budget(self, cfg: ModelConfig, given: int | None, max_images: int, problems: list[str]) -> int:
         if given is not None and given < 1:
@@ -163,11 +178,48 @@ class InternTiles(Tiles):
                                  (v.channels, v.image_size, v.image_size), cfg.vision_start_id, cfg.vision_end_id)
 
     def grid_key(self, rule, record_images: int, budget: int) -> list:
-        """What an index's grids and its too_many_tiles refusals depend on: the rule and T."""
-        return list(dataclasses.astuple(dataclasses.replace(rule, row_tiles=0))) + [budget]
+        """What an index's grids and its too_many_tiles refusals depend on: the rule and T (and the clips' sampling
+        where not the default: an index made before clips keeps its key)."""
+        key = list(dataclasses.astuple(dataclasses.replace(rule, row_tiles=0)))
+        return key[:-1] + ([list(rule.video)] if rule.video != FRAME_DEFAULTS else []) + [budget]
+
+    # its clips: frames as images (mmpipe.data.video), each one crop of the tile size after its `FrameN: ` line
+    def video_processor(self, rule):
+        return video_processor(rule)
+
+    def frame_text(self, info, indices, marker: str) -> str:
+        """InternVLProcessor.replace_video_token's text for the clip's sampled frames, `marker` per frame: e.g.
+        'Frame1: <image>\nFrame2: <image>' (each frame's <img>, placeholders and </img> are its block)."""
+        from transformers import InternVLProcessor
+        proc = InternVLProcessor.__new__(InternVLProcessor)  # the method reads these four and the frame count
+        proc.start_image_token, proc.end_image_token, proc.image_token, proc.image_seq_length = "", "", marker, 1
+        return proc.replace_video_token({"pixel_values_videos": [torch.empty(len(indices))]}, 0)
+
+    def frame_grid(self, rule, info, n_media: int) -> tuple[int, int, int, int, int]:
+        """(orig_h, orig_w, 0, 0, n): one crop, no tiles, n = 256 + 2 positions."""
+        return info.height, info.width, 0, 0, rule.per_crop + 2
+
+    def check_sample(self, rule, grids, media) -> None:
+        """too_many_tiles where the sample's images' crops and its frames (a crop each) exceed the row's T."""
+        from .records import VideoRef
+        crops = sum(rule.crops(g) for g in grids)
+        if crops > rule.row_tiles:
+            frames = sum(isinstance(m, VideoRef) for m in media)
+            raise BadRecord("too_many_tiles", f"{len(media) - frames} images and {frames} clip frames make {crops} "
+                                              f"crops (a frame one crop) > the row's {rule.row_tiles} (--max-tiles)")
+
+    def with_timestamps(self, rec, rule, image_root, marker: str):
+        return video.frames_laid_out(rec, self, rule, image_root, marker)
 
     def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
-        raise BadRecord("unsupported_media", "a video for the internvl family, whose clips mmpipe does not read")
+        return video.frames_grids(media, self, rule, image_root, max_pixels)
+
+    def clip_pixels(self, ref, rule, image_root, n_media: int, grid):
+        """Frame ref.frame as one crop [1, C, S, S], the video processor's."""
+        return video.frame_pixels(ref, self, rule, image_root)[None]
+
+    def images_count(self, media: list) -> int:
+        return len(media)  # each frame an image of its own
 
 
 INTERN_TILES = InternTiles()

@@ -637,3 +637,116 @@ def _onevision_processor(rule):
     from transformers import LlavaOnevisionVideoProcessor
     return LlavaOnevisionVideoProcessor(size={"height": rule.size, "width": rule.size}, image_mean=list(rule.mean),
                                         image_std=list(rule.std), do_sample_frames=False)
+
+
+# ---- Frames as images (Gemma 4, InternVL) --------------------------------------------------------------------------
+#
+# Their processors take a clip as a run of frames, each an image of its own with text before it: Gemma4Processor
+# writes `mm:ss <start_of_image><|video|> x n<end_of_image>` per frame, joined by spaces, n the frame's soft tokens at
+# its video processor's max_soft_tokens; InternVLProcessor `Frame{i}: <img><IMG_CONTEXT> x 256</img>` per frame,
+# joined by newlines, each frame one crop of the tile size. So a clip's marker becomes that text with an image marker
+# per frame (`frames_laid_out`, the text from the processor's own replace_video_token), the clip its frames
+# (VideoRef frame j: a slot of its own, as a Qwen3-VL temporal patch), each slot's grid and pixels the family's
+# (its kind: frame_grid, the video processor). Frames sampled: n = max(1, int(F / r x fps)) of a clip of F frames at
+# r fps (transformers' default_sample_indices_fn count at vision.video_fps), at least video_min_frames and at most
+# video_max_frames, never more than F; which n: the family's video processor's own sample_frames at num_frames n
+# (Gemma4VideoProcessor: i F // n; InternVLVideoProcessor: the middle of each of n equal spans).
+
+
+def frame_indices(proc, info: ClipInfo, sampling: tuple) -> np.ndarray:
+    """The frames `proc` (a transformers video processor) samples from the clip at sampling (fps, min_frames,
+    max_frames), e.g. 7 frames at 3 fps, 2 fps: int(7 / 3 x 2) = 4 frames; BadRecord empty_video where it
+    samples none."""
+    fps, least, most = sampling
+    n = min(max(max(1, int(info.frames / info.fps * fps)), least), most, info.frames)
+    try:
+        idx = np.asarray(proc.sample_frames(_metadata(info), num_frames=n), dtype=np.int64)
+    except (ValueError, ZeroDivisionError) as e:
+        raise BadRecord("empty_video", f"video of {info.frames} frames at {info.fps:g} fps: no frames to sample "
+                                       f"({' '.join(str(e).split())})") from None
+    if not len(idx):
+        raise BadRecord("empty_video", f"video of {info.frames} frames at {info.fps:g} fps: no frames sampled")
+    return idx
+
+
+def frames_laid_out(rec, kind, rule, image_root, marker: str):
+    """A record whose clips (VideoRef, frame -1) are laid out as the kind's processor writes them: each clip's marker
+    the processor's text with `marker` per frame (kind.frame_text), the clip its sampled frames VideoRef(path, j);
+    rec unchanged without clips. The k-th marker of the user turns is the k-th medium."""
+    import dataclasses as dc
+
+    from .records import VideoRef
+    if not any(isinstance(m, VideoRef) and m.frame < 0 for m in rec.images):
+        return rec
+    texts, media = [], []
+    for m in rec.images:
+        if isinstance(m, VideoRef) and m.frame < 0:
+            info = probe(clip_path(m, image_root))
+            idx = frame_indices(kind.video_processor(rule), info, rule.video)
+            texts.append(kind.frame_text(info, idx, marker))
+            media += [VideoRef(m.path, j) for j in range(len(idx))]
+        else:
+            texts.append(marker)
+            media.append(m)
+    k, messages = 0, []
+    for role, text in rec.messages:
+        parts = text.split(marker)
+        if role == "user" and len(parts) > 1:
+            out = parts[0]
+            for part in parts[1:]:
+                out += (texts[k] if k < len(texts) else marker) + part
+                k += 1
+            text = out
+        messages.append((role, text))
+    return dc.replace(rec, messages=messages, images=media)
+
+
+def frames_grids(media: list, kind, rule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
+    """(int64 [n, grid width], clip counts) of a laid-out sample's media (frames_laid_out): each image's grid by the
+    rule, each frame's by kind.frame_grid from its clip's header, all n media sharing the row's budget as images
+    (kind.check_sample: too_many_tiles / too_many_patches over it); nothing decoded."""
+    from .images import check_image
+    from .records import VideoRef
+    out, counts, n = [], dict.fromkeys(CLIP_COUNTS, 0), len(media)
+    for m in media:
+        if isinstance(m, VideoRef):
+            info = probe(clip_path(m, image_root))
+            out.append(kind.frame_grid(rule, info, n))
+            if m.frame <= 0:  # a clip once, not once per frame
+                idx = frame_indices(kind.video_processor(rule), info, rule.video)
+                for key, add in zip(CLIP_COUNTS, (1, info.frames, len(idx))):
+                    counts[key] += add
+        else:
+            w, h = check_image(m, image_root, max_pixels)
+            out.append(rule.grid(w, h, n))
+    grids = np.array(out, dtype=np.int64).reshape(n, -1)
+    kind.check_sample(rule, grids, media)
+    return grids, slot_counts(media, counts)
+
+
+def frame_pixels(ref, kind, rule, image_root) -> torch.Tensor:
+    """The video processor's output for frame ref.frame of its clip: all the clip's sampled frames decoded (PyAV) and
+    processed at once (kind.video_processor, frames given, not sampled again), kept in the loader's clip cache, so a
+    clip's frame slots decode it once."""
+    path = clip_path(ref, image_root)
+    key = ("frames", path, rule)
+    if key not in _clip_cache:
+        proc = kind.video_processor(rule)
+        idx = frame_indices(proc, probe(path), rule.video)
+        out = proc(videos=[decode(path, [int(i) for i in idx])], do_sample_frames=False,
+                   return_tensors="pt")["pixel_values_videos"]
+        _clip_cache[key] = (tuple(int(i) for i in idx), _per_frame(out))
+        _cached[0] += _clip_cache[key][1].nbytes
+        while len(_clip_cache) > 1 and _cached[0] > CLIP_CACHE_BYTES:
+            _cached[0] -= _clip_cache.popitem(last=True)[1][1].nbytes
+    _clip_cache.move_to_end(key, last=False)
+    frames = _clip_cache[key][1]
+    if not 0 <= ref.frame < len(frames):
+        raise BadRecord("bad_video", f"video {ref.path}: no frame {ref.frame} among its {len(frames)} sampled")
+    return frames[ref.frame]
+
+
+def _per_frame(out: torch.Tensor) -> torch.Tensor:
+    """float32 [frames, ...]: a video processor's pixel_values_videos, frames first (InternVL's [1, F, C, S, S],
+    Gemma 4's [F, patches, patch_dim])."""
+    return (out[0] if out.shape[0] == 1 and out.dim() == 5 else out).float()

@@ -98,6 +98,13 @@ class Gemma4Vision(VisionConfig):
     # max_soft_tokens: at most 9 x that many patches an image), pixels a patch list with each slot's grid in
     # `tiling`; 0: one fixed square of image_size (module docstring)
     max_soft_tokens: int = 0
+    # a clip's frames, each an image at the video processor's own budget (Gemma4VideoProcessor's max_soft_tokens,
+    # default 70), sampled at video_fps, at least video_min_frames, at most video_max_frames (its num_frames, 32)
+    # (mmpipe.data.video's frames as images; with max_soft_tokens only)
+    video_soft_tokens: int = 70
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 32
 
     @property
     def patches_per_image(self) -> int:  # the most patches the processor makes of one image, e.g. 280 x 9 = 2520

@@ -56,6 +56,11 @@ class InternVision(VisionConfig):
     layer_scale: float = 0.1  # HF's layer_scale_init_value: a fresh model's lambdas (an import reads the weights)
     min_tiles: int = 1
     max_tiles: int = 12
+    # a clip's frames, each one crop of image_size px (InternVLVideoProcessor), sampled at video_fps, at least
+    # video_min_frames, at most video_max_frames (mmpipe.data.video's frames as images)
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 32
 
     @property
     def n_positions(self) -> int:  # the class token and the patches, e.g. 32^2 + 1 = 1025

@@ -139,6 +139,9 @@ def crop_line(cfg: ModelConfig, row: CropRow, text_len: int, length: int) -> str
 def clip_refusal(cfg: ModelConfig) -> str | None:
     """Why plan cannot cost cfg's clips (None: it can): LLaVA-NeXT's model reads none (anyres_max 0; the data side
     refuses them alike, mmpipe.data.video.onevision_grids); clips of patches and OneVision's are costed."""
+    if image_kind(cfg).frames_as_images:  # Gemma 4, InternVL (mmpipe.data.video)
+        return (f"--video-frames: the planner does not cost the {cfg.family} family's clips yet (`mmpipe train` reads "
+                f"them, each frame an image: docs/video.md)")
     if image_kind(cfg).name == "patches" or cfg.vision.anyres_max:
         return None
     return (f"--video-frames: LLaVA-NeXT (vision.anyres_max 0) reads no clips; only LLaVA-OneVision's (the "

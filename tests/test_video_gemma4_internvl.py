@@ -1,0 +1,286 @@
+"""Clips for Gemma 4 and InternVL (issue 55 deliver 5): frames as images (mmpipe.data.video). Their processors take a
+clip as a run of frames, each an image with text before it: Gemma4Processor `mm:ss <start_of_image><|video|> x n
+<end_of_image>` per frame (joined by spaces, n at Gemma4VideoProcessor's max_soft_tokens), InternVLProcessor
+`Frame{i}: <img><IMG_CONTEXT> x 256</img>` per frame (one crop of the tile size, joined by newlines). The tiny random
+transformers models of test_gemma4_aspect and test_internvl, a 7-frame clip at 3 fps (4 frames sampled at 2 fps), LLaVA
+records indexed and packed by the data path: a clip, an image, and an image beside a clip in one row give each
+sample's transformers logits alone (1e-4), its ids those of the family's own processor (Gemma4Processor /
+InternVLProcessor on the chat-templated text, the decoded file and the image; Gemma 4's `<|video|>` read as its image
+token), and its frames those of the processor's own sampling (do_sample_frames, num_frames 4, on every decoded frame).
+A clip over the row's slots (--max-images) or crops (--max-tiles) is a bad record with its one line; Gemma 4 at a
+fixed square and Gemma 3 refuse clips (unsupported_media). In-process, no launch."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmpipe.data.video import decode, probe
+from video_clips import moving_square, write_clip
+
+TOL = 1e-4
+CLIP = (7, 70, 50, 3)  # frames, width, height, fps: int(7 / 3 x 2) = 4 frames sampled at 2 fps
+
+
+def _conv(user: str, answer: str) -> list[dict]:
+    return [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]
+
+
+RECORDS = [{"video": "clip.mp4", "conversations": _conv("<video>\nw41 w42", "w43")},
+           {"image": "a.png", "conversations": _conv("<image> w44", "w45 w46")},
+           {"image": "a.png", "video": "clip.mp4", "conversations": _conv("<image> w47 <video> w48", "w49")}]
+
+
+def _media(d):
+    """(every decoded frame of the clip, its VideoMetadata, the image)."""
+    from PIL import Image
+    from transformers.video_utils import VideoMetadata
+    info = probe(d / "clip.mp4")
+    meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height)
+    return decode(d / "clip.mp4", range(info.frames)), meta, Image.open(d / "a.png").convert("RGB")
+
+
+def _write_set(d, extra: list[dict]) -> None:
+    from PIL import Image
+    frames, width, height, fps = CLIP
+    write_clip(d / "clip.mp4", moving_square(frames, width, height, seed=3), fps)
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (30, 60, 3), dtype=np.uint8)).save(d / "a.png")
+    (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS + extra))
+
+
+def _packed_row(d, cfg, out, **flags):
+    """The data path: the set indexed and packed, the first row as the stage tuple, and the index's stats."""
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.batches import StepBatches, rank_batches
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
+    args = DataArgs(data=str(d / "data.jsonl"), tokenizer=str(d / "hf"), image_root=str(d), text_len=40,
+                    data_workers=0, pack=True, **flags)
+    opts = resolve_data(args, cfg)
+    samples = prepare(opts, cfg, out, seed=0, verbose=False)
+    shape = row_shape(cfg, 10, 3 * opts.text_len, opts.vision_budget)
+    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True))
+    inputs, _ = next(rank_batches(rows, StepBatches(0, 1, 1, 0, 1)))
+    return inputs, samples.index.stats
+
+
+def _check_row(model, inputs, want_of, image_id: int) -> list[float]:
+    """Each of the row's 3 samples (segments): its ids equal the processor's and its logits transformers' alone; the
+    pixels reach the logits (the row's patches or crops reversed give others)."""
+    ids, segments = inputs[1][0], inputs[3][0]
+    errs = []
+    with torch.no_grad():
+        got = model(*inputs)[0]
+        assert int(segments.max()) == 3  # all three samples in the one row
+        for seg in (1, 2, 3):
+            mine = ids[segments == seg]
+            theirs, logits = want_of(mine, image_id)
+            assert torch.equal(mine, theirs), seg
+            errs.append((got[segments == seg] - logits).abs().max().item())
+    assert max(errs) < TOL, errs
+    flipped = list(inputs)
+    flipped[0] = inputs[0].flip(1)  # the row's patches (crops) in reverse: the frames reach the logits
+    with torch.no_grad():
+        assert (model(*flipped) - got[None]).abs().max().item() > 1e-3
+    return errs
+
+
+def _record(mine: torch.Tensor) -> dict:
+    """The record a sample of the row is, by its answer's first word (w43, w45, w49: ids 43, 45, 49; the tokenizers'
+    special w1 and w2 would split w1x and w2x words)."""
+    return next(r for r in RECORDS if int(r["conversations"][1]["value"].split()[0][1:]) in mine.tolist())
+
+
+# ---- Gemma 4 -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    from transformers import Gemma4ImageProcessor
+
+    from mmpipe.hf.gemma4 import import_gemma4
+    from test_gemma3 import _tokenizer
+    from test_gemma4_aspect import BUDGET, _hf_aspect_model
+    d = tmp_path_factory.mktemp("gemma4_video")
+    hf = _hf_aspect_model()
+    hf.config.text_config.max_position_embeddings = 1024  # a sample of 5 slots at P = 6300: 10 + 700 image positions
+    hf.save_pretrained(d / "hf")
+    _tokenizer(d / "hf")
+    Gemma4ImageProcessor(patch_size=4, max_soft_tokens=BUDGET, pooling_kernel_size=3).save_pretrained(d / "hf")
+    model, _ = import_gemma4(d / "hf")
+    _write_set(d, [{"image": ["a.png", "a.png"], "video": "clip.mp4",
+                    "conversations": _conv("<image> <image> w50 <video>", "w51")}])  # 6 slots > --max-images 5
+    return hf, model.eval(), d
+
+
+def _gemma4_processor(d):
+    """transformers' Gemma4Processor over the test's tokenizer (audio brackets named: its input check asks for them),
+    the image processor at the model's budget and the video processor at its default 70, sampling 4 frames."""
+    from transformers import AutoTokenizer, Gemma4ImageProcessor, Gemma4Processor, Gemma4VideoProcessor
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    tok = AutoTokenizer.from_pretrained(d / "hf")
+    tok.boa_token, tok.eoa_token = "w20", "w21"
+    sizes = dict(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), tokenizer=tok,
+                           image_processor=Gemma4ImageProcessor(**sizes),
+                           video_processor=Gemma4VideoProcessor(**sizes, num_frames=4))
+
+
+def test_gemma4_clip_records_pack_with_images_and_give_transformers_ids_and_logits(gemma4, tmp_path):
+    """The data path at --max-images 5, --max-patches 6300 (the row's 10 slots of 630): the clip (4 frames of
+    21 x 27 patches, 63 soft tokens each), the image and the image beside the clip in one row; each sample's ids are
+    Gemma4Processor's (timestamps 00:00 00:00 00:01 00:01 before the frames' blocks) and its logits transformers'
+    alone; the record of 6 slots is too_many_images, counted with its line."""
+    hf, model, d = gemma4
+    inputs, stats = _packed_row(d, model.cfg, tmp_path / "out", max_images=5, max_patches=6300)
+    assert (stats["good"], stats["bad_by_kind"]) == (3, {"too_many_images": 1})
+    assert stats["first_bad"][0]["reason"] == ("6 image slots (a clip takes one per temporal patch (Qwen3-VL) or frame "
+                                               "(Gemma 4, InternVL)) > --max-images 5")
+    proc = _gemma4_processor(d)
+    hf.config.video_token_id = proc.video_token_id  # past the tiny vocabulary: the model embeds it as padding
+    frames, meta, image = _media(d)
+    from test_gemma4 import IMG
+
+    def want_of(mine, image_id):
+        rec = _record(mine)
+        user = rec["conversations"][0]["value"].replace("<video>", proc.video_token).replace("<image>",
+                                                                                            proc.image_token)
+        text = proc.tokenizer.apply_chat_template([{"role": "user", "content": user},
+                                                   {"role": "assistant", "content": rec["conversations"][1]["value"]}],
+                                                  tokenize=False)
+        kw = dict(images=[[image]]) if "image" in rec else {}
+        if "video" in rec:
+            kw.update(videos=[frames], video_metadata=[meta])
+        out = proc(text=[text], return_tensors="pt", **kw)
+        theirs = out["input_ids"][0]
+        keys = ("input_ids", "mm_token_type_ids", "pixel_values", "image_position_ids", "pixel_values_videos",
+                "video_position_ids", "num_frames_per_video")
+        logits = hf(**{k: v for k, v in out.items() if k in keys}).logits[0]
+        return torch.where(theirs == proc.video_token_id, IMG, theirs), logits
+
+    errs = _check_row(model, inputs, want_of, IMG)
+    print(f"gemma4 clip samples vs transformers: {['%.1e' % e for e in errs]}")
+
+
+def test_gemma4_fixed_square_and_gemma3_refuse_clips(tmp_path):
+    """gemma4-tiny (a fixed square: vision.max_soft_tokens 0) and gemma3-tiny count a clip's record as
+    unsupported_media with its reason; the image record is kept."""
+    from mmpipe.config import load_preset
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    _write_set(tmp_path, [])
+    for preset, reason in (("gemma4-tiny", "a video for the gemma4 family at a fixed square"),
+                           ("gemma3-tiny", "the gemma3 family reads image only")):
+        cfg = load_preset(preset)
+        args = DataArgs(data=str(tmp_path / "data.jsonl"), image_root=str(tmp_path), text_len=40, data_workers=0,
+                        max_images=5)
+        stats = prepare(resolve_data(args, cfg), cfg, tmp_path / preset, seed=0, verbose=False).index.stats
+        assert (stats["good"], stats["bad_by_kind"]) == (1, {"unsupported_media": 2}), preset
+        assert reason in stats["first_bad"][0]["reason"], stats["first_bad"][0]
+
+
+# ---- InternVL ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def internvl(tmp_path_factory):
+    from mmpipe.hf.internvl import import_internvl
+    from test_internvl import save_model
+    d = tmp_path_factory.mktemp("internvl_video")
+    hf = save_model(d / "hf")
+    _intern_tokenizer(d / "hf")
+    model, _ = import_internvl(d / "hf")
+    _write_set(d, [{"image": ["big.png", "big.png", "a.png"], "video": "clip.mp4",  # 5 + 5 + 3 + 4 crops > 14
+                    "conversations": _conv("<image> <image> <image> w50 <video>", "w51")}])
+    from test_internvl import image
+    image(70, 66, 9).save(d / "big.png")
+    return hf, model.eval(), d
+
+
+def _intern_tokenizer(path):
+    """test_internvl's word-level tokenizer and template, with InternVL's <img>, </img>, <IMG_CONTEXT> at the model's
+    ids and a <video> marker, named as InternVLProcessor reads them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from test_internvl import CTX, END, START, TEMPLATE, VOCAB
+    special = {START: "<img>", END: "</img>", CTX: "<IMG_CONTEXT>", VOCAB - 9: "<video>"}
+    tok = Tokenizer(models.WordLevel({special.get(i, f"w{i}"): i for i in range(VOCAB)}, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="w1", eos_token="w2", pad_token="w0", unk_token="w3",
+        additional_special_tokens=list(special.values()),
+        extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def _intern_processor(d):
+    """transformers' InternVLProcessor: test_internvl's image processor, 4 placeholders a crop, and
+    InternVLVideoProcessor at the tile size, mean and std, sampling 4 frames itself."""
+    from transformers import AutoTokenizer, InternVLProcessor, InternVLVideoProcessor
+
+    from test_internvl import TILE, processor
+    img = processor()
+    video = InternVLVideoProcessor(size={"height": TILE, "width": TILE}, image_mean=img.image_mean,
+                                   image_std=img.image_std, do_sample_frames=True, num_frames=4)
+    return InternVLProcessor(image_processor=img, tokenizer=AutoTokenizer.from_pretrained(d / "hf"),
+                             image_seq_length=4, video_processor=video)
+
+
+def test_internvl_clip_records_pack_with_images_and_give_transformers_ids_and_logits(internvl, tmp_path):
+    """The data path at --max-tiles 14: the clip (4 frames, a crop each), the 2-tile image (3 crops) and both in one
+    row (14 crops); each sample's ids are InternVLProcessor's (`Frame1: ` ... lines) and its logits transformers'
+    alone (its pixel_values: the image's crops and InternVLVideoProcessor's frames in text order); the record whose
+    three images (5 + 5 + 3 crops) and clip make 17 crops is too_many_tiles, counted with its line."""
+    from test_internvl import CTX
+    hf, model, d = internvl
+    inputs, stats = _packed_row(d, model.cfg, tmp_path / "out", max_images=8, max_tiles=14)
+    assert (stats["good"], stats["bad_by_kind"]) == (3, {"too_many_tiles": 1})
+    assert stats["first_bad"][0]["reason"] == ("3 images and 4 clip frames make 17 crops (a frame one crop) > the "
+                                               "row's 14 (--max-tiles)")
+    proc = _intern_processor(d)
+    frames, meta, image = _media(d)
+
+    def want_of(mine, image_id):
+        rec = _record(mine)
+        user = rec["conversations"][0]["value"].replace("<image>", proc.image_token)
+        text = proc.tokenizer.apply_chat_template([{"role": "user", "content": user},
+                                                   {"role": "assistant", "content": rec["conversations"][1]["value"]}],
+                                                  tokenize=False)
+        kw = dict(images=[image]) if "image" in rec else {}
+        if "video" in rec:
+            kw.update(videos=[frames], video_metadata=[meta])
+        out = proc(text=[text], return_tensors="pt", **kw)
+        return out["input_ids"][0], hf(input_ids=out["input_ids"], pixel_values=out["pixel_values"]).logits[0]
+
+    errs = _check_row(model, inputs, want_of, CTX)
+    print(f"internvl clip samples vs transformers: {['%.1e' % e for e in errs]}")
+
+
+@pytest.mark.parametrize("family", ["gemma4", "internvl"])
+def test_generate_command_answers_on_a_clip_as_transformers(family, request, capsys):
+    """`mmpipe generate --video` on each tiny transformers directory: the clip's 4 frames, each an image slot after
+    its processor's text, at the start of the user turn, give transformers' greedy answer (its processor on the
+    decoded file, `generate`, 5 new tokens)."""
+    from mmpipe.cli import main
+    hf, _, d = request.getfixturevalue(family)
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(d / "hf"), "--video", str(d / "clip.mp4"), "--prompt", "w41 w42",
+                 "--max-new-tokens", "5"]) == 0
+    got = capsys.readouterr().out.strip()
+    frames, meta, _ = _media(d)
+    if family == "gemma4":
+        proc = _gemma4_processor(d)
+        hf.config.video_token_id = proc.video_token_id
+        keys = ("input_ids", "mm_token_type_ids", "pixel_values_videos", "video_position_ids", "num_frames_per_video")
+    else:
+        proc, keys = _intern_processor(d), ("input_ids", "pixel_values")
+    text = proc.tokenizer.apply_chat_template([{"role": "user", "content": f"{proc.video_token}\nw41 w42"}],
+                                              tokenize=False, add_generation_prompt=True)
+    out = proc(text=[text], videos=[frames], video_metadata=[meta], return_tensors="pt")
+    with torch.no_grad():
+        want = hf.generate(**{k: v for k, v in out.items() if k in keys}, max_new_tokens=5, do_sample=False)
+    assert got == proc.tokenizer.decode(want[0, out["input_ids"].shape[1]:]), got
