@@ -34,7 +34,6 @@ from .hf.commands import add_import_args, main_export, main_import  # noqa: E402
 from .inference.generate import add_generate_args, main_generate  # noqa: E402
 from .inference.scoring import add_eval_args, main_eval  # noqa: E402
 from .model.attention import attention_backend  # noqa: E402
-from .model.objectives import TOKENS  # noqa: E402
 from .planning.plan import add_plan_args, main_plan  # noqa: E402
 from .run_args import CheckArgs, LaunchArgs, TrainArgs  # noqa: E402
 from .run_config import config_dp, requested_stages, resolve  # noqa: E402
@@ -174,9 +173,6 @@ def cmd_check(ns: argparse.Namespace) -> int:
         return fail(ConfigError(f"--tp: {ns.tp}: mmpipe check does not run tensor-parallel ranks yet (train does)"))
     if getattr(ns, "sp", 1) > 1:  # its checks compare whole rows on each rank (docs/sequence_parallel.md)
         return fail(ConfigError(f"--sp: {ns.sp}: mmpipe check does not run sequence-parallel ranks yet (train does)"))
-    if ns.objective != TOKENS.name:  # its equivalence step calls the loss without dpo's reference pass
-        return fail(ConfigError(f"--objective {ns.objective}: mmpipe check does not run its reference pass yet "
-                                f"(train does; docs/dpo.md)"))
     if not ns.dry_run:
         (Path(ns.output_dir) / CHECK_FILE).unlink(missing_ok=True)  # an earlier check's verdict is not this one's
     rc = cmd_train(ns, module="mmpipe.check.rank", extra=tuple(to_argv(from_namespace(CheckArgs, ns))))

@@ -264,8 +264,10 @@ def test_refusals(pairs, ds_config, tmp_path, capsys):
     odd = write_ds_config(tmp_path / "odd.json", train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=1)
     assert "must be even" in refused([*base, "--ds-config", str(odd)], capsys)[-1]
     from mmpipe.cli import main
-    assert main(["check", *base]) == 2 and capsys.readouterr().err.strip().splitlines() == [
-        "mmpipe: error: --objective dpo: mmpipe check does not run its reference pass yet (train does; docs/dpo.md)"]
+    assert main(["check", *base, "--dry-run"]) == 0  # check runs dpo with its reference (tests/test_dpo_check.py)
+    capsys.readouterr()
+    assert main(["check", *base, "--beta", "0"]) == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "--beta: 0.0 must be > 0 (DPO's KL weight; TRL's default 0.1)")  # check refuses as train does
     write_checkpoint(ReferenceModel(load_preset("tiny")), tmp_path / "tiny")
     assert refused([*base, "--reference", str(tmp_path / "tiny")], capsys)[-1].startswith(
         f"mmpipe: error: --reference: {tmp_path / 'tiny'} holds another model than this run trains (")

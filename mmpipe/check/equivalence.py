@@ -5,7 +5,13 @@ hooks (`pipeline_side`) and through the single-device reference loop's pieces (`
 Each step's loss and each stage's gradient norm are compared, relatively, against TOLERANCE[precision].
 
 The gradient norm is what catches a gradient that is wrong by a constant factor on one stage (e.g.
-1/GAS, DeepSpeed #8152): Adam nearly cancels such a factor, so the loss barely moves."""
+1/GAS, DeepSpeed #8152): Adam nearly cancels such a factor, so the loss barely moves.
+
+--objective dpo: both sides run the live reference, a frozen copy of the shrunk model's start (the pipeline's reference
+pass through every stage before each step, mmpipe.runtime.preference; the loop's reference_rows), so a reference
+that moved with the policy, or log-probs that reached the loss in the wrong rows, show in the losses from step 2 on
+(step 1 is ln 2 on both sides whatever the reference). The run's --reference RUN and --reference-logps FILE are the
+full model's, which the shrunk one cannot read: the check's reference is its own start instead."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +31,7 @@ from ..planning.partition import check_trainable, compute_parts, layer_table
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from ..runtime.feed import run_dataset, step_order
+from ..runtime.preference import LiveReference, reference_model, reference_rows
 from ..runtime.reference import accumulate, clip_and_step, gradient_clipping, make_optimizer, make_scheduler
 from ..runtime.trainer import DataStream, Progress, build_engine
 
@@ -69,7 +76,9 @@ def shrunk_run(run: RunConfig, args: TrainArgs) -> RunConfig:
             table = layer_table(model, run.freeze, run.text_len, checkpointing, run.lora, run.max_images)
             parts = compute_parts(table, run.stages, method)
             check_trainable(table, parts)
-            return dataclasses.replace(run, model=model, layers=table, parts=parts, init_from=None)
+            # dpo: the reference is the shrunk start's (RUN's files and FILE's log-probs are the full model's)
+            return dataclasses.replace(run, model=model, layers=table, parts=parts, init_from=None, reference=None,
+                                       reference_logps=None)
         except ConfigError as e:
             problem = e
         if shrunk_all(run.model, blocks):
@@ -100,6 +109,7 @@ def pipeline_side(run: RunConfig, args: TrainArgs, rank: int) -> list[dict]:
     Per step: the loss, this stage's squared gradient norm before the optimizer step and the global norm
     DeepSpeed reports (where its optimizer computes one)."""
     engine = build_engine(run, args, rank)
+    reference = LiveReference(engine, run) if run.objective.reference else None  # dpo: the start, frozen
     samples = prepare(run.data, run.model, args.output_dir, args.seed, verbose=False)
     stream = DataStream(engine, run, args, samples, Progress())
     seen, imap = [], dict(engine._INSTRUCTION_MAP)
@@ -115,7 +125,8 @@ def pipeline_side(run: RunConfig, args: TrainArgs, rank: int) -> list[dict]:
     engine.__dict__["_INSTRUCTION_MAP"] = imap
     for _ in range(STEPS):  # one OptimizerStep per train_batch
         t0 = time.perf_counter()
-        loss = engine.train_batch(data_iter=stream.batches).item()
+        batches = reference.step(stream.batches) if reference else stream.batches  # dpo: the reference pass first
+        loss = engine.train_batch(data_iter=batches).item()
         seen[-1].update(loss=loss, seconds=time.perf_counter() - t0)
     stream.close()
     return [dict(s, stage=engine.stage_id, dp=engine.grid.data_parallel_id) for s in seen]
@@ -147,6 +158,7 @@ def reference_side(run: RunConfig, seed: int, out_dir: str, dev: torch.device) -
     """STEPS steps of the shrunk run on one device in fp32 (mmpipe.runtime.reference's step, GAS x DP
     micro-batches per step): per step the loss and each stage's squared gradient norm before clipping."""
     model = ReferenceModel(run.model, seed=seed, freeze=run.freeze, lora=run.lora).to(dev)
+    ref_model = reference_model(run, model) if run.objective.reference else None  # dpo: a frozen copy of the start
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(run.ds_config, params)
     sched, clip = make_scheduler(run.ds_config, opt), gradient_clipping(run.ds_config)
@@ -160,8 +172,10 @@ def reference_side(run: RunConfig, seed: int, out_dir: str, dev: torch.device) -
     model.train()
 
     def micro_loss():
-        inputs, labels = next(batches)
-        return run.objective.loss(model(*_to(inputs, dev)), _to(labels, dev))
+        inputs, labels = _to(next(batches), dev)
+        if ref_model is not None:  # (labels, ref_logps[, segments]), as the reference pass hands the last stage
+            labels = reference_rows(ref_model, inputs, labels, run.objective, run.pack)
+        return run.objective.loss(model(*inputs), labels)
     steps = []
     for _ in range(STEPS):
         loss = accumulate(micro_loss, run.gas * run.dp)

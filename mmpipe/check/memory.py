@@ -35,7 +35,8 @@ from ..data.dataset import prepare
 from ..planning.costmodel import Shape, stage_memory
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
-from ..runtime.trainer import DataStream, Progress, build_engine
+from ..runtime.preference import LiveReference
+from ..runtime.trainer import DataStream, Progress, build_engine, load_run_weights
 
 TOLERANCE = {"cuda": 1.25, "cpu": 3.0}  # x the planner's stage memory
 # bytes: on a GPU kernels' workspaces (cuBLAS) and the allocator's rounding; on CPU the one-time allocations
@@ -46,7 +47,8 @@ STATUS = Path("/proc/self/status")
 def predicted(run: RunConfig) -> list[float]:
     """The planner's bytes per stage for the run's layout (an `--ep` run's ranks holding 1 / EP of the experts)."""
     shape = Shape(run.stages, run.dp, run.micro, run.gas, run.ep)
-    return [stage_memory(run.layers, run.parts, s, shape, run.precision, run.zero_stage)["total"]
+    live = bool(run.objective.reference and not run.reference_logps)  # dpo: each stage's copy of its trained weights
+    return [stage_memory(run.layers, run.parts, s, shape, run.precision, run.zero_stage, reference=live)["total"]
             for s in range(run.stages)]
 
 
@@ -100,7 +102,10 @@ def step(run: RunConfig, args: TrainArgs, rank: int, dev: torch.device) -> dict:
     engine = build_engine(run, args, rank)
     stream = DataStream(engine, run, args, prepare(run.data, run.model, args.output_dir, args.seed, verbose=False),
                         Progress())
-    loss = engine.train_batch(data_iter=stream.batches).item()
+    # dpo: the live reference's copy and its pass, as training holds and runs them (the memory the planner counts)
+    reference = LiveReference(engine, run, load_run_weights) if run.objective.reference and not run.reference_logps \
+        else None
+    loss = engine.train_batch(data_iter=reference.step(stream.batches) if reference else stream.batches).item()
     stream.close()
     out = {"rank": rank, "stage": engine.stage_id, "loss": loss, "measured": peak.stop() if peak else None,
            "how": peak.what if peak else why}
