@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import refused, train_run, write_ds_config
+from conftest import cut_at, refused, train_run, write_ds_config
 from fixtures_data import HUGE_LIMIT, write_fuzz_set
 from mmpipe.data.records import BAD_KINDS
 
@@ -40,7 +40,11 @@ def test_llava_jsonl_with_bad_records_trains_on_every_good_one_and_resumes_at_th
     once an epoch, and a run stopped half-way and resumed sees exactly the same samples."""
     data, injected, good_rows = write_fuzz_set(tmp_path / "data")  # 40 good records: 5 steps an epoch
     args = _args(small_batches, data, "--max-image-pixels", str(HUGE_LIMIT))
-    full = train_run(tmp_path / "full", *args, "--steps", str(STEPS)).check()
+    half = STEPS // 2
+    # checkpointed half-way as well: the resume below starts from a copy cut there (conftest.cut_at: the files a run of
+    # --steps 5 leaves, its summary.json aside, which --resume does not read; the schedule is fixed at STEPS, so that
+    # run's step-5 checkpoint is this one), one launch fewer than stopping a run of its own
+    full = train_run(tmp_path / "full", *args, "--steps", str(STEPS), "--save-every", str(half)).check()
     s = full.summary
     assert s["stages"] == 2 and s["data"]["bad_by_kind"] == injected
     assert s["data"]["good"] == len(good_rows) and s["data"]["records"] == len(good_rows) + sum(injected.values())
@@ -56,9 +60,7 @@ def test_llava_jsonl_with_bad_records_trains_on_every_good_one_and_resumes_at_th
         assert sorted(r for _, r in seen[40 * e:40 * (e + 1)]) == good_rows
     assert [r for _, r in seen[:40]] != good_rows  # shuffled, deterministically by (seed, epoch)
 
-    half = STEPS // 2
-    train_run(tmp_path / "resumed", *args, "--steps", str(half), "--save-every", "1").check()
-    resumed = train_run(tmp_path / "resumed", *args, "--steps", str(STEPS), "--resume").check()
+    resumed = train_run(cut_at(full, tmp_path / "resumed", half), *args, "--steps", str(STEPS), "--resume").check()
     assert resumed.summary["start_step"] == half
     assert _seen(resumed.out) == seen  # nothing repeated, nothing skipped
     for step, loss in full.losses.items():
