@@ -7,6 +7,7 @@ as the pipeline's stage tuple: each sample's token ids and pixels are transforme
 transformers' (1e-4), and the index counted the crops' slots and words before any pixel was read. In-process."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -105,6 +106,9 @@ def test_packed_pan_and_scan_row_gives_transformers_ids_pixels_and_logits(pan_sc
     text = {int(index.n_images[samples.entry(p)]): len(samples.tokens(p)[0].ids) for p in range(2)}
     # BOS, w4, the 15 words, w40 w41, w5, w50, EOS: 22 text positions and 4 blocks of 2 + 4; the square 7 and 1
     assert text == {4: 22, 1: 7} and sizes == {4: 22 + 4 * (SOFT + 2), 1: 7 + SOFT + 2}
+    # the index's fingerprint holds the settings: the same data and directory without pan-and-scan is indexed anew
+    plain = dataclasses.replace(cfg, vision=dataclasses.replace(v, pan_and_scan=False))
+    assert prepare(opts, plain, tmp_path / "out", seed=0, verbose=False).index.n_images.tolist() == [1, 1]
     rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True))
     inputs, _ = next(rank_batches(rows, StepBatches(0, 1, 1, 0, 1)))
     pixels, ids, has_image, segments = inputs
@@ -135,8 +139,8 @@ def test_packed_pan_and_scan_row_gives_transformers_ids_pixels_and_logits(pan_sc
 
 def test_crops_take_slots_and_export_keeps_the_setting(pan_scan, tmp_path):
     """At --max-images 2 the wide image's 4 slots do not fit: a bad record, too_many_images, saying why, the square
-    kept; --augment is one line; `mmpipe export` writes the processor's pan-and-scan settings, so an import of the
-    export cuts the same crops."""
+    kept; --augment and generating with an image (one square an image) are one line each; `mmpipe export` writes the
+    processor's pan-and-scan settings, so an import of the export cuts the same crops."""
     from mmpipe.config import ConfigError
     from mmpipe.data.args import DataArgs
     from mmpipe.data.dataset import prepare, resolve_data
@@ -149,6 +153,9 @@ def test_crops_take_slots_and_export_keeps_the_setting(pan_scan, tmp_path):
     assert bad["reason"] == "4 images (a crop takes a slot) > --max-images 2", bad
     with pytest.raises(ConfigError, match="^--augment: pan-and-scan images are resized and cut by transformers'"):
         resolve_data(DataArgs(data=args.data, tokenizer=args.tokenizer, text_len=40, augment=True), model.cfg)
+    from mmpipe.inference.generate import _images
+    with pytest.raises(ConfigError, match=r"^vision.pan_and_scan: mmpipe generate reads an image as one square"):
+        _images([(str(d / "0.png"), "w40", "--image")], model.cfg)
     shutil.rmtree(tmp_path / "out")
     assert main(["export", "--checkpoint", str(d / "run"), "--out", str(tmp_path / "hf")]) == 0
     v = hf_gemma3_config(tmp_path / "hf")[1].vision

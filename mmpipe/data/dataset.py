@@ -250,8 +250,9 @@ def _checked_index(opts: DataOptions, cfg: ModelConfig, d: Path, verbose: bool |
     rule = image_rule(cfg, opts.vision_budget)
     # what the grids depend on: the rule's resize bounds for each image count a record may have (not P itself,
     # which --pack's slots may raise without changing any grid); tiles: the rule, T unless it follows the slots
-    grids = None if rule is None else image_kind(cfg).grid_key(rule, opts.record_images,
-                                                                0 if opts.auto_budget else opts.vision_budget)
+    kind = image_kind(cfg)  # no rule: the kind's slot settings (pan-and-scan's), None for the others
+    grids = kind.slot_key if rule is None else kind.grid_key(rule, opts.record_images,
+                                                              0 if opts.auto_budget else opts.vision_budget)
     fp = fingerprint(opts.spec, opts.tokenizer, opts.text_len, opts.overlong, opts.max_pixels, opts.record_images,
                      opts.markers, grids) + ("/pairs" if opts.pairs else "")
     source = pair_source(opts.spec) if opts.pairs else open_source(opts.spec)

@@ -95,6 +95,11 @@ class Gemma3PanScan(Gemma3Images):
     max_crops: int = 4
     min_ratio: float = 1.2
 
+    @property
+    def slot_key(self) -> list:
+        """What an index's slots and words depend on (its fingerprint): the processor's settings."""
+        return ["pan_and_scan", self.size, self.min_crop, self.max_crops, self.min_ratio]
+
     def augment_refusal(self, cfg: ModelConfig) -> str | None:
         return ("--augment: pan-and-scan images are resized and cut by transformers' Gemma3ImageProcessor, which has "
                 "no augmentation; drop --augment")
@@ -148,9 +153,13 @@ class Gemma3PanScan(Gemma3Images):
         return out[slot.crop]
 
     def one_image(self, cfg: ModelConfig):
-        raise ConfigError("vision.pan_and_scan: generation and evaluation read an image as one square; its crops are "
-                          "read in training only (drop do_pan_and_scan from the checkpoint's preprocessor_config.json "
-                          "to generate without them)")
+        """Generation's reader: an image is refused in one line (generation reads one square an image, not the
+        crops), a text-only prompt generates as without pan-and-scan."""
+        def refuse(image):
+            raise ConfigError("vision.pan_and_scan: mmpipe generate reads an image as one square, not its crops "
+                              "(training reads them); set do_pan_and_scan false in the checkpoint's "
+                              "preprocessor_config.json to generate without them")
+        return refuse
 
 
 @functools.lru_cache(maxsize=8)

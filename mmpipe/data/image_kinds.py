@@ -57,6 +57,10 @@ class Spliced:
     # frames as images; `mmpipe plan` does not cost them yet)
     frames_as_images = False
 
+    # what a record's slots depend on beyond the text, for the index's fingerprint where the kind has no grid rule
+    # (Gemma 3's pan-and-scan settings, mmpipe.data.gemma3); None: nothing
+    slot_key = None
+
     def placeholder_id(self, cfg: ModelConfig) -> int | None:
         """The id of the image placeholders its prompts carry (decoding never picks it), None without them."""
         return None
@@ -146,6 +150,7 @@ class Budgeted:
     image_token = False
     markers = True
     frames_as_images = False
+    slot_key = None
     with_timestamps = Spliced.with_timestamps  # the record unchanged: only Qwen3-VL's patches lay clips out so
 
     def placeholder_id(self, cfg: ModelConfig) -> int | None:
