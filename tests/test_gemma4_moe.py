@@ -3,8 +3,9 @@ Gemma4ForConditionalGeneration with enable_moe_block (8 experts of 16, top 2) be
 the router's scale and per-expert scales perturbed from their init of 1. `mmpipe import --hf` gives transformers'
 logits, the experts' half showing; a packed row's samples each give their logits alone; `mmpipe export` loads back
 into transformers with the run's logits; cached greedy generation gives transformers' tokens; the router statistics
-cross every decoder boundary to the head; the planner counts each block's experts; gemma-4-26b-a4b holds the
-published 25.2B / 3.8B active; a bad MoE section is one line. In-process."""
+cross every decoder boundary to the head; the planner counts each block's experts and `mmpipe check`'s profile
+times each sparse kind; gemma-4-26b-a4b holds the published 25.2B / 3.8B active; a bad MoE section is one line.
+In-process."""
 from __future__ import annotations
 
 import json
@@ -125,6 +126,17 @@ def test_router_statistics_cross_to_the_head_and_the_planner_counts_experts():
         ["hidden", "moe_stats"]] * 2
     rows = layer_costs(cfg, (), text_len=24)
     assert [r.expert_params for r in rows] == [0] * 5 + [4 * 3 * 32 * 16] * 5 + [0, 0]
+
+
+def test_the_profile_times_every_sparse_kind():
+    """`mmpipe check`'s profile (costmodel.profile_layers) times one layer of each kind on random inputs: the sparse
+    classes after decoder layer 0 and the head take moe_stats [micro, 2, E] beside the per-layer inputs and K/V."""
+    from mmpipe.planning.costmodel import profile_layers
+    cfg = load_preset("gemma4-moe-tiny")
+    kinds = profile_layers(cfg, 8, 2, "fp32", repeats=1)
+    assert {"Gemma4SlidingMoeBlock", "Gemma4SlidingMoeStore", "Gemma4GlobalMoeStore", "Gemma4SlidingMoeShared",
+            "Gemma4GlobalMoeShared"} <= set(kinds)
+    assert all(f > 0 and b > 0 for f, b in kinds.values())
 
 
 def test_26b_a4b_preset_holds_the_published_counts():

@@ -619,11 +619,15 @@ def _profile_rows(cfg: ModelConfig, text_len: int, micro: int, images: int) -> t
     return ids, torch.ones(micro, images, dtype=torch.long), torch.ones(micro, shape.length, dtype=torch.long)
 
 
-def _with_row_fields(layer, args: tuple, make, cfg: ModelConfig) -> tuple:
-    """args (hidden, *ints) with the carried floats sized by the row that the layer takes (StageField.per_position:
-    Gemma 4's per_layer, its shared K/V), make(width) each, after hidden in the layer's stage_in order."""
-    extra = tuple(make(f.per_position(cfg)) for f in layer.__dict__.get("stage_in", ())
-                  if f.floating and f.per_position)
+def _with_row_fields(layer, args: tuple, floats, seq: int, cfg: ModelConfig) -> tuple:
+    """args (hidden, *ints) with the carried floats the layer takes that no image makes, after hidden in its stage_in
+    order: a field sized by the row (StageField.per_position: Gemma 4's per_layer, its shared K/V) as floats(seq,
+    width), an MoE model's router statistics (mmpipe.model.moe's moe_stats, entering every sparse block but the
+    first) as floats(2, E)."""
+    def make(f):
+        return floats(seq, f.per_position(cfg)) if f.per_position else floats(2, family_of(cfg).experts(cfg).experts)
+    extra = tuple(make(f) for f in layer.__dict__.get("stage_in", ())
+                  if f.floating and (f.per_position or f.name == "moe_stats"))
     return args[:1] + extra + args[1:] if extra else args
 
 
@@ -654,7 +658,7 @@ def _profile(cfg: ModelConfig, text_len: int, micro: int, precision: str, repeat
         layer = bound(spec.build().to(dtype), cfg, i)
         fwd, bwd = [], []
         for k in range(repeats + 1):
-            args = _with_row_fields(layer, inputs[rule.takes](), lambda w: floats(seq, w), cfg)
+            args = _with_row_fields(layer, inputs[rule.takes](), floats, seq, cfg)
             sync()
             t0 = time.perf_counter()
             y = spec.forward_fn(layer, args) if getattr(spec, "forward_fn", None) else layer(args)  # a tied head
