@@ -438,8 +438,9 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
     and value heads: each rank runs H/N of them after the all-to-all; a row's positions are padded to a multiple of N),
     and only where it was checked: not with --tp (both take the grid's model axis), fp32 at ZeRO 0 or 1, 1F1B, the SFT
-    objective, no LoRA, checkpointing or validation (--resume, at this or another SP, and MoE with --ep are checked)."""
-    sp, (zero_stage, precision, schedule, pipe_cfg) = args.sp, setup
+    objective, no validation (--resume, at this or another SP, MoE with --ep, LoRA without dropout and activation
+    checkpointing are checked)."""
+    sp, (zero_stage, precision, schedule, _) = args.sp, setup
     if sp < 1:
         problems.append(f"--sp: {sp} must be >= 1")
     if sp <= 1 or model is None:
@@ -456,12 +457,13 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         if n and n % sp:
             problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")
     unchecked = [name for name, on in (
-        ("--tp", args.tp > 1), ("--lora", args.lora > 0), ("--init-from", bool(args.init_from)),
+        ("--tp", args.tp > 1), ("--init-from", bool(args.init_from)),
+        # every SP rank draws the same masks (one seed), so positions r x L / SP + i would share theirs
+        (f"--lora-dropout {args.lora_dropout}", args.lora > 0 and args.lora_dropout > 0),
         (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
         (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage > 1),
-        (f"schedule {schedule}", schedule.name != BASELINE.name),
-        ("activation checkpointing", int(pipe_cfg.get("activation_checkpoint_interval", 0) or 0) > 0)) if on]
+        (f"schedule {schedule}", schedule.name != BASELINE.name)) if on]
     if unchecked:
         problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (this slice trains fp32, "
                         f"ZeRO 0 / 1, 1F1B, SFT; docs/sequence_parallel.md)")

@@ -2,6 +2,7 @@
 that --sp 1 exceeds; each rank's peak activation bytes at SP = 1, 2 and 4 (docs/sequence_parallel.md, "Memory").
 
     python scripts/bench_sp.py --out runs/bench_sp            # 5 launches, a few minutes on 2 CPU cores
+    python scripts/bench_sp.py --loss                         # the head's loss alone: whole logits vs tiled
 
 The model is llava-tiny (2 decoder layers, dim 32) with its context raised to the row and 4 KV heads (SP 4 divides
 them); the row packs ~64 text samples of ~1,000 words of the built-in tokenizer into 65,536 positions (each sample
@@ -149,6 +150,61 @@ def launch(flags: list[str], sp: int, out: Path, cap: int | None, timeout: int) 
             "error": None if trained else first_error(log).split("mmpipe: error: ")[-1]}  # past tqdm's bar
 
 
+def _hwm_bytes() -> int:
+    """This process's peak resident set (VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("bench_sp: no VmHWM in /proc/self/status (Linux only)")
+
+
+def loss_main(kind: str, n: int, dim: int, vocab: int, tile_bytes: int) -> int:
+    """One process: the head's loss on hidden [1, n, dim] and a head [vocab, dim], forward and backward, on the
+    whole logits (lm_loss, what a rank computed before the tiling) or tiled (TiledLogits); prints its peak resident
+    growth over the inputs (VmHWM reset after they are made: /proc/self/clear_refs 5) and the loss, as JSON."""
+    import torch
+    import torch.nn.functional as F
+
+    from mmpipe.model.builder import lm_loss
+    from mmpipe.model.sequence_parallel import TiledLogits, tile_positions
+    torch.manual_seed(0)
+    hidden = torch.randn(1, n, dim, requires_grad=True)
+    weight = (torch.randn(vocab, dim) * 0.02).requires_grad_()
+    labels, weights = torch.randint(0, vocab, (1, n)), torch.full((1, n), 1.0 / n)
+    Path("/proc/self/clear_refs").write_text("5")
+    base, t0 = _hwm_bytes(), time.time()
+    tile = tile_positions(vocab, tile_bytes)
+    if kind == "whole":
+        loss = lm_loss(F.linear(hidden, weight), (labels, weights))
+    else:
+        loss = TiledLogits(hidden, weight, tile).loss(labels, weights)
+    loss.backward()
+    print(json.dumps({"kind": kind, "positions": n, "vocab": vocab, "tile": n if kind == "whole" else tile,
+                      "peak_growth_bytes": _hwm_bytes() - base, "logits_bytes": 4 * n * vocab,
+                      "loss": loss.item(), "grad_norm": hidden.grad.norm().item(), "seconds": time.time() - t0}))
+    return 0
+
+
+def loss_bench(a) -> int:
+    """--loss: loss_main whole and tiled, each in a fresh process; the table docs/sequence_parallel.md quotes."""
+    rows = []
+    for kind in ("whole", "tiled"):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--loss-rank", kind, str(a.loss_positions),
+               str(a.loss_dim), str(a.loss_vocab), str(int(a.tile_mib * 2 ** 20))]
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                              text=True, timeout=a.timeout, check=True)
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\nthe head's loss on {a.loss_positions} positions (one SP rank's slice), dim {a.loss_dim}, vocabulary "
+          f"{a.loss_vocab}: whole fp32 logits {_mib(rows[0]['logits_bytes'])} MiB\n")
+    print("| loss | positions a tile | peak growth MiB | loss | hidden gradient norm | seconds |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['tile']} | {_mib(r['peak_growth_bytes'])} | {r['loss']:.6f} | "
+              f"{r['grad_norm']:.6e} | {r['seconds']:.2f} |")
+    return 0
+
+
 def _mib(n) -> str:
     return f"{n / 2 ** 20:.1f}"
 
@@ -162,7 +218,14 @@ def main(argv=None) -> int:
     ap.add_argument("--words", type=int, default=1000, help="answer words per sample (up to)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per launch")
+    ap.add_argument("--loss", action="store_true", help="bench the head's loss alone, whole logits vs tiled")
+    ap.add_argument("--loss-positions", type=int, default=1024, help="--loss: positions (one rank's slice)")
+    ap.add_argument("--loss-dim", type=int, default=64, help="--loss: hidden size")
+    ap.add_argument("--loss-vocab", type=int, default=151_936, help="--loss: vocabulary (Qwen's)")
+    ap.add_argument("--tile-mib", type=float, default=64, help="--loss: a tile's fp32 logits, MiB")
     a = ap.parse_args(argv)
+    if a.loss:
+        return loss_bench(a)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     flags = [*write_inputs(out, a.samples, a.words), "--steps", str(a.steps)]
@@ -188,6 +251,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if "--loss-rank" in sys.argv[1:]:
+        kind, *sizes = sys.argv[sys.argv.index("--loss-rank") + 1:]
+        sys.exit(loss_main(kind, *map(int, sizes)))
     if "--rank" in sys.argv[1:]:
         i = sys.argv.index("--rank")
         rest = sys.argv[i + 1:]

@@ -6,12 +6,16 @@
   DeepSpeed's all-to-all around the attention (or the delta rule), the labels' slice, gradients summed over SP - equal
   the whole computation on packed rows of 3 samples and 2 samples, a sample cut by the SP slice in each: the loss,
   each rank's outputs and input gradients against its slice of the whole, every parameter's gradient (1e-6); and
-  Qwen3-VL's DeepstackAdd0 on a slice.
+  Qwen3-VL's DeepstackAdd0 on a slice. Also MoE blocks (Qwen3MoeBlock, DeltaNetMoeBlock: router statistics summed
+  over SP, the aux loss once), rows of odd length (padded to a multiple of SP), LoRA adapters on frozen blocks, and
+  experts.clip_norm's norm over SP (a shard counted once).
+- In process: the tiled loss (TiledLogits) equals lm_loss on the whole logits.
 - One launch: qwen-tiny PP=2 x SP=2 (4 CPU ranks), packed rows of mixed image grids, 3 steps at a constant lr: each
   step's loss and the final weights equal the single-device reference (1e-5), every trained tensor moved > 10 x that;
   its gradients summed over SP once a step (at ReduceGrads).
 - Its step-2 checkpoint resumed at SP=2 (bit for bit) and at SP=1 (weights carried, moments restarted): 2 launches.
-- One launch: qwen-tiny PP=1 x DP=2 x SP=2 at ZeRO-1 with the clip engaged equals the single-device reference (1e-5).
+- One launch: qwen-tiny PP=1 x DP=2 x SP=2 at ZeRO-1 with the clip engaged and activation checkpointing equals the
+  single-device reference (1e-5).
 - The refusals, one line each (no launch)."""
 from __future__ import annotations
 
@@ -29,11 +33,12 @@ from mmpipe.config import config_from_dict, load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.model.builder import IGNORE_INDEX, bound, lm_loss
 from mmpipe.model.llava import LlamaBlock
+from mmpipe.model.lora import Lora, add_adapters
 from mmpipe.model.moe import MoeBlock, Qwen3MoeBlock, aux_loss
 from mmpipe.model.qwen2_vl import QwenBlock
 from mmpipe.model.qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock
 from mmpipe.model.qwen3_vl import DEEPSTACK_ADDS, Qwen3Block
-from mmpipe.model.sequence_parallel import local, padded, parallelize_sequence, sp_loss, sum_gradients
+from mmpipe.model.sequence_parallel import TILE_ENV, local, padded, parallelize_sequence, sp_loss, sum_gradients
 from mmpipe.model.stage import StageTuple
 from mmpipe.model.tensor_parallel import Shard
 from mmpipe.registry import family_of
@@ -79,12 +84,19 @@ def _loss(logits, stats, labels, weights, real: int):
     return lm_loss(logits if stats is None else (logits, aux_loss(stats, torch.tensor(real), 1)), (labels, weights))
 
 
-def _block_check(block_cls, preset: str, shard: Shard, length: int = L) -> dict:
+def _block_check(block_cls, preset: str, shard: Shard, length: int = L, lora: bool = False) -> dict:
     """block -> head -> the weighted loss (and an MoE block's aux loss), whole on each rank and under SP: max
-    differences. A row of odd `length` is padded to a multiple of SP: rank 1's slice ends in a padding position."""
+    differences. A row of odd `length` is padded to a multiple of SP: rank 1's slice ends in a padding position.
+    lora: the block's base frozen, rank-4 adapters on its linears (B drawn nonzero, so A's gradient is too)."""
     cfg = _moe_config(preset) if issubclass(block_cls, MoeBlock) else load_preset(preset)
     torch.manual_seed(0)
     whole = block_cls(cfg)
+    if lora:
+        add_adapters(whole, 0, Lora(rank=4, alpha=8.0), seed=0)
+        with torch.no_grad():  # peft starts B at zero: A's gradient would be 0 = 0
+            for name, p in whole.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
     head = torch.nn.Linear(cfg.text.dim, 24, bias=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, length, cfg.text.dim, generator=g, requires_grad=True)
@@ -121,7 +133,7 @@ def _block_check(block_cls, preset: str, shard: Shard, length: int = L) -> dict:
         diffs["stats"] = (stats_local - stats).abs().max().item()
     grads = dict(whole.named_parameters()) | {f"head.{k}": v for k, v in head.named_parameters()}
     got = dict(block.named_parameters()) | {f"head.{k}": v for k, v in sp_head.named_parameters()}
-    diffs |= {k: (got[k].grad - p.grad).abs().max().item() for k, p in grads.items()}
+    diffs |= {k: (got[k].grad - p.grad).abs().max().item() for k, p in grads.items() if p.requires_grad}
     return diffs
 
 
@@ -156,6 +168,38 @@ def _deepstack_check(shard: Shard) -> dict:
             "moved": (out_l - row.hidden[:, mine]).abs().max().item()}  # this rank's slice holds image positions
 
 
+class _Grid:  # the pipeline grid's two questions clip_norm asks, for PP = 1: the SP group is the model-parallel one
+    def __init__(self, shard: Shard):
+        self.shard = shard
+
+    def get_model_parallel_rank(self):
+        return self.shard.rank
+
+    def get_model_parallel_group(self):
+        return self.shard.group
+
+
+def _clip_check(shard: Shard) -> dict:
+    """experts.clip_norm (--ep's fp32 clip) under SP: a replicated weight and an expert shard, each held by both SP
+    ranks with the same (SP-summed) gradient, marked as the pipeline marks them (mark_norm_counting: SP rank 0 only),
+    EP 1 (each rank its own EP group): the norm and the clipped gradients are one copy's, as torch clips it (the shard
+    counted on both SP ranks, the norm would be sqrt(|w|^2 + 2 |s|^2): 10.5 against 7.75 here)."""
+    from mmpipe.model.tensor_parallel import mark_norm_counting
+    from mmpipe.runtime.experts import clip_norm
+    g = torch.Generator().manual_seed(3)
+    w, s = torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(4, 3))
+    w.grad, s.grad = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g) * 3
+    whole = [copy.deepcopy(w), copy.deepcopy(s)]
+    for p, q in zip(whole, (w, s)):
+        p.grad = q.grad.clone()
+    mark_norm_counting([w, s], shard.rank)
+    alone = [dist.new_group([r]) for r in range(shard.size)][shard.rank]
+    norm = clip_norm([w, s], [s], 1.0, _Grid(shard), alone)
+    want = torch.nn.utils.clip_grad_norm_(whole, 1.0)
+    return {"clip.norm": abs(norm.item() - want.item()), "clip.w": (w.grad - whole[0].grad).abs().max().item(),
+            "clip.s": (s.grad - whole[1].grad).abs().max().item(), "clip.moved": want.item()}
+
+
 def _worker(rank: int, tmp: str) -> None:
     from deepspeed.comm import comm as ds_comm
     from deepspeed.comm.torch import TorchBackend
@@ -174,7 +218,11 @@ def _worker(rank: int, tmp: str) -> None:
     diffs |= {f"{name}_odd": _block_check(cls, preset, shard, L - 1)
               for name, cls, preset in (("qwen", QwenBlock, "qwen-tiny"), ("deltanet", DeltaNetBlock, "qwen3.5-tiny"),
                                         ("qwen3_moe", Qwen3MoeBlock, "qwen3-vl-tiny"))}
+    # LoRA on the frozen blocks (adapters injected after the SP wrapping in the pipeline, before it here: the same)
+    diffs |= {f"{name}_lora": _block_check(cls, preset, shard, lora=True)
+              for name, cls, preset in (("qwen", QwenBlock, "qwen-tiny"), ("deltanet", DeltaNetBlock, "qwen3.5-tiny"))}
     diffs["deepstack"] = _deepstack_check(shard)
+    diffs["clip"] = _clip_check(shard)
     with open(f"{tmp}/diffs{rank}.json", "w") as f:
         json.dump(diffs, f)
     dist.barrier()
@@ -187,9 +235,45 @@ def test_block_and_loss_under_sp2_equal_the_whole_row(tmp_path):
         diffs = json.loads((tmp_path / f"diffs{rank}.json").read_text())
         moved = diffs["deepstack"].pop("moved")
         assert moved > 0.1, moved  # the set was added on this rank's image positions (6, 7 | 8, 9)
+        assert diffs["clip"].pop("clip.moved") > 2, diffs["clip"]  # the norm (7.75) clipped at 1.0
         for block, d in diffs.items():
-            assert len(d) > (2 if block == "deepstack" else 10), (block, d)  # every parameter's gradient among them
+            assert len(d) > (2 if block in ("deepstack", "clip") else 10), (block, d)  # every parameter's gradient
             assert max(d.values()) < 1e-6, (rank, block, d)
+
+
+def test_tiled_loss_equals_the_whole_logits_loss(monkeypatch):
+    """TiledLogits' loss (what sp_loss computes from a head under --sp) equals lm_loss on the whole logits: the
+    LossNorm-weighted cross-entropy and the gradients of the hidden and the head's weight (1e-6), over 38 positions in
+    tiles of 5 (8 tiles forward, 8 recomputed backward); autograd keeps no logits, and no tile's logits exceed 5 x V."""
+    from mmpipe.model import sequence_parallel
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 19, 16, generator=g, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(50, 16, generator=g))
+    labels = torch.randint(0, 50, (2, 19), generator=g)
+    labels[0, :4] = labels[1, 15:] = IGNORE_INDEX
+    weights = torch.rand(2, 19, generator=g) * (labels != IGNORE_INDEX)
+    loss = lm_loss(torch.nn.functional.linear(hidden, weight), (labels, weights))
+    loss.backward()
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    tiles, saved = [], []
+    real = sequence_parallel._tile_loss
+    monkeypatch.setattr(sequence_parallel, "_tile_loss", lambda x, *a: tiles.append(len(x)) or real(x, *a))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        tiled = sequence_parallel.TiledLogits(h, w, tile=5).loss(labels, weights)
+    tiled.backward()
+    assert tiles == [5] * 7 + [3] + [5] * 7 + [3]
+    assert sorted(saved) == [38, 38, 608, 800]  # its inputs only (labels, weights, hidden, weight): no logits
+    assert abs(tiled.item() - loss.item()) <= 1e-6 * abs(loss.item())
+    assert (h.grad - hidden.grad).abs().max() < 1e-6 and (w.grad - weight.grad).abs().max() < 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_tiles():
+    """The launches' loss in tiles of 16 positions (V = 200: 16 x 200 x 4 B of fp32 logits), so each rank's 2 x 44
+    positions a micro-batch take 6 tiles (sequence_parallel.TiledLogits; at the default 1 GiB, one)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(TILE_ENV, str(16 * 200 * 4))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -268,12 +352,15 @@ CLIP = 0.05  # below the gradient norm from step 1
 
 @pytest.fixture(scope="module")
 def qwen_sp_zero1(tmp_path_factory):
-    """qwen-tiny PP=1 x DP=2 x SP=2 (4 ranks) at ZeRO-1, clipped at CLIP, and its references: the single-device loop on
+    """qwen-tiny PP=1 x DP=2 x SP=2 (4 ranks) at ZeRO-1, clipped at CLIP, activation checkpointing on (each decoder
+    block's forward, all-to-alls included, recomputed in backward on both SP ranks), and its references: the
+    single-device loop on
     the same 4 rows a step (micro 2 x GAS 2; the launch micro 2 x GAS 1 x DP 2), clipped at CLIP and sqrt(2) x CLIP."""
     data = PackedSet(tmp_path_factory.mktemp("sp_z1"), "qwen-tiny", SIZES, 36, STEPS, SEED)
     common = {"train_micro_batch_size_per_gpu": 2, "scheduler": None, "optimizer": CLIPPED_ADAM}
     z1 = write_ds_config(data.root / "z1.json", gradient_accumulation_steps=1, gradient_clipping=CLIP,
-                         zero_optimization={"stage": 1}, **common)
+                         zero_optimization={"stage": 1}, **common,  # and every checkpointable layer checkpointed
+                         pipeline={"stages": "auto", "partition": "best", "activation_checkpoint_interval": 1})
     refs = []
     for clip in (CLIP, CLIP * 2 ** 0.5):
         write_ds_config(data.root / "ds.json", gradient_accumulation_steps=2, gradient_clipping=clip, **common)
@@ -305,7 +392,7 @@ def test_sp_refusals_one_line_each(capsys):
         err = refused(["--preset", preset, "--sp", "2", "--steps", "1"], capsys)
         assert any(f"--sp: 2 on {preset}" in line and why in line for line in err), err
     for flags, what in ((["--tp", "2"], "--tp"), (["--schedule", "dualpipev"], "schedule dualpipev"),
-                        (["--lora", "4"], "--lora")):
+                        (["--lora", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1")):
         err = refused(["--preset", "llava-tiny", "--sp", "2", "--steps", "1", *flags], capsys)
         assert any(f"--sp: 2 with {what}" in line and "not supported yet" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--sp", "0", "--steps", "1"], capsys)

@@ -7,7 +7,8 @@ sample across the SP cut at 44), PP=1 x DP=2 x SP=2 with EP=2 (4 ranks: each SP 
 the experts of its EP group, the DP ranks of its SP coordinate), micro 2 x GAS 1, clipped at CLIP every step, AdamW at
 test_tp_combos' eps 1e-4 (where the clip's scale reaches the update), 3 steps at a constant lr, against the
 single-device loop over the same 4 rows a step (micro 2 x GAS 2): each step's loss and aux loss, and every final
-weight, within 1e-5; every trained tensor moved more than 10 x that; each rank held half the experts."""
+weight, within 1e-5; every trained tensor moved more than 10 x that; each rank held half the experts. The untied MoE
+head's loss is tiled (MoeHead -> TiledLogits), 6 tiles of 16 positions a micro-batch."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from conftest import assert_weights_moved, train_run, write_ds_config
 from mmpipe.model import ReferenceModel
+from mmpipe.model.sequence_parallel import TILE_ENV
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
@@ -24,6 +26,15 @@ from test_tp_combos import OPTIMIZER as CLIPPED_ADAM
 
 STEPS, SEED, TOL = 3, 5, 1e-5
 CLIP = 0.5  # below every step's global gradient norm (10.5, 3.1, 2.5: asserted): each step is clipped
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_tiles():
+    """The launches' loss in tiles of 16 positions (V = 200: 16 x 200 x 4 B of fp32 logits), so each rank's 2 x 44
+    positions a micro-batch take 6 tiles (sequence_parallel.TiledLogits; at the default 1 GiB, one)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(TILE_ENV, str(16 * 200 * 4))
+        yield
 
 
 @pytest.fixture(scope="module")

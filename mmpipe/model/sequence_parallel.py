@@ -26,14 +26,17 @@ the positions.
 """
 from __future__ import annotations
 
+import functools
+import os
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .attention import Split, attend
-from .builder import IGNORE_INDEX
-from .llava import LlamaBlock, LlavaEmbed
-from .moe import Qwen3MoeBlock, split_aux
+from .llava import LlamaBlock, LlavaEmbed, LMHeadLinear, tied_head
+from .moe import MoeHead, Qwen3MoeBlock, TiedMoeHead, split_aux
 from .qwen2_vl import QwenBlock, QwenEmbed
 from .qwen3_5 import (
     DeltaNetBlock,
@@ -229,42 +232,81 @@ def _sliced_router(moe, shard: Shard):
     return forward
 
 
-def moe_by_heads(layer, shard: Shard) -> None:  # an MoE block: its attention (or delta rule) as the dense one's
-    (deltanet_by_heads if isinstance(layer, DeltaNetBlock) else attend_by_heads)(layer, shard)
+def moe_attend_by_heads(layer, shard: Shard) -> None:  # an MoE block: its attention as the dense one's
+    attend_by_heads(layer, shard)
     layer.mlp.forward = _sliced_router(layer.mlp, shard)
 
 
+def moe_deltanet_by_heads(layer, shard: Shard) -> None:  # an MoE Gated DeltaNet block: as the dense one
+    deltanet_by_heads(layer, shard)
+    layer.mlp.forward = _sliced_router(layer.mlp, shard)
+
+
+def tiled_head(layer, shard: Shard) -> None:  # noqa: ARG001 (a plan entry's signature)
+    """An untied head (LMHeadLinear, MoeHead: its `lm_head` projection) returns TiledLogits, its hidden and weight, not
+    logits: sp_loss tiles them."""
+    proj = layer.lm_head
+    proj.forward = lambda hidden: TiledLogits(hidden, proj.weight)
+
+
+def tiled_tied_head(head: functools.partial, shard: Shard) -> functools.partial:  # noqa: ARG001
+    """A tied head (DeepSpeed's partial(forward_fn, the tied embedding): llava.tied_head, moe.TiedMoeHead) returning
+    TiledLogits of its hidden (the first float of its tuple) and the embedding's weight. forward_fn itself runs on a
+    stand-in embedding whose weight has no rows (logits [B, T, 0]: nothing), so an MoE head still computes and
+    keeps its aux loss (moe.head_aux reads it through __wrapped__)."""
+    fn = head.func
+
+    def forward(embed, args):
+        weight = embed.embed_tokens.weight
+        _, aux = split_aux(fn(SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight[:0])), args))
+        tiled = TiledLogits(args[0], weight)
+        return tiled if aux is None else (tiled, aux)
+    forward.__wrapped__ = getattr(fn, "__wrapped__", fn)
+    return functools.partial(forward, *head.args, **head.keywords)
+
+
 # the families' plans (mmpipe.registry.Family.sp_plan, attached in mmpipe.families): the decoder embedding keeps its
-# slice, each decoder block attends (or runs Gated DeltaNet) through the all-to-all, DeepStack adds their slice; the
-# tower, projector / mergers, norm and head run unchanged on what they get
-LLAVA_SP_PLAN = {LlavaEmbed: slice_embedding, LlamaBlock: attend_by_heads}
-QWEN2_VL_SP_PLAN = {QwenEmbed: slice_embedding, QwenBlock: attend_by_heads}
-QWEN3_VL_SP_PLAN = {Qwen3Embed: slice_embedding, Qwen3Block: attend_by_heads, Qwen3MoeBlock: moe_by_heads,
-                    **{add: slice_deepstack for add in DEEPSTACK_ADDS}}
+# slice, each decoder block attends (or runs Gated DeltaNet) through the all-to-all, DeepStack adds their slice, the
+# head hands the loss its hidden and weight (TiledLogits: the tiled loss); the tower, projector / mergers and norm
+# run unchanged on what they get. A tied head is keyed by its forward_fn (a function, or TiedMoeHead's class).
+HEADS = {LMHeadLinear: tiled_head, tied_head: tiled_tied_head}
+MOE_HEADS = {MoeHead: tiled_head, TiedMoeHead: tiled_tied_head}
+LLAVA_SP_PLAN = {LlavaEmbed: slice_embedding, LlamaBlock: attend_by_heads, **HEADS}
+QWEN2_VL_SP_PLAN = {QwenEmbed: slice_embedding, QwenBlock: attend_by_heads, **HEADS}
+QWEN3_VL_SP_PLAN = {Qwen3Embed: slice_embedding, Qwen3Block: attend_by_heads, Qwen3MoeBlock: moe_attend_by_heads,
+                    **{add: slice_deepstack for add in DEEPSTACK_ADDS}, **HEADS, **MOE_HEADS}
 QWEN3_5_SP_PLAN = {Qwen3Embed: slice_embedding, GatedAttentionBlock: attend_by_heads, DeltaNetBlock: deltanet_by_heads,
-                   GatedAttentionMoeBlock: moe_by_heads, DeltaNetMoeBlock: moe_by_heads,
+                   GatedAttentionMoeBlock: moe_attend_by_heads, DeltaNetMoeBlock: moe_deltanet_by_heads,
+                   **HEADS, **MOE_HEADS,
                    # beyond the attention heads SP must divide (each rank runs H / SP of them after the all-to-all)
                    SIZES: lambda cfg: (("Gated DeltaNet key heads", cfg.text.linear_key_heads),
                                        ("Gated DeltaNet value heads", cfg.text.linear_value_heads))}
 
 
-def parallelize_sequence(layers, shard: Shard, plan: dict) -> None:
-    """The stage's layers (and tied modules) under SP, in place (module docstring), each as the family's plan
-    (Family.sp_plan: layer class -> how) says; a class the plan does not name runs unchanged. A layer seen twice (a
-    tied module) once."""
-    done = set()
+def parallelize_sequence(layers, shard: Shard, plan: dict) -> list:
+    """The stage's layers (and tied modules) under SP (module docstring), each as the family's plan (Family.sp_plan:
+    layer class, or a tied head's forward_fn, -> how) says; a layer the plan does not name runs unchanged. Modules
+    change in place (a layer seen twice, a tied module, once); returns the list with each tied head (DeepSpeed's
+    partial) replaced by its tiled one."""
+    done, out = set(), []
     for layer in layers:
+        if isinstance(layer, functools.partial):
+            how = plan.get(layer.func) or plan.get(type(layer.func))
+            out.append(how(layer, shard) if how else layer)
+            continue
+        out.append(layer)
         if id(layer) in done:
             continue
         done.add(id(layer))
         how = plan.get(type(layer))
         if how is not None:
             how(layer, shard)
+    return out
 
 
 def sp_loss(loss_fn, shard: Shard):
     """loss_fn (the objective's, on one rank's logits [B, L / SP, V]) on this rank's slice of the labels (and
-    LossNorm weights [B, L], padded as the row: IGNORE_INDEX, weight 0): their weighted sum is additive over
+    LossNorm weights [B, L], padded as the row: weight 0): their weighted sum is additive over
     positions, so the slices' sum is the whole row's. The value returned is that sum over SP (logged, the same on
     every SP rank); its gradient is this rank's own. An MoE head's load-balancing term (already the whole row's on
     every SP rank: _sliced_router) is added once, after the sum."""
@@ -273,10 +315,86 @@ def sp_loss(loss_fn, shard: Shard):
             raise ValueError("sequence parallelism: the loss needs LossNorm's per-position weights (a labelled mean "
                              "per micro-batch does not add up over slices)")
         logits, aux = split_aux(out)
-        mine = tuple(local(x, shard, 1, IGNORE_INDEX if i == 0 else 0) for i, x in enumerate(labels))
-        total = reduce_from_tp(loss_fn(logits, mine), shard)
+        mine = tuple(local(x, shard, 1) for x in labels)  # padding: label 0 at weight 0, adding 0 x its CE
+        # a tiled head's (TiledLogits): lm_loss's LossNorm sum, a tile of logits at a time (the SFT objective's: the
+        # only one --sp trains)
+        part = logits.loss(*mine) if isinstance(logits, TiledLogits) else loss_fn(logits, mine)
+        total = reduce_from_tp(part, shard)
         return total if aux is None else total + aux
     return loss
+
+
+# Tiled loss (issue 58's "nothing ever materialises full-row logits: tile the loss, as ALST does"): the head hands the
+# loss its hidden and weight, and the loss makes logits a tile of positions at a time, in forward and again in
+# backward, so a rank holds tile x V logits at once, not its L / SP x V (qwen3-vl-8b at L = 131,072 and SP 4: 32,768
+# x 151,936 x 4 B = 18.5 GiB of fp32 logits, and their gradient as much, where a tile of 1,767 positions is 1 GiB)
+TILE_BYTES = 1 << 30  # fp32 logits of one tile (ALST's TiledFusedLogitsLoss sizes its shards likewise, ~1 GiB)
+TILE_ENV = "MMPIPE_SP_TILE_BYTES"  # another tile size, in bytes of fp32 logits (docs/sequence_parallel.md)
+
+
+def tile_positions(vocab: int, tile_bytes: int | None = None) -> int:
+    """Positions a tile holds: as many fp32 logit rows of `vocab` as fit tile_bytes (151,936 -> 1,767 at 1 GiB), >= 1;
+    tile_bytes None: $MMPIPE_SP_TILE_BYTES, else TILE_BYTES."""
+    tile_bytes = tile_bytes or int(os.environ.get(TILE_ENV) or TILE_BYTES)
+    return max(1, tile_bytes // (4 * vocab))
+
+
+class TiledLogits:
+    """What a head under --sp returns in place of logits [B, T, V]: its input hidden [B, T, D] and the vocabulary
+    projection's weight [V, D]; sp_loss computes the LossNorm-weighted cross-entropy from them a tile at a time
+    (TiledCrossEntropy). Not a tuple: split_aux takes it as the logits of a head without an aux loss."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, tile: int | None = None):
+        self.hidden, self.weight = hidden, weight
+        self.tile = tile or tile_positions(weight.shape[0])
+
+    def loss(self, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over positions of cross-entropy x weight (lm_loss's LossNorm form), fp32."""
+        return TiledCrossEntropy.apply(self.hidden, self.weight, labels, weights, self.tile)
+
+
+def _tile_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One tile's sum of cross-entropy x weight: h [n, D], labels / weights [n] (lm_loss's arithmetic, fp32)."""
+    # cross_entropy's default ignore_index, -100, is builder.IGNORE_INDEX (not imported: builder -> lora ->
+    # tensor_parallel -> this module would be a cycle)
+    ce = F.cross_entropy(F.linear(h, weight).float(), labels, reduction="none")
+    return (ce * weights).sum()
+
+
+class TiledCrossEntropy(torch.autograd.Function):
+    """sum(cross_entropy(hidden @ weight^T) x weights) over the positions of hidden [B, T, D], `tile` positions at a
+    time: forward keeps no logits (only the loss's inputs), backward recomputes each tile's logits and takes its
+    gradients by autograd (a checkpoint per tile), adding the weight's over tiles. Peak: one tile's logits and their
+    gradient, tile x V each."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, tile):
+        ctx.save_for_backward(hidden, weight, labels, weights)
+        ctx.tile = tile
+        h, y, w = hidden.flatten(0, 1), labels.flatten(), weights.flatten()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, h.shape[0], tile):
+            total += _tile_loss(h[s:s + tile], weight, y[s:s + tile], w[s:s + tile])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, labels, weights = ctx.saved_tensors
+        h, y, w = hidden.detach().flatten(0, 1), labels.flatten(), weights.flatten()
+        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for s in range(0, h.shape[0], ctx.tile):
+            with torch.enable_grad():
+                h_t = h[s:s + ctx.tile].requires_grad_(grad_h is not None)
+                w_t = weight.detach().requires_grad_(grad_w is not None)
+                wanted = [x for x in (h_t, w_t) if x.requires_grad]
+                got = iter(torch.autograd.grad(_tile_loss(h_t, w_t, y[s:s + ctx.tile], w[s:s + ctx.tile]), wanted,
+                                               grad) if wanted else ())
+            if grad_h is not None:
+                grad_h[s:s + ctx.tile] = next(got)
+            if grad_w is not None:
+                grad_w += next(got)
+        return (None if grad_h is None else grad_h.view_as(hidden)), grad_w, None, None, None
 
 
 # DeepSpeed's own bucket for the pipeline engine's DP all-reduce (MEMORY_OPT_ALLREDUCE_SIZE, elements)

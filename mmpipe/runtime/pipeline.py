@@ -140,7 +140,9 @@ class VLMPipeline(PipelineModule):
         """--sp: the embedding keeps this rank's slice of each row, the decoder blocks attend through DeepSpeed's
         all-to-all, the loss reads this rank's slice of the labels (mmpipe.model.sequence_parallel)."""
         shard = self._sp_shard()
-        parallelize_sequence([*self.tied_modules.values(), *self.forward_funcs], shard, family_of(run.model).sp_plan)
+        layers = parallelize_sequence([*self.tied_modules.values(), *self.forward_funcs], shard,
+                                      family_of(run.model).sp_plan)
+        self.forward_funcs[:] = layers[len(self.tied_modules):]  # a tied head's partial comes back tiled
         self.loss_fn = sp_loss(self.loss_fn, shard)
 
     # --sp: the layer files hold whole layers, the same on every SP rank, so SP rank 0 writes them under the names a
