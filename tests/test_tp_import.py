@@ -87,7 +87,7 @@ def _split_sources(d: Path) -> dict[str, tuple[int, object]]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_at_tp2_reads_each_ranks_rows_alone(imported, kind):
     """At --tp 2 each tensor the plan splits (q / k / v / o, the MLP, the tower's fused qkv and MLP, the merger, the
-    vocabulary) is read twice, each time half its bytes (one rank's rows, safetensors' get_slice), never whole; every
+    vocabulary) is read twice, each time half its bytes (one rank's rows, LazyWeights.rows), never whole; every
     other tensor whole, once per rank file that holds it. The files gather (load_reference) to the --tp 1 import's
     weights bit for bit; a split layer has one file per rank, a replicated one (the patch embedding) one whole file."""
     case = imported[kind]
@@ -110,6 +110,9 @@ def test_import_at_tp2_reads_each_ranks_rows_alone(imported, kind):
     for idx in {i for i, _ in split.values()}:
         assert [p.name for p in sorted(tag.glob(f"layer_{idx:02d}-*"))] == [
             f"layer_{idx:02d}-model_{r:02d}-model_states.pt" for r in (0, 1)]
+    for f in tag.glob("*-model_0[01]-*"):  # a rank's file holds its rows only: a slice saved as a view into the
+        for k, t in torch.load(f, weights_only=True).items():  # source's mapping would carry the whole tensor
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (f.name, k)
     assert (tag / "layer_00-model_states.pt").is_file()  # the patch embedding: replicated, one whole file
     cfg = _cfg(case.dir / "tp1")
     a, b = (load_reference(case.dir / f"tp{tp}" / "checkpoints", cfg).state_dict() for tp in (1, 2))
