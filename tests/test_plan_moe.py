@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from mmpipe.config import config_from_dict, load_preset
 from mmpipe.model.builder import layer_param_counts, layer_specs, shapes_only
@@ -24,7 +25,7 @@ from mmpipe.planning.costmodel import (
     state_bytes,
 )
 from mmpipe.planning.images import patch_row
-from mmpipe.planning.layout import Training, plan_layout
+from mmpipe.planning.layout import Training, _transfers, plan_layout
 
 EXPERTS, TOP_K, EXPERT_FF, D, BLOCKS = 8, 2, 40, 64, 4
 P, IMAGES, TEXT = 128, 4, 48
@@ -331,3 +332,83 @@ def test_plan_counts_a_tied_embedding_once_per_stage(preset, embedding, capsys):
     assert one["stage_rows"][0]["params"] == model
     pipe = next(x for x in got if x["stages"] == 2)
     assert sum(r["params"] for r in pipe["stage_rows"]) == model + embedding
+
+
+# ---- the MoE line's total and the boundary bytes of moe_stats, against the built model ----------------------------
+
+def _tied_moe():
+    d = tiny_moe().to_dict()
+    d["text"]["tie_embeddings"] = True
+    return config_from_dict(d, "qwen3-vl-moe-tied")
+
+
+@pytest.mark.parametrize("make,argv", [
+    (lambda: load_preset("gemma4-moe-tiny"), ["--text-len", "24"]),
+    (_tied_moe, ["--max-patches", str(P), "--max-images", str(IMAGES), "--text-len", str(TEXT)])])
+def test_moe_line_counts_a_tied_head_once(make, argv, tmp_path, capsys):
+    """The MoE line's total is the single-device model's unique parameters (ReferenceModel: the tied head is the
+    embedding's module, counted once), as the per-stage table's PP 1 row counts them; it printed the embedding's
+    matrix twice (gemma-4-26b-a4b: 26,544,131,376 for 25,805,933,872). Active = total less the skipped experts."""
+    from mmpipe.cli import main
+    from mmpipe.model.builder import ReferenceModel
+    cfg = make()
+    with shapes_only():
+        model = ReferenceModel(cfg)
+    unique = sum(p.numel() for p in model.parameters())  # nn.Module.parameters(): each tensor once
+    assert unique < sum(layer_param_counts(cfg))  # the preset is tied: the layers' sum has the head again
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    base = ["plan", "--preset", str(path), "--gpus-per-node", "1", "--global-batch", "2", "--micro", "1", *argv]
+    assert main(base) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("MoE: "))
+    n = moe_param_counts(cfg)
+    skipped = n["blocks"] * (cfg.text.moe.experts - cfg.text.moe.top_k) * n["experts"] // (
+        n["blocks"] * cfg.text.moe.experts)
+    assert f" {unique:,} parameters, {unique - skipped:,} active per token, " in line
+    assert main([*base, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["stage_rows"][0]["params"] == unique
+
+
+def _floats_leaving(model, inputs) -> list[int]:
+    """Each layer's output tuple's float tensors in bytes (what crosses a cut after it: the stage tuple's floats, the
+    ints rebuilt on each stage from the batch), the single-device model run layer by layer."""
+    out, x = [], inputs
+    with torch.no_grad():
+        for layer in model:
+            x = layer(x)
+            out.append(sum(t.numel() * t.element_size() for t in x if torch.is_tensor(t) and t.is_floating_point()))
+    return out
+
+
+def test_boundary_bytes_are_what_each_cut_sends_gemma4_moe():
+    """gemma4-moe-tiny in bf16, micro 2, one image and 12 text positions a row: at every cut the planner's boundary
+    bytes (layout._transfers, what the step's p2p time is from) equal the floats of the stage tuple leaving that
+    layer: hidden, per_layer and shared K/V in bf16, moe_stats [2, 2, 4] in fp32 (route_stats). It counted moe_stats as
+    one image set (36 x 32 = 1,152 bf16 elements a row for the 2 x 4 = 8 fp32 it is)."""
+    from mmpipe.data.packing import row_shape
+    from mmpipe.model.builder import ReferenceModel
+    cfg, micro, text = load_preset("gemma4-moe-tiny"), 2, 12
+    shape = row_shape(cfg, 1, text)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, cfg.image_token_id, (micro, shape.length), generator=g)
+    ids[:, 1:1 + shape.image_len] = torch.as_tensor(shape.block(None))
+    px = torch.rand(micro, 1, 3, cfg.vision.image_size, cfg.vision.image_size, generator=g, dtype=torch.bfloat16)
+    model = ReferenceModel(cfg).to(torch.bfloat16)
+    sent = _floats_leaving(model, (px, ids, torch.ones(micro, 1, dtype=torch.long), torch.ones_like(ids)))
+    rows = layer_costs(cfg, (), text)
+    every = list(range(len(rows) + 1))  # a cut after every layer but the head, whose logits are never sent
+    assert _transfers(rows, every, Shape(len(rows), 1, micro, 1), "bf16")[0] == sent[:-1]
+
+
+def test_boundary_bytes_are_what_the_moe_launches_count():
+    """The planner's bytes at the cuts where the MoE launches count each message by shape (fp32, micro 2, their rows
+    of L = 88): tests/test_moe_pipeline.py's Qwen3-VL-MoE at 13, hidden 2x88x64, DeepStack's sets 1 and 2 (2x32x64
+    each) and moe_stats 2x2x8; tests/test_qwen3_5_moe.py's Qwen3.5-MoE (the launch's model) at 7, hidden 2x88x64
+    and moe_stats 2x2x8. moe_stats was counted as one more set: 2 x 32 x 64 x 4 B where it is 2 x 2 x 8 x 4 B."""
+    d = load_preset("qwen3.5-tiny").to_dict()
+    d["text"].update(tie_embeddings=False, moe=dict(experts=8, top_k=2, ff_dim=16, aux_coef=0.01, shared_ff_dim=24))
+    for cfg, cut, shapes in ((tiny_moe(), 13, [(2, L, 64), (2, 32, 64), (2, 32, 64), (2, 2, EXPERTS)]),
+                             (config_from_dict(d, "qwen3.5-moe-tiny"), 7, [(2, L, 64), (2, 2, 8)])):
+        rows = _rows(cfg)
+        sent = 4 * sum(a * b * c for a, b, c in shapes)
+        assert _transfers(rows, [0, cut, len(rows)], Shape(2, 1, 2, 1), "fp32")[0] == [sent], cfg.name

@@ -53,12 +53,13 @@ for mmpipe's own layers (tests compare it with torch's saved-tensor hooks on the
 A family that carries features beside `hidden` in its stage tuple (mmpipe.model.stage: a float field made
 by one layer, dropped after its last reader) sends each across every stage boundary between its maker and
 that reader: `carried_elems`, counted in `boundary_elems` with the layer's own output (`_carry`, from the
-family's fields, the schema the runtime binds). Each such field is one projected image set of the row, its
-image tokens x D_text: cross-attention fusion's image (M x N x D, from the text embedding to the last
-CrossAttnBlock), Qwen3-VL's DeepStack sets (P / merge^2 x D each, deepstack_k from its merger to the add after
-decoder layer k), e.g. qwen3-vl-8b at P = 16384: 4096 x 4096 per set, 3 of them (x 2 bytes in bf16 = 96 MiB per
-row) at a boundary inside the tower after the last merger or before decoder layer 0's add, 1 after decoder
-layer 1's add, none after decoder layer 2's.
+family's fields, the schema the runtime binds). Each such field is costed by its own shape (_field_elems): a field
+sized by the row (Gemma 4's per-layer inputs, shared K/V) its width x the row's positions; an MoE model's router
+statistics (moe_stats) 2 x E fp32 a row; any other one projected image set of the row, its image tokens x D_text:
+cross-attention fusion's image (M x N x D, from the text embedding to the last CrossAttnBlock), Qwen3-VL's DeepStack
+sets (P / merge^2 x D each, deepstack_k from its merger to the add after decoder layer k), e.g. qwen3-vl-8b at
+P = 16384: 4096 x 4096 per set, 3 of them (x 2 bytes in bf16 = 96 MiB per row) at a boundary inside the tower after
+the last merger or before decoder layer 0's add, 1 after decoder layer 1's add, none after decoder layer 2's.
 
 A layer that is frozen and sees no gradient (a frozen prefix) keeps nothing. With activation
 checkpointing, a checkpointed block keeps only its input (T x width) between forward and
@@ -112,6 +113,7 @@ class LayerCost:
     act_fp32_elems: float  # of which always fp32 (LN statistics, softmax statistics, loss logits)
     out_elems: float       # the layer's output per sample: what a checkpointed block keeps, what crosses a boundary
     carried_elems: float = 0.0  # carried feature sets riding along in the stage tuple after it, per sample (_carry)
+    carried_fp32_elems: float = 0.0  # of which always fp32, whole on every SP rank: an MoE model's moe_stats [2, E]
     embedding: bool = False  # pixels / token ids in: its full backward is 1x forward (weight gradients only)
     adapter_params: int = 0  # LoRA: the adapters' parameters, the layer's only trainable ones (in `params` too)
     w_flops: float = 0.0  # per sample, of bwd_flops: the trainable linears' weight gradients (ZB-H1's W)
@@ -137,6 +139,13 @@ class LayerCost:
     def boundary_elems(self) -> float:
         """What a stage boundary after this layer sends forward (and its gradient back), per sample."""
         return self.out_elems + self.carried_elems
+
+    def boundary_bytes(self, precision: str) -> float:
+        """boundary_elems in bytes, per sample: the router statistics at 4 B in every precision (route_stats' fp32),
+        the rest at the precision's, e.g. gemma-4-26b-a4b in bf16 after a decoder layer: its hidden 2306 x 2816 x 2 B +
+        moe_stats 2 x 128 x 4 B = 12,988,416 B."""
+        fp32 = self.carried_fp32_elems
+        return (self.boundary_elems - fp32) * BYTES[precision] + fp32 * 4
 
     @property
     def flops(self) -> float:
@@ -211,14 +220,29 @@ def moe_param_counts(cfg: ModelConfig) -> dict[str, int]:
     """An MoE model's parameters (built on the meta device): total; active = what one token runs through, the total
     less the E - top_k experts it skips in each MoE block; experts = all blocks' expert weights (what `--ep` splits).
     E.g. 48 blocks of 128 experts of 3 x 2048 x 768 = 4,718,592 weights, top 8: experts 48 x 128 x 4,718,592 =
-    28,991,029,248, active = total - 48 x 120 x 4,718,592 = total - 27,179,089,920."""
+    28,991,029,248, active = total - 48 x 120 x 4,718,592 = total - 27,179,089,920. A tied embedding and head count
+    once (unique_param_count), as the per-stage table counts them."""
     from ..model.moe import expert_params
     family = family_of(cfg)
     m = family.experts(cfg)
     blocks = sum(family.cost_rule(s).experts for s in layer_specs(cfg))
-    total = sum(layer_param_counts(cfg))
+    total = unique_param_count(cfg)
     return {"total": total, "active": total - blocks * (m.experts - m.top_k) * expert_params(cfg),
             "experts": blocks * m.experts * expert_params(cfg), "blocks": blocks}
+
+
+def unique_param_count(cfg: ModelConfig) -> int:
+    """The model's parameters, each tensor once: a TiedLayerSpec's later uses (a tied head) are its first use's
+    module (mmpipe.model.builder.ReferenceModel, DeepSpeed's tied_modules in one stage), so they add nothing, as
+    stage_params counts a stage. E.g. gemma-4-26b-a4b: its 62 layers sum to 26,544,131,376, its head the embedding's
+    262,144 x 2816 = 738,197,504 again: 25,805,933,872."""
+    seen, total = set(), 0
+    for spec, params in zip(layer_specs(cfg), layer_param_counts(cfg)):
+        key = getattr(spec, "key", None)  # only a TiedLayerSpec has one
+        if key is None or key not in seen:
+            total += params
+        seen.add(key)
+    return total
 
 
 def linear_param_counts(cfg: ModelConfig) -> list[int]:
@@ -263,17 +287,32 @@ def _image_set_elems(cfg: ModelConfig, n: int, images: int, patches: PatchRow | 
 
 def _carry(cfg: ModelConfig, rows: list[LayerCost], set_elems: int, seq: int) -> list[LayerCost]:
     """Each layer's carried_elems: the float fields besides hidden live in the tuple leaving it (the family's schema
-    through mmpipe.model.stage.live_fields, as the runtime binds them), one image set each. E.g. qwen3-vl-tiny's
-    list (DeepStack after tower blocks 0, 1, 3): after DeepstackMerger0 1 set, after DeepstackMerger1 2, from
-    DeepstackMerger2 through decoder layer 0 3, after DeepstackAdd0 2, after DeepstackAdd1 1, from DeepstackAdd2 on
-    none; the cross-attention family's 1 from its text embedding up to its last CrossAttnBlock. A field sized by the
-    row (StageField.per_position) counts its elements a position x the row's seq decoder positions instead: e.g.
-    gemma-4-e2b's per_layer, 35 x 256 = 8960 a position, from its embedding to its last decoder layer, and each
-    shared K/V (2 x 1 x 256 sliding, 2 x 1 x 512 full) from its producer to its last consumer."""
+    through mmpipe.model.stage.live_fields, as the runtime binds them), each by its own shape (_field_elems). E.g.
+    qwen3-vl-tiny's list (DeepStack after tower blocks 0, 1, 3): after DeepstackMerger0 1 set, after DeepstackMerger1
+    2, from DeepstackMerger2 through decoder layer 0 3, after DeepstackAdd0 2, after DeepstackAdd1 1, from
+    DeepstackAdd2 on none; the cross-attention family's 1 from its text embedding up to its last CrossAttnBlock;
+    gemma-4-e2b's per_layer from its embedding to its last decoder layer, and each shared K/V from its producer to
+    its last consumer; an MoE model's moe_stats from its first MoE block to the head (carried_fp32_elems too)."""
     live = live_fields(family_of(cfg).fields(cfg), [s.typename for s in layer_specs(cfg)])
-    carried = [sum((f.per_position(cfg) * seq if f.per_position else set_elems) for f in out
-                   if f.floating and f.name != HIDDEN.name) for out in live[1:]]
-    return [dataclasses.replace(r, carried_elems=float(k)) if k else r for r, k in zip(rows, carried)]
+    sizes = [[_field_elems(cfg, f, set_elems, seq) for f in out if f.floating and f.name != HIDDEN.name]
+             for out in live[1:]]
+    return [dataclasses.replace(r, carried_elems=float(sum(n for n, _ in k)), carried_fp32_elems=float(
+        sum(n for n, fp32 in k if fp32))) if k else r for r, k in zip(rows, sizes)]
+
+
+def _field_elems(cfg: ModelConfig, field, set_elems: int, seq: int) -> tuple[int, bool]:
+    """(elements a row, always fp32) of one carried float field, by its real shape: a field sized by the row
+    (StageField.per_position) its elements a position x the row's seq decoder positions, e.g. gemma-4-e2b's
+    per_layer 35 x 256 = 8960 a position, each shared K/V 2 x 1 x 256 sliding, 2 x 1 x 512 full; an MoE model's
+    router statistics (mmpipe.model.moe's moe_stats [B, 2, E], fp32: route_stats) 2 x E a row whatever the row, e.g.
+    2 x 128 = 256 for gemma-4-26b-a4b (not an image set: 256 x 2816 = 720,896 there, 11% on top of its hidden
+    2306 x 2816); any other one image set."""
+    from ..model.moe import MOE_STATS
+    if field.per_position:
+        return field.per_position(cfg) * seq, False
+    if field.name == MOE_STATS.name:  # every MoE family's field is named so (the heads read t.moe_stats)
+        return 2 * family_of(cfg).experts(cfg).experts, True
+    return set_elems, False
 
 
 # ---- memory per stage ---------------------------------------------------------------------------

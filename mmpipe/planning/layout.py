@@ -222,7 +222,7 @@ def _exchange(rows: list[LayerCost], parts: list[int], shape: Shape, training: T
 
 def _transfers(rows: list[LayerCost], parts: list[int], shape: Shape, precision: str) -> tuple[list[float], float]:
     """(each boundary's activation bytes a micro-batch, the largest stage's all-reduce bytes: _ring_bytes)."""
-    boundary = [rows[b - 1].boundary_elems * shape.micro * BYTES[precision] for b in parts[1:-1]]
+    boundary = [rows[b - 1].boundary_bytes(precision) * shape.micro for b in parts[1:-1]]
     grad = max(_ring_bytes(rows[a:b], shape.dp, shape.ep) for a, b in zip(parts, parts[1:])) * BYTES[precision]
     return boundary, grad
 

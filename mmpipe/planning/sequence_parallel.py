@@ -46,7 +46,8 @@ def sp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], sp: int) -> list[Lay
     return [dataclasses.replace(
         r, fwd_flops=r.fwd_flops / sp, bwd_flops=r.bwd_flops / sp, w_flops=r.w_flops / sp,
         act_elems=r.act_elems / sp, act_fp32_elems=r.act_fp32_elems / sp, out_elems=r.out_elems / sp,
-        carried_elems=r.carried_elems / sp, tp_ar_fwd=r.tp_ar_fwd / sp, tp_ar_bwd=r.tp_ar_bwd / sp,
+        carried_elems=(r.carried_elems - r.carried_fp32_elems) / sp + r.carried_fp32_elems,  # moe_stats: whole
+        tp_ar_fwd=r.tp_ar_fwd / sp, tp_ar_bwd=r.tp_ar_bwd / sp,
         sp_a2a=(2 * t.dim + 2 * kv) * r.tokens / sp if _attention_block(r) else 0.0) for r in rows]
 
 
