@@ -39,10 +39,11 @@ def prediction(row: dict, meta: dict, cache: dict) -> dict:
         return out
     if not lay.step:
         return out
-    dp, tp = int(row["dp"]), int(row.get("tp") or 1)
-    # DeepSpeed's pipe x data x model topology numbers ranks stage-major: rank = (stage x DP + replica) x TP + t
-    per_rank = [round(lay.stage_rows[r // (dp * tp)]["memory_gib"] * GiB / 2**20, 3)
-                for r in range(lay.stages * dp * tp)]
+    dp, mp = int(row["dp"]), int(row.get("tp") or 1) * int(row.get("sp") or 1)
+    # DeepSpeed's pipe x data x model topology numbers ranks stage-major: rank = (stage x DP + replica) x MP + t, MP the
+    # model axis's TP or SP ranks (--sp takes that axis: docs/sequence_parallel.md)
+    per_rank = [round(lay.stage_rows[r // (dp * mp)]["memory_gib"] * GiB / 2**20, 3)
+                for r in range(lay.stages * dp * mp)]
     out.update(predicted_step_time_s=lay.step["step_s"], predicted_bubble=lay.step["bubble"],
                predicted_peak_mem_mb_per_rank=per_rank, predicted_peak_mem_mb_max=max(per_rank))
     if row.get("status") == "ok":

@@ -12,7 +12,7 @@ from .plots import plot_all
 
 # rates: samples_per_s counts real samples (a packed row holds several), useful_tokens_per_s their own
 # decoder positions (no padding), positions_per_s every computed position (rows x positions per row / s)
-COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "ep", "tp", "zero",
+COLUMNS = ["name", "kind", "repeat", "status", "reason", "preset", "engine", "stages", "dp", "ep", "tp", "sp", "zero",
            "precision", "micro", "gas", "checkpointing", "partition", "data_workers", "pack", "max_images", "text_len",
            "schedule", "freeze", "world",
            "train_batch", "measured_steps", "samples_per_s", "samples_per_s_iqr", "useful_tokens_per_s",

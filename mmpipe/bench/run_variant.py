@@ -48,7 +48,7 @@ def ds_config(v: Variant, resolve_copy: bool = False) -> dict:
 def train_args(v: Variant, sweep: Sweep, out: Path, cfg_path: Path) -> TrainArgs:
     return TrainArgs(preset=v.preset, ds_config=str(cfg_path), stages=v.stages, steps=sweep.steps, output_dir=str(out),
                      eval_samples=0, keep_checkpoints=1, data_workers=v.data_workers, data=sweep.data, pack=v.pack,
-                     max_images=v.max_images, text_len=v.text_len, freeze=v.freeze, ep=v.ep, tp=v.tp)
+                     max_images=v.max_images, text_len=v.text_len, freeze=v.freeze, ep=v.ep, tp=v.tp, sp=v.sp)
 
 
 def check(v: Variant, sweep: Sweep, out: Path, this_device: bool = True) -> tuple[str, str] | None:

@@ -27,6 +27,9 @@ VARIANT_FIELDS = {
            "dp ranks)"),
     "tp": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
            "an integer >= 1 (mmpipe train --tp: each stage's layers split over tp ranks; world = stages x dp x tp)"),
+    "sp": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+           "an integer >= 1 (mmpipe train --sp: each row's positions split over sp ranks of a stage; world = stages "
+           "x dp x sp)"),
     "zero": (lambda v: v in (0, 1, 2, 3) and not isinstance(v, bool), "0 or 1 (pipeline), 1, 2 or 3 (engine 'dp')"),
     "precision": (lambda v: v in ("fp32", "bf16", "fp16"), "fp32, bf16 or fp16"),
     "micro": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
@@ -48,7 +51,7 @@ VARIANT_FIELDS = {
     "freeze": (lambda v: isinstance(v, str) and (v == "" or all(g in FREEZE_GROUPS for g in v.split(","))),
                f"'' (nothing frozen) or comma-separated groups of {', '.join(FREEZE_GROUPS)} (mmpipe train --freeze)"),
 }
-VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "ep": 1, "tp": 1, "zero": 0, "precision": "fp32",
+VARIANT_DEFAULTS = {"preset": "small", "stages": 1, "dp": 1, "ep": 1, "tp": 1, "sp": 1, "zero": 0, "precision": "fp32",
                     "micro": 16, "gas": 4, "checkpointing": False, "partition": "best", "data_workers": 2,
                     "engine": "pipe", "pack": False, "max_images": None, "text_len": None, "schedule": BASELINE.name,
                     "freeze": ""}
@@ -66,6 +69,7 @@ class Variant:
     dp: int = 1
     ep: int = 1  # --ep: expert-parallel ranks, dividing dp (an MoE preset; mmpipe train refuses it on a dense one)
     tp: int = 1  # --tp: tensor-parallel ranks of each stage (a family with a tp_plan; docs/tensor_parallel.md)
+    sp: int = 1  # --sp: sequence-parallel ranks of each stage (a family with an sp_plan; docs/sequence_parallel.md)
     zero: int = 0
     precision: str = "fp32"
     micro: int = 16
@@ -83,7 +87,7 @@ class Variant:
 
     @property
     def world(self) -> int:
-        return self.stages * self.dp * self.tp
+        return self.stages * self.dp * self.tp * self.sp
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,7 +130,7 @@ def _int_field(data: dict, key: str, default: int, minimum: int, problems: list[
 
 
 def _auto_name(d: dict, keys) -> str:
-    short = {"stages": "pp", "dp": "dp", "ep": "ep", "tp": "tp", "zero": "z", "micro": "mb", "gas": "gas",
+    short = {"stages": "pp", "dp": "dp", "ep": "ep", "tp": "tp", "sp": "sp", "zero": "z", "micro": "mb", "gas": "gas",
              "checkpointing": "ckpt", "data_workers": "w", "partition": "part-", "precision": "", "engine": "",
              "preset": "", "max_images": "img", "text_len": "tl", "schedule": ""}
     parts = []
@@ -194,6 +198,9 @@ def parse(data, source: str = "sweep") -> Sweep:
                             f"is ep of a stage's dp ranks)")
         if isinstance(d.get("tp"), int) and d["tp"] > 1 and d.get("engine") == "dp":
             problems.append(f"variant '{d['name']}': engine 'dp' has no tensor parallelism; tp > 1 needs engine "
+                            "'pipe'")
+        if isinstance(d.get("sp"), int) and d["sp"] > 1 and d.get("engine") == "dp":
+            problems.append(f"variant '{d['name']}': engine 'dp' has no sequence parallelism; sp > 1 needs engine "
                             "'pipe'")
         if isinstance(ep, int) and ep > 1 and d.get("engine") == "dp":
             problems.append(f"variant '{d['name']}': engine 'dp' has no expert parallelism; ep > 1 needs engine "

@@ -93,7 +93,7 @@ def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
     carries its run's); max_images: a row's image slots (rows, --pack: micro counts rows, as `mmpipe
     plan --max-images`); freeze: the variant's --freeze groups, comma-separated ('' or absent: none); ep: its
     --ep (absent: 1, rows from before the axis); tp: its --tp (absent: 1), planned as one TP rank of the stage
-    (planning.tensor_parallel)."""
+    (planning.tensor_parallel); sp: its --sp (absent: 1), one SP rank (planning.sequence_parallel)."""
     cache = {} if cache is None else cache
     preset = row.get("preset") or "small"
     if preset not in cache:
@@ -102,7 +102,7 @@ def predict_row(row: dict, device: Device, cache: dict | None = None) -> Layout:
     cfg, default_len = cache[preset]
     text_len = int(row.get("text_len") or default_len)
     shape = Shape(int(row["stages"]), int(row["dp"]), int(row["micro"]), int(row["gas"]), int(row.get("ep") or 1),
-                  int(row.get("tp") or 1))
+                  int(row.get("tp") or 1), int(row.get("sp") or 1))
     training = Training(row["precision"], min(int(row.get("zero") or 0), 1), device, row_schedule(row.get("schedule")),
                         str(row.get("partition") or "balanced"), bool(row.get("checkpointing")),
                         tuple(g for g in str(row.get("freeze") or "").split(",") if g))
