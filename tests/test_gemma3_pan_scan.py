@@ -139,7 +139,7 @@ def test_packed_pan_and_scan_row_gives_transformers_ids_pixels_and_logits(pan_sc
 
 def test_crops_take_slots_and_export_keeps_the_setting(pan_scan, tmp_path):
     """At --max-images 2 the wide image's 4 slots do not fit: a bad record, too_many_images, saying why, the square
-    kept; --augment and generating with an image (one square an image) are one line each; `mmpipe export` writes the
+    kept; --augment and generating on an image that cannot be read are one line each; `mmpipe export` writes the
     processor's pan-and-scan settings, so an import of the export cuts the same crops."""
     from mmpipe.config import ConfigError
     from mmpipe.data.args import DataArgs
@@ -153,11 +153,147 @@ def test_crops_take_slots_and_export_keeps_the_setting(pan_scan, tmp_path):
     assert bad["reason"] == "4 images (a crop takes a slot) > --max-images 2", bad
     with pytest.raises(ConfigError, match="^--augment: pan-and-scan images are resized and cut by transformers'"):
         resolve_data(DataArgs(data=args.data, tokenizer=args.tokenizer, text_len=40, augment=True), model.cfg)
-    from mmpipe.inference.generate import _images
-    with pytest.raises(ConfigError, match=r"^vision.pan_and_scan: mmpipe generate reads an image as one square"):
-        _images([(str(d / "0.png"), "w40", "--image")], model.cfg)
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.inference.generate import _inputs
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    with pytest.raises(ConfigError, match=r"^--image: corrupt_image: .*bad.png: cannot read the image header"):
+        _inputs([(str(tmp_path / "bad.png"), "w40", "--image")], model.cfg, load_tokenizer(str(d / "hf")))
     shutil.rmtree(tmp_path / "out")
     assert main(["export", "--checkpoint", str(d / "run"), "--out", str(tmp_path / "hf")]) == 0
     v = hf_gemma3_config(tmp_path / "hf")[1].vision
     assert (v.pan_and_scan, v.pan_and_scan_min_crop, v.pan_and_scan_max_crops, v.pan_and_scan_min_ratio) == \
         (True, CROP, MAX_CROPS, RATIO)
+
+
+def _hf_inputs(proc, tok, image, question: str, answer: str | None = None):
+    """Gemma3Processor's inputs for one conversation (its user turn the image, then the question), pan-and-scan on."""
+    turns = [{"role": "user", "content": f"<start_of_image>\n{question}"}]
+    turns += [{"role": "assistant", "content": answer}] if answer is not None else []
+    return proc(images=[[image]], text=[tok.apply_chat_template(turns, tokenize=False)], return_tensors="pt", **CALL)
+
+
+def _hf_processor(d):
+    from transformers import AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor
+    tok = AutoTokenizer.from_pretrained(d / "hf")
+    return Gemma3Processor(image_processor=Gemma3ImageProcessor.from_pretrained(d / "hf"), tokenizer=tok,
+                           image_seq_length=SOFT), tok
+
+
+def test_generate_reads_every_crop_as_transformers(pan_scan, tmp_path, capsys):
+    """`mmpipe generate` on the pan-and-scan checkpoint with the wide image (4 slots: its prompt holds the processor's
+    words and 4 blocks) and the square one (1 slot, 35 words so both prompts are 44 positions: one batch, the
+    square's row padded with 3 unused slots): each answer is transformers' greedy generate on Gemma3Processor's
+    inputs for that image alone, with the KV cache and without it (--no-cache)."""
+    hf, d, _, images = pan_scan
+    questions = ["w40 w41", " ".join(f"w{40 + i % 20}" for i in range(35))]
+    argv = ["generate", "--checkpoint", str(d / "hf"), "--max-new-tokens", "10"]
+    for i, q in enumerate(questions):
+        argv += ["--image", str(d / f"{i}.png"), "--prompt", f"<image>\n{q}"]
+    proc, tok = _hf_processor(d)
+    want = []
+    for image, q in zip(images, questions):
+        inputs = _hf_inputs(proc, tok, image, q)
+        assert inputs["input_ids"].shape[1] == 44 and len(inputs["pixel_values"]) == (4 if image.width > 32 else 1)
+        with torch.no_grad():
+            out = hf.generate(**inputs, max_new_tokens=10, do_sample=False)
+        want.append(tok.decode(out[0, 44:], skip_special_tokens=True).strip())
+    assert len(set(want)) == 2 and min(len(a.split()) for a in want) > 3, want
+    for extra in ([], ["--no-cache"]):
+        capsys.readouterr()
+        assert main(argv + extra) == 0
+        assert [json.loads(line)["answer"] for line in capsys.readouterr().out.splitlines()] == want, extra
+
+
+def test_eval_reads_every_crop_as_transformers(pan_scan, tmp_path):
+    """`mmpipe eval` on the wide and the square record: neither is a bad record (the wide one's 4 slots are one
+    image), each answer is transformers' greedy one, and the teacher-forced loss over the 5 answer tokens (w50 EOS;
+    w51 w52 EOS) is transformers' cross-entropy on Gemma3Processor's inputs (all 4 slots of the wide image)."""
+    hf, d, _, images = pan_scan
+    out = tmp_path / "answers.jsonl"
+    assert main(["eval", "--checkpoint", str(d / "hf"), "--data", _records(d, tmp_path), "--text-len", "40",
+                 "--max-new-tokens", "6", "--out", str(out)]) == 0
+    summary = json.loads(out.with_name("answers.summary.json").read_text())
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    proc, tok = _hf_processor(d)
+    loss, answers = 0.0, []
+    for image, (q, a, n) in zip(images, [("w40 w41", "w50", 2), ("w42", "w51 w52", 3)]):
+        inputs = _hf_inputs(proc, tok, image, q, a)
+        ids = inputs["input_ids"]
+        with torch.no_grad():
+            logits = hf(**inputs).logits[0, -n - 1:-1]
+            loss += torch.nn.functional.cross_entropy(logits, ids[0, -n:], reduction="sum").item()
+            prompt = {k: v[:, :-n] if k != "pixel_values" else v for k, v in inputs.items()}
+            new = hf.generate(**prompt, max_new_tokens=6, do_sample=False)[0, ids.shape[1] - n:]
+        answers.append(tok.decode(new, skip_special_tokens=True).strip())
+    assert (summary["n"], summary["bad_records"], summary["answer_tokens"]) == (2, 0, 5), summary
+    assert [line["answer"] for line in lines] == answers
+    assert abs(summary["val_loss"] - loss / 5) < 1e-5, (summary["val_loss"], loss / 5)
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
+                  "'user' }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")  # Gemma 3's, text only
+
+
+def _bpe_tokenizer(path):
+    """A byte-pair tokenizer in Gemma's manner (spaces as '▁', no splitting before the merges: a run of newlines
+    merges with its neighbours, e.g. '\\n\\n\\nwhat▁' is one token), trained here on 80 lines, its special tokens at
+    ids 0..8 (<image_soft_token>, <start_of_image>, <end_of_image>: 4, 5, 6), Gemma 3's chat template."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    special = ["<pad>", "<bos>", "<eos>", "<unk>", "<image_soft_token>", "<start_of_image>", "<end_of_image>",
+               "<start_of_turn>", "<end_of_turn>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer, tok.decoder = normalizers.Replace(" ", "▁"), decoders.Replace("▁", " ")
+    lines = ["user\n\n\nwhat is here\n\n\nmodel\na red cat\n\n", "what colour is the cat\n\n\n\n",
+             "Here is the original image \n\n and here are some crops to help you see better \n\n \n\n",
+             "look at this \n\n and that\n\n\n"] * 20
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=120, special_tokens=special, show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=special[4:],
+                                   extra_special_tokens={"image_token": special[4], "boi_token": special[5],
+                                                         "eoi_token": special[6]})
+    fast.chat_template = GEMMA_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+@pytest.mark.parametrize("pan_and_scan", [True, False])
+def test_blank_lines_around_each_block_give_gemma3_processor_ids(pan_scan, tmp_path, pan_and_scan):
+    """With a tokenizer that reads newlines with their neighbours, the data path's rows (an image at the start of
+    the question, one inside it) and generate's prompts hold Gemma3Processor's ids exactly, its "\\n\\n" on either side
+    of each block included, with pan-and-scan (the wide image's 4 blocks among the processor's words) and without."""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.packing import sample_rowset
+    from mmpipe.inference.generate import _inputs
+    _, d, model, images = pan_scan
+    tok = _bpe_tokenizer(tmp_path / "tok")
+    cfg = dataclasses.replace(model.cfg, image_token_id=4, vision_start_id=5, vision_end_id=6,
+                              vision=dataclasses.replace(model.cfg.vision, pan_and_scan=pan_and_scan))
+    turns = [("<image>\nwhat colour is the cat", "a red cat"), ("look at this <image> and that", "a cat")]
+    (tmp_path / "data.jsonl").write_text("".join(
+        json.dumps({"image": str(d / f"{i}.png"), "conversations": [{"from": "human", "value": q},
+                                                                    {"from": "gpt", "value": a}]}) + "\n"
+        for i, (q, a) in enumerate(turns)))
+    opts = resolve_data(DataArgs(data=str(tmp_path / "data.jsonl"), tokenizer=str(tmp_path / "tok"), text_len=60,
+                                 data_workers=0, max_images=5), cfg)
+    rows = sample_rowset(prepare(opts, cfg, tmp_path / "out", seed=0, verbose=False), cfg, 60, slots=5,
+                         need_images=False)
+    prompts = _inputs([(str(d / f"{i}.png"), q, "--image") for i, (q, _) in enumerate(turns)], cfg, tok)[3]
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 32, "width": 32}), tokenizer=tok,
+                           image_seq_length=SOFT)
+    call = CALL if pan_and_scan else {}
+    for p, (image, (q, a)) in enumerate(zip(images, turns)):
+        user = [{"role": "user", "content": q.replace("<image>", "<start_of_image>")}]
+        want = proc(images=[[image]], text=[tok.apply_chat_template(user + [{"role": "assistant", "content": a}],
+                                                                    tokenize=False)], **call)["input_ids"][0]
+        row = rows[p]
+        assert row["input_ids"][row["segments"] > 0].tolist() == want, (p, tok.convert_ids_to_tokens(want))
+        want = proc(images=[[image]], text=[tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)],
+                    **call)["input_ids"][0]
+        assert prompts[p] == want, p
+        assert want.count(5) == (4 if pan_and_scan and p == 0 else 1)
+        assert sum("\n\n" in t for t in tok.convert_ids_to_tokens(want)) >= 2 * want.count(5)  # the blank lines

@@ -2,9 +2,14 @@
 each image's block bracketed by Gemma 3's <start_of_image> / <end_of_image> ids (the config's vision_start_id /
 vision_end_id), and one image read by transformers' own Gemma3ImageProcessor.
 
-transformers' Gemma3Processor turns an image marker into "\\n\\n<start_of_image>" + 256 x <image_soft_token> +
-"<end_of_image>\\n\\n"; a row holds the same ids (the blank lines are text the tokenizer reads, not the block's): e.g.
-gemma3-tiny's 4 soft tokens at ids 60, bracketed by 61 and 62, are the block [61, 60, 60, 60, 60, 62], 6 positions.
+transformers' Gemma3Processor (5.25, processing_gemma3.py) renders the chat template with <start_of_image> where an
+image goes, then turns each into its full_image_sequence, "\\n\\n<start_of_image>" + 256 x <image_soft_token> +
+"<end_of_image>\\n\\n", and tokenises the whole: the blank lines are text, read with their neighbours (Gemma's
+tokenizer has tokens for runs of newlines, so "user\\n" + "\\n\\n" is one "\\n\\n\\n"). A row holds the same ids: the
+marker becomes the tokenizer's own <start_of_image> (a special token, so the text splits there as the processor's
+does), the blank lines go in around it after the template (text.MarkerText; the template trims a turn's ends), and
+the marker's token makes way for the block, e.g. gemma3-tiny's 4 soft tokens at ids 60, bracketed by 61 and 62:
+[61, 60, 60, 60, 60, 62], 6 positions. The built-in tokenizer (not Gemma's) keeps LLaVA's <image> marker, no lines.
 
 Pan-and-scan (vision.pan_and_scan, from the checkpoint's do_pan_and_scan: `Gemma3PanScan`): transformers'
 Gemma3ImageProcessor cuts an image whose long side is at least min_ratio x its short one into K crops along it
@@ -28,11 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from .blocks import FixedBlocks
 from .image_kinds import Placeholders
 from .images import _our_pil_settings, _resolve, open_image
 from .records import BadRecord, ImageSlot
+from .text import MarkerText
+from .tokenizer import BUILTIN_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,27 @@ class Gemma3Images(Placeholders):
     # its placeholder is the config's <image_soft_token> id, never the built-in tokenizer's <image> (a LLaVA
     # processor would expand that one): mmpipe.run_config keeps the id, mmpipe.hf.bundle writes no LlavaProcessor
     image_token = False
+    # the text Gemma3Processor writes before and after each image's block (its full_image_sequence, module
+    # docstring); None: none (Gemma 4's processor writes its block alone: mmpipe.data.gemma4)
+    around = ("\n\n", "\n\n")
+
+    @property
+    def slot_key(self) -> list | None:
+        """What an index's words depend on beyond the tokenizer: the blank lines (an index made before them is
+        made anew)."""
+        return ["around", *self.around] if self.around else None
+
+    def marker_text(self, tok, cfg: ModelConfig) -> str | None:
+        """What an image marker becomes in the text: the tokenizer's <start_of_image> (the config's vision_start_id)
+        with the blank lines around it (MarkerText); None (LLaVA's <image> marker) for the built-in tokenizer, one
+        without that special token, or a kind without the lines."""
+        if not self.around or getattr(tok, "chat_template", None) == BUILTIN_TEMPLATE or \
+                not 0 <= cfg.vision_start_id < len(tok):
+            return None
+        name = tok.convert_ids_to_tokens(cfg.vision_start_id)
+        if name is None or tok(name, add_special_tokens=False).input_ids != [cfg.vision_start_id]:
+            return None
+        return MarkerText(name, *self.around)
 
     def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
         return BracketedBlocks(cfg.vision.n_features + 2, cfg.image_token_id, cfg.vision_start_id, cfg.vision_end_id)
@@ -97,8 +125,14 @@ class Gemma3PanScan(Gemma3Images):
 
     @property
     def slot_key(self) -> list:
-        """What an index's slots and words depend on (its fingerprint): the processor's settings."""
-        return ["pan_and_scan", self.size, self.min_crop, self.max_crops, self.min_ratio]
+        """What an index's slots and words depend on (its fingerprint): the processor's settings, the blank lines."""
+        return ["pan_and_scan", self.size, self.min_crop, self.max_crops, self.min_ratio, *(self.around or ())]
+
+    @property
+    def slots_per_image(self) -> int:
+        """The most slots one image takes: the whole image and max_crops crops (`mmpipe eval` reads one image a
+        record, its slots all)."""
+        return 1 + self.max_crops
 
     def augment_refusal(self, cfg: ModelConfig) -> str | None:
         return ("--augment: pan-and-scan images are resized and cut by transformers' Gemma3ImageProcessor, which has "
@@ -151,15 +185,6 @@ class Gemma3PanScan(Gemma3Images):
             raise RuntimeError(f"{slot.ref}: the image processor cut {len(out)} slots, the index recorded {slot.of}: "
                                f"the data changed after it was checked at start-up; restore it, or start a new run")
         return out[slot.crop]
-
-    def one_image(self, cfg: ModelConfig):
-        """Generation's reader: an image is refused in one line (generation reads one square an image, not the
-        crops), a text-only prompt generates as without pan-and-scan."""
-        def refuse(image):
-            raise ConfigError("vision.pan_and_scan: mmpipe generate reads an image as one square, not its crops "
-                              "(training reads them); set do_pan_and_scan false in the checkpoint's "
-                              "preprocessor_config.json to generate without them")
-        return refuse
 
 
 @functools.lru_cache(maxsize=8)

@@ -28,7 +28,7 @@ import torch
 from ..config import ModelConfig
 from . import video
 from .blocks import PatchBlocks
-from .gemma3 import GEMMA3_IMAGES, Gemma3Images
+from .gemma3 import Gemma3Images
 from .image_kinds import Patches
 from .records import BadRecord
 
@@ -164,7 +164,7 @@ class Gemma4Patches(Patches):
                            cfg.vision_start_id, cfg.vision_end_id, v.channels * v.patch_size ** 2)
 
     def marker_text(self, tok, cfg: ModelConfig) -> str | None:
-        return GEMMA3_IMAGES.marker_text(tok, cfg)  # as Gemma 3's: the block's ids are the config's
+        return GEMMA4_SQUARES.marker_text(tok, cfg)  # as Gemma 3's, without its blank lines: the <image> marker
 
     def grid_key(self, rule, record_images: int, budget: int) -> list:
         """What an index's grids depend on: the patch, the pool, the budget, each image count's share of P (and the
@@ -221,6 +221,7 @@ class Gemma4Squares(Gemma3Images):
     """Gemma 4 at one fixed square an image (vision.max_soft_tokens 0): Gemma 3's placeholders; its family's clips
     are frames as images, which this config refuses (media_grids)."""
     frames_as_images = True
+    around = None  # Gemma4Processor writes its block alone (replace_image_token), without Gemma 3's blank lines
 
     def media_grids(self, media: list, rule, image_root, max_pixels: int, spare: int = 0):
         raise BadRecord("unsupported_media", "a video for the gemma4 family at a fixed square (vision.max_soft_tokens "

@@ -281,9 +281,10 @@ def sample_size(samples, shape: RowShape) -> Callable[[int], tuple]:
     return size
 
 
-def sample_rowset(samples, cfg, text_len: int, **kw) -> RowSet:
-    """One sample per row with one image slot (no --pack, --max-images 1): the smallest rows, e.g. the
-    teacher-forced loss of `mmpipe eval` (mmpipe.inference.scoring). kw: RowSet's."""
-    shape = row_shape(cfg, 1, text_len)
+def sample_rowset(samples, cfg, text_len: int, slots: int = 1, **kw) -> RowSet:
+    """One sample per row with one image slot (no --pack, --max-images 1; `slots` where an image takes several,
+    Gemma 3's pan-and-scan): the smallest rows, e.g. the teacher-forced loss of `mmpipe eval`
+    (mmpipe.inference.scoring). kw: RowSet's."""
+    shape = row_shape(cfg, slots, text_len)
     return RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=False),
                   blank=image_kind(cfg).blank(cfg), **kw)

@@ -55,6 +55,23 @@ def strip_marker(text: str) -> str:
     return text.replace(IMAGE_MARKER, "").strip()
 
 
+class MarkerText(str):
+    """An image marker's text (ConversationEncoder's image_text) with the text its family's processor writes on
+    either side of each image after the chat template: Gemma3Processor's blank lines, "\\n\\n" + block + "\\n\\n"
+    (mmpipe.data.gemma3). They go in after the template, which may trim a turn's ends (Gemma's does), and are
+    text, tokenised with their neighbours as the processor's are."""
+    before: str
+    after: str
+
+    def __new__(cls, text: str, before: str = "", after: str = ""):
+        out = super().__new__(cls, text)
+        out.before, out.after = before, after
+        return out
+
+    def __reduce__(self):  # index workers get it pickled
+        return MarkerText, (str(self), self.before, self.after)
+
+
 def _no_image() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
 
@@ -91,7 +108,9 @@ class ConversationEncoder:
         self.moondream = uses_moondream_ids(tokenizer)
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        before, after = getattr(self.image_text, "before", ""), getattr(self.image_text, "after", "")
+        return self.marker.sub(lambda m: before + m.group() + after, text) if before or after else text  # MarkerText
 
     def _messages(self, messages: list[tuple[str, str]], n_images: int | None = None) -> list[dict]:
         keep = self.markers

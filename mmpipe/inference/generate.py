@@ -74,6 +74,7 @@ from ..hf.commands import hf_importer
 from ..model.attention import attention_backend
 from ..model.builder import ReferenceModel, TiedCall, layer_specs
 from ..model.lora import read_lora
+from ..model.moe import split_aux
 from ..model.rows import sample_rows
 from ..model.stage import unpack_in
 from ..model.tensor_parallel import Shard, parallelize
@@ -100,13 +101,13 @@ def placeholder_of(model) -> int | None:
 def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torch.Tensor, sampling: Sampling,
                  tiling: torch.Tensor | None = None) -> list[list[int]]:
     """The KV-cached loop for B prompts whose rows have one length L (sample_rows): pixels [B, C, H, W],
-    ids [B, T], has_image [B]. Every row is its own sequence at the same positions, so no padding enters
-    any row's attention; a row that has produced EOS keeps being fed EOS (its output ignored) until every
-    row is done."""
+    ids [B, T], has_image [B] (or an image kind's slots: pixels [B, M, C, H, W], has_image [B, M], slot_rows).
+    Every row is its own sequence at the same positions, so no padding enters any row's attention; a row that
+    has produced EOS keeps being fed EOS (its output ignored) until every row is done."""
     B, eos_id = ids.shape[0], sampling.eos_id
     gens = sampling.generators(B)
     first = _split(model)
-    enc = (pixels, *sample_rows(model.cfg, ids, has_image)) + (() if tiling is None else (tiling,))  # tiling last
+    enc = (pixels, *slot_rows(model.cfg, ids, has_image)) + (() if tiling is None else (tiling,))  # tiling last
     for layer in list(model)[:first]:
         enc = layer(enc)  # the image side, once
     t = unpack_in(model[first], enc)  # the fields the decoder's first layer takes
@@ -137,9 +138,20 @@ def _decode_rows(model, pixels: torch.Tensor, ids: torch.Tensor, has_image: torc
     return out
 
 
+def slot_rows(cfg, ids: torch.Tensor, has_image: torch.Tensor):
+    """sample_rows' (input_ids, has_image, segments) of B prompts; has_image [B, M]: each row's image slots in use
+    (an image its kind cuts into several, e.g. Gemma 3's pan-and-scan crops, whose blocks are all in the prompt),
+    kept as the stage tuple's [B, M]."""
+    if has_image.dim() < 2:
+        return sample_rows(cfg, ids, has_image)
+    rows, flags, segments = sample_rows(cfg, ids, has_image.amax(-1))
+    return rows, has_image.long(), segments
+
+
 @torch.no_grad()
 def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], sampling: Sampling, *,
-             use_cache: bool = True, has_image: bool = True, tiling: torch.Tensor | None = None) -> list[int]:
+             use_cache: bool = True, has_image: bool | torch.Tensor = True, tiling: torch.Tensor | None = None
+             ) -> list[int]:
     """New token ids for one image + prompt, decoded as `sampling` says (mmpipe.inference.sampling: EOS, which
     stops it and is not returned, the length bound, greedy or sampled, moondream's answer-id mask, the
     tokenizer's size).
@@ -147,17 +159,19 @@ def generate(model, pixel_values: torch.Tensor, prompt_ids: list[int], sampling:
     has_image=False: a text-only prompt, as training sees one (pixel_values a blank image no position
     reads: moondream's text follows BOS at position 1, as moondream's own; LLaVA: no placeholders).
     Multi-crop models: pixel_values [1, vision.crop_slots, C, H, W] and tiling [1, 2]
-    (mmpipe.data.crops.stack_images)."""
+    (mmpipe.data.crops.stack_images). A kind of image slots: pixel_values [1, M, C, H, W], has_image [M] (each
+    slot in use)."""
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T_prompt]
-    flag = torch.full((1,), int(has_image), dtype=torch.long)
+    flag = has_image.long()[None] if torch.is_tensor(has_image) else torch.full((1,), int(has_image), dtype=torch.long)
     pixels = pixel_values.to(next(model.parameters()).dtype)
     if use_cache:
         return _decode_rows(model, pixels, ids, flag, sampling, tiling=tiling)[0]
     gens = sampling.generators(1)
     out: list[int] = []
     for step in range(sampling.max_new_tokens):
-        logits = sampling.masked(model.one_per_row(pixels, ids, flag, tiling)[:, -1], step, placeholder_of(model))
+        logits = model(pixels, *slot_rows(model.cfg, ids, flag), tiling)
+        logits = sampling.masked(split_aux(logits)[0][:, -1], step, placeholder_of(model))
         nxt = sampling.pick(logits, gens)
         if sampling.eos_id is not None and nxt.item() == sampling.eos_id:
             break
@@ -187,17 +201,19 @@ def generate_batch(model, pixel_values: torch.Tensor, prompts: list[list[int]], 
                    has_image=None, batch_size: int = 16, progress=None, tiling: torch.Tensor | None = None
                    ) -> list[list[int]]:
     """generate() for many prompts at once: pixel_values [N, C, H, W], prompts N token-id lists,
-    has_image N bools (default: all True) -> N answers in the prompts' order, each the tokens
-    generate(model, pixel_values[i:i+1], prompts[i], sampling, has_image=has_image[i]) gives (greedy; a sampled
-    row draws from its own generator seeded with sampling.seed, as generate does). Prompts are batched by
-    length (length_buckets; the row's length: moondream's image positions count); each row stops at its own
-    EOS. progress(n): called after each batch of n."""
+    has_image N bools (default: all True; a kind of image slots: [N, M], pixel_values [N, M, C, H, W]) -> N
+    answers in the prompts' order, each the tokens generate(model, pixel_values[i:i+1], prompts[i], sampling,
+    has_image=has_image[i]) gives (greedy; a sampled row draws from its own generator seeded with sampling.seed,
+    as generate does). Prompts are batched by length (length_buckets; the row's length: moondream's image
+    positions count); each row stops at its own EOS. progress(n): called after each batch of n."""
     model.eval()
-    flags = torch.tensor([1] * len(prompts) if has_image is None else [int(bool(h)) for h in has_image])
+    flags = has_image.long() if torch.is_tensor(has_image) else \
+        torch.tensor([1] * len(prompts) if has_image is None else [int(bool(h)) for h in has_image])
     pixels = pixel_values.to(next(model.parameters()).dtype)
     out: list[list[int]] = [[] for _ in prompts]
     n_img = model.cfg.n_image_positions
-    for idx in length_buckets([len(p) + n_img * int(f) for p, f in zip(prompts, flags)], batch_size):
+    seen = flags.reshape(len(prompts), -1).amax(-1)  # a row with an image (any of its slots)
+    for idx in length_buckets([len(p) + n_img * int(f) for p, f in zip(prompts, seen)], batch_size):
         answers = _decode_rows(model, pixels[idx], torch.tensor([prompts[i] for i in idx], dtype=torch.long),
                                flags[idx], sampling, tiling=None if tiling is None else tiling[idx])
         for i, a in zip(idx, answers):
@@ -477,6 +493,49 @@ def main_generate(args: argparse.Namespace) -> int:
     return _answer(args, requests, model, tok)
 
 
+def _inputs(requests: list, cfg: ModelConfig, tok) -> tuple[torch.Tensor, torch.Tensor | None, list, list]:
+    """(pixels, tiling, has_image, each request's prompt ids) as training reads them: a kind of markers reads the
+    image from placeholders at the prompt's <image> marker (after BOS without one); other families take the prompt
+    as it is. ConfigError in one line for an image or a prompt they refuse."""
+    kind = image_kind(cfg)
+    encoder = ConversationEncoder(tok, cfg.text.max_context, markers=kind.markers,
+                                  image_text=kind.marker_text(tok, cfg))
+    if hasattr(kind, "slot_pixels"):  # an image cut into slots with text between them (Gemma 3's pan-and-scan)
+        return _slotted(requests, cfg, kind, encoder)
+    pixels, tiling, grids = _images(requests, cfg)
+    has_image = [image is not None for image, _, _ in requests]
+    prompts = []
+    for (_, prompt, where), h, g in zip(requests, has_image, grids):
+        try:
+            ids, image_at = encoder.prompt([("user", prompt)], n_images=int(h))
+        except BadRecord as e:
+            raise ConfigError(f"{where}: {e.reason}") from None
+        prompts.append(with_images(ids, cfg, image_at, g) if h else ids)
+    return pixels, tiling, has_image, prompts
+
+
+def _slotted(requests: list, cfg: ModelConfig, kind, encoder: ConversationEncoder):
+    """_inputs for a kind that cuts an image into slots: each request laid out as training lays out a record
+    (kind.with_timestamps: the processor's text, a marker and a slot per block), each slot's pixels the kind's
+    (slot_pixels), a row's unused slots blank: (pixels [N, M, C, S, S], None, has_image [N, M], prompts)."""
+    from ..data.images import DEFAULT_MAX_PIXELS
+    from ..data.records import Record
+    from ..data.text import IMAGE_MARKER
+    slots, prompts = [], []
+    for image, prompt, where in requests:
+        try:
+            rec = kind.with_timestamps(Record(where, [("user", prompt)], [image] if image else []), None, None,
+                                       IMAGE_MARKER)
+            ids, image_at = encoder.prompt(rec.messages, n_images=len(rec.images))
+            slots.append([kind.slot_pixels(m, None, DEFAULT_MAX_PIXELS) for m in rec.images])
+        except BadRecord as e:
+            raise ConfigError(f"{where}: {e.kind}: {e.reason}") from None  # the reason names the image
+        prompts.append(with_images(ids, cfg, image_at) if rec.images else ids)
+    m, blank = max(1, *map(len, slots)), kind.blank(cfg)
+    pixels = torch.stack([torch.stack(row + [blank] * (m - len(row))) for row in slots])
+    return pixels, None, torch.tensor([[1] * len(row) + [0] * (m - len(row)) for row in slots]), prompts
+
+
 def _answer(args: argparse.Namespace, requests: list, model, tok) -> int:
     """Every request's answer printed (stdout: the answer alone for one --image / --video, else a JSON line each)."""
     try:
@@ -491,22 +550,9 @@ def _answer(args: argparse.Namespace, requests: list, model, tok) -> int:
                 print(f"mmpipe: generate: --video: empty answer: {empty_reason(new)}", file=sys.stderr, flush=True)
             print(answer)
             return 0
-        pixels, tiling, grids = _images(requests, cfg)
-        # a kind of markers reads the image from placeholders at the prompt's <image> marker (after BOS without
-        # one), as in training; other families take the prompt as it is
-        kind = image_kind(cfg)
-        encoder = ConversationEncoder(tok, cfg.text.max_context, markers=kind.markers,
-                                      image_text=kind.marker_text(tok, cfg))
+        pixels, tiling, has_image, prompts = _inputs(requests, cfg, tok)
     except ConfigError as e:
         return fail(e)
-    has_image = [image is not None for image, _, _ in requests]
-    prompts = []
-    for (_, prompt, where), h, g in zip(requests, has_image, grids):
-        try:
-            ids, image_at = encoder.prompt([("user", prompt)], n_images=int(h))
-        except BadRecord as e:
-            return fail(ConfigError(f"{where}: {e.reason}"))
-        prompts.append(with_images(ids, cfg, image_at, g) if h else ids)
     sampling = Sampling.from_args(args, tok)
     if args.no_cache:
         new = [generate(model, pixels[i:i + 1], p, sampling, use_cache=False, has_image=h,

@@ -21,9 +21,11 @@ Written: answers.jsonl (one line per record: row, prompt, reference, answer, sco
 type when the record names its question type, and `empty` saying why when the answer is empty) and
 answers.summary.json beside it (the metric overall and per type, n, bad records skipped, samples/s,
 and the teacher-forced validation loss: cross-entropy summed over every answer token of the same
-samples, over their count, as training's validation computes it). Rows hold one image slot
-(--max-images 1, as the eval data is indexed): a record of several images is a bad record,
-too_many_images (training's validation, with the run's --max-images, takes them).
+samples, over their count, as training's validation computes it). Rows hold one image (--max-images 1, as the
+eval data is indexed): a record of several images is a bad record, too_many_images (training's validation, with
+the run's --max-images, takes them). An image its family cuts into slots (Gemma 3's pan-and-scan: the whole image
+and up to max_crops crops, each a block of the prompt) is read whole: the index takes up to that many slots a
+record, and the prompt and the loss's row hold them all.
 """
 from __future__ import annotations
 
@@ -130,6 +132,8 @@ class Item:
     has_image: bool        # the record has an image (its pixels feed the teacher-forced loss)
     sees_image: bool       # the prompt holds it: its marker comes before the first answer
     grid: tuple = ()       # a dynamic family's image grid: Qwen2-VL's (t, h, w), tiles' (h, w, rows, cols, n)
+    slots: int = 1         # its blocks in the prompt (an image cut into slots: the whole image and its crops)
+    images: int = 1        # its image slots (the loss's row holds them all)
 
 
 def split_record(ids: np.ndarray, target: np.ndarray, eos_id: int | None) -> tuple[list[int], list[int]]:
@@ -167,7 +171,8 @@ def _checked(args: argparse.Namespace):
                           "to one)")
     check_attention()
     cfg, weights, own_tokenizer = resolve_checkpoint(Path(args.checkpoint))
-    data_args = DataArgs(**{name: getattr(args, name) for name in DATA_FLAGS})
+    # one image a record, every slot of it where its kind cuts it into several (image_slots)
+    data_args = DataArgs(**{name: getattr(args, name) for name in DATA_FLAGS}, max_images=image_slots(cfg))
     opts = resolve_data(data_args, cfg, run_tokenizer=own_tokenizer)
     if len(opts.tokenizer) > cfg.text.vocab_size:
         raise ConfigError(f"--tokenizer: {len(opts.tokenizer)} tokens but the model's vocabulary has "
@@ -194,13 +199,23 @@ def _loaded(args: argparse.Namespace):
     return model, opts.tokenizer, evalset, opts.text_len
 
 
+def image_slots(cfg) -> int:
+    """The slots one image may take: its kind's slots_per_image (Gemma 3's pan-and-scan: 1 + max_crops), else 1."""
+    return getattr(image_kind(cfg), "slots_per_image", 1)
+
+
 @torch.no_grad()
-def _loss(model, rows: RowSet, positions: list[int], pixels: torch.Tensor, tiling: torch.Tensor | None = None
-          ) -> tuple[float, int]:
+def _loss(model, rows: RowSet, positions: list[int], pixels: torch.Tensor, tiling: torch.Tensor | None = None,
+          slots: int = 0) -> tuple[float, int]:
     """Teacher-forced cross-entropy summed over the answer tokens of these samples, and their count;
-    input ids and labels as training builds them (rows: one sample per row without images, `pixels` given)."""
+    input ids and labels as training builds them (rows: one sample per row without images, `pixels` given).
+    slots > 0: pixels [B, slots, C, S, S], a sample's slots first in its row's (the rest unused, not encoded)."""
     b = collate([rows[p] for p in positions])
-    logits = model(pixels, b["input_ids"], b["has_image"], b["segments"], tiling)
+    has_image = b["has_image"]
+    if slots:
+        assert not has_image[:, slots:].any(), "a row uses more slots than its pixels hold"
+        has_image = has_image[:, :slots]
+    logits = model(pixels, b["input_ids"], has_image, b["segments"], tiling)
     return float(lm_loss_sum(logits, b["labels"])), int((b["labels"] != IGNORE_INDEX).sum())
 
 
@@ -245,35 +260,51 @@ def _generate_all(args, model, sampling: Sampling, evalset, text_len: int):
         enc, n_images = evalset.tokens(pos)
         text, reference = split_record(enc.ids, enc.target, eos)
         # a block at image_at == len(text) closes the prompt: the first answer token is predicted from it
-        sees = bool(n_images) and int(enc.image_at[0] if len(enc.image_at) else 1) <= len(text)
+        at = enc.image_at if len(enc.image_at) else np.ones(n_images, dtype=np.int64)
+        seen = int((at[:n_images] <= len(text)).sum())  # an image's slots: all its blocks (one image a record)
+        sees = seen > 0
         why = empty_tokens(text, reference, sees)
         if why:  # nothing to score, or nothing to answer from: a bad record, not a score over what is left
             bad.append({"row": evalset.row(pos), **why})
             continue
         grids = [tuple(int(x) for x in g) for g in enc.grids[:1]]
-        prompt = with_images(text, cfg, enc.image_at[:1] if len(enc.image_at) else None, grids) if sees else text
-        items.append(Item(pos, prompt, text, reference, bool(n_images), sees, grids[0] if grids else ()))
+        prompt = with_images(text, cfg, enc.image_at[:seen] if len(enc.image_at) else None, grids) if sees else text
+        items.append(Item(pos, prompt, text, reference, bool(n_images), sees, grids[0] if grids else (),
+                          slots=seen, images=n_images))
     if bad:
         print(f"mmpipe: eval: {len(bad)} bad records skipped after tokenizing ({bad[0]['kind']}, row {bad[0]['row']}: "
               f"{bad[0]['reason']}{'; ...' if len(bad) > 1 else ''}); answers.summary.json lists them",
               file=sys.stderr, flush=True)
     answers: list[list[int]] = [[] for _ in items]
-    rows = sample_rowset(evalset, cfg, text_len, need_images=False)
+    slotted = image_slots(cfg) > 1
+    rows = sample_rowset(evalset, cfg, text_len, need_images=False, slots=image_slots(cfg))
     loss_sum, loss_tokens = 0.0, 0
     with tqdm(total=len(items), desc="mmpipe eval", unit="record", dynamic_ncols=True) as bar:
         for batch in length_buckets([len(it.prompt) for it in items], args.batch_size):
-            # each record's image (a kind of grids: its patches or crops and grid), one slot per row
-            pixels, tiling, _ = kind.stack(cfg, [kind.input(evalset.pixels(items[i].pos), items[i].grid)
-                                                 if items[i].has_image else None for i in batch])
+            if slotted:  # each record's image slots, [B, M] of them (M: the batch's most)
+                pixels, has_image, tiling = *_slot_pixels(evalset, kind, cfg, [items[i] for i in batch]), None
+            else:  # each record's image (a kind of grids: its patches or crops and grid), one slot per row
+                pixels, tiling, _ = kind.stack(cfg, [kind.input(evalset.pixels(items[i].pos), items[i].grid)
+                                                     if items[i].has_image else None for i in batch])
+                has_image = [items[i].sees_image for i in batch]
             pixels = pixels.to(dtype)
-            new = generate_batch(model, pixels, [items[i].prompt for i in batch], sampling,
-                                 has_image=[items[i].sees_image for i in batch], batch_size=len(batch), tiling=tiling)
+            new = generate_batch(model, pixels, [items[i].prompt for i in batch], sampling, has_image=has_image,
+                                 batch_size=len(batch), tiling=tiling)
             for i, a in zip(batch, new):
                 answers[i] = a
-            s, n = _loss(model, rows, [items[i].pos for i in batch], pixels, tiling)
+            s, n = _loss(model, rows, [items[i].pos for i in batch], pixels, tiling, pixels.shape[1] * slotted)
             loss_sum, loss_tokens = loss_sum + s, loss_tokens + n
             bar.update(len(batch))
     return items, answers, loss_sum, loss_tokens, bad
+
+
+def _slot_pixels(evalset, kind, cfg, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels [B, M, C, S, S], has_image [B, M]): each record's image slots, all of them (the loss's row holds them,
+    as training's does), blank ones after them; has_image marks those its prompt holds (generation's)."""
+    slots = [[evalset.pixels(it.pos, k) for k in range(it.images)] for it in items]
+    m, blank = max(1, *map(len, slots)), kind.blank(cfg)
+    pixels = torch.stack([torch.stack(row + [blank] * (m - len(row))) for row in slots])
+    return pixels, torch.tensor([[1] * it.slots + [0] * (m - it.slots) for it in items])
 
 
 def empty_tokens(text: list[int], reference: list[int], sees_image: bool) -> dict | None:
