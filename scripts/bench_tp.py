@@ -103,7 +103,10 @@ if os.environ.get("MMPIPE_BENCH_TP") and os.environ.get("RANK") is not None:
             if shard.group is not None:
                 state["ar_s"] += time.perf_counter() - t0
                 state["ar_calls"] += 1
-                state["ar_bytes"] += max(x.numel(), y.numel()) * x.element_size()  # the row's, as an all-reduce's
+                # an all-reduce's row; an all-gather or reduce-scatter half of it: (TP - 1) / TP x the row on a
+                # ring, where an all-reduce moves 2 (TP - 1) / TP x it (its two halves)
+                row = max(x.numel(), y.numel()) * x.element_size()
+                state["ar_bytes"] += row if inner.__name__ == "_all_reduce" else row // 2
             return y
         return _timed
     for _name in ("_all_reduce", "_all_gather", "_reduce_scatter"):
@@ -253,7 +256,7 @@ def table(results: list[dict]) -> str:
     row("activations of a micro-batch, MiB (planner)", lambda r: f"{r['act_bytes_predicted'] / mb:.1f}")
     row("peak RSS per rank, MiB", lambda r: ", ".join(f"{b / mb:.0f}" for b in r["peak_rss_bytes"]))
     row("step s (median, first left out)", lambda r: f"{r['step_s_median']:.2f}")
-    row("TP collectives a step: calls, MiB of the row (planner MiB)",
+    row("TP collectives a step: calls, MiB as all-reduced rows (planner MiB)",
         lambda r: f"{r['tp_allreduce_calls_per_step']}, {r['tp_allreduce_bytes_per_step'] / mb:.1f} "
                   f"({r['tp_allreduce_bytes_per_step_predicted'] / mb:.1f})")
     row("TP collectives' share of the step", lambda r: ", ".join(f"{s:.1%}" for s in r["tp_allreduce_share"]))

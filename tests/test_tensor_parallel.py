@@ -336,14 +336,16 @@ def test_sequence_parallelism_equals_tp_with_an_all_gather_and_reduce_scatter_pe
     step-summed ones included, equal (measured: losses bit-equal; gradients within 2.3e-7 of each tensor's largest, the
     whole weights' position sums in another order; before the step's sum over TP the norms' were off by 0.89 and 0.94
     of their largest element). The collectives: a decoder block's 2 all-reduces forward and 2 backward become 2
-    all-gathers + 2 reduce-scatters each way (4 n of each for n blocks); the head's input is gathered (its backward a
-    reduce-scatter), the embedding's output scattered (its backward an all-gather), as each of Qwen3-VL's DeepStack
-    adds; the tower and the vocab lookup all-reduce as before."""
+    all-gathers + 2 reduce-scatters each way, and 2 all-gathers more backward (each entry's row again for its linears'
+    weight gradients: they keep the rank's positions, not the row): 6 n all-gathers and 4 n reduce-scatters for n
+    blocks; the head's input is gathered (its backward a reduce-scatter), the embedding's output scattered (its
+    backward an all-gather), as each of Qwen3-VL's DeepStack adds; the tower and the vocab lookup all-reduce as
+    before."""
     diffs, cfg = two_ranks[f"sp {preset}"], load_preset(preset)
     n, adds = cfg.text.n_layers, len(getattr(cfg.vision, "deepstack_indexes", ()) or ())
     assert diffs["loss"] < 1e-6
     assert "tp _all_gather" not in diffs and "tp _reduce_scatter" not in diffs
-    assert diffs["sp _all_gather"] == 4 * n + 2 + adds, diffs
+    assert diffs["sp _all_gather"] == 6 * n + 2 + adds, diffs
     assert diffs["sp _reduce_scatter"] == 4 * n + 1, diffs
     assert diffs["tp _all_reduce"] - diffs["sp _all_reduce"] == 4 * n + 1, diffs
     grads = {k: v for k, v in diffs.items() if k.startswith("grad ")}
@@ -385,14 +387,15 @@ def test_a_dense_block_under_sequence_parallelism_gathers_and_reduce_scatters(cl
     """--sequence-parallel: the block takes this rank's positions [B, L / TP, D]; each column region's entry
     all-gathers them to the row [B, L, D] forward (its backward a reduce-scatter of the row's gradient), each row linear
     reduce-scatters its partial outputs [B, L, D] to the rank's positions (backward an all-gather): 2 + 2 each way,
-    no all-reduce, and the output is the rank's positions."""
+    and backward 2 all-gathers more (each entry's row again, once for all its linears' weight gradients: they keep the
+    positions, not the row); no all-reduce, and the output is the rank's positions."""
     cfg = load_preset(preset)
     block = parallelize(_built(cls, cfg, 0), family_of(cfg).tp_plan, Shard(None, 0, 2, sequence=True))
     mine, row = (2, 4, cfg.text.dim), (2, 8, cfg.text.dim)
     hidden = torch.randn(*mine, requires_grad=True)
     forward, backward = _collectives(block, hidden, monkeypatch, 8)
     assert forward == [("all_gather", mine), ("reduce_scatter", row)] * 2, forward
-    assert sorted(backward) == sorted([("all_gather", mine), ("reduce_scatter", row)] * 2), backward
+    assert sorted(backward) == sorted([("all_gather", mine)] * 4 + [("reduce_scatter", row)] * 2), backward
     assert hidden.grad.shape == mine
 
 
@@ -555,9 +558,10 @@ def test_resume_at_the_same_tp_is_bit_exact(pp2_tp2, tp_config, tmp_path):
 
 def test_the_planner_counts_sequence_parallel_activations_over_tp(capsys):
     """`mmpipe plan --tp 2 --sequence-parallel` plans one TP rank's rows with the decoder on half of each row's
-    positions: a block and the final norm keep and send half of what TP alone has them keep (its replicated region
-    too: Megatron's (34 / t) s b h), the tower, the embedding and the vocab head as TP alone; the same collective bytes
-    (all-gather + reduce-scatter = one ring all-reduce). Without --tp it is refused in one line."""
+    positions: a block and the final norm keep half of what they keep at TP 1 (the replicated region TP alone keeps
+    whole too: Megatron's (34 / t) s b h) and send half of what TP alone sends, the tower, the embedding and the vocab
+    head as TP alone; the same collective bytes (all-gather + reduce-scatter = one ring all-reduce) but a block's 2
+    all-gathers more backward (its entries' rows again). Without --tp it is refused in one line."""
     from mmpipe.cli import main
     from mmpipe.planning.costmodel import layer_costs
     from mmpipe.planning.images import patch_row
@@ -567,11 +571,15 @@ def test_the_planner_counts_sequence_parallel_activations_over_tp(capsys):
     tp, sp = tp_layer_costs(cfg, rows, 2), tp_layer_costs(cfg, rows, 2, sequence=True)
     from mmpipe.model.builder import layer_specs
     names = [spec.typename.__name__ for spec in layer_specs(cfg)]
-    for a, b, name in zip(tp, sp, names):
+    for one, a, b, name in zip(rows, tp, sp, names):
         positions = name.startswith(("Qwen3Block", "FinalNorm"))
-        assert b.act_elems == pytest.approx(a.act_elems / 2 if positions else a.act_elems), name
+        # all of what it keeps at TP 1 over 2; TP alone keeps the 6 replicated widths whole: more
+        assert b.act_elems == pytest.approx(one.act_elems / 2 if positions else a.act_elems), name
+        assert b.act_elems < a.act_elems if name == "Qwen3Block" else True, name
         assert b.out_elems == pytest.approx(a.out_elems / 2 if positions else a.out_elems), name
-        assert (b.params, b.tp_ar_fwd, b.tp_ar_bwd) == (a.params, a.tp_ar_fwd, a.tp_ar_bwd), name
+        assert (b.params, b.tp_ar_fwd) == (a.params, a.tp_ar_fwd), name
+        # backward an all-gather more per row region (2 a block): half an all-reduce of its row each
+        assert b.tp_ar_bwd == pytest.approx(a.tp_ar_bwd + (a.out_elems if name == "Qwen3Block" else 0)), name
     assert sum(n.startswith("Qwen3Block") for n in names) == cfg.text.n_layers
     assert main(["plan", "--preset", "qwen3-vl-tiny", "--sequence-parallel"]) == 2
     assert capsys.readouterr().err.strip().endswith("--sequence-parallel: it needs --tp 2 or more (it splits each TP "

@@ -70,7 +70,10 @@ positions (rank r: positions r*L/TP .. (r+1)*L/TP - 1 of a row of L, dim 1 of [B
                 without SP it copied the whole row in (backward all-reduce); a row linear's partial outputs are
                 reduce-scattered to this rank's positions (backward an all-gather), where they were all-reduced.
                 A ring all-reduce is a reduce-scatter then an all-gather, so the bytes are the same: 2 (TP - 1) / TP
-                x [B, L, D] each way a region. Its parameters left whole (the norms, a row linear's bias) see only
+                x [B, L, D] each way a region. The column linears behind an entry keep this rank's positions for
+                their weight gradients, not the gathered row, and gather it again backward, once for all of them
+                (_GatheredLinear: one all-gather more a region, Megatron's trade), so the region's input is kept
+                at 1/TP too. Its parameters left whole (the norms, a row linear's bias) see only
                 this rank's positions: their gradients are summed over TP once a step (below)
 
 Attention, its mask and rotary run inside the TP region on the gathered row, as without SP: they read the whole row's
@@ -295,8 +298,52 @@ def _entered(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x if getattr(module, "tp_entered", False) else enter_tp(x, module.tp_shard)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """F.linear, or on a row an entry gathered under SP (its tp_row token) the linear that keeps the rank's positions
+    for its backward instead of the row (_GatheredLinear)."""
+    token = getattr(x, "tp_row", None)
+    return F.linear(x, weight, bias) if token is None else _GatheredLinear.apply(x, weight, bias, token)
+
+
+class _Row:
+    """The row an entry gathered under SP, for the backward of the linears reading it: its positions (local) and, once
+    the first of them asks, the row re-gathered, kept until the last of them (users) has used it."""
+
+    def __init__(self, local: torch.Tensor, shard: Shard):
+        self.local, self.shard, self.users, self.row = local, shard, 0, None
+
+    def gathered(self) -> torch.Tensor:
+        row = self.row if self.row is not None else _all_gather(self.local.detach(), self.shard)
+        self.users -= 1
+        self.row = row if self.users > 0 else None
+        return row
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """y = x W^T + b on the gathered row x, saving this rank's positions [B, L / TP, D] rather than x [B, L, D]: the
+    weight's gradient gathers them again (once per entry for all its linears: an all-gather more a region backward),
+    Megatron's trade under sequence parallelism (its linear with async communication re-gathers the input), so the
+    region's input is kept at 1/TP like the norms around it. The input's gradient g W needs no x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, token):
+        ctx.save_for_backward(token.local, weight)
+        ctx.token, ctx.has_bias = token, bias is not None
+        token.users += 1
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, weight = ctx.saved_tensors
+        row = ctx.token.gathered()
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_w = g.t() @ row.reshape(-1, row.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad @ weight, grad_w, grad_b, None
+
+
 def _column_forward(self, x):
-    return F.linear(_entered(self, x), self.weight, self.bias)
+    return _linear(_entered(self, x), self.weight, self.bias)
 
 
 def _row_forward(self, x):
@@ -321,7 +368,7 @@ def _kv_heads(layer: nn.Module, items: dict, linear: str) -> int:
 
 
 def _one_kv_head_forward(self, x):
-    y = F.linear(_entered(self, x), self.weight, self.bias)
+    y = _linear(_entered(self, x), self.weight, self.bias)
     width = self.out_features // self.tp_kv_heads  # head_dim
     head = self.tp_shard.rank // (self.tp_shard.size // self.tp_kv_heads)
     return y.narrow(-1, head * width, width)
@@ -517,7 +564,10 @@ def _split_layer(layer: nn.Module, plan: dict, shard: Shard) -> None:
 
 
 def _entry_hook(shard: Shard, module: nn.Module, args: tuple) -> tuple:
-    return (enter_tp(args[0], shard), *args[1:])
+    x = enter_tp(args[0], shard)
+    if shard.sequence:  # its linears keep the positions, not the row (_GatheredLinear)
+        x.tp_row = _Row(args[0], shard)
+    return (x, *args[1:])
 
 
 def _enter(module: nn.Module, shard: Shard) -> None:

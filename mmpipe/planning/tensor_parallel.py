@@ -42,7 +42,8 @@ each expert by its FFN width F (gate / up column, down row over F / t), the rout
 Under --sequence-parallel (Megatron's; mmpipe.model.tensor_parallel, the plan's SEQUENCE) the decoder blocks and the
 final norm keep 1/TP of everything, the 6 widths and the statistics too (Megatron's (34 / t) s b h a layer: all of it
 over t), and a stage boundary inside the decoder sends [B, L / TP, D] per TP rank; the collectives move the same
-bytes, each all-reduce now an all-gather and a reduce-scatter, its two halves.
+bytes, each all-reduce now an all-gather and a reduce-scatter, its two halves, and backward an all-gather more per
+row region (its column linears' input gathered again: they keep the positions, not the row).
 
 Without it a stage boundary sends the whole activation per TP rank (pipe_partitioned off: mmpipe.runtime.pipeline), and
 the data-parallel all-reduce each rank's shard of the gradients over DP (the rows' trainable parameters, per rank).
@@ -117,20 +118,26 @@ def tp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], tp: int, sequence: b
     (module docstring: the plan's POSITIONS layers keep 1/TP of everything)."""
     if tp == 1:
         return rows
-    return [_sequence_row(_rank_row(cfg, r, s, tp), s, tp) if sequence else _rank_row(cfg, r, s, tp)
+    return [_sequence_row(r, _rank_row(cfg, r, s, tp), s, tp) if sequence else _rank_row(cfg, r, s, tp)
             for r, s in zip(rows, layer_splits(cfg, tp))]
 
 
-def _sequence_row(r: LayerCost, s: Split, tp: int) -> LayerCost:
-    """A layer under --sequence-parallel: a block or the final norm (POSITIONS, not a vocab head) keeps and sends 1/TP
-    of all it keeps and sends, its replicated region (the 6 widths, the fp32 statistics) now on this rank's positions
-    too; the head saves its gathered input and its logits' vocabulary slice as without SP. Its collectives move the
-    bytes they did: an all-gather and a reduce-scatter are the two halves of a ring all-reduce, (t - 1) / t x bytes
-    each."""
+def _sequence_row(whole: LayerCost, r: LayerCost, s: Split, tp: int) -> LayerCost:
+    """A layer under --sequence-parallel (whole: its row at TP 1, r: at TP tp): a block or the final norm (POSITIONS,
+    not a vocab head) keeps and sends 1/TP of all it keeps and sends at TP 1, its replicated region (the 6 widths,
+    the fp32 statistics) now on this rank's positions too; the head saves its gathered input and its logits'
+    vocabulary slice as without SP. Its collectives move the bytes they did (an all-gather and a reduce-scatter are
+    the two halves of a ring all-reduce, (t - 1) / t x bytes each), and half an all-reduce more per row region
+    backward (the re-gather)."""
     if not s.positions or s.vocab:
         return r
-    return dataclasses.replace(r, act_elems=r.act_elems / tp, act_fp32_elems=r.act_fp32_elems / tp,
-                               out_elems=r.out_elems / tp)  # what it sends across a cut, a checkpointed block keeps
+    # what the layer keeps at TP 1 (whole: its split part and its replicated region), all of it over tp; r, the TP
+    # rank's row, has the split part over tp already and the replicated region whole
+    # backward, each region's row gathered again for its column linears' weight gradients (they keep the positions,
+    # not the row: tensor_parallel._GatheredLinear): an all-gather, half a ring all-reduce of the row
+    return dataclasses.replace(r, act_elems=whole.act_elems / tp, act_fp32_elems=whole.act_fp32_elems / tp,
+                               out_elems=r.out_elems / tp,  # what it sends across a cut, a checkpointed block keeps
+                               tp_ar_bwd=r.tp_ar_bwd + s.rows * r.out_elems / 2)
 
 
 def _rank_row(cfg: ModelConfig, r: LayerCost, s: Split, tp: int) -> LayerCost:
