@@ -93,6 +93,29 @@ def _record(mine: torch.Tensor) -> dict:
     return next(r for r in RECORDS if int(r["conversations"][1]["value"].split()[0][1:]) in mine.tolist())
 
 
+def _planner_clip_is_the_rows(cfg, d, inputs, budget: int):
+    """The planner's clip (mmpipe.planning.images.frame_clip, the test clip's header: 7 frames at 3 fps, 70 x 50) is
+    the data path's, token for token: each frame's text (its processor's, tokenised) then its block (the row's
+    blocks at the planner's grid) make a run of the clip sample's ids, its length the planner's count, clip.positions
+    image positions + the frame text's tokens. Returns the clip."""
+    from transformers import AutoTokenizer
+
+    from mmpipe.data.image_kinds import image_kind
+    from mmpipe.planning.images import frame_clip
+    frames, width, height, fps = CLIP
+    clip, _, _ = frame_clip(cfg, frames, (width, height), 0, budget, fps=fps)
+    tok = AutoTokenizer.from_pretrained(d / "hf")
+    blocks = image_kind(cfg).blocks(cfg, clip.sampled, budget)
+    want = []
+    for text, grid in zip(clip.texts, clip.grids, strict=True):
+        want += tok(text, add_special_tokens=False)["input_ids"] + blocks.block(grid).tolist()
+    assert len(want) == clip.positions + clip.text_tokens(tok)
+    ids, segments = inputs[1][0], inputs[3][0]
+    mine = next(ids[segments == s].tolist() for s in (1, 2, 3) if _record(ids[segments == s]) is RECORDS[0])
+    assert any(mine[i:i + len(want)] == want for i in range(len(mine) - len(want) + 1)), (want, mine)
+    return clip
+
+
 # ---- Gemma 4 -------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -161,6 +184,27 @@ def test_gemma4_clip_records_pack_with_images_and_give_transformers_ids_and_logi
 
     errs = _check_row(model, inputs, want_of, IMG)
     print(f"gemma4 clip samples vs transformers: {['%.1e' % e for e in errs]}")
+    clip = _planner_clip_is_the_rows(model.cfg, d, inputs, 6300)
+    assert (clip.sampled, clip.positions, clip.text_tokens(proc.tokenizer)) == (4, 4 * (63 + 2), 4)
+    _plan_prints_the_clip(model.cfg, tmp_path, clip, "4 image slots x 72")
+
+
+def _plan_prints_the_clip(cfg, folder, clip, row_words: str) -> None:
+    """`mmpipe plan --preset MODEL.json --video-frames 4 --video-size 70x50` (the clip's 4 frames at the sampling
+    rate: the same frames' grids) prints the clip's frames and image positions, and a row of its frame slots."""
+    import contextlib
+    import io
+
+    from mmpipe.cli import main
+    (folder / "clip_model.json").write_text(json.dumps(cfg.to_dict()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan", "--preset", str(folder / "clip_model.json"), "--video-frames", "4", "--video-size", "70x50",
+                   "--text-len", "40", "--gpus-per-node", "2", "--global-batch", "4", "--top", "1"])
+    text = out.getvalue()
+    assert rc == 0, text
+    assert "4 frames sampled, each an image slot" in text and f": {clip.positions} image positions" in text, text
+    assert row_words in text, text
 
 
 def test_gemma4_fixed_square_and_gemma3_refuse_clips(tmp_path):
@@ -258,6 +302,9 @@ def test_internvl_clip_records_pack_with_images_and_give_transformers_ids_and_lo
 
     errs = _check_row(model, inputs, want_of, CTX)
     print(f"internvl clip samples vs transformers: {['%.1e' % e for e in errs]}")
+    clip = _planner_clip_is_the_rows(model.cfg, d, inputs, 14)
+    assert (clip.sampled, clip.positions, clip.text_tokens(proc.tokenizer)) == (4, 4 * (4 + 2), 4)
+    _plan_prints_the_clip(model.cfg, tmp_path, clip, "vision crops per row: 4 of --max-tiles")
 
 
 @pytest.mark.parametrize("family", ["gemma4", "internvl"])
@@ -284,3 +331,76 @@ def test_generate_command_answers_on_a_clip_as_transformers(family, request, cap
     with torch.no_grad():
         want = hf.generate(**{k: v for k, v in out.items() if k in keys}, max_new_tokens=5, do_sample=False)
     assert got == proc.tokenizer.decode(want[0, out["input_ids"].shape[1]:]), got
+
+
+# ---- The checkpoints' video processor settings, and the refusals ---------------------------------------------------
+
+def _with_video_config(src, dst, proc):
+    """dst: src's files linked, with proc (a video processor) saved beside them."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f)
+    proc.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("family", ["gemma4", "internvl"])
+def test_import_reads_the_video_processor_config_and_export_writes_it_back(family, request, tmp_path):
+    """`mmpipe import --hf` reads the directory's video_preprocessor_config.json into vision.video_* (fps ->
+    video_fps, num_frames -> video_max_frames (video_min_frames lowered to it), Gemma 4's max_soft_tokens ->
+    video_soft_tokens), and an export writes them back: transformers' AutoVideoProcessor loads the exported directory
+    with the same settings and a re-import reads the same fields. A value the processor cannot take is one line."""
+    from transformers import AutoVideoProcessor, Gemma4VideoProcessor, InternVLVideoProcessor
+
+    from mmpipe.config import ConfigError
+    _, model, d = request.getfixturevalue(family)
+    if family == "gemma4":
+        from mmpipe.hf.gemma4 import export_hf
+        from mmpipe.hf.gemma4 import hf_gemma4_config as read
+        from mmpipe.hf.gemma4 import import_gemma4 as load
+        proc = Gemma4VideoProcessor(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70, num_frames=3, fps=1.5)
+        want = dict(video_soft_tokens=70, video_fps=1.5, video_min_frames=3, video_max_frames=3)
+    else:
+        from mmpipe.hf.internvl import export_hf
+        from mmpipe.hf.internvl import hf_internvl_config as read
+        from mmpipe.hf.internvl import import_internvl as load
+        proc = InternVLVideoProcessor(size={"height": 28, "width": 28}, num_frames=6, fps=1.0)
+        want = dict(video_fps=1.0, video_min_frames=4, video_max_frames=6)
+    assert {k: getattr(model.cfg.vision, k) for k in want} != want  # the defaults before
+    src = _with_video_config(d / "hf", tmp_path / "in", proc)
+    notes = []
+    cfg = read(src, notes)[1]
+    assert {k: getattr(cfg.vision, k) for k in want} == want
+    assert any("video_preprocessor_config.json" in n for n in notes), notes
+    out = export_hf(load(src)[0], tmp_path / "out")
+    back = AutoVideoProcessor.from_pretrained(out)
+    assert type(back) is type(proc) and (back.fps, back.num_frames) == (proc.fps, proc.num_frames)
+    assert getattr(back, "max_soft_tokens", None) == getattr(proc, "max_soft_tokens", None)
+    assert {k: getattr(read(out)[1].vision, k) for k in want} == want
+    bad = json.loads((out / "video_preprocessor_config.json").read_text())
+    (out / "video_preprocessor_config.json").write_text(json.dumps({**bad, "fps": -2}))
+    with pytest.raises(ConfigError, match=r"video_preprocessor_config.json: fps -2 is not a positive number"):
+        read(out)
+    if family == "gemma4":  # the tiny tower's 256-entry table holds 70 x 3 patches a side, not 140 x 3
+        (out / "video_preprocessor_config.json").write_text(json.dumps({**bad, "max_soft_tokens": 140}))
+        with pytest.raises(ConfigError, match=r"max_soft_tokens 140 makes frame sides of up to 420 patches, past "
+                                              r"the 256-entry position table"):
+            read(out)
+
+
+def test_refusals_give_each_family_its_own_reason():
+    """--video-max-pixels: Gemma 4's frames are sized by vision.video_soft_tokens (and what to set instead), InternVL's
+    and OneVision's are the tower's crop; `mmpipe plan --video-frames` on Gemma 4 at a fixed square names why."""
+    from mmpipe.config import ConfigError, load_preset
+    from mmpipe.data.args import DataArgs
+    from mmpipe.planning.images import clip_refusal
+    for preset, reason in (("gemma4-tiny", "--video-max-pixels: the gemma4 family's clip frames are sized by "
+                                           "vision.video_soft_tokens (70 soft tokens a frame"),
+                           ("internvl-tiny", "--video-max-pixels: the internvl family's clip frames are its tower's "
+                                             "crop")):
+        with pytest.raises(ConfigError) as e:
+            DataArgs(video_max_pixels=100000).with_video(load_preset(preset))
+        assert str(e.value).startswith(reason), str(e.value)
+    assert "--video-frames: the gemma4 family at a fixed square (vision.max_soft_tokens 0) reads no clips" in \
+        clip_refusal(load_preset("gemma4-tiny"))
+    assert clip_refusal(load_preset("internvl-tiny")) is None

@@ -101,9 +101,8 @@ class DataArgs:
             raise ConfigError(f"{', '.join(names)}: the {model.family} family reads no clips; only the "
                               f"{', '.join(readers)} families do")
         fixed = [n for n, k in zip(names, given) if k not in takes]
-        if fixed:  # OneVision: a frame is the tower's crop
-            raise ConfigError(f"{', '.join(fixed)}: the {model.family} family's clip frames are its tower's crop "
-                              f"(vision.image_size {v.image_size} px), not bounded by pixels")
+        if fixed:
+            raise ConfigError(f"{', '.join(fixed)}: {_frames_unbounded(model)}")
         new = dataclasses.replace(v, **given)
         problems = []
         if not (math.isfinite(new.video_fps) and new.video_fps > 0):
@@ -124,3 +123,17 @@ class DataArgs:
         if problems:
             raise ConfigError("\n".join(problems))
         return dataclasses.replace(model, vision=new)
+
+
+def _frames_unbounded(model: ModelConfig) -> str:
+    """Why a family's clip frames take no pixel bound, in its own words: Gemma 4's are sized by the video processor's
+    soft-token budget (vision.video_soft_tokens: at most 9 x that many patches a frame, its aspect kept); OneVision's
+    and InternVL's are the tower's crop."""
+    v = model.vision
+    if hasattr(v, "video_soft_tokens"):
+        return (f"the {model.family} family's clip frames are sized by vision.video_soft_tokens ({v.video_soft_tokens} "
+                f"soft tokens a frame, Gemma4VideoProcessor's max_soft_tokens), not by pixels; set it in the model's "
+                f"JSON (or the checkpoint's video processor config, read by `mmpipe import --hf`), or sample fewer "
+                f"frames (--video-max-frames)")
+    return (f"the {model.family} family's clip frames are its tower's crop (vision.image_size {v.image_size} px), not "
+            f"bounded by pixels")

@@ -30,6 +30,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..model.gemma4 import (
+    SOFT_TOKEN_BUDGETS,
     Gemma4Block,
     Gemma4Embed,
     Gemma4FinalNorm,
@@ -47,6 +48,7 @@ from .llava import ImportReport, processor_settings, read_hf_config, tie_flag, t
 from .qwen2_vl import plan_named
 from .safetensors_io import Renamed, open_weights
 from .stream import Imported, meta_model
+from .video_config import video_kwargs, with_video_settings
 
 HF_CLASSES = {"gemma4": "Gemma4ForConditionalGeneration"}
 TOWER, LM = "model.vision_tower.", "model.language_model."
@@ -140,7 +142,6 @@ def aspect_budget(vc, max_soft_tokens: int) -> int:
     transformers' Gemma4ImageProcessor makes them, where the position table holds the longest side it can make
     (budget x pool patches: 280 x 3 = 840 <= 10240 in the released models); else 0, the fixed square (a table
     smaller than that, e.g. the tests' 6 entries, would index past its end)."""
-    from ..model.gemma4 import SOFT_TOKEN_BUDGETS
     fits = max_soft_tokens * vc.pooling_kernel_size <= vc.position_embedding_size
     return max_soft_tokens if fits and max_soft_tokens in SOFT_TOKEN_BUDGETS else 0
 
@@ -245,8 +246,11 @@ def hf_gemma4_config(path: str | Path, notes: list[str] | None = None):
     path = Path(path)
     hf = read_hf_config(path, tuple(HF_CLASSES), notes)
     budget = int(processor_settings(path)[0].get("max_soft_tokens") or 280)
-    cfg = config_from_hf(hf, path.name, budget)
+    cfg, read = with_video_settings(config_from_hf(hf, path.name, budget), path, SOFT_TOKEN_BUDGETS)
+    cfg.validate()
     v = cfg.vision
+    if notes is not None and read:
+        notes.append(read)
     if notes is not None and not v.max_soft_tokens:  # the square: say why images lose their aspect ratio
         notes.append(f"images read as a fixed {v.image_size}-px square: the {v.position_table}-entry position table "
                      f"cannot hold the sides of up to {budget} x {v.pool} patches that max_soft_tokens {budget} makes")
@@ -272,11 +276,14 @@ def import_gemma4(path: str | Path, dtype=torch.float32):
 def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
     """An HF directory from_pretrained loads (config.json, generation_config.json, the weights sharded, one layer in
     memory at a time: mmpipe.hf.export.write_hf), and, where the images keep their aspect ratio, transformers'
-    Gemma4ImageProcessor at the model's budget (so a re-import and Gemma4Processor read images as the run did)."""
+    Gemma4ImageProcessor at the model's budget and Gemma4VideoProcessor at its clips' settings (video_config: fps,
+    num_frames, max_soft_tokens), so a re-import and Gemma4Processor read images and clips as the run did."""
     out = write_hf(source, out, hf_config(source.cfg, tok), key_map(source.cfg), shard_size=shard_size)
     v = source.cfg.vision
-    if v.max_soft_tokens:
-        from transformers import Gemma4ImageProcessor
+    if v.max_soft_tokens:  # a fixed square reads no clips (mmpipe.data.gemma4): no video processor either
+        from transformers import Gemma4ImageProcessor, Gemma4VideoProcessor
         Gemma4ImageProcessor(patch_size=v.patch_size, max_soft_tokens=v.max_soft_tokens,
                              pooling_kernel_size=v.pool).save_pretrained(out)
+        Gemma4VideoProcessor(patch_size=v.patch_size, pooling_kernel_size=v.pool,
+                             **video_kwargs(source.cfg)).save_pretrained(out)
     return out

@@ -13,7 +13,9 @@ Every source tensor is mapped (a tied lm_head must equal the input embedding) or
 does a missing or misshapen one. The <img> / </img> ids, which the config does not hold, come from the directory's
 tokenizer, else InternVL-HF's layout (<img>, </img>, <IMG_CONTEXT> consecutive: image_token_id - 2, - 1), said in a
 note. The tiles (size, min / max patches, mean, std) come from its preprocessor_config.json; an export writes
-transformers' GotOcr2ImageProcessor with crop_to_patches, as InternVLProcessor runs it.
+transformers' GotOcr2ImageProcessor with crop_to_patches, as InternVLProcessor runs it. The clips' sampling (fps,
+num_frames) comes from its video_preprocessor_config.json (mmpipe.hf.video_config); an export writes
+InternVLVideoProcessor with them.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from .moe import PerExpert, expert_layout, moe_from_hf
 from .qwen2_vl import plan_named
 from .safetensors_io import open_weights
 from .stream import Imported, meta_model
+from .video_config import video_kwargs, with_video_settings
 
 HF_CLASS = "InternVLForConditionalGeneration"
 TEXT_TYPES = ("qwen3", "qwen3_moe")
@@ -171,7 +174,11 @@ def hf_internvl_config(path: str | Path, notes: list[str] | None = None):
     """An HF InternVL directory's (HF config, mmpipe config); no weight is read (but llava.settle_tie's two)."""
     path, notes = Path(path), notes if notes is not None else []
     hf = read_hf_config(path, ("internvl",), notes)
-    return hf, config_from_hf(hf, path.name, processor_settings(path)[0], _brackets(path, notes))
+    cfg, read = with_video_settings(config_from_hf(hf, path.name, processor_settings(path)[0],
+                                                   _brackets(path, notes)), path)
+    cfg.validate()
+    notes += [read] if read else []
+    return hf, cfg
 
 
 def _defaults_taken(proc: dict) -> tuple[list[str], list[str]]:
@@ -256,4 +263,14 @@ def export_hf(source, out: str | Path, tok=None, shard_size=None) -> Path:
     else:
         out = write_hf(source, out, hf, names, shard_size=shard_size)
     image_processor(source.cfg).save_pretrained(out)
+    video_processor(source.cfg).save_pretrained(out)
     return out
+
+
+def video_processor(cfg: ModelConfig):
+    """transformers' InternVLVideoProcessor as the run reads clips (mmpipe.data.internvl.video_processor: the tile
+    size, mean, std) with its sampling settings (video_config: fps, num_frames)."""
+    from transformers import InternVLVideoProcessor
+    v = cfg.vision
+    return InternVLVideoProcessor(size={"height": v.image_size, "width": v.image_size}, image_mean=list(v.mean),
+                                  image_std=list(v.std), **video_kwargs(cfg))

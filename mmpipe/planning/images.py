@@ -18,6 +18,9 @@ decoder positions. Without --image-size the image is the largest pinpoint (the m
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+import numpy as np
 
 from ..config import ConfigError, ModelConfig
 from ..data.anyres import tile_rule
@@ -101,10 +104,10 @@ def crop_row(cfg: ModelConfig, images: int = 1, budget: int = 0,
 def crop_words(cfg: ModelConfig, run, row: CropRow) -> str:
     """`mmpipe plan`'s header words for an any-resolution row: each size's tiles, crops and decoder positions; a
     OneVision clip's tiling (rows -1, clip_row) its frames sampled, each a base crop pooled, and its positions."""
-    images = tuple(t for t in row.tilings if t[2] >= 0)
+    images = tuple(t for t in row.tilings if t[2] >= 0 and not is_frame(t))
     clips = [t for t in row.tilings if t[2] < 0]
     rule, m = image_kind(cfg).rule(cfg, row.crops, len(images) or 1), len(images)
-    words = []
+    words = [frame_words(cfg, run, len(row.tilings))] if any(map(is_frame, row.tilings)) else []  # InternVL's
     for _, _, rows, cols in clips:  # at most one: --video-frames
         from ..model.llava_next import image_feature_count, pooled_side
         v, frames, side = cfg.vision, 1 - cols, pooled_side(cfg.vision.grid)
@@ -127,38 +130,44 @@ def crop_line(cfg: ModelConfig, row: CropRow, text_len: int, length: int) -> str
     """An any-resolution row's budgets: crops used of T, image positions used of the row's (a clip's: its
     frames' pooled features and one newline, image_feature_count)."""
     from ..model.llava_next import image_feature_count
-    m = sum(1 for t in row.tilings if t[2] >= 0)  # images: a clip does not count (transformers' batch_num_images)
+    # images: a clip does not count (transformers' batch_num_images), nor an InternVL frame (one crop, 256 + 2)
+    m = sum(1 for t in row.tilings if t[2] >= 0 and not is_frame(t))
     rule = image_kind(cfg).rule(cfg, row.crops, m or 1)
     used = sum(1 + r * c for _, _, r, c in row.tilings)
-    tokens = sum(rule.count(h, w, m) if r >= 0 else image_feature_count(cfg.vision, h, w, r, c)
-                 for h, w, r, c in row.tilings)
+    tokens = sum(rule.per_crop + 2 if is_frame((h, w, r, c)) else rule.count(h, w, m) if r >= 0 else
+                 image_feature_count(cfg.vision, h, w, r, c) for h, w, r, c in row.tilings)
     return (f"vision crops per row: {used} of --max-tiles {row.crops} ({1 - used / row.crops:.0%} padding); decoder "
             f"positions per row: {length - text_len} image ({tokens} used) + {text_len} text = {length}")
 
 
 def clip_refusal(cfg: ModelConfig) -> str | None:
     """Why plan cannot cost cfg's clips (None: it can): LLaVA-NeXT's model reads none (anyres_max 0; the data side
-    refuses them alike, mmpipe.data.video.onevision_grids); clips of patches and OneVision's are costed."""
-    if image_kind(cfg).frames_as_images:  # Gemma 4, InternVL (mmpipe.data.video)
-        return (f"--video-frames: the planner does not cost the {cfg.family} family's clips yet (`mmpipe train` reads "
-                f"them, each frame an image: docs/video.md)")
-    if image_kind(cfg).name == "patches" or cfg.vision.anyres_max:
+    refuses them alike, mmpipe.data.video.onevision_grids), nor Gemma 4 at a fixed square (mmpipe.data.gemma4); clips
+    of patches, OneVision's and frames as images (Gemma 4, InternVL: frame_clip) are costed."""
+    kind = image_kind(cfg)
+    if kind.frames_as_images and not hasattr(kind, "frame_grid"):  # Gemma 4 at a fixed square (data.gemma4)
+        return (f"--video-frames: the {cfg.family} family at a fixed square (vision.max_soft_tokens 0) reads no clips: "
+                f"its frames are images of a soft-token budget; plan a model JSON with vision.max_soft_tokens (an "
+                f"import of a checkpoint whose image processor has max_soft_tokens)")
+    if kind.frames_as_images or kind.name == "patches" or cfg.vision.anyres_max:  # frames as images: frame_clip
         return None
     return (f"--video-frames: LLaVA-NeXT (vision.anyres_max 0) reads no clips; only LLaVA-OneVision's (the "
             f"{cfg.family} family at vision.anyres_max > 0) do")
 
 
 def clip_row(cfg: ModelConfig, budget: int, frames: int, size: tuple[int, int], images: int,
-             sizes: list[tuple[int, int]] | None) -> PatchRow | CropRow:
+             sizes: list[tuple[int, int]] | None) -> PatchRow | CropRow | None:
     """`mmpipe plan --video-frames N --video-size WxH`: a row of the budget (P patches, or T crops for OneVision)
     holding `images` images of `sizes` (in turn) and one clip of N frames of W x H sampled, each made by the data side's
     own rules. Patches: the images and the clip share P as images + 1 media, the images' grids as patch_row's, the
     clip's by mmpipe.data.video (the family's video processor's sampling and resize): its grid (t, h, w), or
-    Qwen3-VL's t slots of (1, h, w), after the images. OneVision: onevision_clip_row. ConfigError for an image or a
-    clip the rules refuse."""
+    Qwen3-VL's t slots of (1, h, w), after the images. OneVision: onevision_clip_row. Frames as images (Gemma 4,
+    InternVL): frames_clip_row. ConfigError for an image or a clip the rules refuse."""
     from ..data.video import ClipInfo, video_rule
     if clip_refusal(cfg):
         raise ConfigError(clip_refusal(cfg))
+    if image_kind(cfg).frames_as_images:
+        return frames_clip_row(cfg, budget, frames, size, images, sizes)
     if image_kind(cfg).name == "tiles":
         return onevision_clip_row(cfg, budget, frames, size, images, sizes)
     patches = patch_row(cfg, max(1, images), budget, sizes).patches
@@ -198,3 +207,128 @@ def onevision_clip_row(cfg: ModelConfig, budget: int, frames: int, size: tuple[i
                           f"{rule.row_tiles}, {images} image(s) beside the clip)") from None
     tilings = tuple(tuple(int(x) for x in g[:4]) for g in grids) + (clip_tiling(sampled),)
     return CropRow(rule.row_tiles, tilings)
+
+
+# ---- Frames as images (Gemma 4, InternVL: mmpipe.data.video) -------------------------------------------------------
+#
+# A clip of N frames of W x H at the sampling rate (so the fps rule gives N) is the n frames the family's video
+# processor samples (n = N within vision.video_min / max_frames), each an image slot of its own after the text its
+# processor writes (Gemma4Processor: `mm:ss ` of the frame's time; InternVLProcessor: `FrameK: `): the row holds
+# images + n media, each frame costed as an image of the frame's grid (Gemma 4: at vision.video_soft_tokens, e.g. a
+# 1280 x 720 frame at 70: 18 x 33 patches (video processor's aspect-kept resize), 66 soft tokens + 2 brackets;
+# InternVL: one crop of the tile size, 256 + 2), the data side's rules called: frame_indices, kind.frame_grid,
+# kind.frame_text, kind.check_sample, the row's blocks. The frame text is text: it counts in --text-len.
+
+FRAME_MARK = "\x00"  # a frame's place in its processor's text (split on it: the text before each frame)
+
+
+@dataclass(frozen=True)
+class FrameClip:
+    """A clip as the data side lays it out: each sampled frame's grid (as the index records it), its decoder positions
+    (its block: brackets and placeholders) and the processor's text before it."""
+    frames: int                   # N, --video-frames
+    size: tuple[int, int]         # (W, H), --video-size
+    grids: tuple[tuple[int, ...], ...]
+    blocks: tuple[int, ...]
+    texts: tuple[str, ...]
+
+    @property
+    def sampled(self) -> int:
+        return len(self.grids)
+
+    @property
+    def positions(self) -> int:
+        """The clip's image positions: its frames' blocks, e.g. 4 frames of 63 soft tokens: 4 x 65 = 260."""
+        return sum(self.blocks)
+
+    def text_tokens(self, tok) -> int:
+        """The frame text's tokens under tok (the planner has no tokenizer: --text-len holds them)."""
+        return sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in self.texts)
+
+
+def _sampled(cfg: ModelConfig, frames: int, size: tuple[int, int], budget: int, fps: float = 0.0):
+    """(the clip's header, the frames the family's video processor samples from it): N frames of size at fps (0: the
+    sampling rate, as --video-frames means them)."""
+    from ..data.video import ClipInfo, frame_indices
+    kind = image_kind(cfg)
+    rule = kind.rule(cfg, budget or kind.budget(cfg, None, 1, []))
+    info = ClipInfo(frames, fps or rule.video[0], *size)  # at the sampling rate: the fps rule alone would give N
+    return info, frame_indices(kind.video_processor(rule), info, rule.video)
+
+
+def clip_media(cfg: ModelConfig, frames: int, size: tuple[int, int]) -> int:
+    """The media a clip is among a row's (its default budget, --max-images' slots): a frame each where frames are
+    images (Gemma 4, InternVL), else one (Qwen's patches, OneVision's crops)."""
+    if not image_kind(cfg).frames_as_images:
+        return 1
+    try:
+        return len(_sampled(cfg, frames, size, 0)[1])
+    except BadRecord as e:
+        raise ConfigError(f"--video-frames {frames}: {e}") from None
+
+
+def frame_clip(cfg: ModelConfig, frames: int, size: tuple[int, int], images: int = 0, budget: int = 0,
+               sizes: list[tuple[int, int]] | None = None, fps: float = 0.0) -> tuple[FrameClip, object, list]:
+    """(the clip, its rule, the images' grids) of `images` images of `sizes` (in turn) and a clip of N frames of
+    size (at fps; 0: the sampling rate) in a row of `budget` (P patches, T crops; 0: the default for images + n
+    media), by the data side's rules; ConfigError in one line where they refuse it (too_many_patches,
+    too_many_tiles, bad_aspect)."""
+    from ..data.records import VideoRef
+    kind = image_kind(cfg)
+    info, idx = _sampled(cfg, frames, size, budget, fps)
+    media = images + len(idx)
+    budget = budget or kind.budget(cfg, None, media, [])
+    rule = kind.rule(cfg, budget, media)
+    square = (cfg.vision.image_size, cfg.vision.image_size)
+    take = [sizes[k % len(sizes)] if sizes else square for k in range(images)]
+    blocks = kind.blocks(cfg, media, budget)
+    try:
+        grids = [tuple(int(x) for x in rule.grid(w, h, media)) for w, h in take]
+        grids += [tuple(int(x) for x in kind.frame_grid(rule, info, media))] * len(idx)
+        kind.check_sample(rule, np.array(grids, dtype=np.int64), [None] * images + [VideoRef("", j) for j in
+                                                                                      range(len(idx))])
+    except BadRecord as e:
+        flag = kind.flag.replace("_", "-")
+        raise ConfigError(f"--video-frames {frames} --video-size {size[0]}x{size[1]}: {e} (--{flag} {budget}, "
+                          f"{images} image(s) beside the clip)") from None
+    texts = kind.frame_text(info, idx, FRAME_MARK).split(FRAME_MARK)[:len(idx)]
+    clip = FrameClip(frames, size, tuple(grids[images:]), tuple(blocks.block_len(g) for g in grids[images:]),
+                     tuple(texts))
+    return clip, rule, grids[:images]
+
+
+def frames_clip_row(cfg: ModelConfig, budget: int, frames: int, size: tuple[int, int], images: int,
+                    sizes: list[tuple[int, int]] | None) -> CropRow | None:
+    """The row of a frames-as-images clip (frame_clip): InternVL's CropRow of T crops, its images' tilings then each
+    frame's (h, w, 0, -1): one crop, no tiles, no thumbnail; Gemma 4's None: the planner costs its images as fixed
+    slots of the processor's largest (2 + max_soft_tokens positions, 9 x max_soft_tokens patches each), as train's
+    default row (--max-patches M x 9 x max_soft_tokens) holds them, so its row is the images + n frame slots."""
+    clip, rule, grids = frame_clip(cfg, frames, size, images, budget, sizes)
+    if image_kind(cfg).name != "tiles":
+        return None
+    frame_tilings = tuple((g[0], g[1], 0, -1) for g in clip.grids)
+    return CropRow(rule.row_tiles, tuple(tuple(g[:4]) for g in grids) + frame_tilings)
+
+
+def is_frame(tiling) -> bool:
+    """An InternVL clip frame's tiling in a CropRow (frames_clip_row): rows 0, cols -1."""
+    return tiling[2] == 0 and tiling[3] < 0
+
+
+def frame_words(cfg: ModelConfig, run, slots: int = 0) -> str:
+    """`mmpipe plan`'s header words for a frames-as-images clip: its frames, each one's grid and positions, and the
+    text before each (in --text-len)."""
+    size = parse_image_size(run.video_size) if run.video_size else (cfg.vision.image_size,) * 2
+    images = max(0, slots - clip_media(cfg, run.video_frames, size))
+    clip, _, _ = frame_clip(cfg, run.video_frames, size, images, 0, parse_image_sizes(run.image_size)
+                            if run.image_size else None)
+    v, grids = cfg.vision, dict.fromkeys(clip.grids)
+    if image_kind(cfg).name == "tiles":
+        each = f"one {v.image_size} px crop, {clip.blocks[0]} positions"
+    else:
+        each = "; ".join(f"{h} x {w} patches, {(h * w) // v.pool ** 2} soft tokens" for _, h, w in grids)
+        each += f" at vision.video_soft_tokens {v.video_soft_tokens}, + 2 brackets"
+    text = clip.texts[-1].strip() if clip.texts else ""
+    return (f"a clip of {run.video_frames} frames of {run.video_size or 'vision.image_size'} px -> {clip.sampled} "
+            f"frames sampled, each an image slot ({each}) after its text (e.g. {text!r}, in --text-len): "
+            f"{clip.positions} image positions")

@@ -16,7 +16,7 @@ from ..model.costs import PatchRow
 from ..registry import family_of
 from .costmodel import Device, row_positions
 from .data_rows import rows_line
-from .images import crop_line, crop_words
+from .images import crop_line, crop_words, frame_words
 from .layout import GiB, Layout
 from .request import PlanRun
 from .schedule_registry import ALL, BASELINE, BOTH, asked, schedule_named
@@ -99,6 +99,8 @@ def _header(run: PlanRun) -> str:
             f"{device.peak_flops / 1e9:.1f} GFLOP/s")
     image = (f"{cfg.vision.n_tokens} image tokens"
              f"{f' (ViT on 1 + {cfg.vision.crop_slots - 1} crops)' if cfg.vision.crop_slots > 1 else ''}")
+    if run.video_frames and not s.row:  # Gemma 4's frames, fixed slots of the row (images.frames_clip_row)
+        image = frame_words(cfg, run, s.images)
     return (f"{cfg.name} on {s.gpus} x {device.name} ({peak} at {device.efficiency:.0%}{_overheads(device)}, "
             f"{device.memory / GiB:.0f} GiB, link {device.link / 1e9:.0f} GB/s); global batch {s.global_batch}, "
             f"text {s.text_len} {'attending to' if cfg.cross_attn_layers else '+'} "

@@ -28,6 +28,7 @@ from .calibrate import load_profile, profile_device, profile_precision
 from .costmodel import KNOWN_DEVICES, Device, layer_costs
 from .data_rows import read_data, row_load, scratch, train_argv
 from .images import (
+    clip_media,
     clip_refusal,
     clip_row,
     families_words,
@@ -216,8 +217,8 @@ def _check_rows(args, cfg: ModelConfig) -> tuple[PatchRow | CropRow | None, int,
         max_images = len(sizes)  # a row holds one image of each size
     video = _check_video(args, cfg, problems)
     images = (max_images or 0) if sizes else 0  # images beside the clip: only those given a size
-    if video:  # the clip is one more medium of the row: the default P and the shares count it
-        max_images = images + 1
+    if video:  # the clip is more media of the row (one; a frame each where frames are images): the default P and
+        max_images = images + clip_media(cfg, *video)  # the shares count them
     data = dataclasses.replace(from_namespace(DataArgs, args, only=ROW_FLAGS), max_images=max_images)
     text_len = row_text_len(data, cfg, None, problems)
     budget = row_budget(data, cfg, problems)
@@ -229,7 +230,8 @@ def _check_rows(args, cfg: ModelConfig) -> tuple[PatchRow | CropRow | None, int,
               "--max-images M here")
     if video:
         row = clip_row(cfg, budget, *video, images, sizes)
-        return row, row.slots, text_len, row.slots - images  # a Qwen3-VL clip: a slot per temporal patch
+        slots = row.slots if row else max_images  # Gemma 4's fixed slots: its images and the clip's frames
+        return row, slots, text_len, slots - images  # a Qwen3-VL clip: a slot per temporal patch
     return patch_row(cfg, max_images or 1, budget, sizes), max_images or 1, text_len, 0  # the row's P, or tiles' T
 
 
