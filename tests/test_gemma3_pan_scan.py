@@ -4,7 +4,10 @@ from a 1.2 aspect ratio) and a tokenizer that knows the words Gemma3Processor wr
 --hf` takes the setting from the processor config; two LLaVA records, a 96 x 32 image (3 crops: 4 image slots, 24
 block positions and 15 connecting words) and a 32 x 32 one (no crop), are indexed, packed into one row and batched
 as the pipeline's stage tuple: each sample's token ids and pixels are transformers' Gemma3Processor's, its logits
-transformers' (1e-4), and the index counted the crops' slots and words before any pixel was read. In-process."""
+transformers' (1e-4), and the index counted the crops' slots and words before any pixel was read. `mmpipe generate`
+(both images in one batch) and `mmpipe eval` read every crop: transformers' greedy answers and loss. With a
+byte-pair tokenizer that reads newlines with their neighbours, rows and prompts hold Gemma3Processor's ids, its
+blank lines around each block included. In-process."""
 from __future__ import annotations
 
 import dataclasses
