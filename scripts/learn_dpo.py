@@ -1,16 +1,17 @@
 """DPO's learning check (issue 56; docs/dpo.md): held-out preference accuracy and the chosen answer's greedy rate
-of a model that learns question types from preference pairs alone, after an SFT warm-up that taught it to see.
+of a model that learns a question type from preference pairs, after an SFT warm-up that taught it to see.
 
-    python scripts/learn_dpo.py --output-dir runs/learn_dpo          # the docs' numbers
+    python scripts/learn_dpo.py --output-dir runs/learn_dpo          # the docs' numbers (DPO with RPO's SFT term)
+    python scripts/learn_dpo.py --rpo-alpha 0 --output-dir runs/learn_dpo_sigmoid   # DPO's loss alone: no rise
     python scripts/learn_dpo.py --sft-steps 50 --dpo-steps 20 --every 10 --sft-n 200 --n 200 --eval-n 50  # smoke
-    python scripts/learn_dpo.py --split all --sft-steps 250 --output-dir runs/learn_dpo_all   # SFT on every type
 
 1. SFT (`mmpipe train`, the `small` preset, 2 stages) on the shapes export's questions of three types (count,
    colour_of_shape, where_is_shape): the model learns to see shapes, colours and places.
-2. DPO (`--objective dpo --init-from` the SFT run; its reference the SFT model) on pairs of the two other types
-   (shape_of_colour, colour_at_quarter: the right answer chosen, a wrong one of the same kind rejected), which the
-   SFT run never answered, so the start's preference accuracy on them is near chance.
-3. Each DPO checkpoint (and the start) on held-out pairs of those two types (another seed's images):
+2. DPO (`--objective dpo --init-from` the SFT run; its reference the SFT model) on pairs of a type the SFT run never
+   answered (--types, default colour_at_quarter: the colour in a named quarter), the right answer chosen and, by
+   default, another colour the image shows rejected (--rejected present), so neither a blind order of the answers
+   nor "a colour that is in the image" tells the two apart: the start's preference accuracy is near chance.
+3. Each DPO checkpoint (and the start) on held-out pairs of those types, made the same way from another seed's images:
    `mmpipe eval --objective dpo`'s preference accuracy (the chosen answer's summed log-prob above the rejected's),
    and `mmpipe eval`'s exact match of the greedy answer against the chosen one (the chosen answer's greedy rate).
 Writes OUTPUT_DIR/learn_dpo.csv (step, dpo seconds, accuracy, margin, greedy rate) and prints it.
@@ -20,16 +21,17 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import random
 import sys
 import time
 from pathlib import Path
 
 from mmpipe.cli import main
-from mmpipe.data.export import export_shapes
-from mmpipe.data.shapes import QUESTION_TYPES
+from mmpipe.data.export import ANSWERS, export_shapes
+from mmpipe.data.shapes import QUESTION_TYPES, ShapesVQA
 
 SFT_TYPES = ("count", "colour_of_shape", "where_is_shape")
-DPO_TYPES = ("shape_of_colour", "colour_at_quarter")
+DPO_TYPES = ("colour_at_quarter",)
 
 
 def _config(path: Path, micro: int, gas: int, lr: float, schedule: dict | None) -> Path:
@@ -47,6 +49,33 @@ def _keep(path: Path, types: tuple[str, ...], out: Path) -> Path:
     lines = path.read_text().splitlines(keepends=True)
     out.write_text("".join(x for i, x in enumerate(lines) if QUESTION_TYPES[i % len(QUESTION_TYPES)] in types))
     return out
+
+
+def _rejected(sample, rng: random.Random, how: str) -> str:
+    """A wrong answer of the sample's question type. random: any; present: one the image shows (another shape's
+    colour or kind) where the image has another shape, else any. The exporter's own wrong answer is drawn by record
+    number, which for a colour type is a fixed step from the right answer (record i of colour_at_quarter has i % 5 = 4:
+    always the colour before it in the list), an order a model can learn without the image."""
+    wrong = [a for a in ANSWERS[sample.qtype] if a != sample.answer]
+    colours, kinds = [s.colour for s in sample.shapes], [s.kind for s in sample.shapes]
+    shown = {"colour_of_shape": colours, "colour_at_quarter": colours, "shape_of_colour": kinds}.get(sample.qtype, [])
+    present = [a for a in shown if a != sample.answer]
+    return rng.choice(present if how == "present" and present else wrong)
+
+
+def _pairs(out: Path, n: int, seed: int, types: tuple[str, ...], how: str) -> Path:
+    """Preference pairs of `types` from a shapes export of n records (seed), the rejected answers drawn by `how`
+    (export: the exporter's own)."""
+    path = export_shapes(out, "dpo-jsonl", n, seed=seed)
+    data, rng = ShapesVQA(64, 16, "train", seed), random.Random(seed)
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    keep = []
+    for i, r in enumerate(recs):
+        sample = data.sample(i)
+        if sample.qtype in types:
+            keep.append(r if how == "export" else dict(r, rejected=_rejected(sample, rng, how)))
+    (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
+    return out / "pairs.jsonl"
 
 
 def _chosen_as_answers(pairs: Path, out: Path) -> Path:
@@ -76,10 +105,9 @@ def _score(run: Path, tag: str, pairs: Path, chosen: Path, out: Path) -> tuple[f
 
 def learn(a) -> list[dict]:
     root = Path(a.output_dir)
-    sft_types, dpo_types = (SFT_TYPES, DPO_TYPES) if a.split == "types" else (QUESTION_TYPES, QUESTION_TYPES)
-    pairs = _keep(export_shapes(root / "dpo_data", "dpo-jsonl", a.n), dpo_types, root / "dpo_data" / "pairs.jsonl")
-    held = _keep(export_shapes(root / "eval_data", "dpo-jsonl", a.eval_n, seed=1), dpo_types,
-                 root / "eval_data" / "pairs.jsonl")
+    sft_types, dpo_types = (SFT_TYPES, tuple(a.types.split(","))) if a.split == "types" else (QUESTION_TYPES,) * 2
+    pairs = _pairs(root / "dpo_data", a.n, 0, dpo_types, a.rejected)
+    held = _pairs(root / "eval_data", a.eval_n, 1, dpo_types, a.rejected)
     chosen = _chosen_as_answers(held, root / "eval_data" / "chosen.jsonl")
     common = ["--preset", a.preset, "--stages", "2", "--eval-samples", "0", "--seed", "0"]
     t0 = time.perf_counter()
@@ -95,7 +123,8 @@ def learn(a) -> list[dict]:
     sft_tag = (sft / "checkpoints" / "latest").read_text().strip()
     dpo_cfg = _config(root / "dpo.json", a.micro, 2, a.lr, None)
     t0 = time.perf_counter()
-    _run(["train", *common, "--objective", "dpo", "--beta", str(a.beta), "--data", str(pairs), "--ds-config",
+    _run(["train", *common, "--objective", "dpo", "--beta", str(a.beta), "--rpo-alpha", str(a.rpo_alpha), "--data",
+          str(pairs), "--ds-config",
           str(dpo_cfg), "--steps", str(a.dpo_steps), "--save-every", str(a.every), "--keep-checkpoints", "0",
           "--init-from", str(sft), "--output-dir", str(root / "dpo")])
     dpo_s = time.perf_counter() - t0
@@ -126,13 +155,17 @@ if __name__ == "__main__":
     p.add_argument("--preset", default="small")
     p.add_argument("--sft-n", type=int, default=2000, help="records exported for SFT (it keeps its types)")
     p.add_argument("--n", type=int, default=10000, help="records exported for DPO (it keeps its types)")
-    p.add_argument("--eval-n", type=int, default=500, help="held-out records exported (the DPO types kept: 2 in 5)")
+    p.add_argument("--eval-n", type=int, default=1000, help="held-out records exported (the DPO types kept: 1 in 5)")
     p.add_argument("--sft-steps", type=int, default=600)
-    p.add_argument("--dpo-steps", type=int, default=900)
-    p.add_argument("--every", type=int, default=150, help="DPO checkpoints scored every N steps")
+    p.add_argument("--dpo-steps", type=int, default=500)
+    p.add_argument("--every", type=int, default=100, help="DPO checkpoints scored every N steps")
     p.add_argument("--lr", type=float, default=3e-4, help="DPO's constant learning rate")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--micro", type=int, default=16, help="DPO rows per micro-batch (micro / 2 pairs; 2 GAS)")
+    p.add_argument("--rpo-alpha", type=float, default=1.0, help="the SFT term on the chosen answers (RPO; 0: off)")
+    p.add_argument("--types", default=",".join(DPO_TYPES), help="the DPO pairs' question types (--split types)")
+    p.add_argument("--rejected", choices=("present", "random", "export"), default="present",
+                   help="the rejected answer: another one the image shows, any wrong one, or the exporter's")
     p.add_argument("--split", choices=("types", "all"), default="types",
                    help="types: SFT on three question types, DPO on the two others; all: both on every type")
     p.add_argument("--sft-run", default=None, help="an SFT run to start from (skips step 1)")
