@@ -525,9 +525,7 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
                for line in err), err
     err = refused(["--preset", "tiny", "--tp", "2", "--sequence-parallel", "--steps", "1"], capsys)
     assert any("--sequence-parallel on tiny: its plan has no sequence-parallel form" in line for line in err), err
-    from mmpipe.cli import main
-    assert main(["check", "--preset", "llava-tiny", "--tp", "2", "--steps", "1"]) == 2  # train only, for now
-    assert "mmpipe check does not run tensor-parallel ranks yet" in capsys.readouterr().err
+    # `mmpipe check --tp` runs (its links time the TP all-reduce: tests/test_tp_import.py)
 
 
 def test_a_run_at_tp_above_1_starts_from_another_runs_weights(pp2_tp2, tp_config):

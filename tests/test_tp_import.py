@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from deepspeed.pipe import TiedLayerSpec
 
+from mmpipe.check import links
+from mmpipe.check.loader import planner_device as loader_device
 from mmpipe.cli import main
 from mmpipe.config import config_from_dict
 from mmpipe.hf import safetensors_io
@@ -237,3 +239,35 @@ def test_tp_refusals_one_line_each(imported, tmp_path, capsys):
                  "--prompt", "w7"]) == 2
     err = capsys.readouterr().err
     assert "--tp: 3 does not divide" in err and "4 attention heads" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _links_worker(rank: int, tmp: str) -> None:
+    """Rank `rank` of a PP=2 x TP=2 run's 4 (forked, gloo): `mmpipe check`'s link measurement (collective); rank 0
+    writes its rows."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=4)
+    run = resolve(TrainArgs.from_argv(["--preset", "llava-tiny", "--stages", "2", "--tp", "2", "--steps", "1"]),
+                  world_size=4)
+    rows = links.measure(run)
+    if rank == 0:
+        Path(tmp, "links.json").write_text(json.dumps({"rows": rows, "bytes": links.tp_allreduce_bytes(run)}))
+    dist.barrier()
+    os._exit(0)
+
+
+def test_check_times_the_tp_all_reduce_against_its_plan(tmp_path):
+    """`mmpipe check --tp 2`'s links on the engine's grid (rank = (pipe x dp + data) x tp + model): each TP rank's
+    stage boundary to the same TP rank of the next stage, and each stage's TP group all-reducing one block's output
+    [micro, positions, D] (links.tp_allreduce_bytes), timed and set beside the planner's ring time, bytes x
+    2 (tp - 1) / tp / link. By hand, `mmpipe check --preset llava-tiny --stages 2 --tp 2 --steps 1` prints these
+    rows (docs/tensor_parallel.md)."""
+    mp.start_processes(_links_worker, args=(str(tmp_path),), nprocs=4, start_method="fork")
+    got = json.loads((tmp_path / "links.json").read_text())
+    rows = {r["name"]: r for r in got["rows"]}
+    assert sorted(rows) == ["stage 0 -> 1 (ranks 0 <-> 2, dp 0, tp 0)", "stage 0 -> 1 (ranks 1 <-> 3, dp 0, tp 1)",
+                            "stage 0 tp group (ranks 0, 1, dp 0)", "stage 1 tp group (ranks 2, 3, dp 0)"], sorted(rows)
+    cpu = loader_device()
+    for name in ("stage 0 tp group (ranks 0, 1, dp 0)", "stage 1 tp group (ranks 2, 3, dp 0)"):
+        r = rows[name]
+        assert r["kind"] == "tp all-reduce" and r["bytes"] == got["bytes"] and r["seconds"] > 0
+        assert r["planned_s"] == pytest.approx(r["bytes"] * 2 * (2 - 1) / 2 / cpu.link)

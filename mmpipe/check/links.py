@@ -1,7 +1,12 @@
 """The links a run uses, measured on its own ranks: point-to-point between consecutive stages of each
 pipeline replica at the run's activation size (ping-pong: bandwidth and one-way latency), the
-gradient all-reduce of each stage's data-parallel group, and for an MoE model under `--ep N > 1` one
-all-to-all across each expert-parallel group of each stage at what one MoE block exchanges per micro-batch.
+gradient all-reduce of each stage's data-parallel group, for an MoE model under `--ep N > 1` one
+all-to-all across each expert-parallel group of each stage at what one MoE block exchanges per micro-batch, and
+under `--tp N > 1` one all-reduce across each TP group of each stage (the ranks of one (stage, data) coordinate) at
+what one split block's row-parallel output is, [micro, positions, D]: the collective a TP block runs 2 forward and 2
+backward a micro-batch (docs/tensor_parallel.md). The ranks are laid out as the engine's grid lays them:
+PipeModelDataParallelTopology (pipe, data, model; rank = (pipe x dp + data) x tp + model) under --tp, else
+PipeDataParallelTopology; a link is measured at every model coordinate.
 Collective: every rank calls `measure`. Each row carries the planner's time for it (`planned_s`, from the
 planner's device for this accelerator, mmpipe.check.loader.planner_device; None where there is none).
 
@@ -16,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
 from ..planning.costmodel import Device, tied_repeats
 from ..run_config import RunConfig
@@ -87,17 +92,28 @@ def boundary_bytes(run: RunConfig, stage: int) -> int:
     return int(run.micro * elems) * DTYPES[run.precision].itemsize
 
 
+def _models(topo) -> list[dict]:
+    """The model-axis coordinates a link is measured at: {"model": m} for each TP rank under --tp, else one, {}."""
+    return [{"model": m} for m in range(topo.get_dim("model"))] if "model" in topo.get_axis_names() else [{}]
+
+
+def _tp_name(at: dict) -> str:
+    return f", tp {at['model']}" if at else ""
+
+
 def _p2p(run: RunConfig, topo, dev: torch.device, slow: float) -> list[dict]:
     rows = []
-    for d in range(run.dp):
-        for s in range(run.stages - 1):
-            a, b = topo.get_rank(pipe=s, data=d), topo.get_rank(pipe=s + 1, data=d)
-            n = boundary_bytes(run, s) // DTYPES[run.precision].itemsize
-            big = _pingpong(a, b, torch.zeros(n, dtype=DTYPES[run.precision], device=dev), slow)
-            small = _pingpong(a, b, torch.zeros(1, dtype=DTYPES[run.precision], device=dev), slow)
-            dist.barrier()
-            rows.append({"kind": "p2p", "name": f"stage {s} -> {s + 1} (ranks {a} <-> {b}, dp {d})", "ranks": [a, b],
-                         "bytes": n * DTYPES[run.precision].itemsize, "seconds": big, "latency_s": small})
+    for at in _models(topo):  # under --tp each TP rank sends to the same TP rank of the next stage
+        for d in range(run.dp):
+            for s in range(run.stages - 1):
+                a, b = topo.get_rank(pipe=s, data=d, **at), topo.get_rank(pipe=s + 1, data=d, **at)
+                n = boundary_bytes(run, s) // DTYPES[run.precision].itemsize
+                big = _pingpong(a, b, torch.zeros(n, dtype=DTYPES[run.precision], device=dev), slow)
+                small = _pingpong(a, b, torch.zeros(1, dtype=DTYPES[run.precision], device=dev), slow)
+                dist.barrier()
+                rows.append({"kind": "p2p", "name": f"stage {s} -> {s + 1} (ranks {a} <-> {b}, dp {d}{_tp_name(at)})",
+                             "ranks": [a, b], "bytes": n * DTYPES[run.precision].itemsize, "seconds": big,
+                             "latency_s": small})
     return rows
 
 
@@ -106,20 +122,52 @@ def _allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
     rows = []
     if run.dp == 1:
         return rows
-    for s in range(run.stages):
-        ranks = [topo.get_rank(pipe=s, data=d) for d in range(run.dp)]
-        group = dist.new_group(ranks)  # every rank creates every group, in the same order
-        stage = run.layers[run.parts[s]:run.parts[s + 1]]
-        grads = sum(r.trainable_params for r in stage) - tied_repeats(stage)[1]  # a tied module's gradient once
-        n = max(1, min(grads * 4, ALLREDUCE_CAP) // 4)
-        dt = None
-        if dist.get_rank() in ranks:
-            t = torch.zeros(n, dtype=torch.float32, device=dev)
-            dt = _timed(lambda: dist.all_reduce(t, group=group), REPS)
-        dist.barrier()
-        rows.append({"kind": "all-reduce", "name": f"stage {s} dp group (ranks {', '.join(map(str, ranks))})",
-                     "ranks": ranks, "bytes": n * 4, "seconds": dt, "latency_s": None,
-                     "bus_factor": 2 * (run.dp - 1) / run.dp})
+    for at in _models(topo):  # (a TP rank's DP group: its slices' gradients; counted whole, an upper bound)
+        for s in range(run.stages):
+            ranks = [topo.get_rank(pipe=s, data=d, **at) for d in range(run.dp)]
+            group = dist.new_group(ranks)  # every rank creates every group, in the same order
+            stage = run.layers[run.parts[s]:run.parts[s + 1]]
+            grads = sum(r.trainable_params for r in stage) - tied_repeats(stage)[1]  # a tied module's gradient once
+            n = max(1, min(grads * 4, ALLREDUCE_CAP) // 4)
+            dt = None
+            if dist.get_rank() in ranks:
+                t = torch.zeros(n, dtype=torch.float32, device=dev)
+                dt = _timed(lambda: dist.all_reduce(t, group=group), REPS)
+            dist.barrier()
+            rows.append({"kind": "all-reduce",
+                         "name": f"stage {s} dp group (ranks {', '.join(map(str, ranks))}{_tp_name(at)})",
+                         "ranks": ranks, "bytes": n * 4, "seconds": dt, "latency_s": None,
+                         "bus_factor": 2 * (run.dp - 1) / run.dp})
+    return rows
+
+
+def tp_allreduce_bytes(run: RunConfig) -> int:
+    """One TP all-reduce of a split block: its row-parallel output, micro x decoder positions x D x element bytes
+    (mmpipe.planning.tensor_parallel.tp_seconds counts 2 forward and 2 backward of these a block and micro-batch).
+    E.g. llava-tiny at micro 4, 84 positions, D 64, fp32: 4 x 84 x 64 x 4 = 86,016 B."""
+    return int(run.micro * decoder_length(run) * run.model.text.dim) * DTYPES[run.precision].itemsize
+
+
+def _tp_allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
+    """Per stage and data coordinate, its TP group all-reduces one block's output (tp_allreduce_bytes): the ring's
+    2 (tp - 1) / tp of the bytes cross each rank's link (bus_factor), the planner's count."""
+    rows = []
+    if run.tp <= 1:
+        return rows
+    n = tp_allreduce_bytes(run) // DTYPES[run.precision].itemsize
+    for d in range(run.dp):
+        for s in range(run.stages):
+            ranks = [topo.get_rank(pipe=s, data=d, model=m) for m in range(run.tp)]
+            group = dist.new_group(ranks)  # every rank creates every group, in the same order
+            dt = None
+            if dist.get_rank() in ranks:
+                t = torch.zeros(n, dtype=DTYPES[run.precision], device=dev)
+                dt = _timed(lambda: dist.all_reduce(t, group=group), REPS)
+            dist.barrier()
+            rows.append({"kind": "tp all-reduce",
+                         "name": f"stage {s} tp group (ranks {', '.join(map(str, ranks))}, dp {d})",
+                         "ranks": ranks, "bytes": n * DTYPES[run.precision].itemsize, "seconds": dt,
+                         "latency_s": None, "bus_factor": 2 * (run.tp - 1) / run.tp})
     return rows
 
 
@@ -141,10 +189,10 @@ def _all_to_all(run: RunConfig, topo, dev: torch.device) -> list[dict]:
     rows = []
     if run.ep <= 1:
         return rows
-    for s in range(run.stages):
+    for at, s in ((at, s) for at in _models(topo) for s in range(run.stages)):  # EP groups per TP coordinate
         nbytes = all_to_all_bytes(run, s)
         for b in range(run.dp // run.ep):
-            ranks = [topo.get_rank(pipe=s, data=b * run.ep + i) for i in range(run.ep)]
+            ranks = [topo.get_rank(pipe=s, data=b * run.ep + i, **at) for i in range(run.ep)]
             group = dist.new_group(ranks)  # every rank creates every group, in the same order
             if not nbytes:
                 continue
@@ -164,7 +212,8 @@ def _all_to_all(run: RunConfig, topo, dev: torch.device) -> list[dict]:
 def planned_seconds(row: dict, device: Device | None) -> float | None:
     """The planner's time for a link row's transfer on `device` (mmpipe.planning.layout's arithmetic): p2p bytes /
     link; an all-reduce's bytes x 2 (dp - 1) / dp over the all-reduce link; an all-to-all's bytes x (ep - 1) / ep /
-    link (costmodel.all_to_all). E.g. 90,112 B at EP 2 over the CPU's 5 GB/s: 45,056 / 5e9 = 9.0 us."""
+    link (costmodel.all_to_all); a TP all-reduce's bytes x 2 (tp - 1) / tp / link (planning.tensor_parallel.tp_seconds:
+    TP stays inside a node). E.g. 90,112 B at EP 2 over the CPU's 5 GB/s: 45,056 / 5e9 = 9.0 us."""
     if device is None:
         return None
     link = device.allreduce_link or device.link if row["kind"] == "all-reduce" else device.link
@@ -173,9 +222,11 @@ def planned_seconds(row: dict, device: Device | None) -> float | None:
 
 def measure(run: RunConfig) -> list[dict]:
     """Collective. Each link's row, complete (timed by its first rank) on rank 0; others get []."""
-    topo = PipeDataParallelTopology(num_pp=run.stages, num_dp=run.dp)  # the engine's rank layout
+    topo = (PipeModelDataParallelTopology(num_pp=run.stages, num_mp=run.tp, num_dp=run.dp) if run.tp > 1 else
+            PipeDataParallelTopology(num_pp=run.stages, num_dp=run.dp))  # the engine's rank layout
     dev, slow = device(), _slow()
-    rows = _p2p(run, topo, dev, slow) + _allreduce(run, topo, dev) + _all_to_all(run, topo, dev)
+    rows = (_p2p(run, topo, dev, slow) + _allreduce(run, topo, dev) + _all_to_all(run, topo, dev)
+            + _tp_allreduce(run, topo, dev))
     timed = [None] * dist.get_world_size()
     dist.all_gather_object(timed, [(r["seconds"], r["latency_s"]) for r in rows])
     if dist.get_rank() != 0:
