@@ -404,3 +404,101 @@ def test_refusals_give_each_family_its_own_reason():
     assert "--video-frames: the gemma4 family at a fixed square (vision.max_soft_tokens 0) reads no clips" in \
         clip_refusal(load_preset("gemma4-tiny"))
     assert clip_refusal(load_preset("internvl-tiny")) is None
+
+
+# ---- InternVL: a 32-frame clip in a row sized by its crops ---------------------------------------------------------
+
+LONG = (48, 20, 16, 3)  # frames, width, height, fps: int(48 / 3 x 2) = 32 frames sampled (vision.video_max_frames)
+
+
+def test_internvl_32_frame_clip_fits_a_row_sized_by_its_crops(internvl, tmp_path):
+    """A clip of 32 sampled frames (the default most) at --text-len 1024, --max-images 33, no --max-tiles, in a context
+    that holds the frames (a crop each: 32 x (4 + 2) = 192 positions) but not 33 slots at their 5-crop cap (33 x 22 +
+    1024 = 1750 > 1234; InternVL3.5's 40,960 at 256 a crop alike: 32 x 3330 + 1024 > 40,960): T's default is the crops
+    the context holds, (1234 - 1024 - 66) // 4 = 36, the row 36 x 4 + 66 + 1024 = 1234 positions (before: --text-len
+    refused). The clip record is admitted and packed beside an image record; each sample's ids are InternVLProcessor's
+    and the row's crops its pixel_values (the 32 frames InternVLVideoProcessor samples itself, then the image's); the
+    record of a 5-crop image beside the clip (37 crops > 36) is too_many_tiles with its line. The planner (mmpipe plan
+    --video-frames 32 --image-size 30x26 on the model JSON) prints the clip's 192 positions and the row's 1234."""
+    import dataclasses
+
+    from mmpipe.data.args import DataArgs
+    from mmpipe.data.batches import StepBatches, rank_batches
+    from mmpipe.data.dataset import prepare, resolve_data
+    from mmpipe.data.packing import RowPlan, RowSet, row_shape, sample_size
+    from mmpipe.data.video import decode, probe
+    hf, model, d = internvl
+    cfg = dataclasses.replace(model.cfg, text=dataclasses.replace(model.cfg.text, max_context=1234))
+    frames, width, height, fps = LONG
+    write_clip(tmp_path / "long.mp4", moving_square(frames, width, height, seed=4), fps)
+    for name in ("hf", "a.png", "big.png"):
+        (tmp_path / name).symlink_to(d / name)
+    recs = [{"video": "long.mp4", "conversations": _conv("<video>\nw41", "w43")},
+            {"image": "a.png", "conversations": _conv("<image> w44", "w45")},
+            {"image": "big.png", "video": "long.mp4", "conversations": _conv("<image> <video> w47", "w49")}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = DataArgs(data=str(tmp_path / "data.jsonl"), tokenizer=str(tmp_path / "hf"), image_root=str(tmp_path),
+                    text_len=1024, max_images=33, data_workers=0, pack=True)
+    opts = resolve_data(args, cfg)
+    samples = prepare(opts, cfg, tmp_path / "out", seed=0, verbose=False)
+    stats = samples.index.stats
+    assert (opts.vision_budget, stats["good"], stats["bad_by_kind"]) == (36, 2, {"too_many_tiles": 1})
+    assert stats["first_bad"][0]["reason"] == ("1 images and 32 clip frames make 37 crops (a frame one crop) > the "
+                                               "row's 36 (--max-tiles)")
+    shape = row_shape(cfg, 33, 1024, opts.vision_budget)
+    assert shape.length == 1234
+    rows = RowSet(samples, RowPlan(sample_size(samples, shape), shape, pack=True))
+    inputs, _ = next(rank_batches(rows, StepBatches(0, 1, 1, 0, 1)))
+    ids, segments = inputs[1][0], inputs[3][0]
+    assert int(segments.max()) == 2 and len(ids) == 1234  # both samples in the one row
+    proc = _intern_processor(tmp_path)
+    proc.video_processor.num_frames = 32
+    info = probe(tmp_path / "long.mp4")
+    from PIL import Image
+    from transformers.video_utils import VideoMetadata
+    meta = VideoMetadata(total_num_frames=info.frames, fps=info.fps, width=info.width, height=info.height)
+    clip = decode(tmp_path / "long.mp4", range(info.frames))
+    pixels = []
+    for seg in (1, 2):
+        mine = ids[segments == seg]
+        rec = next(r for r in recs if int(r["conversations"][1]["value"][1:]) in mine.tolist())
+        user = rec["conversations"][0]["value"].replace("<image>", proc.image_token)
+        text = proc.tokenizer.apply_chat_template([{"role": "user", "content": user},
+                                                   {"role": "assistant", "content": rec["conversations"][1]["value"]}],
+                                                  tokenize=False)
+        kw = (dict(videos=[clip], video_metadata=[meta]) if "video" in rec else
+              dict(images=[Image.open(tmp_path / "a.png").convert("RGB")]))
+        out = proc(text=[text], return_tensors="pt", **kw)
+        assert torch.equal(mine, out["input_ids"][0]), seg
+        pixels.append(out["pixel_values"])
+    want = torch.cat(pixels)
+    assert len(want) == 32 + 3  # the 32 frames and the 1 x 2-tile image's 3 crops, of the row's 36
+    assert (inputs[0][0][:len(want)] - want).abs().max().item() < 1e-6
+    ix = samples.index
+    clip_grids = ix.grids_of(next(n for n in range(len(ix)) if ix.n_images[n] == 32))
+    _planner_row_is_the_index(cfg, tmp_path, clip_grids)
+
+
+def _planner_row_is_the_index(cfg, folder, clip_grids) -> None:
+    """The planner's clip (frame_clip: 48 frames of 20 x 16 at 3 fps) has the index's frame grids and positions, and
+    `mmpipe plan` on the model JSON (the clip at the sampling rate and a 1-crop image, --text-len 1024: 33 slots, T 36
+    by the same rule) prints the clip's positions and the data's row of 1234."""
+    import contextlib
+    import io
+
+    from mmpipe.cli import main
+    from mmpipe.planning.images import frame_clip
+    frames, width, height, fps = LONG
+    clip, _, _ = frame_clip(cfg, frames, (width, height), 0, 36, fps=fps)
+    assert [list(g) for g in clip.grids] == [[int(x) for x in g] for g in clip_grids]
+    assert clip.positions == sum(int(g[4]) for g in clip_grids) == 32 * (4 + 2)
+    (folder / "clip_model.json").write_text(json.dumps(cfg.to_dict()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan", "--preset", str(folder / "clip_model.json"), "--video-frames", "32", "--video-size",
+                   f"{width}x{height}", "--image-size", "30x26", "--text-len", "1024", "--gpus-per-node", "2",
+                   "--global-batch", "4", "--top", "1"])
+    text = out.getvalue()
+    assert rc == 0, text
+    assert "32 frames sampled, each an image slot" in text and ": 192 image positions" in text, text
+    assert "vision crops per row: 33 of --max-tiles 36" in text and "+ 1024 text = 1234" in text, text

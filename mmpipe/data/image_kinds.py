@@ -351,6 +351,8 @@ def row_budget(args, cfg: ModelConfig | None, problems: list[str]) -> int:
         given = getattr(args, flag, None)
         if cfg is not None and flag == kind.flag:
             budget = kind.budget(cfg, given, args.max_images or 1, problems)
+            if given is None and hasattr(kind, "context_budget"):  # InternVL: T the context holds at --text-len
+                budget = kind.context_budget(cfg, budget, args.max_images or 1, getattr(args, "text_len", None))
         elif given is not None and cfg is not None:
             takers = list(dict.fromkeys(f.family for f in families() if f.kind.flag == flag))
             who = f"the {takers[0]} family takes" if len(takers) == 1 else f"the {', '.join(takers)} families take"

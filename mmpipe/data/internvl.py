@@ -11,7 +11,10 @@ without decoding the image and every stage knows each slot's crops.
 
 A row's crop budget T (--max-tiles) bounds a sample's crops: a sample whose images need more is a bad record,
 `too_many_tiles` (an image is never cut down to fit). Default T: room for any sample of --max-images M images at
-their cap, M x (max_tiles + 1), e.g. InternVL3.5 at M = 1: 13 crops, 13 x 256 + 2 = 3330 image positions.
+their cap, M x (max_tiles + 1), e.g. InternVL3.5 at M = 1: 13 crops, 13 x 256 + 2 = 3330 image positions; where M
+such images and --text-len overflow the context, the crops it holds (InternTileRule.context_tiles). A row's image
+positions are what T crops and M images can take, 256 x min(T, M x 13) + 2 M (row_positions): a clip's frames, one
+crop each, are sized as that crop, not at an image's cap.
 """
 from __future__ import annotations
 
@@ -111,6 +114,27 @@ class InternTileRule(SampleCrops):
         m = max(1, max_images)
         return m * self.most_crops, m * self.image_positions()
 
+    def row_positions(self, max_images: int) -> int:
+        """The image positions a row of M slots and T crops holds: the most a sample within both takes, 256 a crop
+        and 2 an image (its brackets), an image at most its cap: 256 x min(T, M x 13) + 2 M. At T's default
+        (M x 13) that is row_budget's M x 3330; a clip's frames, one crop each, at T = M = 32: 32 x 258 = 8256
+        (not 32 x 3330 = 106,560: a row sized by its slots' cap, not the crops it can hold)."""
+        m = max(1, max_images)
+        return self.per_crop * min(self.row_tiles, m * self.most_crops) + 2 * m
+
+    def context_tiles(self, max_images: int, text_len: int, context: int) -> int:
+        """T's default where M images at their cap and text_len do not fit the context (M x 3330 + text_len >
+        text.max_context): the crops the context holds after the text and M images' brackets, (context - text_len -
+        2 M) // 256, so the samples are bounded by their own crops (too_many_tiles) and not refused by a slot's
+        cap they do not take; e.g. 32 frames at --text-len 1024, 40,960 positions: (40960 - 1024 - 64) // 256 = 155
+        crops, 155 x 256 + 64 = 39,744 image positions (M x 13 = 416 crops would need 106,560). Where even one
+        crop an image does not fit (fewer than M), M x 13: the row is refused as before, naming its positions."""
+        m = max(1, max_images)
+        if m * self.image_positions() + text_len <= context:
+            return m * self.most_crops  # the default as it was: every row that fitted keeps its T
+        crops = (context - text_len - 2 * m) // self.per_crop
+        return crops if crops >= m else m * self.most_crops
+
 
 @functools.lru_cache(maxsize=8)
 def hf_image_processor(rule: InternTileRule):
@@ -169,19 +193,29 @@ class InternTiles(Tiles):
     def rule(self, cfg: ModelConfig, budget: int, max_images: int = 1):
         return intern_rule(cfg, budget, max_images)
 
+    def context_budget(self, cfg: ModelConfig, budget: int, max_images: int, text_len: int | None) -> int:
+        """T's default at --text-len (mmpipe.data.image_kinds.row_budget, --max-tiles not given): InternTileRule.
+        context_tiles where M images at their cap and the text overflow the context, else budget (M x 13)."""
+        if text_len is None:
+            return budget
+        return intern_rule(cfg, 0, max_images).context_tiles(max_images, text_len, cfg.text.max_context)
+
     def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
-        return intern_rule(cfg, 0).row_budget(max(1, max_images))[1]
+        return intern_rule(cfg, budget, max_images).row_positions(max_images)
 
     def blocks(self, cfg: ModelConfig, max_images: int, budget: int):
         rule, v = intern_rule(cfg, budget, max_images), cfg.vision
-        return BracketTileBlocks(rule.row_tiles, rule.row_budget(max_images)[1], cfg.image_token_id,
+        return BracketTileBlocks(rule.row_tiles, rule.row_positions(max_images), cfg.image_token_id,
                                  (v.channels, v.image_size, v.image_size), cfg.vision_start_id, cfg.vision_end_id)
 
     def grid_key(self, rule, record_images: int, budget: int) -> list:
         """What an index's grids and its too_many_tiles refusals depend on: the rule and T (and the clips' sampling
-        where not the default: an index made before clips keeps its key)."""
+        where not the default: an index made before clips keeps its key). budget 0 (T follows the slots): T itself
+        where it is below the slots' M x 13, context_budget's (so an index made before it keeps its key)."""
         key = list(dataclasses.astuple(dataclasses.replace(rule, row_tiles=0)))
-        return key[:-1] + ([list(rule.video)] if rule.video != FRAME_DEFAULTS else []) + [budget]
+        fitted = not budget and rule.row_tiles < record_images * rule.most_crops
+        return key[:-1] + ([list(rule.video)] if rule.video != FRAME_DEFAULTS else []) + [rule.row_tiles if fitted
+                                                                                          else budget]
 
     # its clips: frames as images (mmpipe.data.video), each one crop of the tile size after its `FrameN: ` line
     def video_processor(self, rule):
