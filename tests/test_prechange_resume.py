@@ -6,7 +6,7 @@ qwen3-vl-moe-micro (the Qwen3-VL and Qwen3.5 families and an MoE decoder: their 
 the fixture folder) by commit 368cfab, before one registry entry per family (issue 52). The step after the
 checkpoint must give the old code's loss (its logged digits) and its weights (a digest of every tensor of every
 layer file). One launch for the eight (tests/rank_series.py: the ranks resume one checkpoint after another, each run
-the rank code `mmpipe train` starts, its front door's resume check run here first; a launch each cost ~15 s of
+the rank code `mmpipe train` starts after its front door's own in the test process; a launch each cost ~15 s of
 start-up); the cross-attention family's carried vision, the dynamic families' tilings, DeepStack's sets and the MoE
 router statistics are stage fields that cross the cut.
 
@@ -21,18 +21,13 @@ import csv
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, Run
-from mmpipe.cluster.ports import free_port
-from mmpipe.run_args import TrainArgs
-from mmpipe.run_config import resolve
-from mmpipe.runtime.checkpoint import check_same_rows
+from rank_series import launch_series
 
 FIXTURES = Path(__file__).parent / "fixtures"
 _spec = importlib.util.spec_from_file_location("make_prechange", FIXTURES / "make_prechange_checkpoints.py")
@@ -43,24 +38,17 @@ EXPECTED = json.loads((make.HERE / "expected.json").read_text())
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> dict[str, Run]:
-    """Every preset's checkpoint resumed at PP=2 to its last step, the eight in one launch (tests/rank_series.py),
-    each after the check `mmpipe train --resume` makes before its launch (the saved rows are this run's)."""
+    """Every preset's checkpoint resumed at PP=2 to its last step (`mmpipe train --resume`), the eight in one launch
+    (tests/rank_series.py: each run's front door here, then its ranks' run after the last one's)."""
     root = tmp_path_factory.mktemp("prechange")
     cfg = make.ds_config(ROOT, root / "ds.json")
-    argvs = {}
+    runs = []
     for preset in make.PRESETS:
         out = root / preset
         with tarfile.open(make.HERE / f"{preset}.tar.gz") as tar:
             tar.extractall(out, filter="data")
-        argvs[preset] = [*make.train_args(preset, cfg, out)[:-2], "--resume", "--output-dir", str(out)]
-        check_same_rows(out / "checkpoints", resolve(TrainArgs.from_argv(argvs[preset]), world_size=2))
-    (root / "runs.json").write_text(json.dumps(list(argvs.values())))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",  # as conftest.mmpipe_train's
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([shutil.which("deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
-                           "--master_port", str(free_port()), "--module", "rank_series", str(root / "runs.json")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    return {preset: Run(root / preset, proc) for preset in make.PRESETS}
+        runs.append((out, [*make.train_args(preset, cfg, out)[:-2], "--resume"], {}))
+    return dict(zip(make.PRESETS, launch_series(runs)))
 
 
 @pytest.mark.parametrize("preset", make.PRESETS)
