@@ -22,6 +22,7 @@ from mmpipe.model.builder import lm_loss_sum
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
+from rank_series import launch_series
 
 STEPS = 3
 
@@ -78,9 +79,20 @@ def reference_eval_loss(run_dir: Path, argv: list[str], step: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, data, ds_config) -> Run:
-    out = tmp_path_factory.mktemp("base") / "run"
-    return train_run(out, *_args(data, ds_config, "--stages", "2")).check()
+def two_rank_runs(tmp_path_factory, data, ds_config) -> dict[str, Run]:
+    """The 2-rank runs, one launch (tests/rank_series.py: one run after the other in the same two ranks, each as
+    `mmpipe train` runs it): PP=2 without validation (the baseline), PP=1 x DP=2 validated, and PP=2 validated with
+    the monitors on (pp2_validated)."""
+    base, dp2, pp2 = (tmp_path_factory.mktemp(name) for name in ("base", "dp2", "pp2"))
+    runs = [(base / "run", _args(data, ds_config, "--stages", "2"), {}),
+            (dp2 / "run", _eval_args(data, ds_config, "--stages", "1", "--dp", "2"), {}),
+            (pp2 / "run", _eval_args(data, _monitored_config(pp2), "--stages", "2"), {})]
+    return dict(zip(("baseline", "dp2", "pp2"), launch_series(runs)))
+
+
+@pytest.fixture(scope="module")
+def baseline(two_rank_runs) -> Run:
+    return two_rank_runs["baseline"].check()
 
 
 def _monitored_config(root: Path) -> Path:
@@ -91,11 +103,10 @@ def _monitored_config(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pp2_validated(tmp_path_factory, data) -> Run:
+def pp2_validated(two_rank_runs) -> Run:
     """PP=2 with validation and the monitors on: the (2, 1) layout below, the monitors' test and the
     resume test's first part."""
-    root = tmp_path_factory.mktemp("pp2")
-    return train_run(root / "run", *_eval_args(data, _monitored_config(root), "--stages", "2")).check()
+    return two_rank_runs["pp2"].check()
 
 
 @pytest.mark.parametrize("stages,dp", [(2, 1), (4, 1), (1, 2)])  # PP=1 DP=1: test_eval_split_holds_...
@@ -103,6 +114,8 @@ def test_validation_loss_equals_the_reference_and_training_is_untouched(tmp_path
                                                                         request, stages, dp):
     if (stages, dp) == (2, 1):
         run = request.getfixturevalue("pp2_validated")
+    elif (stages, dp) == (1, 2):
+        run = request.getfixturevalue("two_rank_runs")["dp2"]
     else:
         run = train_run(tmp_path / "run", *_eval_args(data, ds_config, "--stages", str(stages), "--dp", str(dp)))
     out = run.check().out
