@@ -14,7 +14,7 @@ import pytest
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule as ds
 
-from conftest import assert_weights_moved, refused, train_run, write_ds_config
+from conftest import assert_weights_moved, refused, write_ds_config
 from mmpipe.config import load_preset
 from mmpipe.model import ReferenceModel
 from mmpipe.planning.schedule_registry import BASELINE, ONE_F_ONE_B, SCHEDULES, ZB_H1, schedule_named
@@ -23,6 +23,7 @@ from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
 from mmpipe.runtime.schedule import OrderSchedule, install, simulate, stage_orders
+from rank_series import launch_series
 from test_pipeline_equivalence import _max_weight_diff, assert_vision_frozen
 from test_precision import half_unmovable
 from test_qwen_pipeline import frozen_prefixes
@@ -140,9 +141,12 @@ SCHED = {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup
 
 
 def _pair(tmp_path_factory, name, cfg, *extra):
-    """The same run under 1f1b and zb-h1."""
-    runs = {s: train_run(tmp_path_factory.mktemp(f"{name}-{s}"), *_args(cfg, s, *extra)).check()
-            for s in ("1f1b", "zb-h1")}
+    """The same run under 1f1b and zb-h1, one launch (tests/rank_series.py: one run after the other in the same
+    ranks, each as `mmpipe train` runs it)."""
+    schedules = ("1f1b", "zb-h1")
+    runs = launch_series([(tmp_path_factory.mktemp(f"{name}-{s}") / "run", _args(cfg, s, *extra), {})
+                          for s in schedules])
+    runs = {s: r.check() for s, r in zip(schedules, runs)}
     assert "mmpipe: schedule zb-h1:" in runs["zb-h1"].proc.stdout
     return runs
 
@@ -156,11 +160,36 @@ def _assert_split(run) -> None:
     assert any(c["backward"] == 2 * gas for c in calls), calls
 
 
-def _assert_equals_reference(tmp_path_factory, name, cfg, *extra, zb_cfg=None, ref_cfg=None):
-    """The zb-h1 run (zb_cfg: a config whose pipeline.schedule picks it, no flag) against the fp32
-    single-device reference of the same run (ref_cfg: its config, when not cfg): losses and weights at 1e-5."""
-    args = _args(zb_cfg, None, *extra) if zb_cfg else _args(cfg, "zb-h1", *extra)
-    zb = train_run(tmp_path_factory.mktemp(f"{name}-zb-h1"), *args).check()
+def _zb_args(cfg, *extra, zb_cfg=None) -> list[str]:
+    """The zb-h1 run's flags (zb_cfg: a config whose pipeline.schedule picks it, no flag)."""
+    return _args(zb_cfg, None, *extra) if zb_cfg else _args(cfg, "zb-h1", *extra)
+
+
+PP4 = ("--stages", "4", "--freeze", "vision")
+DP2 = ("--stages", "2", "--dp", "2")
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory, cfg):
+    """The two zb-h1 runs of 4 ranks, one launch (tests/rank_series.py): PP=4 with the tower frozen, and PP=2 x DP=2
+    with zb-h1 and activation checkpointing chosen in the JSON (zb.json; gas8.json, its reference's config: one
+    replica at twice the GAS)."""
+    root = tmp_path_factory.mktemp("zb4")
+    zb = json.loads(cfg.read_text())
+    zb["pipeline"].update(schedule="zb-h1", activation_checkpoint_interval=1)
+    (root / "zb.json").write_text(json.dumps(zb))
+    gas8 = json.loads(cfg.read_text())
+    gas8["gradient_accumulation_steps"] *= 2
+    (root / "gas8.json").write_text(json.dumps(gas8))
+    pp4, dp2 = launch_series([(root / "pp4", _zb_args(cfg, *PP4), {}),
+                              (root / "dp2", _zb_args(cfg, *DP2, zb_cfg=root / "zb.json"), {})])
+    return {"pp4": pp4, "dp2": dp2, "gas8": root / "gas8.json"}
+
+
+def _assert_equals_reference(zb, cfg, *extra, ref_cfg=None):
+    """The zb-h1 run `zb` (of _zb_args(cfg, *extra)) against the fp32 single-device reference of the same run
+    (ref_cfg: its config, when not cfg): losses and weights at 1e-5."""
+    zb.check()
     assert "mmpipe: schedule zb-h1:" in zb.proc.stdout
     _assert_split(zb)
     flags = dict(zip(extra[::2], extra[1::2]), **{"--stages": "1"})  # the same run on one device
@@ -219,26 +248,20 @@ def test_pp2_fp16_zero1_equal(tmp_path_factory, tmp_path):
     assert runs["zb-h1"].summary["skipped_steps"] == runs["1f1b"].summary["skipped_steps"]
 
 
-def test_pp4_freeze_vision_equal(tmp_path_factory, cfg):
+def test_pp4_freeze_vision_equal(four_rank_runs, cfg):
     """4 stages, the vision tower frozen: stages whose linears take no gradient run F and B only."""
-    zb = _assert_equals_reference(tmp_path_factory, "pp4", cfg, "--stages", "4", "--freeze", "vision")
+    zb = _assert_equals_reference(four_rank_runs["pp4"], cfg, *PP4)
     assert_vision_frozen(zb, seed=3)  # the tower bit-identical, the projector trained
 
 
-def test_pp2_dp2_schedule_from_the_json_with_activation_checkpointing_equal(tmp_path_factory, cfg, tmp_path):
+def test_pp2_dp2_schedule_from_the_json_with_activation_checkpointing_equal(four_rank_runs, cfg):
     """One launch, three guarantees: pipeline.schedule in the DeepSpeed JSON picks zb-h1 (no flag);
     activation_checkpoint_interval recomputes each layer's forward inside the split backward; and two
     replicas at GAS 4 train on the same samples per step as one at GAS 8 (micro-batch m of replica d is
     the slice m x 2 + d), so the reference at GAS 8 is the DP=2 run's. zb-h1 without checkpointing, fp32:
-    test_pp4_freeze_vision_equal (and, at PP=2, test_pp2_bf16_zero1_equal's bf16 pair)."""
-    zb = json.loads(cfg.read_text())
-    zb["pipeline"].update(schedule="zb-h1", activation_checkpoint_interval=1)
-    (tmp_path / "zb.json").write_text(json.dumps(zb))
-    gas8 = json.loads(cfg.read_text())
-    gas8["gradient_accumulation_steps"] *= 2
-    (tmp_path / "gas8.json").write_text(json.dumps(gas8))
-    run = _assert_equals_reference(tmp_path_factory, "dp2", cfg, "--stages", "2", "--dp", "2",
-                                   zb_cfg=tmp_path / "zb.json", ref_cfg=tmp_path / "gas8.json")
+    test_pp4_freeze_vision_equal (and, at PP=2, test_pp2_bf16_zero1_equal's bf16 pair). (The run shares its
+    launch with test_pp4_freeze_vision_equal's: four_rank_runs.)"""
+    run = _assert_equals_reference(four_rank_runs["dp2"], cfg, *DP2, ref_cfg=four_rank_runs["gas8"])
     assert run.summary["dp"] == 2
 
 
