@@ -38,6 +38,7 @@ from mmpipe.model.moe import Experts, TopKRouter
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
+from rank_series import launch_series
 from test_moe_pipeline import recorded_reference, write_moe_set
 from test_qwen_pipeline import _weights_equal_within
 
@@ -206,10 +207,25 @@ def test_pp1_dp2_ep2_equals_single_device(ep2, reference):
     assert_weights_moved(got, ReferenceModel(ref_model.cfg, seed=SEED), TOL)
 
 
-def test_resume_under_ep2_is_bit_exact(ep_set, ep2, reference):
+def _resume(ep_set, ep2: Run, name: str, gas: int, *extra: str) -> tuple:
+    """(out, argv, env) of a resume of ep2's step-2 checkpoint cut to ep_set's `name` (rank_series.launch_series)."""
+    root, args = ep_set
+    cut_at(ep2, root / name, CUT)
+    return root / name, [*args, "--ds-config", _ds(root / f"gas{gas}.json", gas), "--steps", str(STEPS), "--resume",
+                         *extra], {}
+
+
+@pytest.fixture(scope="module")
+def fp32_resumes(ep_set, ep2):
+    """The step-2 checkpoint of ep2 resumed at EP 2 and at EP 1 (DP 2 both), one launch (tests/rank_series.py: the
+    two runs one after the other in the same two ranks, each as `mmpipe train` runs it)."""
+    runs = [_resume(ep_set, ep2, "cut2", 2, "--dp", "2", "--ep", "2"), _resume(ep_set, ep2, "cut1", 2, "--dp", "2")]
+    return dict(zip(("cut2", "cut1"), (r.check() for r in launch_series(runs))))
+
+
+def test_resume_under_ep2_is_bit_exact(fp32_resumes, ep2, reference):
     """The step-2 checkpoint holds whole experts and whole AdamW moments; each rank takes its half back."""
-    cut_at(ep2, ep_set[0] / "cut2", CUT)
-    resumed = _launch(ep_set, "cut2", "--ep", "2", "--resume")
+    resumed = fp32_resumes["cut2"]
     assert resumed.summary["start_step"] == CUT
     assert resumed.losses == ep2.losses
     got, want = (_weights(r, reference[0].cfg).state_dict() for r in (resumed, ep2))
@@ -224,12 +240,11 @@ def _moved_after_the_cut(run, cfg) -> None:
     assert_weights_moved(_weights(run, cfg), cut, TOL)
 
 
-def test_resume_from_ep2_into_ep1(ep_set, ep2, reference):
+def test_resume_from_ep2_into_ep1(fp32_resumes, ep2, reference):
     """The same checkpoint resumed with every rank holding all 8 experts (--ep 1): the moments and weights are
     whole in the files, so steps 3 to 5 are the EP=2 run's (1e-5: the experts' gradients now sum in another
     order)."""
-    cut_at(ep2, ep_set[0] / "cut1", CUT)
-    resumed = _launch(ep_set, "cut1", "--resume")
+    resumed = fp32_resumes["cut1"]
     assert "in each MoE block" not in resumed.proc.stdout  # no rank split the experts
     assert "starts again from zero" not in resumed.proc.stdout  # the optimizer's moments were restored
     assert resumed.losses == pytest.approx(ep2.losses, abs=TOL)
@@ -247,14 +262,12 @@ BF16_LR = 5e-3  # 10 x the fp32 runs': 5 steps move a weight ~2.5e-2, far above 
 BF16_BOUND = 0.25
 
 
-def test_resume_from_dp2_into_dp4(ep_set, ep2, reference):
+def test_resume_from_dp2_into_dp4(bf16_runs, ep2, reference):
     """docs/moe.md: an fp32 checkpoint resumes under another DP that EP divides. The DP 2 x GAS 2 run's step-2
     checkpoint resumed at DP 4 x GAS 1 (the same 8 rows a step; each shard now held by 2 ranks, its moments cut from
-    the files' whole ones on both) continues as the uninterrupted run: steps 3 to 5 and the final weights (1e-5)."""
-    root, args = ep_set
-    cut_at(ep2, root / "cut_dp4", CUT)
-    resumed = train_run(root / "cut_dp4", *args, "--ds-config", _ds(root / "gas1.json", 1), "--dp", "4", "--ep", "2",
-                        "--steps", str(STEPS), "--resume").check()
+    the files' whole ones on both) continues as the uninterrupted run: steps 3 to 5 and the final weights (1e-5).
+    (A 4-rank run: bf16_runs' launch carries it after its two.)"""
+    resumed = bf16_runs["dp4"]
     assert "mmpipe: rank 3: experts 4..7 of 8 in each MoE block (--ep 2)" in resumed.proc.stdout
     assert "starts again from zero" not in resumed.proc.stdout  # the optimizer's moments were restored
     assert resumed.summary["start_step"] == CUT and resumed.losses == pytest.approx(ep2.losses, abs=TOL)
@@ -263,10 +276,12 @@ def test_resume_from_dp2_into_dp4(ep_set, ep2, reference):
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(ep_set):
+def bf16_runs(ep_set, ep2):
     """bf16, ZeRO 1, clipped, DP 4, so each expert shard is held by 2 ranks whose gradients the reduction must add:
     the same STEPS at EP 1, at EP 2 (checkpointed at CUT) and, the control, at EP 2 with the experts' gradient
-    reduction patched out (tests/breaks/sitecustomize.py's expert_reduction)."""
+    reduction patched out (tests/breaks/sitecustomize.py's expert_reduction). EP 1, EP 2 and the fp32 resume at DP 4
+    (test_resume_from_dp2_into_dp4's) are one launch of 4 ranks (tests/rank_series.py: one run after the other, each
+    the rank code `mmpipe train` starts); the control, whose break patches every run of its ranks, its own."""
     root, args = ep_set
     opt = json.loads((ROOT / "ds_configs" / "cpu_fp32.json").read_text())["optimizer"]
     opt["params"]["lr"] = BF16_LR
@@ -280,7 +295,12 @@ def bf16_runs(ep_set):
         out = root / name
         return Run(out, mmpipe_train(["--output-dir", str(out), *args, "--ds-config", str(ds), "--dp", "4",
                                       "--ep", str(ep), "--steps", str(STEPS), *extra], **env)).check()
-    return {"ep1": launch("bf16_ep1", 1), "ep2": launch("bf16_ep2", 2, "--save-every", str(CUT)),
+    def run(name: str, ep: int, *extra: str) -> tuple:
+        return root / name, [*args, "--ds-config", str(ds), "--dp", "4", "--ep", str(ep), "--steps", str(STEPS),
+                             *extra], {}
+    one, two, dp4 = launch_series([run("bf16_ep1", 1), run("bf16_ep2", 2, "--save-every", str(CUT)),
+                                   _resume(ep_set, ep2, "cut_dp4", 1, "--dp", "4", "--ep", "2")])
+    return {"ep1": one.check(), "ep2": two.check(), "dp4": dp4.check(),
             "control": launch("bf16_control", 2, **broken_env("expert_reduction")), "launch": launch}
 
 
