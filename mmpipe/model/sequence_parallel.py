@@ -31,7 +31,6 @@ import os
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from .attention import Split, attend
@@ -52,7 +51,7 @@ from .qwen3_5 import (
 )
 from .qwen3_vl import DEEPSTACK_ADDS, DeepstackAdd, Qwen3Block, Qwen3Embed
 from .stage import unpack_in, unpack_out
-from .tensor_parallel import SIZES, Shard, reduce_from_tp
+from .tensor_parallel import SIZES, Shard, at_reduce_grads, reduce_from_tp, sum_gradients
 
 
 def padded(length: int, shard: Shard) -> int:
@@ -397,34 +396,6 @@ class TiledCrossEntropy(torch.autograd.Function):
         return (None if grad_h is None else grad_h.view_as(hidden)), grad_w, None, None, None
 
 
-# DeepSpeed's own bucket for the pipeline engine's DP all-reduce (MEMORY_OPT_ALLREDUCE_SIZE, elements)
-BUCKET = 500_000_000
-
-
-def sum_gradients(params, shard: Shard, bucket: int = BUCKET) -> int:
-    """Each trained parameter's accumulated gradient (p.grad: fp32 at ZeRO 0, the layout --sp trains) summed over the
-    SP group in place, flattened into buckets of up to `bucket` elements per dtype: one all-reduce per bucket, not one
-    per parameter. A missing gradient counts as zeros (as DeepSpeed's DP reduction does), so every SP rank sends
-    buckets of the same sizes. Returns the number of all-reduces."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-    grads: dict[torch.dtype, list[list[torch.Tensor]]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        runs = grads.setdefault(p.grad.dtype, [[]])
-        if runs[-1] and sum(g.numel() for g in runs[-1]) + p.grad.numel() > bucket:
-            runs.append([])
-        runs[-1].append(p.grad)
-    calls = 0
-    for run in (r for runs in grads.values() for r in runs if r):
-        flat = _flatten_dense_tensors(run)
-        dist.all_reduce(flat, group=shard.group)
-        for g, summed in zip(run, _unflatten_dense_tensors(flat, run)):
-            g.copy_(summed)
-        calls += 1
-    return calls
-
-
 def sum_gradients_at_step(engine, shard: Shard) -> None:
     """`engine` (a PipelineEngine over a module under SP) sums its trained parameters' gradients over the SP group once
     a step: at ReduceGrads, after the step's micro-batches accumulated each rank's share locally and the tied weights'
@@ -433,11 +404,5 @@ def sum_gradients_at_step(engine, shard: Shard) -> None:
     all-reduce a step (a model under 500M trained elements) where that was GAS x #tensors: qwen-tiny at GAS 2, 112 of
     them, 234 ms -> 2.3 ms a step on 2 gloo ranks; the results differ by float reordering, <= 3e-8
     (docs/sequence_parallel.md)."""
-    from deepspeed.runtime.pipe import schedule as ds
-    reduce_grads = engine._INSTRUCTION_MAP[ds.ReduceGrads]
     params = list({id(p): p for p in engine.module.parameters() if p.requires_grad}.values())
-
-    def exec_reduce_grads(self):
-        sum_gradients(params, shard)
-        reduce_grads(self)
-    engine.__dict__["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, ds.ReduceGrads: exec_reduce_grads}
+    at_reduce_grads(engine, lambda: sum_gradients(params, shard))

@@ -701,6 +701,48 @@ def mark_norm_counting(params, shard_rank: int) -> None:
         p.model_parallel = first_copy and (hasattr(p, "tp_split") or shard_rank == 0)
 
 
+# DeepSpeed's own bucket for the pipeline engine's DP all-reduce (MEMORY_OPT_ALLREDUCE_SIZE, elements)
+BUCKET = 500_000_000
+
+
+def sum_gradients(params, shard: Shard, bucket: int = BUCKET) -> int:
+    """Each trained parameter's accumulated gradient (p.grad: fp32 at ZeRO 0, the layout --sp trains) summed over the
+    SP group in place, flattened into buckets of up to `bucket` elements per dtype: one all-reduce per bucket, not one
+    per parameter. A missing gradient counts as zeros (as DeepSpeed's DP reduction does), so every SP rank sends
+    buckets of the same sizes. Returns the number of all-reduces."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    grads: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        runs = grads.setdefault(p.grad.dtype, [[]])
+        if runs[-1] and sum(g.numel() for g in runs[-1]) + p.grad.numel() > bucket:
+            runs.append([])
+        runs[-1].append(p.grad)
+    calls = 0
+    for run in (r for runs in grads.values() for r in runs if r):
+        flat = _flatten_dense_tensors(run)
+        dist.all_reduce(flat, group=shard.group)
+        for g, summed in zip(run, _unflatten_dense_tensors(flat, run)):
+            g.copy_(summed)
+        calls += 1
+    return calls
+
+
+def at_reduce_grads(engine, sum_step) -> None:
+    """`engine` (a PipelineEngine) runs `sum_step()` once a step at ReduceGrads, then DeepSpeed's own ReduceGrads:
+    after the step's micro-batches accumulated each rank's gradient share and the tied copies were summed
+    (ReduceTiedGrads), before the DP all-reduce (ZeRO-1's too), the norm and clipping. --tp's summed parameters and
+    --sp's whole model take their once-a-step sum here."""
+    from deepspeed.runtime.pipe import schedule as ds
+    reduce_grads = engine._INSTRUCTION_MAP[ds.ReduceGrads]
+
+    def exec_reduce_grads(self):
+        sum_step()
+        reduce_grads(self)
+    engine.__dict__["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, ds.ReduceGrads: exec_reduce_grads}
+
+
 def summed_parameters(params) -> list:
     """The trained parameters whose gradient is each TP rank's share (marked tp_summed: module docstring), once each,
     in the module's order (the same on every TP rank, so the buckets match)."""
@@ -709,8 +751,7 @@ def summed_parameters(params) -> list:
 
 def sum_summed_gradients(params, shard: Shard) -> int:
     """The tp_summed parameters' accumulated gradients summed over the TP group in place, in buckets (one all-reduce
-    per 500M elements of a dtype: mmpipe.model.sequence_parallel.sum_gradients); the number of all-reduces."""
-    from .sequence_parallel import sum_gradients
+    per 500M elements of a dtype: sum_gradients); the number of all-reduces."""
     params = summed_parameters(params)
     return sum_gradients(params, shard) if params and shard.group is not None else 0
 
@@ -722,14 +763,8 @@ def sum_gradients_at_step(engine, shard: Shard) -> None:
     clipped norm. A sum is linear, so summing the GAS micro-batches' accumulated shares once equals summing each
     micro-batch's as it is made (what a gradient hook per backward did: GAS x #tensors all-reduces a step), up to
     float reordering (mmpipe.model.sequence_parallel.sum_gradients_at_step, the same for --sp)."""
-    from deepspeed.runtime.pipe import schedule as ds
-    reduce_grads = engine._INSTRUCTION_MAP[ds.ReduceGrads]
     params = summed_parameters(engine.module.parameters())
-
-    def exec_reduce_grads(self):
-        sum_summed_gradients(params, shard)
-        reduce_grads(self)
-    engine.__dict__["_INSTRUCTION_MAP"] = {**engine._INSTRUCTION_MAP, ds.ReduceGrads: exec_reduce_grads}
+    at_reduce_grads(engine, lambda: sum_summed_gradients(params, shard))
 
 
 def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, shard: Shard, vocab: int,
