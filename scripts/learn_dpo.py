@@ -2,7 +2,7 @@
 of a model that learns a question type from preference pairs, after an SFT warm-up that taught it to see.
 
     python scripts/learn_dpo.py --output-dir runs/learn_dpo          # the docs' numbers (DPO with RPO's SFT term)
-    python scripts/learn_dpo.py --rpo-alpha 0 --output-dir runs/learn_dpo_sigmoid   # DPO's loss alone: no rise
+    python scripts/learn_dpo.py --rpo-alpha 0 --dpo-steps 1000 --output-dir runs/learn_dpo_sigmoid  # DPO's loss alone
     python scripts/learn_dpo.py --sft-steps 50 --dpo-steps 20 --every 10 --sft-n 200 --n 200 --eval-n 50  # smoke
 
 1. SFT (`mmpipe train`, the `small` preset, 2 stages) on the shapes export's questions of three types (count,
