@@ -53,9 +53,9 @@ def _keep(path: Path, types: tuple[str, ...], out: Path) -> Path:
 
 def _rejected(sample, rng: random.Random, how: str) -> str:
     """A wrong answer of the sample's question type. random: any; present: one the image shows (another shape's
-    colour or kind) where the image has another shape, else any. The exporter's own wrong answer is drawn by record
-    number, which for a colour type is a fixed step from the right answer (record i of colour_at_quarter has i % 5 = 4:
-    always the colour before it in the list), an order a model can learn without the image."""
+    colour or kind) where the image has another shape, else any. (The exporter's own wrong answer was once a fixed
+    step from the right one for a colour type, an order a model learns without the image; it is drawn per record now:
+    docs/dpo.md.)"""
     wrong = [a for a in ANSWERS[sample.qtype] if a != sample.answer]
     colours, kinds = [s.colour for s in sample.shapes], [s.kind for s in sample.shapes]
     shown = {"colour_of_shape": colours, "colour_at_quarter": colours, "shape_of_colour": kinds}.get(sample.qtype, [])
