@@ -23,6 +23,7 @@ from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
+from rank_series import launch_series
 from test_pipeline_equivalence import _max_weight_diff
 from test_plan import _saved_floats_per_sample
 
@@ -48,12 +49,21 @@ def reference(equivalence_config):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, equivalence_config):
+def two_rank_runs(tmp_path_factory, equivalence_config):
+    """The 2-rank runs, one launch (tests/rank_series.py: one after the other in the same ranks, each as `mmpipe
+    train` runs it): tiny-xattn at PP=2 (runs' pp2) and the learning run of small-xattn (600 steps, PP=2)."""
+    pp2, learn = launch_series([
+        (tmp_path_factory.mktemp("pp2"), _args(equivalence_config, "--stages", "2"), {}),
+        (tmp_path_factory.mktemp("learn"), ["--preset", "small-xattn", "--steps", "600", "--eval-samples", "500"], {})])
+    return {"pp2": pp2, "learn": learn}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, equivalence_config, two_rank_runs):
     out = {}
-    for name, extra in {"pp1": ("--stages", "1"), "pp2": ("--stages", "2"),
-                        "pp3": ("--stages", "3", "--partition", THREE_STAGES)}.items():
+    for name, extra in {"pp1": ("--stages", "1"), "pp3": ("--stages", "3", "--partition", THREE_STAGES)}.items():
         out[name] = train_run(tmp_path_factory.mktemp(name), *_args(equivalence_config, *extra)).check()
-    return out
+    return {**out, "pp2": two_rank_runs["pp2"].check()}
 
 
 def test_losses_and_weights_match_reference_at_1_2_3_stages(reference, runs):
@@ -189,12 +199,12 @@ def test_cross_attention_activations_match_what_autograd_keeps():
     assert _saved_floats_per_sample(layer, make) == row.act_elems
 
 
-def test_short_run_learns_to_read_the_image(tmp_path):
+def test_short_run_learns_to_read_the_image(two_rank_runs):
     """The long run (scripts/learning_curve.py --preset small-xattn, docs/models.md) reaches >= 90%
     held-out; this one checks the image is read: counting needs it, blanking it undoes it, and
     position-keyed retrieval has left chance (1/4), which without the Projector's image positions
     it never did (measured here at 600 steps: count 1.0, where_is_shape 0.46, 100 samples per type)."""
-    run = train_run(tmp_path, "--preset", "small-xattn", "--steps", "600", "--eval-samples", "500").check()
+    run = two_rank_runs["learn"].check()  # --preset small-xattn --steps 600 --eval-samples 500, PP=2
     s = run.summary
     assert s["stages"] == 2
     assert s["eval_per_type"]["count"] >= 0.6
