@@ -11,6 +11,7 @@ import json
 import pytest
 
 from mmpipe.config import load_preset
+from mmpipe.model.sequence_parallel import TILE_ENV, tile_positions
 from mmpipe.planning.costmodel import BYTES, KNOWN_DEVICES, Shape, layer_costs, stage_memory
 from mmpipe.planning.images import patch_row
 from mmpipe.planning.layout import Training, plan_layout
@@ -35,18 +36,42 @@ def test_an_sp_rank_holds_its_share_of_the_row_and_every_weight(costed):
     cfg, one, four = costed
     for r1, r4 in zip(one, four):
         assert r4.params == r1.params and r4.trainable_params == r1.trainable_params  # weights replicated
-        for field in ("act_elems", "act_fp32_elems", "out_elems", "fwd_flops", "bwd_flops", "w_flops"):
+        kept = ("act_elems", "act_fp32_elems") if r1.name != "LMHead" else ()  # the head's: the tiled loss's (below)
+        for field in (*kept, "out_elems", "fwd_flops", "bwd_flops", "w_flops"):
             assert getattr(r4, field) == pytest.approx(getattr(r1, field) / 4), (r1.name, field)
     # a decoder block's all-to-alls: q and the output [L / 4, D], k and v [L / 4, kv] each way; none elsewhere
     t = cfg.text
     block = next(r for r in four if r.name == "QwenBlock")
     assert block.sp_a2a == (2 * t.dim + 2 * t.kv_heads * 128) * block.tokens / 4
     assert all(r.sp_a2a == 0 for r in four if not r.name.endswith("Block") or r.group != "text")
-    # the same stage's memory: its states whole, its activations a quarter
+    # the same stage's memory (up to the head): its states whole, its activations a quarter
     shape = Shape(1, 8, 1, 8)
-    m1, m4 = (stage_memory(rows, [0, len(rows)], 0, shape, "bf16", 1) for rows in (one, four))
+    m1, m4 = (stage_memory(rows[:-1], [0, len(rows) - 1], 0, shape, "bf16", 1) for rows in (one, four))
     assert m4["weights"] == m1["weights"] and m4["optimizer"] == m1["optimizer"]
     assert m4["activations"] == pytest.approx(m1["activations"] / 4)
+
+
+def test_the_head_keeps_one_tile_of_logits_and_its_input(costed, monkeypatch):
+    """Under --sp the loss is tiled (mmpipe.model.sequence_parallel.TiledCrossEntropy: it saves the head's input
+    hidden and no logits, and makes one tile of tile_positions(V) positions' fp32 logits at a time): the head's kept
+    bytes at SP 2 are its input [L / 2, D] in bf16 and one tile of fp32 logits, not the slice's L / 2 x V."""
+    cfg, one, _ = costed
+    head = one[-1]
+    assert head.name == "LMHead"
+    t, half = cfg.text, head.tokens / 2
+    for tile_bytes in (None, 64 << 20):  # the default 1 GiB tile, and $MMPIPE_SP_TILE_BYTES' smaller one
+        if tile_bytes:
+            monkeypatch.setenv(TILE_ENV, str(tile_bytes))
+        tile = tile_positions(t.vocab_size)
+        assert 1 < tile < half / 4  # the slice (9,217 positions) needs several tiles: 6 of 1,767, 84 of 110
+        two = sp_layer_costs(cfg, one, 2)[-1]
+        assert two.act_bytes("bf16") == pytest.approx(half * t.dim * 2 + tile * t.vocab_size * 4, rel=1e-12)
+        assert two.act_bytes("bf16") < half * t.dim * 2 + half * t.vocab_size * 4  # the whole slice's logits
+    # a slice shorter than a tile keeps its own logits only
+    short = sp_layer_costs(cfg, [dataclasses.replace(head, tokens=200, act_elems=(t.dim + t.vocab_size) * 200,
+                                                      act_fp32_elems=t.vocab_size * 200,
+                                                      out_elems=t.vocab_size * 200)], 2)[0]
+    assert short.act_bytes("bf16") == 100 * t.dim * 2 + 100 * t.vocab_size * 4
 
 
 def test_the_all_to_alls_and_split_flops_set_the_stage_time(costed):
@@ -81,15 +106,16 @@ def _plan(capsys, *flags) -> tuple[int, str, str]:
 def test_a_128k_video_row_fits_only_with_sp(capsys, tmp_path):
     """8 H100s, LoRA 16 (no full fine-tune of 8.8 B fits one node's 8 x 80 GB at 128k without ZeRO over SP: the
     docs' table): no layout fits at SP 1 (the head's fp32 logits alone are 133,376 x 151,936 x 4 B = 75.5 GiB);
-    --sp 1,2,4,8 finds layouts, the best one's world is 8 and the train command it writes names its --sp."""
+    --sp 1,2,4,8 finds layouts (the tiled loss's head: one tile of logits a rank), the best one's world is 8 and the
+    train command it writes names its --sp."""
     rc, out, err = _plan(capsys, "--lora", "16", "--sp", "1")
     assert rc == 2 and "no layout of qwen3-vl-8b fits" in err
     ds = tmp_path / "ds.json"
     rc, out, err = _plan(capsys, "--lora", "16", "--sp", "1,2,4,8", "--top", "3", "--write-config", str(ds))
     assert rc == 0, err
-    assert " SP " in out.splitlines()[3] and "best: 1 stages x dp 2 x sp 4," in out
+    assert " SP " in out.splitlines()[3] and "best: 1 stages x dp 4 x sp 2," in out
     command = out.split("run it with mmpipe train ")[1].split()
-    assert command[command.index("--sp") + 1] == "4" and command[command.index("--dp") + 1] == "2"
+    assert command[command.index("--sp") + 1] == "2" and command[command.index("--dp") + 1] == "4"
     rc, out, _ = _plan(capsys, "--lora", "16", "--sp", "1,2,4,8", "--json")
     layouts = json.loads(out)
     fitting = [lay for lay in layouts if lay["step"]]

@@ -5,9 +5,15 @@ Each layer's rows at SP s are its rows at SP 1 as one SP rank holds and runs the
 
     parameters  whole on every SP rank (replicated: the weights, gradients and optimizer states are SP 1's)
     positions   each rank holds L / s of the row's positions from the embedding to the loss, so every kept
-                activation, every boundary send and the head's fp32 logits are / s; the tower's patches are split by
-                whole images or clips (issue 58's rule: a rank encodes its own images), / s as well where the row
-                holds at least s of them (an upper bound on the balance otherwise)
+                activation and every boundary send is / s; the tower's patches are split by whole images or clips
+                (issue 58's rule: a rank encodes its own images), / s as well where the row holds at least s of
+                them (an upper bound on the balance otherwise)
+    head        the tiled loss (mmpipe.model.sequence_parallel.TiledCrossEntropy) keeps the head's input hidden
+                [L / s, D] (its save_for_backward: hidden, the weight, the labels and LossNorm weights the batch
+                holds anyway) and no logits; it makes them a tile of positions at a time, forward and again
+                backward, so the head's fp32 logits are one tile's, min(tile_positions(V), L / s) x V (`_tiled_head`),
+                not the slice's L / s x V. E.g. qwen3-vl-8b at L = 133,376, s = 2: 1,767 x 151,936 x 4 B = 1.0 GiB,
+                not 66,688 x 151,936 x 4 B = 37.7 GiB
     FLOPs       / s: the linears run on L / s positions; between the all-to-alls a rank attends over the whole
                 row's L positions for H / s heads, so attention's L^2 part is / s too
     all-to-all  each decoder block's attention trades positions for heads before attention (q, k, v: [L / s, D]
@@ -28,6 +34,7 @@ import dataclasses
 
 from ..config import ModelConfig
 from ..flags import degrees
+from ..model.sequence_parallel import tile_positions
 from .costmodel import BYTES, Device, LayerCost
 
 
@@ -36,19 +43,37 @@ def _attention_block(r: LayerCost) -> bool:
     return r.group == "text" and r.name.endswith("Block")
 
 
+def _head(cfg: ModelConfig, r: LayerCost) -> bool:
+    """The loss's head (costs.LM_HEAD / LINEAR_HEAD: its output the row's logits, tokens x V)."""
+    return r.name == "LMHead" and r.out_elems == r.tokens * cfg.text.vocab_size
+
+
+def _tiled_head(cfg: ModelConfig, whole: LayerCost, r: LayerCost, sp: int) -> LayerCost:
+    """The head's row r at SP `sp` (whole: at SP 1) under the tiled loss: all but its fp32 logits / sp as any layer's
+    (r has that), and of the logits one tile's, min(tile_positions(V), L / sp) positions x the rank's logit width (V;
+    a TP rank's share of it at TP > 1, which --sp does not train with). Per sample: a micro-batch's tile spans its
+    micro x L / sp positions, so micro x this is an upper bound on the tile for micro > 1. E.g. qwen3-vl-8b at
+    L = 133,376, sp 2: 4096 x 66,688 bf16 hidden + 1,767 x 151,936 fp32 logits = 0.5 GiB + 1.0 GiB a sample."""
+    logits = min(whole.act_fp32_elems, whole.out_elems)  # the fp32 logits (LM_HEAD's 2 L statistics beside them)
+    tile = min(tile_positions(cfg.text.vocab_size), whole.tokens / sp) * logits / whole.tokens
+    return dataclasses.replace(r, act_elems=(whole.act_elems - logits) / sp + tile,
+                               act_fp32_elems=(whole.act_fp32_elems - logits) / sp + tile)
+
+
 def sp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], sp: int) -> list[LayerCost]:
     """rows (at SP 1, or one TP rank's) as one SP rank of `sp` holds and runs them (module docstring); sp = 1: rows
-    unchanged. The all-to-all elements per sample go in sp_a2a."""
+    unchanged. The all-to-all elements per sample go in sp_a2a; the head keeps the tiled loss's (_tiled_head)."""
     if sp == 1:
         return rows
     t = cfg.text
     kv = t.kv_heads * (t.dim // t.n_heads)
-    return [dataclasses.replace(
+    split = [dataclasses.replace(
         r, fwd_flops=r.fwd_flops / sp, bwd_flops=r.bwd_flops / sp, w_flops=r.w_flops / sp,
         act_elems=r.act_elems / sp, act_fp32_elems=r.act_fp32_elems / sp, out_elems=r.out_elems / sp,
         carried_elems=(r.carried_elems - r.carried_fp32_elems) / sp + r.carried_fp32_elems,  # moe_stats: whole
         tp_ar_fwd=r.tp_ar_fwd / sp, tp_ar_bwd=r.tp_ar_bwd / sp,
         sp_a2a=(2 * t.dim + 2 * kv) * r.tokens / sp if _attention_block(r) else 0.0) for r in rows]
+    return [_tiled_head(cfg, whole, r, sp) if _head(cfg, whole) else r for whole, r in zip(rows, split)]
 
 
 def sp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: str, sp: int, device: Device
