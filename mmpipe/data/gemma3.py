@@ -37,7 +37,7 @@ from ..config import ModelConfig
 from .blocks import FixedBlocks
 from .image_kinds import Placeholders
 from .images import _our_pil_settings, _resolve, open_image
-from .records import BadRecord, ImageSlot
+from .records import BadRecord, ImageSlot, with_markers
 from .text import MarkerText
 from .tokenizer import BUILTIN_TEMPLATE
 
@@ -160,21 +160,11 @@ class Gemma3PanScan(Gemma3Images):
             slots += [ImageSlot(ref, j, 1 + k) for j in range(1 + k)]
         if not texts:
             return rec
-        messages, k = [], 0
         if not any(marker in text for role, text in rec.messages if role == "user"):
             first = next(i for i, (role, _) in enumerate(rec.messages) if role == "user")
             rec = dataclasses.replace(rec, messages=[(r, marker * len(texts) + t if i == first else t)
                                                      for i, (r, t) in enumerate(rec.messages)])
-        for role, text in rec.messages:
-            parts = text.split(marker)
-            if role == "user" and len(parts) > 1:
-                out = parts[0]
-                for part in parts[1:]:
-                    out += (texts[k] if k < len(texts) else marker) + part
-                    k += 1
-                text = out
-            messages.append((role, text))
-        return dataclasses.replace(rec, messages=messages, images=slots)
+        return dataclasses.replace(rec, messages=with_markers(rec.messages, marker, texts), images=slots)
 
     def slot_pixels(self, slot: ImageSlot, image_root, max_pixels: int) -> torch.Tensor:
         """[3, S, S]: the processor's pixel_values[slot.crop] of the slot's image (the whole image, then its crops)."""

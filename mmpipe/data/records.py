@@ -78,6 +78,21 @@ def refuse_unread_media(raw: dict, columns: dict, media: tuple[str, ...], family
                                                  f"reads {' and '.join(media) or 'text'} only")
 
 
+def with_markers(messages: list, marker: str, texts: list[str]) -> list:
+    """The messages with the user turns' k-th `marker` replaced by texts[k] (a clip's frames with their words, a
+    pan-and-scan image's blocks: what one marker of the record expands to), in order; a marker past the texts stays."""
+    out, k = [], 0
+    for role, text in messages:
+        parts = text.split(marker)
+        if role == "user" and len(parts) > 1:
+            text = parts[0]
+            for part in parts[1:]:
+                text += (texts[k] if k < len(texts) else marker) + part
+                k += 1
+        out.append((role, text))
+    return out
+
+
 @dataclass(frozen=True)
 class VideoRef:
     """A clip in a record's media list (Record.images, at its <video> marker's place among the images): its path,

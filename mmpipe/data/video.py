@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .patches import PatchRule
-from .records import BadRecord
+from .records import BadRecord, with_markers
 
 DEFAULT_FPS = 2.0        # Qwen2.5-VL's and Qwen3-VL's preprocessor_config.json ("fps": 2.0)
 DEFAULT_MIN_FRAMES = 4   # Qwen2VLVideoProcessor's defaults
@@ -477,17 +477,7 @@ def with_timestamps(rec, rule: PatchRule, image_root, marker: str):
         else:
             texts.append(marker)
             media.append(m)
-    k, messages = 0, []
-    for role, text in rec.messages:
-        parts = text.split(marker)
-        if role == "user" and len(parts) > 1:
-            out = parts[0]
-            for part in parts[1:]:
-                out += (texts[k] if k < len(texts) else marker) + part
-                k += 1
-            text = out
-        messages.append((role, text))
-    return dc.replace(rec, messages=messages, images=media)
+    return dc.replace(rec, messages=with_markers(rec.messages, marker, texts), images=media)
 
 
 # Decoded clips kept per loader process, the most recently read first, up to this many bytes of patches: a Qwen3-VL
@@ -688,17 +678,7 @@ def frames_laid_out(rec, kind, rule, image_root, marker: str):
         else:
             texts.append(marker)
             media.append(m)
-    k, messages = 0, []
-    for role, text in rec.messages:
-        parts = text.split(marker)
-        if role == "user" and len(parts) > 1:
-            out = parts[0]
-            for part in parts[1:]:
-                out += (texts[k] if k < len(texts) else marker) + part
-                k += 1
-            text = out
-        messages.append((role, text))
-    return dc.replace(rec, messages=messages, images=media)
+    return dc.replace(rec, messages=with_markers(rec.messages, marker, texts), images=media)
 
 
 def frames_grids(media: list, kind, rule, image_root, max_pixels: int) -> tuple[np.ndarray, dict]:
