@@ -60,8 +60,8 @@ def print_plan(run: PlanRun, layouts: list[Layout], seconds: float, beside: str 
               f"backward a block; docs/tensor_parallel.md); `mmpipe train --tp` runs fp32 (ZeRO 0 or 1) today")
     if sp:
         print(f"sp: {', '.join(map(str, s.sps))}: each row's positions split over SP ranks of a node (Ulysses: "
-              f"activations, FLOPs and logits per SP rank / SP, weights whole, 4 all-to-alls forward and 4 backward "
-              f"a decoder block; docs/sequence_parallel.md)")
+              f"activations and FLOPs per SP rank / SP, the loss a tile of logits at a time, weights whole, "
+              f"4 all-to-alls forward and 4 backward a decoder block; docs/sequence_parallel.md)")
     tp = (tp, sp)  # the intra-stage columns: TP, SP
     rate = (lambda lay: lay.throughput * length) if run.pack else (lambda lay: lay.throughput)
     label = "positions/s" if run.pack else "samples/s"
