@@ -136,6 +136,7 @@ from .model.tensor_parallel import SIZES, Fused
 from .model.tp_plans import (
     ATTENTION,
     DECODER,
+    GEMMA3_TP_PLAN,
     MOE_MLP,
     MOE_VOCAB_ENDS,
     QK_NORMS,
@@ -319,7 +320,7 @@ GEMMA3 = register(Family(
     ImageLayout(placeholders=True, vision=Gemma3Vision, text=Gemma3Text), GEMMA3_IMAGES, checks=gemma3_checks,
     fields=lambda cfg: ROW,
     hf=_hf("gemma3", "Gemma3ForConditionalGeneration", ("gemma3",), "Gemma 3", importer="import_gemma3",
-           config="hf_gemma3_config", reader="read_gemma3"),
+           config="hf_gemma3_config", reader="read_gemma3"), tp_plan=GEMMA3_TP_PLAN,
     sp_why_not="its carried per-layer fields and image blocks are not sliced yet"))
 
 # Gemma 4 (mmpipe.model.gemma4): a tower with a learned 2-D position table and 3 x 3 pooling, its images by config

@@ -232,8 +232,22 @@ def _family_check(shard: Shard, preset: str) -> dict:
     return diffs
 
 
+def _gemma3_row(cfg):
+    """One packed row of Gemma 3: sample 1 an image (<start_of_image>, mm_tokens soft tokens, <end_of_image>: a block
+    attending both ways) and 14 text tokens (past gemma3-tiny's 6-position window), sample 2 its own image and text,
+    2 padding positions: (pixels [1, 2, 3, S, S], input_ids, has_image, segments), labels."""
+    g, n, S = torch.Generator().manual_seed(1), cfg.vision.mm_tokens, cfg.vision.image_size
+    image = torch.tensor([[cfg.vision_start_id] + [cfg.image_token_id] * n + [cfg.vision_end_id]])
+    text = torch.randint(0, cfg.image_token_id, (1, 24), generator=g)
+    ids = torch.cat([image, text[:, :14], image, text[:, 14:], torch.zeros(1, 2, dtype=torch.long)], 1)
+    L, first = ids.shape[1], n + 2 + 14
+    segments = torch.tensor([[1] * first + [2] * (L - first - 2) + [0, 0]])
+    inputs = (torch.randn(1, 2, 3, S, S, generator=g), ids, torch.tensor([[1, 2]]), segments)
+    return inputs, torch.randint(0, cfg.text.vocab_size, (1, L), generator=g)
+
+
 def _row(cfg):
-    rows = {"llava_next": _crop_row, "internvl": _crop_row, "moondream": _moondream_row}
+    rows = {"llava_next": _crop_row, "internvl": _crop_row, "moondream": _moondream_row, "gemma3": _gemma3_row}
     return rows.get(cfg.family, _patch_row)(cfg)
 
 
@@ -296,7 +310,8 @@ SP_PRESETS = ("qwen3-vl-tiny", "qwen3.5-tiny", "llava-next-tiny")
 _CHECKS = {"ce": _ce_check, "layers": _layers_check, "layers kv 1": functools.partial(_layers_check, kv_heads=1),
            **{f"sp {p}": functools.partial(_sp_check, preset=p) for p in SP_PRESETS},
            **{p: functools.partial(_family_check, preset=p)
-              for p in ("qwen-tiny", "qwen3-vl-tiny", "qwen3.5-tiny", "llava-next-tiny", "internvl-tiny", "tiny")}}
+              for p in ("qwen-tiny", "qwen3-vl-tiny", "qwen3.5-tiny", "llava-next-tiny", "internvl-tiny", "tiny",
+                        "gemma3-tiny")}}
 
 
 @pytest.mark.parametrize("preset, split, tol", [
@@ -313,15 +328,19 @@ _CHECKS = {"ce": _ce_check, "layers": _layers_check, "layers kv 1": functools.pa
                        "InternBlock.self_attn.q_proj.weight"), 1e-5),
     # moondream: Phi's parallel attention and MLP, the fused qkv per part, the head's vocab slice with its bias
     ("tiny", ("DecoderBlock.attn.qkv.weight", "DecoderBlock.mlp.fc2.weight", "TextEmbed.wte.weight",
-              "LMHead.linear.bias"), 1e-5)])
+              "LMHead.linear.bias"), 1e-5),
+    # Gemma 3: sliding and global blocks, q / k norms summed, the sqrt(D)-scaled vocab embedding and its tied head
+    ("gemma3-tiny", ("Gemma3SlidingBlock.self_attn.q_proj.weight", "Gemma3Block.self_attn.o_proj.weight",
+                     "Gemma3Block.mlp.down_proj.weight", "Gemma3Embed.embed_tokens.weight"), 1e-5)])
 def test_family_plan_splits_the_whole_model_exactly(two_ranks, preset, split, tol):
     """Every layer of the model under its family's plan (the tower's window / full attention by head groups, the
     DeepStack mergers, Gated DeltaNet's heads, the gated attention, the tied vocab head): the loss and every gradient
     gathered from the 2 ranks equal the whole model's, each tensor's within tol of its largest element. Measured
-    (fp32): qwen-tiny 1.5e-6, qwen3-vl-tiny 2.3e-6, llava-next-tiny 7.7e-7, internvl-tiny 1.7e-6, qwen3.5-tiny
-    3.9e-5 (A_log: Gated DeltaNet's fp32 chunked solves amplify the split matmuls' other rounding; the same check in
-    float64, the delta rule too: 7.9e-13). A split that is wrong is off by its whole share: without the TP sum of
-    the q / k norms' gradients qwen3-vl-tiny's q_norm was off by 3.2e-3 of 4e-3."""
+    (fp32): qwen-tiny 1.5e-6, qwen3-vl-tiny 2.3e-6, llava-next-tiny 7.7e-7, internvl-tiny 1.7e-6, gemma3-tiny 2.2e-6,
+    qwen3.5-tiny 3.9e-5 (A_log: Gated DeltaNet's fp32 chunked solves amplify the split matmuls' other rounding; the
+    same check in float64, the delta rule too: 7.9e-13). A split that is wrong is off by its whole share: without
+    the TP sum of the q / k norms' gradients qwen3-vl-tiny's q_norm was off by 3.2e-3 of 4e-3 (gemma3-tiny's q / k
+    norms by up to 1.07 of their largest)."""
     diffs = two_ranks[preset]
     for name in split:  # split by the plan, not whole on each rank
         assert any(k.endswith(name) for k in diffs), (name, sorted(diffs))
@@ -502,8 +521,8 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
     err = refused(["--preset", str(tmp_path / "moe.json"), "--tp", "2", "--steps", "1"], capsys)
     for what in ("33 expert FFN width (text.moe.ff_dim)", "5 shared expert FFN width (text.moe.shared_ff_dim)"):
         assert any(f"--tp: 2 does not divide moe's {what}" in line for line in err), err
-    err = refused(["--preset", "gemma3-tiny", "--tp", "2", "--steps", "1"], capsys)
-    assert any("--tp: 2 on gemma3-tiny: the gemma3 family has no tensor-parallel plan" in line for line in err), err
+    err = refused(["--preset", "gemma4-tiny", "--tp", "2", "--steps", "1"], capsys)
+    assert any("--tp: 2 on gemma4-tiny: the gemma4 family has no tensor-parallel plan" in line for line in err), err
     # what is still refused, each in its own line with its reason (ZeRO-1, checkpointing, LoRA and validation run:
     # tests/test_tp_combos.py)
     err = refused(["--preset", "llava-tiny", "--tp", "2", "--stages", "2", "--lora", "4", "--lora-dropout", "0.1",

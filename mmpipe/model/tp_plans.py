@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import types
 
+from .gemma3 import Gemma3Block, Gemma3Embed, Gemma3SlidingBlock
 from .llava import FinalNorm, LMHeadLinear, SwiGLU, TowerMLP, tied_head
 from .moe import Experts, MoeHead, Qwen3MoeBlock, SparseMoe, TiedMoeHead
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenVisionBlock
@@ -209,3 +210,15 @@ QWEN3_5_TP_PLAN = {
     SIZES: _hybrid_sizes,
     **sequence_plan(Qwen3Embed, (DeltaNetBlock, GatedAttentionBlock), Qwen35FinalNorm),
 }
+
+# Gemma 3 (mmpipe.model.gemma3): the decoder split as Qwen3's, sliding and global blocks alike (the window and the
+# image blocks are a mask over positions, the rotary base a per-head rotation: each rank's heads run unchanged); the
+# sandwich norms (input / post-attention / pre- and post-feedforward) act on the whole [.., D] rows after o / down's
+# all-reduce, so they stay replicated; the q / k norms (Gemma RMSNorm over one head's width) are `summed`. The
+# embedding by vocabulary: Gemma3Embed scales the summed lookup by sqrt(D) after the all-reduce (a scale of a sum is
+# the sum of the scaled rows), and the tied head reads its vocab slice (transformers' Gemma 3 has no final logit
+# soft-cap: final_logit_softcapping None, Gemma 2's 30.0 dropped). The SigLIP tower and the pooled projector are
+# replicated, as LLaVA's: fixed 896-px crops (4096 patches pooled to 256 tokens), 0.4 B of gemma-3-4b's 4.3 B.
+_GEMMA3_BLOCK = {**DECODER, **QK_NORMS}
+GEMMA3_TP_PLAN = {Gemma3Block: _GEMMA3_BLOCK, Gemma3SlidingBlock: _GEMMA3_BLOCK,
+                  Gemma3Embed: {"embed_tokens": VOCAB}, **VOCAB_ENDS}
