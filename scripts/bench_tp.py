@@ -114,9 +114,9 @@ if os.environ.get("MMPIPE_BENCH_TP") and os.environ.get("RANK") is not None:
             setattr(tpm, _name, _timer(getattr(tpm, _name)))
     _sum = getattr(tpm, "sum_summed_gradients", None)
 
-    def _summed(params, shard):
+    def _summed(*args):
         t0 = time.perf_counter()
-        n = _sum(params, shard)
+        n = _sum(*args)
         state["sum_s"] += time.perf_counter() - t0
         return n
     if _sum is not None:

@@ -710,15 +710,22 @@ def sum_gradients(params, shard: Shard, bucket: int = BUCKET) -> int:
     SP group in place, flattened into buckets of up to `bucket` elements per dtype: one all-reduce per bucket, not one
     per parameter. A missing gradient counts as zeros (as DeepSpeed's DP reduction does), so every SP rank sends
     buckets of the same sizes. Returns the number of all-reduces."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-    grads: dict[torch.dtype, list[list[torch.Tensor]]] = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        runs = grads.setdefault(p.grad.dtype, [[]])
-        if runs[-1] and sum(g.numel() for g in runs[-1]) + p.grad.numel() > bucket:
+    return sum_tensors([p.grad for p in params], shard, bucket)
+
+
+def sum_tensors(tensors, shard: Shard, bucket: int = BUCKET) -> int:
+    """`tensors` summed over the shard's group in place, in buckets of up to `bucket` elements per dtype (one
+    all-reduce each); the number of all-reduces."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    grads: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for g in tensors:
+        runs = grads.setdefault(g.dtype, [[]])
+        if runs[-1] and sum(t.numel() for t in runs[-1]) + g.numel() > bucket:
             runs.append([])
-        runs[-1].append(p.grad)
+        runs[-1].append(g)
     calls = 0
     for run in (r for runs in grads.values() for r in runs if r):
         flat = _flatten_dense_tensors(run)
@@ -727,6 +734,30 @@ def sum_gradients(params, shard: Shard, bucket: int = BUCKET) -> int:
             g.copy_(summed)
         calls += 1
     return calls
+
+
+def step_gradients(optimizer, params) -> list[torch.Tensor]:
+    """The tensors holding `params`' gradients accumulated over the step's micro-batches, the ones the optimizer's norm,
+    clip and update read at ReduceGrads. fp32 and ZeRO-1 (DeepSpeedZeroOptimizer, bf16 too): p.grad. DeepSpeed
+    0.19.8's BF16_Optimizer (bf16 at ZeRO 0, or ZeRO 1 with fp32 grad_accum_dtype): after every backward it adds
+    p.grad into its own buffer (fp32_groups_gradients[i][j], a view of a flat buffer in grad_accum_dtype:
+    update_hp_grads, or a hook per parameter under immediate_grad_update) and clears p.grad before the next one
+    (clear_lp_grads), so at ReduceGrads p.grad holds the last micro-batch's share at most and the buffer the step's:
+    a sum over p.grad would leave what the optimizer reads each rank's share. Marked as holding a gradient
+    (fp32_groups_has_gradients), so its norm counts it on every rank, as the summed weight it is."""
+    where = {id(lp): (i, j) for i, group in enumerate(getattr(optimizer, "bf16_groups", ()))
+             for j, lp in enumerate(group)}
+    grads = []
+    for p in params:
+        if id(p) in where:
+            i, j = where[id(p)]
+            optimizer.fp32_groups_has_gradients[i][j] = True
+            grads.append(optimizer.fp32_groups_gradients[i][j])
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
 
 
 def at_reduce_grads(engine, sum_step) -> None:
@@ -749,11 +780,14 @@ def summed_parameters(params) -> list:
     return list({id(p): p for p in params if p.requires_grad and getattr(p, "tp_summed", False)}.values())
 
 
-def sum_summed_gradients(params, shard: Shard) -> int:
-    """The tp_summed parameters' accumulated gradients summed over the TP group in place, in buckets (one all-reduce
-    per 500M elements of a dtype: sum_gradients); the number of all-reduces."""
+def sum_summed_gradients(params, shard: Shard, optimizer=None) -> int:
+    """The tp_summed parameters' accumulated gradients (where `optimizer` keeps them: step_gradients) summed over the
+    TP group in place, in buckets (one all-reduce per 500M elements of a dtype: sum_tensors); the number of
+    all-reduces."""
     params = summed_parameters(params)
-    return sum_gradients(params, shard) if params and shard.group is not None else 0
+    if not params or shard.group is None:
+        return 0
+    return sum_tensors(step_gradients(optimizer, params), shard)
 
 
 def sum_gradients_at_step(engine, shard: Shard) -> None:
@@ -764,7 +798,7 @@ def sum_gradients_at_step(engine, shard: Shard) -> None:
     micro-batch's as it is made (what a gradient hook per backward did: GAS x #tensors all-reduces a step), up to
     float reordering (mmpipe.model.sequence_parallel.sum_gradients_at_step, the same for --sp)."""
     params = summed_parameters(engine.module.parameters())
-    at_reduce_grads(engine, lambda: sum_summed_gradients(params, shard))
+    at_reduce_grads(engine, lambda: sum_summed_gradients(params, shard, engine.optimizer))
 
 
 def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, shard: Shard, vocab: int,
