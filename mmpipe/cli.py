@@ -169,8 +169,6 @@ def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None, comman
 
 def cmd_check(ns: argparse.Namespace) -> int:
     """`mmpipe check`: train's checks and launch, the check ranks instead of training; exit from check.json."""
-    if getattr(ns, "sp", 1) > 1:  # its checks compare whole rows on each rank (docs/sequence_parallel.md)
-        return fail(ConfigError(f"--sp: {ns.sp}: mmpipe check does not run sequence-parallel ranks yet (train does)"))
     if not ns.dry_run:
         (Path(ns.output_dir) / CHECK_FILE).unlink(missing_ok=True)  # an earlier check's verdict is not this one's
     rc = cmd_train(ns, module="mmpipe.check.rank", extra=tuple(to_argv(from_namespace(CheckArgs, ns))))

@@ -237,7 +237,7 @@ def test_links_time_the_all_to_all_of_each_ep_group(tmp_path):
     from test_plan_moe import DEVICE, _rows, tiny_moe
     cfg = tiny_moe()
     rows = _rows(cfg)
-    run = SimpleNamespace(model=cfg, stages=1, dp=2, ep=2, tp=1, micro=2, gas=1, precision="fp32", zero_stage=0,
+    run = SimpleNamespace(model=cfg, stages=1, dp=2, ep=2, tp=1, sp=1, micro=2, gas=1, precision="fp32", zero_stage=0,
                           schedule="1f1b", layers=rows, parts=[0, len(rows)])
     assert links.all_to_all_bytes(run, 0) == 2 * 88 * 2 * 64 * 4 == 90_112
     assert all_to_all(rows, run.parts, 2, "fp32", 2, DEVICE)[0]["bytes"] == 2 * 4 * 90_112

@@ -398,5 +398,5 @@ def test_sp_refusals_one_line_each(capsys):
     err = refused(["--preset", "llava-tiny", "--sp", "0", "--steps", "1"], capsys)
     assert any("--sp: 0 must be >= 1" in line for line in err), err
     from mmpipe.cli import main
-    assert main(["check", "--preset", "llava-tiny", "--sp", "2", "--steps", "1"]) == 2
-    assert "mmpipe check does not run sequence-parallel ranks yet" in capsys.readouterr().err
+    assert main(["check", "--preset", "llava-tiny", "--sp", "2", "--steps", "1", "--dry-run"]) == 0  # check --sp runs
+    assert "x sp 2 = " in capsys.readouterr().out

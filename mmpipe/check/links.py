@@ -4,9 +4,11 @@ gradient all-reduce of each stage's data-parallel group, for an MoE model under 
 all-to-all across each expert-parallel group of each stage at what one MoE block exchanges per micro-batch, and
 under `--tp N > 1` one all-reduce across each TP group of each stage (the ranks of one (stage, data) coordinate) at
 what one split block's row-parallel output is, [micro, positions, D]: the collective a TP block runs 2 forward and 2
-backward a micro-batch (docs/tensor_parallel.md). The ranks are laid out as the engine's grid lays them:
-PipeModelDataParallelTopology (pipe, data, model; rank = (pipe x dp + data) x tp + model) under --tp, else
-PipeDataParallelTopology; a link is measured at every model coordinate.
+backward a micro-batch (docs/tensor_parallel.md), and under `--sp N > 1` each SP group's Ulysses all-to-alls of one
+decoder block (q, k, v to heads, the output back to positions: docs/sequence_parallel.md). The ranks are laid out as
+the engine's grid lays them: PipeModelDataParallelTopology (pipe, data, model; rank = (pipe x dp + data) x width +
+model, the model axis's width TP's or SP's: they share it) under --tp or --sp, else PipeDataParallelTopology; a link
+is measured at every model coordinate.
 Collective: every rank calls `measure`. Each row carries the planner's time for it (`planned_s`, from the
 planner's device for this accelerator, mmpipe.check.loader.planner_device; None where there is none).
 
@@ -23,7 +25,10 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
+from ..model.sequence_parallel import _to_heads, _to_positions, padded
+from ..model.tensor_parallel import Shard
 from ..planning.costmodel import Device, tied_repeats
+from ..planning.sequence_parallel import sp_layer_costs, sp_seconds
 from ..run_config import RunConfig
 from ..runtime.feed import decoder_length
 from ..runtime.trainer import DTYPES
@@ -50,6 +55,14 @@ def _slow() -> float:
 def device() -> torch.device:
     """This rank's device: the accelerator's LOCAL_RANK device (cuda:N under NCCL), or the CPU."""
     return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+def _timed_in(ranks: list[int], make) -> float | None:
+    """Collective: on the group's ranks the seconds per call of make()'s function (_timed), None elsewhere; then a
+    barrier, so the groups are timed one at a time."""
+    dt = _timed(make(), REPS) if dist.get_rank() in ranks else None
+    dist.barrier()
+    return dt
 
 
 def _timed(fn, reps: int) -> float:
@@ -93,17 +106,33 @@ def boundary_bytes(run: RunConfig, stage: int) -> int:
 
 
 def _models(topo) -> list[dict]:
-    """The model-axis coordinates a link is measured at: {"model": m} for each TP rank under --tp, else one, {}."""
+    """The model-axis coordinates a link is measured at: {"model": m} for each TP or SP rank, else one, {}."""
     return [{"model": m} for m in range(topo.get_dim("model"))] if "model" in topo.get_axis_names() else [{}]
 
 
-def _tp_name(at: dict) -> str:
-    return f", tp {at['model']}" if at else ""
+def _axis(run: RunConfig) -> str:
+    """The model axis's name in the rows: tp or sp (--sp with --tp is refused: both take it)."""
+    return "sp" if run.sp > 1 else "tp"
+
+
+def _model_name(run: RunConfig, at: dict) -> str:
+    return f", {_axis(run)} {at['model']}" if at else ""
+
+
+def _model_groups(run: RunConfig, topo) -> list[tuple[int, int, list[int], object]]:
+    """Collective. Per data coordinate and stage, its model-axis group (the TP or SP ranks of one (stage, data)
+    coordinate): (data, stage, ranks, group); every rank creates every group, in the same order."""
+    width, out = run.tp * run.sp, []
+    for d in range(run.dp if width > 1 else 0):
+        for s in range(run.stages):
+            ranks = [topo.get_rank(pipe=s, data=d, model=m) for m in range(width)]
+            out.append((d, s, ranks, dist.new_group(ranks)))
+    return out
 
 
 def _p2p(run: RunConfig, topo, dev: torch.device, slow: float) -> list[dict]:
     rows = []
-    for at in _models(topo):  # under --tp each TP rank sends to the same TP rank of the next stage
+    for at in _models(topo):  # under --tp / --sp each TP / SP rank sends to the same TP rank of the next stage
         for d in range(run.dp):
             for s in range(run.stages - 1):
                 a, b = topo.get_rank(pipe=s, data=d, **at), topo.get_rank(pipe=s + 1, data=d, **at)
@@ -111,7 +140,8 @@ def _p2p(run: RunConfig, topo, dev: torch.device, slow: float) -> list[dict]:
                 big = _pingpong(a, b, torch.zeros(n, dtype=DTYPES[run.precision], device=dev), slow)
                 small = _pingpong(a, b, torch.zeros(1, dtype=DTYPES[run.precision], device=dev), slow)
                 dist.barrier()
-                rows.append({"kind": "p2p", "name": f"stage {s} -> {s + 1} (ranks {a} <-> {b}, dp {d}{_tp_name(at)})",
+                name = f"stage {s} -> {s + 1} (ranks {a} <-> {b}, dp {d}{_model_name(run, at)})"
+                rows.append({"kind": "p2p", "name": name,
                              "ranks": [a, b], "bytes": n * DTYPES[run.precision].itemsize, "seconds": big,
                              "latency_s": small})
     return rows
@@ -135,7 +165,7 @@ def _allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
                 dt = _timed(lambda: dist.all_reduce(t, group=group), REPS)
             dist.barrier()
             rows.append({"kind": "all-reduce",
-                         "name": f"stage {s} dp group (ranks {', '.join(map(str, ranks))}{_tp_name(at)})",
+                         "name": f"stage {s} dp group (ranks {', '.join(map(str, ranks))}{_model_name(run, at)})",
                          "ranks": ranks, "bytes": n * 4, "seconds": dt, "latency_s": None,
                          "bus_factor": 2 * (run.dp - 1) / run.dp})
     return rows
@@ -155,19 +185,62 @@ def _tp_allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
     if run.tp <= 1:
         return rows
     n = tp_allreduce_bytes(run) // DTYPES[run.precision].itemsize
-    for d in range(run.dp):
-        for s in range(run.stages):
-            ranks = [topo.get_rank(pipe=s, data=d, model=m) for m in range(run.tp)]
-            group = dist.new_group(ranks)  # every rank creates every group, in the same order
-            dt = None
-            if dist.get_rank() in ranks:
-                t = torch.zeros(n, dtype=DTYPES[run.precision], device=dev)
-                dt = _timed(lambda: dist.all_reduce(t, group=group), REPS)
-            dist.barrier()
-            rows.append({"kind": "tp all-reduce",
-                         "name": f"stage {s} tp group (ranks {', '.join(map(str, ranks))}, dp {d})",
-                         "ranks": ranks, "bytes": n * DTYPES[run.precision].itemsize, "seconds": dt,
-                         "latency_s": None, "bus_factor": 2 * (run.tp - 1) / run.tp})
+
+    def make(group):
+        t = torch.zeros(n, dtype=DTYPES[run.precision], device=dev)
+        return lambda: dist.all_reduce(t, group=group)
+    for d, s, ranks, group in _model_groups(run, topo):
+        dt = _timed_in(ranks, lambda: make(group))
+        rows.append({"kind": "tp all-reduce",
+                     "name": f"stage {s} tp group (ranks {', '.join(map(str, ranks))}, dp {d})",
+                     "ranks": ranks, "bytes": n * DTYPES[run.precision].itemsize, "seconds": dt,
+                     "latency_s": None, "bus_factor": 2 * (run.tp - 1) / run.tp})
+    return rows
+
+
+def sp_shapes(run: RunConfig) -> list[tuple[int, ...]]:
+    """Ulysses' four all-to-alls of one decoder block and micro-batch as each SP rank sends them (UlyssesMask:
+    DeepSpeed's DistributedAttention; the planner's sp_a2a counts the same): q [micro, L / SP, H, Dh], k and v
+    [micro, L / SP, Hkv, Dh] to heads, the output [micro, L, H / SP, Dh] back to positions; L the row padded to a
+    multiple of SP. E.g. qwen-tiny (H 4, Hkv 2, Dh 16) at micro 2, SP 2, L 88: [2, 44, 4, 16], 2 x [2, 44, 2, 16],
+    [2, 88, 2, 16]: 16,896 elements."""
+    t, sp = run.model.text, run.sp
+    dh, length = t.dim // t.n_heads, padded(decoder_length(run), Shard(None, 0, sp))
+    return [(run.micro, length // sp, h, dh) for h in (t.n_heads, t.kv_heads, t.kv_heads)] + [
+        (run.micro, length, t.n_heads // sp, dh)]
+
+
+def sp_block(run: RunConfig, stage: int) -> int | None:
+    """The index in run.layers of `stage`'s decoder block with the most all-to-all elements (the planner's sp_a2a at
+    the run's SP), None for a stage without one (a tower's stage)."""
+    rows = sp_layer_costs(run.model, run.layers, run.sp)
+    blocks = [i for i in range(run.parts[stage], run.parts[stage + 1]) if rows[i].sp_a2a]
+    return max(blocks, key=lambda i: rows[i].sp_a2a) if blocks else None
+
+
+def _sp_all_to_all(run: RunConfig, topo, dev: torch.device) -> list[dict]:
+    """Per stage with decoder blocks and data coordinate, its SP group runs one block's Ulysses exchange (sp_shapes,
+    through mmpipe.model.sequence_parallel's own calls of DeepSpeed's _SeqAllToAll): (sp - 1) / sp of the bytes
+    leave each rank (bus_factor); the row names the block whose planned time it is set beside (planned_seconds)."""
+    if run.sp <= 1:
+        return []
+    size = DTYPES[run.precision].itemsize
+    nbytes = sum(torch.Size(s).numel() for s in sp_shapes(run)) * size
+
+    def make(group, ranks):
+        shard = Shard(group, ranks.index(dist.get_rank()), run.sp)
+        q, k, v, o = (torch.zeros(s, dtype=DTYPES[run.precision], device=dev) for s in sp_shapes(run))
+        return lambda: (_to_heads(q, shard), _to_heads(k, shard), _to_heads(v, shard), _to_positions(o, shard))
+    rows = []
+    for d, s, ranks, group in _model_groups(run, topo):
+        block = sp_block(run, s)
+        if block is None:
+            continue
+        dt = _timed_in(ranks, lambda: make(group, ranks))
+        rows.append({"kind": "sp all-to-all",
+                     "name": f"stage {s} sp group (ranks {', '.join(map(str, ranks))}, dp {d})",
+                     "ranks": ranks, "bytes": nbytes, "seconds": dt, "latency_s": None,
+                     "bus_factor": (run.sp - 1) / run.sp, "layer": block})
     return rows
 
 
@@ -196,37 +269,44 @@ def _all_to_all(run: RunConfig, topo, dev: torch.device) -> list[dict]:
             group = dist.new_group(ranks)  # every rank creates every group, in the same order
             if not nbytes:
                 continue
-            dt = None
-            if dist.get_rank() in ranks:
-                n = nbytes // DTYPES[run.precision].itemsize
-                src = torch.zeros(n, dtype=DTYPES[run.precision], device=dev)
-                dst = torch.empty_like(src)
-                dt = _timed(lambda: dist.all_to_all_single(dst, src, group=group), REPS)
-            dist.barrier()
+            dt = _timed_in(ranks, lambda: _exchange(nbytes // DTYPES[run.precision].itemsize, run.precision, dev,
+                                                    group))
             rows.append({"kind": "all-to-all", "name": f"stage {s} ep group (ranks {', '.join(map(str, ranks))})",
                          "ranks": ranks, "bytes": nbytes, "seconds": dt, "latency_s": None,
                          "bus_factor": (run.ep - 1) / run.ep})
     return rows
 
 
-def planned_seconds(row: dict, device: Device | None) -> float | None:
+def _exchange(n: int, precision: str, dev: torch.device, group):
+    src = torch.zeros(n, dtype=DTYPES[precision], device=dev)
+    dst = torch.empty_like(src)
+    return lambda: dist.all_to_all_single(dst, src, group=group)
+
+
+def planned_seconds(row: dict, device: Device | None, run: RunConfig) -> float | None:
     """The planner's time for a link row's transfer on `device` (mmpipe.planning.layout's arithmetic): p2p bytes /
     link; an all-reduce's bytes x 2 (dp - 1) / dp over the all-reduce link; an all-to-all's bytes x (ep - 1) / ep /
     link (costmodel.all_to_all); a TP all-reduce's bytes x 2 (tp - 1) / tp / link (planning.tensor_parallel.tp_seconds:
-    TP stays inside a node). E.g. 90,112 B at EP 2 over the CPU's 5 GB/s: 45,056 / 5e9 = 9.0 us."""
+    TP stays inside a node); an SP all-to-all row's block's forward exchange, the planner's own sp_seconds of it (one
+    SP rank's row of run.layers[row["layer"]], sp_layer_costs). E.g. 90,112 B at EP 2 over the CPU's 5 GB/s:
+    45,056 / 5e9 = 9.0 us."""
     if device is None:
         return None
+    if row["kind"] == "sp all-to-all":
+        block = sp_layer_costs(run.model, run.layers, run.sp)[row["layer"]]
+        return sp_seconds([block], [0, 1], run.micro, run.precision, run.sp, device)[0][0]
     link = device.allreduce_link or device.link if row["kind"] == "all-reduce" else device.link
     return row["bytes"] * row.get("bus_factor", 1.0) / link
 
 
 def measure(run: RunConfig) -> list[dict]:
     """Collective. Each link's row, complete (timed by its first rank) on rank 0; others get []."""
-    topo = (PipeModelDataParallelTopology(num_pp=run.stages, num_mp=run.tp, num_dp=run.dp) if run.tp > 1 else
+    width = run.tp * run.sp  # the model axis: TP's or SP's ranks (mmpipe.runtime.pipeline's grid)
+    topo = (PipeModelDataParallelTopology(num_pp=run.stages, num_mp=width, num_dp=run.dp) if width > 1 else
             PipeDataParallelTopology(num_pp=run.stages, num_dp=run.dp))  # the engine's rank layout
     dev, slow = device(), _slow()
     rows = (_p2p(run, topo, dev, slow) + _allreduce(run, topo, dev) + _all_to_all(run, topo, dev)
-            + _tp_allreduce(run, topo, dev))
+            + _tp_allreduce(run, topo, dev) + _sp_all_to_all(run, topo, dev))
     timed = [None] * dist.get_world_size()
     dist.all_gather_object(timed, [(r["seconds"], r["latency_s"]) for r in rows])
     if dist.get_rank() != 0:
@@ -235,7 +315,7 @@ def measure(run: RunConfig) -> list[dict]:
     for i, r in enumerate(rows):  # each measurement from the rank that timed it (the pair's first / group's first)
         r["seconds"], r["latency_s"] = timed[r["ranks"][0]][i]
         r["bandwidth"] = r["bytes"] * r.get("bus_factor", 1.0) / r["seconds"]
-        r["planned_s"] = planned_seconds(r, planner)
+        r["planned_s"] = planned_seconds(r, planner, run)
     return judge(rows)
 
 

@@ -44,8 +44,8 @@ def predicted_rows_per_s(run: RunConfig, device: Device | None) -> float | None:
     pipe = run.ds_config.get("pipeline", {})
     training = Training(run.precision, run.zero_stage, device, run.schedule,
                         checkpointing=int(pipe.get("activation_checkpoint_interval", 0) or 0) > 0, freeze=run.freeze)
-    layout = predict_layout(run.model, Shape(run.stages, run.dp, run.micro, run.gas, run.ep), training, run.text_len,
-                            run.max_images)
+    shape = Shape(run.stages, run.dp, run.micro, run.gas, run.ep, tp=run.tp, sp=run.sp)  # a TP / SP replica's pace
+    layout = predict_layout(run.model, shape, training, run.text_len, run.max_images)
     return run.micro * run.gas / layout.step["step_s"] if layout.step else None
 
 

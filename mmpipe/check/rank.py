@@ -46,9 +46,10 @@ def main(argv=None) -> int:
     checks["env"], ranks = clock("env", env.check, run.precision)
     link_rows = clock("links", links.measure, run)
     checks["links"] = {"ok": all(r["ok"] for r in link_rows), "rows": link_rows}
-    if run.tp > 1:  # the links (the TP all-reduce against its plan) and the loader; the rest compare whole layers
+    if run.tp * run.sp > 1:  # the links (TP's all-reduce / SP's all-to-all against its plan) and the loader; the rest
+        axis, n = ("tp", run.tp) if run.tp > 1 else ("sp", run.sp)  # compare whole stages
         for name in (("memory",) if opts.full_step else ()) + ("equivalence", "profile"):
-            checks[name] = None if rank else {"ok": True, "skipped": f"skipped at --tp {run.tp}: {TP_SKIPPED[name]}"}
+            checks[name] = None if rank else {"ok": True, "skipped": f"skipped at --{axis} {n}: {SKIPPED[axis][name]}"}
         checks["loader"] = clock("loader", loader.measure, run, args.seed, args.output_dir, None) if rank == 0 else None
     else:
         _whole_layer_checks(run, args, opts, rank, dev, link_rows, checks, clock)
@@ -62,12 +63,17 @@ def main(argv=None) -> int:
     return 0
 
 
-# --tp: what the check does not run yet, and why (docs/tensor_parallel.md)
-TP_SKIPPED = {
+# --tp / --sp: what the check does not run yet, and why (docs/tensor_parallel.md, docs/sequence_parallel.md)
+SKIPPED = {"tp": {
     "equivalence": "it compares each stage's gradient norm with the single-device loop's on one rank (a TP rank holds "
                    "a share of it); tests/test_tensor_parallel*.py check TP == single device",
     "memory": "its prediction is a whole stage's, not a TP rank's",
-    "profile": "it times a whole stage's layers on each rank for the planner's device profile"}
+    "profile": "it times a whole stage's layers on each rank for the planner's device profile"}, "sp": {
+    "equivalence": "it runs each stage on whole rows on one rank (an SP rank holds 1 / SP of a row's positions and "
+                   "its share of the gradient); tests/test_sequence_parallel.py and test_sp_moe.py check SP == single "
+                   "device",
+    "memory": "its prediction is a whole stage's at whole rows, not an SP rank's",
+    "profile": "it times a whole stage's layers on whole rows on each rank for the planner's device profile"}}
 
 
 def _whole_layer_checks(run, args: TrainArgs, opts: CheckArgs, rank: int, dev, link_rows: list, checks: dict,

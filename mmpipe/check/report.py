@@ -29,10 +29,13 @@ def summaries(checks: dict) -> dict[str, str]:
     slow = [r["name"] for r in links["rows"] if not r["ok"]]
     a2a = [r for r in links["rows"] if r["kind"] == "all-to-all"]
     tp = [r for r in links["rows"] if r["kind"] == "tp all-reduce"]
+    sp = [r for r in links["rows"] if r["kind"] == "sp all-to-all"]
     out["links"] = (f"{len(links['rows'])} links" + (f"; slow: {', '.join(slow)}" if slow else "")
                     + (f"; all-to-all (one MoE block, one micro-batch): {_a2a_line(a2a)}" if a2a else "")
                     + (f"; TP all-reduce (one block's output, 2 forward + 2 backward a block): {_a2a_line(tp)}"
                        if tp else "")
+                    + (f"; SP all-to-all (one block's q, k, v and output, forward; as many backward): {_a2a_line(sp)}"
+                       if sp else "")
                     if links["rows"] else "one rank: no link to measure")
     out["equivalence"] = eq.get("error") or eq.get("skipped") or (
         f"{eq['steps']} steps, {', '.join(f'{k} {v}' for k, v in eq['blocks'].items())} blocks: "
@@ -55,8 +58,8 @@ def summaries(checks: dict) -> dict[str, str]:
 
 
 def _a2a_line(rows: list[dict]) -> str:
-    """The slowest group's collective (an EP group's all-to-all, a TP group's all-reduce) against the planner's
-    time for it."""
+    """The slowest group's collective (an EP group's all-to-all, a TP group's all-reduce, an SP group's all-to-alls)
+    against the planner's time for it."""
     worst = max(rows, key=lambda r: r["seconds"])
     return (f"slowest {_ms(worst['seconds'])} for {_bytes(worst['bytes'])} ({worst['name']}), planned "
             f"{_ms(worst.get('planned_s'))}")
@@ -86,7 +89,8 @@ def _mib(n: float | None) -> str:
 
 
 def render(run: RunConfig, ranks: list[dict], checks: dict) -> str:
-    title = (f"check: {run.model.name}, {run.stages} stages x dp {run.dp}{f' x tp {run.tp}' if run.tp > 1 else ''}, "
+    title = (f"check: {run.model.name}, {run.stages} stages x dp {run.dp}{f' x tp {run.tp}' if run.tp > 1 else ''}"
+             f"{f' x sp {run.sp}' if run.sp > 1 else ''}, "
              f"micro {run.micro} x GAS {run.gas}, "
              f"{run.precision}, ZeRO-{run.zero_stage}, schedule {run.schedule}")
     rank_rows = [[r["rank"], r["host"], r["device"], "yes" if not r["precision_problem"] else "NO", r["torch"],
@@ -118,7 +122,7 @@ def write(out: Path, run: RunConfig, ranks: list[dict], checks: dict) -> list[st
     print(render(run, ranks, checks), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"ok": not failed, "failed": failed, "model": run.model.name, "stages": run.stages, "dp": run.dp,
-           "tp": run.tp, "micro": run.micro, "gas": run.gas, "precision": run.precision, "ranks": ranks,
+           "tp": run.tp, "sp": run.sp, "micro": run.micro, "gas": run.gas, "precision": run.precision, "ranks": ranks,
            "checks": checks, "summary": summaries(checks)}
     (out / CHECK_FILE).write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return failed
