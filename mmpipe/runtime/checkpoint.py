@@ -248,7 +248,7 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     on the stage count; written at another --tp, each rank reads its slices of them: mmpipe.runtime.reshard),
     step and sample counters and the LR schedule are restored; the optimizer's moments, kept per stage
     and TP rank (and per DP shard), start again from zero, with a warning; under a pure TP change (fp32, ZeRO 0)
-    they are resharded as the weights are."""
+    they are resharded as the weights are, under a pure SP change (fp32, ZeRO 0) carried whole."""
     ckpt_dir = Path(ckpt_dir)
     tag = latest_tag(ckpt_dir)
     state = read_state(ckpt_dir, tag)
@@ -297,24 +297,40 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     return state, notes
 
 
-def _pure_tp_change(state: dict, run) -> bool:
-    """Only --tp changed, in the layout whose optimizer is one torch AdamW per stage x TP rank over the stage's
-    parameters (fp32, ZeRO 0, no EP, 1F1B's one stage a rank): its moments reshard (reshard.optimizer_state)."""
-    return (state.get("tp", 1) != run.tp and state["stages"] == run.stages and state["parts"] == run.parts
+def _pure_change(state: dict, run, axis: str) -> bool:
+    """Only --tp or only --sp (`axis`) changed, in the layout whose optimizer is one torch AdamW per stage x model
+    rank over the stage's parameters (fp32, ZeRO 0, no EP, 1F1B's one stage a rank). A TP change reshards its moments
+    (reshard.optimizer_state); an SP change carries them (_sp_optimizer_state)."""
+    other = "sp" if axis == "tp" else "tp"
+    return (state.get(axis, 1) != getattr(run, axis) and state.get(other, 1) == getattr(run, other)
+            and state["stages"] == run.stages and state["parts"] == run.parts
             and state["dp"] == run.dp and state.get("zero_stage", 0) == run.zero_stage == 0
             and state["precision"] == run.precision == "fp32" and state.get("ep", 1) == run.ep == 1
             and run.schedule.engine == "PipelineEngine")
 
 
+def _sp_optimizer_state(pipe, tag_dir: Path, saved_sp: int) -> dict:
+    """--resume under a pure SP change: this stage's SP rank 0 optimizer (mp_rank_<stage x saved SP>: DeepSpeed's
+    model-parallel rank is stage x SP + SP rank). SP splits positions, not parameters, and the gradients are summed
+    over SP before the step, so every SP rank's AdamW state is the same tensors, bit for bit, whole at any SP."""
+    path = Path(tag_dir) / f"mp_rank_{pipe.stage_id * saved_sp:02d}_model_states.pt"
+    with torch.serialization.safe_globals(_safe_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
+
+
 def _load_other_layout(engine, ckpt_dir: Path, tag: str, state: dict, run) -> tuple[str | None, str]:
     """resume under another layout: the weights (resharded to another TP: reshard.install), counters and LR schedule;
-    the AdamW moments resharded under a pure TP change, else restarted. Returns (DeepSpeed's load path, the note)."""
+    the AdamW moments resharded under a pure TP change, carried under a pure SP change,
+    else restarted. Returns (DeepSpeed's load path, the note)."""
     load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=True,
                                           load_optimizer_states=False, load_lr_scheduler_states=False)
-    moments = _pure_tp_change(state, run)
-    if moments and load_path is not None:
+    resharded, carried_sp = _pure_change(state, run, "tp"), _pure_change(state, run, "sp")
+    moments = resharded or carried_sp
+    if resharded and load_path is not None:
         engine.optimizer.load_state_dict(reshard.optimizer_state(engine.module, ckpt_dir / tag, run, state["tp"],
                                                                  _safe_globals()))
+    elif carried_sp and load_path is not None:
+        engine.optimizer.load_state_dict(_sp_optimizer_state(engine.module, ckpt_dir / tag, state.get("sp", 1)))
     engine.global_steps, engine.global_samples = state["step"], state["samples"]
     if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -324,7 +340,8 @@ def _load_other_layout(engine, ckpt_dir: Path, tag: str, state: dict, run) -> tu
     saved_tp = state.get("tp", 1)
     ep = (f", ep {state.get('ep', 1)}", f", ep {run.ep}") if max(state.get("ep", 1), run.ep) > 1 else ("", "")
     tp = (f" x tp {saved_tp}", f" x tp {run.tp}") if max(saved_tp, run.tp) > 1 else ("", "")
-    carried = ("the optimizer state (AdamW moments) resharded too" if moments else
+    carried = ("the optimizer state (AdamW moments) resharded too" if resharded else
+               "the optimizer state (AdamW moments) carried too (the same on every SP rank)" if carried_sp else
                "the optimizer state (AdamW moments) starts again from zero")
     return load_path, (f"{'note' if moments else 'warning'}: {tag} was written by {state['stages']} stages x dp "
                        f"{state['dp']}{tp[0]} (parts {state['parts']}, {state['precision']}{ep[0]}), this run is "
