@@ -596,7 +596,9 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
     model = load_preset("qwen3-vl-tiny").to_dict()
     model["text"].update(tie_embeddings=False, moe={"experts": 4, "top_k": 2, "ff_dim": 33, "shared_ff_dim": 5})
     (tmp_path / "moe.json").write_text(json.dumps(model))  # each expert's FFN splits over TP (mmpipe.model.tp_plans)
-    err = refused(["--preset", str(tmp_path / "moe.json"), "--tp", "2", "--steps", "1"], capsys)
+    err = refused(["--preset", str(tmp_path / "moe.json"), "--tp", "2", "--ds-config", "ds_configs/cpu_bf16.json",
+                   "--steps", "1"], capsys)
+    assert sum("--tp: 2 with precision bf16 on an MoE model is not supported yet" in line for line in err) == 1, err
     for what in ("33 expert FFN width (text.moe.ff_dim)", "5 shared expert FFN width (text.moe.shared_ff_dim)"):
         assert any(f"--tp: 2 does not divide moe's {what}" in line for line in err), err
     err = refused(["--preset", "gemma4-tiny", "--tp", "2", "--steps", "1"], capsys)
@@ -604,11 +606,15 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
     # what is still refused, each in its own line with its reason (ZeRO-1, checkpointing, LoRA and validation run:
     # tests/test_tp_combos.py)
     err = refused(["--preset", "llava-tiny", "--tp", "2", "--stages", "2", "--lora", "4", "--lora-dropout", "0.1",
-                   "--schedule", "zb-h1", "--ds-config", "ds_configs/cpu_bf16.json", "--steps", "1"], capsys)
-    for what in ("precision bf16 is not supported yet: DeepSpeed's bf16 optimizer under TP",
+                   "--schedule", "zb-h1", "--ds-config", "ds_configs/zero1_fp16.json", "--steps", "1"], capsys)
+    for what in ("precision fp16 is not supported yet: DeepSpeed's fp16 ZeRO-1 optimizer under TP",
                  "schedule zb-h1 is not supported yet: its deferred weight gradients",
                  "--lora-dropout 0.1 is not supported yet: a row-split layer's TP ranks"):
         assert sum(f"--tp: 2 with {what}" in line for line in err) == 1, err
+    for cfg in ("ds_configs/cpu_bf16.json", "ds_configs/zero1_bf16.json"):  # bf16 on a dense model trains under TP
+        run = resolve(TrainArgs.from_argv(["--preset", "llava-tiny", "--stages", "1", "--tp", "2", "--ds-config", cfg,
+                                           "--steps", "1"]), world_size=2)
+        assert (run.tp, run.precision) == (2, "bf16")
     err = refused(["--preset", "llava-tiny", "--tp", "0", "--steps", "1"], capsys)
     assert any("--tp: 0 must be >= 1" in line for line in err), err
     # --sequence-parallel: TP's; a row TP divides (refused, not padded: --text-len is the one flag to change); a plan
