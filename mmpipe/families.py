@@ -137,6 +137,7 @@ from .model.tp_plans import (
     ATTENTION,
     DECODER,
     GEMMA3_TP_PLAN,
+    GEMMA4_TP_PLAN,
     MOE_MLP,
     MOE_VOCAB_ENDS,
     QK_NORMS,
@@ -334,5 +335,5 @@ GEMMA4 = register(Family(
     media=("image", "video"),  # clips as frames, each an image after its `mm:ss ` time (mmpipe.data.video)
     fields=gemma4_fields, tower_tokens=gemma4_tower_tokens, experts=_moe,  # text.moe: 26B-A4B's experts
     hf=_hf("gemma4", "Gemma4ForConditionalGeneration", ("gemma4",), "Gemma 4", importer="import_gemma4",
-           config="hf_gemma4_config", reader="read_gemma4"),
+           config="hf_gemma4_config", reader="read_gemma4"), tp_plan=GEMMA4_TP_PLAN,
     sp_why_not="its per-layer inputs and shared K/V travel whole-row (not sliced yet)"))

@@ -408,7 +408,8 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         return
     if not family_of(model).tp_plan:
         have = ", ".join(sorted(f.family for f in families() if f.tp_plan))
-        problems.append(f"--tp: {tp} on {model.name}: the {model.family} family has no tensor-parallel plan yet "
+        kind = model.family if model.fusion == "prefix" else f"{model.family} {model.fusion}"  # tiny-xattn's
+        problems.append(f"--tp: {tp} on {model.name}: the {kind} family has no tensor-parallel plan yet "
                         f"(mmpipe.registry.Family.tp_plan; {have} have one)")
         return
     t = model.text

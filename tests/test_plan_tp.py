@@ -140,10 +140,10 @@ def test_tp_left_out_and_families_without_a_plan_say_so_in_one_line(capsys, tmp_
     written = json.loads(ds.read_text())
     assert written["pipeline"]["stages"] == 4 and written["train_batch_size"] == 128
     from mmpipe.cli import main
-    rc = main(["plan", "--preset", "gemma-4-e4b", "--global-batch", "64", "--text-len", "24", "--tp", "1,2"])
+    rc = main(["plan", "--preset", "xattn-base", "--global-batch", "64", "--text-len", "24", "--tp", "1,2"])
     out = capsys.readouterr().out
     assert rc == 0 and out.count("planned at TP 1 only") == 1
-    assert "gemma-4-e4b (gemma4) has no tensor-parallel plan yet: planned at TP 1 only" in out
+    assert "xattn-base (moondream cross_attention) has no tensor-parallel plan yet: planned at TP 1 only" in out
     rc = main(["plan", "--preset", PRESET, "--tp", "0"])
     assert rc == 2 and capsys.readouterr().err.strip().endswith("--tp: 0 must be >= 1")
 

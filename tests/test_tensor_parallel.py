@@ -232,11 +232,12 @@ def _family_check(shard: Shard, preset: str) -> dict:
     return diffs
 
 
-def _gemma3_row(cfg):
-    """One packed row of Gemma 3: sample 1 an image (<start_of_image>, mm_tokens soft tokens, <end_of_image>: a block
-    attending both ways) and 14 text tokens (past gemma3-tiny's 6-position window), sample 2 its own image and text,
-    2 padding positions: (pixels [1, 2, 3, S, S], input_ids, has_image, segments), labels."""
-    g, n, S = torch.Generator().manual_seed(1), cfg.vision.mm_tokens, cfg.vision.image_size
+def _gemma_row(cfg):
+    """One packed row of Gemma 3 / 4 (fixed squares): sample 1 an image (<start_of_image>, n_features soft tokens,
+    <end_of_image>: a block attending both ways) and 14 text tokens (past the tiny presets' 6-position window),
+    sample 2 its own image and text, 2 padding positions: (pixels [1, 2, 3, S, S], input_ids, has_image, segments),
+    labels."""
+    g, n, S = torch.Generator().manual_seed(1), cfg.vision.n_features, cfg.vision.image_size
     image = torch.tensor([[cfg.vision_start_id] + [cfg.image_token_id] * n + [cfg.vision_end_id]])
     text = torch.randint(0, cfg.image_token_id, (1, 24), generator=g)
     ids = torch.cat([image, text[:, :14], image, text[:, 14:], torch.zeros(1, 2, dtype=torch.long)], 1)
@@ -247,7 +248,8 @@ def _gemma3_row(cfg):
 
 
 def _row(cfg):
-    rows = {"llava_next": _crop_row, "internvl": _crop_row, "moondream": _moondream_row, "gemma3": _gemma3_row}
+    rows = {"llava_next": _crop_row, "internvl": _crop_row, "moondream": _moondream_row, "gemma3": _gemma_row,
+            "gemma4": _gemma_row}
     return rows.get(cfg.family, _patch_row)(cfg)
 
 
@@ -371,7 +373,7 @@ _CHECKS = {"ce": _ce_check, "layers": _layers_check, "layers kv 1": functools.pa
            **{f"sp {p}": functools.partial(_sp_check, preset=p) for p in SP_PRESETS},
            **{p: functools.partial(_family_check, preset=p)
               for p in ("qwen-tiny", "qwen3-vl-tiny", "qwen3.5-tiny", "llava-next-tiny", "internvl-tiny", "tiny",
-                        "gemma3-tiny")}}
+                        "gemma3-tiny", "gemma4-tiny", "gemma4-moe-tiny")}}
 _CHECKS["bf16"] = _bf16_check  # last: its grid's new_group calls after the other checks' collectives
 
 
@@ -409,12 +411,20 @@ def test_bf16_optimizer_under_tp_reads_summed_gradients_and_counts_each_shard_on
               "LMHead.linear.bias"), 1e-5),
     # Gemma 3: sliding and global blocks, q / k norms summed, the sqrt(D)-scaled vocab embedding and its tied head
     ("gemma3-tiny", ("Gemma3SlidingBlock.self_attn.q_proj.weight", "Gemma3Block.self_attn.o_proj.weight",
-                     "Gemma3Block.mlp.down_proj.weight", "Gemma3Embed.embed_tokens.weight"), 1e-5)])
+                     "Gemma3Block.mlp.down_proj.weight", "Gemma3Embed.embed_tokens.weight"), 1e-5),
+    # Gemma 4: a shared layer attends to its producer's K/V of this rank's kv heads (k = v on the one global kv
+    # head: whole on each rank), the per-layer input table by vocabulary, the soft-capped tied head; MoE: the experts
+    ("gemma4-tiny", ("Gemma4GlobalShared.self_attn.q_proj.weight", "Gemma4SlidingStore.self_attn.v_proj.weight",
+                     "Gemma4Embed.embed_tokens_per_layer.weight", "Gemma4GlobalShared.mlp.up_proj.weight"), 1e-4),
+    ("gemma4-moe-tiny", ("Gemma4SlidingMoeBlock.experts.gate_up_proj", "Gemma4GlobalMoeShared.self_attn.o_proj.weight",
+                         "Gemma4Embed.embed_tokens.weight"), 1e-4)])
 def test_family_plan_splits_the_whole_model_exactly(two_ranks, preset, split, tol):
     """Every layer of the model under its family's plan (the tower's window / full attention by head groups, the
     DeepStack mergers, Gated DeltaNet's heads, the gated attention, the tied vocab head): the loss and every gradient
     gathered from the 2 ranks equal the whole model's, each tensor's within tol of its largest element. Measured
     (fp32): qwen-tiny 1.5e-6, qwen3-vl-tiny 2.3e-6, llava-next-tiny 7.7e-7, internvl-tiny 1.7e-6, gemma3-tiny 2.2e-6,
+    gemma4-tiny 2.7e-5, gemma4-moe-tiny 3.6e-5 (the replicated tower's too: rounding carried back through the
+    soft-capped head and the sandwich norms; in float64 9.5e-7, its norms still fp32 as Gemma's),
     qwen3.5-tiny 3.9e-5 (A_log: Gated DeltaNet's fp32 chunked solves amplify the split matmuls' other rounding; the
     same check in float64, the delta rule too: 7.9e-13). A split that is wrong is off by its whole share: without
     the TP sum of the q / k norms' gradients qwen3-vl-tiny's q_norm was off by 3.2e-3 of 4e-3 (gemma3-tiny's q / k
@@ -601,8 +611,9 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
     assert sum("--tp: 2 with precision bf16 on an MoE model is not supported yet" in line for line in err) == 1, err
     for what in ("33 expert FFN width (text.moe.ff_dim)", "5 shared expert FFN width (text.moe.shared_ff_dim)"):
         assert any(f"--tp: 2 does not divide moe's {what}" in line for line in err), err
-    err = refused(["--preset", "gemma4-tiny", "--tp", "2", "--steps", "1"], capsys)
-    assert any("--tp: 2 on gemma4-tiny: the gemma4 family has no tensor-parallel plan" in line for line in err), err
+    err = refused(["--preset", "tiny-xattn", "--tp", "2", "--steps", "1"], capsys)
+    assert any("--tp: 2 on tiny-xattn: the moondream cross_attention family has no tensor-parallel plan" in line
+               for line in err), err
     # what is still refused, each in its own line with its reason (ZeRO-1, checkpointing, LoRA and validation run:
     # tests/test_tp_combos.py)
     err = refused(["--preset", "llava-tiny", "--tp", "2", "--stages", "2", "--lora", "4", "--lora-dropout", "0.1",

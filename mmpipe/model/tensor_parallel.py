@@ -471,7 +471,8 @@ def _split(layer: nn.Module, items: dict, name: str, mark, shard: Shard, kind: s
 def _resolve(layer: nn.Module, plan: dict) -> dict:
     """The layer's {name: mark}, nested plans expanded, every name and mark checked."""
     kind = type(layer).__name__
-    items = _entries(layer, plan[type(layer)], kind)
+    entries = plan[type(layer)]  # or a function of the built layer: submodules the config decides (Gemma 4's v_proj)
+    items = _entries(layer, entries(layer) if callable(entries) else entries, kind)
     for name, mark in items.items():
         if not isinstance(mark, (Fused, Own)) and mark not in MARKS:
             raise ValueError(f"tensor-parallel plan of {kind}: {name}: {mark!r} is not one of {MARKS}, a Fused or "

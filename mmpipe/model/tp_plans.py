@@ -59,6 +59,9 @@ from __future__ import annotations
 import types
 
 from .gemma3 import Gemma3Block, Gemma3Embed, Gemma3SlidingBlock
+from .gemma4 import BLOCKS as GEMMA4_BLOCKS
+from .gemma4 import MOE_BLOCKS as GEMMA4_MOE_BLOCKS
+from .gemma4 import Gemma4Embed, Gemma4Head, Gemma4MoeHead, Gemma4TiedMoeHead, gemma4_tied_head
 from .llava import FinalNorm, LMHeadLinear, SwiGLU, TowerMLP, tied_head
 from .moe import Experts, MoeHead, Qwen3MoeBlock, SparseMoe, TiedMoeHead
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenVisionBlock
@@ -222,3 +225,40 @@ QWEN3_5_TP_PLAN = {
 _GEMMA3_BLOCK = {**DECODER, **QK_NORMS}
 GEMMA3_TP_PLAN = {Gemma3Block: _GEMMA3_BLOCK, Gemma3SlidingBlock: _GEMMA3_BLOCK,
                   Gemma3Embed: {"embed_tokens": VOCAB}, **VOCAB_ENDS}
+
+
+def _gemma4_block(block) -> dict:
+    """A Gemma 4 block's split, read from the built block: its attention as the decoder's with the q / k norms summed,
+    but a shared layer (mode "reuse") has no k / v projections (it attends to its producer's K/V field, which holds
+    the producer rank's kv heads: `kv` becomes this rank's count on both) and a full layer under k_eq_v no v_proj
+    (v is k's projection, split with it); the GELU-tanh MLP (double width on shared layers) column then row; the MoE
+    blocks' experts Megatron's expert-TP way (EXPERTS), their router replicated. The per-layer input gate
+    (D -> P) and projection (P -> D) stay replicated: small (E2B: 2 x 1536 x 256 a layer) and their P-wide product
+    is normed over the whole D after, so a split would cost an all-reduce for 0.4 M parameters."""
+    a = block.self_attn
+    attention = {"self_attn": ENTRY, "self_attn.q_proj": COLUMN, "self_attn.q_norm": SUMMED,
+                 "self_attn.o_proj": ROW, "self_attn.n_heads": HEADS, "self_attn.kv": KV_HEADS}
+    if not a.shared:
+        attention.update({"self_attn.k_proj": KV, "self_attn.k_norm": SUMMED,
+                          **({} if a.k_is_v else {"self_attn.v_proj": KV})})
+    return {**attention, **MLP, **({"experts": EXPERTS} if block.sparse else {})}
+
+
+def _gemma4_sizes(cfg) -> tuple:
+    t = cfg.text
+    return moe_sizes(cfg) + ((("per-layer input vocabulary (text.ple_vocab)", t.ple_vocab),) if t.ple_dim else ())
+
+
+# Gemma 4 (mmpipe.model.gemma4): every block class (sliding / global x plain / store / shared, dense or MoE) by
+# _gemma4_block; Gemma4Embed's token table and its per-layer input table by vocabulary (E2B's per-layer table,
+# 262,144 x 35 x 256 = 2.3 B parameters, is its largest tensor; its lookup's all-reduce is [L, n_layers x P], once
+# a micro-batch); the heads by vocabulary, the soft-cap cap x tanh(logits / cap) elementwise on each rank's slice.
+# The tower replicated, as Gemma 3's: its images fit a fixed soft-token budget (0.15-0.55 B parameters).
+GEMMA4_TP_PLAN = {
+    **{cls: _gemma4_block for cls in (*GEMMA4_BLOCKS.values(), *GEMMA4_MOE_BLOCKS.values())},
+    # the per-layer table where the model has one (E2B / E4B; not 26B-A4B / 31B)
+    Gemma4Embed: lambda e: {"embed_tokens": VOCAB, **({"embed_tokens_per_layer": VOCAB} if e.ple else {})},
+    Gemma4Head: {"lm_head": VOCAB}, gemma4_tied_head: {"": VOCAB},
+    Gemma4MoeHead: {"lm_head": VOCAB}, Gemma4TiedMoeHead: {"": VOCAB},
+    SIZES: _gemma4_sizes,
+}
