@@ -108,6 +108,12 @@ class Family:
     def key(self) -> tuple[str, str]:
         return self.family, self.fusion
 
+    @property
+    def label(self) -> str:
+        """The family as a user names it: its `family`, with the fusion where it is not the prefix one (tiny-xattn's
+        "llava cross_attention")."""
+        return self.family if self.fusion == "prefix" else f"{self.family} {self.fusion}"
+
     def cost_rule(self, spec):
         """The cost rule of a LayerSpec: a tied layer's later use by its forward_fn (a function, or a callable
         object's class: moe.TiedMoeHead), else (its first use too) its class."""

@@ -408,9 +408,8 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         return
     if not family_of(model).tp_plan:
         have = ", ".join(sorted(f.family for f in families() if f.tp_plan))
-        kind = model.family if model.fusion == "prefix" else f"{model.family} {model.fusion}"  # tiny-xattn's
-        problems.append(f"--tp: {tp} on {model.name}: the {kind} family has no tensor-parallel plan yet "
-                        f"(mmpipe.registry.Family.tp_plan; {have} have one)")
+        problems.append(f"--tp: {tp} on {model.name}: the {family_of(model).label} family has no tensor-parallel "
+                        f"plan yet (mmpipe.registry.Family.tp_plan; {have} have one)")
         return
     t = model.text
     for what, n in (("attention heads (text.n_heads)", t.n_heads), ("vocabulary (text.vocab_size)", t.vocab_size),

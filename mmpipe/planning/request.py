@@ -69,9 +69,11 @@ class PlanSpec:
     eps: tuple[int, ...] = (1,)
     tps: tuple[int, ...] = (1,)  # tensor-parallel degrees (--tp), each planned for every PP x DP of GPUs / TP
     sps: tuple[int, ...] = (1,)  # sequence-parallel degrees (--sp), each with each TP: PP x DP of GPUs / (TP x SP)
-    sequence_parallel: bool = False  # --sequence-parallel: TP's (Megatron's), at every TP above 1
     reference: str = ""  # --dpo-reference: dpo's reference, live (a forward pass and a copy) or precomputed (none)
     load: object = None  # --data: the data's packed rows, priced (planning.data_rows.RowLoad); None: uniform rows
+    # --sequence-parallel: TP's (Megatron's), at every TP above 1 (last: PlanSpec(...) is built positionally; a field
+    # before `load` took its place, and --data's rows were dropped)
+    sequence_parallel: bool = False
 
     @property
     def training(self) -> Training:

@@ -221,8 +221,7 @@ def check_tp(text: str, cfg: ModelConfig, gpus_per_node: int, gpus: int) -> tupl
     tps = degrees("--tp", text)
     if not family_of(cfg).tp_plan:
         above = [tp for tp in tps if tp > 1]
-        kind = cfg.family if cfg.fusion == "prefix" else f"{cfg.family} {cfg.fusion}"
-        return (1,), ([f"tp: {cfg.name} ({kind}) has no tensor-parallel plan yet: planned at TP 1 only"]
+        return (1,), ([f"tp: {cfg.name} ({family_of(cfg).label}) has no tensor-parallel plan yet: planned at TP 1 only"]
                       if above else [])
     keep, notes = [], []
     for tp in tps:
