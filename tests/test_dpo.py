@@ -423,3 +423,17 @@ def test_planner_counts_the_reference():
             more = (live.stage_rows[s]["memory_gib"] - base.stage_rows[s]["memory_gib"]) * 2 ** 30
             assert more == pytest.approx(2 * sum(trained.values()), rel=1e-9), s  # bf16 weights: 2 bytes each
     assert sum(p.numel() for p in model.parameters() if not p.requires_grad) > 0  # the frozen tower is not copied
+
+
+def test_plan_front_door_reads_dpo_reference(capsys):
+    """`mmpipe plan --dpo-reference live` through the command line: every predicted step carries the reference pass
+    (a PlanSpec field order once dropped the flag's value on the way in); precomputed carries none."""
+    from mmpipe.cli import main
+    argv = ["plan", "--preset", "llava-tiny", "--gpus-per-node", "2", "--global-batch", "8", "--micro", "2",
+            "--json", "--dpo-reference"]
+    steps = {}
+    for ref in ("live", "precomputed"):
+        assert main([*argv, ref]) == 0
+        steps[ref] = [lay["step"] for lay in json.loads(capsys.readouterr().out) if lay.get("step")]
+    assert steps["live"] and all(s["reference_s"] > 0 for s in steps["live"])
+    assert steps["precomputed"] and not any("reference_s" in s for s in steps["precomputed"])
