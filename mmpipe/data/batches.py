@@ -55,15 +55,34 @@ class StepBatches:
             step += 1
 
 
+def pair_images(items: list[dict]) -> list[dict]:
+    """The items whose images the micro-batch carries: all, or where the rejected rows share their chosen rows' images
+    (RowSet's share_pairs: row 2i + 1 `shared`, no pixels) the chosen ones, rows 2i, so pixels hold B / 2 rows and
+    the tower encodes each pair's images once (mmpipe.model.rows.slot_images: slot m of rows 2i and 2i + 1 reads
+    pixel row i's image m). A shared row without its tiling (moondream's multi-crop, made with the pixels) takes
+    its partner's. ValueError where a shared row does not follow its partner."""
+    if not any("shared" in it for it in items):
+        return items
+    chosen, rejected = items[::2], items[1::2]
+    if len(items) % 2 or any("shared" in a or b.get("shared") != a["pos"] for a, b in zip(chosen, rejected)):
+        raise ValueError(f"rows {[it['pos'] for it in items]}: a micro-batch of preference pairs must hold each "
+                         f"chosen row followed by its rejected row")
+    for a, b in zip(chosen, rejected):
+        if "tiling" in a and "tiling" not in b:
+            b["tiling"] = a["tiling"]
+    return chosen
+
+
 def collate(items: list[dict]) -> dict:
+    images = pair_images(items)
     out = {"pos": torch.tensor([it["pos"] for it in items]),
            "input_ids": torch.from_numpy(np.stack([it["input_ids"] for it in items])),
            "has_image": torch.from_numpy(np.stack([np.asarray(it["has_image"], dtype=np.int64) for it in items]))}
     for key in ("labels", "weights", "segments"):  # segments [B, L] (has_image [B, M])
         if key in items[0]:
             out[key] = torch.from_numpy(np.stack([it[key] for it in items]))
-    if "pixels" in items[0]:
-        out["pixels"] = torch.stack([it["pixels"] for it in items])
+    if "pixels" in images[0]:
+        out["pixels"] = torch.stack([it["pixels"] for it in images])  # [B, ...], or [B / 2, ...] shared by pairs
     if "tiling" in items[0]:
         out["tiling"] = torch.tensor([it["tiling"] for it in items], dtype=torch.long)  # [B, M, 2]
     return out

@@ -36,6 +36,7 @@ from ..model.builder import IGNORE_INDEX
 from .blocks import FixedBlocks, PatchBlocks, TileBlocks
 from .crops import Crops, stack_images
 from .image_kinds import image_kind
+from .preference import same_pairs
 
 CHUNK = 1024  # sample positions packed together: first-fit looks at most this far ahead
 LOSS_NORMS = ("token", "sample")
@@ -199,15 +200,18 @@ class RowSet(Dataset):
     patches in slot order then zeros, and tiling [M, 3], each slot's grid (t, h, w), 0 0 0 unused, on
     every stage (the decoder's positions need it), from the index: no image is opened for it. Any-resolution
     tiles (TileBlocks, T): pixels [T, C, S, S], each used slot's crops then zero crops, and tiling [M, 4],
-    each slot's (orig_h, orig_w, rows, cols), likewise on every stage."""
+    each slot's (orig_h, orig_w, rows, cols), likewise on every stage. share_pairs (preference pairs,
+    mmpipe.data.preference.shares_images): an odd row (2i + 1, the rejected sides of row 2i's pairs) opens no image
+    and is marked `shared`; mmpipe.data.batches.collate then carries row 2i's images for both."""
 
     def __init__(self, samples, plan: RowPlan, *, blank=None, need_images: bool = True, need_labels: bool = True,
-                 norm: LossNorm | None = None, augment_seed: int | None = None):
+                 norm: LossNorm | None = None, augment_seed: int | None = None, share_pairs: bool = False):
         """blank: an unused image slot's pixels, the image kind's (mmpipe.data.image_kinds); None for a kind of
         row budgets, whose unused slots hold no patches."""
         self.samples, self.plan, self.shape = samples, plan, plan.shape
         self.blank, self.norm, self.augment_seed = blank, norm, augment_seed
         self.need_images, self.need_labels = need_images, need_labels
+        self.share_pairs = share_pairs and plan.unit == 2
 
     def __len__(self):
         return 2 ** 62
@@ -234,17 +238,26 @@ class RowSet(Dataset):
             if self.norm is not None:
                 w = np.array([0.0] + self.norm.per_sample(r), dtype=np.float32)[segments]
                 item["weights"] = np.where(labels != IGNORE_INDEX, w, 0.0).astype(np.float32)
+        if self.share_pairs and r % 2:
+            item["shared"] = self._partner(r)  # row r - 1's images are this row's: none opened here
         if self.shape.vision_budget:  # M x (t, h, w), or M x (orig_h, orig_w, rows, cols)
             item["tiling"] = [self.shape.tiling(g) for g in grids] + [(0,) * self.shape.images.tiling_width] * (
                 M - len(grids))
-            if self.need_images:
+            if self.need_images and "shared" not in item:
                 item["pixels"] = self._patches(images)
-        elif self.need_images:
+        elif self.need_images and "shared" not in item:
             px = [self._image(pos, k) for pos, k in images] + [self.blank] * (M - len(images))
             item["pixels"], tiling = stack_images(px)  # [M, 3, S, S]; multi-crop [M, 1 + K, 3, S, S] and its tiling
             if tiling is not None:
                 item["tiling"] = tiling.tolist()  # M x (rows, cols)
         return item
+
+    def _partner(self, r: int) -> int:
+        """Row r - 1, whose pairs' chosen sides row r's rejected ones are, in the same order (RowPlan's unit of 2),
+        so the two rows' image slots hold the same images; ValueError where they are not (the pairs' layout)."""
+        if not same_pairs(self.samples, self.plan.row(r - 1), self.plan.row(r)):
+            raise ValueError(f"rows {r - 1} and {r} are not the chosen and rejected sides of the same pairs")
+        return r - 1
 
     def _patches(self, images: list[tuple[int, int]]) -> torch.Tensor:
         """[P, patch_dim] (or [T, C, S, S]): the row's images' patches (crops) in slot order, zero padded (the

@@ -158,6 +158,29 @@ class PairedSamples(IndexedSamples):
         return 2 * int(self._pair_order(epoch)[k // 2]) + k % 2
 
 
+# The families whose tower encodes a pair's images once (docs/dpo.md, "The image once per pair"): their tower works on
+# each image (or each row's patches) alone and one layer places its output on the image positions, which reads
+# slot (2i + s, m)'s features from image (i, m) (mmpipe.model.rows.slot_images). The others keep an image per side:
+# the cross-attention fusion carries the projected image to every cross-attention layer as a stage field (each would
+# index it; not built), LLaVA-NeXT / OneVision and InternVL lay out a row's crops by its own tiling in the projector
+# and embedding (not built), Gemma 4's tower and pooling read the row's grids in several layers (not built).
+SHARED_IMAGE_FAMILIES = {("llava", "prefix"), ("moondream", "prefix"), ("qwen2_vl", "prefix"),
+                         ("qwen3_vl", "prefix"), ("qwen3_5", "prefix"), ("gemma3", "prefix")}
+
+
+def shares_images(cfg) -> bool:
+    """Whether a dpo run's micro-batches carry each pair's images once (SHARED_IMAGE_FAMILIES)."""
+    return (cfg.family, cfg.fusion) in SHARED_IMAGE_FAMILIES
+
+
+def same_pairs(samples, chosen: list[int], rejected: list[int]) -> bool:
+    """Whether two rows' samples (stream positions) are the same pairs' chosen and rejected sides, in the same order:
+    index entries 2j / 2j + 1 of a pair_cut index are PairSource records 2i / 2i + 1, one preference record i."""
+    rows = samples.index.rows
+    sides = [(int(rows[samples.entry(c)]), int(rows[samples.entry(r)])) for c, r in zip(chosen, rejected)]
+    return len(chosen) == len(rejected) and all(c % 2 == 0 and r == c + 1 for c, r in sides)
+
+
 def write_jsonl(path, records: list[dict]) -> None:
     """Preference records to a .jsonl file (tests, docs' examples)."""
     with open(path, "w") as f:

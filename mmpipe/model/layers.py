@@ -16,7 +16,7 @@ from torch import nn
 from ..config import ModelConfig, VisionConfig
 from .attention import FusedAttention, GeluMLP, row_geometry, slot_prefix
 from .crops import merge_crop_features
-from .rows import IMAGE_SLOT, place_images
+from .rows import IMAGE_SLOT, pair_rows, place_images
 from .stage import StageTuple, unpack_in, unpack_out
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
@@ -155,7 +155,9 @@ class Projector(nn.Module):
         t = unpack_in(self, args)
         x = t.hidden  # [B, N_img, D_vision]; multi-crop [B x slots, N_img, D_vision]
         if t.tiling is not None:  # [B (x M), slots, N_img, D_vision] -> [B (x M), N_img, 2 D_vision]
-            x = merge_crop_features(x.view(-1, self.slots, *x.shape[1:]), t.tiling.reshape(-1, 2), self.margin)
+            rows = x.shape[0] // (self.slots * t.tiling.shape[1])  # B, or B / 2 for dpo's pairs (rows.pair_rows)
+            tiling = pair_rows(t.tiling, rows).reshape(-1, 2)
+            x = merge_crop_features(x.view(-1, self.slots, *x.shape[1:]), tiling, self.margin)
             t = t._replace(tiling=None)  # no stage after this one needs it
         elif self.crop_features == 2:  # one crop: [g, g], see above
             x = torch.cat([x, x], dim=-1)  # [B, N_img, 2 D_vision]

@@ -35,7 +35,7 @@ from torch import nn
 from ..config import VISION_ACTS, ModelConfig, VisionConfig
 from .attention import FusedAttention, attention_choice, row_attention, row_cached, row_positions, segment_split
 from .llava import LlamaBlock, LlamaText, LlavaEmbed, SwiGLU, TowerMLP, decoder_specs
-from .rows import place_in_order
+from .rows import place_in_order, tower_rows
 from .stage import StageTuple, unpack_in
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
@@ -228,8 +228,9 @@ def vision_attention(t: StageTuple, v: VisionConfig, full: bool):
     """vision_geometry once per micro-batch, block kind (window / full) and backend on this stage, shared by
     its blocks (row_cached on the grids)."""
     used_grids(t)  # refuses a tuple without the grids, before the cache keys on them
-    return row_cached((t.tiling, t.has_image), ("qwen-vision", t.hidden.shape[1], v, full, attention_choice()),
-                      lambda: vision_geometry(t, v, full))
+    # the tower's rows: every row's, or the preference pairs' shared ones (B / 2: mmpipe.model.rows.tower_rows)
+    return row_cached((t.tiling, t.has_image), ("qwen-vision", *t.hidden.shape[:2], v, full, attention_choice()),
+                      lambda: vision_geometry(tower_rows(t), v, full))
 
 
 def mrope_positions(ids: torch.Tensor, segments: torch.Tensor, grids: torch.Tensor, token: int,

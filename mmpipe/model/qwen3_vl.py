@@ -48,6 +48,7 @@ from .qwen2_vl import (
     used_grids,
     vision_attention,
 )
+from .rows import slot_images, tower_rows
 from .stage import StageField, StageTuple, unpack_in, unpack_out
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
@@ -175,8 +176,8 @@ class Qwen3PatchEmbed(nn.Module):
         t = unpack_in(self, inputs)
         w = self.proj.weight
         x = F.linear(t.hidden.to(w.dtype), w.flatten(1), self.proj.bias)
-        idx, wt = row_cached((t.tiling, t.has_image), ("qwen3-pos", x.shape[1], self.v),
-                             lambda: position_taps(used_grids(t), x.shape[1], self.v.merge_size, self.side))
+        idx, wt = row_cached((t.tiling, t.has_image), ("qwen3-pos", *x.shape[:2], self.v),  # tower_rows: dpo's pairs
+                             lambda: position_taps(used_grids(tower_rows(t)), x.shape[1], self.v.merge_size, self.side))
         pos = (self.pos_embed(idx) * wt[..., None].to(x.dtype)).sum(-2)  # [B, P, D_v]
         return t._replace(hidden=x + pos).pack()
 
@@ -267,6 +268,8 @@ class DeepstackAdd(nn.Module):
         t = unpack_in(self, args)
         name = f"deepstack_{self.index}"
         feats = getattr(t, name).to(t.hidden.dtype)
+        if feats.shape[0] != t.hidden.shape[0]:  # dpo's row pairs sharing their images (mmpipe.model.rows)
+            feats = feats[slot_images(t.hidden.shape[0], 1, feats.shape[0], feats.device)]
         where = (t.input_ids == self.token) & (t.segments > 0)
         rank = (where.cumsum(-1) - 1).clamp(min=0, max=feats.shape[1] - 1)
         picked = feats.gather(1, rank[..., None].expand(-1, -1, feats.shape[-1]))

@@ -6,6 +6,14 @@ the moondream family as IMAGE_SLOT (-1, never a token id) right after its sample
 cross-attention family has no image positions (N = 0). Features are consumed in order: the k-th
 used image slot of the micro-batch (row-major over [B, M]) fills the k-th placeholder block,
 exactly as transformers' LLaVA fills its image tokens (masked_scatter).
+
+Preference pairs (--objective dpo) share their images: rows 2i and 2i + 1 of a micro-batch are one pair's chosen
+and rejected sides, the same pairs in the same order (mmpipe.data.packing.RowPlan's unit of 2), so their image slots
+hold the same images. Where the family allows it (mmpipe.data.preference.SHARED_IMAGE_FAMILIES) the micro-batch
+carries each row pair's images once (pixels [B / 2, ...]) and the tower encodes B / 2 rows' worth; slot (2i + s, m)
+then reads image (i, m) (`slot_images`), so the two sides index one feature tensor twice and the tower's gradient
+is the sum of both uses, as it was when each side had its own copy. Which case a tensor is in is its size: the tower's
+images are either every row's or half of them (`pair_shared`), never anything else.
 """
 from __future__ import annotations
 
@@ -14,12 +22,49 @@ import torch
 IMAGE_SLOT = -1  # the moondream family's placeholder id
 
 
+def pair_shared(images: int, rows: int) -> bool:
+    """Whether the tower's `images` units (images, crops, or rows of patches) are `rows` rows' worth shared by row
+    pairs (images == rows / 2, the preference pairs' micro-batch) rather than one set per row (images == rows)."""
+    if images == rows:
+        return False
+    if 2 * images == rows:
+        return True
+    raise ValueError(f"{images} image units for {rows} rows' slots: neither one set per row nor one per row pair")
+
+
+def slot_images(rows: int, per_row: int, images: int, device=None) -> torch.Tensor:
+    """long [rows x per_row]: the image (row-major over the tower's `images` units) each of rows x per_row slots
+    reads: itself, or where the images are the row pairs' (pair_shared) slot m of rows 2i and 2i + 1 reads image
+    i x per_row + m, e.g. 4 rows x 2 slots over 4 images: 0 1 0 1 2 3 2 3."""
+    slot = torch.arange(rows * per_row, device=device)
+    if not pair_shared(images, rows * per_row):
+        return slot
+    return slot // (2 * per_row) * per_row + slot % per_row
+
+
+def pair_rows(x: torch.Tensor | None, images: int) -> torch.Tensor | None:
+    """x [B, ...] (a per-row integer tensor: has_image, tiling) for a tower that holds `images` rows of images: x, or
+    where they are the row pairs' (B / 2) the even rows' (2i's, whose images row 2i + 1 shares)."""
+    if x is None or not pair_shared(images, x.shape[0]):
+        return x
+    return x[::2]
+
+
+def tower_rows(t):
+    """The stage tuple t (hidden [B' , P, D]: a tower of row budgets, Qwen2-VL's patches) with has_image and tiling
+    cut to the rows the tower holds: t itself, or the even rows where B' = B / 2 (pair_rows)."""
+    n = t.hidden.shape[0]
+    return t if not pair_shared(n, t.has_image.shape[0]) else t._replace(
+        has_image=pair_rows(t.has_image, n), tiling=pair_rows(t.tiling, n))
+
+
 def place_images(emb: torch.Tensor, input_ids: torch.Tensor, feats: torch.Tensor, has_image: torch.Tensor,
                  token: int) -> torch.Tensor:
     """emb [B, L, D] token embeddings; feats [B x M, N, D] projected images; has_image [B, M] (> 0: in use).
-    Returns emb with placeholder position j of image k replaced by feats[k, j]. A micro-batch without any
-    image keeps the tower on the autograd graph (the pipeline needs a gradient to send back) through
-    0 x feats.sum()."""
+    Returns emb with placeholder position j of image k replaced by feats[k, j]. feats [B / 2 x M, N, D]: the
+    preference pairs' shared images, slot m of rows 2i and 2i + 1 both reading image i x M + m (slot_images). A
+    micro-batch without any image keeps the tower on the autograd graph (the pipeline needs a gradient to send
+    back) through 0 x feats.sum()."""
     feats = feats.to(emb.dtype)
     where = input_ids == token  # [B, L]
     used = has_image.flatten() > 0  # [B x M], the same order as the blocks in the rows
@@ -27,7 +72,8 @@ def place_images(emb: torch.Tensor, input_ids: torch.Tensor, feats: torch.Tensor
     if n != want:
         raise ValueError(f"{n} image placeholder positions (id {token}) for {want} image features "
                          f"({feats.shape[1]} per image)")
-    x = emb.masked_scatter(where[..., None], feats[used].reshape(-1, feats.shape[-1]))
+    src = slot_images(*has_image.shape, feats.shape[0], feats.device)[used]  # each used slot's image
+    x = emb.masked_scatter(where[..., None], feats[src].reshape(-1, feats.shape[-1]))
     return x + 0 * feats.sum() if n == 0 else x
 
 
@@ -35,13 +81,16 @@ def place_in_order(emb: torch.Tensor, where: torch.Tensor, feats: torch.Tensor, 
                    what: str) -> torch.Tensor:
     """emb [B, L, D] with row b's placeholder positions (where [B, L]) taking row b's image tokens feats [B, P, D] in
     order: the families whose images are a variable number of tokens each (Qwen2-VL's merged patches, Gemma 4's
-    pooled ones), counted from their grids (want [B]); a count that differs is one line naming the row."""
+    pooled ones), counted from their grids (want [B]); a count that differs is one line naming the row. feats
+    [B / 2, P, D]: the preference pairs' shared images, rows 2i and 2i + 1 both reading row i (slot_images)."""
     have = where.sum(-1)
     if not torch.equal(have, want):
         b = int((have != want).nonzero()[0, 0])
         raise ValueError(f"row {b}: {int(have[b])} image placeholder positions (id {token}) for {int(want[b])} {what} "
                          f"(its slots' grids)")
     feats = feats.to(emb.dtype)
+    if feats.shape[0] != emb.shape[0]:
+        feats = feats[slot_images(emb.shape[0], 1, feats.shape[0], feats.device)]
     rank = (where.cumsum(-1) - 1).clamp(min=0, max=feats.shape[1] - 1)  # position -> its image token
     picked = feats.gather(1, rank[..., None].expand(-1, -1, feats.shape[-1]))
     return torch.where(where[..., None], picked, emb)

@@ -8,6 +8,7 @@ from torch.utils.data import Dataset
 from ..data.balance import RowCosts, StepBalance, run_unevenness
 from ..data.image_kinds import image_kind
 from ..data.packing import LossNorm, RowPlan, RowSet, RowShape, answer_counts, row_shape, sample_size
+from ..data.preference import shares_images
 from ..run_config import RunConfig
 
 
@@ -21,7 +22,13 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
     norm = (LossNorm(run.loss_norm, run.train_batch, run.gas, run.dp, answer_counts(samples, plan))
             if train and last else None)
     return RowSet(samples, plan, blank=image_kind(run.model).blank(run.model), need_images=first,
-                  need_labels=last, norm=norm, augment_seed=augment_seed)
+                  need_labels=last, norm=norm, augment_seed=augment_seed, share_pairs=share_pair_images(run))
+
+
+def share_pair_images(run: RunConfig) -> bool:
+    """Whether a pair's two rows carry its images once, the tower encoding them once for both sides (dpo, a family
+    whose images are placed by one layer: mmpipe.data.preference.shares_images; docs/dpo.md)."""
+    return pair_unit(run) == 2 and shares_images(run.model)
 
 
 def step_balance(run: RunConfig, samples, plan: RowPlan, force: bool = False) -> StepBalance | None:
