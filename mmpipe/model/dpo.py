@@ -42,12 +42,20 @@ def token_labels(labels) -> torch.Tensor:
     return labels[0] if isinstance(labels, (tuple, list)) else labels
 
 
-def row_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob [B, T] of each labelled position's token, 0 elsewhere; the labelled mask [B, T])."""
+def full_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy [B, T] from the full vocabulary's logits [B, T, V] (0 at ignored positions). Under
+    --tp the objective's vocab_parallel form passes its own (mmpipe.model.objectives: tensor_parallel.vocab_parallel_ce
+    on the rank's [B, T, V / TP], the max, the sum of exp and the label's logit all-reduced over the TP group)."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return ce.view(labels.shape)
+
+
+def row_token_logps(logits: torch.Tensor, labels: torch.Tensor, ce=full_ce) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob [B, T] of each labelled position's token, 0 elsewhere; the labelled mask [B, T]); ce: full_ce, or
+    its vocab-parallel form on the rank's slice of the vocabulary (the same values on every TP rank)."""
     logits = split_aux(logits)[0]
     mask = labels != IGNORE_INDEX
-    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return -ce.view(labels.shape) * mask, mask
+    return -ce(logits, labels) * mask, mask
 
 
 def segment_sums(x: torch.Tensor, segments: torch.Tensor, k: int) -> torch.Tensor:
@@ -61,10 +69,10 @@ def is_packed(labels) -> bool:
     return isinstance(labels, (tuple, list)) and len(labels) == 3
 
 
-def row_logps(logits: torch.Tensor, labels) -> torch.Tensor:
+def row_logps(logits: torch.Tensor, labels, ce=full_ce) -> torch.Tensor:
     """[B]: each row's sum of its answer tokens' log-probs (the reference pass's record, and the policy's); packed
-    rows (is_packed): [B, K], each sample's own sum (K: the ref_logps' columns)."""
-    lp = row_token_logps(logits, token_labels(labels))[0]
+    rows (is_packed): [B, K], each sample's own sum (K: the ref_logps' columns). ce: as row_token_logps."""
+    lp = row_token_logps(logits, token_labels(labels), ce)[0]
     return segment_sums(lp, labels[2], labels[1].shape[1]) if is_packed(labels) else lp.sum(-1)
 
 
@@ -133,13 +141,14 @@ class DPOLoss:
         self.last: dict[str, torch.Tensor] | None = None
         self.totals: torch.Tensor | None = None  # validation: the rewards' sums and the pairs counted (eval_sum)
 
-    def __call__(self, logits, labels) -> torch.Tensor:
+    def __call__(self, logits, labels, ce=full_ce) -> torch.Tensor:
+        """ce: the per-position cross-entropy (full_ce; under --tp the vocab-parallel one: objectives.dpo)."""
         logits, aux = split_aux(logits)
         tokens, ref, *segments = labels
         if ref.dim() != 1 + len(segments):  # (labels, weights): rows that did not pass through a reference pass
             raise ValueError("--objective dpo: the micro-batch's labels carry no reference log-probs (the reference "
                              "pass, mmpipe.runtime.preference, puts them there; this path has none yet)")
-        lp, mask = row_token_logps(logits, tokens)
+        lp, mask = row_token_logps(logits, tokens, ce)
         pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None)
         loss = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n_c, n_r)).mean()
         if self.rpo_alpha:  # the chosen answers' mean token NLL, over the micro-batch's chosen tokens
@@ -147,13 +156,13 @@ class DPOLoss:
         self.last = rewards(pc, pr, rc, rr, self.beta)
         return loss if aux is None else loss + aux
 
-    def eval_sum(self, logits, labels) -> torch.Tensor:
+    def eval_sum(self, logits, labels, ce=full_ce) -> torch.Tensor:
         """Validation (mmpipe.runtime.validation): the SUM of the preference losses of the micro-batch's pairs whose
         two sides both have answer tokens (a validation step's padding rows have none), without the RPO term; their
         rewards' sums and count are added to `totals`, which the validator reads and clears per pass. A --pack run's
         validation rows (one sample a row) come labelled as packed ones (the reference pass's), each row one sample."""
         tokens, ref, *segments = labels
-        lp, mask = row_token_logps(split_aux(logits)[0], tokens)
+        lp, mask = row_token_logps(split_aux(logits)[0], tokens, ce)
         pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None, drop_empty=True)
         losses = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n_c, n_r))
         chosen, rejected = self.beta * (pc - rc), self.beta * (pr - rr)

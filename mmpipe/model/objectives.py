@@ -19,6 +19,7 @@ it logs beside the loss (`logged`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,9 +38,9 @@ class Objective:
     eval_sum: LossFn  # (logits, labels) -> the summed validation loss of the micro-batch (mmpipe.runtime.validation)
     row_fields: tuple[str, ...] = ()  # the label tuple's tensors beside the token labels
     logged: tuple[str, ...] = ()  # per-step values beside the loss in train_log.csv (an MoE run adds its aux term)
-    # (shard, vocab) -> (loss, eval_sum) on the last stage's 1/TP of the vocabulary's logits under --tp
+    # (shard, vocab) -> (loss, eval_sum[, row_logps]) on the last stage's 1/TP of the vocabulary's logits under --tp
     # (mmpipe.model.tensor_parallel); None: the objective has no vocab-parallel form yet (refused at --tp > 1)
-    vocab_parallel: Callable[[object, int], tuple[LossFn, LossFn]] | None = None
+    vocab_parallel: Callable[[object, int], tuple[LossFn, ...]] | None = None
     pairs: bool = False  # rows come as (chosen, rejected) pairs of preference data (mmpipe.data.preference)
     reference: bool = False  # the loss reads each row's reference log-prob, recorded by a pass before each step
     row_logps: LossFn | None = None  # (logits, labels) -> [B] per-row answer log-prob: the reference pass's record
@@ -51,19 +52,27 @@ class Objective:
         return self.name
 
     def split_vocab(self, shard, vocab: int) -> "Objective":
-        """This record with loss and eval_sum over vocab-split logits (shard: mmpipe.model.tensor_parallel.Shard)."""
-        loss, eval_sum = self.vocab_parallel(shard, vocab)
-        return dataclasses.replace(self, loss=loss, eval_sum=eval_sum)
+        """This record with loss and eval_sum (and a pair objective's row_logps) over vocab-split logits (shard:
+        mmpipe.model.tensor_parallel.Shard); metrics / eval_metrics stay: the split forms share the record's loss."""
+        parts = self.vocab_parallel(shard, vocab)
+        return dataclasses.replace(self, **dict(zip(("loss", "eval_sum", "row_logps"), parts)))
+
+
+def split_ce(shard, vocab: int):
+    """(logits [B, T, V / TP], labels [B, T]) -> the per-position cross-entropy [B, T] over the TP group's whole
+    vocabulary (tensor_parallel.vocab_parallel_ce), 0 at ignored positions: what both objectives' split forms read."""
+    from .tensor_parallel import vocab_parallel_ce
+
+    def ce(logits, labels):
+        return vocab_parallel_ce(logits, labels, shard, vocab, IGNORE_INDEX)
+    return ce
 
 
 def vocab_parallel_lm_loss(shard, vocab: int):
     """(loss, eval_sum): lm_loss and lm_loss_sum on vocab-split logits (vocab_parallel_ce),
     the same value on every TP rank: the labelled positions' mean, or their LossNorm-weighted sum, or the sum."""
     from .moe import split_aux
-    from .tensor_parallel import vocab_parallel_ce
-
-    def ce(logits, labels):
-        return vocab_parallel_ce(logits, labels, shard, vocab, IGNORE_INDEX)
+    ce = split_ce(shard, vocab)
 
     def loss(logits, labels):
         logits, aux = split_aux(logits)
@@ -85,9 +94,17 @@ TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_p
 def dpo(beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0) -> Objective:
     """The DPO record of these settings (a fresh loss object each: it keeps its last micro-batch's rewards)."""
     loss = DPOLoss(beta, kind, rpo_alpha)
+
+    def vocab_parallel(shard, vocab: int):
+        """(loss, eval_sum, row_logps) on the rank's 1/TP of the logits: the same DPOLoss (its rewards and validation
+        sums, so metrics / eval_metrics read them) with the vocab-parallel cross-entropy; every TP rank computes the
+        same per-sequence sums, losses and rewards, and its backward reaches its own slice of the logits."""
+        ce = split_ce(shard, vocab)
+        return (functools.partial(loss, ce=ce), functools.partial(loss.eval_sum, ce=ce),
+                functools.partial(row_logps, ce=ce))
     return Objective("dpo", loss, loss.eval_sum, row_fields=("ref_logps",), logged=REWARDS, pairs=True,
                      reference=True, row_logps=row_logps, metrics=loss.metrics,
-                     eval_metrics=loss.eval_metrics)
+                     eval_metrics=loss.eval_metrics, vocab_parallel=vocab_parallel)
 
 
 DPO = dpo()

@@ -55,6 +55,7 @@ class LiveReference:
             finally:
                 self._swap()
         self.seconds = 0.0  # the last reference pass's wall time (the step's time includes it)
+        self.row_logps = _row_logps(engine, run)
 
     @property
     def copied(self) -> int:
@@ -89,7 +90,7 @@ class LiveReference:
         recorded: list[torch.Tensor] = []
 
         def record(logits, labels):
-            lp = self.run.objective.row_logps(logits, labels)
+            lp = self.row_logps(logits, labels)
             recorded.append(lp.detach())
             return lp.sum()
 
@@ -105,6 +106,17 @@ class LiveReference:
                      for (inputs, labels), ref in zip(micro, recorded)]
         self.seconds = time.perf_counter() - t0
         return iter(micro)
+
+
+def _row_logps(engine, run):
+    """The reference pass's record of each row's answer log-prob: under --tp the objective's vocab-parallel form, on
+    the last stage's 1/TP of the vocabulary (every TP rank records the same sums; the copies above are this rank's
+    slices of the stage's layers, split as the policy's)."""
+    if run.tp == 1:
+        return run.objective.row_logps
+    from ..model.tensor_parallel import Shard
+    shard = Shard(engine.grid.get_slice_parallel_group(), engine.grid.get_slice_parallel_rank(), run.tp)
+    return run.objective.split_vocab(shard, run.model.text.vocab_size).row_logps
 
 
 def reference_rows(ref_model, inputs, labels, objective, packed: bool = False):
