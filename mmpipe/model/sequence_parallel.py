@@ -50,6 +50,7 @@ from .qwen3_5 import (
     use_fla,
 )
 from .qwen3_vl import DEEPSTACK_ADDS, DeepstackAdd, Qwen3Block, Qwen3Embed
+from .sp_tower import LLAVA_TOWER, QWEN2_VL_TOWER, QWEN3_TOWER, TOWER, split_tower
 from .stage import unpack_in, unpack_out
 from .tensor_parallel import SIZES, Shard, at_reduce_grads, reduce_from_tp, sum_gradients
 
@@ -270,13 +271,13 @@ def tiled_tied_head(head: functools.partial, shard: Shard) -> functools.partial:
 # run unchanged on what they get. A tied head is keyed by its forward_fn (a function, or TiedMoeHead's class).
 HEADS = {LMHeadLinear: tiled_head, tied_head: tiled_tied_head}
 MOE_HEADS = {MoeHead: tiled_head, TiedMoeHead: tiled_tied_head}
-LLAVA_SP_PLAN = {LlavaEmbed: slice_embedding, LlamaBlock: attend_by_heads, **HEADS}
-QWEN2_VL_SP_PLAN = {QwenEmbed: slice_embedding, QwenBlock: attend_by_heads, **HEADS}
+LLAVA_SP_PLAN = {LlavaEmbed: slice_embedding, LlamaBlock: attend_by_heads, **HEADS, **LLAVA_TOWER}
+QWEN2_VL_SP_PLAN = {QwenEmbed: slice_embedding, QwenBlock: attend_by_heads, **HEADS, **QWEN2_VL_TOWER}
 QWEN3_VL_SP_PLAN = {Qwen3Embed: slice_embedding, Qwen3Block: attend_by_heads, Qwen3MoeBlock: moe_attend_by_heads,
-                    **{add: slice_deepstack for add in DEEPSTACK_ADDS}, **HEADS, **MOE_HEADS}
+                    **{add: slice_deepstack for add in DEEPSTACK_ADDS}, **HEADS, **MOE_HEADS, **QWEN3_TOWER}
 QWEN3_5_SP_PLAN = {Qwen3Embed: slice_embedding, GatedAttentionBlock: attend_by_heads, DeltaNetBlock: deltanet_by_heads,
                    GatedAttentionMoeBlock: moe_attend_by_heads, DeltaNetMoeBlock: moe_deltanet_by_heads,
-                   **HEADS, **MOE_HEADS,
+                   **HEADS, **MOE_HEADS, **QWEN3_TOWER,
                    # beyond the attention heads SP must divide (each rank runs H / SP of them after the all-to-all)
                    SIZES: lambda cfg: (("Gated DeltaNet key heads", cfg.text.linear_key_heads),
                                        ("Gated DeltaNet value heads", cfg.text.linear_value_heads))}
@@ -300,6 +301,8 @@ def parallelize_sequence(layers, shard: Shard, plan: dict) -> list:
         how = plan.get(type(layer))
         if how is not None:
             how(layer, shard)
+    if TOWER in plan:  # the tower's images split over SP where this stage holds all of it (mmpipe.model.sp_tower)
+        split_tower(out, shard, plan[TOWER])
     return out
 
 
