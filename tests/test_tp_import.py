@@ -18,10 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from deepspeed.pipe import TiedLayerSpec
 
+from conftest import write_ds_config
 from mmpipe.check import links
 from mmpipe.check.loader import planner_device as loader_device
 from mmpipe.cli import main
 from mmpipe.config import config_from_dict
+from mmpipe.data.dataset import prepare
 from mmpipe.hf import safetensors_io
 from mmpipe.hf.commands import hf_reader
 from mmpipe.hf.stream import meta_model
@@ -241,27 +243,53 @@ def test_tp_refusals_one_line_each(imported, tmp_path, capsys):
     assert "--tp: 3 does not divide" in err and "4 attention heads" in err and len(err.strip().splitlines()) == 1, err
 
 
-def _links_worker(rank: int, tmp: str) -> None:
-    """Rank `rank` of a PP=2 x TP=2 run's 4 (forked, gloo): `mmpipe check`'s link measurement (collective); rank 0
-    writes its rows."""
-    torch.set_num_threads(1)
+def _check_argv(tmp: Path) -> list[str]:
+    """llava-tiny PP=2 x TP=2, micro 4 x GAS 2, AdamW at a constant 5e-4 (no warm-up: step 1 updates), clip 1.0."""
+    cfg = write_ds_config(tmp / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                          scheduler=None)
+    return ["--preset", "llava-tiny", "--stages", "2", "--tp", "2", "--steps", "1", "--ds-config", str(cfg),
+            "--output-dir", str(tmp / "run")]
+
+
+def _links_worker(rank: int, tmp: str, argv: list[str]) -> None:
+    """Rank `rank` of a PP=2 x TP=2 run's 4 (forked, gloo): `mmpipe check`'s link measurement and its equivalence
+    (collective), then the equivalence again with the TP entry's backward all-reduce planted out (copy_to_tp's: each
+    rank's input gradient its own heads' share); rank 0 writes the rows and both verdicts."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4")
+    import deepspeed
+
+    from mmpipe.check import equivalence
+    from mmpipe.model import tensor_parallel
+    trainer.setup_torch()  # one thread before any op: a forked child must not enter the parent's OpenMP pool
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=4)
-    run = resolve(TrainArgs.from_argv(["--preset", "llava-tiny", "--stages", "2", "--tp", "2", "--steps", "1"]),
-                  world_size=4)
+    deepspeed.init_distributed()
+    args = TrainArgs.from_argv(argv)
+    run = resolve(args, world_size=4)
     rows = links.measure(run)
+    good = equivalence.check(run, args, rank, torch.device("cpu"))
+    tensor_parallel._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))  # this child's class: no undo
+    broken = equivalence.check(run, args, rank, torch.device("cpu"))
     if rank == 0:
-        Path(tmp, "links.json").write_text(json.dumps({"rows": rows, "bytes": links.tp_allreduce_bytes(run)}))
+        Path(tmp, "links.json").write_text(json.dumps({"rows": rows, "bytes": links.tp_allreduce_bytes(run),
+                                                       "good": good, "broken": broken}))
     dist.barrier()
     os._exit(0)
 
 
-def test_check_times_the_tp_all_reduce_against_its_plan(tmp_path):
+def test_check_times_the_tp_all_reduce_and_runs_the_equivalence(tmp_path):
     """`mmpipe check --tp 2`'s links on the engine's grid (rank = (pipe x dp + data) x tp + model): each TP rank's
     stage boundary to the same TP rank of the next stage, and each stage's TP group all-reducing one block's output
     [micro, positions, D] (links.tp_allreduce_bytes), timed and set beside the planner's ring time, bytes x
-    2 (tp - 1) / tp / link. By hand, `mmpipe check --preset llava-tiny --stages 2 --tp 2 --steps 1` prints these
-    rows (docs/tensor_parallel.md)."""
-    mp.start_processes(_links_worker, args=(str(tmp_path),), nprocs=4, start_method="fork")
+    2 (tp - 1) / tp / link. Its equivalence at TP 2: 3 steps of the pipeline against the single-device loop built
+    from the same seed (the losses, and each stage's gradient norm summed over its TP ranks' slices with each
+    replicated weight once) pass at fp32's 1e-5 / 1e-4; with copy_to_tp's backward all-reduce planted out the
+    gradient norm is off and it fails, while the first step's loss still matches. By hand, `mmpipe check --preset
+    llava-tiny --stages 2 --tp 2 --steps 1` prints these rows (docs/tensor_parallel.md)."""
+    argv = _check_argv(tmp_path)
+    args = TrainArgs.from_argv(argv)
+    run = resolve(args, world_size=4)
+    prepare(run.data, run.model, tmp_path / "run", args.seed, verbose=False)  # the index, as the front door builds it
+    mp.start_processes(_links_worker, args=(str(tmp_path), argv), nprocs=4, start_method="fork")
     got = json.loads((tmp_path / "links.json").read_text())
     rows = {r["name"]: r for r in got["rows"]}
     assert sorted(rows) == ["stage 0 -> 1 (ranks 0 <-> 2, dp 0, tp 0)", "stage 0 -> 1 (ranks 1 <-> 3, dp 0, tp 1)",
@@ -271,3 +299,10 @@ def test_check_times_the_tp_all_reduce_against_its_plan(tmp_path):
         r = rows[name]
         assert r["kind"] == "tp all-reduce" and r["bytes"] == got["bytes"] and r["seconds"] > 0
         assert r["planned_s"] == pytest.approx(r["bytes"] * 2 * (2 - 1) / 2 / cpu.link)
+    good, broken = got["good"], got["broken"]
+    assert good["ok"] and good["steps"] == 3, good
+    assert good["max_loss_rel_diff"] <= 1e-5 and good["max_grad_norm_rel_diff"] <= 1e-4, good
+    assert good["worst_grad_norm"]["where"].startswith("stage ")  # fp32, ZeRO 0: each stage's norm, over its TP ranks
+    assert good["losses"]["pipeline"][2] != good["losses"]["pipeline"][0]  # it trained
+    assert not broken["ok"] and broken["max_grad_norm_rel_diff"] > 1e-2, broken
+    assert abs(broken["losses"]["pipeline"][0] - good["losses"]["pipeline"][0]) < 1e-6  # forward unchanged

@@ -93,15 +93,17 @@ def shrunk_all(cfg: ModelConfig, blocks: int) -> bool:
 
 
 def _stage_sq(module: torch.nn.Module, readable: bool) -> float | None:
-    """This stage's squared gradient norm (each parameter once: not a tied weight's pipe-replicated copy).
-    readable: the reduced gradients are in p.grad (fp32 without ZeRO); a bf16 optimizer keeps them in its
-    own fp32 buffers and ZeRO-1 in its partitions, where p.grad may hold this replica's unreduced ones: None."""
+    """This rank's share of its stage's squared gradient norm: each parameter once (not a tied weight's
+    pipe-replicated copy; on the model axis its TP slices, and a replicated weight on model rank 0 only:
+    mark_norm_counting's marks). readable: the reduced gradients are in p.grad (fp32 without ZeRO); a bf16
+    optimizer keeps them in its own fp32 buffers and ZeRO-1 in its partitions, where p.grad may hold this
+    replica's unreduced ones: None."""
     if not readable:
         return None
     grads = [p.grad for p in module.parameters() if p.requires_grad and getattr(p, "model_parallel", True)]
-    if not grads or any(g is None for g in grads):
+    if any(g is None for g in grads):
         return None
-    return float(sum(g.detach().float().pow(2).sum() for g in grads))
+    return float(sum(g.detach().float().pow(2).sum() for g in grads))  # 0 where none counts here (--sp rank 1)
 
 
 def pipeline_side(run: RunConfig, args: TrainArgs, rank: int) -> list[dict]:
@@ -129,7 +131,8 @@ def pipeline_side(run: RunConfig, args: TrainArgs, rank: int) -> list[dict]:
         loss = engine.train_batch(data_iter=batches).item()
         seen[-1].update(loss=loss, seconds=time.perf_counter() - t0)
     stream.close()
-    return [dict(s, stage=engine.stage_id, dp=engine.grid.data_parallel_id) for s in seen]
+    model = engine.grid.get_slice_parallel_rank()  # --tp / --sp: the rank's coordinate on the model axis (else 0)
+    return [dict(s, stage=engine.stage_id, dp=engine.grid.data_parallel_id, model=model) for s in seen]
 
 
 class AllReplicas:
@@ -192,11 +195,29 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a) else math.inf
 
 
+def _replica0(pipe: list[list[dict]]) -> dict[int, list[dict]]:
+    """Data-parallel replica 0's rows per stage, its model-axis ranks (--tp / --sp) in one: the loss model rank 0's
+    (every model rank reports the same: the vocab-parallel loss and --sp's are all-reduced), the stage's squared
+    gradient norm the sum of its model ranks' (each counts a TP slice, and a replicated weight on model rank 0 only:
+    mark_norm_counting's marks, which _stage_sq reads; None where one rank's was not readable)."""
+    ranks: dict[int, list[list[dict]]] = {}
+    for rows in sorted((r for r in pipe if r and r[0]["dp"] == 0), key=lambda r: r[0].get("model", 0)):
+        ranks.setdefault(rows[0]["stage"], []).append(rows)
+    out = {}
+    for stage, models in ranks.items():
+        steps = []
+        for k, first in enumerate(models[0]):
+            sq = [m[k]["stage_sq"] for m in models]
+            steps.append(dict(first, stage_sq=None if None in sq else sum(sq)))
+        out[stage] = steps
+    return out
+
+
 def judge(run: RunConfig, pipe: list[list[dict]], ref: list[dict]) -> dict:
     """pipe: every rank's pipeline_side rows. The largest relative loss and gradient-norm differences;
     per stage where every stage's gradients were readable, else on DeepSpeed's global norm."""
     tol_loss, tol_grad = TOLERANCE[run.precision]
-    replica0 = {r[0]["stage"]: r for r in pipe if r and r[0]["dp"] == 0}
+    replica0 = _replica0(pipe)
     loss_diff, grads = 0.0, []
     for k, want in enumerate(ref):
         loss_diff = max(loss_diff, _rel(replica0[0][k]["loss"], want["loss"]))

@@ -46,13 +46,7 @@ def main(argv=None) -> int:
     checks["env"], ranks = clock("env", env.check, run.precision)
     link_rows = clock("links", links.measure, run)
     checks["links"] = {"ok": all(r["ok"] for r in link_rows), "rows": link_rows}
-    if run.tp * run.sp > 1:  # the links (TP's all-reduce / SP's all-to-all against its plan) and the loader; the rest
-        axis, n = ("tp", run.tp) if run.tp > 1 else ("sp", run.sp)  # compare whole stages
-        for name in (("memory",) if opts.full_step else ()) + ("equivalence", "profile"):
-            checks[name] = None if rank else {"ok": True, "skipped": f"skipped at --{axis} {n}: {SKIPPED[axis][name]}"}
-        checks["loader"] = clock("loader", loader.measure, run, args.seed, args.output_dir, None) if rank == 0 else None
-    else:
-        _whole_layer_checks(run, args, opts, rank, dev, link_rows, checks, clock)
+    _whole_layer_checks(run, args, opts, rank, dev, link_rows, checks, clock)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -63,27 +57,35 @@ def main(argv=None) -> int:
     return 0
 
 
-# --tp / --sp: what the check does not run yet, and why (docs/tensor_parallel.md, docs/sequence_parallel.md)
+# --tp / --sp: what the check does not run yet, and why (docs/tensor_parallel.md, docs/sequence_parallel.md). The
+# equivalence runs there: the pipeline's model-axis ranks against the single-device loop (equivalence._replica0)
 SKIPPED = {"tp": {
-    "equivalence": "it compares each stage's gradient norm with the single-device loop's on one rank (a TP rank holds "
-                   "a share of it); tests/test_tensor_parallel*.py check TP == single device",
     "memory": "its prediction is a whole stage's, not a TP rank's",
     "profile": "it times a whole stage's layers on each rank for the planner's device profile"}, "sp": {
-    "equivalence": "it runs each stage on whole rows on one rank (an SP rank holds 1 / SP of a row's positions and "
-                   "its share of the gradient); tests/test_sequence_parallel.py and test_sp_moe.py check SP == single "
-                   "device",
     "memory": "its prediction is a whole stage's at whole rows, not an SP rank's",
     "profile": "it times a whole stage's layers on whole rows on each rank for the planner's device profile"}}
 
 
+def _skipped(run, name: str, rank: int) -> dict | None:
+    """The row of a check that does not run at --tp / --sp (on rank 0; None elsewhere)."""
+    axis, n = ("tp", run.tp) if run.tp > 1 else ("sp", run.sp)
+    return None if rank else {"ok": True, "skipped": f"skipped at --{axis} {n}: {SKIPPED[axis][name]}"}
+
+
 def _whole_layer_checks(run, args: TrainArgs, opts: CheckArgs, rank: int, dev, link_rows: list, checks: dict,
                         clock) -> None:
-    """memory (with --full-step), equivalence, the loader against the pipeline's rate, the device profile."""
+    """memory (with --full-step), equivalence, the loader against the pipeline's rate, the device profile; on the
+    model axis (--tp / --sp) memory and the profile are skipped (SKIPPED), the equivalence and the loader run."""
+    split = run.tp * run.sp > 1
     if opts.full_step:  # before the others: its peak is measured above a baseline they would have raised
-        checks["memory"] = clock("memory", memory.check, run, args, rank, dev)
+        checks["memory"] = (_skipped(run, "memory", rank) if split
+                            else clock("memory", memory.check, run, args, rank, dev))
     eq = checks["equivalence"] = clock("equivalence", equivalence.check, run, args, rank, dev)
     full = eq.get("pipeline_rows_per_s") if rank == 0 and eq.get("full_model") else None
     checks["loader"] = clock("loader", loader.measure, run, args.seed, args.output_dir, full) if rank == 0 else None
+    if split:
+        checks["profile"] = _skipped(run, "profile", rank)
+        return
     small, step_s = shrunk_step(run, args, eq) if rank == 0 else (None, None)
     checks["profile"] = clock("profile", profile.check, run, dev, args.output_dir, link_rows, small, step_s)
 
