@@ -181,12 +181,17 @@ _CROP_VISION = ImageLayout(spliced=True, vision=CropVision, text=c.TextConfig)
 
 # Phi's parallel block: the fused qkv split per part (q heads, kv heads: each part's 1/TP, so TP divides the kv heads),
 # proj and fc2 by row (two all-reduces, one per branch), fc1 by column; the vocab ends split; SigLIP tower, projector
-# and norms replicated, as LLaVA's (moondream2: the 0.4 B tower of 1.9 B, on fixed 378-px crops)
+# and norms replicated, as LLaVA's (moondream2: the 0.4 B tower of 1.9 B, on fixed 378-px crops). The one LayerNorm's
+# output enters each branch's region once (attn, mlp: entries, each reading nothing but its column linear), so under
+# --sequence-parallel each branch all-gathers the norm's positions and reduce-scatters its row linear's output: the
+# block's two regions, as a sequential block's; the norms, the row biases and the head on 1/TP of the positions
 MOONDREAM_TP_PLAN = {
     DecoderBlock: {"attn.qkv": Fused(("q_dim", "kv_dim", "kv_dim")), "attn.proj": "row", "mlp.fc1": "column",
-                   "mlp.fc2": "row", **{f"attn.{n}": "heads" for n in ("n_heads", "n_kv_heads", "q_dim", "kv_dim")}},
+                   "mlp.fc2": "row", "attn": "entry", "mlp": "entry",
+                   **{f"attn.{n}": "heads" for n in ("n_heads", "n_kv_heads", "q_dim", "kv_dim")}},
     TextEmbed: {"wte": "vocab"}, LMHead: {"linear": "vocab"},
     SIZES: lambda cfg: (("KV heads (text.n_kv_heads) of its fused qkv", cfg.text.kv_heads),),
+    **sequence_plan(TextEmbed, (DecoderBlock, LMHead)),
 }
 MOONDREAM = register(Family(
     "moondream", "prefix", moondream_specs, (VisionBlock, DecoderBlock), _MOONDREAM_COSTS, _CROP_VISION, SPLICED,
@@ -311,7 +316,7 @@ INTERNVL = register(Family(
     # its MoE decoder (InternVL3.5-30B-A3B / 241B-A28B: Qwen3-MoE's) is moe.PreNormMoeBlock, split as Qwen3-VL-MoE's
     tp_plan={InternBlock: {**DECODER, **QK_NORMS}, InternMoeBlock: {**ATTENTION, **QK_NORMS, **MOE_MLP},
              InternEmbed: {"embed_tokens": "vocab"}, **VOCAB_ENDS, **MOE_VOCAB_ENDS, SIZES: moe_sizes,
-             **sequence_plan(InternEmbed, (InternBlock,))}))
+             **sequence_plan(InternEmbed, (InternBlock, InternMoeBlock))}))
 
 # Gemma 3 (mmpipe.model.gemma3): LLaVA's SigLIP tower, placeholders bracketed by <start_of_image> / <end_of_image> and
 # read by transformers' Gemma3ImageProcessor (mmpipe.data.gemma3), a pooled projector, a decoder of sliding and global

@@ -257,6 +257,12 @@ def enter_tp(x: torch.Tensor, shard: Shard) -> torch.Tensor:
     return _GatherPositions.apply(x, shard) if shard.sequence else _CopyToTP.apply(x, shard)
 
 
+def enter_tp_ids(ids: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Integers entering a TP region beside its input (an MoE router's top-k ids): as they are, or under SP gathered
+    from the positions as enter_tp gathers the input (no gradient)."""
+    return _all_gather(ids, shard) if shard.sequence else ids
+
+
 def leave_tp(x: torch.Tensor, shard: Shard) -> torch.Tensor:
     """Partial outputs leaving a TP region: all-reduced or, under SP, reduce-scattered to this rank's positions."""
     return _ReduceScatterPositions.apply(x, shard) if shard.sequence else _ReduceFromTP.apply(x, shard)

@@ -53,6 +53,27 @@ which the sum would count TP times; and the input's gradient through the router 
 the aux loss is counted once: each TP rank computes it whole from the replicated router, nothing sums it.
 The MoE heads take the vocabulary split of VOCAB_ENDS: MoeHead's lm_head by vocabulary, TiedMoeHead (a tied head's
 forward_fn object) entering the TP region and reading the embedding's vocab slice; the aux term is whole on each.
+
+Under --sequence-parallel (the plan's SEQUENCE: an MoE block is POSITIONS like a dense one) the sparse MLP takes this
+rank's 1/TP of the row's positions after the norm, and Megatron-Core's choice is kept: the tokens are not gathered
+before the router. Each TP rank routes its own positions (router logits, softmax, top k on [N / TP, D]: the router's
+work and its fp32 probabilities [N / TP, E] kept for backward fall by TP, and nothing is gathered that the router
+could not use); then, because every expert is split by its FFN width, each rank's F / TP slices must see every
+routed token: the positions x, their top-k ids and weights are all-gathered over TP into the row (as Megatron-Core's
+all-gather token dispatcher gathers hidden states, routing map and probabilities over its TP x EP group), the
+experts run on it exactly as under TP alone (--ep's exchange inside), and their weighted partial outputs are
+reduce-scattered back to each rank's positions (_experts_forward). The bytes equal TP alone's all-reduce of [N, D]
+(its two halves: a ring all-reduce is a reduce-scatter then an all-gather) plus 2 N top_k small values. The
+gathered x is flattened [N, D], ranks in order (rank r's B x L / TP positions, then rank r + 1's): the experts are
+per token, so any order serves as long as the reduce-scatter hands each rank back the same slice.
+The statistics (top-k counts and probability sums over the rank's real positions: its slice of the row's mask) are
+then each rank's share, so each layer's are summed over TP (reduce_from_tp: one all-reduce of [B, 2, E] a layer,
+its backward the identity): every rank carries the whole row's sums, as under TP alone, and the head's aux loss,
+a product of two sums, is TP alone's on every rank (Megatron-Core likewise all-reduces each layer's tokens per
+expert over its TP x CP group, its sequence_partition_group). The router weight, whole on each rank and now fed by
+its positions only, is summed over TP once a step as the norms are (POSITIONS: tp_summed); its gradient from the aux
+loss on rank r is the loss's gradient at the whole sums times rank r's positions' share, and the step's sum adds
+the shares, so nothing is counted twice.
 """
 from __future__ import annotations
 
@@ -85,7 +106,10 @@ from .tensor_parallel import (
     Own,
     Shard,
     _keep,
-    copy_to_tp,
+    _positions,
+    enter_tp,
+    enter_tp_ids,
+    leave_tp,
     parallelize,
     reduce_from_tp,
     split_dims,
@@ -110,10 +134,10 @@ PATCH_MERGER = {"linear_fc1": COLUMN, "linear_fc2": ROW}
 
 def sequence_plan(embed, blocks, norm=FinalNorm, adds=()) -> dict:
     """A plan's SEQUENCE entry (--sequence-parallel, mmpipe.model.tensor_parallel): the decoder embedding scatters its
-    row, the dense blocks, the final norm and the heads run on 1/TP of its positions, DeepStack's adds add their slice.
-    MoE blocks have none yet (run_config refuses --sequence-parallel on a model with one)."""
-    return {SEQUENCE: {embed: SCATTER, **{b: POSITIONS for b in (*blocks, norm, LMHeadLinear, tied_head)},
-                       **{a: ADDS for a in adds}}}
+    row, the blocks (dense or MoE: module docstring), the final norm and the heads (the MoE ones too) run on 1/TP of
+    its positions, DeepStack's adds add their slice."""
+    heads = (LMHeadLinear, tied_head, MoeHead, TiedMoeHead)
+    return {SEQUENCE: {embed: SCATTER, **{b: POSITIONS for b in (*blocks, norm, *heads)}, **{a: ADDS for a in adds}}}
 
 
 def _tower_sizes(cfg) -> tuple:
@@ -124,9 +148,13 @@ def _tower_sizes(cfg) -> tuple:
 
 def _experts_forward(self, x, idx, weights):
     """Experts.forward on this rank's F / TP of every expert (module docstring): x and the router's weights enter the
-    TP region (their gradients all-reduced), the weighted partial outputs leave it (all-reduced once)."""
-    y = Experts.forward(self, copy_to_tp(x, self.tp_shard), idx, copy_to_tp(weights, self.tp_shard))
-    return reduce_from_tp(y, self.tp_shard)
+    TP region (their gradients all-reduced), the weighted partial outputs leave it (all-reduced once). Under SP x,
+    idx and weights are this rank's positions' [N / TP, ..]: entering gathers them (flattened, as [1, N / TP, ..], so
+    the ranks' tokens follow each other in rank order; backward x's and the weights' gradients reduce-scattered), the
+    ids too (integers: no gradient), and leaving reduce-scatters the partial outputs to this rank's tokens."""
+    shard = self.tp_shard
+    x, idx, weights = enter_tp(x[None], shard)[0], enter_tp_ids(idx[None], shard)[0], enter_tp(weights[None], shard)[0]
+    return leave_tp(Experts.forward(self, x, idx, weights)[None], shard)[0]
 
 
 def _split_experts(experts: Experts, shard: Shard) -> None:
@@ -148,9 +176,24 @@ def _moe_entries(mlp: SparseMoe) -> dict:
     return {"experts": EXPERTS, **(shared if hasattr(mlp, "shared_expert") else {})}
 
 
+def _sequence_moe_forward(self, x, real):
+    """SparseMoe.forward on this rank's positions x [B, L / TP, D] (SP, module docstring): the row's real-position
+    mask [B, L] cut to them; the layer's statistics summed over TP, the whole row's on every rank."""
+    y, stats = SparseMoe.forward(self, x, _positions(real, self.tp_shard))
+    return y, reduce_from_tp(stats, self.tp_shard)
+
+
+def _split_moe(mlp: SparseMoe, shard: Shard) -> None:
+    """The sparse MLP split (_moe_entries); under SP on this rank's positions like its block: the shared expert's
+    region gathers and reduce-scatters as a dense MLP's, the experts as _experts_forward, the statistics summed."""
+    parallelize(mlp, {SparseMoe: _moe_entries(mlp), SEQUENCE: {SparseMoe: POSITIONS}}, shard)
+    if shard.sequence:
+        mlp.tp_shard = shard
+        mlp.forward = types.MethodType(_sequence_moe_forward, mlp)
+
+
 # the block's mlp, a SparseMoe with or without a shared expert (one class: a nested plan cannot tell them apart)
-MOE_MLP = {"mlp": Own(lambda m, shard: parallelize(m, {SparseMoe: _moe_entries(m)}, shard),
-                      lambda m: split_dims(m, {SparseMoe: _moe_entries(m)}, 1))}
+MOE_MLP = {"mlp": Own(_split_moe, lambda m: split_dims(m, {SparseMoe: _moe_entries(m)}, 1))}
 
 
 def moe_sizes(cfg) -> tuple:
@@ -193,7 +236,7 @@ QWEN3_VL_TP_PLAN = {
     **VOCAB_ENDS,
     **MOE_VOCAB_ENDS,
     SIZES: lambda cfg: _tower_sizes(cfg) + moe_sizes(cfg),
-    **sequence_plan(Qwen3Embed, (Qwen3Block,), adds=DEEPSTACK_ADDS),
+    **sequence_plan(Qwen3Embed, (Qwen3Block, Qwen3MoeBlock), adds=DEEPSTACK_ADDS),
 }
 
 _DELTANET_QKV = Fused(("key_dim", "key_dim", "value_dim"))  # the owner's widths, read before they are divided
@@ -211,7 +254,8 @@ QWEN3_5_TP_PLAN = {
     **VOCAB_ENDS,
     **MOE_VOCAB_ENDS,
     SIZES: _hybrid_sizes,
-    **sequence_plan(Qwen3Embed, (DeltaNetBlock, GatedAttentionBlock), Qwen35FinalNorm),
+    **sequence_plan(Qwen3Embed, (DeltaNetBlock, GatedAttentionBlock, DeltaNetMoeBlock, GatedAttentionMoeBlock),
+                    Qwen35FinalNorm),
 }
 
 # Gemma 3 (mmpipe.model.gemma3): the decoder split as Qwen3's, sliding and global blocks alike (the window and the

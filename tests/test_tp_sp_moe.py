@@ -1,0 +1,162 @@
+"""--sequence-parallel (Megatron's, with --tp) on the MoE decoders and on moondream's parallel block (issue 54
+deliver 3; mmpipe.model.tp_plans' module docstring, docs/tensor_parallel.md), in-process on 2 gloo ranks (one fork):
+each model split by its family's plan twice, with and without SP, on one packed row.
+
+MoE (Qwen3-VL-MoE untied: MoeHead; Qwen3.5-MoE with its shared expert, tied: TiedMoeHead, both layer kinds;
+InternVL3.5's MoE decoder): the router runs on this rank's 1/TP of the positions, the experts on the row gathered
+over TP, their partial outputs reduce-scattered back, the layer's statistics summed over TP. The loss (LM + aux, at
+aux_coef 1 so the aux term's gradient is no rounding beside the LM loss's), the aux loss itself and every rank's
+gradient of every tensor equal TP alone's. Moondream (Phi's parallel attention + MLP under one LayerNorm): its two
+branch regions gather and reduce-scatter as a sequential block's."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mmpipe.config import load_preset
+from mmpipe.model import tensor_parallel
+from mmpipe.model.builder import IGNORE_INDEX
+from mmpipe.model.moe import split_aux
+from mmpipe.model.objectives import vocab_parallel_lm_loss
+from mmpipe.model.tensor_parallel import Shard
+from test_tensor_parallel import _counting, _row, _split_model
+
+MOE = {"experts": 8, "top_k": 2, "ff_dim": 32, "aux_coef": 1.0}
+MODELS = {"qwen3-vl-moe": ("qwen3-vl-tiny", {"tie_embeddings": False, "moe": MOE}),
+          "qwen3.5-moe": ("qwen3.5-tiny", {"moe": {**MOE, "shared_ff_dim": 32}}),
+          "internvl-moe": ("internvl-tiny", {"moe": MOE}),
+          "moondream": ("tiny", {})}
+COLLECTIVES = ("_all_reduce", "_all_gather", "_reduce_scatter")
+
+
+def _write_models(root) -> dict[str, str]:
+    paths = {}
+    for name, (preset, text) in MODELS.items():
+        model = load_preset(preset).to_dict()
+        model["text"].update(text)
+        paths[name] = str(root / f"{name}.json")
+        (root / f"{name}.json").write_text(json.dumps(model))
+    return paths
+
+
+def _padded(inputs, labels, tp: int):
+    """One more padding position where TP does not divide the row (each rank holds L / TP of it)."""
+    if labels.shape[1] % tp == 0:
+        return inputs, labels
+    pad = torch.zeros(1, 1, dtype=torch.long)
+    inputs = (inputs[0], torch.cat([inputs[1], pad], 1), inputs[2], torch.cat([inputs[3], pad], 1), *inputs[4:])
+    return inputs, torch.cat([labels, pad + IGNORE_INDEX], 1)
+
+
+def _run(cfg, shard: Shard, inputs, labels) -> tuple[dict, dict, float, float | None, dict]:
+    """One forward and backward of the split model: (the collectives counted, the tp_summed gradients before the
+    step's sum, the loss, the aux loss, the parameters after the sum)."""
+    counts, saved = {}, {name: getattr(tensor_parallel, name) for name in COLLECTIVES}
+    for name, fn in saved.items():
+        setattr(tensor_parallel, name, _counting(fn, counts, name))
+    try:
+        model = _split_model(cfg, shard)
+        out = model(*inputs)
+        loss = vocab_parallel_lm_loss(shard, cfg.text.vocab_size)[0](out, labels)
+        loss.backward()
+    finally:
+        for name, fn in saved.items():
+            setattr(tensor_parallel, name, fn)
+    shares = {k: p.grad.clone() for k, p in model.named_parameters() if getattr(p, "tp_summed", False)}
+    tensor_parallel.sum_summed_gradients(model.parameters(), shard)  # the step's sum (sum_gradients_at_step)
+    aux = split_aux(out)[1]
+    return counts, shares, loss.item(), None if aux is None else aux.item(), dict(model.named_parameters())
+
+
+def _check(shard: Shard, path: str) -> dict:
+    """SP against TP alone (test_tensor_parallel._sp_check's comparison, with the aux loss): losses, aux losses,
+    each rank's gradient of every tensor relative to its largest element, the collectives of each run, and how far
+    the whole weights' gradients were before the step's TP sum (each rank's positions' share)."""
+    cfg = load_preset(path)
+    inputs, labels = _padded(*_row(cfg), shard.size)
+    tp = _run(cfg, shard, inputs, labels)
+    sp = _run(cfg, dataclasses.replace(shard, sequence=True), inputs, labels)
+    diffs = {f"{tag} {k}": v for tag, run in (("tp", tp), ("sp", sp)) for k, v in run[0].items()}
+    diffs["loss"] = abs(tp[2] - sp[2])
+    if tp[3] is not None:
+        diffs.update({"aux": abs(tp[3] - sp[3]), "aux tp": tp[3]})
+    for k, p in tp[4].items():
+        diffs[f"grad {k}"] = ((sp[4][k].grad - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()
+    for k, g in sp[1].items():  # SP's whole weights before the sum: this rank's positions' share of TP's gradient
+        diffs[f"share {k}"] = ((g - tp[4][k].grad).abs().max() / tp[4][k].grad.abs().max().clamp(min=1e-12)).item()
+    return diffs
+
+
+def _rank(rank: int, tmp: str, paths: dict) -> None:
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    ds_comm.cdb = TorchBackend("gloo", ds_comm.default_pg_timeout, None)  # the vocab-parallel loss's collectives
+    diffs = {name: _check(Shard(dist.group.WORLD, rank, 2), path) for name, path in paths.items()}
+    if rank == 0:
+        with open(f"{tmp}/diffs.json", "w") as f:
+            json.dump(diffs, f)
+    dist.barrier()
+    os._exit(0)  # test_tensor_parallel's worker: leave without destructors (gloo's SIGABRT at exit)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("tp_sp_moe")
+    mp.start_processes(_rank, args=(str(tmp), _write_models(tmp)), nprocs=2, start_method="fork")
+    return json.loads((tmp / "diffs.json").read_text())
+
+
+def _counts(name: str) -> tuple[int, int, int]:
+    """(all-gathers, reduce-scatters, all-reduces SP saves) of a model's whole forward + backward under SP. A
+    decoder block's attention (or Gated DeltaNet) region: 2 all-gathers forward + backward's re-gather and row
+    all-gather = 3, 2 reduce-scatters, 2 all-reduces of TP alone's. An MoE MLP: x, the top-k ids and weights gathered
+    forward, the output's gradient backward (4), the output reduce-scattered forward and x's and the weights'
+    gradients backward (3), where TP alone all-reduced the output forward and x's and the weights' gradients backward
+    (3), its statistics all-reduced under SP only (1). A shared expert or a dense MLP (moondream's): a region as the
+    attention's. The embedding's scatter (its gradient gathered) and the head's gather (gradient reduce-scattered,
+    TP alone's all-reduce): 2 all-gathers and 1 reduce-scatter more; each DeepStack add 1 all-gather backward."""
+    cfg = load_preset(MODELS[name][0])
+    n, adds = cfg.text.n_layers, len(getattr(cfg.vision, "deepstack_indexes", ()) or ())
+    region = (3, 2, 2)
+    mlp = region if name == "moondream" else (4, 3, 3 - 1)
+    shared = region if name == "qwen3.5-moe" else (0, 0, 0)
+    return tuple(n * (region[i] + mlp[i] + shared[i]) + (2 + adds, 1, 1)[i] for i in range(3))
+
+
+# Measured (fp32): losses and aux losses bit-equal for all four; the largest gradient difference relative to its
+# tensor's largest element: qwen3-vl-moe 2.1e-7, internvl-moe 1.4e-7, moondream 4.2e-7, only in the whole weights
+# (norms, routers: their positions summed in another order; every split weight bit-equal); qwen3.5-moe 2.4e-5 (layer
+# 7's Gated DeltaNet dt_bias / A_log). Its one source: the shared expert's gate, a [N, D] x [D, 1] matmul, whose
+# rounding on the CPU depends on the row count (N / TP positions under SP, N without: 1.9e-6 apart at N 50, measured;
+# a router's [D, E] product was bit-equal), which the DeltaNet's fp32 chunked solves amplify, as test_tp_moe's
+# 2.9e-4 against the whole model. By hand the same check in float64 (its fp32 casts too): 4.2e-16, exact.
+TOL = {"qwen3.5-moe": 1e-3}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sequence_parallel_equals_tp_alone(two_ranks, name):
+    """Losses and aux losses bit-equal or within 1e-6; every rank's gradient of every tensor (the experts' F / TP
+    slices, the routers', the shared expert's and the norms' after the step's TP sum) within 1e-6 of its tensor's
+    largest element (TOL: measured above); the collectives SP runs in place of TP's all-reduces (_counts)."""
+    diffs, tol = two_ranks[name], TOL.get(name, 1e-6)
+    assert diffs["loss"] < 1e-6, diffs["loss"]
+    if name != "moondream":
+        assert diffs["aux tp"] > 0.5 and diffs["aux"] < 1e-6, (diffs["aux tp"], diffs["aux"])  # E x sum f p >= 1
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in diffs)
+        # the routers hold each rank's positions' share until the step's sum (they route only those)
+        routers = [v for k, v in diffs.items() if k.startswith("share") and k.endswith("mlp.gate.weight")]
+        assert len(routers) == load_preset(MODELS[name][0]).text.n_layers and min(routers) > 0.05, routers
+    grads = {k: v for k, v in diffs.items() if k.startswith("grad ")}
+    assert max(grads.values()) < tol, {k: v for k, v in grads.items() if v >= tol}
+    gathers, scatters, saved = _counts(name)
+    assert "tp _all_gather" not in diffs and "tp _reduce_scatter" not in diffs, diffs
+    assert (diffs["sp _all_gather"], diffs["sp _reduce_scatter"]) == (gathers, scatters), diffs
+    assert diffs["tp _all_reduce"] - diffs["sp _all_reduce"] == saved, diffs
