@@ -145,6 +145,7 @@ from .model.tp_plans import (
     QWEN3_5_TP_PLAN,
     QWEN3_VL_TP_PLAN,
     VOCAB_ENDS,
+    cross_attention_plan,
     moe_sizes,
     sequence_plan,
 )
@@ -202,7 +203,8 @@ CROSS_ATTENTION = register(Family(
     "moondream", "cross_attention", cross_attention_specs, (VisionBlock, DecoderBlock, CrossAttnBlock),
     {**_MOONDREAM_COSTS, CrossAttnTextEmbed: costs.CROSS_ATTN_TEXT_EMBED, CrossAttnBlock: costs.CROSS_ATTN_BLOCK},
     ImageLayout(cross_attention=True, vision=CropVision, text=c.TextConfig), SPLICED,
-    checks=moondream_checks, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION)))
+    checks=moondream_checks, fields=lambda cfg: _moondream_fields(cfg, CARRIED_VISION),
+    tp_plan=cross_attention_plan(MOONDREAM_TP_PLAN)))  # moondream's decoder split and each gated block's heads
 # --tp (mmpipe.model.tensor_parallel): the decoder split as Megatron splits Llama (q/k/v and gate/up by column, heads
 # whole on a rank, kv heads fewer than TP ranks whole on each; o and down by row), the embedding and head by
 # vocabulary (a tied head reads the embedding's own vocab-split matrix, so the tie holds shard by shard). The tower

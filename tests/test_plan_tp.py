@@ -5,11 +5,14 @@ By hand below: Qwen2.5-VL-72B's decoder block (D 8192, 64 heads of 128, 8 kv hea
 (d 1280, FFN 3456, SwiGLU with biases, RMSNorm), merger (4 x 1280 -> 8192) and vocabulary (152064 x 8192)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from mmpipe import registry
 from mmpipe.config import load_preset
+from mmpipe.families import CROSS_ATTENTION
 from mmpipe.planning.costmodel import BYTES, KNOWN_DEVICES, Shape, layer_costs, stage_memory, state_bytes
 from mmpipe.planning.images import patch_row
 from mmpipe.planning.layout import Training, plan_layout
@@ -129,7 +132,7 @@ def test_the_search_picks_tp_where_tp1_does_not_fit(capsys):
     assert max(r["memory_gib"] for r in best["stage_rows"]) <= H100.memory / 2 ** 30
 
 
-def test_tp_left_out_and_families_without_a_plan_say_so_in_one_line(capsys, tmp_path):
+def test_tp_left_out_and_families_without_a_plan_say_so_in_one_line(capsys, tmp_path, monkeypatch):
     ds = tmp_path / "ds.json"
     rc, out, _ = _plan(capsys, "--text-len", "1024", "--tp", "1,4,16", "--top", "1", "--write-config", str(ds))
     assert rc == 0 and "tp: 16 left out: it does not divide 8 GPUs per node (TP stays inside a node)" in out
@@ -140,6 +143,9 @@ def test_tp_left_out_and_families_without_a_plan_say_so_in_one_line(capsys, tmp_
     written = json.loads(ds.read_text())
     assert written["pipeline"]["stages"] == 4 and written["train_batch_size"] == 128
     from mmpipe.cli import main
+    # every built-in family has a plan (the cross-attention family's last: tests/test_tp_cross_attention.py); one
+    # registered without one, here the cross-attention family's entry less its plan, is planned at TP 1
+    monkeypatch.setitem(registry._FAMILIES, CROSS_ATTENTION.key, dataclasses.replace(CROSS_ATTENTION, tp_plan={}))
     rc = main(["plan", "--preset", "xattn-base", "--global-batch", "64", "--text-len", "24", "--tp", "1,2"])
     out = capsys.readouterr().out
     assert rc == 0 and out.count("planned at TP 1 only") == 1

@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import assert_weights_moved, cut_at, refused, train_run, write_ds_config
+from mmpipe import registry
 from mmpipe.config import load_preset
 from mmpipe.data.packing import row_shape
-from mmpipe.families import LLAVA_TP_PLAN
+from mmpipe.families import CROSS_ATTENTION, LLAVA_TP_PLAN
 from mmpipe.model import tensor_parallel
 from mmpipe.model.builder import IGNORE_INDEX, ReferenceModel, TiedCall, lm_loss, lm_loss_sum
 from mmpipe.model.llava import LlamaBlock, LlavaEmbed, LMHeadLinear, TowerBlock, tied_head
@@ -595,7 +596,7 @@ def test_a_tp_checkpoint_holds_one_file_per_tp_rank_and_layer(pp2_tp2):
 
 # ---- refusals -------------------------------------------------------------------------------------------------
 
-def test_tp_refusals_one_line_each(capsys, tmp_path):
+def test_tp_refusals_one_line_each(capsys, tmp_path, monkeypatch):
     err = refused(["--preset", "llava-tiny", "--tp", "3", "--steps", "1"], capsys)
     for what in ("4 attention heads", "2 KV heads", "64 vocabulary", "64 FFN width"):
         assert any(f"--tp: 3 does not divide llava-tiny's {what}" in line for line in err), err
@@ -611,6 +612,9 @@ def test_tp_refusals_one_line_each(capsys, tmp_path):
     assert sum("--tp: 2 with precision bf16 on an MoE model is not supported yet" in line for line in err) == 1, err
     for what in ("33 expert FFN width (text.moe.ff_dim)", "5 shared expert FFN width (text.moe.shared_ff_dim)"):
         assert any(f"--tp: 2 does not divide moe's {what}" in line for line in err), err
+    # every built-in family has a plan (the cross-attention family's last: tests/test_tp_cross_attention.py); one
+    # registered without one, here the cross-attention family's entry less its plan, is refused naming itself
+    monkeypatch.setitem(registry._FAMILIES, CROSS_ATTENTION.key, dataclasses.replace(CROSS_ATTENTION, tp_plan={}))
     err = refused(["--preset", "tiny-xattn", "--tp", "2", "--steps", "1"], capsys)
     assert any("--tp: 2 on tiny-xattn: the moondream cross_attention family has no tensor-parallel plan" in line
                for line in err), err

@@ -43,7 +43,9 @@ class CrossAttention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
-        self.n_heads = n_heads
+        # the head width from the config, not from an input's width: under --tp a rank holds n_heads / TP of the
+        # heads (q, kv split by heads, mmpipe.model.tp_plans.CROSS_ATTN_BLOCK) while x and the image stay D wide
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -52,15 +54,15 @@ class CrossAttention(nn.Module):
         """image [rows x M, N, D] -> k, v [rows, H, M x N, Dh]: what generation computes once per image and
         reuses for every token."""
         image = image.reshape(rows, -1, image.shape[-1])  # a row's M image slots side by side
-        B, N, D = image.shape
-        k, v = self.kv(image).view(B, N, 2, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        B, N, _ = image.shape
+        k, v = self.kv(image).view(B, N, 2, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return k, v
 
     def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q = self.q(x).view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2)  # [B, H, T, Dh]
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
         out = F.scaled_dot_product_attention(q, *kv, attn_mask=mask)  # [B, H, T, Dh]
-        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+        return self.proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
 def image_mask(segments: torch.Tensor, has_image: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

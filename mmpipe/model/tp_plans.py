@@ -77,8 +77,10 @@ the shares, so nothing is counted twice.
 """
 from __future__ import annotations
 
+import functools
 import types
 
+from .cross_attention import CrossAttnBlock, CrossAttnTextEmbed
 from .gemma3 import Gemma3Block, Gemma3Embed, Gemma3SlidingBlock
 from .gemma4 import BLOCKS as GEMMA4_BLOCKS
 from .gemma4 import MOE_BLOCKS as GEMMA4_MOE_BLOCKS
@@ -113,6 +115,7 @@ from .tensor_parallel import (
     parallelize,
     reduce_from_tp,
     split_dims,
+    tp_sizes,
 )
 
 # the attention's and the SwiGLU's input enter the TP region once each (ENTRY): 2 gradient all-reduces a block, as
@@ -306,3 +309,40 @@ GEMMA4_TP_PLAN = {
     Gemma4MoeHead: {"lm_head": VOCAB}, Gemma4TiedMoeHead: {"": VOCAB},
     SIZES: _gemma4_sizes,
 }
+
+
+# The cross-attention family (mmpipe.model.cross_attention; family moondream, fusion cross_attention): its text
+# embedding, decoder blocks and head are the prefix family's (mmpipe.families.MOONDREAM_TP_PLAN: Phi's parallel block,
+# the vocab ends). Each gated cross-attention block splits Megatron's way by its cross-attention heads: q (the text's
+# queries) by column, kv (the image's keys | values, rows [2, H, Dh]) Fused(2), this rank's heads of k and of v, so a
+# rank's query heads read its own image heads; proj by row (the heads' partial outputs summed once); the gated MLP's
+# fc1 by column, fc2 by row: two all-reduces of [B, T, D] forward, as a decoder block. q and kv read different inputs
+# (ln1 of the text, the projected image), so each enters the TP region on its own copy (no `entry`, which copies a
+# module's first input only): backward the text's [B, T, D] and the image's [B x M, N, D] gradients all-reduced, the
+# image's every block, as every block reads it. The tanh gates (one scalar each) stay whole and unsummed: each
+# multiplies an output already summed over TP (proj's, fc2's), whole on every rank, so each rank's gradient of it is
+# the whole one, as a norm's. The mask (a text position to its own sample's image slots) is per position, the same on
+# every rank. The image field [B x M, N, D] is whole on each TP rank, so a stage boundary before the last block sends
+# it from each TP rank to the same TP rank of the next stage, as the hidden state.
+# The tower and projector replicated, as moondream's: they run once per image on a fixed crop (moondream2's SigLIP:
+# 0.4 B of 1.9 B on 378 px; xattn-base's ViT-B/16: 86 M of 244 M on 224 px, 196 tokens: 2 x 86 M x 196 = 34 GFLOP an
+# image forward, where its 12 decoder and 3 cross-attention blocks cost 2 x 106 M x 512 = 109 GFLOP a 512-position
+# row), and Flamingo's recipe freezes it (--freeze vision: no backward); split, it would all-reduce [N, 768] twice a
+# block each way.
+CROSS_ATTN_BLOCK = {"attn.q": COLUMN, "attn.kv": Fused(2), "attn.proj": ROW, "attn.n_heads": HEADS,
+                    "mlp.fc1": COLUMN, "mlp.fc2": ROW}
+
+
+def _cross_attention_sizes(decoder: dict, cfg) -> tuple:
+    """The prefix family's counts (its fused qkv's kv heads) and the cross-attention heads where the config sets its
+    own (0: the decoder's heads, checked already)."""
+    own = (("cross-attention heads (cross_attn_heads)", cfg.cross_attn_heads),) if cfg.cross_attn_heads else ()
+    return tp_sizes(cfg, decoder) + own
+
+
+def cross_attention_plan(decoder: dict) -> dict:
+    """The cross-attention family's plan from the prefix family's (`decoder`): its DecoderBlock, TextEmbed and LMHead
+    entries, the text embedding's table by vocabulary, each CrossAttnBlock as CROSS_ATTN_BLOCK. No SEQUENCE entry
+    (--sequence-parallel refused, one line: no layer scatters this list's row)."""
+    return {**{k: v for k, v in decoder.items() if k not in (SIZES, SEQUENCE)}, CrossAttnTextEmbed: {"wte": VOCAB},
+            CrossAttnBlock: CROSS_ATTN_BLOCK, SIZES: functools.partial(_cross_attention_sizes, decoder)}
