@@ -14,8 +14,9 @@ apart exactly as on one device; the rotary cos / sin [B, 1, L, Dh] are sliced to
 are rotated before the all-to-all, on the slice.
 
 `parallelize_sequence(layers, shard)` applies it to a stage's built layers, by wrapping (no layer asks whether SP is
-on): the decoder embedding's output hidden is narrowed to the rank's slice (the embedding, and a replicated vision
-tower before it, run whole on every SP rank: each rank's gradient is its positions' share), and each decoder block's
+on): the decoder embedding's output hidden is narrowed to the rank's slice (the embedding runs whole on every SP rank,
+each rank's gradient its positions' share; the vision tower before it encodes each rank's own images and gathers
+their features: mmpipe.model.sp_tower), and each decoder block's
 `geometry` returns its mask wrapped in `UlyssesMask` (attention.attend hands a Split-typed mask the q, k, v) and its
 rotary sliced; Qwen3-VL's DeepStack adds place their set on the whole row and keep the slice. The loss (`sp_loss`)
 takes its slice of the labels and LossNorm weights, and the total over SP is its value (all-reduced forward, identity
@@ -141,8 +142,8 @@ def _sliced_embedding(embed: LlavaEmbed, shard: Shard):
 
 def _sliced_deepstack(add: DeepstackAdd, shard: Shard):
     """Qwen3-VL's DeepstackAdd<k> on a slice: the set deepstack_k [B, P / merge^2, D] is per image token, whole on
-    every SP rank (the tower is replicated); the layer's own forward places it on a zero row [B, L, D] (its k-th
-    image placeholder of the whole row takes token k), and this rank adds its slice of that (0 + x: exact)."""
+    every SP rank (gathered after the tower: sp_tower); the layer's own forward places it on a zero row [B, L, D] (its
+    k-th image placeholder of the whole row takes token k), and this rank adds its slice of that (0 + x: exact)."""
     whole = add.forward
 
     def forward(args):
