@@ -633,7 +633,8 @@ def test_tp_refusals_one_line_each(capsys, tmp_path, monkeypatch):
     err = refused(["--preset", "llava-tiny", "--tp", "0", "--steps", "1"], capsys)
     assert any("--tp: 0 must be >= 1" in line for line in err), err
     # --sequence-parallel: TP's; a row TP divides (refused, not padded: --text-len is the one flag to change); a plan
-    # whose layers all have a sequence-parallel form (moondream's has none; an MoE block none yet)
+    # whose layers all have a sequence-parallel form (Gemma 3's has none; moondream's and the MoE blocks' have:
+    # tests/test_tp_sp_moe.py)
     err = refused(["--preset", "llava-tiny", "--sequence-parallel", "--steps", "1"], capsys)
     assert err == ["mmpipe: error: --sequence-parallel: it needs --tp 2 or more (it splits each TP group's row by "
                    "position)"], err
@@ -641,8 +642,9 @@ def test_tp_refusals_one_line_each(capsys, tmp_path, monkeypatch):
                   capsys)
     assert any("--sequence-parallel: --tp 2 does not divide llava-tiny's 29 decoder positions per row" in line
                for line in err), err
-    err = refused(["--preset", "tiny", "--tp", "2", "--sequence-parallel", "--steps", "1"], capsys)
-    assert any("--sequence-parallel on tiny: its plan has no sequence-parallel form" in line for line in err), err
+    err = refused(["--preset", "gemma3-tiny", "--tp", "2", "--sequence-parallel", "--steps", "1"], capsys)
+    assert any("--sequence-parallel on gemma3-tiny: its plan has no sequence-parallel form" in line
+               for line in err), err
     # `mmpipe check --tp` runs (its links time the TP all-reduce: tests/test_tp_import.py)
 
 

@@ -77,9 +77,8 @@ class Split:
 def layer_splits(cfg: ModelConfig, tp: int) -> list[Split]:
     """Per layer of cfg's list, what the family's plan splits at `tp` ranks (mmpipe.model.tensor_parallel.split_dims
     on the layer built on the meta device: a tied head's spec builds its embedding, whose table is the split)."""
-    from ..model.tensor_parallel import POSITIONS, SEQUENCE, split_dims
+    from ..model.tensor_parallel import POSITIONS, split_dims
     plan, out, seen = family_of(cfg).tp_plan, [], {}
-    roles = plan.get(SEQUENCE, {})
     with shapes_only():
         for spec in layer_specs(cfg):
             key = (spec.typename, repr(spec.module_kwargs), getattr(spec, "forward_fn", None) is not None)
@@ -89,10 +88,25 @@ def layer_splits(cfg: ModelConfig, tp: int) -> list[Split]:
                 split = sum(state[k].numel() for k in dims if k in state)
                 rows = sum(1 for k, d in dims.items() if _row_split(state.get(k), d))
                 # split weights and no row linear: a vocabulary's (today's plans end every column region in a row)
-                role = roles.get(getattr(spec, "forward_fn", None) or spec.typename)
-                seen[key] = Split(split, rows, bool(split) and rows == 0, role == POSITIONS)
+                seen[key] = Split(split, rows, bool(split) and rows == 0, _role(plan, spec) == POSITIONS)
             out.append(seen[key])
     return out
+
+
+def _role(plan: dict, spec):
+    """The plan's SEQUENCE role of a layer spec (None: none): keyed by its class, or a tied head's forward_fn, a
+    function or an instance of a class the plan names (TiedMoeHead), as tensor_parallel.parallelize reads it."""
+    from ..model.tensor_parallel import SEQUENCE
+    roles, fn = plan.get(SEQUENCE, {}), getattr(spec, "forward_fn", None)
+    if fn is None:
+        return roles.get(spec.typename)
+    return roles[fn] if fn in roles else roles.get(type(fn))
+
+
+def _name(spec) -> str:  # a class's, a function's name; an instance's class's
+    fn = getattr(spec, "forward_fn", None)
+    key = spec.typename if fn is None else fn
+    return getattr(key, "__name__", None) or type(key).__name__
 
 
 def _row_split(param, dim) -> bool:
@@ -118,26 +132,31 @@ def tp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], tp: int, sequence: b
     (module docstring: the plan's POSITIONS layers keep 1/TP of everything)."""
     if tp == 1:
         return rows
-    return [_sequence_row(r, _rank_row(cfg, r, s, tp), s, tp) if sequence else _rank_row(cfg, r, s, tp)
+    return [_sequence_row(cfg, r, _rank_row(cfg, r, s, tp), s, tp) if sequence else _rank_row(cfg, r, s, tp)
             for r, s in zip(rows, layer_splits(cfg, tp))]
 
 
-def _sequence_row(whole: LayerCost, r: LayerCost, s: Split, tp: int) -> LayerCost:
+def _sequence_row(cfg: ModelConfig, whole: LayerCost, r: LayerCost, s: Split, tp: int) -> LayerCost:
     """A layer under --sequence-parallel (whole: its row at TP 1, r: at TP tp): a block or the final norm (POSITIONS,
     not a vocab head) keeps and sends 1/TP of all it keeps and sends at TP 1, its replicated region (the 6 widths,
     the fp32 statistics) now on this rank's positions too; the head saves its gathered input and its logits'
     vocabulary slice as without SP. Its collectives move the bytes they did (an all-gather and a reduce-scatter are
     the two halves of a ring all-reduce, (t - 1) / t x bytes each), and half an all-reduce more per row region
-    backward (the re-gather)."""
+    backward (the re-gather). An MoE block routes its positions but runs its experts on the row gathered over TP
+    (mmpipe.model.tp_plans): the dispatched copies of x (top_k x D a position of the row) stay whole on each rank,
+    and its experts' row region re-gathers nothing (they keep the gathered copies)."""
     if not s.positions or s.vocab:
         return r
     # what the layer keeps at TP 1 (whole: its split part and its replicated region), all of it over tp; r, the TP
     # rank's row, has the split part over tp already and the replicated region whole
     # backward, each region's row gathered again for its column linears' weight gradients (they keep the positions,
     # not the row: tensor_parallel._GatheredLinear): an all-gather, half a ring all-reduce of the row
-    return dataclasses.replace(r, act_elems=whole.act_elems / tp, act_fp32_elems=whole.act_fp32_elems / tp,
+    dispatched = r.tokens * cfg.text.moe.top_k * cfg.text.dim if r.expert_params else 0.0
+    regathers = s.rows - (1 if r.expert_params else 0)  # the experts' down_proj [E, D, F] is a row split, not entered
+    return dataclasses.replace(r, act_elems=whole.act_elems / tp + dispatched * (1 - 1 / tp),
+                               act_fp32_elems=whole.act_fp32_elems / tp,
                                out_elems=r.out_elems / tp,  # what it sends across a cut, a checkpointed block keeps
-                               tp_ar_bwd=r.tp_ar_bwd + s.rows * r.out_elems / 2)
+                               tp_ar_bwd=r.tp_ar_bwd + regathers * r.out_elems / 2)
 
 
 def _rank_row(cfg: ModelConfig, r: LayerCost, s: Split, tp: int) -> LayerCost:
@@ -188,19 +207,17 @@ def tp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: s
 def sequence_parallel_problems(tp: int, model: ModelConfig | None, data, lora: int) -> list[str]:
     """`--sequence-parallel` (Megatron's, mmpipe.model.tensor_parallel: the decoder's norms and residuals on 1/TP of
     a row's positions) at `tp`: one line per problem. It needs --tp above 1, a plan whose SEQUENCE gives every layer
-    from the decoder embedding on a role (dense decoder blocks; not yet an MoE block), a row of decoder positions TP
-    divides (refused, not padded: the row length is --text-len + the image tokens, so the fix is one flag), no
-    --lora (an adapter on a row layer would need its own reduce-scatter)."""
+    from the decoder embedding on a role (dense and MoE decoder blocks, moondream's; not Gemma's), a row of decoder
+    positions TP divides (refused, not padded: the row length is --text-len + the image tokens, so the fix is one
+    flag), no --lora (an adapter on a row layer would need its own reduce-scatter)."""
     from ..data.packing import row_shape
-    from ..model.tensor_parallel import SEQUENCE, sequence_roles
+    from ..model.tensor_parallel import sequence_roles
     if tp <= 1:
         return ["--sequence-parallel: it needs --tp 2 or more (it splits each TP group's row by position)"]
     plan = family_of(model).tp_plan if model is not None else {}
     if not plan:
         return []  # no plan: --tp itself is refused (run_config._check_tp)
-    roles = plan.get(SEQUENCE, {})
-    layers = [(getattr(key, "__name__", str(key)), roles.get(key)) for key in (
-        getattr(spec, "forward_fn", None) or spec.typename for spec in layer_specs(model))]
+    layers = [(_name(spec), _role(plan, spec)) for spec in layer_specs(model)]
     out = [f"--sequence-parallel on {model.name}: {why}" for why in sequence_roles(layers)]
     if data is not None:
         length = row_shape(model, data.max_images, data.text_len, data.vision_budget).length
