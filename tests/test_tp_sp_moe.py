@@ -160,3 +160,19 @@ def test_sequence_parallel_equals_tp_alone(two_ranks, name):
     assert "tp _all_gather" not in diffs and "tp _reduce_scatter" not in diffs, diffs
     assert (diffs["sp _all_gather"], diffs["sp _reduce_scatter"]) == (gathers, scatters), diffs
     assert diffs["tp _all_reduce"] - diffs["sp _all_reduce"] == saved, diffs
+
+
+def test_the_front_door_accepts_sequence_parallel_on_them(tmp_path):
+    """`--tp 2 --sequence-parallel` on these models passes the plan check (every layer from the decoder embedding on
+    has a SEQUENCE role; the tied MoE head, a forward_fn object, read by its class, as parallelize reads it: it was
+    refused by its repr), where a plan without the form is refused in one line."""
+    from mmpipe.planning.tensor_parallel import sequence_parallel_problems
+    for name, path in _write_models(tmp_path).items():
+        assert sequence_parallel_problems(2, load_preset(path), None, 0) == [], name
+    tied = load_preset(_write_models(tmp_path)["qwen3-vl-moe"]).to_dict()
+    tied["text"]["tie_embeddings"] = True
+    (tmp_path / "tied.json").write_text(json.dumps(tied))
+    assert sequence_parallel_problems(2, load_preset(str(tmp_path / "tied.json")), None, 0) == []
+    assert sequence_parallel_problems(2, load_preset("gemma4-moe-tiny"), None, 0) == [
+        "--sequence-parallel on gemma4-moe-tiny: its plan has no sequence-parallel form (no SEQUENCE entry scatters "
+        "the decoder's row)"]
