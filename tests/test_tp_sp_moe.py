@@ -151,9 +151,10 @@ def test_sequence_parallel_equals_tp_alone(two_ranks, name):
     if name != "moondream":
         assert diffs["aux tp"] > 0.5 and diffs["aux"] < 1e-6, (diffs["aux tp"], diffs["aux"])  # E x sum f p >= 1
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in diffs)
-        # the routers hold each rank's positions' share until the step's sum (they route only those)
+        # the routers hold each rank's positions' share until the step's sum (they route only those): 0.46-0.87 of
+        # their largest element off, measured
         routers = [v for k, v in diffs.items() if k.startswith("share") and k.endswith("mlp.gate.weight")]
-        assert len(routers) == load_preset(MODELS[name][0]).text.n_layers and min(routers) > 0.05, routers
+        assert len(routers) == load_preset(MODELS[name][0]).text.n_layers and min(routers) > 0.3, routers
     grads = {k: v for k, v in diffs.items() if k.startswith("grad ")}
     assert max(grads.values()) < tol, {k: v for k, v in grads.items() if v >= tol}
     gathers, scatters, saved = _counts(name)
