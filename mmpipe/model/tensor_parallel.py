@@ -523,12 +523,16 @@ def _sequence_shard(plan: dict, key, shard: Shard) -> Shard:
 
 
 def _scattered(layer: nn.Module, forward, shard: Shard):
-    """A SCATTER layer's forward: its output tuple's hidden (the whole row) leaves as this rank's positions."""
+    """A SCATTER layer's forward: its output tuple's hidden (the whole row) leaves as this rank's positions, and so
+    does every other float field it makes sized by the row (StageField.per_position: Gemma 4's per-layer inputs
+    [B, L, n_layers x P], which each block adds to its positions)."""
     from .stage import unpack_out
 
     def scattered(args):
         t = unpack_out(layer, forward(args))
-        return t._replace(hidden=scatter_positions(t.hidden, shard)).pack()
+        rows = [f.name for f in layer.__dict__.get("stage_out", ()) if f.floating and f.per_position]
+        fields = {n: scatter_positions(getattr(t, n), shard) for n in rows if getattr(t, n) is not None}
+        return t._replace(hidden=scatter_positions(t.hidden, shard), **fields).pack()
     return scattered
 
 

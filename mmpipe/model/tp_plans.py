@@ -84,7 +84,7 @@ from .cross_attention import CrossAttnBlock, CrossAttnTextEmbed
 from .gemma3 import Gemma3Block, Gemma3Embed, Gemma3SlidingBlock
 from .gemma4 import BLOCKS as GEMMA4_BLOCKS
 from .gemma4 import MOE_BLOCKS as GEMMA4_MOE_BLOCKS
-from .gemma4 import Gemma4Embed, Gemma4Head, Gemma4MoeHead, Gemma4TiedMoeHead, gemma4_tied_head
+from .gemma4 import Gemma4Embed, Gemma4FinalNorm, Gemma4Head, Gemma4MoeHead, Gemma4TiedMoeHead, gemma4_tied_head
 from .llava import FinalNorm, LMHeadLinear, SwiGLU, TowerMLP, tied_head
 from .moe import Experts, MoeHead, Qwen3MoeBlock, SparseMoe, TiedMoeHead
 from .qwen2_vl import QwenBlock, QwenEmbed, QwenMerger, QwenVisionBlock
@@ -135,11 +135,11 @@ TOWER_ATTENTION = {"attn.qkv": Fused(3), "attn.proj": ROW,
 PATCH_MERGER = {"linear_fc1": COLUMN, "linear_fc2": ROW}
 
 
-def sequence_plan(embed, blocks, norm=FinalNorm, adds=()) -> dict:
+def sequence_plan(embed, blocks, norm=FinalNorm, adds=(), heads=()) -> dict:
     """A plan's SEQUENCE entry (--sequence-parallel, mmpipe.model.tensor_parallel): the decoder embedding scatters its
-    row, the blocks (dense or MoE: module docstring), the final norm and the heads (the MoE ones too) run on 1/TP of
-    its positions, DeepStack's adds add their slice."""
-    heads = (LMHeadLinear, tied_head, MoeHead, TiedMoeHead)
+    row, the blocks (dense or MoE: module docstring), the final norm and the heads (the MoE ones too; a family's own
+    `heads` besides) run on 1/TP of its positions, DeepStack's adds add their slice."""
+    heads = (LMHeadLinear, tied_head, MoeHead, TiedMoeHead, *heads)
     return {SEQUENCE: {embed: SCATTER, **{b: POSITIONS for b in (*blocks, norm, *heads)}, **{a: ADDS for a in adds}}}
 
 
@@ -288,7 +288,24 @@ def _gemma4_block(block) -> dict:
     if not a.shared:
         attention.update({"self_attn.k_proj": KV, "self_attn.k_norm": SUMMED,
                           **({} if a.k_is_v else {"self_attn.v_proj": KV})})
-    return {**attention, **MLP, **({"experts": EXPERTS} if block.sparse else {})}
+    return {**attention, **MLP, **({"experts": EXPERTS, "": ROUTE_POSITIONS} if block.sparse else {})}
+
+
+def _sequence_feed_forward(self, x, real):
+    """Gemma4Block.feed_forward on this rank's positions (SP): the real-position mask cut to them, the MoE layer's
+    statistics summed over TP, as SparseMoe's (_sequence_moe_forward; module docstring)."""
+    y, stats = type(self).feed_forward(self, x, _positions(real, self.tp_shard))
+    return y, reduce_from_tp(stats, self.tp_shard)
+
+
+def _route_positions(block, shard: Shard) -> None:
+    if shard.sequence:
+        block.tp_shard = shard
+        block.feed_forward = types.MethodType(_sequence_feed_forward, block)
+
+
+# a Gemma 4 MoE block's own mark (its router and experts are the block's, not a SparseMoe's): under SP its statistics
+ROUTE_POSITIONS = Own(_route_positions, lambda block: {})
 
 
 def _gemma4_sizes(cfg) -> tuple:
@@ -301,6 +318,10 @@ def _gemma4_sizes(cfg) -> tuple:
 # 262,144 x 35 x 256 = 2.3 B parameters, is its largest tensor; its lookup's all-reduce is [L, n_layers x P], once
 # a micro-batch); the heads by vocabulary, the soft-cap cap x tanh(logits / cap) elementwise on each rank's slice.
 # The tower replicated, as Gemma 3's: its images fit a fixed soft-token budget (0.15-0.55 B parameters).
+# --sequence-parallel: the embedding scatters the row and its per-layer inputs (a per-position field:
+# tensor_parallel._scattered), every block, the final norm and the heads on 1/TP of the positions; a K/V producer's
+# field is made inside its attention region from the gathered row (this rank's kv heads, every position), so its
+# readers attend to it unchanged; the MoE blocks route their positions (ROUTE_POSITIONS, EXPERTS).
 GEMMA4_TP_PLAN = {
     **{cls: _gemma4_block for cls in (*GEMMA4_BLOCKS.values(), *GEMMA4_MOE_BLOCKS.values())},
     # the per-layer table where the model has one (E2B / E4B; not 26B-A4B / 31B)
@@ -308,6 +329,8 @@ GEMMA4_TP_PLAN = {
     Gemma4Head: {"lm_head": VOCAB}, gemma4_tied_head: {"": VOCAB},
     Gemma4MoeHead: {"lm_head": VOCAB}, Gemma4TiedMoeHead: {"": VOCAB},
     SIZES: _gemma4_sizes,
+    **sequence_plan(Gemma4Embed, (*GEMMA4_BLOCKS.values(), *GEMMA4_MOE_BLOCKS.values()), Gemma4FinalNorm,
+                    heads=(Gemma4Head, gemma4_tied_head, Gemma4MoeHead, Gemma4TiedMoeHead)),
 }
 
 
