@@ -175,6 +175,17 @@ def cut_at(run: Run, out: Path, step: int) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def small_tiles():
+    """The --sp launches' loss in tiles of 16 positions (V = 200: 16 x 200 x 4 B of fp32 logits), so each rank's 2 x 44
+    positions a micro-batch take 6 tiles (sequence_parallel.TiledLogits; at the default 1 GiB, one). A module's
+    `pytestmark = pytest.mark.usefixtures("small_tiles")` sets it before the module's launch fixtures."""
+    from mmpipe.model.sequence_parallel import TILE_ENV
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(TILE_ENV, str(16 * 200 * 4))
+        yield
+
+
 def train_run(out: Path, *args: str) -> Run:
     # every rank logs what it sends to the next / previous stage (Run.wire)
     return Run(out, mmpipe_train(["--output-dir", str(out), *args], MMPIPE_WIRE_LOG=str(out)))

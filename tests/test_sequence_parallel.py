@@ -10,10 +10,13 @@
   over SP, the aux loss once), rows of odd length (padded to a multiple of SP), LoRA adapters on frozen blocks, and
   experts.clip_norm's norm over SP (a shard counted once).
 - In process: the tiled loss (TiledLogits) equals lm_loss on the whole logits.
-- One launch: qwen-tiny PP=2 x SP=2 (4 CPU ranks), packed rows of mixed image grids, 3 steps at a constant lr: each
-  step's loss and the final weights equal the single-device reference (1e-5), every trained tensor moved > 10 x that;
-  its gradients summed over SP once a step (at ReduceGrads).
-- Its step-2 checkpoint resumed at SP=2 (bit for bit) and at SP=1 (weights and AdamW moments carried): 2 launches.
+- One launch (tests/rank_series.py: three runs, PP=2 x SP=2, 4 CPU ranks), packed rows of mixed image grids with 3+
+  samples and one cut by the SP slice, 3 steps at a constant lr: qwen-tiny (M-RoPE), qwen3-vl-tiny shrunk (DeepStack
+  sets crossing the stage cut) and qwen3.5-tiny shrunk (Gated DeltaNet, its heads split over SP, restarting at each
+  sample): each step's loss and the final weights equal the single-device reference (1e-5), every trained tensor
+  moved > 10 x that; qwen-tiny's gradients summed over SP once a step (at ReduceGrads).
+- qwen-tiny's step-2 checkpoint resumed at SP=2 (bit for bit: one launch) and at SP=1 (weights and AdamW moments
+  carried), in one launch with the ZeRO-1 run's below resumed at SP=1 (each DP rank's partition carried).
 - One launch: qwen-tiny PP=1 x DP=2 x SP=2 at ZeRO-1 with the clip engaged and activation checkpointing equals the
   single-device reference (1e-5).
 - The refusals, one line each (no launch)."""
@@ -38,11 +41,13 @@ from mmpipe.model.moe import MoeBlock, Qwen3MoeBlock, aux_loss
 from mmpipe.model.qwen2_vl import QwenBlock
 from mmpipe.model.qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock
 from mmpipe.model.qwen3_vl import DEEPSTACK_ADDS, Qwen3Block
-from mmpipe.model.sequence_parallel import TILE_ENV, local, padded, parallelize_sequence, sp_loss, sum_gradients
+from mmpipe.model.sequence_parallel import local, padded, parallelize_sequence, sp_loss, sum_gradients
 from mmpipe.model.stage import StageTuple
 from mmpipe.model.tensor_parallel import Shard
 from mmpipe.registry import family_of
 from mmpipe.runtime.checkpoint import load_reference
+from rank_series import launch_series
+from test_qwen3_vl_pipeline import SIZES as QWEN3_SIZES
 from test_qwen_pipeline import SIZES, PackedSet, _weights_equal_within, loaders_agree
 from test_tensor_parallel_families import ADAM
 from test_tp_combos import OPTIMIZER as CLIPPED_ADAM
@@ -267,27 +272,70 @@ def test_tiled_loss_equals_the_whole_logits_loss(monkeypatch):
     assert (h.grad - hidden.grad).abs().max() < 1e-6 and (w.grad - weight.grad).abs().max() < 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def small_tiles():
-    """The launches' loss in tiles of 16 positions (V = 200: 16 x 200 x 4 B of fp32 logits), so each rank's 2 x 44
-    positions a micro-batch take 6 tiles (sequence_parallel.TiledLogits; at the default 1 GiB, one)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(TILE_ENV, str(16 * 200 * 4))
-        yield
+pytestmark = pytest.mark.usefixtures("small_tiles")  # conftest's: the launches' loss in tiles of 16 positions
+
+# The PP=2 x SP=2 launch's families: (preset, image sizes, its shrinking or None, PP=2's cut or None: the planner's).
+# qwen3-vl-tiny and qwen3.5-tiny shrunk (SMALL) to keep the launch short (~75k parameters each): a 16-wide 2-block
+# tower, a 32-wide decoder of 2 heads / 2 kv (SP 2 divides both). qwen3-vl: DeepStack after both tower blocks, 3
+# decoder layers (a set added after the last one would reach only the image positions, whose labels are ignored: its
+# merger would take no gradient), cut 8 before DeepstackAdd0 (layers: patch embed, block, merger 0, block, merger 1,
+# merger, embed, Qwen3Block 7, DeepstackAdd0 8, ...): both sets cross the cut beside each SP rank's slice of the
+# hidden. qwen3.5: layer 0 Gated DeltaNet (the preset's 2 key / 4 value heads: one key head per SP rank), layer 1
+# gated full attention, cut 6 between them.
+SMALL = {"vision": {"dim": 16, "ff_dim": 32, "n_layers": 2},
+         "text": {"dim": 32, "ff_dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2}}
+SP_FAMILIES = {"qwen-tiny": ("qwen-tiny", SIZES, None, None),
+               "qwen3-vl": ("qwen3-vl-tiny", QWEN3_SIZES, {"vision": {"deepstack_indexes": [0, 1]},
+                                                           "text": {"n_layers": 3}}, 8),
+               "qwen3.5": ("qwen3.5-tiny", QWEN3_SIZES, {"text": {"full_attention_indexes": [1]}}, 6)}
+# The shrunk ones' AdamW at eps 1e-3 (ADAM's 5e-3 chose TP's rounding, test_tensor_parallel_families): at 5e-3 their
+# 3 steps left a tensor of each under 10 x TOL (qwen3.5's tower norms, pos_embed, dt_bias, A_log 3.4e-5 .. 8.0e-5),
+# at 1e-3 every tensor of both moved > 1e-4 (measured on the reference)
+SMALL_ADAM = {**ADAM, "params": {**ADAM["params"], "eps": 1e-3}}
+
+
+def _small_preset(preset: str, changes: dict, root) -> str:
+    """The preset with SMALL's and `changes`' fields, written to root / preset.json; its path (--preset takes one)."""
+    model = load_preset(preset).to_dict()
+    for part in ("vision", "text"):
+        model[part].update(SMALL[part], **changes.get(part, {}))
+    model["proj_inner_dim"] = 2 * SMALL["text"]["dim"]
+    (root / f"{preset}.json").write_text(json.dumps(model))
+    return str(root / f"{preset}.json")
 
 
 @pytest.fixture(scope="module")
-def qwen_sp(tmp_path_factory):
-    """qwen-tiny's reference and its PP=2 x SP=2 run on the same packed rows (test_tensor_parallel_families' set-up:
-    2 rows x 2 micro-batches a step, AdamW at a constant lr)."""
-    data = PackedSet(tmp_path_factory.mktemp("sp"), "qwen-tiny", SIZES, 36, STEPS, SEED)
-    write_ds_config(data.root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
-                    scheduler=None, optimizer=ADAM)
-    return data, data.reference(), data.launch("sp", 2, "--sp", "2", "--save-every", "2")
+def sp_families(tmp_path_factory):
+    """Each family's set (test_tensor_parallel_families' set-up: 2 rows x 2 micro-batches a step, AdamW at a constant
+    lr), its single-device reference and its PP=2 x SP=2 run: one launch, the runs one after another
+    (tests/rank_series.py); qwen-tiny's checkpoints at step 2 too (the resume tests')."""
+    sets, runs = {}, []
+    for name, (preset, sizes, changes, cut) in SP_FAMILIES.items():
+        root = tmp_path_factory.mktemp(name)
+        data = PackedSet(root, preset if changes is None else _small_preset(preset, changes, root), sizes, 36, STEPS,
+                         SEED, {2: [cut]} if cut else None)
+        write_ds_config(data.root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                        scheduler=None, optimizer=ADAM if changes is None else SMALL_ADAM)
+        cuts = ["--partition", str(cut)] if cut else []
+        save = ["--save-every", "2"] if name == "qwen-tiny" else []
+        runs.append((root / "sp", [*data.args, "--stages", "2", "--steps", str(STEPS), *cuts, "--sp", "2", *save], {}))
+        sets[name] = data
+    launched = launch_series(runs)
+    return {name: (data, data.reference(), run) for (name, data), run in zip(sets.items(), launched)}
 
 
-def test_rows_have_a_sample_cut_by_the_sp_slice(qwen_sp):
-    data = qwen_sp[0]
+@pytest.fixture(scope="module")
+def qwen_sp(sp_families):
+    """qwen-tiny's (set, reference, PP=2 x SP=2 run)."""
+    data, reference, run = sp_families["qwen-tiny"]
+    return data, reference, run.check()
+
+
+@pytest.mark.parametrize("name", list(SP_FAMILIES))
+def test_rows_have_a_sample_cut_by_the_sp_slice(sp_families, name):
+    """What each family's launch trains on: every micro-batch holds a row of 3 or more samples, and a sample is cut by
+    the SP slice (it has positions on both sides of the row's middle)."""
+    data = sp_families[name][0]
     run = data.resolved()
     cut = 0
     for _, _, _, segments, _ in loaders_agree(run, data.root, SEED, STEPS):
@@ -297,8 +345,13 @@ def test_rows_have_a_sample_cut_by_the_sp_slice(qwen_sp):
     assert cut >= 1
 
 
-def test_pp2_sp2_equals_single_device(qwen_sp):
-    data, (ref_model, ref_losses), run = qwen_sp
+@pytest.mark.parametrize("name", list(SP_FAMILIES))
+def test_pp2_sp2_equals_single_device(sp_families, name):
+    """qwen-tiny (M-RoPE, windowed tower), qwen3-vl (DeepStack sets crossing the cut, each SP rank adding its slice)
+    and qwen3.5 (Gated DeltaNet restarting at each sample of the whole row, its heads split over SP) at PP=2 x SP=2:
+    each step's loss and the final weights equal the single-device reference (1e-5), every trained tensor moved."""
+    data, (ref_model, ref_losses), run = sp_families[name]
+    run.check()
     assert run.summary["stages"] == 2 and sorted(run.losses) == list(range(1, STEPS + 1))
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-3
     assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL), (run.losses, ref_losses)
@@ -355,7 +408,35 @@ def _bitwise_equal(a, b) -> bool:
     return a == b
 
 
-def test_sp2_checkpoint_resumes_at_sp1(qwen_sp):
+@pytest.fixture(scope="module")
+def sp1_resumes(qwen_sp, qwen_sp_zero1):
+    """The step-2 checkpoints of the PP=2 x SP=2 run and of the ZeRO-1 PP=1 x DP=2 x SP=2 run, each cut there
+    (conftest.cut_at) and resumed at SP=1 (2 ranks each): one launch (tests/rank_series.py)."""
+    data, _, run = qwen_sp
+    _, z1_run, z1_data, z1 = qwen_sp_zero1
+    runs = [(cut_at(run, data.root / "cut_sp1", 2), [*data.args, "--stages", "2", "--steps", str(STEPS), "--resume"],
+             {}),
+            (cut_at(z1_run, z1_data.root / "cut_z1_sp1", 2),
+             [*z1_data.args, "--stages", "1", "--steps", str(STEPS), "--ds-config", str(z1), "--dp", "2", "--resume"],
+             {})]
+    return dict(zip(("pp2", "zero1"), launch_series(runs)))
+
+
+def _assert_carried_across_sp(resumed, run, cfg) -> float:
+    """`resumed` (run's step-2 checkpoint resumed at SP=1) said so in its two notes, no restart warning, and its step
+    3 is run's: the loss within TOL, every tensor changed from the cut's; returns the weights' largest difference."""
+    assert resumed.summary["start_step"] == 2
+    log = resumed.proc.stdout + resumed.proc.stderr
+    assert "note: step2 was written at --sp 2, this run is --sp 1" in log, log[-3000:]
+    assert "the optimizer state (AdamW moments) carried too" in log and "starts again from zero" not in log
+    assert resumed.losses[3] == pytest.approx(run.losses[3], abs=TOL), (resumed.losses, run.losses)
+    got, want, cut = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", cfg, tag)).state_dict()
+                      for r, tag in ((resumed, None), (run, None), (resumed, "step2")))
+    assert not [k for k in cut if torch.equal(cut[k], got[k])]  # step 3 ran at SP=1 (moved as in the SP=2 test)
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def test_sp2_checkpoint_resumes_at_sp1(qwen_sp, sp1_resumes):
     """The same step-2 checkpoint resumed at SP=1 (PP=2, 2 ranks): the weights carry over (the layer files are whole
     layers at any SP) and so do the AdamW moments (SP splits positions, not parameters: every SP rank's optimizer is
     the same, so stage s reads SP rank 0's, mp_rank_<2 s>), with a note naming both SPs and no restart warning; step 3's
@@ -365,16 +446,8 @@ def test_sp2_checkpoint_resumes_at_sp1(qwen_sp):
     for stage in range(2):  # each stage's two SP ranks saved the same optimizer, bit for bit
         sp0, sp1 = _optimizers(step2, (2 * stage, 2 * stage + 1))
         assert sp0["state"] and _bitwise_equal(sp0, sp1)
-    resumed = data.launch(cut_at(run, data.root / "cut_sp1", 2).name, 2, "--resume")
-    assert resumed.summary["start_step"] == 2
-    log = resumed.proc.stdout + resumed.proc.stderr
-    assert "note: step2 was written at --sp 2, this run is --sp 1" in log, log[-3000:]
-    assert "the optimizer state (AdamW moments) carried too" in log and "starts again from zero" not in log
-    assert resumed.losses[3] == pytest.approx(run.losses[3], abs=TOL), (resumed.losses, run.losses)
-    got, want, cut = (torch.nn.Sequential(*load_reference(r.out / "checkpoints", ref_model.cfg, tag)).state_dict()
-                      for r, tag in ((resumed, None), (run, None), (resumed, "step2")))
-    assert not [k for k in cut if torch.equal(cut[k], got[k])]  # step 3 ran at SP=1 (moved as in the SP=2 test)
-    weights = max(float((got[k] - want[k]).abs().max()) for k in want)
+    resumed = sp1_resumes["pp2"].check()
+    weights = _assert_carried_across_sp(resumed, run, ref_model.cfg)
     # the step-3 moments: stage s at SP 1 (mp_rank_0s) against the SP=2 run's SP rank 0 (mp_rank_0<2 s>); restarted
     # moments (the old policy) measured 1.2e-3 on the weights and 2.0 here: AdamW's step counter at 1, not 3
     tag = (resumed.out / "checkpoints" / "latest").read_text().strip()
@@ -405,14 +478,14 @@ def qwen_sp_zero1(tmp_path_factory):
     for clip in (CLIP, CLIP * 2 ** 0.5):
         write_ds_config(data.root / "ds.json", gradient_accumulation_steps=2, gradient_clipping=clip, **common)
         refs.append(data.reference())
-    return refs, data.launch("z1", 1, "--ds-config", str(z1), "--dp", "2", "--sp", "2")
+    return refs, data.launch("z1", 1, "--ds-config", str(z1), "--dp", "2", "--sp", "2", "--save-every", "2"), data, z1
 
 
 def test_zero1_dp2_sp2_clipped_equals_single_device(qwen_sp_zero1):
     """ZeRO-1 partitions each SP rank's optimizer over its data axis (DP 2): 4 files, zero_pp_rank_D_mp_rank_0S; its
     norm counts each replicated weight once over SP (mark_norm_counting; counted twice, the clip would act as at
     CLIP / sqrt(2), and a clip at sqrt(2) x CLIP ends > 10 x TOL away)."""
-    ((ref_model, ref_losses), (_, other_losses)), run = qwen_sp_zero1
+    ((ref_model, ref_losses), (_, other_losses)), run, _, _ = qwen_sp_zero1
     assert abs(other_losses[-1] - ref_losses[-1]) > 10 * TOL  # the clip engaged (measured 7.1e-3)
     assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL), (run.losses, ref_losses)
     ckpt = run.out / "checkpoints"
@@ -444,3 +517,26 @@ def test_sp_refusals_one_line_each(capsys):
     from mmpipe.cli import main
     assert main(["check", "--preset", "llava-tiny", "--sp", "2", "--steps", "1", "--dry-run"]) == 0  # check --sp runs
     assert "x sp 2 = " in capsys.readouterr().out
+
+
+def _zero1_parts(tag_dir, sp_rank: int) -> list[dict]:
+    """Each DP part's ZeRO-1 optimizer state (its AdamW state over the flat partition) SP rank `sp_rank` saved."""
+    return [torch.load(tag_dir / f"zero_pp_rank_{d}_mp_rank_0{sp_rank}_optim_states.pt", weights_only=False)
+            ["optimizer_state_dict"]["base_optimizer_state"] for d in range(2)]
+
+
+def test_zero1_sp2_checkpoint_resumes_at_sp1(qwen_sp_zero1, sp1_resumes):
+    """ZeRO-1's partitions carried across SP: the PP=1 x DP=2 x SP=2 run's step-2 checkpoint resumed at DP=2 x SP=1
+    (2 ranks), DP rank D loading the part D SP rank 0 saved (zero_pp_rank_D_mp_rank_00: the SP ranks' parts are the
+    same, test_zero1_dp2_sp2_clipped_equals_single_device), with the notes and no restart warning: step 3's loss,
+    weights and each DP part's AdamW moments are the uninterrupted SP=2 run's (restarted moments hold AdamW's step 1,
+    not 3)."""
+    ((ref_model, _), _), run, _, _ = qwen_sp_zero1
+    resumed = sp1_resumes["zero1"].check()
+    weights = _assert_carried_across_sp(resumed, run, ref_model.cfg)
+    tag = (resumed.out / "checkpoints" / "latest").read_text().strip()
+    mine, theirs = (_zero1_parts(r.out / "checkpoints" / tag, 0) for r in (resumed, run))
+    moments = max(_max_gap(a, b) for a, b in zip(mine, theirs))
+    print(f"ZeRO-1 SP 2 -> 1 resume, step 3 against the SP=2 run: loss {abs(resumed.losses[3] - run.losses[3]):.2e}, "
+          f"weights {weights:.2e}, moments {moments:.2e}")
+    assert weights <= TOL and moments <= TOL, (weights, moments)

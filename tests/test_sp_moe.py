@@ -16,7 +16,6 @@ import torch
 
 from conftest import assert_weights_moved, train_run, write_ds_config
 from mmpipe.model import ReferenceModel
-from mmpipe.model.sequence_parallel import TILE_ENV
 from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
@@ -26,15 +25,7 @@ from test_tp_combos import OPTIMIZER as CLIPPED_ADAM
 
 STEPS, SEED, TOL = 3, 5, 1e-5
 CLIP = 0.5  # below every step's global gradient norm (10.5, 3.1, 2.5: asserted): each step is clipped
-
-
-@pytest.fixture(scope="module", autouse=True)
-def small_tiles():
-    """The launches' loss in tiles of 16 positions (V = 200: 16 x 200 x 4 B of fp32 logits), so each rank's 2 x 44
-    positions a micro-batch take 6 tiles (sequence_parallel.TiledLogits; at the default 1 GiB, one)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(TILE_ENV, str(16 * 200 * 4))
-        yield
+pytestmark = pytest.mark.usefixtures("small_tiles")  # conftest's: the launch's loss in tiles of 16 positions
 
 
 @pytest.fixture(scope="module")

@@ -248,7 +248,7 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
     on the stage count; written at another --tp, each rank reads its slices of them: mmpipe.runtime.reshard),
     step and sample counters and the LR schedule are restored; the optimizer's moments, kept per stage
     and TP rank (and per DP shard), start again from zero, with a warning; under a pure TP change (fp32, ZeRO 0)
-    they are resharded as the weights are, under a pure SP change (fp32, ZeRO 0) carried whole."""
+    they are resharded as the weights are, under a pure SP change (fp32, ZeRO 0 or 1) carried whole."""
     ckpt_dir = Path(ckpt_dir)
     tag = latest_tag(ckpt_dir)
     state = read_state(ckpt_dir, tag)
@@ -300,11 +300,13 @@ def resume(engine, ckpt_dir: str | Path, run, *, fingerprint, rank: int) -> tupl
 def _pure_change(state: dict, run, axis: str) -> bool:
     """Only --tp or only --sp (`axis`) changed, in the layout whose optimizer is one torch AdamW per stage x model
     rank over the stage's parameters (fp32, ZeRO 0, no EP, 1F1B's one stage a rank). A TP change reshards its moments
-    (reshard.optimizer_state); an SP change carries them (_sp_optimizer_state)."""
+    (reshard.optimizer_state); an SP change carries them (_sp_optimizer_state), at ZeRO-1 too (each DP rank its
+    saved partition: reshard.load_zero1_across_sp)."""
     other = "sp" if axis == "tp" else "tp"
+    zero = (0, 1) if axis == "sp" else (0,)
     return (state.get(axis, 1) != getattr(run, axis) and state.get(other, 1) == getattr(run, other)
             and state["stages"] == run.stages and state["parts"] == run.parts
-            and state["dp"] == run.dp and state.get("zero_stage", 0) == run.zero_stage == 0
+            and state["dp"] == run.dp and state.get("zero_stage", 0) == run.zero_stage and run.zero_stage in zero
             and state["precision"] == run.precision == "fp32" and state.get("ep", 1) == run.ep == 1
             and run.schedule.engine == "PipelineEngine")
 
@@ -329,6 +331,9 @@ def _load_other_layout(engine, ckpt_dir: Path, tag: str, state: dict, run) -> tu
     if resharded and load_path is not None:
         engine.optimizer.load_state_dict(reshard.optimizer_state(engine.module, ckpt_dir / tag, run, state["tp"],
                                                                  _safe_globals()))
+    elif carried_sp and load_path is not None and run.zero_stage:
+        if not reshard.load_zero1_across_sp(engine, ckpt_dir, tag, state.get("sp", 1)):
+            raise SystemExit(f"mmpipe: error: --resume: {ckpt_dir / tag} lacks ZeRO-1's optimizer files")
     elif carried_sp and load_path is not None:
         engine.optimizer.load_state_dict(_sp_optimizer_state(engine.module, ckpt_dir / tag, state.get("sp", 1)))
     engine.global_steps, engine.global_samples = state["step"], state["samples"]

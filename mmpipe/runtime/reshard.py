@@ -208,3 +208,19 @@ def optimizer_state(pipe, tag_dir: Path, run, saved_tp: int, safe_globals: list)
                                  f"parameter is {tuple(p.shape)}")
         state[i] = entry
     return {"state": state, "param_groups": read(0)["param_groups"]}
+
+
+def load_zero1_across_sp(engine, ckpt_dir: Path, tag: str, saved_sp: int) -> bool:
+    """--resume under a pure SP change at ZeRO-1 (fp32, the same stages, parts and DP, EP 1): this rank's partition of
+    its stage's optimizer from the files SP rank 0 of the stage saved, zero_pp_rank_D_mp_rank_<stage x saved SP>,
+    D = this rank's data-parallel rank (DeepSpeed's model-parallel rank is stage x SP + SP rank, pipe-major). ZeRO-1
+    partitions each SP rank's optimizer over its data axis only, and every SP rank's gradients are the same (summed
+    over SP before the step), so the SP ranks' part D are the same tensors, bit for bit (tests/test_sequence_parallel
+    checks it): DP rank D at the new SP loads the saved part D, through DeepSpeed's own ZeRO loader pointed at that
+    model-parallel rank. False where DeepSpeed finds no such files."""
+    own = engine.checkpoint_mp_rank
+    engine.checkpoint_mp_rank = engine.stage_id * saved_sp
+    try:
+        return engine._load_zero_checkpoint(str(ckpt_dir), tag, load_optimizer_states=True)
+    finally:
+        engine.checkpoint_mp_rank = own
