@@ -1,7 +1,8 @@
 """--objective dpo with --pack (issue 56): a pair's chosen and rejected samples sit in rows 2i / 2i + 1 of one
 micro-batch (the same pairs in the same segment order), balanced rows keep them together, each sample's log-prob is
 the sum over its own tokens (held apart from its row-mates), the precomputed reference equals the live one, and the
-packed PP=2 run (under --schedule zb-h1) equals the single-device loop."""
+packed PP=2 run (under --schedule zb-h1) equals the single-device loop, as do llava-tiny's PP=1 x TP=2 runs in the
+same launch (the live reference with validation, and the precomputed one: docs/dpo.md, --tp)."""
 from __future__ import annotations
 
 import csv
@@ -12,7 +13,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_weights_moved, train_run, write_ds_config
+from conftest import assert_weights_moved, write_ds_config
 from mmpipe.data.batches import StepBatches, micro_batch_indices, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import export_shapes
@@ -24,6 +25,7 @@ from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset, step_balance
 from mmpipe.runtime.reference import train_reference
+from rank_series import launch_series
 from test_dpo import _recorded, validation_want
 
 TOL = 1e-5
@@ -165,29 +167,51 @@ def test_precomputed_equals_live_packed(pairs, tmp_path):
 def test_packed_pipeline_equals_single_device(preset, pairs, tmp_path):
     """PP=2 with packed pairs (the live reference's pass through both stages, balanced rows) under --schedule zb-h1
     (its split backward; the reference pass is DeepSpeed's inference schedule whatever trains; DeepSpeed's own 1F1B
-    is tests/test_dpo.py's launch) == the single-device loop: losses, every step's four rewards and the weights
-    within 1e-5, fp32, the vision tower trained (AdamW eps 1e-5: EPS above); every trained tensor moved."""
+    is tests/test_dpo.py's launch) == the single-device loop: losses, every step's four rewards, validation and the
+    weights within 1e-5, fp32, the vision tower trained (AdamW eps 1e-5: EPS above); every trained tensor moved.
+    llava-tiny's launch runs two PP=1 x TP=2 (1F1B) trains after it in the same ranks (tests/rank_series.py), the
+    same: one with the live reference (its copies split as the layers, its record and the DPO loss vocab-parallel)
+    and validation; one reading `mmpipe score-reference --tp 2`'s file (one process, whole: TP 1's file)."""
     ds_config = _config(tmp_path / "eps.json", EPS)
     run, seen = _recorded(_run(pairs, ds_config, tmp_path, preset=preset))
     model, losses = train_reference(run, seed=3, steps=STEPS, out_dir=str(tmp_path))
     held = export_shapes(tmp_path / "held", "dpo-jsonl", 6, seed=1)  # validation: one sample a row, even packed
-    pp2 = train_run(tmp_path / "pp2", *_args(pairs, ds_config, tmp_path / "pp2", "--stages", "2", "--schedule",
-                                             "zb-h1", "--eval-data", str(held), preset=preset)).check()
-    assert "mmpipe: schedule zb-h1:" in pp2.proc.stdout
-    evals = list(csv.DictReader(open(pp2.out / "eval_log.csv")))
-    want = validation_want(_run(pairs, ds_config, tmp_path / "val", "--eval-data", str(held), preset=preset),
-                           pp2.out, tmp_path / "val")
-    assert int(evals[-1]["eval_tokens"]) == 6 and {k: float(evals[-1][k]) for k in want} == pytest.approx(
-        want, abs=TOL)
-    assert pp2.losses[1] == pytest.approx(math.log(2), abs=TOL)  # step 1: the policy is the reference
-    assert [pp2.losses[s] for s in range(1, STEPS + 1)] == pytest.approx(losses, abs=TOL)
-    for step, row in enumerate(pp2.rows, start=1):  # the engine's mean over the step's GAS micro-batches
+    tp2, val = ("--stages", "1", "--tp", "2"), ("--eval-data", str(held))
+    layouts = {"pp2": ("--stages", "2", "--schedule", "zb-h1", *val), "tp2": (*tp2, *val),
+               "tp2pre": (*tp2, "--reference-logps", str(tmp_path / "score" / "data" / "reference_logps.npz"))}
+    if preset == "llava-tiny":
+        from mmpipe.cli import main
+        assert main(["score-reference", *_args(pairs, ds_config, tmp_path / "score", *tp2)]) == 0
+    names = ["pp2", "tp2", "tp2pre"] if preset == "llava-tiny" else ["pp2"]
+    runs = dict(zip(names, launch_series([(tmp_path / n, _args(pairs, ds_config, tmp_path / n, *layouts[n],
+                                                               preset=preset), {}) for n in names])))
+    assert "mmpipe: schedule zb-h1:" in runs["pp2"].check().proc.stdout
+    want = validation_want(_run(pairs, ds_config, tmp_path / "val", *val, preset=preset), runs["pp2"].out,
+                           tmp_path / "val")
+    for name, got in runs.items():
+        _assert_equals(got.check(), run, seen, losses, model, None if name == "tp2pre" else want)
+    if "tp2" in runs:  # each TP rank saved its half of every split layer (the checkpoint gathered above)
+        assert len(list((runs["tp2"].out / "checkpoints" / f"step{STEPS}").glob("layer_*-model_01-*"))) > 4
+
+
+def _assert_equals(got, run, seen, losses, model, want) -> None:
+    """A launched run's losses, rewards, last validation (want; None: the precomputed reference, no validation) and
+    gathered weights == the single-device loop's (TOL). The precomputed file's log-probs come from one-sample rows,
+    the loop's from packed rows (~1e-7 apart): at step 1 (policy == reference) every reward is that rounding (~1e-8),
+    so its share of pairs with chosen > rejected is a coin flip there (measured 0.28 apart); from step 2 on equal."""
+    evals = list(csv.DictReader(open(got.out / "eval_log.csv"))) if want else [{"eval_tokens": 6}]
+    assert int(evals[-1]["eval_tokens"]) == 6 and {k: float(evals[-1][k]) for k in want or {}} == pytest.approx(
+        want or {}, abs=TOL), got.out
+    assert got.losses[1] == pytest.approx(math.log(2), abs=TOL)  # step 1: the policy is the reference
+    assert [got.losses[s] for s in range(1, STEPS + 1)] == pytest.approx(losses, abs=TOL), got.out
+    for step, row in enumerate(got.rows, start=1):  # the engine's mean over the step's GAS micro-batches
         micro = seen[(step - 1) * run.gas:step * run.gas]
-        assert {k: float(row[k]) for k in REWARDS} == pytest.approx(
-            {k: sum(m[k] for m in micro) / run.gas for k in REWARDS}, abs=TOL), step
-    assert all(abs(float(r["rewards/margins"])) > 100 * TOL for r in pp2.rows[1:])
-    assert pp2.summary["data"]["balance"]["applied"]
-    trained = load_reference(pp2.out / "checkpoints", run.model)
+        keys = [k for k in REWARDS if want or step > 1 or k != "rewards/accuracies"]
+        assert {k: float(row[k]) for k in keys} == pytest.approx(
+            {k: sum(m[k] for m in micro) / run.gas for k in keys}, abs=TOL), (got.out, step)
+    assert all(abs(float(r["rewards/margins"])) > 100 * TOL for r in got.rows[1:])
+    assert got.summary["data"]["balance"]["applied"]
+    trained = load_reference(got.out / "checkpoints", run.model)  # a TP run's shards gathered
     diffs = {k: (v - model.state_dict()[k]).abs().max().item() for k, v in trained.state_dict().items()}
-    assert max(diffs.values()) < TOL, max(diffs.items(), key=lambda kv: kv[1])
+    assert max(diffs.values()) < TOL, (got.out, max(diffs.items(), key=lambda kv: kv[1]))
     assert_weights_moved(trained, ReferenceModel(run.model, seed=3), TOL, no_gradient=("k_proj.bias",))

@@ -204,7 +204,7 @@ def preference_problems(args, data, micro: int) -> list[str]:
     if args.eval_data and args.reference_logps:
         problems.append("--objective dpo: --eval-data with --reference-logps is not supported yet (the validation "
                         "pairs' reference log-probs are not scored; the live reference validates; docs/dpo.md)")
-    for on, what in ((bool(args.eval_split), "--eval-split (it would split pairs)"), (args.tp > 1, "--tp")):
+    for on, what in ((bool(args.eval_split), "--eval-split (it would split pairs)"),):  # --tp: run_config._check_tp
         if on:
             problems.append(f"--objective dpo with {what} is not supported yet (docs/dpo.md)")
     if data is not None and data.builtin:

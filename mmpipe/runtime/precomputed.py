@@ -139,7 +139,7 @@ class PrecomputedReference:
 
 def main_score_reference(ns) -> int:
     """`mmpipe score-reference [train's flags]`: the run's reference log-probs to OUTPUT_DIR/data/reference_logps.npz,
-    beside the data index; one process, the whole model (the stages' layers in one list), fp32."""
+    beside the data index; one process, the whole model (the stages' layers in one list, --tp's too), fp32."""
     from ..config import fail
     from ..data.dataset import index_dir, prepare
     from ..flags import from_namespace, print_plan
@@ -151,7 +151,9 @@ def main_score_reference(ns) -> int:
         if args.objective != "dpo" or args.reference_logps:
             raise ConfigError("score-reference: give --objective dpo without --reference-logps (it scores each "
                               "preference pair's reference log-probs; docs/dpo.md)")
-        run = resolve(args, world_size=requested_stages(args))
+        # train's flags as given, --tp too (one process scores the whole model: log-probs do not depend on TP, so a
+        # TP 1 score serves a --tp run and this file equals TP 1's)
+        run = resolve(args, world_size=requested_stages(args) * max(1, args.tp))
         if ns.dry_run:
             return print_plan(f"score-reference {run.model.name}", data=str(Path(run.data.name).resolve()),
                               reference=run.reference or run.init_from or f"the seed's weights ({args.seed})",
