@@ -212,3 +212,30 @@ def test_front_door_takes_dpo_at_tp_and_refuses_what_is_not_checked(tmp_path, ca
     assert lines[-1] == ("mmpipe: error: --tp: 2 with --objective dpo and --sequence-parallel is not supported yet: "
                          "dpo at --tp is checked in fp32 on dense models with the live, LoRA and precomputed "
                          "references (docs/dpo.md)"), lines
+
+
+def test_planner_counts_a_tp_ranks_reference_copy():
+    """`mmpipe plan --tp 2 --dpo-reference live`: each stage's live copy is one TP rank's trained tensors (the plan's
+    split ones halved, the replicated whole, a stage's tied embedding copy by its vocabulary slice) in bf16: stage 0
+    15,680 B against TP 1's 27,008; and the reference pass's forwards carry TP's all-reduces (on this tiny model their
+    latency outweighs the halved matmuls: 1.10e-6 s against TP 1's 4.1e-7) (llava-tiny, --freeze vision, PP 2, m 8)."""
+    from mmpipe.model.builder import TiedCall
+    from mmpipe.planning.costmodel import KNOWN_DEVICES, Shape
+    from mmpipe.planning.layout import Training, predict_layout
+    cfg, dev, plan = load_preset("llava-tiny"), KNOWN_DEVICES["h100-80gb"], family_of(load_preset("llava-tiny")).tp_plan
+    lay = {(tp, r): predict_layout(cfg, Shape(2, 1, 4, 8, tp=tp), Training("bf16", 0, dev, freeze=("vision",),
+                                                                           reference=r), 32)
+           for tp in (1, 2) for r in ("", "live")}
+    base, live = lay[2, ""], lay[2, "live"]
+    assert live.parts == base.parts and live.step["reference_s"] > lay[1, "live"].step["reference_s"]
+    model = ReferenceModel(cfg, freeze=("vision",))
+    for s, (a, b) in enumerate(zip(base.parts, base.parts[1:])):
+        trained = {}
+        for layer in list(model)[a:b]:
+            module = layer.module if isinstance(layer, TiedCall) else layer
+            dims = split_dims(module, plan, 2)
+            trained.update({id(p): p.numel() // 2 if k in dims else p.numel()
+                            for k, p in module.named_parameters() if p.requires_grad})
+        more = (live.stage_rows[s]["memory_gib"] - base.stage_rows[s]["memory_gib"]) * 2 ** 30
+        whole = (lay[1, "live"].stage_rows[s]["memory_gib"] - lay[1, ""].stage_rows[s]["memory_gib"]) * 2 ** 30
+        assert more == pytest.approx(2 * sum(trained.values()), rel=1e-9) and more < 0.75 * whole, s
