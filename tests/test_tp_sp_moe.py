@@ -35,6 +35,7 @@ MODELS = {"qwen3-vl-moe": ("qwen3-vl-tiny", {"tie_embeddings": False, "moe": MOE
           "moondream": ("tiny", {}),
           # Gemma 4: the per-layer inputs scattered with the row, K/V producers and readers, sandwich norms; its MoE
           # blocks' router and experts beside the dense MLP (the preset's experts, at aux_coef 1)
+          "gemma3": ("gemma3-tiny", {}),
           "gemma4": ("gemma4-tiny", {}),
           "gemma4-moe": ("gemma4-moe-tiny", {"moe": {"aux_coef": 1.0}})}
 COLLECTIVES = ("_all_reduce", "_all_gather", "_reduce_scatter")
@@ -190,6 +191,6 @@ def test_the_front_door_accepts_sequence_parallel_on_them(tmp_path):
     tied["text"]["tie_embeddings"] = True
     (tmp_path / "tied.json").write_text(json.dumps(tied))
     assert sequence_parallel_problems(2, load_preset(str(tmp_path / "tied.json")), None, 0) == []
-    assert sequence_parallel_problems(2, load_preset("gemma3-tiny"), None, 0) == [
-        "--sequence-parallel on gemma3-tiny: its plan has no sequence-parallel form (no SEQUENCE entry scatters "
+    assert sequence_parallel_problems(2, load_preset("tiny-xattn"), None, 0) == [
+        "--sequence-parallel on tiny-xattn: its plan has no sequence-parallel form (no SEQUENCE entry scatters "
         "the decoder's row)"]

@@ -81,7 +81,7 @@ import functools
 import types
 
 from .cross_attention import CrossAttnBlock, CrossAttnTextEmbed
-from .gemma3 import Gemma3Block, Gemma3Embed, Gemma3SlidingBlock
+from .gemma3 import Gemma3Block, Gemma3Embed, Gemma3FinalNorm, Gemma3SlidingBlock
 from .gemma4 import BLOCKS as GEMMA4_BLOCKS
 from .gemma4 import MOE_BLOCKS as GEMMA4_MOE_BLOCKS
 from .gemma4 import Gemma4Embed, Gemma4FinalNorm, Gemma4Head, Gemma4MoeHead, Gemma4TiedMoeHead, gemma4_tied_head
@@ -271,7 +271,9 @@ QWEN3_5_TP_PLAN = {
 # replicated, as LLaVA's: fixed 896-px crops (4096 patches pooled to 256 tokens), 0.4 B of gemma-3-4b's 4.3 B.
 _GEMMA3_BLOCK = {**DECODER, **QK_NORMS}
 GEMMA3_TP_PLAN = {Gemma3Block: _GEMMA3_BLOCK, Gemma3SlidingBlock: _GEMMA3_BLOCK,
-                  Gemma3Embed: {"embed_tokens": VOCAB}, **VOCAB_ENDS}
+                  Gemma3Embed: {"embed_tokens": VOCAB}, **VOCAB_ENDS,
+                  # --sequence-parallel: the sandwich norms on 1/TP of the positions, as any norm of the region
+                  **sequence_plan(Gemma3Embed, (Gemma3Block, Gemma3SlidingBlock), Gemma3FinalNorm)}
 
 
 def _gemma4_block(block) -> dict:

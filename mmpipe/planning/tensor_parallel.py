@@ -207,7 +207,7 @@ def tp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: s
 def sequence_parallel_problems(tp: int, model: ModelConfig | None, data, lora: int) -> list[str]:
     """`--sequence-parallel` (Megatron's, mmpipe.model.tensor_parallel: the decoder's norms and residuals on 1/TP of
     a row's positions) at `tp`: one line per problem. It needs --tp above 1, a plan whose SEQUENCE gives every layer
-    from the decoder embedding on a role (dense and MoE decoder blocks, moondream's; not Gemma's), a row of decoder
+    from the decoder embedding on a role (every built-in plan's but the cross-attention family's), a row of decoder
     positions TP divides (refused, not padded: the row length is --text-len + the image tokens, so the fix is one
     flag), no --lora (an adapter on a row layer would need its own reduce-scatter)."""
     from ..data.packing import row_shape
