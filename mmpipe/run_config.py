@@ -449,9 +449,11 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     """--sp N (docs/sequence_parallel.md): N >= 1; above 1 only for a family whose decoder this slice splits (LLaVA,
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
     and value heads: each rank runs H/N of them after the all-to-all; a row's positions are padded to a multiple of N),
-    and only where it was checked: not with --tp (both take the grid's model axis), fp32 at ZeRO 0 or 1, 1F1B, the SFT
-    objective, no validation (--resume, at this or another SP, MoE with --ep, LoRA without dropout and activation
-    checkpointing are checked)."""
+    and only where it was checked: fp32 at ZeRO 0 or 1, 1F1B, the SFT objective, no validation (--resume, at this or
+    another SP, MoE with --ep, --tp, LoRA without dropout and activation checkpointing are checked). With --tp T the
+    all-to-all trades the heads each TP rank holds, so N divides H / T (and the plan's counts / T); the KV heads a TP
+    rank holds (Hkv / T, or the 1 it uses where T exceeds Hkv) are divided by N or, under --tp, divide it (each then
+    repeated N / Hkv times before the exchange: sequence_parallel.kv_for_sp)."""
     sp, (zero_stage, precision, schedule, _) = args.sp, setup
     if sp < 1:
         problems.append(f"--sp: {sp} must be >= 1")
@@ -463,13 +465,22 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         problems.append(f"--sp: {sp} on {model.name}: the {model.family} family's decoder is not split by position "
                         f"yet: {family.sp_why_not or 'its layers have no sequence-parallel form'} (--sp trains {have})")
         return
-    t = model.text  # a row SP does not divide is padded to a multiple (sequence_parallel.padded_row)
+    t, tp = model.text, max(1, args.tp)  # a row SP does not divide is padded to a multiple (padded_row)
     for what, n in (("attention heads (text.n_heads)", t.n_heads), ("KV heads (text.n_kv_heads)", t.kv_heads),
                     *tp_sizes(model, family.sp_plan)):  # the plan's own (Gated DeltaNet's key and value heads)
-        if n and n % sp:
-            problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}")
+        kv = what.startswith("KV")
+        if not n or (n % tp and not kv):  # (TP not dividing them: --tp's own line)
+            continue
+        mine = n // tp if n % tp == 0 else 1  # a TP rank's share (KV heads fewer than TP ranks: the one it uses)
+        if mine % sp and not (kv and tp > 1 and sp % mine == 0):
+            problems.append(f"--sp: {sp} does not divide {model.name}'s {n} {what}"
+                            + (f" ({mine} a TP rank at --tp {tp}{', nor do they divide it' if kv else ''})"
+                               if tp > 1 else ""))
+    if args.sequence_parallel:
+        problems.append(f"--sp: {sp} with --sequence-parallel: both split the row's positions (Megatron's over the "
+                        f"TP ranks, Ulysses' over the SP ranks) and their exchanges are not composed; use one")
     unchecked = [name for name, on in (
-        ("--tp", args.tp > 1), ("--init-from", bool(args.init_from)),
+        ("--init-from", bool(args.init_from)),
         # every SP rank draws the same masks (one seed), so positions r x L / SP + i would share theirs
         (f"--lora-dropout {args.lora_dropout}", args.lora > 0 and args.lora_dropout > 0),
         (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),

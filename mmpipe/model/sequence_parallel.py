@@ -53,7 +53,7 @@ from .qwen3_5 import (
 from .qwen3_vl import DEEPSTACK_ADDS, DeepstackAdd, Qwen3Block, Qwen3Embed
 from .sp_tower import LLAVA_TOWER, QWEN2_VL_TOWER, QWEN3_TOWER, TOWER, split_tower
 from .stage import unpack_in, unpack_out
-from .tensor_parallel import SIZES, Shard, at_reduce_grads, reduce_from_tp, sum_gradients
+from .tensor_parallel import SIZES, Shard, at_reduce_grads, enter_tp, reduce_from_tp, sum_gradients, vocab_parallel_ce
 
 
 def padded(length: int, shard: Shard) -> int:
@@ -115,8 +115,19 @@ class UlyssesMask(Split):
         return out.transpose(1, 2)
 
     def attend(self, q, k, v):
+        k, v = (kv_for_sp(x, self.shard) for x in (k, v))
         out = self.exchange(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0)  # [B, L / SP, H, Dh]
         return out.transpose(1, 2)
+
+
+def kv_for_sp(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """k or v [B, Hkv, L / SP, Dh] with fewer kv heads than SP ranks (Hkv dividing SP; under --tp Hkv is the TP rank's
+    own, Hkv / TP or the 1 it uses where TP exceeds Hkv) -> [B, SP, L / SP, Dh], each kv head repeated SP / Hkv times
+    in place, so the all-to-all gives SP rank s kv head s // (SP / Hkv): the one its query heads s x H/SP .. read
+    (GQA's grouping, as a kv weight fewer than TP's ranks is replicated). Its gradient sums the copies. E.g. qwen-tiny
+    at TP 2 x SP 2: 1 kv head a TP rank, both SP ranks get it. x itself where SP divides Hkv."""
+    heads = x.shape[1]
+    return x if heads % shard.size == 0 else x.repeat_interleave(shard.size // heads, 1)
 
 
 def _sliced_geometry(block: LlamaBlock, shard: Shard):
@@ -243,11 +254,18 @@ def moe_deltanet_by_heads(layer, shard: Shard) -> None:  # an MoE Gated DeltaNet
     layer.mlp.forward = _sliced_router(layer.mlp, shard)
 
 
+def _tp_tiled(hidden: torch.Tensor, weight: torch.Tensor, tp: Shard | None) -> TiledLogits:
+    """TiledLogits of a head's hidden and weight; under --tp (tp: the vocab-split weight's shard) the hidden enters
+    the TP region (its gradient, each TP rank's vocabulary share, summed over TP) and the tiles' loss is the
+    vocab-parallel cross-entropy of this rank's V / TP rows."""
+    return TiledLogits(hidden if tp is None else enter_tp(hidden, tp), weight, shard=tp)
+
+
 def tiled_head(layer, shard: Shard) -> None:  # noqa: ARG001 (a plan entry's signature)
     """An untied head (LMHeadLinear, MoeHead: its `lm_head` projection) returns TiledLogits, its hidden and weight, not
     logits: sp_loss tiles them."""
     proj = layer.lm_head
-    proj.forward = lambda hidden: TiledLogits(hidden, proj.weight)
+    proj.forward = lambda hidden: _tp_tiled(hidden, proj.weight, getattr(proj, "tp_shard", None))
 
 
 def tiled_tied_head(head: functools.partial, shard: Shard) -> functools.partial:  # noqa: ARG001
@@ -260,7 +278,7 @@ def tiled_tied_head(head: functools.partial, shard: Shard) -> functools.partial:
     def forward(embed, args):
         weight = embed.embed_tokens.weight
         _, aux = split_aux(fn(SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight[:0])), args))
-        tiled = TiledLogits(args[0], weight)
+        tiled = _tp_tiled(args[0], weight, getattr(embed.embed_tokens, "tp_shard", None))
         return tiled if aux is None else (tiled, aux)
     forward.__wrapped__ = getattr(fn, "__wrapped__", fn)
     return functools.partial(forward, *head.args, **head.keywords)
@@ -292,7 +310,9 @@ def parallelize_sequence(layers, shard: Shard, plan: dict) -> list:
     done, out = set(), []
     for layer in layers:
         if isinstance(layer, functools.partial):
-            how = plan.get(layer.func) or plan.get(type(layer.func))
+            inner = getattr(layer.func, "__wrapped__", None)  # under --tp a head function wrapped by tensor_parallel
+            how = (plan.get(layer.func) or plan.get(type(layer.func)) or plan.get(inner, None)
+                   or plan.get(type(inner)))
             out.append(how(layer, shard) if how else layer)
             continue
         out.append(layer)
@@ -347,20 +367,25 @@ class TiledLogits:
     projection's weight [V, D]; sp_loss computes the LossNorm-weighted cross-entropy from them a tile at a time
     (TiledCrossEntropy). Not a tuple: split_aux takes it as the logits of a head without an aux loss."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, tile: int | None = None):
-        self.hidden, self.weight = hidden, weight
-        self.tile = tile or tile_positions(weight.shape[0])
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, tile: int | None = None, shard: Shard | None = None):
+        self.hidden, self.weight, self.shard = hidden, weight, shard  # shard: a vocab-split weight's (--tp), or None
+        self.tile = tile or tile_positions(weight.shape[0])  # (under TP a tile holds V / TP logits a position)
 
     def loss(self, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over positions of cross-entropy x weight (lm_loss's LossNorm form), fp32."""
-        return TiledCrossEntropy.apply(self.hidden, self.weight, labels, weights, self.tile)
+        return TiledCrossEntropy.apply(self.hidden, self.weight, labels, weights, self.tile, self.shard)
 
 
-def _tile_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One tile's sum of cross-entropy x weight: h [n, D], labels / weights [n] (lm_loss's arithmetic, fp32)."""
+def _tile_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               shard: Shard | None = None) -> torch.Tensor:
+    """One tile's sum of cross-entropy x weight: h [n, D], labels / weights [n] (lm_loss's arithmetic, fp32); under
+    --tp (shard) over the TP group's whole vocabulary from this rank's rows of it (vocab_parallel_ce: the same value on
+    every TP rank, its gradient this rank's logits')."""
     # cross_entropy's default ignore_index, -100, is builder.IGNORE_INDEX (not imported: builder -> lora ->
     # tensor_parallel -> this module would be a cycle)
-    ce = F.cross_entropy(F.linear(h, weight).float(), labels, reduction="none")
+    logits = F.linear(h, weight).float()
+    ce = (F.cross_entropy(logits, labels, reduction="none") if shard is None else
+          vocab_parallel_ce(logits[None], labels[None], shard, weight.shape[0] * shard.size, -100)[0])
     return (ce * weights).sum()
 
 
@@ -371,13 +396,13 @@ class TiledCrossEntropy(torch.autograd.Function):
     gradient, tile x V each."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, tile):
+    def forward(ctx, hidden, weight, labels, weights, tile, shard=None):
         ctx.save_for_backward(hidden, weight, labels, weights)
-        ctx.tile = tile
+        ctx.tile, ctx.shard = tile, shard
         h, y, w = hidden.flatten(0, 1), labels.flatten(), weights.flatten()
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, h.shape[0], tile):
-            total += _tile_loss(h[s:s + tile], weight, y[s:s + tile], w[s:s + tile])
+            total += _tile_loss(h[s:s + tile], weight, y[s:s + tile], w[s:s + tile], shard)
         return total
 
     @staticmethod
@@ -391,13 +416,13 @@ class TiledCrossEntropy(torch.autograd.Function):
                 h_t = h[s:s + ctx.tile].requires_grad_(grad_h is not None)
                 w_t = weight.detach().requires_grad_(grad_w is not None)
                 wanted = [x for x in (h_t, w_t) if x.requires_grad]
-                got = iter(torch.autograd.grad(_tile_loss(h_t, w_t, y[s:s + ctx.tile], w[s:s + ctx.tile]), wanted,
-                                               grad) if wanted else ())
+                got = iter(torch.autograd.grad(_tile_loss(h_t, w_t, y[s:s + ctx.tile], w[s:s + ctx.tile], ctx.shard),
+                                               wanted, grad) if wanted else ())
             if grad_h is not None:
                 grad_h[s:s + ctx.tile] = next(got)
             if grad_w is not None:
                 grad_w += next(got)
-        return (None if grad_h is None else grad_h.view_as(hidden)), grad_w, None, None, None
+        return (None if grad_h is None else grad_h.view_as(hidden)), grad_w, None, None, None, None
 
 
 def sum_gradients_at_step(engine, shard: Shard) -> None:

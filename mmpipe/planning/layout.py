@@ -294,4 +294,4 @@ def predict_layout(cfg: ModelConfig, shape: Shape, training: Training, text_len:
     t = training
     rows = layer_costs(cfg, t.freeze, text_len, t.checkpointing, images=images, patches=patch_row(cfg, images, budget))
     # at TP > 1 one TP rank's rows, at SP > 1 one SP rank's of those
-    return plan_layout(sp_layer_costs(cfg, tp_layer_costs(cfg, rows, shape.tp), shape.sp), shape, t)
+    return plan_layout(sp_layer_costs(cfg, tp_layer_costs(cfg, rows, shape.tp), shape.sp, shape.tp), shape, t)

@@ -53,7 +53,7 @@ from .partition import compute_parts
 from .report import budget_words, print_json, print_plan
 from .request import PLAN_SCHEDULES, PlanRun, PlanSpec, cpu_device, device_from_args, resolve
 from .schedule_registry import BASELINE, DUALPIPEV, asked
-from .sequence_parallel import sp_layer_costs
+from .sequence_parallel import sp_divides, sp_layer_costs
 from .tensor_parallel import tp_layer_costs
 from .vpairs import describe_pairs
 
@@ -152,8 +152,10 @@ def plan(spec: PlanSpec) -> list[Layout]:
     profiles = ({m: profile_layers(s.cfg, s.text_len, m, s.precision, images=s.images) for m in s.micros}
                 if s.profile else {})
     layouts = []
-    for tp, sp in [(tp, sp) for tp in s.tps for sp in s.sps if s.gpus % (tp * sp) == 0]:
-        rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, whole, tp, s.sequence_parallel), sp)
+    # (a TP x SP pair train refuses, SP not dividing the heads a TP rank holds, is not planned: sp_divides)
+    for tp, sp in [(tp, sp) for tp in s.tps for sp in s.sps if s.gpus % (tp * sp) == 0 and sp_divides(s.cfg, tp, sp)
+                   and not (sp > 1 and s.sequence_parallel)]:  # (--sequence-parallel with --sp: refused too)
+        rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, whole, tp, s.sequence_parallel), sp, tp)
         gpus = s.gpus // (tp * sp)
         for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
             dp = gpus // stages
@@ -291,7 +293,8 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
     rule = family_of(s.cfg).fixed_first_stage
     if rule is None or best is None or best.stages < 2:
         return ""
-    rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, layer_table(s), best.tp, s.sequence_parallel), best.sp)
+    rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, layer_table(s), best.tp, s.sequence_parallel), best.sp,
+                          best.tp)
     first = rule(layer_specs(s.cfg))
     shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep, best.tp, best.sp)
     # its own memory per stage: stage index + 1; the cut on the mean row (--data's load prices whole splits)

@@ -26,7 +26,8 @@ Each layer's rows at SP s are its rows at SP 1 as one SP rank holds and runs the
                 so the step's all-reduce runs over dp x s ranks (pipeline_step_seconds' dp)
 
 SP shares the node with TP (tp x sp must divide the GPUs per node: both collectives sit on every block's critical
-path) and needs the heads and KV heads divided (each rank attends with H / s of them).
+path) and needs the heads and KV heads divided (each rank attends with H / s of them); under TP the heads a TP rank
+holds, H / tp (sp_divides: the pairs `mmpipe train --tp --sp` takes), and its all-to-all carries that rank's heads.
 """
 from __future__ import annotations
 
@@ -48,32 +49,45 @@ def _head(cfg: ModelConfig, r: LayerCost) -> bool:
     return r.name == "LMHead" and r.out_elems == r.tokens * cfg.text.vocab_size
 
 
-def _tiled_head(cfg: ModelConfig, whole: LayerCost, r: LayerCost, sp: int) -> LayerCost:
+def _tiled_head(cfg: ModelConfig, whole: LayerCost, r: LayerCost, sp: int, tp: int = 1) -> LayerCost:
     """The head's row r at SP `sp` (whole: at SP 1) under the tiled loss: all but its fp32 logits / sp as any layer's
-    (r has that), and of the logits one tile's, min(tile_positions(V), L / sp) positions x the rank's logit width (V;
-    a TP rank's share of it at TP > 1, which --sp does not train with). Per sample: a micro-batch's tile spans its
+    (r has that), and of the logits one tile's, min(tile_positions(V / tp), L / sp) positions x the rank's V / tp
+    (whole: one TP rank's rows at tp > 1; a tile is as many bytes at any TP). Per sample: a micro-batch's tile spans its
     micro x L / sp positions, so micro x this is an upper bound on the tile for micro > 1. E.g. qwen3-vl-8b at
     L = 133,376, sp 2: 4096 x 66,688 bf16 hidden + 1,767 x 151,936 fp32 logits = 0.5 GiB + 1.0 GiB a sample."""
     logits = min(whole.act_fp32_elems, whole.out_elems)  # the fp32 logits (LM_HEAD's 2 L statistics beside them)
-    tile = min(tile_positions(cfg.text.vocab_size), whole.tokens / sp) * logits / whole.tokens
+    tile = min(tile_positions(cfg.text.vocab_size // tp), whole.tokens / sp) * logits / whole.tokens
     return dataclasses.replace(r, act_elems=(whole.act_elems - logits) / sp + tile,
                                act_fp32_elems=(whole.act_fp32_elems - logits) / sp + tile)
 
 
-def sp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], sp: int) -> list[LayerCost]:
-    """rows (at SP 1, or one TP rank's) as one SP rank of `sp` holds and runs them (module docstring); sp = 1: rows
-    unchanged. The all-to-all elements per sample go in sp_a2a; the head keeps the tiled loss's (_tiled_head)."""
+def sp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], sp: int, tp: int = 1) -> list[LayerCost]:
+    """rows (at SP 1, or one TP rank's at `tp`) as one SP rank of `sp` holds and runs them (module docstring); sp = 1:
+    rows unchanged. The all-to-all elements per sample go in sp_a2a: under TP a rank exchanges its own heads, D / tp
+    of q and its kv heads (Hkv / tp, or the 1 it uses where tp exceeds Hkv), repeated up to sp where fewer
+    (mmpipe.model.sequence_parallel.kv_for_sp). The head keeps the tiled loss's (_tiled_head; under TP its tiles
+    are of the rank's V / tp logits, the vocab-parallel loss a tile at a time)."""
     if sp == 1:
         return rows
     t = cfg.text
-    kv = t.kv_heads * (t.dim // t.n_heads)
+    kv_heads = t.kv_heads // tp if t.kv_heads % tp == 0 else 1
+    kv = (kv_heads if kv_heads % sp == 0 else sp) * (t.dim // t.n_heads)
     split = [dataclasses.replace(
         r, fwd_flops=r.fwd_flops / sp, bwd_flops=r.bwd_flops / sp, w_flops=r.w_flops / sp,
         act_elems=r.act_elems / sp, act_fp32_elems=r.act_fp32_elems / sp, out_elems=r.out_elems / sp,
         carried_elems=(r.carried_elems - r.carried_fp32_elems) / sp + r.carried_fp32_elems,  # moe_stats: whole
         tp_ar_fwd=r.tp_ar_fwd / sp, tp_ar_bwd=r.tp_ar_bwd / sp,
-        sp_a2a=(2 * t.dim + 2 * kv) * r.tokens / sp if _attention_block(r) else 0.0) for r in rows]
-    return [_tiled_head(cfg, whole, r, sp) if _head(cfg, whole) else r for whole, r in zip(rows, split)]
+        sp_a2a=(2 * t.dim / tp + 2 * kv) * r.tokens / sp if _attention_block(r) else 0.0) for r in rows]
+    return [_tiled_head(cfg, whole, r, sp, tp) if _head(cfg, whole) else r for whole, r in zip(rows, split)]
+
+
+def sp_divides(cfg: ModelConfig, tp: int, sp: int) -> bool:
+    """`mmpipe train --tp tp --sp sp` takes cfg's decoder (run_config._check_sp's rule): sp divides the attention heads
+    a TP rank holds, H / tp, and its KV heads (Hkv / tp, or 1 where tp exceeds Hkv) are divided by sp or, under TP,
+    divide it."""
+    t = cfg.text
+    kv = t.kv_heads // tp if t.kv_heads % tp == 0 else 1
+    return (t.n_heads // tp) % sp == 0 and (kv % sp == 0 or (tp > 1 and sp % kv == 0))
 
 
 def sp_seconds(rows: list[LayerCost], parts: list[int], micro: int, precision: str, sp: int, device: Device

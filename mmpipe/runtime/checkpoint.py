@@ -304,7 +304,9 @@ def _pure_change(state: dict, run, axis: str) -> bool:
     saved partition: reshard.load_zero1_across_sp)."""
     other = "sp" if axis == "tp" else "tp"
     zero = (0, 1) if axis == "sp" else (0,)
-    return (state.get(axis, 1) != getattr(run, axis) and state.get(other, 1) == getattr(run, other)
+    # (the other axis at 1: under --tp x --sp a stage's optimizer files are numbered (stage x SP + SP rank) x TP + TP
+    # rank, which neither reader follows yet, so the moments restart there)
+    return (state.get(axis, 1) != getattr(run, axis) and state.get(other, 1) == getattr(run, other) == 1
             and state["stages"] == run.stages and state["parts"] == run.parts
             and state["dp"] == run.dp and state.get("zero_stage", 0) == run.zero_stage and run.zero_stage in zero
             and state["precision"] == run.precision == "fp32" and state.get("ep", 1) == run.ep == 1

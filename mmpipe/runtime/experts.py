@@ -44,6 +44,7 @@ included) and any DP it divides.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -52,11 +53,10 @@ from ..model.moe import Experts
 
 
 def _coordinates(topo) -> list[dict]:
-    """Each (stage, TP coordinate) of the grid, as topology keywords: {pipe} alone without a model axis."""
-    stages = topo.get_dim("pipe")
-    if "model" not in topo.get_axis_names():
-        return [dict(pipe=s) for s in range(stages)]
-    return [dict(pipe=s, model=t) for s in range(stages) for t in range(topo.get_dim("model"))]
+    """Each coordinate of the grid's axes but data (pipe; model under --tp; seq and model under --sp), as topology
+    keywords, in one order on every rank: {pipe} alone on DeepSpeed's PipeDataParallelTopology."""
+    axes = [a for a in topo.get_axis_names() if a != "data"]
+    return [dict(zip(axes, at)) for at in itertools.product(*(range(topo.get_dim(a)) for a in axes))]
 
 
 def shard_experts(layers, topo, ep: int) -> tuple[list[tuple[torch.nn.Parameter, object]], object]:
@@ -65,7 +65,7 @@ def shard_experts(layers, topo, ep: int) -> tuple[list[tuple[torch.nn.Parameter,
     shard, the EP group). Collective over the world (every rank creates every group, in one order)."""
     dp, me = topo.get_dim("data"), dist.get_rank()
     ep_group = edp_group = None
-    for at in _coordinates(topo):  # each stage's, and each TP coordinate's under --tp, groups of its DP ranks
+    for at in _coordinates(topo):  # each stage's, and each TP / SP coordinate's, groups of its DP ranks
         for b in range(dp // ep):
             ranks = [topo.get_rank(**at, data=b * ep + i) for i in range(ep)]
             group = dist.new_group(ranks)

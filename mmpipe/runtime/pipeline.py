@@ -2,11 +2,13 @@
 Only floats cross its stage boundaries (mmpipe.runtime.wire, mmpipe.model.stage)."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
-from deepspeed.pipe import PipelineModule
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 
 from ..model.builder import apply_freeze, bind_layer_fields, layer_specs
 from ..model.lora import add_adapters
@@ -32,16 +34,10 @@ class VLMPipeline(PipelineModule):
     def __init__(self, run: RunConfig, seed: int):
         self.__dict__["_mmpipe_parts"] = list(run.parts)  # read by _partition_layers inside super().__init__
         self.__dict__["wire_ints"] = None  # the running micro-batch's integer tensors (set per ForwardPass)
-        # --tp: DeepSpeed's own grid with its model axis (ranks pipe-major, TP fastest: rank = (pipe x dp + data) x
-        # tp + model), so the engine's DP all-reduce runs over the data axis only and its TP group is the grid's
-        # slice group. Without TP: num_stages alone, DeepSpeed's PipeDataParallelTopology as before.
-        # --sp takes the same model axis (docs/sequence_parallel.md: DeepSpeed's grid and tie groups know no other
-        # axis), so --sp with --tp is refused and run.tp x run.sp is one of them.
-        mp = run.tp * run.sp
-        topology = PipeModelDataParallelTopology(num_pp=run.stages, num_mp=mp, num_dp=run.dp) if mp > 1 else None
+        topology = grid_topology(run)
         super().__init__(
             layers=layer_specs(run.model),
-            num_stages=None if topology else run.stages, topology=topology,
+            num_stages=None if topology else run.stages, topology=topology,  # (sets self._topo, self._grid)
             loss_fn=run.objective.loss,  # what the last stage trains on (mmpipe.model.objectives)
             partition_method="mmpipe",
             # layer i is built under seed + i, exactly as ReferenceModel builds it. DeepSpeed also calls
@@ -54,10 +50,17 @@ class VLMPipeline(PipelineModule):
                 "activation_checkpoint_interval", 0)),
             checkpointable_layers=[c.__name__ for c in family_of(run.model).checkpointable],  # DeepSpeed wants names
         )
-        self.tp = run.tp
+        self.tp, self.sp = run.tp, run.sp
+        self._seq_group = seq_group(self._topo)  # --sp: this rank's SP group (None without); collective
+        if "seq" in self._topo.get_axis_names():
+            # DeepSpeed's ZeRO-1 and bf16 norms count an unmarked parameter where the grid's tensor-parallel rank
+            # (bwc_tensor_model_parallel_rank: the model coordinate) is 0, and every weight is replicated over seq
+            # too: the grid answers the rank within seq x model, 0 on (seq 0, model 0) alone (measured: ZeRO-1 DP 2 x
+            # SP 2 clipped, step 2's loss 1.1e-2 off with the model coordinate, which counts each SP rank's copy)
+            at = self._topo.get_coord(self.global_rank)
+            self._grid.get_tensor_model_parallel_rank = lambda: at.seq * run.tp + at.model
         if run.tp > 1:  # every layer was built whole under its seed above; keep this rank's slices
             self._split_tensors(run)
-        self.sp = run.sp
         if run.sp > 1:  # each SP rank keeps its slice of the row's positions (mmpipe.model.sequence_parallel)
             self._split_sequence(run)
         for _ in self.each_part():  # this rank's layer list(s): one, or DualPipeV's two (mmpipe.runtime.dualpipev)
@@ -84,7 +87,12 @@ class VLMPipeline(PipelineModule):
         # after the first ds_pipe_replicated (its ZeRO/fp16 norms skip them; the fp32 clip does not),
         # and an unmarked copy off stage 0 is not counted, so the tied weight counts once.
         # Under --tp the same rule per TP slice, a replicated weight counted on TP rank 0 only (mark_norm_counting).
+        # Under --sp every weight is replicated over the seq axis too (DeepSpeed's group is then stages x SP x TP):
+        # counted on SP rank 0 only, each TP slice there once.
         mark_norm_counting(self.parameters(), self._grid.get_slice_parallel_rank())
+        if self._seq_rank():
+            for p in self.parameters():
+                p.model_parallel = False
         # a tiling the layers drop is read from the images themselves by the layer that drops it (moondream's
         # multi-crop, read by its Projector: mmpipe.families.CROP_TILING); a later stage holding it loads images too.
         # The dynamic families keep theirs to the head, from the index: no image opened (mmpipe.runtime.wire)
@@ -133,28 +141,59 @@ class VLMPipeline(PipelineModule):
     def _tp_shard(self) -> Shard:
         return Shard(self._grid.get_slice_parallel_group(), self._grid.get_slice_parallel_rank(), self.tp)
 
+    def _seq_rank(self) -> int:
+        """This rank's coordinate on the grid's seq axis (its SP rank; 0 without --sp)."""
+        return getattr(self._topo.get_coord(self.global_rank), "seq", 0)
+
     def _sp_shard(self) -> Shard:
-        return Shard(self._grid.get_slice_parallel_group(), self._grid.get_slice_parallel_rank(), self.sp)
+        return Shard(self._seq_group, self._seq_rank(), self.sp)
+
+    def _index_tied_modules(self):
+        """DeepSpeed's tie groups (called in PipelineModule.__init__), one per coordinate of every axis but pipe. Its
+        own loops over (data, model) alone and asks stage_to_global for the rest, which keeps the caller's seq
+        coordinate: seq 0 and seq 1 would pass different rank lists to the same dist.new_group. On the seq grid each
+        (data, seq, model) coordinate's stages holding a tied module form its group: the copies of one SP x TP rank
+        tied across stages, as DeepSpeed ties one TP rank's."""
+        if "seq" not in self._topo.get_axis_names() or self._topo.get_dim("pipe") == 1:
+            return super()._index_tied_modules()
+        comms, specs = {}, self._layer_specs
+        others = [a for a in self._topo.get_axis_names() if a != "pipe"]
+        for key in sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}):  # every rank, one order
+            stages = sorted({self.stage_owner(i) for i, s in enumerate(specs)
+                             if isinstance(s, TiedLayerSpec) and s.key == key})
+            for at in itertools.product(*(range(self._topo.get_dim(a)) for a in others)):
+                ranks = [self._topo.get_rank(pipe=st, **dict(zip(others, at))) for st in stages]
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
+                                  "module": self.tied_modules[key]}
+                    if self.global_rank != ranks[0]:  # counted once (DeepSpeed's mark, read by the norms)
+                        for p in self.tied_modules[key].parameters():
+                            p.ds_pipe_replicated = True
+        return comms
 
     def _split_sequence(self, run: RunConfig) -> None:
         """--sp: the embedding keeps this rank's slice of each row, the decoder blocks attend through DeepSpeed's
         all-to-all, the loss reads this rank's slice of the labels (mmpipe.model.sequence_parallel)."""
         shard = self._sp_shard()
+        # (under --tp the head's weight is its vocab slice: its tiles take the vocab-parallel loss)
         layers = parallelize_sequence([*self.tied_modules.values(), *self.forward_funcs], shard,
                                       family_of(run.model).sp_plan)
         self.forward_funcs[:] = layers[len(self.tied_modules):]  # a tied head's partial comes back tiled
         self.loss_fn = sp_loss(self.loss_fn, shard)
 
-    # --sp: the layer files hold whole layers, the same on every SP rank, so SP rank 0 writes them under the names a
-    # run without SP uses (DeepSpeed would name one copy per model-axis coordinate: layer_XX-model_RR-...), and every
-    # SP rank reads those: load_reference and a run at another SP read them as their own.
+    # --sp: the layer files hold whole layers (or under --tp this TP rank's slices), the same on every SP rank, so SP
+    # rank 0 writes them under the names a run without SP uses (layer_XX-model_states.pt, under --tp
+    # layer_XX-model_TT-model_states.pt; DeepSpeed would add the seq coordinate: layer_XX-seq_SS-model_TT-...), and
+    # every SP rank reads those: load_reference, reshard and a run at another SP read them as their own.
     def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
         if self.sp == 1:
             return super().ckpt_layer_path(ckpt_dir, local_layer_idx)
-        return os.path.join(ckpt_dir, f"layer_{local_layer_idx + self._local_start:02d}-model_states.pt")
+        tp = f"-model_{self._grid.get_slice_parallel_rank():02d}" if self.tp > 1 else ""
+        return os.path.join(ckpt_dir, f"layer_{local_layer_idx + self._local_start:02d}{tp}-model_states.pt")
 
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-        if self.sp == 1 or self._grid.get_slice_parallel_rank() == 0:
+        if self._seq_rank() == 0:
             super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
@@ -212,6 +251,32 @@ class VLMPipeline(PipelineModule):
         self.parts = self._mmpipe_parts
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def grid_topology(run: RunConfig):
+    """The engine's grid (DeepSpeed's PipelineParallelGrid takes any ProcessTopology), ranks pipe-major, the innermost
+    axis fastest. Without TP or SP: None (num_stages alone, DeepSpeed's PipeDataParallelTopology). --tp:
+    PipeModelDataParallelTopology, axes (pipe, data, model), rank = (pipe x DP + data) x TP + model. --sp (with or
+    without --tp): axes (pipe, data, seq, model), rank = ((pipe x DP + data) x SP + seq) x TP + model: TP innermost
+    (Megatron's order: TP ranks closest, inside a node). What DeepSpeed builds from it is per axis: the DP all-reduce
+    over 'data' (one group per (pipe, seq, model)), p2p sends between stages of one (data, seq, model), its slice
+    group (the TP group, get_slice_parallel_group) over 'model', and its model-parallel group (the norm's sum) over
+    every rank of one data coordinate; the SP groups come from 'seq' (seq_group), the tie groups from every
+    coordinate (VLMPipeline._index_tied_modules). E.g. PP 1 x SP 2 x TP 2: TP groups {0, 1}, {2, 3}, SP groups
+    {0, 2}, {1, 3}."""
+    if run.sp > 1:
+        return ProcessTopology(axes=["pipe", "data", "seq", "model"], dims=[run.stages, run.dp, run.sp, run.tp])
+    return PipeModelDataParallelTopology(num_pp=run.stages, num_mp=run.tp, num_dp=run.dp) if run.tp > 1 else None
+
+
+def seq_group(topo):
+    """Collective (every rank creates every group, in one order): this rank's SP group, the ranks of its (pipe, data,
+    model) coordinate along 'seq'; None on a grid without that axis."""
+    mine = None
+    for ranks in topo.get_axis_comm_lists("seq") if "seq" in topo.get_axis_names() else ():
+        group = dist.new_group(ranks=ranks)
+        mine = group if dist.get_rank() in ranks else mine
+    return mine
 
 
 def pipeline_class(schedule) -> type:
