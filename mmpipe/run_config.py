@@ -397,8 +397,9 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     """--tp N (docs/tensor_parallel.md): N >= 1; above 1 only for a family with a tensor-parallel plan whose text
     sizes N divides (heads and KV heads whole on a rank, or kv heads a divisor of N; equal vocabulary and FFN
     slices; an MoE model's expert FFN widths, the plan's SIZES), and only where it was checked: fp32 at ZeRO 0 or 1
-    (so --ep takes its fp32 path), bf16 at ZeRO 0 or 1 on a dense model (DeepSpeed's BF16_Optimizer: the TP sum acts
-    on its buffers, tests/test_tensor_parallel.py), 1F1B, with activation checkpointing, LoRA (no adapter dropout)
+    (so --ep takes its fp32 path), bf16 at ZeRO 0 or 1 (DeepSpeed's BF16_Optimizer: the TP sum acts on its buffers,
+    tests/test_tensor_parallel.py; an MoE model's expert groups under --ep clip by the norm of every TP slice,
+    tests/test_tp_moe_bf16.py), 1F1B, with activation checkpointing, LoRA (no adapter dropout)
     and validation (tests/test_tp_combos.py), --init-from (each rank reads its slices: tests/test_tp_import.py); each
     combination not checked refused with its reason in one line."""
     tp, (_, precision, schedule, _) = args.tp, setup  # ZeRO 0 or 1 and checkpointing: all checked
@@ -423,8 +424,6 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
             ("precision fp16 is not supported yet: DeepSpeed's fp16 ZeRO-1 optimizer under TP (its loss scaler's "
              "overflow vote, its norm) is not checked against a reference: this CPU has no fp16 kernels",
              precision == "fp16"),
-            ("precision bf16 on an MoE model is not supported yet: DeepSpeed's bf16 MoE parameter groups under TP are "
-             "not checked (dense models are)", precision == "bf16" and family_of(model).experts(model) is not None),
             (f"schedule {schedule} is not supported yet: its deferred weight gradients (mmpipe.runtime.schedule) "
              f"replace the split linears' forwards, dropping their TP all-reduces", schedule.split_backward),
             (f"schedule {schedule} is not supported yet: only 1F1B is checked under TP",

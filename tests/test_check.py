@@ -240,6 +240,10 @@ def test_links_time_the_all_to_all_of_each_ep_group(tmp_path):
     run = SimpleNamespace(model=cfg, stages=1, dp=2, ep=2, tp=1, sp=1, micro=2, gas=1, precision="fp32", zero_stage=0,
                           schedule="1f1b", layers=rows, parts=[0, len(rows)])
     assert links.all_to_all_bytes(run, 0) == 2 * 88 * 2 * 64 * 4 == 90_112
+    # a bf16 cut after the last DeepStack add: the hidden [88, 64] at 2 B and moe_stats [2, 8] at 4 B (route_stats'
+    # fp32 in every precision, as the planner counts it), micro 2: 22,656 B, not 22,592 at 2 B for all
+    cut = SimpleNamespace(**{**vars(run), "stages": 2, "precision": "bf16", "parts": [0, 16, len(rows)]})
+    assert links.boundary_bytes(cut, 0) == 2 * (88 * 64 * 2 + 2 * 8 * 4) == 2 * rows[15].boundary_bytes("bf16")
     assert all_to_all(rows, run.parts, 2, "fp32", 2, DEVICE)[0]["bytes"] == 2 * 4 * 90_112
     out = tmp_path / "rows.json"
     mp.start_processes(_links_rank, args=(str(tmp_path / "store"), run, str(out)), nprocs=2, start_method="fork")

@@ -99,10 +99,13 @@ def _pingpong(a: int, b: int, t: torch.Tensor, slow: float) -> float | None:
 
 
 def boundary_bytes(run: RunConfig, stage: int) -> int:
-    """What stage `stage` sends forward per micro-batch: micro x the boundary layer's output (positions x dim)."""
+    """What stage `stage` sends forward per micro-batch: micro x the boundary layer's output (positions x dim) and the
+    fields carried past it, in bytes as the planner counts them (costmodel's boundary_bytes: an MoE model's moe_stats
+    travel as fp32 in every precision, route_stats' dtype, the rest at the precision's)."""
     last = run.layers[run.parts[stage + 1] - 1]
-    elems = last.boundary_elems or decoder_length(run) * run.model.text.dim
-    return int(run.micro * elems) * DTYPES[run.precision].itemsize
+    if last.boundary_elems:
+        return int(run.micro * last.boundary_bytes(run.precision))
+    return int(run.micro * decoder_length(run) * run.model.text.dim) * DTYPES[run.precision].itemsize
 
 
 def _models(topo) -> list[dict]:

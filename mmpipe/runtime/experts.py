@@ -214,7 +214,16 @@ def install(engine, shards: list, dp: int, ep_group) -> None:
 
 def _install_bf16(engine) -> None:
     from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE
+    from deepspeed.utils import groups
     engine.has_moe_layers = False  # checkpoints: the pipeline's layer files, not DeepSpeed's per-expert ones
+    # --tp: each TP rank's shards are its F / TP slices of its experts. DeepSpeed 0.19.8's norm of an MoE group
+    # (runtime/utils.py get_global_norm_of_tensors, moe_ep_group set) sums the squares over the pipeline's stages
+    # and the EP group only, unless expert tensor parallelism is on (groups.expert_tensor_parallel_world_size > 1):
+    # then over the model-parallel group, stages x TP. Left at 1, each TP rank clipped by a norm holding its own
+    # slices' experts (qwen3-vl MoE tiny, TP 2 x EP 2: the experts' norm 24-33% under the model's, the TP ranks'
+    # global norms 7e-7 apart, so their replicated weights drifted apart). Nothing else DeepSpeed runs for
+    # mmpipe reads it (only its own sharded_moe layers do).
+    groups.expert_tensor_parallel_world_size = getattr(engine.module, "tp", 1)
     reduce = engine._bf16_reduce_grads
 
     def _bf16_reduce_grads():
