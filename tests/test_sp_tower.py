@@ -66,7 +66,9 @@ def _row(cfg, family: str, g: torch.Generator) -> StageTuple:
     else:
         ids, seg = _layout([[t * h * w // 4 for t, h, w in GRIDS[0]], [8]])
         pixels = torch.randn(2, P, cfg.vision.patch_dim, generator=g)
-        tiling = torch.tensor(GRIDS)
+        # a 4th column as a clip's time step rides (qwen2_vl.time_steps: 0.5's float32 bits), kept through the split
+        step = torch.tensor([0.5]).view(torch.int32).long()
+        tiling = torch.cat([torch.tensor(GRIDS), step.expand(2, 2, 1)], -1)
     ids[ids == -1] = cfg.image_token_id
     has_image = torch.tensor([[1, 2], [1, 0]])
     return StageTuple(pixels, ids, has_image, seg, **({} if tiling is None else {"tiling": tiling}))
@@ -92,7 +94,7 @@ def _real_tokens(t: StageTuple, family: str, feats: StageTuple) -> torch.Tensor:
     """bool over the tower's output tokens [B, T] (LLaVA [B x M, N]) that a placeholder reads."""
     if family == "llava":
         return (t.has_image.flatten() > 0)[:, None].expand(feats.hidden.shape[:2])
-    n = (t.tiling.prod(-1) * (t.has_image > 0)).sum(-1) // 4
+    n = (t.tiling[..., :3].prod(-1) * (t.has_image > 0)).sum(-1) // 4
     return torch.arange(feats.hidden.shape[1])[None] < n[:, None]
 
 
@@ -126,6 +128,8 @@ def _check(preset: str, shard: Shard) -> dict:
     d = {f"feats.{k}": _gap(getattr(feats_l, k)[real], getattr(feats, k)[real])
          for k in feats.names if getattr(feats, k).is_floating_point()}
     d["shapes"] = float(any(getattr(feats_l, k).shape != getattr(feats, k).shape for k in feats.names))
+    d["ints"] = float(any(not torch.equal(getattr(feats_l, k), getattr(feats, k)) for k in feats.names
+                          if not getattr(feats, k).is_floating_point()))  # tiling, has_image decoded exactly
     d["out"] = (out_l - local(out, shard, 1)).abs().max().item()
     named = [(f"{i}.{k}", p) for i, m in enumerate(whole) for k, p in m.named_parameters()]
     got = dict((f"{i}.{k}", p) for i, m in enumerate(split) for k, p in m.named_parameters())
@@ -158,5 +162,6 @@ def test_tower_split_by_images_equals_the_whole_tower(tmp_path):
         for r in (0, 1):
             d = ranks[r][preset]["diffs"]
             assert d.pop("shapes") == 0.0, (preset, "the gathered features keep the whole tower's shapes")
+            assert d.pop("ints") == 0.0, (preset, "the row's integer tensors come back as they were")
             assert ranks[r][preset]["grads"] > 10, (preset, "the whole run's gradients reach the tower")
             assert len(d) > 10 and max(d.values()) < TOL, (preset, r, {k: v for k, v in d.items() if v >= TOL})
