@@ -79,9 +79,6 @@ class Assignment:
     rows: list[torch.Tensor]
     tokens: list[torch.Tensor]
 
-    def patches(self) -> list[int]:
-        return [len(r) for r in self.rows]
-
 
 def _cat(parts: list[torch.Tensor], device) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
