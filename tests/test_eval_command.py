@@ -167,7 +167,17 @@ def test_eval_llava_family_and_refusals(tmp_path, data, capsys):
     lines, summary = read(out)
     assert [x["answer"] for x in lines] == one_at_a_time(model, held, 3)
     assert summary["n"] == N_HELD + 1 and summary["bad_records"] == 1 and lines[-1]["has_image"] is False
+    # a record of two images: eval scores one a record and has no --max-images, so its reason names what takes more
+    first = json.loads(held.read_text().splitlines()[0])
+    two = dict(first, image=[first["image"]] * 2, conversations=[
+        {"from": "human", "value": "<image> and <image>\nwhat shape is red"}, {"from": "gpt", "value": "circle"}])
+    (tmp_path / "two.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(two) + "\n")
     capsys.readouterr()
+    assert mmpipe_eval("--checkpoint", str(tmp_path), "--data", str(tmp_path / "two.jsonl"), "--image-root",
+                       str(held.parent), "--out", str(tmp_path / "two" / "answers.jsonl"), "--dry-run") == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "too_many_images:" in ln]
+    assert line.endswith(":2: too_many_images: 2 images > 1 (mmpipe eval scores records of one image; training's "
+                         "validation takes more: mmpipe train --eval-data FILE --max-images N)"), line
     for argv, start in [
         (["--checkpoint", str(tmp_path / "nope"), "--data", str(held)], "--checkpoint:"),
         (["--checkpoint", str(tmp_path), "--data", str(tmp_path / "nope.jsonl")], "--data:"),

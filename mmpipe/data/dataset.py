@@ -53,6 +53,7 @@ class DataOptions:
     image_text: str | None = None  # what an image marker becomes in the text (mmpipe.data.text.image_text)
     pairs: bool = False  # --objective dpo: records are preference pairs, two samples each (mmpipe.data.preference)
     balance: bool = True        # --balance on: a packed step's rows spread by predicted cost (mmpipe.data.balance)
+    limit_by: str = ""          # what fixes record_images where no flag of the command does (mmpipe eval), image_limit
 
     @property
     def record_images(self) -> int:
@@ -65,7 +66,10 @@ class DataOptions:
     def image_limit(self) -> str:
         """record_images and what sets it, as too_many_images' reason and the front door's --pack line both say it:
         --max-images N only where that flag is the limit; under --pack alone the rows' M image slots are not (the
-        index they are read from keeps one image a record), nor for a family without <image> markers."""
+        index they are read from keeps one image a record), nor for a family without <image> markers; limit_by: a
+        command without the flag (mmpipe eval) says what does."""
+        if self.limit_by:
+            return f"{self.record_images} ({self.limit_by})"
         if self.markers and not self.auto_slots:
             return f"--max-images {self.max_images}"
         return "1 (" + ("--pack alone packs one-image samples; --max-images N takes records of up to N" if self.markers

@@ -159,6 +159,10 @@ def _question_type(samples, row: int) -> str | None:
     return value
 
 
+EVAL_IMAGES = ("mmpipe eval scores records of one image; training's validation takes more: mmpipe train --eval-data "
+               "FILE --max-images N")
+
+
 def _checked(args: argparse.Namespace):
     """(model config, where its weights are, DataOptions), resolved without reading a weight, or ConfigError."""
     for name, low in (("batch_size", 1), ("max_new_tokens", 1), ("top_k", 0)):
@@ -173,7 +177,8 @@ def _checked(args: argparse.Namespace):
     cfg, weights, own_tokenizer = resolve_checkpoint(Path(args.checkpoint))
     # one image a record, every slot of it where its kind cuts it into several (image_slots)
     data_args = DataArgs(**{name: getattr(args, name) for name in DATA_FLAGS}, max_images=image_slots(cfg))
-    opts = resolve_data(data_args, cfg, run_tokenizer=own_tokenizer)
+    # too_many_images names what sets the limit: eval has no --max-images (a record's images are its own to change)
+    opts = dataclasses.replace(resolve_data(data_args, cfg, run_tokenizer=own_tokenizer), limit_by=EVAL_IMAGES)
     if len(opts.tokenizer) > cfg.text.vocab_size:
         raise ConfigError(f"--tokenizer: {len(opts.tokenizer)} tokens but the model's vocabulary has "
                           f"{cfg.text.vocab_size}; give the tokenizer the run was trained with")
