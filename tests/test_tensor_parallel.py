@@ -5,7 +5,8 @@ column / row, the tied and the untied head) gives the whole layers' outputs and 
 families of patches (mmpipe.model.tp_plans: split towers, DeepStack mergers, Gated DeltaNet) give their whole
 models'; their launches are tests/test_tensor_parallel_families.py. Then one launch:
 llava-tiny at PP=2 x TP=2 (4 CPU ranks) equals the single-device reference, losses and gathered weights 1e-5,
-with gradient clipping engaged. And the refusals, one line each."""
+with gradient clipping engaged; in the same launch (tests/rank_series.py) gemma3-tiny at PP=2 x TP=2 likewise. And
+the refusals, one line each."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
+from rank_series import launch_series
 
 TOL = 1e-5
 STEPS = 3
@@ -544,9 +546,19 @@ SP = ("--pack", "--sequence-parallel")
 
 
 @pytest.fixture(scope="module")
-def pp2_tp2(tmp_path_factory, tp_config):
-    return train_run(tmp_path_factory.mktemp("pp2tp2"), *_argv(tp_config, "--stages", "2", "--tp", "2",
-                                                                 "--save-every", "2", *SP)).check()
+def pp2_tp2_runs(tmp_path_factory, tp_config):
+    """The PP=2 x TP=2 runs (4 ranks), one launch (tests/rank_series.py): llava-tiny with --sequence-parallel on
+    packed rows (checkpointed at step 2 too: the resume's cut), then gemma3-tiny (GEMMA)."""
+    runs = [(tmp_path_factory.mktemp("pp2tp2"), _argv(tp_config, "--stages", "2", "--tp", "2", "--save-every", "2",
+                                                      *SP), {}),
+            (tmp_path_factory.mktemp("gemma3_pp2tp2"), _argv(_gemma_config(tp_config), *GEMMA, "--stages", "2",
+                                                             "--tp", "2"), {})]
+    return dict(zip(("llava", "gemma3"), launch_series(runs)))
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2(pp2_tp2_runs):
+    return pp2_tp2_runs["llava"].check()
 
 
 def test_pp2_tp2_equals_single_device(pp2_tp2, tp_config):
@@ -575,6 +587,41 @@ def test_pp2_tp2_equals_single_device(pp2_tp2, tp_config):
     # k_proj's bias adds q.b_k to every score of a row, which softmax cancels: its gradient is rounding noise, and
     # Adam moves it by ~noise / eps (test_pipeline_equivalence's note): compared above, not required to move
     assert_weights_moved({k: v for k, v in got.state_dict().items() if "k_proj.bias" not in k}, init, TOL)
+
+
+# gemma3-tiny (Gemma 3's plan, tp_plans: sliding and global blocks split as Qwen3's decoder, the per-head q / k
+# RMSNorms summed over TP, the sqrt(D)-scaled embedding by vocabulary, the tied head on its vocab slice, the SigLIP
+# tower and projector replicated) at the planner's cut, on the shapes set (its default)
+GEMMA = ("--preset", "gemma3-tiny")
+
+
+def _gemma_config(tp_config):
+    """tp_config (clip engaged, AdamW eps 1e-4) at lr 4e-3: at 5e-4 the tower's q / k and position table moved 5.1e-5
+    .. 9.2e-5 in 3 steps (< 10 x TOL), at 4e-3 every tensor > 1e-4 but the tower's key biases, whose gradient softmax
+    cancels (0.0, as llava's)."""
+    ds = json.loads(tp_config.read_text())
+    ds["optimizer"]["params"]["lr"] = 4e-3
+    path = tp_config.parent / "gemma.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def test_gemma3_pp2_tp2_equals_single_device(pp2_tp2_runs, tp_config):
+    """gemma3-tiny at PP=2 x TP=2 (issue 54's "every family"; Gemma 3's plan checked whole in process by
+    test_family_plan_splits_the_whole_model_exactly) == the single-device loop, clipped at CLIP: each step's loss and
+    the weights gathered from the TP shards within TOL, every trained tensor moved > 10 x TOL."""
+    run = pp2_tp2_runs["gemma3"].check()
+    assert (run.summary["stages"], run.summary["tp"]) == (2, 2)
+    ref_model, ref_losses = _reference(_gemma_config(tp_config), CLIP, *GEMMA)
+    assert sorted(run.losses) == list(range(1, STEPS + 1))
+    assert list(run.losses.values()) == pytest.approx(ref_losses, abs=TOL), (run.losses, ref_losses)
+    cfg = ref_model.cfg
+    got, ref = load_reference(run.out / "checkpoints", cfg).state_dict(), ref_model.state_dict()
+    diff = {k: (v - ref[k]).abs().max().item() for k, v in got.items()}
+    print(f"gemma3-tiny PP=2 x TP=2 against the single device: losses "
+          f"{max(abs(run.losses[s] - x) for s, x in enumerate(ref_losses, 1)):.1e}, weights {max(diff.values()):.1e}")
+    assert max(diff.values()) < TOL, {k: d for k, d in diff.items() if d >= TOL}
+    assert_weights_moved(got, ReferenceModel(cfg, seed=SEED).state_dict(), TOL, no_gradient=("k_proj.bias",))
 
 
 def test_a_tp_checkpoint_holds_one_file_per_tp_rank_and_layer(pp2_tp2):
