@@ -194,3 +194,19 @@ def test_the_front_door_accepts_sequence_parallel_on_them(tmp_path):
     assert sequence_parallel_problems(2, load_preset("tiny-xattn"), None, 0) == [
         "--sequence-parallel on tiny-xattn: its plan has no sequence-parallel form (no SEQUENCE entry scatters "
         "the decoder's row)"]
+
+
+def test_the_planner_counts_what_each_tp_rank_carries():
+    """`mmpipe plan --tp` on Gemma 4 with K/V sharing: each TP rank carries its own kv heads' K/V fields (the plan's
+    CARRIED widths; gemma-4-e4b: 2 kv heads, 1 a rank at TP 2), and with --sequence-parallel its positions' share of
+    the per-layer inputs the embedding scatters; the layer after the last K/V producer of a 1282-position row."""
+    from mmpipe.planning.costmodel import layer_costs
+    from mmpipe.planning.tensor_parallel import tp_layer_costs
+    cfg = load_preset("gemma-4-e4b")
+    t, rows = cfg.text, layer_costs(cfg, (), 1024)
+    i = max(range(len(rows)), key=lambda k: rows[k].carried_elems)
+    kv = sum(2 * t.layer_kv_heads(s) * t.layer_head_dim(s) for s in (True, False)) * rows[i].tokens  # both fields
+    ple = t.n_layers * t.ple_dim * rows[i].tokens
+    assert rows[i].carried_elems == kv + ple
+    assert tp_layer_costs(cfg, rows, 2)[i].carried_elems == kv / 2 + ple
+    assert tp_layer_costs(cfg, rows, 2, sequence=True)[i].carried_elems == kv / 2 + ple / 2

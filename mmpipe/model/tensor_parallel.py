@@ -105,6 +105,9 @@ MARKS = (COLUMN, ROW, VOCAB, KV, REPLICATED, SUMMED, HEADS, KV_HEADS, ENTRY)
 SIZES = "sizes"  # a plan's key beside its classes: cfg -> ((what, count), ..) that TP must divide
 SEQUENCE = "sequence"  # a plan's key: {layer class / head function: SCATTER or POSITIONS} (--sequence-parallel)
 SCATTER, POSITIONS, ADDS = "scatter", "positions", "adds"
+# a plan's key: {stage field name: (cfg, tp) -> its floats a position on one TP rank}, for a carried per-position field
+# that holds the rank's heads (Gemma 4's K/V: its kv heads), so that the planner counts what each rank carries
+CARRIED = "carried"
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ from .qwen3_5 import DeltaNetBlock, DeltaNetMoeBlock, GatedAttentionBlock, Gated
 from .qwen3_vl import DEEPSTACK_ADDS, DEEPSTACK_MERGERS, Qwen3Block, Qwen3Embed, Qwen3Merger, Qwen3VisionBlock
 from .tensor_parallel import (
     ADDS,
+    CARRIED,
     COLUMN,
     ENTRY,
     HEADS,
@@ -310,6 +311,14 @@ def _route_positions(block, shard: Shard) -> None:
 ROUTE_POSITIONS = Own(_route_positions, lambda block: {})
 
 
+def _kv_width_at(sliding: bool, cfg, tp: int) -> int:
+    """A shared K/V field's floats a position on one TP rank: 2 x its kv heads (H_kv / TP; 1 where fewer than TP,
+    the rank's one) x Dh, e.g. gemma-4-e4b's full layers at TP 2: 2 x 2 / 2 x 512 = 1024 of 2048."""
+    t = cfg.text
+    kv = t.layer_kv_heads(sliding)
+    return 2 * (kv // tp if kv % tp == 0 else 1) * t.layer_head_dim(sliding)
+
+
 def _gemma4_sizes(cfg) -> tuple:
     t = cfg.text
     return moe_sizes(cfg) + ((("per-layer input vocabulary (text.ple_vocab)", t.ple_vocab),) if t.ple_dim else ())
@@ -331,6 +340,7 @@ GEMMA4_TP_PLAN = {
     Gemma4Head: {"lm_head": VOCAB}, gemma4_tied_head: {"": VOCAB},
     Gemma4MoeHead: {"lm_head": VOCAB}, Gemma4TiedMoeHead: {"": VOCAB},
     SIZES: _gemma4_sizes,
+    CARRIED: {"kv_sliding": functools.partial(_kv_width_at, True), "kv_full": functools.partial(_kv_width_at, False)},
     **sequence_plan(Gemma4Embed, (*GEMMA4_BLOCKS.values(), *GEMMA4_MOE_BLOCKS.values()), Gemma4FinalNorm,
                     heads=(Gemma4Head, gemma4_tied_head, Gemma4MoeHead, Gemma4TiedMoeHead)),
 }

@@ -132,8 +132,36 @@ def tp_layer_costs(cfg: ModelConfig, rows: list[LayerCost], tp: int, sequence: b
     (module docstring: the plan's POSITIONS layers keep 1/TP of everything)."""
     if tp == 1:
         return rows
-    return [_sequence_row(cfg, r, _rank_row(cfg, r, s, tp), s, tp) if sequence else _rank_row(cfg, r, s, tp)
+    rows = [_sequence_row(cfg, r, _rank_row(cfg, r, s, tp), s, tp) if sequence else _rank_row(cfg, r, s, tp)
             for r, s in zip(rows, layer_splits(cfg, tp))]
+    return _carried(cfg, rows, tp, sequence)
+
+
+def _carried(cfg: ModelConfig, rows: list[LayerCost], tp: int, sequence: bool) -> list[LayerCost]:
+    """Each row's carried fields (costmodel._carry) as one TP rank carries them: a field of the plan's CARRIED
+    (Gemma 4's K/V, the rank's kv heads) at its width at tp; under --sequence-parallel a per-position field the
+    decoder embedding makes with the row (Gemma 4's per-layer inputs, scattered with it: tensor_parallel._scattered)
+    on 1/TP of the positions. A per-position field's positions are the row's (r.tokens of a decoder layer). E.g.
+    gemma-4-e4b (2 kv heads), 1282 positions, after its last K/V producer: 17.72 M floats carried at TP 1, 15.75 M a
+    rank at TP 2 (the K/V fields halved), 8.86 M with SP (the per-layer inputs, 42 x 256 a position, halved too);
+    gemma-4-e2b's one kv head stays whole on each rank."""
+    from ..model.stage import live_fields
+    from ..model.tensor_parallel import CARRIED, SCATTER, SEQUENCE
+    family = family_of(cfg)
+    widths, roles = family.tp_plan.get(CARRIED, {}), family.tp_plan.get(SEQUENCE, {}) if sequence else {}
+    specs = layer_specs(cfg)
+    outs = live_fields(family.fields(cfg), [s.typename for s in specs])[1:]
+    out = []
+    for r, fields in zip(rows, outs):
+        less = 0.0
+        for f in (f for f in fields if f.floating and f.per_position):
+            whole = f.per_position(cfg) * r.tokens
+            if f.name in widths:
+                less += whole - widths[f.name](cfg, tp) * r.tokens
+            elif roles.get(f.made_by) == SCATTER:
+                less += whole * (1 - 1 / tp)
+        out.append(dataclasses.replace(r, carried_elems=r.carried_elems - less) if less else r)
+    return out
 
 
 def _sequence_row(cfg: ModelConfig, whole: LayerCost, r: LayerCost, s: Split, tp: int) -> LayerCost:
