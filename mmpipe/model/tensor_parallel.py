@@ -63,7 +63,8 @@ positions (rank r: positions r*L/TP .. (r+1)*L/TP - 1 of a row of L, dim 1 of [B
     SCATTER     the decoder embedding: its output hidden (the vocab lookup's all-reduce, the images placed: the whole
                 row on every rank) leaves split, this rank's positions (Megatron's scatter_to_sequence_parallel_region:
                 the slice forward, an all-gather of the row's gradient backward, so the vocab table and the tower
-                see every position's gradient)
+                see every position's gradient), and so does any per-position float field it makes (Gemma 4's
+                per-layer inputs)
     POSITIONS   a layer on this rank's positions (the decoder blocks, the final norm, the head): the same marks, with
                 each edge of its TP regions moved: an entry (an `entry` module, a column / kv linear's own copy, a
                 vocab head's input) all-gathers the row (its backward a reduce-scatter of the gradient), where
