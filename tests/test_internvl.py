@@ -264,6 +264,27 @@ def test_image_over_its_tile_cap_is_one_line(tmp_path, capsys):
     assert main(train) == 0
 
 
+def test_pack_alone_fits_the_crop_budget_to_the_context(tmp_path, capsys):
+    """--pack without --max-images: the data gives the row its image slots M (packed_image_slots), and T, which
+    follows them, is fitted to the context at --text-len as --max-images M's default is. internvl-tiny (context 512,
+    5 crops of 4 positions an image at its cap) on the built-in set: at --text-len 200, M = 23 took T = 115 crops, a
+    row of 706 positions; now (512 - 200 - 46) // 4 = 66 crops, 510. At --text-len 400 even one crop an image (45 x 6
+    = 270 positions) overflows it: one line, exit 2."""
+    from conftest import refused
+    from mmpipe.data.image_kinds import image_kind
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
+    argv = ["--preset", "internvl-tiny", "--stages", "1", "--pack", "--steps", "1", "--output-dir", str(tmp_path)]
+    run = resolve(TrainArgs.from_argv([*argv, "--text-len", "200"]), world_size=1)
+    d = run.data
+    assert (d.max_images, d.vision_budget) == (23, 66)
+    assert image_kind(run.model).sample_positions(run.model, 23, 66) + 200 == 510 <= run.model.text.max_context
+    err = refused([*argv, "--text-len", "400"], capsys)
+    assert err == ["mmpipe: error: --pack: the data gives each row 45 image slots (--max-images not given), at least "
+                   "270 image positions (one crop each); with --text-len 400 over text.max_context 512: give a "
+                   "smaller --text-len or --max-images"], err
+
+
 # InternVL3.5's published totals (vision + language, billions; https://internvl.readthedocs.io/en/latest/internvl3.5/
 # quick_start.html, the model cards), rounded as published; the MoE sizes' active parameters too
 PUBLISHED = {"1b": 1.1, "2b": 2.3, "4b": 4.7, "8b": 8.5, "14b": 15.1, "38b": 38.4, "30b-a3b": 30.8, "241b-a28b": 240.7}

@@ -193,7 +193,10 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
     text = sum(len(enc.ids) for enc, _ in sizes)
     images = sum(int(n) for _, n in sizes)
     slots = max(1, round(images * opts.text_len / text))
-    budget = image_kind(cfg).follow(cfg, slots, sizes) if opts.auto_budget else opts.vision_budget
+    kind = image_kind(cfg)
+    budget = kind.follow(cfg, slots, sizes) if opts.auto_budget else opts.vision_budget
+    if opts.auto_budget and hasattr(kind, "packed_budget"):  # InternVL: T the context holds, else one line
+        budget = kind.packed_budget(cfg, slots, opts.text_len)
     return dataclasses.replace(opts, max_images=slots, vision_budget=budget)
 
 
