@@ -30,7 +30,7 @@ import numpy as np
 from ..config import ConfigError
 from .index import DataIndex
 from .records import BadRecord
-from .samples import IndexedSamples
+from .samples import EvalSet, IndexedSamples
 from .sources import DataSpec, Source, open_source
 
 SIDES = ("chosen", "rejected")
@@ -173,12 +173,19 @@ def shares_images(cfg) -> bool:
     return (cfg.family, cfg.fusion) in SHARED_IMAGE_FAMILIES
 
 
+def _record(samples, pos: int) -> int:
+    """The preference record of stream position pos: index entries 2j / 2j + 1 of a pair_cut index are PairSource
+    records 2i / 2i + 1, both record i. A validation set (EvalSet) repeats its sample 0 past its end."""
+    if isinstance(samples, EvalSet):
+        samples, pos = samples.samples, (pos if pos < samples.size else 0)
+    return int(samples.index.rows[samples.entry(pos)]) // 2
+
+
 def same_pairs(samples, chosen: list[int], rejected: list[int]) -> bool:
-    """Whether two rows' samples (stream positions) are the same pairs' chosen and rejected sides, in the same order:
-    index entries 2j / 2j + 1 of a pair_cut index are PairSource records 2i / 2i + 1, one preference record i."""
-    rows = samples.index.rows
-    sides = [(int(rows[samples.entry(c)]), int(rows[samples.entry(r)])) for c, r in zip(chosen, rejected)]
-    return len(chosen) == len(rejected) and all(c % 2 == 0 and r == c + 1 for c, r in sides)
+    """Whether two rows' samples (stream positions) come from the same preference records in the same order (the
+    chosen and rejected sides of the same pairs, or a validation set's padding), so their images are the same."""
+    return len(chosen) == len(rejected) and all(_record(samples, c) == _record(samples, r)
+                                                for c, r in zip(chosen, rejected))
 
 
 def write_jsonl(path, records: list[dict]) -> None:

@@ -16,7 +16,8 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
                 train: bool = True) -> Dataset:
     """first: the rank reads images; last: labels (and, when train, loss weights). train=False
     (validation, the bench peers): unpacked rows, labels alone (validation divides its loss sum by
-    the set's tokens; the peers take the per-micro-batch mean)."""
+    the set's tokens; the peers take the per-micro-batch mean). Pairs share their images in every one (training, the
+    reference pass and validation alike: the floats a stage sends keep one shape through a run, mmpipe.runtime.wire)."""
     shape = run_shape(run)
     plan = RowPlan(sample_size(samples, shape), shape, pack=run.pack and train, unit=pair_unit(run))
     norm = (LossNorm(run.loss_norm, run.train_batch, run.gas, run.dp, answer_counts(samples, plan))
