@@ -359,6 +359,10 @@ def test_pp2_sp2_equals_single_device(sp_families, name):
     tag = (ckpt / "latest").read_text().strip()
     assert not list((ckpt / tag).glob("layer_*-model_0*")), "SP's layer files are whole layers, named as without SP"
     model = torch.nn.Sequential(*load_reference(ckpt, ref_model.cfg))
+    ref = ref_model.state_dict()
+    print(f"{name} PP=2 x SP=2 against the single device: losses "
+          f"{max(abs(run.losses[s] - x) for s, x in enumerate(ref_losses, 1)):.1e}, weights "
+          f"{max((v - ref[k]).abs().max().item() for k, v in model.state_dict().items()):.1e}")
     _weights_equal_within(model, ref_model, TOL)
     init = ReferenceModel(ref_model.cfg, seed=SEED).state_dict()
     assert_weights_moved(model.state_dict(), init, TOL)  # every trained tensor > 10 x TOL
