@@ -304,9 +304,7 @@ def _pure_change(state: dict, run, axis: str) -> bool:
     saved partition: reshard.load_zero1_across_sp)."""
     other = "sp" if axis == "tp" else "tp"
     zero = (0, 1) if axis == "sp" else (0,)
-    # (the other axis at 1: under --tp x --sp a stage's optimizer files are numbered (stage x SP + SP rank) x TP + TP
-    # rank, which neither reader follows yet, so the moments restart there)
-    return (state.get(axis, 1) != getattr(run, axis) and state.get(other, 1) == getattr(run, other) == 1
+    return (state.get(axis, 1) != getattr(run, axis) and state.get(other, 1) == getattr(run, other)
             and state["stages"] == run.stages and state["parts"] == run.parts
             and state["dp"] == run.dp and state.get("zero_stage", 0) == run.zero_stage and run.zero_stage in zero
             and state["precision"] == run.precision == "fp32" and state.get("ep", 1) == run.ep == 1
@@ -317,7 +315,9 @@ def _sp_optimizer_state(pipe, tag_dir: Path, saved_sp: int) -> dict:
     """--resume under a pure SP change: this stage's SP rank 0 optimizer (mp_rank_<stage x saved SP>: DeepSpeed's
     model-parallel rank is stage x SP + SP rank). SP splits positions, not parameters, and the gradients are summed
     over SP before the step, so every SP rank's AdamW state is the same tensors, bit for bit, whole at any SP."""
-    path = Path(tag_dir) / f"mp_rank_{pipe.stage_id * saved_sp:02d}_model_states.pt"
+    tp_rank = pipe._grid.get_slice_parallel_rank() if pipe.tp > 1 else 0  # under --tp: this TP rank's slices
+    ss = reshard.model_rank(pipe.stage_id, saved_sp, pipe.tp, tp_rank)
+    path = Path(tag_dir) / f"mp_rank_{ss:02d}_model_states.pt"
     with torch.serialization.safe_globals(_safe_globals()):
         return torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
 

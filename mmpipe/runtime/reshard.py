@@ -164,6 +164,13 @@ def _layer_key(pipe, name: str) -> tuple[int, str]:
     return next(i for i, s in enumerate(pipe._layer_specs) if isinstance(s, TiedLayerSpec) and s.key == tie), key
 
 
+def model_rank(stage: int, sp: int, tp: int, tp_rank: int = 0) -> int:
+    """DeepSpeed's model-parallel rank (a stage file's SS, mp_rank_SS_...) of SP rank 0's TP rank `tp_rank` of `stage`:
+    the grid is pipe-major, then seq, TP innermost (runtime.pipeline.grid_topology), SS = (stage x SP + 0) x TP + TP
+    rank; every SP rank's optimizer is the same (gradients summed over SP before the step), so SP rank 0's serves."""
+    return stage * sp * tp + tp_rank
+
+
 def optimizer_state(pipe, tag_dir: Path, run, saved_tp: int, safe_globals: list) -> dict:
     """--resume under a pure TP change (fp32, ZeRO 0, the same stages, parts, DP and EP 1): this rank's AdamW state
     dict from the saved stage's TP ranks' optimizers (mp_rank_SS_model_states.pt, SS = stage x saved TP + TP rank:
@@ -173,7 +180,8 @@ def optimizer_state(pipe, tag_dir: Path, run, saved_tp: int, safe_globals: list)
     from ..registry import family_of
     plan, tp = family_of(run.model).tp_plan, run.tp
     rank = pipe._grid.get_slice_parallel_rank() if tp > 1 else 0
-    files = [Path(tag_dir) / f"mp_rank_{pipe.stage_id * saved_tp + s:02d}_model_states.pt" for s in range(saved_tp)]
+    files = [Path(tag_dir) / f"mp_rank_{model_rank(pipe.stage_id, run.sp, saved_tp, s):02d}_model_states.pt"
+             for s in range(saved_tp)]  # (SP rank 0's, under --sp)
     opened: dict[int, dict] = {}
 
     def read(s: int) -> dict:
@@ -219,7 +227,9 @@ def load_zero1_across_sp(engine, ckpt_dir: Path, tag: str, saved_sp: int) -> boo
     checks it): DP rank D at the new SP loads the saved part D, through DeepSpeed's own ZeRO loader pointed at that
     model-parallel rank. False where DeepSpeed finds no such files."""
     own = engine.checkpoint_mp_rank
-    engine.checkpoint_mp_rank = engine.stage_id * saved_sp
+    tp = engine.module.tp  # under --tp this TP rank's part D of SP rank 0's
+    engine.checkpoint_mp_rank = model_rank(engine.stage_id, saved_sp, tp,
+                                           engine.grid.get_slice_parallel_rank() if tp > 1 else 0)
     try:
         return engine._load_zero_checkpoint(str(ckpt_dir), tag, load_optimizer_states=True)
     finally:
