@@ -315,6 +315,23 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return F.linear(x, weight, bias) if token is None else _GatheredLinear.apply(x, weight, bias, token)
 
 
+def _local(module: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """A split linear's own matmul, between its collectives: x W^T (+ b), or what a split-backward schedule put in
+    its place (module.tp_local(x, bias): mmpipe.runtime.schedule defers its weight gradient from B to W; the copy /
+    all-reduce / gather / reduce-scatter around it stay where they are, so the deferred g^T x reads this rank's x and
+    g)."""
+    local = getattr(module, "tp_local", None)
+    if local is not None:
+        return local(x, bias)
+    return _linear(x, module.weight, module.bias if bias else None)
+
+
+def gathered_rows(token: _Row) -> torch.Tensor:
+    """The row an entry gathered under SP, gathered again from this rank's positions (a split-backward schedule's W:
+    its deferred weight gradients read the row, which the forward did not keep)."""
+    return _all_gather(token.local.detach(), token.shard)
+
+
 class _Row:
     """The row an entry gathered under SP, for the backward of the linears reading it: its positions (local) and, once
     the first of them asks, the row re-gathered, kept until the last of them (users) has used it."""
@@ -353,11 +370,11 @@ class _GatheredLinear(torch.autograd.Function):
 
 
 def _column_forward(self, x):
-    return _linear(_entered(self, x), self.weight, self.bias)
+    return _local(self, _entered(self, x))
 
 
 def _row_forward(self, x):
-    y = leave_tp(F.linear(x, self.weight), self.tp_shard)
+    y = leave_tp(_local(self, x, bias=False), self.tp_shard)
     return y if self.bias is None else y + self.bias
 
 
@@ -378,7 +395,7 @@ def _kv_heads(layer: nn.Module, items: dict, linear: str) -> int:
 
 
 def _one_kv_head_forward(self, x):
-    y = _linear(_entered(self, x), self.weight, self.bias)
+    y = _local(self, _entered(self, x))
     width = self.out_features // self.tp_kv_heads  # head_dim
     head = self.tp_shard.rank // (self.tp_shard.size // self.tp_kv_heads)
     return y.narrow(-1, head * width, width)

@@ -33,6 +33,7 @@ predicted per-stage times.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ..model.tensor_parallel import gathered_rows
 from ..planning.schedule_registry import ZB_H1, Schedule
 from ..planning.schedules import Op, simulate, stage_orders, stage_streams
 
@@ -125,40 +127,51 @@ class WeightStash:
 
 
 class _DeferredLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward returns dL/dx only and stashes (x, dL/dy) for W.
+    """y = x W^T (+ b) whose backward returns dL/dx only and stashes (x, dL/dy) for W.
 
     The weight and bias are not inputs of the graph (no AccumulateGrad in B); `anchor`, a 0-element
-    leaf, keeps y on the graph when x itself needs no gradient (the first linear of stage 0)."""
+    leaf, keeps y on the graph when x itself needs no gradient (the first linear of stage 0). bias:
+    whether b is in this product (a row-parallel linear adds its bias after the TP all-reduce: autograd
+    takes its gradient in B). token: a row an entry gathered under Megatron's sequence parallelism
+    (tensor_parallel._Row): x is kept as this rank's positions, and W gathers the row again, as the
+    split linear's own backward would (tensor_parallel._GatheredLinear)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, module, stash):
-        ctx.module, ctx.stash = module, stash
-        ctx.save_for_backward(x)
-        return F.linear(x, module.weight, module.bias)
+    def forward(ctx, x, anchor, module, stash, bias, token):
+        ctx.module, ctx.stash, ctx.bias, ctx.token = module, stash, bias, token
+        ctx.save_for_backward(x if token is None else token.local)
+        return F.linear(x, module.weight, module.bias if bias else None)
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         if ctx.stash.current is None:
             raise RuntimeError("mmpipe: a deferred linear ran backward outside a BackwardInput instruction")
-        ctx.stash.current.append((ctx.module, x.detach(), grad_out.detach()))
+        ctx.stash.current.append((ctx.module, x.detach(), grad_out.detach(), ctx.bias, ctx.token))
         grad_x = grad_out.matmul(ctx.module.weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None, None
 
 
-def _deferred_forward(module: torch.nn.Linear, stash: WeightStash, x: torch.Tensor) -> torch.Tensor:
+def _deferred_forward(module: torch.nn.Linear, stash: WeightStash, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
     if not torch.is_grad_enabled():  # eval_batch, or the no-grad first pass of reentrant checkpointing
-        return F.linear(x, module.weight, module.bias)
-    return _DeferredLinear.apply(x, stash.anchor, module, stash)
+        return F.linear(x, module.weight, module.bias if bias else None)
+    return _DeferredLinear.apply(x, stash.anchor, module, stash, bias, getattr(x, "tp_row", None))
 
 
 def defer_weight_grads(module: torch.nn.Module, stash: WeightStash) -> int:
     """Route every trainable nn.Linear (exactly that type: peft's LoRA A/B included, its frozen base
-    not) under `module` through _DeferredLinear; returns how many."""
+    not) under `module` through _DeferredLinear; returns how many. A tensor-parallel linear
+    (mmpipe.model.tensor_parallel: tp_shard) keeps its forward, whose collectives (the column's
+    copy in, its gradient all-reduced backward; the row's all-reduce; under --sequence-parallel the
+    gather and reduce-scatter) stay around its own matmul: only that matmul is deferred (tp_local),
+    so W's g^T x reads the x and g this rank holds, its slice's gradient."""
     n = 0
     for m in module.modules():
         if type(m) is torch.nn.Linear and m.weight.requires_grad:
-            m.forward = lambda x, _m=m: _deferred_forward(_m, stash, x)
+            if hasattr(m, "tp_shard"):
+                m.tp_local = functools.partial(_deferred_forward, m, stash)
+            else:
+                m.forward = functools.partial(_deferred_forward, m, stash)
             n += 1
     return n
 
@@ -183,12 +196,16 @@ def _exec_backward_input(self, buffer_id, micro_batch_id):
 
 @torch.no_grad()
 def _weight_grads(entries) -> tuple[list, list]:
-    params, grads = [], []
-    for module, x, g in entries:
+    params, grads, rows = [], [], {}
+    for module, x, g, bias, token in entries:
+        if token is not None:  # the row gathered again once for every linear of its entry (in the same order on
+            if id(token) not in rows:  # every TP rank, so the all-gathers pair up)
+                rows[id(token)] = gathered_rows(token)
+            x = rows[id(token)]
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         params.append(module.weight)
         grads.append(g2.t().matmul(x2).to(module.weight.dtype))  # [out, N] @ [N, in]
-        if module.bias is not None and module.bias.requires_grad:
+        if bias and module.bias is not None and module.bias.requires_grad:
             params.append(module.bias)
             grads.append(g2.sum(0).to(module.bias.dtype))
     return params, grads
