@@ -163,11 +163,19 @@ def row_text_len(args: DataArgs, cfg: ModelConfig | None, default_len: int | Non
     if cfg is not None:
         # spliced image, or LLaVA's <image> placeholders, a block for each of up to --max-images images:
         # e.g. 576 x 2 = 1152 of a 4096 context for two CLIP-336 images
-        n_image = image_kind(cfg).sample_positions(cfg, args.max_images or 1, row_budget(args, cfg, []))
+        kind, m, budget = image_kind(cfg), args.max_images or 1, row_budget(args, cfg, [])
+        n_image = kind.sample_positions(cfg, m, budget)
+        if args.pack:  # a packed row's M slots, whoever's images: moondream's 4 x 16 = 64, not one sample's 16
+            n_image = max(n_image, kind.blocks(cfg, m, budget).positions(m))
         room = cfg.text.max_context - n_image  # decoder positions: images + text_len (BOS included) <= max_context
         if text_len is None:
             text_len = default_len or room
-        if text_len < 2 or text_len > room:
+        if room < 2:  # the images alone fill the context: no --text-len helps
+            given = [f"--{f.replace('_', '-')}" for f in ("max_images", kind.flag) if f and getattr(args, f, None)]
+            problems.append(f"{given[0] if given else '--max-images'}: the image positions ({n_image} for {m} "
+                            f"slot{'s' * (m > 1)}) leave no room for text in text.max_context "
+                            f"{cfg.text.max_context}: give a smaller {' or '.join(given) or '--max-images'}")
+        elif text_len < 2 or text_len > room:
             problems.append(f"--text-len: {text_len} must be between 2 and {room} (text.max_context "
                             f"{cfg.text.max_context} - {n_image} image positions)")
     return text_len
@@ -192,12 +200,28 @@ def packed_image_slots(opts: DataOptions, cfg: ModelConfig, out_dir: str | Path,
     sizes = [samples.tokens(pos) for pos in range(SLOT_SAMPLES)]
     text = sum(len(enc.ids) for enc, _ in sizes)
     images = sum(int(n) for _, n in sizes)
-    slots = max(1, round(images * opts.text_len / text))
-    kind = image_kind(cfg)
-    budget = kind.follow(cfg, slots, sizes) if opts.auto_budget else opts.vision_budget
-    if opts.auto_budget and hasattr(kind, "packed_budget"):  # InternVL: T the context holds, else one line
-        budget = kind.packed_budget(cfg, slots, opts.text_len)
+    slots, budget = context_slots(opts, cfg, max(1, round(images * opts.text_len / text)), sizes)
     return dataclasses.replace(opts, max_images=slots, vision_budget=budget)
+
+
+def context_slots(opts: DataOptions, cfg: ModelConfig, slots: int, sizes: list) -> tuple[int, int]:
+    """(M, the row budget) of --pack alone: the most slots, up to the data's, whose row fits the model's context, as
+    --max-images M's row must (row_text_len): L = the M slots' image positions (the budget following M, fitted to the
+    context where the kind fits it: InternVL's T) + --text-len <= text.max_context. E.g. qwen-tiny (context 256, 64
+    patches = 16 + 2 positions an image at its cap) on the built-in set at --text-len 100: the data's M = 11 took
+    P = 704, a row of 22 + 176 + 100 = 298; fitted, M = 8, P = 512: 16 + 128 + 100 = 244. Where not even one slot
+    fits (a --max-patches / --max-tiles given beside --text-len), one line."""
+    kind, context = image_kind(cfg), cfg.text.max_context
+    for m in range(slots, 0, -1):
+        budget = kind.follow(cfg, m, sizes) if opts.auto_budget else opts.vision_budget
+        if opts.auto_budget and hasattr(kind, "context_budget"):  # InternVL: T the context holds at --text-len
+            budget = kind.context_budget(cfg, budget, m, opts.text_len)
+        positions = kind.blocks(cfg, m, budget).positions(m)
+        if positions + opts.text_len <= context and (not budget or budget >= m):  # a crop (patch) an image at least
+            return m, budget
+    flag = f" or --{kind.flag.replace('_', '-')}" if kind.flag and not opts.auto_budget else ""
+    raise ConfigError(f"--pack: one image slot takes {positions} decoder positions; with --text-len {opts.text_len} "
+                      f"that is over the model's context (text.max_context {context}): give a smaller --text-len{flag}")
 
 
 def index_dir(out_dir: str | Path) -> Path:
