@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT, cut_at, train_run, write_ds_config
+from conftest import ROOT, Run, cut_at, train_run, write_ds_config
 from hf_models import IMAGE_TOKEN, n_features, save_hf
 from mmpipe.config import config_from_dict, load_preset
 from mmpipe.data.batches import collate
@@ -33,6 +33,7 @@ from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
+from rank_series import launch_series
 from test_multicrop import CROPS_TINY
 
 TOL = 1e-5
@@ -263,15 +264,37 @@ def _llava_args(root, data, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llava_pp2(pack_data, tmp_path_factory):
-    """The packed LLaVA PP=2 run: the reference test's LLaVA case and the resume test's uninterrupted run (checkpointed
-    after every step: the resume test resumes a copy of it cut after step 1)."""
-    root = tmp_path_factory.mktemp("llava_pp2")
-    return train_run(root / "pp2", *_llava_args(root, pack_data[1]), "--save-every", "1").check()
+def two_rank_runs(pack_data, tmp_path_factory) -> dict[str, Run]:
+    """Every 2-rank run of this file but the resume, one launch (tests/rank_series.py: one run after the other in the
+    same two ranks, each as `mmpipe train` runs it, its own port, output and exit status): the packed PP=2 runs of
+    tiny, llava-tiny and tiny-xattn (the reference test's three cases; llava-tiny's is also the resume test's
+    uninterrupted run, checkpointed after every step and logging its samples: the resume test resumes a copy of it cut
+    after step 1) and the llava-tiny PP=1 x DP=2 run (the DP test's). Four launches before, ~15 s of start-up each."""
+    data, runs = pack_data[1], []
+    for preset, images in PP2_CASES:
+        root = tmp_path_factory.mktemp(f"pp2_{preset}")
+        if preset == "llava-tiny":
+            argv = [*_llava_args(root, data), "--save-every", "1"]
+        else:
+            argv = [*_args(root, data, preset, *(["--max-images", images] if images else [])), "--stages", "2"]
+        runs.append((root / "pp2", argv, {}))
+    root = tmp_path_factory.mktemp("dp2")
+    runs.append((root / "dp2", [*_args(root, data, "llava-tiny", "--max-images", "3", "--stages", "1"), "--dp", "2"],
+                 {}))
+    return dict(zip([*(preset for preset, _ in PP2_CASES), "dp2"], launch_series(runs)))
 
 
-@pytest.mark.parametrize("preset,images", [("tiny", None), ("llava-tiny", "3"), ("tiny-xattn", "4")])
-def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path, request):
+@pytest.fixture(scope="module")
+def llava_pp2(two_rank_runs) -> Run:
+    """The packed LLaVA PP=2 run: the reference test's LLaVA case and the resume test's uninterrupted run."""
+    return two_rank_runs["llava-tiny"].check()
+
+
+PP2_CASES = [("tiny", None), ("llava-tiny", "3"), ("tiny-xattn", "4")]
+
+
+@pytest.mark.parametrize("preset,images", PP2_CASES)
+def test_packed_pipeline_equals_reference(preset, images, pack_data, two_rank_runs, tmp_path):
     """A PP=2 packed run == the single-device reference (losses, weights; 1e-5): the rows cross a stage
     boundary (PP=1 == the reference is tests/test_pipeline_equivalence.py's, on one-sample rows). The LLaVA
     run also carries the 2-image records (--max-images 3); the moondream run is --pack alone: its family
@@ -283,10 +306,7 @@ def test_packed_pipeline_equals_reference(preset, images, pack_data, tmp_path, r
     run = resolve(TrainArgs.from_argv(args + ["--stages", "1", "--output-dir", str(tmp_path / "ref")]), world_size=1)
     assert run.max_images == int(images or 4)
     model, ref = train_reference(run, seed=4, steps=3, out_dir=str(tmp_path / "ref"))
-    if preset == "llava-tiny":
-        r = request.getfixturevalue("llava_pp2")  # the same run, its samples logged for the resume test
-    else:
-        r = train_run(tmp_path / "pp2", *args, "--stages", "2").check()
+    r = two_rank_runs[preset].check()  # these flags, --stages 2 (llava-tiny's: its samples logged, saved every step)
     assert list(r.losses.values()) == pytest.approx(ref, abs=TOL)
     got = torch.nn.Sequential(*load_reference(r.out / "checkpoints", run.model))
     for (k, a), b in zip(model.state_dict().items(), got.state_dict().values()):
@@ -306,7 +326,7 @@ def _weight_diff(name: str, a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item()
 
 
-def test_packed_dp2_equals_one_replica_accumulating_twice(pack_data, tmp_path):
+def test_packed_dp2_equals_one_replica_accumulating_twice(pack_data, two_rank_runs, tmp_path):
     """The loss weights carry GAS x DP: two replicas at GAS 2 train on the same rows per step as one
     at GAS 4 (rows are sharded like samples), so the losses and weights agree."""
     root, data = pack_data
@@ -315,7 +335,7 @@ def test_packed_dp2_equals_one_replica_accumulating_twice(pack_data, tmp_path):
                            scheduler=None)
     run = resolve(TrainArgs.from_argv(args + ["--ds-config", str(cfg4)]), world_size=1)
     model, ref = train_reference(run, seed=4, steps=3, out_dir=str(tmp_path / "ref"))
-    dp2 = train_run(tmp_path / "dp2", *args, "--dp", "2").check()
+    dp2 = two_rank_runs["dp2"].check()  # these flags, --dp 2
     assert dp2.summary["dp"] == 2
     assert list(dp2.losses.values()) == pytest.approx(ref, abs=TOL)
     got = torch.nn.Sequential(*load_reference(dp2.out / "checkpoints", run.model))
