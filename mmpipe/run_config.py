@@ -399,7 +399,9 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     slices; an MoE model's expert FFN widths, the plan's SIZES), and only where it was checked: fp32 at ZeRO 0 or 1
     (so --ep takes its fp32 path), bf16 at ZeRO 0 or 1 (DeepSpeed's BF16_Optimizer: the TP sum acts on its buffers,
     tests/test_tensor_parallel.py; an MoE model's expert groups under --ep clip by the norm of every TP slice,
-    tests/test_tp_moe_bf16.py), 1F1B, with activation checkpointing, LoRA (no adapter dropout)
+    tests/test_tp_moe_bf16.py), 1F1B, zb-h1 in fp32 on a dense model with the SFT objective (its deferred weight
+    gradients around the split linears' collectives: tests/test_tp_zero_bubble.py), with activation checkpointing, LoRA
+    (no adapter dropout)
     and validation (tests/test_tp_combos.py), --init-from (each rank reads its slices: tests/test_tp_import.py); each
     combination not checked refused with its reason in one line."""
     tp, (_, precision, schedule, _) = args.tp, setup  # ZeRO 0 or 1 and checkpointing: all checked
@@ -424,8 +426,13 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
             ("precision fp16 is not supported yet: DeepSpeed's fp16 ZeRO-1 optimizer under TP (its loss scaler's "
              "overflow vote, its norm) is not checked against a reference: this CPU has no fp16 kernels",
              precision == "fp16"),
-            (f"schedule {schedule} is not supported yet: its deferred weight gradients (mmpipe.runtime.schedule) "
-             f"replace the split linears' forwards, dropping their TP all-reduces", schedule.split_backward),
+            (f"schedule {schedule} and precision {precision} is not supported yet: its deferred weight gradients "
+             f"under TP are checked in fp32 only", schedule.split_backward and precision != "fp32"),
+            (f"schedule {schedule} on an MoE model is not supported yet: its deferred weight gradients under TP are "
+             f"checked on dense models only", schedule.split_backward and family_of(model).experts(model) is not None),
+            (f"schedule {schedule} and --objective {args.objective} is not supported yet: its deferred weight "
+             f"gradients under TP are checked with sft only",
+             schedule.split_backward and objective_named(args.objective).name != TOKENS.name),
             (f"schedule {schedule} is not supported yet: only 1F1B is checked under TP",
              not schedule.split_backward and schedule.name != BASELINE.name),
             (f"--lora-dropout {args.lora_dropout} is not supported yet: a row-split layer's TP ranks would draw one "

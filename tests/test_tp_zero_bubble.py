@@ -19,12 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import refused
 from mmpipe.config import load_preset
 from mmpipe.model import tensor_parallel
 from mmpipe.model.builder import ReferenceModel, lm_loss
 from mmpipe.model.objectives import vocab_parallel_lm_loss
 from mmpipe.model.tensor_parallel import Shard, gather_state, split_dims
 from mmpipe.registry import family_of
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
 from mmpipe.runtime.schedule import WeightStash, _weight_grads, defer_weight_grads
 from test_tensor_parallel import _counting, _row, _split_model
 from test_tp_sp_moe import COLLECTIVES, _padded
@@ -155,3 +158,14 @@ def test_split_backward_under_tp_equals_the_plain_backward_and_the_whole_model(t
         tol = WHOLE_TOL[run.split()[0]]
         bad = {k: v for k, v in d["grads"].items() if v >= (1e-6 if k.startswith("plain") else tol)}
         assert not bad, (rank, bad)
+
+
+def test_the_front_door_takes_zb_h1_under_tp_and_refuses_what_was_not_checked(capsys):
+    """--tp 2 --schedule zb-h1 (and with --sequence-parallel) resolves in fp32; bf16 under it is refused in one line
+    with its reason (exit 2; an MoE model and --objective dpo have their own lines beside it: run_config._check_tp)."""
+    argv = ["--preset", "llava-tiny", "--stages", "2", "--tp", "2", "--schedule", "zb-h1", "--steps", "1"]
+    for extra in ((), ("--pack", "--sequence-parallel")):
+        run = resolve(TrainArgs.from_argv([*argv, *extra]), world_size=4)
+        assert (run.tp, run.schedule.name, run.sequence_parallel) == (2, "zb-h1", bool(extra))
+    err = refused([*argv, "--ds-config", "ds_configs/cpu_bf16.json"], capsys)
+    assert sum("--tp: 2 with schedule zb-h1 and precision bf16 is not supported yet" in line for line in err) == 1, err
