@@ -3,7 +3,8 @@ mmpipe's layer list. Launches: llava-tiny, packed rows, PP=2 (2 x 2 stages in a 
 the LM head with its tied embedding) equals the single-device reference (fp32, losses and weights 1e-5, 3 updates at
 a constant LR, every trained tensor moved) and sends floats only; its checkpoints (one a step) resume: under
 DualPipeV bit for bit (cut after step 2) and under 1F1B (cut after step 1: another layer-to-rank map; weights carried,
-moments restarted, said so).
+moments restarted, said so). Two launches of 2 ranks (tests/rank_series.py): the PP=2 run with the --init-from
+test's two runs, then the two resumes.
 tests/test_dualpipev_layouts.py: PP=4, qwen3-vl-tiny, frozen tower, LoRA, validation. In-process: the planner's
 DualPipeV order is DeepSpeed's DualPipeVSchedule's, its unit-time bubble, the V's split balancing each rank's pair
 of stages, `mmpipe plan`'s V-pair split, and the refusals."""
@@ -17,7 +18,7 @@ import pytest
 import torch
 from deepspeed.runtime.pipe import schedule as ds
 
-from conftest import assert_weights_moved, cut_at, refused, train_run, write_checkpoint, write_ds_config
+from conftest import Run, assert_weights_moved, cut_at, refused, write_checkpoint, write_ds_config
 from mmpipe.cli import main, parser
 from mmpipe.config import load_preset
 from mmpipe.model.builder import ReferenceModel
@@ -32,6 +33,7 @@ from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
+from rank_series import launch_series
 
 TOL = 1e-5
 STEPS = 3
@@ -54,9 +56,34 @@ def cfg(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pp2(cfg, tmp_path_factory):
+def first_launch(cfg, tmp_path_factory) -> dict[str, Run]:
+    """The runs that need no other run's files, one launch of 2 ranks (tests/rank_series.py: one run after the other
+    in the same ranks, each as `mmpipe train` runs it, its own port, output and exit status): the PP=2 DualPipeV run
+    (pp2) and the --init-from test's 1F1B and DualPipeV runs from the same files (init_f1b / init_dpv)."""
+    root = tmp_path_factory.mktemp("dpv")
+    src = root / "src"
+    write_checkpoint(ReferenceModel(load_preset("tiny"), seed=99), src)  # not the runs' own seed: every weight read
+    init = ["--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--seed", str(SEED), "--steps", "1",
+            "--data-workers", "0", "--stages", "2", "--init-from", str(src)]
+    runs = [(root / "pp2", _args(cfg, *V2, *SAVE), {}), (root / "init_f1b", init, {}),
+            (root / "init_dpv", [*init, "--schedule", "dualpipev"], {})]
+    return dict(zip(("pp2", "init_f1b", "init_dpv"), launch_series(runs)))
+
+
+@pytest.fixture(scope="module")
+def pp2(first_launch) -> Run:
     """The PP=2 DualPipeV run, a checkpoint after every step: the reference test's run and the resumes' source."""
-    return train_run(tmp_path_factory.mktemp("dpv") / "pp2", *_args(cfg, *V2, *SAVE)).check()
+    return first_launch["pp2"].check()
+
+
+@pytest.fixture(scope="module")
+def resumes(cfg, pp2, tmp_path_factory) -> dict[str, Run]:
+    """pp2 cut after step 2 resumed under DualPipeV (same) and cut after step 1 resumed under 1F1B (f1b), one launch
+    of 2 ranks (tests/rank_series.py), each run its own copy of pp2's files."""
+    root = tmp_path_factory.mktemp("resumes")
+    runs = [(cut_at(pp2, root / "same", 2), _args(cfg, *V2, *SAVE, "--resume"), {}),
+            (cut_at(pp2, root / "f1b", 1), _args(cfg, "--stages", "2", "--schedule", "1f1b", "--resume"), {})]
+    return dict(zip(("same", "f1b"), launch_series(runs)))
 
 
 def test_pp2_packed_equals_single_device_reference(cfg, pp2):
@@ -83,10 +110,10 @@ def _layer_files(run, tag: str) -> dict[str, dict]:
     return {p.name: torch.load(p, weights_only=True) for p in sorted((run.out / "checkpoints" / tag).glob("layer_*"))}
 
 
-def test_resume_under_dualpipev_is_bit_exact(cfg, pp2, tmp_path):
+def test_resume_under_dualpipev_is_bit_exact(pp2, resumes):
     """Cut after step 2 and resumed under DualPipeV: step 3's loss and every layer file both ranks write (each its two
     V stages') equal the uninterrupted run's bit for bit (the optimizer moments, RNG and data position restored)."""
-    resumed = train_run(cut_at(pp2, tmp_path / "cut", 2), *_args(cfg, *V2, *SAVE, "--resume")).check()
+    resumed = resumes["same"].check()
     assert resumed.summary["start_step"] == 2 and RESTARTED not in resumed.proc.stdout
     assert resumed.losses == pp2.losses
     got, want = _layer_files(resumed, "step3"), _layer_files(pp2, "step3")
@@ -112,26 +139,21 @@ def _assert_reshaped(moved, source, cut: int, was: str, now: str) -> None:
     assert_weights_moved(got, at_cut, 1e-7, no_gradient=("self_attn.k_proj.bias",))
 
 
-def test_dualpipev_checkpoint_resumes_under_1f1b(cfg, pp2, tmp_path):
+def test_dualpipev_checkpoint_resumes_under_1f1b(pp2, resumes):
     """pp2's step-1 checkpoint (DualPipeV, parts [0, 2, 5, 6, 9]: rank 0 holds layers 0..1 and 6..8) resumed under
     1F1B (parts [0, 6, 9]: rank 0 holds layers 0..5) for steps 2 and 3."""
-    moved = train_run(cut_at(pp2, tmp_path / "cut", 1), *_args(cfg, "--stages", "2", "--schedule", "1f1b", "--resume"))
+    moved = resumes["f1b"]
     v, line = pp2.summary["parts"], moved.check().summary["parts"]
     assert len(v) == 5 and len(line) == 3
     _assert_reshaped(moved, pp2, 1, f"2 stages x dp 1 (parts {v}", f"2 x dp 1 (parts {line}")
 
 
-def test_init_from_loads_both_parts_of_each_rank(cfg, tmp_path):
+def test_init_from_loads_both_parts_of_each_rank(first_launch):
     """--init-from under the V: each rank holds stage r and 2p - 1 - r, and both parts take the checkpoint's weights
     (load_run_weights read only the active part's: rank 0's head and rank 1's stage 2 kept their random init, step 1's
     loss 4.3407 against 1F1B's 4.5898). moondream's tiny, one step each: the same first loss as 1F1B's from the same
     files, bit for bit (the same weights, data and order; the loss is the step's mean over its micro-batches)."""
-    src = tmp_path / "src"
-    write_checkpoint(ReferenceModel(load_preset("tiny"), seed=99), src)  # not the runs' own seed: every weight read
-    args = ["--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--seed", str(SEED), "--steps", "1",
-            "--data-workers", "0", "--stages", "2", "--init-from", str(src)]
-    f1b = train_run(tmp_path / "f1b", *args).check()
-    dpv = train_run(tmp_path / "dpv", *args, "--schedule", "dualpipev").check()
+    f1b, dpv = first_launch["init_f1b"].check(), first_launch["init_dpv"].check()  # the same flags, 1 step each
     assert list(dpv.losses.values()) == list(f1b.losses.values())
 
 
