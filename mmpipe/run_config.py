@@ -433,7 +433,7 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
             (f"schedule {schedule} and --objective {args.objective} is not supported yet: its deferred weight "
              f"gradients under TP are checked with sft only",
              schedule.split_backward and objective_named(args.objective).name != TOKENS.name),
-            (f"schedule {schedule} is not supported yet: only 1F1B is checked under TP",
+            (f"schedule {schedule} is not supported yet: only 1F1B and zb-h1 are checked under TP",
              not schedule.split_backward and schedule.name != BASELINE.name),
             (f"--lora-dropout {args.lora_dropout} is not supported yet: a row-split layer's TP ranks would draw one "
              f"mask for each slice of its input (equal, not independent)", args.lora > 0 and args.lora_dropout > 0)):
