@@ -82,7 +82,7 @@ class Schedule:
 ONE_F_ONE_B = Schedule("1f1b", "1f1b", split_backward=False, order=one_f_one_b_orders, deepspeed_native=True)
 ZB_H1 = Schedule("zb-h1", "zb", split_backward=True, order=zb_h1_orders)
 # What DualPipeV refuses, and why (docs/schedules.md, "DualPipeV"): nothing mmpipe's layer list carries (--tp is
-# refused for every schedule but 1F1B by RunConfig's TP check; DeepSpeed's DualPipeVEngine asserts on
+# refused for every schedule but 1F1B and zb-h1 by RunConfig's TP check; DeepSpeed's DualPipeVEngine asserts on
 # pipe_partitioned). Validation runs: DualPipeVEngine.eval_batch through the V's wire; an MoE model with --ep: the
 # expert groups are the DP ranks of the rank's pipe coordinate, which both its stages share, and the shards are found
 # in the whole module, both phases (tests/test_dualpipev_layouts.py).
