@@ -401,7 +401,7 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     tests/test_tensor_parallel.py; an MoE model's expert groups under --ep clip by the norm of every TP slice,
     tests/test_tp_moe_bf16.py), 1F1B, zb-h1 in fp32 on a dense model with the SFT objective (its deferred weight
     gradients around the split linears' collectives: tests/test_tp_zero_bubble.py), with activation checkpointing, LoRA
-    (no adapter dropout)
+    (its dropout masks each rank's slice of the single device's: lora.SplitDropout, tests/test_lora_dropout_split.py)
     and validation (tests/test_tp_combos.py), --init-from (each rank reads its slices: tests/test_tp_import.py); each
     combination not checked refused with its reason in one line."""
     tp, (_, precision, schedule, _) = args.tp, setup  # ZeRO 0 or 1 and checkpointing: all checked
@@ -434,9 +434,7 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
              f"gradients under TP are checked with sft only",
              schedule.split_backward and objective_named(args.objective).name != TOKENS.name),
             (f"schedule {schedule} is not supported yet: only 1F1B and zb-h1 are checked under TP",
-             not schedule.split_backward and schedule.name != BASELINE.name),
-            (f"--lora-dropout {args.lora_dropout} is not supported yet: a row-split layer's TP ranks would draw one "
-             f"mask for each slice of its input (equal, not independent)", args.lora > 0 and args.lora_dropout > 0)):
+             not schedule.split_backward and schedule.name != BASELINE.name)):
         if on:
             problems.append(f"--tp: {tp} with {why} (docs/tensor_parallel.md)")
     if objective_named(args.objective).vocab_parallel is None:
@@ -456,7 +454,8 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
     and value heads: each rank runs H/N of them after the all-to-all; a row's positions are padded to a multiple of N),
     and only where it was checked: fp32 at ZeRO 0 or 1, 1F1B, the SFT objective, no validation (--resume, at this or
-    another SP, MoE with --ep, --tp, LoRA without dropout and activation checkpointing are checked). With --tp T the
+    another SP, MoE with --ep, --tp, LoRA (its dropout on the text: each rank's slice of the mask) and activation
+    checkpointing are checked). With --tp T the
     all-to-all trades the heads each TP rank holds, so N divides H / T (and the plan's counts / T); the KV heads a TP
     rank holds (Hkv / T, or the 1 it uses where T exceeds Hkv) are divided by N or, under --tp, divide it (each then
     repeated N / Hkv times before the exchange: sequence_parallel.kv_for_sp)."""
@@ -487,8 +486,10 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
                         f"TP ranks, Ulysses' over the SP ranks) and their exchanges are not composed; use one")
     unchecked = [name for name, on in (
         ("--init-from", bool(args.init_from)),
-        # every SP rank draws the same masks (one seed), so positions r x L / SP + i would share theirs
-        (f"--lora-dropout {args.lora_dropout}", args.lora > 0 and args.lora_dropout > 0),
+        # the tower splits by whole images (sp_tower): an adapter there reads this rank's images, not a slice of the
+        # single device's input that a mask could be cut from (the decoder's: lora.SplitDropout)
+        (f"--lora-dropout {args.lora_dropout} on --lora-groups {args.lora_groups}", args.lora > 0
+         and args.lora_dropout > 0 and bool({"vision", "projector"} & set(args.lora_groups.split(",")))),
         (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),
         ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
         (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage > 1),

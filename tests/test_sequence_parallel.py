@@ -513,7 +513,8 @@ def test_sp_refusals_one_line_each(capsys):
         err = refused(["--preset", preset, "--sp", "2", "--steps", "1"], capsys)
         assert any(f"--sp: 2 on {preset}" in line and why in line for line in err), err
     for flags, what in ((["--schedule", "dualpipev"], "schedule dualpipev"),  # (--tp with --sp: test_tp_sp)
-                        (["--lora", "4", "--lora-dropout", "0.1"], "--lora-dropout 0.1")):
+                        (["--lora", "4", "--lora-dropout", "0.1", "--lora-groups", "text,vision"],
+                         "--lora-dropout 0.1 on --lora-groups text,vision")):  # on the text: test_lora_dropout_split
         err = refused(["--preset", "llava-tiny", "--sp", "2", "--steps", "1", *flags], capsys)
         assert any(f"--sp: 2 with {what}" in line and "not supported yet" in line for line in err), err
     err = refused(["--preset", "llava-tiny", "--sp", "0", "--steps", "1"], capsys)

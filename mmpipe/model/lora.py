@@ -18,6 +18,16 @@ Initialisation: layer i's adapters are drawn under seed + ADAPTER_SEED + i (peft
 B zero, so training starts from exactly the base model), whatever stage builds the layer, so the
 pipeline and the reference start identical, as for the base weights (mmpipe.model.builder).
 
+Dropout (--lora-dropout p): peft's lora_dropout[name] (nn.Dropout) is replaced by `SplitDropout`, which draws the
+mask at the shape the single device's input has and keeps this rank's slice of it: the linear's `input_split`
+((dim, rank, parts), ..), set by the one function that applies a parallel plan (tensor_parallel.parallelize: a row
+linear's input is the feature slice [.., r D / TP : (r + 1) D / TP]; under --sequence-parallel a linear of a
+POSITIONS layer outside the TP region reads positions r L / TP ..; sequence_parallel.parallelize_sequence: under --sp
+a decoder block's linears read positions r L / SP .. of the padded row). Every rank of the model axis holds the same
+RNG state (DeepSpeed reseeds each layer with base_seed x micro-batch + layer before its forward, on every rank), so
+rank r's mask is exactly its slice of the single device's; without a split (one device, a column linear's replicated
+input) the slice is the whole mask, F.dropout's own draw (bernoulli_(1 - p), / (1 - p)) bit for bit on the CPU.
+
 State names: peft moves a wrapped linear's weights to `<name>.base_layer.weight` and adds
 `<name>.lora_A.default.weight` / `.lora_B.` ; `base_state` / `load_base` translate between those
 and the plain names imports, exports and --init-from use.
@@ -83,6 +93,33 @@ class Lora:
                    str(d.get("targets", "")))
 
 
+class SplitDropout(nn.Module):
+    """peft's adapter dropout (nn.Dropout(p) on the adapter's input x) drawn whole and sliced (module docstring).
+    split: ((dim, rank, parts), ..), x being part `rank` of `parts` equal parts along dim of the single device's input.
+    Costs one bernoulli of the whole input's shape per adapted linear per rank, what the single device pays (e.g. a
+    row-split down_proj's [B, T, F] at TP 2: each rank draws all B T F, keeps B T F / 2); only the slice is kept for
+    backward."""
+
+    def __init__(self, p: float, split: tuple = ()):
+        super().__init__()
+        self.p, self.split = p, tuple(split)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        whole = list(x.shape)
+        for dim, _, parts in self.split:
+            whole[dim] *= parts
+        keep = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)  # F.dropout's CPU draw
+        for dim, rank, _ in self.split:
+            keep = keep.narrow(dim, rank * x.shape[dim], x.shape[dim])
+        keep = keep.clone() if self.split else keep  # not a view: the whole mask is freed
+        return x * keep.div_(1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, split={self.split}"
+
+
 def read_lora(run_dir: str | Path) -> Lora | None:
     f = Path(run_dir) / LORA_FILE
     return Lora.from_dict(json.loads(f.read_text())) if f.is_file() else None
@@ -112,6 +149,11 @@ def add_adapters(layer: nn.Module, idx: int, lora: Lora | None, seed: int) -> in
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=names)
     with adapters_split(layer):  # --tp: drawn at the whole linear's sizes, then this rank's slices kept
         inject_adapter_in_model(config, layer)  # leaves only the adapters trainable within `layer`
+    if lora.dropout > 0:  # each rank's slice of the single device's mask (SplitDropout)
+        for _, _, adapted in lora_layers(layer):
+            for name in adapted.lora_dropout:
+                split = getattr(adapted.base_layer, "input_split", ())
+                adapted.lora_dropout[name] = SplitDropout(lora.dropout, split)
     return sum(p.numel() for n, p in layer.named_parameters() if LORA_MARK in n)
 
 

@@ -216,12 +216,23 @@ def slice_embedding(layer, shard: Shard) -> None:
     layer.forward = _sliced_embedding(layer, shard)
 
 
+def _reads_positions(layer, shard: Shard) -> None:
+    """A decoder block's linears all read this rank's positions (the all-to-all runs between them, never inside
+    one): their input_split (tensor_parallel._mark_inputs: under --tp a row linear's feature slice) gains positions
+    r L / SP .. of the padded row (dim 1), what a LoRA adapter's dropout mask is cut from (lora.SplitDropout)."""
+    for m in layer.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.input_split = (*getattr(m, "input_split", ()), (1, shard.rank, shard.size))
+
+
 def attend_by_heads(layer, shard: Shard) -> None:  # a LlamaBlock-shaped block: its geometry, then the all-to-all
     layer.geometry = _sliced_geometry(layer, shard)
+    _reads_positions(layer, shard)
 
 
 def deltanet_by_heads(layer, shard: Shard) -> None:
     layer.linear_attn.forward = _deltanet_forward(layer.linear_attn, shard)
+    _reads_positions(layer, shard)
 
 
 def slice_deepstack(layer, shard: Shard) -> None:

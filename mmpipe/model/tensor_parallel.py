@@ -534,7 +534,25 @@ def parallelize(layer, plan: dict, shard: Shard):
         layer.forward = _scattered(layer, layer.forward, dataclasses.replace(shard, sequence=False))
     elif role == ADDS:
         layer.forward = _added(layer, layer.forward, dataclasses.replace(shard, sequence=False))
+    _mark_inputs(layer, here)
     return layer
+
+
+def _mark_inputs(layer: nn.Module, shard: Shard) -> None:
+    """Each linear's input as a part of the single device's (input_split: ((dim, rank, parts), ..)), what a LoRA
+    adapter's dropout mask on it is cut from (mmpipe.model.lora.SplitDropout): a row linear reads the feature slice
+    [.., r D / TP : (r + 1) D / TP] (dim -1); in a POSITIONS layer under --sequence-parallel (shard.sequence) a linear
+    outside the TP region (a replicated one: an MoE router; a column linear not behind an entry, whose own copy
+    gathers after the adapter reads x) reads this rank's positions (dim 1); an entered column / kv linear reads the
+    gathered row and a replicated one outside SP the whole input: the whole mask, the same on every rank. tp_sequence:
+    an adapter on it reads positions somewhere (its input or a row base's reduce-scattered A x), so its whole weights
+    are summed over TP once a step (adapters_split)."""
+    for m in layer.modules():
+        if isinstance(m, nn.Linear):
+            row, entered = getattr(m, "tp_mark", None) == ROW, getattr(m, "tp_entered", False)
+            m.input_split = (((-1, shard.rank, shard.size),) if row else
+                             ((1, shard.rank, shard.size),) if shard.sequence and not entered else ())
+            m.tp_sequence = shard.sequence
 
 
 def _sequence_shard(plan: dict, key, shard: Shard) -> Shard:
@@ -629,6 +647,9 @@ def adapters_split(layer: nn.Module):
       a column / kv base inside an entry (its input copied in once for the module, tp_entered): B reads A x without
         a copy (x's gradient through A is then this rank's share, summed at the entry with the base's), so A's
         gradient, each rank's share, is summed over TP by a gradient hook ([r, in] per adapter, not [N, r]).
+      under --sequence-parallel an adapter that reads positions (a row base's B reads the reduce-scattered A x; a
+        replicated or non-entered linear's A reads x itself: _mark_inputs) has its whole weights summed over TP once
+        a step (tp_summed), as the POSITIONS layer's own whole weights.
     A layer with no split linear (the reference, TP 1) is untouched."""
     split = [m for m in layer.modules() if isinstance(m, nn.Linear) and hasattr(m, "tp_mark")]
     local = {m: (m.in_features, m.out_features) for m in split}
@@ -642,6 +663,10 @@ def adapters_split(layer: nn.Module):
     for adapted in list(layer.modules()):
         if getattr(adapted, "base_layer", None) in local:
             _split_adapter(adapted, adapted.base_layer)
+        if getattr(getattr(adapted, "base_layer", None), "tp_sequence", False):  # reads positions (_mark_inputs)
+            for name, p in adapted.named_parameters():
+                if ".lora_" in f".{name}" and not hasattr(p, "tp_split"):
+                    p.tp_summed = True
 
 
 def _split_adapter(adapted: nn.Module, base: nn.Linear) -> None:

@@ -237,7 +237,8 @@ def sequence_parallel_problems(tp: int, model: ModelConfig | None, data, lora: i
     a row's positions) at `tp`: one line per problem. It needs --tp above 1, a plan whose SEQUENCE gives every layer
     from the decoder embedding on a role (every built-in plan's but the cross-attention family's), a row of decoder
     positions TP divides (refused, not padded: the row length is --text-len + the image tokens, so the fix is one
-    flag), no --lora (an adapter on a row layer would need its own reduce-scatter)."""
+    flag). `lora` (the rank) is not refused: an adapter on a row layer reduce-scatters its A x with the base's rows
+    (tensor_parallel.adapters_split), its dropout mask each rank's slice (tests/test_lora_dropout_split.py)."""
     from ..data.packing import row_shape
     from ..model.tensor_parallel import sequence_roles
     if tp <= 1:
@@ -252,9 +253,6 @@ def sequence_parallel_problems(tp: int, model: ModelConfig | None, data, lora: i
         if length % tp:
             out.append(f"--sequence-parallel: --tp {tp} does not divide {model.name}'s {length} decoder positions per "
                        f"row (--text-len {data.text_len} + the image tokens): each TP rank holds L / TP of them")
-    if lora:
-        out.append("--sequence-parallel with --lora is not supported yet (a row layer's adapter would need its own "
-                   "reduce-scatter)")
     return out
 
 
