@@ -21,7 +21,8 @@ from mmpipe.run_config import resolve
 
 def _argv(pairs: Path, cfg: Path, out: Path) -> list[str]:
     return ["--preset", "llava-tiny", "--stages", "2", "--objective", "dpo", "--beta", "0.5", "--data", str(pairs),
-            "--pack", "--ds-config", str(cfg), "--output-dir", str(out), "--eval-samples", "0", "--seed", "3"]
+            "--pack", "--text-len", "24", "--ds-config", str(cfg), "--output-dir", str(out), "--eval-samples", "0",
+            "--seed", "3"]  # --text-len 24: llava-tiny's 64 positions then hold 2 slots, 2 pairs a row (48: one)
 
 
 def _check_rank(rank: int, store: str, argv: list[str], out: str) -> None:

@@ -35,7 +35,8 @@ def _run(pairs, out, preset: str):
     data, ds_config = pairs
     return resolve(TrainArgs.from_argv(
         ["--data", str(data), "--objective", "dpo", "--ds-config", str(ds_config), "--steps", "1", "--output-dir",
-         str(out), "--stages", "1", "--eval-samples", "0", "--seed", "3", "--preset", preset, "--pack"]), world_size=1)
+         str(out), "--stages", "1", "--eval-samples", "0", "--seed", "3", "--preset", preset, "--pack",
+         "--text-len", "24"]), world_size=1)  # the context then holds several pairs' images a row (llava-tiny 2)
 
 
 def _micro_batch(data, run, samples):

@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,9 +73,26 @@ def ds_config(tmp_path_factory):
     return _config(tmp_path_factory.mktemp("cfg") / "dpo.json")
 
 
+# --pack's row fits the model's context (mmpipe.data.dataset.context_slots): at the tiny presets' own (64, 256) and
+# their default --text-len (48, 238) these pairs' rows would hold one image pair each; the rows these tests were
+# measured on (3 slots, 96 positions; 17 slots and P 272, 340) take that much context. The context is no weight (rotary
+# positions restart at every sample): the same model, the same rows
+ROWS = {"llava-tiny": (96, 48), "qwen3-vl-tiny": (340, 238)}  # preset: (text.max_context, --text-len)
+
+
+def _preset(pairs, preset: str) -> str:
+    context, _ = ROWS[preset]
+    cfg = json.loads((Path(__file__).parents[1] / "mmpipe" / "presets" / f"{preset}.json").read_text())
+    cfg["text"]["max_context"] = context
+    path = Path(pairs).parent / f"{preset}-{context}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
 def _args(pairs, ds_config, out, *extra, preset: str = "llava-tiny") -> list[str]:
     return ["--data", str(pairs), "--objective", "dpo", "--ds-config", str(ds_config), "--steps", str(STEPS),
-            "--output-dir", str(out), "--eval-samples", "0", "--seed", "3", "--preset", preset, "--pack", *extra]
+            "--output-dir", str(out), "--eval-samples", "0", "--seed", "3", "--preset", _preset(pairs, preset),
+            "--text-len", str(ROWS[preset][1]), "--pack", *extra]
 
 
 def _run(pairs, ds_config, out, *extra, preset: str = "llava-tiny"):

@@ -11,8 +11,10 @@ of stages, `mmpipe plan`'s V-pair split, and the refusals."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,8 +45,19 @@ SAVE = ("--save-every", "1", "--keep-checkpoints", "0")
 RESTARTED = "the optimizer state (AdamW moments) starts again from zero"
 
 
+def _preset(cfg) -> str:
+    """llava-tiny with text.max_context 5 x 16 + 40 = 120: the built-in set at --text-len 40 gives a packed row 5 image
+    slots, and --pack's row fits the context (mmpipe.data.dataset.context_slots; at llava-tiny's own 64, one slot). The
+    context is no weight (rotary positions restart at every sample): the same model."""
+    model = load_preset("llava-tiny").to_dict()
+    model["text"]["max_context"] = 120
+    path = Path(cfg).parent / "llava-tiny-120.json"
+    path.write_text(json.dumps(model))
+    return str(path)
+
+
 def _args(cfg, *extra: str) -> list[str]:
-    return ["--preset", "llava-tiny", "--ds-config", str(cfg), "--pack", "--text-len", "40", "--eval-samples", "0",
+    return ["--preset", _preset(cfg), "--ds-config", str(cfg), "--pack", "--text-len", "40", "--eval-samples", "0",
             "--seed", str(SEED), "--steps", str(STEPS), "--data-workers", "0", *extra]
 
 

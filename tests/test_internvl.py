@@ -264,13 +264,13 @@ def test_image_over_its_tile_cap_is_one_line(tmp_path, capsys):
     assert main(train) == 0
 
 
-def test_pack_alone_fits_the_crop_budget_to_the_context(tmp_path, capsys):
+def test_pack_alone_fits_the_crop_budget_to_the_context(tmp_path):
     """--pack without --max-images: the data gives the row its image slots M (packed_image_slots), and T, which
     follows them, is fitted to the context at --text-len as --max-images M's default is. internvl-tiny (context 512,
     5 crops of 4 positions an image at its cap) on the built-in set: at --text-len 200, M = 23 took T = 115 crops, a
     row of 706 positions; now (512 - 200 - 46) // 4 = 66 crops, 510. At --text-len 400 even one crop an image (45 x 6
-    = 270 positions) overflows it: one line, exit 2."""
-    from conftest import refused
+    = 270 positions) overflows it, so the row keeps the most slots that fit at one crop each (as every family's packed
+    row does, mmpipe.data.dataset.context_slots): 18, T = (512 - 400 - 36) // 4 = 19 crops, 512 positions."""
     from mmpipe.data.image_kinds import image_kind
     from mmpipe.run_args import TrainArgs
     from mmpipe.run_config import resolve
@@ -279,10 +279,9 @@ def test_pack_alone_fits_the_crop_budget_to_the_context(tmp_path, capsys):
     d = run.data
     assert (d.max_images, d.vision_budget) == (23, 66)
     assert image_kind(run.model).sample_positions(run.model, 23, 66) + 200 == 510 <= run.model.text.max_context
-    err = refused([*argv, "--text-len", "400"], capsys)
-    assert err == ["mmpipe: error: --pack: the data gives each row 45 image slots (--max-images not given), at least "
-                   "270 image positions (one crop each); with --text-len 400 over text.max_context 512: give a "
-                   "smaller --text-len or --max-images"], err
+    d = resolve(TrainArgs.from_argv([*argv, "--text-len", "400"]), world_size=1).data
+    assert (d.max_images, d.vision_budget) == (18, 19)
+    assert image_kind(run.model).sample_positions(run.model, 18, 19) + 400 == 512
 
 
 # InternVL3.5's published totals (vision + language, billions; https://internvl.readthedocs.io/en/latest/internvl3.5/

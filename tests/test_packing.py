@@ -244,9 +244,11 @@ def pack_data(tmp_path_factory):
 
 
 def _preset(root, name: str) -> str:
-    """The preset with room for 2 images + 40 text tokens per sample (max_context 64 -> 96)."""
+    """The preset with room for a packed row of 4 image slots + 40 text positions (max_context 64 -> 4 x 16 + 40 = 104:
+    --pack's row fits the context, mmpipe.data.dataset.context_slots; the context is no weight, rotary positions
+    restart at every sample)."""
     cfg = json.loads((ROOT / "mmpipe" / "presets" / f"{name}.json").read_text())
-    cfg["text"]["max_context"] = 96
+    cfg["text"]["max_context"] = 104
     (root / f"{name}.json").write_text(json.dumps(cfg))
     return str(root / f"{name}.json")
 

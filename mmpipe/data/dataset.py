@@ -216,12 +216,14 @@ def context_slots(opts: DataOptions, cfg: ModelConfig, slots: int, sizes: list) 
         budget = kind.follow(cfg, m, sizes) if opts.auto_budget else opts.vision_budget
         if opts.auto_budget and hasattr(kind, "context_budget"):  # InternVL: T the context holds at --text-len
             budget = kind.context_budget(cfg, budget, m, opts.text_len)
-        positions = kind.blocks(cfg, m, budget).positions(m)
-        if positions + opts.text_len <= context and (not budget or budget >= m):  # a crop (patch) an image at least
+        fits = kind.blocks(cfg, m, budget).positions(m) + opts.text_len <= context
+        if fits and (not kind.flag or budget >= m):  # a budget of one crop (patch) an image at least
             return m, budget
+    least = kind.blocks(cfg, 1, max(budget, 1) if kind.flag else 0).positions(1)  # one image at the least budget
     flag = f" or --{kind.flag.replace('_', '-')}" if kind.flag and not opts.auto_budget else ""
-    raise ConfigError(f"--pack: one image slot takes {positions} decoder positions; with --text-len {opts.text_len} "
-                      f"that is over the model's context (text.max_context {context}): give a smaller --text-len{flag}")
+    raise ConfigError(f"--pack: --text-len {opts.text_len} leaves {context - opts.text_len} of text.max_context "
+                      f"{context} positions, fewer than one image slot takes ({least}): give a smaller "
+                      f"--text-len{flag}")
 
 
 def index_dir(out_dir: str | Path) -> Path:
