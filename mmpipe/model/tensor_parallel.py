@@ -320,9 +320,8 @@ def _local(module: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tenso
     its place (module.tp_local(x, bias): mmpipe.runtime.schedule defers its weight gradient from B to W; the copy /
     all-reduce / gather / reduce-scatter around it stay where they are, so the deferred g^T x reads this rank's x and
     g)."""
-    local = getattr(module, "tp_local", None)
-    if local is not None:
-        return local(x, bias)
+    if module.tp_local is not None:  # every linear _split_module split has the attribute (None unless deferred)
+        return module.tp_local(x, bias)
     return _linear(x, module.weight, module.bias if bias else None)
 
 
@@ -413,7 +412,7 @@ def _replicate_kv(module: nn.Linear, shard: Shard, kv_heads: int) -> None:
     gradient summed over the TP group (module docstring, kv)."""
     module.tp_kv_heads, module.tp_mark = kv_heads, KV  # tp_mark: how an adapter on it splits (adapters_split)
     _sum_gradients(module, shard)
-    module.tp_shard = shard
+    module.tp_shard, module.tp_local = shard, None  # tp_local: _local
     module.forward = types.MethodType(_one_kv_head_forward, module)
 
 
@@ -449,7 +448,7 @@ def _split_module(module: nn.Module, mark, shard: Shard, where: str, kv_heads: i
         return
     else:
         raise ValueError(f"tensor-parallel plan: {where} is a {type(module).__name__}, which '{mark}' cannot split")
-    module.tp_shard = shard
+    module.tp_shard, module.tp_local = shard, None  # tp_local: _local (set by a split-backward schedule)
     module.forward = types.MethodType(forward, module)
 
 
