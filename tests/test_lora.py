@@ -23,6 +23,7 @@ from mmpipe.run_args import TrainArgs
 from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.reference import train_reference
+from rank_series import launch_series
 
 TOL = 1e-5
 STEPS = 5  # step 1 runs at lr 0 (WarmupCosineLR): 4 updates, the resume from step 2 three
@@ -46,11 +47,30 @@ def reference(config):
     return train_reference(run, seed=3, steps=STEPS)
 
 
+FROZEN_PREFIX = ("--stages", "2", "--freeze", "vision,projector", "--lora-targets", "qkv")
+
+
 @pytest.fixture(scope="module")
-def pp2(tmp_path_factory, config):
-    # checkpointed at step 2 as well: test_resume_equals_uninterrupted resumes a copy cut there (one launch fewer than
-    # a separate 2-step run, whose step-2 checkpoint is this one's: the schedule is fixed at STEPS either way)
-    return train_run(tmp_path_factory.mktemp("lora_pp2"), *_args(config, "--stages", "2", "--save-every", "2")).check()
+def two_rank_runs(tmp_path_factory, config) -> dict:
+    """The 2-rank runs that need no other run's files, one launch (tests/rank_series.py: one run after the other in
+    the same ranks, each as `mmpipe train` runs it, its own port, output and exit status): the LoRA PP=2 run (pp2) and
+    the frozen-prefix run from a base checkpoint (frozen; its base model and files: base)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = ReferenceModel(load_preset("tiny"), seed=11)
+    write_checkpoint(base, root / "base")
+    region = root / "base" / REGION_FILE  # moondream's region head, as `mmpipe import --moondream` leaves it
+    region.write_bytes(b"region head bytes, carried unchanged")
+    # pp2 checkpointed at step 2 as well: test_resume_equals_uninterrupted resumes a copy cut there (one launch fewer
+    # than a separate 2-step run, whose step-2 checkpoint is this one's: the schedule is fixed at STEPS either way)
+    runs = [(root / "pp2", _args(config, "--stages", "2", "--save-every", "2"), {}),
+            (root / "frozen", _args(config, *FROZEN_PREFIX, "--init-from", str(root / "base")), {})]
+    pp2, frozen = launch_series(runs)
+    return {"pp2": pp2, "frozen": frozen, "base": (base, root / "base", region)}
+
+
+@pytest.fixture(scope="module")
+def pp2(two_rank_runs):
+    return two_rank_runs["pp2"].check()
 
 
 def _state(model) -> dict:
@@ -106,18 +126,14 @@ def test_resume_equals_uninterrupted(tmp_path, config, pp2):
     assert_weights_moved(a, cut, TOL, frozen=_text_base(a, ReferenceModel(cfg, seed=3)))
 
 
-def test_frozen_prefix_stage_and_init_from_base(tmp_path, capsys, config):
+def test_frozen_prefix_stage_and_init_from_base(tmp_path, capsys, config, two_rank_runs):
     """--freeze vision,projector with adapters only on qkv: stage 0's own layers are all frozen; the
     balanced partition gives it the first adapted blocks, so no stage is left without a trainable
     parameter (DeepSpeed's empty-optimizer crash); the base comes from --init-from and stays bit-equal."""
     cfg = load_preset("tiny")
-    base = ReferenceModel(cfg, seed=11)
-    write_checkpoint(base, tmp_path / "base")
-    region = tmp_path / "base" / REGION_FILE  # moondream's region head, as `mmpipe import --moondream` leaves it
-    region.write_bytes(b"region head bytes, carried unchanged")
-    extra = ("--stages", "2", "--freeze", "vision,projector", "--lora-targets", "qkv",
-             "--init-from", str(tmp_path / "base"))
-    run = train_run(tmp_path / "run", *_args(config, *extra)).check()
+    base, base_dir, region = two_rank_runs["base"]
+    extra = (*FROZEN_PREFIX, "--init-from", str(base_dir))
+    run = two_rank_runs["frozen"].check()  # _args(config, *extra)
     assert (run.out / REGION_FILE).read_bytes() == region.read_bytes()  # so `mmpipe export` finds it
     parts = run.summary["parts"]
     n_frozen = cfg.vision.n_layers + 4  # patch embedding, blocks, norm, projector, text embedding
