@@ -69,11 +69,18 @@ def is_packed(labels) -> bool:
     return isinstance(labels, (tuple, list)) and len(labels) == 3
 
 
-def row_logps(logits: torch.Tensor, labels, ce=full_ce) -> torch.Tensor:
+def whole(x: torch.Tensor) -> torch.Tensor:
+    """A sum over a row's positions as it stands: the row is whole on this rank (no --sp)."""
+    return x
+
+
+def row_logps(logits: torch.Tensor, labels, ce=full_ce, total=whole) -> torch.Tensor:
     """[B]: each row's sum of its answer tokens' log-probs (the reference pass's record, and the policy's); packed
-    rows (is_packed): [B, K], each sample's own sum (K: the ref_logps' columns). ce: as row_token_logps."""
+    rows (is_packed): [B, K], each sample's own sum (K: the ref_logps' columns). ce: as row_token_logps. total: the
+    sum of per-position sums over the ranks holding the row's positions (--sp: each SP rank sums its slice's share of a
+    sample, a sample cut by the slice on both, then all-reduced; objectives.dpo's sequence_parallel)."""
     lp = row_token_logps(logits, token_labels(labels), ce)[0]
-    return segment_sums(lp, labels[2], labels[1].shape[1]) if is_packed(labels) else lp.sum(-1)
+    return total(segment_sums(lp, labels[2], labels[1].shape[1]) if is_packed(labels) else lp.sum(-1))
 
 
 def stage_segments(inputs) -> torch.Tensor:
@@ -114,17 +121,19 @@ def rewards(pc, pr, rc, rr, beta: float) -> dict[str, torch.Tensor]:
 
 
 def _pairs(lp: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor, segments: torch.Tensor | None,
-           drop_empty: bool = False):
+           drop_empty: bool = False, total=whole):
     """The micro-batch's pairs [P] from its token log-probs and mask [B, T]: (pi_c, pi_r, ref_c, ref_r, n_c, n_r).
     One sample a row: row 2j / 2j + 1 is pair j. Packed (segments): rows 2i / 2i + 1 hold the chosen / rejected sides
     of the same pairs in the same segment order (mmpipe.data.packing.RowPlan's unit of 2), so column s of the two
     rows' per-sample sums [B, K] is one pair; a column with no tokens in either row (a row of fewer samples) is none.
     drop_empty: one sample a row too, a pair with a side without answer tokens is none (validation's padding rows).
+    total: row_logps'; the sums and token counts are the whole row's after it.
     """
     if segments is None:
         seq, n, ref = lp.sum(-1, keepdim=True), mask.sum(-1, keepdim=True), ref[:, None]
     else:
         seq, n = segment_sums(lp, segments, ref.shape[1]), segment_sums(mask.to(lp.dtype), segments, ref.shape[1])
+    seq, n = total(seq), total(n)
     keep = ((n[0::2] > 0) & (n[1::2] > 0) if segments is not None or drop_empty
             else torch.ones_like(n[0::2], dtype=torch.bool))
     n = n.to(seq.dtype)
@@ -141,29 +150,31 @@ class DPOLoss:
         self.last: dict[str, torch.Tensor] | None = None
         self.totals: torch.Tensor | None = None  # validation: the rewards' sums and the pairs counted (eval_sum)
 
-    def __call__(self, logits, labels, ce=full_ce) -> torch.Tensor:
-        """ce: the per-position cross-entropy (full_ce; under --tp the vocab-parallel one: objectives.dpo)."""
+    def __call__(self, logits, labels, ce=full_ce, total=whole) -> torch.Tensor:
+        """ce: the per-position cross-entropy (full_ce; under --tp the vocab-parallel one, under --sp the tiled one on
+        the rank's slice: objectives.dpo); total: row_logps'."""
         logits, aux = split_aux(logits)
         tokens, ref, *segments = labels
         if ref.dim() != 1 + len(segments):  # (labels, weights): rows that did not pass through a reference pass
             raise ValueError("--objective dpo: the micro-batch's labels carry no reference log-probs (the reference "
                              "pass, mmpipe.runtime.preference, puts them there; this path has none yet)")
         lp, mask = row_token_logps(logits, tokens, ce)
-        pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None)
+        pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None, total=total)
         loss = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n_c, n_r)).mean()
         if self.rpo_alpha:  # the chosen answers' mean token NLL, over the micro-batch's chosen tokens
-            loss = loss + self.rpo_alpha * (-lp[0::2].sum() / mask[0::2].sum().clamp(min=1))
+            loss = loss + self.rpo_alpha * (-total(lp[0::2].sum()) / total(mask[0::2].sum()).clamp(min=1))
         self.last = rewards(pc, pr, rc, rr, self.beta)
         return loss if aux is None else loss + aux
 
-    def eval_sum(self, logits, labels, ce=full_ce) -> torch.Tensor:
+    def eval_sum(self, logits, labels, ce=full_ce, total=whole) -> torch.Tensor:
         """Validation (mmpipe.runtime.validation): the SUM of the preference losses of the micro-batch's pairs whose
         two sides both have answer tokens (a validation step's padding rows have none), without the RPO term; their
         rewards' sums and count are added to `totals`, which the validator reads and clears per pass. A --pack run's
         validation rows (one sample a row) come labelled as packed ones (the reference pass's), each row one sample."""
         tokens, ref, *segments = labels
         lp, mask = row_token_logps(split_aux(logits)[0], tokens, ce)
-        pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None, drop_empty=True)
+        pc, pr, rc, rr, n_c, n_r = _pairs(lp, mask, ref, segments[0] if segments else None, drop_empty=True,
+                                          total=total)
         losses = preference_losses(pc, pr, rc, rr, beta=self.beta, kind=self.kind, lengths=(n_c, n_r))
         chosen, rejected = self.beta * (pc - rc), self.beta * (pr - rr)
         sums = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).to(pc.dtype).sum(),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .builder import IGNORE_INDEX, lm_loss, lm_loss_sum
-from .dpo import REWARDS, DPOLoss, row_logps
+from .dpo import REWARDS, DPOLoss, full_ce, row_logps
 
 LossFn = Callable[[torch.Tensor, object], torch.Tensor]
 
@@ -47,6 +47,9 @@ class Objective:
     metrics: Callable[[], dict] | None = None  # the `logged` values of the micro-batch the loss saw last
     # validation: [len(logged) + 1] sums of the `logged` values over the pass's pairs and their count, cleared per pass
     eval_metrics: Callable[[], torch.Tensor] | None = None
+    # shard -> (loss, eval_sum[, row_logps]) under --sp on one SP rank: the head's TiledLogits (or logits) of its
+    # slice of the row, this rank's slice of the labels, the sums over the SP group (mmpipe.model.sequence_parallel)
+    sequence_parallel: Callable[[object], tuple[LossFn, ...]] | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -55,6 +58,13 @@ class Objective:
         """This record with loss and eval_sum (and a pair objective's row_logps) over vocab-split logits (shard:
         mmpipe.model.tensor_parallel.Shard); metrics / eval_metrics stay: the split forms share the record's loss."""
         parts = self.vocab_parallel(shard, vocab)
+        return dataclasses.replace(self, **dict(zip(("loss", "eval_sum", "row_logps"), parts)))
+
+    def split_sequence(self, shard) -> "Objective":
+        """This record on one SP rank's slice of every row (shard: its SP group; under --tp too, the tiles carrying
+        the TP shard): loss, eval_sum (and row_logps) the whole row's on every SP rank, each rank's gradient its
+        positions' share (the step sums them over SP)."""
+        parts = self.sequence_parallel(shard)
         return dataclasses.replace(self, **dict(zip(("loss", "eval_sum", "row_logps"), parts)))
 
 
@@ -88,7 +98,37 @@ def vocab_parallel_lm_loss(shard, vocab: int):
     return loss, eval_sum
 
 
-TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_parallel=vocab_parallel_lm_loss)
+def token_ce(logits, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy [B, T] (0 at ignored positions) of a head's output: under --sp its TiledLogits'
+    (a tile of logits at a time, never the slice's whole: sequence_parallel.TiledCrossEntropy), else full_ce's."""
+    from .sequence_parallel import TiledLogits
+    return logits.ce(labels) if isinstance(logits, TiledLogits) else full_ce(logits, labels)
+
+
+def sp_slice(labels, shard):
+    """This SP rank's slice of a label tuple's per-position tensors: the token labels (padded with IGNORE_INDEX, as a
+    row SP does not divide is) and a packed dpo tuple's segments (padded with 0); ref_logps / weights as they are."""
+    from .sequence_parallel import local
+    if not isinstance(labels, (tuple, list)):
+        return local(labels, shard, 1, IGNORE_INDEX)
+    tokens, other, *segments = labels
+    return (local(tokens, shard, 1, IGNORE_INDEX), other, *(local(s, shard, 1) for s in segments))
+
+
+def sequence_parallel_lm_loss(shard):
+    """(loss, eval_sum) on one SP rank: sp_loss (the LossNorm-weighted cross-entropy of its slice, summed over SP)
+    and validation's sum of cross-entropy over its slice's labelled positions, summed over SP."""
+    from .moe import split_aux
+    from .sequence_parallel import sp_loss
+    from .tensor_parallel import reduce_from_tp
+
+    def eval_sum(logits, labels):
+        return reduce_from_tp(token_ce(split_aux(logits)[0], sp_slice(labels, shard)).sum(), shard)
+    return sp_loss(lm_loss, shard), eval_sum
+
+
+TOKENS = Objective("sft", lm_loss, lm_loss_sum, row_fields=("weights",), vocab_parallel=vocab_parallel_lm_loss,
+                   sequence_parallel=sequence_parallel_lm_loss)
 
 
 def dpo(beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0) -> Objective:
@@ -102,9 +142,22 @@ def dpo(beta: float = 0.1, kind: str = "sigmoid", rpo_alpha: float = 0.0) -> Obj
         ce = split_ce(shard, vocab)
         return (functools.partial(loss, ce=ce), functools.partial(loss.eval_sum, ce=ce),
                 functools.partial(row_logps, ce=ce))
+
+    def sequence_parallel(shard):
+        """(loss, eval_sum, row_logps) on one SP rank: the same DPOLoss on its slice of the labels (sp_slice) with the
+        tiled per-position cross-entropy (token_ce); each per-sample sum (log-prob, token count; RPO's chosen sums) is
+        this rank's positions' share, all-reduced over SP before the loss (reduce_from_tp: its backward the identity,
+        each rank's log-probs feeding the same loss), so every SP rank computes the whole loss and rewards."""
+        from .tensor_parallel import reduce_from_tp
+        total = functools.partial(reduce_from_tp, shard=shard)
+
+        def on_slice(fn):
+            return lambda logits, labels: fn(logits, sp_slice(labels, shard), ce=token_ce, total=total)
+        return on_slice(loss), on_slice(loss.eval_sum), on_slice(row_logps)
     return Objective("dpo", loss, loss.eval_sum, row_fields=("ref_logps",), logged=REWARDS, pairs=True,
                      reference=True, row_logps=row_logps, metrics=loss.metrics,
-                     eval_metrics=loss.eval_metrics, vocab_parallel=vocab_parallel)
+                     eval_metrics=loss.eval_metrics, vocab_parallel=vocab_parallel,
+                     sequence_parallel=sequence_parallel)
 
 
 DPO = dpo()

@@ -53,7 +53,17 @@ from .qwen3_5 import (
 from .qwen3_vl import DEEPSTACK_ADDS, DeepstackAdd, Qwen3Block, Qwen3Embed
 from .sp_tower import LLAVA_TOWER, QWEN2_VL_TOWER, QWEN3_TOWER, TOWER, split_tower
 from .stage import unpack_in, unpack_out
-from .tensor_parallel import SIZES, Shard, at_reduce_grads, enter_tp, reduce_from_tp, sum_gradients, vocab_parallel_ce
+from .tensor_parallel import (
+    SIZES,
+    Shard,
+    at_reduce_grads,
+    enter_tp,
+    reduce_from_tp,
+    step_gradients,
+    sum_gradients,  # noqa: F401 (the per-p.grad SP sum, re-exported: the in-process tests run it)
+    sum_tensors,
+    vocab_parallel_ce,
+)
 
 
 def padded(length: int, shard: Shard) -> int:
@@ -350,8 +360,8 @@ def sp_loss(loss_fn, shard: Shard):
                              "per micro-batch does not add up over slices)")
         logits, aux = split_aux(out)
         mine = tuple(local(x, shard, 1) for x in labels)  # padding: label 0 at weight 0, adding 0 x its CE
-        # a tiled head's (TiledLogits): lm_loss's LossNorm sum, a tile of logits at a time (the SFT objective's: the
-        # only one --sp trains)
+        # a tiled head's (TiledLogits): lm_loss's LossNorm sum, a tile of logits at a time (the SFT objective's SP
+        # form: objectives.TOKENS; dpo's reads TiledLogits.ce)
         part = logits.loss(*mine) if isinstance(logits, TiledLogits) else loss_fn(logits, mine)
         total = reduce_from_tp(part, shard)
         return total if aux is None else total + aux
@@ -384,42 +394,43 @@ class TiledLogits:
 
     def loss(self, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over positions of cross-entropy x weight (lm_loss's LossNorm form), fp32."""
-        return TiledCrossEntropy.apply(self.hidden, self.weight, labels, weights, self.tile, self.shard)
+        return (self.ce(labels) * weights).sum()
+
+    def ce(self, labels: torch.Tensor) -> torch.Tensor:
+        """The per-position cross-entropy [B, T] (fp32, 0 where labels are -100): what every objective reads (the SFT
+        loss weighs it, DPO sums it per sample: objectives.Objective.split_sequence), never the logits whole."""
+        return TiledCrossEntropy.apply(self.hidden, self.weight, labels, self.tile, self.shard)
 
 
-def _tile_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-               shard: Shard | None = None) -> torch.Tensor:
-    """One tile's sum of cross-entropy x weight: h [n, D], labels / weights [n] (lm_loss's arithmetic, fp32); under
-    --tp (shard) over the TP group's whole vocabulary from this rank's rows of it (vocab_parallel_ce: the same value on
-    every TP rank, its gradient this rank's logits')."""
+def _tile_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shard: Shard | None = None) -> torch.Tensor:
+    """One tile's per-position cross-entropy [n]: h [n, D], labels [n] (lm_loss's arithmetic, fp32; 0 at label -100);
+    under --tp (shard) over the TP group's whole vocabulary from this rank's rows of it (vocab_parallel_ce: the same
+    value on every TP rank, its gradient this rank's logits')."""
     # cross_entropy's default ignore_index, -100, is builder.IGNORE_INDEX (not imported: builder -> lora ->
     # tensor_parallel -> this module would be a cycle)
     logits = F.linear(h, weight).float()
-    ce = (F.cross_entropy(logits, labels, reduction="none") if shard is None else
-          vocab_parallel_ce(logits[None], labels[None], shard, weight.shape[0] * shard.size, -100)[0])
-    return (ce * weights).sum()
+    return (F.cross_entropy(logits, labels, reduction="none") if shard is None else
+            vocab_parallel_ce(logits[None], labels[None], shard, weight.shape[0] * shard.size, -100)[0])
 
 
 class TiledCrossEntropy(torch.autograd.Function):
-    """sum(cross_entropy(hidden @ weight^T) x weights) over the positions of hidden [B, T, D], `tile` positions at a
-    time: forward keeps no logits (only the loss's inputs), backward recomputes each tile's logits and takes its
-    gradients by autograd (a checkpoint per tile), adding the weight's over tiles. Peak: one tile's logits and their
-    gradient, tile x V each."""
+    """cross_entropy(hidden @ weight^T) [B, T] per position of hidden [B, T, D], `tile` positions at a time: forward
+    keeps no logits (only its inputs), backward recomputes each tile's logits and takes its gradients by autograd
+    against the tile's incoming gradient (a checkpoint per tile), adding the weight's over tiles. Peak: one tile's
+    logits and their gradient, tile x V each."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, tile, shard=None):
-        ctx.save_for_backward(hidden, weight, labels, weights)
+    def forward(ctx, hidden, weight, labels, tile, shard=None):
+        ctx.save_for_backward(hidden, weight, labels)
         ctx.tile, ctx.shard = tile, shard
-        h, y, w = hidden.flatten(0, 1), labels.flatten(), weights.flatten()
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for s in range(0, h.shape[0], tile):
-            total += _tile_loss(h[s:s + tile], weight, y[s:s + tile], w[s:s + tile], shard)
-        return total
+        h, y = hidden.flatten(0, 1), labels.flatten()
+        ce = torch.cat([_tile_loss(h[s:s + tile], weight, y[s:s + tile], shard) for s in range(0, h.shape[0], tile)])
+        return ce.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, labels, weights = ctx.saved_tensors
-        h, y, w = hidden.detach().flatten(0, 1), labels.flatten(), weights.flatten()
+        hidden, weight, labels = ctx.saved_tensors
+        h, y, g = hidden.detach().flatten(0, 1), labels.flatten(), grad.flatten()
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for s in range(0, h.shape[0], ctx.tile):
@@ -427,13 +438,13 @@ class TiledCrossEntropy(torch.autograd.Function):
                 h_t = h[s:s + ctx.tile].requires_grad_(grad_h is not None)
                 w_t = weight.detach().requires_grad_(grad_w is not None)
                 wanted = [x for x in (h_t, w_t) if x.requires_grad]
-                got = iter(torch.autograd.grad(_tile_loss(h_t, w_t, y[s:s + ctx.tile], w[s:s + ctx.tile], ctx.shard),
-                                               wanted, grad) if wanted else ())
+                got = iter(torch.autograd.grad(_tile_loss(h_t, w_t, y[s:s + ctx.tile], ctx.shard), wanted,
+                                               g[s:s + ctx.tile]) if wanted else ())
             if grad_h is not None:
                 grad_h[s:s + ctx.tile] = next(got)
             if grad_w is not None:
                 grad_w += next(got)
-        return (None if grad_h is None else grad_h.view_as(hidden)), grad_w, None, None, None, None
+        return (None if grad_h is None else grad_h.view_as(hidden)), grad_w, None, None, None
 
 
 def sum_gradients_at_step(engine, shard: Shard) -> None:
@@ -443,6 +454,9 @@ def sum_gradients_at_step(engine, shard: Shard) -> None:
     clipping read the whole gradient). The same sum as adding each micro-batch's share over SP as it is made, but one
     all-reduce a step (a model under 500M trained elements) where that was GAS x #tensors: qwen-tiny at GAS 2, 112 of
     them, 234 ms -> 2.3 ms a step on 2 gloo ranks; the results differ by float reordering, <= 3e-8
-    (docs/sequence_parallel.md)."""
+    (docs/sequence_parallel.md). The gradients summed are where the optimizer keeps them (tensor_parallel.
+    step_gradients, as TP's sum): p.grad, or under bf16 DeepSpeed's BF16_Optimizer's own accumulation buffers (it
+    clears p.grad after every backward: a sum over p.grad left each rank's share in them, 45-104% off the whole
+    gradient at qwen-tiny's QwenBlock, tests/test_sp_objectives.py)."""
     params = list({id(p): p for p in engine.module.parameters() if p.requires_grad}.values())
-    at_reduce_grads(engine, lambda: sum_gradients(params, shard))
+    at_reduce_grads(engine, lambda: sum_tensors(step_gradients(engine.optimizer, params), shard))

@@ -13,7 +13,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, Proce
 from ..model.builder import apply_freeze, bind_layer_fields, layer_specs
 from ..model.lora import add_adapters
 from ..model.moe import head_aux
-from ..model.sequence_parallel import parallelize_sequence, sp_loss, sum_gradients_at_step
+from ..model.sequence_parallel import parallelize_sequence, sum_gradients_at_step
 from ..model.tensor_parallel import Shard, mark_norm_counting, parallelize
 from ..model.tensor_parallel import sum_gradients_at_step as sum_tp_gradients_at_step
 from ..registry import family_of
@@ -180,7 +180,7 @@ class VLMPipeline(PipelineModule):
         layers = parallelize_sequence([*self.tied_modules.values(), *self.forward_funcs], shard,
                                       family_of(run.model).sp_plan)
         self.forward_funcs[:] = layers[len(self.tied_modules):]  # a tied head's partial comes back tiled
-        self.loss_fn = sp_loss(self.loss_fn, shard)
+        self.loss_fn = run.objective.split_sequence(shard).loss  # the objective's SP form (model.objectives)
 
     # --sp: the layer files hold whole layers (or under --tp this TP rank's slices), the same on every SP rank, so SP
     # rank 0 writes them under the names a run without SP uses (layer_XX-model_states.pt, under --tp

@@ -111,7 +111,10 @@ class LiveReference:
 def _row_logps(engine, run):
     """The reference pass's record of each row's answer log-prob: under --tp the objective's vocab-parallel form, on
     the last stage's 1/TP of the vocabulary (every TP rank records the same sums; the copies above are this rank's
-    slices of the stage's layers, split as the policy's)."""
+    slices of the stage's layers, split as the policy's). Under --sp its SP form: each SP rank sums its slice's share
+    of every sample's log-prob (the tiled cross-entropy), all-reduced over SP: every SP rank records the whole sums."""
+    if getattr(run, "sp", 1) > 1:  # (a test's stand-in run may not say)
+        return run.objective.split_sequence(engine.module._sp_shard()).row_logps
     if run.tp == 1:
         return run.objective.row_logps
     from ..model.tensor_parallel import Shard

@@ -98,7 +98,12 @@ class Validator:
 
 def _eval_sum(engine, run: RunConfig):
     """The objective's validation sum; under --tp its vocab-parallel form over the last stage's 1/TP of the logits,
-    as the pipeline's training loss (mmpipe.runtime.pipeline, _split_tensors): every TP rank returns the same sum."""
+    as the pipeline's training loss (mmpipe.runtime.pipeline, _split_tensors): every TP rank returns the same sum.
+    Under --sp (with or without --tp: the head's tiles carry the TP shard) its SP form: each SP rank's sum over its
+    slice's positions (the tiled cross-entropy; dpo: each sample's log-prob share), summed over the SP group, so
+    every SP rank returns the whole row's sum and eval_batch's DP average (per (pipe, seq, model)) is as at SP 1."""
+    if getattr(run, "sp", 1) > 1:  # (a test's stand-in run may not say)
+        return run.objective.split_sequence(engine.module._sp_shard()).eval_sum
     if run.tp == 1:
         return run.objective.eval_sum
     from ..model.tensor_parallel import Shard
