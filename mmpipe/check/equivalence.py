@@ -94,10 +94,10 @@ def shrunk_all(cfg: ModelConfig, blocks: int) -> bool:
 
 def _stage_sq(module: torch.nn.Module, readable: bool) -> float | None:
     """This rank's share of its stage's squared gradient norm: each parameter once (not a tied weight's
-    pipe-replicated copy; on the model axis its TP slices, and a replicated weight on model rank 0 only:
-    mark_norm_counting's marks). readable: the reduced gradients are in p.grad (fp32 without ZeRO); a bf16
-    optimizer keeps them in its own fp32 buffers and ZeRO-1 in its partitions, where p.grad may hold this
-    replica's unreduced ones: None."""
+    pipe-replicated copy; on the model axis its TP slices, and a replicated weight on model rank 0 only; under --sp
+    all of these on SP rank 0 only: mark_norm_counting's marks, which VLMPipeline clears on SP ranks > 0).
+    readable: the reduced gradients are in p.grad (fp32 without ZeRO); a bf16 optimizer keeps them in its own fp32
+    buffers and ZeRO-1 in its partitions, where p.grad may hold this replica's unreduced ones: None."""
     if not readable:
         return None
     grads = [p.grad for p in module.parameters() if p.requires_grad and getattr(p, "model_parallel", True)]
@@ -131,8 +131,9 @@ def pipeline_side(run: RunConfig, args: TrainArgs, rank: int) -> list[dict]:
         loss = engine.train_batch(data_iter=batches).item()
         seen[-1].update(loss=loss, seconds=time.perf_counter() - t0)
     stream.close()
-    model = engine.grid.get_slice_parallel_rank()  # --tp / --sp: the rank's coordinate on the model axis (else 0)
-    return [dict(s, stage=engine.stage_id, dp=engine.grid.data_parallel_id, model=model) for s in seen]
+    at = engine.grid._topo.get_coord(engine.global_rank)  # the grid's coordinate: --sp's 'seq', --tp's 'model'
+    seq, model = getattr(at, "seq", 0), getattr(at, "model", 0)
+    return [dict(s, stage=engine.stage_id, dp=engine.grid.data_parallel_id, seq=seq, model=model) for s in seen]
 
 
 class AllReplicas:
@@ -196,12 +197,14 @@ def _rel(a: float, b: float) -> float:
 
 
 def _replica0(pipe: list[list[dict]]) -> dict[int, list[dict]]:
-    """Data-parallel replica 0's rows per stage, its model-axis ranks (--tp / --sp) in one: the loss model rank 0's
-    (every model rank reports the same: the vocab-parallel loss and --sp's are all-reduced), the stage's squared
-    gradient norm the sum of its model ranks' (each counts a TP slice, and a replicated weight on model rank 0 only:
-    mark_norm_counting's marks, which _stage_sq reads; None where one rank's was not readable)."""
+    """Data-parallel replica 0's rows per stage, its SP x TP ranks (--sp / --tp, either or both) in one: the loss
+    (SP 0, TP 0)'s (every rank of a stage reports the same: the vocab-parallel loss and --sp's are all-reduced), the
+    stage's squared gradient norm the sum of its SP x TP ranks' (on SP rank 0 each TP rank counts its TP slices and
+    TP rank 0 a replicated weight, SP ranks > 0 nothing: mark_norm_counting's marks, which _stage_sq reads, DeepSpeed's
+    'tensor rank' seq x TP + model; None where one rank's was not readable). E.g. PP 1 x SP 2 x TP 2: ranks 0 and 1
+    (SP 0) count, 2 and 3 add 0."""
     ranks: dict[int, list[list[dict]]] = {}
-    for rows in sorted((r for r in pipe if r and r[0]["dp"] == 0), key=lambda r: r[0].get("model", 0)):
+    for rows in sorted((r for r in pipe if r and r[0]["dp"] == 0), key=lambda r: (r[0]["seq"], r[0]["model"])):
         ranks.setdefault(rows[0]["stage"], []).append(rows)
     out = {}
     for stage, models in ranks.items():

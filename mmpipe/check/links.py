@@ -6,9 +6,11 @@ under `--tp N > 1` one all-reduce across each TP group of each stage (the ranks 
 what one split block's row-parallel output is, [micro, positions, D]: the collective a TP block runs 2 forward and 2
 backward a micro-batch (docs/tensor_parallel.md), and under `--sp N > 1` each SP group's Ulysses all-to-alls of one
 decoder block (q, k, v to heads, the output back to positions: docs/sequence_parallel.md). The ranks are laid out as
-the engine's grid lays them: PipeModelDataParallelTopology (pipe, data, model; rank = (pipe x dp + data) x width +
-model, the model axis's width TP's or SP's: they share it) under --tp or --sp, else PipeDataParallelTopology; a link
-is measured at every model coordinate.
+the engine's grid lays them (mmpipe.runtime.pipeline.grid_topology, the one place it is built): (pipe, data, model)
+under --tp, (pipe, data, seq, model) under --sp with or without --tp (rank = ((pipe x dp + data) x sp + seq) x tp +
+model, TP innermost), else PipeDataParallelTopology; a link is measured at every (seq, model) coordinate, the TP
+groups along 'model' (one per (stage, data, seq)), the SP groups along 'seq' (one per (stage, data, model)). E.g.
+PP 1 x SP 2 x TP 2: TP groups {0, 1}, {2, 3}; SP groups {0, 2}, {1, 3}.
 Collective: every rank calls `measure`. Each row carries the planner's time for it (`planned_s`, from the
 planner's device for this accelerator, mmpipe.check.loader.planner_device; None where there is none).
 
@@ -23,14 +25,16 @@ import time
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from ..model.sequence_parallel import _to_heads, _to_positions, padded
 from ..model.tensor_parallel import Shard
 from ..planning.costmodel import Device, tied_repeats
 from ..planning.sequence_parallel import sp_layer_costs, sp_seconds
+from ..planning.tensor_parallel import tp_layer_costs
 from ..run_config import RunConfig
 from ..runtime.feed import decoder_length
+from ..runtime.pipeline import grid_topology
 from ..runtime.trainer import DTYPES
 from .loader import planner_device
 
@@ -108,34 +112,47 @@ def boundary_bytes(run: RunConfig, stage: int) -> int:
     return int(run.micro * decoder_length(run) * run.model.text.dim) * DTYPES[run.precision].itemsize
 
 
+def topology(run: RunConfig):
+    """The engine's rank layout (runtime.pipeline.grid_topology; without TP or SP DeepSpeed's own)."""
+    return grid_topology(run) or PipeDataParallelTopology(num_pp=run.stages, num_dp=run.dp)
+
+
+_NAMES = {"seq": "sp", "model": "tp"}  # a grid axis's name in the rows
+
+
 def _models(topo) -> list[dict]:
-    """The model-axis coordinates a link is measured at: {"model": m} for each TP or SP rank, else one, {}."""
-    return [{"model": m} for m in range(topo.get_dim("model"))] if "model" in topo.get_axis_names() else [{}]
+    """The coordinates past (pipe, data) a link is measured at: one {"seq": s, "model": m} (the axes the grid has) for
+    each SP x TP rank of a stage, else one, {}."""
+    axes = [a for a in ("seq", "model") if a in topo.get_axis_names()]
+    out = [{}]
+    for a in axes:
+        out = [dict(at, **{a: i}) for at in out for i in range(topo.get_dim(a))]
+    return out
 
 
-def _axis(run: RunConfig) -> str:
-    """The model axis's name in the rows: tp or sp (--sp with --tp is refused: both take it)."""
-    return "sp" if run.sp > 1 else "tp"
+def _model_name(topo, at: dict, skip: str = "") -> str:
+    """', sp S, tp M': the axes of `at` wider than 1 but `skip` (a group's own axis)."""
+    return "".join(f", {_NAMES[a]} {i}" for a, i in at.items() if a != skip and topo.get_dim(a) > 1)
 
 
-def _model_name(run: RunConfig, at: dict) -> str:
-    return f", {_axis(run)} {at['model']}" if at else ""
-
-
-def _model_groups(run: RunConfig, topo) -> list[tuple[int, int, list[int], object]]:
-    """Collective. Per data coordinate and stage, its model-axis group (the TP or SP ranks of one (stage, data)
-    coordinate): (data, stage, ranks, group); every rank creates every group, in the same order."""
-    width, out = run.tp * run.sp, []
-    for d in range(run.dp if width > 1 else 0):
+def _axis_groups(run: RunConfig, topo, axis: str) -> list[tuple[int, int, dict, list[int], object]]:
+    """Collective. Per data coordinate, stage and coordinate on the grid's other axis, its group along `axis` ('model':
+    the TP ranks of one (stage, data, seq); 'seq': the SP ranks of one (stage, data, model)): (data, stage, the
+    coordinate, ranks, group); every rank creates every group, in the same order. None where the axis is 1 wide."""
+    if axis not in topo.get_axis_names() or topo.get_dim(axis) == 1:
+        return []
+    out = []
+    for d in range(run.dp):
         for s in range(run.stages):
-            ranks = [topo.get_rank(pipe=s, data=d, model=m) for m in range(width)]
-            out.append((d, s, ranks, dist.new_group(ranks)))
+            for at in (at for at in _models(topo) if at[axis] == 0):
+                ranks = [topo.get_rank(pipe=s, data=d, **dict(at, **{axis: i})) for i in range(topo.get_dim(axis))]
+                out.append((d, s, at, ranks, dist.new_group(ranks)))
     return out
 
 
 def _p2p(run: RunConfig, topo, dev: torch.device, slow: float) -> list[dict]:
     rows = []
-    for at in _models(topo):  # under --tp / --sp each TP / SP rank sends to the same TP rank of the next stage
+    for at in _models(topo):  # under --tp / --sp each (SP, TP) rank sends to the same one of the next stage
         for d in range(run.dp):
             for s in range(run.stages - 1):
                 a, b = topo.get_rank(pipe=s, data=d, **at), topo.get_rank(pipe=s + 1, data=d, **at)
@@ -143,7 +160,7 @@ def _p2p(run: RunConfig, topo, dev: torch.device, slow: float) -> list[dict]:
                 big = _pingpong(a, b, torch.zeros(n, dtype=DTYPES[run.precision], device=dev), slow)
                 small = _pingpong(a, b, torch.zeros(1, dtype=DTYPES[run.precision], device=dev), slow)
                 dist.barrier()
-                name = f"stage {s} -> {s + 1} (ranks {a} <-> {b}, dp {d}{_model_name(run, at)})"
+                name = f"stage {s} -> {s + 1} (ranks {a} <-> {b}, dp {d}{_model_name(topo, at)})"
                 rows.append({"kind": "p2p", "name": name,
                              "ranks": [a, b], "bytes": n * DTYPES[run.precision].itemsize, "seconds": big,
                              "latency_s": small})
@@ -168,17 +185,25 @@ def _allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
                 dt = _timed(lambda: dist.all_reduce(t, group=group), REPS)
             dist.barrier()
             rows.append({"kind": "all-reduce",
-                         "name": f"stage {s} dp group (ranks {', '.join(map(str, ranks))}{_model_name(run, at)})",
+                         "name": f"stage {s} dp group (ranks {', '.join(map(str, ranks))}{_model_name(topo, at)})",
                          "ranks": ranks, "bytes": n * 4, "seconds": dt, "latency_s": None,
                          "bus_factor": 2 * (run.dp - 1) / run.dp})
     return rows
 
 
+def _positions(run: RunConfig) -> int:
+    """The decoder positions one rank holds: the row's, or under --sp its 1/SP slice of the row padded to a multiple
+    of SP (mmpipe.model.sequence_parallel.padded)."""
+    return padded(decoder_length(run), Shard(None, 0, run.sp)) // run.sp if run.sp > 1 else decoder_length(run)
+
+
 def tp_allreduce_bytes(run: RunConfig) -> int:
-    """One TP all-reduce of a split block: its row-parallel output, micro x decoder positions x D x element bytes
-    (mmpipe.planning.tensor_parallel.tp_seconds counts 2 forward and 2 backward of these a block and micro-batch).
-    E.g. llava-tiny at micro 4, 84 positions, D 64, fp32: 4 x 84 x 64 x 4 = 86,016 B."""
-    return int(run.micro * decoder_length(run) * run.model.text.dim) * DTYPES[run.precision].itemsize
+    """One TP all-reduce of a split block: its row-parallel output, micro x the rank's decoder positions x D x element
+    bytes (mmpipe.planning.tensor_parallel.tp_seconds counts 2 forward and 2 backward of these a block and
+    micro-batch; under --sp an SP rank's positions, L / SP: the planner's tp_ar_fwd / sp). E.g. llava-tiny at micro 4,
+    84 positions, D 64, fp32: 4 x 84 x 64 x 4 = 86,016 B; qwen-tiny at TP 2 x SP 2, micro 4, 88 positions (44 a rank),
+    D 64: 4 x 44 x 64 x 4 = 45,056 B."""
+    return int(run.micro * _positions(run) * run.model.text.dim) * DTYPES[run.precision].itemsize
 
 
 def _tp_allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
@@ -192,10 +217,11 @@ def _tp_allreduce(run: RunConfig, topo, dev: torch.device) -> list[dict]:
     def make(group):
         t = torch.zeros(n, dtype=DTYPES[run.precision], device=dev)
         return lambda: dist.all_reduce(t, group=group)
-    for d, s, ranks, group in _model_groups(run, topo):
+    for d, s, at, ranks, group in _axis_groups(run, topo, "model"):
         dt = _timed_in(ranks, lambda: make(group))
         rows.append({"kind": "tp all-reduce",
-                     "name": f"stage {s} tp group (ranks {', '.join(map(str, ranks))}, dp {d})",
+                     "name": f"stage {s} tp group (ranks {', '.join(map(str, ranks))}, dp {d}"
+                             f"{_model_name(topo, at, 'model')})",
                      "ranks": ranks, "bytes": n * DTYPES[run.precision].itemsize, "seconds": dt,
                      "latency_s": None, "bus_factor": 2 * (run.tp - 1) / run.tp})
     return rows
@@ -205,18 +231,28 @@ def sp_shapes(run: RunConfig) -> list[tuple[int, ...]]:
     """Ulysses' four all-to-alls of one decoder block and micro-batch as each SP rank sends them (UlyssesMask:
     DeepSpeed's DistributedAttention; the planner's sp_a2a counts the same): q [micro, L / SP, H, Dh], k and v
     [micro, L / SP, Hkv, Dh] to heads, the output [micro, L, H / SP, Dh] back to positions; L the row padded to a
-    multiple of SP. E.g. qwen-tiny (H 4, Hkv 2, Dh 16) at micro 2, SP 2, L 88: [2, 44, 4, 16], 2 x [2, 44, 2, 16],
-    [2, 88, 2, 16]: 16,896 elements."""
-    t, sp = run.model.text, run.sp
+    multiple of SP. Under --tp the heads a TP rank holds: H / TP, and Hkv / TP (1 where TP does not divide Hkv)
+    repeated up to SP where fewer (sequence_parallel.kv_for_sp; the planner's sp_layer_costs). E.g. qwen-tiny (H 4,
+    Hkv 2, Dh 16) at micro 2, SP 2, L 88: [2, 44, 4, 16], 2 x [2, 44, 2, 16], [2, 88, 2, 16]: 16,896 elements; at
+    TP 2 x SP 2: [2, 44, 2, 16], 2 x [2, 44, 2, 16] (1 kv head repeated for 2 SP ranks), [2, 88, 1, 16]: 11,264."""
+    t, sp, tp = run.model.text, run.sp, run.tp
     dh, length = t.dim // t.n_heads, padded(decoder_length(run), Shard(None, 0, sp))
-    return [(run.micro, length // sp, h, dh) for h in (t.n_heads, t.kv_heads, t.kv_heads)] + [
-        (run.micro, length, t.n_heads // sp, dh)]
+    kv = t.kv_heads // tp if t.kv_heads % tp == 0 else 1
+    kv = kv if kv % sp == 0 else sp
+    return [(run.micro, length // sp, h, dh) for h in (t.n_heads // tp, kv, kv)] + [
+        (run.micro, length, t.n_heads // tp // sp, dh)]
+
+
+def sp_rows(run: RunConfig) -> list:
+    """run.layers as one (SP, TP) rank holds them, the planner's: tp_layer_costs then sp_layer_costs."""
+    tp_rows = tp_layer_costs(run.model, run.layers, run.tp, run.sequence_parallel)
+    return sp_layer_costs(run.model, tp_rows, run.sp, run.tp)
 
 
 def sp_block(run: RunConfig, stage: int) -> int | None:
     """The index in run.layers of `stage`'s decoder block with the most all-to-all elements (the planner's sp_a2a at
-    the run's SP), None for a stage without one (a tower's stage)."""
-    rows = sp_layer_costs(run.model, run.layers, run.sp)
+    the run's SP and TP), None for a stage without one (a tower's stage)."""
+    rows = sp_rows(run)
     blocks = [i for i in range(run.parts[stage], run.parts[stage + 1]) if rows[i].sp_a2a]
     return max(blocks, key=lambda i: rows[i].sp_a2a) if blocks else None
 
@@ -235,13 +271,14 @@ def _sp_all_to_all(run: RunConfig, topo, dev: torch.device) -> list[dict]:
         q, k, v, o = (torch.zeros(s, dtype=DTYPES[run.precision], device=dev) for s in sp_shapes(run))
         return lambda: (_to_heads(q, shard), _to_heads(k, shard), _to_heads(v, shard), _to_positions(o, shard))
     rows = []
-    for d, s, ranks, group in _model_groups(run, topo):
+    for d, s, at, ranks, group in _axis_groups(run, topo, "seq"):
         block = sp_block(run, s)
         if block is None:
             continue
         dt = _timed_in(ranks, lambda: make(group, ranks))
         rows.append({"kind": "sp all-to-all",
-                     "name": f"stage {s} sp group (ranks {', '.join(map(str, ranks))}, dp {d})",
+                     "name": f"stage {s} sp group (ranks {', '.join(map(str, ranks))}, dp {d}"
+                             f"{_model_name(topo, at, 'seq')})",
                      "ranks": ranks, "bytes": nbytes, "seconds": dt, "latency_s": None,
                      "bus_factor": (run.sp - 1) / run.sp, "layer": block})
     return rows
@@ -265,7 +302,7 @@ def _all_to_all(run: RunConfig, topo, dev: torch.device) -> list[dict]:
     rows = []
     if run.ep <= 1:
         return rows
-    for at, s in ((at, s) for at in _models(topo) for s in range(run.stages)):  # EP groups per TP coordinate
+    for at, s in ((at, s) for at in _models(topo) for s in range(run.stages)):  # EP groups per (SP, TP) coordinate
         nbytes = all_to_all_bytes(run, s)
         for b in range(run.dp // run.ep):
             ranks = [topo.get_rank(pipe=s, data=b * run.ep + i, **at) for i in range(run.ep)]
@@ -291,12 +328,12 @@ def planned_seconds(row: dict, device: Device | None, run: RunConfig) -> float |
     link; an all-reduce's bytes x 2 (dp - 1) / dp over the all-reduce link; an all-to-all's bytes x (ep - 1) / ep /
     link (costmodel.all_to_all); a TP all-reduce's bytes x 2 (tp - 1) / tp / link (planning.tensor_parallel.tp_seconds:
     TP stays inside a node); an SP all-to-all row's block's forward exchange, the planner's own sp_seconds of it (one
-    SP rank's row of run.layers[row["layer"]], sp_layer_costs). E.g. 90,112 B at EP 2 over the CPU's 5 GB/s:
+    (SP, TP) rank's row of run.layers[row["layer"]], sp_rows). E.g. 90,112 B at EP 2 over the CPU's 5 GB/s:
     45,056 / 5e9 = 9.0 us."""
     if device is None:
         return None
     if row["kind"] == "sp all-to-all":
-        block = sp_layer_costs(run.model, run.layers, run.sp)[row["layer"]]
+        block = sp_rows(run)[row["layer"]]
         return sp_seconds([block], [0, 1], run.micro, run.precision, run.sp, device)[0][0]
     link = device.allreduce_link or device.link if row["kind"] == "all-reduce" else device.link
     return row["bytes"] * row.get("bus_factor", 1.0) / link
@@ -304,9 +341,7 @@ def planned_seconds(row: dict, device: Device | None, run: RunConfig) -> float |
 
 def measure(run: RunConfig) -> list[dict]:
     """Collective. Each link's row, complete (timed by its first rank) on rank 0; others get []."""
-    width = run.tp * run.sp  # the model axis: TP's or SP's ranks (mmpipe.runtime.pipeline's grid)
-    topo = (PipeModelDataParallelTopology(num_pp=run.stages, num_mp=width, num_dp=run.dp) if width > 1 else
-            PipeDataParallelTopology(num_pp=run.stages, num_dp=run.dp))  # the engine's rank layout
+    topo = topology(run)  # the engine's rank layout
     dev, slow = device(), _slow()
     rows = (_p2p(run, topo, dev, slow) + _allreduce(run, topo, dev) + _all_to_all(run, topo, dev)
             + _tp_allreduce(run, topo, dev) + _sp_all_to_all(run, topo, dev))

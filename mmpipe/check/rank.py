@@ -63,13 +63,19 @@ SKIPPED = {"tp": {
     "memory": "its prediction is a whole stage's, not a TP rank's",
     "profile": "it times a whole stage's layers on each rank for the planner's device profile"}, "sp": {
     "memory": "its prediction is a whole stage's at whole rows, not an SP rank's",
+    "profile": "it times a whole stage's layers on whole rows on each rank for the planner's device profile"},
+    "tp x sp": {
+    "memory": "its prediction is a whole stage's at whole rows, not a TP x SP rank's",
     "profile": "it times a whole stage's layers on whole rows on each rank for the planner's device profile"}}
 
 
 def _skipped(run, name: str, rank: int) -> dict | None:
     """The row of a check that does not run at --tp / --sp (on rank 0; None elsewhere)."""
-    axis, n = ("tp", run.tp) if run.tp > 1 else ("sp", run.sp)
-    return None if rank else {"ok": True, "skipped": f"skipped at --{axis} {n}: {SKIPPED[axis][name]}"}
+    if run.tp > 1 and run.sp > 1:
+        axis, flags = "tp x sp", f"--tp {run.tp} --sp {run.sp}"
+    else:
+        axis, flags = ("tp", f"--tp {run.tp}") if run.tp > 1 else ("sp", f"--sp {run.sp}")
+    return None if rank else {"ok": True, "skipped": f"skipped at {flags}: {SKIPPED[axis][name]}"}
 
 
 def _whole_layer_checks(run, args: TrainArgs, opts: CheckArgs, rank: int, dev, link_rows: list, checks: dict,

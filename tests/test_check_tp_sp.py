@@ -1,0 +1,105 @@
+"""`mmpipe check --tp T --sp S` (issues 54 and 58; docs/check.md): on the engine's 4-axis grid (pipe, data, seq, model;
+runtime.pipeline.grid_topology) each stage's TP groups (along 'model', one per SP rank) time one split block's
+all-reduce and its SP groups (along 'seq', one per TP rank) one decoder block's Ulysses all-to-alls at the heads a TP
+rank holds, each beside the planner's time; the equivalence check runs the TP x SP pipeline against the single-device
+loop, each stage's gradient norm summed over its SP x TP ranks (the marks count SP rank 0's TP shares only)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import write_ds_config
+from mmpipe.check import links
+from mmpipe.check.loader import planner_device
+from mmpipe.data.dataset import prepare
+from mmpipe.planning.sequence_parallel import sp_layer_costs, sp_seconds
+from mmpipe.planning.tensor_parallel import tp_layer_costs
+from mmpipe.run_args import TrainArgs
+from mmpipe.run_config import resolve
+
+FLAGS = ["--preset", "qwen-tiny", "--stages", "1", "--tp", "2", "--sp", "2", "--steps", "1"]
+
+
+def _argv(tmp: Path) -> list[str]:
+    """FLAGS at micro 4 x GAS 2, AdamW at a constant 5e-4 (no warm-up: step 1 updates), clip 1.0."""
+    cfg = write_ds_config(tmp / "ds.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                          scheduler=None)
+    return [*FLAGS, "--ds-config", str(cfg), "--output-dir", str(tmp / "run")]
+
+
+def _worker(rank: int, tmp: str, argv: list[str]) -> None:
+    """Rank `rank` of a PP=1 x SP=2 x TP=2 run's 4 (forked, gloo): `mmpipe check`'s link measurement and its
+    equivalence, then the equivalence again with the once-a-step gradient sum over SP planted out (each SP rank steps
+    on its positions' share); rank 0 writes the rows and both verdicts."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4")
+    import deepspeed
+
+    from mmpipe.check import equivalence
+    from mmpipe.runtime import pipeline, trainer
+    trainer.setup_torch()  # one thread before any op: a forked child must not enter the parent's OpenMP pool
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=4)
+    deepspeed.init_distributed()
+    args = TrainArgs.from_argv(argv)
+    run = resolve(args, world_size=4)
+    rows = links.measure(run)
+    good = equivalence.check(run, args, rank, torch.device("cpu"))
+    pipeline.sum_gradients_at_step = lambda engine, shard: None  # this child's module: no undo
+    broken = equivalence.check(run, args, rank, torch.device("cpu"))
+    if rank == 0:
+        Path(tmp, "check.json").write_text(json.dumps({"rows": rows, "good": good, "broken": broken}))
+    dist.barrier()
+    os._exit(0)
+
+
+def test_check_runs_tp_x_sp_links_and_equivalence(tmp_path):
+    """qwen-tiny PP=1 x SP=2 x TP=2 (4 query heads, 2 KV heads: 2 and 1 a TP rank, the KV head repeated for the 2 SP
+    ranks): two TP rows ({0, 1} at SP 0, {2, 3} at SP 1), each all-reducing [micro, L / SP, D] beside the ring's
+    planned time, and two SP rows ({0, 2} at TP 0, {1, 3} at TP 1), each exchanging the planner's sp_a2a elements of
+    one block at TP 2 x SP 2, planned at the forward all-to-all seconds of that block. Its equivalence: 3 steps
+    against the single-device loop pass at fp32's 1e-5 / 1e-4 (the stage's norm over its 4 ranks); with the SP gradient
+    sum planted out the norm is off and it fails, the first step's loss unchanged. By hand, `mmpipe check --preset
+    qwen-tiny --tp 2 --sp 2` prints these rows (docs/check.md)."""
+    argv = _argv(tmp_path)
+    args = TrainArgs.from_argv(argv)
+    run = resolve(args, world_size=4)
+    prepare(run.data, run.model, tmp_path / "run", args.seed, verbose=False)  # the index, as the front door builds it
+    mp.start_processes(_worker, args=(str(tmp_path), argv), nprocs=4, start_method="fork")
+    got = json.loads((tmp_path / "check.json").read_text())
+    rows = {r["name"]: r for r in got["rows"]}
+    assert sorted(rows) == ["stage 0 sp group (ranks 0, 2, dp 0, tp 0)", "stage 0 sp group (ranks 1, 3, dp 0, tp 1)",
+                            "stage 0 tp group (ranks 0, 1, dp 0, sp 0)", "stage 0 tp group (ranks 2, 3, dp 0, sp 1)"]
+    cpu, t = planner_device(), run.model.text
+    costs = sp_layer_costs(run.model, tp_layer_costs(run.model, run.layers, 2), 2, 2)
+    blocks = [c for c in costs if c.sp_a2a]
+    assert len(blocks) == t.n_layers and all(c.sp_a2a == blocks[0].sp_a2a for c in blocks)
+    length = blocks[0].tokens  # the row's decoder positions, a multiple of SP here (no padding)
+    assert length % 2 == 0
+    for name in ("stage 0 tp group (ranks 0, 1, dp 0, sp 0)", "stage 0 tp group (ranks 2, 3, dp 0, sp 1)"):
+        r = rows[name]  # an SP rank's half of the row, all D wide, fp32
+        assert r["kind"] == "tp all-reduce" and r["seconds"] > 0 and r["ok"], r
+        assert r["bytes"] == run.micro * length // 2 * t.dim * 4
+        assert r["planned_s"] == pytest.approx(r["bytes"] * 2 * (2 - 1) / 2 / cpu.link)
+    dh = t.dim // t.n_heads
+    for name in ("stage 0 sp group (ranks 0, 2, dp 0, tp 0)", "stage 0 sp group (ranks 1, 3, dp 0, tp 1)"):
+        r = rows[name]  # q and the output: 2 heads of the TP rank; k and v: its 1 kv head repeated to 2 (kv_for_sp)
+        assert r["kind"] == "sp all-to-all" and r["seconds"] > 0 and r["ok"], r
+        assert r["bytes"] == run.micro * length // 2 * (2 * 2 * dh + 2 * 2 * dh) * 4
+        assert r["bytes"] == run.micro * blocks[0].sp_a2a * 4
+        # the planner's forward all-to-all seconds of that block (sp_seconds): (SP - 1) / SP of the bytes / link
+        assert r["planned_s"] == pytest.approx(sp_seconds([blocks[0]], [0, 1], run.micro, "fp32", 2, cpu)[0][0])
+        assert r["planned_s"] == pytest.approx(r["bytes"] * (2 - 1) / 2 / cpu.link)
+    good, broken = got["good"], got["broken"]
+    print(f"\nTP 2 x SP 2 equivalence: loss {good['max_loss_rel_diff']:.1e}, "
+          f"norm {good['max_grad_norm_rel_diff']:.1e}; SP sum planted out: norm {broken['max_grad_norm_rel_diff']:.1e}")
+    assert good["ok"] and good["steps"] == 3, good
+    assert good["max_loss_rel_diff"] <= 1e-5 and good["max_grad_norm_rel_diff"] <= 1e-4, good
+    assert good["worst_grad_norm"]["where"] == "stage 0"  # fp32, ZeRO 0: the stage's norm, over its SP x TP ranks
+    assert good["losses"]["pipeline"][2] != good["losses"]["pipeline"][0]  # it trained
+    assert not broken["ok"] and broken["max_grad_norm_rel_diff"] > 1e-2, broken
+    assert abs(broken["losses"]["pipeline"][0] - good["losses"]["pipeline"][0]) < 1e-6  # forward unchanged
