@@ -169,9 +169,6 @@ def _train_plan(cmd: list[str], run, args: TrainArgs, hosts: dict | None, comman
 
 def cmd_check(ns: argparse.Namespace) -> int:
     """`mmpipe check`: train's checks and launch, the check ranks instead of training; exit from check.json."""
-    if ns.tp > 1 and ns.sp > 1:  # check.links lays the ranks on one model axis, TP's or SP's (runtime.pipeline)
-        return fail(ConfigError(f"check: --tp {ns.tp} with --sp {ns.sp} is not checked yet: its link timings lay the "
-                                f"ranks on one model axis, TP's or SP's (train runs both)"))
     if not ns.dry_run:
         (Path(ns.output_dir) / CHECK_FILE).unlink(missing_ok=True)  # an earlier check's verdict is not this one's
     rc = cmd_train(ns, module="mmpipe.check.rank", extra=tuple(to_argv(from_namespace(CheckArgs, ns))))

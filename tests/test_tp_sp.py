@@ -6,8 +6,8 @@ docs/sequence_parallel.md, "TP x SP").
 - In process, 2 gloo ranks: qwen-tiny's tied head under TP 2 and the SP plan returns TiledLogits of its vocab slice;
   their tiled vocab-parallel loss and gradients equal the whole vocabulary's (1e-6).
 - In process: the refusals at the front door, one line each, exit 2 (SP not dividing the heads a TP rank holds,
-  Gated DeltaNet's key heads a TP rank holds, --sequence-parallel with --sp, `mmpipe check` with both), and the
-  dry run's layout line.
+  Gated DeltaNet's key heads a TP rank holds, --sequence-parallel with --sp), and the dry run's layout line (train's
+  and `mmpipe check`'s: check runs TP x SP, tests/test_check_tp_sp.py).
 - One launch: qwen-tiny PP=1 x SP=2 x TP=2 (4 gloo ranks) on packed rows, a sample cut by the SP slice, the clip
   engaged, fp32: every step's loss and the final weights equal the single-device loop's (1e-5). qwen-tiny's 2 KV heads
   are 1 a TP rank, repeated for the 2 SP ranks (sequence_parallel.kv_for_sp); the head is vocab-split, its loss the
@@ -125,8 +125,8 @@ def test_tp_sp_refusals_one_line_each(capsys):
     err = refused(["--preset", "qwen-tiny", "--tp", "2", "--sp", "2", "--sequence-parallel", "--steps", "1"], capsys)
     assert any("--sp: 2 with --sequence-parallel: both split the row's positions" in line for line in err), err
     from mmpipe.cli import main
-    assert main(["check", "--preset", "qwen-tiny", "--tp", "2", "--sp", "2", "--steps", "1", "--dry-run"]) == 2
-    assert "check: --tp 2 with --sp 2 is not checked yet" in capsys.readouterr().err
+    assert main(["check", "--preset", "qwen-tiny", "--tp", "2", "--sp", "2", "--steps", "1", "--dry-run"]) == 0
+    assert "2 stages x dp 1 x tp 2 x sp 2 = 8 ranks" in capsys.readouterr().out
     assert main(["train", "--preset", "qwen-tiny", "--tp", "2", "--sp", "2", "--stages", "1", "--steps", "1",
                  "--dry-run"]) == 0
     assert "1 stages x dp 1 x tp 2 x sp 2 = 4 ranks" in capsys.readouterr().out
