@@ -19,7 +19,8 @@ through the built-in tokenizer: mean 27.9 tokens, p10 / p50 / p90 / p99 13 / 22 
 mean / max = 0.23. T, the --text-len of both variants, is that max (121).
 
 The model: the `small` preset (moondream family, N = 16 image positions spliced after BOS) with
-text.max_context raised to N + T = 137 so the longest sample fits (WORK/model.json, given as --preset).
+text.max_context raised to K x N + T = 185 so the packed row fits (WORK/model.json, given as --preset; the padded
+row of N + T = 137 is within it, and the context is no weight: both variants train the same model).
 
 Two variants at the same model, the same micro-batch x GAS (--micro 16 x --gas 4 = 64 rows per step, in
 WORK/ds.json, made from ds_configs/cpu_fp32.json) and the same --text-len T:
@@ -300,11 +301,14 @@ def main() -> None:
     model = json.loads((ROOT / "mmpipe" / "presets" / "small.json").read_text())
     v = model["vision"]
     args.n_img = (v["image_size"] // v["patch_size"]) ** 2
-    model["text"]["max_context"] = args.n_img + args.text_len
-    model["_comment"] = f"small with text.max_context {args.n_img} + {args.text_len} (scripts/bench_packing.py)"
-    (work / "model.json").write_text(json.dumps(model, indent=1))
     mean = float(lengths.mean())
     args.k = args.k or max(1, round(args.text_len / mean))
+    # the context holds the packed row, K x N + T (a row must fit it, mmpipe.data.dataset.row_text_len); the padded
+    # row, N + T, is within it. The context is no weight (rotary positions restart at every sample): the same model
+    model["text"]["max_context"] = args.k * args.n_img + args.text_len
+    model["_comment"] = (f"small with text.max_context {args.k} x {args.n_img} + {args.text_len} "
+                         f"(scripts/bench_packing.py)")
+    (work / "model.json").write_text(json.dumps(model, indent=1))
     ds = json.loads((ROOT / "ds_configs" / "cpu_fp32.json").read_text())
     ds.update(train_micro_batch_size_per_gpu=args.micro, gradient_accumulation_steps=args.gas)
     (work / "ds.json").write_text(json.dumps(ds, indent=1))
