@@ -179,6 +179,10 @@ ALLOWED_PROBES = {
     # a linear it left whole (replicated, or a family without a plan) carries neither
     "model/tensor_parallel.py: getattr(m, 'tp_mark', None)",
     "model/tensor_parallel.py: getattr(module, 'tp_entered', False)",
+    "model/tensor_parallel.py: getattr(m, 'tp_entered', False)",  # the same mark, read by _mark_inputs
+    # the slice of the single device's input a linear reads (LoRA dropout's mask): set where a plan cuts it (TP's
+    # _mark_inputs, then SP's _reads_positions adds the positions); a linear no plan touched reads the whole input
+    "model/sequence_parallel.py: getattr(m, 'input_split', ())",
 }
 
 
