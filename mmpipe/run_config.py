@@ -453,7 +453,8 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     """--sp N (docs/sequence_parallel.md): N >= 1; above 1 only for a family whose decoder this slice splits (LLaVA,
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
     and value heads: each rank runs H/N of them after the all-to-all; a row's positions are padded to a multiple of N),
-    and only where it was checked: fp32 at ZeRO 0 or 1, 1F1B, the SFT objective, no validation (--resume, at this or
+    and only where it was checked: fp32 at ZeRO 0 or 1, bf16 at ZeRO 0, 1F1B, SFT and dpo (an objective with an SP
+    form: Objective.split_sequence), validation, --init-from (tests/test_sp_objectives.py; --resume, at this or
     another SP, MoE with --ep, --tp, LoRA (its dropout on the text: each rank's slice of the mask) and activation
     checkpointing are checked). With --tp T the
     all-to-all trades the heads each TP rank holds, so N divides H / T (and the plan's counts / T); the KV heads a TP
@@ -485,18 +486,18 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
         problems.append(f"--sp: {sp} with --sequence-parallel: both split the row's positions (Megatron's over the "
                         f"TP ranks, Ulysses' over the SP ranks) and their exchanges are not composed; use one")
     unchecked = [name for name, on in (
-        ("--init-from", bool(args.init_from)),
         # the tower splits by whole images (sp_tower): an adapter there reads this rank's images, not a slice of the
         # single device's input that a mask could be cut from (the decoder's: lora.SplitDropout)
         (f"--lora-dropout {args.lora_dropout} on --lora-groups {args.lora_groups}", args.lora > 0
          and args.lora_dropout > 0 and bool({"vision", "projector"} & set(args.lora_groups.split(",")))),
-        (f"--objective {args.objective}", objective_named(args.objective) is not TOKENS),
-        ("--eval-data / --eval-split", bool(args.eval_data or args.eval_split)),
-        (f"precision {precision}", precision != "fp32"), (f"ZeRO stage {zero_stage}", zero_stage > 1),
+        (f"--objective {args.objective}", objective_named(args.objective).sequence_parallel is None),
+        (f"precision {precision}", precision == "fp16"), (f"ZeRO stage {zero_stage}", zero_stage > 1),
+        # BF16_Optimizer (ZeRO 0) is checked; at ZeRO 1 DeepSpeed's ZeRO optimizer accumulates bf16 in p.grad
+        ("bf16 at ZeRO 1", precision == "bf16" and zero_stage == 1),
         (f"schedule {schedule}", schedule.name != BASELINE.name)) if on]
     if unchecked:
-        problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (this slice trains fp32, "
-                        f"ZeRO 0 / 1, 1F1B, SFT; docs/sequence_parallel.md)")
+        problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (--sp trains fp32 at ZeRO 0 / "
+                        f"1, bf16 at ZeRO 0, 1F1B, SFT and dpo; docs/sequence_parallel.md)")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

@@ -193,7 +193,8 @@ def _bf16_check(shard: Shard) -> dict:
     """qwen-tiny's QwenBlock and a head in bf16 under SP 2 (each rank 4 of a row's 8 positions, two packed samples,
     one cut at 4) with DeepSpeed's BF16_Optimizer on the SP grid (cpu_bf16.json's ZeRO 0, bf16 accumulation), two
     micro-batches as the pipeline engine drives them (clear_lp_grads, backward, update_hp_grads), then ReduceGrads'
-    SP sum as the pipeline installs it (sequence_parallel.sum_gradients_at_step). Relative errors (norm) against the
+    SP sum as the pipeline installs it (sequence_parallel.sum_gradients_at_step), then the optimizer's global norm
+    counted as the pipeline marks it. Relative errors (norm) against the
     whole block's fp32 gradients: of the optimizer's buffers after the sum, of the whole block in bf16 (the spread bf16
     makes at SP 1), and of the buffers before the sum (each rank's share: what the optimizer read when the sum acted
     on p.grad)."""
@@ -201,10 +202,12 @@ def _bf16_check(shard: Shard) -> dict:
     from deepspeed.runtime.pipe import schedule
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config
+    from deepspeed.runtime.utils import get_global_norm_of_tensors
 
     from mmpipe.model import sequence_parallel
     from mmpipe.model.qwen2_vl import QwenBlock
     from mmpipe.model.stage import StageTuple
+    from mmpipe.model.tensor_parallel import mark_norm_counting
     cfg = load_preset("qwen-tiny")
     g = torch.Generator().manual_seed(1)
     segments = torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 0]])
@@ -238,11 +241,21 @@ def _bf16_check(shard: Shard) -> dict:
     engine = SimpleNamespace(module=split, optimizer=opt, _INSTRUCTION_MAP={schedule.ReduceGrads: lambda self: None})
     sequence_parallel.sum_gradients_at_step(engine, shard)
     engine._INSTRUCTION_MAP[schedule.ReduceGrads](engine)  # ReduceGrads: the SP sum, then DeepSpeed's own
+    # the norm's counting as VLMPipeline.__init__ sets it under --sp: every weight replicated over SP is counted on SP
+    # rank 0 only (its model_parallel mark, and the grid's tensor-parallel rank seq x TP + model)
+    mark_norm_counting(split.parameters(), 0)
+    for p in split.parameters() if shard.rank else ():
+        p.model_parallel = False
+    grid.get_tensor_model_parallel_rank = lambda: shard.rank
+    norm = get_global_norm_of_tensors(opt.get_grads_for_norm()[0], mpu=grid).item()
 
     def rel(a, b) -> float:
         return ((a - b).norm() / b.norm()).item()
     ref, sp1 = dict(whole.named_parameters()), dict(bf16.named_parameters())
-    diffs = {}
+    whole_norm = torch.stack([p.grad.norm() for p in ref.values()]).norm().item()
+    diffs = {"norm sp2": abs(norm - whole_norm) / whole_norm,
+             "norm sp1": abs(torch.stack([p.grad.float().norm() for p in sp1.values()]).norm().item() - whole_norm)
+             / whole_norm}
     for k in ref:
         diffs[f"{k} sp2"] = rel(buffers[k].float(), ref[k].grad)
         diffs[f"{k} sp1"] = rel(sp1[k].grad.float(), ref[k].grad)
@@ -273,9 +286,10 @@ def test_bf16_sp_sum_acts_on_the_bf16_optimizer_buffers(two_ranks):
     share. Judged as test_tensor_parallel's bf16 check: within twice the largest error bf16 makes at SP 1."""
     for rank in (0, 1):
         d = two_ranks[rank]["bf16"]
-        tol = 2 * max(v for k, v in d.items() if k.endswith(" sp1"))
+        tol = 2 * max(v for k, v in d.items() if k.endswith(" sp1") and not k.startswith("norm"))
         assert 1e-3 < tol < 0.05, tol  # bf16's 8 mantissa bits: ~4e-3 per rounding
         worse = {k: v for k, v in d.items() if k.endswith(" sp2") and v > tol}
         assert not worse, (tol, worse)
+        assert d["norm sp2"] < 2 * d["norm sp1"] + 1e-4, d  # each weight counted once over the SP ranks (not x sqrt 2)
         before = {k: v for k, v in d.items() if k.endswith("before the sum")}
         assert len(before) > 10 and min(before.values()) > 10 * tol, before  # each rank's share: the check can fail

@@ -460,3 +460,21 @@ def sum_gradients_at_step(engine, shard: Shard) -> None:
     gradient at qwen-tiny's QwenBlock, tests/test_sp_objectives.py)."""
     params = list({id(p): p for p in engine.module.parameters() if p.requires_grad}.values())
     at_reduce_grads(engine, lambda: sum_tensors(step_gradients(engine.optimizer, params), shard))
+    if shard.rank and hasattr(engine.optimizer, "bf16_groups"):
+        _count_none(engine.optimizer)
+
+
+def _count_none(optimizer) -> None:
+    """DeepSpeed 0.19.8's BF16_Optimizer.step takes the global norm of the gradients a rank counts
+    (get_grads_for_norm, then get_global_norm_of_tensors: torch.stack of their norms, summed over the model-parallel
+    group). Every weight is replicated over SP and counted on SP rank 0 only, so an SP rank > 0 at TP 1 counts none and
+    the stack of nothing raised ("stack expects a non-empty TensorList"); it counts a zero instead (its share of the
+    sum is 0 either way)."""
+    counted = optimizer.get_grads_for_norm
+
+    def grads_for_norm(for_clipping=False):
+        out = counted(for_clipping)
+        if for_clipping or out[0]:
+            return out
+        return [torch.zeros(1, device=optimizer.fp32_groups_flat_partition[0].device)], out[1]
+    optimizer.get_grads_for_norm = grads_for_norm
