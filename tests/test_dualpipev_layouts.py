@@ -6,7 +6,8 @@ updates at a constant LR): losses and weights within 1e-5, the frozen tensors bi
 every trained one moved more than 10 x 1e-5; the validation loss is the pipeline's checkpoint run as one model over
 the same set; only floats crossed, rank 0 sending per micro-batch its phase-0 output (and, training, its loss stage's
 input gradient). DeepStack: features its mergers make in the tower cross the V to the decoder layers that add them.
-A second launch of 4 ranks, PP=2 x DP=2 x EP=2 (tests/test_moe_pipeline.py's MoE model): see its test."""
+The same launch's second run (tests/rank_series.py), PP=2 x DP=2 x EP=2 (tests/test_moe_pipeline.py's MoE model):
+see its test."""
 from __future__ import annotations
 
 import csv
@@ -17,7 +18,7 @@ from itertools import islice
 import pytest
 import torch
 
-from conftest import assert_weights_moved, train_run, write_ds_config
+from conftest import assert_weights_moved, write_ds_config
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare_eval
 from mmpipe.model import moe
@@ -27,6 +28,7 @@ from mmpipe.run_config import resolve
 from mmpipe.runtime.checkpoint import load_reference
 from mmpipe.runtime.feed import run_dataset
 from mmpipe.runtime.reference import train_reference
+from rank_series import launch_series
 from test_moe_pipeline import recorded_reference, write_moe_set
 from test_qwen_pipeline import assert_trained_as_reference
 
@@ -53,10 +55,32 @@ def _reference_eval_loss(run, ckpt_dir, out_dir) -> float:
     return total / evalset.answer_tokens()
 
 
-def test_pp4_frozen_tower_lora_deepstack_and_validation_equal_the_reference(tmp_path):
-    cfg = write_ds_config(tmp_path / "g8.json", train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=GAS,
+MOE_GAS, CLIP = 4, 0.5  # GAS 4 = 2 x 2 ranks, DualPipeV's least at PP=2; the clip below every step's norm (asserted)
+MOE_DS = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": CLIP, "scheduler": None}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory) -> dict:
+    """Both tests' runs, one launch of 4 ranks (tests/rank_series.py: one run after the other in the same ranks, each
+    as `mmpipe train` runs it, its own port, output and exit status): qwen3-vl-tiny PP=4 (pp4: the run and its ds
+    config) and the MoE model at PP=2 x DP=2 x EP=2 (moe: the run and its flags but the ds config). Two launches
+    before, each ~15-20 s of start-up."""
+    pp4_root, moe_root = tmp_path_factory.mktemp("pp4"), tmp_path_factory.mktemp("moe")
+    cfg = write_ds_config(pp4_root / "g8.json", train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=GAS,
                           scheduler=None)
-    run = train_run(tmp_path / "pp4", *_args(cfg, "--stages", str(PP), "--schedule", "dualpipev")).check()
+    moe_args = [*write_moe_set(moe_root), "--balance", "off", "--freeze", "vision", "--steps", str(STEPS), "--seed",
+                str(SEED)]
+    moe_cfg = write_ds_config(moe_root / "dpv.json", gradient_accumulation_steps=MOE_GAS, **MOE_DS)
+    pp4, moe_run = launch_series([
+        (pp4_root / "pp4", _args(cfg, "--stages", str(PP), "--schedule", "dualpipev"), {}),
+        (moe_root / "dpv", [*moe_args, "--ds-config", str(moe_cfg), "--stages", "2", "--schedule", "dualpipev",
+                            "--dp", "2", "--ep", "2"], {})])
+    return {"pp4": (pp4, cfg), "moe": (moe_run, moe_args)}
+
+
+def test_pp4_frozen_tower_lora_deepstack_and_validation_equal_the_reference(tmp_path, four_rank_runs):
+    run, cfg = four_rank_runs["pp4"]  # _args(cfg, "--stages", PP, "--schedule", "dualpipev")
+    run = run.check()
     s = run.summary
     ref_run = resolve(TrainArgs.from_argv(_args(cfg, "--stages", "1", "--output-dir", str(tmp_path / "ref"))),
                       world_size=1)
@@ -92,10 +116,7 @@ def test_pp4_frozen_tower_lora_deepstack_and_validation_equal_the_reference(tmp_
     assert s["eval_loss"] == pytest.approx(want, abs=TOL) and s["eval_samples_validated"] == EVAL_N
 
 
-MOE_GAS, CLIP = 4, 0.5  # GAS 4 = 2 x 2 ranks, DualPipeV's least at PP=2; the clip below every step's norm (asserted)
-
-
-def test_moe_pp2_dp2_ep2_equals_the_reference(tmp_path):
+def test_moe_pp2_dp2_ep2_equals_the_reference(tmp_path, four_rank_runs):
     """An MoE model with expert parallelism through the V: 4 ranks, PP=2 x DP=2 x EP=2, each rank's experts split
     over its pipe coordinate's 2 DP ranks in BOTH its stages. The cut [0, 11, 15, 18, 19] puts MoE block 16 on rank
     1's phase-1 stage (stage 2 of 4) and the MoE head on rank 0's (stage 3): the shards of a phase-1 block and the
@@ -104,12 +125,9 @@ def test_moe_pp2_dp2_ep2_equals_the_reference(tmp_path):
     Against the single-device loop of the same 8 rows a step (GAS 8): losses, aux losses and weights within 1e-5,
     every trained tensor moved by more than 10 x that, the checkpoint's experts whole."""
     root = tmp_path
-    args = [*write_moe_set(root), "--balance", "off", "--freeze", "vision", "--steps", str(STEPS), "--seed", str(SEED)]
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": CLIP, "scheduler": None}
-    cfg = write_ds_config(root / "dpv.json", gradient_accumulation_steps=MOE_GAS, **ds)
-    run = train_run(root / "dpv", *args, "--ds-config", str(cfg), "--stages", "2", "--schedule", "dualpipev",
-                    "--dp", "2", "--ep", "2").check()
-    ref_cfg = write_ds_config(root / "ref.json", gradient_accumulation_steps=2 * MOE_GAS, **ds)  # DP 2 x GAS 4
+    run, args = four_rank_runs["moe"]  # args, --ds-config (GAS MOE_GAS), --stages 2 --schedule dualpipev --dp 2 --ep 2
+    run = run.check()
+    ref_cfg = write_ds_config(root / "ref.json", gradient_accumulation_steps=2 * MOE_GAS, **MOE_DS)  # DP 2 x GAS 4
     ref_run = resolve(TrainArgs.from_argv([*args, "--ds-config", str(ref_cfg), "--stages", "1",
                                            "--output-dir", str(root / "ref")]), world_size=1)
     parts, names = run.summary["parts"], [s.typename for s in layer_specs(ref_run.model)]
