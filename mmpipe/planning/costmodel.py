@@ -123,6 +123,12 @@ class LayerCost:
     tp_ar_fwd: float = 0.0  # at TP > 1 (planning.tensor_parallel): all-reduced elements per sample, forward
     tp_ar_bwd: float = 0.0  # and backward
     sp_a2a: float = 0.0  # at SP > 1 (planning.sequence_parallel): a block's all-to-all elements a sample, each way
+    # at SP > 1, the tower's last layer split over SP (planning.sequence_parallel.sp_layer_costs): its all-gather's
+    # elements a sample, N_max x D_all (each rank receives SP - 1 of them), as many back in the reduce-scatter
+    sp_gather: float = 0.0
+    # at SP > 1, a tower layer split over SP: the row as each SP rank runs it where a cut inside the tower leaves the
+    # tower replicated (whole on every rank: planning.sequence_parallel.sp_stage_rows picks it); None elsewhere
+    replicated: LayerCost | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def expert_trainable(self) -> int:
@@ -202,6 +208,28 @@ def layer_costs(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkp
                               adapter_params=adapters, w_flops=w, tied=getattr(spec, "key", "") or "",
                               **_moe_fields(cfg, rule, c.tokens)))
     return _carry(cfg, rows, _image_set_elems(cfg, n, images, patches), seq)
+
+
+def pair_image_rows(cfg: ModelConfig, rows: list[LayerCost]) -> list[LayerCost]:
+    """rows (a row's costs, either side of a preference pair) as --objective dpo runs them: in a family whose tower
+    encodes each pair's images once (mmpipe.data.preference.shares_images: the rejected row's images are neither
+    loaded nor encoded, the tower's output placed on both rows) every tower and projector layer costs half a row's
+    (FLOPs, kept activations, its output and the image sets it carries: [B / 2, ..] micro-batch tensors), and so
+    does every image set a decoder layer carries (Qwen3-VL's DeepStack sets cross a cut at [B / 2, ..]); an MoE
+    model's router statistics (carried_fp32_elems) stay a row's. Other families: rows unchanged (an image a side).
+    E.g. qwen-tiny at 128 patches, 2 rows a pair: the tower's 128 patches a pair, 64 a row."""
+    from ..data.preference import shares_images
+    if not shares_images(cfg):
+        return rows
+
+    def half(r: LayerCost) -> LayerCost:
+        sets = (r.carried_elems - r.carried_fp32_elems) / 2 + r.carried_fp32_elems
+        if r.group not in ("vision", "projector"):
+            return dataclasses.replace(r, carried_elems=sets)
+        return dataclasses.replace(r, fwd_flops=r.fwd_flops / 2, bwd_flops=r.bwd_flops / 2, w_flops=r.w_flops / 2,
+                                   act_elems=r.act_elems / 2, act_fp32_elems=r.act_fp32_elems / 2,
+                                   out_elems=r.out_elems / 2, carried_elems=sets)
+    return [half(r) for r in rows]
 
 
 def _moe_fields(cfg: ModelConfig, rule, tokens: int) -> dict:

@@ -25,6 +25,7 @@ from .costmodel import (
     Shape,
     all_to_all,
     layer_costs,
+    pair_image_rows,
     pipeline_step_seconds,
     replayed_step_seconds,
     stage_memory,
@@ -36,7 +37,7 @@ from .costmodel import (
 from .images import patch_row
 from .partition import compute_parts, trainable_units
 from .schedule_registry import BASELINE, Schedule, asked
-from .sequence_parallel import sp_layer_costs, sp_seconds
+from .sequence_parallel import cuts_tower, replicated_rows, sp_layer_costs, sp_seconds, sp_stage_rows
 from .tensor_parallel import tp_layer_costs, tp_seconds
 
 GiB = 2 ** 30
@@ -127,6 +128,7 @@ def plan_layout(rows: list[LayerCost], shape: Shape, training: Training, measure
     parts = _split(rows, shape, training)
     if isinstance(parts, Layout):  # no split: the reason
         return parts
+    rows = sp_stage_rows(rows, parts)  # at SP: the tower split where one stage holds it, else whole on every rank
     t = training
     a2a = _exchange(rows, parts, shape, t)
     times = _loaded(stage_seconds(rows, parts, shape.micro, t.device, measured), parts, shape, t)
@@ -188,29 +190,48 @@ def _loaded(times: list[tuple], parts: list[int], shape: Shape, training: Traini
 
 def _split(rows: list[LayerCost], shape: Shape, training: Training) -> list[int] | Layout:
     """The layout's stage boundaries as training.partition cuts them ('balanced': the min-max split whose every
-    stage fits the device's memory), or a Layout saying why there are none."""
+    stage fits the device's memory), or a Layout saying why there are none. At SP with the tower split
+    (LayerCost.replicated) the balanced split is the better of two: the best keeping the tower on one stage (its
+    split costs) and the best over any cut at the replicated tower's costs (exact for a cut inside it, an upper
+    bound otherwise), each priced as sp_stage_rows runs it."""
     units, t, stages = trainable_units(rows), training, shape.stages
     none = dict(stages=stages, dp=shape.dp, micro=shape.micro, gas=shape.gas, parts=None, stage_rows=[], step=None,
                 ep=shape.ep, tp=shape.tp, sp=shape.sp)
     if stages > len(units):
         return Layout(**none, reason=f"only {len(units)} groups of layers hold a trainable parameter")
-    ranges = RangeMemory(rows, t.precision, micro=shape.micro, micro_batches=shape.gas, zero_stage=t.zero,
-                         dp=shape.dp, ep=shape.ep, reference=t.reference == "live")  # stage_memory of a range
-
-    def fits(s, i, j):  # stage s = the layers of units i..j-1
-        return ranges.total(units[i][0], units[j - 1][-1] + 1, s, stages) <= t.device.memory
-
-    balanced = t.partition in ("balanced", "best", "")
-    try:
-        return compute_parts(rows, stages, "balanced", fits) if balanced else compute_parts(rows, stages, t.partition)
-    except ConfigError:
-        if not balanced:
-            raise
+    if t.partition not in ("balanced", "best", ""):
+        return compute_parts(rows, stages, t.partition)
+    tower = any(r.replicated is not None for r in rows)
+    found = [p for p in ([_balanced(rows, shape, t, True), _balanced(replicated_rows(rows), shape, t, False)]
+                         if tower else [_balanced(rows, shape, t, False)]) if p is not None]
+    if found:
+        return min(found, key=lambda p: _bottleneck(sp_stage_rows(rows, p), p))  # a tie: the first (tower whole)
     whole = stage_memory(rows, [0, len(rows)], 0, shape, t.precision, t.zero, reference=t.reference == "live")
     whole = whole["total"]
     need = (f"it needs {whole / GiB:.1f} GiB" if stages == 1 else
             f"an even share would be ~{whole / stages / GiB:.1f} GiB")
     return Layout(**none, reason=f"no split fits {t.device.memory / GiB:.0f} GiB ({need})")
+
+
+def _balanced(rows: list[LayerCost], shape: Shape, t: Training, keep_tower: bool) -> list[int] | None:
+    """The min-max split of rows whose every stage fits the device's memory (keep_tower: and holds all of the split
+    tower or none of it: cuts_tower), or None."""
+    units, stages = trainable_units(rows), shape.stages
+    ranges = RangeMemory(rows, t.precision, micro=shape.micro, micro_batches=shape.gas, zero_stage=t.zero,
+                         dp=shape.dp, ep=shape.ep, reference=t.reference == "live")  # stage_memory of a range
+
+    def fits(s, i, j):  # stage s = the layers of units i..j-1
+        a, b = units[i][0], units[j - 1][-1] + 1
+        return ranges.total(a, b, s, stages) <= t.device.memory and not (keep_tower and cuts_tower(rows, a, b))
+    try:
+        return compute_parts(rows, stages, "balanced", fits)
+    except ConfigError:
+        return None
+
+
+def _bottleneck(rows: list[LayerCost], parts: list[int]) -> float:
+    """The largest stage's FLOPs (the balanced split's measure)."""
+    return max(sum(r.flops for r in rows[a:b]) for a, b in zip(parts, parts[1:]))
 
 
 def _exchange(rows: list[LayerCost], parts: list[int], shape: Shape, training: Training) -> list[dict]:
@@ -293,5 +314,7 @@ def predict_layout(cfg: ModelConfig, shape: Shape, training: Training, text_len:
     0 its default)."""
     t = training
     rows = layer_costs(cfg, t.freeze, text_len, t.checkpointing, images=images, patches=patch_row(cfg, images, budget))
+    # dpo at SP 1: a sharing family's tower once a pair (under --sp each side carries its images: plan.pair_rows)
+    rows = pair_image_rows(cfg, rows) if t.reference and shape.sp == 1 else rows
     # at TP > 1 one TP rank's rows, at SP > 1 one SP rank's of those
-    return plan_layout(sp_layer_costs(cfg, tp_layer_costs(cfg, rows, shape.tp), shape.sp, shape.tp), shape, t)
+    return plan_layout(sp_layer_costs(cfg, tp_layer_costs(cfg, rows, shape.tp), shape.sp, shape.tp, images), shape, t)

@@ -25,18 +25,20 @@ from deepspeed.runtime import utils as ds_utils
 
 from ..config import ConfigError, ModelConfig
 from ..model.lora import Lora
-from .costmodel import LayerCost, layer_costs, stage_params, tied_repeats
+from .costmodel import LayerCost, layer_costs, pair_image_rows, stage_params, tied_repeats
 from .images import patch_row
 from .vpairs import v_pair_split
 
 
 def layer_table(cfg: ModelConfig, freeze: tuple[str, ...], text_len: int, checkpointing: bool = False,
-                lora: Lora | None = None, images: int = 1, budget: int = 0) -> list[LayerCost]:
+                lora: Lora | None = None, images: int = 1, budget: int = 0, pairs: bool = False) -> list[LayerCost]:
     """The run's layer costs per row: images = --max-images image slots (1: one-sample rows), the decoder
     on images x N_dec + text_len positions (costmodel.layer_costs). budget: the row's vision budget in its image
     kind's unit (0: train's default): a family of patches' P, its images the preset's image_size, resized to fit;
-    tiles' T crops, its images the largest pinpoint (mmpipe.planning.images.crop_row)."""
-    return layer_costs(cfg, freeze, text_len, checkpointing, lora, images, patch_row(cfg, images, budget))
+    tiles' T crops, its images the largest pinpoint (mmpipe.planning.images.crop_row). pairs: --objective dpo's
+    rows (costmodel.pair_image_rows: a sharing family's tower runs each pair's images once, half a row's)."""
+    rows = layer_costs(cfg, freeze, text_len, checkpointing, lora, images, patch_row(cfg, images, budget))
+    return pair_image_rows(cfg, rows) if pairs else rows
 
 
 def trainable_units(table: list[LayerCost]) -> list[list[int]]:
