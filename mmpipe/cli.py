@@ -56,7 +56,8 @@ def cmd_train(ns: argparse.Namespace, module: str = "mmpipe.train", extra: tuple
             checkpoint.check_same_rows(Path(args.output_dir) / "checkpoints", run)
         if run.data.auto_slots:
             print(f"mmpipe: --pack: {run.max_images} image slots per row of {decoder_length(run)} positions "
-                  f"(--text-len {run.text_len} / the data's mean sample text; --max-images N sets them); images a "
+                  f"(--text-len {run.text_len} / the data's mean sample text, at most what text.max_context "
+                  f"{run.model.text.max_context} holds; --max-images N sets them); images a "
                   f"record may have: {run.data.image_limit}", flush=True)  # too_many_images' own words
         if hosts is None:  # local ranks use this machine's accelerator; remote hosts check in their ranks
             device = precision.this_device()

@@ -62,7 +62,8 @@ class DataArgs:
                              "sample trained on", group=GROUP)
     pack: bool = flag(False, "pack several whole samples into each fixed-length row (max-images x image positions "
                       "+ --text-len), each attending only to itself; without --max-images a row's image slots "
-                      "follow from --text-len and the data (docs/packing.md)", group=GROUP)
+                      "follow from --text-len and the data, as many as the model's context holds beside "
+                      "--text-len (docs/packing.md)", group=GROUP)
     balance: str = flag("on", "with --pack, spread each step's rows over the DP ranks and their micro-batches so "
                         "each rank's predicted cost (tower and decoder apart) is even (on, the default), or keep them "
                         "in stream order (off); the step's rows are the same set either way (docs/balance.md)",
