@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, Run, assert_weights_moved, cut_at, fixed_schedule_config, mmpipe_train, train_run
+from conftest import ROOT, Run, assert_weights_moved, cut_at, fixed_schedule_config, train_run
 from mmpipe.config import load_preset
 from mmpipe.runtime.checkpoint import latest_tag, load_reference
+from rank_series import launch_series
 
 STEPS = 12
 
@@ -125,16 +126,45 @@ def _assert_moved(moved: Run, stages: int, uninterrupted: Run) -> None:
     assert_weights_moved(got, cut, 1e-6)
 
 
+class _RunsCode:
+    """What a tampered checkpoint could hold: unpickling it would run a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def same_layout_resumes(tmp_path_factory, cfg, stopped_at_4) -> dict:
+    """Two resumes of copies of stopped_at_4 under its own 2 stages, one launch (tests/rank_series.py: one run after
+    the other in the same ranks, each as `mmpipe train` runs it, its own port, environment, output and exit status):
+    the clean stop's resume to step 8 meeting a NaN batch at step 7 (clean, MMPIPE_FAULT=nan-batch:7), then the
+    tampered checkpoint's (tampered: refused, so it ends the launch, last; its victim file and marker)."""
+    root = tmp_path_factory.mktemp("resumes")
+    clean, tampered = root / "clean", root / "tampered"
+    for out in (clean, tampered):
+        shutil.copytree(stopped_at_4.out, out)
+    victim = tampered / "checkpoints" / "step4" / "mp_rank_01_model_states.pt"
+    state = torch.load(victim, weights_only=True)
+    marker = root / "pwned"
+    state["client_state"] = _RunsCode(marker)
+    torch.save(state, victim)
+    runs = launch_series([(clean, _args(cfg, "--steps", "8", "--resume", "--nonfinite", "skip"),
+                           {"MMPIPE_FAULT": "nan-batch:7"}),
+                          (tampered, _args(cfg, "--steps", "5", "--resume"), {})])
+    return {"clean": runs[0], "tampered": (runs[1], victim, marker)}
+
+
 def test_clean_stop_resumes_exactly_then_a_nan_batch_is_skipped_and_counted_when_configured(
-        tmp_path, cfg, uninterrupted, stopped_at_4):
+        uninterrupted, same_layout_resumes):
     """A clean stop and --resume under the same stage count continues the step count and the loss curve:
     every later loss is the uninterrupted run's, bit for bit, and the log has one row per step. The resumed
     run, with --nonfinite skip, then meets a NaN batch at step 7: skipped and counted, no update, the
     schedule held, the run goes on."""
-    out = tmp_path / "run"
-    shutil.copytree(stopped_at_4.out, out)
-    args = _args(cfg, "--steps", "8", "--resume", "--nonfinite", "skip")
-    resumed = Run(out, mmpipe_train(["--output-dir", str(out), *args], MMPIPE_FAULT="nan-batch:7")).check()
+    resumed = same_layout_resumes["clean"].check()  # --steps 8 --resume --nonfinite skip, MMPIPE_FAULT=nan-batch:7
+    out = resumed.out
     assert resumed.summary["start_step"] == 4
     rows = resumed.rows
     assert [int(r["step"]) for r in rows] == list(range(1, 9))
@@ -177,25 +207,9 @@ def test_nan_batch_stops_the_run_and_its_last_checkpoint_resumes_untouched_under
     _assert_moved(moved, 4, uninterrupted)
 
 
-class _RunsCode:
-    """What a tampered checkpoint could hold: unpickling it would run a shell command."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def test_a_tampered_checkpoint_is_refused_not_run(tmp_path, cfg, stopped_at_4):
-    out = tmp_path / "run"
-    shutil.copytree(stopped_at_4.out, out)
-    victim = out / "checkpoints" / "step4" / "mp_rank_01_model_states.pt"
-    state = torch.load(victim, weights_only=True)
-    marker = tmp_path / "pwned"
-    state["client_state"] = _RunsCode(marker)
-    torch.save(state, victim)
-    proc = train_run(out, *_args(cfg, "--steps", "5", "--resume")).proc
+def test_a_tampered_checkpoint_is_refused_not_run(same_layout_resumes):
+    run, victim, marker = same_layout_resumes["tampered"]  # --steps 5 --resume, rank 1's step-4 file tampered
+    proc = run.proc
     assert proc.returncode != 0 and not marker.exists()
     assert f"mmpipe: error: {victim}: refused to load: it holds objects other than tensors and plain data" in (
         proc.stdout + proc.stderr)
