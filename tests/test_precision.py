@@ -116,14 +116,19 @@ def test_a_rank_whose_device_differs_stops_every_rank_with_one_line(tmp_path):
     assert not (out / "checkpoints").exists()
 
 
-def _overflow_run(tmp_path, fake: str | None) -> Run:
-    cfg = write_ds_config(tmp_path / "fp16.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+def _overflow_args(root) -> list[str]:
+    """The fp16 run's flags but --output-dir: ZeRO-1, the loss scale from 2^8, 4 steps; run with
+    MMPIPE_FAULT=nan-batch:3 (step 3's pixels NaN: an overflow)."""
+    cfg = write_ds_config(root / "fp16.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
                           zero_optimization={"stage": 1},
                           fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1})
+    return ["--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--steps", "4"]
+
+
+def _overflow_run(tmp_path, fake: str | None) -> Run:
     env = _env(MMPIPE_FAULT="nan-batch:3", **({precision.FAKE_ENV: fake} if fake else {}))
     return Run(tmp_path / "run", subprocess.run(
-        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(tmp_path / "run"),
-         "--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--steps", "4"],
+        [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(tmp_path / "run"), *_overflow_args(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)).check()
 
 
@@ -147,11 +152,33 @@ def test_fp16_overflow_steps_are_counted(tmp_path):
     _assert_overflow_accounting(_overflow_run(tmp_path, None))
 
 
-def test_fp16_overflow_accounting_on_any_cpu(tmp_path):
+def test_fp16_overflow_accounting_on_any_cpu(two_rank_runs):
     """The same guarantee where the CPU lacks oneDNN's fp16 kernels: DeepSpeed's gate is faked open, so
     torch's generic (slow) fp16 CPU ops compute, and DeepSpeed's ZeRO-1 loss scaler and mmpipe's
     step log are what is tested."""
-    _assert_overflow_accounting(_overflow_run(tmp_path, "fp16=1"))
+    _assert_overflow_accounting(two_rank_runs["overflow"].check())  # MMPIPE_FAKE_ACCELERATOR=fp16=1 in its ranks
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Two 2-rank runs in one launch (tests/rank_series.py: one run after the other in the same ranks, each as `mmpipe
+    train` runs it, its own port, environment, output and exit status): the bf16 resume test's uninterrupted run
+    (bf16_full, first: no fake in its ranks' environment), then the fp16 overflow run with DeepSpeed's fp16 gate faked
+    open in its ranks (overflow: MMPIPE_FAKE_ACCELERATOR=fp16=1, MMPIPE_FAULT=nan-batch:3; the fake stays set on that
+    process's accelerator, so it runs last). Both front doors run in this process, where the device's answer is
+    faked by precision.this_device's fp16 answer set (the bf16 run's check reads only bf16), leaving DeepSpeed's
+    accelerator here untouched."""
+    import dataclasses
+
+    from rank_series import launch_series
+    root = tmp_path_factory.mktemp("prec")
+    real = precision.this_device()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(precision, "this_device", lambda: dataclasses.replace(real, fp16=True))
+        full, overflow = launch_series([
+            (root / "full", [*_bf16_args(root), "--save-every", "2"], {}),
+            (root / "overflow", _overflow_args(root), {precision.FAKE_ENV: "fp16=1", "MMPIPE_FAULT": "nan-batch:3"})])
+    return {"bf16_full": full, "overflow": overflow}
 
 
 def half_unmovable(state: dict) -> tuple[str, ...]:
@@ -162,7 +189,17 @@ def half_unmovable(state: dict) -> tuple[str, ...]:
     return tuple(k for k, v in state.items() if v.is_floating_point() and v.numel() and v.abs().min() >= 0.5)
 
 
-def test_bf16_zero0_resume_at_dp2_is_bit_exact(tmp_path):
+def _bf16_args(root) -> list[str]:
+    """The bf16 run's flags but --output-dir and --save-every: ZeRO 0, DP=2, 5 steps of a schedule fixed at 8."""
+    cfg = write_ds_config(root / "bf16.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1,
+                          bf16={"enabled": True}, zero_optimization={"stage": 0},
+                          scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 8, "warmup_num_steps": 1,
+                                                                          "warmup_type": "linear"}})
+    return ["--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--seed", "2", "--stages", "1",
+            "--dp", "2", "--steps", "5"]
+
+
+def test_bf16_zero0_resume_at_dp2_is_bit_exact(tmp_path, two_rank_runs):
     """DeepSpeed's bf16 optimizer keeps each DP rank's part of the fp32 weights and AdamW moments in a file of its
     own, at ZeRO 0 (ds_configs/cpu_bf16.json) as at ZeRO 1; DeepSpeed 0.19.8's ZeRO-0 load reads neither them nor,
     without a KeyError, the stage file (mmpipe.runtime.checkpoint.resume reads them). A bf16 run at DP=2 stopped
@@ -173,14 +210,8 @@ def test_bf16_zero0_resume_at_dp2_is_bit_exact(tmp_path):
     from conftest import assert_weights_moved, cut_at, train_run
     from mmpipe.config import load_preset
     from mmpipe.runtime.checkpoint import load_reference
-    cfg = write_ds_config(tmp_path / "bf16.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1,
-                          bf16={"enabled": True}, zero_optimization={"stage": 0},
-                          scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 8, "warmup_num_steps": 1,
-                                                                          "warmup_type": "linear"}})
-    args = ["--preset", "tiny", "--ds-config", str(cfg), "--eval-samples", "0", "--seed", "2", "--stages", "1",
-            "--dp", "2", "--steps", "5"]
-    full = train_run(tmp_path / "full", *args, "--save-every", "2").check()
-    resumed = train_run(cut_at(full, tmp_path / "cut", 2), *args, "--resume").check()
+    full = two_rank_runs["bf16_full"].check()  # _bf16_args, --save-every 2
+    resumed = train_run(cut_at(full, tmp_path / "cut", 2), *_bf16_args(tmp_path), "--resume").check()
     assert resumed.summary["start_step"] == 2 and resumed.losses == full.losses
     got, want = (load_reference(r.out / "checkpoints", load_preset("tiny")).state_dict() for r in (resumed, full))
     assert all(torch.equal(got[k], want[k]) for k in want)
