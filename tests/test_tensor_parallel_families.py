@@ -1,5 +1,6 @@
-"""--tp for the families of patches (issue 54; plans in mmpipe.model.tp_plans, docs/tensor_parallel.md): one launch
-per family, PP=2 x TP=2 (4 CPU ranks on gloo), `--pack`ed rows of mixed image grids, text-only and multi-image
+"""--tp for the families of patches (issue 54; plans in mmpipe.model.tp_plans, docs/tensor_parallel.md): one run
+per family, all three in one launch (tests/rank_series.py), PP=2 x TP=2 (4 CPU ranks on gloo), `--pack`ed rows of
+mixed image grids, text-only and multi-image
 conversations (test_qwen_pipeline.PackedSet's set), 3 steps at a constant lr (every step updates), equal to the
 single-device reference loop: each step's loss and the final weights gathered from the TP shards (fp32, 1e-5; a
 rotary key bias 1e-4, test_qwen_pipeline's rule), and every trained tensor moved > 10 x 1e-5 from its init.
@@ -19,6 +20,7 @@ import torch
 from conftest import assert_weights_moved, write_ds_config
 from mmpipe.model import ReferenceModel
 from mmpipe.runtime.checkpoint import load_reference
+from rank_series import launch_series
 from test_qwen3_vl_pipeline import SIZES as QWEN3_SIZES
 from test_qwen_pipeline import SIZES as QWEN2_SIZES
 from test_qwen_pipeline import PackedSet, _weights_equal_within, frozen_prefixes
@@ -53,15 +55,30 @@ SLOW = {"qwen3-vl-tiny": ("7.norm.weight", "7.norm.bias"),
                          "8.self_attn.k_proj.weight", "7.post_attention_layernorm.weight")}
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Each family's PackedSet and its PP=2 x TP=2 run (the flags PackedSet.launch("tp", 2, "--tp", "2", *flags)
+    gives), all three in one launch of 4 ranks (tests/rank_series.py: one run after the other in the same ranks, each
+    as `mmpipe train` runs it, its own port, output and exit status; three launches before, ~20 s of start-up each):
+    2 rows x 2 micro-batches a step, AdamW (ADAM) at a constant lr 1e-3 (no warm-up: 3 updates in 3 steps)."""
+    sets, runs = {}, []
+    for preset, (sizes, flags, cut) in FAMILIES.items():
+        data = PackedSet(tmp_path_factory.mktemp(preset), preset, sizes, 36, STEPS, SEED, {2: [cut]} if cut else None)
+        write_ds_config(data.root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+                        scheduler=None, optimizer=ADAM)  # PackedSet's config, its warm-up (step 1 at lr 0) removed
+        cuts = ["--partition", str(cut)] if cut else []
+        runs.append((data.root / "tp", [*data.args, "--stages", "2", "--steps", str(STEPS), *cuts, "--tp", "2",
+                                        *flags], {}))
+        sets[preset] = data
+    return {preset: (sets[preset], run) for preset, run in zip(FAMILIES, launch_series(runs))}
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    """(preset, the reference's (model, losses), the PP=2 x TP=2 run) on the same rows: 2 rows x 2 micro-batches a
-    step, AdamW (ADAM) at a constant lr 1e-3 (no warm-up: 3 updates in 3 steps)."""
-    preset, (sizes, flags, cut) = request.param, FAMILIES[request.param]
-    data = PackedSet(tmp_path_factory.mktemp(preset), preset, sizes, 36, STEPS, SEED, {2: [cut]} if cut else None)
-    write_ds_config(data.root / "ds.json", train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
-                    scheduler=None, optimizer=ADAM)  # PackedSet's config, its warm-up (step 1 at lr 0) removed
-    return preset, data.reference(*flags), data.launch("tp", 2, "--tp", "2", *flags), flags
+def family(request, launched):
+    """(preset, the reference's (model, losses), the PP=2 x TP=2 run, its flags) on the same rows."""
+    preset, flags = request.param, FAMILIES[request.param][1]
+    data, run = launched[preset]
+    return preset, data.reference(*flags), run.check(), flags
 
 
 def test_pp2_tp2_equals_single_device(family):
