@@ -56,8 +56,8 @@ def _links_worker(rank: int, tmp: str, argv: list[str]) -> None:
 
 def test_check_times_the_sp_all_to_all_and_runs_the_equivalence(tmp_path):
     """qwen-tiny PP=1 x SP=2 (GQA: 4 query heads, 2 KV heads): one row, the stage's SP group, timed, its bytes the
-    planner's count of one block's exchange (sp_a2a elements a sample x micro), its planned time the stage's
-    forward all-to-all seconds (sp_seconds) over its decoder blocks. Its equivalence at SP 2: 3 steps against the
+    planner's count of one block's exchange (sp_a2a elements a sample x micro), its planned time that block's
+    forward all-to-all seconds (sp_seconds of its row). Its equivalence at SP 2: 3 steps against the
     single-device loop (the loss, the stage's gradient norm: SP rank 0's, every weight replicated) pass at fp32's
     1e-5 / 1e-4; with the SP gradient sum planted out the norm is off and it fails. By hand, `mmpipe check --preset
     qwen-tiny --stages 1 --sp 2 --steps 1` prints this row (docs/sequence_parallel.md)."""
@@ -78,8 +78,10 @@ def test_check_times_the_sp_all_to_all_and_runs_the_equivalence(tmp_path):
     assert r["bytes"] == run.micro * costs[r["layer"]].tokens // 2 * (2 * t.dim + 2 * kv) * 4
     assert r["bytes"] == run.micro * blocks[0].sp_a2a * 4
     assert r["kind"] == "sp all-to-all" and r["seconds"] > 0 and r["ok"]
-    forward = sp_seconds(costs, run.parts, run.micro, run.precision, 2, planner_device())[0][0]
-    assert r["planned_s"] == pytest.approx(forward / len(blocks), rel=1e-12)
+    # the block's own forward all-to-all (sp_seconds of its row: (SP - 1) / SP of the bytes / link), not the stage's,
+    # which since eab59a5 adds the split tower's all-gather
+    forward = sp_seconds([blocks[0]], [0, 1], run.micro, run.precision, 2, planner_device())[0][0]
+    assert r["planned_s"] == pytest.approx(forward, rel=1e-12) == r["bytes"] * (2 - 1) / 2 / planner_device().link
     good, broken = got["good"], got["broken"]
     assert good["ok"] and good["steps"] == 3, good
     assert good["max_loss_rel_diff"] <= 1e-5 and good["max_grad_norm_rel_diff"] <= 1e-4, good
