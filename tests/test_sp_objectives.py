@@ -11,7 +11,10 @@
   their tensor's largest element.
 - bf16: DeepSpeed 0.19.8's BF16_Optimizer accumulates each micro-batch's gradient in its own buffers; the SP step sum
   (sequence_parallel.sum_gradients_at_step, at ReduceGrads) must act on them, judged as test_tensor_parallel's bf16
-  check judges TP's: within twice the spread bf16 itself makes at SP 1."""
+  check judges TP's: within twice the spread bf16 itself makes at SP 1; and the optimizer's global norm counts each
+  weight once over the SP ranks (on SP rank 0; an SP rank > 0 counts a zero: sequence_parallel._count_none).
+- The front door: dpo, --eval-data, --init-from and bf16 at ZeRO 0 pass at --sp 2; fp16 and bf16 at ZeRO 1 are
+  refused in one line."""
 from __future__ import annotations
 
 import functools
