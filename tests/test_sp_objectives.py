@@ -307,7 +307,7 @@ def test_bf16_sp_sum_acts_on_the_bf16_optimizer_buffers(two_ranks):
 
 def test_front_door_takes_dpo_validation_bf16_and_init_from_at_sp(tmp_path, capsys):
     """`mmpipe train --sp 2` with --objective dpo, --eval-data, --init-from and bf16 at ZeRO 0 passes the front door
-    (--dry-run); fp16 and bf16 at ZeRO 1 (not checked) are refused in one line, exit 2."""
+    (--dry-run); fp16, bf16 at ZeRO 1 and --ep in bf16 (not checked) are refused in one line, exit 2."""
     from conftest import refused
     from mmpipe.cli import main
     from mmpipe.config import config_from_dict
@@ -323,3 +323,10 @@ def test_front_door_takes_dpo_validation_bf16_and_init_from_at_sp(tmp_path, caps
     for cfg, what in (("zero1_fp16.json", "precision fp16"), ("zero1_bf16.json", "bf16 at ZeRO 1")):
         lines = refused([*argv, "--ds-config", f"ds_configs/{cfg}"], capsys)
         assert any(f"--sp: 2 with {what} is not supported yet" in line for line in lines), lines
+    moe = load_preset("qwen3-vl-tiny").to_dict()  # --ep in bf16 under SP: the experts' norm per SP coordinate
+    moe["text"].update(tie_embeddings=False, moe={"experts": 8, "top_k": 2, "ff_dim": 32})
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    lines = refused(["--preset", str(tmp_path / "moe.json"), "--sp", "2", "--ep", "2", "--dp", "2", "--stages", "1",
+                     "--data", str(pairs), "--objective", "dpo", "--ds-config", "ds_configs/cpu_bf16.json",
+                     "--output-dir", str(tmp_path / "moe")], capsys)
+    assert any("--sp: 2 with --ep 2 in bf16 is not supported yet" in line for line in lines), lines
