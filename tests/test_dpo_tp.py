@@ -225,8 +225,8 @@ def test_planner_counts_a_tp_ranks_reference_copy():
     cfg, dev, plan = load_preset("llava-tiny"), KNOWN_DEVICES["h100-80gb"], family_of(load_preset("llava-tiny")).tp_plan
     lay = {(tp, r): predict_layout(cfg, Shape(2, 1, 4, 8, tp=tp), Training("bf16", 0, dev, freeze=("vision",),
                                                                            reference=r), 32)
-           for tp in (1, 2) for r in ("", "live")}
-    base, live = lay[2, ""], lay[2, "live"]
+           for tp in (1, 2) for r in ("precomputed", "live")}  # both a dpo run's rows (the tower once a pair)
+    base, live = lay[2, "precomputed"], lay[2, "live"]
     assert live.parts == base.parts and live.step["reference_s"] > lay[1, "live"].step["reference_s"]
     model = ReferenceModel(cfg, freeze=("vision",))
     for s, (a, b) in enumerate(zip(base.parts, base.parts[1:])):
@@ -237,5 +237,6 @@ def test_planner_counts_a_tp_ranks_reference_copy():
             trained.update({id(p): p.numel() // 2 if k in dims else p.numel()
                             for k, p in module.named_parameters() if p.requires_grad})
         more = (live.stage_rows[s]["memory_gib"] - base.stage_rows[s]["memory_gib"]) * 2 ** 30
-        whole = (lay[1, "live"].stage_rows[s]["memory_gib"] - lay[1, ""].stage_rows[s]["memory_gib"]) * 2 ** 30
+        one = (lay[1, "live"].stage_rows[s]["memory_gib"] - lay[1, "precomputed"].stage_rows[s]["memory_gib"])
+        whole = one * 2 ** 30
         assert more == pytest.approx(2 * sum(trained.values()), rel=1e-9) and more < 0.75 * whole, s
