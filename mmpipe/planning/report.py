@@ -150,8 +150,9 @@ def _print_best(best: Layout, replayed: list, moe: bool, tp: tuple = (False, Fal
         print(f"per TP rank (1 of {best.tp}): params and GiB above; TP all-reduces a micro-batch: "
               + "; ".join(f"stage {r['stage']} {r['tp_ms']:.2f} ms" for r in best.stage_rows))
     if tp[1] and best.sp > 1:
-        print(f"per SP rank (1 of {best.sp}, 1 / {best.sp} of each row's positions): GiB above; SP all-to-alls a "
-              f"micro-batch: " + "; ".join(f"stage {r['stage']} {r['sp_ms']:.2f} ms" for r in best.stage_rows))
+        print(f"per SP rank (1 of {best.sp}, 1 / {best.sp} of each row's positions): GiB above; SP all-to-alls (and "
+              f"the split tower's all-gather) a micro-batch: "
+              + "; ".join(f"stage {r['stage']} {r['sp_ms']:.2f} ms" for r in best.stage_rows))
     if moe:  # at EP 1 every expert is on its rank: no all-to-all runs, so none is printed
         a2a = (lambda r: f", all-to-all {r['a2a_mib']:.1f} MiB / {r['a2a_ms']:.2f} ms a micro-batch"
                ) if best.ep > 1 else (lambda r: "")
