@@ -77,26 +77,43 @@ def _sigkill_rank1_after(cmd: list[str], out: Path, rows: int) -> int:
     return len(log.read_text().splitlines()) - 1
 
 
-def test_sigkill_then_a_kill_during_a_save_lose_only_the_work_since_the_last_checkpoint(tmp_path, cfg, uninterrupted):
+@pytest.fixture(scope="module")
+def sigkilled(tmp_path_factory, cfg) -> tuple[Path, int, dict]:
+    """The SIGKILL test's first two launches and what it checks between them and its resume (the resume itself is
+    same_layout_resumes' first run, so these are read before it): a run saving every 3 steps whose last stage's rank
+    is SIGKILLed after step 4, then its --resume killed in the middle of its first save (MMPIPE_FAULT=kill-in-save).
+    Returns (the run's directory, that save's step, what was seen after each kill)."""
+    out = tmp_path_factory.mktemp("sigkill") / "run"
+    ckpt = out / "checkpoints"
+    train = [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
+             *_args(cfg, "--steps", str(STEPS), "--save-every", "3")]
+    killed_at = _sigkill_rank1_after(train, out, 4)  # step 4: past the step-3 checkpoint
+    last_good = int(latest_tag(ckpt)[4:])
+    mid_save = last_good + 3  # the resumed run's first save: rank 1 dies after writing its files
+    crashed = subprocess.run([*train, "--resume"], cwd=ROOT, env=_env(MMPIPE_FAULT=f"kill-in-save:{mid_save}:1"),
+                             capture_output=True, text=True, timeout=300)
+    seen = {"killed_at": killed_at, "last_good": last_good, "crashed_status": crashed.returncode,
+            "summary": (out / "summary.json").exists(), "latest": latest_tag(ckpt),
+            "half_written": (ckpt / f".tmp-step{mid_save}").is_dir()}
+    model = load_reference(ckpt, load_preset("tiny"))  # the previous checkpoint loads, whole
+    seen["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out, mid_save, seen
+
+
+def test_sigkill_then_a_kill_during_a_save_lose_only_the_work_since_the_last_checkpoint(uninterrupted, sigkilled,
+                                                                                       same_layout_resumes):
     """A rank SIGKILLed between checkpoints, then the resumed run killed in the middle of its next save:
     each time the last committed checkpoint stays `latest` (the half-written one never does, the previous
     one loads whole), and the next --resume removes the half-written one and continues from the last good
     step with every loss of the uninterrupted run, bit for bit (fp32, CPU), one row per step."""
-    out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    train = [sys.executable, "-m", "mmpipe.cli", "train", "--output-dir", str(out),
-             *_args(cfg, "--steps", str(STEPS), "--save-every", "3")]
-    killed_at = _sigkill_rank1_after(train, out, 4)  # step 4: past the step-3 checkpoint
+    out, mid_save, seen = sigkilled
+    ckpt, killed_at, last_good = out / "checkpoints", seen["killed_at"], seen["last_good"]
     assert killed_at < STEPS, "the run finished before the kill"
-    last_good = int(latest_tag(ckpt)[4:])
     assert 3 <= last_good <= killed_at and last_good % 3 == 0
-    mid_save = last_good + 3  # the resumed run's first save: rank 1 dies after writing its files
-    crashed = subprocess.run([*train, "--resume"], cwd=ROOT, env=_env(MMPIPE_FAULT=f"kill-in-save:{mid_save}:1"),
-                             capture_output=True, text=True, timeout=300)
-    assert crashed.returncode != 0 and not (out / "summary.json").exists()
-    assert latest_tag(ckpt) == f"step{last_good}" and (ckpt / f".tmp-step{mid_save}").is_dir()
-    model = load_reference(ckpt, load_preset("tiny"))  # the previous checkpoint loads, whole
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    resumed = train_run(out, *_args(cfg, "--steps", str(STEPS), "--save-every", "3", "--resume")).check()
+    assert seen["crashed_status"] != 0 and not seen["summary"]
+    assert seen["latest"] == f"step{last_good}" and seen["half_written"]
+    assert seen["finite"]
+    resumed = same_layout_resumes["sigkilled"].check()  # --steps STEPS --save-every 3 --resume
     assert f".tmp-step{mid_save}, a checkpoint whose save did not finish" in resumed.proc.stdout
     assert not (ckpt / f".tmp-step{mid_save}").exists()
     assert resumed.summary["start_step"] == last_good
@@ -137,11 +154,12 @@ class _RunsCode:
 
 
 @pytest.fixture(scope="module")
-def same_layout_resumes(tmp_path_factory, cfg, stopped_at_4) -> dict:
-    """Two resumes of copies of stopped_at_4 under its own 2 stages, one launch (tests/rank_series.py: one run after
-    the other in the same ranks, each as `mmpipe train` runs it, its own port, environment, output and exit status):
-    the clean stop's resume to step 8 meeting a NaN batch at step 7 (clean, MMPIPE_FAULT=nan-batch:7), then the
-    tampered checkpoint's (tampered: refused, so it ends the launch, last; its victim file and marker)."""
+def same_layout_resumes(tmp_path_factory, cfg, stopped_at_4, sigkilled) -> dict:
+    """Three resumes under the runs' own 2 stages, one launch (tests/rank_series.py: one run after the other in the
+    same ranks, each as `mmpipe train` runs it, its own port, environment, output and exit status): the SIGKILLed
+    run's after its crash mid-save (sigkilled), then, of copies of stopped_at_4, the clean stop's resume to step 8
+    meeting a NaN batch at step 7 (clean, MMPIPE_FAULT=nan-batch:7) and the tampered checkpoint's (tampered: refused,
+    so it ends the launch, last; its victim file and marker)."""
     root = tmp_path_factory.mktemp("resumes")
     clean, tampered = root / "clean", root / "tampered"
     for out in (clean, tampered):
@@ -151,10 +169,11 @@ def same_layout_resumes(tmp_path_factory, cfg, stopped_at_4) -> dict:
     marker = root / "pwned"
     state["client_state"] = _RunsCode(marker)
     torch.save(state, victim)
-    runs = launch_series([(clean, _args(cfg, "--steps", "8", "--resume", "--nonfinite", "skip"),
+    runs = launch_series([(sigkilled[0], _args(cfg, "--steps", str(STEPS), "--save-every", "3", "--resume"), {}),
+                          (clean, _args(cfg, "--steps", "8", "--resume", "--nonfinite", "skip"),
                            {"MMPIPE_FAULT": "nan-batch:7"}),
                           (tampered, _args(cfg, "--steps", "5", "--resume"), {})])
-    return {"clean": runs[0], "tampered": (runs[1], victim, marker)}
+    return {"sigkilled": runs[0], "clean": runs[1], "tampered": (runs[2], victim, marker)}
 
 
 def test_clean_stop_resumes_exactly_then_a_nan_batch_is_skipped_and_counted_when_configured(
