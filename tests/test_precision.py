@@ -99,14 +99,13 @@ def test_fp16_config_refused_with_one_line_and_exit_2():
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("mmpipe: error: fp16.enabled: ")
 
 
-def test_a_rank_whose_device_differs_stops_every_rank_with_one_line(tmp_path):
+def test_a_rank_whose_device_differs_stops_every_rank_with_one_line(two_rank_runs):
     """A multi-host run where one host lacks bf16: the front door (here) passes, rank 1 does not;
-    rank 0 names that host and rank in one line, every rank exits 2 before deepspeed.initialize."""
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli", "train", "--ds-config", "ds_configs/zero1_bf16.json",
-                           "--preset", "tiny", "--steps", "2", "--eval-samples", "0", "--output-dir", str(out)],
-                          cwd=ROOT, env=_env(MMPIPE_FAKE_ACCELERATOR="rank1:bf16=0"), capture_output=True, text=True,
-                          timeout=300)
+    rank 0 names that host and rank in one line, every rank exits 2 before deepspeed.initialize.
+    (two_rank_runs' last run: --ds-config ds_configs/zero1_bf16.json --preset tiny --steps 2 --eval-samples 0,
+    MMPIPE_FAKE_ACCELERATOR=rank1:bf16=0 in its ranks.)"""
+    run = two_rank_runs["differs"]
+    out, proc = run.out, run.proc
     log = proc.stdout + proc.stderr
     errors = [ln for ln in log.splitlines() if ln.startswith("mmpipe: error:")]
     import socket
@@ -161,13 +160,15 @@ def test_fp16_overflow_accounting_on_any_cpu(two_rank_runs):
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """Two 2-rank runs in one launch (tests/rank_series.py: one run after the other in the same ranks, each as `mmpipe
-    train` runs it, its own port, environment, output and exit status): the bf16 resume test's uninterrupted run
-    (bf16_full, first: no fake in its ranks' environment), then the fp16 overflow run with DeepSpeed's fp16 gate faked
-    open in its ranks (overflow: MMPIPE_FAKE_ACCELERATOR=fp16=1, MMPIPE_FAULT=nan-batch:3; the fake stays set on that
-    process's accelerator, so it runs last). Both front doors run in this process, where the device's answer is
-    faked by precision.this_device's fp16 answer set (the bf16 run's check reads only bf16), leaving DeepSpeed's
-    accelerator here untouched."""
+    """Three 2-rank runs in one launch (tests/rank_series.py: one run after the other in the same ranks, each as
+    `mmpipe train` runs it, its own port, environment, output and exit status): the bf16 resume test's uninterrupted
+    run (bf16_full, first: no fake in its ranks' environment), the fp16 overflow run with DeepSpeed's fp16 gate faked
+    open in its ranks (overflow: MMPIPE_FAKE_ACCELERATOR=fp16=1, MMPIPE_FAULT=nan-batch:3; the fake stays set on
+    those processes' accelerator, which only the last run's ranks meet after it: a bf16 check reads the bf16 answer
+    alone), and a bf16 run whose rank 1 lacks bf16 (differs: MMPIPE_FAKE_ACCELERATOR=rank1:bf16=0; every rank exits
+    2, so it ends the launch, last). The front doors run in this process, where the device's answer is faked by
+    precision.this_device's fp16 answer set (the bf16 runs' checks read only bf16), leaving DeepSpeed's accelerator
+    here untouched."""
     import dataclasses
 
     from rank_series import launch_series
@@ -175,10 +176,12 @@ def two_rank_runs(tmp_path_factory):
     real = precision.this_device()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(precision, "this_device", lambda: dataclasses.replace(real, fp16=True))
-        full, overflow = launch_series([
+        full, overflow, differs = launch_series([
             (root / "full", [*_bf16_args(root), "--save-every", "2"], {}),
-            (root / "overflow", _overflow_args(root), {precision.FAKE_ENV: "fp16=1", "MMPIPE_FAULT": "nan-batch:3"})])
-    return {"bf16_full": full, "overflow": overflow}
+            (root / "overflow", _overflow_args(root), {precision.FAKE_ENV: "fp16=1", "MMPIPE_FAULT": "nan-batch:3"}),
+            (root / "differs", ["--ds-config", str(ROOT / "ds_configs" / "zero1_bf16.json"), "--preset", "tiny",
+                                "--steps", "2", "--eval-samples", "0"], {precision.FAKE_ENV: "rank1:bf16=0"})])
+    return {"bf16_full": full, "overflow": overflow, "differs": differs}
 
 
 def half_unmovable(state: dict) -> tuple[str, ...]:
