@@ -40,6 +40,12 @@ so the reduce-scatter of the [SP x N_max, D_all] gradients (the all-gather's adj
 of its own tokens' gradients, the single device's; its units' tower backward then gives its images' share of the
 tower's parameter gradients, and the step's SP sum (sum_gradients_at_step) adds the shares: the whole.
 
+dpo's pairs (--objective dpo, a family sharing a pair's images: mmpipe.model.rows): the tower's input holds B / 2
+rows' images, the even rows', and so the units are theirs alone (rows.tower_rows / pair_rows), each pair's images
+dealt and encoded once; the gathered features are [B / 2, ..], which the embedding reads for both rows of a pair
+(rows.slot_images), as on one device. The encoded header keeps the tower's row count (PatchTower: its has_image flag
+-rows; ImageTower: the odd rows' has_image as -h - 1), so leave needs no side channel here either.
+
 Where it applies: only a stage holding the tower's first and last layer (the patch embedding and the merger /
 projector): there the split and the gather are one stage's business and the wire (mmpipe.runtime.wire: floats of
 fixed shapes a micro-batch) carries only whole [B, P / merge^2, D] features, as without SP. A cut inside the tower
@@ -56,6 +62,7 @@ import torch.distributed as dist
 from .llava import LlavaProjector, VisionEmbed
 from .qwen2_vl import QwenMerger, QwenPatchEmbed, used_grids
 from .qwen3_vl import Qwen3Merger, Qwen3PatchEmbed
+from .rows import pair_rows, tower_rows
 from .stage import unpack_in, unpack_out
 from .tensor_parallel import Shard
 
@@ -176,32 +183,36 @@ class PatchTower:
         """The patch embedding's input: the rank's units' patches as a pseudo-row, the integer tensors encoded. A
         rank without units (fewer images and frames than SP ranks) runs `unit` (merge^2) padding patches, as the
         tower cannot take none; leave drops their token."""
-        B, P = t.hidden.shape[:2]
-        assignment, owned = self.assign(used_grids(t), P, 1, shard.size)
+        (rows, P), B = t.hidden.shape[:2], t.has_image.shape[0]  # rows: B, or B / 2 (dpo's pairs: rows.tower_rows)
+        assignment, owned = self.assign(used_grids(tower_rows(t)), P, 1, shard.size)
         mine = owned[shard.rank]
         (M, c), dev, long = t.tiling.shape[1:], t.tiling.device, t.tiling.dtype
         header = torch.tensor([[P, B, M] + [0] * (c - 3)], device=dev, dtype=long)
         grids = torch.tensor([[1, h, w] + [0] * (c - 3) for *_, h, w in mine], device=dev, dtype=long).view(-1, c)
         tiling = torch.cat([header, t.tiling.flatten(0, 1), grids])[None]
-        flags = t.has_image.new_tensor([-1]), -t.has_image.flatten() - 1, t.has_image.new_ones(len(mine))
+        # the header's flag -rows (<= -1: an unused slot to the tower) keeps the tower's row count for leave
+        flags = t.has_image.new_tensor([-rows]), -t.has_image.flatten() - 1, t.has_image.new_ones(len(mine))
         pixels = t.hidden.flatten(0, 1)[assignment.rows[shard.rank]]
         pixels = pixels if len(pixels) else pixels.new_zeros(unit, pixels.shape[1])  # no slot holds them: padding
         return t._replace(hidden=pixels[None], tiling=tiling, has_image=torch.cat(flags)[None])
 
     @staticmethod
-    def decode(t) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(P, tiling [B, M, c], has_image [B, M]) of the row enter encoded."""
+    def decode(t) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """(P, the tower's rows, tiling [B, M, c], has_image [B, M]) of the row enter encoded."""
         P, B, M = t.tiling[0, 0, :3].tolist()
         c = t.tiling.shape[-1]
-        return P, t.tiling[0, 1:1 + B * M].reshape(B, M, c), (-t.has_image[0, 1:1 + B * M] - 1).reshape(B, M)
+        rows = -int(t.has_image[0, 0])
+        return P, rows, t.tiling[0, 1:1 + B * M].reshape(B, M, c), (-t.has_image[0, 1:1 + B * M] - 1).reshape(B, M)
 
     def leave(self, t, layer, shard: Shard):
-        """The merger's output: every float field gathered to [B, P / merge^2, D], the integer tensors decoded."""
-        P, tiling, has = self.decode(t)
+        """The merger's output: every float field gathered to [rows, P / merge^2, D] (rows: B, or B / 2 where
+        dpo's pairs share their images), the integer tensors decoded."""
+        P, rows, tiling, has = self.decode(t)
         t = t._replace(tiling=tiling, has_image=has)
-        assignment = self.assign(used_grids(t), P, layer.unit, shard.size)[0]
+        grids = used_grids(t._replace(tiling=pair_rows(tiling, rows), has_image=pair_rows(has, rows)))
+        assignment = self.assign(grids, P, layer.unit, shard.size)[0]
         floats = {k: getattr(t, k) for k in t.names if getattr(t, k).is_floating_point()}
-        return t._replace(**gather_tokens(floats, assignment, (tiling.shape[0], P // layer.unit), shard))
+        return t._replace(**gather_tokens(floats, assignment, (rows, P // layer.unit), shard))
 
 
 class ImageTower:
@@ -220,15 +231,23 @@ class ImageTower:
                           [_cat([i * features + torch.arange(features, device=dev) for i in o], dev) for o in owned])
 
     def enter(self, t, shard: Shard, unit: int):  # noqa: ARG002 (PatchTower's signature)
-        """The rank's images [n_r, C, H, W]; a rank without any runs one blank image (leave drops it)."""
-        mine = self.assign(t.has_image, 1, shard.size).rows[shard.rank]
+        """The rank's images [n_r, C, H, W]; a rank without any runs one blank image (leave drops it). Where dpo's
+        pairs share their images (pixels [B / 2, M, ..]) the units are the even rows' slots (rows.pair_rows), and
+        the odd rows' has_image rides as -h - 1 (< 0, read by nothing in the tower) so leave knows the case."""
+        has = pair_rows(t.has_image, t.hidden.shape[0])
+        mine = self.assign(has, 1, shard.size).rows[shard.rank]
         images = t.hidden.flatten(0, t.hidden.dim() - 4)
+        if has is not t.has_image:
+            t = t._replace(has_image=torch.stack([has, -t.has_image[1::2] - 1], 1).flatten(0, 1))
         return t._replace(hidden=images[mine] if len(mine) else images.new_zeros(1, *images.shape[1:]))
 
     def leave(self, t, layer, shard: Shard):  # noqa: ARG002 (PatchTower's signature)
-        features = t.hidden.shape[1]
-        assignment = self.assign(t.has_image, features, shard.size)
-        return t._replace(**gather_tokens({"hidden": t.hidden}, assignment, (t.has_image.numel(), features), shard))
+        features, has = t.hidden.shape[1], t.has_image
+        if (has < 0).any():  # enter's pairs: the even rows' images, has_image decoded
+            t = t._replace(has_image=torch.where(has < 0, -has - 1, has))
+            has = has[::2]
+        assignment = self.assign(has, features, shard.size)
+        return t._replace(**gather_tokens({"hidden": t.hidden}, assignment, (has.numel(), features), shard))
 
 
 def split_tower(layers, shard: Shard, tower) -> bool:

@@ -28,10 +28,9 @@ def run_dataset(run: RunConfig, samples, *, first: bool = True, last: bool = Tru
 
 def share_pair_images(run: RunConfig) -> bool:
     """Whether a pair's two rows carry its images once, the tower encoding them once for both sides (dpo, a family
-    whose images are placed by one layer: mmpipe.data.preference.shares_images; docs/dpo.md). Not under --sp: the tower
-    split over the SP ranks (mmpipe.model.sp_tower) deals a row's images by its own grids, one image set a row, so
-    each side carries its images there (the tower's work still split over SP; docs/sequence_parallel.md)."""
-    return pair_unit(run) == 2 and shares_images(run.model) and getattr(run, "sp", 1) == 1
+    whose images are placed by one layer: mmpipe.data.preference.shares_images; docs/dpo.md). Under --sp too: the
+    tower split over the SP ranks deals out the pairs' shared image rows (mmpipe.model.sp_tower)."""
+    return pair_unit(run) == 2 and shares_images(run.model)
 
 
 def step_balance(run: RunConfig, samples, plan: RowPlan, force: bool = False) -> StepBalance | None:
