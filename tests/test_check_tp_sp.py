@@ -5,6 +5,7 @@ rank holds, each beside the planner's time; the equivalence check runs the TP x 
 loop, each stage's gradient norm summed over its SP x TP ranks (the marks count SP rank 0's TP shares only)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import write_ds_config
-from mmpipe.check import links
+from mmpipe.check import links, memory
 from mmpipe.check.loader import planner_device
 from mmpipe.data.dataset import prepare
 from mmpipe.planning.sequence_parallel import sp_layer_costs, sp_seconds
@@ -47,17 +48,42 @@ def _worker(rank: int, tmp: str, argv: list[str]) -> None:
     deepspeed.init_distributed()
     args = TrainArgs.from_argv(argv)
     run = resolve(args, world_size=4)
+    mem = memory.check(run, args, rank, torch.device("cpu"))  # --full-step's, first (as check.rank runs it)
+    build = memory.build_engine
+
+    def unsplit(*a):  # the planted fault: rank 1 keeps the whole of its largest sliced weight beside its slice
+        engine = build(*a)
+        if rank == 1:
+            p = max(engine.module.parameters(), key=lambda p: p.numel())
+            engine.module.register_parameter("whole", torch.nn.Parameter(torch.zeros(2 * p.shape[0], *p.shape[1:])))
+        return engine
+
+    memory.build_engine = unsplit  # this child's module: no undo
+    whole = memory.check(run, args, rank, torch.device("cpu"))
     rows = links.measure(run)
     good = equivalence.check(run, args, rank, torch.device("cpu"))
     pipeline.sum_gradients_at_step = lambda engine, shard: None  # this child's module: no undo
     broken = equivalence.check(run, args, rank, torch.device("cpu"))
     if rank == 0:
-        Path(tmp, "check.json").write_text(json.dumps({"rows": rows, "good": good, "broken": broken}))
+        Path(tmp, "check.json").write_text(json.dumps({"rows": rows, "good": good, "broken": broken,
+                                                             "memory": mem, "whole": whole}))
     dist.barrier()
     os._exit(0)
 
 
-def test_check_runs_tp_x_sp_links_and_equivalence(tmp_path):
+@pytest.fixture(scope="module")
+def tp_x_sp(tmp_path_factory):
+    """One launch of the 4 forked ranks (_worker) for both tests: (the run, what rank 0 wrote)."""
+    tmp = tmp_path_factory.mktemp("tp_x_sp")
+    argv = _argv(tmp)
+    args = TrainArgs.from_argv(argv)
+    run = resolve(args, world_size=4)
+    prepare(run.data, run.model, tmp / "run", args.seed, verbose=False)  # the index, as the front door builds it
+    mp.start_processes(_worker, args=(str(tmp), argv), nprocs=4, start_method="fork")
+    return run, json.loads((tmp / "check.json").read_text())
+
+
+def test_check_runs_tp_x_sp_links_and_equivalence(tp_x_sp):
     """qwen-tiny PP=1 x SP=2 x TP=2 (4 query heads, 2 KV heads: 2 and 1 a TP rank, the KV head repeated for the 2 SP
     ranks): two TP rows ({0, 1} at SP 0, {2, 3} at SP 1), each all-reducing [micro, L / SP, D] beside the ring's
     planned time, and two SP rows ({0, 2} at TP 0, {1, 3} at TP 1), each exchanging the planner's sp_a2a elements of
@@ -65,12 +91,7 @@ def test_check_runs_tp_x_sp_links_and_equivalence(tmp_path):
     against the single-device loop pass at fp32's 1e-5 / 1e-4 (the stage's norm over its 4 ranks); with the SP gradient
     sum planted out the norm is off and it fails, the first step's loss unchanged. By hand, `mmpipe check --preset
     qwen-tiny --tp 2 --sp 2` prints these rows (docs/check.md)."""
-    argv = _argv(tmp_path)
-    args = TrainArgs.from_argv(argv)
-    run = resolve(args, world_size=4)
-    prepare(run.data, run.model, tmp_path / "run", args.seed, verbose=False)  # the index, as the front door builds it
-    mp.start_processes(_worker, args=(str(tmp_path), argv), nprocs=4, start_method="fork")
-    got = json.loads((tmp_path / "check.json").read_text())
+    run, got = tp_x_sp
     rows = {r["name"]: r for r in got["rows"]}
     assert sorted(rows) == ["stage 0 sp group (ranks 0, 2, dp 0, tp 0)", "stage 0 sp group (ranks 1, 3, dp 0, tp 1)",
                             "stage 0 tp group (ranks 0, 1, dp 0, sp 0)", "stage 0 tp group (ranks 2, 3, dp 0, sp 1)"]
@@ -103,3 +124,33 @@ def test_check_runs_tp_x_sp_links_and_equivalence(tmp_path):
     assert good["losses"]["pipeline"][2] != good["losses"]["pipeline"][0]  # it trained
     assert not broken["ok"] and broken["max_grad_norm_rel_diff"] > 1e-2, broken
     assert abs(broken["losses"]["pipeline"][0] - good["losses"]["pipeline"][0]) < 1e-6  # forward unchanged
+
+
+def test_check_memory_at_tp_x_sp(tp_x_sp):
+    """`mmpipe check --full-step` at TP 2 x SP 2: one step of the full qwen-tiny on the 4 ranks, each rank's peak beside
+    the planner's one rank of the layout (memory.rank_rows: tp_layer_costs' slices, sp_layer_costs' L / SP positions)
+    under check's CPU rule (x 3 + 256 MiB), and each rank's parameter bytes equal to the planner's weights (1%): a
+    TP rank holds half of each split weight. With rank 1 keeping a whole weight beside its slice the memory check
+    fails naming rank 1 only, though its process peak is still far under the CPU slack."""
+    run, got = tp_x_sp
+    mem, whole = got["memory"], got["whole"]
+    states = memory.predicted_states(run)
+    (stage,) = states
+    whole_run = memory.predicted_states(dataclasses.replace(run, tp=1, sp=1))[0]
+    assert stage["weights"] < 0.75 * whole_run["weights"]  # the split weights halved, the norms and tower whole
+    # the decoder's L / 2 positions (its split part / 2 again); the tower's one image a row is one SP rank's, whole
+    assert stage["activations"] < whole_run["activations"]
+    print(f"\nTP 2 x SP 2 memory, rank: predicted {stage['total'] / 2**20:.2f} MiB (weights {stage['weights']} B, "
+          f"activations {stage['activations']:.0f} B; TP 1 x SP 1 {whole_run['total'] / 2**20:.2f} MiB), measured "
+          f"{[round(r['measured'] / 2**20, 1) for r in mem['ranks']]} MiB, weights "
+          f"{[r['weights'] for r in mem['ranks']]} B; planted: {whole['error']}")
+    assert mem["ok"] and mem["ran"] and mem["predicted_bytes"] == [stage["total"]], mem
+    assert [r["rank"] for r in mem["ranks"]] == [0, 1, 2, 3]
+    for r in mem["ranks"]:
+        assert r["weights"] == pytest.approx(stage["weights"], rel=memory.WEIGHTS_TOLERANCE), r
+        assert r["weights_ok"] and r["ok"] and r["measured"] > 0, r
+    assert not whole["ok"], whole
+    assert [r["rank"] for r in whole["ranks"] if not r["ok"]] == [1]
+    assert whole["error"].startswith("rank 1 (stage 0) holds ") and "at tp 2 x sp 2" in whole["error"], whole["error"]
+    bad = whole["ranks"][1]
+    assert bad["measured"] <= bad["predicted"] * memory.TOLERANCE["cpu"] + memory.SLACK["cpu"]  # the peak cannot see it

@@ -21,7 +21,14 @@ activations, autograd's temporaries), and the first step's one-time allocations 
 DeepSpeed's and gloo's buffers) add ~150 MiB whatever the model (157 MiB measured against 23 MiB
 predicted for stage 0 of `small`). The step is run only where every stage fits
 its device by the prediction (a pipeline step is collective: one stage that cannot run stops all); a
-stage predicted over its device fails the check without running."""
+stage predicted over its device fails the check without running.
+
+At --tp / --sp the prediction is one rank's of the layout, as `mmpipe plan` prices it (rank_rows: one TP rank's
+slices and activations / TP with --sequence-parallel, one SP rank's L / SP positions of those). The process's peak
+on CPU cannot see a rank's slice (a tiny model's whole weight is KBs under the 256 MiB slack), so each rank's
+parameter bytes are counted too, exactly (weights(): each of the module's parameters once, numel x element size),
+and held to the planner's `weights` within WEIGHTS_TOLERANCE: a rank that kept a whole weight beside (or instead of)
+its slice, or a slice the planner does not price, fails at any size."""
 from __future__ import annotations
 
 import gc
@@ -32,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from ..data.dataset import prepare
-from ..planning.costmodel import Shape, stage_memory
+from ..planning.costmodel import LayerCost, Shape, stage_memory
+from ..planning.sequence_parallel import sp_layer_costs, sp_stage_rows
+from ..planning.tensor_parallel import tp_layer_costs
 from ..run_args import TrainArgs
 from ..run_config import RunConfig
 from ..runtime.preference import LiveReference
@@ -41,15 +50,38 @@ from ..runtime.trainer import DataStream, Progress, build_engine, load_run_weigh
 TOLERANCE = {"cuda": 1.25, "cpu": 3.0}  # x the planner's stage memory
 # bytes: on a GPU kernels' workspaces (cuBLAS) and the allocator's rounding; on CPU the one-time allocations
 SLACK = {"cuda": 256 << 20, "cpu": 256 << 20}
+# a rank's parameter bytes against the planner's weights: both count the same tensors (the layer's parameters, a
+# tied module once a stage), so any difference is a tensor one side holds and the other does not; 1% for rounding
+WEIGHTS_TOLERANCE = 0.01
 STATUS = Path("/proc/self/status")
 
 
-def predicted(run: RunConfig) -> list[float]:
-    """The planner's bytes per stage for the run's layout (an `--ep` run's ranks holding 1 / EP of the experts)."""
-    shape = Shape(run.stages, run.dp, run.micro, run.gas, run.ep)
+def rank_rows(run: RunConfig) -> list[LayerCost]:
+    """The planner's rows as one rank of the run's layout holds them, as `mmpipe plan` prices a layout: at --tp one TP
+    rank's (tp_layer_costs: split weights / TP, activations / TP with --sequence-parallel), at --sp one SP rank's of
+    those (sp_layer_costs: L / SP positions, the tower split by images where one stage holds it, sp_stage_rows)."""
+    rows = tp_layer_costs(run.model, run.layers, run.tp, run.sequence_parallel)
+    return sp_stage_rows(sp_layer_costs(run.model, rows, run.sp, run.tp, run.max_images), run.parts)
+
+
+def predicted_states(run: RunConfig) -> list[dict]:
+    """stage_memory's dict per stage for one rank of the run's layout (an `--ep` run's ranks holding 1 / EP of the
+    experts, a TP rank its slices, an SP rank its positions): weights, grads, optimizer, activations, total."""
+    shape = Shape(run.stages, run.dp, run.micro, run.gas, run.ep, run.tp, run.sp)
     live = bool(run.objective.reference and not run.reference_logps)  # dpo: each stage's copy of its trained weights
-    return [stage_memory(run.layers, run.parts, s, shape, run.precision, run.zero_stage, reference=live)["total"]
+    rows = rank_rows(run)
+    return [stage_memory(rows, run.parts, s, shape, run.precision, run.zero_stage, reference=live)
             for s in range(run.stages)]
+
+
+def predicted(run: RunConfig) -> list[float]:
+    """The planner's bytes per stage for one rank of the run's layout (predicted_states' totals)."""
+    return [m["total"] for m in predicted_states(run)]
+
+
+def weights(module: torch.nn.Module) -> int:
+    """The bytes of a module's parameters, each once (a tied module's weight is one tensor: parameters() dedups)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _status_bytes(key: str) -> int:
@@ -108,7 +140,7 @@ def step(run: RunConfig, args: TrainArgs, rank: int, dev: torch.device) -> dict:
     loss = engine.train_batch(data_iter=reference.step(stream.batches) if reference else stream.batches).item()
     stream.close()
     out = {"rank": rank, "stage": engine.stage_id, "loss": loss, "measured": peak.stop() if peak else None,
-           "how": peak.what if peak else why}
+           "how": peak.what if peak else why, "weights": weights(engine.module)}
     del engine, stream
     gc.collect()
     if dev.type == "cuda":
@@ -118,16 +150,25 @@ def step(run: RunConfig, args: TrainArgs, rank: int, dev: torch.device) -> dict:
 
 def check(run: RunConfig, args: TrainArgs, rank: int, dev: torch.device) -> dict | None:
     """Collective; the verdict on rank 0 (None elsewhere)."""
-    want, room = predicted(run), device_memory(dev)
+    states, room = predicted_states(run), device_memory(dev)
+    want = [m["total"] for m in states]
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, None if max(want) > room else step(run, args, rank, dev))
-    return judge(rows, want, room, dev.type) if rank == 0 else None
+    if rank:
+        return None
+    # DualPipeV's rank holds two stages (r and 2P - 1 - r): its parameters are no one stage's
+    own = [m["weights"] for m in states] if run.schedule.stages_per_rank == 1 else None
+    return judge(rows, want, room, dev.type, own, f"tp {run.tp} x sp {run.sp}")
 
 
-def judge(rows: list[dict | None], want: list[float], room: float, kind: str) -> dict:
-    """rows: each rank's step (None everywhere when a stage did not fit and nothing ran)."""
+def judge(rows: list[dict | None], want: list[float], room: float, kind: str, want_weights: list[float] | None = None,
+          layout: str = "") -> dict:
+    """rows: each rank's step (None everywhere when a stage did not fit and nothing ran). want_weights: the planner's
+    parameter bytes per stage for one rank, each rank's `weights` held to them (WEIGHTS_TOLERANCE); layout: the
+    model axes they were priced at, for the failure's line."""
     kind = "cuda" if kind == "cuda" else "cpu"
-    base = {"tolerance": TOLERANCE[kind], "slack_bytes": SLACK[kind], "predicted_bytes": want, "device_bytes": room}
+    base = {"tolerance": TOLERANCE[kind], "slack_bytes": SLACK[kind], "predicted_bytes": want, "device_bytes": room,
+            "weights_tolerance": WEIGHTS_TOLERANCE, "predicted_weights_bytes": want_weights}
     over = [s for s, b in enumerate(want) if b > room]
     if over:
         return {**base, "ok": False, "ran": False, "over": over,
@@ -136,4 +177,14 @@ def judge(rows: list[dict | None], want: list[float], room: float, kind: str) ->
     for r in rows:
         r["predicted"] = want[r["stage"]]
         r["ok"] = r["measured"] is None or r["measured"] <= r["predicted"] * TOLERANCE[kind] + SLACK[kind]
-    return {**base, "ok": all(r["ok"] for r in rows), "ran": True, "ranks": rows}
+        if want_weights is not None and r.get("weights") is not None:
+            r["predicted_weights"] = want_weights[r["stage"]]
+            r["weights_ok"] = abs(r["weights"] - r["predicted_weights"]) <= WEIGHTS_TOLERANCE * r["predicted_weights"]
+            r["ok"] = r["ok"] and r["weights_ok"]
+    off = [r for r in rows if not r.get("weights_ok", True)]
+    out = {**base, "ok": all(r["ok"] for r in rows), "ran": True, "ranks": rows}
+    if off:  # the process's peak cannot show these on CPU: named, with both counts
+        out["error"] = "; ".join(
+            f"rank {r['rank']} (stage {r['stage']}) holds {r['weights'] / 2**20:.3f} MiB of parameters, the planner's "
+            f"{r['predicted_weights'] / 2**20:.3f} MiB at {layout}" for r in off)
+    return out

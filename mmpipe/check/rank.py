@@ -58,39 +58,33 @@ def main(argv=None) -> int:
 
 
 # --tp / --sp: what the check does not run yet, and why (docs/tensor_parallel.md, docs/sequence_parallel.md). The
-# equivalence runs there: the pipeline's model-axis ranks against the single-device loop (equivalence._replica0)
-SKIPPED = {"tp": {
-    "memory": "its prediction is a whole stage's, not a TP rank's",
-    "profile": "it times a whole stage's layers on each rank for the planner's device profile"}, "sp": {
-    "memory": "its prediction is a whole stage's at whole rows, not an SP rank's",
-    "profile": "it times a whole stage's layers on whole rows on each rank for the planner's device profile"},
-    "tp x sp": {
-    "memory": "its prediction is a whole stage's at whole rows, not a TP x SP rank's",
-    "profile": "it times a whole stage's layers on whole rows on each rank for the planner's device profile"}}
+# equivalence runs there (the pipeline's model-axis ranks against the single-device loop: equivalence._replica0), and
+# the --full-step memory (each rank against the planner's one rank of the layout: memory.rank_rows)
+SKIPPED = {"tp": "it times a whole stage's layers on each rank for the planner's device profile",
+           "sp": "it times a whole stage's layers on whole rows on each rank for the planner's device profile"}
+SKIPPED["tp x sp"] = SKIPPED["sp"]
 
 
-def _skipped(run, name: str, rank: int) -> dict | None:
-    """The row of a check that does not run at --tp / --sp (on rank 0; None elsewhere)."""
+def _skipped(run, rank: int) -> dict | None:
+    """The profile's row at --tp / --sp (on rank 0; None elsewhere)."""
     if run.tp > 1 and run.sp > 1:
         axis, flags = "tp x sp", f"--tp {run.tp} --sp {run.sp}"
     else:
         axis, flags = ("tp", f"--tp {run.tp}") if run.tp > 1 else ("sp", f"--sp {run.sp}")
-    return None if rank else {"ok": True, "skipped": f"skipped at {flags}: {SKIPPED[axis][name]}"}
+    return None if rank else {"ok": True, "skipped": f"skipped at {flags}: {SKIPPED[axis]}"}
 
 
 def _whole_layer_checks(run, args: TrainArgs, opts: CheckArgs, rank: int, dev, link_rows: list, checks: dict,
                         clock) -> None:
     """memory (with --full-step), equivalence, the loader against the pipeline's rate, the device profile; on the
-    model axis (--tp / --sp) memory and the profile are skipped (SKIPPED), the equivalence and the loader run."""
-    split = run.tp * run.sp > 1
+    model axis (--tp / --sp) the profile is skipped (SKIPPED), the others run."""
     if opts.full_step:  # before the others: its peak is measured above a baseline they would have raised
-        checks["memory"] = (_skipped(run, "memory", rank) if split
-                            else clock("memory", memory.check, run, args, rank, dev))
+        checks["memory"] = clock("memory", memory.check, run, args, rank, dev)
     eq = checks["equivalence"] = clock("equivalence", equivalence.check, run, args, rank, dev)
     full = eq.get("pipeline_rows_per_s") if rank == 0 and eq.get("full_model") else None
     checks["loader"] = clock("loader", loader.measure, run, args.seed, args.output_dir, full) if rank == 0 else None
-    if split:
-        checks["profile"] = _skipped(run, "profile", rank)
+    if run.tp * run.sp > 1:
+        checks["profile"] = _skipped(run, rank)
         return
     small, step_s = shrunk_step(run, args, eq) if rank == 0 else (None, None)
     checks["profile"] = clock("profile", profile.check, run, dev, args.output_dir, link_rows, small, step_s)
