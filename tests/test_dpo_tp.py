@@ -8,8 +8,10 @@ model's log-probs. The launch (PP=1 x TP=2 with the live reference and validatio
 single-device loop) is tests/test_dpo_packed.py's series."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,11 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mmpipe.config import load_preset
+from conftest import write_checkpoint
+from mmpipe.config import config_from_dict, load_preset
 from mmpipe.model import ReferenceModel, tensor_parallel
-from mmpipe.model.builder import IGNORE_INDEX
+from mmpipe.model.builder import IGNORE_INDEX, layer_specs
 from mmpipe.model.dpo import REWARDS, row_logps
 from mmpipe.model.lora import Lora, add_adapters
+from mmpipe.model.moe import head_aux
 from mmpipe.model.objectives import dpo
 from mmpipe.model.tensor_parallel import Shard, gather_state, split_dims
 from mmpipe.registry import family_of
@@ -51,7 +55,7 @@ def _worker(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     ds_comm.cdb = TorchBackend("gloo", ds_comm.default_pg_timeout, None)  # the vocab-parallel CE's deepspeed.comm
     shard = Shard(dist.group.WORLD, rank, 2)
-    diffs = {"loss": _loss_check(shard), "model": _model_check(shard)}
+    diffs = {"loss": _loss_check(shard), "model": _model_check(shard), "variants": _variants_check(shard, tmp)}
     if rank == 0:
         with open(f"{tmp}/diffs.json", "w") as f:
             json.dump(diffs, f)
@@ -144,17 +148,7 @@ def _model_check(shard: Shard) -> dict:
         tensor_parallel.sum_summed_gradients(model.parameters(), shard)
         losses.append(loss.item())
     diffs["loss"] = abs(losses[0] - losses[1])
-    plan = family_of(cfg).tp_plan
-    for i, (w, s) in enumerate(zip(whole, split)):
-        dims, mine = split_dims(w, plan, shard.size), dict(s.named_parameters())
-        largest = max((p.grad.abs().max().item() for p in w.parameters() if p.grad is not None), default=0.0)
-        for k, p in w.named_parameters():
-            if p.grad is None or largest == 0:
-                continue
-            gathered = [torch.empty_like(mine[k]) for _ in range(shard.size)]
-            dist.all_gather(gathered, mine[k].grad.contiguous())
-            diffs[f"grad {i}.{k}"] = ((gather_state([{k: t} for t in gathered], dims)[k] - p.grad).abs().max()
-                                      / largest).item()
+    diffs.update(_gathered_grads(whole, split, cfg, shard))
     diffs["adapters trained"] = -sum(1 for k, p in split.named_parameters() if ".lora_" in k and p.grad is not None)
     reference = _live(split, shard, lora, cfg)  # the copies taken before the step, as the engine takes them
     with torch.no_grad():
@@ -167,6 +161,89 @@ def _model_check(shard: Shard) -> dict:
     diffs["reference"] = (off - ref).abs().max().item()
     diffs["policy moved"] = -(moved - ref).abs().max().item()
     return diffs
+
+
+def _gathered_grads(whole, split, cfg, shard: Shard, prefix: str = "") -> dict:
+    """{"grad i.name": the split model's gradient gathered over TP against the whole one's, relative to its layer's
+    largest element} for every tensor with a gradient (after the step's TP sum of the tp_summed shares)."""
+    diffs, plan = {}, family_of(cfg).tp_plan
+    for i, (w, s) in enumerate(zip(whole, split)):
+        dims, mine = split_dims(w, plan, shard.size), dict(s.named_parameters())
+        largest = max((p.grad.abs().max().item() for p in w.parameters() if p.grad is not None), default=0.0)
+        for k, p in w.named_parameters():
+            if p.grad is None or largest == 0:
+                continue
+            gathered = [torch.empty_like(mine[k]) for _ in range(shard.size)]
+            dist.all_gather(gathered, mine[k].grad.contiguous())
+            diffs[f"{prefix}grad {i}.{k}"] = ((gather_state([{k: t} for t in gathered], dims)[k] - p.grad).abs().max()
+                                              / largest).item()
+    return diffs
+
+
+MOE = {"experts": 8, "top_k": 2, "ff_dim": 32, "aux_coef": 1.0}  # test_tp_moe's: the aux gradient no rounding
+
+
+def _variants_check(shard: Shard, tmp: str) -> dict:
+    """The combinations dpo takes at --tp beyond _model_check's, each whole against split on the packed pair, the
+    reference another model's (seed 4: policy != reference): "sp" qwen-tiny under --sequence-parallel (the head
+    all-gathers the row's positions before the vocab-split logits, so the per-sample sums are the whole row's as
+    without SP; the norms' gradients each rank's positions' share until the step's TP sum); "moe" a qwen3-vl MoE
+    (router replicated, experts split by F; the head's aux term whole on each rank, added once) at TP and "moe sp"
+    under --sequence-parallel too (each rank routes its positions, the router statistics summed over TP); then
+    "reference": --reference RUN, a whole run directory (seed 4) read into a split policy's LiveReference copies by
+    --init-from's loader (trainer.load_run_weights: each rank its slices), whose pass gives RUN's log-probs."""
+    from mmpipe.runtime import trainer
+    dense = load_preset("qwen-tiny")
+    moe = load_preset("qwen3-vl-tiny").to_dict()
+    moe["text"].update({"tie_embeddings": False, "moe": MOE})
+    moe = config_from_dict(moe, "qwen3-vl-moe")
+    objective, diffs = dpo(0.5, "sigmoid", 0.7), {}
+    for name, cfg, sequence in (("sp", dense, True), ("moe", moe, False), ("moe sp", moe, True)):
+        inputs, labels, segments = _pair_batch(cfg)
+        with torch.no_grad():
+            ref = row_logps(ReferenceModel(cfg, seed=4)(*inputs), (labels, torch.zeros(2, 2), segments))
+        whole, split = ReferenceModel(cfg, seed=3), _split_model(cfg, dataclasses.replace(shard, sequence=sequence))
+        losses, split_loss = [], objective.split_vocab(shard, cfg.text.vocab_size).loss
+        for model, loss_fn in ((whole, objective.loss), (split, split_loss)):
+            loss = loss_fn(model(*inputs), (labels, ref, segments))
+            loss.backward()
+            tensor_parallel.sum_summed_gradients(model.parameters(), shard)  # the step's sum (sum_gradients_at_step)
+            losses.append(loss.item())
+        diffs[f"{name} loss"] = abs(losses[0] - losses[1])
+        diffs[f"{name} reward"] = -abs(float(objective.metrics()["rewards/margins"]))  # not vacuous: asserted < -1e-2
+        if cfg is moe:
+            diffs[f"{name} aux"] = -float(head_aux(list(whole)[-1]))  # the aux term in the loss: asserted < -1e-3
+            diffs[f"{name} aux split"] = abs(float(head_aux(list(split)[-1]) - head_aux(list(whole)[-1])))
+        diffs.update(_gathered_grads(whole, split, cfg, shard, f"{name} "))
+    diffs.update(_reference_run_check(shard, Path(tmp) / "base", dense, trainer.load_run_weights))
+    return diffs
+
+
+def _reference_run_check(shard: Shard, base: Path, cfg, load_run_weights) -> dict:
+    """--reference RUN at TP 2: RUN a whole checkpoint of qwen-tiny at seed 4 (written by rank 0), the policy split
+    at seed 3; inside LiveReference.weights() the split policy's per-sample log-probs are RUN's whole model's, after
+    it the policy's own again."""
+    inputs, labels, segments = _pair_batch(cfg)
+    tuple_ = (labels, torch.zeros(2, 2), segments)
+    run_model, start = ReferenceModel(cfg, seed=4), ReferenceModel(cfg, seed=3)
+    if shard.rank == 0:
+        write_checkpoint(run_model, base)
+    dist.barrier()
+    policy = _split_model(cfg, shard)
+    grid = SimpleNamespace(get_slice_parallel_group=lambda: shard.group, get_slice_parallel_rank=lambda: shard.rank)
+    pipe = SimpleNamespace(forward_funcs=list(policy), tied_modules={}, _layer_specs=layer_specs(cfg), _local_start=0,
+                           each_part=lambda: iter([0]), _grid=grid)
+    run = SimpleNamespace(lora=None, reference=str(base), tp=shard.size, objective=dpo(), model=cfg)
+    live = LiveReference(SimpleNamespace(module=policy, grid=grid), run,
+                         lambda module, d: load_run_weights(pipe, d, shard.size))
+    with torch.no_grad():
+        want, own = row_logps(run_model(*inputs), tuple_), row_logps(start(*inputs), tuple_)
+        with live.weights():
+            got = live.row_logps(policy(*inputs), tuple_)
+        after = live.row_logps(policy(*inputs), tuple_)
+    return {"reference run": _rel(got, want), "reference after": _rel(after, own),
+            "reference apart": -(want - own).abs().max().item(),  # RUN is not the start: asserted < -1e-2
+            "reference copied": -float(live.copied == sum(p.numel() for p in policy.parameters()))}
 
 
 def _live(model, shard: Shard, lora: Lora, cfg) -> LiveReference:
@@ -198,9 +275,32 @@ def test_split_model_and_adapters_off_reference(two_ranks):
     assert diffs["policy moved"] < -1e-2 and diffs["reference"] < 1e-5, diffs
 
 
+@pytest.mark.parametrize("case", ["sp", "moe", "moe sp"])
+def test_dpo_at_tp_with_sequence_parallel_and_moe(two_ranks, case):
+    """--sequence-parallel (qwen-tiny), an MoE model (qwen3-vl MoE, aux_coef 1) at TP and both: the split DPO loss
+    (sigmoid + RPO, the aux term in it) within 1e-6 of the whole model's and every gathered gradient within 1e-5 of
+    its layer's largest (test_tensor_parallel's family tolerance), the routers' among them."""
+    diffs = two_ranks["variants"]
+    grads = {k: v for k, v in diffs.items() if k.startswith(f"{case} grad ")}
+    assert diffs[f"{case} loss"] < 1e-6 and diffs[f"{case} reward"] < -1e-2, diffs
+    assert max(grads.values()) < 1e-5, {k: v for k, v in grads.items() if v >= 1e-5}
+    if case.startswith("moe"):
+        assert diffs[f"{case} aux"] < -1e-3 and diffs[f"{case} aux split"] < 1e-6, diffs
+        assert any(k.endswith("mlp.gate.weight") for k in grads) and any("experts" in k for k in grads), sorted(grads)
+
+
+def test_reference_run_at_tp_reads_each_ranks_slices(two_ranks):
+    """--reference RUN at --tp 2: a whole run directory read by --init-from's loader into each rank's LiveReference
+    copies (every tensor of the split stage): the reference pass's per-sample log-probs are RUN's whole model's
+    (1e-6 relative), and the policy's own after it."""
+    diffs = two_ranks["variants"]
+    assert diffs["reference apart"] < -1e-2 and diffs["reference copied"] == -1.0, diffs
+    assert diffs["reference run"] < 1e-6 and diffs["reference after"] < 1e-6, diffs
+
+
 def test_front_door_takes_dpo_at_tp_and_refuses_what_is_not_checked(tmp_path, capsys):
-    """`mmpipe train --objective dpo --tp 2` passes the front door (--dry-run); the combinations not checked with dpo
-    at --tp are refused, one line each, exit 2."""
+    """`mmpipe train --objective dpo --tp 2` passes the front door (--dry-run), with --sequence-parallel too; bf16 /
+    fp16, not checked with dpo at --tp, are refused, one line, exit 2."""
     from conftest import refused
     from mmpipe.cli import main
     from mmpipe.data.export import export_shapes
@@ -208,10 +308,10 @@ def test_front_door_takes_dpo_at_tp_and_refuses_what_is_not_checked(tmp_path, ca
     argv = ["train", "--preset", "llava-tiny", "--objective", "dpo", "--data", str(pairs), "--stages", "1", "--tp",
             "2", "--output-dir", str(tmp_path / "run")]
     assert main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
-    lines = refused([*argv[1:], "--sequence-parallel"], capsys)
-    assert lines[-1] == ("mmpipe: error: --tp: 2 with --objective dpo and --sequence-parallel is not supported yet: "
-                         "dpo at --tp is checked in fp32 on dense models with the live, LoRA and precomputed "
-                         "references (docs/dpo.md)"), lines
+    assert main([*argv, "--sequence-parallel", "--dry-run"]) == 0, capsys.readouterr().err
+    lines = refused([*argv[1:], "--ds-config", "ds_configs/cpu_bf16.json"], capsys)
+    assert lines[-1] == ("mmpipe: error: --tp: 2 with --objective dpo and precision bf16 is not supported yet: dpo "
+                         "at --tp is checked in fp32 (docs/dpo.md)"), lines
 
 
 def test_planner_counts_a_tp_ranks_reference_copy():
