@@ -250,7 +250,7 @@ def resolve(args: TrainArgs, world_size: int, ds_config: dict | None = None) -> 
     _check_tp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)  # the model as fitted (vocabulary)
     if args.sequence_parallel:
         problems.extend(sequence_parallel_problems(args.tp, model, data, args.lora))
-    _check_sp(args, model, (zero_stage, precision, schedule, pipe_cfg), problems)
+    _check_sp(args, model, (zero_stage, precision, schedule, ds), problems)
     problems.extend(reference_problems(args, model, init_model))  # --reference RUN: the model as fitted, too
     problems.raise_any()
 
@@ -450,14 +450,16 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     """--sp N (docs/sequence_parallel.md): N >= 1; above 1 only for a family whose decoder this slice splits (LLaVA,
     Qwen2-VL / Qwen2.5-VL, Qwen3-VL, Qwen3.5), N dividing the attention heads and KV heads (and Gated DeltaNet's key
     and value heads: each rank runs H/N of them after the all-to-all; a row's positions are padded to a multiple of N),
-    and only where it was checked: fp32 at ZeRO 0 or 1, bf16 at ZeRO 0, 1F1B, SFT and dpo (an objective with an SP
+    and only where it was checked: fp32 at ZeRO 0 or 1, bf16 at ZeRO 0 or 1 with fp32 gradient accumulation
+    (DeepSpeed's BF16_Optimizer either way: the SP sum acts on its buffers), 1F1B, zb-h1 in fp32 on a dense model with
+    SFT and without --tp (tests/test_sp_zero_bubble.py), SFT and dpo (an objective with an SP
     form: Objective.split_sequence), validation, --init-from (tests/test_sp_objectives.py; --resume, at this or
     another SP, MoE with --ep, --tp, LoRA (its dropout on the text: each rank's slice of the mask) and activation
     checkpointing are checked). With --tp T the
     all-to-all trades the heads each TP rank holds, so N divides H / T (and the plan's counts / T); the KV heads a TP
     rank holds (Hkv / T, or the 1 it uses where T exceeds Hkv) are divided by N or, under --tp, divide it (each then
     repeated N / Hkv times before the exchange: sequence_parallel.kv_for_sp)."""
-    sp, (zero_stage, precision, schedule, _) = args.sp, setup
+    sp, (zero_stage, precision, schedule, ds) = args.sp, setup
     if sp < 1:
         problems.append(f"--sp: {sp} must be >= 1")
     if sp <= 1 or model is None:
@@ -489,14 +491,23 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
          and args.lora_dropout > 0 and bool({"vision", "projector"} & set(args.lora_groups.split(",")))),
         (f"--objective {args.objective}", objective_named(args.objective).sequence_parallel is None),
         (f"precision {precision}", precision == "fp16"), (f"ZeRO stage {zero_stage}", zero_stage > 1),
-        # BF16_Optimizer (ZeRO 0) is checked; at ZeRO 1 DeepSpeed's ZeRO optimizer accumulates bf16 in p.grad
-        ("bf16 at ZeRO 1", precision == "bf16" and zero_stage == 1),
+        # BF16_Optimizer is checked (ZeRO 0, and ZeRO 1 with fp32 accumulation: DeepSpeed 0.19.8 takes it there only,
+        # engine._do_optimizer_sanity_check); else at ZeRO 1 DeepSpeed's ZeRO optimizer accumulates bf16 in p.grad
+        ("bf16 at ZeRO 1", precision == "bf16" and zero_stage == 1
+         and _grad_accum_dtype(ds) not in ("fp32", "float32", "float")),
         # the experts' norm under BF16_Optimizer goes over each SP coordinate's EP group: not checked
         (f"--ep {args.ep} in bf16", args.ep > 1 and precision == "bf16"),
-        (f"schedule {schedule}", schedule.name != BASELINE.name)) if on]
+        # zb-h1's deferred weight gradients under SP: checked in fp32 on dense models with SFT, without --tp
+        (f"schedule {schedule}", not schedule.split_backward and schedule.name != BASELINE.name),
+        (f"schedule {schedule} in {precision}", schedule.split_backward and precision != "fp32"),
+        (f"schedule {schedule} on an MoE model", schedule.split_backward and family.experts(model) is not None),
+        (f"schedule {schedule} and --objective {args.objective}",
+         schedule.split_backward and objective_named(args.objective).name != TOKENS.name),
+        (f"schedule {schedule} and --tp {args.tp}", schedule.split_backward and tp > 1)) if on]
     if unchecked:
         problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (--sp trains fp32 at ZeRO 0 / "
-                        f"1, bf16 at ZeRO 0, 1F1B, SFT and dpo; docs/sequence_parallel.md)")
+                        f"1, bf16 at ZeRO 0, or 1 with \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}}, 1F1B, "
+                        f"zb-h1 in fp32 with SFT, SFT and dpo; docs/sequence_parallel.md)")
 
 
 def _check_flags(args: TrainArgs, problems: Problems) -> None:

@@ -164,12 +164,17 @@ def defer_weight_grads(module: torch.nn.Module, stash: WeightStash) -> int:
     (mmpipe.model.tensor_parallel: tp_shard) keeps its forward, whose collectives (the column's
     copy in, its gradient all-reduced backward; the row's all-reduce; under --sequence-parallel the
     gather and reduce-scatter) stay around its own matmul: only that matmul is deferred (tp_local),
-    so W's g^T x reads the x and g this rank holds, its slice's gradient."""
+    so W's g^T x reads the x and g this rank holds, its slice's gradient. A linear whose forward something else
+    replaced on the instance keeps it and takes its weight gradient in B: under --sp an untied head's projection
+    returns its hidden and weight for the tiled loss (sequence_parallel.tiled_head), whose backward makes the weight
+    gradient a tile of logits at a time (deferring it would keep the logits' gradient, or recompute them, in W)."""
     n = 0
     for m in module.modules():
         if type(m) is torch.nn.Linear and m.weight.requires_grad:
             if hasattr(m, "tp_shard"):
                 m.tp_local = functools.partial(_deferred_forward, m, stash)
+            elif "forward" in vars(m):
+                continue
             else:
                 m.forward = functools.partial(_deferred_forward, m, stash)
             n += 1
