@@ -6,11 +6,13 @@ twice-encoded path's. In process: one packed, balanced micro-batch per family, p
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
 from conftest import write_ds_config
+from mmpipe.config import PRESET_DIR
 from mmpipe.data.batches import StepBatches, rank_batches
 from mmpipe.data.dataset import prepare
 from mmpipe.data.export import export_shapes
@@ -65,9 +67,21 @@ def _loss_and_grads(model, ref_model, inputs, labels):
     return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}, patches[0]
 
 
-@pytest.mark.parametrize("preset", ["llava-tiny", "qwen-tiny"])
+def _preset(preset: str, tmp_path) -> str:
+    """A preset name, or "gemma4-tiny-list": gemma4-tiny with images as patch lists (max_soft_tokens 70: at most 630
+    patches an image, each slot's grid in tiling), the tower's grids read for the even rows (rows.tower_rows)."""
+    if preset != "gemma4-tiny-list":
+        return preset
+    cfg = json.loads((PRESET_DIR / "gemma4-tiny.json").read_text())
+    cfg["vision"].update(max_soft_tokens=70, position_table=210)  # sides of up to 210 patches
+    path = tmp_path / f"{preset}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("preset", ["llava-tiny", "qwen-tiny", "gemma4-tiny", "gemma4-tiny-list"])
 def test_tower_encodes_each_pair_once(preset, pairs, tmp_path):
-    run = _run(pairs, tmp_path, preset)
+    run = _run(pairs, tmp_path, _preset(preset, tmp_path))
     assert share_pair_images(run)
     samples = prepare(run.data, run.model, tmp_path, 3, verbose=False)
     once = run_dataset(run, samples)

@@ -163,9 +163,10 @@ class PairedSamples(IndexedSamples):
 # slot (2i + s, m)'s features from image (i, m) (mmpipe.model.rows.slot_images). The others keep an image per side:
 # the cross-attention fusion carries the projected image to every cross-attention layer as a stage field (each would
 # index it; not built), LLaVA-NeXT / OneVision and InternVL lay out a row's crops by its own tiling in the projector
-# and embedding (not built), Gemma 4's tower and pooling read the row's grids in several layers (not built).
+# and embedding (not built). Gemma 4's patch lists (max_soft_tokens) read the tower's rows' grids (rows.tower_rows in
+# gemma4.image_patches and its pooling), its fixed squares are LLaVA's case.
 SHARED_IMAGE_FAMILIES = {("llava", "prefix"), ("moondream", "prefix"), ("qwen2_vl", "prefix"),
-                         ("qwen3_vl", "prefix"), ("qwen3_5", "prefix"), ("gemma3", "prefix")}
+                         ("qwen3_vl", "prefix"), ("qwen3_5", "prefix"), ("gemma3", "prefix"), ("gemma4", "prefix")}
 
 
 def shares_images(cfg) -> bool:

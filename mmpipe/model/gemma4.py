@@ -70,7 +70,7 @@ from .llava import FinalNorm, LlavaEmbed
 from .moe import Experts, MoeHead, TiedMoeHead, expert_params, route_stats
 from .qwen2_vl import Patches, patch_coords, used_grids
 from .qwen3_vl import MoeConfig
-from .rows import place_images, place_in_order
+from .rows import place_images, place_in_order, tower_rows
 from .stage import ROW, StageField, StageTuple, live_fields, unpack_in, unpack_out
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # what transformers' Gemma4ImageProcessor accepts (max_soft_tokens)
@@ -279,8 +279,9 @@ def image_patches(t: StageTuple) -> Patches:
     """Each of the row's P patches' slot (M: padding) and (row, col) in its image's grid, from the slots' grids
     (t.tiling, unused slots zeroed): row-major within an image, transformers' convert_image_to_patches order
     (qwen2_vl.patch_coords with merge units of 1 patch). Once per micro-batch (row_cached)."""
-    P = t.hidden.shape[1]
-    return row_cached((t.tiling, t.has_image), ("gemma4-patches", P), lambda: patch_coords(used_grids(t), P, 1))
+    P = t.hidden.shape[1]  # the tower's rows: every row's, or dpo's pairs' shared ones (B / 2: rows.tower_rows)
+    return row_cached((t.tiling, t.has_image), ("gemma4-patches", *t.hidden.shape[:2]),
+                      lambda: patch_coords(used_grids(tower_rows(t)), P, 1))
 
 
 def patch_grid(n: int, side: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,7 +353,7 @@ def tower_geometry(t: StageTuple, head_dim: int, theta: float):
         B = c.slot.shape[0]
         seg = torch.where(c.slot < M, torch.arange(B, device=c.slot.device)[:, None] * M + c.slot, -1)
         return segment_split(seg), axial_rotary_at(c.col, c.row, head_dim, theta)
-    return row_cached((t.tiling, t.has_image), ("gemma4-tower", t.hidden.shape[1], head_dim, theta), build)
+    return row_cached((t.tiling, t.has_image), ("gemma4-tower", *t.hidden.shape[:2], head_dim, theta), build)
 
 
 def rotate_halves(x, cos, sin):
@@ -441,7 +442,7 @@ class Gemma4Projector(nn.Module):
         1 / k^2; padding patches go nowhere). E.g. a 6 x 9-patch image at k 3: 2 x 3 = 6 tokens."""
         c, k, x = image_patches(t), self.pool, t.hidden
         B, P, D = x.shape
-        grids = used_grids(t)
+        grids = used_grids(tower_rows(t))  # dpo's pairs: the even rows' (rows.tower_rows)
         counts = grids[..., 1] * grids[..., 2] // (k * k)  # [B, M] pooled tokens a slot
         slot = c.slot.clamp(max=grids.shape[1] - 1)
         start = (counts.cumsum(-1) - counts).gather(1, slot)
