@@ -74,7 +74,9 @@ def _memory_line(m: dict) -> str:
     over = [f"rank {r['rank']}" for r in m["ranks"] if not r["ok"]]
     return (f"one step of the full model: worst rank {worst['rank']} (stage {worst['stage']}) "
             f"{_mib(worst['measured'])} of {_mib(worst['predicted'])} predicted ({worst['how']}; fails over "
-            f"x{m['tolerance']} + {_mib(m['slack_bytes'])})" + (f"; over: {', '.join(over)}" if over else ""))
+            f"x{m['tolerance']} + {_mib(m['slack_bytes'])})" + (f"; over: {', '.join(over)}" if over else "")
+            + ("; parameters: each rank's bytes the planner's for its stage (within 1%)"
+               if all(r.get("weights_ok") for r in m["ranks"]) else ""))
 
 
 def _profile_line(p: dict) -> str:
