@@ -162,11 +162,13 @@ class PairedSamples(IndexedSamples):
 # each image (or each row's patches) alone and one layer places its output on the image positions, which reads
 # slot (2i + s, m)'s features from image (i, m) (mmpipe.model.rows.slot_images). The others keep an image per side:
 # the cross-attention fusion carries the projected image to every cross-attention layer as a stage field (each would
-# index it; not built), LLaVA-NeXT / OneVision and InternVL lay out a row's crops by its own tiling in the projector
-# and embedding (not built). Gemma 4's patch lists (max_soft_tokens) read the tower's rows' grids (rows.tower_rows in
-# gemma4.image_patches and its pooling), its fixed squares are LLaVA's case.
+# index it; not built). LLaVA-NeXT / OneVision and InternVL lay out a row's crops by its own tiling in the projector,
+# which reads row b's crops from its pair's chosen row (the tower's entry marks the case: rows.mark_pair_rows).
+# Gemma 4's patch lists (max_soft_tokens) read the tower's rows' grids (rows.tower_rows in gemma4.image_patches and
+# its pooling), its fixed squares are LLaVA's case.
 SHARED_IMAGE_FAMILIES = {("llava", "prefix"), ("moondream", "prefix"), ("qwen2_vl", "prefix"),
-                         ("qwen3_vl", "prefix"), ("qwen3_5", "prefix"), ("gemma3", "prefix"), ("gemma4", "prefix")}
+                         ("qwen3_vl", "prefix"), ("qwen3_5", "prefix"), ("gemma3", "prefix"), ("gemma4", "prefix"),
+                         ("llava_next", "prefix"), ("internvl", "prefix")}
 
 
 def shares_images(cfg) -> bool:

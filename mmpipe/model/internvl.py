@@ -36,6 +36,7 @@ from .llava import ACTS, FinalNorm, LlamaBlock, LlamaText, LMHeadLinear, decoder
 from .llava_next import AnyresEmbed, row_crops
 from .moe import MOE_BLOCK, MoeHead, PreNormMoeBlock, TiedMoeHead, moe_head
 from .qwen3_vl import MoeConfig, Qwen3Attention
+from .rows import mark_pair_rows, slot_images, unmark_pair_rows
 from .stage import ROW, StageField, unpack_in
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
@@ -146,7 +147,7 @@ class InternPatchEmbed(nn.Module):
         self.position_embeddings = nn.Parameter(torch.randn(1, v.n_positions, v.dim) * 0.02)
 
     def forward(self, inputs):
-        t = unpack_in(self, inputs)
+        t = mark_pair_rows(unpack_in(self, inputs))  # dpo's pairs sharing their crops (rows.mark_pair_rows)
         w = self.patch_embeddings.projection.weight
         x = self.patch_embeddings.projection(t.hidden.flatten(0, t.hidden.dim() - 4).to(w.dtype))
         x = torch.cat([self.cls_token.expand(x.shape[0], 1, -1), x.flatten(2).transpose(1, 2)], dim=1)
@@ -226,11 +227,12 @@ class InternProjector(nn.Module):
         self.linear_2 = nn.Linear(cfg.text.dim, cfg.text.dim)
 
     def forward(self, args):
-        t = unpack_in(self, args)
+        rows_, t = unmark_pair_rows(unpack_in(self, args))  # B, or B / 2 rows' crops shared by dpo's pairs
         B = t.input_ids.shape[0]
         x = pixel_shuffle(t.hidden[:, 1:], self.grid)
-        x = self.linear_2(F.gelu(self.linear_1(self.layer_norm(x))))  # [B x T, n, D]
-        x = x.view(B, -1, *x.shape[1:])
+        x = self.linear_2(F.gelu(self.linear_1(self.layer_norm(x))))  # [rows_ x T, n, D]
+        x = x.view(rows_, -1, *x.shape[1:])
+        src = slot_images(B, 1, rows_).tolist()  # row b's crops: its own, or its pair's chosen row's
         crops, where = row_crops(t.tiling, t.has_image).sum(-1), t.input_ids == self.token
         rows = []
         for b in range(B):
@@ -238,7 +240,7 @@ class InternProjector(nn.Module):
             if n > x.shape[1] or n * x.shape[2] != int(where[b].sum()):
                 raise ValueError(f"row {b}: {int(where[b].sum())} image placeholder positions (id {self.token}) for "
                                  f"{n} crops of {x.shape[2]} features (the row holds {x.shape[1]} crops)")
-            feats = x[b, :n].reshape(-1, x.shape[-1])
+            feats = x[src[b], :n].reshape(-1, x.shape[-1])
             rows.append(x.new_zeros(where.shape[1], x.shape[-1]).masked_scatter(where[b, :, None], feats))
         return t._replace(hidden=torch.stack(rows) + 0 * x.sum()).pack()  # padding crops stay on the graph
 

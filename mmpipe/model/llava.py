@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import VISION_ACTS, ModelConfig, TextConfig, VisionConfig
 from .attention import apply_partial_rotary, attend, cached_attention, row_geometry
-from .rows import place_images
+from .rows import mark_pair_rows, place_images
 from .stage import StageTuple, unpack_in, unpack_out
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
@@ -89,6 +89,7 @@ class VisionEmbed(nn.Module):
         super().__init__()
         v = cfg.vision
         self.clip = v.kind == "clip"
+        self.crop_rows = cfg.family == "llava_next"  # its projector lays out each row's crops (rows.mark_pair_rows)
         self.patch_embedding = nn.Conv2d(v.channels, v.dim, v.patch_size, v.patch_size, bias=not self.clip)
         self.position_embedding = nn.Embedding(v.n_positions, v.dim)
         if self.clip:
@@ -97,6 +98,7 @@ class VisionEmbed(nn.Module):
 
     def forward(self, inputs):
         t = unpack_in(self, inputs)  # hidden: pixels [B, M, C, H, W] -> B x M images
+        t = mark_pair_rows(t) if self.crop_rows else t  # dpo's pairs sharing their crops
         pixels = t.hidden.flatten(0, t.hidden.dim() - 4)
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))  # [B, D, H/p, W/p]
         x = x.flatten(2).transpose(1, 2)  # [B, N_patch, D], row-major over the grid

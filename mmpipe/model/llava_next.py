@@ -49,6 +49,7 @@ from .llava import (
     decoder_specs,
     llava_checks,
 )
+from .rows import slot_images, unmark_pair_rows
 from .stage import unpack_in
 
 # ---- its model JSON's sections and their checks (the registry entry's layout and checks) ----
@@ -154,15 +155,15 @@ class AnyresProjector(LlavaProjector):
         self.image_newline = nn.Parameter(torch.randn(cfg.text.dim) / math.sqrt(cfg.text.dim))  # HF's init
 
     def forward(self, args):
-        t = unpack_in(self, args)
+        n, t = unmark_pair_rows(unpack_in(self, args))  # n: B, or B / 2 rows' crops shared by dpo's pairs
         B = t.input_ids.shape[0]
-        x = super().forward(args)[0]  # [B x T, N, D]
-        x = x.view(B, -1, *x.shape[1:])
+        x = super().forward(args)[0]  # [n x T, N, D]
+        x = x.view(n, -1, *x.shape[1:])
         crops = row_crops(t.tiling, t.has_image)
         where = t.input_ids == self.token
-        rows = []
+        rows, src = [], slot_images(B, 1, n).tolist()  # row b's crops: its own, or its pair's chosen row's
         for b in range(B):
-            feats = self.row_features(x[b], t.tiling[b], crops[b], b)
+            feats = self.row_features(x[src[b]], t.tiling[b], crops[b], b)
             if len(feats) != int(where[b].sum()):
                 raise ValueError(f"row {b}: {int(where[b].sum())} image placeholder positions (id {self.token}) "
                                  f"for {len(feats)} image features (its slots' tilings)")

@@ -58,6 +58,25 @@ def tower_rows(t):
         has_image=pair_rows(t.has_image, n), tiling=pair_rows(t.tiling, n))
 
 
+def mark_pair_rows(t):
+    """A crop tower's entry (LLaVA-NeXT / OneVision's, InternVL's: pixels [B', T, C, S, S] flattened to B' x T crops,
+    whose projector lays out each row's crops and so must know B'): where B' = B / 2 (dpo's pairs) the odd rows'
+    has_image rides through the tower as -h - 1 (< 0; no tower layer reads it), read back by unmark_pair_rows."""
+    if t.hidden.dim() < 5 or not pair_shared(t.hidden.shape[0], t.has_image.shape[0]):  # [B', T, C, S, S] only
+        return t
+    has = t.has_image.clone()
+    has[1::2] = -has[1::2] - 1
+    return t._replace(has_image=has)
+
+
+def unmark_pair_rows(t) -> tuple[int, object]:
+    """(the tower's rows B' (B, or B / 2 where mark_pair_rows marked them), t with has_image as it was)."""
+    has = t.has_image
+    if not (has < 0).any():
+        return has.shape[0], t
+    return has.shape[0] // 2, t._replace(has_image=torch.where(has < 0, -has - 1, has))
+
+
 def place_images(emb: torch.Tensor, input_ids: torch.Tensor, feats: torch.Tensor, has_image: torch.Tensor,
                  token: int) -> torch.Tensor:
     """emb [B, L, D] token embeddings; feats [B x M, N, D] projected images; has_image [B, M] (> 0: in use).
