@@ -441,9 +441,6 @@ def _check_tp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
             problems.append(f"--tp: {tp} with {why} (docs/tensor_parallel.md)")
     if objective_named(args.objective).vocab_parallel is None:
         problems.append(f"--tp: objective {args.objective} has no vocab-parallel loss yet")
-    elif objective_named(args.objective).reference and precision != "fp32":  # dpo: tests/test_dpo_tp.py checked
-        problems.append(f"--tp: {tp} with --objective dpo and precision {precision} is not supported yet: dpo at --tp "
-                        f"is checked in fp32 (docs/dpo.md)")  # (--sequence-parallel, MoE, --reference RUN: checked)
 
 
 def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
