@@ -292,8 +292,8 @@ def _partition(args: TrainArgs, model: ModelConfig, data: DataOptions, training:
     # (a dynamic-resolution family: its --max-patches P through the tower, 2 M + P / merge^2 + text_len)
     table = layer_table(model, freeze, data.text_len, checkpointing, lora, data.max_images,
                         data.vision_budget,  # the row's vision budget: P patches or T crops
-                        # dpo at SP 1: a sharing family's tower once a pair (runtime.feed.share_pair_images)
-                        objective_named(args.objective).pairs and max(1, args.sp) == 1)
+                        # dpo: a sharing family's tower once a pair (runtime.feed.share_pair_images)
+                        objective_named(args.objective).pairs)
     if lora is not None and not any(r.adapter_params for r in table):
         problems.append(f"--lora-targets: '{lora.targets}' matches no linear layer of the {','.join(lora.groups)} "
                         f"group(s) of {model.name}")

@@ -3,7 +3,7 @@
 Under --sp (mmpipe.model.sp_tower) the tower is split over a stage's SP ranks by whole images only where one stage holds
 its first and last layer; a cut inside it leaves it whole on every SP rank; after the merger one all-gather hands each
 rank the whole [B, P / merge^2, D] (and Qwen3-VL's DeepStack sets), so the send after the merger is whole.
-Under --objective dpo at SP 1 a sharing family's tower encodes each pair's images once (mmpipe.data.preference
+Under --objective dpo (at any SP) a sharing family's tower encodes each pair's images once (mmpipe.data.preference
 .SHARED_IMAGE_FAMILIES): the planner and the partition price its tower and projector at half a row's."""
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def _tower_heavy(tmp_path: Path) -> object:
 
 
 def test_dpo_prices_a_sharing_familys_tower_once_a_pair(tmp_path):
-    """qwen-tiny (a sharing family): the tower and projector at half a row's, the decoder unchanged; llava-next-tiny
-    (an image per side): unchanged; under --sp (each side its images) unchanged. `mmpipe plan --dpo-reference` and
+    """qwen-tiny (a sharing family): the tower and projector at half a row's, the decoder unchanged; tiny-xattn
+    (cross-attention: an image per side): unchanged; under --sp halved too. `mmpipe plan --dpo-reference` and
     train's partition then move a decoder layer onto the tower's stage (PP 2)."""
     cfg = _tower_heavy(tmp_path)
     side = layer_table(cfg, (), 238)
@@ -104,16 +104,17 @@ def test_dpo_prices_a_sharing_familys_tower_once_a_pair(tmp_path):
         tower = s.group in ("vision", "projector")
         assert p.flops == (s.flops / 2 if tower else s.flops) and p.out_elems == (s.out_elems / 2 if tower else
                                                                                  s.out_elems)
-    other = load_preset("llava-next-tiny")
+    other = load_preset("tiny-xattn")  # cross-attention: an image a side
     assert pair_image_rows(other, layer_table(other, (), 64)) == layer_table(other, (), 64)
     # predicted: the tower's stage (cut after the merger) half its forward with a reference, either kind
     merger = next(i for i, r in enumerate(side) if r.name == "QwenMerger")
     at = [predict_layout(cfg, Shape(2, 1, 8, 2, 1, 1, sp), Training("fp32", 0, H100, partition=str(merger + 1),
                                                                      reference=ref), 238)
-          for ref, sp in (("", 1), ("precomputed", 1), ("live", 1), ("live", 2))]
-    sft, pre, live, sp2 = (x.stage_rows[0]["forward_ms"] for x in at)
+          for ref, sp in (("", 1), ("precomputed", 1), ("live", 1), ("", 2), ("live", 2))]
+    sft, pre, live, sft2, sp2 = (x.stage_rows[0]["forward_ms"] for x in at)
     assert pre == pytest.approx(sft / 2, rel=1e-9) and live == pytest.approx(sft / 2, rel=1e-9)
-    assert sp2 > pre  # under --sp a pair's rows carry their own images
+    # under --sp too (the split tower deals out the pairs' images, its all-gather of half the tokens)
+    assert sp2 == pytest.approx(sft2 / 2, rel=1e-9) and sft2 != sft
     # the cut: per side the tower's stage ends inside the tower (before its merger); once a pair it holds the merger
     # and the decoder's first layer, its embedding (train's partition: layer_table(pairs=True), what
     # run_config._partition builds for a dpo run at SP 1; the blocks stay on stage 1: one more would make stage 0

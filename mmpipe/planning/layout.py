@@ -314,7 +314,7 @@ def predict_layout(cfg: ModelConfig, shape: Shape, training: Training, text_len:
     0 its default)."""
     t = training
     rows = layer_costs(cfg, t.freeze, text_len, t.checkpointing, images=images, patches=patch_row(cfg, images, budget))
-    # dpo at SP 1: a sharing family's tower once a pair (under --sp each side carries its images: plan.pair_rows)
-    rows = pair_image_rows(cfg, rows) if t.reference and shape.sp == 1 else rows
+    # dpo: a sharing family's tower once a pair, under --sp too (plan.pair_rows)
+    rows = pair_image_rows(cfg, rows) if t.reference else rows
     # at TP > 1 one TP rank's rows, at SP > 1 one SP rank's of those
     return plan_layout(sp_layer_costs(cfg, tp_layer_costs(cfg, rows, shape.tp), shape.sp, shape.tp, images), shape, t)

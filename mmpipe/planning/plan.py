@@ -155,7 +155,7 @@ def plan(spec: PlanSpec) -> list[Layout]:
     # (a TP x SP pair train refuses, SP not dividing the heads a TP rank holds, is not planned: sp_divides)
     for tp, sp in [(tp, sp) for tp in s.tps for sp in s.sps if s.gpus % (tp * sp) == 0 and sp_divides(s.cfg, tp, sp)
                    and not (sp > 1 and s.sequence_parallel)]:  # (--sequence-parallel with --sp: refused too)
-        rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, pair_rows(s, whole, sp), tp, s.sequence_parallel), sp, tp,
+        rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, pair_rows(s, whole), tp, s.sequence_parallel), sp, tp,
                               s.images)
         gpus = s.gpus // (tp * sp)
         for stages in [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= len(rows)]:
@@ -177,11 +177,11 @@ def layer_table(spec: PlanSpec) -> list:
     return s.load.mean_rows(whole) if s.load is not None else whole
 
 
-def pair_rows(spec: PlanSpec, rows: list, sp: int) -> list:
-    """--dpo-reference (a dpo run) at SP 1: a sharing family's tower once a pair (costmodel.pair_image_rows), as
-    runtime.feed.share_pair_images trains it; under --sp each side carries its images (the tower split by a row's
-    own grids), so rows unchanged there, and for any run without --dpo-reference."""
-    return pair_image_rows(spec.cfg, rows) if spec.reference and sp == 1 else rows
+def pair_rows(spec: PlanSpec, rows: list) -> list:
+    """--dpo-reference (a dpo run): a sharing family's tower once a pair (costmodel.pair_image_rows), as
+    runtime.feed.share_pair_images trains it, under --sp too (the split tower deals out the pairs' images:
+    model.sp_tower); rows unchanged for any run without --dpo-reference."""
+    return pair_image_rows(spec.cfg, rows) if spec.reference else rows
 
 
 def ds_config(layout: Layout, precision: str, zero: int, checkpointing: bool, lr: float = 1e-4) -> dict:
@@ -301,7 +301,7 @@ def fixed_first_stage(spec: PlanSpec, best: Layout | None) -> str:
     rule = family_of(s.cfg).fixed_first_stage
     if rule is None or best is None or best.stages < 2:
         return ""
-    rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, pair_rows(s, layer_table(s), best.sp), best.tp,
+    rows = sp_layer_costs(s.cfg, tp_layer_costs(s.cfg, pair_rows(s, layer_table(s)), best.tp,
                                                  s.sequence_parallel), best.sp, best.tp, s.images)
     first = rule(layer_specs(s.cfg))
     shape = Shape(best.stages - 1, best.dp, best.micro, best.gas, best.ep, best.tp, best.sp)
@@ -329,7 +329,7 @@ def v_pairs_line(spec: PlanSpec, schedule, layouts: list[Layout]) -> str:
     lay = next((x for x in layouts if x.step and DUALPIPEV.name in x.predictions and x.stages >= 2), None)
     if DUALPIPEV not in asked(schedule) or lay is None:
         return ""
-    rows, p = tp_layer_costs(s.cfg, pair_rows(s, layer_table(s), lay.sp), lay.tp, s.sequence_parallel), lay.stages
+    rows, p = tp_layer_costs(s.cfg, pair_rows(s, layer_table(s)), lay.tp, s.sequence_parallel), lay.stages
     head = f"dualpipev's V at PP={p} ({2 * p} stages, rank r holding stage r and {2 * p - 1} - r)"
     try:
         return f"{head}: {describe_pairs(rows, compute_parts(rows, 2 * p, 'balanced', v_ranks=p))}"
