@@ -73,13 +73,14 @@ def _worker(rank: int, tmp: str) -> None:
 
 def _cases(cfg) -> dict:
     """{case: (inputs, labels, segments or None)}: test_tensor_parallel's packed row (an 8 x 8-patch image in sample 1,
-    positions 0..29, cut by the SP slice at 24; a text sample 30..45; 2 padding) as a pair, an image per side (as
-    runtime.feed lays a dpo run's pairs out under --sp), its prompt unlabelled; "rows": the same pair with the row cut
+    positions 0..29, cut by the SP slice at 24; a text sample 30..45; 2 padding) as a pair, its image once (pixels
+    [1, ..]: runtime.feed's layout, under --sp too; the split tower deals out the pair's image row), its prompt
+    unlabelled; "rows": the same pair with the row cut
     to 47 positions and read as one sample a row (SP 2 pads it to 48: rank 1's last position is padding)."""
     inputs, chosen = _row(cfg)
     g = torch.Generator().manual_seed(2)
     labels = torch.cat([chosen, torch.randint(0, cfg.text.vocab_size, chosen.shape, generator=g)])
-    inputs = tuple(torch.cat([t, t]) for t in inputs)  # an image per side: under --sp a dpo run's rows carry their own
+    inputs = (inputs[0], *(torch.cat([t, t]) for t in inputs[1:]))  # the pair's image once (sp_tower's pairs)
     segments = inputs[3]
     labels[:, :20] = IGNORE_INDEX  # the first sample's image and prompt
     labels[segments == 0] = IGNORE_INDEX
