@@ -449,7 +449,7 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
     and value heads: each rank runs H/N of them after the all-to-all; a row's positions are padded to a multiple of N),
     and only where it was checked: fp32 at ZeRO 0 or 1, bf16 at ZeRO 0 or 1 with fp32 gradient accumulation
     (DeepSpeed's BF16_Optimizer either way: the SP sum acts on its buffers), 1F1B, zb-h1 in fp32 on a dense model with
-    SFT and without --tp (tests/test_sp_zero_bubble.py), SFT and dpo (an objective with an SP
+    SFT (tests/test_sp_zero_bubble.py; with --tp by hand), SFT and dpo (an objective with an SP
     form: Objective.split_sequence), validation, --init-from (tests/test_sp_objectives.py; --resume, at this or
     another SP, MoE with --ep, --tp, LoRA (its dropout on the text: each rank's slice of the mask) and activation
     checkpointing are checked). With --tp T the
@@ -494,13 +494,12 @@ def _check_sp(args: TrainArgs, model, setup: tuple, problems: Problems) -> None:
          and _grad_accum_dtype(ds) not in ("fp32", "float32", "float")),
         # the experts' norm under BF16_Optimizer goes over each SP coordinate's EP group: not checked
         (f"--ep {args.ep} in bf16", args.ep > 1 and precision == "bf16"),
-        # zb-h1's deferred weight gradients under SP: checked in fp32 on dense models with SFT, without --tp
+        # zb-h1's deferred weight gradients under SP: checked in fp32 on dense models with SFT (and --tp by hand)
         (f"schedule {schedule}", not schedule.split_backward and schedule.name != BASELINE.name),
         (f"schedule {schedule} in {precision}", schedule.split_backward and precision != "fp32"),
         (f"schedule {schedule} on an MoE model", schedule.split_backward and family.experts(model) is not None),
         (f"schedule {schedule} and --objective {args.objective}",
-         schedule.split_backward and objective_named(args.objective).name != TOKENS.name),
-        (f"schedule {schedule} and --tp {args.tp}", schedule.split_backward and tp > 1)) if on]
+         schedule.split_backward and objective_named(args.objective).name != TOKENS.name)) if on]
     if unchecked:
         problems.append(f"--sp: {sp} with {', '.join(unchecked)} is not supported yet (--sp trains fp32 at ZeRO 0 / "
                         f"1, bf16 at ZeRO 0, or 1 with \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}}, 1F1B, "

@@ -13,8 +13,8 @@ under Ulysses --sp 2, in process on 2 forked gloo ranks of one SP group (issue 5
 - bf16 at ZeRO 1: DeepSpeed 0.19.8 builds its BF16_Optimizer there only with fp32 gradient accumulation
   (data_types.grad_accum_dtype fp32; engine._do_optimizer_sanity_check), the same optimizer as bf16 at ZeRO 0 with
   fp32 accumulation buffers: test_sp_objectives' bf16 check run with that optimizer, judged as it judges ZeRO 0.
-- The front door takes zb-h1 in fp32 and bf16 at ZeRO 1 with fp32 accumulation under --sp 2, and refuses in one line
-  each what was not checked (zb-h1 in bf16, zb-h1 with --tp, bf16 at ZeRO 1 accumulating in bf16)."""
+- The front door takes zb-h1 in fp32 (with --tp 2 too) and bf16 at ZeRO 1 with fp32 accumulation under --sp 2, and
+  refuses in one line each what was not checked (zb-h1 in bf16, bf16 at ZeRO 1 accumulating in bf16)."""
 from __future__ import annotations
 
 import dataclasses
@@ -188,17 +188,17 @@ def test_bf16_at_zero1_sp_sum_acts_on_the_bf16_optimizer_buffers(two_ranks):
 
 
 def test_the_front_door_takes_zb_h1_and_bf16_zero1_under_sp(tmp_path, capsys):
-    """--sp 2 --schedule zb-h1 (fp32) and bf16 at ZeRO 1 with fp32 accumulation resolve; zb-h1 in bf16, zb-h1 with --tp
+    """--sp 2 --schedule zb-h1 (fp32, with --tp 2 too) and bf16 at ZeRO 1 with fp32 accumulation resolve; zb-h1 in bf16
     and bf16 at ZeRO 1 accumulating in bf16 are refused in one line each (exit 2)."""
     argv = ["--preset", "qwen-tiny", "--stages", "2", "--sp", "2", "--steps", "1"]
-    run = resolve(TrainArgs.from_argv([*argv, "--schedule", "zb-h1"]), world_size=4)
-    assert (run.sp, run.schedule.name) == (2, "zb-h1")
+    for tp in (1, 2):
+        run = resolve(TrainArgs.from_argv([*argv, "--schedule", "zb-h1", "--tp", str(tp)]), world_size=4 * tp)
+        assert (run.sp, run.tp, run.schedule.name) == (2, tp, "zb-h1")
     ds = json.loads(open("ds_configs/zero1_bf16.json").read())
     (tmp_path / "fp32acc.json").write_text(json.dumps({**ds, "data_types": {"grad_accum_dtype": "fp32"}}))
     run = resolve(TrainArgs.from_argv([*argv, "--ds-config", str(tmp_path / "fp32acc.json")]), world_size=4)
     assert (run.sp, run.precision, run.zero_stage) == (2, "bf16", 1)
     for extra, what in ((["--ds-config", "ds_configs/cpu_bf16.json", "--schedule", "zb-h1"], "schedule zb-h1 in bf16"),
-                        (["--tp", "2", "--schedule", "zb-h1"], "schedule zb-h1 and --tp 2"),
                         (["--ds-config", "ds_configs/zero1_bf16.json"], "bf16 at ZeRO 1")):
         lines = refused([*argv, *extra], capsys)
         assert sum(f"--sp: 2 with {what} is not supported yet" in line for line in lines) == 1, lines
