@@ -95,8 +95,8 @@ def _tower_heavy(tmp_path: Path) -> object:
 
 def test_dpo_prices_a_sharing_familys_tower_once_a_pair(tmp_path):
     """qwen-tiny (a sharing family): the tower and projector at half a row's, the decoder unchanged; tiny-xattn
-    (cross-attention: an image per side): unchanged; under --sp halved too. `mmpipe plan --dpo-reference` and
-    train's partition then move a decoder layer onto the tower's stage (PP 2)."""
+    (cross-attention): its tower halved, its cross-attention blocks not; under --sp halved too. `mmpipe plan
+    --dpo-reference` and train's partition then move a decoder layer onto the tower's stage (PP 2)."""
     cfg = _tower_heavy(tmp_path)
     side = layer_table(cfg, (), 238)
     pair = pair_image_rows(cfg, side)
@@ -104,8 +104,11 @@ def test_dpo_prices_a_sharing_familys_tower_once_a_pair(tmp_path):
         tower = s.group in ("vision", "projector")
         assert p.flops == (s.flops / 2 if tower else s.flops) and p.out_elems == (s.out_elems / 2 if tower else
                                                                                  s.out_elems)
-    other = load_preset("tiny-xattn")  # cross-attention: an image a side
-    assert pair_image_rows(other, layer_table(other, (), 64)) == layer_table(other, (), 64)
+    other = load_preset("tiny-xattn")  # cross-attention: its blocks' queries are every row's text, not halved
+    xattn = layer_table(other, (), 64)
+    assert [p.flops for p in pair_image_rows(other, xattn)] == [
+        s.flops / 2 if s.group in ("vision", "projector") and s.name != "CrossAttnBlock" else s.flops for s in xattn]
+    assert any(s.name == "CrossAttnBlock" for s in xattn)
     # predicted: the tower's stage (cut after the merger) half its forward with a reference, either kind
     merger = next(i for i, r in enumerate(side) if r.name == "QwenMerger")
     at = [predict_layout(cfg, Shape(2, 1, 8, 2, 1, 1, sp), Training("fp32", 0, H100, partition=str(merger + 1),

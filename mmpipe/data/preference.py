@@ -160,15 +160,16 @@ class PairedSamples(IndexedSamples):
 
 # The families whose tower encodes a pair's images once (docs/dpo.md, "The image once per pair"): their tower works on
 # each image (or each row's patches) alone and one layer places its output on the image positions, which reads
-# slot (2i + s, m)'s features from image (i, m) (mmpipe.model.rows.slot_images). The others keep an image per side:
-# the cross-attention fusion carries the projected image to every cross-attention layer as a stage field (each would
-# index it; not built). LLaVA-NeXT / OneVision and InternVL lay out a row's crops by its own tiling in the projector,
-# which reads row b's crops from its pair's chosen row (the tower's entry marks the case: rows.mark_pair_rows).
+# slot (2i + s, m)'s features from image (i, m) (mmpipe.model.rows.slot_images). The cross-attention fusion carries
+# the projected images [B / 2 x M, ..] to every cross-attention layer as a stage field, each computing their keys /
+# values once and row b reading its pair's (cross_attention.CrossAttnBlock). LLaVA-NeXT / OneVision and InternVL lay
+# out a row's crops by its own tiling in the projector, which reads row b's crops from its pair's chosen row (the
+# tower's entry marks the case: rows.mark_pair_rows).
 # Gemma 4's patch lists (max_soft_tokens) read the tower's rows' grids (rows.tower_rows in gemma4.image_patches and
 # its pooling), its fixed squares are LLaVA's case.
 SHARED_IMAGE_FAMILIES = {("llava", "prefix"), ("moondream", "prefix"), ("qwen2_vl", "prefix"),
                          ("qwen3_vl", "prefix"), ("qwen3_5", "prefix"), ("gemma3", "prefix"), ("gemma4", "prefix"),
-                         ("llava_next", "prefix"), ("internvl", "prefix")}
+                         ("llava_next", "prefix"), ("internvl", "prefix"), ("moondream", "cross_attention")}
 
 
 def shares_images(cfg) -> bool:

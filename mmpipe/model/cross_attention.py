@@ -34,6 +34,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import GeluMLP
 from .layers import DecoderBlock, LMHead, TextEmbed, vision_specs
+from .rows import slot_images
 from .stage import StageTuple, unpack_in, unpack_out
 
 
@@ -102,7 +103,9 @@ class CrossAttnBlock(nn.Module):
 
     def forward(self, args):
         t = unpack_in(self, args)
-        x = self.fuse(t, self.attn.image_kv(t.vision, t.hidden.shape[0]))
+        rows = t.vision.shape[0] // t.has_image.shape[1]  # B, or B / 2: dpo's pairs sharing their images
+        kv = self.attn.image_kv(t.vision, rows)  # each pair's images' keys / values once, row b reads its pair's
+        x = self.fuse(t, tuple(a[slot_images(t.hidden.shape[0], 1, rows, a.device)] for a in kv))
         return t._replace(hidden=x, vision=None if self.last else t.vision).pack()
 
     def decode(self, t: StageTuple, cache: dict, start: int) -> StageTuple:

@@ -224,7 +224,7 @@ def pair_image_rows(cfg: ModelConfig, rows: list[LayerCost]) -> list[LayerCost]:
 
     def half(r: LayerCost) -> LayerCost:
         sets = (r.carried_elems - r.carried_fp32_elems) / 2 + r.carried_fp32_elems
-        if r.group not in ("vision", "projector"):
+        if r.group not in ("vision", "projector") or r.name == "CrossAttnBlock":  # its queries: every row's text
             return dataclasses.replace(r, carried_elems=sets)
         return dataclasses.replace(r, fwd_flops=r.fwd_flops / 2, bwd_flops=r.bwd_flops / 2, w_flops=r.w_flops / 2,
                                    act_elems=r.act_elems / 2, act_fp32_elems=r.act_fp32_elems / 2,
