@@ -85,11 +85,11 @@ class VisionEmbed(nn.Module):
     """Conv patch embedding (+ class token and pre-LayerNorm for CLIP) + learned positions."""
     group = "vision"
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, crop_rows: bool = False):
         super().__init__()
         v = cfg.vision
         self.clip = v.kind == "clip"
-        self.crop_rows = cfg.family == "llava_next"  # its projector lays out each row's crops (rows.mark_pair_rows)
+        self.crop_rows = crop_rows  # LLaVA-NeXT's: its projector lays out each row's crops (rows.mark_pair_rows)
         self.patch_embedding = nn.Conv2d(v.channels, v.dim, v.patch_size, v.patch_size, bias=not self.clip)
         self.position_embedding = nn.Embedding(v.n_positions, v.dim)
         if self.clip:

@@ -223,5 +223,5 @@ class AnyresEmbed(LlavaEmbed):
 
 
 def llava_next_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    return ([LayerSpec(VisionEmbed, cfg)] + [LayerSpec(TowerBlock, cfg) for _ in range(cfg.vision.n_blocks_used)]
+    return ([LayerSpec(VisionEmbed, cfg, True)] + [LayerSpec(TowerBlock, cfg) for _ in range(cfg.vision.n_blocks_used)]
             + [LayerSpec(AnyresProjector, cfg)] + decoder_specs(cfg, AnyresEmbed))

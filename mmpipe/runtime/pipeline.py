@@ -26,6 +26,19 @@ def _has(fields, name: str) -> bool:
     return any(f.name == name for f in fields)
 
 
+def rank_objective(engine, run):
+    """The objective's form this rank's loss, validation sum and reference record take: under --sp its SP form (each
+    SP rank's slice of the row; under --tp too, the head's tiles carrying the TP shard), under --tp alone its
+    vocab-parallel form over the last stage's 1/TP of the logits (every TP rank gets the same sums), else the record
+    itself (mmpipe.model.objectives.Objective.split_sequence / split_vocab)."""
+    if getattr(run, "sp", 1) > 1:  # (a test's stand-in run may not say)
+        return run.objective.split_sequence(engine.module._sp_shard())
+    if run.tp == 1:
+        return run.objective
+    shard = Shard(engine.grid.get_slice_parallel_group(), engine.grid.get_slice_parallel_rank(), run.tp)
+    return run.objective.split_vocab(shard, run.model.text.vocab_size)
+
+
 class VLMPipeline(PipelineModule):
     """PipelineModule with explicit stage bounds: DeepSpeed's 'profile' is unimplemented and its
     'parameters' ignores frozen layers, so `_partition_layers` (the hook DeepSpeed calls during

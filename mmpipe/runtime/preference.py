@@ -32,6 +32,7 @@ from ..model.builder import ReferenceModel
 from ..model.dpo import dpo_labels
 from ..model.lora import is_adapter, load_base, lora_layers
 from .checkpoint import load_reference
+from .pipeline import rank_objective
 
 
 class LiveReference:
@@ -109,17 +110,11 @@ class LiveReference:
 
 
 def _row_logps(engine, run):
-    """The reference pass's record of each row's answer log-prob: under --tp the objective's vocab-parallel form, on
-    the last stage's 1/TP of the vocabulary (every TP rank records the same sums; the copies above are this rank's
-    slices of the stage's layers, split as the policy's). Under --sp its SP form: each SP rank sums its slice's share
-    of every sample's log-prob (the tiled cross-entropy), all-reduced over SP: every SP rank records the whole sums."""
-    if getattr(run, "sp", 1) > 1:  # (a test's stand-in run may not say)
-        return run.objective.split_sequence(engine.module._sp_shard()).row_logps
-    if run.tp == 1:
-        return run.objective.row_logps
-    from ..model.tensor_parallel import Shard
-    shard = Shard(engine.grid.get_slice_parallel_group(), engine.grid.get_slice_parallel_rank(), run.tp)
-    return run.objective.split_vocab(shard, run.model.text.vocab_size).row_logps
+    """The reference pass's record of each row's answer log-prob, in the form this rank's loss takes
+    (pipeline.rank_objective: under --tp on the last stage's 1/TP of the vocabulary, the copies above being this
+    rank's slices of the stage's layers, split as the policy's; under --sp each SP rank's slice's share of every
+    sample's log-prob, all-reduced over SP): every TP and SP rank records the whole sums."""
+    return rank_objective(engine, run).row_logps
 
 
 def reference_rows(ref_model, inputs, labels, objective, packed: bool = False):

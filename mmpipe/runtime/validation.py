@@ -32,6 +32,7 @@ from ..data.batches import StepBatches, rank_batches
 from ..data.samples import EvalSet
 from ..run_config import RunConfig
 from .feed import run_dataset
+from .pipeline import rank_objective
 
 EVAL_FIELDS = ["step", "eval_loss", "eval_samples", "eval_tokens", "elapsed_s"]
 
@@ -97,15 +98,8 @@ class Validator:
 
 
 def _eval_sum(engine, run: RunConfig):
-    """The objective's validation sum; under --tp its vocab-parallel form over the last stage's 1/TP of the logits,
-    as the pipeline's training loss (mmpipe.runtime.pipeline, _split_tensors): every TP rank returns the same sum.
-    Under --sp (with or without --tp: the head's tiles carry the TP shard) its SP form: each SP rank's sum over its
-    slice's positions (the tiled cross-entropy; dpo: each sample's log-prob share), summed over the SP group, so
-    every SP rank returns the whole row's sum and eval_batch's DP average (per (pipe, seq, model)) is as at SP 1."""
-    if getattr(run, "sp", 1) > 1:  # (a test's stand-in run may not say)
-        return run.objective.split_sequence(engine.module._sp_shard()).eval_sum
-    if run.tp == 1:
-        return run.objective.eval_sum
-    from ..model.tensor_parallel import Shard
-    shard = Shard(engine.grid.get_slice_parallel_group(), engine.grid.get_slice_parallel_rank(), run.tp)
-    return run.objective.split_vocab(shard, run.model.text.vocab_size).eval_sum
+    """The objective's validation sum in the form the pipeline's training loss takes (pipeline.rank_objective): under
+    --tp over the last stage's 1/TP of the logits, every TP rank returning the same sum; under --sp (with or without
+    --tp) each SP rank's sum over its slice's positions (dpo: each sample's log-prob share), summed over the SP group,
+    so every SP rank returns the whole row's sum and eval_batch's DP average (per (pipe, seq, model)) is as at SP 1."""
+    return rank_objective(engine, run).eval_sum
