@@ -15,14 +15,12 @@ global norm: the losses, the aux losses and the weights gathered over TP and EP 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import train_run, write_ds_config
+from forked_ranks import forked
 from mmpipe.config import load_preset
 from mmpipe.model.tensor_parallel import Shard
 from mmpipe.run_args import TrainArgs
@@ -49,25 +47,12 @@ def _write_models(root) -> dict[str, str]:
     return paths
 
 
-def _rank(rank: int, tmp: str, paths: dict) -> None:
-    from deepspeed.comm import comm as ds_comm
-    from deepspeed.comm.torch import TorchBackend
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
-    ds_comm.cdb = TorchBackend("gloo", ds_comm.default_pg_timeout, None)  # the vocab-parallel loss's collectives
-    diffs = {name: _family_check(Shard(dist.group.WORLD, rank, 2), path) for name, path in paths.items()}
-    if rank == 0:
-        with open(f"{tmp}/diffs.json", "w") as f:
-            json.dump(diffs, f)
-    dist.barrier()
-    os._exit(0)  # test_tensor_parallel's worker: leave without destructors (gloo's SIGABRT at exit)
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("tp_moe")
-    mp.start_processes(_rank, args=(str(tmp), _write_models(tmp)), nprocs=2, start_method="fork")
-    return json.loads((tmp / "diffs.json").read_text())
+    paths = _write_models(tmp)
+    return forked(tmp, lambda rank: {name: _family_check(Shard(dist.group.WORLD, rank, 2), path)
+                                     for name, path in paths.items()})[0]
 
 
 # (model, a sparse block of it, tol): measured in fp32, the largest gathered gradient's difference relative to its

@@ -11,15 +11,13 @@ weights have no gradient before their W."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import refused
+from forked_ranks import forked
 from mmpipe.config import load_preset
 from mmpipe.model import tensor_parallel
 from mmpipe.model.builder import ReferenceModel, lm_loss
@@ -126,26 +124,15 @@ def _check(shard: Shard, preset: str) -> dict:
     return out
 
 
-def _rank(rank: int, tmp: str) -> None:
-    from deepspeed.comm import comm as ds_comm
-    from deepspeed.comm.torch import TorchBackend
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
-    ds_comm.cdb = TorchBackend("gloo", ds_comm.default_pg_timeout, None)  # the vocab-parallel loss's collectives
+def _checks(rank: int) -> dict:
     shard = Shard(dist.group.WORLD, rank, 2)
-    diffs = {f"{preset}{' sp' if sp else ''}": _check(dataclasses.replace(shard, sequence=sp), preset)
-             for preset in PRESETS for sp in (False, True)}
-    with open(f"{tmp}/diffs{rank}.json", "w") as f:
-        json.dump(diffs, f)
-    dist.barrier()
-    os._exit(0)  # test_tensor_parallel's worker: leave without destructors (gloo's SIGABRT at exit)
+    return {f"{preset}{' sp' if sp else ''}": _check(dataclasses.replace(shard, sequence=sp), preset)
+            for preset in PRESETS for sp in (False, True)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("tp_zb")
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=2, start_method="fork")
-    return {r: json.loads((tmp / f"diffs{r}.json").read_text()) for r in range(2)}
+    return dict(enumerate(forked(tmp_path_factory.mktemp("tp_zb"), _checks)))
 
 
 @pytest.mark.parametrize("run", [f"{p}{sp}" for p in PRESETS for sp in ("", " sp")])
