@@ -155,7 +155,8 @@ class Projector(nn.Module):
         t = unpack_in(self, args)
         x = t.hidden  # [B, N_img, D_vision]; multi-crop [B x slots, N_img, D_vision]
         if t.tiling is not None:  # [B (x M), slots, N_img, D_vision] -> [B (x M), N_img, 2 D_vision]
-            rows = x.shape[0] // (self.slots * t.tiling.shape[1])  # B, or B / 2 for dpo's pairs (rows.pair_rows)
+            per_row = t.tiling.numel() // (2 * t.tiling.shape[0])  # tiling [B, 2] (an image a row) or [B, M, 2]
+            rows = x.shape[0] // (self.slots * per_row)  # B, or B / 2 for dpo's pairs (rows.pair_rows)
             tiling = pair_rows(t.tiling, rows).reshape(-1, 2)
             x = merge_crop_features(x.view(-1, self.slots, *x.shape[1:]), tiling, self.margin)
             t = t._replace(tiling=None)  # no stage after this one needs it
