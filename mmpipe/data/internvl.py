@@ -13,7 +13,7 @@ A row's crop budget T (--max-tiles) bounds a sample's crops: a sample whose imag
 `too_many_tiles` (an image is never cut down to fit). Default T: room for any sample of --max-images M images at
 their cap, M x (max_tiles + 1), e.g. InternVL3.5 at M = 1: 13 crops, 13 x 256 + 2 = 3330 image positions; where M
 such images and --text-len overflow the context, the crops it holds (InternTileRule.context_tiles); under --pack
-without --max-images, for the M slots the data gives (InternTiles.packed_budget). A row's image
+without --max-images, for the most slots the context holds (mmpipe.data.dataset.context_slots). A row's image
 positions are what T crops and M images can take, 256 x min(T, M x 13) + 2 M (row_positions): a clip's frames, one
 crop each, are sized as that crop, not at an image's cap.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from . import video
 from .anyres import SampleCrops
 from .blocks import TileBlocks
@@ -200,20 +200,6 @@ class InternTiles(Tiles):
         if text_len is None:
             return budget
         return intern_rule(cfg, 0, max_images).context_tiles(max_images, text_len, cfg.text.max_context)
-
-    def packed_budget(self, cfg: ModelConfig, slots: int, text_len: int) -> int:
-        """--pack without --max-images (mmpipe.data.dataset.packed_image_slots): T for the M slots the data gives,
-        fitted to the context at --text-len as --max-images M's default is (context_budget); a row the context cannot
-        hold even at one crop an image is refused in one line, as row_text_len refuses it for a given M. E.g.
-        internvl-tiny (context 512, 4 positions a crop) at --text-len 200: M = 23 slots, T = 23 x 5 = 115 crops made
-        a row of 706 positions; fitted, (512 - 200 - 46) // 4 = 66 crops, 510."""
-        budget = self.context_budget(cfg, 0, slots, text_len)
-        if self.sample_positions(cfg, slots, budget) + text_len > cfg.text.max_context:
-            least = slots * (intern_rule(cfg, 0, slots).per_crop + 2)  # a crop and its brackets an image
-            raise ConfigError(f"--pack: the data gives each row {slots} image slots (--max-images not given), at least "
-                              f"{least} image positions (one crop each); with --text-len {text_len} over "
-                              f"text.max_context {cfg.text.max_context}: give a smaller --text-len or --max-images")
-        return budget
 
     def sample_positions(self, cfg: ModelConfig, max_images: int, budget: int) -> int:
         return intern_rule(cfg, budget, max_images).row_positions(max_images)
