@@ -29,3 +29,19 @@ def forked(tmp, work, world: int = 2) -> list:
     their results in rank order. A rank that raises leaves no file, and the read below names it."""
     mp.start_processes(_rank, args=(world, str(tmp), work), nprocs=world, start_method="fork")
     return [json.loads((tmp / f"out{r}.json").read_text()) for r in range(world)]
+
+
+def check_rank(rank: int, world: int, tmp: str, argv: list[str]):
+    """A forked rank of `mmpipe check`'s in-process tests, set up as the launcher sets a rank up (its environment, one
+    thread, the gloo group, DeepSpeed's communication) with the run resolved from argv: (args, run)."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+
+    from mmpipe.run_args import TrainArgs
+    from mmpipe.run_config import resolve
+    from mmpipe.runtime import trainer
+    trainer.setup_torch()  # one thread before any op: a forked child must not enter the parent's OpenMP pool
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    deepspeed.init_distributed()
+    args = TrainArgs.from_argv(argv)
+    return args, resolve(args, world_size=world)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import write_ds_config
+from forked_ranks import check_rank
 from mmpipe.check import links
 from mmpipe.check.loader import planner_device
 from mmpipe.data.dataset import prepare
@@ -34,16 +35,9 @@ def _links_worker(rank: int, tmp: str, argv: list[str]) -> None:
     """SP rank `rank` of a PP=1 x SP=2 run (forked, gloo): `mmpipe check`'s link measurement and its equivalence, then
     the equivalence again with the once-a-step gradient sum over SP planted out (each rank steps on its positions'
     share); rank 0 writes the rows and both verdicts."""
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    import deepspeed
-
     from mmpipe.check import equivalence
-    from mmpipe.runtime import pipeline, trainer
-    trainer.setup_torch()  # one thread before any op: a forked child must not enter the parent's OpenMP pool
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
-    deepspeed.init_distributed()
-    args = TrainArgs.from_argv(argv)
-    run = resolve(args, world_size=2)
+    from mmpipe.runtime import pipeline
+    args, run = check_rank(rank, 2, tmp, argv)
     rows = links.measure(run)
     good = equivalence.check(run, args, rank, torch.device("cpu"))
     pipeline.sum_gradients_at_step = lambda engine, shard: None  # this child's module: no undo

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from deepspeed.pipe import TiedLayerSpec
 
 from conftest import write_ds_config
+from forked_ranks import check_rank
 from mmpipe.check import links
 from mmpipe.check.loader import planner_device as loader_device
 from mmpipe.cli import main
@@ -255,16 +256,9 @@ def _links_worker(rank: int, tmp: str, argv: list[str]) -> None:
     """Rank `rank` of a PP=2 x TP=2 run's 4 (forked, gloo): `mmpipe check`'s link measurement and its equivalence
     (collective), then the equivalence again with the TP entry's backward all-reduce planted out (copy_to_tp's: each
     rank's input gradient its own heads' share); rank 0 writes the rows and both verdicts."""
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4")
-    import deepspeed
-
     from mmpipe.check import equivalence
     from mmpipe.model import tensor_parallel
-    trainer.setup_torch()  # one thread before any op: a forked child must not enter the parent's OpenMP pool
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=4)
-    deepspeed.init_distributed()
-    args = TrainArgs.from_argv(argv)
-    run = resolve(args, world_size=4)
+    args, run = check_rank(rank, 4, tmp, argv)
     rows = links.measure(run)
     good = equivalence.check(run, args, rank, torch.device("cpu"))
     tensor_parallel._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))  # this child's class: no undo
